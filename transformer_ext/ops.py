@@ -1,0 +1,194 @@
+"""Typed Python wrappers of the compiled ``transformer_ext`` ops.
+
+This is the only module that touches ``torch.ops.transformer_ext``. Each op has a fake
+(meta) kernel so that ``torch.library.opcheck``, ``torch.compile(fullgraph=True)`` and the
+ONNX exporter can trace it, and ``masked_softmax`` has an autograd formula backed by its
+own backward kernel. The semantics are those of :mod:`transformer_ext.reference`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:
+    from . import _C  # noqa: F401  (loading the library registers the ops)
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "transformer_ext._C, the compiled op library, could not be loaded "
+        f"({exc}). Build it first: `pip install --no-build-isolation -e .` or "
+        "`python setup.py build_ext --inplace` from the repository root (see README.md)."
+    ) from exc
+
+_ops = torch.ops.transformer_ext
+
+__all__ = [
+    "masked_softmax",
+    "decode_attention",
+    "kv_cache_append_",
+    "kv_cache_reorder_",
+    "cuda_kernels_built",
+]
+
+
+def cuda_kernels_built() -> bool:
+    """True when the library was compiled with its CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        "transformer_ext::masked_softmax", "CUDA"
+    )
+
+
+def masked_softmax(
+    scores: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    scale: float = 1.0,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Softmax of ``scale * scores`` over the keys each query may attend to.
+
+    Args:
+        scores: ``[B, H, Q, K]`` float32, float16 or bfloat16.
+        mask: optional bool tensor broadcastable to ``scores``; True = may attend
+            (e.g. a padding mask ``[B, 1, 1, K]``).
+        scale: multiplier applied to the scores before the softmax (``1/sqrt(d_k)``).
+        causal: query ``i`` sees key ``j`` iff ``j <= i + (K - Q)`` (bottom-right aligned).
+
+    Returns:
+        Probabilities of the shape and dtype of ``scores``, computed in float32. A row with
+        no allowed key is all zeros, never NaN. Differentiable with respect to ``scores``.
+    """
+    return _ops.masked_softmax(scores, mask, float(scale), bool(causal))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Fused single-query attention over a cache prefix.
+
+    Row ``b`` attends to keys ``0 .. lengths[b]-1`` of ``k_cache``/``v_cache`` and, when given,
+    to the one extra key/value ``k_new``/``v_new`` (the new token itself).
+
+    Args:
+        q: ``[B, H, 1, D]``.
+        k_cache, v_cache: ``[B, H, L, D]``, the dtype and device of ``q``.
+        lengths: int64 ``[B]``, ``0 <= lengths[b] <= L``. On CUDA, values outside that range
+            are clamped on the device (checking them would force a host sync).
+        scale: score multiplier (``1/sqrt(D)``).
+        k_new, v_new: optional ``[B, H, 1, D]``, given together.
+
+    Returns:
+        ``[B, H, 1, D]`` in the dtype of ``q``; zeros for a row with no key.
+    """
+    return _ops.decode_attention(q, k_cache, v_cache, lengths, float(scale), k_new, v_new)
+
+
+def kv_cache_append_(
+    cache: torch.Tensor,
+    update: torch.Tensor,
+    positions: torch.Tensor,
+    error_flag: Optional[torch.Tensor] = None,
+) -> None:
+    """Write ``update[b]`` into ``cache[b, :, positions[b] : positions[b] + T]`` in place.
+
+    Args:
+        cache: ``[B, H, L, D]``, written in place.
+        update: ``[B, H, T, D]``, same dtype and device.
+        positions: int64 ``[B]``; a negative position skips the row (finished or padding).
+        error_flag: optional int32 tensor with one element on the cache's device.
+
+    A row with ``positions[b] + T > L`` is never written. Without ``error_flag`` the op raises
+    before writing anything (on CUDA this reads ``positions`` on the host: one sync). With
+    ``error_flag`` on CUDA, such rows are skipped on the device and ``error_flag`` is set to 1,
+    with no sync; the caller checks the flag when it synchronises anyway (e.g. at the end of a
+    decode). On CPU the op always raises.
+    """
+    _ops.kv_cache_append_(cache, update, positions, error_flag)
+
+
+def kv_cache_reorder_(cache: torch.Tensor, index: torch.Tensor, length: int) -> None:
+    """In place ``cache[b, :, :length] = old_cache[index[b], :, :length]`` (beam search).
+
+    Args:
+        cache: ``[B, H, L, D]``, written in place; entries at or past ``length`` are untouched.
+        index: int64 ``[B]`` with values in ``[0, B)``; repeats are allowed.
+        length: number of valid positions to move, ``0 <= length <= L``.
+    """
+    _ops.kv_cache_reorder_(cache, index, int(length))
+
+
+# ---------------------------------------------------------------------------------------
+# Fake kernels: shapes and dtypes only, the same argument checks as the C++ prologues
+# where they are shape-level.
+# ---------------------------------------------------------------------------------------
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise RuntimeError(msg)
+
+
+@torch.library.register_fake("transformer_ext::masked_softmax")
+def _masked_softmax_fake(scores, mask, scale, causal):
+    _check(scores.dim() == 4, f"scores must have 4 dimensions, got shape {tuple(scores.shape)}")
+    if mask is not None:
+        _check(mask.dtype == torch.bool, f"mask must be torch.bool, got {mask.dtype}")
+    return torch.empty_like(scores)
+
+
+@torch.library.register_fake("transformer_ext::masked_softmax_backward")
+def _masked_softmax_backward_fake(grad_probs, probs, scale):
+    return torch.empty_like(probs)
+
+
+@torch.library.register_fake("transformer_ext::decode_attention")
+def _decode_attention_fake(q, k_cache, v_cache, lengths, scale, k_new=None, v_new=None):
+    _check(q.dim() == 4 and q.shape[2] == 1, f"q must be [B, H, 1, D], got {tuple(q.shape)}")
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("transformer_ext::kv_cache_append_")
+def _kv_cache_append__fake(cache, update, positions, error_flag=None):
+    _check(cache.dim() == 4 and update.dim() == 4, "cache and update must have 4 dimensions")
+    _check(positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}")
+    return None
+
+
+@torch.library.register_fake("transformer_ext::kv_cache_reorder_")
+def _kv_cache_reorder__fake(cache, index, length):
+    _check(cache.dim() == 4, "cache must have 4 dimensions")
+    _check(index.dtype == torch.int64, f"index must be int64, got {index.dtype}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Autograd: masked_softmax differentiates through its own backward kernel.
+# ---------------------------------------------------------------------------------------
+
+
+def _masked_softmax_setup_context(ctx, inputs, output):
+    _scores, _mask, scale, _causal = inputs
+    ctx.scale = scale
+    ctx.save_for_backward(output)
+
+
+def _masked_softmax_backward(ctx, grad_probs):
+    (probs,) = ctx.saved_tensors
+    grad_scores = _ops.masked_softmax_backward(grad_probs.contiguous(), probs, ctx.scale)
+    return grad_scores, None, None, None
+
+
+torch.library.register_autograd(
+    "transformer_ext::masked_softmax",
+    _masked_softmax_backward,
+    setup_context=_masked_softmax_setup_context,
+)

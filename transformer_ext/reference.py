@@ -1,0 +1,129 @@
+"""Pure-PyTorch twins of the compiled ops, with exactly the semantics of DESIGN.md section 2.
+
+These are the oracles the tests compare the kernels against, and they are written to be
+obviously right rather than fast: every computation is spelled out with standard tensor
+operations and float32 (or wider) arithmetic. Functions ending in ``_`` write in place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "causal_mask",
+    "masked_softmax",
+    "masked_softmax_backward",
+    "decode_attention",
+    "kv_cache_append_",
+    "kv_cache_reorder_",
+]
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool ``[q_len, k_len]``: query ``i`` may see key ``j`` iff ``j <= i + (k_len - q_len)``.
+
+    The diagonal is aligned bottom-right, so the last query sees every key.
+    """
+    i = torch.arange(q_len, device=device).unsqueeze(1)
+    j = torch.arange(k_len, device=device).unsqueeze(0)
+    return j <= i + (k_len - q_len)
+
+
+def masked_softmax(
+    scores: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    scale: float = 1.0,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Softmax of ``scale * scores`` over allowed keys; rows without an allowed key are zeros.
+
+    ``scores`` is ``[B, H, Q, K]``; ``mask`` is bool and broadcastable to it (True = attend).
+    The math runs in float32 (float64 stays float64) and the result has the input dtype.
+    """
+    compute = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    x = scores.to(compute) * scale
+    allowed = torch.ones_like(x, dtype=torch.bool)
+    if mask is not None:
+        allowed = allowed & mask
+    if causal:
+        allowed = allowed & causal_mask(x.shape[-2], x.shape[-1], device=x.device)
+    x = x.masked_fill(~allowed, float("-inf"))
+    row_max = x.amax(dim=-1, keepdim=True)
+    # A fully masked row has max -inf; shift by 0 there so exp gives exact zeros, not NaN.
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    e = torch.exp(x - row_max)
+    denom = e.sum(dim=-1, keepdim=True)
+    probs = torch.where(denom > 0, e / denom.clamp_min(torch.finfo(compute).tiny), 0.0)
+    return probs.to(scores.dtype)
+
+
+def masked_softmax_backward(grad_probs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    """``d scores = scale * p * (g - sum(g * p))``; masked keys have ``p = 0`` and get no gradient."""
+    compute = torch.float64 if probs.dtype == torch.float64 else torch.float32
+    g = grad_probs.to(compute)
+    p = probs.to(compute)
+    dot = (g * p).sum(dim=-1, keepdim=True)
+    return (scale * p * (g - dot)).to(probs.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One query per row attends to ``cache[b, :, :lengths[b]]`` and, if given, ``k_new``/``v_new``.
+
+    ``q``, ``k_new``, ``v_new`` are ``[B, H, 1, D]``, caches ``[B, H, L, D]``, ``lengths`` int64
+    ``[B]``. Cache entries at or beyond ``lengths[b]`` get exactly zero weight. A row with no key
+    at all is zeros. Returns ``[B, H, 1, D]`` in the dtype of ``q``.
+    """
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf = q.to(compute), k_cache.to(compute), v_cache.to(compute)
+    L = k_cache.shape[2]
+    scores = torch.matmul(qf, kf.transpose(-2, -1))  # [B, H, 1, L]
+    allowed = torch.arange(L, device=q.device).view(1, 1, 1, L) < lengths.view(-1, 1, 1, 1)
+    allowed = allowed.expand_as(scores)
+    if k_new is not None:
+        scores = torch.cat([scores, torch.matmul(qf, k_new.to(compute).transpose(-2, -1))], dim=-1)
+        allowed = torch.cat([allowed, torch.ones_like(allowed[..., :1])], dim=-1)
+        vf = torch.cat([vf, v_new.to(compute)], dim=2)
+    if scores.shape[-1] == 0:  # no cache and no new key: every row is empty
+        return torch.zeros_like(qf).to(q.dtype)
+    probs = masked_softmax(scores, allowed, scale, False)
+    # Zero the values that get no weight so that a non-finite entry past the prefix cannot leak.
+    vf = vf.masked_fill(~allowed.transpose(-2, -1), 0.0)
+    return torch.matmul(probs, vf).to(q.dtype)
+
+
+def kv_cache_append_(
+    cache: torch.Tensor, update: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """``cache[b, :, p:p+T] = update[b]`` for every row with ``p = positions[b] >= 0``.
+
+    Raises ``IndexError`` before writing anything when a row would run past the capacity.
+    """
+    L, T = cache.shape[2], update.shape[2]
+    pos = positions.tolist()
+    for b, p in enumerate(pos):
+        if p >= 0 and p + T > L:
+            raise IndexError(f"positions[{b}] = {p} + T = {T} exceeds the cache capacity L = {L}")
+    for b, p in enumerate(pos):
+        if p >= 0:
+            cache[b, :, p : p + T] = update[b]
+
+
+def kv_cache_reorder_(cache: torch.Tensor, index: torch.Tensor, length: int) -> None:
+    """``cache[b, :, :length] = old_cache[index[b], :, :length]``; entries past ``length`` stay."""
+    B = cache.shape[0]
+    idx = index.tolist()
+    if any(i < 0 or i >= B for i in idx):
+        raise IndexError(f"index values must be in [0, {B}), got {idx}")
+    cache[:, :, :length] = cache[index, :, :length].clone()
