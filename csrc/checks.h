@@ -153,7 +153,8 @@ inline void check_kv_cache_reorder_args(const at::Tensor& cache, const at::Tenso
 inline void check_positions_in_range(const at::Tensor& positions_cpu, int64_t T, int64_t L) {
   const int64_t* p = positions_cpu.data_ptr<int64_t>();
   for (int64_t b = 0; b < positions_cpu.numel(); ++b) {
-    TORCH_CHECK(p[b] < 0 || p[b] + T <= L, "positions[", b, "] = ", p[b],
+    // Written as p <= L - T so that a huge position cannot overflow past the check.
+    TORCH_CHECK(p[b] < 0 || (T <= L && p[b] <= L - T), "positions[", b, "] = ", p[b],
                 " writes tokens up to ", p[b] + T, " but the cache holds only L = ", L,
                 " (need positions[b] + T <= L, or a negative position to skip the row)");
   }

@@ -142,12 +142,12 @@ def _masked_softmax_fake(scores, mask, scale, causal):
     _check(scores.dim() == 4, f"scores must have 4 dimensions, got shape {tuple(scores.shape)}")
     if mask is not None:
         _check(mask.dtype == torch.bool, f"mask must be torch.bool, got {mask.dtype}")
-    return torch.empty_like(scores)
+    return scores.new_empty(scores.shape)  # the kernels return a contiguous tensor
 
 
 @torch.library.register_fake("transformer_ext::masked_softmax_backward")
 def _masked_softmax_backward_fake(grad_probs, probs, scale):
-    return torch.empty_like(probs)
+    return probs.new_empty(probs.shape)
 
 
 @torch.library.register_fake("transformer_ext::decode_attention")

@@ -93,7 +93,8 @@ def decode_attention(
     allowed = allowed.expand_as(scores)
     if k_new is not None:
         scores = torch.cat([scores, torch.matmul(qf, k_new.to(compute).transpose(-2, -1))], dim=-1)
-        allowed = torch.cat([allowed, torch.ones_like(allowed[..., :1])], dim=-1)
+        B, H = q.shape[0], q.shape[1]
+        allowed = torch.cat([allowed, torch.ones(B, H, 1, 1, dtype=torch.bool, device=q.device)], dim=-1)
         vf = torch.cat([vf, v_new.to(compute)], dim=2)
     if scores.shape[-1] == 0:  # no cache and no new key: every row is empty
         return torch.zeros_like(qf).to(q.dtype)
