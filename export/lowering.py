@@ -1,0 +1,313 @@
+"""ONNX translations of the ``transformer_ext`` custom ops, written in onnxscript.
+
+Each function here is a ``custom_translation_table`` entry for ``torch.onnx.export(dynamo=True)``:
+the exporter calls it with symbolic ONNX values and records the standard ONNX ops it emits, so
+the exported graphs run on ONNX Runtime (CPU/CUDA) and TensorRT without plugins.
+
+* :func:`masked_softmax` -> ``Where`` / ``Softmax`` / ``Where`` (bool mask and/or a causal mask
+  built from ``Range`` + ``LessOrEqual``; fully masked rows become zeros, never NaN).
+* :func:`decode_attention` -> one ``MatMul`` per score block: the scores over the cache
+  (``q . K_cache^T``) and the score of the new token (``q . k_new^T``) are concatenated, never the
+  cache tensors; cache entries at or beyond ``lengths[b]`` are masked with a bool comparison
+  (``Range(L) < lengths``), then ``Softmax`` and two ``MatMul``s weight the values.
+* :func:`kv_cache_update` (the functional twin of ``kv_cache_append_``, registered here as the
+  custom op ``transformer_ext_export::kv_cache_update``) -> opset-24 ``TensorScatter`` with
+  the literal ``axis=-2``, for the ``tensorscatter`` flavour.
+
+:func:`in_graph_cache_update` is the context manager the ``tensorscatter`` export traces under:
+it routes the decoder self-attention's ``decode_attention(q, cache, cache, positions, scale,
+k_new, v_new)`` call through ``kv_cache_update`` so that the attention reads the updated cache
+(``positions[b]`` inclusive), and collects the updated caches as graph outputs. The model code
+traced is the same ``Transformer.decode_step`` that eager decoding runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import onnxscript
+import torch
+from onnxscript import ir
+from onnxscript import opset18 as op
+
+from transformer_ext import ops
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "masked_softmax",
+    "decode_attention",
+    "kv_cache_update",
+    "kv_cache_update_op",
+    "translation_table",
+    "in_graph_cache_update",
+]
+
+# TensorScatter exists from opset 24 on; onnxscript ships no opset24 module.
+op24 = onnxscript.values.Opset("", 24)
+
+_NEG_INF = float("-inf")
+_INT64_MAX = 2**63 - 1
+
+
+# ------------------------------------------------------------------------------------------
+# helpers (all run at trace time, emitting nodes)
+# ------------------------------------------------------------------------------------------
+
+
+def _to_float(x):
+    """Cast to float32 unless it already is (no node for float32 inputs)."""
+    if x.dtype == ir.DataType.FLOAT:
+        return x
+    return op.Cast(x, to=ir.DataType.FLOAT)
+
+
+def _like(x, ref):
+    """Cast ``x`` back to the dtype of ``ref`` unless it already has it."""
+    if ref.dtype == ir.DataType.FLOAT:
+        return x
+    return op.CastLike(x, ref)
+
+
+def _scalar(value: float):
+    return op.Constant(value_float=float(value))
+
+
+def _dim(x, axis: int):
+    """``x.shape[axis]`` as a 1-D int64 tensor of one element."""
+    return op.Shape(x, start=axis, end=axis + 1)
+
+
+def _key_positions(cache):
+    """``Range(0, L)`` over the key axis (-2) of a ``[B, H, L, D]`` cache, int64 ``[L]``."""
+    length = op.Squeeze(_dim(cache, 2), op.Constant(value_ints=[0]))
+    return op.Range(op.Constant(value_int=0), length, op.Constant(value_int=1))
+
+
+# ------------------------------------------------------------------------------------------
+# translations
+# ------------------------------------------------------------------------------------------
+
+
+def masked_softmax(scores, mask=None, scale: float = 1.0, causal: bool = False):
+    """``transformer_ext::masked_softmax(scores [B,H,Q,K], mask?, scale, causal)`` in standard ops.
+
+    Softmax of ``scale * scores`` over the allowed keys, in float32, returned in the input dtype;
+    a row with no allowed key is zeros (``Where`` after the ``Softmax`` replaces its NaNs).
+    """
+    x = op.Mul(_to_float(scores), _scalar(scale))
+    allowed = mask
+    if causal:
+        q_len = _dim(scores, 2)
+        k_len = _dim(scores, 3)
+        zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+        i = op.Range(zero, op.Squeeze(q_len, op.Constant(value_ints=[0])), one)  # [Q]
+        j = op.Range(zero, op.Squeeze(k_len, op.Constant(value_ints=[0])), one)  # [K]
+        offset = op.Sub(k_len, q_len)  # [1]: bottom-right alignment
+        causal_mask = op.LessOrEqual(
+            op.Unsqueeze(j, op.Constant(value_ints=[0])),  # [1, K]
+            op.Unsqueeze(op.Add(i, offset), op.Constant(value_ints=[1])),  # [Q, 1]
+        )  # [Q, K]
+        allowed = causal_mask if allowed is None else op.And(allowed, causal_mask)
+    if allowed is None:
+        return _like(op.Softmax(x, axis=-1), scores)
+    x = op.Where(allowed, x, _scalar(_NEG_INF))
+    probs = op.Where(allowed, op.Softmax(x, axis=-1), _scalar(0.0))
+    return _like(probs, scores)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, scale: float, k_new=None, v_new=None):
+    """``transformer_ext::decode_attention`` in standard ops.
+
+    ``q [B,H,1,D]``, caches ``[B,H,L,D]``, ``lengths`` int64 ``[B]``, optional ``k_new``/``v_new``
+    ``[B,H,1,D]``. The new token's score is concatenated to the cache scores (``[B,H,1,L+1]``);
+    the caches themselves are only read by two ``MatMul`` s. Cache entries at or past
+    ``lengths[b]`` get zero weight (the caller keeps them finite: 0 * NaN is NaN).
+    Scores and weights are float32; the output has the dtype of ``q``.
+    """
+    scale_c = _scalar(scale)
+    # [B, H, 1, L]: the scores over the cache, masked by position with one bool comparison.
+    scores = op.Mul(_to_float(op.MatMul(q, op.Transpose(k_cache, perm=[0, 1, 3, 2]))), scale_c)
+    allowed = op.Less(_key_positions(k_cache), op.Reshape(lengths, op.Constant(value_ints=[-1, 1, 1, 1])))
+    scores = op.Where(allowed, scores, _scalar(_NEG_INF))  # allowed: [B, 1, 1, L]
+    if k_new is None:
+        # Cross-attention (or any prefix-only call): a row with no key is all zeros.
+        probs = op.Where(allowed, op.Softmax(scores, axis=-1), _scalar(0.0))
+        return op.MatMul(_like(probs, q), v_cache)
+    # [B, H, 1, 1]: the new token's own score, appended to the scores (not to the cache).
+    s_new = op.Mul(_to_float(op.MatMul(q, op.Transpose(k_new, perm=[0, 1, 3, 2]))), scale_c)
+    probs = op.Softmax(op.Concat(scores, s_new, axis=-1), axis=-1)  # [B, H, 1, L + 1]
+    axis = op.Constant(value_ints=[3])
+    p_cache = op.Slice(probs, op.Constant(value_ints=[0]), _dim(k_cache, 2), axis)  # [B, H, 1, L]
+    p_new = op.Slice(probs, op.Constant(value_ints=[-1]), op.Constant(value_ints=[_INT64_MAX]), axis)
+    out = op.Add(op.MatMul(_like(p_cache, q), v_cache), op.Mul(_like(p_new, q), v_new))
+    return out  # [B, H, 1, D]
+
+
+def kv_cache_update(cache, update, positions):
+    """``transformer_ext_export::kv_cache_update`` -> ``TensorScatter`` (opset 24, linear mode).
+
+    ``cache [B,H,L,D]``, ``update [B,H,T,D]``, ``positions`` int64 ``[B]``: the updated cache with
+    ``update[b]`` at ``positions[b] .. positions[b]+T-1`` of axis -2. The literal ``axis=-2`` is
+    the spelling TensorRT's parser accepts. No skip and no range check (the runner guarantees
+    valid positions, DESIGN.md section 3).
+    """
+    return op24.TensorScatter(cache, update, positions, axis=-2, mode="linear")
+
+
+# ------------------------------------------------------------------------------------------
+# the functional cache update as a torch op (traced by the tensorscatter export)
+# ------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("transformer_ext_export::kv_cache_update", mutates_args=())
+def kv_cache_update_op(cache: torch.Tensor, update: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Functional ``kv_cache_append_``: a copy of ``cache`` with ``update`` written at ``positions``."""
+    out = cache.clone()
+    ops.kv_cache_append_(out, update, positions)
+    return out
+
+
+@kv_cache_update_op.register_fake
+def _kv_cache_update_fake(cache, update, positions):
+    if cache.dim() != 4 or update.dim() != 4:
+        raise RuntimeError("cache and update must have 4 dimensions")
+    return torch.empty_like(cache)
+
+
+def translation_table(flavour: str = "portable") -> dict:
+    """The ``custom_translation_table`` for ``torch.onnx.export`` of the given flavour."""
+    table = {
+        torch.ops.transformer_ext.masked_softmax.default: masked_softmax,
+        torch.ops.transformer_ext.decode_attention.default: decode_attention,
+    }
+    if flavour == "tensorscatter":
+        table[torch.ops.transformer_ext_export.kv_cache_update.default] = kv_cache_update
+    return table
+
+
+def fuse_shared_input_matmuls(model) -> int:
+    """Graph pass: merge ``MatMul`` s that read the same input with constant weights into one.
+
+    ``x @ W_q + b_q``, ``x @ W_k + b_k``, ``x @ W_v + b_v`` (the Q/K/V projections of a layer; in
+    the encoder, the cross-attention K/V projections of every decoder layer, which all read the
+    encoder output) become ``Split(x @ [W_q | W_k | W_v] + [b_q | b_k | b_v])``: one larger
+    matrix product instead of several, so fewer passes over ``x`` and fewer thread-pool rounds per
+    step. Weights are moved, not copied (each is still stored once), and the outputs keep their
+    names. Only weights read by no other node are merged; bias ``Add`` s are merged when every
+    member of the group has one. Works in place on an ``onnx.ModelProto``; returns the number of
+    groups merged.
+    """
+    import collections
+
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    consumers = collections.defaultdict(list)
+    for node in g.node:
+        for name in node.input:
+            consumers[name].append(node)
+    outputs = {o.name for o in g.output}
+
+    def constant_matrix(name):
+        t = inits.get(name)
+        return t is not None and len(t.dims) == 2 and len(consumers[name]) == 1 and name not in outputs
+
+    groups = collections.defaultdict(list)  # (input, K) -> [(matmul, bias add or None)]
+    for node in g.node:
+        if node.op_type != "MatMul" or not constant_matrix(node.input[1]) or node.output[0] in outputs:
+            continue
+        users = consumers[node.output[0]]
+        add = users[0] if len(users) == 1 and users[0].op_type == "Add" else None
+        if add is not None and not (add.input[0] == node.output[0] and add.input[1] in inits
+                                    and len(inits[add.input[1]].dims) == 1 and len(consumers[add.input[1]]) == 1):
+            add = None
+        groups[(node.input[0], inits[node.input[1]].dims[0])].append((node, add))
+
+    replace: dict[int, list] = {}
+    dropped_nodes: set[int] = set()
+    dropped_inits: set[str] = set()
+    new_inits = []
+    for (x, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        with_bias = all(add is not None for _, add in members)
+        dtype = {inits[mm.input[1]].data_type for mm, _ in members}
+        if len(dtype) != 1:
+            continue
+        first = members[0][0]
+        prefix = f"{first.name or first.output[0]}_fused"
+        weights = [numpy_helper.to_array(inits[mm.input[1]]) for mm, _ in members]
+        new_inits.append(numpy_helper.from_array(np.concatenate(weights, axis=1), f"{prefix}.weight"))
+        new_inits.append(numpy_helper.from_array(np.array([w.shape[1] for w in weights], np.int64), f"{prefix}.split"))
+        nodes = [helper.make_node("MatMul", [x, f"{prefix}.weight"], [f"{prefix}.matmul"], name=f"{prefix}_MatMul")]
+        result = f"{prefix}.matmul"
+        if with_bias:
+            biases = [numpy_helper.to_array(inits[add.input[1]]) for _, add in members]
+            new_inits.append(numpy_helper.from_array(np.concatenate(biases, axis=0), f"{prefix}.bias"))
+            nodes.append(helper.make_node("Add", [result, f"{prefix}.bias"], [f"{prefix}.add"], name=f"{prefix}_Add"))
+            result = f"{prefix}.add"
+        split_outputs = [(add.output[0] if with_bias else mm.output[0]) for mm, add in members]
+        nodes.append(helper.make_node("Split", [result, f"{prefix}.split"], split_outputs, axis=-1,
+                                      name=f"{prefix}_Split"))
+        replace[id(first)] = nodes
+        for mm, add in members:
+            dropped_nodes.add(id(mm))
+            dropped_inits.add(mm.input[1])
+            if with_bias:
+                dropped_nodes.add(id(add))
+                dropped_inits.add(add.input[1])
+    if not replace:
+        return 0
+    new_nodes = []
+    for node in g.node:  # the fused nodes take the place of the group's first MatMul
+        new_nodes += replace.get(id(node), [])
+        if id(node) not in dropped_nodes:
+            new_nodes.append(node)
+    del g.node[:]
+    g.node.extend(new_nodes)
+    kept = [t for t in g.initializer if t.name not in dropped_inits]
+    del g.initializer[:]
+    g.initializer.extend(kept + new_inits)
+    logger.debug("fused %d groups of MatMuls sharing an input", len(replace))
+    return len(replace)
+
+
+@contextlib.contextmanager
+def in_graph_cache_update() -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Trace ``decode_step`` with the self-attention cache update inside the graph.
+
+    Inside the context, ``ops.decode_attention(q, k_cache, v_cache, positions, scale, k_new,
+    v_new)`` (the self-attention form, with the new token) becomes::
+
+        present_k = kv_cache_update(k_cache, k_new, positions)   # TensorScatter
+        present_v = kv_cache_update(v_cache, v_new, positions)
+        decode_attention(q, present_k, present_v, positions + 1, scale)
+
+    which is the same attention (prefix plus the new token), but the only node that reads a
+    cache input is the ``TensorScatter`` (so ONNX Runtime can update the bound buffer in place).
+    Yields ``(present_keys, present_values)``, filled in call order (= layer order) while
+    tracing. Calls without ``k_new`` (cross-attention) are unchanged.
+    """
+    original = ops.decode_attention
+    present_keys: list[torch.Tensor] = []
+    present_values: list[torch.Tensor] = []
+
+    def decode_attention_in_graph(q, k_cache, v_cache, lengths, scale, k_new=None, v_new=None):
+        if k_new is None:
+            return original(q, k_cache, v_cache, lengths, scale)
+        present_k = kv_cache_update_op(k_cache, k_new, lengths)
+        present_v = kv_cache_update_op(v_cache, v_new, lengths)
+        present_keys.append(present_k)
+        present_values.append(present_v)
+        return original(q, present_k, present_v, lengths + 1, scale)
+
+    ops.decode_attention = decode_attention_in_graph
+    try:
+        yield present_keys, present_values
+    finally:
+        ops.decode_attention = original

@@ -1,0 +1,628 @@
+"""``python -m export.onnx``: export a model folder to ONNX and prove the graphs match eager PyTorch.
+
+Command line::
+
+    python -m export.onnx                              # the bundled demo model -> ./onnx_export/
+    python -m export.onnx --model-dir runs/base --output-dir out/base_onnx
+    python -m export.onnx --flavour tensorscatter      # cache update inside the graph (opset 24)
+    python -m export.onnx --help
+
+Python::
+
+    from export.onnx import export_onnx
+    result = export_onnx("path/to/model_dir", "path/to/output_dir")
+    result.validation.max_abs_diff        # per output
+
+The output folder (DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
+``manifest.json`` and the model's tokenizer file. Both graphs are traced with
+``torch.onnx.export(dynamo=True)`` from the model's own ``encode`` and ``decode_step`` (the code
+eager decoding runs); the custom ops are lowered to standard ONNX ops by :mod:`export.lowering`.
+The folder is written atomically: everything goes into a temporary folder beside the target,
+is checked and validated there, and only then renamed into place. A failed export leaves no
+partial folder and never replaces a good one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from . import ExportError, GraphContractError, ModelDirectoryError
+from .manifest import (
+    DECODER_FILE,
+    ENCODER_FILE,
+    FLAVOURS,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    graph_specs,
+    write_manifest,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_OUTPUT_DIR",
+    "DEFAULT_OPSETS",
+    "DEFAULT_TOLERANCE",
+    "IR_VERSION",
+    "ExportResult",
+    "EncoderGraph",
+    "DecoderStepGraph",
+    "export_onnx",
+    "main",
+]
+
+DEFAULT_OUTPUT_DIR = "onnx_export"
+DEFAULT_OPSETS = {"portable": 18, "tensorscatter": 24}
+OPSET_RANGES = {"portable": range(17, 22), "tensorscatter": range(24, 25)}
+DEFAULT_TOLERANCE = 1e-4  # max absolute difference per output (float32 logits and K/V)
+# onnxruntime-gpu 1.31 accepts IR <= 13, TensorRT 10.15's parser IR <= 10 safely; torch writes 10.
+IR_VERSION = 10
+# Export dummies: deliberately unlike the validation shapes (batch 1, 3, 8), none equal to 0 or 1
+# (torch.export specialises those) and all different from each other.
+DUMMY_BATCH, DUMMY_SRC_LEN, DUMMY_CACHE_LEN = 2, 5, 7
+TRANSLATION_EXAMPLES = 5
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_onnx` produced."""
+
+    output_dir: Path
+    encoder_path: Path
+    decoder_path: Path
+    manifest_path: Path
+    manifest: dict
+    validation: Optional[Any]  # export.validate.ValidationReport, None with validate=False
+    seconds: float
+
+
+# ------------------------------------------------------------------------------------------
+# The traced modules: thin wrappers over the model's own encode / decode_step
+# ------------------------------------------------------------------------------------------
+
+
+class EncoderGraph(torch.nn.Module):
+    """``(input_ids, src_lengths) -> (encoder_out, cross_key.0, cross_value.0, ...)`` via ``model.encode``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, src_lengths):
+        encoder_out, cross_keys, cross_values = self.model.encode(input_ids, src_lengths)
+        outputs = [encoder_out]
+        for k, v in zip(cross_keys, cross_values):
+            outputs += [k, v]
+        return tuple(outputs)
+
+
+class DecoderStepGraph(torch.nn.Module):
+    """One decoder step via ``model.decode_step``, with flat inputs in the order of the contract.
+
+    ``forward(input_ids, positions, src_lengths, *kv)`` where ``kv`` is ``self_key.0, self_value.0,
+    ..., cross_key.0, cross_value.0, ...``. Portable flavour: returns ``(logits, new_key.0,
+    new_value.0, ...)``. ``tensorscatter``: traces the same ``decode_step`` under
+    :func:`export.lowering.in_graph_cache_update` and returns ``(logits, present_key.0,
+    present_value.0, ...)``.
+    """
+
+    def __init__(self, model, flavour: str = "portable"):
+        super().__init__()
+        if flavour not in FLAVOURS:
+            raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
+        self.model = model
+        self.flavour = flavour
+        self.n_layers = model.config.n_decoder_layers
+
+    def forward(self, input_ids, positions, src_lengths, *kv):
+        n = self.n_layers
+        self_keys, self_values = list(kv[0 : 2 * n : 2]), list(kv[1 : 2 * n : 2])
+        cross_keys, cross_values = list(kv[2 * n :: 2]), list(kv[2 * n + 1 :: 2])
+        if self.flavour == "portable":
+            logits, new_keys, new_values = self.model.decode_step(
+                input_ids, positions, src_lengths, self_keys, self_values, cross_keys, cross_values
+            )
+        else:
+            from . import lowering
+
+            with lowering.in_graph_cache_update() as (new_keys, new_values):
+                logits, _, _ = self.model.decode_step(
+                    input_ids, positions, src_lengths, self_keys, self_values, cross_keys, cross_values
+                )
+            if len(new_keys) != n:
+                raise GraphContractError(
+                    f"expected {n} self-attention cache updates while tracing, got {len(new_keys)}: "
+                    "decode_step must call ops.decode_attention with k_new/v_new once per layer"
+                )
+        outputs = [logits]
+        for k, v in zip(new_keys, new_values):
+            outputs += [k, v]
+        return tuple(outputs)
+
+
+# ------------------------------------------------------------------------------------------
+# Loading the model folder
+# ------------------------------------------------------------------------------------------
+
+
+def demo_model_dir() -> Path:
+    """The bundled demo model folder (it may be absent in a source checkout without it)."""
+    from transformer_ext import translate
+
+    return Path(translate.DEMO_MODEL_DIR)
+
+
+def load_model_dir(model_dir: Optional[str | os.PathLike]):
+    """``(model in eval mode on CPU, model_dir Path, tokenizer file names)``; raises ModelDirectoryError."""
+    from transformer_ext.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_model
+
+    path = Path(model_dir) if model_dir is not None else demo_model_dir()
+    if not path.exists():
+        hint = " (the bundled demo model is not installed; pass --model-dir)" if model_dir is None else ""
+        raise ModelDirectoryError(f"model folder not found: {path}{hint}")
+    if not path.is_dir():
+        raise ModelDirectoryError(f"not a model folder (expected a directory): {path}")
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (path / name).is_file():
+            raise ModelDirectoryError(
+                f"{path} is not a model folder: {name} is missing (a model folder holds "
+                f"{CONFIG_NAME}, {WEIGHTS_NAME} and the tokenizer files)"
+            )
+    try:
+        model = load_model(path, device="cpu")
+    except (FileNotFoundError, ValueError, TypeError) as exc:
+        raise ModelDirectoryError(f"cannot load the model in {path}: {exc}") from exc
+    model.eval()
+    tokenizer_files = sorted(p.name for p in path.glob("tokenizer*.json") if p.is_file())
+    return model, path, tokenizer_files
+
+
+# ------------------------------------------------------------------------------------------
+# Export of one graph
+# ------------------------------------------------------------------------------------------
+
+
+def _dummy_inputs(model, flavour: str):
+    """Example inputs for tracing: batch 2, source length 5, cache length 7 (capped by max_len)."""
+    c = model.config
+    gen = torch.Generator().manual_seed(0)
+    B = DUMMY_BATCH
+    S = max(2, min(DUMMY_SRC_LEN, c.max_len))
+    L = max(2, min(DUMMY_CACHE_LEN, c.max_len))
+    if L == S:
+        L = S + 1 if S + 1 <= c.max_len else S - 1
+    src = torch.randint(4 if c.src_vocab_size > 4 else 0, c.src_vocab_size, (B, S), generator=gen)
+    src_lengths = torch.tensor([S, max(1, S - 2)], dtype=torch.int64)
+    encoder_args = (src, src_lengths)
+    shape_self = (B, c.n_heads, L, c.d_k)
+    shape_cross = (B, c.n_heads, S, c.d_k)
+    kv = [torch.randn(shape_self, generator=gen) for _ in range(2 * c.n_decoder_layers)]
+    kv += [torch.randn(shape_cross, generator=gen) for _ in range(2 * c.n_decoder_layers)]
+    decoder_args = (
+        torch.tensor([[c.bos_id], [c.bos_id]], dtype=torch.int64),
+        torch.tensor([L - 1, 1], dtype=torch.int64),
+        src_lengths.clone(),
+        *kv,
+    )
+    return encoder_args, decoder_args, {"batch": B, "src_len": S, "cache_len": L}
+
+
+def _dynamic_shapes(spec: dict, n_positional: int):
+    """``torch.onnx.export`` dynamic_shapes from a graph spec: named axes -> axis names.
+
+    The first ``n_positional`` inputs are separate arguments, the rest the ``*kv`` tuple.
+    """
+    per_input = [{axis: dim for axis, dim in enumerate(t["shape"]) if isinstance(dim, str)} for t in spec["inputs"]]
+    if len(per_input) == n_positional:
+        return tuple(per_input)
+    return tuple(per_input[:n_positional]) + (tuple(per_input[n_positional:]),)
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """Keep the exporter's progress prints and known warnings out of stdout (they go to the log)."""
+    buf = io.StringIO()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*axis name.*will not be used.*")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        # e.g. "torchvision is not installed", one INFO line per de-duplicated constant
+        quiet = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir", "onnxscript")]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.ERROR)
+        try:
+            with contextlib.redirect_stdout(buf):
+                yield
+        finally:
+            for q, level in zip(quiet, levels):
+                q.setLevel(level)
+            for line in buf.getvalue().splitlines():
+                if line.strip():
+                    logger.debug("exporter: %s", line)
+
+
+def _export_graph(module, args, spec: dict, n_positional: int, opset: int, flavour: str, path: Path,
+                  fuse_matmuls: bool = True):
+    """Trace ``module`` with the dynamo exporter, fix the IR version, optionally merge the MatMuls
+    that share an input (:func:`export.lowering.fuse_shared_input_matmuls`), check, save ``path``."""
+    import onnx
+
+    from . import lowering
+
+    module.eval()
+    t0 = time.perf_counter()
+    with _quiet_exporter(), torch.no_grad():
+        program = torch.onnx.export(
+            module,
+            args,
+            dynamo=True,
+            input_names=[t["name"] for t in spec["inputs"]],
+            output_names=[t["name"] for t in spec["outputs"]],
+            dynamic_shapes=_dynamic_shapes(spec, n_positional),
+            opset_version=opset,
+            custom_translation_table=lowering.translation_table(flavour),
+            optimize=True,
+            verbose=False,
+        )
+    proto = program.model_proto
+    if fuse_matmuls:
+        lowering.fuse_shared_input_matmuls(proto)
+    if proto.ir_version > IR_VERSION:
+        proto.ir_version = IR_VERSION
+    proto.producer_name = "transformer_ext export.onnx"
+    onnx.checker.check_model(proto, full_check=True)
+    if proto.ByteSize() >= 2**31 - 1:  # protobuf limit: weights go to one external file
+        onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data")
+    else:
+        onnx.save_model(proto, path)
+    logger.info("exported %s in %.1f s (%d nodes, %d initializers)", path.name, time.perf_counter() - t0,
+                len(proto.graph.node), len(proto.graph.initializer))
+    return proto
+
+
+# ------------------------------------------------------------------------------------------
+# The library function
+# ------------------------------------------------------------------------------------------
+
+
+def _versions() -> dict:
+    import onnx
+    import onnxscript
+
+    import transformer_ext
+
+    versions = {"torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__,
+                "transformer_ext": transformer_ext.__version__}
+    try:
+        import onnxruntime
+
+        versions["onnxruntime"] = onnxruntime.__version__
+    except ImportError:  # pragma: no cover - onnxruntime is needed for validation only
+        pass
+    return versions
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    """Refuse to replace anything but a previous export (or an empty folder)."""
+    if not output_dir.exists():
+        return
+    if not output_dir.is_dir():
+        raise ExportError(f"output path {output_dir} exists and is not a folder")
+    entries = list(output_dir.iterdir())
+    if entries and not (output_dir / MANIFEST_NAME).is_file():
+        raise ExportError(
+            f"output folder {output_dir} exists and is not an ONNX export (no {MANIFEST_NAME}); "
+            "refusing to replace it: choose another --output-dir or remove it"
+        )
+
+
+def _replace_dir(tmp_dir: Path, output_dir: Path) -> None:
+    """Move the finished ``tmp_dir`` to ``output_dir``; a previous export is kept until the move succeeded."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_dir, 0o777 & ~umask)  # mkdtemp makes it private
+    if not output_dir.exists():
+        os.rename(tmp_dir, output_dir)
+        return
+    backup = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
+    os.rmdir(backup)
+    os.rename(output_dir, backup)
+    try:
+        os.rename(tmp_dir, output_dir)
+    except BaseException:
+        os.rename(backup, output_dir)  # put the good export back
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def export_onnx(
+    model_dir: Optional[str | os.PathLike] = None,
+    output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
+    *,
+    opset: Optional[int] = None,
+    cache_len: Optional[int] = None,
+    flavour: str = "portable",
+    tolerance: float = DEFAULT_TOLERANCE,
+    validate: bool = True,
+    seed: int = 0,
+    fuse_matmuls: bool = True,
+) -> ExportResult:
+    """Export ``model_dir`` to ``encoder.onnx`` + ``decoder_step.onnx`` + ``manifest.json`` in ``output_dir``.
+
+    Args:
+        model_dir: a model folder (``config.json``, ``model.safetensors``, tokenizer files);
+            ``None`` exports the bundled demo model.
+        output_dir: the folder to create (or to replace, if it holds a previous export).
+        opset: ONNX opset; default 18 for ``portable`` (17..21 allowed), 24 for ``tensorscatter``.
+        cache_len: the largest self-attention cache capacity a runtime may allocate (the
+            ``cache_len`` axis is dynamic; runtimes size it per request); default and maximum:
+            the model's ``max_len``. Recorded in the manifest as ``max_cache_len``.
+        flavour: ``"portable"`` (new K/V as outputs, appended by the runner) or
+            ``"tensorscatter"`` (the cache update inside the graph, opset-24 ``TensorScatter``).
+        tolerance: the largest absolute difference allowed between any ONNX Runtime output and
+            eager PyTorch.
+        validate: run the parity validation (:func:`export.validate.validate_export`) in ONNX
+            Runtime before the folder is moved into place. Structural checks always run.
+        seed: seed of the validation inputs.
+        fuse_matmuls: merge the matrix products that read the same input (each layer's Q/K/V
+            projections; in the encoder, every decoder layer's cross-attention K/V projections)
+            into one ``MatMul`` + ``Split`` after tracing. Validation runs on the final graphs.
+
+    Raises:
+        ModelDirectoryError: ``model_dir`` is missing or not a model folder.
+        GraphContractError: a graph breaks the contract (names, axes, forbidden nodes...).
+        ParityError: an output differs from eager PyTorch by more than ``tolerance``.
+        ExportError: the output folder exists and is not a previous export.
+    """
+    t_start = time.perf_counter()
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
+    if opset is None:
+        opset = DEFAULT_OPSETS[flavour]
+    if int(opset) not in OPSET_RANGES[flavour]:
+        allowed = OPSET_RANGES[flavour]
+        raise ValueError(f"opset {opset} is not supported for the {flavour} flavour (use {allowed.start}..{allowed.stop - 1})")
+    opset = int(opset)
+    if not (tolerance > 0):
+        raise ValueError(f"tolerance must be positive, got {tolerance}")
+
+    output_dir = Path(output_dir).absolute()
+    _check_output_dir(output_dir)
+    model, model_path, tokenizer_files = load_model_dir(model_dir)
+    config = model.config
+    if config.max_len < 4:
+        raise ExportError(f"max_len = {config.max_len} is too small to export (the tracing dummies need 4 positions)")
+    if cache_len is None:
+        cache_len = config.max_len
+    if not 1 <= int(cache_len) <= config.max_len:
+        raise ValueError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
+    cache_len = int(cache_len)
+
+    from . import validate as validation
+
+    specs = graph_specs(config.to_dict(), flavour)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        encoder_args, decoder_args, dummy = _dummy_inputs(model, flavour)
+        encoder_proto = _export_graph(
+            EncoderGraph(model), encoder_args, specs["encoder"], 2, opset, flavour, tmp_dir / ENCODER_FILE,
+            fuse_matmuls=fuse_matmuls,
+        )
+        decoder_proto = _export_graph(
+            DecoderStepGraph(model, flavour), decoder_args, specs["decoder_step"], 3, opset, flavour,
+            tmp_dir / DECODER_FILE, fuse_matmuls=fuse_matmuls,
+        )
+        structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
+        for name in tokenizer_files:
+            shutil.copy2(model_path / name, tmp_dir / name)
+
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "flavour": flavour,
+            "opset": opset,
+            "ir_version": int(decoder_proto.ir_version),
+            "files": {"encoder": ENCODER_FILE, "decoder_step": DECODER_FILE, "tokenizer": tokenizer_files},
+            "model_config": config.to_dict(),
+            "special_tokens": {"pad": config.pad_id, "bos": config.bos_id, "eos": config.eos_id},
+            "max_positions": config.max_len,
+            "max_cache_len": cache_len,
+            "graphs": specs,
+            "versions": _versions(),
+            "export": {
+                "source_model_dir": str(model_path),
+                "exporter": "torch.onnx.export(dynamo=True)",
+                "dummy_shapes": dummy,
+                "graph_passes": ["fuse_shared_input_matmuls"] if fuse_matmuls else [],
+                "structure": structure,
+            },
+            "validation": None,
+        }
+        if tokenizer_files:
+            manifest["special_tokens"]["unk"] = _unk_id(model_path, tokenizer_files)
+        write_manifest(tmp_dir, manifest)
+
+        report = None
+        if validate:
+            report = validation.validate_export(
+                tmp_dir, model, tolerance=tolerance, seed=seed, max_cache_len=cache_len
+            )
+            manifest["validation"] = report.to_dict()
+            write_manifest(tmp_dir, manifest)
+        _replace_dir(tmp_dir, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - t_start
+    logger.info("exported %s to %s in %.1f s", model_path, output_dir, seconds)
+    return ExportResult(
+        output_dir=output_dir,
+        encoder_path=output_dir / ENCODER_FILE,
+        decoder_path=output_dir / DECODER_FILE,
+        manifest_path=output_dir / MANIFEST_NAME,
+        manifest=manifest,
+        validation=report,
+        seconds=seconds,
+    )
+
+
+def _unk_id(model_path: Path, tokenizer_files: list[str]) -> Optional[int]:
+    try:
+        from transformer_ext.tokenizer import CharTokenizer
+
+        return int(CharTokenizer.load(model_path).unk_id)
+    except Exception:  # a tokenizer of another kind: the manifest simply has no unk id
+        return None
+
+
+# ------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m export.onnx",
+        description=(
+            "Export a transformer_ext model folder to ONNX (encoder.onnx, decoder_step.onnx, manifest.json), "
+            "validate it in ONNX Runtime against eager PyTorch, print a parity table and a few translations "
+            "decoded by ONNX Runtime. With no arguments: the bundled demo model into ./onnx_export/."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model-dir", default=None,
+                   help="model folder (config.json, model.safetensors, tokenizer.json); default: the bundled demo model")
+    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                   help="folder to write; replaced atomically if it holds a previous export, refused if it holds anything else")
+    p.add_argument("--flavour", choices=FLAVOURS, default="portable",
+                   help="portable: standard ops only, the step outputs the new token's K/V and the runtime appends them "
+                        "to its cache; tensorscatter: the cache update is inside the graph (opset-24 TensorScatter), "
+                        "the step outputs the updated caches, bound in place by the runtime")
+    p.add_argument("--opset", type=int, default=None,
+                   help="ONNX opset (default: 18 for portable, allowed 17..21; 24 for tensorscatter)")
+    p.add_argument("--cache-len", type=int, default=None,
+                   help="largest self-attention cache capacity a runtime may allocate (the cache_len axis is "
+                        "dynamic; recorded as max_cache_len in the manifest); default: the model's max_len")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help="largest absolute difference allowed between every ONNX Runtime output and eager PyTorch")
+    p.add_argument("--no-validate", dest="validate", action="store_false",
+                   help="skip the parity validation in ONNX Runtime (structural checks still run)")
+    p.add_argument("--no-fuse-matmuls", dest="fuse_matmuls", action="store_false",
+                   help="keep the traced graphs as they are instead of merging the matrix products that read the "
+                        "same input (Q/K/V projections) into one MatMul + Split")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random validation inputs")
+    p.add_argument("--examples", type=int, default=TRANSLATION_EXAMPLES,
+                   help="held-out sources to translate with ONNX Runtime at the end (0: none)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
+    return p
+
+
+def summary_text(result: ExportResult) -> str:
+    """What was exported, and the parity table when it was validated."""
+    m = result.manifest
+    s = m["export"]["structure"]
+    lines = [
+        f"exported {m['export']['source_model_dir']} -> {result.output_dir}",
+        f"  flavour {m['flavour']}, opset {m['opset']}, IR version {m['ir_version']}, "
+        f"max_cache_len {m['max_cache_len']}, {result.seconds:.1f} s",
+        f"  {ENCODER_FILE}: {s['encoder']['nodes']} nodes, {s['encoder']['initializer_bytes'] / 2**20:.1f} MiB "
+        f"of weights; {DECODER_FILE}: {s['decoder_step']['nodes']} nodes, "
+        f"{s['decoder_step']['initializer_bytes'] / 2**20:.1f} MiB of weights",
+    ]
+    if result.validation is None:
+        lines.append("validation skipped (--no-validate)")
+    else:
+        lines += ["", result.validation.table()]
+    return "\n".join(lines)
+
+
+def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES) -> list[tuple[str, str, Optional[str]]]:
+    """``(source, ONNX Runtime greedy translation, reference or None)`` for ``n`` held-out demo
+    sources, decoded from the export folder; empty without a character tokenizer or when the
+    sources use characters outside its vocabulary."""
+    import numpy as np
+
+    from transformer_ext.decoding import max_new_tokens_for
+    from transformer_ext.tokenizer import CharTokenizer
+
+    from .ort_runner import OrtRunner
+
+    if n <= 0 or not result.manifest["files"]["tokenizer"]:
+        return []
+    try:
+        tokenizer = CharTokenizer.load(result.output_dir)
+    except Exception as exc:  # another tokenizer kind: nothing to show
+        logger.info("no translations shown: %s", exc)
+        return []
+    pairs = [(s, r) for s, r in zip(*_heldout_examples(n))
+             if all(ch in tokenizer.source_vocab for ch in tokenizer.normalize_source(s))]
+    if not pairs:
+        return []
+    ids = [tokenizer.encode_source(s) for s, _ in pairs]
+    lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    batch = np.full((len(ids), int(lengths.max())), tokenizer.pad_id, dtype=np.int64)
+    for row, x in enumerate(ids):
+        batch[row, : len(x)] = x
+    runner = OrtRunner(result.output_dir, intra_op_num_threads=2)
+    budget = max_new_tokens_for(lengths, 1.5, 10, cap=int(result.manifest["max_cache_len"]))
+    outputs = runner.greedy(batch, lengths, max_new_tokens=budget)
+    return [(s, tokenizer.decode_target(out), r) for (s, r), out in zip(pairs, outputs)]
+
+
+def _heldout_examples(n: int) -> tuple[list[str], list[Optional[str]]]:
+    """``n`` held-out demo sources (English number words) and their German references."""
+    try:
+        from transformer_ext import data
+
+        numbers = data.split_numbers().heldout
+        step = max(1, len(numbers) // n)
+        picked = numbers[::step][:n]
+        return [data.source_text(x) for x in picked], [data.target_text(x) for x in picked]
+    except ImportError:  # num2words is not installed: a fixed list without references
+        fixed = ["forty-two", "three hundred and seven", "one thousand and one", "nineteen", "five thousand"]
+        return fixed[:n], [None] * min(n, len(fixed))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = export_onnx(
+            args.model_dir, args.output_dir, opset=args.opset, cache_len=args.cache_len,
+            flavour=args.flavour, tolerance=args.tolerance, validate=args.validate, seed=args.seed,
+            fuse_matmuls=args.fuse_matmuls,
+        )
+    except (ExportError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(summary_text(result))
+    examples = translate_examples(result, args.examples)
+    if examples:
+        print()
+        print("translations decoded by ONNX Runtime (greedy):")
+        for source, text, reference in examples:
+            mark = "" if reference is None else ("  (correct)" if text == reference else f"  (reference: {reference})")
+            print(f"  {source!r} -> {text!r}{mark}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

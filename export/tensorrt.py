@@ -1,0 +1,1009 @@
+"""``python -m export.tensorrt``: TensorRT engines from an ONNX export folder.
+
+Reads the folder written by ``python -m export.onnx`` (``encoder.onnx``, ``decoder_step.onnx``,
+``manifest.json``; DESIGN.md section 3) and writes, next to them (or into ``--output-dir``):
+
+* ``encoder.<precision>.engine`` and ``decoder_step.<precision>.engine``: serialized engines,
+  each with one optimization profile whose min/opt/max for ``batch``, ``src_len`` and
+  ``cache_len`` come from the command line, else from the manifest (``max_len``) and defaults;
+* for fp16/bf16, ``encoder.<precision>.onnx`` / ``decoder_step.<precision>.onnx``: the
+  reduced-precision graphs the engines were built from (see below; ONNX Runtime runs them too);
+* ``manifest.json`` updated with a ``tensorrt`` section: engines (file, size, sha256), precision,
+  typing, the cache dtype of every precision, the profile, I/O dtypes, TensorRT version, GPU;
+* a timing cache (``--timing-cache``, default ``tensorrt.timing.cache``) that makes rebuilds fast.
+
+Every file is written to a temporary name and renamed into place; the manifest is renamed last,
+and it records each engine's sha256, so a crash midway never leaves a manifest describing
+engines that are not there. A failed build writes nothing.
+
+Precision. ``fp32``: a strongly typed network over the float32 graphs, TF32 off (parity with
+eager float32; ``--tf32`` turns it on). ``fp16`` / ``bf16`` (``--typing strong``, the default):
+the graphs are converted to that precision before parsing (weights, caches and activations in
+fp16/bf16) with softmax, normalizations, reductions, ``Exp``/``Log``/``Pow``/``Sqrt`` kept in
+float32 by explicit ``Cast`` nodes, and ``logits`` returned in float32; the network is strongly
+typed, so TensorRT runs exactly those types (TensorRT 11 removes the weakly-typed builder flags).
+``--typing weak`` (TensorRT 10.x only) instead sets ``BuilderFlag.FP16``/``BF16`` with
+``OBEY_PRECISION_CONSTRAINTS`` and pins softmax / reduce / normalization layers to float32.
+Either way the self- and cross-attention caches have the precision's dtype
+(:data:`CACHE_DTYPES`), stated in the manifest; matrix products accumulate in float32 (TensorRT's
+GEMM kernels for fp16/bf16 inputs accumulate in float32).
+
+Before anything is built, :func:`export.trt_readiness.check_export_dir` checks the graphs against
+TensorRT 10.15's ONNX operator support list (``--check-only`` runs only this check and needs no
+TensorRT). Parser errors are logged one by one and end in :class:`TensorRTParseError`.
+
+TensorRT itself is imported only when building: ``pip install tensorrt-cu13`` (CUDA 13; or
+``tensorrt-cu12``), or ``pip install 'transformer_ext[tensorrt]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .trt_readiness import (
+    BATCH,
+    CACHE_LEN,
+    DECODER_FILE,
+    ENCODER_FILE,
+    MANIFEST_FILE,
+    SRC_LEN,
+    TRT_TARGET_VERSION,
+    AxisRange,
+    ReadinessReport,
+    TensorRTReadinessError,
+    check_export_dir,
+    decoder_flavour,
+    input_specs,
+    manifest_max_positions,
+    output_specs,
+    parse_axis_range,
+    profile_shapes,
+    read_manifest,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MIN_TENSORRT_VERSION",
+    "PRECISIONS",
+    "CACHE_DTYPES",
+    "FLOAT32_OPS",
+    "TensorRTNotAvailableError",
+    "TensorRTParseError",
+    "TensorRTBuildError",
+    "PrecisionConversionError",
+    "BuildOptions",
+    "EnginePlan",
+    "BuildPlan",
+    "BuildResult",
+    "import_tensorrt",
+    "precision_flags",
+    "convert_precision",
+    "pin_axes",
+    "plan_build",
+    "build_engines",
+    "describe_parser_error",
+    "build_parser",
+    "main",
+]
+
+MIN_TENSORRT_VERSION = "10.15"
+INSTALL_HINT = (
+    "install TensorRT's Python package on a machine with an NVIDIA GPU: `pip install tensorrt-cu13` "
+    "(CUDA 13; `tensorrt-cu12` for CUDA 12) or the extra `pip install 'transformer_ext[tensorrt]'`; "
+    "`python -m export.tensorrt --check-only` checks the graphs without TensorRT"
+)
+
+# Each precision: the dtype of its caches (self- and cross-attention K/V), its ONNX element type
+# and the builder flag of the weakly-typed path.
+PRECISIONS: dict[str, dict[str, Any]] = {
+    "fp32": {"cache_dtype": "float32", "onnx_type": TensorProto.FLOAT, "weak_flag": None},
+    "fp16": {"cache_dtype": "float16", "onnx_type": TensorProto.FLOAT16, "weak_flag": "FP16"},
+    "bf16": {"cache_dtype": "bfloat16", "onnx_type": TensorProto.BFLOAT16, "weak_flag": "BF16"},
+}
+CACHE_DTYPES: dict[str, str] = {p: v["cache_dtype"] for p, v in PRECISIONS.items()}
+TYPINGS = ("strong", "weak")
+
+# Ops computed in float32 whatever the precision: softmax, normalizations, reductions and the
+# transcendental steps of decomposed softmax / normalization.
+FLOAT32_OPS = frozenset({
+    "Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "GroupNormalization",
+    "InstanceNormalization", "BatchNormalization", "MeanVarianceNormalization", "LpNormalization",
+    "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum",
+    "ReduceLogSumExp", "ReduceProd", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Erf", "CumSum",
+})
+# Outputs that stay float32 in every precision (DESIGN.md section 3: logits are float32).
+FLOAT32_OUTPUTS = ("logits",)
+# Ops whose float inputs may have any float type (no cast needed in front of them).
+_TYPE_AGNOSTIC_INPUTS = frozenset({"Cast", "Shape", "Size"})
+
+
+class TensorRTNotAvailableError(ImportError):
+    """TensorRT's Python package is missing or too old."""
+
+
+class TensorRTParseError(RuntimeError):
+    """TensorRT's ONNX parser rejected a graph; ``errors`` holds one line per parser error."""
+
+    def __init__(self, graph: str, errors: Sequence[str]):
+        self.graph = graph
+        self.errors = list(errors)
+        body = "\n".join(f"  {i + 1}. {e}" for i, e in enumerate(self.errors)) or "  (the parser reported no detail)"
+        super().__init__(
+            f"TensorRT's ONNX parser rejected {graph} with {len(self.errors)} error(s):\n{body}\n"
+            "Run `python -m export.tensorrt --check-only` for the static readiness report, and check "
+            f"that TensorRT is {MIN_TENSORRT_VERSION} or newer."
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.graph, self.errors))
+
+
+class TensorRTBuildError(RuntimeError):
+    """TensorRT parsed a graph but could not build an engine from it."""
+
+
+class PrecisionConversionError(ValueError):
+    """A graph could not be converted to fp16/bf16 with consistent types."""
+
+
+def import_tensorrt(min_version: str = MIN_TENSORRT_VERSION):
+    """``import tensorrt``, or a :class:`TensorRTNotAvailableError` that says how to install it."""
+    try:
+        import tensorrt as trt  # noqa: PLC0415 - gated import, TensorRT is optional
+    except ImportError as exc:
+        raise TensorRTNotAvailableError(f"TensorRT is not installed ({exc}); {INSTALL_HINT}") from exc
+    from packaging.version import Version
+
+    version = getattr(trt, "__version__", "0")
+    if Version(version) < Version(min_version):
+        raise TensorRTNotAvailableError(
+            f"TensorRT {version} is too old: the exported graphs need TensorRT >= {min_version} "
+            f"(ONNX opsets up to 24, TensorScatter); {INSTALL_HINT}"
+        )
+    return trt
+
+
+# ------------------------------------------------------------------------------------------
+# Options and plans (no TensorRT needed)
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BuildOptions:
+    """What to build.
+
+    ``axis_ranges``: profile per named axis (``batch``, ``src_len``, ``cache_len``...); missing
+    ones default to :func:`export.trt_readiness.default_axis_ranges` with the manifest's
+    ``max_len``. ``batch`` counts decoder rows: sources x beams.
+    """
+
+    precision: str = "fp32"
+    typing: str = "strong"
+    axis_ranges: dict[str, AxisRange] = field(default_factory=dict)
+    output_dir: Optional[Union[str, os.PathLike]] = None  # default: the export folder
+    timing_cache: Optional[Union[str, os.PathLike]] = None  # default: <output_dir>/tensorrt.timing.cache
+    workspace_mib: int = 4096
+    tf32: bool = False
+    optimization_level: Optional[int] = None  # TensorRT's builder_optimization_level (0..5; default 3)
+    keep_onnx: bool = True  # write the converted fp16/bf16 graphs next to the engines
+
+    def validate(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if self.typing not in TYPINGS:
+            raise ValueError(f"typing must be one of {TYPINGS}, got {self.typing!r}")
+        if self.workspace_mib < 1:
+            raise ValueError(f"workspace_mib must be >= 1, got {self.workspace_mib}")
+        if self.optimization_level is not None and not 0 <= self.optimization_level <= 5:
+            raise ValueError(f"optimization_level must be in 0..5, got {self.optimization_level}")
+        for axis, r in self.axis_ranges.items():
+            problems = r.problems(axis)
+            if problems:
+                raise ValueError("; ".join(problems))
+
+
+def precision_flags(precision: str, typing: str = "strong", tf32: bool = False) -> dict[str, list[str]]:
+    """Network-creation flags, builder flags to set and to clear, by name (resolved against
+    ``tensorrt`` at build time)::
+
+        fp32 strong -> network [STRONGLY_TYPED], set [],                                clear [TF32]
+        fp16 strong -> network [STRONGLY_TYPED], set [],                                clear [TF32]
+        fp16 weak   -> network [],               set [FP16, OBEY_PRECISION_CONSTRAINTS], clear [TF32]
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if typing not in TYPINGS:
+        raise ValueError(f"typing must be one of {TYPINGS}, got {typing!r}")
+    network = ["STRONGLY_TYPED"] if typing == "strong" else []
+    set_flags: list[str] = []
+    if typing == "weak" and PRECISIONS[precision]["weak_flag"]:
+        set_flags += [PRECISIONS[precision]["weak_flag"], "OBEY_PRECISION_CONSTRAINTS"]
+    clear = [] if tf32 else ["TF32"]
+    if tf32:
+        set_flags.append("TF32")
+    return {"network": network, "set": set_flags, "clear": clear}
+
+
+@dataclass
+class EnginePlan:
+    """One engine: its graph, files, profile shapes and I/O dtypes."""
+
+    graph: str  # "encoder" | "decoder_step"
+    onnx_path: str  # the original graph
+    engine_file: str
+    converted_onnx_file: Optional[str]
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+    io_dtypes: dict[str, str]
+    pinned_axes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class BuildPlan:
+    """Everything :func:`build_engines` will do, decided without TensorRT."""
+
+    export_dir: str
+    output_dir: str
+    precision: str
+    typing: str
+    cache_dtype: str
+    flavour: str
+    flags: dict[str, list[str]]
+    axis_ranges: dict[str, AxisRange]
+    timing_cache: str
+    workspace_bytes: int
+    optimization_level: Optional[int]
+    engines: list[EnginePlan]
+    readiness: ReadinessReport
+
+    def engine(self, graph: str) -> EnginePlan:
+        for e in self.engines:
+            if e.graph == graph:
+                return e
+        raise KeyError(graph)
+
+
+@dataclass
+class BuildResult:
+    plan: BuildPlan
+    engine_paths: dict[str, str]
+    manifest_path: str
+    timing_cache_path: str
+    tensorrt_version: str
+
+
+# ------------------------------------------------------------------------------------------
+# Graph rewrites: pin axes, convert precision
+# ------------------------------------------------------------------------------------------
+
+
+def pin_axes(model: onnx.ModelProto, values: Mapping[str, int]) -> onnx.ModelProto:
+    """A copy of ``model`` whose named dims in ``values`` are fixed (inputs, outputs, value_info).
+
+    TensorRT's KV-cache update layer (``TensorScatter``) needs a static cache length, so the
+    ``tensorscatter`` flavour is built with ``cache_len`` pinned to the engine's capacity.
+    """
+    out = copy.deepcopy(model)
+    for vi in list(out.graph.input) + list(out.graph.output) + list(out.graph.value_info):
+        if not vi.type.HasField("tensor_type"):
+            continue
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param in values:
+                v = int(values[d.dim_param])
+                d.ClearField("dim_param")
+                d.dim_value = v
+    return out
+
+
+def _tensor_types(model: onnx.ModelProto) -> dict[str, int]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as exc:  # noqa: BLE001
+        raise PrecisionConversionError(f"ONNX shape inference failed on {model.graph.name!r}: {exc}") from exc
+    types: dict[str, int] = {}
+    for vi in list(inferred.graph.input) + list(inferred.graph.output) + list(inferred.graph.value_info):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for t in inferred.graph.initializer:
+        types[t.name] = t.data_type
+    for node in inferred.graph.node:  # Constant outputs are not always in value_info
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    types.setdefault(node.output[0], a.t.data_type)
+                elif a.name in ("value_float", "value_floats"):
+                    types.setdefault(node.output[0], TensorProto.FLOAT)
+    return types
+
+
+def _to_low(array: np.ndarray, low: int) -> onnx.TensorProto:
+    np_dtype = helper.tensor_dtype_to_np_dtype(low)
+    return numpy_helper.from_array(np.asarray(array, dtype=np.float32).astype(np_dtype))
+
+
+def convert_precision(
+    model: onnx.ModelProto,
+    precision: str,
+    *,
+    float32_ops: frozenset[str] = FLOAT32_OPS,
+    float32_outputs: Sequence[str] = FLOAT32_OUTPUTS,
+) -> onnx.ModelProto:
+    """A copy of a float32 graph in fp16 or bf16, for a strongly typed TensorRT network.
+
+    * float32 initializers, constants and graph inputs/outputs become the low precision (so the
+      self- and cross-attention caches and ``new_key``/``present_key`` outputs have the dtype of
+      :data:`CACHE_DTYPES`), except the outputs in ``float32_outputs`` (``logits``), which get a
+      final ``Cast`` to float32;
+    * nodes in ``float32_ops`` (softmax, normalizations, reductions...) compute in float32: a
+      ``Cast`` up in front of each low-precision float input, a ``Cast`` down behind each output
+      that a low-precision node reads; initializers read only by such nodes stay float32;
+    * ``Cast(to=FLOAT)`` / ``ConstantOfShape`` of float32 produce the low precision instead.
+
+    The result passes ``onnx.checker`` and strict type inference, or
+    :class:`PrecisionConversionError` is raised. ``fp32`` returns an unchanged copy.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    out = copy.deepcopy(model)
+    if precision == "fp32":
+        return out
+    low = PRECISIONS[precision]["onnx_type"]
+    FLOAT = TensorProto.FLOAT
+    g = out.graph
+    types = _tensor_types(out)
+    # Work on copies addressed by index (protobuf wrappers have no stable identity).
+    nodes: list[onnx.NodeProto] = []
+    for n in g.node:
+        clone = onnx.NodeProto()
+        clone.CopyFrom(n)
+        nodes.append(clone)
+    for n in nodes:
+        if n.domain not in ("", "ai.onnx"):
+            raise PrecisionConversionError(f"cannot convert custom op {n.domain}::{n.op_type}")
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            raise PrecisionConversionError(f"cannot convert {n.op_type}: subgraphs are not supported")
+    float_names = {name for name, t in types.items() if t == FLOAT}
+    keep = {k for k, n in enumerate(nodes) if n.op_type in float32_ops}
+    consumers: dict[str, list[int]] = {}
+    for k, n in enumerate(nodes):
+        for i in n.input:
+            if i:
+                consumers.setdefault(i, []).append(k)
+    graph_outputs = {o.name for o in g.output}
+
+    # New type of every float32 tensor: FLOAT when computed by a kept node (or a float32-only
+    # constant), else the low precision.
+    new_type: dict[str, int] = {name: low for name in float_names}
+    for k in keep:
+        for o in nodes[k].output:
+            if o in float_names:
+                new_type[o] = FLOAT
+
+    def only_kept_consumers(name: str) -> bool:
+        cons = consumers.get(name, [])
+        return bool(cons) and all(c in keep for c in cons) and name not in graph_outputs
+
+    # Initializers and constant-producing nodes.
+    for t in g.initializer:
+        if t.data_type != FLOAT:
+            continue
+        if only_kept_consumers(t.name):
+            new_type[t.name] = FLOAT
+            continue
+        conv = _to_low(numpy_helper.to_array(t), low)
+        conv.name = t.name
+        t.CopyFrom(conv)
+        new_type[t.name] = low
+    for n in nodes:
+        if n.op_type == "Constant" and n.output[0] in float_names:
+            if only_kept_consumers(n.output[0]):
+                new_type[n.output[0]] = FLOAT
+                continue
+            value = None
+            for a in n.attribute:
+                if a.name == "value":
+                    value = numpy_helper.to_array(a.t)
+                elif a.name == "value_float":
+                    value = np.array(a.f, dtype=np.float32)
+                elif a.name == "value_floats":
+                    value = np.array(list(a.floats), dtype=np.float32)
+            if value is not None:
+                del n.attribute[:]
+                n.attribute.append(helper.make_attribute("value", _to_low(value, low)))
+        elif n.op_type == "ConstantOfShape" and n.output[0] in float_names:
+            for a in n.attribute:
+                if a.name == "value":
+                    a.t.CopyFrom(_to_low(numpy_helper.to_array(a.t), low))
+            if not any(a.name == "value" for a in n.attribute):  # default value: float32 zero
+                n.attribute.append(helper.make_attribute("value", _to_low(np.zeros(1, np.float32), low)))
+        elif n.op_type == "Cast" and any(a.name == "to" and a.i == FLOAT for a in n.attribute):
+            if n.output[0] in float32_outputs and n.output[0] in graph_outputs:
+                new_type[n.output[0]] = FLOAT  # already the float32 output cast
+                continue
+            for a in n.attribute:
+                if a.name == "to":
+                    a.i = low
+
+    # Cast insertion in front of nodes whose inputs have the other precision.
+    cast_cache: dict[tuple[str, int], str] = {}
+    rebuilt: list[onnx.NodeProto] = []
+    for k, n in enumerate(nodes):
+        kept = k in keep
+        for idx, i in enumerate(n.input):
+            if not i or i not in new_type:
+                continue
+            want = None
+            if kept and new_type[i] == low:
+                want = FLOAT
+            elif not kept and new_type[i] == FLOAT and n.op_type not in _TYPE_AGNOSTIC_INPUTS:
+                want = low
+            if want is None:
+                continue
+            key = (i, want)
+            if key not in cast_cache:
+                cast_cache[key] = f"{i}__{'fp32' if want == FLOAT else precision}"
+                rebuilt.append(helper.make_node("Cast", [i], [cast_cache[key]], to=want,
+                                                name=f"precision_cast_{len(cast_cache)}"))
+            n.input[idx] = cast_cache[key]
+        rebuilt.append(n)
+
+    # Graph outputs: float32 ones end in a Cast up, the others must be low precision.
+    tail: list[onnx.NodeProto] = []
+    renames: dict[str, str] = {}
+    for o in g.output:
+        if o.name not in new_type:
+            continue
+        want = FLOAT if o.name in float32_outputs else low
+        if new_type[o.name] != want:
+            inner = f"{o.name}__{'fp32' if new_type[o.name] == FLOAT else precision}_value"
+            renames[o.name] = inner
+            tail.append(helper.make_node("Cast", [inner], [o.name], to=want, name=f"precision_output_cast_{o.name}"))
+        o.type.tensor_type.elem_type = want
+    if renames:
+        for n in rebuilt:
+            for idx, o in enumerate(n.output):
+                if o in renames:
+                    n.output[idx] = renames[o]
+            for idx, i in enumerate(n.input):
+                if i in renames:
+                    n.input[idx] = renames[i]
+    del g.node[:]
+    g.node.extend(rebuilt + tail)
+    for vi in g.input:
+        if vi.name in new_type and vi.type.tensor_type.elem_type == FLOAT:
+            vi.type.tensor_type.elem_type = new_type[vi.name]
+    del g.value_info[:]  # stale types; strict inference below recomputes them
+    try:
+        onnx.checker.check_model(out)
+        onnx.shape_inference.infer_shapes(out, check_type=True, strict_mode=True)
+    except Exception as exc:  # noqa: BLE001
+        raise PrecisionConversionError(
+            f"the {precision} conversion of {model.graph.name!r} is not type-consistent: {exc}"
+        ) from exc
+    n_casts = sum(1 for n in out.graph.node if n.name.startswith("precision_"))
+    logger.info("converted %s to %s: %d nodes kept in float32, %d casts inserted, outputs %s stay float32",
+                model.graph.name, precision, len(keep), n_casts, [o for o in float32_outputs if o in graph_outputs])
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Planning
+# ------------------------------------------------------------------------------------------
+
+
+def _io_dtypes(model: onnx.ModelProto) -> dict[str, str]:
+    return {s.name: s.dtype for s in input_specs(model) + output_specs(model)}
+
+
+def _weak_io_dtypes(model: onnx.ModelProto, precision: str) -> dict[str, str]:
+    """I/O dtypes the weakly-typed path gives the network: float I/O in the cache dtype, logits float32."""
+    cache = CACHE_DTYPES[precision]
+    out = {}
+    for name, dtype in _io_dtypes(model).items():
+        out[name] = cache if dtype == "float32" and name not in FLOAT32_OUTPUTS else dtype
+    return out
+
+
+def _load_full(path: Path) -> onnx.ModelProto:
+    try:
+        return onnx.load(os.fspath(path))
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"cannot load {path}: {exc}") from exc
+
+
+def plan_build(
+    export_dir: Union[str, os.PathLike], options: Optional[BuildOptions] = None
+) -> tuple[BuildPlan, dict[str, onnx.ModelProto]]:
+    """Decide everything about a build without TensorRT: readiness, axis ranges, graph rewrites,
+    profile shapes, flags, file names. Returns the plan and the graphs to parse.
+
+    Raises:
+        FileNotFoundError: no export folder.
+        TensorRTReadinessError: the (rewritten) graphs would not build; lists every problem.
+    """
+    options = options or BuildOptions()
+    options.validate()
+    export_dir = Path(export_dir).resolve()
+    if not export_dir.is_dir():
+        raise FileNotFoundError(f"export folder not found: {export_dir} (write one with `python -m export.onnx`)")
+    output_dir = Path(options.output_dir).resolve() if options.output_dir else export_dir
+    manifest = read_manifest(export_dir)
+    max_positions = manifest_max_positions(manifest)
+
+    user_ranges = dict(options.axis_ranges)
+    if CACHE_LEN in user_ranges and not user_ranges[CACHE_LEN].static and (export_dir / DECODER_FILE).is_file():
+        try:
+            dec_outputs = [o.name for o in onnx.load(os.fspath(export_dir / DECODER_FILE), load_external_data=False).graph.output]
+        except Exception:  # noqa: BLE001 - the readiness check below reports a corrupt graph
+            dec_outputs = []
+        if decoder_flavour(dec_outputs) == "tensorscatter":
+            n = user_ranges[CACHE_LEN].max
+            logger.warning("tensorscatter flavour: TensorRT's KV-cache update layer needs a static cache length; "
+                           "cache_len %s -> %d:%d:%d", user_ranges[CACHE_LEN], n, n, n)
+            user_ranges[CACHE_LEN] = AxisRange(n, n, n)
+    # The original graphs are checked first (manifest included): problems there are the exporter's.
+    readiness_original = check_export_dir(export_dir, user_ranges or None, raise_on_error=True)
+    flavour = readiness_original.flavour or "portable"
+    ranges = dict(readiness_original.axis_ranges)
+
+    originals = {"encoder": _load_full(export_dir / ENCODER_FILE), "decoder_step": _load_full(export_dir / DECODER_FILE)}
+    pinned: dict[str, int] = {}
+    if flavour == "tensorscatter":
+        # TensorRT's KV-cache update layer needs a static cache length (and aliases in/out).
+        pinned[CACHE_LEN] = ranges[CACHE_LEN].max
+        ranges[CACHE_LEN] = AxisRange(pinned[CACHE_LEN], pinned[CACHE_LEN], pinned[CACHE_LEN])
+
+    graphs: dict[str, onnx.ModelProto] = {}
+    for key, model in originals.items():
+        m = pin_axes(model, pinned) if pinned and key == "decoder_step" else model
+        if options.typing == "strong" and options.precision != "fp32":
+            m = convert_precision(m, options.precision)
+        graphs[key] = m
+    # The graphs TensorRT will parse are checked too (types after conversion, pinned axes).
+    readiness = check_export_dir(export_dir, ranges, raise_on_error=True, graphs=graphs, compare_manifest=False)
+
+    suffix = options.precision
+    engines = []
+    for key, m in graphs.items():
+        engines.append(EnginePlan(
+            graph=key,
+            onnx_path=os.fspath(export_dir / f"{key}.onnx"),
+            engine_file=f"{key}.{suffix}.engine",
+            converted_onnx_file=f"{key}.{suffix}.onnx" if (options.keep_onnx and m is not originals[key]
+                                                          and options.precision != "fp32") else None,
+            shapes=profile_shapes(input_specs(m), ranges),
+            io_dtypes=_io_dtypes(m) if options.typing == "strong" else _weak_io_dtypes(m, options.precision),
+            pinned_axes=dict(pinned) if key == "decoder_step" else {},
+        ))
+    timing_cache = Path(options.timing_cache).resolve() if options.timing_cache else output_dir / "tensorrt.timing.cache"
+    plan = BuildPlan(
+        export_dir=os.fspath(export_dir),
+        output_dir=os.fspath(output_dir),
+        precision=options.precision,
+        typing=options.typing,
+        cache_dtype=CACHE_DTYPES[options.precision],
+        flavour=flavour,
+        flags=precision_flags(options.precision, options.typing, options.tf32),
+        axis_ranges=ranges,
+        timing_cache=os.fspath(timing_cache),
+        workspace_bytes=int(options.workspace_mib) << 20,
+        optimization_level=options.optimization_level,
+        engines=engines,
+        readiness=readiness,
+    )
+    logger.info("plan: %s %s-typed, cache dtype %s, flavour %s, profile %s", plan.precision, plan.typing,
+                plan.cache_dtype, plan.flavour, ", ".join(f"{k}={v}" for k, v in sorted(ranges.items())))
+    return plan, graphs
+
+
+# ------------------------------------------------------------------------------------------
+# Building (TensorRT)
+# ------------------------------------------------------------------------------------------
+
+
+def describe_parser_error(error: Any) -> str:
+    """One line for a TensorRT ``ParserError``: code, description, node index, name and op."""
+
+    def get(attr):
+        fn = getattr(error, attr, None)
+        if fn is None:
+            return None
+        try:
+            return fn() if callable(fn) else fn
+        except Exception:  # noqa: BLE001 - older parsers lack some accessors
+            return None
+
+    code = get("code")
+    code = getattr(code, "name", code)
+    parts = [f"{code}: {get('desc')}"]
+    node = get("node")
+    if node is not None and node != -1:
+        name, op = get("node_name"), get("node_operator")
+        parts.append(f"at node {node}" + (f" {name!r}" if name else "") + (f" ({op})" if op else ""))
+    where = get("file"), get("line"), get("func")
+    if where[0]:
+        parts.append(f"[{where[2]} {os.path.basename(str(where[0]))}:{where[1]}]")
+    return " ".join(parts)
+
+
+class _TrtLogger:
+    """Route TensorRT's log through :mod:`logging`."""
+
+    @staticmethod
+    def create(trt):
+        class Logger(trt.ILogger):
+            def __init__(self):
+                trt.ILogger.__init__(self)
+
+            def log(self, severity, msg):
+                level = {
+                    trt.ILogger.Severity.INTERNAL_ERROR: logging.CRITICAL,
+                    trt.ILogger.Severity.ERROR: logging.ERROR,
+                    trt.ILogger.Severity.WARNING: logging.WARNING,
+                    trt.ILogger.Severity.INFO: logging.DEBUG,
+                    trt.ILogger.Severity.VERBOSE: logging.DEBUG,
+                }.get(severity, logging.INFO)
+                logger.log(level, "[TensorRT] %s", msg)
+
+        return Logger()
+
+
+def _float32_layer_types(trt) -> set:
+    return {t for t in (getattr(trt.LayerType, n, None) for n in ("SOFTMAX", "REDUCE", "NORMALIZATION")) if t is not None}
+
+
+def apply_weak_precision(trt, network, precision: str, io_dtypes: Mapping[str, str]) -> int:
+    """Weakly-typed reduced precision: pin softmax / reduce / normalization layers (and their
+    outputs) to float32, give the network I/O the planned dtypes. Returns the layers pinned."""
+    trt_dtypes = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16,
+                  "int64": trt.int64, "int32": trt.int32, "bool": trt.bool}
+    pinned = 0
+    kinds = _float32_layer_types(trt)
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type in kinds:
+            layer.precision = trt.float32
+            for j in range(layer.num_outputs):
+                layer.set_output_type(j, trt.float32)
+            pinned += 1
+    for i in range(network.num_inputs):
+        t = network.get_input(i)
+        if t.name in io_dtypes:
+            t.dtype = trt_dtypes[io_dtypes[t.name]]
+    for i in range(network.num_outputs):
+        t = network.get_output(i)
+        if t.name in io_dtypes:
+            t.dtype = trt_dtypes[io_dtypes[t.name]]
+    logger.info("weak typing: %d softmax/reduce/normalization layers pinned to float32", pinned)
+    return pinned
+
+
+def _build_one(trt, trt_logger, plan: BuildPlan, eplan: EnginePlan, model: onnx.ModelProto, timing_cache) -> bytes:
+    builder = trt.Builder(trt_logger)
+    flags = 0
+    for name in plan.flags["network"]:
+        flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, name))
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, trt_logger)
+    logger.info("parsing %s (%s)", eplan.graph, eplan.converted_onnx_file or eplan.onnx_path)
+    if model.ByteSize() >= 2**31:
+        raise TensorRTBuildError(f"{eplan.graph}: the graph with its weights exceeds 2 GiB, the protobuf limit of "
+                                 "an in-memory parse; export with external weights and build from files")
+    if not parser.parse(model.SerializeToString(), eplan.onnx_path):
+        errors = [describe_parser_error(parser.get_error(i)) for i in range(parser.num_errors)]
+        for i, e in enumerate(errors):
+            logger.error("%s: parser error %d/%d: %s", eplan.graph, i + 1, len(errors), e)
+        raise TensorRTParseError(f"{eplan.graph}.onnx", errors)
+    names = {network.get_input(i).name for i in range(network.num_inputs)}
+    if names != set(eplan.shapes):
+        raise TensorRTBuildError(
+            f"{eplan.graph}: the parsed network's inputs {sorted(names)} differ from the planned profile's "
+            f"{sorted(eplan.shapes)}"
+        )
+    if plan.typing == "weak":
+        apply_weak_precision(trt, network, plan.precision, eplan.io_dtypes)
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, plan.workspace_bytes)
+    for f in plan.flags["set"]:
+        config.set_flag(getattr(trt.BuilderFlag, f))
+    for f in plan.flags["clear"]:
+        config.clear_flag(getattr(trt.BuilderFlag, f))
+    if plan.optimization_level is not None:
+        config.builder_optimization_level = plan.optimization_level
+    config.set_timing_cache(timing_cache, False)
+    profile = builder.create_optimization_profile()
+    for name, (lo, mid, hi) in eplan.shapes.items():
+        profile.set_shape(name, lo, mid, hi)
+    config.add_optimization_profile(profile)
+    logger.info("building %s engine (%s, %s typing); this takes a while", eplan.graph, plan.precision, plan.typing)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise TensorRTBuildError(
+            f"TensorRT could not build the {eplan.graph} engine ({plan.precision}); the TensorRT errors above "
+            "say why (raise the log level with -v)"
+        )
+    return bytes(memoryview(serialized))
+
+
+_TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
+               "BOOL": "bool", "UINT8": "uint8", "INT8": "int8"}
+
+
+def _engine_io(trt, trt_logger, data: bytes) -> dict[str, dict[str, Any]]:
+    """Names, modes, dtypes and shapes of a serialized engine's I/O tensors."""
+    runtime = trt.Runtime(trt_logger)
+    engine = runtime.deserialize_cuda_engine(data)
+    if engine is None:
+        raise TensorRTBuildError("TensorRT could not deserialize the engine it just built")
+    out = {}
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        out[name] = {
+            "mode": engine.get_tensor_mode(name).name.lower(),
+            "dtype": _TRT_DTYPES.get(engine.get_tensor_dtype(name).name, engine.get_tensor_dtype(name).name),
+            "shape": list(engine.get_tensor_shape(name)),
+        }
+    return out
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _gpu_info() -> dict[str, Any]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            return {"name": p.name, "compute_capability": f"{p.major}.{p.minor}"}
+    except Exception:  # noqa: BLE001 - torch is optional here
+        pass
+    return {}
+
+
+def manifest_section(plan: BuildPlan, engine_bytes: Mapping[str, bytes], engine_io: Mapping[str, Any],
+                     trt_version: str) -> dict[str, Any]:
+    """The ``tensorrt.engines[<precision>]`` entry of the manifest."""
+    return {
+        "precision": plan.precision,
+        "typing": plan.typing,
+        "cache_dtype": plan.cache_dtype,
+        "flavour": plan.flavour,
+        "tensorrt_version": trt_version,
+        "target_parser": f"TensorRT {TRT_TARGET_VERSION}+",
+        "flags": plan.flags,
+        "axes": {k: asdict(v) for k, v in sorted(plan.axis_ranges.items())},
+        "engines": {
+            e.graph: {
+                "file": e.engine_file,
+                "bytes": len(engine_bytes[e.graph]),
+                "sha256": _sha256(engine_bytes[e.graph]),
+                "onnx": e.converted_onnx_file or os.path.relpath(e.onnx_path, plan.output_dir),
+                "profile": {name: {"min": list(lo), "opt": list(mid), "max": list(hi)}
+                            for name, (lo, mid, hi) in e.shapes.items()},
+                "io_dtypes": e.io_dtypes,
+                "io": engine_io.get(e.graph, {}),
+                "pinned_axes": e.pinned_axes,
+            }
+            for e in plan.engines
+        },
+        "timing_cache": os.path.relpath(plan.timing_cache, plan.output_dir),
+        "device": _gpu_info(),
+        "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "readiness_warnings": [str(w) for w in plan.readiness.warnings],
+    }
+
+
+def update_manifest(manifest: dict[str, Any], plan: BuildPlan, section: Mapping[str, Any]) -> dict[str, Any]:
+    """``manifest`` with ``tensorrt.engines[precision] = section`` and the cache dtype table."""
+    out = copy.deepcopy(manifest)
+    trt_section = out.setdefault("tensorrt", {})
+    trt_section["cache_dtypes"] = dict(CACHE_DTYPES)
+    trt_section.setdefault("engines", {})[plan.precision] = dict(section)
+    if plan.output_dir != plan.export_dir:
+        out.setdefault("onnx_dir", os.path.relpath(plan.export_dir, plan.output_dir))
+    return out
+
+
+def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOptions] = None) -> BuildResult:
+    """Build the encoder and decoder-step engines of an export folder (see the module docstring).
+
+    Raises:
+        TensorRTReadinessError: the graphs fail the static check (nothing is built).
+        TensorRTNotAvailableError: TensorRT is not installed (after the readiness check passed).
+        TensorRTParseError / TensorRTBuildError: TensorRT rejected a graph (nothing is written).
+    """
+    options = options or BuildOptions()
+    plan, graphs = plan_build(export_dir, options)
+    trt = import_tensorrt()
+    trt_logger = _TrtLogger.create(trt)
+    out_dir = Path(plan.output_dir)
+    timing_path = Path(plan.timing_cache)
+
+    # One timing cache object, created from the file (if any), shared by every engine's config;
+    # the builder and config that created it stay alive until the end of the build.
+    cache_builder = trt.Builder(trt_logger)
+    cache_config = cache_builder.create_builder_config()
+    cache_bytes = timing_path.read_bytes() if timing_path.exists() else b""
+    timing_cache = cache_config.create_timing_cache(cache_bytes)
+    if cache_bytes:
+        logger.info("timing cache: %s (%d bytes)", timing_path, len(cache_bytes))
+
+    engine_bytes: dict[str, bytes] = {}
+    engine_io: dict[str, Any] = {}
+    for eplan in plan.engines:
+        engine_bytes[eplan.graph] = _build_one(trt, trt_logger, plan, eplan, graphs[eplan.graph], timing_cache)
+        engine_io[eplan.graph] = _engine_io(trt, trt_logger, engine_bytes[eplan.graph])
+        built = {name: info["dtype"] for name, info in engine_io[eplan.graph].items()}
+        if built != eplan.io_dtypes:
+            diff = sorted(n for n in set(built) | set(eplan.io_dtypes) if built.get(n) != eplan.io_dtypes.get(n))
+            raise TensorRTBuildError(
+                f"the {eplan.graph} engine's I/O differs from the plan at {diff}: engine "
+                f"{ {n: built.get(n) for n in diff} }, plan { {n: eplan.io_dtypes.get(n) for n in diff} }"
+            )
+
+    # Everything built: write the timing cache, converted graphs, engines, and the manifest last.
+    _atomic_write(timing_path, bytes(memoryview(timing_cache.serialize())))
+    paths = {}
+    for eplan in plan.engines:
+        if eplan.converted_onnx_file:
+            _atomic_write(out_dir / eplan.converted_onnx_file, graphs[eplan.graph].SerializeToString())
+        path = out_dir / eplan.engine_file
+        _atomic_write(path, engine_bytes[eplan.graph])
+        paths[eplan.graph] = os.fspath(path)
+    trt_version = getattr(trt, "__version__", "?")
+    section = manifest_section(plan, engine_bytes, engine_io, trt_version)
+    # The output folder's manifest keeps the engines of other precisions built there before.
+    base = read_manifest(out_dir) if (out_dir / MANIFEST_FILE).exists() else read_manifest(plan.export_dir)
+    manifest = update_manifest(base, plan, section)
+    manifest_path = out_dir / MANIFEST_FILE
+    _atomic_write(manifest_path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    logger.info("wrote %s, %s and %s", paths["encoder"], paths["decoder_step"], manifest_path)
+    return BuildResult(plan, paths, os.fspath(manifest_path), os.fspath(timing_path), trt_version)
+
+
+# ------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------
+
+
+def _axis_arg(text: str) -> tuple[str, AxisRange]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected NAME=MIN:OPT:MAX, got {text!r}")
+    name, value = text.split("=", 1)
+    try:
+        return name.strip(), parse_axis_range(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _range_arg(text: str) -> AxisRange:
+    try:
+        return parse_axis_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m export.tensorrt",
+        description="Build TensorRT engines (encoder + decoder step) from a `python -m export.onnx` folder.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "Ranges are MIN:OPT:MAX or N (= 1:N:N). Defaults: batch 1:16:64, src_len 1:32:max_len, "
+            "cache_len 1:64:max_len (max_len from the manifest).\n"
+            "Examples:\n"
+            "  python -m export.tensorrt onnx_export --check-only\n"
+            "  python -m export.tensorrt onnx_export --precision fp16 --batch 1:16:64 --cache-len 1:64:128\n"
+            f"TensorRT >= {MIN_TENSORRT_VERSION} is needed to build: {INSTALL_HINT}."
+        ),
+    )
+    p.add_argument("export_dir", nargs="?", default="onnx_export",
+                   help="folder written by `python -m export.onnx` (default: onnx_export)")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+                   help="engine precision; caches are float32 / float16 / bfloat16 accordingly; softmax, "
+                        "normalizations and reductions stay float32 (default: fp32)")
+    p.add_argument("--typing", choices=TYPINGS, default="strong",
+                   help="strong: convert the graphs to the precision and build a strongly typed network "
+                        "(default); weak: TensorRT 10.x builder flags with float32 layer constraints")
+    p.add_argument("--batch", type=_range_arg, metavar="MIN:OPT:MAX",
+                   help="decoder rows per call (sources x beams); also the encoder batch")
+    p.add_argument("--src-len", type=_range_arg, metavar="MIN:OPT:MAX", help="source length in tokens")
+    p.add_argument("--cache-len", type=_range_arg, metavar="MIN:OPT:MAX",
+                   help="self-attention cache capacity (the tensorscatter flavour uses a static one: N)")
+    p.add_argument("--axis", type=_axis_arg, action="append", default=[], metavar="NAME=MIN:OPT:MAX",
+                   help="range of any other named dynamic axis (repeatable)")
+    p.add_argument("--output-dir", help="where engines and the updated manifest go (default: the export folder)")
+    p.add_argument("--timing-cache", help="timing cache file, read if present and updated (default: "
+                                          "<output-dir>/tensorrt.timing.cache)")
+    p.add_argument("--workspace-mib", type=int, default=4096, help="builder workspace limit in MiB (default: 4096)")
+    p.add_argument("--optimization-level", type=int, choices=range(6), metavar="0..5",
+                   help="TensorRT builder optimization level (TensorRT's default: 3)")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 math in float32 layers (off: parity with eager)")
+    p.add_argument("--no-keep-onnx", action="store_true", help="do not write the converted fp16/bf16 graphs")
+    p.add_argument("--check-only", action="store_true",
+                   help="only run the TensorRT readiness check over the graphs (no TensorRT needed)")
+    p.add_argument("--json", action="store_true", help="with --check-only: print the report as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (TensorRT's own log included)")
+    return p
+
+
+def _options_from_args(args) -> BuildOptions:
+    ranges: dict[str, AxisRange] = {}
+    for name, value in args.axis:
+        ranges[name] = value
+    for name, value in ((BATCH, args.batch), (SRC_LEN, args.src_len), (CACHE_LEN, args.cache_len)):
+        if value is not None:
+            ranges[name] = value
+    return BuildOptions(
+        precision=args.precision, typing=args.typing, axis_ranges=ranges, output_dir=args.output_dir,
+        timing_cache=args.timing_cache, workspace_mib=args.workspace_mib, tf32=args.tf32,
+        optimization_level=args.optimization_level, keep_onnx=not args.no_keep_onnx,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        options = _options_from_args(args)
+        options.validate()
+        if args.check_only:
+            plan, _ = plan_build(args.export_dir, options)
+            report = plan.readiness
+            print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+            print(f"engines would be: {', '.join(e.engine_file for e in plan.engines)} "
+                  f"({plan.precision}, cache dtype {plan.cache_dtype})")
+            return 0
+        result = build_engines(args.export_dir, options)
+    except TensorRTReadinessError as exc:
+        print(exc.report.format(), file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (TensorRTNotAvailableError, TensorRTParseError, TensorRTBuildError, PrecisionConversionError,
+            FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    plan = result.plan
+    print(f"TensorRT {result.tensorrt_version}: built {plan.precision} engines ({plan.typing} typing, "
+          f"cache dtype {plan.cache_dtype}, flavour {plan.flavour})")
+    for graph, path in result.engine_paths.items():
+        print(f"  {graph:13s} {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
+    print(f"  manifest      {result.manifest_path}\n  timing cache  {result.timing_cache_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

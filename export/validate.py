@@ -1,0 +1,436 @@
+"""Proof that exported graphs match eager PyTorch (DESIGN.md section 3).
+
+Two levels, both raising typed errors that are never swallowed:
+
+* :func:`check_graphs` (structure, no runtime): input/output names, dtypes and named axes as in
+  :func:`export.manifest.graph_specs`; no ``If``/``Loop``/``Scan`` node, no local function, no
+  custom domain, no zero-length dimension; shared weights stored once; in the portable flavour
+  the caches are only read by ``MatMul`` (through a ``Transpose`` for keys, never a ``Concat``);
+  in the ``tensorscatter`` flavour only a ``TensorScatter`` with the literal ``axis=-2`` reads a
+  cache input. Raises :class:`export.GraphContractError`.
+* :func:`validate_export` (values, ONNX Runtime vs eager): every output of both graphs on
+  shapes different from the export dummies (batch 1, 3, 8; source lengths from 1 to the
+  maximum; ragged batches; ragged positions; cache entries past the prefix filled with random
+  finite values, which must get zero weight), then whole greedy and beam decodes over a batch
+  through :class:`export.ort_runner.OrtRunner` and :class:`transformer_ext.runner.EagerRunner`,
+  token-identical, with the logits difference of every step. A value beyond the tolerance
+  raises :class:`export.ParityError` naming the output, the step and the largest difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from transformer_ext import decoding, ops
+from transformer_ext.runner import EagerRunner
+
+from . import GraphContractError, ParityError
+from .manifest import graph_specs
+from .ort_runner import OrtRunner
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ValidationReport", "check_graphs", "validate_export"]
+
+FORBIDDEN_OPS = {"If", "Loop", "Scan", "SequenceConstruct", "SequenceInsert", "SequenceAt"}
+_ONNX_DTYPES = {onnx.TensorProto.INT64: "int64", onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+                onnx.TensorProto.BOOL: "bool", onnx.TensorProto.INT32: "int32"}
+_DEDUP_MIN_BYTES = 1024  # initializers smaller than this (scalars, shapes) may repeat
+
+
+# ------------------------------------------------------------------------------------------
+# Structure
+# ------------------------------------------------------------------------------------------
+
+
+def _value_info(v: onnx.ValueInfoProto) -> dict:
+    t = v.type.tensor_type
+    shape = [d.dim_param if d.HasField("dim_param") else int(d.dim_value) for d in t.shape.dim]
+    return {"name": v.name, "dtype": _ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), "shape": shape}
+
+
+def _initializer_bytes(t: onnx.TensorProto) -> int:
+    itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return int(np.prod(t.dims, dtype=np.int64)) * itemsize
+
+
+def _initializer_digest(t: onnx.TensorProto) -> str:
+    return hashlib.sha1(onnx.numpy_helper.to_array(t).tobytes()).hexdigest()
+
+
+def _check_one(graph_name: str, proto: onnx.ModelProto, spec: dict, flavour: str) -> dict:
+    problems: list[str] = []
+    g = proto.graph
+    inputs = [_value_info(v) for v in g.input]
+    outputs = [_value_info(v) for v in g.output]
+    for kind, want, have in (("input", spec["inputs"], inputs), ("output", spec["outputs"], outputs)):
+        if [t["name"] for t in want] != [t["name"] for t in have]:
+            problems.append(f"{kind} names {[t['name'] for t in have]} != {[t['name'] for t in want]}")
+            continue
+        for w, h in zip(want, have):
+            if w["dtype"] != h["dtype"]:
+                problems.append(f"{kind} {w['name']}: dtype {h['dtype']} != {w['dtype']}")
+            if w["shape"] != h["shape"]:
+                problems.append(f"{kind} {w['name']}: axes {h['shape']} != {w['shape']}")
+            if any(d == 0 for d in h["shape"]):
+                problems.append(f"{kind} {w['name']} has a zero-length dimension {h['shape']}")
+    if len(proto.functions):
+        problems.append(f"model-local functions {[f.name for f in proto.functions]} (expected plain nodes)")
+    op_types = sorted({n.op_type for n in g.node})
+    forbidden = sorted(set(op_types) & FORBIDDEN_OPS)
+    if forbidden:
+        problems.append(f"forbidden control-flow/sequence nodes {forbidden}")
+    domains = sorted({n.domain for n in g.node if n.domain not in ("", "ai.onnx")})
+    if domains:
+        problems.append(f"non-standard op domains {domains}")
+    for n in g.node:  # subgraphs would hide control flow
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            problems.append(f"node {n.name} ({n.op_type}) holds a subgraph")
+
+    # Shared weights stored once: no two large initializers with the same bytes.
+    seen: dict[str, str] = {}
+    total = 0
+    for t in g.initializer:
+        size = _initializer_bytes(t)
+        total += size
+        if size >= _DEDUP_MIN_BYTES:
+            digest = _initializer_digest(t)
+            if digest in seen:
+                problems.append(f"initializers {seen[digest]} and {t.name} hold the same data (a weight stored twice)")
+            seen[digest] = t.name
+
+    if graph_name == "decoder_step":
+        consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in g.node:
+            for name in n.input:
+                consumers.setdefault(name, []).append(n)
+        cache_inputs = [t["name"] for t in spec["inputs"] if t["name"].startswith("self_")]
+        for name in cache_inputs:
+            users = consumers.get(name, [])
+            if flavour == "tensorscatter":
+                if len(users) != 1 or users[0].op_type != "TensorScatter":
+                    problems.append(
+                        f"{name} must be read by exactly one TensorScatter node (found {[u.op_type for u in users]})"
+                    )
+                    continue
+                axis = [a.i for a in users[0].attribute if a.name == "axis"]
+                if axis != [-2]:
+                    problems.append(f"the TensorScatter writing {name} must have the literal axis=-2, got {axis}")
+            else:
+                for u in users:
+                    if u.op_type == "Transpose":
+                        later = {c.op_type for out in u.output for c in consumers.get(out, [])}
+                        if not later <= {"MatMul"}:
+                            problems.append(f"the transposed {name} feeds {sorted(later)}, expected MatMul only")
+                    elif u.op_type not in ("MatMul", "Shape"):
+                        problems.append(f"{name} is read by a {u.op_type} node (expected MatMul, Transpose->MatMul, Shape)")
+    if problems:
+        raise GraphContractError(f"{graph_name}.onnx breaks the export contract: " + "; ".join(problems))
+    return {
+        "nodes": len(g.node),
+        "op_types": op_types,
+        "initializers": len(g.initializer),
+        "initializer_bytes": total,
+        "opset": {(o.domain or "ai.onnx"): int(o.version) for o in proto.opset_import},
+        "ir_version": int(proto.ir_version),
+    }
+
+
+def check_graphs(encoder: onnx.ModelProto, decoder: onnx.ModelProto, config, flavour: str,
+                 specs: Optional[dict] = None) -> dict:
+    """Check both graphs against the contract; returns a summary per graph (nodes, weights...).
+
+    Also checks that a tied target embedding / output projection is stored once in the decoder.
+    Raises :class:`GraphContractError` listing every problem.
+    """
+    specs = specs or graph_specs(config.to_dict(), flavour)
+    summary = {
+        "encoder": _check_one("encoder", encoder, specs["encoder"], flavour),
+        "decoder_step": _check_one("decoder_step", decoder, specs["decoder_step"], flavour),
+    }
+    if config.tie_target_embeddings:
+        size = config.tgt_vocab_size * config.d_model
+        matrices = [t.name for t in decoder.graph.initializer if int(np.prod(t.dims, dtype=np.int64)) == size]
+        if len(matrices) != 1:
+            raise GraphContractError(
+                f"decoder_step.onnx: the tied target embedding / output projection ({config.tgt_vocab_size} x "
+                f"{config.d_model}) must be stored once, found {len(matrices)} initializers of that size {matrices}"
+            )
+    for name, proto in (("encoder", encoder), ("decoder_step", decoder)):
+        try:
+            onnx.checker.check_model(proto, full_check=True)
+        except onnx.checker.ValidationError as exc:
+            raise GraphContractError(f"{name}.onnx fails onnx.checker: {exc}") from exc
+    return summary
+
+
+# ------------------------------------------------------------------------------------------
+# Values
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ValidationReport:
+    """What :func:`validate_export` measured (all differences are max absolute differences)."""
+
+    tolerance: float
+    max_abs_diff: dict = field(default_factory=dict)  # "graph/output" -> worst over all cases
+    cases: list = field(default_factory=list)  # the shapes tried
+    greedy: dict = field(default_factory=dict)
+    beam: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def worst(self) -> float:
+        values = list(self.max_abs_diff.values()) + list(self.greedy.get("logits_max_diff_per_step", [])) + list(
+            self.beam.get("logits_max_diff_per_step", []))
+        return float(max(values)) if values else 0.0
+
+    def table(self) -> str:
+        """A human-readable parity table."""
+        lines = [f"parity with eager PyTorch: max |onnxruntime - eager| per output, tolerance {self.tolerance:.0e}",
+                 f"  {'graph':<15}{'output':<20}{'max diff':>10}  status"]
+        for key, diff in self.max_abs_diff.items():
+            graph, output = key.split("/", 1)
+            status = "ok" if diff <= self.tolerance else "FAIL"
+            lines.append(f"  {graph:<15}{output:<20}{diff:>10.2e}  {status}")
+        for name, d in (("greedy", self.greedy), ("beam", self.beam)):
+            if not d:
+                continue
+            per_step = d["logits_max_diff_per_step"]
+            worst_step = int(np.argmax(per_step)) if per_step else -1
+            what = f"beam {d['beam_size']}, " if name == "beam" else ""
+            lines.append(
+                f"  {name + ' decode':<15}{'tokens':<20}{'identical' if d['tokens_identical'] else 'DIFFER':>10}  "
+                f"({what}{d['batch']} sources, {d['steps']} steps, {d['tokens_generated']} tokens)"
+            )
+            lines.append(
+                f"  {'':<15}{'logits per step':<20}{max(per_step) if per_step else 0.0:>10.2e}  "
+                f"worst at step {worst_step}; per step: " + " ".join(f"{x:.1e}" for x in per_step[:10])
+                + (" ..." if len(per_step) > 10 else "")
+            )
+        lines.append("  shapes tried:")
+        lines += [f"    {c['case']}" for c in self.cases]
+        return "\n".join(lines)
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    if a.size == 0:
+        return 0.0
+    diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    return float(np.nan_to_num(diff, nan=np.inf).max())
+
+
+def _record(report: ValidationReport, graph: str, output: str, onnx_value: np.ndarray, eager_value: np.ndarray,
+            case: str, step: Optional[int] = None) -> None:
+    if onnx_value.shape != eager_value.shape:
+        raise ParityError(f"{graph}/{output}", step, float("inf"), report.tolerance,
+                          f"{case}: shape {onnx_value.shape} != eager {eager_value.shape}")
+    diff = _max_diff(onnx_value, eager_value)
+    key = f"{graph}/{output}"
+    report.max_abs_diff[key] = max(report.max_abs_diff.get(key, 0.0), diff)
+    if not diff <= report.tolerance:
+        raise ParityError(key, step, diff, report.tolerance, case)
+
+
+def _ragged_lengths(rng: np.random.Generator, batch: int, src_len: int) -> np.ndarray:
+    lengths = rng.integers(1, src_len + 1, size=batch)
+    lengths[0] = src_len  # the longest row fills the padded length
+    if batch > 1:
+        lengths[-1] = 1  # and the shortest is a single token
+    return lengths.astype(np.int64)
+
+
+def _source_ids(rng: np.random.Generator, config, lengths: np.ndarray, src_len: int) -> np.ndarray:
+    low = 4 if config.src_vocab_size > 4 else 0
+    ids = rng.integers(low, config.src_vocab_size, size=(len(lengths), src_len)).astype(np.int64)
+    for row, n in enumerate(lengths):
+        ids[row, n:] = config.pad_id
+    return ids
+
+
+def _encoder_cases(config) -> list[tuple[int, int]]:
+    """(batch, padded source length): batch 1, 3, 8; lengths 1, the maximum, and one between."""
+    max_len = config.max_len
+    mid = max(1, min(max_len, 11))
+    return [(1, 1), (3, max_len), (8, mid), (1, max_len)]
+
+
+def _decoder_cases(config, max_cache_len: int) -> list[tuple[int, int, int]]:
+    """(batch, padded source length, cache length)."""
+    max_len = config.max_len
+    mid_src = max(1, min(max_len, 9))
+    mid_cache = max(1, min(max_cache_len, 13))
+    return [(1, 1, 1), (3, max_len, max_cache_len), (8, mid_src, mid_cache), (1, mid_src, max_cache_len)]
+
+
+def _check_encoder(report, runner: OrtRunner, model, rng) -> None:
+    config = model.config
+    names = [o["name"] for o in runner.manifest["graphs"]["encoder"]["outputs"]]
+    for batch, src_len in _encoder_cases(config):
+        lengths = _ragged_lengths(rng, batch, src_len)
+        ids = _source_ids(rng, config, lengths, src_len)
+        case = f"encoder batch {batch} src_len {src_len} lengths {_short(lengths)}"
+        onnx_out = runner.encoder.run(names, {"input_ids": ids, "src_lengths": lengths})
+        with torch.inference_mode():
+            enc, ks, vs = model.encode(torch.from_numpy(ids), torch.from_numpy(lengths))
+        eager = [enc] + [t for kv in zip(ks, vs) for t in kv]
+        for name, a, b in zip(names, onnx_out, eager):
+            _record(report, "encoder", name, a, b.numpy(), case)
+        report.cases.append({"graph": "encoder", "batch": batch, "src_len": src_len, "case": case})
+
+
+def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) -> None:
+    config = model.config
+    n = config.n_decoder_layers
+    spec = runner.manifest["graphs"]["decoder_step"]
+    in_names = [t["name"] for t in spec["inputs"]]
+    out_names = [t["name"] for t in spec["outputs"]]
+    for batch, src_len, cache_len in _decoder_cases(config, max_cache_len):
+        lengths = _ragged_lengths(rng, batch, src_len)
+        # Ragged positions: the first row at the last slot, the last row at 0, the rest random.
+        positions = rng.integers(0, min(cache_len, config.max_len), size=batch).astype(np.int64)
+        positions[0] = min(cache_len, config.max_len) - 1
+        if batch > 1:
+            positions[-1] = 0
+        ids = rng.integers(0, config.tgt_vocab_size, size=(batch, 1)).astype(np.int64)
+        self_shape = (batch, config.n_heads, cache_len, config.d_k)
+        cross_shape = (batch, config.n_heads, src_len, config.d_k)
+        # Random finite values everywhere, past the prefix too: those must get zero weight.
+        caches = [rng.standard_normal(self_shape, dtype=np.float32) for _ in range(2 * n)]
+        cross = [rng.standard_normal(cross_shape, dtype=np.float32) for _ in range(2 * n)]
+        feeds = dict(zip(in_names, [ids, positions, lengths, *caches, *cross]))
+        case = (f"decoder_step batch {batch} src_len {src_len} cache_len {cache_len} "
+                f"positions {_short(positions)} src_lengths {_short(lengths)}")
+        # Without IO binding the tensorscatter graph copies each cache (ORT warns): expected here.
+        quiet = ort.RunOptions()
+        quiet.log_severity_level = 3
+        onnx_out = runner.decoder.run(out_names, feeds, quiet)
+
+        t = {k: torch.from_numpy(v.copy()) for k, v in feeds.items()}
+        self_keys = [t[f"self_key.{i}"] for i in range(n)]
+        self_values = [t[f"self_value.{i}"] for i in range(n)]
+        with torch.inference_mode():
+            logits, new_keys, new_values = model.decode_step(
+                t["input_ids"], t["positions"], t["src_lengths"], self_keys, self_values,
+                [t[f"cross_key.{i}"] for i in range(n)], [t[f"cross_value.{i}"] for i in range(n)],
+            )
+            if runner.flavour == "portable":
+                eager = [logits] + [x for kv in zip(new_keys, new_values) for x in kv]
+            else:  # the caches after the eager runner's in-place append
+                for cache, new in zip(self_keys + self_values, new_keys + new_values):
+                    ops.kv_cache_append_(cache, new, t["positions"])
+                eager = [logits] + [x for kv in zip(self_keys, self_values) for x in kv]
+        for name, a, b in zip(out_names, onnx_out, eager):
+            _record(report, "decoder_step", name, a, b.numpy(), case)
+        report.cases.append({"graph": "decoder_step", "batch": batch, "src_len": src_len, "cache_len": cache_len,
+                             "case": case})
+
+
+def _short(a: np.ndarray) -> str:
+    values = a.tolist()
+    return str(values) if len(values) <= 8 else str(values[:8])[:-1] + ", ...]"
+
+
+class _Recorder:
+    """Wraps a runner and keeps a copy of the logits of every step."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.logits: list[np.ndarray] = []
+
+    def encode(self, *args, **kwargs):
+        self.logits = []
+        return self.runner.encode(*args, **kwargs)
+
+    def step(self, state, tokens):
+        out = self.runner.step(state, tokens)
+        self.logits.append(np.array(out, dtype=np.float32, copy=True))
+        return out
+
+    def reorder(self, state, beam_index):
+        self.runner.reorder(state, beam_index)
+
+
+def _compare_decodes(report, kind: str, eager: _Recorder, onnx_rec: _Recorder, eager_tokens, onnx_tokens,
+                     case: str) -> dict:
+    per_step = []
+    for step, (a, b) in enumerate(zip(onnx_rec.logits, eager.logits)):
+        diff = _max_diff(a, b)
+        per_step.append(diff)
+        if not diff <= report.tolerance:
+            raise ParityError(f"{kind} decode logits", step, diff, report.tolerance, case)
+    if len(onnx_rec.logits) != len(eager.logits) or eager_tokens != onnx_tokens:
+        # The first step at which the fed tokens diverge names the failure.
+        step = next((t for t, (x, y) in enumerate(zip(onnx_tokens, eager_tokens)) if x != y), None)
+        detail = f"{case}; eager {eager_tokens} vs onnxruntime {onnx_tokens}"
+        raise ParityError(f"{kind} decode tokens", step if step is not None else len(per_step),
+                          max(per_step) if per_step else 0.0, report.tolerance, detail)
+    return {"steps": len(per_step), "logits_max_diff_per_step": per_step, "tokens_identical": True}
+
+
+def _check_decodes(report, runner: OrtRunner, model, rng, max_cache_len: int, batch: int, max_new_tokens: int,
+                   beam_size: int) -> None:
+    config = model.config
+    src_len = max(1, min(config.max_len, 12))
+    lengths = _ragged_lengths(rng, batch, src_len)
+    ids = _source_ids(rng, config, lengths, src_len)
+    steps = max(1, min(max_new_tokens, max_cache_len, config.max_len))
+    case = f"batch {batch} src_len {src_len} src_lengths {_short(lengths)} max_new_tokens {steps}"
+    eager, onnx_rec = _Recorder(EagerRunner(model, "cpu")), _Recorder(runner)
+    common = dict(bos_id=config.bos_id, eos_id=config.eos_id, max_new_tokens=steps)
+
+    eager_out = decoding.greedy_decode(eager, ids, lengths, **common)
+    onnx_out = decoding.greedy_decode(onnx_rec, ids, lengths, **common)
+    report.greedy = _compare_decodes(report, "greedy", eager, onnx_rec, eager_out, onnx_out, "greedy " + case)
+    report.greedy.update(batch=batch, tokens_generated=sum(len(x) for x in onnx_out))
+
+    eager_hyps = decoding.beam_search(eager, ids, lengths, beam_size=beam_size, n_best=beam_size, **common)
+    onnx_hyps = decoding.beam_search(onnx_rec, ids, lengths, beam_size=beam_size, n_best=beam_size, **common)
+    tokens = lambda hyps: [[h.tokens for h in row] for row in hyps]  # noqa: E731
+    report.beam = _compare_decodes(report, "beam", eager, onnx_rec, tokens(eager_hyps), tokens(onnx_hyps),
+                                   f"beam {beam_size} " + case)
+    report.beam.update(batch=batch, beam_size=beam_size,
+                       tokens_generated=sum(len(h.tokens) for row in onnx_hyps for h in row))
+
+
+def validate_export(
+    export_dir: str | os.PathLike,
+    model,
+    *,
+    tolerance: float,
+    seed: int = 0,
+    max_cache_len: Optional[int] = None,
+    decode_batch: int = 4,
+    max_new_tokens: int = 24,
+    beam_size: int = 3,
+    intra_op_num_threads: int = 2,
+) -> ValidationReport:
+    """Run the export in ``export_dir`` with ONNX Runtime and compare it with ``model`` (eager).
+
+    Returns a :class:`ValidationReport`; raises :class:`ParityError` at the first output, step
+    or decode beyond ``tolerance`` (absolute).
+    """
+    model.eval()
+    runner = OrtRunner(export_dir, intra_op_num_threads=intra_op_num_threads)
+    max_cache_len = int(max_cache_len or runner.max_cache_len)
+    rng = np.random.default_rng(seed)
+    report = ValidationReport(tolerance=float(tolerance))
+    _check_encoder(report, runner, model, rng)
+    _check_decoder(report, runner, model, rng, max_cache_len)
+    _check_decodes(report, runner, model, rng, max_cache_len, decode_batch, max_new_tokens, beam_size)
+    logger.info("validated %s: worst difference %.2e (tolerance %.0e)", export_dir, report.worst, tolerance)
+    return report

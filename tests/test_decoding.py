@@ -1,0 +1,448 @@
+"""Greedy and beam search: cached vs uncached decoding on the model, and the search itself on
+hand-written numpy runners whose probabilities are known exactly."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from transformer_ext.decoding import (
+    Hypothesis,
+    Runner,
+    beam_search,
+    greedy_decode,
+    length_penalty_factor,
+    log_softmax,
+    max_new_tokens_for,
+)
+from transformer_ext.runner import CatCacheRunner, EagerRunner, greedy_decode_uncached
+
+from test_model import make_batch, make_model
+
+NORM_FIRST = [False, True]
+RUNNERS = {"eager": EagerRunner, "catcache": CatCacheRunner}
+LENGTH_PENALTIES = ["gnmt", "seed", "none"]
+ATOL = 1e-5
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Wraps a runner and keeps a copy of every step's logits (and every reorder)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.logits: list[np.ndarray] = []
+        self.reorders: list[np.ndarray] = []
+
+    def encode(self, *args, **kwargs):
+        return self.inner.encode(*args, **kwargs)
+
+    def step(self, state, tokens):
+        out = self.inner.step(state, tokens)
+        self.logits.append(np.array(out, copy=True))
+        return out
+
+    def reorder(self, state, beam_index):
+        self.reorders.append(np.array(beam_index, copy=True))
+        self.inner.reorder(state, beam_index)
+
+
+class FunctionRunner:
+    """A numpy runner whose log-probabilities are a function of (source row, generated prefix).
+
+    It keeps the fed tokens of every row, so a wrong ``reorder`` (or a missing one) gives a row
+    the distribution of the wrong prefix. It also checks the protocol: beams never cross
+    sources, the cache capacity is respected.
+    """
+
+    def __init__(self, vocab_size: int, fn):
+        self.V = vocab_size
+        self.fn = fn  # (source index, prefix tuple) -> log-probs [V]
+        self.steps = 0
+
+    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
+        B = input_ids.shape[0]
+        assert input_ids.dtype == np.int64 and src_lengths.dtype == np.int64
+        return {
+            "src": np.repeat(np.arange(B), num_beams),
+            "K": num_beams,
+            "fed": [[] for _ in range(B * num_beams)],
+            "cache_len": cache_len,
+        }
+
+    def step(self, state, tokens):
+        assert tokens.dtype == np.int64 and tokens.shape == (len(state["fed"]),)
+        self.steps += 1
+        out = np.empty((len(state["fed"]), self.V), dtype=np.float32)
+        for r, tok in enumerate(tokens.tolist()):
+            state["fed"][r].append(tok)
+            assert len(state["fed"][r]) <= state["cache_len"], "cache overflow"
+            out[r] = self.fn(int(state["src"][r]), tuple(state["fed"][r][1:]))
+        return out
+
+    def reorder(self, state, beam_index):
+        K = state["K"]
+        assert all(int(i) // K == r // K for r, i in enumerate(beam_index)), "beam crossed sources"
+        state["fed"] = [list(state["fed"][int(i)]) for i in beam_index]
+
+
+def table_fn(table: dict, V: int, default_eos: int):
+    """Log-probs from ``{prefix: {token: prob}}``; unlisted prefixes emit EOS with certainty."""
+
+    def fn(src, prefix):
+        probs = table.get(prefix, {default_eos: 1.0})
+        out = np.full(V, -np.inf)
+        for tok, p in probs.items():
+            out[tok] = math.log(p)
+        return out
+
+    return fn
+
+
+def random_fn(V: int, seed: int = 0, sharp: float = 1.5):
+    def fn(src, prefix):
+        rng = np.random.default_rng(abs(hash((seed, src) + prefix)) % (2**32))
+        return log_softmax(sharp * rng.standard_normal(V))
+
+    return fn
+
+
+def sources(B=2, S=3):
+    return np.ones((B, S), dtype=np.int64), np.full(B, S, dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------------------
+# module hygiene
+# ------------------------------------------------------------------------------------------
+
+
+def test_decoding_imports_without_torch():
+    code = (
+        "import sys; import transformer_ext, transformer_ext.decoding, transformer_ext.config; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_runners_implement_the_protocol():
+    model = make_model(False)
+    assert isinstance(EagerRunner(model), Runner)
+    assert isinstance(CatCacheRunner(model), Runner)
+    assert isinstance(FunctionRunner(4, None), Runner)
+
+
+def test_log_softmax_is_stable():
+    x = np.array([[1000.0, 1001.0, -np.inf], [-1e30, 0.0, 3.0]], dtype=np.float32)
+    y = log_softmax(x)
+    assert y.dtype == np.float64 and np.all(np.isfinite(y[:, :2]))
+    np.testing.assert_allclose(np.exp(y).sum(-1), 1.0)
+    np.testing.assert_allclose(y[0, :2], [-1.0 - math.log1p(math.exp(-1.0)), -math.log1p(math.exp(-1.0))])
+
+
+def test_max_new_tokens_for():
+    np.testing.assert_array_equal(max_new_tokens_for([1, 10, 24], 1.5, 10), [11, 25, 46])
+    np.testing.assert_array_equal(max_new_tokens_for([1, 10, 24], 1.5, 10, cap=30), [11, 25, 30])
+    np.testing.assert_array_equal(max_new_tokens_for([2], 0.0, -5), [1])
+
+
+@pytest.mark.parametrize("kind,length,alpha,want", [
+    ("gnmt", 1, 0.6, 1.0), ("gnmt", 7, 0.6, 2.0 ** 0.6), ("gnmt", 3, 1.0, 8 / 6),
+    ("seed", 4, 0.6, 2.0 ** 0.6), ("seed", 1, 1.0, 7 / 5), ("none", 9, 0.6, 1.0),
+])
+def test_length_penalty_factor(kind, length, alpha, want):
+    assert length_penalty_factor(length, kind, alpha) == pytest.approx(want)
+
+
+# ------------------------------------------------------------------------------------------
+# greedy on the model: cached == uncached
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runner_name", list(RUNNERS))
+@pytest.mark.parametrize("norm_first", NORM_FIRST)
+def test_cached_greedy_equals_uncached(norm_first, runner_name):
+    model = make_model(norm_first)
+    src, lengths, _ = make_batch(model.config)
+    n = 12
+    want, want_logits = greedy_decode_uncached(
+        model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n, return_logits=True
+    )
+    rec = Recorder(RUNNERS[runner_name](model))
+    got = greedy_decode(rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n)
+    assert got == want
+    assert all(len(row) == n for row in got)
+    assert len(rec.logits) == len(want_logits) == n
+    for step, (a, b) in enumerate(zip(rec.logits, want_logits)):
+        assert a.dtype == np.float32
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("norm_first", NORM_FIRST)
+def test_cached_greedy_stops_like_uncached(norm_first):
+    """Per-row EOS and per-row budgets: an EOS id the model actually produces early."""
+    model = make_model(norm_first, seed=3)
+    src, lengths, _ = make_batch(model.config)
+    free = greedy_decode_uncached(model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=10, min_new_tokens=10)
+    eos = free[0][2]  # row 0 will stop after at most 2 tokens with this EOS id
+    budget = np.array([10, 10, 4])
+    want = greedy_decode_uncached(model, src, lengths, bos_id=1, eos_id=eos, max_new_tokens=budget)
+    got = greedy_decode(EagerRunner(model), src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, max_new_tokens=budget)
+    assert got == want
+    assert len(got[0]) <= 2 and eos not in got[0] and len(got[2]) <= 4
+
+
+# ------------------------------------------------------------------------------------------
+# beam search on the model
+# ------------------------------------------------------------------------------------------
+
+
+def teacher_forced_log_prob(model, src_row, length, tokens, eos_id, finished):
+    """Sum of log-probs of ``tokens`` (+ EOS) under the full decoder, no cache."""
+    seq = [1] + list(tokens)
+    with torch.no_grad():
+        logits = model(src_row.view(1, -1), length.view(1), torch.tensor([seq]))[0].double()
+    logp = torch.log_softmax(logits, -1)
+    total = sum(float(logp[t, tok]) for t, tok in enumerate(tokens))
+    if finished:
+        total += float(logp[len(tokens), eos_id])
+    return total
+
+
+@pytest.mark.parametrize("norm_first", NORM_FIRST)
+def test_beam_size_one_equals_greedy(norm_first):
+    model = make_model(norm_first, seed=5)
+    src, lengths, _ = make_batch(model.config)
+    runner = EagerRunner(model)
+    for eos in (2, 7):
+        greedy = greedy_decode(runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, max_new_tokens=9)
+        beams = beam_search(runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, beam_size=1,
+                            max_new_tokens=9, length_penalty="none")
+        assert [h[0].tokens for h in beams] == greedy
+
+
+@pytest.mark.parametrize("norm_first", NORM_FIRST)
+def test_beam_hypotheses_match_uncached_rescoring(norm_first):
+    """Reordered caches must carry each hypothesis' own prefix: re-score every returned
+    hypothesis with the full decoder (no cache) and compare log-probabilities."""
+    model = make_model(norm_first, seed=7)
+    src, lengths, _ = make_batch(model.config)
+    rec = Recorder(EagerRunner(model))
+    free = greedy_decode_uncached(model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=6, min_new_tokens=6)
+    eos = free[1][3]  # an id the model likes: a mix of finished and unfinished hypotheses
+    results = beam_search(rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, beam_size=4, n_best=4,
+                          max_new_tokens=8, length_penalty="gnmt", alpha=0.6)
+    assert any(not np.array_equal(r, np.arange(len(r))) for r in rec.reorders), "no reorder happened"
+    for b, hyps in enumerate(results):
+        assert len(hyps) == 4
+        for h in hyps:
+            want = teacher_forced_log_prob(model, src[b], lengths[b], h.tokens, eos, h.finished)
+            assert h.log_prob == pytest.approx(want, abs=1e-4)
+            n = len(h.tokens) + (1 if h.finished else 0)
+            assert h.score == pytest.approx(h.log_prob / length_penalty_factor(n, "gnmt", 0.6))
+            assert eos not in h.tokens
+    other = beam_search(CatCacheRunner(model), src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, beam_size=4,
+                        n_best=4, max_new_tokens=8, length_penalty="gnmt", alpha=0.6)
+    assert [[h.tokens for h in hs] for hs in other] == [[h.tokens for h in hs] for hs in results]
+
+
+# ------------------------------------------------------------------------------------------
+# the search itself, on numpy runners
+# ------------------------------------------------------------------------------------------
+
+EOS, BOS, A, B_ = 2, 1, 3, 4
+
+
+def test_beam_finds_better_sequence_than_greedy():
+    # Greedy takes A (0.5) then EOS (0.4): p = 0.20. Beam keeps B (0.4), then EOS (0.9): p = 0.36.
+    table = {(): {A: 0.5, B_: 0.4, EOS: 0.1}, (A,): {EOS: 0.4, A: 0.3, B_: 0.3}, (B_,): {EOS: 0.9, A: 0.1}}
+    fn = table_fn(table, 5, EOS)
+    src, lengths = sources(1)
+    greedy = greedy_decode(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, max_new_tokens=5)
+    assert greedy == [[A]]
+    (hyps,) = beam_search(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, beam_size=2,
+                          n_best=2, max_new_tokens=5, length_penalty="none")
+    assert isinstance(hyps[0], Hypothesis)
+    assert hyps[0].tokens == [B_] and hyps[0].log_prob == pytest.approx(math.log(0.36))
+    assert hyps[1].tokens == [A] and hyps[1].log_prob == pytest.approx(math.log(0.20))
+    assert hyps[0].finished and hyps[0].score > hyps[1].score
+
+
+def brute_force(fn, V, eos, max_new, kind, alpha, src=0):
+    """Every hypothesis up to max_new tokens with its score, best first."""
+    hyps = []
+    non_eos = [t for t in range(V) if t != eos]
+    for n in range(0, max_new):
+        for prefix in itertools.product(non_eos, repeat=n):
+            lp = sum(fn(src, prefix[:i])[prefix[i]] for i in range(n))
+            lp_eos = lp + fn(src, prefix)[eos]
+            hyps.append((lp_eos / length_penalty_factor(n + 1, kind, alpha), list(prefix), True))
+    for prefix in itertools.product(non_eos, repeat=max_new):
+        lp = sum(fn(src, prefix[:i])[prefix[i]] for i in range(max_new))
+        hyps.append((lp / length_penalty_factor(max_new, kind, alpha), list(prefix), False))
+    hyps.sort(key=lambda h: -h[0])
+    return hyps
+
+
+@pytest.mark.parametrize("kind", LENGTH_PENALTIES)
+def test_exhaustive_beam_equals_brute_force(kind):
+    """With a beam wide enough to keep every candidate, the n-best list is the exact one."""
+    V, eos, max_new = 4, 0, 4
+    fn = random_fn(V, seed=11, sharp=1.0)
+    src, lengths = sources(2)
+    (got0, got1) = beam_search(FunctionRunner(V, fn), src, lengths, bos_id=3, eos_id=eos, beam_size=V ** max_new,
+                               n_best=10, max_new_tokens=max_new, length_penalty=kind, alpha=0.8)
+    for b, got in enumerate((got0, got1)):
+        want = brute_force(fn, V, eos, max_new, kind, 0.8, src=b)[:10]
+        assert [h.tokens for h in got] == [w[1] for w in want]
+        np.testing.assert_allclose([h.score for h in got], [w[0] for w in want], rtol=1e-6)
+        assert [h.finished for h in got] == [w[2] for w in want]
+
+
+@pytest.mark.parametrize("kind", LENGTH_PENALTIES)
+def test_n_best_sorted_and_scored(kind):
+    V = 7
+    fn = random_fn(V, seed=2)
+    src, lengths = sources(3)
+    results = beam_search(FunctionRunner(V, fn), src, lengths, bos_id=1, eos_id=2, beam_size=5, n_best=3,
+                          max_new_tokens=6, length_penalty=kind, alpha=0.6)
+    for b, hyps in enumerate(results):
+        assert len(hyps) == 3
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(h.tokens) for h in hyps}) == 3
+        for h in hyps:
+            prefix = tuple(h.tokens)
+            lp = sum(fn(b, prefix[:i])[prefix[i]] for i in range(len(prefix)))
+            if h.finished:
+                lp += fn(b, prefix)[2]
+            assert h.log_prob == pytest.approx(lp, abs=1e-5)  # float32 logits
+            assert h.score == pytest.approx(h.log_prob / length_penalty_factor(len(prefix) + h.finished, kind, 0.6))
+
+
+def test_beam_early_stop_when_no_open_beam_can_win():
+    fn = table_fn({(): {EOS: 0.99, A: 0.005, B_: 0.005}}, 5, EOS)
+    runner = FunctionRunner(5, lambda s, p: fn(s, p) if p == () else log_softmax(np.zeros(5)))
+    src, lengths = sources(2)
+    (h0, h1) = beam_search(runner, src, lengths, bos_id=BOS, eos_id=EOS, beam_size=2, max_new_tokens=10)
+    assert runner.steps == 1
+    assert h0[0].tokens == [] and h0[0].log_prob == pytest.approx(math.log(0.99))
+
+
+def test_beam_keeps_searching_while_a_longer_hypothesis_can_win():
+    """With a strong length penalty a longer hypothesis can overtake a finished short one: the
+    stop rule must bound open beams at their maximum length, not their current one."""
+
+    def fn(src, prefix):
+        if prefix == ():
+            return np.log([1e-9, 1e-9, 0.5, 0.5 - 2e-9, 1e-9])  # EOS or A
+        p_eos = 0.99 if len(prefix) >= 5 else 0.01
+        return np.log([1e-9, 1e-9, p_eos, 1 - p_eos - 3e-9, 1e-9])
+
+    src, lengths = sources(1)
+    (hyps,) = beam_search(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, beam_size=2,
+                          max_new_tokens=10, length_penalty="gnmt", alpha=2.0)
+    assert hyps[0].tokens == [A] * 5 and hyps[0].finished
+    assert hyps[0].score == pytest.approx(hyps[0].log_prob / (11 / 6) ** 2)
+
+
+def test_beam_runs_to_budget_without_eos():
+    """Beams that never finish are returned unfinished at max_new_tokens (per-source budgets)."""
+    V = 6
+    fn = lambda s, p: np.log(np.array([0.01, 0.01, 1e-9, 0.5, 0.3, 0.18 - 1e-9]))  # noqa: E731
+    src, lengths = sources(2)
+    runner = FunctionRunner(V, fn)
+    h = beam_search(runner, src, lengths, bos_id=1, eos_id=2, beam_size=3, n_best=2,
+                    max_new_tokens=np.array([3, 5]), length_penalty="none")
+    assert [x.tokens for x in h[0]] == [[3, 3, 3], [3, 3, 4]] and not h[0][0].finished
+    assert h[1][0].tokens == [3] * 5
+    assert runner.steps == 5
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_min_new_tokens_suppresses_eos(search):
+    fn = lambda s, p: np.log(np.array([0.05, 0.05, 0.6, 0.2, 0.1]))  # noqa: E731  EOS most likely
+    src, lengths = sources(2)
+    if search == "greedy":
+        out = greedy_decode(FunctionRunner(5, fn), src, lengths, bos_id=1, eos_id=2, max_new_tokens=8,
+                            min_new_tokens=np.array([3, 0]))
+        assert out == [[3, 3, 3], []]
+    else:
+        out = beam_search(FunctionRunner(5, fn), src, lengths, bos_id=1, eos_id=2, beam_size=2,
+                          max_new_tokens=8, min_new_tokens=3, length_penalty="none")
+        assert [h[0].tokens for h in out] == [[3, 3, 3], [3, 3, 3]]
+
+
+def test_greedy_per_row_budgets_and_early_exit():
+    fn = lambda s, p: np.log(np.array([0.1, 0.1, 0.3 if len(p) >= 2 * s + 1 else 0.0 + 1e-12, 0.5, 0.1]))  # noqa: E731
+    src, lengths = sources(3)
+    runner = FunctionRunner(5, fn)
+    out = greedy_decode(runner, src, lengths, bos_id=1, eos_id=2, max_new_tokens=[4, 2, 9])
+    assert out == [[3, 3, 3, 3], [3, 3], [3] * 9]
+    runner = FunctionRunner(5, lambda s, p: np.log(np.array([0.1, 0.1, 0.6, 0.1, 0.1])))
+    out = greedy_decode(runner, src, lengths, bos_id=1, eos_id=2, max_new_tokens=50)
+    assert out == [[], [], []] and runner.steps == 1
+
+
+def test_zero_budget():
+    src, lengths = sources(2)
+    runner = FunctionRunner(5, None)
+    assert greedy_decode(runner, src, lengths, bos_id=1, eos_id=2, max_new_tokens=0) == [[], []]
+    h = beam_search(runner, src, lengths, bos_id=1, eos_id=2, beam_size=2, max_new_tokens=0)
+    assert [x[0].tokens for x in h] == [[], []] and runner.steps == 0
+
+
+@pytest.mark.parametrize("kwargs,exc,fragment", [
+    (dict(beam_size=0), ValueError, "beam_size"),
+    (dict(n_best=3), ValueError, "n_best"),
+    (dict(length_penalty="wu"), ValueError, "length_penalty"),
+    (dict(cache_len=3), ValueError, "cache_len = 3 is too small"),
+    (dict(max_new_tokens=[4, 4, 4]), ValueError, "max_new_tokens"),
+    (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0"),
+])
+def test_beam_search_argument_errors(kwargs, exc, fragment):
+    src, lengths = sources(2)
+    args = {**dict(bos_id=1, eos_id=2, beam_size=2, max_new_tokens=4), **kwargs}
+    with pytest.raises(exc, match=fragment):
+        beam_search(FunctionRunner(5, random_fn(5)), src, lengths, **args)
+
+
+def test_source_argument_errors():
+    runner = FunctionRunner(5, random_fn(5))
+    with pytest.raises(ValueError, match="src_lengths must be in"):
+        greedy_decode(runner, np.ones((2, 3), np.int64), np.array([3, 0]), bos_id=1, eos_id=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match="src_lengths must have shape"):
+        greedy_decode(runner, np.ones((2, 3), np.int64), np.array([3]), bos_id=1, eos_id=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match="input_ids must be a non-empty"):
+        greedy_decode(runner, np.ones((3,), np.int64), np.array([3]), bos_id=1, eos_id=2, max_new_tokens=2)
+
+
+# ------------------------------------------------------------------------------------------
+# runner errors
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runner_name", list(RUNNERS))
+def test_runner_capacity_errors(runner_name):
+    model = make_model(False)
+    runner = RUNNERS[runner_name](model)
+    src, lengths, _ = make_batch(model.config)
+    with pytest.raises(ValueError, match="exceeds the model's max_len = 64"):
+        runner.encode(src.numpy(), lengths.numpy(), 65)
+    state = runner.encode(src.numpy(), lengths.numpy(), 2)
+    tokens = np.ones(3, dtype=np.int64)
+    runner.step(state, tokens)
+    runner.step(state, tokens)
+    with pytest.raises(IndexError, match="cache holds 2 positions"):
+        runner.step(state, tokens)
+    with pytest.raises(ValueError, match="src_ids contains token id 99"):
+        runner.encode(np.full((1, 2), 99), np.array([2]), 4)

@@ -1,0 +1,456 @@
+"""export.onnx: the graphs of DESIGN.md section 3, their validation, the atomic output folder, the CLI.
+
+Tiny random-weight models (``TransformerConfig.preset("tiny")``) are exported once per flavour
+per session (``exported``); tests that only need the export machinery around the tracing
+replace the tracing by a copy of those graphs (``fast_export``) so that they take milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export import ExportError, GraphContractError, ModelDirectoryError, ParityError
+from export import onnx as export_mod
+from export import validate as validation
+from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
+from export.onnx import IR_VERSION, export_onnx, main
+from transformer_ext.checkpoint import load_model, save_model
+from transformer_ext.config import TransformerConfig
+from transformer_ext.model import Transformer
+from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
+
+FLAVOURS = ["portable", "tensorscatter"]
+TOLERANCE = 1e-4
+DEMO_DIR = Path(__file__).resolve().parents[1] / "transformer_ext" / "demo_model"
+
+
+# ------------------------------------------------------------------------------------------
+# fixtures (shared with test_ort_runner.py)
+# ------------------------------------------------------------------------------------------
+
+
+def make_model_dir(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random-weight model folder with a matching character tokenizer."""
+    torch.manual_seed(seed)
+    config = TransformerConfig.preset("tiny", dropout=0.0, **overrides)
+    save_model(Transformer(config).eval(), directory)
+    chars = string.ascii_lowercase + string.digits + " -.,'!?#$%&*+/:;<=>@"
+    source = list(SPECIAL_TOKENS) + list(chars[: config.src_vocab_size - len(SPECIAL_TOKENS)])
+    target = list(SPECIAL_TOKENS) + list(chars[: config.tgt_vocab_size - len(SPECIAL_TOKENS)])
+    CharTokenizer(source, target, lowercase=True).save(directory)
+    return directory
+
+
+def exported_dir(tmp_path_factory, flavour: str) -> Path:
+    """The tiny model exported (and validated) in ``flavour``, once per test session."""
+    base = tmp_path_factory.getbasetemp() / "shared_exports"
+    model_dir = base / "tiny_model"
+    out = base / f"tiny_{flavour}"
+    if not (out / MANIFEST_NAME).is_file():
+        if not model_dir.is_dir():
+            make_model_dir(model_dir)
+        export_onnx(model_dir, out, flavour=flavour, tolerance=TOLERANCE)
+    return out
+
+
+@pytest.fixture(scope="session", params=FLAVOURS)
+def exported(request, tmp_path_factory) -> Path:
+    return exported_dir(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="session")
+def exported_portable(tmp_path_factory) -> Path:
+    return exported_dir(tmp_path_factory, "portable")
+
+
+@pytest.fixture
+def fast_export(monkeypatch, exported_portable):
+    """Replace the tracing by a copy of the session's portable graphs (the rest runs for real)."""
+    calls = []
+
+    def fake_export_graph(module, args, spec, n_positional, opset, flavour, path, **kwargs):
+        proto = onnx.load(exported_portable / path.name)
+        onnx.save(proto, path)
+        calls.append(path.name)
+        return proto
+
+    monkeypatch.setattr(export_mod, "_export_graph", fake_export_graph)
+    return calls
+
+
+def load_graphs(directory: Path) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    return onnx.load(directory / ENCODER_FILE), onnx.load(directory / DECODER_FILE), manifest
+
+
+def axes(value: onnx.ValueInfoProto) -> list:
+    return [d.dim_param if d.HasField("dim_param") else d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+# ------------------------------------------------------------------------------------------
+# the graphs
+# ------------------------------------------------------------------------------------------
+
+
+def test_folder_and_manifest(exported):
+    encoder, decoder, manifest = load_graphs(exported)
+    flavour = manifest["flavour"]
+    assert sorted(os.listdir(exported)) == sorted([ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "tokenizer.json"])
+    assert not [p for p in exported.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    config = TransformerConfig.from_dict(manifest["model_config"])
+    assert config == TransformerConfig.preset("tiny", dropout=0.0)
+    assert manifest["opset"] == {"portable": 18, "tensorscatter": 24}[flavour]
+    assert manifest["ir_version"] == IR_VERSION
+    assert manifest["special_tokens"] == {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
+    assert manifest["files"]["tokenizer"] == ["tokenizer.json"]
+    assert manifest["max_positions"] == config.max_len == manifest["max_cache_len"]
+    assert manifest["graphs"] == graph_specs(config.to_dict(), flavour)
+    assert set(manifest["versions"]) >= {"torch", "onnx", "onnxruntime"}
+    report = manifest["validation"]
+    assert report["tolerance"] == TOLERANCE
+    assert report["max_abs_diff"] and max(report["max_abs_diff"].values()) <= TOLERANCE
+    assert report["greedy"]["tokens_identical"] and report["beam"]["tokens_identical"]
+    assert len(report["greedy"]["logits_max_diff_per_step"]) == report["greedy"]["steps"] > 0
+    batches = {c["batch"] for c in report["cases"]}
+    assert {1, 3, 8} <= batches and 2 not in batches  # unlike the export dummies (batch 2)
+    for proto in (encoder, decoder):
+        assert proto.ir_version == IR_VERSION
+        assert {o.domain or "ai.onnx": o.version for o in proto.opset_import} == {"ai.onnx": manifest["opset"]}
+        onnx.checker.check_model(proto, full_check=True)
+
+
+def test_io_names_dtypes_and_named_axes(exported):
+    encoder, decoder, manifest = load_graphs(exported)
+    c = manifest["model_config"]
+    H, dk, n = c["n_heads"], c["d_model"] // c["n_heads"], c["n_decoder_layers"]
+    enc_in = {v.name: axes(v) for v in encoder.graph.input}
+    assert enc_in == {"input_ids": ["batch", "src_len"], "src_lengths": ["batch"]}
+    enc_out = [v.name for v in encoder.graph.output]
+    assert enc_out == ["encoder_out"] + [f"cross_{k}.{i}" for i in range(n) for k in ("key", "value")]
+    assert axes(encoder.graph.output[1]) == ["batch", H, "src_len", dk]
+
+    dec_in = {v.name: axes(v) for v in decoder.graph.input}
+    assert dec_in["input_ids"] == ["batch", 1]
+    assert dec_in["positions"] == dec_in["src_lengths"] == ["batch"]
+    assert dec_in["self_key.1"] == ["batch", H, "cache_len", dk]
+    assert dec_in["cross_value.0"] == ["batch", H, "src_len", dk]
+    assert len(decoder.graph.input) == 3 + 4 * n  # a fixed number of inputs
+    out = {v.name: axes(v) for v in decoder.graph.output}
+    assert out["logits"] == ["batch", c["tgt_vocab_size"]]
+    assert decoder.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    if manifest["flavour"] == "portable":
+        assert out["new_key.0"] == out["new_value.1"] == ["batch", H, 1, dk]
+    else:
+        assert out["present_key.0"] == out["present_value.1"] == ["batch", H, "cache_len", dk]
+
+
+def test_one_step_graph_without_control_flow(exported):
+    for proto in load_graphs(exported)[:2]:
+        ops = {n.op_type for n in proto.graph.node}
+        assert not ops & {"If", "Loop", "Scan"}
+        assert {n.domain for n in proto.graph.node} <= {""}  # standard ops only, no plugin
+        assert len(proto.functions) == 0
+        for v in list(proto.graph.input) + list(proto.graph.output):
+            assert 0 not in axes(v)
+
+
+def test_cache_is_read_by_matmul_or_tensorscatter_only(exported):
+    _, decoder, manifest = load_graphs(exported)
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for node in decoder.graph.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    for i in range(manifest["model_config"]["n_decoder_layers"]):
+        for kind in ("key", "value"):
+            readers = users[f"self_{kind}.{i}"]
+            if manifest["flavour"] == "tensorscatter":
+                assert [r.op_type for r in readers] == ["TensorScatter"]
+                assert [a.i for a in readers[0].attribute if a.name == "axis"] == [-2]
+            else:
+                assert {r.op_type for r in readers} <= {"MatMul", "Transpose", "Shape"}
+                assert "Concat" not in {u.op_type for r in readers for o in r.output for u in users.get(o, [])}
+
+
+def test_tied_embedding_stored_once(exported):
+    _, decoder, manifest = load_graphs(exported)
+    c = manifest["model_config"]
+    assert c["tie_target_embeddings"]
+    sizes = [int(np.prod(t.dims)) for t in decoder.graph.initializer]
+    assert sizes.count(c["tgt_vocab_size"] * c["d_model"]) == 1
+    total = sum(sizes)
+    model = Transformer(TransformerConfig.from_dict(c))
+    decoder_params = sum(p.numel() for name, p in model.named_parameters()
+                         if not name.startswith(("src_embed", "encoder")) and "src_attn.W_K" not in name
+                         and "src_attn.W_V" not in name)
+    pe = c["max_len"] * c["d_model"]
+    assert total <= decoder_params + pe + 1024  # + small constants
+
+
+def test_export_matches_eager_on_new_shapes(exported):
+    """The recorded validation can be re-run from the folder on other random inputs."""
+    manifest = json.loads((exported / MANIFEST_NAME).read_text())
+    model = load_model(manifest["export"]["source_model_dir"])
+    report = validation.validate_export(exported, model, tolerance=TOLERANCE, seed=7, decode_batch=3,
+                                        max_new_tokens=10, beam_size=2)
+    assert report.worst <= TOLERANCE
+    assert report.greedy["tokens_identical"] and report.beam["tokens_identical"]
+    assert "logits per step" in report.table()
+
+
+def test_fuse_shared_input_matmuls_keeps_values(exported_portable):
+    from onnx import TensorProto, helper, numpy_helper
+    import onnxruntime as ort
+
+    from export.lowering import fuse_shared_input_matmuls
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, n)).astype(np.float32), f"w{i}")
+             for i, n in enumerate((8, 8, 4, 8))]
+    inits += [numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), f"b{i}") for i, n in enumerate((8, 8, 4))]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"]) for i in range(3)]
+    nodes += [helper.make_node("Add", [f"m{i}", f"b{i}"], [f"y{i}"]) for i in range(3)]
+    nodes += [helper.make_node("MatMul", ["x", "w3"], ["m3"]), helper.make_node("Relu", ["w3"], ["y3"])]  # w3 read twice
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1, 8])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in
+                               (("y0", [2, 1, 8]), ("y1", [2, 1, 8]), ("y2", [2, 1, 4]), ("m3", [2, 1, 8]), ("y3", [8, 8]))],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
+    x = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert fuse_shared_input_matmuls(model) == 1
+    onnx.checker.check_model(model, full_check=True)
+    assert [n.op_type for n in model.graph.node].count("MatMul") == 2  # the fused one and the one on w3
+    assert {t.name for t in model.graph.initializer} >= {"w3"} and "w0" not in {t.name for t in model.graph.initializer}
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for a, b in zip(before, after):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    # in the real export: one Q/K/V product per decoder layer
+    manifest = json.loads((exported_portable / MANIFEST_NAME).read_text())
+    assert manifest["export"]["graph_passes"] == ["fuse_shared_input_matmuls"]
+    decoder = onnx.load(exported_portable / DECODER_FILE)
+    assert [n.op_type for n in decoder.graph.node].count("Split") == manifest["model_config"]["n_decoder_layers"]
+
+
+# ------------------------------------------------------------------------------------------
+# validation failures are typed and name the output, the step and the difference
+# ------------------------------------------------------------------------------------------
+
+
+def test_parity_error_names_output(exported_portable):
+    manifest = json.loads((exported_portable / MANIFEST_NAME).read_text())
+    model = load_model(manifest["export"]["source_model_dir"])
+    with torch.no_grad():
+        model.decoder.layers[-1].sublayer[2].norm.weight.mul_(1.01)  # the decoder only
+    with pytest.raises(ParityError) as info:
+        validation.validate_export(exported_portable, model, tolerance=TOLERANCE)
+    err = info.value
+    assert err.output == "decoder_step/logits" and err.step is None
+    assert err.max_diff > TOLERANCE and err.tolerance == TOLERANCE
+    assert "decoder_step/logits" in str(err) and "batch" in err.case
+
+
+class _FakeRecorder:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+def test_parity_error_names_decode_step():
+    report = validation.ValidationReport(tolerance=TOLERANCE)
+    eager = _FakeRecorder([np.zeros((2, 5), np.float32)] * 4)
+    onnx_logits = [np.zeros((2, 5), np.float32) for _ in range(4)]
+    onnx_logits[2][1, 3] = 0.5
+    with pytest.raises(ParityError) as info:
+        validation._compare_decodes(report, "greedy", eager, _FakeRecorder(onnx_logits), [[1]], [[1]], "case")
+    assert (info.value.output, info.value.step, info.value.max_diff) == ("greedy decode logits", 2, 0.5)
+    # logits within tolerance but different tokens: still an error, at the first differing step
+    with pytest.raises(ParityError) as info:
+        validation._compare_decodes(report, "greedy", eager, _FakeRecorder([x * 0 for x in onnx_logits]),
+                                    [[1, 2, 3]], [[1, 2, 4]], "case")
+    assert info.value.output == "greedy decode tokens" and info.value.step == 0
+
+
+def test_check_graphs_rejects_contract_breaks(exported_portable):
+    encoder, decoder, manifest = load_graphs(exported_portable)
+    config = TransformerConfig.from_dict(manifest["model_config"])
+    validation.check_graphs(encoder, decoder, config, "portable")  # the real graphs pass
+
+    renamed = onnx.ModelProto.FromString(decoder.SerializeToString())
+    renamed.graph.output[0].name = "scores"
+    with pytest.raises(GraphContractError, match="output names"):
+        validation.check_graphs(encoder, renamed, config, "portable")
+
+    concat = onnx.ModelProto.FromString(decoder.SerializeToString())
+    concat.graph.node.append(onnx.helper.make_node("Concat", ["self_key.0", "self_key.0"], ["copied"], axis=2))
+    with pytest.raises(GraphContractError, match="Concat"):
+        validation.check_graphs(encoder, concat, config, "portable")
+
+    branchy = onnx.ModelProto.FromString(decoder.SerializeToString())
+    branch = onnx.helper.make_graph([], "b", [], [onnx.helper.make_tensor_value_info("positions", onnx.TensorProto.INT64, None)])
+    branchy.graph.node.append(onnx.helper.make_node("If", ["cond"], ["x"], then_branch=branch, else_branch=branch))
+    with pytest.raises(GraphContractError, match="If"):
+        validation.check_graphs(encoder, branchy, config, "portable")
+
+    doubled = onnx.ModelProto.FromString(decoder.SerializeToString())
+    big = max(doubled.graph.initializer, key=lambda t: int(np.prod(t.dims)))
+    copy = onnx.TensorProto.FromString(big.SerializeToString())
+    copy.name = big.name + "_copy"
+    doubled.graph.initializer.append(copy)
+    with pytest.raises(GraphContractError, match="stored"):
+        validation.check_graphs(encoder, doubled, config, "portable")
+
+    with pytest.raises(GraphContractError, match="TensorScatter"):
+        validation.check_graphs(encoder, decoder, config, "tensorscatter",
+                                graph_specs(config.to_dict(), "portable"))
+
+
+# ------------------------------------------------------------------------------------------
+# the output folder is written atomically
+# ------------------------------------------------------------------------------------------
+
+
+def test_failed_export_leaves_nothing_and_keeps_a_good_export(tmp_path, fast_export, monkeypatch):
+    model_dir = make_model_dir(tmp_path / "model")
+    out = tmp_path / "out"
+    result = export_onnx(model_dir, out, tolerance=TOLERANCE)
+    assert fast_export == [ENCODER_FILE, DECODER_FILE]
+    good = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert result.validation.worst <= TOLERANCE
+
+    def broken(*args, **kwargs):
+        raise ParityError("decoder_step/logits", None, 1.0, TOLERANCE, "injected")
+
+    monkeypatch.setattr(validation, "validate_export", broken)
+    with pytest.raises(ParityError):
+        export_onnx(model_dir, out, tolerance=TOLERANCE)  # over a good export: kept as it was
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == good
+    with pytest.raises(ParityError):
+        export_onnx(model_dir, tmp_path / "fresh", tolerance=TOLERANCE)  # nothing left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+def test_replaces_a_previous_export(tmp_path, fast_export):
+    model_dir = make_model_dir(tmp_path / "model")
+    out = tmp_path / "out"
+    export_onnx(model_dir, out, validate=False)
+    assert json.loads((out / MANIFEST_NAME).read_text())["validation"] is None
+    (out / "stale.txt").write_text("from an older export")
+    export_onnx(model_dir, out, validate=True, tolerance=TOLERANCE)
+    assert not (out / "stale.txt").exists()
+    assert json.loads((out / MANIFEST_NAME).read_text())["validation"]["tolerance"] == TOLERANCE
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+    assert oct(out.stat().st_mode & 0o777) != oct(0o700)  # not left private like a temp folder
+
+
+def test_refuses_to_replace_a_folder_that_is_not_an_export(tmp_path, fast_export):
+    model_dir = make_model_dir(tmp_path / "model")
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not an ONNX export"):
+        export_onnx(model_dir, out)
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert fast_export == []  # refused before any work
+
+
+# ------------------------------------------------------------------------------------------
+# bad inputs
+# ------------------------------------------------------------------------------------------
+
+
+def test_missing_or_wrong_model_folder(tmp_path, fast_export):
+    with pytest.raises(ModelDirectoryError, match="not found"):
+        export_onnx(tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelDirectoryError, match="config.json"):
+        export_onnx(tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelDirectoryError, match="directory"):
+        export_onnx(tmp_path / "file", tmp_path / "out")
+    broken = make_model_dir(tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelDirectoryError, match="cannot load"):
+        export_onnx(broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert isinstance(ModelDirectoryError("x"), FileNotFoundError)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(flavour="merged"), "flavour"),
+        (dict(opset=16), "opset 16"),
+        (dict(flavour="tensorscatter", opset=18), "opset 18"),
+        (dict(tolerance=0.0), "tolerance"),
+        (dict(cache_len=10_000), "cache_len"),
+    ],
+)
+def test_bad_options(tmp_path, fast_export, kwargs, match):
+    model_dir = make_model_dir(tmp_path / "model")
+    with pytest.raises(ValueError, match=match):
+        export_onnx(model_dir, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# the command line
+# ------------------------------------------------------------------------------------------
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--model-dir", "--output-dir", "--flavour", "--opset", "--cache-len", "--tolerance", "--no-validate"):
+        assert option in text
+
+
+def test_cli_prints_parity_table_and_translations(tmp_path, fast_export, capsys):
+    model_dir = make_model_dir(tmp_path / "model")
+    code = main(["--model-dir", str(model_dir), "--output-dir", str(tmp_path / "out"), "--cache-len", "32",
+                 "--examples", "2"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "parity with eager PyTorch" in text and "decoder_step" in text and "identical" in text
+    assert "translations decoded by ONNX Runtime" in text
+    assert json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())["max_cache_len"] == 32
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    assert main(["--model-dir", str(tmp_path / "nowhere"), "--output-dir", str(tmp_path / "out")]) == 1
+    assert "model folder not found" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
+# other model variants, and the bundled demo model
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [dict(norm_first=True, tie_target_embeddings=False),
+                                     dict(shared_vocab=True, src_vocab_size=40, bias=False)])
+def test_model_variants(tmp_path, variant):
+    model_dir = make_model_dir(tmp_path / "model", seed=3, **variant)
+    result = export_onnx(model_dir, tmp_path / "out", flavour="tensorscatter", tolerance=TOLERANCE)
+    assert result.validation.worst <= TOLERANCE
+
+
+@pytest.mark.skipif(not (DEMO_DIR / "config.json").is_file(), reason="the bundled demo model is not present")
+def test_demo_model(tmp_path, capsys):
+    out = tmp_path / "demo_onnx"
+    code = main(["--output-dir", str(out), "--examples", "3"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "translations decoded by ONNX Runtime" in text
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert Path(manifest["export"]["source_model_dir"]).resolve() == DEMO_DIR.resolve()
+    assert manifest["validation"]["greedy"]["tokens_identical"]

@@ -1,0 +1,280 @@
+"""export.ort_runner: the runner protocol on ONNX Runtime, in-place caches, no torch, bad folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from export import InvalidGraphError, ManifestError
+from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
+from export.ort_runner import OrtRunner
+from transformer_ext import decoding, reference
+from transformer_ext.checkpoint import load_model
+from transformer_ext.runner import EagerRunner
+
+from test_export_onnx import FLAVOURS, exported_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", params=FLAVOURS)
+def exported(request, tmp_path_factory) -> Path:
+    return exported_dir(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="session")
+def exported_portable(tmp_path_factory) -> Path:
+    return exported_dir(tmp_path_factory, "portable")
+
+
+def sources(runner: OrtRunner, batch: int = 3, src_len: int = 7, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(4, runner.config["src_vocab_size"], size=(batch, src_len)).astype(np.int64)
+    lengths = np.array([src_len] + [int(x) for x in rng.integers(1, src_len + 1, size=batch - 1)], dtype=np.int64)
+    for row, n in enumerate(lengths):
+        ids[row, n:] = runner.pad_id
+    return ids, lengths
+
+
+def eager_model(export_dir: Path):
+    manifest = json.loads((export_dir / MANIFEST_NAME).read_text())
+    return load_model(manifest["export"]["source_model_dir"])
+
+
+# ------------------------------------------------------------------------------------------
+# decoding
+# ------------------------------------------------------------------------------------------
+
+
+def test_greedy_and_beam_match_eager(exported):
+    runner = OrtRunner(exported, intra_op_num_threads=1)
+    eager = EagerRunner(eager_model(exported), "cpu")
+    ids, lengths = sources(runner, batch=5)
+    common = dict(bos_id=runner.bos_id, eos_id=runner.eos_id, max_new_tokens=15)
+    assert runner.greedy(ids, lengths, max_new_tokens=15) == decoding.greedy_decode(eager, ids, lengths, **common)
+    ours = runner.beam_search(ids, lengths, beam_size=4, n_best=2, max_new_tokens=15)
+    theirs = decoding.beam_search(eager, ids, lengths, beam_size=4, n_best=2, **common)
+    assert [[h.tokens for h in row] for row in ours] == [[h.tokens for h in row] for row in theirs]
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose([h.score for h in a], [h.score for h in b], rtol=0, atol=1e-4)
+
+
+def test_step_logits_match_eager_with_min_new_tokens(exported):
+    runner = OrtRunner(exported)
+    eager = EagerRunner(eager_model(exported), "cpu")
+    ids, lengths = sources(runner, batch=2)
+    s1, s2 = runner.encode(ids, lengths, cache_len=6), eager.encode(ids, lengths, 6)
+    tokens = np.array([runner.bos_id] * 2)
+    for _ in range(6):
+        a, b = runner.step(s1, tokens), eager.step(s2, tokens)
+        assert a.dtype == np.float32 and a.shape == (2, runner.vocab_size)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+        tokens = a.argmax(-1)
+    with pytest.raises(IndexError, match="position 6"):
+        runner.step(s1, tokens)  # the cache is full: refused before the graph could be misled
+
+
+# ------------------------------------------------------------------------------------------
+# the caches: allocated once, zero-filled, written in place, nothing cache-sized per step
+# ------------------------------------------------------------------------------------------
+
+
+def test_caches_are_bound_buffers_written_in_place(exported):
+    runner = OrtRunner(exported)
+    ids, lengths = sources(runner, batch=4)
+    state = runner.encode(ids, lengths, cache_len=40, num_beams=2)
+    N, L = 8, 40
+    assert state.self_keys[0].shape == (N, runner.n_heads, L, runner.d_k)
+    assert all(not c.any() for c in state.self_keys + state.self_values)  # zero-filled once
+    buffers = [(id(c), c.ctypes.data) for c in state.self_keys + state.self_values]
+    tokens = np.full(N, runner.bos_id)
+    for step in range(5):
+        runner.step(state, tokens)
+        tokens = (tokens + 1) % runner.vocab_size
+    assert [(id(c), c.ctypes.data) for c in state.self_keys + state.self_values] == buffers
+    for cache in state.self_keys + state.self_values:
+        assert not cache[:, :, 5:].any()  # nothing written past the position
+        assert (np.abs(cache[:, :, :5]).sum(axis=(0, 1, 3)) > 0).all()
+
+
+def test_step_allocates_nothing_cache_sized(exported):
+    runner = OrtRunner(exported, intra_op_num_threads=1)
+    ids, lengths = sources(runner, batch=8)
+    state = runner.encode(ids, lengths, cache_len=64)
+    cache_bytes = state.self_keys[0].nbytes
+    tokens = np.full(8, runner.bos_id)
+    runner.step(state, tokens)  # first run: ORT's own arenas get allocated
+    tracemalloc.start()
+    try:
+        for _ in range(3):
+            runner.step(state, tokens)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < cache_bytes / 4, (peak, cache_bytes)  # the logits copy and small arrays only
+
+
+def test_tensorscatter_updates_the_bound_cache_in_place(tmp_path_factory, capfd):
+    runner = OrtRunner(exported_dir(tmp_path_factory, "tensorscatter"))
+    ids, lengths = sources(runner, batch=2)
+    state = runner.encode(ids, lengths, cache_len=6)
+    capfd.readouterr()
+    runner.step(state, np.array([runner.bos_id] * 2))
+    assert "in-place optimization not activated" not in capfd.readouterr().err
+    assert state.self_keys[0][:, :, 0].any() and not state.self_keys[0][:, :, 1:].any()
+    # Control: the same graph without IO binding copies the cache, and ONNX Runtime says so.
+    feeds = {"input_ids": state.input_ids, "positions": state.positions, "src_lengths": state.src_lengths}
+    for i in range(runner.n_layers):
+        feeds.update({f"self_key.{i}": state.self_keys[i], f"self_value.{i}": state.self_values[i],
+                      f"cross_key.{i}": state.cross_keys[i], f"cross_value.{i}": state.cross_values[i]})
+    runner.decoder.run(None, feeds)
+    assert "in-place optimization not activated" in capfd.readouterr().err
+
+
+def test_reorder_moves_the_valid_prefix(exported_portable):
+    runner = OrtRunner(exported_portable)
+    ids, lengths = sources(runner, batch=2)
+    state = runner.encode(ids, lengths, cache_len=8, num_beams=2)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        runner.step(state, rng.integers(4, runner.vocab_size, size=4))
+    index = np.array([1, 1, 3, 2])
+    expected = [torch.from_numpy(c.copy()) for c in state.self_keys]
+    for e in expected:
+        reference.kv_cache_reorder_(e, torch.from_numpy(index), 3)
+    runner.reorder(state, index)
+    for e, c in zip(expected, state.self_keys):
+        np.testing.assert_array_equal(e.numpy(), c)
+    with pytest.raises(IndexError):
+        runner.reorder(state, np.array([0, 1, 2, 4]))
+    with pytest.raises(ValueError):
+        runner.reorder(state, np.array([0, 1]))
+
+
+def test_num_beams_repeats_rows_row_major(exported_portable):
+    runner = OrtRunner(exported_portable)
+    ids, lengths = sources(runner, batch=2)
+    state = runner.encode(ids, lengths, cache_len=4, num_beams=3)
+    np.testing.assert_array_equal(state.src_lengths, np.repeat(lengths, 3))
+    np.testing.assert_array_equal(state.cross_keys[0][0], state.cross_keys[0][2])
+    np.testing.assert_array_equal(state.cross_keys[0][3], state.cross_keys[0][5])
+
+
+# ------------------------------------------------------------------------------------------
+# options and bad inputs
+# ------------------------------------------------------------------------------------------
+
+
+def test_session_options(exported_portable):
+    runner = OrtRunner(exported_portable, providers=["CPUExecutionProvider"], intra_op_num_threads=1,
+                       graph_optimization_level="basic")
+    assert runner.decoder.get_providers() == ["CPUExecutionProvider"]
+    assert runner.decoder.get_session_options().intra_op_num_threads == 1
+    with pytest.raises(ValueError, match="graph_optimization_level"):
+        OrtRunner(exported_portable, graph_optimization_level="max")
+
+
+def test_bad_encode_and_step_arguments(exported_portable):
+    runner = OrtRunner(exported_portable)
+    ids, lengths = sources(runner)
+    with pytest.raises(ValueError, match="cache_len"):
+        runner.encode(ids, lengths, cache_len=runner.max_len + 1)
+    with pytest.raises(ValueError, match="src_lengths"):
+        runner.encode(ids, np.array([0, 1, 1]), cache_len=4)
+    with pytest.raises(ValueError, match="max_len"):
+        runner.encode(np.full((1, runner.max_len + 1), 5), np.array([runner.max_len + 1]), cache_len=4)
+    with pytest.raises(ValueError, match="input_ids"):
+        runner.encode(ids + 10_000, lengths, cache_len=4)
+    with pytest.raises(TypeError):
+        runner.encode(ids.astype(np.float32), lengths, cache_len=4)
+    state = runner.encode(ids, lengths, cache_len=4)
+    with pytest.raises(ValueError, match="tokens"):
+        runner.step(state, np.array([1, 1]))
+
+
+def copy_export(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_folder_or_manifest(tmp_path, exported_portable):
+    with pytest.raises(ManifestError, match="not found"):
+        OrtRunner(tmp_path / "nowhere")
+    broken = copy_export(exported_portable, tmp_path / "no_manifest")
+    (broken / MANIFEST_NAME).unlink()
+    with pytest.raises(ManifestError, match="manifest.json"):
+        OrtRunner(broken)
+    bad_json = copy_export(exported_portable, tmp_path / "bad_json")
+    (bad_json / MANIFEST_NAME).write_text("{ not json")
+    with pytest.raises(ManifestError, match="JSON"):
+        OrtRunner(bad_json)
+
+
+def test_corrupt_or_missing_onnx(tmp_path, exported_portable):
+    corrupt = copy_export(exported_portable, tmp_path / "corrupt")
+    data = (corrupt / DECODER_FILE).read_bytes()
+    (corrupt / DECODER_FILE).write_bytes(data[: len(data) // 3])
+    with pytest.raises(InvalidGraphError, match=DECODER_FILE):
+        OrtRunner(corrupt)
+    missing = copy_export(exported_portable, tmp_path / "missing")
+    (missing / ENCODER_FILE).unlink()
+    with pytest.raises(InvalidGraphError, match="not found"):
+        OrtRunner(missing)
+
+
+def test_manifest_that_does_not_match_the_graphs(tmp_path, exported_portable):
+    # Internally consistent, but for another model size: the graphs contradict it.
+    other = copy_export(exported_portable, tmp_path / "other_model")
+    manifest = json.loads((other / MANIFEST_NAME).read_text())
+    manifest["model_config"]["tgt_vocab_size"] += 1
+    manifest["graphs"] = graph_specs(manifest["model_config"], manifest["flavour"])
+    (other / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="logits"):
+        OrtRunner(other)
+    # A flavour that the graphs were not exported with.
+    flavour = copy_export(exported_portable, tmp_path / "flavour")
+    manifest = json.loads((flavour / MANIFEST_NAME).read_text())
+    manifest["flavour"] = "tensorscatter"
+    manifest["graphs"] = graph_specs(manifest["model_config"], "tensorscatter")
+    (flavour / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="present_key"):
+        OrtRunner(flavour)
+    # Graph lists edited by hand, no longer following from the config.
+    edited = copy_export(exported_portable, tmp_path / "edited")
+    manifest = json.loads((edited / MANIFEST_NAME).read_text())
+    manifest["graphs"]["decoder_step"]["outputs"][0]["name"] = "scores"
+    (edited / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="do not follow"):
+        OrtRunner(edited)
+
+
+# ------------------------------------------------------------------------------------------
+# numpy + onnxruntime only
+# ------------------------------------------------------------------------------------------
+
+
+def test_runs_without_torch(exported):
+    code = f"""
+import sys
+sys.modules["torch"] = None  # any `import torch` now raises ImportError
+import numpy as np
+from export.ort_runner import OrtRunner
+runner = OrtRunner({str(exported)!r}, intra_op_num_threads=1)
+out = runner.greedy(np.array([[5, 6, 7, 8]]), np.array([4]), max_new_tokens=5)
+hyps = runner.beam_search(np.array([[5, 6, 7, 8]]), np.array([4]), beam_size=2, max_new_tokens=5)
+assert "torch" not in {{m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}}
+print(out[0], hyps[0][0].tokens)
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()

@@ -1,0 +1,1325 @@
+"""TensorRT path: readiness check, builder logic, TensorRT runner and ONNX Runtime device runner.
+
+Everything that needs no TensorRT and no GPU runs here: the readiness check on real small
+exports and on hand-made bad graphs, the builder's decisions (profiles, precision conversion,
+flags, files, manifest) against a stand-in ``tensorrt`` module, and the binding logic of both
+device runners against stand-in engines / recording sessions that compute with the eager model
+through the raw buffer addresses they are given (CPU tensors stand in for CUDA ones; the same
+stand-in runs on CUDA where a GPU is visible). Engine tests need TensorRT and a GPU and are
+skipped without them, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import HAS_CUDA, device_params
+
+from export import trt_readiness as rd
+from export import tensorrt as trtb
+from export.trt_readiness import AxisRange, TensorRTReadinessError, check_export_dir, check_model
+from export.trt_runner import BindingError, DeviceState, TensorRTRunner, decoder_bindings, encoder_bindings
+
+import importlib.util
+
+FLAVOURS = ["portable", "tensorscatter"]
+HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+# Decided at collection, so that skipped engine tests do not export graphs first.
+needs_tensorrt_gpu = pytest.mark.skipif(
+    not (HAS_TENSORRT and HAS_CUDA),
+    reason=("TensorRT is not installed (pip install tensorrt-cu13)" if not HAS_TENSORRT
+            else "TensorRT engines need a CUDA GPU; none is visible"),
+)
+
+
+def _has_ort_cuda() -> bool:
+    import onnxruntime as ort
+
+    return HAS_CUDA and "CUDAExecutionProvider" in ort.get_available_providers()
+
+PRECISIONS = ["fp16", "bf16"]
+DEVICES = device_params()
+
+# ------------------------------------------------------------------------------------------
+# fixtures: a tiny random model and its exports (both flavours), made once
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from transformer_ext.checkpoint import save_model
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig.preset("tiny")).eval()
+    path = tmp_path_factory.mktemp("tiny_model")
+    save_model(model, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from transformer_ext.checkpoint import load_model
+
+    return load_model(tiny_model_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def exports(tiny_model_dir, tmp_path_factory):
+    """{flavour: export folder}, exported without the (slow) parity validation: the exporter's
+    own tests prove parity; here the graphs are inputs."""
+    onnx_export = pytest.importorskip("export.onnx", reason="the ONNX exporter (export/onnx.py) is not available")
+    out = {}
+    for flavour in FLAVOURS:
+        path = tmp_path_factory.mktemp(f"export_{flavour}") / "export"
+        onnx_export.export_onnx(tiny_model_dir, path, flavour=flavour, validate=False)
+        out[flavour] = path
+    return out
+
+
+def _copy_export(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ------------------------------------------------------------------------------------------
+# hand-made graphs
+# ------------------------------------------------------------------------------------------
+
+
+def _model(nodes, inputs, outputs, initializers=(), opset=18):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10
+    return m
+
+
+def _vi(name, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _kinds(report):
+    return sorted({p.kind for p in report.problems})
+
+
+def _simple(op="Relu", elem=TensorProto.FLOAT, shape=("batch", 4), **attrs):
+    return _model([helper.make_node(op, ["x"], ["y"], **attrs)], [_vi("x", elem, list(shape))], [_vi("y", elem, None)])
+
+
+RANGES = {"batch": AxisRange(1, 2, 4), "cache_len": AxisRange(1, 8, 16), "src_len": AxisRange(1, 8, 16)}
+
+
+def _scatter_graph(axis=-2, cache_dims=("batch", 2, "cache_len", 4), extra_reader=False, mode=None):
+    attrs = {} if axis is None else {"axis": axis}
+    if mode is not None:
+        attrs["mode"] = mode
+    nodes = [helper.make_node("TensorScatter", ["cache", "update", "pos"], ["present"], **attrs)]
+    outputs = [_vi("present", TensorProto.FLOAT, list(cache_dims))]
+    if extra_reader:
+        nodes.append(helper.make_node("ReduceSum", ["cache", "axes"], ["s"]))
+        outputs.append(_vi("s", TensorProto.FLOAT, None))
+    inits = [numpy_helper.from_array(np.array([2], np.int64), "axes")] if extra_reader else []
+    return _model(
+        nodes,
+        [_vi("cache", TensorProto.FLOAT, list(cache_dims)), _vi("update", TensorProto.FLOAT, ["batch", 2, 1, 4]),
+         _vi("pos", TensorProto.INT64, ["batch"])],
+        outputs, inits, opset=24,
+    )
+
+
+def test_good_hand_made_graph_has_no_problem():
+    report = check_model(_simple(), "g", RANGES)
+    assert report.ok, report.problems
+    assert report.op_counts == {"Relu": 1}
+
+
+def test_if_node_is_rejected_as_control_flow():
+    then = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [], [_vi("t", TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [], [_vi("e", TensorProto.FLOAT, None)])
+    m = _model([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+               [_vi("c", TensorProto.BOOL, []), _vi("x", TensorProto.FLOAT, ["batch", 4])], [_vi("y", TensorProto.FLOAT, None)])
+    report = check_model(m, "g", RANGES)
+    assert _kinds(report) == ["control_flow"]
+    assert "If" in report.problems[0].message
+
+
+def test_loop_and_scan_are_rejected_too():
+    body = helper.make_graph([helper.make_node("Identity", ["c_in"], ["c_out"])], "body",
+                             [_vi("i", TensorProto.INT64, []), _vi("c_in", TensorProto.BOOL, [])],
+                             [_vi("c_out", TensorProto.BOOL, [])])
+    m = _model([helper.make_node("Loop", ["n", "c"], [], body=body)],
+               [_vi("n", TensorProto.INT64, []), _vi("c", TensorProto.BOOL, [])], [])
+    assert "control_flow" in _kinds(check_model(m, "g", RANGES))
+
+
+def test_zero_length_dimension_in_input_and_initializer():
+    m = _model([helper.make_node("Add", ["x", "w"], ["y"])],
+               [_vi("x", TensorProto.FLOAT, ["batch", 0])], [_vi("y", TensorProto.FLOAT, None)],
+               [numpy_helper.from_array(np.zeros((1, 0), np.float32), "w")])
+    report = check_model(m, "g", RANGES)
+    zero = [p for p in report.problems if p.kind == "zero_dim"]
+    assert any("'x'" in p.message for p in zero) and any("'w'" in p.message for p in zero)
+
+
+def test_unbounded_and_unnamed_dynamic_axes():
+    m = _model([helper.make_node("Add", ["x", "z"], ["y"])],
+               [_vi("x", TensorProto.FLOAT, ["batch", "mystery"]), _vi("z", TensorProto.FLOAT, ["batch", None])],
+               [_vi("y", TensorProto.FLOAT, None)])
+    report = check_model(m, "g", RANGES)
+    messages = [p.message for p in report.problems if p.kind == "unbounded_axis"]
+    assert any("'mystery'" in msg for msg in messages)
+    assert any("without a name" in msg for msg in messages)
+    # bounded once the profile names it
+    report = check_model(m, "g", {**RANGES, "mystery": AxisRange(1, 2, 3)})
+    assert all("mystery" not in p.message for p in report.problems)
+
+
+def test_invalid_profile_range_is_a_problem():
+    report = check_model(_simple(), "g", {"batch": AxisRange(0, 2, 4)})
+    assert _kinds(report) == ["profile"]
+
+
+@pytest.mark.parametrize("axis, ok", [(-2, True), (2, False), (None, True)])
+def test_tensor_scatter_axis_must_be_the_literal_minus_two(axis, ok):
+    report = check_model(_scatter_graph(axis=axis), "g", {**RANGES, "cache_len": AxisRange(8, 8, 8)})
+    assert report.ok is ok, report.problems
+    if not ok:
+        assert report.problems[0].kind == "op_restriction" and "axis" in report.problems[0].message
+    if axis is None:  # the ONNX default is -2, but the literal is what the parser documents
+        assert any("axis" in w.message for w in report.warnings)
+
+
+def test_tensor_scatter_needs_a_static_cache_and_a_private_cache_input():
+    dynamic = check_model(_scatter_graph(), "g", RANGES)  # cache_len 1:8:16
+    assert _kinds(dynamic) == ["cache_aliasing"]
+    assert "--cache-len" in dynamic.problems[0].message
+    shared = check_model(_scatter_graph(extra_reader=True), "g", {**RANGES, "cache_len": AxisRange(8, 8, 8)})
+    assert any("also read by" in p.message for p in shared.problems)
+    circular = check_model(_scatter_graph(mode="circular"), "g", {**RANGES, "cache_len": AxisRange(8, 8, 8)})
+    assert any("linear" in p.message for p in circular.problems)
+    rank3 = check_model(_scatter_graph(cache_dims=("batch", "cache_len", 4)), "g", {**RANGES, "cache_len": AxisRange(8, 8, 8)})
+    assert any("4-D" in p.message for p in rank3.problems)
+
+
+@pytest.mark.parametrize("op, kind", [("Unique", "unsupported_op"), ("StringNormalizer", "unsupported_op"),
+                                      ("NoSuchOp", "unsupported_op")])
+def test_unsupported_ops(op, kind):
+    report = check_model(_simple(op), "g", RANGES)
+    assert kind in _kinds(report)
+    assert op in str(report.problems[0])
+
+
+def test_custom_domain_op_needs_a_plugin():
+    m = _model([helper.make_node("decode_attention", ["x"], ["y"], domain="transformer_ext")],
+               [_vi("x", TensorProto.FLOAT, ["batch", 4])], [_vi("y", TensorProto.FLOAT, None)])
+    m.opset_import.append(helper.make_opsetid("transformer_ext", 1))
+    report = check_model(m, "g", RANGES)
+    assert _kinds(report) == ["custom_domain"]
+    assert "plugin" in report.problems[0].message
+
+
+@pytest.mark.parametrize("opset, ok", [(8, False), (9, True), (24, True), (25, False)])
+def test_opset_range(opset, ok):
+    m = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, ["batch", 4])],
+               [_vi("y", TensorProto.FLOAT, None)], opset=opset)
+    report = check_model(m, "g", RANGES)
+    assert report.ok is ok
+    if not ok:
+        assert _kinds(report) == ["opset"]
+
+
+def test_dtypes_float64_input_and_int64_matmul():
+    report = check_model(_simple("Relu", TensorProto.DOUBLE), "g", RANGES)
+    assert "dtype" in _kinds(report)
+    assert any("FP64" in p.message for p in report.problems)
+    matmul = _model([helper.make_node("MatMul", ["x", "x"], ["y"])], [_vi("x", TensorProto.INT64, [4, 4])],
+                    [_vi("y", TensorProto.INT64, None)])
+    report = check_model(matmul, "g", RANGES)
+    assert any(p.kind == "dtype" and "MatMul on INT64" in p.message for p in report.problems)
+    # int64 where TensorRT supports it is fine (token ids, positions, Gather indices, Add)
+    assert check_model(_simple("Neg", TensorProto.INT64), "g", RANGES).ok
+
+
+def test_reduction_axes_must_be_an_initializer():
+    m = _model([helper.make_node("Shape", ["x"], ["s"], start=0, end=1), helper.make_node("ReduceSum", ["x", "s"], ["y"])],
+               [_vi("x", TensorProto.FLOAT, ["batch", 4])], [_vi("y", TensorProto.FLOAT, None)])
+    report = check_model(m, "g", RANGES)
+    assert any(p.kind == "op_restriction" and "axes" in p.message for p in report.problems)
+
+
+def test_every_problem_is_listed_in_the_error(exports, tmp_path):
+    folder = _copy_export(exports["portable"], tmp_path / "bad")
+    bad = _model([helper.make_node("Unique", ["input_ids"], ["u"]), helper.make_node("Relu", ["x"], ["y"])],
+                 [_vi("input_ids", TensorProto.INT64, ["batch", 0]), _vi("x", TensorProto.DOUBLE, ["batch", "mystery"])],
+                 [_vi("y", TensorProto.DOUBLE, None)], opset=25)
+    onnx.save(bad, folder / "encoder.onnx")
+    with pytest.raises(TensorRTReadinessError) as info:
+        check_export_dir(folder)
+    kinds = {p.kind for p in info.value.report.problems}
+    assert {"opset", "unsupported_op", "zero_dim", "unbounded_axis", "dtype", "manifest"} <= kinds
+    message = str(info.value)
+    for p in info.value.report.problems:
+        assert str(p) in message
+    assert info.value.report.graph("decoder_step.onnx").ok  # the other graph is still checked
+
+
+def test_corrupt_graph_is_a_load_problem(exports, tmp_path):
+    folder = _copy_export(exports["portable"], tmp_path / "corrupt")
+    (folder / "decoder_step.onnx").write_bytes(b"not a protobuf at all")
+    report = check_export_dir(folder, raise_on_error=False)
+    assert any(p.kind == "load" for p in report.problems)
+
+
+# ------------------------------------------------------------------------------------------
+# readiness on real exports
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_real_export_is_ready(exports, flavour):
+    report = check_export_dir(exports[flavour])
+    assert report.ok and report.flavour == flavour
+    assert {g.name for g in report.graphs} == {"encoder.onnx", "decoder_step.onnx"}
+    for g in report.graphs:
+        assert not set(g.op_counts) & {"If", "Loop", "Scan"}
+        assert rd.MIN_OPSET <= g.opset <= rd.MAX_OPSET
+    dec = report.graph("decoder_step.onnx")
+    assert ("TensorScatter" in dec.op_counts) == (flavour == "tensorscatter")
+    manifest = json.loads((exports[flavour] / "manifest.json").read_text())
+    assert report.axis_ranges["src_len"].max == manifest["model_config"]["max_len"]
+    if flavour == "tensorscatter":  # defaults pin the cache length (TensorRT's KV-cache update layer)
+        assert report.axis_ranges["cache_len"].static
+
+
+def test_check_only_cli_needs_no_tensorrt(exports, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # even where TensorRT is installed
+    assert trtb.main([str(exports["portable"]), "--check-only", "--precision", "fp16", "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[: out.rindex("}") + 1])
+    assert report["ok"] and report["problems"] == []
+    assert "decoder_step.fp16.engine" in out
+
+
+def test_help_works_without_tensorrt(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    with pytest.raises(SystemExit) as info:
+        trtb.main(["--help"])
+    assert info.value.code == 0
+    assert "--check-only" in capsys.readouterr().out
+
+
+def test_build_without_tensorrt_says_how_to_install(exports, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    folder = _copy_export(exports["portable"], tmp_path / "e")
+    before = sorted(os.listdir(folder))
+    with pytest.raises(trtb.TensorRTNotAvailableError, match=r"pip install tensorrt-cu13.*transformer_ext\[tensorrt\]"):
+        trtb.build_engines(folder)
+    assert sorted(os.listdir(folder)) == before  # nothing written
+    assert trtb.main([str(folder)]) == 1
+    assert "pip install tensorrt-cu13" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
+# builder logic without an engine: ranges, profiles, flags, precision
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [("1:8:32", AxisRange(1, 8, 32)), ("16", AxisRange(1, 16, 16)),
+                                            (" 4:4:4 ", AxisRange(4, 4, 4))])
+def test_parse_axis_range(text, expected):
+    assert rd.parse_axis_range(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0:1:2", "4:2:8", "1:2", "a:b:c", "-3"])
+def test_parse_axis_range_rejects(text):
+    with pytest.raises(ValueError):
+        rd.parse_axis_range(text)
+
+
+def test_cli_ranges_become_options():
+    args = trtb.build_parser().parse_args(["x", "--batch", "2:4:8", "--cache-len", "16", "--axis", "foo=1:1:2",
+                                           "--precision", "bf16", "--typing", "weak", "--tf32"])
+    opts = trtb._options_from_args(args)
+    assert opts.axis_ranges == {"batch": AxisRange(2, 4, 8), "cache_len": AxisRange(1, 16, 16), "foo": AxisRange(1, 1, 2)}
+    assert (opts.precision, opts.typing, opts.tf32) == ("bf16", "weak", True)
+    with pytest.raises(SystemExit):
+        trtb.build_parser().parse_args(["x", "--batch", "0:1:2"])
+
+
+def test_default_ranges_follow_the_manifest(exports):
+    manifest = rd.read_manifest(exports["portable"])
+    ranges = rd.default_axis_ranges(rd.manifest_max_positions(manifest), rd.manifest_max_cache_len(manifest))
+    max_len = manifest["model_config"]["max_len"]
+    assert ranges["src_len"].max == max_len and ranges["cache_len"].max == min(max_len, manifest["max_cache_len"])
+    assert all(r.min >= 1 for r in ranges.values())
+
+
+def test_profile_shapes_of_the_decoder(exports):
+    dec = onnx.load(exports["portable"] / "decoder_step.onnx", load_external_data=False)
+    ranges = {"batch": AxisRange(1, 4, 8), "src_len": AxisRange(2, 5, 9), "cache_len": AxisRange(3, 6, 12)}
+    shapes = rd.profile_shapes(rd.input_specs(dec), ranges)
+    assert shapes["input_ids"] == ((1, 1), (4, 1), (8, 1))
+    assert shapes["positions"] == ((1,), (4,), (8,))
+    assert shapes["self_key.0"] == ((1, 4, 3, 8), (4, 4, 6, 8), (8, 4, 12, 8))  # tiny: 4 heads, d_k 8
+    assert shapes["cross_value.1"] == ((1, 4, 2, 8), (4, 4, 5, 8), (8, 4, 9, 8))
+    with pytest.raises(ValueError, match="cache_len"):
+        rd.profile_shapes(rd.input_specs(dec), {"batch": AxisRange(1, 1, 1), "src_len": AxisRange(1, 1, 1)})
+
+
+@pytest.mark.parametrize("precision, typing, expected", [
+    ("fp32", "strong", {"network": ["STRONGLY_TYPED"], "set": [], "clear": ["TF32"]}),
+    ("fp16", "strong", {"network": ["STRONGLY_TYPED"], "set": [], "clear": ["TF32"]}),
+    ("fp16", "weak", {"network": [], "set": ["FP16", "OBEY_PRECISION_CONSTRAINTS"], "clear": ["TF32"]}),
+    ("bf16", "weak", {"network": [], "set": ["BF16", "OBEY_PRECISION_CONSTRAINTS"], "clear": ["TF32"]}),
+])
+def test_precision_flags(precision, typing, expected):
+    assert trtb.precision_flags(precision, typing) == expected
+    assert "TF32" in trtb.precision_flags(precision, typing, tf32=True)["set"]
+
+
+def test_cache_dtype_of_every_precision():
+    assert trtb.CACHE_DTYPES == {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_plan_converts_graphs_and_keeps_logits_float32(exports, flavour, precision):
+    plan, graphs = trtb.plan_build(exports[flavour], trtb.BuildOptions(precision=precision))
+    assert plan.readiness.ok and plan.cache_dtype == trtb.CACHE_DTYPES[precision]
+    dec = plan.engine("decoder_step")
+    assert dec.engine_file == f"decoder_step.{precision}.engine" and dec.converted_onnx_file
+    assert dec.io_dtypes["logits"] == "float32"
+    assert dec.io_dtypes["input_ids"] == "int64"
+    out_name = "present_key.0" if flavour == "tensorscatter" else "new_key.0"
+    for name in ("self_key.0", "cross_value.1", out_name):
+        assert dec.io_dtypes[name] == plan.cache_dtype
+    assert plan.engine("encoder").io_dtypes["cross_key.0"] == plan.cache_dtype
+    # softmax / layer norm compute in float32 in the converted graph
+    inferred = onnx.shape_inference.infer_shapes(graphs["decoder_step"])
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in inferred.graph.value_info}
+    for node in inferred.graph.node:
+        if node.op_type in ("Softmax", "LayerNormalization"):
+            assert types.get(node.input[0], TensorProto.FLOAT) == TensorProto.FLOAT, node.name
+
+
+def test_plan_pins_the_tensorscatter_cache(exports):
+    plan, graphs = trtb.plan_build(exports["tensorscatter"], trtb.BuildOptions(axis_ranges={"cache_len": AxisRange(1, 8, 24)}))
+    dec = plan.engine("decoder_step")
+    assert dec.pinned_axes == {"cache_len": 24}
+    assert dec.shapes["self_key.0"][0][2] == dec.shapes["self_key.0"][2][2] == 24
+    cache_input = next(i for i in graphs["decoder_step"].graph.input if i.name == "self_key.0")
+    assert cache_input.type.tensor_type.shape.dim[2].dim_value == 24
+    portable, _ = trtb.plan_build(exports["portable"], trtb.BuildOptions(axis_ranges={"cache_len": AxisRange(1, 8, 24)}))
+    assert portable.engine("decoder_step").shapes["self_key.0"][0][2] == 1  # dynamic for the portable flavour
+
+
+def _run(model, feeds):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def test_fp16_conversion_matches_float32_in_onnx_runtime(exports):
+    """The converted graphs compute what the float32 ones do, within fp16 rounding (ORT CPU)."""
+    folder = exports["portable"]
+    rng = np.random.default_rng(3)
+    enc32 = onnx.load(folder / "encoder.onnx")
+    dec32 = onnx.load(folder / "decoder_step.onnx")
+    enc16, dec16 = trtb.convert_precision(enc32, "fp16"), trtb.convert_precision(dec32, "fp16")
+    ids = rng.integers(3, 48, (3, 7)).astype(np.int64)
+    lens = np.array([7, 2, 5], np.int64)
+    e32 = _run(enc32, {"input_ids": ids, "src_lengths": lens})
+    e16 = _run(enc16, {"input_ids": ids, "src_lengths": lens})
+    for name, ref in e32.items():
+        assert e16[name].dtype == np.float16
+        np.testing.assert_allclose(e16[name].astype(np.float32), ref, atol=2e-2)
+    feeds = {"input_ids": rng.integers(3, 40, (3, 1)).astype(np.int64), "positions": np.full(3, 4, np.int64),
+             "src_lengths": lens}
+    for i in range(2):
+        feeds[f"cross_key.{i}"], feeds[f"cross_value.{i}"] = e32[f"cross_key.{i}"], e32[f"cross_value.{i}"]
+        feeds[f"self_key.{i}"] = rng.standard_normal((3, 4, 6, 8)).astype(np.float32)
+        feeds[f"self_value.{i}"] = rng.standard_normal((3, 4, 6, 8)).astype(np.float32)
+    d32 = _run(dec32, feeds)
+    d16 = _run(dec16, {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in feeds.items()})
+    assert d16["logits"].dtype == np.float32 and d16["new_key.0"].dtype == np.float16
+    for name, ref in d32.items():
+        np.testing.assert_allclose(d16[name].astype(np.float32), ref, atol=2e-2)
+
+
+def test_conversion_keeps_float32_islands_and_casts_output():
+    """LayerNormalization in float32 between fp16 MatMuls; scale/bias stay float32; logits float32."""
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "scale")
+    m = _model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("LayerNormalization", ["h", "scale"], ["n"]),
+                helper.make_node("Softmax", ["n"], ["p"]), helper.make_node("MatMul", ["p", "w"], ["logits"])],
+               [_vi("x", TensorProto.FLOAT, ["batch", 4])], [_vi("logits", TensorProto.FLOAT, ["batch", 4])], [w, scale])
+    out = trtb.convert_precision(m, "fp16")
+    inits = {t.name: t.data_type for t in out.graph.initializer}
+    assert inits == {"w": TensorProto.FLOAT16, "scale": TensorProto.FLOAT}
+    assert out.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    assert out.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    ops = [n.op_type for n in out.graph.node]
+    # cast up before the float32 island (LayerNorm -> Softmax stays float32), down after it, up at the end
+    assert ops == ["MatMul", "Cast", "LayerNormalization", "Softmax", "Cast", "MatMul", "Cast"]
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    ref = _run(m, {"x": x})["logits"]
+    np.testing.assert_allclose(_run(out, {"x": x.astype(np.float16)})["logits"], ref, atol=5e-3)
+
+
+def test_conversion_rejects_custom_ops():
+    m = _model([helper.make_node("Foo", ["x"], ["y"], domain="custom")], [_vi("x", TensorProto.FLOAT, [2])],
+               [_vi("y", TensorProto.FLOAT, [2])])
+    m.opset_import.append(helper.make_opsetid("custom", 1))
+    with pytest.raises(trtb.PrecisionConversionError):
+        trtb.convert_precision(m, "fp16")
+
+
+def test_describe_parser_error():
+    class Err:
+        def code(self):
+            return types.SimpleNamespace(name="UNSUPPORTED_NODE")
+
+        def desc(self):
+            return "no importer for op Foo"
+
+        def node(self):
+            return 7
+
+        def node_name(self):
+            return "/decoder/Foo_3"
+
+        def node_operator(self):
+            return "Foo"
+
+        def file(self):
+            return "/src/ModelImporter.cpp"
+
+        def line(self):
+            return 42
+
+        def func(self):
+            return "parseNode"
+
+    text = trtb.describe_parser_error(Err())
+    assert text == "UNSUPPORTED_NODE: no importer for op Foo at node 7 '/decoder/Foo_3' (Foo) [parseNode ModelImporter.cpp:42]"
+
+
+# ------------------------------------------------------------------------------------------
+# a stand-in `tensorrt` module: the builder's calls, without TensorRT
+# ------------------------------------------------------------------------------------------
+
+
+class _Enum:
+    def __init__(self, name, value=0):
+        self.name, self.value = name, value
+
+    def __int__(self):
+        return self.value
+
+    def __repr__(self):
+        return f"<{self.name}>"
+
+
+def _fake_tensorrt(calls: list, parse_errors=None, fail_build=False):
+    """A module with the slice of the TensorRT 10 Python API that export.tensorrt uses."""
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "10.15.1"
+    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=_Enum("STRONGLY_TYPED", 0))
+    trt.BuilderFlag = types.SimpleNamespace(**{n: _Enum(n) for n in ("FP16", "BF16", "TF32", "OBEY_PRECISION_CONSTRAINTS")})
+    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE=_Enum("WORKSPACE"))
+    trt.LayerType = types.SimpleNamespace(SOFTMAX=_Enum("SOFTMAX"), REDUCE=_Enum("REDUCE"), NORMALIZATION=_Enum("NORMALIZATION"))
+    trt.float32, trt.float16, trt.bfloat16 = _Enum("FLOAT"), _Enum("HALF"), _Enum("BF16")
+    trt.int64, trt.int32, trt.bool = _Enum("INT64"), _Enum("INT32"), _Enum("BOOL")
+    _types = {TensorProto.FLOAT: "FLOAT", TensorProto.FLOAT16: "HALF", TensorProto.BFLOAT16: "BF16",
+              TensorProto.INT64: "INT64"}
+
+    class ILogger:
+        Severity = types.SimpleNamespace(INTERNAL_ERROR=0, ERROR=1, WARNING=2, INFO=3, VERBOSE=4)
+
+        def __init__(self):
+            pass
+
+    class TimingCache:
+        def __init__(self, data):
+            self.data = bytes(data)
+
+        def serialize(self):
+            return self.data + b"+timing"
+
+    class Config:
+        def __init__(self):
+            self.flags, self.cleared, self.profiles, self.builder_optimization_level = [], [], [], 3
+
+        def set_memory_pool_limit(self, pool, size):
+            calls.append(("workspace", size))
+
+        def set_flag(self, f):
+            self.flags.append(f.name)
+
+        def clear_flag(self, f):
+            self.cleared.append(f.name)
+
+        def create_timing_cache(self, data):
+            calls.append(("create_timing_cache", bytes(data)))
+            return TimingCache(data)
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            calls.append(("set_timing_cache", cache.data))
+
+        def add_optimization_profile(self, p):
+            self.profiles.append(p)
+            return len(self.profiles) - 1
+
+    class Profile:
+        def __init__(self):
+            self.shapes = {}
+
+        def set_shape(self, name, lo, opt, hi):
+            self.shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
+
+    class Tensor:
+        def __init__(self, name, dtype):
+            self.name, self.dtype = name, dtype
+
+    class Network:
+        def __init__(self, flags):
+            self.flags, self.inputs, self.outputs = flags, [], []
+            self.num_layers = 0
+
+        @property
+        def num_inputs(self):
+            return len(self.inputs)
+
+        @property
+        def num_outputs(self):
+            return len(self.outputs)
+
+        def get_input(self, i):
+            return self.inputs[i]
+
+        def get_output(self, i):
+            return self.outputs[i]
+
+    class ParserError:
+        def __init__(self, desc, node):
+            self._desc, self._node = desc, node
+
+        def code(self):
+            return _Enum("UNSUPPORTED_NODE")
+
+        def desc(self):
+            return self._desc
+
+        def node(self):
+            return self._node
+
+    class OnnxParser:
+        def __init__(self, network, logger):
+            self.network = network
+            self.errors = []
+
+        def parse(self, data, path=None):
+            model = onnx.load_from_string(data)
+            inits = {t.name for t in model.graph.initializer}
+            self.network.inputs = [Tensor(i.name, _Enum(_types[i.type.tensor_type.elem_type]))
+                                   for i in model.graph.input if i.name not in inits]
+            self.network.outputs = [Tensor(o.name, _Enum(_types[o.type.tensor_type.elem_type])) for o in model.graph.output]
+            calls.append(("parse", path, [(t.name, t.dtype.name) for t in self.network.inputs + self.network.outputs]))
+            if parse_errors:
+                self.errors = [ParserError(d, n) for d, n in parse_errors]
+                return False
+            return True
+
+        @property
+        def num_errors(self):
+            return len(self.errors)
+
+        def get_error(self, i):
+            return self.errors[i]
+
+    class Builder:
+        def __init__(self, logger):
+            pass
+
+        def create_network(self, flags):
+            calls.append(("create_network", flags))
+            return Network(flags)
+
+        def create_builder_config(self):
+            return Config()
+
+        def create_optimization_profile(self):
+            return Profile()
+
+        def build_serialized_network(self, network, config):
+            calls.append(("build", config.flags, config.cleared, [p.shapes for p in config.profiles]))
+            if fail_build:
+                return None
+            io = {t.name: ["input", t.dtype.name] for t in network.inputs}
+            io.update({t.name: ["output", t.dtype.name] for t in network.outputs})
+            return json.dumps(io).encode()
+
+    class Engine:
+        def __init__(self, io):
+            self.io = io
+            self.names = list(io)
+
+        @property
+        def num_io_tensors(self):
+            return len(self.names)
+
+        def get_tensor_name(self, i):
+            return self.names[i]
+
+        def get_tensor_mode(self, name):
+            return _Enum(self.io[name][0].upper())
+
+        def get_tensor_dtype(self, name):
+            return _Enum(self.io[name][1])
+
+        def get_tensor_shape(self, name):
+            return [-1]
+
+    class Runtime:
+        def __init__(self, logger):
+            pass
+
+        def deserialize_cuda_engine(self, data):
+            return Engine(json.loads(bytes(data)))
+
+    trt.ILogger, trt.Builder, trt.OnnxParser, trt.Runtime = ILogger, Builder, OnnxParser, Runtime
+    return trt
+
+
+@pytest.mark.parametrize("flavour, precision, typing", [
+    ("portable", "fp32", "strong"), ("portable", "fp16", "strong"), ("tensorscatter", "bf16", "strong"),
+    ("portable", "fp16", "weak"),
+])
+def test_build_engines_with_a_stand_in_tensorrt(exports, tmp_path, monkeypatch, flavour, precision, typing):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt(calls))
+    folder = _copy_export(exports[flavour], tmp_path / "e")
+    (folder / "tensorrt.timing.cache").write_bytes(b"previous")
+    ranges = {"batch": AxisRange(1, 4, 8), "cache_len": AxisRange(2, 8, 16)}
+    result = trtb.build_engines(folder, trtb.BuildOptions(precision=precision, typing=typing, axis_ranges=ranges))
+
+    builds = [c for c in calls if c[0] == "build"]
+    assert len(builds) == 2
+    weak_flags = ["FP16", "OBEY_PRECISION_CONSTRAINTS"] if typing == "weak" else []
+    for _, flags, cleared, profiles in builds:
+        assert flags == weak_flags and cleared == ["TF32"] and len(profiles) == 1
+    # 1 << STRONGLY_TYPED for strong typing, no flag for weak typing
+    assert [c[1] for c in calls if c[0] == "create_network"] == [1, 1] if typing == "strong" else [0, 0]
+    enc_profile, dec_profile = builds[0][3][0], builds[1][3][0]
+    assert enc_profile["input_ids"] == ((1, 1), (4, 32), (8, 64))
+    cache = 16 if flavour == "tensorscatter" else None
+    assert dec_profile["self_key.0"] == (((1, 4, cache or 2, 8)), (4, 4, cache or 8, 8), (8, 4, 16, 8))
+    parsed_types = dict(next(c for c in calls if c[0] == "parse" and "decoder_step" in c[1])[2])
+    low = {"fp32": "FLOAT", "fp16": "HALF", "bf16": "BF16"}[precision]
+    # strong typing parses the converted graph; weak typing parses float32 and retypes the network I/O
+    assert parsed_types["self_key.0"] == (low if typing == "strong" else "FLOAT") and parsed_types["logits"] == "FLOAT"
+    assert ("create_timing_cache", b"previous") in calls
+    assert (folder / "tensorrt.timing.cache").read_bytes() == b"previous+timing"
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    section = manifest["tensorrt"]["engines"][precision]
+    assert manifest["tensorrt"]["cache_dtypes"] == trtb.CACHE_DTYPES
+    assert section["cache_dtype"] == trtb.CACHE_DTYPES[precision] and section["flavour"] == flavour
+    for graph in ("encoder", "decoder_step"):
+        entry = section["engines"][graph]
+        data = (folder / entry["file"]).read_bytes()
+        import hashlib
+
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["bytes"] == len(data)
+        assert entry["io"]["input_ids"]["mode"] == "input"
+    assert section["engines"]["decoder_step"]["io"]["self_key.0"]["dtype"] == trtb.CACHE_DTYPES[precision]
+    assert (folder / f"decoder_step.{precision}.onnx").exists() == (precision != "fp32" and typing == "strong")
+    assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]
+    from export.manifest import read_manifest
+
+    read_manifest(folder)  # still a valid export manifest for the ONNX side
+    assert result.engine_paths["encoder"].endswith(f"encoder.{precision}.engine")
+
+
+def test_parser_errors_are_reported_one_by_one_and_nothing_is_written(exports, tmp_path, monkeypatch, caplog):
+    calls: list = []
+    errors = [("no importer for Foo", 3), ("bad shape", 9)]
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt(calls, parse_errors=errors))
+    folder = _copy_export(exports["portable"], tmp_path / "e")
+    before = {p: (folder / p).stat().st_mtime_ns for p in os.listdir(folder)}
+    with caplog.at_level("ERROR", logger="export.tensorrt"), pytest.raises(trtb.TensorRTParseError) as info:
+        trtb.build_engines(folder)
+    assert info.value.errors == ["UNSUPPORTED_NODE: no importer for Foo at node 3", "UNSUPPORTED_NODE: bad shape at node 9"]
+    assert "2 error(s)" in str(info.value) and "--check-only" in str(info.value)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("parser error 1/2" in m for m in logged) and any("parser error 2/2" in m for m in logged)
+    assert {p: (folder / p).stat().st_mtime_ns for p in os.listdir(folder)} == before
+
+
+def test_failed_build_writes_nothing(exports, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([], fail_build=True))
+    folder = _copy_export(exports["portable"], tmp_path / "e")
+    before = sorted(os.listdir(folder))
+    with pytest.raises(trtb.TensorRTBuildError):
+        trtb.build_engines(folder)
+    assert sorted(os.listdir(folder)) == before
+
+
+def test_old_tensorrt_is_refused(monkeypatch):
+    fake = types.ModuleType("tensorrt")
+    fake.__version__ = "10.3.0"
+    monkeypatch.setitem(sys.modules, "tensorrt", fake)
+    with pytest.raises(trtb.TensorRTNotAvailableError, match="10.15"):
+        trtb.import_tensorrt()
+
+
+def test_weak_typing_pins_float32_layers():
+    trt = _fake_tensorrt([])
+
+    class Layer:
+        def __init__(self, kind):
+            self.type, self.precision, self.num_outputs, self.output_types = kind, None, 2, {}
+
+        def set_output_type(self, j, dtype):
+            self.output_types[j] = dtype
+
+    class Net:
+        def __init__(self):
+            self.layers = [Layer(trt.LayerType.SOFTMAX), Layer(_Enum("MATRIX_MULTIPLY")), Layer(trt.LayerType.REDUCE)]
+            self.ins = [types.SimpleNamespace(name="self_key.0", dtype=trt.float32),
+                        types.SimpleNamespace(name="input_ids", dtype=trt.int64)]
+            self.outs = [types.SimpleNamespace(name="logits", dtype=trt.float32),
+                         types.SimpleNamespace(name="new_key.0", dtype=trt.float32)]
+            self.num_layers, self.num_inputs, self.num_outputs = 3, 2, 2
+
+        def get_layer(self, i):
+            return self.layers[i]
+
+        def get_input(self, i):
+            return self.ins[i]
+
+        def get_output(self, i):
+            return self.outs[i]
+
+    net = Net()
+    io = {"self_key.0": "float16", "input_ids": "int64", "logits": "float32", "new_key.0": "float16"}
+    assert trtb.apply_weak_precision(trt, net, "fp16", io) == 2
+    assert net.layers[0].precision is trt.float32 and net.layers[0].output_types == {0: trt.float32, 1: trt.float32}
+    assert net.layers[1].precision is None
+    assert [t.dtype for t in net.ins] == [trt.float16, trt.int64]
+    assert [t.dtype for t in net.outs] == [trt.float32, trt.float16]
+
+
+# ------------------------------------------------------------------------------------------
+# TensorRT runner against stand-in engines that compute with the eager model
+# ------------------------------------------------------------------------------------------
+
+_TYPESTR = {"float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4"}
+_TRT_NAME = {"float32": "FLOAT", "float16": "HALF", "int64": "INT64", "int32": "INT32"}
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
+
+
+class _Raw:
+    """A buffer seen only through its address, as TensorRT sees it."""
+
+    def __init__(self, ptr, shape, dtype, device):
+        iface = {"shape": tuple(shape), "typestr": _TYPESTR[dtype], "data": (ptr, False), "version": 3}
+        if device.type == "cuda":
+            self.__cuda_array_interface__ = {**iface, "strides": None}
+        else:
+            self.__array_interface__ = iface
+
+
+def _tensor_at(ptr, shape, dtype, device):
+    raw = _Raw(ptr, shape, dtype, device)
+    if device.type == "cuda":
+        return torch.as_tensor(raw, device=device)
+    return torch.from_numpy(np.asarray(raw))
+
+
+class FakeContext:
+    def __init__(self, engine):
+        self.engine, self.shapes, self.addresses, self.calls = engine, {}, {}, engine.calls
+
+    def set_input_shape(self, name, shape):
+        self.calls.append(("set_input_shape", self.engine.kind, name, tuple(shape)))
+        lo, _, hi = self.engine.get_tensor_profile_shape(name, 0)
+        if len(shape) != len(lo) or any(not a <= s <= b for a, s, b in zip(lo, shape, hi)):
+            return False
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_tensor_address(self, name, ptr):
+        self.calls.append(("set_tensor_address", self.engine.kind, name, ptr))
+        self.addresses[name] = ptr
+        return True
+
+    def get_tensor_shape(self, name):
+        return self.engine.output_shape(name, self.shapes)
+
+    def execute_async_v3(self, stream_handle):
+        self.calls.append(("execute_async_v3", self.engine.kind, stream_handle))
+        dev = self.engine.device
+        views = {}
+        for name in self.engine.names:
+            shape = self.shapes[name] if self.engine.io[name][0] == "INPUT" else self.engine.output_shape(name, self.shapes)
+            views[name] = _tensor_at(self.addresses[name], shape, self.engine.io[name][1], dev)
+        ctx = torch.cuda.stream(torch.cuda.ExternalStream(stream_handle)) if dev.type == "cuda" else _nullcontext()
+        with ctx, torch.inference_mode():
+            self.engine.compute(views)
+        return True
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class FakeEngine:
+    """Engine API (names, modes, dtypes, static dims, profile 0) + an eager computation."""
+
+    def __init__(self, kind, io, profile, compute, device, calls):
+        self.kind, self.io, self.profile, self.compute, self.device, self.calls = kind, io, profile, compute, device, calls
+        self.names = list(io)
+
+    @property
+    def num_io_tensors(self):
+        return len(self.names)
+
+    def get_tensor_name(self, i):
+        return self.names[i]
+
+    def get_tensor_mode(self, name):
+        return _Enum(self.io[name][0])
+
+    def get_tensor_dtype(self, name):
+        return _Enum(_TRT_NAME[self.io[name][1]])
+
+    def get_tensor_shape(self, name):
+        return list(self.io[name][2])
+
+    def get_tensor_profile_shape(self, name, index):
+        return self.profile[name]
+
+    def output_shape(self, name, shapes):
+        return self.io[name][3](shapes)
+
+    def create_execution_context(self):
+        return FakeContext(self)
+
+
+def _fake_engines(model, flavour, device, calls, *, max_rows=16, max_src=32, cache=(1, 64), static_cache=None,
+                  cache_dtype="float32"):
+    """Encoder + decoder stand-ins for ``model``, with the I/O of DESIGN.md section 3."""
+    c = model.config
+    H, D, n = c.n_heads, c.d_k, c.n_decoder_layers
+    L = static_cache or -1
+    f = cache_dtype
+    enc_io = {
+        "input_ids": ("INPUT", "int64", [-1, -1]), "src_lengths": ("INPUT", "int64", [-1]),
+        "encoder_out": ("OUTPUT", "float32", [-1, -1, c.d_model], lambda s: (*s["input_ids"], c.d_model)),
+    }
+    for i in range(n):
+        for kind in ("key", "value"):
+            enc_io[f"cross_{kind}.{i}"] = ("OUTPUT", f, [-1, H, -1, D], lambda s: (s["input_ids"][0], H, s["input_ids"][1], D))
+    enc_profile = {"input_ids": ((1, 1), (4, 8), (max_rows, max_src)), "src_lengths": ((1,), (4,), (max_rows,))}
+
+    dec_io = {"input_ids": ("INPUT", "int64", [-1, 1]), "positions": ("INPUT", "int64", [-1]),
+              "src_lengths": ("INPUT", "int64", [-1])}
+    lo, hi = (static_cache, static_cache) if static_cache else cache
+    dec_profile = {"input_ids": ((1, 1), (4, 1), (max_rows, 1)), "positions": ((1,), (4,), (max_rows,)),
+                   "src_lengths": ((1,), (4,), (max_rows,))}
+    for i in range(n):
+        for kind in ("key", "value"):
+            dec_io[f"self_{kind}.{i}"] = ("INPUT", f, [-1, H, L, D])
+            dec_profile[f"self_{kind}.{i}"] = ((1, H, lo, D), (4, H, hi, D), (max_rows, H, hi, D))
+            dec_io[f"cross_{kind}.{i}"] = ("INPUT", f, [-1, H, -1, D])
+            dec_profile[f"cross_{kind}.{i}"] = ((1, H, 1, D), (4, H, 8, D), (max_rows, H, max_src, D))
+    dec_io["logits"] = ("OUTPUT", "float32", [-1, c.tgt_vocab_size], lambda s: (s["input_ids"][0], c.tgt_vocab_size))
+    for i in range(n):
+        for kind in ("key", "value"):
+            if flavour == "portable":
+                dec_io[f"new_{kind}.{i}"] = ("OUTPUT", f, [-1, H, 1, D], lambda s: (s["input_ids"][0], H, 1, D))
+            else:
+                dec_io[f"present_{kind}.{i}"] = ("OUTPUT", f, [-1, H, L, D], lambda s, k=kind, j=i: s[f"self_{k}.{j}"])
+
+    def encode(v):
+        enc_out, keys, values = model.encode(v["input_ids"], v["src_lengths"])
+        v["encoder_out"].copy_(enc_out)
+        for i in range(n):
+            v[f"cross_key.{i}"].copy_(keys[i])
+            v[f"cross_value.{i}"].copy_(values[i])
+
+    def decode(v):
+        get = lambda k: [v[f"{k}.{i}"].float() for i in range(n)]  # noqa: E731
+        logits, new_k, new_v = model.decode_step(v["input_ids"], v["positions"], v["src_lengths"], get("self_key"),
+                                                 get("self_value"), get("cross_key"), get("cross_value"))
+        v["logits"].copy_(logits)
+        for i in range(n):
+            if flavour == "portable":
+                v[f"new_key.{i}"].copy_(new_k[i])
+                v[f"new_value.{i}"].copy_(new_v[i])
+            else:  # the KV-cache update layer: in place, present aliases the input cache
+                assert v[f"present_key.{i}"].data_ptr() == v[f"self_key.{i}"].data_ptr()
+                for b, p in enumerate(v["positions"].tolist()):
+                    v[f"present_key.{i}"][b, :, p] = new_k[i][b, :, 0]
+                    v[f"present_value.{i}"][b, :, p] = new_v[i][b, :, 0]
+
+    return (FakeEngine("encoder", enc_io, enc_profile, encode, device, calls),
+            FakeEngine("decoder", dec_io, dec_profile, decode, device, calls))
+
+
+def _sources(seed=0, B=3, S=9):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 48, (B, S)).astype(np.int64)
+    lengths = np.array([S, 4, 6][:B], np.int64)
+    for b, n in enumerate(lengths):
+        ids[b, n:] = 0
+    return ids, lengths
+
+
+def _eager(model, device):
+    from transformer_ext.runner import EagerRunner
+
+    return EagerRunner(model, device)
+
+
+def _decode_all(runner, ids, lengths, cache_len=None):
+    """Greedy tokens, beam tokens and beam scores of a batch (tokens compare exactly, scores by tolerance)."""
+    from transformer_ext import decoding
+
+    kw = dict(bos_id=1, eos_id=2, max_new_tokens=10, cache_len=cache_len)
+    greedy = decoding.greedy_decode(runner, ids, lengths, **kw)
+    beams = decoding.beam_search(runner, ids, lengths, beam_size=3, n_best=2, **kw)
+    return greedy, [[h.tokens for h in hyps] for hyps in beams], np.array([[h.score for h in hyps] for hyps in beams])
+
+
+def _assert_same_decodes(ours, ref, atol=1e-4):
+    assert ours[0] == ref[0], "greedy tokens differ"
+    assert ours[1] == ref[1], "beam tokens differ"
+    np.testing.assert_allclose(ours[2], ref[2], atol=atol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_tensorrt_runner_decodes_like_eager_with_stand_in_engines(tiny_model, flavour, device):
+    dev = torch.device(device)
+    model = tiny_model.to(dev)
+    try:
+        static = 32 if flavour == "tensorscatter" else None
+        enc, dec = _fake_engines(model, flavour, dev, [], static_cache=static)
+        runner = TensorRTRunner(enc, dec, max_positions=model.config.max_len, device=dev)
+        assert runner.flavour == flavour and runner.limits.static_cache_len == static
+        ids, lengths = _sources()
+        _assert_same_decodes(_decode_all(runner, ids, lengths), _decode_all(_eager(model, dev), ids, lengths), atol=1e-5)
+    finally:
+        tiny_model.to("cpu")
+
+
+def test_tensorrt_runner_binds_once_and_appends_after_each_step(tiny_model):
+    calls: list = []
+    enc, dec = _fake_engines(tiny_model, "portable", torch.device("cpu"), calls)
+    runner = TensorRTRunner(enc, dec, max_positions=64, device="cpu")
+    appended, real_append = [], runner._kv_append
+
+    def append(cache, update, positions, *flag):
+        calls.append(("kv_cache_append_", cache.data_ptr(), update.data_ptr(), positions.tolist()))
+        real_append(cache, update, positions, *flag)
+
+    runner._kv_append = append
+    ids, lengths = _sources(B=2)
+    state = runner.encode(ids, lengths, cache_len=5, num_beams=2)
+    assert state.num_rows == 4 and state.cache_len == 5
+    encoder_calls = [c for c in calls if c[1] == "encoder"]
+    assert ("set_input_shape", "encoder", "input_ids", (2, 9)) in encoder_calls  # B sources, not B x beams
+    calls.clear()
+    for step in range(3):
+        runner.step(state, np.array([1, 1, 5, 6]))
+    kinds = [c[0] for c in calls]
+    # bound once (first step), then per step: execute, then the 2 x n_layers appends
+    assert kinds.count("set_tensor_address") == len(dec.names) and kinds.count("execute_async_v3") == 3
+    n_append = 2 * tiny_model.config.n_decoder_layers
+    first_exec = kinds.index("execute_async_v3")
+    assert kinds[first_exec + 1: first_exec + 1 + n_append] == ["kv_cache_append_"] * n_append
+    shapes = {c[2]: c[3] for c in calls if c[0] == "set_input_shape"}
+    assert shapes["self_key.0"] == (4, tiny_model.config.n_heads, 5, tiny_model.config.d_k)
+    assert shapes["input_ids"] == (4, 1) and shapes["cross_key.1"][2] == 9
+    addresses = {c[2]: c[3] for c in calls if c[0] == "set_tensor_address"}
+    assert addresses["self_key.0"] == state.self_keys[0].data_ptr()
+    assert addresses["new_value.1"] == state.new_values[1].data_ptr()
+    appends = [c for c in calls if c[0] == "kv_cache_append_"]
+    assert appends[0][1:3] == (state.self_keys[0].data_ptr(), state.new_keys[0].data_ptr())
+    assert [c[3] for c in appends[-n_append:]] == [[2, 2, 2, 2]] * n_append  # third step writes position 2
+    # a second decoding rebinds (new buffers)
+    state2 = runner.encode(ids, lengths, cache_len=5)
+    calls.clear()
+    runner.step(state2, np.array([1, 1]))
+    assert any(c[0] == "set_tensor_address" for c in calls)
+
+
+def test_tensorscatter_binds_one_buffer_as_input_and_output(tiny_model):
+    calls: list = []
+    enc, dec = _fake_engines(tiny_model, "tensorscatter", torch.device("cpu"), calls, static_cache=16)
+    runner = TensorRTRunner(enc, dec, device="cpu")
+    runner._kv_append = lambda *a: pytest.fail("the tensorscatter flavour must not append outside the engine")
+    ids, lengths = _sources(B=2)
+    state = runner.encode(ids, lengths, cache_len=4)
+    assert state.cache_len == 16 and not state.new_keys  # the engine's static capacity
+    runner.step(state, np.array([1, 1]))
+    addresses = {c[2]: c[3] for c in calls if c[0] == "set_tensor_address"}
+    for i in range(tiny_model.config.n_decoder_layers):
+        assert addresses[f"present_key.{i}"] == addresses[f"self_key.{i}"] == state.self_keys[i].data_ptr()
+        assert addresses[f"present_value.{i}"] == addresses[f"self_value.{i}"]
+    with pytest.raises(ValueError, match="static cache capacity 16"):
+        runner.encode(ids, lengths, cache_len=17)
+
+
+def test_binding_plans():
+    t = lambda *s: torch.zeros(s)  # noqa: E731
+    state = DeviceState(batch=1, num_beams=2, src_len=3, cache_len=4, input_ids=t(2, 1), positions=t(2),
+                        src_lengths=t(2), self_keys=[t(2, 1, 4, 2)], self_values=[t(2, 1, 4, 2)],
+                        cross_keys=[t(2, 1, 3, 2)], cross_values=[t(2, 1, 3, 2)], logits=t(2, 5), logits_host=t(2, 5),
+                        tokens_host=t(2), new_keys=[t(2, 1, 1, 2)], new_values=[t(2, 1, 1, 2)])
+    portable = decoder_bindings(state, "portable")
+    assert sorted(portable) == sorted(["input_ids", "positions", "src_lengths", "logits", "self_key.0", "self_value.0",
+                                       "cross_key.0", "cross_value.0", "new_key.0", "new_value.0"])
+    assert portable["new_key.0"] is state.new_keys[0]
+    scatter = decoder_bindings(state, "tensorscatter")
+    assert scatter["present_key.0"] is scatter["self_key.0"] is state.self_keys[0]
+    assert "new_key.0" not in scatter
+    enc = encoder_bindings(t(1, 3), t(1), t(1, 3, 2), [t(1)], [t(2)])
+    assert sorted(enc) == ["cross_key.0", "cross_value.0", "encoder_out", "input_ids", "src_lengths"]
+    with pytest.raises(ValueError):
+        decoder_bindings(state, "merged")
+
+
+def test_tensorrt_runner_checks_profile_limits(tiny_model):
+    enc, dec = _fake_engines(tiny_model, "portable", torch.device("cpu"), [], max_rows=4, max_src=12, cache=(2, 20))
+    runner = TensorRTRunner(enc, dec, max_positions=64, device="cpu")
+    ids, lengths = _sources(B=2)
+    with pytest.raises(ValueError, match="rows exceed"):
+        runner.encode(ids, lengths, cache_len=5, num_beams=3)
+    with pytest.raises(ValueError, match="--cache-len"):
+        runner.encode(ids, lengths, cache_len=21)
+    long_ids = np.ones((1, 13), np.int64)
+    with pytest.raises(ValueError, match="profile's maximum 12"):
+        runner.encode(long_ids, np.array([13]), cache_len=5)
+    state = runner.encode(ids, lengths, cache_len=1)
+    assert state.cache_len == 2  # rounded up to the profile's minimum capacity
+    runner.step(state, np.array([1, 1]))
+    runner.step(state, np.array([1, 1]))
+    with pytest.raises(IndexError, match="position 2"):
+        runner.step(state, np.array([1, 1]))
+
+
+def test_tensorrt_runner_rejects_mismatched_engines(tiny_model):
+    enc, _ = _fake_engines(tiny_model, "portable", torch.device("cpu"), [], cache_dtype="float32")
+    _, dec16 = _fake_engines(tiny_model, "portable", torch.device("cpu"), [], cache_dtype="float16")
+    with pytest.raises(BindingError, match="different precisions"):
+        TensorRTRunner(enc, dec16, device="cpu")
+    enc.io.pop("encoder_out")
+    enc.names.remove("encoder_out")
+    with pytest.raises(BindingError, match="lacks"):
+        TensorRTRunner(enc, dec16, device="cpu")
+
+
+def test_fp16_engines_get_fp16_buffers(tiny_model):
+    calls: list = []
+    enc, dec = _fake_engines(tiny_model, "portable", torch.device("cpu"), calls, cache_dtype="float16")
+    runner = TensorRTRunner(enc, dec, device="cpu")
+    ids, lengths = _sources(B=1)
+    state = runner.encode(ids, lengths, cache_len=4)
+    assert state.self_keys[0].dtype == torch.float16 and state.cross_keys[0].dtype == torch.float16
+    assert state.logits.dtype == torch.float32
+    logits = runner.step(state, np.array([1]))
+    assert logits.dtype == np.float32 and np.isfinite(logits).all()
+
+
+# ------------------------------------------------------------------------------------------
+# ONNX Runtime device runner (CUDA path; its bindings run on the CPU provider here)
+# ------------------------------------------------------------------------------------------
+
+
+def _ort_cuda_runner(folder, **kw):
+    from export.ort_cuda_runner import OrtCudaRunner
+
+    return OrtCudaRunner(folder, device="cpu", intra_op_num_threads=1, **kw)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_ort_device_runner_decodes_like_eager(exports, tiny_model, flavour):
+    runner = _ort_cuda_runner(exports[flavour])
+    ids, lengths = _sources(1)
+    _assert_same_decodes(_decode_all(runner, ids, lengths), _decode_all(_eager(tiny_model, "cpu"), ids, lengths))
+
+
+def test_ort_device_runner_fp16_graphs(exports, tiny_model):
+    r32 = _ort_cuda_runner(exports["portable"])
+    r16 = _ort_cuda_runner(exports["portable"], precision="fp16")  # converted in memory
+    assert r16.cache_dtype == torch.float16
+    ids, lengths = _sources(2)
+    s32, s16 = r32.encode(ids, lengths, 6), r16.encode(ids, lengths, 6)
+    tokens = np.ones(3, np.int64)
+    for _ in range(4):
+        a, b = r32.step(s32, tokens), r16.step(s16, tokens)
+        np.testing.assert_allclose(b, a, atol=3e-2)
+        tokens = a.argmax(-1)
+
+
+class _RecordingSession:
+    """A real ONNX Runtime session whose IO bindings record every call."""
+
+    def __init__(self, session, log):
+        self._s, self.log = session, log
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def io_binding(self):
+        log, inner = self.log, self._s.io_binding()
+
+        class Binding:
+            def bind_input(self, *args):
+                log.append(("bind_input", *args))
+                inner.bind_input(*args)
+
+            def bind_output(self, *args):
+                log.append(("bind_output", *args))
+                inner.bind_output(*args)
+
+        b = Binding()
+        b.inner = inner
+        return b
+
+    def run_with_iobinding(self, binding):
+        self.log.append(("run",))
+        self._s.run_with_iobinding(binding.inner)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_ort_device_runner_binds_device_buffers_once(exports, flavour):
+    import onnxruntime as ort
+
+    log: list = []
+
+    def factory(src, options, providers):
+        return _RecordingSession(ort.InferenceSession(src, sess_options=options, providers=providers), log)
+
+    runner = _ort_cuda_runner(exports[flavour], session_factory=factory)
+    ids, lengths = _sources(B=2)
+    state = runner.encode(ids, lengths, 6, num_beams=2)
+    log.clear()
+    for _ in range(3):
+        runner.step(state, np.array([1, 1, 4, 4]))
+    binds = [c for c in log if c[0].startswith("bind")]
+    assert len(binds) == len(runner.decoder_io) and [c for c in log if c[0] == "run"] == [("run",)] * 3
+    by_name = {c[1]: c for c in binds}
+    for c in binds:
+        assert c[2:4] == ("cpu", 0)  # device_type, device_id (cuda on a GPU)
+    assert by_name["self_key.0"][5] == [4, runner.dims.n_heads, 6, runner.dims.d_k]
+    assert by_name["self_key.0"][6] == state.self_keys[0].data_ptr()
+    assert by_name["input_ids"][4] is np.int64 and by_name["logits"][0] == "bind_output"
+    if flavour == "tensorscatter":
+        assert by_name["present_key.1"][0] == "bind_output"
+        assert by_name["present_key.1"][6] == by_name["self_key.1"][6]
+    else:
+        assert by_name["new_key.1"][6] == state.new_keys[1].data_ptr()
+
+
+def test_ort_device_runner_providers_use_the_runner_stream():
+    from export.ort_cuda_runner import OrtCudaRunner
+
+    fake = types.SimpleNamespace(device=torch.device("cuda", 1), stream_handle=123456)
+    providers = OrtCudaRunner.provider_list(fake, {"arena_extend_strategy": "kSameAsRequested"})
+    assert providers[0] == ("CUDAExecutionProvider", {"device_id": 1, "user_compute_stream": "123456",
+                                                      "arena_extend_strategy": "kSameAsRequested"})
+    assert OrtCudaRunner.provider_list(types.SimpleNamespace(device=torch.device("cpu"))) == ["CPUExecutionProvider"]
+
+
+# ------------------------------------------------------------------------------------------
+# engine tests: TensorRT + a GPU
+# ------------------------------------------------------------------------------------------
+
+
+def _need_tensorrt_gpu():
+    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install tensorrt-cu13)")
+    from transformer_ext import ops
+
+    if not ops.cuda_kernels_built():
+        pytest.skip("transformer_ext was built without its CUDA kernels (TRANSFORMER_EXT_CUDA=1)")
+    return trt
+
+
+@pytest.mark.cuda
+@needs_tensorrt_gpu
+@pytest.mark.parametrize("flavour, precision", [("portable", "fp32"), ("tensorscatter", "fp32"), ("portable", "fp16")])
+def test_engines_decode_like_eager(exports, tiny_model, tmp_path, flavour, precision):
+    _need_tensorrt_gpu()
+    folder = _copy_export(exports[flavour], tmp_path / "e")
+    ranges = {"batch": AxisRange(1, 8, 16), "cache_len": AxisRange(1, 16, 32)}
+    trtb.build_engines(folder, trtb.BuildOptions(precision=precision, axis_ranges=ranges))
+    runner = TensorRTRunner.from_export_dir(folder, precision, device="cuda")
+    model = tiny_model.to("cuda")
+    ids, lengths = _sources()
+    try:
+        eager = _eager(model, "cuda")
+        s_trt, s_ref = runner.encode(ids, lengths, 12), eager.encode(ids, lengths, 12)
+        tokens = np.ones(3, np.int64)
+        tol = 1e-4 if precision == "fp32" else 3e-2
+        for _ in range(8):
+            a, b = runner.step(s_trt, tokens), eager.step(s_ref, tokens)
+            np.testing.assert_allclose(a, b, atol=tol)
+            tokens = b.argmax(-1)
+        if precision == "fp32":
+            _assert_same_decodes(_decode_all(runner, ids, lengths), _decode_all(eager, ids, lengths))
+    finally:
+        tiny_model.to("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _has_ort_cuda(), reason="needs a CUDA GPU and onnxruntime-gpu (CUDAExecutionProvider)")
+def test_ort_cuda_provider_decodes_like_eager(exports, tiny_model):
+    from export.ort_cuda_runner import OrtCudaRunner
+
+    runner = OrtCudaRunner(exports["portable"], device="cuda")
+    ids, lengths = _sources()
+    try:
+        _assert_same_decodes(_decode_all(runner, ids, lengths), _decode_all(_eager(tiny_model.to("cuda"), "cuda"), ids, lengths))
+    finally:
+        tiny_model.to("cpu")
+
+
+def test_precisions_accumulate_in_one_manifest_and_engines_are_verified(exports, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    out = tmp_path / "engines"
+    for precision in ("fp32", "fp16"):
+        trtb.build_engines(exports["portable"], trtb.BuildOptions(precision=precision, output_dir=out))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(manifest["tensorrt"]["engines"]) == ["fp16", "fp32"]
+    assert manifest["onnx_dir"] == os.path.relpath(exports["portable"], out)
+    assert not (Path(exports["portable"]) / "encoder.fp32.engine").exists()  # the export folder is untouched
+    with pytest.raises(FileNotFoundError, match="--precision bf16"):
+        TensorRTRunner.from_export_dir(out, "bf16", device="cpu")
+    (out / "decoder_step.fp16.engine").write_bytes(b"tampered")
+    with pytest.raises(RuntimeError, match="sha256"):
+        TensorRTRunner.from_export_dir(out, "fp16", device="cpu")

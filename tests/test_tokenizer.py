@@ -1,0 +1,153 @@
+"""CharTokenizer: vocabularies, round trips, special ids, persistence and its errors."""
+
+import json
+
+import pytest
+
+from transformer_ext.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    CharTokenizer,
+    TokenizerError,
+    UnknownCharacterError,
+)
+
+SOURCES = ["three hundred and forty-two", "one thousand, two hundred", "zero"]
+TARGETS = ["dreihundertzweiundvierzig", "eintausendzweihundert", "null", "zwölf"]
+
+
+@pytest.fixture
+def tok():
+    return CharTokenizer.build(SOURCES, TARGETS, lowercase=True)
+
+
+def test_special_ids():
+    assert (PAD_ID, BOS_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
+    assert SPECIAL_TOKENS == ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def test_vocab_is_sorted_characters_after_specials(tok):
+    assert tok.source_vocab[:4] == list(SPECIAL_TOKENS)
+    assert tok.source_vocab[4:] == sorted(set("".join(SOURCES)))
+    assert tok.target_vocab[4:] == sorted(set("".join(TARGETS)))
+    assert tok.src_vocab_size == 4 + len(set("".join(SOURCES)))
+    assert tok.tgt_vocab_size == 4 + len(set("".join(TARGETS)))
+    # the order of the training text does not matter
+    assert CharTokenizer.build(SOURCES[::-1], TARGETS[::-1], lowercase=True) == tok
+
+
+@pytest.mark.parametrize("text", SOURCES)
+def test_source_round_trip(tok, text):
+    ids = tok.encode_source(text)
+    assert len(ids) == len(text)
+    assert all(i >= 4 for i in ids)
+    assert tok.decode_source(ids) == text
+
+
+@pytest.mark.parametrize("text", TARGETS)
+def test_target_round_trip(tok, text):
+    ids = tok.encode_target(text)
+    assert BOS_ID not in ids and EOS_ID not in ids
+    assert tok.decode_target(ids) == text
+    assert tok.decode_target([BOS_ID] + ids + [EOS_ID]) == text
+
+
+def test_decode_target_stops_at_eos_and_skips_specials(tok):
+    ids = tok.encode_target("null")
+    assert tok.decode_target([BOS_ID, ids[0], PAD_ID, UNK_ID] + ids[1:] + [EOS_ID] + ids) == "null"
+    assert tok.decode_target([EOS_ID] + ids) == ""
+    assert tok.decode_target([tok.tgt_vocab_size + 5] + ids) == "null"  # out of range: skipped
+
+
+def test_lowercase_source(tok):
+    assert tok.encode_source("Forty-Two") == tok.encode_source("forty-two")
+    plain = CharTokenizer.build(SOURCES, TARGETS)
+    with pytest.raises(UnknownCharacterError):
+        plain.encode_source("Zero")
+
+
+def test_unknown_characters_raise_with_a_clear_message(tok):
+    with pytest.raises(UnknownCharacterError) as info:
+        tok.encode_source("forty-two!?")
+    message = str(info.value)
+    assert "'!' at 9" in message and "'?' at 10" in message and "source vocabulary" in message
+    assert info.value.unknown == [(9, "!"), (10, "?")]
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(UnknownCharacterError, match="target vocabulary"):
+        tok.encode_target("dreiß€")
+
+
+def test_unknown_characters_to_unk_on_request(tok):
+    ids = tok.encode_source("two!", unknown="unk")
+    assert ids[-1] == UNK_ID and ids[:-1] == tok.encode_source("two")
+    with pytest.raises(ValueError, match="unknown must be"):
+        tok.encode_source("two", unknown="ignore")
+
+
+def test_shared_vocabulary():
+    shared = CharTokenizer.build(SOURCES, TARGETS, shared=True)
+    assert shared.shared
+    assert shared.source_vocab == shared.target_vocab
+    assert shared.src_vocab_size == shared.tgt_vocab_size == 4 + len(set("".join(SOURCES + TARGETS)))
+    assert shared.decode_target(shared.encode_source("zero")) == "zero"
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_save_load_round_trip(tmp_path, tok, shared):
+    tok = CharTokenizer.build(SOURCES, TARGETS, shared=shared, lowercase=True)
+    path = tok.save(tmp_path / "model")
+    assert path.endswith("tokenizer.json")
+    loaded = CharTokenizer.load(tmp_path / "model")
+    assert loaded == tok
+    assert loaded.shared == shared and loaded.lowercase
+    assert loaded.encode_source("Zero") == tok.encode_source("zero")
+    assert CharTokenizer.load(path) == tok  # the file path works too
+    data = json.loads((tmp_path / "model" / "tokenizer.json").read_text(encoding="utf-8"))
+    assert data["special_tokens"] == {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
+
+
+def test_load_missing_directory_and_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        CharTokenizer.load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        CharTokenizer.load(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{not json", "corrupt tokenizer file"),
+        ("\xff\xfe", "corrupt tokenizer file"),
+        ('{"format": "something else"}', "format"),
+        ('[1, 2, 3]', "format"),
+    ],
+)
+def test_load_corrupt_file(tmp_path, content, match):
+    (tmp_path / "tokenizer.json").write_text(content, encoding="latin-1")
+    with pytest.raises(TokenizerError, match=match):
+        CharTokenizer.load(tmp_path)
+
+
+def test_load_rejects_inconsistent_content(tmp_path, tok):
+    good = tok.to_dict()
+    cases = [
+        (dict(good, version=99), "version"),
+        (dict(good, special_tokens={"pad": 1, "bos": 0, "eos": 2, "unk": 3}), "special token ids"),
+        (dict(good, source_vocab=["a", "b"]), "special tokens"),
+        (dict(good, target_vocab=list(SPECIAL_TOKENS) + ["a", "a"]), "duplicate"),
+        (dict(good, target_vocab=list(SPECIAL_TOKENS) + ["ab"]), "single characters"),
+        ({k: v for k, v in good.items() if k != "source_vocab"}, "source_vocab"),
+    ]
+    for data, match in cases:
+        (tmp_path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+        with pytest.raises(TokenizerError, match=match):
+            CharTokenizer.load(tmp_path)
+
+
+def test_encode_rejects_non_strings(tok):
+    with pytest.raises(TypeError):
+        tok.encode_source(42)

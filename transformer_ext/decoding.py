@@ -1,0 +1,371 @@
+"""Greedy and beam search, written once against a small runner protocol.
+
+This module imports only numpy: the ONNX Runtime runner must work without torch. A backend
+(eager PyTorch, ONNX Runtime, TensorRT, a test double) implements :class:`Runner`; the search
+never knows which one it drives.
+
+Conventions:
+
+* Every returned token list excludes BOS and EOS.
+* ``max_new_tokens`` counts generated tokens, EOS included (a row that emits EOS as its
+  ``max_new_tokens``-th token has ``max_new_tokens - 1`` tokens). It may be an int or one value
+  per source (e.g. from :func:`max_new_tokens_for`).
+* ``min_new_tokens``: EOS is suppressed (its logit set to -inf) while fewer tokens than that
+  have been generated.
+* The runner's self-attention cache must hold every fed token: the decoder feeds BOS and then
+  all generated tokens but the last, so ``cache_len`` defaults to ``max(max_new_tokens)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, Union, runtime_checkable
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Runner",
+    "Hypothesis",
+    "greedy_decode",
+    "beam_search",
+    "max_new_tokens_for",
+    "length_penalty_factor",
+    "log_softmax",
+]
+
+IntOrArray = Union[int, Sequence[int], np.ndarray]
+
+LENGTH_PENALTIES = ("gnmt", "seed", "none")
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What a backend implements to be driven by :func:`greedy_decode` / :func:`beam_search`."""
+
+    def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> Any:
+        """Encode ``input_ids`` int64 ``[B, S]`` (right-padded) with ``src_lengths`` int64 ``[B]``.
+
+        Returns an opaque state holding N = B * num_beams rows: every source row repeated
+        ``num_beams`` times (source b's beams are rows ``b*num_beams .. b*num_beams+num_beams-1``),
+        its cross-attention K/V (never reordered afterwards), zero-filled self-attention caches
+        of capacity ``cache_len`` and the current position 0.
+        """
+        ...
+
+    def step(self, state: Any, tokens: np.ndarray) -> np.ndarray:
+        """Feed one token per row (int64 ``[N]``) at the current position; append its K/V to the
+        cache in place, advance the position by one, return float32 logits ``[N, V]``."""
+        ...
+
+    def reorder(self, state: Any, beam_index: np.ndarray) -> None:
+        """Row ``r`` of the self-attention caches becomes old row ``beam_index[r]`` (int64 ``[N]``),
+        over the valid prefix; cross K/V are untouched."""
+        ...
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One beam search result.
+
+    ``tokens``: generated ids without BOS/EOS. ``log_prob``: sum of the log-probabilities of
+    every generated token, the EOS included when the hypothesis finished with one.
+    ``score``: ``log_prob / length_penalty_factor(...)``, what the n-best list is sorted by.
+    ``finished``: False for a hypothesis cut off at ``max_new_tokens`` without EOS.
+    """
+
+    tokens: list[int]
+    score: float
+    log_prob: float
+    finished: bool = True
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Stable log-softmax over the last axis in float64 (``x - max - log(sum(exp(x - max)))``)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    shifted = x - m
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def length_penalty_factor(length: int, kind: str = "gnmt", alpha: float = 0.6) -> float:
+    """The divisor of a hypothesis' log-probability.
+
+    ``length`` counts generated tokens, EOS included.
+    ``"gnmt"``: ``((5 + length) / 6) ** alpha`` (Wu et al. 2016).
+    ``"seed"``: ``((5 + length + 1) / 5) ** alpha``: the seed tutorial's formula, whose length
+    is that of the sequence with BOS.
+    ``"none"``: 1.
+    """
+    if kind == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    if kind == "seed":
+        return ((5.0 + length + 1) / 5.0) ** alpha
+    if kind == "none":
+        return 1.0
+    raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {kind!r}")
+
+
+def max_new_tokens_for(src_lengths: IntOrArray, a: float, b: float, *, cap: int | None = None) -> np.ndarray:
+    """Per-source generation budget ``floor(a * src_len + b)``, at least 1, at most ``cap``."""
+    lengths = np.asarray(src_lengths, dtype=np.float64)
+    budget = np.floor(a * lengths + b).astype(np.int64)
+    budget = np.maximum(budget, 1)
+    if cap is not None:
+        budget = np.minimum(budget, int(cap))
+    return budget
+
+
+def _check_sources(input_ids: Any, src_lengths: Any) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(input_ids)
+    lengths = np.asarray(src_lengths)
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be a non-empty [batch, src_len] array, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
+    if lengths.shape != (ids.shape[0],):
+        raise ValueError(f"src_lengths must have shape ({ids.shape[0]},), got {lengths.shape}")
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise TypeError(f"src_lengths must be integers, got dtype {lengths.dtype}")
+    if lengths.min() < 1 or lengths.max() > ids.shape[1]:
+        raise ValueError(
+            f"src_lengths must be in [1, {ids.shape[1]}] (the padded source length), got {lengths.tolist()}"
+        )
+    return ids.astype(np.int64, copy=False), lengths.astype(np.int64, copy=False)
+
+
+def _per_row(name: str, value: IntOrArray, n: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must be an int or an array of ints, got {value!r}")
+    if arr.ndim == 0:
+        arr = np.full(n, int(arr), dtype=np.int64)
+    elif arr.shape != (n,):
+        raise ValueError(f"{name} must be an int or have shape ({n},), got shape {arr.shape}")
+    if arr.min() < 0:
+        raise ValueError(f"{name} must be >= 0, got {arr.tolist()}")
+    return arr.astype(np.int64)
+
+
+def _check_cache_len(cache_len: int | None, steps: int) -> int:
+    if cache_len is None:
+        return steps
+    if int(cache_len) < steps:
+        raise ValueError(
+            f"cache_len = {cache_len} is too small to generate {steps} tokens (needs >= {steps})"
+        )
+    return int(cache_len)
+
+
+# ------------------------------------------------------------------------------------------
+# greedy
+# ------------------------------------------------------------------------------------------
+
+
+def greedy_decode(
+    runner: Runner,
+    input_ids: np.ndarray,
+    src_lengths: np.ndarray,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_new_tokens: IntOrArray,
+    min_new_tokens: IntOrArray = 0,
+    cache_len: int | None = None,
+) -> list[list[int]]:
+    """Batched greedy decoding; each row stops at its EOS (not returned) or its budget.
+
+    Stops as soon as every row is finished. Rows that finished keep being fed EOS (their
+    outputs are ignored) so that every step is one batched call.
+    """
+    ids, lengths = _check_sources(input_ids, src_lengths)
+    B = ids.shape[0]
+    max_new = _per_row("max_new_tokens", max_new_tokens, B)
+    min_new = _per_row("min_new_tokens", min_new_tokens, B)
+    steps = int(max_new.max())
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    if steps == 0:
+        return outputs
+    cache_len = _check_cache_len(cache_len, steps)
+
+    state = runner.encode(ids, lengths, cache_len, 1)
+    tokens = np.full(B, bos_id, dtype=np.int64)
+    finished = max_new == 0
+    rows = np.arange(B)
+    for t in range(steps):
+        logits = np.asarray(runner.step(state, tokens))
+        if logits.shape[0] != B:
+            raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({B}, V)")
+        suppress = t < min_new
+        if suppress.any():
+            logits = np.array(logits, dtype=np.float32, copy=True)
+            logits[rows[suppress], eos_id] = -np.inf
+        next_tokens = np.argmax(logits, axis=-1).astype(np.int64)
+        for b in range(B):
+            if finished[b]:
+                continue
+            tok = int(next_tokens[b])
+            if tok == eos_id:
+                finished[b] = True
+            else:
+                outputs[b].append(tok)
+                if len(outputs[b]) >= max_new[b]:
+                    finished[b] = True
+        if finished.all():
+            break
+        tokens = np.where(finished, eos_id, next_tokens).astype(np.int64)
+    return outputs
+
+
+# ------------------------------------------------------------------------------------------
+# beam search
+# ------------------------------------------------------------------------------------------
+
+
+def beam_search(
+    runner: Runner,
+    input_ids: np.ndarray,
+    src_lengths: np.ndarray,
+    *,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int,
+    n_best: int = 1,
+    max_new_tokens: IntOrArray,
+    min_new_tokens: IntOrArray = 0,
+    length_penalty: str = "gnmt",
+    alpha: float = 0.6,
+    cache_len: int | None = None,
+) -> list[list[Hypothesis]]:
+    """Batched beam search -> for every source its ``n_best`` hypotheses, best score first.
+
+    Each step expands all ``beam_size`` open beams of a source, ranks the ``beam_size * V``
+    candidates by cumulative log-probability and looks at the best ``2 * beam_size``: an EOS
+    candidate ranked within the first ``beam_size`` becomes a finished hypothesis (scored with
+    the length penalty), and the best non-EOS candidates become the next open beams. A source
+    stops when it has ``n_best`` finished hypotheses and no open beam can beat the
+    ``n_best``-th of them even at its maximum length (log-probabilities only fall as a
+    hypothesis grows, and the penalty divisor is largest at the maximum length), or when it
+    reaches ``max_new_tokens``; then its open beams join the candidates as unfinished hypotheses.
+    """
+    if length_penalty not in LENGTH_PENALTIES:
+        raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}")
+    if not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    if not isinstance(n_best, (int, np.integer)) or not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best!r}")
+    if alpha < 0 or not math.isfinite(alpha):
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+    ids, lengths = _check_sources(input_ids, src_lengths)
+    B, K = ids.shape[0], int(beam_size)
+    max_new = _per_row("max_new_tokens", max_new_tokens, B)
+    min_new = _per_row("min_new_tokens", min_new_tokens, B)
+    steps = int(max_new.max())
+    results: list[list[Hypothesis]] = [[] for _ in range(B)]
+    if steps == 0:
+        return [[Hypothesis([], 0.0, 0.0, False)] for _ in range(B)]
+    cache_len = _check_cache_len(cache_len, steps)
+
+    def penalty(length: int) -> float:
+        return length_penalty_factor(length, length_penalty, alpha)
+
+    N = B * K
+    state = runner.encode(ids, lengths, cache_len, K)
+    # Cumulative log-probabilities of the open beams; only beam 0 is live at the start (all
+    # beams of a source are identical then, expanding them all would give K copies).
+    beam_scores = np.full((B, K), -np.inf, dtype=np.float64)
+    beam_scores[:, 0] = 0.0
+    history = np.zeros((N, 0), dtype=np.int64)  # generated tokens of every open beam
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    done = max_new == 0
+    for b in np.flatnonzero(done):
+        results[b] = [Hypothesis([], 0.0, 0.0, False)]
+    tokens = np.full(N, bos_id, dtype=np.int64)
+    identity = np.arange(N, dtype=np.int64)
+
+    for t in range(steps):
+        logits = np.asarray(runner.step(state, tokens))
+        if logits.ndim != 2 or logits.shape[0] != N:
+            raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
+        V = logits.shape[1]
+        logp = log_softmax(logits).reshape(B, K, V)
+        for b in range(B):
+            if t < min_new[b]:
+                logp[b, :, eos_id] = -np.inf
+        cand = (beam_scores[:, :, None] + logp).reshape(B, K * V)  # [B, K*V]
+        n_cand = min(2 * K, K * V)
+        top = np.argpartition(-cand, n_cand - 1, axis=1)[:, :n_cand]  # [B, 2K], unordered
+
+        beam_index = identity.copy()
+        new_tokens = np.full(N, eos_id, dtype=np.int64)
+        new_scores = np.full((B, K), -np.inf, dtype=np.float64)
+        length = t + 1  # generated tokens after this step, the candidate included
+        for b in range(B):
+            if done[b]:
+                continue
+            order = top[b][np.argsort(-cand[b, top[b]], kind="stable")]
+            n_open = 0
+            for rank, flat in enumerate(order):
+                score = cand[b, flat]
+                beam, tok = divmod(int(flat), V)
+                row = b * K + beam
+                if tok == eos_id:
+                    if rank < K and np.isfinite(score):
+                        finished[b].append(
+                            Hypothesis(history[row].tolist(), float(score) / penalty(length), float(score), True)
+                        )
+                    continue
+                if n_open < K:
+                    beam_index[b * K + n_open] = row
+                    new_tokens[b * K + n_open] = tok
+                    new_scores[b, n_open] = score
+                    n_open += 1
+                if n_open == K and rank >= K:
+                    break
+            # Done? At this source's budget, or when no open beam can beat the n-th best.
+            at_budget = length >= max_new[b]
+            finished[b].sort(key=lambda h: h.score, reverse=True)
+            best_open = np.max(new_scores[b])
+            if not at_budget and len(finished[b]) >= n_best:
+                bound = best_open / penalty(int(max_new[b])) if np.isfinite(best_open) else -np.inf
+                if bound <= finished[b][n_best - 1].score:
+                    done[b] = True
+            if not np.isfinite(best_open) and finished[b]:
+                done[b] = True  # every continuation is impossible (-inf)
+            if at_budget:
+                for k in range(K):
+                    if np.isfinite(new_scores[b, k]):
+                        row = beam_index[b * K + k]
+                        toks = history[row].tolist() + [int(new_tokens[b * K + k])]
+                        s = float(new_scores[b, k])
+                        finished[b].append(Hypothesis(toks, s / penalty(length), s, False))
+                done[b] = True
+            if done[b]:
+                finished[b].sort(key=lambda h: h.score, reverse=True)
+                results[b] = finished[b][:n_best]
+                new_scores[b, :] = -np.inf
+                beam_index[b * K:(b + 1) * K] = identity[b * K:(b + 1) * K]
+                new_tokens[b * K:(b + 1) * K] = eos_id
+        if done.all():
+            break
+        beam_scores = new_scores
+        history = np.concatenate([history[beam_index], new_tokens[:, None]], axis=1)
+        if not np.array_equal(beam_index, identity):
+            runner.reorder(state, beam_index)
+        tokens = new_tokens
+
+    for b in range(B):
+        if not results[b]:  # only reachable if every candidate was -inf throughout
+            finished[b].sort(key=lambda h: h.score, reverse=True)
+            results[b] = finished[b][:n_best] or [Hypothesis([], -math.inf, -math.inf, False)]
+    return results

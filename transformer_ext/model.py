@@ -1,0 +1,508 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" on the compiled ops.
+
+Names follow the paper and the harvardnlp annotated transformer: ``Embeddings``,
+``PositionalEncoding``, ``MultiHeadAttention``, ``PositionwiseFeedForward``,
+``SublayerConnection``, ``EncoderLayer``, ``DecoderLayer``, ``Encoder``, ``Decoder``,
+``Generator`` and ``Transformer``.
+
+Two paths through the decoder:
+
+* training / teacher forcing (:meth:`Transformer.forward`): whole sequences, attention through
+  ``ops.masked_softmax`` with a bool padding mask and ``causal=True``;
+* incremental decoding (:meth:`Transformer.encode` once, then :meth:`Transformer.decode_step`
+  per token): one new token per row, attention through the fused ``ops.decode_attention``
+  over a preallocated self-attention cache and the cross-attention K/V computed once.
+  ``decode_step`` is a pure function of its inputs and is what the ONNX exporter traces
+  (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ops
+from .config import TransformerConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Embeddings",
+    "PositionalEncoding",
+    "MultiHeadAttention",
+    "PositionwiseFeedForward",
+    "SublayerConnection",
+    "EncoderLayer",
+    "DecoderLayer",
+    "Encoder",
+    "Decoder",
+    "Generator",
+    "Transformer",
+    "padding_mask",
+]
+
+
+def _is_tracing() -> bool:
+    """True while torch.jit / dynamo / torch.export trace the model: skip host-side checks."""
+    if torch.jit.is_tracing():
+        return True
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None:
+        if getattr(compiler, "is_compiling", lambda: False)():
+            return True
+        if getattr(compiler, "is_exporting", lambda: False)():
+            return True
+    return False
+
+
+def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Bool ``[B, 1, 1, max_len]``: True at key positions ``< lengths[b]`` (may be attended)."""
+    positions = torch.arange(max_len, device=lengths.device)
+    return (positions.view(1, 1, 1, max_len) < lengths.view(-1, 1, 1, 1))
+
+
+# ------------------------------------------------------------------------------------------
+# Embeddings and positions
+# ------------------------------------------------------------------------------------------
+
+
+class Embeddings(nn.Module):
+    """Token embedding multiplied by sqrt(d_model) (paper section 3.4)."""
+
+    def __init__(self, vocab_size: int, d_model: int):
+        super().__init__()
+        self.lut = nn.Embedding(vocab_size, d_model)
+        self.d_model = d_model
+        self.scale = math.sqrt(d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lut(ids) * self.scale  # [B, T] -> [B, T, d_model]
+
+
+class PositionalEncoding(nn.Module):
+    """Sinusoidal positions (paper section 3.5), added to the embeddings, then dropout.
+
+    ``PE(pos, 2i) = sin(pos / 10000^(2i/d_model))``, ``PE(pos, 2i+1) = cos(...)``, interleaved,
+    ``pos`` from 0. The table has ``max_len`` rows and is a non-persistent buffer: it is rebuilt
+    from the config, never saved in a checkpoint.
+    """
+
+    pe: torch.Tensor
+
+    def __init__(self, d_model: int, max_len: int, dropout: float):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.max_len = max_len
+        pe = torch.zeros(max_len, d_model)
+        position = torch.arange(0, max_len, dtype=torch.float32).unsqueeze(1)  # [max_len, 1]
+        div_term = torch.exp(
+            torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model)
+        )  # [d_model / 2]
+        pe[:, 0::2] = torch.sin(position * div_term)
+        pe[:, 1::2] = torch.cos(position * div_term)
+        self.register_buffer("pe", pe, persistent=False)  # [max_len, d_model]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, d_model]`` (positions 0..T-1) -> dropout(x + PE[:T])."""
+        T = x.shape[1]
+        return self.dropout(x + self.pe[:T].unsqueeze(0).to(x.dtype))
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the table for int64 ``positions [B]`` -> ``[B, d_model]`` (a gather, no sin/cos)."""
+        return self.pe[positions]
+
+
+# ------------------------------------------------------------------------------------------
+# Attention and feed-forward
+# ------------------------------------------------------------------------------------------
+
+
+class MultiHeadAttention(nn.Module):
+    """``MultiHead(Q, K, V) = Concat(head_1..head_h) W_O``, ``head_i = Attention(Q W_Q_i, K W_K_i, V W_V_i)``."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, bias: bool = True):
+        super().__init__()
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_k = d_model // n_heads
+        self.scale = 1.0 / math.sqrt(self.d_k)
+        self.W_Q = nn.Linear(d_model, d_model, bias=bias)
+        self.W_K = nn.Linear(d_model, d_model, bias=bias)
+        self.W_V = nn.Linear(d_model, d_model, bias=bias)
+        self.W_O = nn.Linear(d_model, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)  # on the attention probabilities
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, d_model]`` -> ``[B, H, T, d_k]``."""
+        B, T, _ = x.shape
+        return x.reshape(B, T, self.n_heads, self.d_k).transpose(1, 2)
+
+    def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, T, d_k]`` -> ``[B, T, d_model]``."""
+        B, _, T, _ = x.shape
+        return x.transpose(1, 2).reshape(B, T, self.d_model)
+
+    def project_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``memory [B, S, d_model]``, each ``[B, H, S, d_k]`` contiguous."""
+        k = self.split_heads(self.W_K(memory)).contiguous()
+        v = self.split_heads(self.W_V(memory)).contiguous()
+        return k, v
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [B, Tq, d_model]
+        key: torch.Tensor,  # [B, Tk, d_model]
+        value: torch.Tensor,  # [B, Tk, d_model]
+        mask: Optional[torch.Tensor] = None,  # bool, broadcastable to [B, H, Tq, Tk]
+        causal: bool = False,
+    ) -> torch.Tensor:
+        q = self.split_heads(self.W_Q(query))  # [B, H, Tq, d_k]
+        k = self.split_heads(self.W_K(key))  # [B, H, Tk, d_k]
+        v = self.split_heads(self.W_V(value))  # [B, H, Tk, d_k]
+        scores = torch.matmul(q, k.transpose(-2, -1))  # [B, H, Tq, Tk]
+        p_attn = ops.masked_softmax(scores, mask, self.scale, causal)
+        p_attn = self.dropout(p_attn)
+        return self.W_O(self.merge_heads(torch.matmul(p_attn, v)))  # [B, Tq, d_model]
+
+    def decode(
+        self,
+        q: torch.Tensor,  # [B, H, 1, d_k]
+        k_cache: torch.Tensor,  # [B, H, L, d_k]
+        v_cache: torch.Tensor,  # [B, H, L, d_k]
+        lengths: torch.Tensor,  # [B] int64: cache entries 0..lengths[b]-1 are attended
+        k_new: Optional[torch.Tensor] = None,  # [B, H, 1, d_k]
+        v_new: Optional[torch.Tensor] = None,  # [B, H, 1, d_k]
+    ) -> torch.Tensor:
+        """One query per row over a cache prefix (plus the new token) -> ``[B, 1, d_model]``."""
+        out = ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, k_new, v_new)
+        return self.W_O(self.merge_heads(out))
+
+
+class PositionwiseFeedForward(nn.Module):
+    """``FFN(x) = max(0, x W_1 + b_1) W_2 + b_2`` (paper section 3.3)."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float, bias: bool = True):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.w_2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_2(self.dropout(F.relu(self.w_1(x))))
+
+
+class SublayerConnection(nn.Module):
+    """Residual connection and LayerNorm around one sublayer, in either placement.
+
+    Post-LN (the paper): ``x = LayerNorm(x + Dropout(Sublayer(x)))``.
+    Pre-LN: ``x = x + Dropout(Sublayer(LayerNorm(x)))`` (the stack then ends with a LayerNorm).
+    """
+
+    def __init__(self, d_model: int, dropout: float, eps: float, norm_first: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def sublayer_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the sublayer sees: ``LayerNorm(x)`` for Pre-LN, ``x`` for Post-LN."""
+        return self.norm(x) if self.norm_first else x
+
+    def residual(self, x: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
+        """Add the (dropped-out) sublayer output to the residual stream ``x``."""
+        if self.norm_first:
+            return x + self.dropout(sublayer_out)
+        return self.norm(x + self.dropout(sublayer_out))
+
+    def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return self.residual(x, sublayer(self.sublayer_input(x)))
+
+
+# ------------------------------------------------------------------------------------------
+# Layers and stacks
+# ------------------------------------------------------------------------------------------
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention, then feed-forward, each wrapped in a :class:`SublayerConnection`."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        c = config
+        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias)
+        self.feed_forward = PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.bias)
+        self.sublayer = nn.ModuleList(
+            [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(2)]
+        )
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        """``x [B, S, d_model]``, ``src_mask`` bool ``[B, 1, 1, S]``."""
+        x = self.sublayer[0](x, lambda h: self.self_attn(h, h, h, src_mask))
+        return self.sublayer[1](x, self.feed_forward)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the encoder output, feed-forward."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        c = config
+        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias)
+        self.src_attn = MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias)
+        self.feed_forward = PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.bias)
+        self.sublayer = nn.ModuleList(
+            [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(3)]
+        )
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing: ``x [B, T, d_model]``, ``memory [B, S, d_model]``, ``src_mask [B, 1, 1, S]``."""
+        x = self.sublayer[0](x, lambda h: self.self_attn(h, h, h, None, causal=True))
+        x = self.sublayer[1](x, lambda h: self.src_attn(h, memory, memory, src_mask))
+        return self.sublayer[2](x, self.feed_forward)
+
+    def step(
+        self,
+        x: torch.Tensor,  # [B, 1, d_model] the new token
+        positions: torch.Tensor,  # [B] int64 tokens already in the cache
+        src_lengths: torch.Tensor,  # [B] int64
+        self_key: torch.Tensor,  # [B, H, L, d_k]
+        self_value: torch.Tensor,  # [B, H, L, d_k]
+        cross_key: torch.Tensor,  # [B, H, S, d_k]
+        cross_value: torch.Tensor,  # [B, H, S, d_k]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoding step -> ``(x [B, 1, d_model], new_key, new_value [B, H, 1, d_k])``."""
+        attn = self.self_attn
+        h = self.sublayer[0].sublayer_input(x)
+        q = attn.split_heads(attn.W_Q(h)).contiguous()  # [B, H, 1, d_k]
+        k_new = attn.split_heads(attn.W_K(h)).contiguous()
+        v_new = attn.split_heads(attn.W_V(h)).contiguous()
+        x = self.sublayer[0].residual(x, attn.decode(q, self_key, self_value, positions, k_new, v_new))
+
+        h = self.sublayer[1].sublayer_input(x)
+        q = self.src_attn.split_heads(self.src_attn.W_Q(h)).contiguous()
+        x = self.sublayer[1].residual(x, self.src_attn.decode(q, cross_key, cross_value, src_lengths))
+
+        x = self.sublayer[2](x, self.feed_forward)
+        return x, k_new, v_new
+
+
+class Encoder(nn.Module):
+    """A stack of ``n_encoder_layers`` :class:`EncoderLayer` (+ a final LayerNorm for Pre-LN)."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.layers = nn.ModuleList([EncoderLayer(config) for _ in range(config.n_encoder_layers)])
+        self.norm = (
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, src_mask)
+        return self.norm(x)
+
+
+class Decoder(nn.Module):
+    """A stack of ``n_decoder_layers`` :class:`DecoderLayer` (+ a final LayerNorm for Pre-LN)."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.n_decoder_layers)])
+        self.norm = (
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, memory, src_mask)
+        return self.norm(x)
+
+
+class Generator(nn.Module):
+    """The final linear projection to target-vocabulary logits (softmax is left to the caller)."""
+
+    def __init__(self, d_model: int, vocab_size: int, bias: bool):
+        super().__init__()
+        self.proj = nn.Linear(d_model, vocab_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+# ------------------------------------------------------------------------------------------
+# The model
+# ------------------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer; see the module docstring for the two decoding paths.
+
+    Weight tying: with ``tie_target_embeddings`` the output projection *is* the target embedding
+    matrix (no projection bias); with ``shared_vocab`` the source embedding is that same matrix.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        config.validate()
+        self.config = config
+        c = config
+        self.src_embed = Embeddings(c.src_vocab_size, c.d_model)
+        self.tgt_embed = Embeddings(c.tgt_vocab_size, c.d_model)
+        self.src_pe = PositionalEncoding(c.d_model, c.max_len, c.dropout)
+        self.tgt_pe = PositionalEncoding(c.d_model, c.max_len, c.dropout)
+        self.encoder = Encoder(c)
+        self.decoder = Decoder(c)
+        self.generator = Generator(c.d_model, c.tgt_vocab_size, bias=c.bias and not c.tie_target_embeddings)
+        self.tie_weights()
+        self._init_weights()
+
+    # ---------------------------------------------------------------- construction helpers
+
+    def tie_weights(self) -> None:
+        """Share the embedding / projection matrices the config asks to tie."""
+        if self.config.tie_target_embeddings:
+            self.generator.proj.weight = self.tgt_embed.lut.weight
+        if self.config.shared_vocab:
+            self.src_embed.lut.weight = self.tgt_embed.lut.weight
+
+    def _init_weights(self) -> None:
+        """Xavier-uniform for every matrix, as the seed; biases and LayerNorms keep torch's init."""
+        for p in self.parameters():  # tied parameters are listed (and initialised) once
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of decoder layers = number of self/cross K/V tensors per step."""
+        return self.config.n_decoder_layers
+
+    # ---------------------------------------------------------------- input validation
+
+    def _check_ids(self, name: str, ids: torch.Tensor, vocab_size: int, batch: Optional[int]) -> None:
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype != torch.int64:
+            raise TypeError(f"{name} must be int64 token ids, got {ids.dtype}")
+        if ids.dim() != 2:
+            raise ValueError(f"{name} must have shape [batch, length], got {tuple(ids.shape)}")
+        B, T = ids.shape
+        if B < 1 or T < 1:
+            raise ValueError(f"{name} must not be empty, got shape {tuple(ids.shape)}")
+        if batch is not None and B != batch:
+            raise ValueError(f"{name} has batch size {B}, but src_ids has {batch}")
+        if T > self.config.max_len:
+            raise ValueError(
+                f"{name} has length {T} > max_len = {self.config.max_len} (positional-encoding "
+                "rows); truncate the input or build the model with a larger max_len"
+            )
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} contains token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+    def _check_src(self, src_ids: torch.Tensor, src_lengths: torch.Tensor) -> None:
+        self._check_ids("src_ids", src_ids, self.config.src_vocab_size, None)
+        B, S = src_ids.shape
+        if not isinstance(src_lengths, torch.Tensor):
+            raise TypeError(f"src_lengths must be a torch.Tensor, got {type(src_lengths).__name__}")
+        if src_lengths.dtype != torch.int64:
+            raise TypeError(f"src_lengths must be int64, got {src_lengths.dtype}")
+        if src_lengths.shape != (B,):
+            raise ValueError(f"src_lengths must have shape [{B}] (one per source), got {tuple(src_lengths.shape)}")
+        if src_lengths.device != src_ids.device:
+            raise ValueError(f"src_lengths is on {src_lengths.device} but src_ids on {src_ids.device}")
+        lo, hi = int(src_lengths.min()), int(src_lengths.max())
+        if lo < 1:
+            raise ValueError(f"src_lengths must be >= 1 (empty sources are not supported), got {lo}")
+        if hi > S:
+            raise ValueError(f"src_lengths contains {hi} > src_ids length {S}")
+
+    # ---------------------------------------------------------------- training path
+
+    def embed_source(self, src_ids: torch.Tensor) -> torch.Tensor:
+        return self.src_pe(self.src_embed(src_ids))  # [B, S, d_model]
+
+    def embed_target(self, tgt_ids: torch.Tensor) -> torch.Tensor:
+        return self.tgt_pe(self.tgt_embed(tgt_ids))  # [B, T, d_model]
+
+    def decode(self, encoder_out: torch.Tensor, src_lengths: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced decoder over the whole prefix ``tgt_in [B, T]`` -> logits ``[B, T, V]``."""
+        src_mask = padding_mask(src_lengths, encoder_out.shape[1])
+        return self.generator(self.decoder(self.embed_target(tgt_in), encoder_out, src_mask))
+
+    def forward(self, src_ids: torch.Tensor, src_lengths: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing: ``src_ids [B, S]`` right-padded, ``src_lengths [B]``, ``tgt_in [B, T]``
+        (BOS + target, shifted right) -> logits ``[B, T, tgt_vocab_size]``.
+
+        Target padding at the end needs no mask: the causal mask keeps it out of real positions
+        and the loss ignores the padded positions themselves.
+        """
+        if not _is_tracing():
+            self._check_src(src_ids, src_lengths)
+            self._check_ids("tgt_in", tgt_in, self.config.tgt_vocab_size, src_ids.shape[0])
+        src_mask = padding_mask(src_lengths, src_ids.shape[1])
+        memory = self.encoder(self.embed_source(src_ids), src_mask)
+        return self.generator(self.decoder(self.embed_target(tgt_in), memory, src_mask))
+
+    # ---------------------------------------------------------------- incremental decoding
+
+    def encode(
+        self, src_ids: torch.Tensor, src_lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Run the encoder once -> ``(encoder_out [B, S, d_model], cross_keys, cross_values)``.
+
+        ``cross_keys[i]`` / ``cross_values[i]`` are decoder layer ``i``'s cross-attention keys and
+        values ``[B, H, S, d_k]`` (contiguous), computed here once per source.
+        """
+        if not _is_tracing():
+            self._check_src(src_ids, src_lengths)
+        src_mask = padding_mask(src_lengths, src_ids.shape[1])
+        encoder_out = self.encoder(self.embed_source(src_ids), src_mask)
+        cross_keys, cross_values = [], []
+        for layer in self.decoder.layers:
+            k, v = layer.src_attn.project_kv(encoder_out)
+            cross_keys.append(k)
+            cross_values.append(v)
+        return encoder_out, cross_keys, cross_values
+
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,  # [B, 1] int64, the newest token of each row
+        positions: torch.Tensor,  # [B] int64, its position = tokens already in the cache
+        src_lengths: torch.Tensor,  # [B] int64, >= 1
+        self_keys: list[torch.Tensor],  # per layer [B, H, L, d_k], finite (zero-filled) buffers
+        self_values: list[torch.Tensor],  # per layer [B, H, L, d_k]
+        cross_keys: list[torch.Tensor],  # per layer [B, H, S, d_k]
+        cross_values: list[torch.Tensor],  # per layer [B, H, S, d_k]
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """One decoder step for one new token per row; a pure function (writes nothing).
+
+        The token at ``positions[b]`` attends to self-attention cache entries
+        ``0 .. positions[b]-1`` and to itself, and to source positions ``0 .. src_lengths[b]-1``.
+
+        Returns ``(logits [B, V] float32, new_keys, new_values)`` with one ``[B, H, 1, d_k]`` tensor
+        per layer: the new token's K/V, which the caller writes into its cache at ``positions``
+        (``ops.kv_cache_append_``). The caller guarantees
+        ``0 <= positions[b] < min(L, max_len)``; nothing here checks it (this is the exported
+        graph: no host sync, no data-dependent control flow, no in-place op). Inference only:
+        call it in eval mode, where the dropout modules are identities.
+        """
+        x = self.tgt_embed(input_ids) + self.tgt_pe.at(positions).unsqueeze(1).to(self.tgt_embed.lut.weight.dtype)
+        new_keys: list[torch.Tensor] = []
+        new_values: list[torch.Tensor] = []
+        for i, layer in enumerate(self.decoder.layers):
+            x, k_new, v_new = layer.step(
+                x, positions, src_lengths, self_keys[i], self_values[i], cross_keys[i], cross_values[i]
+            )
+            new_keys.append(k_new)
+            new_values.append(v_new)
+        x = self.decoder.norm(x)  # [B, 1, d_model]
+        logits = self.generator(x[:, 0]).float()  # [B, V]
+        return logits, new_keys, new_values

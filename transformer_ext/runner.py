@@ -1,0 +1,302 @@
+"""PyTorch runners for :mod:`transformer_ext.decoding`, and the seed's uncached greedy loop.
+
+* :class:`EagerRunner`: the project's data path (DESIGN.md section 1): ``model.encode`` once,
+  cross-attention K/V repeated per beam once, zero-filled preallocated self-attention caches,
+  ``model.decode_step`` per token, new K/V written in place with ``ops.kv_cache_append_``,
+  beams reordered in place with ``ops.kv_cache_reorder_``.
+* :class:`CatCacheRunner`: a plain-PyTorch cached decoder (``torch.cat``-grown self-attention
+  cache, cross K/V cached once, eager masked softmax) on the same weights: the benchmark
+  baseline that corresponds to the seed's KV-cache decoder.
+* :func:`greedy_decode_uncached`: the seed's re-decode loop (the full decoder over the whole
+  prefix at every step, no cache), the reference the cached decoders are checked against.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from . import ops
+from .model import Transformer, padding_mask
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EagerRunner", "EagerState", "CatCacheRunner", "CatCacheState", "greedy_decode_uncached"]
+
+Device = Union[str, torch.device]
+
+
+def _to_int64(name: str, array: np.ndarray, device: torch.device) -> torch.Tensor:
+    arr = np.asarray(array)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)).to(device)
+
+
+def _check_capacity(position: int, cache_len: int, max_len: int) -> None:
+    if position >= cache_len or position >= max_len:
+        raise IndexError(
+            f"cannot feed a token at position {position}: the self-attention cache holds "
+            f"{cache_len} positions and the model has {max_len} positional encodings; "
+            "encode with a larger cache_len (at most max_len) or generate fewer tokens"
+        )
+
+
+def _check_encode_args(model: Transformer, cache_len: int, num_beams: int) -> None:
+    if not isinstance(cache_len, (int, np.integer)) or cache_len < 1:
+        raise ValueError(f"cache_len must be a positive int, got {cache_len!r}")
+    if cache_len > model.config.max_len:
+        raise ValueError(
+            f"cache_len = {cache_len} exceeds the model's max_len = {model.config.max_len} "
+            "(positions past it have no positional encoding); generate fewer tokens"
+        )
+    if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
+        raise ValueError(f"num_beams must be a positive int, got {num_beams!r}")
+
+
+# ------------------------------------------------------------------------------------------
+# EagerRunner: compiled ops, preallocated caches
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EagerState:
+    """Decoding state of :class:`EagerRunner` (N = batch * num_beams rows)."""
+
+    src_lengths: torch.Tensor  # [N] int64
+    cross_keys: list[torch.Tensor]  # per layer [N, H, S, d_k]
+    cross_values: list[torch.Tensor]
+    self_keys: list[torch.Tensor]  # per layer [N, H, cache_len, d_k], zero-filled at allocation
+    self_values: list[torch.Tensor]
+    position: int  # tokens already in the caches (the same for every row)
+    cache_len: int
+    error_flag: Optional[torch.Tensor] = None  # CUDA: int32 [1], set by kv_cache_append_ on overflow
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.src_lengths.shape[0])
+
+
+class EagerRunner:
+    """Runs a :class:`Transformer` through ``encode`` / ``decode_step`` and the in-place cache ops."""
+
+    def __init__(self, model: Transformer, device: Optional[Device] = None):
+        if device is None:
+            device = next(model.parameters()).device
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.config = model.config
+
+    def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> EagerState:
+        _check_encode_args(self.model, cache_len, num_beams)
+        src = _to_int64("input_ids", input_ids, self.device)
+        lengths = _to_int64("src_lengths", src_lengths, self.device)
+        c = self.config
+        with torch.inference_mode():
+            _, cross_keys, cross_values = self.model.encode(src, lengths)
+            if num_beams > 1:
+                cross_keys = [k.repeat_interleave(num_beams, dim=0) for k in cross_keys]
+                cross_values = [v.repeat_interleave(num_beams, dim=0) for v in cross_values]
+                lengths = lengths.repeat_interleave(num_beams, dim=0)
+            N = lengths.shape[0]
+            dtype = cross_keys[0].dtype
+            shape = (N, c.n_heads, int(cache_len), c.d_k)
+            self_keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.n_decoder_layers)]
+            self_values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.n_decoder_layers)]
+        # On CUDA the append op reports out-of-range rows through a device flag instead of a host
+        # sync per call; the capacity is checked on the host before every step anyway.
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device) if self.device.type == "cuda" else None
+        return EagerState(lengths, cross_keys, cross_values, self_keys, self_values, 0, int(cache_len), flag)
+
+    def step(self, state: EagerState, tokens: np.ndarray) -> np.ndarray:
+        _check_capacity(state.position, state.cache_len, self.config.max_len)
+        ids = _to_int64("tokens", tokens, self.device)
+        N = state.num_rows
+        if ids.shape != (N,):
+            raise ValueError(f"tokens must have shape ({N},), got {tuple(ids.shape)}")
+        with torch.inference_mode():
+            positions = torch.full((N,), state.position, dtype=torch.int64, device=self.device)
+            logits, new_keys, new_values = self.model.decode_step(
+                ids.view(N, 1), positions, state.src_lengths,
+                state.self_keys, state.self_values, state.cross_keys, state.cross_values,
+            )
+            for cache, update in zip(state.self_keys, new_keys):
+                ops.kv_cache_append_(cache, update, positions, state.error_flag)
+            for cache, update in zip(state.self_values, new_values):
+                ops.kv_cache_append_(cache, update, positions, state.error_flag)
+            out = logits.cpu().numpy()  # synchronises, so reading the flag below costs nothing more
+            if state.error_flag is not None and int(state.error_flag.item()) != 0:
+                raise RuntimeError(f"kv_cache_append_ skipped rows at position {state.position}: cache overflow")
+        state.position += 1
+        return out
+
+    def reorder(self, state: EagerState, beam_index: np.ndarray) -> None:
+        index = _to_int64("beam_index", beam_index, self.device)
+        if index.shape != (state.num_rows,):
+            raise ValueError(f"beam_index must have shape ({state.num_rows},), got {tuple(index.shape)}")
+        with torch.inference_mode():
+            for cache in (*state.self_keys, *state.self_values):
+                ops.kv_cache_reorder_(cache, index, state.position)
+
+
+# ------------------------------------------------------------------------------------------
+# CatCacheRunner: plain PyTorch, torch.cat-grown cache (benchmark baseline)
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CatCacheState:
+    """Decoding state of :class:`CatCacheRunner`."""
+
+    src_mask: torch.Tensor  # [N, 1, 1, S] bool, True = real source token
+    cross_keys: list[torch.Tensor]  # per layer [N, H, S, d_k]
+    cross_values: list[torch.Tensor]
+    self_keys: list[Optional[torch.Tensor]]  # per layer [N, H, position, d_k], None before step 0
+    self_values: list[Optional[torch.Tensor]]
+    position: int
+    cache_len: int
+
+
+class CatCacheRunner:
+    """The seed's KV-cache decoder in plain PyTorch, batched, on a :class:`Transformer`'s weights.
+
+    The encoder (``model.encode``) is shared with :class:`EagerRunner`; every decoder step is
+    plain PyTorch: the self-attention cache grows with ``torch.cat`` and attention is
+    ``(scores * scale).masked_fill(~mask, -inf).softmax(-1)``.
+    """
+
+    def __init__(self, model: Transformer, device: Optional[Device] = None):
+        if device is None:
+            device = next(model.parameters()).device
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.config = model.config
+
+    def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> CatCacheState:
+        _check_encode_args(self.model, cache_len, num_beams)
+        src = _to_int64("input_ids", input_ids, self.device)
+        lengths = _to_int64("src_lengths", src_lengths, self.device)
+        with torch.inference_mode():
+            _, cross_keys, cross_values = self.model.encode(src, lengths)
+            if num_beams > 1:
+                cross_keys = [k.repeat_interleave(num_beams, dim=0) for k in cross_keys]
+                cross_values = [v.repeat_interleave(num_beams, dim=0) for v in cross_values]
+                lengths = lengths.repeat_interleave(num_beams, dim=0)
+            src_mask = padding_mask(lengths, src.shape[1])
+        n = self.config.n_decoder_layers
+        return CatCacheState(src_mask, cross_keys, cross_values, [None] * n, [None] * n, 0, int(cache_len))
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [N, H, 1, K]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(-1), v)  # [N, H, 1, d_k]
+
+    def step(self, state: CatCacheState, tokens: np.ndarray) -> np.ndarray:
+        _check_capacity(state.position, state.cache_len, self.config.max_len)
+        ids = _to_int64("tokens", tokens, self.device)
+        N = state.src_mask.shape[0]
+        if ids.shape != (N,):
+            raise ValueError(f"tokens must have shape ({N},), got {tuple(ids.shape)}")
+        model = self.model
+        with torch.inference_mode():
+            x = model.tgt_embed(ids.view(N, 1)) + model.tgt_pe.pe[state.position]  # [N, 1, d_model]
+            for i, layer in enumerate(model.decoder.layers):
+                attn = layer.self_attn
+                h = layer.sublayer[0].sublayer_input(x)
+                q = attn.split_heads(attn.W_Q(h))
+                k = attn.split_heads(attn.W_K(h))
+                v = attn.split_heads(attn.W_V(h))
+                if state.self_keys[i] is not None:
+                    k = torch.cat([state.self_keys[i], k], dim=2)
+                    v = torch.cat([state.self_values[i], v], dim=2)
+                state.self_keys[i], state.self_values[i] = k, v
+                out = self._attend(q, k, v, attn.scale)
+                x = layer.sublayer[0].residual(x, attn.W_O(attn.merge_heads(out)))
+
+                src_attn = layer.src_attn
+                h = layer.sublayer[1].sublayer_input(x)
+                q = src_attn.split_heads(src_attn.W_Q(h))
+                out = self._attend(q, state.cross_keys[i], state.cross_values[i], src_attn.scale, state.src_mask)
+                x = layer.sublayer[1].residual(x, src_attn.W_O(src_attn.merge_heads(out)))
+
+                x = layer.sublayer[2](x, layer.feed_forward)
+            logits = model.generator(model.decoder.norm(x)[:, 0]).float()
+        state.position += 1
+        return logits.cpu().numpy()
+
+    def reorder(self, state: CatCacheState, beam_index: np.ndarray) -> None:
+        index = _to_int64("beam_index", beam_index, self.device)
+        with torch.inference_mode():
+            for i in range(len(state.self_keys)):
+                if state.self_keys[i] is not None:
+                    state.self_keys[i] = state.self_keys[i].index_select(0, index)
+                    state.self_values[i] = state.self_values[i].index_select(0, index)
+
+
+# ------------------------------------------------------------------------------------------
+# The seed's uncached greedy loop
+# ------------------------------------------------------------------------------------------
+
+
+def greedy_decode_uncached(
+    model: Transformer,
+    src_ids: torch.Tensor,
+    src_lengths: torch.Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_new_tokens: Union[int, np.ndarray],
+    min_new_tokens: Union[int, np.ndarray] = 0,
+    return_logits: bool = False,
+) -> Union[list[list[int]], tuple[list[list[int]], list[np.ndarray]]]:
+    """Greedy decoding by re-running the full decoder on the whole prefix at every step.
+
+    The seed tutorial's loop, batched: the same stopping rules as
+    :func:`transformer_ext.decoding.greedy_decode` (EOS excluded, per-row budgets, EOS suppressed
+    before ``min_new_tokens``). With ``return_logits`` it also returns the float32 logits
+    ``[B, V]`` of every step (before EOS suppression).
+    """
+    B = src_ids.shape[0]
+    max_new = np.broadcast_to(np.asarray(max_new_tokens, dtype=np.int64), (B,))
+    min_new = np.broadcast_to(np.asarray(min_new_tokens, dtype=np.int64), (B,))
+    steps = int(max_new.max()) if B else 0
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    step_logits: list[np.ndarray] = []
+    finished = max_new == 0
+    model.eval()
+    with torch.inference_mode():
+        memory, _, _ = model.encode(src_ids, src_lengths)
+        src_mask = padding_mask(src_lengths, src_ids.shape[1])
+        ys = torch.full((B, 1), bos_id, dtype=torch.int64, device=src_ids.device)
+        for t in range(steps):
+            if finished.all():
+                break
+            hidden = model.decoder(model.embed_target(ys), memory, src_mask)  # [B, t+1, d_model]
+            logits = model.generator(hidden[:, -1]).float().cpu().numpy()  # [B, V], last position only
+            if return_logits:
+                step_logits.append(logits.copy())
+            logits = logits.copy()
+            logits[t < min_new, eos_id] = -np.inf
+            next_tokens = logits.argmax(-1)
+            for b in range(B):
+                if finished[b]:
+                    continue
+                tok = int(next_tokens[b])
+                if tok == eos_id:
+                    finished[b] = True
+                else:
+                    outputs[b].append(tok)
+                    if len(outputs[b]) >= max_new[b]:
+                        finished[b] = True
+            fed = np.where(finished, eos_id, next_tokens)
+            ys = torch.cat([ys, torch.from_numpy(fed.astype(np.int64)).view(B, 1).to(ys.device)], dim=1)
+    if return_logits:
+        return outputs, step_logits
+    return outputs

@@ -1,0 +1,285 @@
+"""A character-level tokenizer with separate (or one shared) source and target vocabularies.
+
+Every character seen in the training text is one token; ids 0-3 are reserved for the
+special tokens ``<pad>``, ``<s>`` (bos), ``</s>`` (eos) and ``<unk>``, and the characters
+follow in sorted order, so building a tokenizer from the same text always gives the same ids.
+
+Characters never seen in training are an error by default (:class:`UnknownCharacterError`
+names them and their positions): a character-level model cannot translate a letter it has
+never seen, and silently mapping it to ``<unk>`` would produce a confident wrong answer.
+``unknown="unk"`` maps them to the ``<unk>`` id instead, for callers that prefer that.
+
+The tokenizer is stored as ``tokenizer.json`` in a model directory (DESIGN.md section 5),
+next to ``config.json`` and ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Iterable, Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PAD_ID",
+    "BOS_ID",
+    "EOS_ID",
+    "UNK_ID",
+    "SPECIAL_TOKENS",
+    "TOKENIZER_FILE",
+    "TokenizerError",
+    "UnknownCharacterError",
+    "CharTokenizer",
+]
+
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+UNK_ID = 3
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # index = id
+TOKENIZER_FILE = "tokenizer.json"
+_FORMAT = "transformer_ext.CharTokenizer"
+_FORMAT_VERSION = 1
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing or invalid, or a text cannot be encoded."""
+
+
+class UnknownCharacterError(TokenizerError):
+    """The text contains characters that are not in the vocabulary."""
+
+    def __init__(self, text: str, side: str, unknown: list[tuple[int, str]]):
+        self.text = text
+        self.side = side
+        self.unknown = unknown  # [(position, character)]
+        shown = ", ".join(f"{ch!r} at {pos}" for pos, ch in unknown[:10])
+        more = f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else ""
+        super().__init__(
+            f"the {side} text {text!r} contains characters outside the {side} vocabulary: "
+            f"{shown}{more}. The model only knows the characters it was trained on."
+        )
+
+
+def _build_vocab(texts: Iterable[str]) -> list[str]:
+    chars: set[str] = set()
+    for text in texts:
+        chars.update(text)
+    return list(SPECIAL_TOKENS) + sorted(chars)
+
+
+def _check_vocab(vocab: Sequence[str], name: str) -> list[str]:
+    vocab = list(vocab)
+    if tuple(vocab[: len(SPECIAL_TOKENS)]) != SPECIAL_TOKENS:
+        raise TokenizerError(
+            f"{name} must start with the special tokens {list(SPECIAL_TOKENS)}, "
+            f"got {vocab[: len(SPECIAL_TOKENS)]}"
+        )
+    chars = vocab[len(SPECIAL_TOKENS):]
+    for ch in chars:
+        if not isinstance(ch, str) or len(ch) != 1:
+            raise TokenizerError(f"{name} entries after the specials must be single characters, got {ch!r}")
+    if len(set(chars)) != len(chars):
+        raise TokenizerError(f"{name} contains duplicate characters")
+    return vocab
+
+
+class CharTokenizer:
+    """Character-level tokenizer: one id per character, plus pad/bos/eos/unk.
+
+    Args:
+        source_vocab: the source tokens, index = id; must start with :data:`SPECIAL_TOKENS`.
+        target_vocab: the target tokens; ``None`` (or ``shared=True``) uses the source
+            vocabulary for both sides.
+        shared: one vocabulary for source and target (for a model with
+            ``shared_vocab=True``, where all embeddings are tied).
+        lowercase: lower-case texts before encoding a source (the demo task is lower case).
+
+    Use :meth:`build` to make one from training text and :meth:`load` to read a saved one.
+    """
+
+    pad_id = PAD_ID
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+    unk_id = UNK_ID
+
+    def __init__(
+        self,
+        source_vocab: Sequence[str],
+        target_vocab: Sequence[str] | None = None,
+        *,
+        shared: bool = False,
+        lowercase: bool = False,
+    ):
+        self.source_vocab = _check_vocab(source_vocab, "source vocabulary")
+        if shared or target_vocab is None:
+            if target_vocab is not None and list(target_vocab) != self.source_vocab:
+                raise TokenizerError("shared=True but the source and target vocabularies differ")
+            self.target_vocab = self.source_vocab
+            self.shared = True
+        else:
+            self.target_vocab = _check_vocab(target_vocab, "target vocabulary")
+            self.shared = False
+        self.lowercase = bool(lowercase)
+        self._src_index = {tok: i for i, tok in enumerate(self.source_vocab) if i >= len(SPECIAL_TOKENS)}
+        self._tgt_index = {tok: i for i, tok in enumerate(self.target_vocab) if i >= len(SPECIAL_TOKENS)}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(
+        cls,
+        sources: Iterable[str],
+        targets: Iterable[str],
+        *,
+        shared: bool = False,
+        lowercase: bool = False,
+    ) -> "CharTokenizer":
+        """Vocabularies of every character in ``sources`` and ``targets`` (sorted, after the specials)."""
+        sources = [s.lower() if lowercase else s for s in sources]
+        targets = list(targets)
+        if shared:
+            return cls(_build_vocab(sources + targets), shared=True, lowercase=lowercase)
+        return cls(_build_vocab(sources), _build_vocab(targets), lowercase=lowercase)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def src_vocab_size(self) -> int:
+        return len(self.source_vocab)
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return len(self.target_vocab)
+
+    # ------------------------------------------------------------------ encode / decode
+    def _encode(self, text: str, index: dict[str, int], side: str, unknown: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"expected a str {side} text, got {type(text).__name__}")
+        if unknown not in ("error", "unk"):
+            raise ValueError(f"unknown must be 'error' or 'unk', got {unknown!r}")
+        ids = [index.get(ch, UNK_ID) for ch in text]
+        if unknown == "error" and UNK_ID in ids:
+            bad = [(pos, text[pos]) for pos, i in enumerate(ids) if i == UNK_ID]
+            raise UnknownCharacterError(text, side, bad)
+        return ids
+
+    def normalize_source(self, text: str) -> str:
+        """The source text as the model sees it (lower-cased when ``lowercase`` is set)."""
+        if not isinstance(text, str):
+            raise TypeError(f"expected a str source text, got {type(text).__name__}")
+        return text.lower() if self.lowercase else text
+
+    def encode_source(self, text: str, *, unknown: str = "error") -> list[int]:
+        """Source ids of ``text`` (no bos/eos).
+
+        ``unknown="error"`` (default) raises :class:`UnknownCharacterError` for characters
+        outside the source vocabulary; ``unknown="unk"`` maps them to ``unk_id``.
+        """
+        return self._encode(self.normalize_source(text), self._src_index, "source", unknown)
+
+    def encode_target(self, text: str, *, unknown: str = "error") -> list[int]:
+        """Target ids of ``text`` without bos/eos (the training code adds them)."""
+        return self._encode(text, self._tgt_index, "target", unknown)
+
+    def decode_target(self, ids: Iterable[int]) -> str:
+        """Text of target ids: stops at the first eos, skips pad/bos/unk and out-of-range ids."""
+        out = []
+        n = len(self.target_vocab)
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if len(SPECIAL_TOKENS) <= i < n:
+                out.append(self.target_vocab[i])
+        return "".join(out)
+
+    def decode_source(self, ids: Iterable[int]) -> str:
+        """Text of source ids (specials skipped), mainly for debugging."""
+        n = len(self.source_vocab)
+        return "".join(self.source_vocab[int(i)] for i in ids if len(SPECIAL_TOKENS) <= int(i) < n)
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict:
+        return {
+            "format": _FORMAT,
+            "version": _FORMAT_VERSION,
+            "type": "char",
+            "shared": self.shared,
+            "lowercase": self.lowercase,
+            "special_tokens": {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID},
+            "source_vocab": self.source_vocab,
+            "target_vocab": self.target_vocab,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CharTokenizer":
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise TokenizerError(f"not a {_FORMAT} description (missing or wrong 'format' field)")
+        if data.get("version") != _FORMAT_VERSION:
+            raise TokenizerError(
+                f"unsupported tokenizer format version {data.get('version')!r} (this code reads {_FORMAT_VERSION})"
+            )
+        expected = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID}
+        if data.get("special_tokens") != expected:
+            raise TokenizerError(f"special token ids must be {expected}, got {data.get('special_tokens')!r}")
+        for key in ("source_vocab", "target_vocab"):
+            if not isinstance(data.get(key), list):
+                raise TokenizerError(f"missing or invalid {key!r} list")
+        shared = bool(data.get("shared", False))
+        return cls(
+            data["source_vocab"],
+            None if shared else data["target_vocab"],
+            shared=shared,
+            lowercase=bool(data.get("lowercase", False)),
+        )
+
+    def save(self, directory: str | os.PathLike) -> str:
+        """Write ``tokenizer.json`` into ``directory`` (created if needed) atomically; returns its path."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, TOKENIZER_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, ensure_ascii=False, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "CharTokenizer":
+        """Read ``tokenizer.json`` from a model directory (or the file path itself).
+
+        Raises:
+            FileNotFoundError: the directory or its ``tokenizer.json`` does not exist.
+            TokenizerError: the file is not valid JSON or not a tokenizer description.
+        """
+        path = os.fspath(directory)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model directory not found: {path}")
+        if os.path.isdir(path):
+            path = os.path.join(path, TOKENIZER_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"tokenizer file not found: {path} (a model directory holds config.json, "
+                f"model.safetensors and {TOKENIZER_FILE})"
+            )
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"corrupt tokenizer file {path}: {exc}") from exc
+        try:
+            return cls.from_dict(data)
+        except TokenizerError as exc:
+            raise TokenizerError(f"invalid tokenizer file {path}: {exc}") from exc
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CharTokenizer):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return (
+            f"CharTokenizer(src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}, "
+            f"shared={self.shared}, lowercase={self.lowercase})"
+        )

@@ -1,0 +1,857 @@
+"""Train a Transformer on the demo task (English to German number words), the paper's way.
+
+``python -m transformer_ext.train`` trains the bundled demo model; ``--help`` explains every
+option. The command line is a thin layer over :func:`train`, which tests call directly.
+
+What a training run does:
+
+* **Data**: :mod:`transformer_ext.data` (num2words, a deterministic train / valid / held-out
+  split, batches of at most ``max_tokens`` padded tokens, bucketed by length, shuffled every
+  epoch with a seeded generator). The character tokenizer is built from the training split.
+* **Objective**: teacher forcing (the decoder reads ``[bos] + y`` and predicts ``y + [eos]``),
+  cross-entropy with label smoothing, padding ignored, summed and divided by the number of
+  non-pad target tokens of the batch.
+* **Optimiser**: Adam (betas 0.9/0.98, eps 1e-9) with the warmup schedule
+  ``lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)`` (steps counted from 1),
+  gradient-norm clipping.
+* **Validation** every ``eval_every`` steps: loss over the validation split and exact match of
+  greedy decoding on a fixed subset of it; the best checkpoint (by exact match, then loss) is
+  kept in ``<out>/best/``, the latest in ``<out>/last/``.
+* **Checkpoints** follow DESIGN.md section 5: ``config.json`` + ``model.safetensors`` +
+  ``tokenizer.json``. ``<out>/last/`` also holds the training state for ``--resume``:
+  optimiser tensors and RNG states in ``training_state.safetensors``, everything else
+  (step, epoch, position in the epoch, scheduler, history) in ``training_state.json``.
+  No pickle anywhere. Resuming continues exactly where the run stopped: on the CPU the
+  losses after a resume equal those of an uninterrupted run.
+* **Determinism**: the model is initialised after ``torch.manual_seed(seed)``, dropout draws
+  from torch's global generator (saved and restored on resume), the batch order from a
+  generator seeded with ``seed + epoch``. On the CPU with a fixed thread count, the same
+  options give bit-identical losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .data import (
+    DEMO_RANGE,
+    SPLIT_SEED,
+    Example,
+    TokenBatchSampler,
+    collate,
+    encode_examples,
+    example_cost,
+    make_examples,
+    split_numbers,
+)
+from .tokenizer import TOKENIZER_FILE, CharTokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MODEL_PRESETS",
+    "TrainOptions",
+    "TrainResult",
+    "TrainingError",
+    "noam_lr",
+    "token_loss",
+    "make_optimizer",
+    "make_scheduler",
+    "build_config",
+    "evaluate",
+    "train",
+    "build_parser",
+    "main",
+]
+
+# Model presets of the training command: name -> (config preset, overrides). "demo" is the
+# bundled translator: small enough to train on 2 CPU cores in minutes, Post-LN as in the paper.
+MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "demo": ("base", dict(d_model=128, n_heads=4, n_encoder_layers=3, n_decoder_layers=3, d_ff=512,
+                          dropout=0.1, max_len=64, norm_first=False)),
+    "tiny": ("tiny", {}),
+    "small": ("small", {}),
+    "base": ("base", {}),
+}
+
+STATE_JSON = "training_state.json"
+STATE_TENSORS = "training_state.safetensors"
+OPTIONS_JSON = "train_options.json"
+SUMMARY_JSON = "summary.json"
+MODEL_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE)
+
+
+class TrainingError(ValueError):
+    """Bad training options or an output directory that cannot be used as asked."""
+
+
+@dataclass
+class TrainOptions:
+    """Every option of a training run (the command line's flags, one to one)."""
+
+    out_dir: str = "out/demo"  # where best/, last/, train_options.json and summary.json go
+    resume: bool = False  # continue from <out_dir>/last/ (run-defining options come from the saved run)
+    overwrite: bool = False  # start afresh even if <out_dir> already holds a run
+    export_dir: Optional[str] = None  # at the end, copy the best model directory here
+    seed: int = 1  # model initialisation, dropout and batch order
+    device: str = "cpu"  # "cpu" or "cuda"
+    threads: Optional[int] = None  # torch.set_num_threads; None keeps torch's default
+    # model
+    preset: str = "demo"  # one of MODEL_PRESETS
+    d_model: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_encoder_layers: Optional[int] = None
+    n_decoder_layers: Optional[int] = None
+    d_ff: Optional[int] = None
+    dropout: Optional[float] = None
+    max_len: Optional[int] = None
+    norm_first: Optional[bool] = None
+    shared_vocab: bool = False  # one character vocabulary for source and target, all embeddings tied
+    # data
+    range_low: int = DEMO_RANGE[0]
+    range_high: int = DEMO_RANGE[1]
+    split_seed: int = SPLIT_SEED
+    max_tokens: int = 3000  # padded tokens per batch
+    # optimisation
+    max_steps: Optional[int] = 2400  # stop after this many optimiser steps (None: use epochs)
+    epochs: Optional[int] = None  # stop after this many epochs (when max_steps is None)
+    max_minutes: Optional[float] = None  # stop when this much training time has passed
+    lr_factor: float = 1.0
+    warmup: int = 400
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0  # max gradient norm; 0 disables clipping
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    # validation and logging
+    eval_every: int = 400  # steps between validations (and checkpoints); 0: only at the end
+    eval_examples: int = 200  # validation sources decoded greedily for exact match
+    final_eval: bool = True  # evaluate the best model on the held-out split at the end
+    final_beam: int = 4  # beam size of the final held-out evaluation (0 or 1: greedy only)
+    log_every: int = 100  # steps between log lines
+    progress: bool = True  # tqdm progress bar
+
+
+# Options that define a run: on --resume they are taken from the saved run.
+_RUN_DEFINING = (
+    "seed", "preset", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "dropout",
+    "max_len", "norm_first", "shared_vocab", "range_low", "range_high", "split_seed", "max_tokens",
+    "lr_factor", "warmup", "label_smoothing", "clip_norm", "adam_betas", "adam_eps",
+)
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns."""
+
+    out_dir: str
+    config: dict
+    step: int  # optimiser steps done in total (all sessions)
+    first_step: int  # step number of losses[0] (1 for a fresh run)
+    epoch: int  # epochs completed
+    losses: list[float]  # training loss of every step of this session
+    learning_rates: list[float]  # learning rate used at every step of this session
+    history: list[dict]  # every validation of the run (all sessions)
+    best: Optional[dict]  # the validation that selected <out>/best/
+    heldout: Optional[dict]  # final held-out evaluation of the best model
+    elapsed_s: float  # training wall time of this session
+    total_elapsed_s: float  # training wall time of all sessions
+    stop_reason: str
+
+
+# ---------------------------------------------------------------------- schedule and optimiser
+def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """``factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)``; steps start at 1."""
+    if step < 1:
+        raise ValueError(f"the schedule counts steps from 1, got step={step}")
+    if warmup < 1:
+        raise ValueError(f"warmup must be >= 1, got {warmup}")
+    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def make_optimizer(model: torch.nn.Module, opts: TrainOptions) -> torch.optim.Adam:
+    """Adam with base lr 1.0 (the scheduler's factor is the learning rate itself), fused kernel."""
+    return torch.optim.Adam(model.parameters(), lr=1.0, betas=tuple(opts.adam_betas), eps=opts.adam_eps,
+                            fused=True)
+
+
+def make_scheduler(optimizer, d_model: int, warmup: int, factor: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR of :func:`noam_lr`; its internal counter starts at 0, the schedule's step at 1."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda=lambda s: noam_lr(s + 1, d_model, warmup, factor)
+    )
+
+
+# ---------------------------------------------------------------------- model config
+def build_config(opts: TrainOptions, tokenizer: CharTokenizer):
+    """The model config of ``opts.preset`` with the flags' overrides and the tokenizer's vocabularies."""
+    from .config import TransformerConfig
+
+    if opts.preset not in MODEL_PRESETS:
+        raise TrainingError(f"unknown preset {opts.preset!r}; choose one of {sorted(MODEL_PRESETS)}")
+    base, overrides = MODEL_PRESETS[opts.preset]
+    overrides = dict(overrides)
+    for name in ("d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "dropout",
+                 "max_len", "norm_first"):
+        value = getattr(opts, name)
+        if value is not None:
+            overrides[name] = value
+    overrides.update(
+        src_vocab_size=tokenizer.src_vocab_size,
+        tgt_vocab_size=tokenizer.tgt_vocab_size,
+        shared_vocab=bool(opts.shared_vocab),
+        tie_target_embeddings=True,
+        pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+    )
+    try:
+        return TransformerConfig.preset(base, **overrides)
+    except (TypeError, ValueError) as exc:
+        raise TrainingError(f"invalid model options: {exc}") from exc
+
+
+# ---------------------------------------------------------------------- loss and evaluation
+def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, pad_id: int, label_smoothing: float):
+    """(loss per non-pad target token, number of non-pad target tokens)."""
+    V = logits.shape[-1]
+    total = F.cross_entropy(
+        logits.reshape(-1, V).float(), tgt_out.reshape(-1), ignore_index=pad_id,
+        label_smoothing=label_smoothing, reduction="sum",
+    )
+    n_tokens = int((tgt_out != pad_id).sum())
+    return total / max(n_tokens, 1), n_tokens
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer: CharTokenizer,
+    examples: Sequence[Example],
+    *,
+    device,
+    max_tokens: int = 4000,
+    label_smoothing: float = 0.0,
+    exact_examples: Optional[int] = None,
+    beam_size: int = 1,
+    with_loss: bool = True,
+) -> dict:
+    """Loss and exact match of ``model`` on ``examples``.
+
+    Returns ``{"loss", "nll", "exact_match", "n_exact", "n_loss"}``: ``loss`` is the
+    label-smoothed training objective, ``nll`` the plain cross-entropy (both per target token,
+    over all examples); ``exact_match`` is the fraction of ``exact_examples``
+    examples, evenly spread over them (all when None), whose decoded translation equals
+    the reference exactly.
+    """
+    from .translate import Translator
+
+    was_training = model.training
+    model.eval()
+    result: dict[str, Any] = {}
+    try:
+        if with_loss:
+            pairs = encode_examples(tokenizer, examples)
+            sampler = TokenBatchSampler([example_cost(len(s), len(t)) for s, t in pairs], max_tokens, shuffle=False)
+            ls_sum = nll_sum = 0.0
+            n_tok = 0
+            for idx in sampler.batches(0):
+                batch = collate([pairs[i] for i in idx], pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
+                                eos_id=tokenizer.eos_id).to(device)
+                logits = model(batch.src_ids, batch.src_lengths, batch.tgt_in)
+                ls, n = token_loss(logits, batch.tgt_out, tokenizer.pad_id, label_smoothing)
+                nll, _ = token_loss(logits, batch.tgt_out, tokenizer.pad_id, 0.0)
+                ls_sum += float(ls) * n
+                nll_sum += float(nll) * n
+                n_tok += n
+            result.update(loss=ls_sum / n_tok, nll=nll_sum / n_tok, n_loss=len(examples))
+        if exact_examples is None or exact_examples >= len(examples):
+            subset = list(examples)
+        else:  # evenly spread over the (sorted) examples, not just the smallest numbers
+            subset = [examples[i * len(examples) // exact_examples] for i in range(exact_examples)]
+        if subset:
+            translator = Translator.from_model(model, tokenizer, device)
+            outputs = translator.translate([ex.source for ex in subset], beam_size=beam_size,
+                                           n_best=1)
+            correct = sum(out.text == ex.target for out, ex in zip(outputs, subset))
+            result.update(exact_match=correct / len(subset), n_exact=len(subset),
+                          errors=[(ex.source, out.text, ex.target) for out, ex in zip(outputs, subset)
+                                  if out.text != ex.target][:20])
+    finally:
+        if was_training:
+            model.train()
+    return result
+
+
+# ---------------------------------------------------------------------- checkpoints and state
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move the finished ``tmp`` directory to ``final``, replacing it (old copy kept until then)."""
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _save_model_dir(model, tokenizer: CharTokenizer, directory: Path) -> None:
+    from .checkpoint import save_model
+
+    save_model(model, directory)
+    tokenizer.save(directory)
+
+
+def _optimizer_to_flat(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in sd["state"].items():
+        for key, value in st.items():
+            if torch.is_tensor(value):
+                tensors[f"optimizer.{pid}.{key}"] = value.detach().to("cpu").contiguous()
+            else:
+                scalars.setdefault(str(pid), {})[key] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optimizer_from_flat(optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if not name.startswith("optimizer."):
+            continue
+        _, pid, key = name.split(".", 2)
+        state.setdefault(int(pid), {})[key] = value
+    for pid, extra in meta.get("scalars", {}).items():
+        state.setdefault(int(pid), {}).update(extra)
+    groups = []
+    for g in meta["param_groups"]:
+        g = dict(g)
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _save_checkpoint(out: Path, name: str, model, tokenizer, optimizer=None, scheduler=None,
+                     state: Optional[dict] = None) -> Path:
+    """Write ``<out>/<name>/`` (model directory, plus the training state when given) atomically."""
+    from safetensors.torch import save_file
+
+    final = out / name
+    tmp = out / f"{name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    _save_model_dir(model, tokenizer, tmp)
+    if state is not None:
+        tensors, opt_meta = _optimizer_to_flat(optimizer)
+        tensors["rng.torch"] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                tensors[f"rng.cuda.{i}"] = s
+        save_file(tensors, str(tmp / STATE_TENSORS))
+        sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas" and _jsonable(v)}
+        payload = dict(state, optimizer=opt_meta, scheduler=sched)
+        with open(tmp / STATE_JSON, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1)
+    _replace_dir(tmp, final)
+    return final
+
+
+def _last_dir(out: Path) -> Path:
+    last = out / "last"
+    if not last.exists() and (out / "last.old").exists():  # interrupted between two renames
+        return out / "last.old"
+    return last
+
+
+def _load_state(last: Path, optimizer, scheduler) -> dict:
+    from safetensors.torch import load_file
+
+    for name in (STATE_JSON, STATE_TENSORS):
+        if not (last / name).is_file():
+            raise TrainingError(f"cannot resume: {last / name} is missing (was the run saved with this version?)")
+    with open(last / STATE_JSON, encoding="utf-8") as f:
+        payload = json.load(f)
+    tensors = load_file(str(last / STATE_TENSORS))
+    _optimizer_from_flat(optimizer, tensors, payload.pop("optimizer"))
+    sched = payload.pop("scheduler")
+    sched["lr_lambdas"] = [None] * len(optimizer.param_groups)  # the schedule function is rebuilt, not stored
+    scheduler.load_state_dict(sched)
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda_states = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states)
+    return payload
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _options_dict(opts: TrainOptions) -> dict:
+    d = dataclasses.asdict(opts)
+    d["adam_betas"] = list(d["adam_betas"])
+    return d
+
+
+def _merge_resume_options(opts: TrainOptions, saved: dict) -> TrainOptions:
+    """Run-defining options from the saved run; the others (budget, logging, device) from ``opts``."""
+    merged = dataclasses.replace(opts)
+    ignored = []
+    for name in _RUN_DEFINING:
+        if name not in saved:
+            continue
+        value = saved[name]
+        if name == "adam_betas":
+            value = tuple(value)
+        current = getattr(opts, name)
+        if current != value and current != getattr(TrainOptions, name, None):
+            ignored.append(f"{name}={current!r} (saved run: {value!r})")
+        setattr(merged, name, value)
+    if ignored:
+        logger.warning("resuming: keeping the saved run's options, ignoring %s", ", ".join(ignored))
+    return merged
+
+
+# ---------------------------------------------------------------------- the training loop
+def _check_options(opts: TrainOptions) -> None:
+    if opts.max_steps is not None and opts.max_steps < 0:
+        raise TrainingError(f"max_steps must be >= 0, got {opts.max_steps}")
+    if opts.max_steps is None and opts.epochs is None:
+        raise TrainingError("give max_steps or epochs (or both: whichever comes first)")
+    if opts.epochs is not None and opts.epochs < 0:
+        raise TrainingError(f"epochs must be >= 0, got {opts.epochs}")
+    if opts.max_minutes is not None and opts.max_minutes <= 0:
+        raise TrainingError(f"max_minutes must be > 0, got {opts.max_minutes}")
+    if opts.max_tokens < 1:
+        raise TrainingError(f"max_tokens must be >= 1, got {opts.max_tokens}")
+    if opts.warmup < 1:
+        raise TrainingError(f"warmup must be >= 1, got {opts.warmup}")
+    if not 0.0 <= opts.label_smoothing < 1.0:
+        raise TrainingError(f"label_smoothing must be in [0, 1), got {opts.label_smoothing}")
+    if opts.clip_norm < 0:
+        raise TrainingError(f"clip_norm must be >= 0, got {opts.clip_norm}")
+    if opts.eval_every < 0 or opts.log_every < 0 or opts.eval_examples < 0:
+        raise TrainingError("eval_every, eval_examples and log_every must be >= 0")
+    if opts.resume and opts.overwrite:
+        raise TrainingError("resume and overwrite exclude each other")
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise TrainingError(f"invalid device {name!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("device 'cuda' was requested but no CUDA GPU is available; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise TrainingError(f"unsupported device {name!r}: use cpu or cuda")
+    return device
+
+
+def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResult:
+    """Train (or resume) a model as described by ``options`` (plus keyword overrides).
+
+    Returns a :class:`TrainResult`; writes ``<out>/best/``, ``<out>/last/``,
+    ``<out>/train_options.json`` and ``<out>/summary.json`` (and the export directory when
+    ``export_dir`` is set).
+    """
+    from tqdm.auto import tqdm
+
+    from .checkpoint import load_model
+    from .model import Transformer
+
+    opts = dataclasses.replace(options or TrainOptions(), **overrides)
+    _check_options(opts)
+    out = Path(opts.out_dir)
+    device = _device(opts.device)
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+
+    last = _last_dir(out)
+    if opts.resume:
+        if not (last / STATE_JSON).is_file():
+            raise TrainingError(f"cannot resume: no saved run in {out} ({last / STATE_JSON} not found)")
+        with open(out / OPTIONS_JSON, encoding="utf-8") as f:
+            opts = _merge_resume_options(opts, json.load(f))
+    elif last.exists() and not opts.overwrite:
+        raise TrainingError(
+            f"{out} already holds a training run; pass --resume to continue it, --overwrite to start "
+            "afresh, or choose another --out"
+        )
+    elif opts.overwrite:
+        for name in ("best", "last", "last.old", "best.old", "last.tmp", "best.tmp"):
+            if (out / name).exists():
+                shutil.rmtree(out / name)
+
+    # Data: the split is fixed by (range, split_seed); the tokenizer comes from the training split.
+    splits = split_numbers(opts.range_low, opts.range_high, seed=opts.split_seed)
+    train_examples = make_examples(splits.train)
+    valid_examples = make_examples(splits.valid)
+    if not train_examples:
+        raise TrainingError("the training split is empty; widen the number range")
+
+    if opts.resume:
+        tokenizer = CharTokenizer.load(last)
+        model = load_model(last, device)
+        config = model.config
+    else:
+        tokenizer = CharTokenizer.build([e.source for e in train_examples], [e.target for e in train_examples],
+                                        shared=opts.shared_vocab, lowercase=True)
+        config = build_config(opts, tokenizer)
+        torch.manual_seed(opts.seed)
+        model = Transformer(config).to(device)
+    train_pairs = encode_examples(tokenizer, train_examples)
+    longest = max(max(len(s), len(t) + 1) for s, t in train_pairs)
+    if longest > config.max_len:
+        raise TrainingError(f"the longest training sequence has {longest} tokens, more than max_len={config.max_len}")
+    sampler = TokenBatchSampler([example_cost(len(s), len(t)) for s, t in train_pairs], opts.max_tokens,
+                                seed=opts.seed)
+    steps_per_epoch = len(sampler)
+    limits = []
+    if opts.max_steps is not None:
+        limits.append(opts.max_steps)
+    if opts.epochs is not None:
+        limits.append(opts.epochs * steps_per_epoch)
+    total_steps = min(limits)
+
+    optimizer = make_optimizer(model, opts)
+    scheduler = make_scheduler(optimizer, config.d_model, opts.warmup, opts.lr_factor)
+
+    state: dict[str, Any] = dict(step=0, epoch=0, batch_in_epoch=0, history=[], best=None, total_elapsed_s=0.0)
+    if opts.resume:
+        saved = _load_state(last, optimizer, scheduler)
+        state.update({k: saved[k] for k in state if k in saved})
+        logger.info("resumed %s at step %d (epoch %d, batch %d)", last, state["step"], state["epoch"],
+                    state["batch_in_epoch"])
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / OPTIONS_JSON, _options_dict(opts))
+
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model: %s parameters, config %s", f"{n_params:,}", config.to_dict())
+    logger.info("data: %d train / %d valid / %d held-out numbers in %d..%d; %d batches per epoch of <= %d tokens",
+                len(splits.train), len(splits.valid), len(splits.heldout), opts.range_low, opts.range_high,
+                steps_per_epoch, opts.max_tokens)
+
+    model.train()
+    first_step = state["step"] + 1
+    losses: list[float] = []
+    lrs: list[float] = []
+    started = time.monotonic()
+    cpu_started = time.process_time()
+    load_start = _load_average()
+    stop_reason = "max_steps" if opts.max_steps is not None and total_steps == opts.max_steps else "epochs"
+    window_loss = 0.0
+    window_tokens = 0
+    window_start = time.monotonic()
+    last_eval_step = state["history"][-1]["step"] if state["history"] else -1
+
+    def elapsed() -> float:
+        return time.monotonic() - started
+
+    def validate_and_save() -> None:
+        nonlocal last_eval_step
+        metrics = evaluate(model, tokenizer, valid_examples, device=device, max_tokens=max(opts.max_tokens, 4000),
+                           label_smoothing=opts.label_smoothing, exact_examples=opts.eval_examples)
+        errors = metrics.pop("errors", [])
+        record = dict(step=state["step"], epoch=state["epoch"] + state["batch_in_epoch"] / steps_per_epoch,
+                      elapsed_s=round(state["total_elapsed_s"] + elapsed(), 1), **metrics)
+        state["history"].append(record)
+        last_eval_step = state["step"]
+        best = state["best"]
+        key = (record.get("exact_match", 0.0), -record["loss"])
+        improved = best is None or key > (best.get("exact_match", 0.0), -best["loss"])
+        logger.info("validation at step %d: loss %.4f, nll %.4f, exact match %.3f (%d)%s", record["step"],
+                    record["loss"], record["nll"], record.get("exact_match", float("nan")),
+                    record.get("n_exact", 0), " (best so far)" if improved else "")
+        for src, hyp, ref in errors[:3]:
+            logger.debug("  %r -> %r (reference %r)", src, hyp, ref)
+        if improved:
+            state["best"] = record
+            _save_checkpoint(out, "best", model, tokenizer)
+        snapshot = dict(state, total_elapsed_s=state["total_elapsed_s"] + elapsed())
+        _save_checkpoint(out, "last", model, tokenizer, optimizer, scheduler, snapshot)
+
+    bar = tqdm(total=total_steps, initial=state["step"], disable=not opts.progress, desc="train", unit="step",
+               dynamic_ncols=True, leave=False)
+    try:
+        done = state["step"] >= total_steps
+        while not done:
+            batches = sampler.batches(state["epoch"])
+            while state["batch_in_epoch"] < len(batches):
+                if state["step"] >= total_steps:
+                    done = True
+                    break
+                if opts.max_minutes is not None and elapsed() >= 60.0 * opts.max_minutes:
+                    stop_reason = "max_minutes"
+                    done = True
+                    break
+                idx = batches[state["batch_in_epoch"]]
+                batch = collate([train_pairs[i] for i in idx], pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
+                                eos_id=tokenizer.eos_id).to(device)
+                lr = optimizer.param_groups[0]["lr"]
+                logits = model(batch.src_ids, batch.src_lengths, batch.tgt_in)
+                loss, n_tokens = token_loss(logits, batch.tgt_out, tokenizer.pad_id, opts.label_smoothing)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if opts.clip_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip_norm)
+                optimizer.step()
+                scheduler.step()
+                state["step"] += 1
+                state["batch_in_epoch"] += 1
+                loss_value = float(loss.detach())
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"training loss became {loss_value} at step {state['step']}; "
+                                             "try a smaller --lr-factor or a longer --warmup")
+                losses.append(loss_value)
+                lrs.append(lr)
+                window_loss += loss_value * n_tokens
+                window_tokens += n_tokens
+                bar.update(1)
+                if opts.log_every and state["step"] % opts.log_every == 0:
+                    dt = time.monotonic() - window_start
+                    logger.info("step %d/%d epoch %d loss %.4f lr %.2e %.0f target tokens/s",
+                                state["step"], total_steps, state["epoch"] + 1, window_loss / window_tokens, lr,
+                                window_tokens / max(dt, 1e-9))
+                    bar.set_postfix(loss=f"{window_loss / window_tokens:.3f}", lr=f"{lr:.1e}")
+                    window_loss, window_tokens, window_start = 0.0, 0, time.monotonic()
+                if opts.eval_every and state["step"] % opts.eval_every == 0:
+                    validate_and_save()
+            else:
+                state["epoch"] += 1
+                state["batch_in_epoch"] = 0
+    finally:
+        bar.close()
+
+    if last_eval_step != state["step"] or not (out / "last").exists():
+        validate_and_save()
+    session_s = elapsed()
+    session_cpu_s = time.process_time() - cpu_started
+    state["total_elapsed_s"] += session_s
+    logger.info("training stopped (%s) at step %d after %.1f s wall, %.1f s process CPU (%.1f s wall in all "
+                "sessions; load average %s)", stop_reason, state["step"], session_s, session_cpu_s,
+                state["total_elapsed_s"], _load_average())
+
+    heldout = None
+    if opts.final_eval:
+        heldout = _evaluate_heldout(out / "best", splits.heldout, device, opts.final_beam)
+    result = TrainResult(
+        out_dir=str(out), config=config.to_dict(), step=state["step"], first_step=first_step, epoch=state["epoch"],
+        losses=losses, learning_rates=lrs, history=state["history"], best=state["best"], heldout=heldout,
+        elapsed_s=session_s, total_elapsed_s=state["total_elapsed_s"], stop_reason=stop_reason,
+    )
+    summary = dict(
+        options=_options_dict(opts), config=result.config, parameters=n_params, steps=result.step,
+        epochs=result.epoch + state["batch_in_epoch"] / steps_per_epoch, steps_per_epoch=steps_per_epoch,
+        train_seconds=round(result.total_elapsed_s, 1), stop_reason=stop_reason, best=result.best,
+        heldout=heldout, torch=torch.__version__, threads=torch.get_num_threads(),
+        last_session=dict(wall_seconds=round(session_s, 1), process_cpu_seconds=round(session_cpu_s, 1),
+                          load_average_start=load_start, load_average_end=_load_average(),
+                          cpu_count=os.cpu_count()),
+    )
+    _write_json(out / SUMMARY_JSON, summary)
+    if opts.export_dir:
+        _export(out / "best", Path(opts.export_dir), summary)
+    return result
+
+
+def _load_average() -> Optional[list[float]]:
+    """1/5/15-minute load averages (where the OS has them): how shared the CPU was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _evaluate_heldout(model_dir: Path, numbers: Sequence[int], device, beam: int) -> dict:
+    """Exact match of the model in ``model_dir`` on the held-out numbers, greedy and (optionally) beam."""
+    from .checkpoint import load_model
+
+    model = load_model(model_dir, device)
+    tokenizer = CharTokenizer.load(model_dir)
+    examples = make_examples(numbers)
+    t0 = time.monotonic()
+    greedy = evaluate(model, tokenizer, examples, device=device, with_loss=False)
+    report: dict[str, Any] = dict(n=len(examples), greedy_exact_match=greedy["exact_match"],
+                                  greedy_seconds=round(time.monotonic() - t0, 1), greedy_errors=greedy["errors"])
+    logger.info("held-out (%d numbers never trained on): greedy exact match %.4f", len(examples),
+                greedy["exact_match"])
+    if beam and beam > 1:
+        t0 = time.monotonic()
+        beamed = evaluate(model, tokenizer, examples, device=device, with_loss=False, beam_size=beam)
+        report.update(beam_size=beam, beam_exact_match=beamed["exact_match"],
+                      beam_seconds=round(time.monotonic() - t0, 1), beam_errors=beamed["errors"])
+        logger.info("held-out: beam %d exact match %.4f", beam, beamed["exact_match"])
+    return report
+
+
+def _export(best: Path, target: Path, summary: dict) -> None:
+    """Copy the model directory ``best`` (config, weights, tokenizer) to ``target`` with a summary."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in MODEL_FILES:
+        tmp = target / f"{name}.tmp"
+        shutil.copyfile(best / name, tmp)
+        os.replace(tmp, target / name)
+    _write_json(target / "training_summary.json", summary)
+    logger.info("exported the best model to %s", target)
+
+
+# ---------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainOptions()
+    p = argparse.ArgumentParser(
+        prog="python -m transformer_ext.train",
+        description=(
+            "Train an encoder-decoder Transformer on the demo task, English number words to German "
+            "number words (num2words), with the paper's recipe: teacher forcing, label smoothing, Adam "
+            "with the warmup schedule, gradient clipping, batches by token count. Without options it "
+            "trains the demo model. Checkpoints go to OUT/best/ and OUT/last/ (config.json, "
+            "model.safetensors, tokenizer.json; OUT/last/ also holds the state for --resume)."
+        ),
+    )
+    g = p.add_argument_group("run")
+    g.add_argument("--out", dest="out_dir", default=d.out_dir,
+                   help="output directory of the run (default: %(default)s)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run saved in OUT/last/ exactly where it stopped (model, data, schedule "
+                        "options are the saved run's; budgets such as --max-steps may be raised)")
+    g.add_argument("--overwrite", action="store_true", help="start afresh even if OUT already holds a run")
+    g.add_argument("--export", dest="export_dir", default=None, metavar="DIR",
+                   help="at the end, copy the best model directory (config, weights, tokenizer) to DIR, "
+                        "e.g. transformer_ext/demo_model")
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of initialisation, dropout and batch order (default: %(default)s)")
+    g.add_argument("--device", default=d.device, help="cpu or cuda (default: %(default)s)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bar")
+    g.add_argument("--quiet", action="store_true", help="log warnings only")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=d.preset,
+                   help="model size: demo (128 wide, 3+3 layers, 4 heads, d_ff 512, Post-LN), "
+                        "tiny, small, base (the paper's) (default: %(default)s)")
+    g.add_argument("--d-model", type=int, help="width of the model (overrides the preset)")
+    g.add_argument("--n-heads", type=int, help="attention heads (overrides the preset)")
+    g.add_argument("--layers", type=int, help="encoder and decoder layers (overrides the preset)")
+    g.add_argument("--encoder-layers", dest="n_encoder_layers", type=int, help="encoder layers")
+    g.add_argument("--decoder-layers", dest="n_decoder_layers", type=int, help="decoder layers")
+    g.add_argument("--d-ff", type=int, help="feed-forward inner width (overrides the preset)")
+    g.add_argument("--dropout", type=float, help="dropout probability (overrides the preset)")
+    g.add_argument("--max-len", type=int, help="longest source/target in tokens (overrides the preset)")
+    g.add_argument("--pre-ln", dest="norm_first", action="store_const", const=True, default=None,
+                   help="Pre-LN layers (default: the preset's, Post-LN for demo)")
+    g.add_argument("--shared-vocab", action="store_true",
+                   help="one character vocabulary for both languages, all embeddings tied")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--range", dest="number_range", nargs=2, type=int, metavar=("LOW", "HIGH"),
+                   default=[d.range_low, d.range_high],
+                   help=f"numbers of the task, inclusive (default: {d.range_low} {d.range_high})")
+    g.add_argument("--split-seed", type=int, default=d.split_seed,
+                   help="seed of the train / valid (5%%) / held-out (5%%) split (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="padded tokens per batch (default: %(default)s)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max-steps", type=int, default=d.max_steps,
+                   help="optimiser steps to train (0 or negative: no step limit, use --epochs) "
+                        "(default: %(default)s)")
+    g.add_argument("--epochs", type=int, default=None, help="epochs to train (whichever limit comes first)")
+    g.add_argument("--max-minutes", type=float, default=None,
+                   help="time budget of this session in minutes; training stops (and saves) when it is spent")
+    g.add_argument("--lr-factor", type=float, default=d.lr_factor,
+                   help="factor of the schedule lr = factor * d_model^-0.5 * min(step^-0.5, "
+                        "step * warmup^-1.5) (default: %(default)s)")
+    g.add_argument("--warmup", type=int, default=d.warmup,
+                   help="warmup steps of the schedule (default: %(default)s)")
+    g.add_argument("--label-smoothing", type=float, default=d.label_smoothing,
+                   help="label smoothing epsilon (default: %(default)s)")
+    g.add_argument("--clip-norm", type=float, default=d.clip_norm,
+                   help="max gradient norm, 0: no clipping (default: %(default)s)")
+
+    g = p.add_argument_group("validation")
+    g.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="steps between validations and checkpoints (0: only at the end) (default: %(default)s)")
+    g.add_argument("--eval-examples", type=int, default=d.eval_examples,
+                   help="validation sources decoded greedily for the exact-match score (default: %(default)s)")
+    g.add_argument("--no-final-eval", dest="final_eval", action="store_false",
+                   help="skip the held-out evaluation of the best model at the end")
+    g.add_argument("--final-beam", type=int, default=d.final_beam,
+                   help="beam size of the final held-out evaluation (1: greedy only) (default: %(default)s)")
+    g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> TrainOptions:
+    values = vars(args).copy()
+    values.pop("quiet", None)
+    low, high = values.pop("number_range")
+    layers = values.pop("layers", None)
+    if layers is not None:
+        values["n_encoder_layers"] = values["n_encoder_layers"] or layers
+        values["n_decoder_layers"] = values["n_decoder_layers"] or layers
+    if values.get("max_steps") is not None and values["max_steps"] <= 0:
+        values["max_steps"] = None
+    return TrainOptions(range_low=low, range_high=high, **values)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m transformer_ext.train``; returns the exit code (2 on bad options)."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        opts = options_from_args(args)
+        with logging_redirect_tqdm():
+            result = train(opts)
+    except (TrainingError, FileNotFoundError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    best = result.best or {}
+    print(f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); "
+          f"best validation exact match {best.get('exact_match', float('nan')):.4f} at step {best.get('step')}")
+    if result.heldout:
+        h = result.heldout
+        line = f"held-out ({h['n']} numbers): greedy exact match {h['greedy_exact_match']:.4f}"
+        if "beam_exact_match" in result.heldout:
+            line += f", beam {result.heldout['beam_size']} {result.heldout['beam_exact_match']:.4f}"
+        print(line)
+    print(f"model directories: {Path(result.out_dir) / 'best'} and {Path(result.out_dir) / 'last'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
