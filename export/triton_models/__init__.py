@@ -1,0 +1,1 @@
+"""Triton model sources copied into a model repository by ``python -m export.triton``."""

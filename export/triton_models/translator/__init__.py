@@ -1,0 +1,1 @@
+"""The Python-backend (BLS) translator model: see model.py."""
