@@ -40,6 +40,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from transformer_ext.fsutil import replace_dir
+
 from . import ExportError, GraphContractError, ModelDirectoryError
 from .manifest import (
     DECODER_FILE,
@@ -332,25 +334,6 @@ def _check_output_dir(output_dir: Path) -> None:
         )
 
 
-def _replace_dir(tmp_dir: Path, output_dir: Path) -> None:
-    """Move the finished ``tmp_dir`` to ``output_dir``; a previous export is kept until the move succeeded."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp_dir, 0o777 & ~umask)  # mkdtemp makes it private
-    if not output_dir.exists():
-        os.rename(tmp_dir, output_dir)
-        return
-    backup = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
-    os.rmdir(backup)
-    os.rename(output_dir, backup)
-    try:
-        os.rename(tmp_dir, output_dir)
-    except BaseException:
-        os.rename(backup, output_dir)  # put the good export back
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
-
-
 def export_onnx(
     model_dir: Optional[str | os.PathLike] = None,
     output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
@@ -466,7 +449,7 @@ def export_onnx(
             )
             manifest["validation"] = report.to_dict()
             write_manifest(tmp_dir, manifest)
-        _replace_dir(tmp_dir, output_dir)
+        replace_dir(tmp_dir, output_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

@@ -50,6 +50,7 @@ _ORT_DTYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(flo
 
 
 @dataclass
+
 class OrtState:
     """Decoding state of :class:`OrtRunner` for N = batch * num_beams rows."""
 
@@ -251,18 +252,7 @@ class OrtRunner:
     def step(self, state: OrtState, tokens: Any) -> np.ndarray:
         """Feed one token per row at the current position; returns float32 logits ``[N, V]``."""
         p = state.position
-        if p >= state.cache_len or p >= self.max_len:
-            raise IndexError(
-                f"cannot feed a token at position {p}: the self-attention cache holds {state.cache_len} "
-                f"positions and the model has {self.max_len} positional encodings; encode with a larger "
-                "cache_len or generate fewer tokens"
-            )
-        tok = np.asarray(tokens)
-        N = state.num_rows
-        if tok.shape != (N,):
-            raise ValueError(f"tokens must have shape ({N},), got {tok.shape}")
-        if not np.issubdtype(tok.dtype, np.integer):
-            raise TypeError(f"tokens must hold integers, got dtype {tok.dtype}")
+        tok = decoding.check_step_tokens(p, state.cache_len, self.max_len, tokens, state.num_rows)
         state.input_ids[:, 0] = tok
         state.positions.fill(p)
         self.decoder.run_with_iobinding(state.binding)

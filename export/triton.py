@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from transformer_ext.fsutil import replace_dir
+
 from . import ExportError, ManifestError
 from .manifest import DECODER_FILE, ENCODER_FILE, read_manifest
 
@@ -327,25 +329,6 @@ def _check_target(repo_dir: Path, force: bool) -> None:
             f"output folder {repo_dir} exists and is not empty; refusing to overwrite it: "
             "choose another --out, or pass --force to replace it"
         )
-
-
-def _replace_dir(tmp_dir: Path, target: Path) -> None:
-    """Move the finished ``tmp_dir`` to ``target``; an old ``target`` is kept until the move succeeded."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp_dir, 0o777 & ~umask)  # mkdtemp makes it private
-    if not target.exists():
-        os.rename(tmp_dir, target)
-        return
-    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.rmdir(backup)
-    os.rename(target, backup)
-    try:
-        os.rename(tmp_dir, target)
-    except BaseException:
-        os.rename(backup, target)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
 
 
 def _copy_model_file(src: Path, version_dir: Path, model_file: str, *, data_name: str, link: bool = False) -> None:
@@ -756,7 +739,7 @@ def export_triton(
             engines = ({ENCODER_MODEL: plan.encoder, DECODER_MODEL: plan.decoder, STATEFUL_DECODER_MODEL: plan.decoder}
                        if plan.backend == "tensorrt" else None)
             protobuf_checked = validate_repository(tmp_dir, engine_graphs=engines, configs=configs)
-        _replace_dir(tmp_dir, repo_dir)
+        replace_dir(tmp_dir, repo_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

@@ -46,6 +46,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from transformer_ext import decoding
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -362,19 +364,8 @@ class DeviceRunner:
         """Feed one token per row at the current position; append its K/V in place; return the
         float32 logits ``[N, V]`` on the host."""
         p = state.position
-        mp = self.dims.max_positions
-        if p >= state.cache_len or (mp is not None and p >= mp):
-            raise IndexError(
-                f"cannot feed a token at position {p}: the self-attention cache holds {state.cache_len} "
-                f"positions and the model has {mp} positional encodings; encode with a larger cache_len "
-                "or generate fewer tokens"
-            )
-        tok = np.asarray(tokens)
         N = state.num_rows
-        if tok.shape != (N,):
-            raise ValueError(f"tokens must have shape ({N},), got {tok.shape}")
-        if not np.issubdtype(tok.dtype, np.integer):
-            raise TypeError(f"tokens must hold integers, got dtype {tok.dtype}")
+        tok = decoding.check_step_tokens(p, state.cache_len, self.dims.max_positions, tokens, N)
         with self._on_stream(), torch.inference_mode():
             state.tokens_host.copy_(torch.from_numpy(np.ascontiguousarray(tok, dtype=np.int64)))
             state.input_ids.view(N).copy_(state.tokens_host, non_blocking=True)
@@ -419,16 +410,12 @@ class DeviceRunner:
     def greedy(self, input_ids: Any, src_lengths: Any, *, bos_id: int, eos_id: int, max_new_tokens: Any,
                **kwargs: Any) -> list[list[int]]:
         """:func:`transformer_ext.decoding.greedy_decode` with this runner."""
-        from transformer_ext import decoding
-
         return decoding.greedy_decode(self, input_ids, src_lengths, bos_id=bos_id, eos_id=eos_id,
                                       max_new_tokens=max_new_tokens, **kwargs)
 
     def beam_search(self, input_ids: Any, src_lengths: Any, *, bos_id: int, eos_id: int, beam_size: int,
                     max_new_tokens: Any, **kwargs: Any):
         """:func:`transformer_ext.decoding.beam_search` with this runner."""
-        from transformer_ext import decoding
-
         return decoding.beam_search(self, input_ids, src_lengths, bos_id=bos_id, eos_id=eos_id,
                                     beam_size=beam_size, max_new_tokens=max_new_tokens, **kwargs)
 

@@ -67,6 +67,22 @@ class Runner(Protocol):
         ...
 
 
+def check_step_tokens(position: int, cache_len: int, max_positions: int | None, tokens: Any, num_rows: int) -> np.ndarray:
+    """The checks every runner makes before feeding one token per row at ``position``."""
+    if position >= cache_len or (max_positions is not None and position >= max_positions):
+        raise IndexError(
+            f"cannot feed a token at position {position}: the self-attention cache holds {cache_len} "
+            f"positions and the model has {max_positions} positional encodings; encode with a larger "
+            "cache_len or generate fewer tokens"
+        )
+    tok = np.asarray(tokens)
+    if tok.shape != (num_rows,):
+        raise ValueError(f"tokens must have shape ({num_rows},), got {tok.shape}")
+    if not np.issubdtype(tok.dtype, np.integer):
+        raise TypeError(f"tokens must hold integers, got dtype {tok.dtype}")
+    return tok
+
+
 @dataclass(frozen=True)
 class Hypothesis:
     """One beam search result.
