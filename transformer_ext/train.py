@@ -27,6 +27,10 @@ What a training run does:
   from torch's global generator (saved and restored on resume), the batch order from a
   generator seeded with ``seed + epoch``. On the CPU with a fixed thread count, the same
   options give bit-identical losses.
+* **Multi-process**: under ``torchrun`` the same function trains with DistributedDataParallel
+  (:mod:`transformer_ext.distributed`: sharded batches, the loss normalised by the target
+  tokens of all ranks, rank 0 validates and writes). Without the torchrun environment
+  nothing of it runs.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ from .data import (
     make_examples,
     split_numbers,
 )
+from . import distributed
+from .distributed import DistributedError
 from .tokenizer import TOKENIZER_FILE, CharTokenizer
 
 logger = logging.getLogger(__name__)
@@ -79,10 +85,12 @@ __all__ = [
 ]
 
 # Model presets of the training command: name -> (config preset, overrides). "demo" is the
-# bundled translator: small enough to train on 2 CPU cores in minutes, Post-LN as in the paper.
+# bundled translator: Post-LN as in the paper, 3+3 layers, small enough to train on one CPU
+# core in minutes. No dropout: the task is noise-free, every training example is exact, and on
+# the CPU dropout's random numbers cost a quarter to a third of a training step.
 MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "demo": ("base", dict(d_model=128, n_heads=4, n_encoder_layers=3, n_decoder_layers=3, d_ff=512,
-                          dropout=0.1, max_len=64, norm_first=False)),
+    "demo": ("base", dict(d_model=64, n_heads=4, n_encoder_layers=3, n_decoder_layers=3, d_ff=256,
+                          dropout=0.0, max_len=64, norm_first=False)),
     "tiny": ("tiny", {}),
     "small": ("small", {}),
     "base": ("base", {}),
@@ -125,19 +133,19 @@ class TrainOptions:
     range_low: int = DEMO_RANGE[0]
     range_high: int = DEMO_RANGE[1]
     split_seed: int = SPLIT_SEED
-    max_tokens: int = 3000  # padded tokens per batch
+    max_tokens: int = 3000  # padded tokens per batch (about 80 examples of the demo task)
     # optimisation
-    max_steps: Optional[int] = 2400  # stop after this many optimiser steps (None: use epochs)
+    max_steps: Optional[int] = 2500  # stop after this many optimiser steps (None: use epochs)
     epochs: Optional[int] = None  # stop after this many epochs (when max_steps is None)
     max_minutes: Optional[float] = None  # stop when this much training time has passed
-    lr_factor: float = 1.0
+    lr_factor: float = 0.5  # demo: peak lr 0.5 * 64^-0.5 * 400^-0.5 = 3.1e-3 at step 400
     warmup: int = 400
     label_smoothing: float = 0.1
     clip_norm: float = 1.0  # max gradient norm; 0 disables clipping
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     # validation and logging
-    eval_every: int = 400  # steps between validations (and checkpoints); 0: only at the end
+    eval_every: int = 250  # steps between validations (and checkpoints); 0: only at the end
     eval_examples: int = 200  # validation sources decoded greedily for exact match
     final_eval: bool = True  # evaluate the best model on the held-out split at the end
     final_beam: int = 4  # beam size of the final held-out evaluation (0 or 1: greedy only)
@@ -170,6 +178,8 @@ class TrainResult:
     elapsed_s: float  # training wall time of this session
     total_elapsed_s: float  # training wall time of all sessions
     stop_reason: str
+    world_size: int = 1  # processes that trained together (torchrun's WORLD_SIZE)
+    model: Any = field(default=None, repr=False, compare=False)  # the trained model in memory (this rank's copy)
 
 
 # ---------------------------------------------------------------------- schedule and optimiser
@@ -493,6 +503,8 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     _check_options(opts)
     out = Path(opts.out_dir)
     device = _device(opts.device)
+    ctx = distributed.setup(device)  # single process, or one rank of a torchrun job (nccl on cuda, gloo on cpu)
+    device = ctx.device
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
 
@@ -507,7 +519,7 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
             f"{out} already holds a training run; pass --resume to continue it, --overwrite to start "
             "afresh, or choose another --out"
         )
-    elif opts.overwrite:
+    elif opts.overwrite and ctx.is_main:
         for name in ("best", "last", "last.old", "best.old", "last.tmp", "best.tmp"):
             if (out / name).exists():
                 shutil.rmtree(out / name)
@@ -535,6 +547,7 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         raise TrainingError(f"the longest training sequence has {longest} tokens, more than max_len={config.max_len}")
     sampler = TokenBatchSampler([example_cost(len(s), len(t)) for s, t in train_pairs], opts.max_tokens,
                                 seed=opts.seed)
+    sampler = ctx.shard(sampler)  # under torchrun: this rank's batches r, r+N, r+2N, ... of each epoch
     steps_per_epoch = len(sampler)
     limits = []
     if opts.max_steps is not None:
@@ -543,6 +556,7 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         limits.append(opts.epochs * steps_per_epoch)
     total_steps = min(limits)
 
+    train_model = ctx.wrap(model)  # DDP under torchrun (gradients all-reduced during backward)
     optimizer = make_optimizer(model, opts)
     scheduler = make_scheduler(optimizer, config.d_model, opts.warmup, opts.lr_factor)
 
@@ -550,9 +564,15 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     if opts.resume:
         saved = _load_state(last, optimizer, scheduler)
         state.update({k: saved[k] for k in state if k in saved})
+        # a checkpoint stores global batches into the epoch; a resume may use another world size
+        state["batch_in_epoch"] = ctx.local_position(state["batch_in_epoch"], saved.get("world_size", 1))
+        if opts.epochs is not None and saved.get("world_size", 1) != ctx.world_size:  # epochs left, in new steps
+            limits[-1] = state["step"] + max(0, (opts.epochs - state["epoch"]) * steps_per_epoch
+                                             - state["batch_in_epoch"])
+            total_steps = min(limits)
         logger.info("resumed %s at step %d (epoch %d, batch %d)", last, state["step"], state["epoch"],
                     state["batch_in_epoch"])
-    else:
+    elif ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         _write_json(out / OPTIONS_JSON, _options_dict(opts))
 
@@ -562,6 +582,7 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                 len(splits.train), len(splits.valid), len(splits.heldout), opts.range_low, opts.range_high,
                 steps_per_epoch, opts.max_tokens)
 
+    ctx.seed_rank_rng(opts.seed, state["step"])  # ranks > 0: their own dropout masks
     model.train()
     first_step = state["step"] + 1
     losses: list[float] = []
@@ -598,11 +619,24 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         if improved:
             state["best"] = record
             _save_checkpoint(out, "best", model, tokenizer)
-        snapshot = dict(state, total_elapsed_s=state["total_elapsed_s"] + elapsed())
+        snapshot = dict(state, total_elapsed_s=state["total_elapsed_s"] + elapsed(),
+                        batch_in_epoch=ctx.global_position(state["batch_in_epoch"]), world_size=ctx.world_size)
         _save_checkpoint(out, "last", model, tokenizer, optimizer, scheduler, snapshot)
 
-    bar = tqdm(total=total_steps, initial=state["step"], disable=not opts.progress, desc="train", unit="step",
-               dynamic_ncols=True, leave=False)
+    def validate_and_save_on_rank0() -> None:
+        """validate_and_save() on rank 0 while the others wait; then every rank holds its record."""
+        nonlocal last_eval_step
+        diff = ctx.replica_difference(model)
+        if diff:
+            logger.warning("the ranks' parameters differ from rank 0's by up to %.3g at step %d", diff,
+                           state["step"])
+        if ctx.is_main:
+            validate_and_save()
+        state["history"], state["best"], last_eval_step = ctx.broadcast(
+            (state["history"], state["best"], last_eval_step))
+
+    bar = tqdm(total=total_steps, initial=state["step"], disable=not opts.progress or not ctx.is_main, desc="train",
+               unit="step", dynamic_ncols=True, leave=False)
     try:
         done = state["step"] >= total_steps
         while not done:
@@ -611,7 +645,7 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                 if state["step"] >= total_steps:
                     done = True
                     break
-                if opts.max_minutes is not None and elapsed() >= 60.0 * opts.max_minutes:
+                if opts.max_minutes is not None and ctx.any(elapsed() >= 60.0 * opts.max_minutes):
                     stop_reason = "max_minutes"
                     done = True
                     break
@@ -619,8 +653,11 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                 batch = collate([train_pairs[i] for i in idx], pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
                                 eos_id=tokenizer.eos_id).to(device)
                 lr = optimizer.param_groups[0]["lr"]
-                logits = model(batch.src_ids, batch.src_lengths, batch.tgt_in)
+                logits = train_model(batch.src_ids, batch.src_lengths, batch.tgt_in)
                 loss, n_tokens = token_loss(logits, batch.tgt_out, tokenizer.pad_id, opts.label_smoothing)
+                # under torchrun: loss summed over this rank / target tokens of all ranks (x world_size, as DDP
+                # averages); loss_value and n_tokens are then the global batch's
+                loss, loss_value, n_tokens = ctx.reduce_loss(loss, n_tokens)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if opts.clip_norm > 0:
@@ -629,7 +666,6 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                 scheduler.step()
                 state["step"] += 1
                 state["batch_in_epoch"] += 1
-                loss_value = float(loss.detach())
                 if not math.isfinite(loss_value):
                     raise FloatingPointError(f"training loss became {loss_value} at step {state['step']}; "
                                              "try a smaller --lr-factor or a longer --warmup")
@@ -646,15 +682,15 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                     bar.set_postfix(loss=f"{window_loss / window_tokens:.3f}", lr=f"{lr:.1e}")
                     window_loss, window_tokens, window_start = 0.0, 0, time.monotonic()
                 if opts.eval_every and state["step"] % opts.eval_every == 0:
-                    validate_and_save()
+                    validate_and_save_on_rank0()
             else:
                 state["epoch"] += 1
                 state["batch_in_epoch"] = 0
     finally:
         bar.close()
 
-    if last_eval_step != state["step"] or not (out / "last").exists():
-        validate_and_save()
+    if ctx.broadcast(last_eval_step != state["step"] or not (out / "last").exists()):
+        validate_and_save_on_rank0()
     session_s = elapsed()
     session_cpu_s = time.process_time() - cpu_started
     state["total_elapsed_s"] += session_s
@@ -663,25 +699,28 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                 state["total_elapsed_s"], _load_average())
 
     heldout = None
-    if opts.final_eval:
+    if opts.final_eval and ctx.is_main:
         heldout = _evaluate_heldout(out / "best", splits.heldout, device, opts.final_beam)
     result = TrainResult(
         out_dir=str(out), config=config.to_dict(), step=state["step"], first_step=first_step, epoch=state["epoch"],
         losses=losses, learning_rates=lrs, history=state["history"], best=state["best"], heldout=heldout,
         elapsed_s=session_s, total_elapsed_s=state["total_elapsed_s"], stop_reason=stop_reason,
+        world_size=ctx.world_size, model=model,
     )
     summary = dict(
         options=_options_dict(opts), config=result.config, parameters=n_params, steps=result.step,
         epochs=result.epoch + state["batch_in_epoch"] / steps_per_epoch, steps_per_epoch=steps_per_epoch,
         train_seconds=round(result.total_elapsed_s, 1), stop_reason=stop_reason, best=result.best,
-        heldout=heldout, torch=torch.__version__, threads=torch.get_num_threads(),
+        heldout=heldout, world_size=ctx.world_size, torch=torch.__version__, threads=torch.get_num_threads(),
         last_session=dict(wall_seconds=round(session_s, 1), process_cpu_seconds=round(session_cpu_s, 1),
                           load_average_start=load_start, load_average_end=_load_average(),
                           cpu_count=os.cpu_count()),
     )
-    _write_json(out / SUMMARY_JSON, summary)
-    if opts.export_dir:
-        _export(out / "best", Path(opts.export_dir), summary)
+    if ctx.is_main:
+        _write_json(out / SUMMARY_JSON, summary)
+        if opts.export_dir:
+            _export(out / "best", Path(opts.export_dir), summary)
+    ctx.close()
     return result
 
 
@@ -758,7 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model")
     g.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=d.preset,
-                   help="model size: demo (128 wide, 3+3 layers, 4 heads, d_ff 512, Post-LN), "
+                   help="model size: demo (d_model 64, 3+3 layers, 4 heads, d_ff 256, Post-LN, no dropout), "
                         "tiny, small, base (the paper's) (default: %(default)s)")
     g.add_argument("--d-model", type=int, help="width of the model (overrides the preset)")
     g.add_argument("--n-heads", type=int, help="attention heads (overrides the preset)")
@@ -831,15 +870,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+    rank = distributed.env_rank()  # under torchrun only rank 0 logs progress and prints the result
+    logging.basicConfig(level=logging.WARNING if args.quiet or rank > 0 else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         opts = options_from_args(args)
         with logging_redirect_tqdm():
             result = train(opts)
-    except (TrainingError, FileNotFoundError) as exc:
+    except (TrainingError, DistributedError, FileNotFoundError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    if rank > 0:
+        return 0
     best = result.best or {}
     print(f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); "
           f"best validation exact match {best.get('exact_match', float('nan')):.4f} at step {best.get('step')}")
