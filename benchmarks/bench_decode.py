@@ -51,8 +51,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-import torch
+# OpenMP threads that spin while waiting: on a machine whose cores are shared with other jobs a
+# spinning thread loses its time slices, and torch at 2 threads was measured 5-7x slower per step
+# than at 1 thread (load average 10 on 2 cores); sleeping threads remove that. Must be set before
+# torch (libgomp) is loaded; the ONNX Runtime engines get the same treatment (allow_spinning=False).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, if not installed
@@ -383,7 +389,8 @@ def run(models: list[str], engine_names: list[str] | None, batch_sizes: list[int
         if unknown:
             raise ValueError(f"unknown engines {unknown}; available: {[e.name for e in ENGINES]}")
     results: dict = {
-        "device": device, "environment": environment(), "src_len": SRC_LEN, "new_tokens": NEW_TOKENS,
+        "device": device, "environment": {**environment(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
+        "src_len": SRC_LEN, "new_tokens": NEW_TOKENS,
         "dtype": "float32", "repeats": repeats,
         "engines": [{"name": e.name, "description": e.description} for e in engines], "models": {},
     }
