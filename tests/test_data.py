@@ -12,6 +12,7 @@ from transformer_ext.data import (
     demo_splits,
     example_cost,
     make_examples,
+    oversample,
     source_text,
     split_numbers,
     target_text,
@@ -146,3 +147,14 @@ def test_sampler_rejects_bad_arguments():
         TokenBatchSampler(LENGTHS, 0)
     with pytest.raises(ValueError):
         TokenBatchSampler([], 100)
+
+
+def test_oversample_repeats_short_numbers_only():
+    assert oversample([5, 50, 500, 5000], ((100, 4), (1000, 2))) == [5] * 4 + [50] * 4 + [500] * 2 + [5000]
+    assert oversample([5, 5000], ()) == [5, 5000]
+    train = split_numbers().train
+    weighted = oversample(train)
+    assert set(weighted) == set(train)  # reweights the training split, never adds a number
+    short = [n for n in train if n < 100]
+    assert short and all(weighted.count(n) == 20 for n in short[:5])
+    assert weighted.count(train[-1]) == 1

@@ -24,6 +24,7 @@ from transformer_ext.train import (
 TINY = dict(
     preset="tiny", range_low=0, range_high=99, max_tokens=400, warmup=10, lr_factor=2.0, dropout=0.1,
     max_steps=24, eval_every=12, eval_examples=4, final_eval=False, progress=False, log_every=0, threads=1,
+    oversample=(),
 )
 
 
@@ -221,7 +222,8 @@ def test_cli(tmp_path, capsys):
 
     def args(steps, *extra):
         return ["--out", out, "--preset", "tiny", "--range", "0", "99", "--max-steps", str(steps), "--eval-every",
-                "0", "--eval-examples", "2", "--no-final-eval", "--no-progress", "--quiet", "--threads", "1", *extra]
+                "0", "--eval-examples", "2", "--no-final-eval", "--no-progress", "--quiet", "--threads", "1",
+                "--oversample", *extra]
 
     assert train_mod.main(args(2)) == 0
     assert "trained 2 steps" in capsys.readouterr().out

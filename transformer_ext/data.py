@@ -9,7 +9,7 @@ The demo range is the integers ``0..9999`` (:data:`DEMO_RANGE`).
 **Splits.** Each number is ranked by a keyed BLAKE2b hash of ``(seed, number)``; the first
 5% of the ranking is the held-out set (never trained on, never used for model selection),
 the next 5% the validation set (periodic validation, choice of the best checkpoint), the
-rest the training set. The split depends on nothing but the seed and the range (no random
+rest the training set, in which the rare short numbers are repeated (:data:`DEMO_OVERSAMPLE`). The split depends on nothing but the seed and the range (no random
 number generator whose stream could change between library versions), so the held-out set
 is the same on every machine.
 
@@ -42,6 +42,8 @@ __all__ = [
     "split_numbers",
     "make_examples",
     "demo_splits",
+    "DEMO_OVERSAMPLE",
+    "oversample",
     "encode_examples",
     "Batch",
     "collate",
@@ -53,6 +55,10 @@ DEMO_RANGE = (0, 9999)  # inclusive: every integer from zero to nine thousand ni
 HELDOUT_FRACTION = 0.05  # never seen in training nor used for model selection
 VALID_FRACTION = 0.05  # periodic validation and best-checkpoint selection
 SPLIT_SEED = 0
+# Training-set weights: numbers below 100 appear 20 times per epoch, numbers below 1000 three
+# times. Without them the 90 one- and two-digit training numbers (1% of the split) fill one
+# batch per epoch, and the model translates "five" as if it were the end of "seventy-five".
+DEMO_OVERSAMPLE = ((100, 20), (1000, 3))
 
 
 def _num2words():
@@ -138,6 +144,24 @@ def demo_splits(
     """``(train, valid, heldout)`` examples of the demo task."""
     splits = split_numbers(low, high, seed=seed)
     return make_examples(splits.train), make_examples(splits.valid), make_examples(splits.heldout)
+
+
+def oversample(numbers: Sequence[int], rules: Sequence[tuple[int, int]] = DEMO_OVERSAMPLE) -> list[int]:
+    """Each number repeated ``times`` for the first rule ``(below, times)`` with ``number < below``.
+
+    Rules are checked in order, so list them by increasing ``below``; numbers no rule covers
+    appear once. Used on the training split only: it reweights what is trained on, it never
+    moves a number between splits.
+    """
+    out: list[int] = []
+    for n in numbers:
+        times = 1
+        for below, repeat in rules:
+            if n < below:
+                times = repeat
+                break
+        out.extend([int(n)] * times)
+    return out
 
 
 def encode_examples(tokenizer, examples: Sequence[Example]) -> list[tuple[list[int], list[int]]]:

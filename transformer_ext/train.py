@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import (
+    DEMO_OVERSAMPLE,
     DEMO_RANGE,
     SPLIT_SEED,
     Example,
@@ -60,6 +61,7 @@ from .data import (
     encode_examples,
     example_cost,
     make_examples,
+    oversample,
     split_numbers,
 )
 from . import distributed
@@ -134,6 +136,8 @@ class TrainOptions:
     range_high: int = DEMO_RANGE[1]
     split_seed: int = SPLIT_SEED
     max_tokens: int = 3000  # padded tokens per batch (about 80 examples of the demo task)
+    # (below, times): training numbers < below are repeated `times` per epoch (first rule that matches)
+    oversample: tuple[tuple[int, int], ...] = DEMO_OVERSAMPLE
     # optimisation
     max_steps: Optional[int] = 2500  # stop after this many optimiser steps (None: use epochs)
     epochs: Optional[int] = None  # stop after this many epochs (when max_steps is None)
@@ -157,7 +161,7 @@ class TrainOptions:
 _RUN_DEFINING = (
     "seed", "preset", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "dropout",
     "max_len", "norm_first", "shared_vocab", "range_low", "range_high", "split_seed", "max_tokens",
-    "lr_factor", "warmup", "label_smoothing", "clip_norm", "adam_betas", "adam_eps",
+    "lr_factor", "warmup", "label_smoothing", "clip_norm", "adam_betas", "adam_eps", "oversample",
 )
 
 
@@ -429,6 +433,7 @@ def _write_json(path: Path, data: Any) -> None:
 def _options_dict(opts: TrainOptions) -> dict:
     d = dataclasses.asdict(opts)
     d["adam_betas"] = list(d["adam_betas"])
+    d["oversample"] = [list(rule) for rule in d["oversample"]]
     return d
 
 
@@ -442,6 +447,8 @@ def _merge_resume_options(opts: TrainOptions, saved: dict) -> TrainOptions:
         value = saved[name]
         if name == "adam_betas":
             value = tuple(value)
+        elif name == "oversample":
+            value = tuple(tuple(rule) for rule in value)
         current = getattr(opts, name)
         if current != value and current != getattr(TrainOptions, name, None):
             ignored.append(f"{name}={current!r} (saved run: {value!r})")
@@ -471,6 +478,9 @@ def _check_options(opts: TrainOptions) -> None:
         raise TrainingError(f"clip_norm must be >= 0, got {opts.clip_norm}")
     if opts.eval_every < 0 or opts.log_every < 0 or opts.eval_examples < 0:
         raise TrainingError("eval_every, eval_examples and log_every must be >= 0")
+    for rule in opts.oversample:
+        if len(rule) != 2 or int(rule[1]) < 1:
+            raise TrainingError(f"oversample rules are (below, times) with times >= 1, got {rule!r}")
     if opts.resume and opts.overwrite:
         raise TrainingError("resume and overwrite exclude each other")
 
@@ -526,7 +536,7 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
 
     # Data: the split is fixed by (range, split_seed); the tokenizer comes from the training split.
     splits = split_numbers(opts.range_low, opts.range_high, seed=opts.split_seed)
-    train_examples = make_examples(splits.train)
+    train_examples = make_examples(oversample(splits.train, opts.oversample))
     valid_examples = make_examples(splits.valid)
     if not train_examples:
         raise TrainingError("the training split is empty; widen the number range")
@@ -578,9 +588,10 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
 
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %s parameters, config %s", f"{n_params:,}", config.to_dict())
-    logger.info("data: %d train / %d valid / %d held-out numbers in %d..%d; %d batches per epoch of <= %d tokens",
-                len(splits.train), len(splits.valid), len(splits.heldout), opts.range_low, opts.range_high,
-                steps_per_epoch, opts.max_tokens)
+    logger.info("data: %d train / %d valid / %d held-out numbers in %d..%d; %d training examples per epoch "
+                "(oversampling %s), %d batches of <= %d tokens", len(splits.train), len(splits.valid),
+                len(splits.heldout), opts.range_low, opts.range_high, len(train_examples),
+                list(opts.oversample) or "none", steps_per_epoch, opts.max_tokens)
 
     ctx.seed_rank_rng(opts.seed, state["step"])  # ranks > 0: their own dropout masks
     model.train()
@@ -818,6 +829,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"numbers of the task, inclusive (default: {d.range_low} {d.range_high})")
     g.add_argument("--split-seed", type=int, default=d.split_seed,
                    help="seed of the train / valid (5%%) / held-out (5%%) split (default: %(default)s)")
+    g.add_argument("--oversample", nargs="*", metavar="BELOW=TIMES", type=_oversample_rule,
+                   default=list(d.oversample),
+                   help="repeat training numbers below BELOW TIMES per epoch, first matching rule wins; "
+                        "no value: no oversampling (default: "
+                        + " ".join(f"{b}={t}" for b, t in d.oversample) + ")")
     g.add_argument("--max-tokens", type=int, default=d.max_tokens,
                    help="padded tokens per batch (default: %(default)s)")
 
@@ -851,8 +867,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _oversample_rule(text: str) -> tuple[int, int]:
+    try:
+        below, times = (int(x) for x in text.split("="))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BELOW=TIMES with two integers, got {text!r}") from None
+    if times < 1:
+        raise argparse.ArgumentTypeError(f"TIMES must be >= 1, got {text!r}")
+    return below, times
+
+
 def options_from_args(args: argparse.Namespace) -> TrainOptions:
     values = vars(args).copy()
+    values["oversample"] = tuple(sorted(values["oversample"]))
     values.pop("quiet", None)
     low, high = values.pop("number_range")
     layers = values.pop("layers", None)
