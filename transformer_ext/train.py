@@ -142,15 +142,15 @@ class TrainOptions:
     max_steps: Optional[int] = 2500  # stop after this many optimiser steps (None: use epochs)
     epochs: Optional[int] = None  # stop after this many epochs (when max_steps is None)
     max_minutes: Optional[float] = None  # stop when this much training time has passed
-    lr_factor: float = 0.5  # demo: peak lr 0.5 * 64^-0.5 * 400^-0.5 = 3.1e-3 at step 400
-    warmup: int = 400
+    lr_factor: float = 0.3  # demo: peak lr 0.3 * 64^-0.5 * 200^-0.5 = 2.7e-3 at step 200, 7.5e-4 at 2500
+    warmup: int = 200
     label_smoothing: float = 0.1
     clip_norm: float = 1.0  # max gradient norm; 0 disables clipping
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     # validation and logging
     eval_every: int = 250  # steps between validations (and checkpoints); 0: only at the end
-    eval_examples: int = 200  # validation sources decoded greedily for exact match
+    eval_examples: int = 500  # validation sources decoded greedily for exact match (demo: all of them)
     final_eval: bool = True  # evaluate the best model on the held-out split at the end
     final_beam: int = 4  # beam size of the final held-out evaluation (0 or 1: greedy only)
     log_every: int = 100  # steps between log lines
