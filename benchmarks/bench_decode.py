@@ -14,12 +14,19 @@ timed and the run exits with status 1.
 A measurement covers a whole decode: encoder, 48 decoder steps, search. Reported as generated
 tokens per second (``batch * 48 / median seconds``).
 
+Each engine runs in its own process (``--same-process`` to turn that off), built once per case;
+the parent asks one engine at a time for a decode and the engine times it itself. Idle intra-op
+threads spin (the runtimes' default; ``--passive-threads`` makes them sleep, for a busy machine).
+
 Engines (``ENGINES``; another backend is one more entry whose ``build`` returns a decode
 function ``(input_ids, src_lengths, n_tokens) -> list[list[int]]``):
 
 * ``uncached``: the seed's re-decode loop, the full decoder over the whole prefix at every step;
 * ``eager_ops``: :class:`transformer_ext.runner.EagerRunner`: cross K/V once, preallocated
   self-attention cache written in place, fused ``decode_attention``;
+* ``compiled_ops``: the same runner with ``compile=True``: ``model.decode_step`` through
+  ``torch.compile`` (fullgraph, static shapes: the preallocated cache keeps every step's shapes
+  equal, so one graph serves the whole decode; compiled during the untimed warm-up run);
 * ``torch_cat``: :class:`transformer_ext.runner.CatCacheRunner`: plain PyTorch, cross K/V once,
   ``torch.cat``-grown self-attention cache, eager masked softmax (the seed's KV-cache decoder);
 * ``onnxrt`` / ``onnxrt_ts``: :class:`export.ort_runner.OrtRunner` on the model exported by
@@ -29,7 +36,9 @@ function ``(input_ids, src_lengths, n_tokens) -> list[list[int]]``):
 * ``ctranslate2``: the peer engine CTranslate2 (float32, ``intra_threads=--threads``,
   ``inter_threads=1``, ``min_decoding_length`` suppressing EOS), its model built with
   ``ctranslate2.specs`` from the same weights, our positional table assigned explicitly (present
-  when ``ctranslate2`` is installed: ``pip install ctranslate2`` in the benchmark environment only).
+  when ``ctranslate2`` is installed: ``pip install ctranslate2`` in the benchmark environment only);
+  ``ctranslate2_1t``: the same with ``intra_threads=1``, which is faster at batch 1 on the 2-core
+  development machine, so the comparison is made against the better of the two.
 
 At batch 1 the benchmark also prints each engine's fraction of the memory-bandwidth floor: the
 bytes of the decoder and output-projection weights read per generated token divided by this
@@ -51,11 +60,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-# OpenMP threads that spin while waiting: on a machine whose cores are shared with other jobs a
-# spinning thread loses its time slices, and torch at 2 threads was measured 5-7x slower per step
-# than at 1 thread (load average 10 on 2 cores); sleeping threads remove that. Must be set before
-# torch (libgomp) is loaded; the ONNX Runtime engines get the same treatment (allow_spinning=False).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Idle intra-op threads spin for a while before sleeping (the OpenMP and ONNX Runtime default).
+# At batch 1 a decoder step is ~50 small parallel regions, and waking sleeping threads costs
+# ~80 us per region (measured: a 512x512 linear takes 35 us with spinning threads and 120 us
+# with OMP_WAIT_POLICY=PASSIVE), so spinning is what a latency-bound deployment runs with.
+# On a machine whose cores are shared with other jobs a spinning thread loses its time slices
+# instead: ``--passive-threads`` makes every engine's idle threads sleep (OMP_WAIT_POLICY=PASSIVE
+# for torch and CTranslate2, allow_spinning=False for ONNX Runtime). The variable must be set
+# before torch (libgomp) is loaded, hence this check of the raw command line.
+PASSIVE_THREADS = "--passive-threads" in sys.argv[1:]
+if PASSIVE_THREADS:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -87,9 +102,9 @@ class Engine:
     build: Callable[[Transformer, torch.device], DecodeFn]
 
 
-def _runner_engine(runner_cls) -> Callable[[Transformer, torch.device], DecodeFn]:
+def _runner_engine(runner_cls, **options) -> Callable[[Transformer, torch.device], DecodeFn]:
     def build(model: Transformer, device: torch.device) -> DecodeFn:
-        runner = runner_cls(model, device)
+        runner = runner_cls(model, device, **options)
         c = model.config
 
         def decode(src: np.ndarray, lengths: np.ndarray, n: int):
@@ -137,9 +152,8 @@ def _onnxrt_engine(flavour: str) -> Callable[[Transformer, torch.device], Decode
             export_onnx(os.path.join(scratch, "model"), os.path.join(scratch, flavour), flavour=flavour,
                         validate=False)  # the benchmark compares whole decodes itself
             _EXPORTS[key] = os.path.join(scratch, flavour)
-        # Idle threads sleep instead of spinning: on this machine the cores are shared, and spinning
-        # ONNX Runtime threads then lose their time slices (measured 2-4x slower under load).
-        runner = OrtRunner(_EXPORTS[key], intra_op_num_threads=torch.get_num_threads(), allow_spinning=False)
+        runner = OrtRunner(_EXPORTS[key], intra_op_num_threads=torch.get_num_threads(),
+                           allow_spinning=not PASSIVE_THREADS)
         c = model.config
 
         def decode(src: np.ndarray, lengths: np.ndarray, n: int):
@@ -209,7 +223,16 @@ def _ct2_spec(model: Transformer):
     return spec, specials
 
 
-def _build_ctranslate2(model: Transformer, device: torch.device) -> DecodeFn:
+def _ctranslate2_engine(threads: int | None = None) -> Callable[[Transformer, torch.device], DecodeFn]:
+    """CTranslate2 with ``intra_threads=threads`` (None: ``--threads``, the DESIGN.md setting)."""
+
+    def build(model: Transformer, device: torch.device) -> DecodeFn:
+        return _build_ctranslate2(model, device, threads or torch.get_num_threads())
+
+    return build
+
+
+def _build_ctranslate2(model: Transformer, device: torch.device, threads: int) -> DecodeFn:
     import ctranslate2
 
     c = model.config
@@ -222,7 +245,7 @@ def _build_ctranslate2(model: Transformer, device: torch.device) -> DecodeFn:
     os.makedirs(out)
     spec.save(out)
     translator = ctranslate2.Translator(out, device="cuda" if device.type == "cuda" else "cpu",
-                                        compute_type="float32", intra_threads=torch.get_num_threads(),
+                                        compute_type="float32", intra_threads=threads,
                                         inter_threads=1)
     target_ids = {tok: i for i, tok in enumerate(specials)}
 
@@ -238,6 +261,8 @@ def _build_ctranslate2(model: Transformer, device: torch.device) -> DecodeFn:
 ENGINES: list[Engine] = [
     Engine("uncached", "seed re-decode loop (no cache)", _build_uncached),
     Engine("eager_ops", "EagerRunner: compiled ops, in-place cache", _runner_engine(EagerRunner)),
+    Engine("compiled_ops", "EagerRunner(compile=True): decode_step through torch.compile (static shapes)",
+           _runner_engine(EagerRunner, compile=True)),
     Engine("torch_cat", "CatCacheRunner: plain PyTorch, torch.cat cache", _runner_engine(CatCacheRunner)),
 ]
 if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):
@@ -247,7 +272,13 @@ if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):
                _onnxrt_engine("tensorscatter")),
     ]
 if importlib.util.find_spec("ctranslate2"):
-    ENGINES.append(Engine("ctranslate2", "CTranslate2 float32 (peer engine, same weights)", _build_ctranslate2))
+    ENGINES += [
+        Engine("ctranslate2", "CTranslate2 float32 (peer engine, same weights), intra_threads=--threads",
+               _ctranslate2_engine()),
+        # Reported beside the DESIGN.md setting because on this 2-core machine CTranslate2 at batch
+        # 1 was measured faster with one thread (104 vs 63 tokens/s): its best is the bar.
+        Engine("ctranslate2_1t", "CTranslate2 float32, intra_threads=1", _ctranslate2_engine(1)),
+    ]
 
 MODELS = {
     "base": dict(),  # the preset as is: 6+6 layers, d_model 512, 8 heads, d_ff 2048, 8000/8000
@@ -263,16 +294,118 @@ def make_sources(config: TransformerConfig, batch: int, seed: int = 0) -> tuple[
     return src, np.full(batch, SRC_LEN, dtype=np.int64)
 
 
+def _engine_by_name(name: str) -> Engine:
+    for e in ENGINES:
+        if e.name == name:
+            return e
+    raise ValueError(f"unknown engine {name!r}; available: {[e.name for e in ENGINES]}")
+
+
+def _timed(fn: DecodeFn, device: torch.device, src: np.ndarray, lengths: np.ndarray, n: int):
+    sync(str(device))
+    t0 = time.perf_counter()
+    tokens = fn(src, lengths, n)
+    sync(str(device))
+    return tokens, time.perf_counter() - t0
+
+
+def _engine_worker(conn, name: str, model_dir: str, device: str, threads: int) -> None:
+    """Body of one engine's process: build the engine, then run the decodes the parent asks for.
+
+    Runs in a fresh (spawned) interpreter, so no other engine's thread pool lives in it: with
+    spinning idle threads, two runtimes in one process (torch's and CTranslate2's own libgomp,
+    ONNX Runtime's pool) steal each other's cores and every number drops (measured: torch eager
+    74 tokens/s beside the other engines vs 119 alone, base batch 1).
+    """
+    try:
+        from transformer_ext.checkpoint import load_model
+
+        torch.set_num_threads(threads)
+        dev = torch.device(device)
+        model = load_model(model_dir, dev)
+        fn = _engine_by_name(name).build(model, dev)
+        conn.send(("ready", None))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, src, lengths, n = msg
+            conn.send(("done", _timed(fn, dev, src, lengths, n)))
+    except BaseException:  # reported to the parent, which raises it
+        import traceback
+
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+class _EngineProcess:
+    """One engine in its own process; the parent runs one decode at a time across all of them."""
+
+    def __init__(self, name: str, model_dir: str, device: str, threads: int):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_worker, args=(child, name, model_dir, device, threads), daemon=True)
+        self.proc.start()
+        child.close()
+        self._reply()  # built
+
+    def _reply(self):
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"engine {self.name}: worker process died (exit code {self.proc.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"engine {self.name} failed in its worker process:\n{payload}")
+        return payload
+
+    def __call__(self, src: np.ndarray, lengths: np.ndarray, n: int):
+        self.conn.send(("decode", src, lengths, n))
+        return self._reply()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
 def bench_case(model: Transformer, engines: list[Engine], device: torch.device, batch: int,
-               repeats: int) -> dict:
-    """Tokens first (compared with the first engine), then interleaved timed repeats."""
+               repeats: int, model_dir: str | None = None) -> dict:
+    """Tokens first (compared with the first engine), then interleaved timed repeats.
+
+    With ``model_dir`` (the model saved there) each engine runs in its own process, built once
+    for this case; only one engine decodes at any time. Without it every engine runs here.
+    """
     src, lengths = make_sources(model.config, batch)
-    fns = {e.name: e.build(model, device) for e in engines}
+    threads = torch.get_num_threads()
+    runners: dict = {}
+    try:
+        for e in engines:
+            if model_dir is not None:
+                runners[e.name] = _EngineProcess(e.name, model_dir, str(device), threads)
+            else:
+                fn = e.build(model, device)
+                runners[e.name] = lambda s, l, n, fn=fn: _timed(fn, device, s, l, n)
+        return _measure(runners, batch, src, lengths, repeats)
+    finally:
+        for r in runners.values():
+            if isinstance(r, _EngineProcess):
+                r.close()
+
+
+def _measure(runners: dict, batch: int, src: np.ndarray, lengths: np.ndarray, repeats: int) -> dict:
     case: dict = {"batch": batch, "src_len": SRC_LEN, "new_tokens": NEW_TOKENS, "engines": {}}
     reference_name, reference_tokens = None, None
     timed = []
-    for name, fn in fns.items():  # warm-up run, which also gives the tokens
-        tokens = fn(src, lengths, NEW_TOKENS)
+    for name, run_fn in runners.items():  # warm-up run, which also gives the tokens
+        tokens, _ = run_fn(src, lengths, NEW_TOKENS)
         if any(len(row) != NEW_TOKENS for row in tokens):
             raise RuntimeError(f"{name} did not generate exactly {NEW_TOKENS} tokens per row")
         entry = case["engines"].setdefault(name, {})
@@ -290,11 +423,8 @@ def bench_case(model: Transformer, engines: list[Engine], device: torch.device, 
     for r in range(repeats):
         order = timed[r % len(timed):] + timed[: r % len(timed)] if timed else []
         for name in order:
-            sync(str(device))
-            t0 = time.perf_counter()
-            fns[name](src, lengths, NEW_TOKENS)
-            sync(str(device))
-            samples[name].append(time.perf_counter() - t0)
+            _, seconds = runners[name](src, lengths, NEW_TOKENS)
+            samples[name].append(seconds)
     for name in timed:
         med = statistics.median(samples[name])
         case["engines"][name].update(
@@ -379,7 +509,7 @@ def plot(results: dict, path: str) -> None:
 
 
 def run(models: list[str], engine_names: list[str] | None, batch_sizes: list[int], repeats: int,
-        device: str = "cpu", threads: int = 2, out: str | None = None) -> dict:
+        device: str = "cpu", threads: int = 2, out: str | None = None, isolate: bool = True) -> dict:
     """Run the benchmark and write ``out`` (JSON) and the PNG beside it; returns the results."""
     torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -389,9 +519,10 @@ def run(models: list[str], engine_names: list[str] | None, batch_sizes: list[int
         if unknown:
             raise ValueError(f"unknown engines {unknown}; available: {[e.name for e in ENGINES]}")
     results: dict = {
-        "device": device, "environment": {**environment(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
+        "device": device, "environment": {**environment(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+                                          "idle_threads": "sleep" if PASSIVE_THREADS else "spin"},
         "src_len": SRC_LEN, "new_tokens": NEW_TOKENS,
-        "dtype": "float32", "repeats": repeats,
+        "dtype": "float32", "repeats": repeats, "engine_processes": "one per engine" if isolate else "shared",
         "engines": [{"name": e.name, "description": e.description} for e in engines], "models": {},
     }
     results["load_average_start"] = os.getloadavg()
@@ -400,9 +531,16 @@ def run(models: list[str], engine_names: list[str] | None, batch_sizes: list[int
         config = TransformerConfig.preset(model_name, **MODELS.get(model_name, {}))
         model = Transformer(config).to(dev).eval()
         entry = {"config": config.to_dict(), "parameters": sum(p.numel() for p in model.parameters()), "cases": []}
+        model_dir = None
+        if isolate:
+            from transformer_ext.checkpoint import save_model
+
+            model_dir = os.path.join(_scratch_dir("bench_model_"), model_name)
+            save_model(model.cpu(), model_dir)
+            model.to(dev)
         for batch in batch_sizes:
             logger.info("%s, batch %d ...", model_name, batch)
-            case = bench_case(model, engines, dev, batch, repeats)
+            case = bench_case(model, engines, dev, batch, repeats, model_dir)
             for name, e in case["engines"].items():
                 if "tokens_per_second" in e:
                     logger.info("  %-10s %9.1f tokens/s  (%.1f ms/step)", name, e["tokens_per_second"], e["ms_per_step"])
@@ -432,6 +570,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat: a smoke test")
+    p.add_argument("--same-process", action="store_true",
+                   help="run every engine in this process instead of one process per engine (faster to start; "
+                        "the engines' thread pools then compete for the cores)")
+    p.add_argument("--passive-threads", action="store_true",
+                   help="idle intra-op threads of every engine sleep instead of spinning (use on a machine "
+                        "whose cores are busy with other jobs; costs ~80 us per parallel region at batch 1)")
     p.add_argument("--out", default=None,
                    help="JSON path (default: benchmarks/results/bench_decode.json, or bench_decode_quick.json "
                         "with --quick); the PNG goes beside it")
@@ -444,7 +588,8 @@ def main(argv=None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     repeats = 1 if args.quick else args.repeats
     out = args.out or (os.path.join(HERE, "results", "bench_decode_quick.json") if args.quick else None)
-    results = run(models, engines, batch_sizes, repeats, args.device, args.threads, out)
+    results = run(models, engines, batch_sizes, repeats, args.device, args.threads, out,
+                  isolate=not args.same_process)
     ok = all(e.get("tokens_match", False) for m in results["models"].values() for c in m["cases"]
              for e in c["engines"].values())
     return 0 if ok else 1

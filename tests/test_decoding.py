@@ -201,6 +201,29 @@ def test_cached_greedy_stops_like_uncached(norm_first):
     assert len(got[0]) <= 2 and eos not in got[0] and len(got[2]) <= 4
 
 
+def test_compiled_runner_matches_uncached_and_eager_beams():
+    """EagerRunner(compile=True): decode_step through torch.compile gives the uncached tokens and
+    logits (greedy), and the eager runner's beams (reordered caches, rows = batch * beams)."""
+    model = make_model(True, seed=5)
+    src, lengths, _ = make_batch(model.config)
+    n = 8
+    want, want_logits = greedy_decode_uncached(
+        model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n, return_logits=True
+    )
+    compiled = EagerRunner(model, compile=True)
+    rec = Recorder(compiled)
+    got = greedy_decode(rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n)
+    assert got == want
+    for step, (a, b) in enumerate(zip(rec.logits, want_logits)):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0, err_msg=f"step {step}")
+    kwargs = dict(bos_id=1, eos_id=7, beam_size=2, max_new_tokens=6, n_best=2)
+    eager_beams = beam_search(EagerRunner(model), src.numpy(), lengths.numpy(), **kwargs)
+    compiled_beams = beam_search(compiled, src.numpy(), lengths.numpy(), **kwargs)
+    assert [[h.tokens for h in row] for row in compiled_beams] == [[h.tokens for h in row] for row in eager_beams]
+    for row_c, row_e in zip(compiled_beams, eager_beams):
+        np.testing.assert_allclose([h.score for h in row_c], [h.score for h in row_e], atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------
 # beam search on the model
 # ------------------------------------------------------------------------------------------

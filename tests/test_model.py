@@ -177,6 +177,40 @@ def test_decode_step_ragged_positions_ignore_cache_past_position(norm_first):
     assert all(k.shape == (3, model.config.n_heads, 1, model.config.d_k) for k in nk + nv)
 
 
+def test_fused_qkv_only_for_inference_and_follows_weight_updates():
+    """decode_step projects Q/K/V with one fused GEMM when no autograd, training or tracing is
+    involved; the fused copy is rebuilt after any in-place update of the source parameters."""
+    model = make_model(False)
+    src, lengths, tgt = make_batch(model.config)
+    attn = model.decoder.layers[0].self_attn
+    with torch.no_grad():
+        assert attn.fused_qkv() is not None
+        model.train()
+        assert attn.fused_qkv() is None
+        model.eval()
+    assert attn.fused_qkv() is None  # grad mode: the separate projections, so gradients flow to them
+
+    def step_logits(grad: bool):
+        with torch.set_grad_enabled(grad):
+            logits, *_ = _fill_cache(model, tgt, src, lengths, L=9)
+        return logits.detach()
+
+    torch.testing.assert_close(step_logits(False), step_logits(True), atol=ATOL, rtol=0)
+    before = step_logits(False)
+    with torch.no_grad():  # in-place updates, as an optimizer or load_state_dict makes them
+        for layer in model.decoder.layers:
+            layer.self_attn.W_K.weight.mul_(1.5)
+            layer.self_attn.W_V.bias.add_(0.3)
+    after = step_logits(False)
+    assert not torch.allclose(after, before, atol=1e-3)
+    torch.testing.assert_close(after, step_logits(True), atol=ATOL, rtol=0)
+    other = make_model(False, seed=11)
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        want, *_ = _fill_cache(other, tgt, src, lengths, L=9)
+    torch.testing.assert_close(step_logits(False), want, atol=ATOL, rtol=0)
+
+
 def test_weight_tying():
     tied = make_model(False)
     assert tied.generator.proj.weight is tied.tgt_embed.lut.weight

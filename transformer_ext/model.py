@@ -137,6 +137,43 @@ class MultiHeadAttention(nn.Module):
         self.W_O = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)  # on the attention probabilities
 
+        # Inference-only copy of [W_Q; W_K; W_V] (and biases) for one-GEMM projections in
+        # decode steps; rebuilt whenever a source parameter changes (version counter / storage).
+        self._fused_qkv: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+        self._fused_qkv_key: Optional[tuple] = None
+
+    def _qkv_sources(self) -> list[torch.Tensor]:
+        out = [self.W_Q.weight, self.W_K.weight, self.W_V.weight]
+        if self.W_Q.bias is not None:
+            out += [self.W_Q.bias, self.W_K.bias, self.W_V.bias]
+        return out
+
+    def fused_qkv(self) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """``(W_QKV [3*d_model, d_model], b_QKV)`` for inference steps, or None where the three
+        separate projections must run: training, autograd recording, and tracing (the ONNX
+        exporter fuses the traced MatMuls itself, DESIGN.md section 3; ``torch.compile`` sees the
+        plain parameters). The copy costs ``3 * d_model**2`` extra elements per layer."""
+        if self.training or torch.is_grad_enabled() or _is_tracing():
+            return None
+        sources = self._qkv_sources()
+        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in sources)
+        if key != self._fused_qkv_key:
+            weight = torch.cat(sources[:3], 0)
+            bias = torch.cat(sources[3:], 0) if len(sources) == 6 else None
+            self._fused_qkv, self._fused_qkv_key = (weight, bias), key
+        return self._fused_qkv
+
+    def project_qkv_step(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of one new token per row: ``h [B, 1, d_model]`` -> three
+        ``[B, H, 1, d_k]`` (one GEMM with the fused weights when :meth:`fused_qkv` allows it)."""
+        fused = self.fused_qkv()
+        if fused is None:
+            return (self.split_heads(self.W_Q(h)).contiguous(), self.split_heads(self.W_K(h)).contiguous(),
+                    self.split_heads(self.W_V(h)).contiguous())
+        B = h.shape[0]
+        qkv = F.linear(h, fused[0], fused[1]).view(B, 3, self.n_heads, 1, self.d_k)
+        return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, d_model]`` -> ``[B, H, T, d_k]``."""
         B, T, _ = x.shape
@@ -166,7 +203,8 @@ class MultiHeadAttention(nn.Module):
         v = self.split_heads(self.W_V(value))  # [B, H, Tk, d_k]
         scores = torch.matmul(q, k.transpose(-2, -1))  # [B, H, Tq, Tk]
         p_attn = ops.masked_softmax(scores, mask, self.scale, causal)
-        p_attn = self.dropout(p_attn)
+        if self.training:
+            p_attn = self.dropout(p_attn)
         return self.W_O(self.merge_heads(torch.matmul(p_attn, v)))  # [B, Tq, d_model]
 
     def decode(
@@ -193,7 +231,8 @@ class PositionwiseFeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_2(self.dropout(F.relu(self.w_1(x))))
+        h = F.relu(self.w_1(x))
+        return self.w_2(self.dropout(h) if self.training else h)
 
 
 class SublayerConnection(nn.Module):
@@ -215,9 +254,11 @@ class SublayerConnection(nn.Module):
 
     def residual(self, x: torch.Tensor, sublayer_out: torch.Tensor) -> torch.Tensor:
         """Add the (dropped-out) sublayer output to the residual stream ``x``."""
+        if self.training:  # (an identity in eval mode: skipped, one module call fewer per sublayer)
+            sublayer_out = self.dropout(sublayer_out)
         if self.norm_first:
-            return x + self.dropout(sublayer_out)
-        return self.norm(x + self.dropout(sublayer_out))
+            return x + sublayer_out
+        return self.norm(x + sublayer_out)
 
     def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         return self.residual(x, sublayer(self.sublayer_input(x)))
@@ -278,9 +319,7 @@ class DecoderLayer(nn.Module):
         """One decoding step -> ``(x [B, 1, d_model], new_key, new_value [B, H, 1, d_k])``."""
         attn = self.self_attn
         h = self.sublayer[0].sublayer_input(x)
-        q = attn.split_heads(attn.W_Q(h)).contiguous()  # [B, H, 1, d_k]
-        k_new = attn.split_heads(attn.W_K(h)).contiguous()
-        v_new = attn.split_heads(attn.W_V(h)).contiguous()
+        q, k_new, v_new = attn.project_qkv_step(h)  # [B, H, 1, d_k] each
         x = self.sublayer[0].residual(x, attn.decode(q, self_key, self_value, positions, k_new, v_new))
 
         h = self.sublayer[1].sublayer_input(x)

@@ -84,12 +84,31 @@ class EagerState:
 class EagerRunner:
     """Runs a :class:`Transformer` through ``encode`` / ``decode_step`` and the in-place cache ops."""
 
-    def __init__(self, model: Transformer, device: Optional[Device] = None):
+    def __init__(self, model: Transformer, device: Optional[Device] = None, compile: bool = False):
+        """``compile=True`` runs ``model.decode_step`` through ``torch.compile`` (fullgraph, static
+        shapes): the preallocated cache gives every step of a decode the same shapes, so one
+        graph serves all of them, with the Python-level module overhead gone. The first step of
+        each new shape (rows, cache length, source length) compiles (seconds; cached on disk by
+        Inductor); Inductor on CPU needs a C++ compiler."""
         if device is None:
             device = next(model.parameters()).device
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.config = model.config
+        self.compiled = bool(compile)
+        self._decode_step = (torch.compile(model.decode_step, fullgraph=True, dynamic=False)
+                             if self.compiled else model.decode_step)
+
+    def _run_decode_step(self, *args):
+        if not self.compiled:
+            return self._decode_step(*args)
+        try:
+            return self._decode_step(*args)
+        except Exception as exc:  # compile errors surface at the first call of each shape
+            raise RuntimeError(
+                f"torch.compile of decode_step failed ({type(exc).__name__}: {exc}); on CPU Inductor needs a "
+                "working C++ compiler. Run without compile (EagerRunner(..., compile=False), no --compile)"
+            ) from exc
 
     def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> EagerState:
         _check_encode_args(self.model, cache_len, num_beams)
@@ -120,7 +139,7 @@ class EagerRunner:
             raise ValueError(f"tokens must have shape ({N},), got {tuple(ids.shape)}")
         with torch.inference_mode():
             positions = torch.full((N,), state.position, dtype=torch.int64, device=self.device)
-            logits, new_keys, new_values = self.model.decode_step(
+            logits, new_keys, new_values = self._run_decode_step(
                 ids.view(N, 1), positions, state.src_lengths,
                 state.self_keys, state.self_values, state.cross_keys, state.cross_values,
             )
