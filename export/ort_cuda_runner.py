@@ -232,15 +232,3 @@ class OrtCudaRunner(DeviceRunner):
             self._bind(binding, self.decoder_io, decoder_bindings(state, self.flavour), "decoder")
             state.backend["ort_binding"] = binding
         self.decoder.run_with_iobinding(binding)
-
-    # ---------------------------------------------------------------- conveniences
-
-    def greedy(self, input_ids: Any, src_lengths: Any, *, max_new_tokens: Any, **kwargs: Any) -> list[list[int]]:
-        kwargs.setdefault("bos_id", self.bos_id)
-        kwargs.setdefault("eos_id", self.eos_id)
-        return super().greedy(input_ids, src_lengths, max_new_tokens=max_new_tokens, **kwargs)
-
-    def beam_search(self, input_ids: Any, src_lengths: Any, *, beam_size: int, max_new_tokens: Any, **kwargs: Any):
-        kwargs.setdefault("bos_id", self.bos_id)
-        kwargs.setdefault("eos_id", self.eos_id)
-        return super().beam_search(input_ids, src_lengths, beam_size=beam_size, max_new_tokens=max_new_tokens, **kwargs)

@@ -87,7 +87,7 @@ def _int64(name: str, array: Any) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-class OrtRunner:
+class OrtRunner(decoding.SearchMethods):
     """Runs ``encoder.onnx`` / ``decoder_step.onnx`` of an export folder with ONNX Runtime.
 
     Args:
@@ -277,21 +277,3 @@ class OrtRunner:
             return
         for cache in (*state.self_keys, *state.self_values):
             cache[:, :, :p] = cache[index, :, :p]  # the right side is a temporary copy
-
-    # ------------------------------------------------------------------ conveniences
-
-    def greedy(self, input_ids: Any, src_lengths: Any, *, max_new_tokens: Any, min_new_tokens: Any = 0,
-               cache_len: Optional[int] = None) -> list[list[int]]:
-        """:func:`transformer_ext.decoding.greedy_decode` with this runner and the model's bos/eos."""
-        return decoding.greedy_decode(
-            self, input_ids, src_lengths, bos_id=self.bos_id, eos_id=self.eos_id,
-            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, cache_len=cache_len,
-        )
-
-    def beam_search(self, input_ids: Any, src_lengths: Any, *, beam_size: int, max_new_tokens: Any,
-                    **kwargs: Any) -> list[list[decoding.Hypothesis]]:
-        """:func:`transformer_ext.decoding.beam_search` with this runner and the model's bos/eos."""
-        return decoding.beam_search(
-            self, input_ids, src_lengths, bos_id=self.bos_id, eos_id=self.eos_id,
-            beam_size=beam_size, max_new_tokens=max_new_tokens, **kwargs,
-        )

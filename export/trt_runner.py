@@ -201,7 +201,7 @@ def _int64(name: str, array: Any) -> np.ndarray:
 # ------------------------------------------------------------------------------------------
 
 
-class DeviceRunner:
+class DeviceRunner(decoding.SearchMethods):
     """Buffers, stream order and cache writes of a device runner; subclasses run the graphs.
 
     Subclasses set :attr:`dims`, :attr:`flavour`, :attr:`limits` and the dtypes, and implement
@@ -404,20 +404,6 @@ class DeviceRunner:
             idx = torch.from_numpy(index).to(self.device)
             for cache in (*state.self_keys, *state.self_values):
                 self._kv_reorder(cache, idx, p)
-
-    # ---------------------------------------------------------------- conveniences
-
-    def greedy(self, input_ids: Any, src_lengths: Any, *, bos_id: int, eos_id: int, max_new_tokens: Any,
-               **kwargs: Any) -> list[list[int]]:
-        """:func:`transformer_ext.decoding.greedy_decode` with this runner."""
-        return decoding.greedy_decode(self, input_ids, src_lengths, bos_id=bos_id, eos_id=eos_id,
-                                      max_new_tokens=max_new_tokens, **kwargs)
-
-    def beam_search(self, input_ids: Any, src_lengths: Any, *, bos_id: int, eos_id: int, beam_size: int,
-                    max_new_tokens: Any, **kwargs: Any):
-        """:func:`transformer_ext.decoding.beam_search` with this runner."""
-        return decoding.beam_search(self, input_ids, src_lengths, bos_id=bos_id, eos_id=eos_id,
-                                    beam_size=beam_size, max_new_tokens=max_new_tokens, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------

@@ -164,6 +164,16 @@ def test_cli_options_reach_the_decoder(capsys):
     assert code == 0 and len(out.strip()) <= 4
 
 
+def test_cli_compile_translates_like_eager(capsys):
+    """--compile (decoder step through torch.compile) prints what the eager decoder prints."""
+    sources = ["forty-two", "three hundred and forty-two", "seven"]
+    code, eager, _ = run_main(sources, capsys=capsys)
+    assert code == 0
+    code, compiled, _ = run_main(sources + ["--compile"], capsys=capsys)
+    assert code == 0 and compiled == eager
+    assert eager.splitlines()[0] == "zweiundvierzig"
+
+
 @pytest.mark.parametrize(
     "args, stdin_text, match",
     [

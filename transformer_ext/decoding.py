@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Runner",
+    "SearchMethods",
     "Hypothesis",
     "greedy_decode",
     "beam_search",
@@ -385,3 +386,35 @@ def beam_search(
             finished[b].sort(key=lambda h: h.score, reverse=True)
             results[b] = finished[b][:n_best] or [Hypothesis([], -math.inf, -math.inf, False)]
     return results
+
+
+# ------------------------------------------------------------------------------------------
+# search as runner methods
+# ------------------------------------------------------------------------------------------
+
+
+class SearchMethods:
+    """``runner.greedy(...)`` and ``runner.beam_search(...)`` for any runner class that mixes this in.
+
+    ``bos_id`` / ``eos_id`` default to the runner's attributes of those names (the ONNX Runtime
+    runners read them from the export manifest); a runner without them needs them passed.
+    """
+
+    def _search_kwargs(self, kwargs: dict) -> dict:
+        for name in ("bos_id", "eos_id"):
+            if kwargs.get(name) is None:
+                value = getattr(self, name, None)
+                if value is None:
+                    raise TypeError(f"{type(self).__name__} does not know the model's {name}: pass {name}=")
+                kwargs[name] = int(value)
+        return kwargs
+
+    def greedy(self, input_ids, src_lengths, *, max_new_tokens: IntOrArray, **kwargs) -> list[list[int]]:
+        """:func:`greedy_decode` with this runner (keyword arguments as there)."""
+        return greedy_decode(self, input_ids, src_lengths, max_new_tokens=max_new_tokens, **self._search_kwargs(kwargs))
+
+    def beam_search(self, input_ids, src_lengths, *, beam_size: int, max_new_tokens: IntOrArray,
+                    **kwargs) -> list[list[Hypothesis]]:
+        """:func:`beam_search` with this runner (keyword arguments as there)."""
+        return beam_search(self, input_ids, src_lengths, beam_size=beam_size, max_new_tokens=max_new_tokens,
+                           **self._search_kwargs(kwargs))

@@ -58,6 +58,25 @@ def _check_encode_args(model: Transformer, cache_len: int, num_beams: int) -> No
         raise ValueError(f"num_beams must be a positive int, got {num_beams!r}")
 
 
+def _encode_sources(model: Transformer, device: torch.device, input_ids: np.ndarray, src_lengths: np.ndarray,
+                    cache_len: int, num_beams: int):
+    """The shared encode prologue of the PyTorch runners: checks, ``model.encode`` once, and
+    the cross-attention K/V and source lengths repeated per beam (row ``b * num_beams + k``).
+
+    Returns ``(src_lengths [N], cross_keys, cross_values, source_length S)``, N = batch * beams.
+    """
+    _check_encode_args(model, cache_len, num_beams)
+    src = _to_int64("input_ids", input_ids, device)
+    lengths = _to_int64("src_lengths", src_lengths, device)
+    with torch.inference_mode():
+        _, cross_keys, cross_values = model.encode(src, lengths)
+        if num_beams > 1:
+            cross_keys = [k.repeat_interleave(num_beams, dim=0) for k in cross_keys]
+            cross_values = [v.repeat_interleave(num_beams, dim=0) for v in cross_values]
+            lengths = lengths.repeat_interleave(num_beams, dim=0)
+    return lengths, cross_keys, cross_values, int(src.shape[1])
+
+
 # ------------------------------------------------------------------------------------------
 # EagerRunner: compiled ops, preallocated caches
 # ------------------------------------------------------------------------------------------
@@ -111,16 +130,10 @@ class EagerRunner:
             ) from exc
 
     def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> EagerState:
-        _check_encode_args(self.model, cache_len, num_beams)
-        src = _to_int64("input_ids", input_ids, self.device)
-        lengths = _to_int64("src_lengths", src_lengths, self.device)
+        lengths, cross_keys, cross_values, _ = _encode_sources(
+            self.model, self.device, input_ids, src_lengths, cache_len, num_beams)
         c = self.config
         with torch.inference_mode():
-            _, cross_keys, cross_values = self.model.encode(src, lengths)
-            if num_beams > 1:
-                cross_keys = [k.repeat_interleave(num_beams, dim=0) for k in cross_keys]
-                cross_values = [v.repeat_interleave(num_beams, dim=0) for v in cross_values]
-                lengths = lengths.repeat_interleave(num_beams, dim=0)
             N = lengths.shape[0]
             dtype = cross_keys[0].dtype
             shape = (N, c.n_heads, int(cache_len), c.d_k)
@@ -196,16 +209,10 @@ class CatCacheRunner:
         self.config = model.config
 
     def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> CatCacheState:
-        _check_encode_args(self.model, cache_len, num_beams)
-        src = _to_int64("input_ids", input_ids, self.device)
-        lengths = _to_int64("src_lengths", src_lengths, self.device)
+        lengths, cross_keys, cross_values, src_len = _encode_sources(
+            self.model, self.device, input_ids, src_lengths, cache_len, num_beams)
         with torch.inference_mode():
-            _, cross_keys, cross_values = self.model.encode(src, lengths)
-            if num_beams > 1:
-                cross_keys = [k.repeat_interleave(num_beams, dim=0) for k in cross_keys]
-                cross_values = [v.repeat_interleave(num_beams, dim=0) for v in cross_values]
-                lengths = lengths.repeat_interleave(num_beams, dim=0)
-            src_mask = padding_mask(lengths, src.shape[1])
+            src_mask = padding_mask(lengths, src_len)
         n = self.config.n_decoder_layers
         return CatCacheState(src_mask, cross_keys, cross_values, [None] * n, [None] * n, 0, int(cache_len))
 

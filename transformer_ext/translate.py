@@ -93,13 +93,16 @@ class Translator:
         model_dir: the model directory; ``None`` is the bundled demo model
             (English number words to German number words).
         device: ``"cpu"`` or ``"cuda"`` (or a ``torch.device``).
+        compile: run the decoder step through ``torch.compile`` (see
+            :class:`transformer_ext.runner.EagerRunner`): faster per token once compiled, at the
+            cost of a compile (seconds) for every new batch shape; worth it for long jobs.
 
     Raises:
         FileNotFoundError: the directory, its config, weights or tokenizer file is missing.
         TranslationError / ValueError: the files do not fit together (vocabulary sizes).
     """
 
-    def __init__(self, model_dir: str | os.PathLike | None = None, device="cpu"):
+    def __init__(self, model_dir: str | os.PathLike | None = None, device="cpu", compile: bool = False):
         from .checkpoint import load_model
 
         model_dir = Path(model_dir) if model_dir is not None else DEMO_MODEL_DIR
@@ -110,7 +113,7 @@ class Translator:
             )
         tokenizer = CharTokenizer.load(model_dir)
         model = load_model(model_dir, device)
-        self._setup(model, tokenizer, device)
+        self._setup(model, tokenizer, device, compile)
         self.model_dir = model_dir
 
     @classmethod
@@ -121,7 +124,7 @@ class Translator:
         self.model_dir = None
         return self
 
-    def _setup(self, model, tokenizer: CharTokenizer, device) -> None:
+    def _setup(self, model, tokenizer: CharTokenizer, device, compile: bool = False) -> None:
         from .runner import EagerRunner
 
         config = model.config
@@ -140,7 +143,7 @@ class Translator:
         self.tokenizer = tokenizer
         self.config = config
         self.device = device
-        self.runner = EagerRunner(model, device)
+        self.runner = EagerRunner(model, device, compile=compile)
 
     # ------------------------------------------------------------------ helpers
     def encode(self, sources: Sequence[str]) -> list[list[int]]:
@@ -281,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="beam length penalty: gnmt ((5+len)/6)^alpha (default), seed ((5+len)/5)^alpha, none")
     parser.add_argument("--alpha", type=float, default=0.6, help="length-penalty exponent (default 0.6)")
     parser.add_argument("--batch-size", type=int, default=64, help="sources decoded together (default 64)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the decoder step through torch.compile: faster per token, but every new "
+                             "batch shape compiles first (seconds); pays off on large inputs. On CPU it "
+                             "needs a C++ compiler")
     return parser
 
 
@@ -331,7 +338,7 @@ def main(argv: Optional[Sequence[str]] = None, stdin=None, stdout=None) -> int:
         if n_best < 1 or n_best > args.beam:
             raise TranslationError(f"--n-best must be between 1 and --beam ({args.beam}), got {n_best}")
         sources = _gather_sources(args, stdin)
-        translator = Translator(args.model, device=args.device)
+        translator = Translator(args.model, device=args.device, compile=args.compile)
         translations = translator.translate(
             sources, beam_size=args.beam, n_best=n_best, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
             length_penalty=args.length_penalty, alpha=args.alpha, batch_size=args.batch_size,
