@@ -104,16 +104,20 @@ class Engine:
 
 def _runner_engine(runner_cls, **options) -> Callable[[Transformer, torch.device], DecodeFn]:
     def build(model: Transformer, device: torch.device) -> DecodeFn:
-        runner = runner_cls(model, device, **options)
-        c = model.config
-
-        def decode(src: np.ndarray, lengths: np.ndarray, n: int):
-            return greedy_decode(runner, src, lengths, bos_id=c.bos_id, eos_id=c.eos_id,
-                                 max_new_tokens=n, min_new_tokens=n)
-
-        return decode
+        return _greedy_exactly_n(runner_cls(model, device, **options), model)
 
     return build
+
+
+def _greedy_exactly_n(runner, model: Transformer) -> DecodeFn:
+    """Greedy decoding with ``runner`` that generates exactly ``n`` tokens per row (EOS suppressed)."""
+    c = model.config
+
+    def decode(src: np.ndarray, lengths: np.ndarray, n: int):
+        return greedy_decode(runner, src, lengths, bos_id=c.bos_id, eos_id=c.eos_id,
+                             max_new_tokens=n, min_new_tokens=n)
+
+    return decode
 
 
 def _build_uncached(model: Transformer, device: torch.device) -> DecodeFn:
@@ -154,13 +158,7 @@ def _onnxrt_engine(flavour: str) -> Callable[[Transformer, torch.device], Decode
             _EXPORTS[key] = os.path.join(scratch, flavour)
         runner = OrtRunner(_EXPORTS[key], intra_op_num_threads=torch.get_num_threads(),
                            allow_spinning=not PASSIVE_THREADS)
-        c = model.config
-
-        def decode(src: np.ndarray, lengths: np.ndarray, n: int):
-            return greedy_decode(runner, src, lengths, bos_id=c.bos_id, eos_id=c.eos_id,
-                                 max_new_tokens=n, min_new_tokens=n)
-
-        return decode
+        return _greedy_exactly_n(runner, model)
 
     return build
 

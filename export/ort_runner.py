@@ -80,11 +80,7 @@ def _io(values) -> list[dict]:
     ]
 
 
-def _int64(name: str, array: Any) -> np.ndarray:
-    arr = np.asarray(array)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+_int64 = decoding.as_int64
 
 
 class OrtRunner(decoding.SearchMethods):
@@ -266,12 +262,7 @@ class OrtRunner(decoding.SearchMethods):
 
     def reorder(self, state: OrtState, beam_index: Any) -> None:
         """Row ``r`` of every self-attention cache becomes old row ``beam_index[r]`` (valid prefix only)."""
-        index = _int64("beam_index", beam_index)
-        N = state.num_rows
-        if index.shape != (N,):
-            raise ValueError(f"beam_index must have shape ({N},), got {index.shape}")
-        if index.min() < 0 or index.max() >= N:
-            raise IndexError(f"beam_index values must be in [0, {N}), got {index.tolist()}")
+        index = decoding.check_beam_index(beam_index, state.num_rows)
         p = state.position
         if p == 0:
             return

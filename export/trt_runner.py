@@ -189,11 +189,7 @@ def decoder_bindings(state: DeviceState, flavour: str) -> dict[str, torch.Tensor
     return b
 
 
-def _int64(name: str, array: Any) -> np.ndarray:
-    arr = np.asarray(array)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+_int64 = decoding.as_int64
 
 
 # ------------------------------------------------------------------------------------------
@@ -391,12 +387,7 @@ class DeviceRunner(decoding.SearchMethods):
     def reorder(self, state: DeviceState, beam_index: Any) -> None:
         """Row ``r`` of every self-attention cache becomes old row ``beam_index[r]`` over the valid
         prefix, in place on the runner's stream; cross K/V are untouched."""
-        index = _int64("beam_index", beam_index)
-        N = state.num_rows
-        if index.shape != (N,):
-            raise ValueError(f"beam_index must have shape ({N},), got {index.shape}")
-        if index.min() < 0 or index.max() >= N:
-            raise IndexError(f"beam_index values must be in [0, {N}), got {index.tolist()}")
+        index = decoding.check_beam_index(beam_index, state.num_rows)
         p = state.position
         if p == 0:
             return

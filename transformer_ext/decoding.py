@@ -84,6 +84,24 @@ def check_step_tokens(position: int, cache_len: int, max_positions: int | None, 
     return tok
 
 
+def as_int64(name: str, array: Any) -> np.ndarray:
+    """``array`` as a contiguous int64 numpy array; a TypeError naming ``name`` if it holds no integers."""
+    arr = np.asarray(array)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def check_beam_index(beam_index: Any, num_rows: int) -> np.ndarray:
+    """The checks every runner makes on the ``beam_index`` of a reorder; returns it as int64."""
+    index = as_int64("beam_index", beam_index)
+    if index.shape != (num_rows,):
+        raise ValueError(f"beam_index must have shape ({num_rows},), got {index.shape}")
+    if num_rows and (index.min() < 0 or index.max() >= num_rows):
+        raise IndexError(f"beam_index values must be in [0, {num_rows}), got {index.tolist()}")
+    return index
+
+
 @dataclass(frozen=True)
 class Hypothesis:
     """One beam search result.
