@@ -142,15 +142,21 @@ def _fill_cache(model, tgt, src, lengths, L):
     return torch.stack(out, dim=1), sk, sv, ck, cv
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("norm_first", NORM_FIRST)
-def test_decode_step_matches_teacher_forcing(norm_first):
-    model = make_model(norm_first)
+def test_decode_step_matches_teacher_forcing(norm_first, variant):
+    """The functional decode step (fused Q/K/V under no_grad; separate projections with autograd
+    on) against the module-based teacher-forcing forward."""
+    model = make_model(norm_first, **VARIANTS[variant])
     src, lengths, tgt = make_batch(model.config)
     with torch.no_grad():
         want = model(src, lengths, tgt)
         got, *_ = _fill_cache(model, tgt, src, lengths, L=9)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    with torch.enable_grad():
+        unfused, *_ = _fill_cache(model, tgt, src, lengths, L=9)
+    torch.testing.assert_close(unfused.detach(), want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("norm_first", NORM_FIRST)
