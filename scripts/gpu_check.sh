@@ -118,7 +118,8 @@ if [ "$built" = 1 ] && [ -f benchmarks/bench_decode.py ] && grep -q -- "--device
 import sys
 sys.path.insert(0, "benchmarks")
 import bench_decode
-cpu_only = ("ort", "onnx", "ctranslate", "ct2", "tensorrt")
+# CPU-only engines, and compiled_ops (an Inductor/Triton compile would eat the time budget)
+cpu_only = ("ort", "onnx", "ctranslate", "ct2", "tensorrt", "compiled")
 print(",".join(e.name for e in bench_decode.ENGINES if not any(k in e.name.lower() for k in cpu_only)))
 EOF
 )"
