@@ -148,6 +148,24 @@ inline void check_kv_cache_reorder_args(const at::Tensor& cache, const at::Tenso
               "] (the cache capacity), got ", length);
 }
 
+inline void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias_opt) {
+  TORCH_CHECK(x.dim() >= 1, "x must have at least 1 dimension (..., in_features), got a scalar");
+  CHECK_DIM(weight, 2);
+  CHECK_FLOATING(x);
+  CHECK_SAME_DTYPE(weight, x);
+  CHECK_DEVICE(weight, x);
+  TORCH_CHECK(x.size(-1) == weight.size(1), "x.size(-1) must be weight.size(1) = ", weight.size(1),
+              " (in_features of weight [out_features, in_features]), got x of shape ", x.sizes());
+  if (bias_opt.has_value()) {
+    const at::Tensor& bias = *bias_opt;
+    CHECK_DIM(bias, 1);
+    CHECK_SAME_DTYPE(bias, x);
+    CHECK_DEVICE(bias, x);
+    CHECK_SIZE(bias, 0, weight.size(0));
+  }
+}
+
 // Host-side range checks, used where reading the values is free (CPU) or explicitly
 // requested (CUDA without an error flag).
 inline void check_positions_in_range(const at::Tensor& positions_cpu, int64_t T, int64_t L) {

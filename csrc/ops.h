@@ -48,4 +48,13 @@ void kv_cache_reorder_(
     const at::Tensor& index,   // [B] int64, 0 <= index[b] < B
     int64_t length);           // 0 <= length <= L
 
+// y = x @ weight^T + bias (torch.nn.functional.linear), for the projections of a decoder step.
+// CPU: a matrix-vector kernel for float32 with at most kLinearMaxRows rows of x (every
+// 8-row block of the weight is read once from memory and applied to all rows); larger inputs,
+// other dtypes and other devices use at::linear.
+at::Tensor linear(
+    const at::Tensor& x,                    // [..., in_features]
+    const at::Tensor& weight,               // [out_features, in_features]
+    const std::optional<at::Tensor>& bias); // [out_features]
+
 }  // namespace transformer_ext

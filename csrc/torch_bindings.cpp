@@ -28,4 +28,6 @@ TORCH_LIBRARY(transformer_ext, m) {
       "Tensor(b!)? error_flag=None) -> ()");
   // cache[b, :, :length] = cache[index[b], :, :length] in place (beam search)
   m.def("kv_cache_reorder_(Tensor(a!) cache, Tensor index, int length) -> ()");
+  // x @ weight^T + bias; a matrix-vector kernel for the few rows of a decoder step on the CPU
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }

@@ -44,3 +44,14 @@ def test_bench_decode_worker_failure_is_reported(tmp_path, monkeypatch):
     """An engine that fails in its worker process surfaces as an error naming the engine."""
     with pytest.raises(RuntimeError, match="engine eager_ops"):
         bench_decode._EngineProcess("eager_ops", str(tmp_path / "missing_model"), "cpu", 1)
+
+
+def test_bench_linear_quick(tmp_path):
+    import bench_linear
+
+    out = str(tmp_path / "linear.json")
+    results = bench_linear.run([1], repeats=1, threads=1, quick=True, out=out)
+    assert os.path.getsize(tmp_path / "linear.png") > 0
+    (step,) = results["step"]
+    assert step["rows"] == 1 and set(step["seconds"]) == {"ops.linear", "F.linear"}
+    assert len(results["shape"]) == len(set(bench_linear.decoder_step_shapes(128, 512, 2, 1000)))

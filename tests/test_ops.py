@@ -307,6 +307,93 @@ def test_kv_cache_reorder_length_zero_and_full(device):
     torch.testing.assert_close(cache, original.flip(0), rtol=0, atol=0)
 
 
+# --------------------------------------------------------------------------- linear
+
+
+def _linear_errors(x, w, b):
+    """(our error, plain float32/16 PyTorch's error) against float64, relative to the output scale."""
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    plain = torch.nn.functional.linear(x, w, b).double()
+    ours = ops.linear(x, w, b)
+    assert ours.dtype == x.dtype and ours.shape == ref.shape
+    scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+    return (ours.double() - ref).abs().max().item() / scale if ref.numel() else 0.0, \
+        (plain - ref).abs().max().item() / scale if ref.numel() else 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])  # <= 4: the matrix-vector kernel on the CPU
+@pytest.mark.parametrize("K", [1, 7, 16, 33, 512])
+@pytest.mark.parametrize("N", [1, 9, 100])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_float64_reference(device, rows, K, N, bias):
+    g = _gen(rows * 1000 + K * 10 + N)
+    x = torch.randn(rows, K, generator=g).to(device)
+    w = torch.randn(N, K, generator=g).to(device)
+    b = torch.randn(N, generator=g).to(device) if bias else None
+    ours, plain = _linear_errors(x, w, b)
+    assert ours <= 2 * plain + 1e-6, (ours, plain)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_linear_other_dtypes(device, dtype):
+    g = _gen(5)
+    x = torch.randn(2, 1, 48, generator=g).to(device, dtype)
+    w = torch.randn(24, 48, generator=g).to(device, dtype)
+    b = torch.randn(24, generator=g).to(device, dtype)
+    ours, plain = _linear_errors(x, w, b)
+    assert ours <= 2 * plain + 1e-12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_shapes_and_strided_inputs(device):
+    g = _gen(9)
+    w = torch.randn(40, 64, generator=g).to(device)
+    b = torch.randn(40, generator=g).to(device)
+    x = torch.randn(64, generator=g).to(device)
+    torch.testing.assert_close(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 1, 64, generator=g).to(device)
+    assert ops.linear(x3, w, b).shape == (2, 1, 40)
+    xt = torch.randn(64, 3, generator=g).to(device).t()  # non-contiguous rows
+    wt = torch.randn(64, 40, generator=g).to(device).t()  # non-contiguous weight
+    for xi, wi in ((xt, w), (xt, wt), (x3, wt)):
+        torch.testing.assert_close(ops.linear(xi, wi, b), torch.nn.functional.linear(xi, wi, b), rtol=1e-5, atol=1e-5)
+    empty = torch.empty(0, 64, device=device)
+    assert ops.linear(empty, w, b).shape == (0, 40)
+
+
+def test_linear_fallback_env_gives_at_linear(tmp_path):
+    """TRANSFORMER_EXT_CPU_FALLBACK=1 switches the kernel off: at::linear, bit for bit."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from transformer_ext import ops; g = torch.Generator().manual_seed(0); "
+        "x = torch.randn(1, 512, generator=g); w = torch.randn(300, 512, generator=g); b = torch.randn(300, generator=g); "
+        "assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b)); print('same')"
+    )
+    env = {**__import__("os").environ, "TRANSFORMER_EXT_CPU_FALLBACK": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "same" in out.stdout, out.stderr
+
+
+def test_linear_bad_inputs_name_the_argument():
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight must have 2 dimensions"):
+        ops.linear(x, torch.randn(8))
+    with pytest.raises(RuntimeError, match=r"x.size\(-1\) must be weight.size\(1\) = 8"):
+        ops.linear(torch.randn(1, 7), w)
+    with pytest.raises(RuntimeError, match=r"bias.size\(0\) must be 4"):
+        ops.linear(x, w, torch.randn(5))
+    with pytest.raises(RuntimeError, match="weight must have the dtype of x"):
+        ops.linear(x, w.double())
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        ops.linear(torch.ones(1, 8, dtype=torch.int64), torch.ones(4, 8, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="x must have at least 1 dimension"):
+        ops.linear(torch.tensor(1.0), w)
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -362,6 +449,8 @@ def _opcheck_cases(device):
         (torch.ops.transformer_ext.decode_attention.default, (q, kc, kc.clone(), lengths, 0.3, q.clone(), q.clone())),
         (torch.ops.transformer_ext.kv_cache_append_.default, (cache.clone(), q.clone(), torch.tensor([0, 4], device=device), None)),
         (torch.ops.transformer_ext.kv_cache_reorder_.default, (cache.clone(), torch.tensor([1, 1], device=device), 4)),
+        (torch.ops.transformer_ext.linear.default, (q.view(6, 8), kc[0, 0], kc[1, 0, :, 0].contiguous())),
+        (torch.ops.transformer_ext.linear.default, (q[0, 0], kc[0, 1], None)),
     ]
 
 

@@ -62,8 +62,23 @@ def _is_tracing() -> bool:
 
 def inference_fast_path(module: nn.Module) -> bool:
     """True where inference-only shortcuts (fused Q/K/V copies) are allowed: eval mode, no
-    autograd recording, not tracing."""
+    autograd recording, not tracing or compiling."""
     return not (module.training or torch.is_grad_enabled() or _is_tracing())
+
+
+def _is_exporting() -> bool:
+    """True while a graph is traced for export (torch.jit / torch.onnx / torch.export)."""
+    if torch.jit.is_tracing():
+        return True
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and getattr(compiler, "is_exporting", lambda: False)()
+
+
+def inference_kernels(module: nn.Module) -> bool:
+    """True where inference-only kernels (``ops.linear``) may replace the standard ops: eval
+    mode, no autograd recording, not exporting (``torch.compile`` is fine: the op has a fake
+    kernel; an exported graph must contain only the standard ops)."""
+    return not (module.training or torch.is_grad_enabled() or _is_exporting())
 
 
 def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -323,6 +338,7 @@ class DecoderLayer(nn.Module):
         cross_key: torch.Tensor,  # [B, H, S, d_k]
         cross_value: torch.Tensor,  # [B, H, S, d_k]
         fuse_qkv: bool = False,  # one GEMM for Q/K/V (inference only: see step_weights)
+        kernel_linear: bool = False,  # ops.linear instead of F.linear (inference only)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoding step -> ``(x [B, 1, d_model], new_key, new_value [B, H, 1, d_k])``.
 
@@ -344,27 +360,30 @@ class DecoderLayer(nn.Module):
             return F.layer_norm(x + fn(x), shape, gamma, beta, eps)  # Post-LN
 
         new_kv: list[torch.Tensor] = []
+        # Inference: our matrix-vector kernel for these few-row products (ops.linear); exported
+        # or with autograd: F.linear, the op every exporter knows.
+        linear = ops.linear if kernel_linear else F.linear
 
         def self_attention(h: torch.Tensor) -> torch.Tensor:
             # With one token per row, [B, 1, d_model] and [B, H, 1, d_k] share a memory layout:
             # splitting and merging heads are views.
             if w.qkv_weight is not None:
-                q, k, v = F.linear(h, w.qkv_weight, w.qkv_bias).view(B, 3, H, 1, d_k).unbind(1)
+                q, k, v = linear(h, w.qkv_weight, w.qkv_bias).view(B, 3, H, 1, d_k).unbind(1)
             else:
-                q = F.linear(h, w.q_weight, w.q_bias).view(B, H, 1, d_k)
-                k = F.linear(h, w.k_weight, w.k_bias).view(B, H, 1, d_k)
-                v = F.linear(h, w.v_weight, w.v_bias).view(B, H, 1, d_k)
+                q = linear(h, w.q_weight, w.q_bias).view(B, H, 1, d_k)
+                k = linear(h, w.k_weight, w.k_bias).view(B, H, 1, d_k)
+                v = linear(h, w.v_weight, w.v_bias).view(B, H, 1, d_k)
             new_kv.extend((k, v))
             out = ops.decode_attention(q, self_key, self_value, positions, scale, k, v)
-            return F.linear(out.reshape(B, 1, D), w.o_weight, w.o_bias)
+            return linear(out.reshape(B, 1, D), w.o_weight, w.o_bias)
 
         def cross_attention(h: torch.Tensor) -> torch.Tensor:
-            q = F.linear(h, w.cross_q_weight, w.cross_q_bias).view(B, H, 1, d_k)
+            q = linear(h, w.cross_q_weight, w.cross_q_bias).view(B, H, 1, d_k)
             out = ops.decode_attention(q, cross_key, cross_value, src_lengths, scale)
-            return F.linear(out.reshape(B, 1, D), w.cross_o_weight, w.cross_o_bias)
+            return linear(out.reshape(B, 1, D), w.cross_o_weight, w.cross_o_bias)
 
         def feed_forward(h: torch.Tensor) -> torch.Tensor:
-            return F.linear(F.relu(F.linear(h, w.ff1_weight, w.ff1_bias)), w.ff2_weight, w.ff2_bias)
+            return linear(F.relu(linear(h, w.ff1_weight, w.ff1_bias)), w.ff2_weight, w.ff2_bias)
 
         x = sublayer(x, self_attention, w.norm0_weight, w.norm0_bias)
         x = sublayer(x, cross_attention, w.norm1_weight, w.norm1_bias)
@@ -608,12 +627,18 @@ class Transformer(nn.Module):
         new_keys: list[torch.Tensor] = []
         new_values: list[torch.Tensor] = []
         fuse_qkv = inference_fast_path(self)
+        kernel_linear = inference_kernels(self)
         for i, layer in enumerate(self.decoder.layers):
             x, k_new, v_new = layer.step(
-                x, positions, src_lengths, self_keys[i], self_values[i], cross_keys[i], cross_values[i], fuse_qkv
+                x, positions, src_lengths, self_keys[i], self_values[i], cross_keys[i], cross_values[i],
+                fuse_qkv, kernel_linear,
             )
             new_keys.append(k_new)
             new_values.append(v_new)
         x = self.decoder.norm(x)  # [B, 1, d_model]
-        logits = self.generator(x[:, 0]).float()  # [B, V]
+        if kernel_linear:
+            proj = self.generator.proj
+            logits = ops.linear(x[:, 0], proj.weight, proj.bias).float()  # [B, V]
+        else:
+            logits = self.generator(x[:, 0]).float()  # [B, V]
         return logits, new_keys, new_values

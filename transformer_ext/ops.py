@@ -31,6 +31,7 @@ __all__ = [
     "decode_attention",
     "kv_cache_append_",
     "kv_cache_reorder_",
+    "linear",
     "cuda_kernels_built",
 ]
 
@@ -126,6 +127,25 @@ def kv_cache_reorder_(cache: torch.Tensor, index: torch.Tensor, length: int) -> 
     _ops.kv_cache_reorder_(cache, index, int(length))
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, the semantics of ``torch.nn.functional.linear``, for inference.
+
+    On the CPU, float32 inputs with at most 4 rows (``x.numel() // in_features``) run a
+    matrix-vector kernel (AVX-512F or AVX2+FMA) that avoids a BLAS call's fixed cost, which
+    dominates the one-row projections of a batch-1 decoder step; everything else is
+    ``at::linear``. Not differentiable: the model uses it only where autograd is off.
+
+    Args:
+        x: ``[..., in_features]``.
+        weight: ``[out_features, in_features]``, the dtype and device of ``x``.
+        bias: optional ``[out_features]``.
+
+    Returns:
+        ``[..., out_features]`` in the dtype of ``x``.
+    """
+    return _ops.linear(x, weight, bias)
+
+
 # ---------------------------------------------------------------------------------------
 # Fake kernels: shapes and dtypes only, the same argument checks as the C++ prologues
 # where they are shape-level.
@@ -168,6 +188,14 @@ def _kv_cache_reorder__fake(cache, index, length):
     _check(cache.dim() == 4, "cache must have 4 dimensions")
     _check(index.dtype == torch.int64, f"index must be int64, got {index.dtype}")
     return None
+
+
+@torch.library.register_fake("transformer_ext::linear")
+def _linear_fake(x, weight, bias=None):
+    _check(weight.dim() == 2, f"weight must have 2 dimensions, got shape {tuple(weight.shape)}")
+    _check(x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+           f"x.size(-1) must be weight.size(1) = {weight.shape[1]}, got x of shape {tuple(x.shape)}")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 # ---------------------------------------------------------------------------------------

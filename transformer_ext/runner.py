@@ -89,11 +89,16 @@ class EagerState:
     src_lengths: torch.Tensor  # [N] int64
     cross_keys: list[torch.Tensor]  # per layer [N, H, S, d_k]
     cross_values: list[torch.Tensor]
-    self_keys: list[torch.Tensor]  # per layer [N, H, cache_len, d_k], zero-filled at allocation
-    self_values: list[torch.Tensor]
+    self_keys: list[torch.Tensor]  # per layer [N, H, cache_len, d_k]: views into key_buffer
+    self_values: list[torch.Tensor]  # views into value_buffer
     position: int  # tokens already in the caches (the same for every row)
     cache_len: int
     error_flag: Optional[torch.Tensor] = None  # CUDA: int32 [1], set by kv_cache_append_ on overflow
+    # Every layer's cache in one zero-filled tensor [n_layers * N, H, cache_len, d_k] (layer i =
+    # rows i*N .. (i+1)*N-1), so that a step appends all layers' K (and V) in one op call and a
+    # beam reorder is one call too: 2 instead of 2 * n_layers kernel calls (launches on CUDA).
+    key_buffer: Optional[torch.Tensor] = None
+    value_buffer: Optional[torch.Tensor] = None
 
     @property
     def num_rows(self) -> int:
@@ -136,13 +141,15 @@ class EagerRunner:
         with torch.inference_mode():
             N = lengths.shape[0]
             dtype = cross_keys[0].dtype
-            shape = (N, c.n_heads, int(cache_len), c.d_k)
-            self_keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.n_decoder_layers)]
-            self_values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.n_decoder_layers)]
+            shape = (c.n_decoder_layers * N, c.n_heads, int(cache_len), c.d_k)
+            key_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+            value_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+            self_keys, self_values = list(key_buffer.split(N)), list(value_buffer.split(N))
         # On CUDA the append op reports out-of-range rows through a device flag instead of a host
         # sync per call; the capacity is checked on the host before every step anyway.
         flag = torch.zeros(1, dtype=torch.int32, device=self.device) if self.device.type == "cuda" else None
-        return EagerState(lengths, cross_keys, cross_values, self_keys, self_values, 0, int(cache_len), flag)
+        return EagerState(lengths, cross_keys, cross_values, self_keys, self_values, 0, int(cache_len), flag,
+                          key_buffer, value_buffer)
 
     def step(self, state: EagerState, tokens: np.ndarray) -> np.ndarray:
         _check_capacity(state.position, state.cache_len, self.config.max_len)
@@ -156,10 +163,9 @@ class EagerRunner:
                 ids.view(N, 1), positions, state.src_lengths,
                 state.self_keys, state.self_values, state.cross_keys, state.cross_values,
             )
-            for cache, update in zip(state.self_keys, new_keys):
-                ops.kv_cache_append_(cache, update, positions, state.error_flag)
-            for cache, update in zip(state.self_values, new_values):
-                ops.kv_cache_append_(cache, update, positions, state.error_flag)
+            stacked_positions = positions.repeat(len(new_keys))  # [n_layers * N]
+            ops.kv_cache_append_(state.key_buffer, torch.cat(new_keys), stacked_positions, state.error_flag)
+            ops.kv_cache_append_(state.value_buffer, torch.cat(new_values), stacked_positions, state.error_flag)
             out = logits.cpu().numpy()  # synchronises, so reading the flag below costs nothing more
             if state.error_flag is not None and int(state.error_flag.item()) != 0:
                 raise RuntimeError(f"kv_cache_append_ skipped rows at position {state.position}: cache overflow")
@@ -171,8 +177,12 @@ class EagerRunner:
         if index.shape != (state.num_rows,):
             raise ValueError(f"beam_index must have shape ({state.num_rows},), got {tuple(index.shape)}")
         with torch.inference_mode():
-            for cache in (*state.self_keys, *state.self_values):
-                ops.kv_cache_reorder_(cache, index, state.position)
+            N, n_layers = state.num_rows, len(state.self_keys)
+            # Layer i's rows are i*N .. (i+1)*N-1 of the buffers: offset the index per layer.
+            offsets = torch.arange(n_layers, dtype=torch.int64, device=self.device).view(n_layers, 1) * N
+            stacked_index = (index.view(1, N) + offsets).reshape(-1)
+            for buffer in (state.key_buffer, state.value_buffer):
+                ops.kv_cache_reorder_(buffer, stacked_index, state.position)
 
 
 # ------------------------------------------------------------------------------------------

@@ -214,6 +214,43 @@ void test_kv_cache_reorder() {
   EXPECT(raised, "index out of range raises");
 }
 
+void test_linear() {
+  const auto linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+      "transformer_ext::linear");
+  // Rows 1..4 take the matrix-vector kernel, 5 the at::linear path; K and N with tails.
+  for (int64_t M : {1, 2, 4, 5}) {
+    for (int64_t K : {1, 17, 512}) {
+      for (int64_t N : {1, 9, 70}) {
+        const at::Tensor x = at::randn({M, K}), w = at::randn({N, K}), b = at::randn({N});
+        const at::Tensor y = linear.call(x, w, b);
+        // Oracle: scalar loops in double.
+        const at::Tensor xd = x.to(at::kDouble), wd = w.to(at::kDouble), bd = b.to(at::kDouble);
+        auto xa = xd.accessor<double, 2>();
+        auto wa = wd.accessor<double, 2>();
+        auto ba = bd.accessor<double, 1>();
+        at::Tensor want = at::empty({M, N}, at::kDouble);
+        auto ya = want.accessor<double, 2>();
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n) {
+            double t = ba[n];
+            for (int64_t k = 0; k < K; ++k) t += xa[m][k] * wa[n][k];
+            ya[m][n] = t;
+          }
+        const double tol = 1e-5 * std::max(1.0, want.abs().max().item<double>());
+        EXPECT(y.sizes() == want.sizes() && max_diff(y, want) <= tol, "linear vs oracle");
+        EXPECT(max_diff(linear.call(x, w, std::nullopt), want - bd) <= tol, "linear without bias");
+      }
+    }
+  }
+  bool raised = false;
+  try {
+    linear.call(at::randn({1, 8}), at::randn({4, 7}), std::nullopt);
+  } catch (const c10::Error&) {
+    raised = true;
+  }
+  EXPECT(raised, "in_features mismatch raises");
+}
+
 }  // namespace
 
 int main() {
@@ -224,6 +261,7 @@ int main() {
       {"decode_attention", test_decode_attention},
       {"kv_cache_append_", test_kv_cache_append},
       {"kv_cache_reorder_", test_kv_cache_reorder},
+      {"linear", test_linear},
   };
   for (const auto& [name, fn] : tests) {
     const int before = g_failures;
