@@ -41,6 +41,19 @@ def test_demo_split_sizes_and_disjointness():
     assert s.train == sorted(s.train) and s.heldout == sorted(s.heldout)
 
 
+def test_lexicon_numbers_are_always_trained_on():
+    """0-20, the tens, 100 and 1000 carry words no other number teaches ("elf", "dreißig"): they
+    are in training for every seed and never held out or used for validation."""
+    from transformer_ext.data import DEMO_LEXICON
+
+    for seed in (0, 1, 7):
+        s = split_numbers(seed=seed)
+        assert set(DEMO_LEXICON) <= set(s.train)
+        assert not set(DEMO_LEXICON) & (set(s.valid) | set(s.heldout))
+    with pytest.raises(ValueError, match="outside always_train"):
+        split_numbers(0, 30, heldout_fraction=0.3, valid_fraction=0.3)
+
+
 def test_split_is_deterministic_and_seeded():
     a, b = split_numbers(), split_numbers()
     assert a == b

@@ -201,6 +201,32 @@ def test_cached_greedy_stops_like_uncached(norm_first):
     assert len(got[0]) <= 2 and eos not in got[0] and len(got[2]) <= 4
 
 
+def test_runner_sees_optimizer_updates_between_decodes():
+    """A decode after a (fused) Adam step uses the updated weights: the runner copies the fused
+    Q/K/V per decode, it does not cache it across parameter updates (fused Adam does not bump
+    version counters)."""
+    model = make_model(False, seed=2)
+    src, lengths, tgt = make_batch(model.config)
+    runner = EagerRunner(model)
+    n = 6
+    greedy_decode(runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
+    model.train()
+    loss = model(src, lengths, tgt).logsumexp(-1).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    model.eval()
+    want, want_logits = greedy_decode_uncached(
+        model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n, return_logits=True
+    )
+    rec = Recorder(runner)
+    got = greedy_decode(rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n)
+    assert got == want
+    for step, (a, b) in enumerate(zip(rec.logits, want_logits)):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0, err_msg=f"step {step}")
+
+
 def test_compiled_runner_matches_uncached_and_eager_beams():
     """EagerRunner(compile=True): decode_step through torch.compile gives the uncached tokens and
     logits (greedy), and the eager runner's beams (reordered caches, rows = batch * beams)."""

@@ -63,12 +63,6 @@ def _is_tracing() -> bool:
     return False
 
 
-def inference_fast_path(module: nn.Module) -> bool:
-    """True where inference-only shortcuts (fused Q/K/V copies) are allowed: eval mode, no
-    autograd recording, not tracing or compiling."""
-    return not (module.training or torch.is_grad_enabled() or _is_tracing())
-
-
 def _is_exporting() -> bool:
     """True while a graph is traced for export (torch.jit / torch.onnx / torch.export)."""
     if torch.jit.is_tracing():
@@ -161,38 +155,17 @@ class MultiHeadAttention(nn.Module):
         self.W_O = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)  # on the attention probabilities
 
-        # Inference-only copy of [W_Q; W_K; W_V] (and biases) for one-GEMM projections in
-        # decode steps; rebuilt whenever a source parameter changes (version counter / storage).
-        self._fused_qkv: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
-        self._fused_qkv_key: Optional[tuple] = None
 
-    def _qkv_sources(self) -> list[torch.Tensor]:
-        m = self._modules  # (dict lookups: this runs at every decoder step)
-        params = [m["W_Q"]._parameters, m["W_K"]._parameters, m["W_V"]._parameters]
-        out = [p["weight"] for p in params]
-        if params[0]["bias"] is not None:
-            out += [p["bias"] for p in params]
-        return out
-
-    def fused_qkv(self) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """``(W_QKV [3*d_model, d_model], b_QKV)`` for inference steps, or None where the three
-        separate projections must run: training, autograd recording, and tracing (the ONNX
-        exporter fuses the traced MatMuls itself, DESIGN.md section 3; ``torch.compile`` sees the
-        plain parameters). The copy costs ``3 * d_model**2`` extra elements per layer."""
-        if not inference_fast_path(self):
-            return None
-        return self._fused_qkv_cached()
-
-    def _fused_qkv_cached(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The fused copy, rebuilt when a source parameter changed (version counter or storage)."""
-        sources = self._qkv_sources()
-        key = tuple((t._version, t.data_ptr()) for t in sources)
-        if key != self._fused_qkv_key:
-            with torch.no_grad():
-                weight = torch.cat(sources[:3], 0)
-                bias = torch.cat(sources[3:], 0) if len(sources) == 6 else None
-            self._fused_qkv, self._fused_qkv_key = (weight, bias), key
-        return self._fused_qkv
+    def fused_qkv(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A new copy of ``[W_Q; W_K; W_V]`` (``[3*d_model, d_model]``) and of the biases (or None),
+        for one-GEMM projections of a decoder step. A snapshot: it does not follow later updates
+        of the parameters (optimizers such as fused Adam do not even bump version counters), so
+        its user makes one per decode (see :meth:`Transformer.fused_qkv`)."""
+        with torch.no_grad():
+            weight = torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight], 0)
+            bias = (torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias], 0)
+                    if self.W_Q.bias is not None else None)
+        return weight, bias
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, d_model]`` -> ``[B, H, T, d_k]``."""
@@ -313,15 +286,15 @@ class DecoderLayer(nn.Module):
         x = self.sublayer[1](x, lambda h: self.src_attn(h, memory, memory, src_mask))
         return self.sublayer[2](x, self.feed_forward)
 
-    def step_weights(self, fuse_qkv: bool = False) -> "DecoderStepWeights":
+    def step_weights(self, fused_qkv: Optional[tuple] = None) -> "DecoderStepWeights":
         """This layer's parameters as a flat tuple for :meth:`step`, read afresh at every call (so
         in-place updates, ``.to()`` and replaced parameters are always seen), through the module
-        dicts rather than attribute lookups: this runs at every decoder step. With ``fuse_qkv``
-        (inference only) Q/K/V come as one fused matrix (:meth:`MultiHeadAttention.fused_qkv`)."""
+        dicts rather than attribute lookups: this runs at every decoder step. ``fused_qkv``: this
+        layer's ``(W_QKV, b_QKV)`` from :meth:`MultiHeadAttention.fused_qkv`, or None."""
         m = self._modules
         a, x, ff = m["self_attn"], m["src_attn"]._modules, m["feed_forward"]._modules
         n0, n1, n2 = (sub._modules["norm"]._parameters for sub in m["sublayer"]._modules.values())
-        qkv = a._fused_qkv_cached() if fuse_qkv else (None, None)
+        qkv = fused_qkv if fused_qkv is not None else (None, None)
         aq, ak, av, ao = (a._modules[k]._parameters for k in ("W_Q", "W_K", "W_V", "W_O"))
         xq, xo, f1, f2 = x["W_Q"]._parameters, x["W_O"]._parameters, ff["w_1"]._parameters, ff["w_2"]._parameters
         return DecoderStepWeights(
@@ -340,7 +313,7 @@ class DecoderLayer(nn.Module):
         self_value: torch.Tensor,  # [B, H, L, d_k]
         cross_key: torch.Tensor,  # [B, H, S, d_k]
         cross_value: torch.Tensor,  # [B, H, S, d_k]
-        fuse_qkv: bool = False,  # one GEMM for Q/K/V (inference only: see step_weights)
+        fused_qkv: Optional[tuple] = None,  # (W_QKV, b_QKV): one GEMM for Q/K/V (inference only)
         kernel_linear: bool = False,  # ops.linear instead of F.linear (inference only)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoding step -> ``(x [B, 1, d_model], new_key, new_value [B, H, 1, d_k])``.
@@ -350,7 +323,7 @@ class DecoderLayer(nn.Module):
         per layer at batch 1, and the module-call overhead of the :meth:`forward` path cost a
         fifth of the step (measured on ``base``: 4.6 ms vs 3.5 ms per step).
         """
-        w = self.step_weights(fuse_qkv)
+        w = self.step_weights(fused_qkv)
         a = self._modules["self_attn"]
         B, D, H, d_k, scale = x.shape[0], a.d_model, a.n_heads, a.d_k, a.scale
         first = self._modules["sublayer"]._modules["0"]
@@ -604,6 +577,13 @@ class Transformer(nn.Module):
             cross_values.append(v)
         return encoder_out, cross_keys, cross_values
 
+    def fused_qkv(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Per decoder layer a new copy of its self-attention ``[W_Q; W_K; W_V]`` and biases, for
+        :meth:`decode_step`: one Q/K/V GEMM per layer. A snapshot of the current parameters,
+        ``3 * d_model**2`` elements per layer; make a new one after any update (the runners make
+        one per decode, in ``encode``)."""
+        return [layer.self_attn.fused_qkv() for layer in self.decoder.layers]
+
     def decode_step(
         self,
         input_ids: torch.Tensor,  # [B, 1] int64, the newest token of each row
@@ -613,6 +593,7 @@ class Transformer(nn.Module):
         self_values: list[torch.Tensor],  # per layer [B, H, L, d_k]
         cross_keys: list[torch.Tensor],  # per layer [B, H, S, d_k]
         cross_values: list[torch.Tensor],  # per layer [B, H, S, d_k]
+        fused_qkv: Optional[list[tuple]] = None,  # from fused_qkv(): one Q/K/V GEMM per layer
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """One decoder step for one new token per row; a pure function (writes nothing).
 
@@ -625,16 +606,21 @@ class Transformer(nn.Module):
         ``0 <= positions[b] < min(L, max_len)``; nothing here checks it (this is the exported
         graph: no host sync, no data-dependent control flow, no in-place op). Inference only:
         call it in eval mode, where the dropout modules are identities.
+
+        ``fused_qkv`` (the output of :meth:`fused_qkv`, made after the last parameter update) lets
+        inference project Q/K/V with one GEMM per layer; it is ignored with autograd on, in
+        training mode and when exporting, where the separate projections run.
         """
         x = self.tgt_embed(input_ids) + self.tgt_pe.at(positions).unsqueeze(1).to(self.tgt_embed.lut.weight.dtype)
         new_keys: list[torch.Tensor] = []
         new_values: list[torch.Tensor] = []
-        fuse_qkv = inference_fast_path(self)
         kernel_linear = inference_kernels(self)
+        if not kernel_linear:
+            fused_qkv = None
         for i, layer in enumerate(self.decoder.layers):
             x, k_new, v_new = layer.step(
                 x, positions, src_lengths, self_keys[i], self_values[i], cross_keys[i], cross_values[i],
-                fuse_qkv, kernel_linear,
+                None if fused_qkv is None else fused_qkv[i], kernel_linear,
             )
             new_keys.append(k_new)
             new_values.append(v_new)

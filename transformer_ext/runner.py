@@ -99,6 +99,9 @@ class EagerState:
     # beam reorder is one call too: 2 instead of 2 * n_layers kernel calls (launches on CUDA).
     key_buffer: Optional[torch.Tensor] = None
     value_buffer: Optional[torch.Tensor] = None
+    # Per layer (W_QKV, b_QKV), copied from the parameters at encode (model.fused_qkv()): one
+    # Q/K/V GEMM per layer per step; a decode never sees a later parameter update.
+    fused_qkv: Optional[list] = None
 
     @property
     def num_rows(self) -> int:
@@ -145,11 +148,12 @@ class EagerRunner:
             key_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
             value_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
             self_keys, self_values = list(key_buffer.split(N)), list(value_buffer.split(N))
+            fused_qkv = self.model.fused_qkv()
         # On CUDA the append op reports out-of-range rows through a device flag instead of a host
         # sync per call; the capacity is checked on the host before every step anyway.
         flag = torch.zeros(1, dtype=torch.int32, device=self.device) if self.device.type == "cuda" else None
         return EagerState(lengths, cross_keys, cross_values, self_keys, self_values, 0, int(cache_len), flag,
-                          key_buffer, value_buffer)
+                          key_buffer, value_buffer, fused_qkv)
 
     def step(self, state: EagerState, tokens: np.ndarray) -> np.ndarray:
         _check_capacity(state.position, state.cache_len, self.config.max_len)
@@ -161,7 +165,7 @@ class EagerRunner:
             positions = torch.full((N,), state.position, dtype=torch.int64, device=self.device)
             logits, new_keys, new_values = self._run_decode_step(
                 ids.view(N, 1), positions, state.src_lengths,
-                state.self_keys, state.self_values, state.cross_keys, state.cross_values,
+                state.self_keys, state.self_values, state.cross_keys, state.cross_values, state.fused_qkv,
             )
             stacked_positions = positions.repeat(len(new_keys))  # [n_layers * N]
             ops.kv_cache_append_(state.key_buffer, torch.cat(new_keys), stacked_positions, state.error_flag)
