@@ -162,12 +162,15 @@ class EagerRunner:
         if ids.shape != (N,):
             raise ValueError(f"tokens must have shape ({N},), got {tuple(ids.shape)}")
         with torch.inference_mode():
-            positions = torch.full((N,), state.position, dtype=torch.int64, device=self.device)
+            # Every row and every layer's cache rows are at the same position: one tensor for
+            # the stacked caches [n_layers * N], its first N entries for the step itself.
+            stacked_positions = torch.full((len(state.self_keys) * N,), state.position, dtype=torch.int64,
+                                           device=self.device)
+            positions = stacked_positions[:N]
             logits, new_keys, new_values = self._run_decode_step(
                 ids.view(N, 1), positions, state.src_lengths,
                 state.self_keys, state.self_values, state.cross_keys, state.cross_values, state.fused_qkv,
             )
-            stacked_positions = positions.repeat(len(new_keys))  # [n_layers * N]
             ops.kv_cache_append_(state.key_buffer, torch.cat(new_keys), stacked_positions, state.error_flag)
             ops.kv_cache_append_(state.value_buffer, torch.cat(new_values), stacked_positions, state.error_flag)
             out = logits.cpu().numpy()  # synchronises, so reading the flag below costs nothing more
