@@ -1,0 +1,119 @@
+"""What every command line entry point of the package shares: ``--debug``, one-line errors, signals.
+
+A CLI's ``main()`` parses its arguments and hands the work to :func:`run_cli`::
+
+    def main(argv=None):
+        parser = build_parser()          # add_debug_flag(parser) inside
+        args = parser.parse_args(argv)
+        return run_cli(parser.prog, lambda: _run(args), debug=args.debug)
+
+:func:`run_cli` turns SIGTERM (what ``timeout``, ``docker stop`` and Kubernetes send) into a
+:class:`Terminated` exception, so the ``finally`` blocks and ``with`` blocks that remove temporary
+files run exactly as on Ctrl-C. Expected failures (bad input, a bad file, a full disk) print one
+line ``PROG: error: ...`` on stderr and return exit code 1; ``--debug`` shows the traceback
+instead. Interruptions return 130 (SIGINT) or 143 (SIGTERM) after printing one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import signal
+import sys
+import threading
+from typing import Callable, Optional
+
+EXIT_ERROR = 1
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when the process receives SIGTERM (under :func:`run_cli`)."""
+
+
+class UserError(Exception):
+    """Base of the package's errors that describe a problem with the user's input, files or options.
+
+    Message only, no traceback, when it reaches a CLI.
+    """
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error instead of a one-line message")
+    return parser
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that describe bad input or a failing disk, not a bug of ours."""
+    errors: list[type[BaseException]] = [UserError, OSError, ValueError, UnicodeError]
+    try:  # a corrupt .onnx file or protobuf text
+        from google.protobuf.message import DecodeError
+
+        errors.append(DecodeError)
+    except ImportError:
+        pass
+    try:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for ``exc``: its message, with what to do for the common disk errors."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        where = f": {exc.filename}" if exc.filename else ""
+        hints = {
+            errno.ENOSPC: "no space left on the device; free some space and run the command again",
+            errno.EROFS: "the file system is read-only; choose an output folder you can write to",
+            errno.EACCES: "permission denied",
+            errno.EDQUOT: "disk quota exceeded",
+        }
+        if exc.errno in hints:
+            return f"{hints[exc.errno]}{where}"
+        return f"{exc.strerror or exc}{where}"
+    text = str(exc).strip() or type(exc).__name__
+    if len(text) > 1000:  # a message must never echo a whole input file
+        text = f"{text[:1000]}... ({len(text) - 1000} more characters)"
+    return text
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def run_cli(prog: str, work: Callable[[], int], *, debug: bool = False,
+            interrupted_hint: str = "", expected: Optional[tuple[type[BaseException], ...]] = None) -> int:
+    """Run ``work()`` and return its exit code, or one for the failure (see the module docstring).
+
+    ``interrupted_hint`` is appended to the "interrupted" line (``"resume with --resume"``);
+    ``expected`` adds exception types to the ones reported without a traceback.
+    """
+    expected_types = _expected_errors() + tuple(expected or ())
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return work()
+    except Terminated:
+        if debug:
+            raise
+        print(f"{prog}: terminated{'; ' + interrupted_hint if interrupted_hint else ''}", file=sys.stderr)
+        return EXIT_SIGTERM
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted{'; ' + interrupted_hint if interrupted_hint else ''}", file=sys.stderr)
+        return EXIT_SIGINT
+    except expected_types as exc:
+        if debug:
+            raise
+        print(f"{prog}: error: {describe_error(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
