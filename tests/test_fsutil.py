@@ -1,0 +1,178 @@
+"""transformer_ext.fsutil and transformer_ext.cli: atomic writes, staged folders, stale temporaries, CLI errors."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from transformer_ext import cli, fsutil
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_atomic_write_replaces_and_leaves_nothing(tmp_path):
+    target = tmp_path / "f.json"
+    fsutil.atomic_write_json(target, {"a": 1})
+    fsutil.atomic_write_json(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 2}
+    assert _names(tmp_path) == ["f.json"]
+
+
+def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "f.txt"
+    target.write_text("old")
+
+    def full_disk(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+
+    monkeypatch.setattr(fsutil.os, "replace", full_disk)
+    with pytest.raises(OSError) as info:
+        fsutil.atomic_write_text(target, "new")
+    assert info.value.errno == errno.ENOSPC
+    assert target.read_text() == "old"
+    assert _names(tmp_path) == ["f.txt"]
+
+
+def test_atomic_write_refuses_nan(tmp_path):
+    with pytest.raises(ValueError):
+        fsutil.atomic_write_json(tmp_path / "x.json", {"a": float("nan")})
+    assert _names(tmp_path) == []
+
+
+def test_atomic_write_respects_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        fsutil.atomic_write_text(tmp_path / "f", "x")
+        with fsutil.StagedDir(tmp_path / "d") as stage:
+            (stage.path / "g").write_text("y")
+            stage.commit()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o755
+
+
+def test_staged_dir_commit_replaces_and_exception_cleans_up(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with fsutil.StagedDir(out) as stage:
+            (stage.path / "new.txt").write_text("half")
+            raise RuntimeError("boom")
+    assert _names(out) == ["old.txt"]
+    assert _names(tmp_path) == ["out"]
+    with fsutil.StagedDir(out) as stage:
+        (stage.path / "new.txt").write_text("new")
+        stage.commit()
+    assert _names(out) == ["new.txt"]
+    assert _names(tmp_path) == ["out"]
+
+
+def test_staged_dir_keeps_a_symlink(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "a").write_text("a")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with fsutil.StagedDir(link) as stage:
+        (stage.path / "b").write_text("b")
+        stage.commit()
+    assert link.is_symlink() and _names(link) == ["b"]
+    assert _names(tmp_path) == ["link", "real"]
+
+
+def test_staged_dir_missing_parent_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing"):
+        with fsutil.StagedDir(tmp_path / "missing" / "out"):
+            pass
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path, caplog):
+    out = tmp_path / "out"
+    dead = _dead_pid()
+    name = fsutil.temporary_name(out)  # this process's name; rewrite the pid to a dead one
+    host = name.split(".tmp-", 1)[1].rsplit("-", 2)[0]
+    stale = tmp_path / f".out.tmp-{host}-{dead}-0123abcd"
+    stale.mkdir()
+    (stale / "partial.onnx").write_text("x")
+    alive = tmp_path / f".out.tmp-{host}-{os.getppid()}-0123abcd"  # a running process: kept
+    alive.mkdir()
+    other_host = tmp_path / f".out.tmp-otherhost-{dead}-0123abcd"  # another machine's: kept
+    other_host.mkdir()
+    unrelated = tmp_path / ".out.tmp-mine"  # not our naming scheme: kept
+    unrelated.mkdir()
+    with caplog.at_level("WARNING"):
+        removed = fsutil.remove_stale_temporaries(out)
+    assert removed == [stale]
+    assert not stale.exists() and alive.exists() and other_host.exists() and unrelated.exists()
+    assert str(dead) in caplog.text
+
+
+def test_sigterm_under_run_cli_cleans_up(tmp_path):
+    """A process killed with SIGTERM while writing a staged folder leaves nothing behind."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from transformer_ext import cli, fsutil
+
+        def work():
+            with fsutil.StagedDir(Path({str(tmp_path / 'out')!r})) as stage:
+                (stage.path / "partial").write_text("x")
+                print("ready", flush=True)
+                time.sleep(60)
+                stage.commit()
+            return 0
+
+        sys.exit(cli.run_cli("prog", work))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == cli.EXIT_SIGTERM
+    assert err.strip() == "prog: terminated"
+    assert _names(tmp_path) == []
+
+
+def test_run_cli_errors(capsys):
+    def disk_full():
+        raise OSError(errno.ENOSPC, "No space left on device", "/x/y")
+
+    assert cli.run_cli("p", disk_full) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left" in err and "/x/y" in err
+    with pytest.raises(OSError):
+        cli.run_cli("p", disk_full, debug=True)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert cli.run_cli("p", interrupted, interrupted_hint="resume with --resume") == cli.EXIT_SIGINT
+    assert capsys.readouterr().err == "p: interrupted; resume with --resume\n"
+
+    def long_message():
+        raise ValueError("x" * 100_000)
+
+    assert cli.run_cli("p", long_message) == cli.EXIT_ERROR
+    assert len(capsys.readouterr().err) < 1200
+
+    def bug():
+        raise ZeroDivisionError  # not an expected error: the traceback must show
+
+    with pytest.raises(ZeroDivisionError):
+        cli.run_cli("p", bug)
