@@ -10,6 +10,9 @@ Build options (environment variables, read once here):
 ``CUDA_HOME``                 CUDA toolkit; defaults to ``/usr/local/cuda`` when that exists.
 ``TRANSFORMER_EXT_DEBUG``     ``1``: build with ``-O0 -g`` and host-side assertions.
 ``MAX_JOBS``                  parallel compile jobs (torch's own variable).
+``TRANSFORMER_EXT_DEPLOY``    ``1``: the deployment install: no compiled ops, no torch imported
+                              here or required (``pip install .[deploy]`` adds ONNX Runtime
+                              and numpy). Translating from an export folder needs nothing else.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from setuptools import Command, find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA_MODE = os.environ.get("TRANSFORMER_EXT_CUDA", "auto").strip().lower()
 DEBUG = os.environ.get("TRANSFORMER_EXT_DEBUG", "0") == "1"
+DEPLOY = os.environ.get("TRANSFORMER_EXT_DEPLOY", "0").strip()
+
+if DEPLOY not in ("0", "1"):
+    sys.exit(f"TRANSFORMER_EXT_DEPLOY must be '0' or '1', got {DEPLOY!r}")
+DEPLOY = DEPLOY == "1"
 
 if CUDA_MODE not in ("auto", "0", "1"):
     sys.exit(f"TRANSFORMER_EXT_CUDA must be 'auto', '0' or '1', got {CUDA_MODE!r}")
@@ -33,8 +41,9 @@ if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
     if os.path.exists("/usr/local/cuda/bin/nvcc"):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
-import torch  # noqa: E402  (after CUDA_HOME is fixed: cpp_extension reads it at import)
-from torch.utils import cpp_extension  # noqa: E402
+if not DEPLOY:
+    import torch  # noqa: E402  (after CUDA_HOME is fixed: cpp_extension reads it at import)
+    from torch.utils import cpp_extension  # noqa: E402
 
 
 def _nvcc_found() -> bool:
@@ -76,19 +85,16 @@ def _extension():
     opt = ["-O0", "-g"] if DEBUG else ["-O3"]
     cxx = opt + ["-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
-    define_macros = []
     if _want_cuda():
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         include_dirs += _extra_cuda_includes()
-        define_macros.append(("TRANSFORMER_EXT_WITH_CUDA", None))
         nvcc = opt + ["--expt-relaxed-constexpr", "-lineinfo"]
         return cpp_extension.CUDAExtension(
             "transformer_ext._C",
             sources,
             include_dirs=include_dirs,
-            define_macros=define_macros,
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
             extra_link_args=["-fopenmp"],
         )
@@ -143,12 +149,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["transformer_ext", "transformer_ext.*", "export", "export.*"]),
-    package_data={"transformer_ext": ["demo_model/*", "py.typed"]},
+    package_data={"transformer_ext": ["demo_model/*"]},
     include_package_data=True,
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension, "develop": develop},
-    install_requires=_requirements("requirements/runtime.txt"),
+    ext_modules=[] if DEPLOY else [_extension()],
+    cmdclass={"develop": develop} if DEPLOY else {"build_ext": cpp_extension.BuildExtension, "develop": develop},
+    install_requires=[] if DEPLOY else _requirements("requirements/runtime.txt"),
     extras_require={
+        # The deployment extra: translate from an export folder with ONNX Runtime, no torch.
+        "deploy": _requirements("requirements/deploy.txt"),
         "onnx": ["onnx>=1.17", "onnxscript>=0.2", "onnxruntime>=1.20"],
         "onnx-gpu": ["onnx>=1.17", "onnxscript>=0.2", "onnxruntime-gpu>=1.20"],
         "tensorrt": ["onnx>=1.17", "tensorrt>=10.15"],
