@@ -133,6 +133,7 @@ class OrtCudaRunner(DeviceRunner):
         self.dims = ModelDims(
             n_layers=int(cfg["n_decoder_layers"]), n_heads=heads, d_k=int(cfg["d_model"]) // heads,
             d_model=int(cfg["d_model"]), vocab_size=int(cfg["tgt_vocab_size"]), max_positions=int(cfg["max_len"]),
+            src_vocab_size=int(cfg["src_vocab_size"]),
         )
         self.limits = ProfileLimits(max_cache_len=int(self.manifest.get("max_cache_len", cfg["max_len"])))
         self.bos_id, self.eos_id = int(cfg["bos_id"]), int(cfg["eos_id"])

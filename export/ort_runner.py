@@ -120,6 +120,7 @@ class OrtRunner(decoding.SearchMethods):
         self.n_heads = int(cfg["n_heads"])
         self.d_k = int(cfg["d_model"]) // self.n_heads
         self.vocab_size = int(cfg["tgt_vocab_size"])
+        self.src_vocab_size = int(cfg["src_vocab_size"])
         self.max_len = int(cfg["max_len"])
         self.max_cache_len = int(self.manifest.get("max_cache_len", self.max_len))
         self.bos_id, self.eos_id, self.pad_id = int(cfg["bos_id"]), int(cfg["eos_id"]), int(cfg["pad_id"])
@@ -178,9 +179,7 @@ class OrtRunner(decoding.SearchMethods):
             raise ValueError(f"src_lengths must be in [1, {S}], got {lengths.tolist()}")
         if S > self.max_len:
             raise ValueError(f"source length {S} exceeds the model's max_len = {self.max_len}")
-        src_vocab = int(self.config.get("src_vocab_size", np.iinfo(np.int64).max))
-        if ids.min() < 0 or ids.max() >= src_vocab:
-            raise ValueError(f"input_ids must be in [0, {src_vocab}), got values in [{ids.min()}, {ids.max()}]")
+        decoding.check_token_ids("input_ids", ids, self.src_vocab_size, side="source")
         if not isinstance(cache_len, (int, np.integer)) or cache_len < 1:
             raise ValueError(f"cache_len must be a positive int, got {cache_len!r}")
         if cache_len > min(self.max_len, self.max_cache_len):
@@ -248,7 +247,7 @@ class OrtRunner(decoding.SearchMethods):
     def step(self, state: OrtState, tokens: Any) -> np.ndarray:
         """Feed one token per row at the current position; returns float32 logits ``[N, V]``."""
         p = state.position
-        tok = decoding.check_step_tokens(p, state.cache_len, self.max_len, tokens, state.num_rows)
+        tok = decoding.check_step_tokens(p, state.cache_len, self.max_len, tokens, state.num_rows, self.vocab_size)
         state.input_ids[:, 0] = tok
         state.positions.fill(p)
         self.decoder.run_with_iobinding(state.binding)

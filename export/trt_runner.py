@@ -93,6 +93,7 @@ class ModelDims:
     d_model: int
     vocab_size: int
     max_positions: Optional[int] = None  # the model's max_len: positions must stay below it
+    src_vocab_size: Optional[int] = None  # source ids must be below it; None: not checked
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,7 @@ class DeviceRunner(decoding.SearchMethods):
             raise ValueError(f"src_lengths must be in [1, {S}], got {lengths.tolist()}")
         if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
             raise ValueError(f"num_beams must be a positive int, got {num_beams!r}")
+        decoding.check_token_ids("input_ids", ids, self.dims.src_vocab_size, side="source")
         lim = self.limits
         mp = self.dims.max_positions
         if mp is not None and S > mp:
@@ -361,7 +363,8 @@ class DeviceRunner(decoding.SearchMethods):
         float32 logits ``[N, V]`` on the host."""
         p = state.position
         N = state.num_rows
-        tok = decoding.check_step_tokens(p, state.cache_len, self.dims.max_positions, tokens, N)
+        vocab = self.dims.vocab_size if self.dims.vocab_size > 0 else None
+        tok = decoding.check_step_tokens(p, state.cache_len, self.dims.max_positions, tokens, N, vocab)
         with self._on_stream(), torch.inference_mode():
             state.tokens_host.copy_(torch.from_numpy(np.ascontiguousarray(tok, dtype=np.int64)))
             state.input_ids.view(N).copy_(state.tokens_host, non_blocking=True)
@@ -435,13 +438,16 @@ class TensorRTRunner(DeviceRunner):
             with the same API).
         max_positions: the model's ``max_len`` (positions must stay below it); ``None``: only the
             cache capacity is checked.
+        src_vocab_size: the model's source vocabulary size (source ids must be below it; the
+            engines do not record it); ``None``: source ids are not range-checked.
         device, stream: see :class:`DeviceRunner`.
 
     Use :meth:`from_export_dir` to load the engines ``python -m export.tensorrt`` wrote.
     """
 
     def __init__(self, encoder_engine: Any, decoder_engine: Any, *, max_positions: Optional[int] = None,
-                 device: Union[str, torch.device] = "cuda", stream: Optional[Any] = None):
+                 src_vocab_size: Optional[int] = None, device: Union[str, torch.device] = "cuda",
+                 stream: Optional[Any] = None):
         super().__init__(device, stream)
         self.encoder_engine, self.decoder_engine = encoder_engine, decoder_engine
         self.encoder_io = engine_io(encoder_engine)
@@ -459,6 +465,7 @@ class TensorRTRunner(DeviceRunner):
         self.dims = ModelDims(
             n_layers=n_layers, n_heads=heads, d_k=d_k, d_model=enc["encoder_out"]["shape"][-1],
             vocab_size=dec["logits"]["shape"][-1], max_positions=max_positions,
+            src_vocab_size=None if src_vocab_size is None else int(src_vocab_size),
         )
         self.cache_dtype = TORCH_DTYPES[dec["self_key.0"]["dtype"]]
         self.encoder_out_dtype = TORCH_DTYPES[enc["encoder_out"]["dtype"]]
@@ -517,8 +524,9 @@ class TensorRTRunner(DeviceRunner):
                                    f"{built[precision].get('tensorrt_version')} on {built[precision].get('device')}; "
                                    f"this is TensorRT {trt.__version__}: engines are tied to both)")
             engines[graph] = engine
+        src_vocab = (manifest.get("model_config") or {}).get("src_vocab_size")
         runner = cls(engines["encoder"], engines["decoder_step"], max_positions=manifest_max_positions(manifest),
-                     device=device)
+                     src_vocab_size=src_vocab, device=device)
         runner._runtime = runtime  # keep the runtime alive as long as its engines
         return runner
 

@@ -16,6 +16,9 @@ from transformer_ext.decoding import (
     Hypothesis,
     Runner,
     beam_search,
+    check_beam_index,
+    check_step_tokens,
+    check_token_ids,
     greedy_decode,
     length_penalty_factor,
     log_softmax,
@@ -27,7 +30,7 @@ from test_model import make_batch, make_model
 
 NORM_FIRST = [False, True]
 RUNNERS = {"eager": EagerRunner, "catcache": CatCacheRunner}
-LENGTH_PENALTIES = ["gnmt", "seed", "none"]
+LENGTH_PENALTIES = ["gnmt", "seed", "average", "none"]
 ATOL = 1e-5
 
 
@@ -149,15 +152,48 @@ def test_log_softmax_is_stable():
     np.testing.assert_allclose(y[0, :2], [-1.0 - math.log1p(math.exp(-1.0)), -math.log1p(math.exp(-1.0))])
 
 
+def test_log_softmax_of_a_fully_masked_row_is_minus_inf():
+    y = log_softmax(np.array([[-np.inf, -np.inf], [0.0, -np.inf]]))
+    assert np.all(np.isneginf(y[0])) and y[1, 0] == 0.0 and np.isneginf(y[1, 1])
+
+
 def test_max_new_tokens_for():
     np.testing.assert_array_equal(max_new_tokens_for([1, 10, 24], 1.5, 10), [11, 25, 46])
     np.testing.assert_array_equal(max_new_tokens_for([1, 10, 24], 1.5, 10, cap=30), [11, 25, 30])
-    np.testing.assert_array_equal(max_new_tokens_for([2], 0.0, -5), [1])
+    np.testing.assert_array_equal(max_new_tokens_for([2], 0.0, 0), [1])
+
+
+@pytest.mark.parametrize("a,b", [(1e20, 0), (1e30, 10), (1.5, 1e300), (2.0**70, 0)])
+def test_max_new_tokens_for_huge_finite_budget_is_capped(a, b):
+    """A finite budget beyond int64 or the cap is the cap (it used to wrap around to 1)."""
+    np.testing.assert_array_equal(max_new_tokens_for([1, 7], a, b, cap=64), [64, 64])
+    with pytest.raises(ValueError, match="too large"):
+        max_new_tokens_for([1, 7], a, b)
+
+
+@pytest.mark.parametrize("a,b,name", [
+    (math.inf, 10, "a "), (math.nan, 10, "a "), (-1.0, 10, "a "),
+    (1.5, math.inf, "b "), (1.5, math.nan, "b "), (1.5, -5, "b "),
+])
+def test_max_new_tokens_for_rejects_non_finite_or_negative(a, b, name):
+    with pytest.raises(ValueError, match=f"^{name}.*finite number >= 0"):
+        max_new_tokens_for([3], a, b, cap=64)
+
+
+def penalty_oracle(kind: str, length: int, alpha: float) -> float:
+    """The length-penalty divisors written out from their definitions (length counts the EOS)."""
+    return {
+        "gnmt": ((5 + length) / (5 + 1)) ** alpha,  # Wu et al. 2016
+        "seed": ((5 + (length + 1)) / 5) ** alpha,  # the seed tutorial, length with BOS
+        "average": length ** alpha,  # fairseq: score / (tokens incl. EOS) ** lenpen
+        "none": 1.0,
+    }[kind]
 
 
 @pytest.mark.parametrize("kind,length,alpha,want", [
     ("gnmt", 1, 0.6, 1.0), ("gnmt", 7, 0.6, 2.0 ** 0.6), ("gnmt", 3, 1.0, 8 / 6),
     ("seed", 4, 0.6, 2.0 ** 0.6), ("seed", 1, 1.0, 7 / 5), ("none", 9, 0.6, 1.0),
+    ("average", 4, 0.5, 2.0), ("average", 3, 1.0, 3.0), ("average", 1, 2.0, 1.0), ("average", 9, 0.0, 1.0),
 ])
 def test_length_penalty_factor(kind, length, alpha, want):
     assert length_penalty_factor(length, kind, alpha) == pytest.approx(want)
@@ -326,18 +362,32 @@ def test_beam_finds_better_sequence_than_greedy():
     assert hyps[0].finished and hyps[0].score > hyps[1].score
 
 
-def brute_force(fn, V, eos, max_new, kind, alpha, src=0):
-    """Every hypothesis up to max_new tokens with its score, best first."""
+def brute_force(fn, V, eos, max_new, kind, alpha, src=0, min_new=0):
+    """Every hypothesis up to max_new tokens with its score, best first: ``(score, tokens,
+    finished, log_prob)``.
+
+    Before ``min_new`` tokens, EOS is impossible and the other tokens' probabilities are
+    renormalised over the vocabulary without it: ``p(tok) / (1 - p(EOS))``, computed here from
+    the probabilities in float64 (CTranslate2's ``min_decoding_length`` semantics)."""
+
+    def logp(prefix, tok):
+        p = np.exp(np.asarray(fn(src, prefix), dtype=np.float64))
+        p = p / p.sum()
+        if p[tok] == 0 or (tok == eos and len(prefix) < min_new):
+            return -math.inf
+        if len(prefix) < min_new:
+            return math.log(p[tok]) - math.log(1.0 - p[eos])
+        return math.log(p[tok])
+
     hyps = []
     non_eos = [t for t in range(V) if t != eos]
-    for n in range(0, max_new):
+    for n in range(min_new, max_new):
         for prefix in itertools.product(non_eos, repeat=n):
-            lp = sum(fn(src, prefix[:i])[prefix[i]] for i in range(n))
-            lp_eos = lp + fn(src, prefix)[eos]
-            hyps.append((lp_eos / length_penalty_factor(n + 1, kind, alpha), list(prefix), True))
+            lp = sum(logp(prefix[:i], prefix[i]) for i in range(n)) + logp(prefix, eos)
+            hyps.append((lp / penalty_oracle(kind, n + 1, alpha), list(prefix), True, lp))
     for prefix in itertools.product(non_eos, repeat=max_new):
-        lp = sum(fn(src, prefix[:i])[prefix[i]] for i in range(max_new))
-        hyps.append((lp / length_penalty_factor(max_new, kind, alpha), list(prefix), False))
+        lp = sum(logp(prefix[:i], prefix[i]) for i in range(max_new))
+        hyps.append((lp / penalty_oracle(kind, max_new, alpha), list(prefix), False, lp))
     hyps.sort(key=lambda h: -h[0])
     return hyps
 
@@ -358,6 +408,61 @@ def test_exhaustive_beam_equals_brute_force(kind):
 
 
 @pytest.mark.parametrize("kind", LENGTH_PENALTIES)
+def test_exhaustive_beam_with_min_new_tokens_equals_renormalised_brute_force(kind):
+    """EOS suppressed before min_new_tokens: masked before the softmax, so every other token's
+    probability is renormalised; scores and n-best order equal the brute-force enumeration."""
+    V, eos, max_new, min_new = 4, 0, 4, 2
+    fn = random_fn(V, seed=5, sharp=1.0)
+    src, lengths = sources(2)
+    results = beam_search(FunctionRunner(V, fn), src, lengths, bos_id=3, eos_id=eos, beam_size=V ** max_new,
+                          n_best=8, max_new_tokens=max_new, min_new_tokens=min_new, length_penalty=kind, alpha=0.8)
+    for b, got in enumerate(results):
+        want = brute_force(fn, V, eos, max_new, kind, 0.8, src=b, min_new=min_new)[:8]
+        assert [h.tokens for h in got] == [w[1] for w in want]
+        np.testing.assert_allclose([h.score for h in got], [w[0] for w in want], rtol=1e-5)
+        np.testing.assert_allclose([h.log_prob for h in got], [w[3] for w in want], rtol=1e-5)
+        assert all(len(h.tokens) >= min_new for h in got)
+
+
+def test_min_new_tokens_renormalises_instead_of_dropping_eos_mass():
+    """A case where the two rules disagree. min_new_tokens = 2: at step 0 EOS has half the mass;
+    after A, EOS would take 0.9 but is forbidden. Renormalised: A A = 0.52 * 1.0 beats
+    B A = 0.48 * 0.5. Masking EOS after the softmax (the old rule) scored A A = 0.26 * 0.1 and
+    B A = 0.24 * 0.5, and ranked B A first."""
+    table = {
+        (): {EOS: 0.5, A: 0.26, B_: 0.24},
+        (A,): {EOS: 0.9, A: 0.1},
+        (B_,): {A: 0.5, B_: 0.5},
+    }
+    fn = table_fn(table, 5, EOS)
+    src, lengths = sources(1)
+    want = brute_force(fn, 5, EOS, 4, "none", 0.0, min_new=2)
+    assert want[0][1] == [A, A] and want[0][3] == pytest.approx(math.log(0.52))
+    for beam_size in (2, 3):
+        (hyps,) = beam_search(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, beam_size=beam_size,
+                              n_best=2, max_new_tokens=4, min_new_tokens=2, length_penalty="none")
+        assert [h.tokens for h in hyps] == [w[1] for w in want[:2]]
+        np.testing.assert_allclose([h.log_prob for h in hyps], [w[3] for w in want[:2]], rtol=1e-6)
+        assert hyps[0].tokens == [A, A] and hyps[0].log_prob == pytest.approx(math.log(0.52), rel=1e-6)
+
+
+def test_average_length_penalty_changes_the_winner():
+    """score / length ** alpha (fairseq's, EOS counted): with alpha = 1 the longer hypothesis with
+    the better average log-probability wins, the shorter one with the better total does not.
+    [] + EOS: log 0.55 = -0.598 over 1 token; [A, A] + EOS: log(0.45 * 0.9 * 0.9) = -1.009
+    over 3 tokens = -0.336 on average."""
+    table = {(): {EOS: 0.55, A: 0.45}, (A,): {A: 0.9, EOS: 0.1}, (A, A): {EOS: 0.9, A: 0.1}}
+    fn = table_fn(table, 5, EOS)
+    src, lengths = sources(1)
+    runs = {kind: beam_search(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, beam_size=3, n_best=2,
+                              max_new_tokens=5, length_penalty=kind, alpha=1.0)[0] for kind in ("none", "average")}
+    short_lp, long_lp = math.log(0.55), math.log(0.45 * 0.9 * 0.9)
+    assert runs["none"][0].tokens == [] and runs["none"][0].score == pytest.approx(short_lp)
+    assert runs["average"][0].tokens == [A, A] and runs["average"][0].score == pytest.approx(long_lp / 3)
+    assert runs["average"][1].tokens == [] and runs["average"][1].score == pytest.approx(short_lp / 1)
+
+
+@pytest.mark.parametrize("kind", LENGTH_PENALTIES)
 def test_n_best_sorted_and_scored(kind):
     V = 7
     fn = random_fn(V, seed=2)
@@ -375,7 +480,7 @@ def test_n_best_sorted_and_scored(kind):
             if h.finished:
                 lp += fn(b, prefix)[2]
             assert h.log_prob == pytest.approx(lp, abs=1e-5)  # float32 logits
-            assert h.score == pytest.approx(h.log_prob / length_penalty_factor(len(prefix) + h.finished, kind, 0.6))
+            assert h.score == pytest.approx(h.log_prob / penalty_oracle(kind, len(prefix) + h.finished, 0.6))
 
 
 def test_beam_early_stop_when_no_open_beam_can_win():
@@ -493,5 +598,56 @@ def test_runner_capacity_errors(runner_name):
     runner.step(state, tokens)
     with pytest.raises(IndexError, match="cache holds 2 positions"):
         runner.step(state, tokens)
-    with pytest.raises(ValueError, match="src_ids contains token id 99"):
+    with pytest.raises(ValueError, match=r"input_ids\[0, 0\] = 99 \(row 0\) is not a source token id"):
         runner.encode(np.full((1, 2), 99), np.array([2]), 4)
+
+
+@pytest.mark.parametrize("runner_name", list(RUNNERS))
+def test_runner_token_checks_name_row_and_value(runner_name):
+    """One shared check (decoding.check_step_tokens / check_token_ids): an id outside the
+    vocabulary is a ValueError naming its row and value, before anything is fed or written."""
+    model = make_model(False)
+    runner = RUNNERS[runner_name](model)
+    src, lengths, _ = make_batch(model.config)
+    V = model.config.tgt_vocab_size
+    state = runner.encode(src.numpy(), lengths.numpy(), 4)
+    for bad, row in ((-1, 1), (V, 2)):
+        tokens = np.ones(3, np.int64)
+        tokens[row] = bad
+        with pytest.raises(ValueError, match=rf"tokens\[{row}\] = {bad} \(row {row}\) is not a target token id: "
+                                             rf"the target vocabulary has ids 0 \.\. {V - 1}"):
+            runner.step(state, tokens)
+    assert state.position == 0
+    assert np.isfinite(runner.step(state, np.ones(3, np.int64))).all()  # the state is still usable
+    ids = src.numpy().copy()
+    ids[0, 1] = model.config.src_vocab_size
+    ids[2, 0] = -3
+    with pytest.raises(ValueError, match=r"input_ids\[0, 1\] = \d+ \(row 0\) is not a source token id.*"
+                                         r"\(1 more ids out of range\)"):
+        runner.encode(ids, lengths.numpy(), 4)
+
+
+@pytest.mark.parametrize("runner_name", list(RUNNERS))
+def test_runner_reorder_reports_the_callers_row_and_value(runner_name):
+    """EagerRunner reorders a buffer stacked over layers; a bad beam_index is reported in the
+    caller's terms (row 4, value 6), never as an index into that buffer (nor applied to it)."""
+    model = make_model(False)
+    runner = RUNNERS[runner_name](model)
+    src, lengths, _ = make_batch(model.config)
+    state = runner.encode(src.numpy(), lengths.numpy(), 4, 2)  # N = 6 rows
+    runner.step(state, np.ones(6, np.int64))
+    with pytest.raises(IndexError, match=r"^beam_index\[4\] = 6 is not a row of the decoding state: rows are 0 \.\. 5$"):
+        runner.reorder(state, np.array([0, 1, 2, 3, 6, 5]))
+    with pytest.raises(IndexError, match=r"beam_index\[0\] = -1 .*\(1 more out of range\)"):
+        runner.reorder(state, np.array([-1, 1, 2, 3, 4, 9]))
+
+
+def test_shared_id_checks():
+    assert check_token_ids("x", np.array([[0, 4]]), 5).dtype == np.int64
+    with pytest.raises(TypeError, match="x must hold integers"):
+        check_token_ids("x", np.array([0.5]), 5)
+    with pytest.raises(ValueError, match=r"^tokens\[0\] = -1 \(row 0\)"):
+        check_step_tokens(0, 4, 64, np.array([-1, 2]), 2, vocab_size=5)
+    check_step_tokens(0, 4, 64, np.array([-1, 2]), 2)  # no vocabulary given: the range is not checked
+    with pytest.raises(IndexError, match=r"beam_index\[1\] = 2 "):
+        check_beam_index([0, 2], 2)

@@ -278,3 +278,55 @@ print(out[0], hyps[0][0].tokens)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
+
+
+# ------------------------------------------------------------------------------------------
+# token ids: one shared check in every runner
+# ------------------------------------------------------------------------------------------
+
+
+def _device_runner(kind: str, export_dir: Path):
+    """The ONNX Runtime CUDA runner (CPU provider, same bindings) or the TensorRT runner over
+    stand-in engines: both are DeviceRunners, checked like every other runner."""
+    if kind == "ort_cuda":
+        from export.ort_cuda_runner import OrtCudaRunner
+
+        return OrtCudaRunner(export_dir, device="cpu", intra_op_num_threads=1)
+    from export.trt_runner import TensorRTRunner
+    from test_tensorrt import _fake_engines
+
+    model = eager_model(export_dir)
+    enc, dec = _fake_engines(model, "portable", torch.device("cpu"), [])
+    return TensorRTRunner(enc, dec, max_positions=model.config.max_len,
+                          src_vocab_size=model.config.src_vocab_size, device="cpu")
+
+
+@pytest.mark.parametrize("kind", ["ort", "ort_cuda", "tensorrt"])
+def test_runners_check_token_ids(exported_portable, kind):
+    """Token -1 used to wrap to the last vocabulary row in OrtRunner.step; every runner now
+    refuses it (and any id >= vocab) through decoding.check_step_tokens, naming row and value;
+    source ids are checked at encode the same way."""
+    runner = OrtRunner(exported_portable) if kind == "ort" else _device_runner(kind, exported_portable)
+    cfg = eager_model(exported_portable).config
+    ids, lengths = sources(runner if kind == "ort" else OrtRunner(exported_portable))
+    state = runner.encode(ids, lengths, cache_len=4)
+    for bad, row in ((-1, 0), (cfg.tgt_vocab_size, 2)):
+        tokens = np.full(3, cfg.bos_id, dtype=np.int64)
+        tokens[row] = bad
+        with pytest.raises(ValueError, match=rf"tokens\[{row}\] = {bad} \(row {row}\) is not a target token id"):
+            runner.step(state, tokens)
+    assert state.position == 0
+    bad_src = ids.copy()
+    bad_src[1, 0] = cfg.src_vocab_size + 3
+    with pytest.raises(ValueError, match=rf"input_ids\[1, 0\] = {cfg.src_vocab_size + 3} \(row 1\) is not a source "
+                                         rf"token id: the source vocabulary has ids 0 \.\. {cfg.src_vocab_size - 1}"):
+        runner.encode(bad_src, lengths, cache_len=4)
+
+
+def test_ort_runner_reorder_names_row_and_value(exported_portable):
+    runner = OrtRunner(exported_portable)
+    ids, lengths = sources(runner)
+    state = runner.encode(ids, lengths, cache_len=4, num_beams=2)
+    runner.step(state, np.full(6, runner.bos_id, dtype=np.int64))
+    with pytest.raises(IndexError, match=r"^beam_index\[5\] = 6 is not a row"):
+        runner.reorder(state, np.array([0, 1, 2, 3, 4, 6]))

@@ -10,8 +10,13 @@ Conventions:
 * ``max_new_tokens`` counts generated tokens, EOS included (a row that emits EOS as its
   ``max_new_tokens``-th token has ``max_new_tokens - 1`` tokens). It may be an int or one value
   per source (e.g. from :func:`max_new_tokens_for`).
-* ``min_new_tokens``: EOS is suppressed (its logit set to -inf) while fewer tokens than that
-  have been generated.
+* ``min_new_tokens``: EOS is suppressed while fewer tokens than that have been generated: its
+  logit is set to -inf before the softmax, so the other tokens' probabilities are renormalised
+  over the vocabulary without EOS (as CTranslate2's ``min_decoding_length`` does). Beam scores
+  and ``Hypothesis.log_prob`` are sums of these renormalised log-probabilities; greedy picks the
+  same token either way.
+* Length penalties (:func:`length_penalty_factor`) divide a hypothesis' log-probability by a
+  function of its length, which counts the generated tokens with the EOS (when it has one).
 * The runner's self-attention cache must hold every fed token: the decoder feeds BOS and then
   all generated tokens but the last, so ``cache_len`` defaults to ``max(max_new_tokens)``.
 """
@@ -36,11 +41,15 @@ __all__ = [
     "max_new_tokens_for",
     "length_penalty_factor",
     "log_softmax",
+    "check_token_ids",
+    "check_step_tokens",
+    "check_beam_index",
+    "LENGTH_PENALTIES",
 ]
 
 IntOrArray = Union[int, Sequence[int], np.ndarray]
 
-LENGTH_PENALTIES = ("gnmt", "seed", "none")
+LENGTH_PENALTIES = ("gnmt", "seed", "average", "none")
 
 
 @runtime_checkable
@@ -68,8 +77,38 @@ class Runner(Protocol):
         ...
 
 
-def check_step_tokens(position: int, cache_len: int, max_positions: int | None, tokens: Any, num_rows: int) -> np.ndarray:
-    """The checks every runner makes before feeding one token per row at ``position``."""
+def _format_index(index: tuple) -> str:
+    return ", ".join(str(int(i)) for i in index)
+
+
+def check_token_ids(name: str, ids: Any, vocab_size: int | None, *, side: str = "target") -> np.ndarray:
+    """``ids`` (any shape) as int64, every value in ``[0, vocab_size)``; the checks every runner
+    makes on the token ids it feeds (source ids at encode, one token per row at a step).
+
+    Raises TypeError for non-integer ids and ValueError naming the first offending entry
+    (``tokens[2] = -1``) and the vocabulary range otherwise. ``vocab_size=None`` checks the dtype only.
+    """
+    arr = as_int64(name, ids)
+    if vocab_size is None or arr.size == 0:
+        return arr
+    bad = (arr < 0) | (arr >= int(vocab_size))
+    if bad.any():
+        where = np.argwhere(bad)
+        first = tuple(where[0])
+        more = f" ({len(where) - 1} more ids out of range)" if len(where) > 1 else ""
+        row = f" (row {int(first[0])})" if arr.ndim >= 1 else ""
+        raise ValueError(
+            f"{name}[{_format_index(first)}] = {int(arr[first])}{row} is not a {side} token id: the {side} "
+            f"vocabulary has ids 0 .. {int(vocab_size) - 1}{more}"
+        )
+    return arr
+
+
+def check_step_tokens(position: int, cache_len: int, max_positions: int | None, tokens: Any, num_rows: int,
+                      vocab_size: int | None = None) -> np.ndarray:
+    """The checks every runner makes before feeding one token per row at ``position``: room in
+    the cache and the positional encodings, shape ``(num_rows,)``, integer ids in
+    ``[0, vocab_size)`` (the target vocabulary; ``None`` skips the range check). Returns int64."""
     if position >= cache_len or (max_positions is not None and position >= max_positions):
         raise IndexError(
             f"cannot feed a token at position {position}: the self-attention cache holds {cache_len} "
@@ -81,7 +120,7 @@ def check_step_tokens(position: int, cache_len: int, max_positions: int | None, 
         raise ValueError(f"tokens must have shape ({num_rows},), got {tok.shape}")
     if not np.issubdtype(tok.dtype, np.integer):
         raise TypeError(f"tokens must hold integers, got dtype {tok.dtype}")
-    return tok
+    return check_token_ids("tokens", tok, vocab_size, side="target")
 
 
 def as_int64(name: str, array: Any) -> np.ndarray:
@@ -93,12 +132,21 @@ def as_int64(name: str, array: Any) -> np.ndarray:
 
 
 def check_beam_index(beam_index: Any, num_rows: int) -> np.ndarray:
-    """The checks every runner makes on the ``beam_index`` of a reorder; returns it as int64."""
+    """The checks every runner makes on the ``beam_index`` of a reorder; returns it as int64.
+
+    An out-of-range value is an IndexError naming its row and value in the caller's
+    ``beam_index`` (``beam_index[3] = 7``), never an index into a runner's internal buffers.
+    """
     index = as_int64("beam_index", beam_index)
     if index.shape != (num_rows,):
         raise ValueError(f"beam_index must have shape ({num_rows},), got {index.shape}")
-    if num_rows and (index.min() < 0 or index.max() >= num_rows):
-        raise IndexError(f"beam_index values must be in [0, {num_rows}), got {index.tolist()}")
+    bad = np.flatnonzero((index < 0) | (index >= num_rows))
+    if bad.size:
+        r = int(bad[0])
+        more = f" ({bad.size - 1} more out of range)" if bad.size > 1 else ""
+        raise IndexError(
+            f"beam_index[{r}] = {int(index[r])} is not a row of the decoding state: rows are 0 .. {num_rows - 1}{more}"
+        )
     return index
 
 
@@ -107,7 +155,8 @@ class Hypothesis:
     """One beam search result.
 
     ``tokens``: generated ids without BOS/EOS. ``log_prob``: sum of the log-probabilities of
-    every generated token, the EOS included when the hypothesis finished with one.
+    every generated token, the EOS included when the hypothesis finished with one (at steps
+    before ``min_new_tokens``, of the distribution renormalised without EOS).
     ``score``: ``log_prob / length_penalty_factor(...)``, what the n-best list is sorted by.
     ``finished``: False for a hypothesis cut off at ``max_new_tokens`` without EOS.
     """
@@ -129,36 +178,60 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     m = np.max(x, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     shifted = x - m
-    with np.errstate(divide="ignore"):
-        return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+    return np.where(np.isneginf(x), -np.inf, out)  # a row of only -inf stays -inf, not NaN
 
 
 def length_penalty_factor(length: int, kind: str = "gnmt", alpha: float = 0.6) -> float:
     """The divisor of a hypothesis' log-probability.
 
-    ``length`` counts generated tokens, EOS included.
+    ``length`` counts generated tokens, EOS included (a finished hypothesis of n tokens has
+    length n + 1, an unfinished one cut at the budget has length n), so it is >= 1.
     ``"gnmt"``: ``((5 + length) / 6) ** alpha`` (Wu et al. 2016).
     ``"seed"``: ``((5 + length + 1) / 5) ** alpha``: the seed tutorial's formula, whose length
     is that of the sequence with BOS.
+    ``"average"``: ``length ** alpha``: the average log-probability per token for ``alpha = 1``.
+    fairseq's ``--lenpen`` is this definition (its length counts the final EOS); CTranslate2's
+    ``length_penalty`` is too when it runs with ``return_end_token=True`` (by default it
+    leaves the EOS out of the length, so finished hypotheses there are divided by n ** alpha).
     ``"none"``: 1.
     """
     if kind == "gnmt":
         return ((5.0 + length) / 6.0) ** alpha
     if kind == "seed":
         return ((5.0 + length + 1) / 5.0) ** alpha
+    if kind == "average":
+        return float(length) ** alpha
     if kind == "none":
         return 1.0
     raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {kind!r}")
 
 
+def _check_budget_coefficient(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return value
+
+
 def max_new_tokens_for(src_lengths: IntOrArray, a: float, b: float, *, cap: int | None = None) -> np.ndarray:
-    """Per-source generation budget ``floor(a * src_len + b)``, at least 1, at most ``cap``."""
+    """Per-source generation budget ``floor(a * src_len + b)``, at least 1, at most ``cap``.
+
+    ``a`` and ``b`` must be finite and >= 0 (a ValueError naming them otherwise: an infinite or
+    NaN budget has no integer value). Without ``cap`` a budget must fit in int64.
+    """
+    a = _check_budget_coefficient("a (tokens per source token)", a)
+    b = _check_budget_coefficient("b (extra tokens)", b)
     lengths = np.asarray(src_lengths, dtype=np.float64)
-    budget = np.floor(a * lengths + b).astype(np.int64)
-    budget = np.maximum(budget, 1)
+    budget = np.floor(a * lengths + b)  # float64: finite for finite a, b and lengths
     if cap is not None:
-        budget = np.minimum(budget, int(cap))
-    return budget
+        budget = np.minimum(budget, float(int(cap)))
+    elif budget.size and budget.max() >= 2.0**62:
+        raise ValueError(f"generation budget {budget.max():.3g} = a * src_len + b is too large; give a cap")
+    return np.maximum(budget.astype(np.int64), 1)
 
 
 def _check_sources(input_ids: Any, src_lengths: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -333,10 +406,12 @@ def beam_search(
         if logits.ndim != 2 or logits.shape[0] != N:
             raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
         V = logits.shape[1]
+        suppress = t < min_new  # [B]: EOS masked before the softmax, the rest renormalised
+        if suppress.any():
+            logits = np.array(logits, dtype=np.float32, copy=True).reshape(B, K, V)
+            logits[suppress, :, eos_id] = -np.inf
+            logits = logits.reshape(N, V)
         logp = log_softmax(logits).reshape(B, K, V)
-        for b in range(B):
-            if t < min_new[b]:
-                logp[b, :, eos_id] = -np.inf
         cand = (beam_scores[:, :, None] + logp).reshape(B, K * V)  # [B, K*V]
         n_cand = min(2 * K, K * V)
         top = np.argpartition(-cand, n_cand - 1, axis=1)[:, :n_cand]  # [B, 2K], unordered

@@ -20,30 +20,24 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from . import ops
+from . import decoding, ops
+from .cli import UserError
 from .model import Transformer, padding_mask
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EagerRunner", "EagerState", "CatCacheRunner", "CatCacheState", "greedy_decode_uncached"]
+__all__ = ["CompileError", "EagerRunner", "EagerState", "CatCacheRunner", "CatCacheState", "greedy_decode_uncached"]
 
 Device = Union[str, torch.device]
 
 
-def _to_int64(name: str, array: np.ndarray, device: torch.device) -> torch.Tensor:
-    arr = np.asarray(array)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)).to(device)
+class CompileError(RuntimeError, UserError):
+    """``torch.compile`` of the decoder step failed (on CPU, usually a missing C++ compiler)."""
 
 
-def _check_capacity(position: int, cache_len: int, max_len: int) -> None:
-    if position >= cache_len or position >= max_len:
-        raise IndexError(
-            f"cannot feed a token at position {position}: the self-attention cache holds "
-            f"{cache_len} positions and the model has {max_len} positional encodings; "
-            "encode with a larger cache_len (at most max_len) or generate fewer tokens"
-        )
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A checked int64 numpy array (see :mod:`transformer_ext.decoding`'s checks) on ``device``."""
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
 
 
 def _check_encode_args(model: Transformer, cache_len: int, num_beams: int) -> None:
@@ -66,8 +60,9 @@ def _encode_sources(model: Transformer, device: torch.device, input_ids: np.ndar
     Returns ``(src_lengths [N], cross_keys, cross_values, source_length S)``, N = batch * beams.
     """
     _check_encode_args(model, cache_len, num_beams)
-    src = _to_int64("input_ids", input_ids, device)
-    lengths = _to_int64("src_lengths", src_lengths, device)
+    src = _to_device(decoding.check_token_ids("input_ids", input_ids, model.config.src_vocab_size, side="source"),
+                     device)
+    lengths = _to_device(decoding.as_int64("src_lengths", src_lengths), device)
     with torch.inference_mode():
         _, cross_keys, cross_values = model.encode(src, lengths)
         if num_beams > 1:
@@ -132,7 +127,7 @@ class EagerRunner:
         try:
             return self._decode_step(*args)
         except Exception as exc:  # compile errors surface at the first call of each shape
-            raise RuntimeError(
+            raise CompileError(
                 f"torch.compile of decode_step failed ({type(exc).__name__}: {exc}); on CPU Inductor needs a "
                 "working C++ compiler. Run without compile (EagerRunner(..., compile=False), no --compile)"
             ) from exc
@@ -156,11 +151,9 @@ class EagerRunner:
                           key_buffer, value_buffer, fused_qkv)
 
     def step(self, state: EagerState, tokens: np.ndarray) -> np.ndarray:
-        _check_capacity(state.position, state.cache_len, self.config.max_len)
-        ids = _to_int64("tokens", tokens, self.device)
         N = state.num_rows
-        if ids.shape != (N,):
-            raise ValueError(f"tokens must have shape ({N},), got {tuple(ids.shape)}")
+        ids = _to_device(decoding.check_step_tokens(state.position, state.cache_len, self.config.max_len, tokens, N,
+                                                    self.config.tgt_vocab_size), self.device)
         with torch.inference_mode():
             # Every row and every layer's cache rows are at the same position: one tensor for
             # the stacked caches [n_layers * N], its first N entries for the step itself.
@@ -180,9 +173,8 @@ class EagerRunner:
         return out
 
     def reorder(self, state: EagerState, beam_index: np.ndarray) -> None:
-        index = _to_int64("beam_index", beam_index, self.device)
-        if index.shape != (state.num_rows,):
-            raise ValueError(f"beam_index must have shape ({state.num_rows},), got {tuple(index.shape)}")
+        # Checked here, in the caller's terms: the op below sees the stacked per-layer index.
+        index = _to_device(decoding.check_beam_index(beam_index, state.num_rows), self.device)
         with torch.inference_mode():
             N, n_layers = state.num_rows, len(state.self_keys)
             # Layer i's rows are i*N .. (i+1)*N-1 of the buffers: offset the index per layer.
@@ -242,11 +234,9 @@ class CatCacheRunner:
         return torch.matmul(scores.softmax(-1), v)  # [N, H, 1, d_k]
 
     def step(self, state: CatCacheState, tokens: np.ndarray) -> np.ndarray:
-        _check_capacity(state.position, state.cache_len, self.config.max_len)
-        ids = _to_int64("tokens", tokens, self.device)
         N = state.src_mask.shape[0]
-        if ids.shape != (N,):
-            raise ValueError(f"tokens must have shape ({N},), got {tuple(ids.shape)}")
+        ids = _to_device(decoding.check_step_tokens(state.position, state.cache_len, self.config.max_len, tokens, N,
+                                                    self.config.tgt_vocab_size), self.device)
         model = self.model
         with torch.inference_mode():
             x = model.tgt_embed(ids.view(N, 1)) + model.tgt_pe.pe[state.position]  # [N, 1, d_model]
@@ -275,7 +265,7 @@ class CatCacheRunner:
         return logits.cpu().numpy()
 
     def reorder(self, state: CatCacheState, beam_index: np.ndarray) -> None:
-        index = _to_int64("beam_index", beam_index, self.device)
+        index = _to_device(decoding.check_beam_index(beam_index, int(state.src_mask.shape[0])), self.device)
         with torch.inference_mode():
             for i in range(len(state.self_keys)):
                 if state.self_keys[i] is not None:
