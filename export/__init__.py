@@ -7,14 +7,19 @@
   onnxruntime (no torch).
 
 This module defines the typed errors shared by all of them and imports nothing heavy, so that
-``import export.ort_runner`` works where torch is not installed.
+``import export.ort_runner`` works where torch is not installed. Every error here is a
+:class:`transformer_ext.cli.UserError`: the command line tools report it as one line.
 """
 
 from __future__ import annotations
 
+from transformer_ext.cli import UserError
+
 __all__ = [
     "ExportError",
     "ModelDirectoryError",
+    "ModelFolderMismatchError",
+    "OutputFolderError",
     "GraphContractError",
     "InvalidGraphError",
     "ManifestError",
@@ -22,12 +27,22 @@ __all__ = [
 ]
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """Base class of every error raised by the export package."""
 
 
 class ModelDirectoryError(ExportError, FileNotFoundError):
     """The model folder to export is missing, or is not a model folder (config.json + weights)."""
+
+
+class ModelFolderMismatchError(ExportError, ValueError):
+    """The files of a model folder disagree: special token ids or vocabulary sizes differ between
+    ``config.json`` and ``tokenizer.json``."""
+
+
+class OutputFolderError(ExportError):
+    """The output path cannot be written or replaced: it is a file, it holds files this package did
+    not write, or it overlaps the input."""
 
 
 class GraphContractError(ExportError):

@@ -14,12 +14,18 @@ Python::
     result.validation.max_abs_diff        # per output
 
 The output folder (DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
-``manifest.json`` and the model's tokenizer file. Both graphs are traced with
+``manifest.json`` and the model's ``tokenizer.json``. Both graphs are traced with
 ``torch.onnx.export(dynamo=True)`` from the model's own ``encode`` and ``decode_step`` (the code
 eager decoding runs); the custom ops are lowered to standard ONNX ops by :mod:`export.lowering`.
-The folder is written atomically: everything goes into a temporary folder beside the target,
-is checked and validated there, and only then renamed into place. A failed export leaves no
-partial folder and never replaces a good one.
+
+Files. Every argument and the model folder (config, weights, tokenizer, the special token ids
+of config and tokenizer) are checked before anything is written. The folder is built in a
+temporary sibling (:class:`transformer_ext.fsutil.StagedDir`), checked and validated there, and
+only then swapped into place; a failed or interrupted export (an error, SIGINT, SIGTERM) leaves
+no partial folder and never replaces a good one, and the temporary folder of a killed earlier
+run is removed by the next one. An existing output folder is replaced only when it is empty or
+an export of this package holding nothing but the files its manifest lists
+(:func:`export.manifest.check_replaceable`); a symlinked output folder stays a symlink.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ import argparse
 import contextlib
 import io
 import logging
+import math
+import operator
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -40,9 +47,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from transformer_ext.fsutil import replace_dir
+from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.fsutil import StagedDir
 
-from . import ExportError, GraphContractError, ModelDirectoryError
+from . import ExportError, GraphContractError, ModelDirectoryError, ModelFolderMismatchError
 from .manifest import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -50,7 +58,14 @@ from .manifest import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    TOKENIZER_FILE,
+    check_replaceable,
+    folder_files,
     graph_specs,
+    make_parents,
+    named_write_error,
+    remove_made_parents,
+    tokenizer_files,
     write_manifest,
 )
 
@@ -170,7 +185,18 @@ def demo_model_dir() -> Path:
 
 
 def load_model_dir(model_dir: Optional[str | os.PathLike]):
-    """``(model in eval mode on CPU, model_dir Path, tokenizer file names)``; raises ModelDirectoryError."""
+    """``(model in eval mode on CPU, model_dir Path, tokenizer file names)``.
+
+    Raises:
+        ModelDirectoryError: the folder, its config or weights are missing or cannot be loaded.
+        transformer_ext.tokenizer.TokenizerError: ``tokenizer.json`` is corrupt.
+        ModelFolderMismatchError: config and tokenizer disagree (see :func:`check_tokenizer`).
+    """
+    return _load_model_folder(model_dir)[:3]
+
+
+def _load_model_only(model_dir: Optional[str | os.PathLike]):
+    """``(model in eval mode on CPU, model_dir Path)``; raises ModelDirectoryError."""
     from transformer_ext.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_model
 
     path = Path(model_dir) if model_dir is not None else demo_model_dir()
@@ -190,8 +216,62 @@ def load_model_dir(model_dir: Optional[str | os.PathLike]):
     except (FileNotFoundError, ValueError, TypeError) as exc:
         raise ModelDirectoryError(f"cannot load the model in {path}: {exc}") from exc
     model.eval()
-    tokenizer_files = sorted(p.name for p in path.glob("tokenizer*.json") if p.is_file())
-    return model, path, tokenizer_files
+    return model, path
+
+
+def _load_model_folder(model_dir):
+    """``(model, model_dir Path, tokenizer file names, special token ids)``, checked as in :func:`load_model_dir`."""
+    model, path = _load_model_only(model_dir)
+    files, special = check_tokenizer(path, model.config)
+    return model, path, files, special
+
+
+def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]]:
+    """``(tokenizer files to copy, special token ids)`` of a model folder, checked.
+
+    ``tokenizer.json`` is read with the tokenizer's own loader (a corrupt file is an error naming
+    it), and its pad/bos/eos/unk ids and vocabulary sizes must agree with ``config.json``; the
+    returned ids are the ones the manifest records. A folder without a tokenizer (models for
+    benchmarks) exports with a warning: the ids are then the config's, and the export can decode
+    token ids but not translate text.
+
+    Raises:
+        transformer_ext.tokenizer.TokenizerError: ``tokenizer.json`` is corrupt or invalid.
+        ModelFolderMismatchError: an id or a vocabulary size differs, naming both files.
+    """
+    from transformer_ext.checkpoint import CONFIG_NAME
+    from transformer_ext.tokenizer import CharTokenizer
+
+    special = {"pad": int(config.pad_id), "bos": int(config.bos_id), "eos": int(config.eos_id)}
+    path = Path(model_path) / TOKENIZER_FILE
+    if not path.exists():
+        logger.warning("%s has no %s: exporting without a tokenizer (the export can decode token ids, "
+                       "not translate text)", model_path, TOKENIZER_FILE)
+        return [], special
+    if not path.is_file():
+        raise ModelDirectoryError(f"{path} is not a file (a model folder's tokenizer is the file {TOKENIZER_FILE})")
+    tokenizer = CharTokenizer.load(path)
+    config_path = Path(model_path) / CONFIG_NAME
+    problems = []
+    for name, config_id in special.items():
+        tokenizer_id = int(getattr(tokenizer, f"{name}_id"))
+        if tokenizer_id != config_id:
+            problems.append(f"{name}_id is {config_id} in {config_path} but {tokenizer_id} in {path}")
+    unk = int(tokenizer.unk_id)
+    if unk in special.values() and not problems:
+        problems.append(f"unk_id {unk} of {path} is also a special id of {config_path} ({special})")
+    for side in ("src", "tgt"):
+        sizes = int(getattr(tokenizer, f"{side}_vocab_size")), int(getattr(config, f"{side}_vocab_size"))
+        if sizes[0] != sizes[1]:
+            problems.append(f"the {'source' if side == 'src' else 'target'} vocabulary has {sizes[0]} tokens in "
+                            f"{path} but {side}_vocab_size is {sizes[1]} in {config_path}")
+    if problems:
+        raise ModelFolderMismatchError(
+            "the model folder's tokenizer and config disagree: " + "; ".join(problems)
+            + " (is the tokenizer.json from another model?)"
+        )
+    special["unk"] = unk
+    return [TOKENIZER_FILE], special
 
 
 # ------------------------------------------------------------------------------------------
@@ -320,18 +400,34 @@ def _versions() -> dict:
     return versions
 
 
-def _check_output_dir(output_dir: Path) -> None:
-    """Refuse to replace anything but a previous export (or an empty folder)."""
-    if not output_dir.exists():
-        return
-    if not output_dir.is_dir():
-        raise ExportError(f"output path {output_dir} exists and is not a folder")
-    entries = list(output_dir.iterdir())
-    if entries and not (output_dir / MANIFEST_NAME).is_file():
-        raise ExportError(
-            f"output folder {output_dir} exists and is not an ONNX export (no {MANIFEST_NAME}); "
-            "refusing to replace it: choose another --output-dir or remove it"
-        )
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _check_arguments(flavour: str, opset: Optional[int], cache_len: Optional[int], tolerance: float,
+                     seed: int) -> tuple[int, Optional[int], float]:
+    """``(opset, cache_len, tolerance)`` checked (cache_len against max_len later); touches nothing."""
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
+    opset = DEFAULT_OPSETS[flavour] if opset is None else _as_int("opset", opset)
+    allowed = OPSET_RANGES[flavour]
+    if opset not in allowed:
+        raise ValueError(f"opset {opset} is not supported for the {flavour} flavour (use {allowed.start}..{allowed.stop - 1})")
+    if cache_len is not None:
+        cache_len = _as_int("cache_len", cache_len)
+        if cache_len < 1:
+            raise ValueError(f"cache_len must be >= 1, got {cache_len}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise ValueError(f"tolerance must be a number, got {tolerance!r}")
+    if not (math.isfinite(tolerance) and tolerance > 0):
+        raise ValueError(f"tolerance must be a positive finite number, got {tolerance}")
+    _as_int("seed", seed)
+    return opset, cache_len, float(tolerance)
 
 
 def export_onnx(
@@ -368,90 +464,49 @@ def export_onnx(
             into one ``MatMul`` + ``Split`` after tracing. Validation runs on the final graphs.
 
     Raises:
+        ValueError: a bad option (flavour, opset, cache_len, tolerance, seed).
         ModelDirectoryError: ``model_dir`` is missing or not a model folder.
+        transformer_ext.tokenizer.TokenizerError: the model folder's ``tokenizer.json`` is corrupt.
+        ModelFolderMismatchError: its config and tokenizer disagree (special ids, vocabulary sizes).
+        OutputFolderError: ``output_dir`` is a file, or a folder that is neither empty nor an export
+            holding only the files its manifest lists.
         GraphContractError: a graph breaks the contract (names, axes, forbidden nodes...).
         ParityError: an output differs from eager PyTorch by more than ``tolerance``.
-        ExportError: the output folder exists and is not a previous export.
+        OSError: the output cannot be written (full disk, read-only file system), naming ``output_dir``.
+
+    Everything but the graphs is checked before anything is written; on any failure or
+    interruption the temporary folder is removed and an existing ``output_dir`` is left as it was.
     """
     t_start = time.perf_counter()
-    if flavour not in FLAVOURS:
-        raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
-    if opset is None:
-        opset = DEFAULT_OPSETS[flavour]
-    if int(opset) not in OPSET_RANGES[flavour]:
-        allowed = OPSET_RANGES[flavour]
-        raise ValueError(f"opset {opset} is not supported for the {flavour} flavour (use {allowed.start}..{allowed.stop - 1})")
-    opset = int(opset)
-    if not (tolerance > 0):
-        raise ValueError(f"tolerance must be positive, got {tolerance}")
-
+    opset, cache_len, tolerance = _check_arguments(flavour, opset, cache_len, tolerance, seed)
     output_dir = Path(output_dir).absolute()
-    _check_output_dir(output_dir)
-    model, model_path, tokenizer_files = load_model_dir(model_dir)
+    check_replaceable(output_dir)
+    model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
     config = model.config
     if config.max_len < 4:
         raise ExportError(f"max_len = {config.max_len} is too small to export (the tracing dummies need 4 positions)")
     if cache_len is None:
         cache_len = config.max_len
-    if not 1 <= int(cache_len) <= config.max_len:
+    if not 1 <= cache_len <= config.max_len:
         raise ValueError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
-    cache_len = int(cache_len)
 
     from . import validate as validation
 
     specs = graph_specs(config.to_dict(), flavour)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    made = make_parents(output_dir)
     try:
-        encoder_args, decoder_args, dummy = _dummy_inputs(model, flavour)
-        encoder_proto = _export_graph(
-            EncoderGraph(model), encoder_args, specs["encoder"], 2, opset, flavour, tmp_dir / ENCODER_FILE,
-            fuse_matmuls=fuse_matmuls,
-        )
-        decoder_proto = _export_graph(
-            DecoderStepGraph(model, flavour), decoder_args, specs["decoder_step"], 3, opset, flavour,
-            tmp_dir / DECODER_FILE, fuse_matmuls=fuse_matmuls,
-        )
-        structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
-        for name in tokenizer_files:
-            shutil.copy2(model_path / name, tmp_dir / name)
-
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "flavour": flavour,
-            "opset": opset,
-            "ir_version": int(decoder_proto.ir_version),
-            "files": {"encoder": ENCODER_FILE, "decoder_step": DECODER_FILE, "tokenizer": tokenizer_files},
-            "model_config": config.to_dict(),
-            "special_tokens": {"pad": config.pad_id, "bos": config.bos_id, "eos": config.eos_id},
-            "max_positions": config.max_len,
-            "max_cache_len": cache_len,
-            "graphs": specs,
-            "versions": _versions(),
-            "export": {
-                "source_model_dir": str(model_path),
-                "exporter": "torch.onnx.export(dynamo=True)",
-                "dummy_shapes": dummy,
-                "graph_passes": ["fuse_shared_input_matmuls"] if fuse_matmuls else [],
-                "structure": structure,
-            },
-            "validation": None,
-        }
-        if tokenizer_files:
-            manifest["special_tokens"]["unk"] = _unk_id(model_path, tokenizer_files)
-        write_manifest(tmp_dir, manifest)
-
-        report = None
-        if validate:
-            report = validation.validate_export(
-                tmp_dir, model, tolerance=tolerance, seed=seed, max_cache_len=cache_len
-            )
-            manifest["validation"] = report.to_dict()
-            write_manifest(tmp_dir, manifest)
-        replace_dir(tmp_dir, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        with StagedDir(output_dir) as stage:
+            manifest, report = _write_export(stage.path, model, model_path, tokenizer_names, special_tokens, specs,
+                                             opset=opset, cache_len=cache_len, flavour=flavour, tolerance=tolerance,
+                                             validate=validate, seed=seed, fuse_matmuls=fuse_matmuls,
+                                             validation=validation)
+            check_replaceable(output_dir)  # nothing of someone else's appeared there meanwhile
+            stage.commit()
+    except BaseException as exc:
+        remove_made_parents(made)
+        named = named_write_error(exc, output_dir)
+        if named is not None:
+            raise named from exc
         raise
     seconds = time.perf_counter() - t_start
     logger.info("exported %s to %s in %.1f s", model_path, output_dir, seconds)
@@ -466,13 +521,58 @@ def export_onnx(
     )
 
 
-def _unk_id(model_path: Path, tokenizer_files: list[str]) -> Optional[int]:
-    try:
-        from transformer_ext.tokenizer import CharTokenizer
+def _write_export(tmp_dir: Path, model, model_path: Path, tokenizer_names: list[str], special_tokens: dict,
+                  specs: dict, *, opset: int, cache_len: int, flavour: str, tolerance: float, validate: bool,
+                  seed: int, fuse_matmuls: bool, validation) -> tuple[dict, Any]:
+    """Write and validate the export in the (temporary) folder ``tmp_dir``; ``(manifest, report)``."""
+    config = model.config
+    encoder_args, decoder_args, dummy = _dummy_inputs(model, flavour)
+    encoder_proto = _export_graph(
+        EncoderGraph(model), encoder_args, specs["encoder"], 2, opset, flavour, tmp_dir / ENCODER_FILE,
+        fuse_matmuls=fuse_matmuls,
+    )
+    decoder_proto = _export_graph(
+        DecoderStepGraph(model, flavour), decoder_args, specs["decoder_step"], 3, opset, flavour,
+        tmp_dir / DECODER_FILE, fuse_matmuls=fuse_matmuls,
+    )
+    structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
+    for name in tokenizer_names:
+        shutil.copy2(model_path / name, tmp_dir / name)
 
-        return int(CharTokenizer.load(model_path).unk_id)
-    except Exception:  # a tokenizer of another kind: the manifest simply has no unk id
-        return None
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "flavour": flavour,
+        "opset": opset,
+        "ir_version": int(decoder_proto.ir_version),
+        "files": folder_files(tmp_dir),
+        "tokenizer_files": list(tokenizer_names),
+        "model_config": config.to_dict(),
+        "special_tokens": dict(special_tokens),
+        "max_positions": config.max_len,
+        "max_cache_len": cache_len,
+        "graphs": specs,
+        "versions": _versions(),
+        "export": {
+            "source_model_dir": str(model_path),
+            "exporter": "torch.onnx.export(dynamo=True)",
+            "dummy_shapes": dummy,
+            "graph_passes": ["fuse_shared_input_matmuls"] if fuse_matmuls else [],
+            "structure": structure,
+        },
+        "validation": None,
+    }
+    write_manifest(tmp_dir, manifest)
+
+    report = None
+    if validate:
+        report = validation.validate_export(
+            tmp_dir, model, tolerance=tolerance, seed=seed, max_cache_len=cache_len
+        )
+        manifest["validation"] = report.to_dict()
+    manifest["files"] = folder_files(tmp_dir)  # validation writes nothing there; the list stays exact
+    write_manifest(tmp_dir, manifest)
+    return manifest, report
 
 
 # ------------------------------------------------------------------------------------------
@@ -493,7 +593,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=None,
                    help="model folder (config.json, model.safetensors, tokenizer.json); default: the bundled demo model")
     p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
-                   help="folder to write; replaced atomically if it holds a previous export, refused if it holds anything else")
+                   help="folder to write; an existing one is replaced atomically only when it is empty or an export "
+                        "holding nothing but the files its manifest lists, and refused otherwise")
     p.add_argument("--flavour", choices=FLAVOURS, default="portable",
                    help="portable: standard ops only, the step outputs the new token's K/V and the runtime appends them "
                         "to its cache; tensorscatter: the cache update is inside the graph (opset-24 TensorScatter), "
@@ -514,6 +615,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=int, default=TRANSLATION_EXAMPLES,
                    help="held-out sources to translate with ONNX Runtime at the end (0: none)")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
+    add_debug_flag(p)
     return p
 
 
@@ -547,7 +649,7 @@ def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES) -> l
 
     from .ort_runner import OrtRunner
 
-    if n <= 0 or not result.manifest["files"]["tokenizer"]:
+    if n <= 0 or not tokenizer_files(result.manifest):
         return []
     try:
         tokenizer = CharTokenizer.load(result.output_dir)
@@ -584,18 +686,23 @@ def _heldout_examples(n: int) -> tuple[list[str], list[Optional[str]]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    """The command line: exit code 0, 1 for an error (one line on stderr; ``--debug`` shows the
+    traceback), 2 for a bad option, 130 / 143 when interrupted by SIGINT / SIGTERM."""
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        result = export_onnx(
-            args.model_dir, args.output_dir, opset=args.opset, cache_len=args.cache_len,
-            flavour=args.flavour, tolerance=args.tolerance, validate=args.validate, seed=args.seed,
-            fuse_matmuls=args.fuse_matmuls,
-        )
-    except (ExportError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return run_cli(parser.prog, lambda: _run(args), debug=args.debug)
+
+
+def _run(args) -> int:
+    if args.examples < 0:
+        raise ValueError(f"--examples must be >= 0, got {args.examples}")
+    result = export_onnx(
+        args.model_dir, args.output_dir, opset=args.opset, cache_len=args.cache_len,
+        flavour=args.flavour, tolerance=args.tolerance, validate=args.validate, seed=args.seed,
+        fuse_matmuls=args.fuse_matmuls,
+    )
     print(summary_text(result))
     examples = translate_examples(result, args.examples)
     if examples:

