@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import stat
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from transformer_ext.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_model, save_model
+from transformer_ext.config import ConfigError
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "transformer_ext" / "demo_model"
 
 from test_model import make_batch, make_model
 
@@ -112,7 +119,7 @@ def test_invalid_config_json(tmp_path):
     cfg = make_model(False).config.to_dict()
     cfg["d_modle"] = 32
     (directory / CONFIG_NAME).write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unknown TransformerConfig keys"):
+    with pytest.raises(ConfigError, match=r"config.json: unknown key 'd_modle'"):
         load_model(directory)
 
 
@@ -169,3 +176,118 @@ def test_load_never_unpickles(tmp_path, monkeypatch):
     directory = tmp_path / "m"
     save_model(make_model(False), directory)
     load_model(directory)
+
+
+# ---------------------------------------------------------------------- the config contract at load
+@pytest.mark.parametrize("key", ["d_ff", "n_heads", "norm_first", "layer_norm_eps", "eos_id"])
+def test_a_missing_config_key_is_reported_as_such(tmp_path, key):
+    directory = tmp_path / "m"
+    save_model(make_model(False), directory)
+    cfg = json.loads((directory / CONFIG_NAME).read_text())
+    del cfg[key]
+    (directory / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as info:
+        load_model(directory)
+    message = str(info.value)
+    assert message.startswith(f"{directory / CONFIG_NAME}: missing key '{key}'"), message
+    assert "mis-shaped" not in message
+
+
+def test_non_utf8_config_names_the_file(tmp_path):
+    directory = tmp_path / "m"
+    save_model(make_model(False), directory)
+    path = directory / CONFIG_NAME
+    path.write_bytes(path.read_bytes().replace(b'"d_model"', b'"d_m\xf6del"'))
+    with pytest.raises(ConfigError, match=rf"^{path} is not UTF-8 text"):
+        load_model(directory)
+
+
+def test_bundled_demo_config_is_version_1_with_every_field():
+    data = json.loads((DEMO_DIR / CONFIG_NAME).read_text(encoding="utf-8"))
+    assert data["format_version"] == 1
+    assert sorted(data) == sorted(["format_version", "bias", "bos_id", "d_ff", "d_model", "dropout", "eos_id",
+                                   "layer_norm_eps", "max_len", "n_decoder_layers", "n_encoder_layers", "n_heads",
+                                   "norm_first", "pad_id", "shared_vocab", "src_vocab_size", "tgt_vocab_size",
+                                   "tie_target_embeddings"])
+    model = load_model(DEMO_DIR)
+    assert model.config.n_heads == data["n_heads"] == 4
+
+
+def test_old_form_demo_config_without_n_heads_is_an_error(tmp_path):
+    """The reported case: with "n_heads" deleted the demo model loaded with 8 heads and translated badly."""
+    directory = tmp_path / "demo"
+    shutil.copytree(DEMO_DIR, directory)
+    old_form = json.loads((directory / CONFIG_NAME).read_text())
+    del old_form["format_version"]  # the form written before versioning
+    (directory / CONFIG_NAME).write_text(json.dumps(old_form, sort_keys=True))
+    assert load_model(directory).config.n_heads == 4  # the complete old form loads (migrated)
+    del old_form["n_heads"]
+    (directory / CONFIG_NAME).write_text(json.dumps(old_form, sort_keys=True))
+    with pytest.raises(ConfigError, match=rf"^{directory / CONFIG_NAME}: missing key 'n_heads'"):
+        load_model(directory)
+
+
+# ---------------------------------------------------------------------- non-finite weights
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", ["encoder.layers.1.self_attn.W_Q.weight", "tgt_embed.lut.weight"])
+def test_non_finite_weights_are_rejected_naming_the_tensor(tmp_path, bad, name):
+    directory = tmp_path / "m"
+    save_model(make_model(False), directory)
+    tensors = load_file(str(directory / WEIGHTS_NAME))
+    assert name in tensors
+    tensors[name][0, 1] = bad
+    save_file(tensors, str(directory / WEIGHTS_NAME))
+    with pytest.raises(ValueError, match="non-finite") as info:
+        load_model(directory)
+    message = str(info.value)
+    assert f"{name} (" in message and str(directory / WEIGHTS_NAME) in message
+    assert sum(n in message for n in tensors) == 1  # only the bad tensor is named
+
+
+# ---------------------------------------------------------------------- permissions and failures
+@pytest.fixture
+def umask_022():
+    previous = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_save_model_follows_the_umask(tmp_path, umask_022):
+    directory = tmp_path / "new" / "m"
+    save_model(make_model(False), directory)
+    assert mode(directory) == 0o755 and mode(directory.parent) == 0o755
+    assert mode(directory / CONFIG_NAME) == 0o644 and mode(directory / WEIGHTS_NAME) == 0o644
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    save_model(make_model(False), existing)
+    assert mode(existing / CONFIG_NAME) == 0o644 and mode(existing / WEIGHTS_NAME) == 0o644
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_full_disk_leaves_no_partial_model(tmp_path, monkeypatch, exists):
+    directory = tmp_path / "m"
+    if exists:
+        save_model(make_model(False, seed=1), directory)
+        before = {n: (directory / n).read_bytes() for n in os.listdir(directory)}
+    real_replace = os.replace
+
+    def full(src, dst, *args, **kwargs):
+        if os.path.basename(dst) == CONFIG_NAME:  # the weights were written, the config is not
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError) as info:
+        save_model(make_model(False, seed=2), directory)
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == (["m"] if exists else [])  # no temporary folder
+    if exists:  # the weights were replaced (a complete file), no temporary file is left
+        assert sorted(os.listdir(directory)) == sorted(before)
+        assert (directory / CONFIG_NAME).read_bytes() == before[CONFIG_NAME]

@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from transformer_ext.config import PRESETS, TransformerConfig
+from transformer_ext.config import (
+    CONFIG_FORMAT_VERSION,
+    PRESETS,
+    V1_FIELDS,
+    ConfigError,
+    TransformerConfig,
+    migrate_config,
+)
 
 PRESET_NAMES = sorted(PRESETS)
 
@@ -97,8 +104,8 @@ def test_dict_round_trip():
 def test_from_dict_rejects_unknown_keys():
     d = TransformerConfig.preset("tiny").to_dict()
     d["n_layer"] = 3
-    with pytest.raises(ValueError, match=r"unknown TransformerConfig keys \['n_layer'\]"):
-        TransformerConfig.from_dict(d)
+    with pytest.raises(ConfigError, match=r"^src.json: unknown key 'n_layer'"):
+        TransformerConfig.from_dict(d, source="src.json")
 
 
 def test_json_round_trip(tmp_path):
@@ -120,3 +127,131 @@ def test_load_json_errors_name_the_file(tmp_path):
     wrong.write_text(json.dumps({**TransformerConfig.preset("tiny").to_dict(), "n_heads": 5}))
     with pytest.raises(ValueError, match="wrong.json.*divisible"):
         TransformerConfig.load_json(wrong)
+
+
+# ---------------------------------------------------------------------- the config.json contract
+# The seventeen fields written out by hand (not taken from the code under test): what the writer
+# before format_version always wrote, and what format_version 1 requires.
+FIELDS_WRITTEN_BEFORE_VERSIONING = [
+    "bias", "bos_id", "d_ff", "d_model", "dropout", "eos_id", "layer_norm_eps", "max_len", "n_decoder_layers",
+    "n_encoder_layers", "n_heads", "norm_first", "pad_id", "shared_vocab", "src_vocab_size", "tgt_vocab_size",
+    "tie_target_embeddings",
+]
+# A config.json exactly as the writer before format_version wrote it (json.dump(sort_keys=True)).
+UNVERSIONED_TINY = {
+    "bias": True, "bos_id": 1, "d_ff": 64, "d_model": 32, "dropout": 0.1, "eos_id": 2, "layer_norm_eps": 1e-05,
+    "max_len": 64, "n_decoder_layers": 2, "n_encoder_layers": 2, "n_heads": 4, "norm_first": False, "pad_id": 0,
+    "shared_vocab": False, "src_vocab_size": 48, "tgt_vocab_size": 40, "tie_target_embeddings": True,
+}
+
+
+def test_version_1_lists_every_field():
+    assert CONFIG_FORMAT_VERSION == 1
+    assert sorted(V1_FIELDS) == FIELDS_WRITTEN_BEFORE_VERSIONING
+    # a field added to the dataclass without a new format version (and migration) fails here
+    assert sorted(f.name for f in dataclasses.fields(TransformerConfig)) == FIELDS_WRITTEN_BEFORE_VERSIONING
+    d = TransformerConfig.preset("tiny").to_dict()
+    assert list(d)[0] == "format_version" and d["format_version"] == 1
+    assert sorted(k for k in d if k != "format_version") == FIELDS_WRITTEN_BEFORE_VERSIONING
+
+
+def test_migration_of_the_unversioned_form():
+    migrated = migrate_config(dict(UNVERSIONED_TINY), "old.json")
+    assert migrated == {"format_version": 1, **UNVERSIONED_TINY}
+    assert TransformerConfig.from_dict(dict(UNVERSIONED_TINY)) == TransformerConfig.preset("tiny")
+
+
+@pytest.mark.parametrize("key", FIELDS_WRITTEN_BEFORE_VERSIONING)
+def test_a_missing_key_is_an_error_in_both_forms(key):
+    old = {k: v for k, v in UNVERSIONED_TINY.items() if k != key}
+    with pytest.raises(ConfigError, match=rf"^old.json: missing key '{key}'; a config without format_version"):
+        migrate_config(old, "old.json")
+    new = {"format_version": 1, **old}
+    with pytest.raises(ConfigError, match=rf"^new.json: missing key '{key}'; a config of format_version 1"):
+        TransformerConfig.from_dict(new, "new.json")
+
+
+@pytest.mark.parametrize("form", ["unversioned", "v1"])
+def test_unknown_keys_are_errors_in_both_forms(form):
+    d = dict(UNVERSIONED_TINY, n_layers=2) if form == "unversioned" else dict(UNVERSIONED_TINY, format_version=1,
+                                                                                 n_layers=2)
+    with pytest.raises(ConfigError, match=r"^f.json: unknown key 'n_layers'"):
+        TransformerConfig.from_dict(d, "f.json")
+
+
+# (key, JSON value of the wrong type, what the message says is expected)
+WRONG_TYPES = [
+    ("n_heads", True, "an integer"),
+    ("d_model", 32.0, "an integer"),
+    ("d_ff", "64", "an integer"),
+    ("pad_id", None, "an integer"),
+    ("dropout", "0.1", "a number"),
+    ("dropout", False, "a number"),
+    ("layer_norm_eps", [1e-5], "a number"),
+    ("norm_first", 0, "true or false"),
+    ("bias", "true", "true or false"),
+]
+
+
+@pytest.mark.parametrize("key, value, expected", WRONG_TYPES)
+def test_wrong_json_types_name_the_key_and_the_file(key, value, expected):
+    for d in (dict(UNVERSIONED_TINY, **{key: value}), dict(UNVERSIONED_TINY, format_version=1, **{key: value})):
+        with pytest.raises(ConfigError) as info:
+            TransformerConfig.from_dict(d, "dir/config.json")
+        assert str(info.value).startswith(f"dir/config.json: key '{key}' must be {expected}, got "), info.value
+
+
+def test_an_integer_is_a_valid_float():
+    c = TransformerConfig.from_dict(dict(UNVERSIONED_TINY, format_version=1, dropout=0))
+    assert c.dropout == 0.0 and isinstance(c.dropout, float)
+
+
+@pytest.mark.parametrize("version, match", [
+    (2, "format_version 2 was written by a newer transformer_ext"),
+    (0, "unsupported format_version 0"),
+    ("1", "key 'format_version' must be an integer"),
+    (True, "key 'format_version' must be an integer"),
+    (1.0, "key 'format_version' must be an integer"),
+])
+def test_unsupported_versions(version, match):
+    with pytest.raises(ConfigError, match=match):
+        TransformerConfig.from_dict(dict(UNVERSIONED_TINY, format_version=version), "f.json")
+
+
+def test_value_errors_name_the_source():
+    with pytest.raises(ConfigError, match=r"^f.json: d_model \(30\) must be divisible by n_heads"):
+        TransformerConfig.from_dict(dict(UNVERSIONED_TINY, d_model=30), "f.json")
+    with pytest.raises(ConfigError, match=r"^f.json: a model config is a JSON object, got list"):
+        TransformerConfig.from_dict([1, 2], "f.json")
+
+
+def test_save_json_writes_version_1(tmp_path):
+    path = tmp_path / "config.json"
+    TransformerConfig.preset("tiny").save_json(path)
+    data = json.loads(path.read_text())
+    assert data == {"format_version": 1, **UNVERSIONED_TINY}
+
+
+def test_load_json_file_errors(tmp_path):
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(json.dumps(UNVERSIONED_TINY).encode()[:-1] + b', "x": "\xe9"}')
+    with pytest.raises(ConfigError, match=r"latin1.json is not UTF-8 text \(byte 0xe9 at offset \d+\)"):
+        TransformerConfig.load_json(latin1)
+    dup = tmp_path / "dup.json"
+    dup.write_text(json.dumps(UNVERSIONED_TINY)[:-1] + ', "n_heads": 8}')
+    with pytest.raises(ConfigError, match=r"dup.json: key 'n_heads' appears more than once"):
+        TransformerConfig.load_json(dup)
+    missing = tmp_path / "missing.json"
+    missing.write_text(json.dumps({k: v for k, v in UNVERSIONED_TINY.items() if k != "n_heads"}))
+    with pytest.raises(ConfigError, match=r"missing.json: missing key 'n_heads'"):
+        TransformerConfig.load_json(missing)
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+    with pytest.raises(ConfigError, match="empty.json is not valid JSON"):
+        TransformerConfig.load_json(empty)
+
+
+def test_unversioned_manifest_config_still_loads():
+    """Export manifests of the version before format_version embed the unversioned dict as model_config."""
+    manifest = {"format": "transformer_ext-onnx", "model_config": dict(UNVERSIONED_TINY)}
+    assert TransformerConfig.from_dict(manifest["model_config"], "manifest.json") == TransformerConfig.preset("tiny")

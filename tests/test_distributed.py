@@ -108,7 +108,7 @@ def test_training_refuses_a_partial_environment(tmp_path, monkeypatch, capsys):
     with pytest.raises(DistributedError, match="LOCAL_RANK, MASTER_ADDR, MASTER_PORT are missing"):
         train(TrainOptions(out_dir=str(out), **TINY))
     assert not out.exists()  # nothing written
-    assert train_mod.main(["--out", str(out), "--preset", "tiny", "--range", "0", "99", "--no-progress"]) == 2
+    assert train_mod.main(["--out", str(out), "--preset", "tiny", "--range", "0", "99", "--no-progress"]) == 1
     assert "MASTER_ADDR, MASTER_PORT are missing" in capsys.readouterr().err
     assert not out.exists()
 
@@ -346,7 +346,8 @@ def test_two_ranks_equal_one_process_on_the_global_batch(two_rank_run):
 def test_rank_zero_writes_validates_and_logs(two_rank_run):
     out, ranks, output = two_rank_run
     assert ranks[0]["history_steps"] == ranks[1]["history_steps"] == [2, 4]  # rank 0's validations, broadcast
-    assert sorted(os.listdir(out)) == ["best", "last", "summary.json", "train_options.json"]  # no .tmp left
+    assert sorted(os.listdir(out)) == ["best", "last", "run.json", "summary.json", "train_options.json"]  # no .tmp
+    assert sorted(os.listdir(out.parent)) == ["results", "run"]  # the run's temporary folder is gone
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps_per_epoch"] == 3 and summary["steps"] == 4
     state = json.loads((out / "last" / "training_state.json").read_text())
@@ -386,7 +387,7 @@ def test_resume_with_another_world_size(tmp_path):
 
 def test_more_ranks_than_batches_fails_cleanly(tmp_path):
     out = tmp_path / "run"
-    code, output = torchrun(["-m", "transformer_ext.train", "--out", out, "--preset", "tiny", "--range", "0", "9",
+    code, output = torchrun(["-m", "transformer_ext.train", "--out", out, "--preset", "tiny", "--range", "0", "99",
                              "--max-tokens", "100000", "--max-steps", 2, "--no-progress", "--threads", 1])
     assert code != 0
     assert "2 ranks but only 1 batch per epoch" in output

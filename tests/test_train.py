@@ -1,11 +1,18 @@
-"""Training: the loss, the warmup schedule, determinism, checkpoints and exact resume."""
+"""Training: the loss, the warmup schedule, determinism, checkpoints and exact resume, and what
+the command does with bad options, foreign folders, corrupt files, a full disk and signals."""
 
+import errno
 import json
 import math
 import os
+import re
+import shutil
+import signal
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from transformer_ext import train as train_mod
 from transformer_ext.checkpoint import load_model
@@ -185,13 +192,22 @@ def test_refuses_to_overwrite_or_resume_nothing(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_steps=None, epochs=None), "max_steps or epochs"),
+        (dict(max_steps=None, epochs=None), "--max-steps or --epochs"),
         (dict(warmup=0), "warmup"),
         (dict(label_smoothing=1.0), "label_smoothing"),
         (dict(n_heads=5), "divisible"),
         (dict(device="cuda"), "cuda"),
         (dict(preset="huge"), "preset"),
         (dict(max_len=8), "max_len"),
+        (dict(oversample=((-5, 2),)), "--oversample"),
+        (dict(oversample=((100, 0),)), "--oversample"),
+        (dict(adam_betas=(0.9, 1.0)), "adam_betas"),
+        (dict(adam_eps=0.0), "adam_eps"),
+        (dict(seed=True), "--seed"),
+        (dict(threads=2.5), "--threads"),
+        (dict(max_steps=-1), "--max-steps"),
+        (dict(lr_factor=float("inf")), "--lr-factor"),
+        (dict(resume=True, overwrite=True), "exclude each other"),
     ],
 )
 def test_bad_options(tmp_path, kwargs, match):
@@ -199,6 +215,7 @@ def test_bad_options(tmp_path, kwargs, match):
         pytest.skip("a GPU is present")
     with pytest.raises(TrainingError, match=match):
         train(tiny(tmp_path, **kwargs))
+    assert not (tmp_path / "run").exists()
 
 
 def test_export_and_time_budget(tmp_path):
@@ -227,9 +244,316 @@ def test_cli(tmp_path, capsys):
 
     assert train_mod.main(args(2)) == 0
     assert "trained 2 steps" in capsys.readouterr().out
-    assert train_mod.main(args(2)) == 2  # the run exists: refuse without --resume
+    assert train_mod.main(args(2)) == 1  # the run exists: refuse without --resume
     assert "--resume" in capsys.readouterr().err
     assert train_mod.main(args(4, "--resume")) == 0
     assert "trained 4 steps" in capsys.readouterr().out
-    assert train_mod.main(["--out", str(tmp_path / "x"), "--preset", "tiny", "--d-model", "30", "--n-heads", "4"]) == 2
+    assert train_mod.main(["--out", str(tmp_path / "x"), "--preset", "tiny", "--d-model", "30", "--n-heads", "4"]) == 1
     assert "divisible" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------- bad input, interruptions, full disk
+def snapshot(folder) -> dict:
+    """Every path under ``folder`` (hidden ones included) with its bytes (None for a folder)."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def temporaries(root) -> list[str]:
+    """Leftovers of interrupted writes anywhere under ``root``."""
+    return [str(p) for p in Path(root).rglob("*") if re.search(r"\.(tmp|old)(-|$)", p.name)]
+
+
+def cli(out, *extra, steps=2):
+    return ["--out", str(out), "--preset", "tiny", "--range", "0", "99", "--max-steps", str(steps), "--eval-every",
+            "0", "--eval-examples", "2", "--no-final-eval", "--no-progress", "--quiet", "--threads", "1",
+            "--max-tokens", "400", "--oversample", *extra]
+
+
+@pytest.fixture(scope="module")
+def old_run(tmp_path_factory):
+    """A finished two-step run made by the command line; tests copy it."""
+    out = tmp_path_factory.mktemp("old") / "run"
+    assert train_mod.main(cli(out)) == 0
+    return out
+
+
+@pytest.fixture
+def run_copy(tmp_path, old_run):
+    out = tmp_path / "run"
+    shutil.copytree(old_run, out)
+    return out
+
+
+def state_step(out) -> int:
+    return json.loads((Path(out) / "last" / "training_state.json").read_text())["step"]
+
+
+# (extra command-line options, a fragment of the one-line error): every one must leave the old run alone
+BAD_CLI = [
+    (["--d-model", "30"], "divisible"),
+    (["--n-heads", "0"], "--n-heads"),
+    (["--encoder-layers", "0", "--layers", "3"], "--encoder-layers"),
+    (["--max-len", "8"], "max_len=8"),
+    (["--range", "50", "10"], "--range LOW HIGH must satisfy 0 <= LOW <= HIGH, got 50 10"),
+    (["--range", "0", "9"], "--range 0 9 holds too few numbers"),
+    (["--lr-factor", "-1"], "--lr-factor (lr_factor) must be a finite number > 0, got -1.0"),
+    (["--lr-factor", "nan"], "--lr-factor"),
+    (["--clip-norm", "nan"], "--clip-norm (clip_norm) must be a finite number >= 0"),
+    (["--clip-norm", "-1"], "--clip-norm"),
+    (["--max-minutes", "nan"], "--max-minutes"),
+    (["--max-minutes", "0"], "--max-minutes"),
+    (["--final-beam", "-3"], "--final-beam (final_beam) must be an integer >= 0"),
+    (["--threads", "0"], "--threads (threads) must be an integer in [1, 1024]"),
+    (["--dropout", "1.0"], "--dropout (dropout) must be a number in [0, 1)"),
+    (["--dropout", "-0.5"], "--dropout"),
+    (["--dropout", "inf"], "--dropout"),
+    (["--label-smoothing", "1"], "--label-smoothing (label_smoothing) must be a number in [0, 1)"),
+    (["--label-smoothing", "-0.1"], "--label-smoothing"),
+    (["--warmup", "0"], "--warmup"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--eval-every", "-1"], "--eval-every"),
+    (["--eval-examples", "-1"], "--eval-examples"),
+    (["--log-every", "-1"], "--log-every"),
+    (["--seed", "-1"], "--seed"),
+    (["--split-seed", "-1"], "--split-seed"),
+    (["--epochs", "-2"], "--epochs"),
+    (["--device", "tpu"], "--device 'tpu' is not a device name; use cpu or cuda"),
+    (["--device", "meta"], "unsupported device 'meta'"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_CLI, ids=[" ".join(e) for e, _ in BAD_CLI])
+def test_bad_options_leave_the_old_run_untouched(run_copy, capsys, extra, message):
+    before = snapshot(run_copy.parent)
+    assert train_mod.main(cli(run_copy, "--overwrite", *extra)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m transformer_ext.train: error: ") and message in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert snapshot(run_copy.parent) == before  # nothing deleted, nothing written
+
+
+def test_debug_shows_the_traceback(run_copy):
+    with pytest.raises(TrainingError, match="--lr-factor"):
+        train_mod.main(cli(run_copy, "--overwrite", "--lr-factor", "-1", "--debug"))
+
+
+def test_overwrite_replaces_the_old_run_only_when_the_new_one_has_a_checkpoint(run_copy, monkeypatch):
+    old_weights = (run_copy / "last" / "model.safetensors").read_bytes()
+    seen = []
+    real = train_mod._save_checkpoint
+
+    def spy(run_dir, name, *args, **kwargs):
+        seen.append((Path(run_dir) == run_copy, (run_copy / "last" / "model.safetensors").read_bytes() == old_weights))
+        return real(run_dir, name, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "_save_checkpoint", spy)
+    result = train(tiny(run_copy.parent, max_steps=4, eval_every=2, overwrite=True))
+    assert result.step == 4 and result.first_step == 1
+    # steps 2 (best + last, in the new run's temporary folder: the old run still in place), 4 (in --out)
+    assert seen[:2] == [(False, True), (False, True)] and all(in_out for in_out, _ in seen[2:])
+    assert state_step(run_copy) == 4 and json.loads((run_copy / "run.json").read_text())["format_version"] == 1
+    assert sorted(os.listdir(run_copy.parent)) == ["run"] and not temporaries(run_copy.parent)
+
+
+def test_refuses_folders_it_did_not_create(tmp_path, run_copy):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    (foreign / "summary.json").write_text("{}")
+    for kwargs in (dict(), dict(overwrite=True)):
+        with pytest.raises(TrainingError, match="is not a training run of this program"):
+            train(tiny(tmp_path, "mine", **kwargs))
+    with pytest.raises(TrainingError, match="cannot resume: .* holds no training run of this program"):
+        train(tiny(tmp_path, "mine", resume=True))
+    assert snapshot(foreign) == {"notes.txt": b"mine", "summary.json": b"{}"}
+    # a run folder with a file of the user's in it: --overwrite would delete that file
+    (run_copy / "notes.txt").write_text("mine")
+    before = snapshot(run_copy)
+    with pytest.raises(TrainingError, match=r"holds files this program did not write \(notes.txt\)"):
+        train(tiny(tmp_path, overwrite=True))
+    assert snapshot(run_copy) == before
+    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True))  # resuming does not delete anything
+    assert resumed.step == 3 and (run_copy / "notes.txt").read_text() == "mine"
+
+
+def test_run_of_the_version_before_run_json_is_recognised(tmp_path, run_copy):
+    (run_copy / "run.json").unlink()  # what the previous version wrote: no marker
+    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True))
+    assert resumed.step == 3 and (run_copy / "run.json").is_file()
+    (run_copy / "run.json").unlink()
+    again = train(tiny(tmp_path, max_steps=1, eval_every=0, overwrite=True))
+    assert again.step == 1 and state_step(run_copy) == 1
+
+
+def test_an_empty_folder_is_used_and_kept(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    inode = out.stat().st_ino
+    train(tiny(tmp_path, max_steps=1, eval_every=0))
+    assert out.stat().st_ino == inode
+    assert sorted(os.listdir(out)) == ["best", "last", "run.json", "summary.json", "train_options.json"]
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_out_that_is_a_file(tmp_path, capsys):
+    path = tmp_path / "file"
+    path.write_text("x")
+    assert train_mod.main(cli(path)) == 1
+    assert f"--out {path} is a file, not a folder" in capsys.readouterr().err
+    assert path.read_text() == "x" and sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_export_folder_is_checked_before_training(tmp_path, capsys):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    assert train_mod.main(cli(tmp_path / "run", "--export", str(tmp_path / "notes"))) == 1
+    assert "is not a model folder" in capsys.readouterr().err
+    assert train_mod.main(cli(tmp_path / "run", "--export", str(tmp_path / "run" / "best"))) == 1
+    assert "inside the run folder" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["notes"] and os.listdir(tmp_path / "notes") == ["a.txt"]
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _set_json(path, **changes):
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            del data[key]
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def _nan_in_optimizer_state(path):
+    tensors = load_file(str(path))
+    name = sorted(k for k in tensors if k.endswith("exp_avg_sq"))[0]
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(path))
+
+
+def _wrong_shape_optimizer_state(path):
+    tensors = load_file(str(path))
+    name = sorted(k for k in tensors if k.endswith(".exp_avg"))[0]
+    tensors[name] = torch.zeros(3)
+    save_file(tensors, str(path))
+
+
+# (what is done to the saved run, the file named in the error, a fragment of the error)
+CORRUPTIONS = {
+    "truncated state tensors": (lambda r: _truncate(r / "last" / "training_state.safetensors"),
+                                "last/training_state.safetensors", "corrupt or truncated"),
+    "truncated state json": (lambda r: _truncate(r / "last" / "training_state.json"),
+                             "last/training_state.json", "corrupt or truncated"),
+    "state json without step": (lambda r: _set_json(r / "last" / "training_state.json", step=None),
+                                "last/training_state.json", "has no 'step'"),
+    "negative step": (lambda r: _set_json(r / "last" / "training_state.json", step=-4),
+                      "last/training_state.json", "'step' is -4"),
+    "non-finite optimizer state": (lambda r: _nan_in_optimizer_state(r / "last" / "training_state.safetensors"),
+                                   "last/training_state.safetensors", "non-finite"),
+    "optimizer state of another shape": (
+        lambda r: _wrong_shape_optimizer_state(r / "last" / "training_state.safetensors"),
+        "last/training_state.safetensors", "has shape (3,)"),
+    "options not json": (lambda r: (r / "train_options.json").write_bytes(b"\xff\xfe{"),
+                         "train_options.json", "corrupt or truncated"),
+    "options out of range": (lambda r: _set_json(r / "train_options.json", lr_factor=-1.0),
+                             "train_options.json", "--lr-factor"),
+    "config without n_heads": (lambda r: _set_json(r / "last" / "config.json", n_heads=None),
+                               "last/config.json", "missing key 'n_heads'"),
+    "truncated weights": (lambda r: _truncate(r / "last" / "model.safetensors"),
+                          "last/model.safetensors", "not a readable safetensors file"),
+    "state missing": (lambda r: (r / "last" / "training_state.json").unlink(),
+                      "last/training_state.json", "cannot resume"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_resume_files_are_one_line_errors(run_copy, capsys, kind):
+    corrupt, named, fragment = CORRUPTIONS[kind]
+    corrupt(run_copy)
+    before = snapshot(run_copy.parent)
+    assert train_mod.main(cli(run_copy, "--resume", steps=4)) == 1
+    err = capsys.readouterr().err
+    assert str(run_copy / named) in err and fragment in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert snapshot(run_copy.parent) == before
+
+
+def _enospc_on(monkeypatch, predicate):
+    """os.replace raises ENOSPC (a full disk) for the destinations ``predicate`` picks."""
+    real = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if predicate(Path(dst)):
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_full_disk_at_the_first_checkpoint_keeps_the_old_run(run_copy, monkeypatch, capsys):
+    before = snapshot(run_copy.parent)
+    _enospc_on(monkeypatch, lambda dst: dst.name == "model.safetensors")
+    assert train_mod.main(cli(run_copy, "--overwrite", steps=3)) == 1
+    err = capsys.readouterr().err
+    assert "no space left on the device" in err and "Traceback" not in err
+    monkeypatch.undo()
+    assert snapshot(run_copy.parent) == before  # old run intact, no temporary folder of the new one
+
+
+def test_full_disk_at_a_later_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def second_last_checkpoint(dst):
+        if dst.name == "model.safetensors" and dst.parent.name.startswith(".last.tmp-"):
+            calls.append(dst)
+            return len(calls) >= 2
+        return False
+
+    _enospc_on(monkeypatch, second_last_checkpoint)
+    out = tmp_path / "run"
+    assert train_mod.main(cli(out, "--eval-every", "1", steps=3)) == 1
+    assert "no space left on the device" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert state_step(out) == 1 and not temporaries(tmp_path)
+    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True))
+    assert resumed.first_step == 2 and resumed.step == 3
+
+
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_signal_at_the_first_checkpoint_keeps_the_old_run(run_copy, monkeypatch, capsys, sig, code, word):
+    before = snapshot(run_copy.parent)
+    real = train_mod._save_model_dir
+
+    def save_then_signal(*args, **kwargs):
+        real(*args, **kwargs)  # the new checkpoint's files are written, the folder is not in place yet
+        os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(train_mod, "_save_model_dir", save_then_signal)
+    assert train_mod.main(cli(run_copy, "--overwrite", steps=3)) == code
+    err = capsys.readouterr().err
+    assert err.endswith(f"\npython -m transformer_ext.train: {word}; resume with --resume\n"), err
+    assert "stopped before the first checkpoint of the new run (nothing to resume)" in err
+    assert "Traceback" not in err
+    assert snapshot(run_copy.parent) == before
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_a_resumed_run_keeps_the_last_checkpoint(run_copy, monkeypatch, capsys, sig, code):
+    real = train_mod._save_model_dir
+
+    def save_then_signal(*args, **kwargs):
+        real(*args, **kwargs)
+        os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(train_mod, "_save_model_dir", save_then_signal)
+    assert train_mod.main(cli(run_copy, "--resume", "--eval-every", "1", steps=4)) == code
+    assert "resume with --resume" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert state_step(run_copy) == 2 and not temporaries(run_copy.parent)
+    assert train_mod.main(cli(run_copy, "--resume", steps=4)) == 0
+    assert state_step(run_copy) == 4

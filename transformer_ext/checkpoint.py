@@ -4,20 +4,24 @@ No pickle anywhere: weights are read with ``safetensors`` only. Tied weights (ta
 embedding = output projection, and with ``shared_vocab`` the source embedding too) are stored
 once, under the first name ``state_dict()`` gives them, and re-tied on load by building the
 model from its config. Other files in the directory (the tokenizer's) are left alone.
+Loading refuses what would give a silently wrong model: a config.json that breaks the contract
+of :mod:`transformer_ext.config` (missing, unknown or mistyped key), tensors that do not match
+it, and non-finite weights. Writes go through :mod:`transformer_ext.fsutil`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
-import shutil
-import tempfile
 from typing import Union
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
+
+from .fsutil import StagedDir, atomic_write_bytes
 
 from . import __version__
 from .config import TransformerConfig
@@ -25,7 +29,7 @@ from .model import Transformer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_model", "load_model", "canonical_state_dict", "CONFIG_NAME", "WEIGHTS_NAME"]
+__all__ = ["save_model", "load_model", "canonical_state_dict", "check_finite", "CONFIG_NAME", "WEIGHTS_NAME"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -53,21 +57,8 @@ def canonical_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor
     return tensors, aliases
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_files(model: Transformer, directory: str) -> None:
-    """Write config.json and model.safetensors into an existing (private) directory."""
+    """Write model.safetensors, then config.json, into the folder ``directory``, each atomically."""
     tensors, aliases = canonical_state_dict(model)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     metadata = {
@@ -75,74 +66,58 @@ def _write_files(model: Transformer, directory: str) -> None:
         "producer": f"transformer_ext {__version__}",
         "tied": json.dumps(aliases, sort_keys=True),
     }
-    weights_path = os.path.join(directory, WEIGHTS_NAME)
-    save_file(tensors, weights_path, metadata=metadata)
+    atomic_write_bytes(os.path.join(directory, WEIGHTS_NAME), save(tensors, metadata=metadata))
     model.config.save_json(os.path.join(directory, CONFIG_NAME))
-    for name in (WEIGHTS_NAME, CONFIG_NAME):
-        with open(os.path.join(directory, name), "rb") as f:
-            os.fsync(f.fileno())
 
 
 def save_model(model: Transformer, directory: PathLike) -> None:
     """Write ``config.json`` and ``model.safetensors`` of ``model`` into ``directory``.
 
-    A new directory appears atomically: the files are written into a temporary directory next
-    to it, which is then renamed. If ``directory`` already exists (e.g. it holds tokenizer files)
-    each of the two files is replaced atomically (written to a temporary name in the same
-    directory, then ``os.replace``), weights first; other files are kept. No half-written file is
-    ever visible under the final names.
+    A new directory (and any missing parent) appears atomically, complete: it is built in a
+    temporary sibling (:class:`~transformer_ext.fsutil.StagedDir`) and renamed. In an existing
+    directory (e.g. one that holds tokenizer files) each of the two files is replaced atomically,
+    weights first; other files are kept. Folders and files get the permissions of the umask.
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"save_model expects a transformer_ext Transformer, got {type(model).__name__}")
     directory = os.path.abspath(os.fspath(directory))
-    parent = os.path.dirname(directory) or "."
-    os.makedirs(parent, exist_ok=True)
     if os.path.exists(directory) and not os.path.isdir(directory):
-        raise NotADirectoryError(f"cannot save a model to {directory}: it exists and is not a directory")
-
-    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
-    try:
-        _write_files(model, tmp_dir)
-        if not os.path.exists(directory):
-            try:
-                os.rename(tmp_dir, directory)
-                _fsync_dir(parent)
-                logger.info("saved model to %s", directory)
-                return
-            except OSError:
-                if not os.path.isdir(directory):  # a real failure, not a concurrent mkdir
-                    raise
-        # The directory exists: replace the two files one by one, each atomically. The temporary
-        # files must live on the directory's file system for os.replace to be atomic.
-        staged = {}
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
-            fd, staged_path = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=directory)
-            os.close(fd)
-            shutil.copyfile(os.path.join(tmp_dir, name), staged_path)
-            with open(staged_path, "rb") as f:
-                os.fsync(f.fileno())
-            staged[name] = staged_path
-        try:
-            for name in (WEIGHTS_NAME, CONFIG_NAME):
-                os.replace(staged[name], os.path.join(directory, name))
-        finally:
-            for path in staged.values():
-                if os.path.exists(path):
-                    os.remove(path)
-        _fsync_dir(directory)
+        raise NotADirectoryError(errno.ENOTDIR, "cannot save a model here: it exists and is not a directory",
+                                 directory)
+    if os.path.isdir(directory):
+        _write_files(model, directory)
         logger.info("saved model to existing directory %s", directory)
-    finally:
-        if os.path.isdir(tmp_dir):
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        return
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    with StagedDir(directory) as stage:
+        _write_files(model, str(stage.path))
+        stage.commit()
+    logger.info("saved model to %s", directory)
+
+
+def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ``ValueError`` naming every floating-point tensor of ``tensors`` with a NaN or infinity."""
+    bad = []
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+            continue
+        n_nan = int(torch.isnan(t).sum())
+        n_inf = int(torch.isinf(t).sum())
+        bad.append(f"{name} ({n_nan} NaN, {n_inf} infinite of {t.numel()})")
+    if bad:
+        raise ValueError(f"{source} holds non-finite values (weights must be finite numbers): " + "; ".join(bad))
 
 
 def load_model(directory: PathLike, device: Union[str, torch.device] = "cpu") -> Transformer:
     """Build the model described by ``directory/config.json`` and load ``model.safetensors``.
 
     Returns the model on ``device`` in eval mode. Raises ``FileNotFoundError`` for a missing
-    directory or file, ``ValueError`` (naming the file) for an invalid config, a corrupted
-    weights file, or weights that do not match the config (missing, unexpected and mis-shaped
-    tensors are all listed).
+    directory or file, ``ValueError`` (naming the file) for an invalid config (a
+    :class:`~transformer_ext.config.ConfigError` naming the key: see
+    :func:`~transformer_ext.config.migrate_config`), a corrupted weights file, weights that do
+    not match the config (missing, unexpected and mis-shaped tensors are all listed), or
+    weights with a NaN or an infinity (the tensors are named).
     """
     directory = os.fspath(directory)
     if not os.path.exists(directory):
@@ -190,6 +165,7 @@ def load_model(directory: PathLike, device: Union[str, torch.device] = "cpu") ->
         problems.append(f"non-floating-point tensors {nonfloat}")
     if problems:
         raise ValueError(f"{weights_path} does not match {config_path}: " + "; ".join(problems))
+    check_finite(tensors, weights_path)
 
     with torch.no_grad():
         for name, param in expected.items():

@@ -1,14 +1,23 @@
-"""The single source of hyper-parameters of the Transformer.
+"""The single source of hyper-parameters of the Transformer, and the config.json contract.
 
 ``TransformerConfig`` is a plain dataclass (no torch import) so that it can be read by the
 ONNX Runtime runner, the exporter's manifest writer and the checkpoint loader alike. It is
 validated on construction: an inconsistent configuration raises ``ValueError`` (or
 ``TypeError`` for a value of the wrong type) before any model is built.
+
+A config.json (and the ``model_config`` of an export manifest) is versioned: ``format_version``
+(:data:`CONFIG_FORMAT_VERSION`, now 1) and then every field, all of them required, because
+tensor shapes and the semantics depend on each (DESIGN.md section 5). A missing key, an unknown
+key or a value of the wrong JSON type is a :class:`ConfigError` that names the key and the file;
+files without ``format_version`` (the form written before versioning) are migrated explicitly by
+:func:`migrate_config`, never completed with defaults. The dataclass defaults serve code that
+builds a config in Python (``TransformerConfig(d_model=256)``, :meth:`TransformerConfig.preset`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -16,9 +25,14 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from .cli import UserError
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["TransformerConfig", "PRESETS"]
+__all__ = ["TransformerConfig", "PRESETS", "ConfigError", "CONFIG_FORMAT_VERSION", "V1_FIELDS", "migrate_config"]
+
+# Version of the config.json form (and of a manifest's model_config); see migrate_config.
+CONFIG_FORMAT_VERSION = 1
 
 
 # Named starting points; ``TransformerConfig.preset(name, **overrides)`` builds one.
@@ -169,53 +183,179 @@ class TransformerConfig:
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field as a JSON-compatible dict (the content of config.json)."""
-        return dataclasses.asdict(self)
+        """The content of config.json: ``format_version`` first, then every field.
+
+        Export manifests embed this dict as their ``model_config``, so it carries the version too.
+        """
+        return {"format_version": CONFIG_FORMAT_VERSION, **dataclasses.asdict(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TransformerConfig":
-        """Build a config from ``data``; unknown keys are an error (a typo must not pass silently)."""
-        if not isinstance(data, dict):
-            raise TypeError(f"a config must be a dict, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown TransformerConfig keys {unknown}; known keys are {sorted(known)}"
-            )
-        return cls(**data)
+    def from_dict(cls, data: Any, source: str = "the model config") -> "TransformerConfig":
+        """Build a config from a dict in the config.json form (see :func:`migrate_config`).
+
+        Every field is required, unknown keys and values of the wrong JSON type are errors
+        (:class:`ConfigError`, naming the key and ``source``, e.g. the file the dict came from).
+        A dict without ``format_version`` is the form written before versioning and is migrated.
+        """
+        data = migrate_config(data, source)
+        values = {name: data[name] for name in _field_names()}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
 
     def save_json(self, path: str | os.PathLike) -> None:
-        """Write the config as indented JSON (atomically: temp file, then rename)."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        """Write the config as indented JSON, atomically (see :mod:`transformer_ext.fsutil`)."""
+        from .fsutil import atomic_write_json
+
+        atomic_write_json(path, self.to_dict())
 
     @classmethod
     def load_json(cls, path: str | os.PathLike) -> "TransformerConfig":
-        """Read a config written by :meth:`save_json`; errors name the file."""
+        """Read a config.json; every error (unreadable, not UTF-8, not JSON, a bad key) names the file."""
         path = os.fspath(path)
         try:
-            with open(path, "r", encoding="utf-8") as f:
-                data = json.load(f)
+            with open(path, "rb") as f:
+                raw = f.read()
         except FileNotFoundError:
-            raise FileNotFoundError(f"config file not found: {path}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+            raise FileNotFoundError(errno.ENOENT, "config file not found", path) from None
         try:
-            return cls.from_dict(data)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"invalid model config in {path}: {exc}") from exc
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                "a config.json is UTF-8 JSON"
+            ) from None
+        try:
+            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+        except _DuplicateKey as exc:
+            raise ConfigError(f"{path}: key {exc.args[0]!r} appears more than once") from None
+        return cls.from_dict(data, source=path)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "TransformerConfig":
-        """A named configuration from :data:`PRESETS`, with keyword overrides."""
+        """A named configuration from :data:`PRESETS`, with keyword overrides (the other fields: defaults)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
-        return cls.from_dict({**PRESETS[name], **overrides})
+        unknown = sorted(set(overrides) - set(_field_names()))
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig fields {unknown}; the fields are {list(_field_names())}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+# ---------------------------------------------------------------------- the config.json contract
+class ConfigError(UserError, ValueError):
+    """A model config (a config.json, or a manifest's ``model_config``) that cannot be read as one."""
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def _field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(TransformerConfig))
+
+
+# The fields of format_version 1, in the order config.json lists them. A later version that adds a
+# field appends it to its own tuple, bumps CONFIG_FORMAT_VERSION and adds a migration step below.
+V1_FIELDS: tuple[str, ...] = (
+    "src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers",
+    "d_ff", "dropout", "max_len", "norm_first", "layer_norm_eps", "bias", "tie_target_embeddings",
+    "shared_vocab", "pad_id", "bos_id", "eos_id",
+)
+# What the writer before format_version always wrote (dataclasses.asdict of the config of that
+# time): the same seventeen fields, without the version key.
+UNVERSIONED_FIELDS: tuple[str, ...] = V1_FIELDS
+
+_JSON_TYPES = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _field_type(name: str) -> type:
+    if name in TransformerConfig._INT_FIELDS:
+        return int
+    if name in TransformerConfig._FLOAT_FIELDS:
+        return float
+    return bool
+
+
+def _check_keys(data: dict, required: tuple[str, ...], source: str, form: str) -> None:
+    missing = [k for k in required if k not in data]
+    if missing:
+        keys = ", ".join(repr(k) for k in missing)
+        raise ConfigError(
+            f"{source}: missing key{'s' if len(missing) > 1 else ''} {keys}; {form} must hold every field: "
+            f"{', '.join(required)}"
+        )
+    unknown = sorted(k for k in data if k not in required and k != "format_version")
+    if unknown:
+        keys = ", ".join(repr(k) for k in unknown)
+        raise ConfigError(
+            f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {keys}; {form} has the keys "
+            f"{', '.join(required)}"
+        )
+
+
+def _check_types(data: dict, source: str) -> None:
+    for name in V1_FIELDS:
+        value, kind = data[name], _field_type(name)
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:  # a JSON number; an integer such as 0 is exact
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            raise ConfigError(
+                f"{source}: key {name!r} must be {_JSON_TYPES[kind]}, got {json.dumps(value)} "
+                f"({type(value).__name__})"
+            )
+
+
+def migrate_config(data: Any, source: str = "the model config") -> dict[str, Any]:
+    """``data`` (a config dict of any supported version) in the current form, checked.
+
+    * ``format_version`` 1 (the current one): every field of :data:`V1_FIELDS` required, no
+      other key, integers as JSON integers (``true`` or ``32.0`` is not an integer), floats as
+      JSON numbers, booleans as ``true``/``false``.
+    * No ``format_version``: the form written before versioning (config.json files, and the
+      ``model_config`` of export manifests, of earlier transformer_ext versions). That writer
+      always wrote every field of :data:`UNVERSIONED_FIELDS`, so the same fields are required
+      (a missing one is an error, not a default); the result is that dict with
+      ``format_version: 1``.
+    * Any other version: an error (a newer version says to upgrade transformer_ext).
+
+    Errors are :class:`ConfigError` naming the key and ``source``. Only keys and types are
+    checked here; value ranges are checked by :class:`TransformerConfig` itself.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a model config is a JSON object, got {type(data).__name__}")
+    if "format_version" not in data:
+        _check_keys(data, UNVERSIONED_FIELDS, source, "a config without format_version (written before versioning)")
+        data = {"format_version": 1, **{k: data[k] for k in UNVERSIONED_FIELDS}}
+    version = data["format_version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ConfigError(f"{source}: key 'format_version' must be an integer, got {json.dumps(version)}")
+    if version > CONFIG_FORMAT_VERSION:
+        raise ConfigError(
+            f"{source}: format_version {version} was written by a newer transformer_ext; this version reads "
+            f"format_version {CONFIG_FORMAT_VERSION} and older: upgrade transformer_ext"
+        )
+    if version < 1:
+        raise ConfigError(f"{source}: unsupported format_version {version} (supported: 1..{CONFIG_FORMAT_VERSION})")
+    _check_keys(data, V1_FIELDS, source, "a config of format_version 1")
+    _check_types(data, source)
+    return {"format_version": 1, **{k: data[k] for k in V1_FIELDS}}
 
 
 def _divisor_hint(d_model: int, n_heads: int) -> int:

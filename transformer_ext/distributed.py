@@ -43,6 +43,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .cli import UserError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -68,8 +70,11 @@ _LAUNCH_HINT = (
 )
 
 
-class DistributedError(RuntimeError):
-    """A multi-process run that cannot work as launched (environment, ranks, devices, data)."""
+class DistributedError(UserError, RuntimeError):
+    """A multi-process run that cannot work as launched (environment, ranks, devices, data).
+
+    A :class:`~transformer_ext.cli.UserError`: the command line reports it in one line.
+    """
 
 
 @dataclass(frozen=True)

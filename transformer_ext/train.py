@@ -41,7 +41,7 @@ import json
 import logging
 import math
 import os
-import shutil
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -64,8 +64,9 @@ from .data import (
     oversample,
     split_numbers,
 )
-from . import distributed
-from .distributed import DistributedError
+from . import __version__, distributed
+from .cli import UserError, add_debug_flag, run_cli
+from .fsutil import StagedDir, atomic_write_bytes, atomic_write_json
 from .tokenizer import TOKENIZER_FILE, CharTokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ __all__ = [
     "TrainOptions",
     "TrainResult",
     "TrainingError",
+    "TrainingDiverged",
     "noam_lr",
     "token_loss",
     "make_optimizer",
@@ -105,15 +107,19 @@ SUMMARY_JSON = "summary.json"
 MODEL_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE)
 
 
-class TrainingError(ValueError):
-    """Bad training options or an output directory that cannot be used as asked."""
+class TrainingError(UserError, ValueError):
+    """Bad training options, a run folder that cannot be used as asked, or saved files that cannot be resumed."""
+
+
+class TrainingDiverged(TrainingError, FloatingPointError):
+    """The training loss became NaN or infinite (the options, typically the learning rate, do not work)."""
 
 
 @dataclass
 class TrainOptions:
     """Every option of a training run (the command line's flags, one to one)."""
 
-    out_dir: str = "out/demo"  # where best/, last/, train_options.json and summary.json go
+    out_dir: str = "out/demo"  # where best/, last/, run.json, train_options.json and summary.json go
     resume: bool = False  # continue from <out_dir>/last/ (run-defining options come from the saved run)
     overwrite: bool = False  # start afresh even if <out_dir> already holds a run
     export_dir: Optional[str] = None  # at the end, copy the best model directory here
@@ -310,19 +316,91 @@ def evaluate(
     return result
 
 
+# ---------------------------------------------------------------------- the run folder
+# <out>/run.json marks a folder as a training run of this program: only such a folder (or one
+# written before the marker existed, recognised by its exact file set) is resumed or replaced.
+RUN_MARKER = "run.json"
+RUN_FORMAT = "transformer_ext.train-run"
+RUN_FORMAT_VERSION = 1
+_RUN_ENTRIES = frozenset({RUN_MARKER, OPTIONS_JSON, SUMMARY_JSON, "best", "last"})
+# What a run folder of the version before run.json could hold: its files, and the temporaries of
+# its own writers (`best.tmp`, `last.old`, `summary.json.tmp`, ...).
+_UNMARKED_RUN_ENTRIES = frozenset(
+    {OPTIONS_JSON, SUMMARY_JSON, "best", "last"}
+    | {f"{name}.{kind}" for name in ("best", "last") for kind in ("tmp", "old")}
+    | {f"{name}.tmp" for name in (OPTIONS_JSON, SUMMARY_JSON)}
+)
+# A temporary or backup of transformer_ext.fsutil: `.{name}.tmp-{host}-{pid}-{hex}` / `.old-`.
+_FSUTIL_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(tmp|old)-[A-Za-z0-9_.]+-\d+-[0-9a-f]{8}$")
+
+
+@dataclass(frozen=True)
+class _RunFolder:
+    """What ``--out`` holds: ``kind`` is "absent", "empty", "run" (this program's) or "foreign"."""
+
+    path: Path
+    kind: str
+    marked: bool = False  # a run with run.json (False: a run of the version before the marker)
+    others: tuple[str, ...] = ()  # entries this program did not write
+    reason: str = ""  # why a non-empty folder is not a run of this program
+
+
+def _ours(name: str, known: frozenset) -> bool:
+    m = _FSUTIL_TEMPORARY.match(name)
+    return name in known or (m is not None and m.group("name") in known)
+
+
+def _inspect_out(out: Path) -> _RunFolder:
+    """Classify ``out`` without writing anything (errors for a path that cannot be a run folder)."""
+    if not out.exists():
+        if out.is_symlink():
+            raise TrainingError(f"--out {out} is a symbolic link to nothing; remove it or choose another folder")
+        return _RunFolder(out, "absent")
+    if not out.is_dir():
+        raise TrainingError(f"--out {out} is a file, not a folder; give the path of a folder for the run")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return _RunFolder(out, "empty")
+    if RUN_MARKER in entries:
+        marker = out / RUN_MARKER
+        try:
+            data = json.loads(marker.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return _RunFolder(out, "foreign", reason=f"its {RUN_MARKER} is not a run marker of this program ({exc})")
+        if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
+            return _RunFolder(out, "foreign", reason=f"its {RUN_MARKER} is not a run marker of this program")
+        version = data.get("format_version")
+        if version != RUN_FORMAT_VERSION:
+            raise TrainingError(f"{marker}: run format_version {version!r}; this version of transformer_ext "
+                                f"reads {RUN_FORMAT_VERSION} (was the run written by a newer version?)")
+        others = tuple(e for e in entries if not _ours(e, _RUN_ENTRIES))
+        return _RunFolder(out, "run", marked=True, others=others)
+    others = tuple(e for e in entries if not _ours(e, _UNMARKED_RUN_ENTRIES))
+    if others or not {OPTIONS_JSON, "last", "best"} & set(entries):
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        return _RunFolder(out, "foreign", reason=f"it has no {RUN_MARKER} and holds {shown or 'other files'}")
+    return _RunFolder(out, "run", marked=False)
+
+
+def _marker() -> dict:
+    return dict(format=RUN_FORMAT, format_version=RUN_FORMAT_VERSION, producer=f"transformer_ext {__version__}")
+
+
+def _commit_run(stage: StagedDir, folder: _RunFolder) -> None:
+    """Put the staged run folder in place of ``--out`` (the moment an old run is replaced)."""
+    target = stage.target
+    if folder.kind == "empty" and target.is_dir() and not any(target.iterdir()):
+        # The user's empty folder is kept (its permissions, a mount point): the entries move into it.
+        for entry in sorted(os.listdir(stage.path), key=lambda name: name == RUN_MARKER):  # the marker last
+            os.rename(stage.path / entry, target / entry)
+        os.rmdir(stage.path)
+        stage.committed = True
+    else:
+        stage.commit()  # an old run is moved aside, the new one renamed in, then the old one deleted
+    logger.info("the run folder %s is in place%s", target, " (the old run was replaced)" if folder.kind == "run" else "")
+
+
 # ---------------------------------------------------------------------- checkpoints and state
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move the finished ``tmp`` directory to ``final``, replacing it (old copy kept until then)."""
-    old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def _save_model_dir(model, tokenizer: CharTokenizer, directory: Path) -> None:
     from .checkpoint import save_model
 
@@ -344,12 +422,18 @@ def _optimizer_to_flat(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def _optimizer_from_flat(optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         if not name.startswith("optimizer."):
             continue
         _, pid, key = name.split(".", 2)
-        state.setdefault(int(pid), {})[key] = value
+        pid = int(pid)
+        if not 0 <= pid < len(params):
+            raise ValueError(f"tensor {name}: the model has {len(params)} parameters")
+        if key in ("exp_avg", "exp_avg_sq") and tuple(value.shape) != tuple(params[pid].shape):
+            raise ValueError(f"tensor {name} has shape {tuple(value.shape)}, its parameter {tuple(params[pid].shape)}")
+        state.setdefault(pid, {})[key] = value
     for pid, extra in meta.get("scalars", {}).items():
         state.setdefault(int(pid), {}).update(extra)
     groups = []
@@ -363,71 +447,111 @@ def _optimizer_from_flat(optimizer, tensors: dict[str, torch.Tensor], meta: dict
 
 def _jsonable(value: Any) -> bool:
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
         return False
     return True
 
 
-def _save_checkpoint(out: Path, name: str, model, tokenizer, optimizer=None, scheduler=None,
+def _save_checkpoint(run_dir: Path, name: str, model, tokenizer, optimizer=None, scheduler=None,
                      state: Optional[dict] = None) -> Path:
-    """Write ``<out>/<name>/`` (model directory, plus the training state when given) atomically."""
+    """Write ``<run_dir>/<name>/`` (model directory, plus the training state when given).
+
+    Built in a temporary sibling and swapped in (:class:`~transformer_ext.fsutil.StagedDir`):
+    the previous checkpoint stays until the new one is complete, and an interruption or a full
+    disk leaves the previous one and no temporary folder.
+    """
     from safetensors.torch import save_file
 
-    final = out / name
-    tmp = out / f"{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    _save_model_dir(model, tokenizer, tmp)
-    if state is not None:
-        tensors, opt_meta = _optimizer_to_flat(optimizer)
-        tensors["rng.torch"] = torch.get_rng_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for i, s in enumerate(torch.cuda.get_rng_state_all()):
-                tensors[f"rng.cuda.{i}"] = s
-        save_file(tensors, str(tmp / STATE_TENSORS))
-        sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas" and _jsonable(v)}
-        payload = dict(state, optimizer=opt_meta, scheduler=sched)
-        with open(tmp / STATE_JSON, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=1)
-    _replace_dir(tmp, final)
-    return final
+    with StagedDir(run_dir / name) as stage:
+        _save_model_dir(model, tokenizer, stage.path)
+        if state is not None:
+            tensors, opt_meta = _optimizer_to_flat(optimizer)
+            tensors["rng.torch"] = torch.get_rng_state()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                    tensors[f"rng.cuda.{i}"] = s
+            save_file(tensors, str(stage.path / STATE_TENSORS))
+            sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas" and _jsonable(v)}
+            atomic_write_json(stage.path / STATE_JSON, dict(state, optimizer=opt_meta, scheduler=sched))
+        return stage.commit()
 
 
 def _last_dir(out: Path) -> Path:
+    """``<out>/last``, or the copy of it that an interrupted replacement left (then ``last`` is missing)."""
     last = out / "last"
-    if not last.exists() and (out / "last.old").exists():  # interrupted between two renames
+    if last.exists():
+        return last
+    if (out / "last.old").is_dir():  # the writer before fsutil, interrupted between two renames
         return out / "last.old"
+    backups = sorted((p for p in out.glob(".last.old-*") if p.is_dir() and _FSUTIL_TEMPORARY.match(p.name)),
+                     key=lambda p: p.stat().st_mtime)
+    if backups:
+        logger.warning("%s is missing; resuming from %s, left by an interrupted checkpoint write", last, backups[-1])
+        return backups[-1]
     return last
 
 
+def _read_json_file(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise TrainingError(f"cannot resume: {path} ({what}) is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TrainingError(f"cannot resume: {path} ({what}) is corrupt or truncated: {exc}") from None
+
+
+_STATE_KEYS = dict(step=int, epoch=int, batch_in_epoch=int, history=list, best=(dict, type(None)),
+                   total_elapsed_s=(int, float), optimizer=dict, scheduler=dict)
+
+
 def _load_state(last: Path, optimizer, scheduler) -> dict:
+    """The saved training state of ``last``, loaded into ``optimizer``, ``scheduler`` and torch's RNG.
+
+    Every problem (a missing, corrupt or truncated file, a state of another model) is a
+    :class:`TrainingError` naming the file.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    for name in (STATE_JSON, STATE_TENSORS):
-        if not (last / name).is_file():
-            raise TrainingError(f"cannot resume: {last / name} is missing (was the run saved with this version?)")
-    with open(last / STATE_JSON, encoding="utf-8") as f:
-        payload = json.load(f)
-    tensors = load_file(str(last / STATE_TENSORS))
-    _optimizer_from_flat(optimizer, tensors, payload.pop("optimizer"))
-    sched = payload.pop("scheduler")
-    sched["lr_lambdas"] = [None] * len(optimizer.param_groups)  # the schedule function is rebuilt, not stored
-    scheduler.load_state_dict(sched)
-    torch.set_rng_state(tensors["rng.torch"])
+    from .checkpoint import check_finite
+
+    json_path, tensors_path = last / STATE_JSON, last / STATE_TENSORS
+    for path in (json_path, tensors_path):
+        if not path.is_file():
+            raise TrainingError(f"cannot resume: {path} is missing (was the run saved with this version?)")
+    payload = _read_json_file(json_path, "training state")
+    if not isinstance(payload, dict):
+        raise TrainingError(f"cannot resume: {json_path} is not a training state (not a JSON object)")
+    for key, kind in _STATE_KEYS.items():
+        if key not in payload:
+            raise TrainingError(f"cannot resume: {json_path} has no {key!r} (not a training state of this program)")
+        value = payload[key]
+        if isinstance(value, bool) or not isinstance(value, kind) or (kind is int and value < 0):
+            raise TrainingError(f"cannot resume: {json_path}: {key!r} is {value!r}, not a valid value")
+    try:
+        tensors = load_file(str(tensors_path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise TrainingError(f"cannot resume: {tensors_path} is corrupt or truncated: {exc}") from None
+    try:
+        check_finite(tensors, str(tensors_path))
+    except ValueError as exc:
+        raise TrainingError(f"cannot resume: {exc}") from None
+    if "rng.torch" not in tensors:
+        raise TrainingError(f"cannot resume: {tensors_path} has no 'rng.torch' tensor")
+    try:
+        _optimizer_from_flat(optimizer, tensors, payload.pop("optimizer"))
+        sched = payload.pop("scheduler")
+        sched["lr_lambdas"] = [None] * len(optimizer.param_groups)  # the schedule function is rebuilt, not stored
+        scheduler.load_state_dict(sched)
+        torch.set_rng_state(tensors["rng.torch"])
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as exc:
+        raise TrainingError(f"cannot resume: {json_path} and {tensors_path} are not a training state of this "
+                            f"model: {exc}") from None
     cuda_states = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
     if cuda_states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda_states)
     return payload
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _options_dict(opts: TrainOptions) -> dict:
@@ -458,38 +582,147 @@ def _merge_resume_options(opts: TrainOptions, saved: dict) -> TrainOptions:
     return merged
 
 
-# ---------------------------------------------------------------------- the training loop
+# ---------------------------------------------------------------------- option checks
+# The command-line flag of each option, for messages (library callers see the field name too).
+_FLAGS = {
+    "out_dir": "--out", "export_dir": "--export", "seed": "--seed", "device": "--device", "threads": "--threads",
+    "preset": "--preset", "d_model": "--d-model", "n_heads": "--n-heads", "n_encoder_layers": "--encoder-layers",
+    "n_decoder_layers": "--decoder-layers", "d_ff": "--d-ff", "dropout": "--dropout", "max_len": "--max-len",
+    "norm_first": "--pre-ln", "shared_vocab": "--shared-vocab", "range_low": "--range LOW",
+    "range_high": "--range HIGH", "split_seed": "--split-seed", "max_tokens": "--max-tokens",
+    "oversample": "--oversample", "max_steps": "--max-steps", "epochs": "--epochs", "max_minutes": "--max-minutes",
+    "lr_factor": "--lr-factor", "warmup": "--warmup", "label_smoothing": "--label-smoothing",
+    "clip_norm": "--clip-norm", "eval_every": "--eval-every", "eval_examples": "--eval-examples",
+    "final_eval": "--no-final-eval", "final_beam": "--final-beam", "log_every": "--log-every",
+    "progress": "--no-progress", "resume": "--resume", "overwrite": "--overwrite",
+}
+_SEED_MAX = 2 ** 63 - 1
+_THREADS_MAX = 1024
+
+
+def _option(name: str) -> str:
+    flag = _FLAGS.get(name)
+    return f"{flag} ({name})" if flag else name
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(opts: TrainOptions, name: str, low: int, high: Optional[int] = None, *, optional: bool = False,
+               note: str = "") -> None:
+    value = getattr(opts, name)
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise TrainingError(f"{_option(name)} must be {allowed}{note}, got {value!r}")
+
+
+def _check_float(opts: TrainOptions, name: str, low: float, high: Optional[float] = None, *,
+                 low_open: bool = False, high_open: bool = True, optional: bool = False, note: str = "") -> None:
+    value = getattr(opts, name)
+    if optional and value is None:
+        return
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if low_open else value >= low)
+          and (high is None or (value < high if high_open else value <= high)))
+    if not ok:
+        if high is None:
+            allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
+        else:
+            allowed = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise TrainingError(f"{_option(name)} must be {allowed}{note}, got {value!r}")
+
+
 def _check_options(opts: TrainOptions) -> None:
-    if opts.max_steps is not None and opts.max_steps < 0:
-        raise TrainingError(f"max_steps must be >= 0, got {opts.max_steps}")
-    if opts.max_steps is None and opts.epochs is None:
-        raise TrainingError("give max_steps or epochs (or both: whichever comes first)")
-    if opts.epochs is not None and opts.epochs < 0:
-        raise TrainingError(f"epochs must be >= 0, got {opts.epochs}")
-    if opts.max_minutes is not None and opts.max_minutes <= 0:
-        raise TrainingError(f"max_minutes must be > 0, got {opts.max_minutes}")
-    if opts.max_tokens < 1:
-        raise TrainingError(f"max_tokens must be >= 1, got {opts.max_tokens}")
-    if opts.warmup < 1:
-        raise TrainingError(f"warmup must be >= 1, got {opts.warmup}")
-    if not 0.0 <= opts.label_smoothing < 1.0:
-        raise TrainingError(f"label_smoothing must be in [0, 1), got {opts.label_smoothing}")
-    if opts.clip_norm < 0:
-        raise TrainingError(f"clip_norm must be >= 0, got {opts.clip_norm}")
-    if opts.eval_every < 0 or opts.log_every < 0 or opts.eval_examples < 0:
-        raise TrainingError("eval_every, eval_examples and log_every must be >= 0")
-    for rule in opts.oversample:
-        if len(rule) != 2 or int(rule[1]) < 1:
-            raise TrainingError(f"oversample rules are (below, times) with times >= 1, got {rule!r}")
+    """Every option's type and range (the checks that need no data); the error names the option."""
+    for name in ("resume", "overwrite", "shared_vocab", "final_eval", "progress"):
+        if not isinstance(getattr(opts, name), bool):
+            raise TrainingError(f"{_option(name)} must be true or false, got {getattr(opts, name)!r}")
+    if opts.norm_first is not None and not isinstance(opts.norm_first, bool):
+        raise TrainingError(f"{_option('norm_first')} must be true, false or None, got {opts.norm_first!r}")
     if opts.resume and opts.overwrite:
-        raise TrainingError("resume and overwrite exclude each other")
+        raise TrainingError("--resume and --overwrite exclude each other")
+    for name in ("out_dir", "export_dir"):
+        value = getattr(opts, name)
+        if name == "export_dir" and value is None:
+            continue
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise TrainingError(f"{_option(name)} must be a folder path, got {value!r}")
+    if not isinstance(opts.device, str):
+        raise TrainingError(f"{_option('device')} must be a device name such as cpu or cuda, got {opts.device!r}")
+    if opts.preset not in MODEL_PRESETS:
+        raise TrainingError(f"unknown preset {opts.preset!r}; choose one of {sorted(MODEL_PRESETS)}")
+    _check_int(opts, "seed", 0, _SEED_MAX)
+    _check_int(opts, "split_seed", 0, _SEED_MAX)
+    _check_int(opts, "threads", 1, _THREADS_MAX, optional=True)
+    for name in ("d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "max_len"):
+        _check_int(opts, name, 1, optional=True)
+    _check_float(opts, "dropout", 0.0, 1.0, optional=True)
+    _check_int(opts, "range_low", 0)
+    _check_int(opts, "range_high", 0)
+    if opts.range_high < opts.range_low:
+        raise TrainingError(f"--range LOW HIGH must satisfy 0 <= LOW <= HIGH, got {opts.range_low} {opts.range_high}")
+    _check_int(opts, "max_tokens", 1)
+    rules = opts.oversample
+    if not isinstance(rules, (tuple, list)):
+        raise TrainingError(f"{_option('oversample')} must be a list of (BELOW, TIMES) rules, got {rules!r}")
+    for rule in rules:
+        if (not isinstance(rule, (tuple, list)) or len(rule) != 2 or not all(_is_int(x) for x in rule)
+                or rule[0] < 0 or rule[1] < 1):
+            raise TrainingError(f"{_option('oversample')} rules are BELOW=TIMES with integers BELOW >= 0 and "
+                                f"TIMES >= 1, got {rule!r}")
+    _check_int(opts, "max_steps", 0, optional=True)
+    _check_int(opts, "epochs", 0, optional=True)
+    if opts.max_steps is None and opts.epochs is None:
+        raise TrainingError("give --max-steps or --epochs (or both: whichever comes first)")
+    _check_float(opts, "max_minutes", 0.0, low_open=True, optional=True)
+    _check_float(opts, "lr_factor", 0.0, low_open=True)
+    _check_int(opts, "warmup", 1)
+    _check_float(opts, "label_smoothing", 0.0, 1.0)
+    _check_float(opts, "clip_norm", 0.0, note=" (0 disables clipping)")
+    betas = opts.adam_betas
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+        raise TrainingError(f"adam_betas must be two numbers in [0, 1), got {betas!r}")
+    _check_float(opts, "adam_eps", 0.0, low_open=True)
+    _check_int(opts, "eval_every", 0, note=" (0: validate only at the end)")
+    _check_int(opts, "eval_examples", 0)
+    _check_int(opts, "log_every", 0)
+    _check_int(opts, "final_beam", 0, note=" (0 or 1: greedy only)")
+
+
+def _check_export_dir(opts: TrainOptions, out: Path) -> Optional[Path]:
+    """The export folder, checked: not a file, outside the run, and empty or a model folder already."""
+    if opts.export_dir is None:
+        return None
+    target = Path(opts.export_dir)
+    if target.exists() and not target.is_dir():
+        raise TrainingError(f"--export {target} is a file, not a folder")
+    resolved, run = Path(os.path.realpath(target)), Path(os.path.realpath(out))
+    if resolved == run or run in resolved.parents:
+        raise TrainingError(f"--export {target} is inside the run folder {out}; choose a folder outside it")
+    if target.is_dir() and any(target.iterdir()):
+        from .config import TransformerConfig
+
+        config = target / MODEL_FILES[0]
+        if not config.is_file():
+            raise TrainingError(f"--export {target} is not empty and holds no {MODEL_FILES[0]}: it is not a model "
+                                "folder, and the export would write into it; choose an empty or new folder")
+        try:
+            TransformerConfig.load_json(config)
+        except ValueError as exc:
+            raise TrainingError(f"--export {target} does not hold a model of this program ({exc}); choose an empty "
+                                "or new folder") from None
+    return target
 
 
 def _device(name: str) -> torch.device:
     try:
         device = torch.device(name)
-    except RuntimeError as exc:
-        raise TrainingError(f"invalid device {name!r}: {exc}") from None
+    except RuntimeError:
+        raise TrainingError(f"--device {name!r} is not a device name; use cpu or cuda (or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainingError("device 'cuda' was requested but no CUDA GPU is available; use --device cpu")
     if device.type not in ("cpu", "cuda"):
@@ -500,9 +733,16 @@ def _device(name: str) -> torch.device:
 def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResult:
     """Train (or resume) a model as described by ``options`` (plus keyword overrides).
 
-    Returns a :class:`TrainResult`; writes ``<out>/best/``, ``<out>/last/``,
+    Returns a :class:`TrainResult`; writes ``<out>/best/``, ``<out>/last/``, ``<out>/run.json``,
     ``<out>/train_options.json`` and ``<out>/summary.json`` (and the export directory when
     ``export_dir`` is set).
+
+    Every option, the output folder, the data and the model config are checked before anything
+    is written (:class:`TrainingError` naming the option or file). A new run is built in a
+    temporary sibling of ``<out>`` and takes its place when its first checkpoint is complete; an
+    old run there (``overwrite``) is deleted only then. Only a folder that holds a run of this
+    program is resumed or replaced. Checkpoints are written atomically, so an interruption or a
+    full disk leaves the previous checkpoint and no temporary files.
     """
     from tqdm.auto import tqdm
 
@@ -512,6 +752,26 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     opts = dataclasses.replace(options or TrainOptions(), **overrides)
     _check_options(opts)
     out = Path(opts.out_dir)
+    folder = _inspect_out(out)
+    if opts.resume:
+        if folder.kind != "run":
+            raise TrainingError(f"cannot resume: {out} holds no training run of this program"
+                                + (f" ({folder.reason})" if folder.reason else ""))
+    elif folder.kind == "foreign":
+        raise TrainingError(f"--out {out} is not a training run of this program ({folder.reason}); nothing in it "
+                            "is touched: choose a new or empty folder")
+    elif folder.kind == "run" and not opts.overwrite:
+        raise TrainingError(
+            f"{out} already holds a training run; pass --resume to continue it, --overwrite to start "
+            "afresh, or choose another --out"
+        )
+    elif folder.kind == "run" and folder.others:
+        raise TrainingError(
+            f"--overwrite replaces the whole run folder {out}, but it also holds files this program did not write "
+            f"({', '.join(folder.others[:5])}{' ...' if len(folder.others) > 5 else ''}); move them away or choose "
+            "another --out"
+        )
+    export_dir = _check_export_dir(opts, out)
     device = _device(opts.device)
     ctx = distributed.setup(device)  # single process, or one rank of a torchrun job (nccl on cuda, gloo on cpu)
     device = ctx.device
@@ -521,21 +781,24 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     last = _last_dir(out)
     if opts.resume:
         if not (last / STATE_JSON).is_file():
-            raise TrainingError(f"cannot resume: no saved run in {out} ({last / STATE_JSON} not found)")
-        with open(out / OPTIONS_JSON, encoding="utf-8") as f:
-            opts = _merge_resume_options(opts, json.load(f))
-    elif last.exists() and not opts.overwrite:
-        raise TrainingError(
-            f"{out} already holds a training run; pass --resume to continue it, --overwrite to start "
-            "afresh, or choose another --out"
-        )
-    elif opts.overwrite and ctx.is_main:
-        for name in ("best", "last", "last.old", "best.old", "last.tmp", "best.tmp"):
-            if (out / name).exists():
-                shutil.rmtree(out / name)
+            raise TrainingError(f"cannot resume: no saved checkpoint in {out} ({last / STATE_JSON} not found)")
+        saved_options = _read_json_file(out / OPTIONS_JSON, "the options of the run")
+        try:
+            if not isinstance(saved_options, dict):
+                raise TrainingError("not a JSON object")
+            opts = _merge_resume_options(opts, saved_options)
+            _check_options(opts)
+        except (TrainingError, TypeError, ValueError) as exc:
+            raise TrainingError(f"cannot resume: {out / OPTIONS_JSON} does not hold valid options: {exc}") from None
 
     # Data: the split is fixed by (range, split_seed); the tokenizer comes from the training split.
-    splits = split_numbers(opts.range_low, opts.range_high, seed=opts.split_seed)
+    try:
+        splits = split_numbers(opts.range_low, opts.range_high, seed=opts.split_seed)
+    except ValueError as exc:
+        raise TrainingError(f"--range {opts.range_low} {opts.range_high}: {exc}") from None
+    if not splits.valid or not splits.heldout:
+        raise TrainingError(f"--range {opts.range_low} {opts.range_high} holds too few numbers: its validation and "
+                            "held-out splits (5% of the numbers each) are empty; widen the range")
     train_examples = make_examples(oversample(splits.train, opts.oversample))
     valid_examples = make_examples(splits.valid)
     if not train_examples:
@@ -582,157 +845,182 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
             total_steps = min(limits)
         logger.info("resumed %s at step %d (epoch %d, batch %d)", last, state["step"], state["epoch"],
                     state["batch_in_epoch"])
-    elif ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / OPTIONS_JSON, _options_dict(opts))
 
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("model: %s parameters, config %s", f"{n_params:,}", config.to_dict())
-    logger.info("data: %d train / %d valid / %d held-out numbers in %d..%d; %d training examples per epoch "
-                "(oversampling %s), %d batches of <= %d tokens", len(splits.train), len(splits.valid),
-                len(splits.heldout), opts.range_low, opts.range_high, len(train_examples),
-                list(opts.oversample) or "none", steps_per_epoch, opts.max_tokens)
-
-    ctx.seed_rank_rng(opts.seed, state["step"])  # ranks > 0: their own dropout masks
-    model.train()
-    first_step = state["step"] + 1
-    losses: list[float] = []
-    lrs: list[float] = []
-    started = time.monotonic()
-    cpu_started = time.process_time()
-    load_start = _load_average()
-    stop_reason = "max_steps" if opts.max_steps is not None and total_steps == opts.max_steps else "epochs"
-    window_loss = 0.0
-    window_tokens = 0
-    window_start = time.monotonic()
-    last_eval_step = state["history"][-1]["step"] if state["history"] else -1
-
-    def elapsed() -> float:
-        return time.monotonic() - started
-
-    def validate_and_save() -> None:
-        nonlocal last_eval_step
-        metrics = evaluate(model, tokenizer, valid_examples, device=device, max_tokens=max(opts.max_tokens, 4000),
-                           label_smoothing=opts.label_smoothing, exact_examples=opts.eval_examples)
-        errors = metrics.pop("errors", [])
-        record = dict(step=state["step"], epoch=state["epoch"] + state["batch_in_epoch"] / steps_per_epoch,
-                      elapsed_s=round(state["total_elapsed_s"] + elapsed(), 1), **metrics)
-        state["history"].append(record)
-        last_eval_step = state["step"]
-        best = state["best"]
-        key = (record.get("exact_match", 0.0), -record["loss"])
-        improved = best is None or key > (best.get("exact_match", 0.0), -best["loss"])
-        logger.info("validation at step %d: loss %.4f, nll %.4f, exact match %.3f (%d)%s", record["step"],
-                    record["loss"], record["nll"], record.get("exact_match", float("nan")),
-                    record.get("n_exact", 0), " (best so far)" if improved else "")
-        for src, hyp, ref in errors[:3]:
-            logger.debug("  %r -> %r (reference %r)", src, hyp, ref)
-        if improved:
-            state["best"] = record
-            _save_checkpoint(out, "best", model, tokenizer)
-        snapshot = dict(state, total_elapsed_s=state["total_elapsed_s"] + elapsed(),
-                        batch_in_epoch=ctx.global_position(state["batch_in_epoch"]), world_size=ctx.world_size)
-        _save_checkpoint(out, "last", model, tokenizer, optimizer, scheduler, snapshot)
-
-    def validate_and_save_on_rank0() -> None:
-        """validate_and_save() on rank 0 while the others wait; then every rank holds its record."""
-        nonlocal last_eval_step
-        diff = ctx.replica_difference(model)
-        if diff:
-            logger.warning("the ranks' parameters differ from rank 0's by up to %.3g at step %d", diff,
-                           state["step"])
-        if ctx.is_main:
-            validate_and_save()
-        state["history"], state["best"], last_eval_step = ctx.broadcast(
-            (state["history"], state["best"], last_eval_step))
-
-    bar = tqdm(total=total_steps, initial=state["step"], disable=not opts.progress or not ctx.is_main, desc="train",
-               unit="step", dynamic_ncols=True, leave=False)
+    # Everything is checked: from here on the disk is written (by rank 0 only under torchrun).
+    run_dir = out  # where checkpoints go: a new run's temporary folder until its first checkpoint
+    stage: Optional[StagedDir] = None
+    if ctx.is_main and not opts.resume:
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        stage = StagedDir(out)
+        stage.__enter__()
+        run_dir = stage.path
     try:
-        done = state["step"] >= total_steps
-        while not done:
-            batches = sampler.batches(state["epoch"])
-            while state["batch_in_epoch"] < len(batches):
-                if state["step"] >= total_steps:
-                    done = True
-                    break
-                if opts.max_minutes is not None and ctx.any(elapsed() >= 60.0 * opts.max_minutes):
-                    stop_reason = "max_minutes"
-                    done = True
-                    break
-                idx = batches[state["batch_in_epoch"]]
-                batch = collate([train_pairs[i] for i in idx], pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
-                                eos_id=tokenizer.eos_id).to(device)
-                lr = optimizer.param_groups[0]["lr"]
-                logits = train_model(batch.src_ids, batch.src_lengths, batch.tgt_in)
-                loss, n_tokens = token_loss(logits, batch.tgt_out, tokenizer.pad_id, opts.label_smoothing)
-                # under torchrun: loss summed over this rank / target tokens of all ranks (x world_size, as DDP
-                # averages); loss_value and n_tokens are then the global batch's
-                loss, loss_value, n_tokens = ctx.reduce_loss(loss, n_tokens)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if opts.clip_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip_norm)
-                optimizer.step()
-                scheduler.step()
-                state["step"] += 1
-                state["batch_in_epoch"] += 1
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"training loss became {loss_value} at step {state['step']}; "
-                                             "try a smaller --lr-factor or a longer --warmup")
-                losses.append(loss_value)
-                lrs.append(lr)
-                window_loss += loss_value * n_tokens
-                window_tokens += n_tokens
-                bar.update(1)
-                if opts.log_every and state["step"] % opts.log_every == 0:
-                    dt = time.monotonic() - window_start
-                    logger.info("step %d/%d epoch %d loss %.4f lr %.2e %.0f target tokens/s",
-                                state["step"], total_steps, state["epoch"] + 1, window_loss / window_tokens, lr,
-                                window_tokens / max(dt, 1e-9))
-                    bar.set_postfix(loss=f"{window_loss / window_tokens:.3f}", lr=f"{lr:.1e}")
-                    window_loss, window_tokens, window_start = 0.0, 0, time.monotonic()
-                if opts.eval_every and state["step"] % opts.eval_every == 0:
-                    validate_and_save_on_rank0()
-            else:
-                state["epoch"] += 1
-                state["batch_in_epoch"] = 0
+        if ctx.is_main:
+            if stage is not None:
+                atomic_write_json(run_dir / RUN_MARKER, _marker())
+                atomic_write_json(run_dir / OPTIONS_JSON, _options_dict(opts))
+            elif not folder.marked:  # resuming a run of the version before run.json
+                atomic_write_json(out / RUN_MARKER, _marker())
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info("model: %s parameters, config %s", f"{n_params:,}", config.to_dict())
+        logger.info("data: %d train / %d valid / %d held-out numbers in %d..%d; %d training examples per epoch "
+                    "(oversampling %s), %d batches of <= %d tokens", len(splits.train), len(splits.valid),
+                    len(splits.heldout), opts.range_low, opts.range_high, len(train_examples),
+                    list(opts.oversample) or "none", steps_per_epoch, opts.max_tokens)
+
+        ctx.seed_rank_rng(opts.seed, state["step"])  # ranks > 0: their own dropout masks
+        model.train()
+        first_step = state["step"] + 1
+        losses: list[float] = []
+        lrs: list[float] = []
+        started = time.monotonic()
+        cpu_started = time.process_time()
+        load_start = _load_average()
+        stop_reason = "max_steps" if opts.max_steps is not None and total_steps == opts.max_steps else "epochs"
+        window_loss = 0.0
+        window_tokens = 0
+        window_start = time.monotonic()
+        last_eval_step = state["history"][-1]["step"] if state["history"] else -1
+
+        def elapsed() -> float:
+            return time.monotonic() - started
+
+        def validate_and_save() -> None:
+            nonlocal last_eval_step, run_dir
+            metrics = evaluate(model, tokenizer, valid_examples, device=device, max_tokens=max(opts.max_tokens, 4000),
+                               label_smoothing=opts.label_smoothing, exact_examples=opts.eval_examples)
+            errors = metrics.pop("errors", [])
+            record = dict(step=state["step"], epoch=state["epoch"] + state["batch_in_epoch"] / steps_per_epoch,
+                          elapsed_s=round(state["total_elapsed_s"] + elapsed(), 1), **metrics)
+            state["history"].append(record)
+            last_eval_step = state["step"]
+            best = state["best"]
+            key = (record.get("exact_match", 0.0), -record["loss"])
+            improved = best is None or key > (best.get("exact_match", 0.0), -best["loss"])
+            logger.info("validation at step %d: loss %.4f, nll %.4f, exact match %.3f (%d)%s", record["step"],
+                        record["loss"], record["nll"], record.get("exact_match", float("nan")),
+                        record.get("n_exact", 0), " (best so far)" if improved else "")
+            for src, hyp, ref in errors[:3]:
+                logger.debug("  %r -> %r (reference %r)", src, hyp, ref)
+            if improved:
+                state["best"] = record
+                _save_checkpoint(run_dir, "best", model, tokenizer)
+            snapshot = dict(state, total_elapsed_s=state["total_elapsed_s"] + elapsed(),
+                            batch_in_epoch=ctx.global_position(state["batch_in_epoch"]), world_size=ctx.world_size)
+            _save_checkpoint(run_dir, "last", model, tokenizer, optimizer, scheduler, snapshot)
+            if stage is not None and not stage.committed:  # the first checkpoint of a new run: it replaces --out
+                _commit_run(stage, folder)
+                run_dir = out
+
+        def validate_and_save_on_rank0() -> None:
+            """validate_and_save() on rank 0 while the others wait; then every rank holds its record."""
+            nonlocal last_eval_step
+            diff = ctx.replica_difference(model)
+            if diff:
+                logger.warning("the ranks' parameters differ from rank 0's by up to %.3g at step %d", diff,
+                               state["step"])
+            if ctx.is_main:
+                validate_and_save()
+            state["history"], state["best"], last_eval_step = ctx.broadcast(
+                (state["history"], state["best"], last_eval_step))
+
+        bar = tqdm(total=total_steps, initial=state["step"], disable=not opts.progress or not ctx.is_main, desc="train",
+                   unit="step", dynamic_ncols=True, leave=False)
+        try:
+            done = state["step"] >= total_steps
+            while not done:
+                batches = sampler.batches(state["epoch"])
+                while state["batch_in_epoch"] < len(batches):
+                    if state["step"] >= total_steps:
+                        done = True
+                        break
+                    if opts.max_minutes is not None and ctx.any(elapsed() >= 60.0 * opts.max_minutes):
+                        stop_reason = "max_minutes"
+                        done = True
+                        break
+                    idx = batches[state["batch_in_epoch"]]
+                    batch = collate([train_pairs[i] for i in idx], pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
+                                    eos_id=tokenizer.eos_id).to(device)
+                    lr = optimizer.param_groups[0]["lr"]
+                    logits = train_model(batch.src_ids, batch.src_lengths, batch.tgt_in)
+                    loss, n_tokens = token_loss(logits, batch.tgt_out, tokenizer.pad_id, opts.label_smoothing)
+                    # under torchrun: loss summed over this rank / target tokens of all ranks (x world_size, as DDP
+                    # averages); loss_value and n_tokens are then the global batch's
+                    loss, loss_value, n_tokens = ctx.reduce_loss(loss, n_tokens)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if opts.clip_norm > 0:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    state["step"] += 1
+                    state["batch_in_epoch"] += 1
+                    if not math.isfinite(loss_value):
+                        raise TrainingDiverged(f"training loss became {loss_value} at step {state['step']}; "
+                                               "try a smaller --lr-factor or a longer --warmup")
+                    losses.append(loss_value)
+                    lrs.append(lr)
+                    window_loss += loss_value * n_tokens
+                    window_tokens += n_tokens
+                    bar.update(1)
+                    if opts.log_every and state["step"] % opts.log_every == 0:
+                        dt = time.monotonic() - window_start
+                        logger.info("step %d/%d epoch %d loss %.4f lr %.2e %.0f target tokens/s",
+                                    state["step"], total_steps, state["epoch"] + 1, window_loss / window_tokens, lr,
+                                    window_tokens / max(dt, 1e-9))
+                        bar.set_postfix(loss=f"{window_loss / window_tokens:.3f}", lr=f"{lr:.1e}")
+                        window_loss, window_tokens, window_start = 0.0, 0, time.monotonic()
+                    if opts.eval_every and state["step"] % opts.eval_every == 0:
+                        validate_and_save_on_rank0()
+                else:
+                    state["epoch"] += 1
+                    state["batch_in_epoch"] = 0
+        finally:
+            bar.close()
+
+        if ctx.broadcast(last_eval_step != state["step"] or not (run_dir / "last").exists()):
+            validate_and_save_on_rank0()
+        session_s = elapsed()
+        session_cpu_s = time.process_time() - cpu_started
+        state["total_elapsed_s"] += session_s
+        logger.info("training stopped (%s) at step %d after %.1f s wall, %.1f s process CPU (%.1f s wall in all "
+                    "sessions; load average %s)", stop_reason, state["step"], session_s, session_cpu_s,
+                    state["total_elapsed_s"], _load_average())
+
+        heldout = None
+        if opts.final_eval and ctx.is_main:
+            heldout = _evaluate_heldout(out / "best", splits.heldout, device, opts.final_beam)
+        result = TrainResult(
+            out_dir=str(out), config=config.to_dict(), step=state["step"], first_step=first_step, epoch=state["epoch"],
+            losses=losses, learning_rates=lrs, history=state["history"], best=state["best"], heldout=heldout,
+            elapsed_s=session_s, total_elapsed_s=state["total_elapsed_s"], stop_reason=stop_reason,
+            world_size=ctx.world_size, model=model,
+        )
+        summary = dict(
+            options=_options_dict(opts), config=result.config, parameters=n_params, steps=result.step,
+            epochs=result.epoch + state["batch_in_epoch"] / steps_per_epoch, steps_per_epoch=steps_per_epoch,
+            train_seconds=round(result.total_elapsed_s, 1), stop_reason=stop_reason, best=result.best,
+            heldout=heldout, world_size=ctx.world_size, torch=torch.__version__, threads=torch.get_num_threads(),
+            last_session=dict(wall_seconds=round(session_s, 1), process_cpu_seconds=round(session_cpu_s, 1),
+                              load_average_start=load_start, load_average_end=_load_average(),
+                              cpu_count=os.cpu_count()),
+        )
+        if ctx.is_main:
+            atomic_write_json(out / SUMMARY_JSON, summary)
+            if export_dir is not None:
+                _export(out / "best", export_dir, summary)
+        ctx.close()
+        return result
+
+
+    except BaseException:
+        if stage is not None and not stage.committed:
+            logger.warning("stopped before the first checkpoint of the new run (nothing to resume): %s was left as "
+                           "it was", out)
+        raise
     finally:
-        bar.close()
-
-    if ctx.broadcast(last_eval_step != state["step"] or not (out / "last").exists()):
-        validate_and_save_on_rank0()
-    session_s = elapsed()
-    session_cpu_s = time.process_time() - cpu_started
-    state["total_elapsed_s"] += session_s
-    logger.info("training stopped (%s) at step %d after %.1f s wall, %.1f s process CPU (%.1f s wall in all "
-                "sessions; load average %s)", stop_reason, state["step"], session_s, session_cpu_s,
-                state["total_elapsed_s"], _load_average())
-
-    heldout = None
-    if opts.final_eval and ctx.is_main:
-        heldout = _evaluate_heldout(out / "best", splits.heldout, device, opts.final_beam)
-    result = TrainResult(
-        out_dir=str(out), config=config.to_dict(), step=state["step"], first_step=first_step, epoch=state["epoch"],
-        losses=losses, learning_rates=lrs, history=state["history"], best=state["best"], heldout=heldout,
-        elapsed_s=session_s, total_elapsed_s=state["total_elapsed_s"], stop_reason=stop_reason,
-        world_size=ctx.world_size, model=model,
-    )
-    summary = dict(
-        options=_options_dict(opts), config=result.config, parameters=n_params, steps=result.step,
-        epochs=result.epoch + state["batch_in_epoch"] / steps_per_epoch, steps_per_epoch=steps_per_epoch,
-        train_seconds=round(result.total_elapsed_s, 1), stop_reason=stop_reason, best=result.best,
-        heldout=heldout, world_size=ctx.world_size, torch=torch.__version__, threads=torch.get_num_threads(),
-        last_session=dict(wall_seconds=round(session_s, 1), process_cpu_seconds=round(session_cpu_s, 1),
-                          load_average_start=load_start, load_average_end=_load_average(),
-                          cpu_count=os.cpu_count()),
-    )
-    if ctx.is_main:
-        _write_json(out / SUMMARY_JSON, summary)
-        if opts.export_dir:
-            _export(out / "best", Path(opts.export_dir), summary)
-    ctx.close()
-    return result
+        if stage is not None:
+            stage.__exit__(None, None, None)  # removes the temporary folder unless it was committed
 
 
 def _load_average() -> Optional[list[float]]:
@@ -766,13 +1054,15 @@ def _evaluate_heldout(model_dir: Path, numbers: Sequence[int], device, beam: int
 
 
 def _export(best: Path, target: Path, summary: dict) -> None:
-    """Copy the model directory ``best`` (config, weights, tokenizer) to ``target`` with a summary."""
+    """Copy the model directory ``best`` (config, weights, tokenizer) to ``target`` with a summary.
+
+    ``target`` was checked before training (:func:`_check_export_dir`); each file is replaced
+    atomically, other files in ``target`` are kept.
+    """
     target.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
-        tmp = target / f"{name}.tmp"
-        shutil.copyfile(best / name, tmp)
-        os.replace(tmp, target / name)
-    _write_json(target / "training_summary.json", summary)
+        atomic_write_bytes(target / name, (best / name).read_bytes())
+    atomic_write_json(target / "training_summary.json", summary)
     logger.info("exported the best model to %s", target)
 
 
@@ -805,6 +1095,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bar")
     g.add_argument("--quiet", action="store_true", help="log warnings only")
+    add_debug_flag(g)
 
     g = p.add_argument_group("model")
     g.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=d.preset,
@@ -881,18 +1172,26 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
     values = vars(args).copy()
     values["oversample"] = tuple(sorted(values["oversample"]))
     values.pop("quiet", None)
+    values.pop("debug", None)
     low, high = values.pop("number_range")
     layers = values.pop("layers", None)
     if layers is not None:
-        values["n_encoder_layers"] = values["n_encoder_layers"] or layers
-        values["n_decoder_layers"] = values["n_decoder_layers"] or layers
+        for name in ("n_encoder_layers", "n_decoder_layers"):
+            if values[name] is None:
+                values[name] = layers
     if values.get("max_steps") is not None and values["max_steps"] <= 0:
         values["max_steps"] = None
     return TrainOptions(range_low=low, range_high=high, **values)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``python -m transformer_ext.train``; returns the exit code (2 on bad options)."""
+    """Entry point of ``python -m transformer_ext.train``; returns the exit code.
+
+    Bad options are reported by argparse (exit code 2) or, for values out of range, by
+    :func:`train` before anything is written; every expected failure is one line on stderr and
+    exit code 1 (``--debug`` shows the traceback); Ctrl-C and SIGTERM print one line and return
+    130 and 143, with the temporary files removed and the last checkpoint kept for ``--resume``.
+    """
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     parser = build_parser()
@@ -900,26 +1199,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rank = distributed.env_rank()  # under torchrun only rank 0 logs progress and prints the result
     logging.basicConfig(level=logging.WARNING if args.quiet or rank > 0 else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
+
+    def work() -> int:
         opts = options_from_args(args)
         with logging_redirect_tqdm():
             result = train(opts)
-    except (TrainingError, DistributedError, FileNotFoundError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    if rank > 0:
+        if rank > 0:
+            return 0
+        best = result.best or {}
+        print(f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); "
+              f"best validation exact match {best.get('exact_match', float('nan')):.4f} at step {best.get('step')}")
+        if result.heldout:
+            h = result.heldout
+            line = f"held-out ({h['n']} numbers): greedy exact match {h['greedy_exact_match']:.4f}"
+            if "beam_exact_match" in result.heldout:
+                line += f", beam {result.heldout['beam_size']} {result.heldout['beam_exact_match']:.4f}"
+            print(line)
+        print(f"model directories: {Path(result.out_dir) / 'best'} and {Path(result.out_dir) / 'last'}")
         return 0
-    best = result.best or {}
-    print(f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); "
-          f"best validation exact match {best.get('exact_match', float('nan')):.4f} at step {best.get('step')}")
-    if result.heldout:
-        h = result.heldout
-        line = f"held-out ({h['n']} numbers): greedy exact match {h['greedy_exact_match']:.4f}"
-        if "beam_exact_match" in result.heldout:
-            line += f", beam {result.heldout['beam_size']} {result.heldout['beam_exact_match']:.4f}"
-        print(line)
-    print(f"model directories: {Path(result.out_dir) / 'best'} and {Path(result.out_dir) / 'last'}")
-    return 0
+
+    return run_cli(parser.prog, work, debug=args.debug, interrupted_hint="resume with --resume")
 
 
 if __name__ == "__main__":
