@@ -557,3 +557,35 @@ def test_signal_during_a_resumed_run_keeps_the_last_checkpoint(run_copy, monkeyp
     assert state_step(run_copy) == 2 and not temporaries(run_copy.parent)
     assert train_mod.main(cli(run_copy, "--resume", steps=4)) == 0
     assert state_step(run_copy) == 4
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_temporaries_of_a_killed_run_are_removed(tmp_path, caplog):
+    from transformer_ext import fsutil
+
+    stale = tmp_path / f".run.tmp-{fsutil._HOST}-{_dead_pid()}-0123abcd"  # a run killed before its first checkpoint
+    stale.mkdir()
+    (stale / "run.json").write_text("{}")
+    other_host = tmp_path / f".run.tmp-otherhost-{_dead_pid()}-0123abcd"  # may belong to a live process elsewhere
+    other_host.mkdir()
+    train(tiny(tmp_path, max_steps=1, eval_every=0))
+    assert not stale.exists() and other_host.is_dir()
+    assert f"removed {stale}" in caplog.text
+
+
+def test_resume_after_a_kill_between_the_two_renames_of_a_checkpoint(tmp_path, run_copy):
+    from transformer_ext import fsutil
+
+    # fsutil.replace_dir renames last/ to a backup, then the new folder to last/: killed in between
+    (run_copy / "last").rename(run_copy / f".last.old-{fsutil._HOST}-{_dead_pid()}-0123abcd")
+    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True))
+    assert resumed.first_step == 3 and resumed.step == 3
+    assert state_step(run_copy) == 3 and not temporaries(run_copy)

@@ -31,6 +31,15 @@ What a training run does:
   (:mod:`transformer_ext.distributed`: sharded batches, the loss normalised by the target
   tokens of all ranks, rank 0 validates and writes). Without the torchrun environment
   nothing of it runs.
+* **The run folder** ``<out>`` holds ``run.json`` (a format marker), ``train_options.json``,
+  ``summary.json``, ``best/`` and ``last/``. Only a folder with that marker, or one of the
+  version before it recognised by its exact file set, is resumed or (``--overwrite``) replaced;
+  any other non-empty folder is refused. Every option, the data split and the model config are
+  checked before anything is written. A new run is built in a temporary sibling of ``<out>``
+  and takes its place when its first checkpoint is complete: an old run is moved aside and
+  deleted only then, so a run that fails or is interrupted before that leaves ``<out>`` as it
+  was. Checkpoints and JSON files are written atomically (:mod:`transformer_ext.fsutil`): a
+  full disk, Ctrl-C or SIGTERM keep the previous checkpoint and leave no temporary files.
 """
 
 from __future__ import annotations
@@ -387,17 +396,29 @@ def _marker() -> dict:
 
 
 def _commit_run(stage: StagedDir, folder: _RunFolder) -> None:
-    """Put the staged run folder in place of ``--out`` (the moment an old run is replaced)."""
+    """Put the staged run folder in place of ``--out`` (the moment an old run is replaced).
+
+    ``--out`` is inspected again first: what it holds now must still be what was checked at the
+    start (nothing, an empty folder, or a run of this program that may be replaced).
+    """
     target = stage.target
-    if folder.kind == "empty" and target.is_dir() and not any(target.iterdir()):
+    now = _inspect_out(target)
+    if now.kind == "absent":
+        os.rename(stage.path, target)
+        stage.committed = True
+    elif now.kind == "empty":
         # The user's empty folder is kept (its permissions, a mount point): the entries move into it.
         for entry in sorted(os.listdir(stage.path), key=lambda name: name == RUN_MARKER):  # the marker last
             os.rename(stage.path / entry, target / entry)
         os.rmdir(stage.path)
         stage.committed = True
+    elif now.kind == "run" and folder.kind == "run" and not now.others:
+        stage.commit()  # the old run is moved aside, the new one renamed in, then the old one deleted
     else:
-        stage.commit()  # an old run is moved aside, the new one renamed in, then the old one deleted
-    logger.info("the run folder %s is in place%s", target, " (the old run was replaced)" if folder.kind == "run" else "")
+        raise TrainingError(f"--out {folder.path} changed while the new run was training (it now holds "
+                            f"{', '.join(sorted(os.listdir(target))[:5])}); it was left as it is and the new run "
+                            "was not put in place")
+    logger.info("the run folder %s is in place%s", target, " (the old run was replaced)" if now.kind == "run" else "")
 
 
 # ---------------------------------------------------------------------- checkpoints and state
@@ -1085,7 +1106,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true",
                    help="continue the run saved in OUT/last/ exactly where it stopped (model, data, schedule "
                         "options are the saved run's; budgets such as --max-steps may be raised)")
-    g.add_argument("--overwrite", action="store_true", help="start afresh even if OUT already holds a run")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh even if OUT already holds a run of this program: the old run is replaced "
+                        "when the new one has written its first checkpoint")
     g.add_argument("--export", dest="export_dir", default=None, metavar="DIR",
                    help="at the end, copy the best model directory (config, weights, tokenizer) to DIR, "
                         "e.g. transformer_ext/demo_model")
