@@ -13,6 +13,7 @@ from transformer_ext.tokenizer import (
     CharTokenizer,
     TokenizerError,
     UnknownCharacterError,
+    check_model_config,
 )
 
 SOURCES = ["three hundred and forty-two", "one thousand, two hundred", "zero"]
@@ -123,7 +124,7 @@ def test_load_missing_directory_and_file(tmp_path):
         ("{not json", "corrupt tokenizer file"),
         ("\xff\xfe", "corrupt tokenizer file"),
         ('{"format": "something else"}', "format"),
-        ('[1, 2, 3]', "format"),
+        ('[1, 2, 3]', "expected a JSON object, got list"),
     ],
 )
 def test_load_corrupt_file(tmp_path, content, match):
@@ -151,3 +152,101 @@ def test_load_rejects_inconsistent_content(tmp_path, tok):
 def test_encode_rejects_non_strings(tok):
     with pytest.raises(TypeError):
         tok.encode_source(42)
+
+
+def test_unknown_character_in_a_huge_line_gives_a_short_message(tok):
+    """One bad character in a 100k-character line: the message shows the character, its position
+    and a short excerpt, not the whole line (it used to echo all of it)."""
+    text = "one " * 25_000 + "!" + " two" * 10
+    with pytest.raises(UnknownCharacterError) as info:
+        tok.encode_source(text)
+    message = str(info.value)
+    assert len(message) < 400, len(message)
+    assert "'!' at 100000" in message and "1 character outside the source vocabulary" in message
+    assert "near '...one one one one one ! two two two two two...'" in message  # 20 characters each side
+    assert info.value.unknown == [(100_000, "!")]
+    many = "".join("!?#" for _ in range(1000))
+    message = str(pytest.raises(UnknownCharacterError, tok.encode_source, many).value)
+    assert len(message) < 400 and "(and 2995 more)" in message
+
+
+def _write(tmp_path, data) -> None:
+    text = data if isinstance(data, str) else json.dumps(data)
+    (tmp_path / "tokenizer.json").write_text(text, encoding="utf-8")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(shared="false"), "field 'shared' must be a boolean"),
+    (dict(lowercase=1), "field 'lowercase' must be a boolean"),
+    (dict(version=True), "unsupported tokenizer format version True"),
+    (dict(type="bpe"), "field 'type' must be 'char'"),
+    (dict(extra=1), r"unknown fields \['extra'\]"),
+    (dict(special_tokens=[0, 1, 2, 3]), "field 'special_tokens' must be a JSON object"),
+    (dict(source_vocab="abc"), "field 'source_vocab' must be a JSON list"),
+    (dict(shared=True), "'shared' is true but 'source_vocab' and 'target_vocab' differ"),
+])
+def test_load_rejects_a_wrong_schema_naming_the_file_and_field(tmp_path, tok, change, match):
+    _write(tmp_path, {**tok.to_dict(), **change})
+    with pytest.raises(TokenizerError, match=match) as info:
+        CharTokenizer.load(tmp_path)
+    assert str(tmp_path / "tokenizer.json") in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["type", "shared", "lowercase", "target_vocab"])
+def test_load_rejects_a_missing_field(tmp_path, tok, field):
+    _write(tmp_path, {k: v for k, v in tok.to_dict().items() if k != field})
+    with pytest.raises(TokenizerError, match=rf"invalid tokenizer file .*tokenizer.json: missing fields \['{field}'\]"):
+        CharTokenizer.load(tmp_path)
+
+
+def test_load_truncated_or_empty_file(tmp_path, tok):
+    full = json.dumps(tok.to_dict(), indent=1)
+    _write(tmp_path, full[: len(full) // 2])
+    with pytest.raises(TokenizerError, match=r"corrupt tokenizer file .*tokenizer.json: not valid JSON \(truncated\?\)"):
+        CharTokenizer.load(tmp_path)
+    _write(tmp_path, "  \n")
+    with pytest.raises(TokenizerError, match="corrupt tokenizer file .*: the file is empty"):
+        CharTokenizer.load(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes(b'{"format": "\xff"}')
+    with pytest.raises(TokenizerError, match="not UTF-8 text"):
+        CharTokenizer.load(tmp_path)
+
+
+def test_save_is_atomic(tmp_path, tok, monkeypatch):
+    """A failed write (full disk at the rename) keeps the old file and leaves no temporary."""
+    import errno
+    import os
+
+    path = tok.save(tmp_path)
+    before = (tmp_path / "tokenizer.json").read_bytes()
+    other = CharTokenizer.build(["xyz"], ["abc"])
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError):
+        other.save(tmp_path)
+    assert (tmp_path / "tokenizer.json").read_bytes() == before
+    assert os.listdir(tmp_path) == ["tokenizer.json"]
+    monkeypatch.undo()
+    assert CharTokenizer.load(path) == tok
+
+
+class _Config:
+    def __init__(self, **kw):
+        base = dict(src_vocab_size=0, tgt_vocab_size=0, pad_id=0, bos_id=1, eos_id=2)
+        self.__dict__.update({**base, **kw})
+
+
+def test_check_model_config_names_both_files_and_the_id(tok):
+    sizes = dict(src_vocab_size=tok.src_vocab_size, tgt_vocab_size=tok.tgt_vocab_size)
+    check_model_config(tok, _Config(**sizes))
+    check_model_config(tok, {**sizes, "pad_id": 0, "bos_id": 1, "eos_id": 2})  # a manifest's model_config
+    files = dict(tokenizer_file="m/tokenizer.json", config_file="m/config.json")
+    with pytest.raises(TokenizerError, match=r"special id mismatch: m/config.json has eos_id = 5 but "
+                                             r"m/tokenizer.json has eos = 2"):
+        check_model_config(tok, _Config(**sizes, eos_id=5), **files)
+    with pytest.raises(TokenizerError, match=r"m/tokenizer.json has a target vocabulary of \d+ tokens but "
+                                             r"m/config.json has tgt_vocab_size = 999"):
+        check_model_config(tok, _Config(**{**sizes, "tgt_vocab_size": 999}), **files)

@@ -1,6 +1,8 @@
 """The Translator API, the translate CLI and the bundled demo model's accuracy."""
 
 import io
+import json
+import logging
 import os
 import random
 import shutil
@@ -12,6 +14,7 @@ import pytest
 from num2words import num2words  # the independent oracle of the demo task
 
 from transformer_ext.data import split_numbers
+from transformer_ext.tokenizer import TokenizerError
 from transformer_ext.translate import DEMO_MODEL_DIR, TranslationError, Translator, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,13 +96,20 @@ def test_max_length_limits_output(translator):
 @pytest.mark.parametrize(
     "sources, kwargs, match",
     [
-        ([""], {}, "source 0 is empty"),
-        (["one", "   "], {}, "source 1 is empty"),
+        ([""], {}, "source 0: empty source"),
+        (["one", "   "], {}, "source 1: empty source"),
         (["forty-two!"], {}, "'!'"),
         (["one " * 40], {}, "max_len"),
         (["one"], dict(beam_size=0), "beam size"),
         (["one"], dict(beam_size=2, n_best=3), "n_best"),
         (["one"], dict(length_penalty="bogus"), "length_penalty"),
+        (["one"], dict(max_len_a=float("inf")), "max_len_a must be a finite number >= 0, got inf"),
+        (["one"], dict(max_len_a=float("nan")), "max_len_a must be a finite number >= 0, got nan"),
+        (["one"], dict(max_len_a=-1.0), "max_len_a must be a finite number >= 0"),
+        (["one"], dict(max_len_b=float("inf")), "max_len_b must be a finite number >= 0, got inf"),
+        (["one"], dict(max_len_b=-2), "max_len_b must be a finite number >= 0"),
+        (["one"], dict(beam_size=2, alpha=float("nan")), "alpha must be a finite number >= 0"),
+        (["one"], dict(batch_size=0), "batch_size must be a positive integer"),
     ],
 )
 def test_bad_input(translator, sources, kwargs, match):
@@ -112,14 +122,92 @@ def test_translate_takes_a_list(translator):
         translator.translate("forty-two")
 
 
+def test_translate_takes_any_iterable_in_order(translator):
+    """A generator used to be decoded in full and then fail (sources[i] on a generator)."""
+    sources = ["forty-two", "seven thousand and seventeen", "one", "twelve", "three hundred"]
+    want = [t.text for t in translator.translate(sources)]
+    assert want[0] == "zweiundvierzig" and want[2] == "eins"
+    assert [t.text for t in translator.translate(s for s in sources)] == want
+    got = translator.translate(iter(sources), beam_size=2, batch_size=2)
+    assert [t.text for t in got] == want and [t.source for t in got] == sources
+    assert translator.translate(iter([])) == []
+
+
+def test_huge_budget_is_capped_with_a_warning(translator, caplog):
+    """max_len_a = 1e30 used to become a budget of one token (an int64 overflow wrapped to 1)."""
+    sources = ["seven thousand, seven hundred and seventy-seven", "one"]
+    want = [t.text for t in translator.translate(sources)]
+    for kwargs in (dict(max_len_a=1e30), dict(max_len_b=1e20), dict(max_len_a=2.0**70, max_len_b=1e300)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="transformer_ext.translate"):
+            assert [t.text for t in translator.translate(sources, **kwargs)] == want
+        (record,) = [r for r in caplog.records if r.name == "transformer_ext.translate"]
+        assert "exceeds the model's max_len = 64" in record.getMessage()
+        assert "capped at 64 tokens for 2 of 2 sources" in record.getMessage()
+
+
+def test_default_budget_is_capped_silently(translator, caplog):
+    long = "nine thousand, nine hundred and ninety-nine"  # 1.5 * 43 + 10 > max_len: capped, no warning
+    with caplog.at_level(logging.WARNING):
+        (t,) = translator.translate([long])
+    assert t.text == "neuntausendneunhundertneunundneunzig"
+    assert not [r for r in caplog.records if r.name == "transformer_ext.translate"]
+
+
+def test_progress_bar_only_for_many_batches(translator, monkeypatch):
+    err = _Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    sources = ["one", "two", "three", "four", "five"]
+    translator.translate(sources, batch_size=2, progress=True)  # 3 batches: no bar
+    assert err.getvalue() == ""
+    out = translator.translate(sources, batch_size=1, progress=True)
+    assert "translating" in err.getvalue() and "source" in err.getvalue()
+    assert [t.text for t in out] == ["eins", "zwei", "drei", "vier", "fünf"]
+
+
 def test_missing_model_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found"):
         Translator(tmp_path / "nope")
+
+
+def test_model_without_tokenizer_loads_but_cannot_translate_text(tmp_path):
+    from transformer_ext.decoding import greedy_decode
+
     partial = tmp_path / "no_tokenizer"
     shutil.copytree(DEMO_MODEL_DIR, partial)
     os.remove(partial / "tokenizer.json")
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        Translator(partial)
+    translator = Translator(partial)
+    assert translator.tokenizer is None
+    with pytest.raises(TranslationError, match=r"no_tokenizer has no tokenizer.json: a tokenizer is needed to "
+                                               r"translate text"):
+        translator.translate(["one"])
+    ids = np.array([[5, 6, 7]], dtype=np.int64)  # token ids still decode (benchmarks)
+    (out,) = greedy_decode(translator.runner, ids, np.array([3]), bos_id=1, eos_id=2, max_new_tokens=4)
+    assert len(out) <= 4
+
+
+def _model_copy(tmp_path, name="model"):
+    folder = tmp_path / name
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    return folder
+
+
+def test_corrupt_tokenizer_is_an_error_naming_the_file(tmp_path):
+    folder = _model_copy(tmp_path)
+    text = (folder / "tokenizer.json").read_text(encoding="utf-8")
+    (folder / "tokenizer.json").write_text(text[: len(text) // 2], encoding="utf-8")
+    with pytest.raises(TokenizerError, match=rf"corrupt tokenizer file {folder}/tokenizer.json: not valid JSON"):
+        Translator(folder)
+
+
+def test_special_ids_checked_against_the_config(tmp_path):
+    folder = _model_copy(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_id"] = 3
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TranslationError, match=rf"special id mismatch: {folder}/config.json has eos_id = 3 but "
+                                               rf"{folder}/tokenizer.json has eos = 2"):
+        Translator(folder)
 
 
 # ---------------------------------------------------------------------- command line
@@ -177,30 +265,100 @@ def test_cli_compile_translates_like_eager(capsys):
 @pytest.mark.parametrize(
     "args, stdin_text, match",
     [
-        ([""], None, "empty"),
-        (["forty-two?"], None, "'?'"),
+        ([""], None, "argument 1: empty source"),
+        (["one", "forty-two?"], None, "argument 2: the source text (10 characters) has 1 character outside"),
         (["one " * 40], None, "max_len"),
-        ([], None, "nothing to translate"),
-        ([], "one\n\ntwo\n", "line 2: empty"),
+        ([], "one\n\ntwo\n", "stdin, line 2: empty"),
         (["--input", "/nonexistent/file.txt"], None, "input file not found"),
         (["one", "--model", "/nonexistent/model"], None, "model directory not found"),
-        (["one", "--beam", "2", "--n-best", "3"], None, "--n-best"),
-        (["one", "--beam", "0"], None, "--beam"),
     ],
 )
-def test_cli_errors_exit_2_without_traceback(args, stdin_text, match, capsys):
+def test_cli_input_errors_exit_1_without_traceback(args, stdin_text, match, capsys):
     code, out, err = run_main(args, stdin_text=stdin_text, capsys=capsys)
-    assert code == 2
-    assert match in err and "Traceback" not in err
+    assert code == 1
+    assert err.startswith("python -m transformer_ext.translate: error: ") and match in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
     assert out == ""
 
 
-def test_cli_missing_tokenizer_exit_2(tmp_path, capsys):
+def test_cli_names_the_file_and_line_of_a_bad_source(tmp_path, capsys):
+    f = tmp_path / "in.txt"
+    f.write_text("one\ntwo!\n", encoding="utf-8")
+    code, _, err = run_main(["--input", str(f)], capsys=capsys)
+    assert code == 1 and f"{f}, line 2: the source text" in err and "'!' at 3" in err
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["one", "--max-len-a", "inf"], "--max-len-a must be a finite number >= 0, got inf"),
+        (["one", "--max-len-a", "nan"], "--max-len-a must be a finite number >= 0, got nan"),
+        (["one", "--max-len-a", "-1"], "--max-len-a must be a finite number >= 0, got -1.0"),
+        (["one", "--max-len-b", "1e999"], "--max-len-b must be a finite number >= 0, got inf"),
+        (["one", "--alpha", "nan"], "--alpha must be a finite number >= 0"),
+        (["one", "--beam", "2", "--n-best", "3"], "--n-best must be between 1 and --beam (2), got 3"),
+        (["one", "--beam", "0"], "--beam must be >= 1"),
+        (["one", "--batch-size", "0"], "--batch-size must be >= 1"),
+        (["one", "--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+        (["one", "--length-penalty", "wu"], "invalid choice"),
+        ([], "nothing to translate"),
+    ],
+)
+def test_cli_option_errors_are_usage_errors(args, match, capsys):
+    """Checked before anything is read or loaded: argparse's exit code 2 and message."""
+    with pytest.raises(SystemExit) as info:
+        main(args, stdin=_Tty())
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and match in err and "usage:" in err and "Traceback" not in err and out == ""
+
+
+def test_cli_huge_budget_translates_with_a_capped_warning(capsys, caplog):
+    with caplog.at_level(logging.WARNING, logger="transformer_ext.translate"):
+        code, out, _ = run_main(["forty-two", "--max-len-a", "1e30"], capsys=capsys)
+    assert code == 0 and out == "zweiundvierzig\n"  # used to print one character
+    assert any("capped at 64 tokens" in r.getMessage() for r in caplog.records)
+
+
+def test_cli_average_length_penalty(capsys):
+    code, out, _ = run_main(["forty-two", "--beam", "3", "--n-best", "2", "--length-penalty", "average",
+                             "--alpha", "1"], capsys=capsys)
+    assert code == 0
+    lines = [line.split("\t") for line in out.splitlines()]
+    assert lines[0][2] == "zweiundvierzig" and float(lines[0][1]) >= float(lines[1][1])
+
+
+def test_cli_debug_shows_the_traceback(capsys):
+    with pytest.raises(TranslationError, match="'!'"):
+        main(["forty-two!", "--debug"], stdin=_Tty())
+
+
+def test_cli_interrupt_exits_130_and_prints_nothing(monkeypatch, capsys):
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Translator, "translate", interrupted)
+    code, out, err = run_main(["one"], capsys=capsys)
+    assert code == 130 and out == "" and err == "python -m transformer_ext.translate: interrupted\n"
+
+
+def test_cli_progress_bar_on_a_terminal(monkeypatch):
+    err = _Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    out = io.StringIO()
+    assert main(["one", "two", "three", "four", "--batch-size", "1"], stdin=_Tty(), stdout=out) == 0
+    assert out.getvalue() == "eins\nzwei\ndrei\nvier\n" and "translating" in err.getvalue()
+    plain = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", plain)
+    assert main(["one", "two", "three", "four", "--batch-size", "1"], stdin=_Tty(), stdout=io.StringIO()) == 0
+    assert plain.getvalue() == ""  # not a terminal: no bar
+
+
+def test_cli_missing_tokenizer_exit_1(tmp_path, capsys):
     partial = tmp_path / "model"
     shutil.copytree(DEMO_MODEL_DIR, partial)
     os.remove(partial / "tokenizer.json")
-    code, _, err = run_main(["one", "--model", str(partial)], capsys=capsys)
-    assert code == 2 and "tokenizer.json" in err
+    code, out, err = run_main(["one", "--model", str(partial)], capsys=capsys)
+    assert code == 1 and "a tokenizer is needed to translate text" in err and out == ""
 
 
 def test_cli_subprocess():
@@ -210,4 +368,4 @@ def test_cli_subprocess():
     assert ok.returncode == 0 and ok.stdout == "dreihundertzweiundvierzig\n", ok.stderr
     bad = subprocess.run([sys.executable, "-m", "transformer_ext.translate", "forty-two!"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "'!'" in bad.stderr
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr and "'!'" in bad.stderr

@@ -18,7 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
+
+from .cli import UserError
+from .fsutil import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ __all__ = [
     "TokenizerError",
     "UnknownCharacterError",
     "CharTokenizer",
+    "check_model_config",
 ]
 
 PAD_ID = 0
@@ -42,24 +46,46 @@ SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # index = id
 TOKENIZER_FILE = "tokenizer.json"
 _FORMAT = "transformer_ext.CharTokenizer"
 _FORMAT_VERSION = 1
+# Every field of a version-1 tokenizer.json and its JSON type.
+_FIELDS = {
+    "format": str, "version": int, "type": str, "shared": bool, "lowercase": bool,
+    "special_tokens": dict, "source_vocab": list, "target_vocab": list,
+}
+_KIND_NAMES = {str: "string", int: "integer", bool: "boolean (true or false)", dict: "JSON object", list: "JSON list"}
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ValueError, UserError):
     """A tokenizer file is missing or invalid, or a text cannot be encoded."""
 
 
+_EXCERPT_CONTEXT = 20  # characters shown on each side of the first unknown character
+_SHOWN_UNKNOWN = 5  # unknown characters listed by position
+
+
+def excerpt(text: str, position: int, context: int = _EXCERPT_CONTEXT) -> str:
+    """``text`` around ``position``, at most ``2 * context + 1`` characters, "..." where cut."""
+    start, end = max(0, position - context), min(len(text), position + context + 1)
+    return ("..." if start > 0 else "") + text[start:end] + ("..." if end < len(text) else "")
+
+
 class UnknownCharacterError(TokenizerError):
-    """The text contains characters that are not in the vocabulary."""
+    """The text contains characters that are not in the vocabulary.
+
+    The message lists the first few unknown characters with their positions and an excerpt of
+    the text around the first one: never the whole text (a line may be megabytes long).
+    """
 
     def __init__(self, text: str, side: str, unknown: list[tuple[int, str]]):
         self.text = text
         self.side = side
         self.unknown = unknown  # [(position, character)]
-        shown = ", ".join(f"{ch!r} at {pos}" for pos, ch in unknown[:10])
-        more = f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else ""
+        shown = ", ".join(f"{ch!r} at {pos}" for pos, ch in unknown[:_SHOWN_UNKNOWN])
+        more = f" (and {len(unknown) - _SHOWN_UNKNOWN} more)" if len(unknown) > _SHOWN_UNKNOWN else ""
+        first = unknown[0][0] if unknown else 0
+        count = "1 character" if len(unknown) == 1 else f"{len(unknown)} characters"
         super().__init__(
-            f"the {side} text {text!r} contains characters outside the {side} vocabulary: "
-            f"{shown}{more}. The model only knows the characters it was trained on."
+            f"the {side} text ({len(text)} characters) has {count} outside the {side} vocabulary: "
+            f"{shown}{more}; near {excerpt(text, first)!r}. The model only knows the characters it was trained on."
         )
 
 
@@ -70,19 +96,26 @@ def _build_vocab(texts: Iterable[str]) -> list[str]:
     return list(SPECIAL_TOKENS) + sorted(chars)
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _check_vocab(vocab: Sequence[str], name: str) -> list[str]:
     vocab = list(vocab)
     if tuple(vocab[: len(SPECIAL_TOKENS)]) != SPECIAL_TOKENS:
         raise TokenizerError(
             f"{name} must start with the special tokens {list(SPECIAL_TOKENS)}, "
-            f"got {vocab[: len(SPECIAL_TOKENS)]}"
+            f"got {_short(vocab[: len(SPECIAL_TOKENS)], 200)}"
         )
     chars = vocab[len(SPECIAL_TOKENS):]
-    for ch in chars:
+    for i, ch in enumerate(chars, start=len(SPECIAL_TOKENS)):
         if not isinstance(ch, str) or len(ch) != 1:
-            raise TokenizerError(f"{name} entries after the specials must be single characters, got {ch!r}")
+            raise TokenizerError(f"{name} entries after the specials must be single characters, got {_short(ch)} at id {i}")
     if len(set(chars)) != len(chars):
-        raise TokenizerError(f"{name} contains duplicate characters")
+        seen: set[str] = set()
+        dup = next(ch for ch in chars if ch in seen or seen.add(ch))
+        raise TokenizerError(f"{name} contains duplicate characters ({dup!r})")
     return vocab
 
 
@@ -213,36 +246,48 @@ class CharTokenizer:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CharTokenizer":
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise TokenizerError(f"not a {_FORMAT} description (missing or wrong 'format' field)")
-        if data.get("version") != _FORMAT_VERSION:
+    def from_dict(cls, data: Any) -> "CharTokenizer":
+        """A tokenizer from its :meth:`to_dict` description; every field is required and checked
+        (type and value), unknown fields are refused: a TokenizerError names the field."""
+        if not isinstance(data, dict):
+            raise TokenizerError(f"not a {_FORMAT} description: expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != _FORMAT:
+            raise TokenizerError(f"not a {_FORMAT} description (missing or wrong 'format' field: {data.get('format')!r})")
+        version = data.get("version")
+        if isinstance(version, bool) or version != _FORMAT_VERSION:
             raise TokenizerError(
-                f"unsupported tokenizer format version {data.get('version')!r} (this code reads {_FORMAT_VERSION})"
+                f"unsupported tokenizer format version {version!r} (this code reads {_FORMAT_VERSION})"
             )
+        unknown = sorted(set(data) - set(_FIELDS))
+        if unknown:
+            raise TokenizerError(f"unknown fields {unknown} (a version {_FORMAT_VERSION} tokenizer has {list(_FIELDS)})")
+        missing = [key for key in _FIELDS if key not in data]
+        if missing:
+            raise TokenizerError(f"missing fields {missing}")
+        for key, kind in _FIELDS.items():
+            value = data[key]
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise TokenizerError(f"field {key!r} must be a {_KIND_NAMES[kind]}, got {value!r}"[:300])
+        if data["type"] != "char":
+            raise TokenizerError(f"field 'type' must be 'char', got {data['type']!r}")
         expected = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID}
-        if data.get("special_tokens") != expected:
-            raise TokenizerError(f"special token ids must be {expected}, got {data.get('special_tokens')!r}")
-        for key in ("source_vocab", "target_vocab"):
-            if not isinstance(data.get(key), list):
-                raise TokenizerError(f"missing or invalid {key!r} list")
-        shared = bool(data.get("shared", False))
+        if data["special_tokens"] != expected:
+            raise TokenizerError(f"special token ids must be {expected}, got {data['special_tokens']!r}"[:300])
+        shared = data["shared"]
+        if shared and data["target_vocab"] != data["source_vocab"]:
+            raise TokenizerError("'shared' is true but 'source_vocab' and 'target_vocab' differ")
         return cls(
             data["source_vocab"],
             None if shared else data["target_vocab"],
             shared=shared,
-            lowercase=bool(data.get("lowercase", False)),
+            lowercase=data["lowercase"],
         )
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write ``tokenizer.json`` into ``directory`` (created if needed) atomically; returns its path."""
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, TOKENIZER_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, ensure_ascii=False, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(self.to_dict(), ensure_ascii=False, indent=1) + "\n")
         return path
 
     @classmethod
@@ -265,9 +310,18 @@ class CharTokenizer:
             )
         try:
             with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise TokenizerError(f"corrupt tokenizer file {path}: {exc}") from exc
+                text = f.read()
+        except UnicodeDecodeError as exc:
+            raise TokenizerError(f"corrupt tokenizer file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        if not text.strip():
+            raise TokenizerError(f"corrupt tokenizer file {path}: the file is empty")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            truncated = " (truncated?)" if exc.pos >= len(text.rstrip()) else ""
+            raise TokenizerError(f"corrupt tokenizer file {path}: not valid JSON{truncated}: {exc}") from exc
+        except RecursionError as exc:
+            raise TokenizerError(f"corrupt tokenizer file {path}: JSON nested too deeply") from exc
         try:
             return cls.from_dict(data)
         except TokenizerError as exc:
@@ -283,3 +337,35 @@ class CharTokenizer:
             f"CharTokenizer(src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}, "
             f"shared={self.shared}, lowercase={self.lowercase})"
         )
+
+
+def _config_value(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def check_model_config(tokenizer: CharTokenizer, config: Any, *, tokenizer_file: Optional[str] = None,
+                       config_file: Optional[str] = None) -> None:
+    """Check that ``tokenizer`` belongs to the model described by ``config``.
+
+    ``config`` is a model config object or the ``model_config`` dict of a manifest (fields
+    ``src_vocab_size``, ``tgt_vocab_size``, ``pad_id``, ``bos_id``, ``eos_id``). The vocabulary
+    sizes and every special id must agree; a :class:`TokenizerError` names both files (the
+    given names, or "the tokenizer" / "the model config") and the first id that differs.
+    """
+    tok_name = tokenizer_file or "the tokenizer"
+    cfg_name = config_file or "the model config"
+    for key, ours in (("src_vocab_size", tokenizer.src_vocab_size), ("tgt_vocab_size", tokenizer.tgt_vocab_size)):
+        theirs = _config_value(config, key)
+        if theirs != ours:
+            side = "source" if key.startswith("src") else "target"
+            raise TokenizerError(
+                f"{tok_name} has a {side} vocabulary of {ours} tokens but {cfg_name} has {key} = {theirs!r}: "
+                "the tokenizer belongs to another model"
+            )
+    for key, ours in (("pad_id", tokenizer.pad_id), ("bos_id", tokenizer.bos_id), ("eos_id", tokenizer.eos_id)):
+        theirs = _config_value(config, key)
+        if theirs != ours:
+            raise TokenizerError(
+                f"special id mismatch: {cfg_name} has {key} = {theirs!r} but {tok_name} has "
+                f"{key[:-3]} = {ours}; the tokenizer and the model were not trained together"
+            )
