@@ -365,6 +365,9 @@ def beam_search(
     ``n_best``-th of them even at its maximum length (log-probabilities only fall as a
     hypothesis grows, and the penalty divisor is largest at the maximum length), or when it
     reaches ``max_new_tokens``; then its open beams join the candidates as unfinished hypotheses.
+
+    ``length_penalty``: one of :data:`LENGTH_PENALTIES` (see :func:`length_penalty_factor`),
+    with exponent ``alpha``. ``min_new_tokens``: EOS masked before the softmax (module docstring).
     """
     if length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}")
