@@ -321,19 +321,17 @@ def check_replaceable(directory: str | os.PathLike, *, option: str = "--output-d
     return manifest
 
 
-def make_parents(path: str | os.PathLike) -> list[Path]:
-    """Create the missing parent folders of ``path`` (the umask applies); returns the folders
-    created, outermost first, for :func:`remove_made_parents`."""
+def make_parents(path: str | os.PathLike, made: list[Path]) -> None:
+    """Create the missing parent folders of ``path`` (the umask applies), appending each one to
+    ``made`` as soon as it exists (outermost first), for :func:`remove_made_parents`."""
     missing = []
     parent = Path(path).parent
     while not parent.exists():
         missing.append(parent)
         parent = parent.parent
-    made = []
     for folder in reversed(missing):
         os.mkdir(folder)
         made.append(folder)
-    return made
 
 
 def remove_made_parents(made: Iterable[Path]) -> None:

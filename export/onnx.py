@@ -493,8 +493,9 @@ def export_onnx(
     from . import validate as validation
 
     specs = graph_specs(config.to_dict(), flavour)
-    made = make_parents(output_dir)
+    made: list[Path] = []
     try:
+        make_parents(output_dir, made)
         with StagedDir(output_dir) as stage:
             manifest, report = _write_export(stage.path, model, model_path, tokenizer_names, special_tokens, specs,
                                              opset=opset, cache_len=cache_len, flavour=flavour, tolerance=tolerance,

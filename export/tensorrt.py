@@ -952,12 +952,12 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
     made: list[Path] = []
     try:
         if not timing_inside:  # a cache file of the user's choice, read above and extended
-            made += export_manifest.make_parents(timing_path)
+            export_manifest.make_parents(timing_path, made)
             atomic_write_bytes(timing_path, timing_data)
         if target.existing:
             _commit_files(out_dir, files)
         else:
-            made += export_manifest.make_parents(out_dir)
+            export_manifest.make_parents(out_dir, made)
             with StagedDir(out_dir) as stage:
                 for name, data in files.items():
                     _write_new_file(stage.path / name, data)

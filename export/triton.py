@@ -845,8 +845,9 @@ def export_triton(
     model_file = "model.plan" if plan.backend == "tensorrt" else "model.onnx"
 
     protobuf_checked = False
-    made = make_parents(repo_dir)
+    made: list[Path] = []
     try:
+        make_parents(repo_dir, made)
         with StagedDir(repo_dir) as stage:
             tmp_dir = stage.path
             for name, text in texts.items():

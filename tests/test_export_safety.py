@@ -1,0 +1,520 @@
+"""What the export commands do with the user's folders, bad input and interruptions (issue 10).
+
+export.onnx, export.triton and export.tensorrt replace only folders they wrote (a format marker
+and the list of their files), never a folder that overlaps their input; they check every
+argument before writing; a full disk, a read-only folder or a corrupt input end in one line on
+stderr and exit code 1 with nothing left behind and the old output intact; SIGINT / SIGTERM
+remove the temporary folder (exit 130 / 143) and a later run removes what a SIGKILL left.
+
+Faults are injected (a patched ``os.replace`` / ``os.mkdir`` / ``os.open`` / ``os.rename``
+raising ENOSPC or EROFS): everything runs as root here, so permissions prove nothing. The
+interrupted runs are real subprocesses that stop at a known point of the write (they print a
+line and wait on stdin) before the signal is sent, so no test waits on a clock.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from export import ModelFolderMismatchError, OutputFolderError
+from export import onnx as export_mod
+from export import tensorrt as trtb
+from export import triton as triton_export
+from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, read_manifest
+from export.onnx import export_onnx
+from export.triton import MARKER_FILE, export_triton
+from transformer_ext.tokenizer import TokenizerError
+
+from test_export_onnx import exported_portable, fast_export, make_model_dir  # noqa: F401  (fixtures)
+from test_tensorrt import _fake_tensorrt
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMP_MARKS = (".tmp-", ".old-")
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file below ``folder`` with its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def temporaries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if any(m in p.name for m in TEMP_MARKS))
+
+
+def one_error_line(err: str, *needles: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if ": error: " in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+def fail_on(monkeypatch, name: str, code: int, when, module=os):
+    """Patch ``module.name`` to raise OSError(code) for the calls where ``when(*args)`` is true."""
+    real = getattr(module, name)
+
+    def fake(*args, **kwargs):
+        if when(*args):
+            raise OSError(code, os.strerror(code), os.fspath(args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, fake)
+
+
+def under(folder: Path):
+    folder = os.fspath(folder)
+    return lambda path, *rest: os.fspath(path).startswith(folder)
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    return make_model_dir(tmp_path / "model")
+
+
+def v1_folder(export: Path, dst: Path) -> Path:
+    """``export`` rewritten as a version-1 folder (no file list) with the files the version-1
+    TensorRT builder added."""
+    shutil.copytree(export, dst)
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    manifest["format_version"] = 1
+    manifest["files"] = {"encoder": ENCODER_FILE, "decoder_step": DECODER_FILE, "tokenizer": manifest.pop("tokenizer_files")}
+    manifest["tensorrt"] = {"engines": {"fp16": {"engines": {"encoder": {"file": "encoder.fp16.engine"}}}}}
+    (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
+    for name in ("encoder.fp16.engine", "decoder_step.fp16.engine", "decoder_step.fp16.onnx", "tensorrt.timing.cache"):
+        (dst / name).write_bytes(b"old builder output")
+    return dst
+
+
+# ------------------------------------------------------------------------------------------
+# 1. export.onnx replaces only a folder whose manifest it wrote and that holds only its files
+# ------------------------------------------------------------------------------------------
+
+
+def test_foreign_manifest_and_its_neighbours_are_kept(tmp_path, model_dir, fast_export, capsys):
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / MANIFEST_NAME).write_text('{"name": "app"}')
+    (out / "notes.txt").write_text("x")
+    before = snapshot(out)
+    assert export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"]) == 1
+    one_error_line(capsys.readouterr().err, str(out), "not written by this package", "notes.txt")
+    assert snapshot(out) == before and fast_export == []  # refused before any work
+
+
+def test_an_export_with_a_file_of_the_users_is_refused(tmp_path, model_dir, fast_export):
+    out = tmp_path / "out"
+    export_onnx(model_dir, out, validate=False)
+    assert read_manifest(out)["files"] == sorted(os.listdir(out))
+    (out / "notes.txt").write_text("mine")
+    (out / "results").mkdir()
+    before = snapshot(out)
+    with pytest.raises(OutputFolderError, match=r"did not write there: notes.txt, results\. Refusing"):
+        export_onnx(model_dir, out, validate=False)
+    assert snapshot(out) == before
+    (out / "notes.txt").unlink()
+    (out / "results").rmdir()
+    export_onnx(model_dir, out, validate=False)  # only its own files again: replaced
+    assert temporaries(tmp_path) == []
+
+
+def test_version_1_folders_are_recognised_by_their_file_set(tmp_path, model_dir, fast_export, exported_portable):
+    old = v1_folder(exported_portable, tmp_path / "old")
+    export_onnx(model_dir, old, validate=False)
+    assert read_manifest(old)["format_version"] == 2
+    assert not (old / "encoder.fp16.engine").exists()  # the old engines were the old export's
+    other = v1_folder(exported_portable, tmp_path / "other")
+    (other / "encoder.fp16.engine.backup").write_text("not a name the old tools wrote")
+    before = snapshot(other)
+    with pytest.raises(OutputFolderError, match="encoder.fp16.engine.backup"):
+        export_onnx(model_dir, other, validate=False)
+    assert snapshot(other) == before
+
+
+def test_empty_folder_is_used_and_a_file_is_refused(tmp_path, model_dir, fast_export):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_onnx(model_dir, empty, validate=False)
+    assert (empty / ENCODER_FILE).is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputFolderError, match="exists and is not a folder"):
+        export_onnx(model_dir, tmp_path / "file", validate=False)
+    with pytest.raises(OutputFolderError, match="is a file, not a folder"):
+        export_onnx(model_dir, tmp_path / "file" / "sub" / "out", validate=False)
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_tensorrt_lists_its_files_so_the_folder_stays_replaceable(tmp_path, model_dir, fast_export, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    out = tmp_path / "out"
+    export_onnx(model_dir, out, validate=False)
+    trtb.build_engines(out, trtb.BuildOptions(precision="fp16"))
+    manifest = read_manifest(out)
+    assert manifest["files"] == sorted(os.listdir(out))
+    assert {"encoder.fp16.engine", "decoder_step.fp16.engine", "decoder_step.fp16.onnx",
+            "tensorrt.timing.cache"} <= set(manifest["files"])
+    engines = tmp_path / "engines"  # a separate engine folder lists its own files
+    trtb.build_engines(out, trtb.BuildOptions(precision="fp32", output_dir=engines))
+    assert read_manifest(engines)["files"] == sorted(os.listdir(engines))
+    export_onnx(model_dir, out, validate=False)  # replaced: nothing in it but listed files
+    assert not (out / "encoder.fp16.engine").exists()
+    export_onnx(model_dir, engines, validate=False)
+
+
+def test_tensorrt_writes_only_into_folders_of_ours(tmp_path, exported_portable, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    export = tmp_path / "export"
+    shutil.copytree(exported_portable, export)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(OutputFolderError, match="holds no engine manifest of this package"):
+        trtb.build_engines(export, trtb.BuildOptions(output_dir=mine))
+    assert sorted(os.listdir(mine)) == ["notes.txt"]
+    (export / "encoder.fp32.engine").write_bytes(b"an engine of the user's")
+    with pytest.raises(OutputFolderError, match="encoder.fp32.engine, which its manifest does not list"):
+        trtb.build_engines(export)
+    assert (export / "encoder.fp32.engine").read_bytes() == b"an engine of the user's"
+
+
+# ------------------------------------------------------------------------------------------
+# 2. export.triton: --out never overlaps the export; --force replaces only its own repository
+# ------------------------------------------------------------------------------------------
+
+
+def test_triton_out_overlapping_the_export_is_refused(tmp_path, exported_portable, capsys):
+    project = tmp_path / "P"
+    export = project / "onnx"
+    shutil.copytree(exported_portable, export)
+    (tmp_path / "link").symlink_to(export)
+    before = snapshot(project)
+    for out, relation in ((project, "contains"), (export, "is"), (export / "repo", "is inside"),
+                          (tmp_path / "link", "is")):
+        code = triton_export.main(["--export-dir", str(export), "--out", str(out), "--force"])
+        assert code == 1
+        one_error_line(capsys.readouterr().err, f"{relation} the export folder")
+    assert snapshot(project) == before
+    assert temporaries(tmp_path) == temporaries(project) == []
+
+
+def test_triton_force_replaces_only_its_own_files(tmp_path, exported_portable):
+    repo = export_triton(exported_portable, tmp_path / "repo").repo_dir
+    marker = json.loads((repo / MARKER_FILE).read_text())
+    assert marker["format"] == "transformer_ext.triton_repository" and MARKER_FILE in marker["files"]
+    assert sorted(marker["files"]) == sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
+    pycache = repo / "translator" / "1" / "__pycache__"  # what Triton's Python backend leaves
+    pycache.mkdir()
+    (pycache / "model.cpython-311.pyc").write_bytes(b"bytecode")
+    export_triton(exported_portable, repo, force=True)
+    (repo / "encoder" / "2").mkdir()
+    (repo / "encoder" / "2" / "model.onnx").write_bytes(b"a version of the user's")
+    before = snapshot(repo)
+    with pytest.raises(OutputFolderError, match="encoder/2/model.onnx"):
+        export_triton(exported_portable, repo, force=True)
+    assert snapshot(repo) == before
+    # a repository of the version before the marker: recognised by its exact files
+    shutil.rmtree(repo / "encoder" / "2")
+    (repo / MARKER_FILE).unlink()
+    export_triton(exported_portable, repo, force=True)
+    assert (repo / MARKER_FILE).is_file() and temporaries(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------------
+# 4. interruptions: SIGTERM / SIGINT clean up, SIGKILL leftovers go at the next run
+# ------------------------------------------------------------------------------------------
+
+# Runs the real main() of a module in a subprocess, with one function wrapped so that the
+# process prints "READY" and waits on stdin at a known point inside the staged write.
+CHILD = r"""
+import importlib, os, sys
+module, attr, src = sys.argv[1], sys.argv[2], sys.argv[3]
+mod = importlib.import_module(module)
+real = getattr(mod, attr)
+
+def fast_export_graph(module_, args, spec, n_positional, opset, flavour, path, **kwargs):
+    import onnx
+    proto = onnx.load(os.path.join(src, path.name))
+    onnx.save(proto, path)
+    return proto
+
+def stop_here(*args, **kwargs):
+    result = (fast_export_graph if attr == "_export_graph" else real)(*args, **kwargs)
+    if attr != "_export_graph" or args[6].name == "decoder_step.onnx":
+        print("READY", flush=True)
+        sys.stdin.readline()
+    return result
+
+setattr(mod, attr, stop_here)
+sys.exit(mod.main(sys.argv[4:]))
+"""
+
+
+def start_child(module: str, attr: str, src: Path, argv: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, module, attr, str(src), *argv], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if line.strip() != "READY":
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the child stopped before the write: {line!r}\n{err}")
+    return proc
+
+
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_export_onnx_interrupted_leaves_no_temporary_and_keeps_the_old_export(
+        tmp_path, model_dir, exported_portable, fast_export, sig, code, word):
+    out = tmp_path / "out"
+    export_onnx(model_dir, out, validate=False)
+    before = snapshot(out)
+    proc = start_child("export.onnx", "_export_graph", exported_portable,
+                       ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"])
+    assert len(temporaries(tmp_path)) == 1  # the staged folder exists while it writes
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert f"python -m export.onnx: {word}" in err and "Traceback" not in err
+    assert temporaries(tmp_path) == [] and snapshot(out) == before
+
+
+def test_export_onnx_killed_leaves_a_temporary_that_the_next_run_removes(
+        tmp_path, model_dir, exported_portable, fast_export, caplog):
+    out = tmp_path / "out"
+    proc = start_child("export.onnx", "_export_graph", exported_portable,
+                       ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"])
+    proc.kill()
+    proc.communicate(timeout=120)
+    [left] = temporaries(tmp_path)
+    assert left.startswith(".out.tmp-") and f"-{proc.pid}-" in left
+    with caplog.at_level(logging.WARNING, logger="transformer_ext.fsutil"):
+        export_onnx(model_dir, out, validate=False)
+    assert temporaries(tmp_path) == []
+    assert any(left in r.getMessage() and f"process {proc.pid}" in r.getMessage() for r in caplog.records)
+
+
+def test_export_triton_terminated_leaves_no_temporary(tmp_path, exported_portable):
+    repo = export_triton(exported_portable, tmp_path / "repo").repo_dir
+    before = snapshot(repo)
+    proc = start_child("export.triton", "_write_translator", exported_portable,
+                       ["--export-dir", str(exported_portable), "--out", str(repo), "--force"])
+    assert len(temporaries(tmp_path)) == 1
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "python -m export.triton: terminated" in err, err
+    assert temporaries(tmp_path) == [] and snapshot(repo) == before
+
+
+def test_tensorrt_interrupted_while_renaming_puts_the_folder_back(tmp_path, exported_portable, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    folder = tmp_path / "e"
+    shutil.copytree(exported_portable, folder)
+    trtb.build_engines(folder, trtb.BuildOptions(precision="fp16"))
+    before = snapshot(folder)
+    real_rename = os.rename
+    renames = []
+
+    def interrupted_rename(src, dst):
+        renames.append(dst)
+        if os.fspath(dst).endswith(MANIFEST_NAME) and ".tmp-" in os.fspath(src):
+            raise KeyboardInterrupt  # the engines are in place, the manifest comes last
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", interrupted_rename)
+    with pytest.raises(KeyboardInterrupt):
+        trtb.build_engines(folder, trtb.BuildOptions(precision="fp16"))
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert any(os.fspath(d).endswith("decoder_step.fp16.engine") for d in renames)
+    assert snapshot(folder) == before and temporaries(folder) == []
+
+
+# ------------------------------------------------------------------------------------------
+# 9. the tokenizer is checked at export, and its ids against the config
+# ------------------------------------------------------------------------------------------
+
+
+def test_corrupt_tokenizer_fails_the_export(tmp_path, model_dir, fast_export, capsys):
+    (model_dir / "tokenizer.json").write_text('{"format": "transformer_ext.CharTokenizer", "vers')
+    out = tmp_path / "out"
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        export_onnx(model_dir, out, validate=False)
+    assert export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"]) == 1
+    one_error_line(capsys.readouterr().err, str(model_dir / "tokenizer.json"))
+    assert not out.exists() and fast_export == []
+
+
+def test_special_ids_of_config_and_tokenizer_must_agree(tmp_path, fast_export):
+    model_dir = make_model_dir(tmp_path / "model", bos_id=4)
+    with pytest.raises(ModelFolderMismatchError, match=r"bos_id is 4 in .*config.json but 1 in .*tokenizer.json"):
+        export_onnx(model_dir, tmp_path / "out", validate=False)
+    small = make_model_dir(tmp_path / "small")
+    from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
+
+    CharTokenizer(list(SPECIAL_TOKENS) + list("abc"), list(SPECIAL_TOKENS) + list("xyz")).save(small)
+    with pytest.raises(ModelFolderMismatchError, match=r"source vocabulary has 7 tokens in .*src_vocab_size is 48"):
+        export_onnx(small, tmp_path / "out", validate=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_folder_without_tokenizer_exports_with_a_warning(tmp_path, model_dir, fast_export, caplog):
+    (model_dir / "tokenizer.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="export.onnx"):
+        result = export_onnx(model_dir, tmp_path / "out", validate=False)
+    assert any("no tokenizer.json" in r.getMessage() for r in caplog.records)
+    assert result.manifest["tokenizer_files"] == [] and "tokenizer.json" not in os.listdir(result.output_dir)
+    assert result.manifest["special_tokens"] == {"pad": 0, "bos": 1, "eos": 2}
+
+
+def test_manifest_ids_are_those_of_config_and_tokenizer(tmp_path, model_dir, fast_export):
+    from transformer_ext.checkpoint import load_model
+    from transformer_ext.tokenizer import CharTokenizer
+
+    manifest = export_onnx(model_dir, tmp_path / "out", validate=False).manifest
+    config = load_model(model_dir).config
+    tokenizer = CharTokenizer.load(model_dir)
+    assert manifest["special_tokens"] == {"pad": config.pad_id, "bos": config.bos_id, "eos": config.eos_id,
+                                          "unk": tokenizer.unk_id}
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (config.pad_id, config.bos_id, config.eos_id)
+
+
+# ------------------------------------------------------------------------------------------
+# 16. full disk, read-only folder, corrupt input: one line, exit 1, nothing left, old output intact
+# ------------------------------------------------------------------------------------------
+
+
+def test_export_onnx_full_disk_and_read_only_folder(tmp_path, model_dir, fast_export, monkeypatch, capsys):
+    out = tmp_path / "out"
+    export_onnx(model_dir, out, validate=False)
+    before = snapshot(out)
+    argv = ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate", "--examples", "0"]
+    with monkeypatch.context() as m:
+        fail_on(m, "replace", errno.ENOSPC, under(tmp_path))
+        assert export_mod.main(argv) == 1
+        one_error_line(capsys.readouterr().err, "no space left", str(out))
+        with pytest.raises(OSError) as info:  # --debug: the traceback, not the one line
+            export_mod.main(argv + ["--debug"])
+        assert info.value.errno == errno.ENOSPC
+    with monkeypatch.context() as m:
+        fail_on(m, "mkdir", errno.EROFS, under(tmp_path))
+        assert export_mod.main(argv) == 1
+        one_error_line(capsys.readouterr().err, "read-only", str(out))
+    assert snapshot(out) == before and temporaries(tmp_path) == []
+
+
+def test_export_triton_corrupt_graph_full_disk_and_read_only(tmp_path, exported_portable, monkeypatch, capsys):
+    export = tmp_path / "export"
+    shutil.copytree(exported_portable, export)
+    repo = export_triton(export, tmp_path / "repo").repo_dir
+    before = snapshot(repo)
+    argv = ["--export-dir", str(export), "--out", str(repo), "--force"]
+    good = (export / ENCODER_FILE).read_bytes()
+    (export / ENCODER_FILE).write_bytes(good[: len(good) // 3])  # truncated
+    assert triton_export.main(argv) == 1
+    one_error_line(capsys.readouterr().err, str(export / ENCODER_FILE), "is not a valid ONNX graph",
+                   "export the folder again")
+    (export / ENCODER_FILE).write_bytes(good)
+    with monkeypatch.context() as m:
+        fail_on(m, "replace", errno.ENOSPC, under(tmp_path))
+        assert triton_export.main(argv) == 1
+        one_error_line(capsys.readouterr().err, "no space left", str(repo))
+        with pytest.raises(OSError):
+            triton_export.main(argv + ["--debug"])
+    with monkeypatch.context() as m:
+        fail_on(m, "mkdir", errno.EROFS, under(tmp_path))
+        assert triton_export.main(["--export-dir", str(export), "--out", str(tmp_path / "new" / "repo")]) == 1
+        one_error_line(capsys.readouterr().err, "read-only", str(tmp_path / "new" / "repo"))
+    assert snapshot(repo) == before and temporaries(tmp_path) == [] and not (tmp_path / "new").exists()
+
+
+def test_export_tensorrt_full_disk_and_read_only(tmp_path, exported_portable, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    folder = tmp_path / "e"
+    shutil.copytree(exported_portable, folder)
+    assert trtb.main([str(folder), "--precision", "fp16"]) == 0
+    capsys.readouterr()
+    before = snapshot(folder)
+    opened = []
+
+    def second_new_file(path, flags, *rest):
+        if flags & os.O_CREAT and under(folder)(path):
+            opened.append(path)
+            return len(opened) == 2
+        return False
+
+    with monkeypatch.context() as m:
+        fail_on(m, "open", errno.ENOSPC, second_new_file)
+        assert trtb.main([str(folder), "--precision", "fp16"]) == 1
+        one_error_line(capsys.readouterr().err, "no space left", str(folder))
+    assert snapshot(folder) == before and temporaries(folder) == []
+    new = tmp_path / "engines"
+    with monkeypatch.context() as m:
+        fail_on(m, "mkdir", errno.EROFS, under(tmp_path))
+        assert trtb.main([str(folder), "--output-dir", str(new)]) == 1
+        one_error_line(capsys.readouterr().err, "read-only", str(new))
+        with pytest.raises(OSError):
+            trtb.main([str(folder), "--output-dir", str(new), "--debug"])
+    assert not new.exists() and temporaries(tmp_path) == [] and snapshot(folder) == before
+
+
+# ------------------------------------------------------------------------------------------
+# smaller: symlinked output folders, every argument checked before the disk is touched
+# ------------------------------------------------------------------------------------------
+
+
+def test_symlinked_output_folder_stays_a_symlink(tmp_path, model_dir, fast_export):
+    real = tmp_path / "releases" / "v1"
+    real.parent.mkdir()
+    export_onnx(model_dir, real, validate=False)
+    old_manifest = (real / MANIFEST_NAME).read_bytes()
+    link = tmp_path / "current"
+    link.symlink_to(real)
+    export_onnx(model_dir, link, validate=False, cache_len=32)
+    assert link.is_symlink() and Path(os.readlink(link)) == real
+    assert (real / MANIFEST_NAME).read_bytes() != old_manifest  # the folder it points to was replaced
+    assert temporaries(tmp_path) == temporaries(real.parent) == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(opset=18.7), "opset must be an integer"),
+    (dict(opset=True), "opset must be an integer"),
+    (dict(cache_len=0), "cache_len must be >= 1"),
+    (dict(cache_len=2.5), "cache_len must be an integer"),
+    (dict(tolerance=float("inf")), "positive finite"),
+    (dict(tolerance=float("nan")), "positive finite"),
+    (dict(flavour="merged"), "flavour"),
+])
+def test_bad_arguments_touch_nothing(tmp_path, model_dir, fast_export, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        export_onnx(model_dir, tmp_path / "a" / "b" / "out", **kwargs)
+    assert not (tmp_path / "a").exists() and fast_export == []
+
+
+def test_failed_export_removes_the_parents_it_made(tmp_path, model_dir, fast_export, monkeypatch):
+    from export import ParityError
+    from export import validate as validation
+
+    def broken(*args, **kwargs):
+        raise ParityError("decoder_step/logits", None, 1.0, 1e-4, "injected")
+
+    monkeypatch.setattr(validation, "validate_export", broken)
+    with pytest.raises(ParityError):
+        export_onnx(model_dir, tmp_path / "a" / "b" / "out")
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_triton_bad_gpu_list_is_an_option_error(tmp_path, exported_portable, capsys):
+    with pytest.raises(SystemExit) as info:
+        triton_export.main(["--export-dir", str(exported_portable), "--out", str(tmp_path / "r"), "--gpus", "0,x"])
+    assert info.value.code == 2 and "comma-separated GPU ids" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
