@@ -18,7 +18,6 @@ from transformer_ext.cli import UserError
 __all__ = [
     "ExportError",
     "ModelDirectoryError",
-    "ModelFolderMismatchError",
     "OutputFolderError",
     "GraphContractError",
     "InvalidGraphError",
@@ -33,11 +32,6 @@ class ExportError(UserError):
 
 class ModelDirectoryError(ExportError, FileNotFoundError):
     """The model folder to export is missing, or is not a model folder (config.json + weights)."""
-
-
-class ModelFolderMismatchError(ExportError, ValueError):
-    """The files of a model folder disagree: special token ids or vocabulary sizes differ between
-    ``config.json`` and ``tokenizer.json``."""
 
 
 class OutputFolderError(ExportError):

@@ -50,7 +50,7 @@ import torch
 from transformer_ext.cli import add_debug_flag, run_cli
 from transformer_ext.fsutil import StagedDir
 
-from . import ExportError, GraphContractError, ModelDirectoryError, ModelFolderMismatchError
+from . import ExportError, GraphContractError, ModelDirectoryError
 from .manifest import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -189,8 +189,8 @@ def load_model_dir(model_dir: Optional[str | os.PathLike]):
 
     Raises:
         ModelDirectoryError: the folder, its config or weights are missing or cannot be loaded.
-        transformer_ext.tokenizer.TokenizerError: ``tokenizer.json`` is corrupt.
-        ModelFolderMismatchError: config and tokenizer disagree (see :func:`check_tokenizer`).
+        transformer_ext.tokenizer.TokenizerError: ``tokenizer.json`` is corrupt, or disagrees with
+            the config (see :func:`check_tokenizer`).
     """
     return _load_model_folder(model_dir)[:3]
 
@@ -236,11 +236,12 @@ def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]
     token ids but not translate text.
 
     Raises:
-        transformer_ext.tokenizer.TokenizerError: ``tokenizer.json`` is corrupt or invalid.
-        ModelFolderMismatchError: an id or a vocabulary size differs, naming both files.
+        transformer_ext.tokenizer.TokenizerError: ``tokenizer.json`` is corrupt or invalid, or an id
+            or a vocabulary size differs from the config's (naming both files:
+            :func:`transformer_ext.tokenizer.check_model_config`).
     """
     from transformer_ext.checkpoint import CONFIG_NAME
-    from transformer_ext.tokenizer import CharTokenizer
+    from transformer_ext.tokenizer import CharTokenizer, check_model_config
 
     special = {"pad": int(config.pad_id), "bos": int(config.bos_id), "eos": int(config.eos_id)}
     path = Path(model_path) / TOKENIZER_FILE
@@ -251,26 +252,9 @@ def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]
     if not path.is_file():
         raise ModelDirectoryError(f"{path} is not a file (a model folder's tokenizer is the file {TOKENIZER_FILE})")
     tokenizer = CharTokenizer.load(path)
-    config_path = Path(model_path) / CONFIG_NAME
-    problems = []
-    for name, config_id in special.items():
-        tokenizer_id = int(getattr(tokenizer, f"{name}_id"))
-        if tokenizer_id != config_id:
-            problems.append(f"{name}_id is {config_id} in {config_path} but {tokenizer_id} in {path}")
-    unk = int(tokenizer.unk_id)
-    if unk in special.values() and not problems:
-        problems.append(f"unk_id {unk} of {path} is also a special id of {config_path} ({special})")
-    for side in ("src", "tgt"):
-        sizes = int(getattr(tokenizer, f"{side}_vocab_size")), int(getattr(config, f"{side}_vocab_size"))
-        if sizes[0] != sizes[1]:
-            problems.append(f"the {'source' if side == 'src' else 'target'} vocabulary has {sizes[0]} tokens in "
-                            f"{path} but {side}_vocab_size is {sizes[1]} in {config_path}")
-    if problems:
-        raise ModelFolderMismatchError(
-            "the model folder's tokenizer and config disagree: " + "; ".join(problems)
-            + " (is the tokenizer.json from another model?)"
-        )
-    special["unk"] = unk
+    check_model_config(tokenizer, config, tokenizer_file=os.fspath(path),
+                       config_file=os.fspath(Path(model_path) / CONFIG_NAME))
+    special["unk"] = int(tokenizer.unk_id)
     return [TOKENIZER_FILE], special
 
 
@@ -466,8 +450,8 @@ def export_onnx(
     Raises:
         ValueError: a bad option (flavour, opset, cache_len, tolerance, seed).
         ModelDirectoryError: ``model_dir`` is missing or not a model folder.
-        transformer_ext.tokenizer.TokenizerError: the model folder's ``tokenizer.json`` is corrupt.
-        ModelFolderMismatchError: its config and tokenizer disagree (special ids, vocabulary sizes).
+        transformer_ext.tokenizer.TokenizerError: the model folder's ``tokenizer.json`` is corrupt,
+            or it and the config disagree (special ids, vocabulary sizes).
         OutputFolderError: ``output_dir`` is a file, or a folder that is neither empty nor an export
             holding only the files its manifest lists.
         GraphContractError: a graph breaks the contract (names, axes, forbidden nodes...).

@@ -993,6 +993,10 @@ def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
     export_dir, out_dir = Path(plan.export_dir), Path(plan.output_dir)
     export_meta = export_manifest.read_manifest(export_dir)
     export_manifest.check_output_path(out_dir)
+    timing = Path(plan.timing_cache)
+    if timing.is_dir():
+        raise OutputFolderError(f"--timing-cache {timing} is a folder; give the path of a file")
+    export_manifest.check_output_path(timing.parent, "--timing-cache")
     if out_dir.exists() and os.listdir(out_dir):
         if out_dir == export_dir:
             base = export_meta
@@ -1004,6 +1008,13 @@ def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
                     f"--output-dir {out_dir} is not empty and holds no engine manifest of this package ({exc}); "
                     "refusing to write into it: choose a new or empty folder"
                 ) from None
+            onnx_dir = base.get("onnx_dir")
+            if not isinstance(onnx_dir, str) or (out_dir / onnx_dir).resolve() != export_dir:
+                what = "the graphs of another export" if not onnx_dir else f"the engines of the export {onnx_dir}"
+                raise OutputFolderError(
+                    f"--output-dir {out_dir} holds {what}: adding the engines of {export_dir} to its manifest "
+                    "would make it describe two exports; choose a new or empty folder"
+                )
         owned = export_manifest.owned_files(base)
         present = set(os.listdir(out_dir))
         timing_name = Path(plan.timing_cache).name if Path(plan.timing_cache).parent == out_dir else None

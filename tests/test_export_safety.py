@@ -28,7 +28,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from export import ModelFolderMismatchError, OutputFolderError
+from export import OutputFolderError
 from export import onnx as export_mod
 from export import tensorrt as trtb
 from export import triton as triton_export
@@ -183,6 +183,16 @@ def test_tensorrt_writes_only_into_folders_of_ours(tmp_path, exported_portable, 
     with pytest.raises(OutputFolderError, match="holds no engine manifest of this package"):
         trtb.build_engines(export, trtb.BuildOptions(output_dir=mine))
     assert sorted(os.listdir(mine)) == ["notes.txt"]
+    other = tmp_path / "other"  # another export: its manifest must not start describing this one's engines
+    shutil.copytree(exported_portable, other)
+    before = snapshot(other)
+    with pytest.raises(OutputFolderError, match="holds the graphs of another export"):
+        trtb.build_engines(export, trtb.BuildOptions(output_dir=other))
+    assert snapshot(other) == before
+    engines = tmp_path / "engines"
+    trtb.build_engines(other, trtb.BuildOptions(output_dir=engines))
+    with pytest.raises(OutputFolderError, match="holds the engines of the export ../other"):
+        trtb.build_engines(export, trtb.BuildOptions(output_dir=engines))
     (export / "encoder.fp32.engine").write_bytes(b"an engine of the user's")
     with pytest.raises(OutputFolderError, match="encoder.fp32.engine, which its manifest does not list"):
         trtb.build_engines(export)
@@ -356,13 +366,14 @@ def test_corrupt_tokenizer_fails_the_export(tmp_path, model_dir, fast_export, ca
 
 def test_special_ids_of_config_and_tokenizer_must_agree(tmp_path, fast_export):
     model_dir = make_model_dir(tmp_path / "model", bos_id=4)
-    with pytest.raises(ModelFolderMismatchError, match=r"bos_id is 4 in .*config.json but 1 in .*tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"model/config.json has bos_id = 4 but .*model/tokenizer.json has bos = 1"):
         export_onnx(model_dir, tmp_path / "out", validate=False)
     small = make_model_dir(tmp_path / "small")
     from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
 
     CharTokenizer(list(SPECIAL_TOKENS) + list("abc"), list(SPECIAL_TOKENS) + list("xyz")).save(small)
-    with pytest.raises(ModelFolderMismatchError, match=r"source vocabulary has 7 tokens in .*src_vocab_size is 48"):
+    with pytest.raises(TokenizerError, match=r"small/tokenizer.json has a source vocabulary of 7 tokens but "
+                                             r".*small/config.json has src_vocab_size = 48"):
         export_onnx(small, tmp_path / "out", validate=False)
     assert not (tmp_path / "out").exists()
 
