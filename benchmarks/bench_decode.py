@@ -22,14 +22,14 @@ Engines (``ENGINES``; another backend is one more entry whose ``build`` returns 
 function ``(input_ids, src_lengths, n_tokens) -> list[list[int]]``):
 
 * ``uncached``: the seed's re-decode loop, the full decoder over the whole prefix at every step;
-* ``eager_ops``: :class:`transformer_ext.runner.EagerRunner`: cross K/V once, preallocated
+* ``eager_ops``: :class:`transformer_ext.runtimes.EagerRunner`: cross K/V once, preallocated
   self-attention cache written in place, fused ``decode_attention``;
 * ``compiled_ops``: the same runner with ``compile=True``: ``model.decode_step`` through
   ``torch.compile`` (fullgraph, static shapes: the preallocated cache keeps every step's shapes
   equal, so one graph serves the whole decode; compiled during the untimed warm-up run);
-* ``torch_cat``: :class:`transformer_ext.runner.CatCacheRunner`: plain PyTorch, cross K/V once,
+* ``torch_cat``: :class:`transformer_ext.runtimes.CatCacheRunner`: plain PyTorch, cross K/V once,
   ``torch.cat``-grown self-attention cache, eager masked softmax (the seed's KV-cache decoder);
-* ``onnxrt`` / ``onnxrt_ts``: :class:`export.ort_runner.OrtRunner` on the model exported by
+* ``onnxrt`` / ``onnxrt_ts``: :class:`transformer_ext.runtimes.OrtRunner` on the model exported by
   ``export.onnx`` (portable / tensorscatter flavour; exported once per model, not timed), ONNX
   Runtime CPU with ``--threads`` intra-op threads that sleep rather than spin when idle (present
   when onnx and onnxruntime are installed);
@@ -82,7 +82,7 @@ from common import environment, sync, write_json  # noqa: E402
 from transformer_ext.config import TransformerConfig  # noqa: E402
 from transformer_ext.decoding import greedy_decode  # noqa: E402
 from transformer_ext.model import Transformer  # noqa: E402
-from transformer_ext.runner import CatCacheRunner, EagerRunner, greedy_decode_uncached  # noqa: E402
+from transformer_ext.runtimes import CatCacheRunner, EagerRunner, greedy_decode_uncached  # noqa: E402
 
 logger = logging.getLogger("bench_decode")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -146,8 +146,8 @@ def _onnxrt_engine(flavour: str) -> Callable[[Transformer, torch.device], Decode
 
     def build(model: Transformer, device: torch.device) -> DecodeFn:
         from export.onnx import export_onnx
-        from export.ort_runner import OrtRunner
         from transformer_ext.checkpoint import save_model
+        from transformer_ext.runtimes import OrtRunner
 
         key = (id(model), flavour)
         if key not in _EXPORTS:

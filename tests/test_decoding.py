@@ -24,7 +24,7 @@ from transformer_ext.decoding import (
     log_softmax,
     max_new_tokens_for,
 )
-from transformer_ext.runner import CatCacheRunner, EagerRunner, greedy_decode_uncached
+from transformer_ext.runtimes import CatCacheRunner, EagerRunner, greedy_decode_uncached
 
 from test_model import make_batch, make_model
 

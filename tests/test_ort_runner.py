@@ -1,4 +1,4 @@
-"""export.ort_runner: the runner protocol on ONNX Runtime, in-place caches, no torch, bad folders."""
+"""transformer_ext.runtimes.OrtRunner: the runner protocol on ONNX Runtime, in-place caches, no torch, bad folders."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ import torch
 
 from export import InvalidGraphError, ManifestError
 from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
-from export.ort_runner import OrtRunner
 from transformer_ext import decoding, reference
 from transformer_ext.checkpoint import load_model
-from transformer_ext.runner import EagerRunner
+from transformer_ext.runtimes import EagerRunner, OrtRunner
 
 from test_export_onnx import FLAVOURS, exported_dir
 
@@ -267,7 +266,7 @@ def test_runs_without_torch(exported):
 import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
 import numpy as np
-from export.ort_runner import OrtRunner
+from transformer_ext.runtimes import OrtRunner
 runner = OrtRunner({str(exported)!r}, intra_op_num_threads=1)
 out = runner.greedy(np.array([[5, 6, 7, 8]]), np.array([4]), max_new_tokens=5)
 hyps = runner.beam_search(np.array([[5, 6, 7, 8]]), np.array([4]), beam_size=2, max_new_tokens=5)
@@ -289,10 +288,10 @@ def _device_runner(kind: str, export_dir: Path):
     """The ONNX Runtime CUDA runner (CPU provider, same bindings) or the TensorRT runner over
     stand-in engines: both are DeviceRunners, checked like every other runner."""
     if kind == "ort_cuda":
-        from export.ort_cuda_runner import OrtCudaRunner
+        from transformer_ext.runtimes import OrtCudaRunner
 
         return OrtCudaRunner(export_dir, device="cpu", intra_op_num_threads=1)
-    from export.trt_runner import TensorRTRunner
+    from transformer_ext.runtimes import TensorRTRunner
     from test_tensorrt import _fake_engines
 
     model = eager_model(export_dir)

@@ -28,7 +28,8 @@ from conftest import HAS_CUDA, device_params
 from export import trt_readiness as rd
 from export import tensorrt as trtb
 from export.trt_readiness import AxisRange, TensorRTReadinessError, check_export_dir, check_model
-from export.trt_runner import BindingError, DeviceState, TensorRTRunner, decoder_bindings, encoder_bindings
+from transformer_ext.runtimes.device import BindingError, DeviceState, decoder_bindings, encoder_bindings
+from transformer_ext.runtimes.trt import TensorRTRunner
 
 import importlib.util
 
@@ -999,7 +1000,7 @@ def _sources(seed=0, B=3, S=9):
 
 
 def _eager(model, device):
-    from transformer_ext.runner import EagerRunner
+    from transformer_ext.runtimes import EagerRunner
 
     return EagerRunner(model, device)
 
@@ -1161,7 +1162,7 @@ def test_fp16_engines_get_fp16_buffers(tiny_model):
 
 
 def _ort_cuda_runner(folder, **kw):
-    from export.ort_cuda_runner import OrtCudaRunner
+    from transformer_ext.runtimes import OrtCudaRunner
 
     return OrtCudaRunner(folder, device="cpu", intra_op_num_threads=1, **kw)
 
@@ -1247,7 +1248,7 @@ def test_ort_device_runner_binds_device_buffers_once(exports, flavour):
 
 
 def test_ort_device_runner_providers_use_the_runner_stream():
-    from export.ort_cuda_runner import OrtCudaRunner
+    from transformer_ext.runtimes import OrtCudaRunner
 
     fake = types.SimpleNamespace(device=torch.device("cuda", 1), stream_handle=123456)
     providers = OrtCudaRunner.provider_list(fake, {"arena_extend_strategy": "kSameAsRequested"})
@@ -1299,7 +1300,7 @@ def test_engines_decode_like_eager(exports, tiny_model, tmp_path, flavour, preci
 @pytest.mark.cuda
 @pytest.mark.skipif(not _has_ort_cuda(), reason="needs a CUDA GPU and onnxruntime-gpu (CUDAExecutionProvider)")
 def test_ort_cuda_provider_decodes_like_eager(exports, tiny_model):
-    from export.ort_cuda_runner import OrtCudaRunner
+    from transformer_ext.runtimes import OrtCudaRunner
 
     runner = OrtCudaRunner(exports["portable"], device="cuda")
     ids, lengths = _sources()

@@ -50,7 +50,7 @@ from export.triton import (
 from export.triton_models.translator import model as translator_module
 from transformer_ext import decoding
 from transformer_ext.checkpoint import load_model
-from transformer_ext.runner import EagerRunner
+from transformer_ext.runtimes import EagerRunner
 
 from test_export_onnx import make_model_dir
 

@@ -135,7 +135,7 @@ class Translator:
             (English number words to German number words).
         device: ``"cpu"`` or ``"cuda"`` (or a ``torch.device``).
         compile: run the decoder step through ``torch.compile`` (see
-            :class:`transformer_ext.runner.EagerRunner`): faster per token once compiled, at the
+            :class:`transformer_ext.runtimes.EagerRunner`): faster per token once compiled, at the
             cost of a compile (seconds) for every new batch shape; worth it for long jobs.
 
     A model directory without ``tokenizer.json`` loads (``tokenizer`` is then ``None``; the
@@ -179,7 +179,7 @@ class Translator:
 
     def _setup(self, model, tokenizer: Optional[CharTokenizer], device, compile: bool = False,
                files: tuple[Optional[str], Optional[str]] = (None, None)) -> None:
-        from .runner import EagerRunner
+        from .runtimes.eager import EagerRunner
 
         config = model.config
         if tokenizer is not None:

@@ -1,0 +1,66 @@
+"""Every runner of the decoding protocol (:class:`transformer_ext.decoding.Runner`), in one place.
+
+============================  ==========================================  ==========================
+runner                        backend                                     needs
+============================  ==========================================  ==========================
+:class:`EagerRunner`          PyTorch with the compiled ops (the model)   torch
+:class:`CatCacheRunner`       plain PyTorch, ``torch.cat`` cache          torch
+                              (benchmark baseline)
+:class:`OrtRunner`            ONNX Runtime, host buffers (export folder)  onnxruntime, numpy
+:class:`OrtCudaRunner`        ONNX Runtime CUDA, device buffers           torch, onnxruntime-gpu
+:class:`TensorRTRunner`       TensorRT engines (``export.tensorrt``)      torch, tensorrt
+============================  ==========================================  ==========================
+
+Modules: :mod:`.eager`, :mod:`.baseline` (``CatCacheRunner``, ``greedy_decode_uncached``),
+:mod:`.ort`, :mod:`.device` (``DeviceRunner``: buffers, stream order and cache writes shared by
+the GPU runners), :mod:`.ort_cuda`, :mod:`.trt`.
+
+Every name here is imported on first use: ``import transformer_ext.runtimes`` loads nothing, and
+``from transformer_ext.runtimes import OrtRunner`` loads onnxruntime and numpy, never torch, so a
+deployment translates from an export folder without torch installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> the submodule that defines it.
+_EXPORTS = {
+    "EagerRunner": "eager",
+    "EagerState": "eager",
+    "CompileError": "eager",
+    "CatCacheRunner": "baseline",
+    "CatCacheState": "baseline",
+    "greedy_decode_uncached": "baseline",
+    "OrtRunner": "ort",
+    "OrtState": "ort",
+    "OrtCudaRunner": "ort_cuda",
+    "DeviceRunner": "device",
+    "DeviceState": "device",
+    "BindingError": "device",
+    "TensorRTRunner": "trt",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .baseline import CatCacheRunner, CatCacheState, greedy_decode_uncached
+    from .device import BindingError, DeviceRunner, DeviceState
+    from .eager import CompileError, EagerRunner, EagerState
+    from .ort import OrtRunner, OrtState
+    from .ort_cuda import OrtCudaRunner
+    from .trt import TensorRTRunner
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

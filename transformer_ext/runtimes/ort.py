@@ -1,0 +1,267 @@
+"""ONNX Runtime runner for an export folder: the runner protocol of :mod:`transformer_ext.decoding`.
+
+Needs only numpy and onnxruntime (DESIGN.md section 6): no torch import, cache writes by numpy
+indexing. Greedy and beam search are the project's own (:mod:`transformer_ext.decoding`, which
+imports only numpy); :meth:`OrtRunner.greedy` and :meth:`OrtRunner.beam_search` are thin
+conveniences over them.
+
+Memory traffic per step: every buffer the decoder reads or writes (token ids, positions, source
+lengths, self- and cross-attention K/V, logits and the new K/V) is a numpy array allocated once
+by :meth:`OrtRunner.encode` and bound by pointer through ONNX Runtime's IO binding, so a step
+allocates and copies no cache-sized tensor:
+
+* ``portable`` flavour: the graph outputs the new token's K/V (``[N, H, 1, d_k]``) into bound
+  buffers; the runner writes them into the caches in place (``cache[:, :, p] = new[:, :, 0]``).
+* ``tensorscatter`` flavour: each cache buffer is bound both as the input ``self_key.{i}`` and
+  as the output ``present_key.{i}``; the graph's ``TensorScatter`` writes the new row in place.
+
+Caches are zero-filled once at allocation (the contract requires finite values past the
+prefix). The zero-copy property holds for the CPU execution provider; other providers receive
+host buffers, which ONNX Runtime copies to the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from export import InvalidGraphError
+from export.manifest import DECODER_FILE, ENCODER_FILE, check_io, read_manifest
+from transformer_ext import decoding
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OrtRunner", "OrtState", "GRAPH_OPTIMIZATION_LEVELS"]
+
+GRAPH_OPTIMIZATION_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+_ORT_DTYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16"}
+
+
+@dataclass
+class OrtState:
+    """Decoding state of :class:`OrtRunner` for N = batch * num_beams rows."""
+
+    binding: Any  # ort.IOBinding, bound once to the buffers below
+    input_ids: np.ndarray  # [N, 1] int64, refilled every step
+    positions: np.ndarray  # [N] int64, refilled every step
+    src_lengths: np.ndarray  # [N] int64
+    cross_keys: list[np.ndarray]  # per layer [N, H, S, d_k]
+    cross_values: list[np.ndarray]
+    self_keys: list[np.ndarray]  # per layer [N, H, cache_len, d_k], zero-filled at allocation
+    self_values: list[np.ndarray]
+    logits: np.ndarray  # [N, V] float32, written by every step
+    new_keys: list[np.ndarray] = field(default_factory=list)  # portable: per layer [N, H, 1, d_k]
+    new_values: list[np.ndarray] = field(default_factory=list)
+    position: int = 0  # tokens already in the caches (the same for every row)
+    cache_len: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.src_lengths.shape[0])
+
+
+def _io(values) -> list[dict]:
+    return [
+        {"name": v.name, "dtype": _ORT_DTYPES.get(v.type, v.type), "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
+        for v in values
+    ]
+
+
+_int64 = decoding.as_int64
+
+
+class OrtRunner(decoding.SearchMethods):
+    """Runs ``encoder.onnx`` / ``decoder_step.onnx`` of an export folder with ONNX Runtime.
+
+    Args:
+        export_dir: a folder written by ``python -m export.onnx``.
+        providers: ONNX Runtime execution providers (default ``["CPUExecutionProvider"]``).
+        intra_op_num_threads: threads of one operator (default: ONNX Runtime's choice).
+        graph_optimization_level: ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"`` (default).
+        allow_spinning: whether idle intra-op threads spin (ONNX Runtime's default, lowest latency
+            on an idle machine) or sleep (far better when the cores are shared with other work);
+            ``None`` keeps ONNX Runtime's default.
+        session_options: a ready ``ort.SessionOptions``; overrides the three options above.
+
+    Raises:
+        ManifestError: the folder has no valid ``manifest.json``, or a graph does not match it.
+        InvalidGraphError: an ``.onnx`` file is missing or cannot be loaded (corrupt).
+    """
+
+    def __init__(
+        self,
+        export_dir: str | os.PathLike,
+        *,
+        providers: Optional[Sequence[Any]] = None,
+        intra_op_num_threads: Optional[int] = None,
+        graph_optimization_level: str = "all",
+        allow_spinning: Optional[bool] = None,
+        session_options: Optional[ort.SessionOptions] = None,
+    ):
+        self.export_dir = os.fspath(export_dir)
+        self.manifest = read_manifest(self.export_dir)
+        cfg = self.manifest["model_config"]
+        self.config = cfg
+        self.flavour: str = self.manifest["flavour"]
+        self.n_layers = int(cfg["n_decoder_layers"])
+        self.n_heads = int(cfg["n_heads"])
+        self.d_k = int(cfg["d_model"]) // self.n_heads
+        self.vocab_size = int(cfg["tgt_vocab_size"])
+        self.src_vocab_size = int(cfg["src_vocab_size"])
+        self.max_len = int(cfg["max_len"])
+        self.max_cache_len = int(self.manifest.get("max_cache_len", self.max_len))
+        self.bos_id, self.eos_id, self.pad_id = int(cfg["bos_id"]), int(cfg["eos_id"]), int(cfg["pad_id"])
+
+        if session_options is None:
+            session_options = ort.SessionOptions()
+            if intra_op_num_threads is not None:
+                session_options.intra_op_num_threads = int(intra_op_num_threads)
+            session_options.inter_op_num_threads = 1
+            session_options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            if graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
+                raise ValueError(
+                    f"graph_optimization_level must be one of {sorted(GRAPH_OPTIMIZATION_LEVELS)}, "
+                    f"got {graph_optimization_level!r}"
+                )
+            session_options.graph_optimization_level = GRAPH_OPTIMIZATION_LEVELS[graph_optimization_level]
+            if allow_spinning is not None:
+                session_options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+        self.providers = list(providers) if providers else ["CPUExecutionProvider"]
+        self.encoder = self._session(ENCODER_FILE, session_options)
+        self.decoder = self._session(DECODER_FILE, session_options)
+        graphs = self.manifest["graphs"]
+        check_io(ENCODER_FILE, graphs["encoder"], _io(self.encoder.get_inputs()), _io(self.encoder.get_outputs()))
+        check_io(DECODER_FILE, graphs["decoder_step"], _io(self.decoder.get_inputs()), _io(self.decoder.get_outputs()))
+        self._encoder_outputs = [o["name"] for o in graphs["encoder"]["outputs"]]
+        if any(p != "CPUExecutionProvider" for p in self.decoder.get_providers()):
+            logger.warning(
+                "providers %s: the runner's buffers live in host memory, so ONNX Runtime copies them "
+                "to the device at every step", self.decoder.get_providers()
+            )
+        logger.info(
+            "ONNX Runtime runner on %s (%s flavour, providers %s)", self.export_dir, self.flavour, self.decoder.get_providers()
+        )
+
+    def _session(self, filename: str, options: ort.SessionOptions) -> ort.InferenceSession:
+        path = os.path.join(self.export_dir, filename)
+        if not os.path.isfile(path):
+            raise InvalidGraphError(f"{path} not found (the export folder is incomplete; export it again)")
+        try:
+            return ort.InferenceSession(path, sess_options=options, providers=self.providers)
+        except Exception as exc:  # ORT raises its own Fail / InvalidProtobuf / InvalidGraph types
+            raise InvalidGraphError(f"ONNX Runtime cannot load {path}: {exc}") from exc
+
+    # ------------------------------------------------------------------ runner protocol
+
+    def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, num_beams: int = 1) -> OrtState:
+        """Encode ``input_ids [B, S]`` once; repeat each row ``num_beams`` times; allocate and bind."""
+        ids = _int64("input_ids", input_ids)
+        lengths = _int64("src_lengths", src_lengths)
+        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be a non-empty [batch, src_len] array, got shape {ids.shape}")
+        B, S = ids.shape
+        if lengths.shape != (B,):
+            raise ValueError(f"src_lengths must have shape ({B},), got {lengths.shape}")
+        if lengths.min() < 1 or lengths.max() > S:
+            raise ValueError(f"src_lengths must be in [1, {S}], got {lengths.tolist()}")
+        if S > self.max_len:
+            raise ValueError(f"source length {S} exceeds the model's max_len = {self.max_len}")
+        decoding.check_token_ids("input_ids", ids, self.src_vocab_size, side="source")
+        if not isinstance(cache_len, (int, np.integer)) or cache_len < 1:
+            raise ValueError(f"cache_len must be a positive int, got {cache_len!r}")
+        if cache_len > min(self.max_len, self.max_cache_len):
+            raise ValueError(
+                f"cache_len = {cache_len} exceeds what this export supports "
+                f"(max_len = {self.max_len}, max_cache_len = {self.max_cache_len}); generate fewer tokens"
+            )
+        if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
+            raise ValueError(f"num_beams must be a positive int, got {num_beams!r}")
+
+        outs = dict(zip(self._encoder_outputs, self.encoder.run(self._encoder_outputs, {"input_ids": ids, "src_lengths": lengths})))
+        K = int(num_beams)
+        N = B * K
+
+        def rows(a: np.ndarray) -> np.ndarray:  # each source row repeated K times, contiguous
+            return np.ascontiguousarray(np.repeat(a, K, axis=0) if K > 1 else a)
+
+        cross_keys = [rows(outs[f"cross_key.{i}"]) for i in range(self.n_layers)]
+        cross_values = [rows(outs[f"cross_value.{i}"]) for i in range(self.n_layers)]
+        shape = (N, self.n_heads, int(cache_len), self.d_k)
+        state = OrtState(
+            binding=self.decoder.io_binding(),
+            input_ids=np.zeros((N, 1), dtype=np.int64),
+            positions=np.zeros(N, dtype=np.int64),
+            src_lengths=rows(lengths),
+            cross_keys=cross_keys,
+            cross_values=cross_values,
+            self_keys=[np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)],
+            self_values=[np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)],
+            logits=np.zeros((N, self.vocab_size), dtype=np.float32),
+            cache_len=int(cache_len),
+        )
+        if self.flavour == "portable":
+            new_shape = (N, self.n_heads, 1, self.d_k)
+            state.new_keys = [np.zeros(new_shape, dtype=np.float32) for _ in range(self.n_layers)]
+            state.new_values = [np.zeros(new_shape, dtype=np.float32) for _ in range(self.n_layers)]
+        self._bind(state)
+        return state
+
+    def _bind(self, state: OrtState) -> None:
+        b = state.binding
+
+        def bind_in(name: str, arr: np.ndarray) -> None:
+            b.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+
+        def bind_out(name: str, arr: np.ndarray) -> None:
+            b.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+
+        bind_in("input_ids", state.input_ids)
+        bind_in("positions", state.positions)
+        bind_in("src_lengths", state.src_lengths)
+        bind_out("logits", state.logits)
+        for i in range(self.n_layers):
+            bind_in(f"self_key.{i}", state.self_keys[i])
+            bind_in(f"self_value.{i}", state.self_values[i])
+            bind_in(f"cross_key.{i}", state.cross_keys[i])
+            bind_in(f"cross_value.{i}", state.cross_values[i])
+            if self.flavour == "portable":
+                bind_out(f"new_key.{i}", state.new_keys[i])
+                bind_out(f"new_value.{i}", state.new_values[i])
+            else:  # one buffer as input and output: TensorScatter updates it in place
+                bind_out(f"present_key.{i}", state.self_keys[i])
+                bind_out(f"present_value.{i}", state.self_values[i])
+
+    def step(self, state: OrtState, tokens: Any) -> np.ndarray:
+        """Feed one token per row at the current position; returns float32 logits ``[N, V]``."""
+        p = state.position
+        tok = decoding.check_step_tokens(p, state.cache_len, self.max_len, tokens, state.num_rows, self.vocab_size)
+        state.input_ids[:, 0] = tok
+        state.positions.fill(p)
+        self.decoder.run_with_iobinding(state.binding)
+        if self.flavour == "portable":
+            for cache, new in zip(state.self_keys, state.new_keys):
+                cache[:, :, p] = new[:, :, 0]
+            for cache, new in zip(state.self_values, state.new_values):
+                cache[:, :, p] = new[:, :, 0]
+        state.position = p + 1
+        return state.logits.copy()
+
+    def reorder(self, state: OrtState, beam_index: Any) -> None:
+        """Row ``r`` of every self-attention cache becomes old row ``beam_index[r]`` (valid prefix only)."""
+        index = decoding.check_beam_index(beam_index, state.num_rows)
+        p = state.position
+        if p == 0:
+            return
+        for cache in (*state.self_keys, *state.self_values):
+            cache[:, :, :p] = cache[index, :, :p]  # the right side is a temporary copy

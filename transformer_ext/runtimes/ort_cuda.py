@@ -1,0 +1,236 @@
+"""ONNX Runtime on the GPU: the CUDA execution provider with every buffer bound on the device.
+
+:class:`~transformer_ext.runtimes.ort.OrtRunner` keeps its buffers in host memory (it must work
+with only numpy and onnxruntime installed); with the CUDA provider ONNX Runtime would then copy
+every cache to the device and back at every step. :class:`OrtCudaRunner` is the device path: the same
+export folder, the same runner protocol, but every buffer (token ids, positions, caches, cross
+K/V, logits, new K/V) is a torch CUDA tensor bound by pointer through IO binding::
+
+    binding.bind_input(name, "cuda", device_id, element_type, shape, tensor.data_ptr())
+
+so a step copies only the token ids in and the logits out. Buffers, stream order and cache
+writes are those of the GPU runners' base (:class:`~transformer_ext.runtimes.device.DeviceRunner`):
+the new K/V are appended in place with ``transformer_ext.ops.kv_cache_append_``, beams reordered with
+``kv_cache_reorder_``, on the runner's CUDA stream, which ONNX Runtime also computes on
+(provider option ``user_compute_stream``). The ``tensorscatter`` flavour binds each cache as both
+``self_key.{i}`` and ``present_key.{i}``, so ONNX Runtime's ``TensorScatter`` updates it in place.
+
+Needs torch with this project's compiled ops and ``onnxruntime-gpu`` (never installed together
+with ``onnxruntime``: they overwrite each other; extra ``transformer_ext[onnx-gpu]``). With
+``device="cpu"`` it runs on the CPU provider with the same bindings (how it is tested here).
+
+Precision: ``fp32`` runs ``encoder.onnx`` / ``decoder_step.onnx``; ``fp16`` runs the converted
+graphs ``python -m export.tensorrt --precision fp16`` writes (``encoder.fp16.onnx``...), or
+converts them in memory (:func:`export.tensorrt.convert_precision`) when they are absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from onnx import TensorProto
+
+from export import InvalidGraphError, ManifestError
+from export.manifest import DECODER_FILE, ENCODER_FILE, read_manifest
+
+from .device import (
+    TORCH_DTYPES,
+    BindingError,
+    DeviceRunner,
+    DeviceState,
+    ModelDims,
+    ProfileLimits,
+    _dtype_name,
+    decoder_bindings,
+)
+from .ort import GRAPH_OPTIMIZATION_LEVELS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OrtCudaRunner", "ORT_TYPES", "ort_element_type", "session_io"]
+
+# ONNX Runtime type strings -> our dtype names.
+ORT_TYPES = {
+    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
+}
+_ELEMENT_TYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+                  "bool": np.bool_, "bfloat16": TensorProto.BFLOAT16}  # numpy has no bfloat16: ONNX enum
+
+
+def ort_element_type(dtype: torch.dtype):
+    """The ``element_type`` IO binding takes for a torch dtype (numpy type, or the ONNX enum for bfloat16)."""
+    return _ELEMENT_TYPES[_dtype_name(dtype)]
+
+
+def session_io(session: Any) -> dict[str, dict[str, Any]]:
+    """``{name: {"mode", "dtype", "shape"}}`` of a session's inputs and outputs."""
+    out = {}
+    for mode, values in (("input", session.get_inputs()), ("output", session.get_outputs())):
+        for v in values:
+            out[v.name] = {"mode": mode, "dtype": ORT_TYPES.get(v.type, v.type),
+                           "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
+    return out
+
+
+def _graph_source(export_dir: Path, filename: str, precision: str) -> Union[str, bytes]:
+    """The path (fp32, or a converted graph on disk) or serialized bytes (converted in memory)."""
+    if precision == "fp32":
+        return os.fspath(export_dir / filename)
+    stem = filename[: -len(".onnx")]
+    converted = export_dir / f"{stem}.{precision}.onnx"
+    if converted.is_file():
+        return os.fspath(converted)
+    import onnx
+
+    from export.tensorrt import convert_precision
+
+    logger.info("%s not found: converting %s to %s in memory", converted.name, filename, precision)
+    return convert_precision(onnx.load(os.fspath(export_dir / filename)), precision).SerializeToString()
+
+
+class OrtCudaRunner(DeviceRunner):
+    """ONNX Runtime runner with device-resident buffers (CUDA provider + IO binding).
+
+    Args:
+        export_dir: a folder written by ``python -m export.onnx``.
+        precision: ``"fp32"`` or ``"fp16"`` (``"bf16"`` needs an ONNX Runtime build with bfloat16
+            kernels for every op; the CPU and CUDA providers lack some).
+        device: ``"cuda"`` / ``"cuda:N"``; ``"cpu"`` runs the CPU provider with the same bindings.
+        stream: the torch CUDA stream to run on (default: a new one).
+        graph_optimization_level, intra_op_num_threads: session options (see ``OrtRunner``).
+        provider_options: extra options of the CUDA provider.
+        session_factory: ``(model path or bytes, SessionOptions, providers) -> session``;
+            default ``onnxruntime.InferenceSession`` (tests pass stand-ins that record calls).
+    """
+
+    def __init__(
+        self,
+        export_dir: Union[str, os.PathLike],
+        *,
+        precision: str = "fp32",
+        device: Union[str, torch.device] = "cuda",
+        stream: Optional[Any] = None,
+        graph_optimization_level: str = "all",
+        intra_op_num_threads: Optional[int] = None,
+        provider_options: Optional[Mapping[str, Any]] = None,
+        session_factory: Optional[Callable[..., Any]] = None,
+    ):
+        super().__init__(device, stream)
+        if precision not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
+        self.export_dir = Path(export_dir)
+        self.manifest = read_manifest(self.export_dir)
+        cfg = self.manifest["model_config"]
+        self.flavour = self.manifest["flavour"]
+        self.precision = precision
+        heads = int(cfg["n_heads"])
+        self.dims = ModelDims(
+            n_layers=int(cfg["n_decoder_layers"]), n_heads=heads, d_k=int(cfg["d_model"]) // heads,
+            d_model=int(cfg["d_model"]), vocab_size=int(cfg["tgt_vocab_size"]), max_positions=int(cfg["max_len"]),
+            src_vocab_size=int(cfg["src_vocab_size"]),
+        )
+        self.limits = ProfileLimits(max_cache_len=int(self.manifest.get("max_cache_len", cfg["max_len"])))
+        self.bos_id, self.eos_id = int(cfg["bos_id"]), int(cfg["eos_id"])
+
+        options = ort.SessionOptions()
+        if graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
+            raise ValueError(f"graph_optimization_level must be one of {sorted(GRAPH_OPTIMIZATION_LEVELS)}, "
+                             f"got {graph_optimization_level!r}")
+        options.graph_optimization_level = GRAPH_OPTIMIZATION_LEVELS[graph_optimization_level]
+        if intra_op_num_threads is not None:
+            options.intra_op_num_threads = int(intra_op_num_threads)
+        self.providers = self.provider_list(provider_options)
+        factory = session_factory or (lambda src, opts, providers: ort.InferenceSession(src, sess_options=opts,
+                                                                                        providers=providers))
+        self.encoder = self._session(factory, ENCODER_FILE, options)
+        self.decoder = self._session(factory, DECODER_FILE, options)
+        if self.device.type == "cuda":
+            used = self.decoder.get_providers()
+            if not used or used[0] != "CUDAExecutionProvider":
+                raise RuntimeError(
+                    f"ONNX Runtime did not enable the CUDA provider (providers {used}); install onnxruntime-gpu "
+                    "(not together with onnxruntime) built for this CUDA version"
+                )
+        self.encoder_io = session_io(self.encoder)
+        self.decoder_io = session_io(self.decoder)
+        self._check_io()
+        self.cache_dtype = TORCH_DTYPES[self.decoder_io["self_key.0"]["dtype"]]
+        self.encoder_out_dtype = TORCH_DTYPES[self.encoder_io["encoder_out"]["dtype"]]
+        logger.info("ONNX Runtime device runner on %s (%s, %s flavour, providers %s, cache %s)", self.export_dir,
+                    self.device, self.flavour, self.decoder.get_providers(), _dtype_name(self.cache_dtype))
+
+    def provider_list(self, provider_options: Optional[Mapping[str, Any]] = None) -> list:
+        """The execution providers: CUDA on the runner's device and stream (CPU for ``device="cpu"``)."""
+        if self.device.type != "cuda":
+            return ["CPUExecutionProvider"]
+        opts = {"device_id": int(self.device.index or 0), "user_compute_stream": str(self.stream_handle)}
+        opts.update(provider_options or {})
+        return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
+
+    def _session(self, factory, filename: str, options) -> Any:
+        path = self.export_dir / filename
+        if not path.is_file():
+            raise InvalidGraphError(f"{path} not found (the export folder is incomplete; export it again)")
+        try:
+            return factory(_graph_source(self.export_dir, filename, self.precision), options, self.providers)
+        except Exception as exc:  # ORT raises its own Fail / InvalidGraph types
+            raise InvalidGraphError(f"ONNX Runtime cannot load {path} ({self.precision}): {exc}") from exc
+
+    def _check_io(self) -> None:
+        """Names and shapes against the manifest; dtypes too for fp32 (converted graphs differ on purpose)."""
+        problems = []
+        for graph, io in (("encoder", self.encoder_io), ("decoder_step", self.decoder_io)):
+            spec = self.manifest["graphs"][graph]
+            want = {t["name"]: t for t in spec["inputs"] + spec["outputs"]}
+            if set(want) != set(io):
+                problems.append(f"{graph}: names differ (missing {sorted(set(want) - set(io))}, "
+                                f"unexpected {sorted(set(io) - set(want))})")
+                continue
+            for name, t in want.items():
+                if list(t["shape"]) != list(io[name]["shape"]):
+                    problems.append(f"{graph}: {name} shape {io[name]['shape']} != {t['shape']}")
+                if self.precision == "fp32" and t["dtype"] != io[name]["dtype"]:
+                    problems.append(f"{graph}: {name} dtype {io[name]['dtype']} != {t['dtype']}")
+        if problems:
+            raise ManifestError("the graphs do not match the manifest: " + "; ".join(problems))
+
+    # ---------------------------------------------------------------- binding
+
+    def _bind(self, binding: Any, io: Mapping[str, Mapping[str, Any]], bindings: Mapping[str, torch.Tensor],
+              what: str) -> None:
+        missing = sorted(set(io) - set(bindings))
+        extra = sorted(set(bindings) - set(io))
+        if missing or extra:
+            raise BindingError(f"{what}: graph tensors without a buffer {missing}, buffers without a tensor {extra}")
+        device_type = self.device.type
+        device_id = int(self.device.index or 0)
+        for name, t in bindings.items():
+            if _dtype_name(t.dtype) != io[name]["dtype"]:
+                raise BindingError(f"{what}: {name} is {io[name]['dtype']} in the graph, the buffer is {_dtype_name(t.dtype)}")
+            if t.device != self.device or not t.is_contiguous():
+                raise BindingError(f"{what}: {name} must be a contiguous tensor on {self.device}")
+            args = (name, device_type, device_id, ort_element_type(t.dtype), list(t.shape), t.data_ptr())
+            if io[name]["mode"] == "input":
+                binding.bind_input(*args)
+            else:
+                binding.bind_output(*args)
+
+    def _run_encoder(self, bindings: Mapping[str, torch.Tensor]) -> None:
+        binding = self.encoder.io_binding()
+        self._bind(binding, self.encoder_io, bindings, "encoder")
+        self.encoder.run_with_iobinding(binding)
+
+    def _run_decoder(self, state: DeviceState) -> None:
+        binding = state.backend.get("ort_binding")
+        if binding is None:  # bound once per decoding: every step reuses the same buffers
+            binding = self.decoder.io_binding()
+            self._bind(binding, self.decoder_io, decoder_bindings(state, self.flavour), "decoder")
+            state.backend["ort_binding"] = binding
+        self.decoder.run_with_iobinding(binding)
