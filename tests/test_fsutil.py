@@ -176,3 +176,17 @@ def test_run_cli_errors(capsys):
 
     with pytest.raises(ZeroDivisionError):
         cli.run_cli("p", bug)
+
+
+def test_run_cli_hint_may_be_decided_at_the_interruption(capsys):
+    state = {"checkpoint": False}
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    hint = lambda: "resume with --resume" if state["checkpoint"] else ""  # noqa: E731
+    assert cli.run_cli("p", interrupted, interrupted_hint=hint) == cli.EXIT_SIGINT
+    assert capsys.readouterr().err == "p: interrupted\n"
+    state["checkpoint"] = True
+    assert cli.run_cli("p", interrupted, interrupted_hint=hint) == cli.EXIT_SIGINT
+    assert capsys.readouterr().err == "p: interrupted; resume with --resume\n"

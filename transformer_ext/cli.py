@@ -21,7 +21,7 @@ import errno
 import signal
 import sys
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 EXIT_ERROR = 1
 EXIT_SIGINT = 130
@@ -87,10 +87,11 @@ def _raise_terminated(signum, frame):
 
 
 def run_cli(prog: str, work: Callable[[], int], *, debug: bool = False,
-            interrupted_hint: str = "", expected: Optional[tuple[type[BaseException], ...]] = None) -> int:
+            interrupted_hint: Union[str, Callable[[], str]] = "", expected: Optional[tuple[type[BaseException], ...]] = None) -> int:
     """Run ``work()`` and return its exit code, or one for the failure (see the module docstring).
 
-    ``interrupted_hint`` is appended to the "interrupted" line (``"resume with --resume"``);
+    ``interrupted_hint`` is appended to the "interrupted" line (``"resume with --resume"``); a
+    callable is asked at the moment of the interruption (an empty string adds nothing);
     ``expected`` adds exception types to the ones reported without a traceback.
     """
     expected_types = _expected_errors() + tuple(expected or ())
@@ -99,16 +100,13 @@ def run_cli(prog: str, work: Callable[[], int], *, debug: bool = False,
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return work()
-    except Terminated:
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM as Terminated
         if debug:
             raise
-        print(f"{prog}: terminated{'; ' + interrupted_hint if interrupted_hint else ''}", file=sys.stderr)
-        return EXIT_SIGTERM
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print(f"{prog}: interrupted{'; ' + interrupted_hint if interrupted_hint else ''}", file=sys.stderr)
-        return EXIT_SIGINT
+        hint = interrupted_hint() if callable(interrupted_hint) else interrupted_hint
+        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        print(f"{prog}: {what}{'; ' + hint if hint else ''}", file=sys.stderr)
+        return EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT
     except expected_types as exc:
         if debug:
             raise
