@@ -1,4 +1,5 @@
-"""CharTokenizer: vocabularies, round trips, special ids, persistence and its errors."""
+"""CharTokenizer: vocabularies, round trips, special ids, persistence and its errors; the Tokenizer
+protocol and load_tokenizer's dispatch on the file's type."""
 
 import json
 
@@ -9,11 +10,14 @@ from transformer_ext.tokenizer import (
     EOS_ID,
     PAD_ID,
     SPECIAL_TOKENS,
+    TOKENIZER_TYPES,
     UNK_ID,
     CharTokenizer,
+    Tokenizer,
     TokenizerError,
     UnknownCharacterError,
     check_model_config,
+    load_tokenizer,
 )
 
 SOURCES = ["three hundred and forty-two", "one thousand, two hundred", "zero"]
@@ -250,3 +254,66 @@ def test_check_model_config_names_both_files_and_the_id(tok):
     with pytest.raises(TokenizerError, match=r"m/tokenizer.json has a target vocabulary of \d+ tokens but "
                                              r"m/config.json has tgt_vocab_size = 999"):
         check_model_config(tok, _Config(**{**sizes, "tgt_vocab_size": 999}), **files)
+
+
+# ---------------------------------------------------------------------- the protocol
+
+
+def test_char_tokenizer_implements_the_protocol(tmp_path, tok):
+    assert isinstance(tok, Tokenizer)
+    assert tok.type == "char" and TOKENIZER_TYPES[tok.type] is CharTokenizer
+    assert tok.files == ("tokenizer.json",)
+    path = tok.save(tmp_path / "model")
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == sorted(tok.files)
+    assert path == str(tmp_path / "model" / tok.files[0])
+    assert json.loads((tmp_path / "model" / "tokenizer.json").read_text(encoding="utf-8"))["type"] == tok.type
+
+
+def test_load_tokenizer_dispatches_on_the_type(tmp_path, tok, monkeypatch):
+    tok.save(tmp_path / "char")
+    loaded = load_tokenizer(tmp_path / "char")
+    assert type(loaded) is CharTokenizer and loaded == tok
+    assert load_tokenizer(tmp_path / "char" / "tokenizer.json") == tok
+
+    class Pieces:  # a second kind registered beside the character tokenizer
+        @classmethod
+        def from_dict(cls, data):
+            made = cls()
+            made.data = data
+            return made
+
+    monkeypatch.setitem(TOKENIZER_TYPES, "pieces", Pieces)
+    (tmp_path / "pieces").mkdir()
+    description = {"format": "transformer_ext.Pieces", "type": "pieces", "model": "spm.model"}
+    (tmp_path / "pieces" / "tokenizer.json").write_text(json.dumps(description), encoding="utf-8")
+    other = load_tokenizer(tmp_path / "pieces")
+    assert isinstance(other, Pieces) and other.data == description
+
+
+@pytest.mark.parametrize(
+    "description, match",
+    [
+        ({"format": "transformer_ext.Future", "type": "bpe-9"},
+         r"tokenizer.json: unknown tokenizer type 'bpe-9' \(this version reads 'char'\)"),
+        ({"format": "transformer_ext.CharTokenizer"}, "unknown tokenizer type None"),
+        ({"version": "1.0", "model": {"type": "BPE"}, "added_tokens": []},  # a Hugging Face tokenizer.json
+         "not a transformer_ext tokenizer description"),
+        ([1, 2], "not a transformer_ext tokenizer description"),
+        ({"format": "transformer_ext.CharTokenizer", "type": "char", "version": 1}, "missing fields"),
+    ],
+)
+def test_load_tokenizer_refuses_foreign_and_unknown_files(tmp_path, description, match):
+    (tmp_path / "tokenizer.json").write_text(json.dumps(description), encoding="utf-8")
+    with pytest.raises(TokenizerError, match=match) as info:
+        load_tokenizer(tmp_path)
+    assert str(tmp_path / "tokenizer.json") in str(info.value)
+
+
+def test_load_tokenizer_missing_and_corrupt_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        load_tokenizer(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"format": "transformer_ext.CharTokenizer", "ty', encoding="utf-8")
+    with pytest.raises(TokenizerError, match=r"corrupt tokenizer file .*tokenizer.json: not valid JSON"):
+        load_tokenizer(tmp_path)

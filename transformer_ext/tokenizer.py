@@ -10,7 +10,12 @@ never seen, and silently mapping it to ``<unk>`` would produce a confident wrong
 ``unknown="unk"`` maps them to the ``<unk>`` id instead, for callers that prefer that.
 
 The tokenizer is stored as ``tokenizer.json`` in a model directory (DESIGN.md section 5),
-next to ``config.json`` and ``model.safetensors``.
+next to ``config.json`` and ``model.safetensors``, and copied into every export folder.
+
+Every tokenizer kind implements :class:`Tokenizer` (what the translator, the training code and
+the exporters use) and is described by a ``tokenizer.json`` whose ``"type"`` field names the
+kind; :func:`load_tokenizer` reads that file and dispatches on the type (:data:`TOKENIZER_TYPES`).
+A kind that needs more files (a SentencePiece model) lists them in :attr:`Tokenizer.files`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from .cli import UserError
 from .fsutil import atomic_write_text
@@ -32,9 +37,12 @@ __all__ = [
     "UNK_ID",
     "SPECIAL_TOKENS",
     "TOKENIZER_FILE",
+    "TOKENIZER_TYPES",
     "TokenizerError",
     "UnknownCharacterError",
+    "Tokenizer",
     "CharTokenizer",
+    "load_tokenizer",
     "check_model_config",
 ]
 
@@ -56,6 +64,59 @@ _KIND_NAMES = {str: "string", int: "integer", bool: "boolean (true or false)", d
 
 class TokenizerError(ValueError, UserError):
     """A tokenizer file is missing or invalid, or a text cannot be encoded."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What every tokenizer kind provides.
+
+    Ids: ``pad_id``, ``bos_id``, ``eos_id``, ``unk_id`` (they must agree with the model's
+    config, see :func:`check_model_config`) and the two vocabulary sizes. Text: a source is
+    normalised (:meth:`normalize_source`) and encoded without bos/eos; generated target ids are
+    decoded up to the first eos. Files: :meth:`save` writes :attr:`files` into a folder (the
+    first is always ``tokenizer.json``, whose ``"type"`` field is :attr:`type`), :meth:`load`
+    reads them back; :func:`load_tokenizer` loads any registered kind.
+    """
+
+    type: str  # the "type" field of tokenizer.json, a key of TOKENIZER_TYPES
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    unk_id: int
+
+    @property
+    def src_vocab_size(self) -> int: ...
+
+    @property
+    def tgt_vocab_size(self) -> int: ...
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The file names this tokenizer reads from and writes into a folder, ``tokenizer.json`` first."""
+        ...
+
+    def normalize_source(self, text: str) -> str: ...
+
+    def encode_source(self, text: str) -> list[int]:
+        """Source ids of ``text`` (no bos/eos); :class:`TokenizerError` for text it cannot encode."""
+        ...
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target ids of ``text`` without bos/eos (training adds them)."""
+        ...
+
+    def decode_target(self, ids: Iterable[int]) -> str:
+        """Text of generated target ids, up to the first eos (special ids skipped)."""
+        ...
+
+    def save(self, directory: str | os.PathLike) -> str:
+        """Write :attr:`files` into ``directory`` (atomically each); returns the ``tokenizer.json`` path."""
+        ...
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Tokenizer":
+        """Read a saved tokenizer from a folder (or its ``tokenizer.json`` path)."""
+        ...
 
 
 _EXCERPT_CONTEXT = 20  # characters shown on each side of the first unknown character
@@ -133,6 +194,7 @@ class CharTokenizer:
     Use :meth:`build` to make one from training text and :meth:`load` to read a saved one.
     """
 
+    type = "char"
     pad_id = PAD_ID
     bos_id = BOS_ID
     eos_id = EOS_ID
@@ -184,6 +246,11 @@ class CharTokenizer:
     @property
     def tgt_vocab_size(self) -> int:
         return len(self.target_vocab)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Everything is in ``tokenizer.json``."""
+        return (TOKENIZER_FILE,)
 
     # ------------------------------------------------------------------ encode / decode
     def _encode(self, text: str, index: dict[str, int], side: str, unknown: str) -> list[int]:
@@ -296,32 +363,9 @@ class CharTokenizer:
 
         Raises:
             FileNotFoundError: the directory or its ``tokenizer.json`` does not exist.
-            TokenizerError: the file is not valid JSON or not a tokenizer description.
+            TokenizerError: the file is not valid JSON or not a character tokenizer description.
         """
-        path = os.fspath(directory)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"model directory not found: {path}")
-        if os.path.isdir(path):
-            path = os.path.join(path, TOKENIZER_FILE)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"tokenizer file not found: {path} (a model directory holds config.json, "
-                f"model.safetensors and {TOKENIZER_FILE})"
-            )
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as exc:
-            raise TokenizerError(f"corrupt tokenizer file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-        if not text.strip():
-            raise TokenizerError(f"corrupt tokenizer file {path}: the file is empty")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            truncated = " (truncated?)" if exc.pos >= len(text.rstrip()) else ""
-            raise TokenizerError(f"corrupt tokenizer file {path}: not valid JSON{truncated}: {exc}") from exc
-        except RecursionError as exc:
-            raise TokenizerError(f"corrupt tokenizer file {path}: JSON nested too deeply") from exc
+        path, data = _read_description(directory)
         try:
             return cls.from_dict(data)
         except TokenizerError as exc:
@@ -339,11 +383,78 @@ class CharTokenizer:
         )
 
 
+def _read_description(directory: str | os.PathLike) -> tuple[str, Any]:
+    """``(path, parsed JSON)`` of the ``tokenizer.json`` in ``directory`` (or at that path).
+
+    Raises FileNotFoundError (folder or file missing) and TokenizerError (not UTF-8, empty,
+    not JSON), both naming the file.
+    """
+    path = os.fspath(directory)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model directory not found: {path}")
+    if os.path.isdir(path):
+        path = os.path.join(path, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"tokenizer file not found: {path} (a model directory holds config.json, "
+            f"model.safetensors and {TOKENIZER_FILE})"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"corrupt tokenizer file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    if not text.strip():
+        raise TokenizerError(f"corrupt tokenizer file {path}: the file is empty")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        truncated = " (truncated?)" if exc.pos >= len(text.rstrip()) else ""
+        raise TokenizerError(f"corrupt tokenizer file {path}: not valid JSON{truncated}: {exc}") from exc
+    except RecursionError as exc:
+        raise TokenizerError(f"corrupt tokenizer file {path}: JSON nested too deeply") from exc
+    return path, data
+
+
+# Tokenizer kinds by the "type" field of their tokenizer.json.
+TOKENIZER_TYPES: dict[str, type] = {"char": CharTokenizer}
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """The tokenizer saved in ``directory`` (or at the ``tokenizer.json`` path given), of whichever
+    kind its ``"type"`` field names.
+
+    Raises:
+        FileNotFoundError: the folder or its ``tokenizer.json`` does not exist.
+        TokenizerError: the file is corrupt, is not a description written by this package (a
+            Hugging Face ``tokenizer.json``, say), names a kind this version does not know, or
+            is an invalid description of its kind; the message names the file.
+    """
+    path, data = _read_description(directory)
+    kind = data.get("type") if isinstance(data, dict) else None
+    format_ = data.get("format") if isinstance(data, dict) else None
+    if not (isinstance(format_, str) and format_.startswith("transformer_ext.")):
+        raise TokenizerError(
+            f"invalid tokenizer file {path}: not a transformer_ext tokenizer description (its \"format\" "
+            f"field is {_short(format_)}, expected one like {_FORMAT!r}); was it written by another tool?"
+        )
+    cls = TOKENIZER_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise TokenizerError(
+            f"invalid tokenizer file {path}: unknown tokenizer type {_short(kind)} (this version reads "
+            f"{', '.join(repr(t) for t in sorted(TOKENIZER_TYPES))}); a newer version of transformer_ext may read it"
+        )
+    try:
+        return cls.from_dict(data)
+    except TokenizerError as exc:
+        raise TokenizerError(f"invalid tokenizer file {path}: {exc}") from exc
+
+
 def _config_value(config: Any, key: str) -> Any:
     return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
-def check_model_config(tokenizer: CharTokenizer, config: Any, *, tokenizer_file: Optional[str] = None,
+def check_model_config(tokenizer: Tokenizer, config: Any, *, tokenizer_file: Optional[str] = None,
                        config_file: Optional[str] = None) -> None:
     """Check that ``tokenizer`` belongs to the model described by ``config``.
 
