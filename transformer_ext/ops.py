@@ -148,7 +148,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 # ---------------------------------------------------------------------------------------
 # Fake kernels: shapes and dtypes only, the same argument checks as the C++ prologues
-# where they are shape-level.
+# (csrc/checks.h) where they are shape-level. A fake kernel is also what runs when any
+# argument is on the "meta" device, so each one checks that every argument is on the
+# device of the first: a meta tensor mixed with real ones is refused, naming it.
 # ---------------------------------------------------------------------------------------
 
 
@@ -157,41 +159,63 @@ def _check(cond: bool, msg: str) -> None:
         raise RuntimeError(msg)
 
 
+def _check_same_device(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    """Every tensor in ``others`` (None: not given) on ``ref.device``; the C++ CHECK_DEVICE message."""
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise RuntimeError(f"{name} must be on {ref.device} (the device of {ref_name}), got {t.device}")
+
+
+def _check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    _check(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+
+
 @torch.library.register_fake("transformer_ext::masked_softmax")
 def _masked_softmax_fake(scores, mask, scale, causal):
+    _check_same_device("scores", scores, mask=mask)
     _check(scores.dim() == 4, f"scores must have 4 dimensions, got shape {tuple(scores.shape)}")
     if mask is not None:
-        _check(mask.dtype == torch.bool, f"mask must be torch.bool, got {mask.dtype}")
+        _check_dtype("mask", mask, torch.bool)
     return scores.new_empty(scores.shape)  # the kernels return a contiguous tensor
 
 
 @torch.library.register_fake("transformer_ext::masked_softmax_backward")
 def _masked_softmax_backward_fake(grad_probs, probs, scale):
+    _check_same_device("probs", probs, grad_probs=grad_probs)
+    _check(grad_probs.shape == probs.shape,
+           f"grad_probs must have the shape of probs {tuple(probs.shape)}, got {tuple(grad_probs.shape)}")
     return probs.new_empty(probs.shape)
 
 
 @torch.library.register_fake("transformer_ext::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, lengths, scale, k_new=None, v_new=None):
+    _check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, lengths=lengths, k_new=k_new, v_new=v_new)
     _check(q.dim() == 4 and q.shape[2] == 1, f"q must be [B, H, 1, D], got {tuple(q.shape)}")
+    _check_dtype("lengths", lengths, torch.int64)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("transformer_ext::kv_cache_append_")
 def _kv_cache_append__fake(cache, update, positions, error_flag=None):
+    _check_same_device("cache", cache, update=update, positions=positions, error_flag=error_flag)
     _check(cache.dim() == 4 and update.dim() == 4, "cache and update must have 4 dimensions")
-    _check(positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}")
+    _check_dtype("positions", positions, torch.int64)
+    if error_flag is not None:
+        _check_dtype("error_flag", error_flag, torch.int32)
     return None
 
 
 @torch.library.register_fake("transformer_ext::kv_cache_reorder_")
 def _kv_cache_reorder__fake(cache, index, length):
+    _check_same_device("cache", cache, index=index)
     _check(cache.dim() == 4, "cache must have 4 dimensions")
-    _check(index.dtype == torch.int64, f"index must be int64, got {index.dtype}")
+    _check_dtype("index", index, torch.int64)
     return None
 
 
 @torch.library.register_fake("transformer_ext::linear")
 def _linear_fake(x, weight, bias=None):
+    _check_same_device("x", x, weight=weight, bias=bias)
     _check(weight.dim() == 2, f"weight must have 2 dimensions, got shape {tuple(weight.shape)}")
     _check(x.dim() >= 1 and x.shape[-1] == weight.shape[1],
            f"x.size(-1) must be weight.size(1) = {weight.shape[1]}, got x of shape {tuple(x.shape)}")
