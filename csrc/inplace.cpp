@@ -5,9 +5,10 @@
 //
 // Autograd key. The ops have no derivative. While grad mode is on, a written tensor that
 // requires grad is refused (autograd refuses an in-place op on a leaf that requires grad, and
-// could not record this one for a non-leaf), and so is an update that requires grad, whose
-// gradient the cache would silently drop. Under torch.no_grad() and torch.inference_mode()
-// both are allowed, as for ATen's in-place ops.
+// could not record this one for a non-leaf); under torch.no_grad() and torch.inference_mode()
+// it is allowed, as for ATen's in-place ops. Read arguments may require grad: like the other
+// ops of the library without an autograd formula (decode_attention, linear), no gradient flows
+// back to them.
 //
 // ADInplaceOrView key. An inference tensor (created under torch.inference_mode()) is refused
 // outside inference mode before anything is written (ATen raises the same, after writing);
@@ -52,18 +53,11 @@ void check_written_not_tracked(const char* op, const at::Tensor& t, const char* 
               "torch.inference_mode()");
 }
 
-void check_read_not_tracked(const char* op, const at::Tensor& t, const char* name) {
-  TORCH_CHECK(!(c10::GradMode::is_enabled() && t.requires_grad()), op, " has no derivative, "
-              "but ", name, " requires grad (its gradient would be silently lost); call it "
-              "under torch.no_grad() or torch.inference_mode(), or pass ", name, ".detach()");
-}
-
 void kv_cache_append_autograd(at::Tensor& cache,                             // [B, H, L, D]
                               const at::Tensor& update,                      // [B, H, T, D]
                               const at::Tensor& positions,                   // [B] int64
                               const std::optional<at::Tensor>& error_flag) {  // [1] int32
   check_written_not_tracked("kv_cache_append_", cache, "cache");
-  check_read_not_tracked("kv_cache_append_", update, "update");
   const at::AutoDispatchBelowAutograd guard;
   append_op().call(cache, update, positions, error_flag);
 }

@@ -60,7 +60,9 @@ def masked_softmax(
 
     Returns:
         Probabilities of the shape and dtype of ``scores``, computed in float32. A row with
-        no allowed key is all zeros, never NaN. Differentiable with respect to ``scores``.
+        no allowed key is all zeros, never NaN. A NaN (or +inf) score in an allowed position
+        makes its whole row NaN, as in ``torch.softmax``; scores in masked positions are never
+        used, so a NaN there changes nothing. Differentiable with respect to ``scores``.
     """
     return _ops.masked_softmax(scores, mask, float(scale), bool(causal))
 
@@ -88,7 +90,9 @@ def decode_attention(
         k_new, v_new: optional ``[B, H, 1, D]``, given together.
 
     Returns:
-        ``[B, H, 1, D]`` in the dtype of ``q``; zeros for a row with no key.
+        ``[B, H, 1, D]`` in the dtype of ``q``; zeros for a row with no key. A NaN in ``q``, in
+        an attended key or in ``k_new`` makes the row NaN (as ``torch.softmax`` would); cache
+        entries at or past ``lengths[b]`` are never read.
     """
     return _ops.decode_attention(q, k_cache, v_cache, lengths, float(scale), k_new, v_new)
 
@@ -112,6 +116,12 @@ def kv_cache_append_(
     ``error_flag`` on CUDA, such rows are skipped on the device and ``error_flag`` is set to 1,
     with no sync; the caller checks the flag when it synchronises anyway (e.g. at the end of a
     decode). On CPU the op always raises.
+
+    Like ATen's in-place ops, it bumps the version counter of ``cache`` (and ``error_flag``), so
+    a backward pass that saved the old values raises; it refuses, before writing, a ``cache``
+    that requires grad while grad mode is on (the op has no derivative), an inference tensor
+    outside ``torch.inference_mode()``, and an ``update`` (or ``positions``) that shares memory
+    with ``cache``. Every argument must be on the cache's device.
     """
     _ops.kv_cache_append_(cache, update, positions, error_flag)
 
@@ -123,6 +133,9 @@ def kv_cache_reorder_(cache: torch.Tensor, index: torch.Tensor, length: int) -> 
         cache: ``[B, H, L, D]``, written in place; entries at or past ``length`` are untouched.
         index: int64 ``[B]`` with values in ``[0, B)``; repeats are allowed.
         length: number of valid positions to move, ``0 <= length <= L``.
+
+    Bumps the version counter of ``cache`` and refuses what :func:`kv_cache_append_` refuses
+    (a cache that requires grad in grad mode, an inference tensor outside inference mode).
     """
     _ops.kv_cache_reorder_(cache, index, int(length))
 
