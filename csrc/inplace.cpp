@@ -81,9 +81,11 @@ void check_not_inference(const char* op, const at::Tensor& t, const char* name) 
 
 void bump_version(const at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
 
-void kv_cache_append_inplace_or_view(at::Tensor& cache, const at::Tensor& update,
-                                     const at::Tensor& positions,
-                                     const std::optional<at::Tensor>& error_flag) {
+void kv_cache_append_inplace_or_view(
+    at::Tensor& cache,                             // [B, H, L, D]
+    const at::Tensor& update,                      // [B, H, T, D]
+    const at::Tensor& positions,                   // [B] int64
+    const std::optional<at::Tensor>& error_flag) {  // [1] int32
   const bool has_flag = error_flag.has_value() && error_flag->defined();
   check_not_inference("kv_cache_append_", cache, "cache");
   if (has_flag) check_not_inference("kv_cache_append_", *error_flag, "error_flag");
@@ -95,7 +97,8 @@ void kv_cache_append_inplace_or_view(at::Tensor& cache, const at::Tensor& update
   if (has_flag) bump_version(*error_flag);
 }
 
-void kv_cache_reorder_inplace_or_view(at::Tensor& cache, const at::Tensor& index,
+void kv_cache_reorder_inplace_or_view(at::Tensor& cache,        // [B, H, L, D]
+                                      const at::Tensor& index,  // [B] int64
                                       int64_t length) {
   check_not_inference("kv_cache_reorder_", cache, "cache");
   {
