@@ -80,7 +80,8 @@ def _extra_cuda_includes() -> list[str]:
 
 
 def _extension():
-    sources = [os.path.join("csrc", "torch_bindings.cpp")]
+    # the schemas, the backend-independent autograd kernels of the in-place ops, the CPU kernels
+    sources = [os.path.join("csrc", "torch_bindings.cpp"), os.path.join("csrc", "inplace.cpp")]
     sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     opt = ["-O0", "-g"] if DEBUG else ["-O3"]
     cxx = opt + ["-fopenmp"]

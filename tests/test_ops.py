@@ -475,11 +475,14 @@ def test_torch_compile_fullgraph_smoke():
     lengths = torch.tensor([2, 5])
     c1, c2 = torch.zeros(2, 2, 5, 8), torch.zeros(2, 2, 5, 8)
     upd, pos = torch.randn(2, 2, 1, 8, generator=g), torch.tensor([1, 3])
+    v1, v2 = c1._version, c2._version
     out = compiled(s, mask, q, k, k, lengths, c1, upd, pos)
     expected = step(s, mask, q, k, k, lengths, c2, upd, pos)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(c1, c2)
     assert c1.abs().sum() > 0
+    # The compiled graph, like the eager op, bumps the version of the cache it writes.
+    assert c1._version > v1 and c2._version > v2
 
 
 # --------------------------------------------------------------------------- fuzz

@@ -60,7 +60,9 @@ def masked_softmax(
 
     Returns:
         Probabilities of the shape and dtype of ``scores``, computed in float32. A row with
-        no allowed key is all zeros, never NaN. Differentiable with respect to ``scores``.
+        no allowed key is all zeros, never NaN. A NaN (or +inf) score in an allowed position
+        makes its whole row NaN, as in ``torch.softmax``; scores in masked positions are never
+        used, so a NaN there changes nothing. Differentiable with respect to ``scores``.
     """
     return _ops.masked_softmax(scores, mask, float(scale), bool(causal))
 
@@ -88,7 +90,9 @@ def decode_attention(
         k_new, v_new: optional ``[B, H, 1, D]``, given together.
 
     Returns:
-        ``[B, H, 1, D]`` in the dtype of ``q``; zeros for a row with no key.
+        ``[B, H, 1, D]`` in the dtype of ``q``; zeros for a row with no key. A NaN in ``q``, in
+        an attended key or in ``k_new`` makes the row NaN (as ``torch.softmax`` would); cache
+        entries at or past ``lengths[b]`` are never read.
     """
     return _ops.decode_attention(q, k_cache, v_cache, lengths, float(scale), k_new, v_new)
 
@@ -112,6 +116,12 @@ def kv_cache_append_(
     ``error_flag`` on CUDA, such rows are skipped on the device and ``error_flag`` is set to 1,
     with no sync; the caller checks the flag when it synchronises anyway (e.g. at the end of a
     decode). On CPU the op always raises.
+
+    Like ATen's in-place ops, it bumps the version counter of ``cache`` (and ``error_flag``), so
+    a backward pass that saved the old values raises; it refuses, before writing, a ``cache``
+    that requires grad while grad mode is on (the op has no derivative), an inference tensor
+    outside ``torch.inference_mode()``, and an ``update`` (or ``positions``) that shares memory
+    with ``cache``. Every argument must be on the cache's device.
     """
     _ops.kv_cache_append_(cache, update, positions, error_flag)
 
@@ -123,6 +133,9 @@ def kv_cache_reorder_(cache: torch.Tensor, index: torch.Tensor, length: int) -> 
         cache: ``[B, H, L, D]``, written in place; entries at or past ``length`` are untouched.
         index: int64 ``[B]`` with values in ``[0, B)``; repeats are allowed.
         length: number of valid positions to move, ``0 <= length <= L``.
+
+    Bumps the version counter of ``cache`` and refuses what :func:`kv_cache_append_` refuses
+    (a cache that requires grad in grad mode, an inference tensor outside inference mode).
     """
     _ops.kv_cache_reorder_(cache, index, int(length))
 
@@ -148,7 +161,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 # ---------------------------------------------------------------------------------------
 # Fake kernels: shapes and dtypes only, the same argument checks as the C++ prologues
-# where they are shape-level.
+# (csrc/checks.h) where they are shape-level. A fake kernel is also what runs when any
+# argument is on the "meta" device, so each one checks that every argument is on the
+# device of the first: a meta tensor mixed with real ones is refused, naming it.
 # ---------------------------------------------------------------------------------------
 
 
@@ -157,41 +172,63 @@ def _check(cond: bool, msg: str) -> None:
         raise RuntimeError(msg)
 
 
+def _check_same_device(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    """Every tensor in ``others`` (None: not given) on ``ref.device``; the C++ CHECK_DEVICE message."""
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise RuntimeError(f"{name} must be on {ref.device} (the device of {ref_name}), got {t.device}")
+
+
+def _check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    _check(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+
+
 @torch.library.register_fake("transformer_ext::masked_softmax")
 def _masked_softmax_fake(scores, mask, scale, causal):
+    _check_same_device("scores", scores, mask=mask)
     _check(scores.dim() == 4, f"scores must have 4 dimensions, got shape {tuple(scores.shape)}")
     if mask is not None:
-        _check(mask.dtype == torch.bool, f"mask must be torch.bool, got {mask.dtype}")
+        _check_dtype("mask", mask, torch.bool)
     return scores.new_empty(scores.shape)  # the kernels return a contiguous tensor
 
 
 @torch.library.register_fake("transformer_ext::masked_softmax_backward")
 def _masked_softmax_backward_fake(grad_probs, probs, scale):
+    _check_same_device("probs", probs, grad_probs=grad_probs)
+    _check(grad_probs.shape == probs.shape,
+           f"grad_probs must have the shape of probs {tuple(probs.shape)}, got {tuple(grad_probs.shape)}")
     return probs.new_empty(probs.shape)
 
 
 @torch.library.register_fake("transformer_ext::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, lengths, scale, k_new=None, v_new=None):
+    _check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, lengths=lengths, k_new=k_new, v_new=v_new)
     _check(q.dim() == 4 and q.shape[2] == 1, f"q must be [B, H, 1, D], got {tuple(q.shape)}")
+    _check_dtype("lengths", lengths, torch.int64)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("transformer_ext::kv_cache_append_")
 def _kv_cache_append__fake(cache, update, positions, error_flag=None):
+    _check_same_device("cache", cache, update=update, positions=positions, error_flag=error_flag)
     _check(cache.dim() == 4 and update.dim() == 4, "cache and update must have 4 dimensions")
-    _check(positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}")
+    _check_dtype("positions", positions, torch.int64)
+    if error_flag is not None:
+        _check_dtype("error_flag", error_flag, torch.int32)
     return None
 
 
 @torch.library.register_fake("transformer_ext::kv_cache_reorder_")
 def _kv_cache_reorder__fake(cache, index, length):
+    _check_same_device("cache", cache, index=index)
     _check(cache.dim() == 4, "cache must have 4 dimensions")
-    _check(index.dtype == torch.int64, f"index must be int64, got {index.dtype}")
+    _check_dtype("index", index, torch.int64)
     return None
 
 
 @torch.library.register_fake("transformer_ext::linear")
 def _linear_fake(x, weight, bias=None):
+    _check_same_device("x", x, weight=weight, bias=bias)
     _check(weight.dim() == 2, f"weight must have 2 dimensions, got shape {tuple(weight.shape)}")
     _check(x.dim() >= 1 and x.shape[-1] == weight.shape[1],
            f"x.size(-1) must be weight.size(1) = {weight.shape[1]}, got x of shape {tuple(x.shape)}")

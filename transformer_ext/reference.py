@@ -41,6 +41,9 @@ def masked_softmax(
 
     ``scores`` is ``[B, H, Q, K]``; ``mask`` is bool and broadcastable to it (True = attend).
     The math runs in float32 (float64 stays float64) and the result has the input dtype.
+    NaN rule: a NaN (or +inf) score in an allowed position makes the whole row NaN, as in
+    ``torch.softmax``; scores in masked positions are replaced before any arithmetic, so they
+    never matter.
     """
     compute = torch.float64 if scores.dtype == torch.float64 else torch.float32
     x = scores.to(compute) * scale
@@ -50,12 +53,13 @@ def masked_softmax(
     if causal:
         allowed = allowed & causal_mask(x.shape[-2], x.shape[-1], device=x.device)
     x = x.masked_fill(~allowed, float("-inf"))
-    row_max = x.amax(dim=-1, keepdim=True)
+    row_max = x.amax(dim=-1, keepdim=True)  # NaN if an allowed score is NaN
     # A fully masked row has max -inf; shift by 0 there so exp gives exact zeros, not NaN.
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    # A NaN or +inf max is kept: every exp, the sum and so the whole row become NaN.
+    row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
     e = torch.exp(x - row_max)
     denom = e.sum(dim=-1, keepdim=True)
-    probs = torch.where(denom > 0, e / denom.clamp_min(torch.finfo(compute).tiny), 0.0)
+    probs = torch.where(denom == 0, 0.0, e / denom.clamp_min(torch.finfo(compute).tiny))
     return probs.to(scores.dtype)
 
 
@@ -80,8 +84,10 @@ def decode_attention(
     """One query per row attends to ``cache[b, :, :lengths[b]]`` and, if given, ``k_new``/``v_new``.
 
     ``q``, ``k_new``, ``v_new`` are ``[B, H, 1, D]``, caches ``[B, H, L, D]``, ``lengths`` int64
-    ``[B]``. Cache entries at or beyond ``lengths[b]`` get exactly zero weight. A row with no key
-    at all is zeros. Returns ``[B, H, 1, D]`` in the dtype of ``q``.
+    ``[B]``. Cache entries at or beyond ``lengths[b]`` get exactly zero weight and never matter,
+    even when they are NaN. A row with no key at all is zeros; a NaN in ``q``, in an attended key
+    or in ``k_new`` makes the row NaN (the NaN rule of :func:`masked_softmax`). Returns
+    ``[B, H, 1, D]`` in the dtype of ``q``.
     """
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")

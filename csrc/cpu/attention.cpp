@@ -62,11 +62,22 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kPosInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
 }
 
+// max(a, b), NaN when either is NaN (as at::vec::maximum; std::max drops a NaN b).
+inline float max_nan(float a, float b) { return std::isnan(b) ? b : std::max(a, b); }
+
+// The NaN rule of DESIGN.md section 2: a row whose max over its allowed scores is NaN (some
+// score is NaN) or +inf (inf - inf is NaN in the softmax) is NaN as a whole, as in
+// torch.softmax. One test per row on the max, which propagates NaN.
+inline bool row_is_nan(float row_max) { return !(row_max < kPosInf) && row_max != kNegInf; }
+
+// Lane maxima reduced with at::vec::maximum, which propagates NaN.
 inline float hmax(const Vec& v) {
   return at::vec::vec_reduce_all<float>(
       [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
@@ -102,13 +113,13 @@ inline void scale_row(const T* src, float* dst, int64_t n, float scale) {
   for (; j < n; ++j) dst[j] = static_cast<float>(src[j]) * scale;
 }
 
-// max over x[0, n); -inf for n == 0.
+// max over x[0, n); -inf for n == 0, NaN when some x[j] is NaN.
 inline float max_row(const float* x, int64_t n) {
   Vec vmax(kNegInf);
   int64_t j = 0;
   for (; j + kVec <= n; j += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(x + j));
   float m = hmax(vmax);
-  for (; j < n; ++j) m = std::max(m, x[j]);
+  for (; j < n; ++j) m = max_nan(m, x[j]);
   return m;
 }
 
@@ -128,7 +139,8 @@ inline Vec load_mask(const bool* m) {
 }
 
 // dst[j] = scale * src[j] for j < n, or -inf where the key is masked (mask[j * mstride] is
-// false; mask == nullptr: none is); returns the max (-inf when no key is allowed).
+// false; mask == nullptr: none is); returns the max (-inf when no key is allowed, NaN when an
+// allowed score is NaN). Masked scores are loaded in whole vectors but never used.
 template <typename T>
 inline float scale_mask_row_max(const T* src, float* dst, int64_t n, float scale,
                                 const bool* mask, int64_t mstride) {
@@ -152,7 +164,7 @@ inline float scale_mask_row_max(const T* src, float* dst, int64_t n, float scale
   for (; j < n; ++j) {  // tail, and masks with a key stride other than 0 or 1
     const bool allowed = mask == nullptr || mask[j * mstride];
     dst[j] = allowed ? static_cast<float>(src[j]) * scale : kNegInf;
-    m = std::max(m, dst[j]);
+    m = max_nan(m, dst[j]);
   }
   return m;
 }
@@ -229,6 +241,10 @@ inline void masked_softmax_row(const T* src, T* dst, const SoftmaxParams& s, int
   const float m = visible ? scale_mask_row_max(src, x, kend, s.scale, mrow, mstride) : kNegInf;
   if (m == kNegInf) {  // no allowed key (or only -inf scores): zeros, never NaN
     std::fill(dst, dst + K, T(0));
+    return;
+  }
+  if (row_is_nan(m)) {  // a NaN (or +inf) allowed score: the whole row is NaN
+    std::fill(dst, dst + K, static_cast<T>(kNaN));
     return;
   }
   // Allowed scaled scores minus their max are <= 0: exp cannot overflow, even for fp16 1e4.
@@ -396,8 +412,14 @@ void decode_attention_rows(const T* q, const T* k, const T* v, const T* k_new, c
     for (; j < n_cache; ++j) scores[j] = dot1(qf, kb + j * ks, D);
     if (k_new != nullptr) scores[n_cache] = dot1(qf, k_new + bh * D, D);
 
-    // 2. softmax weights (normalised at the end)
-    const float sum = exp_row_sum(scores, n, max_row(scores, n));
+    // 2. softmax weights (normalised at the end); the same rules as masked_softmax for a
+    // row whose scores are all -inf (zeros) or include a NaN or +inf (NaN)
+    const float m = max_row(scores, n);
+    if (m == kNegInf || row_is_nan(m)) {
+      std::fill(o, o + D, m == kNegInf ? T(0) : static_cast<T>(kNaN));
+      continue;
+    }
+    const float sum = exp_row_sum(scores, n, m);
 
     // 3. weighted sum of the values
     std::fill(acc, acc + D, 0.f);
@@ -473,12 +495,15 @@ at::Tensor masked_softmax_composite(const at::Tensor& scores, const at::Tensor& 
     allowed = allowed.defined() ? at::logical_and(allowed, c) : c;
   }
   if (allowed.defined()) x = x.masked_fill(at::logical_not(allowed), -INFINITY);
+  // The max propagates NaN. A row without an allowed finite score (max -inf) is shifted by 0,
+  // so exp gives exact zeros; a NaN or +inf max makes every exp, the sum and so the whole
+  // row NaN (DESIGN.md section 2).
   at::Tensor row_max = std::get<0>(x.max(-1, /*keepdim=*/true));
-  row_max = at::where(at::isinf(row_max), at::zeros_like(row_max), row_max);
+  row_max = at::where(row_max == -INFINITY, at::zeros_like(row_max), row_max);
   const at::Tensor e = at::exp(x - row_max);
   const at::Tensor denom = e.sum(-1, /*keepdim=*/true);
   const double tiny = acc == at::kDouble ? DBL_MIN : FLT_MIN;
-  return at::where(denom > 0, e / denom.clamp_min(tiny), at::zeros_like(e))
+  return at::where(denom == 0, at::zeros_like(e), e / denom.clamp_min(tiny))
       .to(scores.scalar_type());
 }
 

@@ -6,7 +6,6 @@
 #include <cstring>
 #include <vector>
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -18,17 +17,6 @@ namespace {
 
 // Bytes below which a parallel_for chunk is not worth a thread.
 constexpr int64_t kMinBytesPerTask = 64 * 1024;
-
-// The kernels write rows of D elements with memcpy, so the last dimension of the cache
-// must be dense. A strided last dim cannot be fixed with .contiguous(): the op writes in place.
-// Any strides in B, H, L are fine, as long as no two elements share memory (an expanded view).
-inline void check_cache_layout(const at::Tensor& cache) {
-  TORCH_CHECK(cache.size(3) <= 1 || cache.stride(3) == 1,
-              "cache must have a dense last dimension (stride(3) == 1) to be written in place, "
-              "got strides ", cache.strides(), " for shape ", cache.sizes(),
-              "; allocate the cache with the head dimension last");
-  at::assert_no_internal_overlap(cache);
-}
 
 // Copies a [rows, D] block between two row-strided layouts (strides in elements).
 inline void copy_rows(char* dst, int64_t dst_row_stride, const char* src, int64_t src_row_stride,
@@ -55,7 +43,6 @@ void kv_cache_append_(at::Tensor& cache,                             // [B, H, L
                       const at::Tensor& positions,                   // [B] int64
                       const std::optional<at::Tensor>& error_flag) {  // ignored on CPU
   check_kv_cache_append_args(cache, update, positions, error_flag);
-  check_cache_layout(cache);
   const int64_t B = cache.size(0), H = cache.size(1), L = cache.size(2), D = cache.size(3);
   const int64_t T = update.size(2);
   const at::Tensor pos = positions.contiguous();
@@ -85,7 +72,6 @@ void kv_cache_reorder_(at::Tensor& cache,        // [B, H, L, D]
                        const at::Tensor& index,  // [B] int64
                        int64_t length) {
   check_kv_cache_reorder_args(cache, index, length);
-  check_cache_layout(cache);
   const int64_t B = cache.size(0), H = cache.size(1), D = cache.size(3);
   const at::Tensor idx_t = index.contiguous();
   check_index_in_range(idx_t, B);

@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kSoftmaxWarpThreads)
 #pragma unroll
     for (int e = 0; e < kElems; ++e) {
       const int64_t k = lane + 32 * e;
-      if (k < p.K) out[k] = static_cast<scalar_t>(sum > 0.f ? x[e] / sum : 0.f);
+      if (k < p.K) out[k] = static_cast<scalar_t>(softmax_normalize(x[e], sum));
     }
   }
 }
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kSoftmaxBlockThreads)
       } else {
         e = expf(scaled_score(in, info, p.mask.s3, k, p.scale) - shift);
       }
-      out[k] = static_cast<scalar_t>(sum > 0.f ? e / sum : 0.f);
+      out[k] = static_cast<scalar_t>(softmax_normalize(e, sum));
     }
   }
 }
@@ -468,7 +468,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
           num += s_acc[w][threadIdx.x] * f;
         }
         if (p.splits == 1) {
-          p.out[bh * p.D + d] = static_cast<scalar_t>(den > 0.f ? num / den : 0.f);
+          p.out[bh * p.D + d] = static_cast<scalar_t>(softmax_normalize(num, den));
         } else {
           // This split's merged state, relative to softmax_shift(m); combined by
           // decode_attention_combine_kernel.
@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads)
         den += state[1] * f;
         num += state[2 + d] * f;
       }
-      out[bh * D + d] = static_cast<scalar_t>(den > 0.f ? num / den : 0.f);
+      out[bh * D + d] = static_cast<scalar_t>(softmax_normalize(num, den));
     }
   }
 }

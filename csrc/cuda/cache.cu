@@ -25,14 +25,6 @@ namespace {
 
 constexpr int kCopyThreads = 256;
 
-// The ops write in place, so a strided last dim cannot be fixed with .contiguous().
-void check_rows_dense(const at::Tensor& cache) {
-  TORCH_CHECK(cache.size(3) <= 1 || cache.stride(3) == 1,
-              "cache must have a dense last dimension (stride(3) == 1) to be written in place, "
-              "got strides ", cache.strides(), " for shape ", cache.sizes(),
-              "; allocate the cache with the head dimension last");
-}
-
 // unit_t is what one thread moves: uint4 (16 bytes) or one element. The copy only moves
 // bytes, so the dtype matters only through the unit's size; Du and the strides count units.
 template <typename unit_t>
@@ -117,7 +109,6 @@ void kv_cache_append_(at::Tensor& cache,                             // [B, H, L
                       const std::optional<at::Tensor>& error_flag) {  // [1] int32 or none
   check_kv_cache_append_args(cache, update, positions, error_flag);
   CHECK_CUDA(cache);
-  check_rows_dense(cache);
   const c10::cuda::OptionalCUDAGuard device_guard(cache.device());
   const int64_t B = cache.size(0), H = cache.size(1), L = cache.size(2), D = cache.size(3);
   const int64_t T = update.size(2);
@@ -159,7 +150,6 @@ void kv_cache_reorder_(at::Tensor& cache,        // [B, H, L, D] in place
                        int64_t length) {
   check_kv_cache_reorder_args(cache, index, length);
   CHECK_CUDA(cache);
-  check_rows_dense(cache);
   const c10::cuda::OptionalCUDAGuard device_guard(cache.device());
   const int64_t B = cache.size(0);
   const at::Tensor index_cpu = index.to(at::kCPU).contiguous();  // one sync

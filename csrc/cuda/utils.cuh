@@ -45,7 +45,8 @@ __device__ __forceinline__ float warp_allreduce_sum(float v) {
   return v;
 }
 
-// fmaxf ignores a NaN operand; callers that must propagate NaN get it through the sums.
+// fmaxf ignores a NaN operand; callers that must propagate NaN get it through the sums
+// (see softmax_normalize).
 __device__ __forceinline__ float warp_allreduce_max(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
@@ -80,10 +81,19 @@ __device__ __forceinline__ float block_allreduce_max(float v, float* s_red) {
   return warp_allreduce_max(v);
 }
 
-// The softmax shift: the row maximum, or 0 when it is infinite (a row without an allowed
-// finite score), exactly as reference.masked_softmax does, so exp(-inf - shift) is 0, not NaN.
+// The softmax shift: the row maximum, or 0 when it is -inf (a row without an allowed finite
+// score), exactly as reference.masked_softmax does, so exp(-inf - shift) is 0, not NaN. A +inf
+// maximum stays: exp(inf - inf) is NaN, which makes the sum and so the whole row NaN, as in
+// torch.softmax (the NaN rule of DESIGN.md section 2).
 __device__ __forceinline__ float softmax_shift(float row_max) {
-  return fabsf(row_max) == INFINITY ? 0.f : row_max;
+  return row_max == -INFINITY ? 0.f : row_max;
+}
+
+// p = e / sum for a softmax weight: zeros for a row without an allowed key (sum == 0), NaN
+// for every entry of a row whose sum is NaN (a NaN or +inf allowed score: NaN propagates
+// through expf and the sums even though fmaxf drops it from the maximum).
+__device__ __forceinline__ float softmax_normalize(float e, float sum) {
+  return sum == 0.f ? 0.f : e / sum;
 }
 
 }  // namespace transformer_ext

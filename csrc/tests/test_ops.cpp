@@ -251,6 +251,68 @@ void test_linear() {
   EXPECT(raised, "in_features mismatch raises");
 }
 
+
+// The NaN rule of DESIGN.md section 2, on the kernels and (under ctest's fallback run) the
+// composites: a NaN allowed score makes its row NaN; a NaN in a masked position changes nothing.
+void test_nan_rule() {
+  const auto softmax = op<at::Tensor(const at::Tensor&, const OptTensor&, double, bool)>(
+      "transformer_ext::masked_softmax");
+  const auto decode = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const at::Tensor&, double, const OptTensor&,
+                                    const OptTensor&)>("transformer_ext::decode_attention");
+  const int64_t K = 21;  // two vectors and a tail of 5
+  const at::Tensor scores = at::randn({1, 1, 4, K});
+  at::Tensor mask = at::ones({1, 1, 4, K}, at::kBool);
+  mask[0][0][3][9] = false;
+  const at::Tensor clean = softmax.call(scores, mask, 1.0, false);
+  at::Tensor poisoned = scores.clone();
+  poisoned[0][0][0][3] = NAN;       // allowed, in a full vector
+  poisoned[0][0][1][K - 1] = NAN;   // allowed, in the tail
+  poisoned[0][0][3][9] = NAN;       // masked
+  const at::Tensor out = softmax.call(poisoned, mask, 1.0, false);
+  EXPECT(at::isnan(out[0][0][0]).all().item<bool>(), "NaN in a full vector: row NaN");
+  EXPECT(at::isnan(out[0][0][1]).all().item<bool>(), "NaN in the tail: row NaN");
+  EXPECT(at::equal(out[0][0].slice(0, 2, 4), clean[0][0].slice(0, 2, 4)),
+         "NaN in a masked position changes nothing");
+
+  const int64_t B = 2, H = 1, L = 11, D = 9;
+  const at::Tensor q = at::randn({B, H, 1, D});
+  at::Tensor k = at::randn({B, H, L, D});
+  const at::Tensor v = at::randn({B, H, L, D});
+  const at::Tensor len = at::tensor(std::vector<int64_t>{L, 3});
+  const at::Tensor base = decode.call(q, k, v, len, 0.5, std::nullopt, std::nullopt);
+  k[0][0][L - 1][0] = NAN;  // attended
+  k[1][0][5][0] = NAN;      // past lengths[1] = 3
+  const at::Tensor got = decode.call(q, k, v, len, 0.5, std::nullopt, std::nullopt);
+  EXPECT(at::isnan(got[0]).all().item<bool>(), "decode: NaN attended key makes the row NaN");
+  EXPECT(at::equal(got[1], base[1]), "decode: NaN past the length changes nothing");
+}
+
+// Through the dispatcher the in-place ops bump the version of what they write and refuse an
+// update that shares the cache's memory.
+void test_in_place_contract() {
+  const auto append = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const OptTensor&)>("transformer_ext::kv_cache_append_");
+  const auto reorder = op<void(at::Tensor&, const at::Tensor&, int64_t)>(
+      "transformer_ext::kv_cache_reorder_");
+  at::Tensor cache = at::zeros({2, 1, 6, 4});
+  const int64_t v0 = cache._version();
+  append.call(cache, at::ones({2, 1, 1, 4}), at::tensor(std::vector<int64_t>{0, 2}),
+              std::nullopt);
+  EXPECT(cache._version() > v0, "kv_cache_append_ bumps the version");
+  const int64_t v1 = cache._version();
+  reorder.call(cache, at::tensor(std::vector<int64_t>{1, 0}), 3);
+  EXPECT(cache._version() > v1, "kv_cache_reorder_ bumps the version");
+  bool raised = false;
+  try {
+    append.call(cache, cache.narrow(2, 1, 2), at::tensor(std::vector<int64_t>{0, 0}),
+                std::nullopt);
+  } catch (const c10::Error&) {
+    raised = true;
+  }
+  EXPECT(raised, "an update overlapping the cache raises");
+}
+
 }  // namespace
 
 int main() {
@@ -262,6 +324,8 @@ int main() {
       {"kv_cache_append_", test_kv_cache_append},
       {"kv_cache_reorder_", test_kv_cache_reorder},
       {"linear", test_linear},
+      {"nan_rule", test_nan_rule},
+      {"in_place_contract", test_in_place_contract},
   };
   for (const auto& [name, fn] : tests) {
     const int before = g_failures;
