@@ -24,7 +24,7 @@ MIN_EXACT_MATCH = 0.98
 
 @pytest.fixture(scope="module")
 def translator():
-    return Translator()  # the bundled demo model, CPU
+    return Translator.from_model_dir()  # the bundled demo model, CPU
 
 
 @pytest.fixture(scope="module")
@@ -42,27 +42,34 @@ def test_bundled_model_is_a_small_model_directory():
 def test_bundled_model_greedy_exact_match_on_heldout(translator, heldout_sample):
     sources = [num2words(n, lang="en") for n in heldout_sample]
     references = [num2words(n, lang="de") for n in heldout_sample]
-    outputs = [t.text for t in translator.translate(sources)]
+    outputs = translator.translate(sources)
     wrong = [(s, o, r) for s, o, r in zip(sources, outputs, references) if o != r]
     exact = 1 - len(wrong) / len(sources)
     assert exact >= MIN_EXACT_MATCH, f"greedy exact match {exact:.3f}; first errors: {wrong[:5]}"
 
 
 def test_examples(translator):
-    out = translator.translate(["three hundred and forty-two", "forty-two", "  One   Thousand and one "])
-    assert [t.text for t in out] == ["dreihundertzweiundvierzig", "zweiundvierzig", "eintausendeins"]
-    assert out[0].source == "three hundred and forty-two"
-    assert out[0].score is None  # greedy: no beam score
+    sources = ["three hundred and forty-two", "forty-two", "  One   Thousand and one "]
+    out = translator.translate(sources)
+    assert out == ["dreihundertzweiundvierzig", "zweiundvierzig", "eintausendeins"]
+    assert all(type(t) is str for t in out)  # plain strings, one per source
+    detailed = translator.translate_detailed(sources)
+    assert [t.text for t in detailed] == out and detailed[0].source == "three hundred and forty-two"
+    assert detailed[0].score is None and detailed[0].hypotheses[0].log_prob is None  # greedy: no beam score
+    assert detailed[1].hypotheses[0].finished  # ended with an EOS within its budget
 
 
 def test_beam_n_best(translator):
-    (one,) = translator.translate(["seven thousand and seventeen"], beam_size=4, n_best=3)
-    assert len(one.hypotheses) == 3
-    scores = [h.score for h in one.hypotheses]
+    (pairs,) = translator.translate(["seven thousand and seventeen"], beam_size=4, n_best=3)
+    assert len(pairs) == 3 and all(isinstance(text, str) and isinstance(score, float) for text, score in pairs)
+    scores = [score for _, score in pairs]
     assert scores == sorted(scores, reverse=True)
-    assert len({h.text for h in one.hypotheses}) == 3
-    assert one.text == "siebentausendsiebzehn"
+    assert len({text for text, _ in pairs}) == 3
+    assert pairs[0][0] == "siebentausendsiebzehn"
+    (one,) = translator.translate_detailed(["seven thousand and seventeen"], beam_size=4, n_best=3)
+    assert one.texts == [text for text, _ in pairs] and [h.score for h in one.hypotheses] == scores
     assert all(h.log_prob <= 0 for h in one.hypotheses)
+    assert [translator.tokenizer.decode_target(h.tokens) for h in one.hypotheses] == one.texts
 
 
 def test_beam_search_of_one_equals_greedy(translator):
@@ -70,7 +77,7 @@ def test_beam_search_of_one_equals_greedy(translator):
     from transformer_ext.decoding import beam_search
 
     sources = ["nine thousand, nine hundred and ninety-nine", "zero", "eleven", "six hundred and six"]
-    greedy = translator.translate(sources)
+    greedy = translator.translate_detailed(sources)
     ids = translator.encode(sources)
     lengths = np.array([len(x) for x in ids])
     padded = np.zeros((len(ids), lengths.max()), dtype=np.int64)
@@ -79,18 +86,17 @@ def test_beam_search_of_one_equals_greedy(translator):
     beams = beam_search(translator.runner, padded, lengths, bos_id=1, eos_id=2, beam_size=1,
                         max_new_tokens=translator.max_new_tokens(lengths, 1.5, 10))
     assert [list(b[0].tokens) for b in beams] == [list(t.hypotheses[0].tokens) for t in greedy]
-    assert [t.text for t in greedy] == [t.text for t in translator.translate(sources, beam_size=3)]
+    assert [t.text for t in greedy] == translator.translate(sources, beam_size=3)
 
 
 def test_batching_does_not_change_outputs(translator):
     sources = [num2words(n, lang="en") for n in (5, 1234, 77, 9001, 300)]
-    assert [t.text for t in translator.translate(sources, batch_size=2)] == [
-        t.text for t in translator.translate(sources)]
+    assert translator.translate(sources, batch_size=2) == translator.translate(sources)
 
 
 def test_max_length_limits_output(translator):
     (t,) = translator.translate(["seven thousand, seven hundred and seventy-seven"], max_len_a=0, max_len_b=5)
-    assert len(t.text) <= 5
+    assert len(t) <= 5
 
 
 @pytest.mark.parametrize(
@@ -125,10 +131,10 @@ def test_translate_takes_a_list(translator):
 def test_translate_takes_any_iterable_in_order(translator):
     """A generator used to be decoded in full and then fail (sources[i] on a generator)."""
     sources = ["forty-two", "seven thousand and seventeen", "one", "twelve", "three hundred"]
-    want = [t.text for t in translator.translate(sources)]
+    want = translator.translate(sources)
     assert want[0] == "zweiundvierzig" and want[2] == "eins"
-    assert [t.text for t in translator.translate(s for s in sources)] == want
-    got = translator.translate(iter(sources), beam_size=2, batch_size=2)
+    assert translator.translate(s for s in sources) == want
+    got = translator.translate_detailed(iter(sources), beam_size=2, batch_size=2)
     assert [t.text for t in got] == want and [t.source for t in got] == sources
     assert translator.translate(iter([])) == []
 
@@ -136,11 +142,11 @@ def test_translate_takes_any_iterable_in_order(translator):
 def test_huge_budget_is_capped_with_a_warning(translator, caplog):
     """max_len_a = 1e30 used to become a budget of one token (an int64 overflow wrapped to 1)."""
     sources = ["seven thousand, seven hundred and seventy-seven", "one"]
-    want = [t.text for t in translator.translate(sources)]
+    want = translator.translate(sources)
     for kwargs in (dict(max_len_a=1e30), dict(max_len_b=1e20), dict(max_len_a=2.0**70, max_len_b=1e300)):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="transformer_ext.translate"):
-            assert [t.text for t in translator.translate(sources, **kwargs)] == want
+            assert translator.translate(sources, **kwargs) == want
         (record,) = [r for r in caplog.records if r.name == "transformer_ext.translate"]
         assert "exceeds the model's max_len = 64" in record.getMessage()
         assert "capped at 64 tokens for 2 of 2 sources" in record.getMessage()
@@ -150,7 +156,7 @@ def test_default_budget_is_capped_silently(translator, caplog):
     long = "nine thousand, nine hundred and ninety-nine"  # 1.5 * 43 + 10 > max_len: capped, no warning
     with caplog.at_level(logging.WARNING):
         (t,) = translator.translate([long])
-    assert t.text == "neuntausendneunhundertneunundneunzig"
+    assert t == "neuntausendneunhundertneunundneunzig"
     assert not [r for r in caplog.records if r.name == "transformer_ext.translate"]
 
 
@@ -162,12 +168,12 @@ def test_progress_bar_only_for_many_batches(translator, monkeypatch):
     assert err.getvalue() == ""
     out = translator.translate(sources, batch_size=1, progress=True)
     assert "translating" in err.getvalue() and "source" in err.getvalue()
-    assert [t.text for t in out] == ["eins", "zwei", "drei", "vier", "fünf"]
+    assert out == ["eins", "zwei", "drei", "vier", "fünf"]
 
 
 def test_missing_model_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found"):
-        Translator(tmp_path / "nope")
+        Translator.from_model_dir(tmp_path / "nope")
 
 
 def test_model_without_tokenizer_loads_but_cannot_translate_text(tmp_path):
@@ -176,7 +182,7 @@ def test_model_without_tokenizer_loads_but_cannot_translate_text(tmp_path):
     partial = tmp_path / "no_tokenizer"
     shutil.copytree(DEMO_MODEL_DIR, partial)
     os.remove(partial / "tokenizer.json")
-    translator = Translator(partial)
+    translator = Translator.from_model_dir(partial)
     assert translator.tokenizer is None
     with pytest.raises(TranslationError, match=r"no_tokenizer has no tokenizer.json: a tokenizer is needed to "
                                                r"translate text"):
@@ -197,7 +203,7 @@ def test_corrupt_tokenizer_is_an_error_naming_the_file(tmp_path):
     text = (folder / "tokenizer.json").read_text(encoding="utf-8")
     (folder / "tokenizer.json").write_text(text[: len(text) // 2], encoding="utf-8")
     with pytest.raises(TokenizerError, match=rf"corrupt tokenizer file {folder}/tokenizer.json: not valid JSON"):
-        Translator(folder)
+        Translator.from_model_dir(folder)
 
 
 def test_special_ids_checked_against_the_config(tmp_path):
@@ -207,7 +213,7 @@ def test_special_ids_checked_against_the_config(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(TranslationError, match=rf"special id mismatch: {folder}/config.json has eos_id = 3 but "
                                                rf"{folder}/tokenizer.json has eos = 2"):
-        Translator(folder)
+        Translator.from_model_dir(folder)
 
 
 # ---------------------------------------------------------------------- command line
@@ -336,7 +342,7 @@ def test_cli_interrupt_exits_130_and_prints_nothing(monkeypatch, capsys):
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Translator, "translate", interrupted)
+    monkeypatch.setattr(Translator, "translate_detailed", interrupted)
     code, out, err = run_main(["one"], capsys=capsys)
     assert code == 130 and out == "" and err == "python -m transformer_ext.translate: interrupted\n"
 
@@ -369,3 +375,111 @@ def test_cli_subprocess():
     bad = subprocess.run([sys.executable, "-m", "transformer_ext.translate", "forty-two!"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and "'!'" in bad.stderr
+
+
+# ---------------------------------------------------------------------- the Translator API
+def test_translator_takes_a_tokenizer_and_a_runner(translator):
+    from transformer_ext.runtimes import EagerRunner
+
+    direct = Translator(translator.tokenizer, EagerRunner(translator.model, "cpu"), beam_size=2)
+    assert direct.translate(["forty-two", "seven"]) == ["zweiundvierzig", "sieben"]
+    assert direct.translate_detailed(["seven"])[0].score is not None  # the translator's beam size 2
+    assert direct.translate_detailed(["seven"], beam_size=1)[0].score is None  # overridden per call
+    with pytest.raises(TypeError, match=r"Translator.from_model_dir\(path\)"):
+        Translator(str(DEMO_MODEL_DIR))
+    with pytest.raises(TypeError, match=r"Translator.from_model_dir\(path\)"):
+        Translator()
+    with pytest.raises(TypeError, match="runner must implement encode / step / reorder"):
+        Translator(translator.tokenizer, object())
+    with pytest.raises(TranslationError, match="beam size must be a positive integer, got 0"):
+        Translator(translator.tokenizer, direct.runner, beam_size=0)  # checked when built
+
+
+def test_from_model_gives_translation_objects(translator):
+    """The form transformer_ext.train reads (`.text` of each result)."""
+    detailed = Translator.from_model(translator.model, translator.tokenizer, "cpu")
+    (out,) = detailed.translate(["forty-two"], beam_size=2, n_best=1)
+    assert out.text == "zweiundvierzig" and out.source == "forty-two"
+
+
+def test_generation_defaults_come_from_a_generation_config(translator):
+    from types import SimpleNamespace
+
+    from transformer_ext.runtimes import EagerRunner
+
+    runner = EagerRunner(translator.model, "cpu")
+    config = SimpleNamespace(beam_size=3, length_penalty="none", alpha=0.6, max_len_a=0.0, max_len_b=6.0,
+                             min_new_tokens=0, max_new_tokens=4, special_tokens={"pad": 0, "bos": 1, "eos": 2})
+    configured = Translator(translator.tokenizer, runner, generation=config)
+    (hyp,) = configured.translate_detailed(["seven thousand, seven hundred and seventy-seven"])[0].hypotheses
+    assert hyp.score is not None  # beam search, from the config
+    assert len(hyp.tokens) == 4 and not hyp.finished  # max_new_tokens 4 caps the budget of 6
+    assert configured.translate(["seven"], max_len_b=2) == ["si"]  # a call still overrides it
+    forced = Translator(translator.tokenizer, runner, generation=SimpleNamespace(**{**vars(config), "min_new_tokens": 3,
+                                                                                     "max_new_tokens": 64,
+                                                                                     "max_len_b": 10.0}))
+    (short,) = forced.translate_detailed(["one"], beam_size=1)
+    assert len(short.hypotheses[0].tokens) >= 3  # EOS suppressed before 3 tokens ("eins" has 4 anyway)
+    assert len(forced.translate(["zero"], beam_size=1)[0]) >= 3
+    bad = SimpleNamespace(**{**vars(config), "special_tokens": {"pad": 0, "bos": 1, "eos": 5}})
+    with pytest.raises(TranslationError, match="special id mismatch: the generation config has eos = 5 but the "
+                                               "tokenizer has eos = 2"):
+        Translator(translator.tokenizer, runner, generation=bad)
+
+
+# ---------------------------------------------------------------------- --output
+def test_cli_output_file_is_written_atomically(tmp_path, capsys):
+    out = tmp_path / "out.txt"
+    code, stdout, _ = run_main(["forty-two", "seven", "--output", str(out)], capsys=capsys)
+    assert code == 0 and stdout == "" and out.read_text(encoding="utf-8") == "zweiundvierzig\nsieben\n"
+    code, _, _ = run_main(["one", "--output", str(out)], capsys=capsys)  # a file it wrote is replaced
+    assert code == 0 and out.read_text(encoding="utf-8") == "eins\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # no temporaries left
+
+
+@pytest.mark.parametrize("case", ["directory", "missing folder", "parent is a file", "same as input", "empty"])
+def test_cli_bad_output_is_refused_before_reading_or_loading(tmp_path, capsys, monkeypatch, case):
+    src = tmp_path / "in.txt"
+    src.write_text("one\n", encoding="utf-8")
+    (tmp_path / "file").write_text("x", encoding="utf-8")
+    output, match = {
+        "directory": (str(tmp_path), "is a directory; give a file path"),
+        "missing folder": (str(tmp_path / "no" / "out.txt"), f"the folder {tmp_path / 'no'} does not exist"),
+        "parent is a file": (str(tmp_path / "file" / "out.txt"), "is not a directory"),
+        "same as input": (str(src), "is the --input file"),
+        "empty": ("", "--output must name a file"),
+    }[case]
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before --output was checked")
+
+    monkeypatch.setattr(Translator, "from_model_dir", no_loading)
+    code, out, err = run_main(["--input", str(src), "--output", output], capsys=capsys)
+    assert code == 1 and out == "" and match in err and len(err.splitlines()) == 1
+    assert src.read_text(encoding="utf-8") == "one\n"
+
+
+def test_cli_output_interrupted_or_disk_full_leaves_the_old_file(tmp_path, capsys, monkeypatch):
+    import errno
+
+    out = tmp_path / "out.txt"
+    out.write_text("previous\n", encoding="utf-8")
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(Translator, "translate_detailed", interrupted)
+        code, stdout, _ = run_main(["one", "--output", str(out)], capsys=capsys)
+    assert code == 130 and stdout == "" and out.read_text(encoding="utf-8") == "previous\n"
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    code, stdout, err = run_main(["one", "--output", str(out)], capsys=capsys)
+    assert code == 1 and stdout == "" and len(err.splitlines()) == 1
+    assert err == f"python -m transformer_ext.translate: error: no space left on the device; free some space and run " \
+                  f"the command again: {out}\n"
+    assert out.read_text(encoding="utf-8") == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # the temporary is gone

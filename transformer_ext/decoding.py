@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
@@ -159,11 +159,13 @@ class Hypothesis:
     before ``min_new_tokens``, of the distribution renormalised without EOS).
     ``score``: ``log_prob / length_penalty_factor(...)``, what the n-best list is sorted by.
     ``finished``: False for a hypothesis cut off at ``max_new_tokens`` without EOS.
+    Greedy decoding computes no probabilities: the translator's greedy hypotheses have
+    ``score`` and ``log_prob`` ``None``.
     """
 
     tokens: list[int]
-    score: float
-    log_prob: float
+    score: Optional[float]
+    log_prob: Optional[float]
     finished: bool = True
 
 
