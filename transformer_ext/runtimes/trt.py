@@ -136,8 +136,9 @@ class TensorRTRunner(DeviceRunner):
     def from_export_dir(cls, export_dir: Union[str, os.PathLike], precision: str = "fp32", *,
                         device: Union[str, torch.device] = "cuda", verify: bool = True) -> "TensorRTRunner":
         """Load ``<graph>.<precision>.engine`` as recorded in ``manifest.json`` by ``python -m export.tensorrt``."""
+        from export.manifest import read_manifest
         from export.tensorrt import _TrtLogger, import_tensorrt
-        from export.trt_readiness import manifest_max_positions, read_manifest
+        from export.trt_readiness import manifest_max_positions
 
         export_dir = Path(export_dir)
         manifest = read_manifest(export_dir)
