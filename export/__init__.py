@@ -1,19 +1,22 @@
-"""Export of transformer_ext models to ONNX (and the runtimes that run the exported graphs).
+"""What produces and checks export artifacts of transformer_ext models.
 
 * ``python -m export.onnx`` / :func:`export.onnx.export_onnx`: ``encoder.onnx``,
-  ``decoder_step.onnx`` and ``manifest.json`` (DESIGN.md section 3), validated against eager
-  PyTorch before the folder appears.
-* :class:`export.ort_runner.OrtRunner`: the ONNX Runtime runner; it needs only numpy and
-  onnxruntime (no torch).
+  ``decoder_step.onnx``, ``manifest.json``, the tokenizer files and ``generation.json``
+  (DESIGN.md section 3), validated against eager PyTorch before the folder appears.
+* ``python -m export.tensorrt``: TensorRT engines of an export folder; ``python -m export.triton``:
+  a Triton model repository.
 
-This module defines the typed errors shared by all of them and imports nothing heavy, so that
-``import export.ort_runner`` works where torch is not installed. Every error here is a
+The runners that run the exported graphs live in :mod:`transformer_ext.runtimes`; what they and
+this package both need of the folder's format (names, the manifest reader, dtypes, the errors
+below that readers raise) is :mod:`transformer_ext.export_format`. This module defines the typed
+errors of the package and imports nothing heavy. Every error here is a
 :class:`transformer_ext.cli.UserError`: the command line tools report it as one line.
 """
 
 from __future__ import annotations
 
-from transformer_ext.cli import UserError
+# Raised by readers of export folders too, so defined next to the format (the same classes).
+from transformer_ext.export_format import ExportError, GenerationConfigError, InvalidGraphError, ManifestError
 
 __all__ = [
     "ExportError",
@@ -22,12 +25,9 @@ __all__ = [
     "GraphContractError",
     "InvalidGraphError",
     "ManifestError",
+    "GenerationConfigError",
     "ParityError",
 ]
-
-
-class ExportError(UserError):
-    """Base class of every error raised by the export package."""
 
 
 class ModelDirectoryError(ExportError, FileNotFoundError):
@@ -41,14 +41,6 @@ class OutputFolderError(ExportError):
 
 class GraphContractError(ExportError):
     """An exported graph breaks the contract of DESIGN.md section 3 (names, axes, forbidden ops...)."""
-
-
-class InvalidGraphError(ExportError):
-    """An ``.onnx`` file is missing, corrupt or cannot be loaded by the runtime."""
-
-
-class ManifestError(ExportError):
-    """``manifest.json`` is missing, invalid, or does not describe the graphs next to it."""
 
 
 class ParityError(ExportError):

@@ -14,7 +14,10 @@ Python::
     result.validation.max_abs_diff        # per output
 
 The output folder (DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
-``manifest.json`` and the model's ``tokenizer.json``. Both graphs are traced with
+``manifest.json``, the model's tokenizer files and ``generation.json`` (how a deployment decodes:
+beam size, length penalty, maximum-length rule, special ids; ``--beam-size``, ``--alpha``... set
+it, :class:`transformer_ext.export_format.GenerationConfig`), so that a deployment needs nothing
+but the folder. Both graphs are traced with
 ``torch.onnx.export(dynamo=True)`` from the model's own ``encode`` and ``decode_step`` (the code
 eager decoding runs); the custom ops are lowered to standard ONNX ops by :mod:`export.lowering`.
 
@@ -43,12 +46,15 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from transformer_ext.cli import add_debug_flag, run_cli
 from transformer_ext.fsutil import StagedDir
+
+from transformer_ext.decoding import LENGTH_PENALTIES
+from transformer_ext.export_format import GenerationConfig, read_generation_config
 
 from . import ExportError, GraphContractError, ModelDirectoryError
 from .manifest import (
@@ -57,6 +63,7 @@ from .manifest import (
     FLAVOURS,
     FORMAT,
     FORMAT_VERSION,
+    GENERATION_FILE,
     MANIFEST_NAME,
     TOKENIZER_FILE,
     check_replaceable,
@@ -66,6 +73,7 @@ from .manifest import (
     named_write_error,
     remove_made_parents,
     tokenizer_files,
+    write_generation_config,
     write_manifest,
 )
 
@@ -425,8 +433,10 @@ def export_onnx(
     validate: bool = True,
     seed: int = 0,
     fuse_matmuls: bool = True,
+    generation: Optional[Mapping[str, Any]] = None,
 ) -> ExportResult:
-    """Export ``model_dir`` to ``encoder.onnx`` + ``decoder_step.onnx`` + ``manifest.json`` in ``output_dir``.
+    """Export ``model_dir`` to ``encoder.onnx`` + ``decoder_step.onnx`` + ``manifest.json`` +
+    tokenizer files + ``generation.json`` in ``output_dir``.
 
     Args:
         model_dir: a model folder (``config.json``, ``model.safetensors``, tokenizer files);
@@ -446,6 +456,10 @@ def export_onnx(
         fuse_matmuls: merge the matrix products that read the same input (each layer's Q/K/V
             projections; in the encoder, every decoder layer's cross-attention K/V projections)
             into one ``MatMul`` + ``Split`` after tracing. Validation runs on the final graphs.
+        generation: fields of the generation config to set (``beam_size``, ``length_penalty``,
+            ``alpha``, ``max_len_a``, ``max_len_b``, ``min_new_tokens``, ``max_new_tokens``); the
+            others keep their defaults (:meth:`GenerationConfig.defaults_for`: the special ids of
+            the model, ``max_new_tokens`` = ``cache_len``).
 
     Raises:
         ValueError: a bad option (flavour, opset, cache_len, tolerance, seed).
@@ -454,6 +468,7 @@ def export_onnx(
             or it and the config disagree (special ids, vocabulary sizes).
         OutputFolderError: ``output_dir`` is a file, or a folder that is neither empty nor an export
             holding only the files its manifest lists.
+        GenerationConfigError: a ``generation`` field is unknown, mistyped or out of range.
         GraphContractError: a graph breaks the contract (names, axes, forbidden nodes...).
         ParityError: an output differs from eager PyTorch by more than ``tolerance``.
         OSError: the output cannot be written (full disk, read-only file system), naming ``output_dir``.
@@ -473,6 +488,10 @@ def export_onnx(
         cache_len = config.max_len
     if not 1 <= cache_len <= config.max_len:
         raise ValueError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
+    generation_config = GenerationConfig.defaults_for(
+        {"special_tokens": special_tokens, "max_cache_len": cache_len, "model_config": config.to_dict()},
+        **dict(generation or {}),
+    )
 
     from . import validate as validation
 
@@ -482,7 +501,7 @@ def export_onnx(
         make_parents(output_dir, made)
         with StagedDir(output_dir) as stage:
             manifest, report = _write_export(stage.path, model, model_path, tokenizer_names, special_tokens, specs,
-                                             opset=opset, cache_len=cache_len, flavour=flavour, tolerance=tolerance,
+                                             generation_config, opset=opset, cache_len=cache_len, flavour=flavour, tolerance=tolerance,
                                              validate=validate, seed=seed, fuse_matmuls=fuse_matmuls,
                                              validation=validation)
             check_replaceable(output_dir)  # nothing of someone else's appeared there meanwhile
@@ -507,7 +526,7 @@ def export_onnx(
 
 
 def _write_export(tmp_dir: Path, model, model_path: Path, tokenizer_names: list[str], special_tokens: dict,
-                  specs: dict, *, opset: int, cache_len: int, flavour: str, tolerance: float, validate: bool,
+                  specs: dict, generation_config: GenerationConfig, *, opset: int, cache_len: int, flavour: str, tolerance: float, validate: bool,
                   seed: int, fuse_matmuls: bool, validation) -> tuple[dict, Any]:
     """Write and validate the export in the (temporary) folder ``tmp_dir``; ``(manifest, report)``."""
     config = model.config
@@ -523,6 +542,7 @@ def _write_export(tmp_dir: Path, model, model_path: Path, tokenizer_names: list[
     structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
     for name in tokenizer_names:
         shutil.copy2(model_path / name, tmp_dir / name)
+    write_generation_config(tmp_dir, generation_config, GENERATION_FILE)
 
     manifest = {
         "format": FORMAT,
@@ -532,6 +552,7 @@ def _write_export(tmp_dir: Path, model, model_path: Path, tokenizer_names: list[
         "ir_version": int(decoder_proto.ir_version),
         "files": folder_files(tmp_dir),
         "tokenizer_files": list(tokenizer_names),
+        "generation_config": GENERATION_FILE,
         "model_config": config.to_dict(),
         "special_tokens": dict(special_tokens),
         "max_positions": config.max_len,
@@ -597,6 +618,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep the traced graphs as they are instead of merging the matrix products that read the "
                         "same input (Q/K/V projections) into one MatMul + Split")
     p.add_argument("--seed", type=int, default=0, help="seed of the random validation inputs")
+    g = p.add_argument_group(
+        "generation config", f"how a deployment decodes with the export, written to {GENERATION_FILE} "
+                             "(defaults: the translator's)")
+    g.add_argument("--beam-size", type=int, help="beam size; 1 (default) is greedy search")
+    g.add_argument("--length-penalty", choices=LENGTH_PENALTIES,
+                   help="beam length penalty (default gnmt); see python -m transformer_ext.translate --help")
+    g.add_argument("--alpha", type=float, help="length-penalty exponent (default 0.6)")
+    g.add_argument("--max-len-a", type=float,
+                   help="generate at most A * source_length + B tokens (default A = 1.5)")
+    g.add_argument("--max-len-b", type=float, help="see --max-len-a (default B = 10)")
+    g.add_argument("--min-new-tokens", type=int, help="tokens generated before EOS may end a translation (default 0)")
+    g.add_argument("--max-new-tokens", type=int,
+                   help="the largest budget, whatever the source length (default and maximum: --cache-len)")
     p.add_argument("--examples", type=int, default=TRANSLATION_EXAMPLES,
                    help="held-out sources to translate with ONNX Runtime at the end (0: none)")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
@@ -624,15 +658,16 @@ def summary_text(result: ExportResult) -> str:
 
 
 def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES) -> list[tuple[str, str, Optional[str]]]:
-    """``(source, ONNX Runtime greedy translation, reference or None)`` for ``n`` held-out demo
-    sources, decoded from the export folder; empty without a character tokenizer or when the
-    sources use characters outside its vocabulary."""
+    """``(source, ONNX Runtime translation, reference or None)`` for ``n`` example sources of the
+    demo task (:func:`transformer_ext.demo.heldout_examples`), decoded from the export folder
+    alone (its graphs, tokenizer and generation config); empty without a character tokenizer or
+    when the sources use characters outside its vocabulary."""
     import numpy as np
 
     from transformer_ext.decoding import max_new_tokens_for
+    from transformer_ext.demo import heldout_examples
+    from transformer_ext.runtimes import OrtRunner
     from transformer_ext.tokenizer import CharTokenizer
-
-    from .ort_runner import OrtRunner
 
     if n <= 0 or not tokenizer_files(result.manifest):
         return []
@@ -641,33 +676,26 @@ def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES) -> l
     except Exception as exc:  # another tokenizer kind: nothing to show
         logger.info("no translations shown: %s", exc)
         return []
-    pairs = [(s, r) for s, r in zip(*_heldout_examples(n))
+    pairs = [(s, r) for s, r in heldout_examples(n)
              if all(ch in tokenizer.source_vocab for ch in tokenizer.normalize_source(s))]
     if not pairs:
         return []
+    gen = read_generation_config(result.output_dir, result.manifest)
     ids = [tokenizer.encode_source(s) for s, _ in pairs]
     lengths = np.array([len(x) for x in ids], dtype=np.int64)
     batch = np.full((len(ids), int(lengths.max())), tokenizer.pad_id, dtype=np.int64)
     for row, x in enumerate(ids):
         batch[row, : len(x)] = x
     runner = OrtRunner(result.output_dir, intra_op_num_threads=2)
-    budget = max_new_tokens_for(lengths, 1.5, 10, cap=int(result.manifest["max_cache_len"]))
-    outputs = runner.greedy(batch, lengths, max_new_tokens=budget)
+    budget = max_new_tokens_for(lengths, gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens)
+    common = dict(max_new_tokens=budget, min_new_tokens=gen.min_new_tokens)
+    if gen.beam_size == 1:
+        outputs = runner.greedy(batch, lengths, **common)
+    else:
+        hyps = runner.beam_search(batch, lengths, beam_size=gen.beam_size, length_penalty=gen.length_penalty,
+                                  alpha=gen.alpha, **common)
+        outputs = [row[0].tokens for row in hyps]
     return [(s, tokenizer.decode_target(out), r) for (s, r), out in zip(pairs, outputs)]
-
-
-def _heldout_examples(n: int) -> tuple[list[str], list[Optional[str]]]:
-    """``n`` held-out demo sources (English number words) and their German references."""
-    try:
-        from transformer_ext import data
-
-        numbers = data.split_numbers().heldout
-        step = max(1, len(numbers) // n)
-        picked = numbers[::step][:n]
-        return [data.source_text(x) for x in picked], [data.target_text(x) for x in picked]
-    except ImportError:  # num2words is not installed: a fixed list without references
-        fixed = ["forty-two", "three hundred and seven", "one thousand and one", "nineteen", "five thousand"]
-        return fixed[:n], [None] * min(n, len(fixed))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -680,19 +708,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_cli(parser.prog, lambda: _run(args), debug=args.debug)
 
 
+_GENERATION_OPTIONS = ("beam_size", "length_penalty", "alpha", "max_len_a", "max_len_b", "min_new_tokens",
+                       "max_new_tokens")
+
+
 def _run(args) -> int:
     if args.examples < 0:
         raise ValueError(f"--examples must be >= 0, got {args.examples}")
+    generation = {name: getattr(args, name) for name in _GENERATION_OPTIONS if getattr(args, name) is not None}
     result = export_onnx(
         args.model_dir, args.output_dir, opset=args.opset, cache_len=args.cache_len,
         flavour=args.flavour, tolerance=args.tolerance, validate=args.validate, seed=args.seed,
-        fuse_matmuls=args.fuse_matmuls,
+        fuse_matmuls=args.fuse_matmuls, generation=generation,
     )
     print(summary_text(result))
     examples = translate_examples(result, args.examples)
     if examples:
+        beam = read_generation_config(result.output_dir, result.manifest).beam_size
         print()
-        print("translations decoded by ONNX Runtime (greedy):")
+        print(f"translations decoded by ONNX Runtime ({'greedy' if beam == 1 else f'beam {beam}'}, "
+              f"as {GENERATION_FILE} says):")
         for source, text, reference in examples:
             mark = "" if reference is None else ("  (correct)" if text == reference else f"  (reference: {reference})")
             print(f"  {source!r} -> {text!r}{mark}")

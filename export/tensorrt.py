@@ -10,7 +10,11 @@ Reads the folder written by ``python -m export.onnx`` (``encoder.onnx``, ``decod
   reduced-precision graphs the engines were built from (see below; ONNX Runtime runs them too);
 * ``manifest.json`` updated with a ``tensorrt`` section: engines (file, size, sha256), precision,
   typing, the cache dtype of every precision, the profile, I/O dtypes, TensorRT version, GPU;
-* a timing cache (``--timing-cache``, default ``tensorrt.timing.cache``) that makes rebuilds fast.
+* a timing cache (``--timing-cache``, default ``tensorrt.timing.cache``) that makes rebuilds fast;
+* into an ``--output-dir`` apart from the export: a copy of the tokenizer files and the
+  generation config, so that the engine folder holds everything a deployment needs besides the
+  engines (an export of format version 1 or 2, which has no generation config, gets one with
+  the defaults, :class:`transformer_ext.export_format.GenerationConfig`).
 
 Files. Options, the export folder and the output folder are checked before anything is built,
 and nothing is written until every engine is built. Into an existing folder (the export folder,
@@ -63,17 +67,25 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from transformer_ext.cli import add_debug_flag, run_cli
-from transformer_ext.fsutil import StagedDir, atomic_write_bytes, remove_stale_temporaries, temporary_name
-
-from . import ExportError, OutputFolderError
-from . import manifest as export_manifest
-from .trt_readiness import (
+from transformer_ext.export_format import (
     BATCH,
     CACHE_LEN,
     DECODER_FILE,
     ENCODER_FILE,
-    MANIFEST_FILE,
+    GENERATION_FILE,
+    MANIFEST_NAME,
     SRC_LEN,
+    GenerationConfig,
+    dtype_from_tensorrt,
+    manifest_max_positions,
+    read_generation_config,
+    read_manifest,
+)
+from transformer_ext.fsutil import StagedDir, atomic_write_bytes, remove_stale_temporaries, temporary_name
+
+from . import ExportError, ManifestError, OutputFolderError
+from . import manifest as export_manifest
+from .trt_readiness import (
     TRT_TARGET_VERSION,
     AxisRange,
     ReadinessReport,
@@ -81,11 +93,9 @@ from .trt_readiness import (
     check_export_dir,
     decoder_flavour,
     input_specs,
-    manifest_max_positions,
     output_specs,
     parse_axis_range,
     profile_shapes,
-    read_manifest,
 )
 
 logger = logging.getLogger(__name__)
@@ -145,11 +155,11 @@ FLOAT32_OUTPUTS = ("logits",)
 _TYPE_AGNOSTIC_INPUTS = frozenset({"Cast", "Shape", "Size"})
 
 
-class TensorRTNotAvailableError(ImportError):
+class TensorRTNotAvailableError(ExportError, ImportError):
     """TensorRT's Python package is missing or too old."""
 
 
-class TensorRTParseError(RuntimeError):
+class TensorRTParseError(ExportError, RuntimeError):
     """TensorRT's ONNX parser rejected a graph; ``errors`` holds one line per parser error."""
 
     def __init__(self, graph: str, errors: Sequence[str]):
@@ -166,11 +176,11 @@ class TensorRTParseError(RuntimeError):
         return (type(self), (self.graph, self.errors))
 
 
-class TensorRTBuildError(RuntimeError):
+class TensorRTBuildError(ExportError, RuntimeError):
     """TensorRT parsed a graph but could not build an engine from it."""
 
 
-class PrecisionConversionError(ValueError):
+class PrecisionConversionError(ExportError, ValueError):
     """A graph could not be converted to fp16/bf16 with consistent types."""
 
 
@@ -752,10 +762,6 @@ def _build_one(trt, trt_logger, plan: BuildPlan, eplan: EnginePlan, model: onnx.
     return bytes(memoryview(serialized))
 
 
-_TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
-               "BOOL": "bool", "UINT8": "uint8", "INT8": "int8"}
-
-
 def _engine_io(trt, trt_logger, data: bytes) -> dict[str, dict[str, Any]]:
     """Names, modes, dtypes and shapes of a serialized engine's I/O tensors."""
     runtime = trt.Runtime(trt_logger)
@@ -767,7 +773,7 @@ def _engine_io(trt, trt_logger, data: bytes) -> dict[str, dict[str, Any]]:
         name = engine.get_tensor_name(i)
         out[name] = {
             "mode": engine.get_tensor_mode(name).name.lower(),
-            "dtype": _TRT_DTYPES.get(engine.get_tensor_dtype(name).name, engine.get_tensor_dtype(name).name),
+            "dtype": dtype_from_tensorrt(engine.get_tensor_dtype(name).name),
             "shape": list(engine.get_tensor_shape(name)),
         }
     return out
@@ -937,6 +943,7 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
             files[eplan.converted_onnx_file] = graphs[eplan.graph].SerializeToString()
         files[eplan.engine_file] = engine_bytes[eplan.graph]
         paths[eplan.graph] = os.fspath(out_dir / eplan.engine_file)
+    files.update(target.carried)  # an engine folder apart from the export: its tokenizer and generation config
     timing_data = bytes(memoryview(timing_cache.serialize()))
     timing_inside = timing_path.parent == out_dir
     if timing_inside:
@@ -946,9 +953,10 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
     manifest = update_manifest(target.base_manifest, plan, section)
     manifest["format_version"] = export_manifest.FORMAT_VERSION
     manifest["tokenizer_files"] = export_manifest.tokenizer_files(target.base_manifest)
-    manifest["files"] = sorted(set(target.listed_files) | set(files) | {MANIFEST_FILE})
-    files[MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
-    manifest_path = out_dir / MANIFEST_FILE
+    manifest["generation_config"] = target.generation_config
+    manifest["files"] = sorted(set(target.listed_files) | set(files) | {MANIFEST_NAME})
+    files[MANIFEST_NAME] = (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    manifest_path = out_dir / MANIFEST_NAME
     made: list[Path] = []
     try:
         if not timing_inside:  # a cache file of the user's choice, read above and extended
@@ -980,6 +988,36 @@ class _OutputFolder:
     existing: bool
     base_manifest: dict
     listed_files: list[str]
+    carried: dict[str, bytes] = field(default_factory=dict)  # see _deployment_files
+    generation_config: str = GENERATION_FILE
+
+
+def _deployment_files(export_dir: Path, out_dir: Path, manifest: Mapping[str, Any]) -> tuple[dict[str, bytes], str]:
+    """``(files to add besides the engines, the name of the generation config)``.
+
+    An export folder of format version 1 or 2 has no generation config: the build adds one with
+    the defaults (the manifest it writes is of the current version). An engine folder apart from
+    the export (``--output-dir``) gets a copy of the tokenizer files and the generation config,
+    so that it holds everything a deployment needs besides the engines.
+    """
+    out: dict[str, bytes] = {}
+    name = manifest.get("generation_config")
+    names = list(export_manifest.tokenizer_files(manifest))
+    if name is None:
+        name = GENERATION_FILE
+        default = GenerationConfig.defaults_for(manifest).to_dict()
+        out[name] = (json.dumps(default, indent=2, allow_nan=False) + "\n").encode()
+    else:
+        read_generation_config(export_dir, manifest)  # a bad one is refused before building
+        names.append(name)
+    if out_dir != export_dir:
+        for n in names:
+            path = export_dir / n
+            if not path.is_file():
+                raise ManifestError(f"{path} is named by {export_dir / MANIFEST_NAME} but missing "
+                                    "(export the model again)")
+            out[n] = path.read_bytes()
+    return out, name
 
 
 def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
@@ -992,6 +1030,7 @@ def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
     """
     export_dir, out_dir = Path(plan.export_dir), Path(plan.output_dir)
     export_meta = export_manifest.read_manifest(export_dir)
+    carried, generation_name = _deployment_files(export_dir, out_dir, export_meta)
     export_manifest.check_output_path(out_dir)
     timing = Path(plan.timing_cache)
     if timing.is_dir():
@@ -1019,6 +1058,7 @@ def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
         present = set(os.listdir(out_dir))
         timing_name = Path(plan.timing_cache).name if Path(plan.timing_cache).parent == out_dir else None
         writes = {e.engine_file for e in plan.engines} | {e.converted_onnx_file for e in plan.engines if e.converted_onnx_file}
+        writes |= set(carried)
         foreign = sorted(n for n in writes & present if n not in owned)
         if foreign:
             raise OutputFolderError(
@@ -1026,8 +1066,8 @@ def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
                 "files this package did not write; move them away or choose another --output-dir"
             )
         listed = sorted((owned & present) | ({timing_name} & present if timing_name else set()))
-        return _OutputFolder(True, base, listed)
-    return _OutputFolder(False, export_meta, [])
+        return _OutputFolder(True, base, listed, carried, generation_name)
+    return _OutputFolder(False, export_meta, [], carried, generation_name)
 
 
 # ------------------------------------------------------------------------------------------

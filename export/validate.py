@@ -2,17 +2,18 @@
 
 Two levels, both raising typed errors that are never swallowed:
 
-* :func:`check_graphs` (structure, no runtime): input/output names, dtypes and named axes as in
-  :func:`export.manifest.graph_specs`; no ``If``/``Loop``/``Scan`` node, no local function, no
-  custom domain, no zero-length dimension; shared weights stored once; in the portable flavour
-  the caches are only read by ``MatMul`` (through a ``Transpose`` for keys, never a ``Concat``);
-  in the ``tensorscatter`` flavour only a ``TensorScatter`` with the literal ``axis=-2`` reads a
-  cache input. Raises :class:`export.GraphContractError`.
+* :func:`check_graphs` (structure, no runtime): the rules of :mod:`export.contract` (the same
+  code the TensorRT readiness check runs): input/output names, dtypes and named axes as in
+  :func:`transformer_ext.export_format.graph_specs`; no control flow, local function, custom
+  domain or zero-length dimension; in the portable flavour the caches are only read by
+  ``MatMul`` (through a ``Transpose`` for keys, never a ``Concat``); in the ``tensorscatter``
+  flavour only a ``TensorScatter`` with the literal ``axis=-2`` reads a cache input. Also: shared
+  weights stored once, ``onnx.checker``. Raises :class:`export.GraphContractError`.
 * :func:`validate_export` (values, ONNX Runtime vs eager): every output of both graphs on
   shapes different from the export dummies (batch 1, 3, 8; source lengths from 1 to the
   maximum; ragged batches; ragged positions; cache entries past the prefix filled with random
   finite values, which must get zero weight), then whole greedy and beam decodes over a batch
-  through :class:`export.ort_runner.OrtRunner` and :class:`transformer_ext.runner.EagerRunner`,
+  through :class:`transformer_ext.runtimes.OrtRunner` and :class:`transformer_ext.runtimes.EagerRunner`,
   token-identical, with the logits difference of every step. A value beyond the tolerance
   raises :class:`export.ParityError` naming the output, the step and the largest difference.
 """
@@ -31,31 +32,21 @@ import onnxruntime as ort
 import torch
 
 from transformer_ext import decoding, ops
-from transformer_ext.runner import EagerRunner
+from transformer_ext.export_format import graph_specs
+from transformer_ext.runtimes import EagerRunner, OrtRunner
 
-from . import GraphContractError, ParityError
-from .manifest import graph_specs
-from .ort_runner import OrtRunner
+from . import GraphContractError, ParityError, contract
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ValidationReport", "check_graphs", "validate_export"]
 
-FORBIDDEN_OPS = {"If", "Loop", "Scan", "SequenceConstruct", "SequenceInsert", "SequenceAt"}
-_ONNX_DTYPES = {onnx.TensorProto.INT64: "int64", onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-                onnx.TensorProto.BOOL: "bool", onnx.TensorProto.INT32: "int32"}
 _DEDUP_MIN_BYTES = 1024  # initializers smaller than this (scalars, shapes) may repeat
 
 
 # ------------------------------------------------------------------------------------------
 # Structure
 # ------------------------------------------------------------------------------------------
-
-
-def _value_info(v: onnx.ValueInfoProto) -> dict:
-    t = v.type.tensor_type
-    shape = [d.dim_param if d.HasField("dim_param") else int(d.dim_value) for d in t.shape.dim]
-    return {"name": v.name, "dtype": _ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), "shape": shape}
 
 
 def _initializer_bytes(t: onnx.TensorProto) -> int:
@@ -68,33 +59,9 @@ def _initializer_digest(t: onnx.TensorProto) -> str:
 
 
 def _check_one(graph_name: str, proto: onnx.ModelProto, spec: dict, flavour: str) -> dict:
-    problems: list[str] = []
     g = proto.graph
-    inputs = [_value_info(v) for v in g.input]
-    outputs = [_value_info(v) for v in g.output]
-    for kind, want, have in (("input", spec["inputs"], inputs), ("output", spec["outputs"], outputs)):
-        if [t["name"] for t in want] != [t["name"] for t in have]:
-            problems.append(f"{kind} names {[t['name'] for t in have]} != {[t['name'] for t in want]}")
-            continue
-        for w, h in zip(want, have):
-            if w["dtype"] != h["dtype"]:
-                problems.append(f"{kind} {w['name']}: dtype {h['dtype']} != {w['dtype']}")
-            if w["shape"] != h["shape"]:
-                problems.append(f"{kind} {w['name']}: axes {h['shape']} != {w['shape']}")
-            if any(d == 0 for d in h["shape"]):
-                problems.append(f"{kind} {w['name']} has a zero-length dimension {h['shape']}")
-    if len(proto.functions):
-        problems.append(f"model-local functions {[f.name for f in proto.functions]} (expected plain nodes)")
+    problems = [p.message for p in contract.contract_problems(proto, spec, flavour)]
     op_types = sorted({n.op_type for n in g.node})
-    forbidden = sorted(set(op_types) & FORBIDDEN_OPS)
-    if forbidden:
-        problems.append(f"forbidden control-flow/sequence nodes {forbidden}")
-    domains = sorted({n.domain for n in g.node if n.domain not in ("", "ai.onnx")})
-    if domains:
-        problems.append(f"non-standard op domains {domains}")
-    for n in g.node:  # subgraphs would hide control flow
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
-            problems.append(f"node {n.name} ({n.op_type}) holds a subgraph")
 
     # Shared weights stored once: no two large initializers with the same bytes.
     seen: dict[str, str] = {}
@@ -108,31 +75,6 @@ def _check_one(graph_name: str, proto: onnx.ModelProto, spec: dict, flavour: str
                 problems.append(f"initializers {seen[digest]} and {t.name} hold the same data (a weight stored twice)")
             seen[digest] = t.name
 
-    if graph_name == "decoder_step":
-        consumers: dict[str, list[onnx.NodeProto]] = {}
-        for n in g.node:
-            for name in n.input:
-                consumers.setdefault(name, []).append(n)
-        cache_inputs = [t["name"] for t in spec["inputs"] if t["name"].startswith("self_")]
-        for name in cache_inputs:
-            users = consumers.get(name, [])
-            if flavour == "tensorscatter":
-                if len(users) != 1 or users[0].op_type != "TensorScatter":
-                    problems.append(
-                        f"{name} must be read by exactly one TensorScatter node (found {[u.op_type for u in users]})"
-                    )
-                    continue
-                axis = [a.i for a in users[0].attribute if a.name == "axis"]
-                if axis != [-2]:
-                    problems.append(f"the TensorScatter writing {name} must have the literal axis=-2, got {axis}")
-            else:
-                for u in users:
-                    if u.op_type == "Transpose":
-                        later = {c.op_type for out in u.output for c in consumers.get(out, [])}
-                        if not later <= {"MatMul"}:
-                            problems.append(f"the transposed {name} feeds {sorted(later)}, expected MatMul only")
-                    elif u.op_type not in ("MatMul", "Shape"):
-                        problems.append(f"{name} is read by a {u.op_type} node (expected MatMul, Transpose->MatMul, Shape)")
     if problems:
         raise GraphContractError(f"{graph_name}.onnx breaks the export contract: " + "; ".join(problems))
     return {

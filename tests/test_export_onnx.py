@@ -103,16 +103,23 @@ def axes(value: onnx.ValueInfoProto) -> list:
 def test_folder_and_manifest(exported):
     encoder, decoder, manifest = load_graphs(exported)
     flavour = manifest["flavour"]
-    assert sorted(os.listdir(exported)) == sorted([ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "tokenizer.json"])
+    assert sorted(os.listdir(exported)) == sorted([ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "tokenizer.json",
+                                                   "generation.json"])
     assert not [p for p in exported.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     config = TransformerConfig.from_dict(manifest["model_config"])
     assert config == TransformerConfig.preset("tiny", dropout=0.0)
     assert manifest["opset"] == {"portable": 18, "tensorscatter": 24}[flavour]
     assert manifest["ir_version"] == IR_VERSION
     assert manifest["special_tokens"] == {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
-    assert (manifest["format"], manifest["format_version"]) == ("transformer_ext.onnx_export", 2)
+    assert (manifest["format"], manifest["format_version"]) == ("transformer_ext.onnx_export", 3)
     assert manifest["files"] == sorted(os.listdir(exported))  # every file of the folder, the manifest too
     assert manifest["tokenizer_files"] == ["tokenizer.json"]
+    assert manifest["generation_config"] == "generation.json"
+    # the defaults of the translator, the model's special ids, the export's cache capacity
+    assert json.loads((exported / "generation.json").read_text()) == {
+        "format": "transformer_ext.generation_config", "format_version": 1, "beam_size": 1,
+        "length_penalty": "gnmt", "alpha": 0.6, "max_len_a": 1.5, "max_len_b": 10.0, "min_new_tokens": 0,
+        "max_new_tokens": config.max_len, "special_tokens": {"pad": 0, "bos": 1, "eos": 2, "unk": 3}}
     assert manifest["max_positions"] == config.max_len == manifest["max_cache_len"]
     assert manifest["graphs"] == graph_specs(config.to_dict(), flavour)
     assert set(manifest["versions"]) >= {"torch", "onnx", "onnxruntime"}

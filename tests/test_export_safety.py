@@ -89,6 +89,7 @@ def v1_folder(export: Path, dst: Path) -> Path:
     TensorRT builder added."""
     shutil.copytree(export, dst)
     manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    (dst / manifest.pop("generation_config")).unlink()  # version 1 had no generation config
     manifest["format_version"] = 1
     manifest["files"] = {"encoder": ENCODER_FILE, "decoder_step": DECODER_FILE, "tokenizer": manifest.pop("tokenizer_files")}
     manifest["tensorrt"] = {"engines": {"fp16": {"engines": {"encoder": {"file": "encoder.fp16.engine"}}}}}
@@ -133,7 +134,7 @@ def test_an_export_with_a_file_of_the_users_is_refused(tmp_path, model_dir, fast
 def test_version_1_folders_are_recognised_by_their_file_set(tmp_path, model_dir, fast_export, exported_portable):
     old = v1_folder(exported_portable, tmp_path / "old")
     export_onnx(model_dir, old, validate=False)
-    assert read_manifest(old)["format_version"] == 2
+    assert read_manifest(old)["format_version"] == 3
     assert not (old / "encoder.fp16.engine").exists()  # the old engines were the old export's
     other = v1_folder(exported_portable, tmp_path / "other")
     (other / "encoder.fp16.engine.backup").write_text("not a name the old tools wrote")

@@ -1,0 +1,528 @@
+"""The export folder as its readers see it (DESIGN.md section 3): file names, axis names, format
+marker, the one manifest reader, the one I/O comparator, the one dtype table, the generation config.
+
+Everything that reads an export folder uses this module: the runners in
+:mod:`transformer_ext.runtimes`, the translator, and ``export/`` itself (the exporters import it;
+it never imports them). It imports only the standard library (checking a generation config
+also loads numpy, through :mod:`transformer_ext.decoding`), so a deployment without torch or
+onnx can read and check a folder.
+
+Files of a folder written by ``python -m export.onnx`` (format version 3)::
+
+    encoder.onnx, decoder_step.onnx   the graphs (inputs and outputs: :func:`graph_specs`)
+    manifest.json                     the format marker, every file of the folder ("files"),
+                                      model config, special ids, I/O specs, validation results
+    tokenizer.json (+ its files)      named by "tokenizer_files"
+    generation.json                   named by "generation_config": beam size, length penalty,
+                                      maximum-length rule, special ids (:class:`GenerationConfig`)
+
+Version 2 folders have no generation config (:func:`read_generation_config` then gives the
+defaults); version 1 folders also lack the "files" list. Both still load.
+
+dtypes. A tensor's dtype is named as numpy names it (``"float32"``, ``"int64"``, ``"bfloat16"``)
+in the manifest, the runners and the Triton configs; :data:`DTYPES` is the single table from
+those names to the spellings of each runtime (the ONNX element type, ONNX Runtime's type
+string, TensorRT's ``DataType`` member, Triton's config type) and the size of an element.
+Code that has ``onnx`` installed gets the names from ``onnx.helper`` (:mod:`export.manifest`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, Iterable, Mapping, Optional
+
+from .cli import UserError
+from .tokenizer import TOKENIZER_FILE
+
+__all__ = [
+    # errors
+    "ExportError",
+    "ManifestError",
+    "InvalidGraphError",
+    "GenerationConfigError",
+    # names
+    "MANIFEST_NAME",
+    "ENCODER_FILE",
+    "DECODER_FILE",
+    "TOKENIZER_FILE",
+    "GENERATION_FILE",
+    "GRAPH_FILES",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "READABLE_FORMAT_VERSIONS",
+    "FLAVOURS",
+    "BATCH",
+    "SRC_LEN",
+    "CACHE_LEN",
+    # dtypes
+    "DType",
+    "DTYPES",
+    "dtype_from_onnx",
+    "dtype_from_ort",
+    "dtype_from_tensorrt",
+    # manifest
+    "graph_specs",
+    "read_manifest",
+    "io_problems",
+    "check_io",
+    "tokenizer_files",
+    "manifest_max_positions",
+    "manifest_max_cache_len",
+    # generation config
+    "GENERATION_FORMAT",
+    "GENERATION_FORMAT_VERSION",
+    "GenerationConfig",
+    "read_generation_config",
+]
+
+
+# ------------------------------------------------------------------------------------------
+# Errors (export.ExportError and friends are these classes)
+# ------------------------------------------------------------------------------------------
+
+
+class ExportError(UserError):
+    """Base class of every error about export artifacts: writing them (``export/``) or reading them
+    (the runners). ``export.ExportError`` is this class."""
+
+
+class ManifestError(ExportError):
+    """``manifest.json`` is missing, invalid, or does not describe the graphs next to it."""
+
+
+class InvalidGraphError(ExportError):
+    """An ``.onnx`` file is missing, corrupt or cannot be loaded by the runtime."""
+
+
+class GenerationConfigError(ManifestError):
+    """The export folder's generation config (``generation.json``) is missing or invalid."""
+
+
+# ------------------------------------------------------------------------------------------
+# Names
+# ------------------------------------------------------------------------------------------
+
+MANIFEST_NAME = "manifest.json"
+ENCODER_FILE = "encoder.onnx"
+DECODER_FILE = "decoder_step.onnx"
+GENERATION_FILE = "generation.json"
+GRAPH_FILES = {"encoder": ENCODER_FILE, "decoder_step": DECODER_FILE}
+FORMAT = "transformer_ext.onnx_export"
+# 3: "generation_config" names the generation config file (generation.json).
+# 2: "files" lists every file of the folder, "tokenizer_files" names the tokenizer's.
+# 1: "files" was {"encoder", "decoder_step", "tokenizer"}.
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
+FLAVOURS = ("portable", "tensorscatter")
+
+# Named (dynamic) axes of the graphs.
+BATCH, SRC_LEN, CACHE_LEN = "batch", "src_len", "cache_len"
+
+_REQUIRED_KEYS = ("format", "format_version", "flavour", "opset", "ir_version", "files", "model_config", "graphs")
+_CONFIG_KEYS = ("d_model", "n_heads", "n_decoder_layers", "tgt_vocab_size", "max_len", "bos_id", "eos_id", "pad_id")
+
+
+# ------------------------------------------------------------------------------------------
+# dtypes
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DType:
+    """One tensor element type under every spelling the package meets."""
+
+    name: str  # numpy's name, used by manifests, runners and reports
+    onnx: int  # onnx.TensorProto.DataType value
+    ort: str  # ONNX Runtime's NodeArg.type
+    tensorrt: Optional[str]  # tensorrt.DataType member name (None: TensorRT has no such type)
+    triton: str  # data_type in a Triton config.pbtxt
+    itemsize: int  # bytes per element
+
+
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("float32", 1, "tensor(float)", "FLOAT", "TYPE_FP32", 4),
+    DType("float16", 10, "tensor(float16)", "HALF", "TYPE_FP16", 2),
+    DType("bfloat16", 16, "tensor(bfloat16)", "BF16", "TYPE_BF16", 2),
+    DType("float64", 11, "tensor(double)", None, "TYPE_FP64", 8),
+    DType("int64", 7, "tensor(int64)", "INT64", "TYPE_INT64", 8),
+    DType("int32", 6, "tensor(int32)", "INT32", "TYPE_INT32", 4),
+    DType("int8", 3, "tensor(int8)", "INT8", "TYPE_INT8", 1),
+    DType("uint8", 2, "tensor(uint8)", "UINT8", "TYPE_UINT8", 1),
+    DType("bool", 9, "tensor(bool)", "BOOL", "TYPE_BOOL", 1),
+)}
+_BY_ONNX = {d.onnx: d.name for d in DTYPES.values()}
+_BY_ORT = {d.ort: d.name for d in DTYPES.values()}
+_BY_TENSORRT = {d.tensorrt: d.name for d in DTYPES.values() if d.tensorrt}
+
+
+def dtype_from_onnx(elem_type: int) -> str:
+    """The dtype name of an ONNX element type; ``"onnx:<n>"`` for a type outside :data:`DTYPES`."""
+    return _BY_ONNX.get(int(elem_type), f"onnx:{int(elem_type)}")
+
+
+def dtype_from_ort(type_string: str) -> str:
+    """The dtype name of an ONNX Runtime type string (``"tensor(float)"`` -> ``"float32"``); an
+    unknown string is returned as it is."""
+    return _BY_ORT.get(type_string, type_string)
+
+
+def dtype_from_tensorrt(member_name: str) -> str:
+    """The dtype name of a ``tensorrt.DataType`` member name (``"HALF"`` -> ``"float16"``); an
+    unknown name is returned in lower case."""
+    return _BY_TENSORRT.get(member_name, member_name.lower())
+
+
+# ------------------------------------------------------------------------------------------
+# The graphs' inputs and outputs
+# ------------------------------------------------------------------------------------------
+
+
+def _tensor(name: str, dtype: str, shape: Iterable[Any]) -> dict:
+    return {"name": name, "dtype": dtype, "shape": list(shape)}
+
+
+def graph_specs(config: Mapping[str, Any], flavour: str = "portable") -> dict:
+    """Every input and output of both graphs: ``{"encoder": {"inputs": [...], "outputs": [...]},
+    "decoder_step": {...}}``, each tensor ``{"name", "dtype", "shape"}`` where a shape entry is an
+    int (static) or an axis name (``batch``, ``src_len``, ``cache_len``).
+
+    ``config`` is a model config as a dict (``TransformerConfig.to_dict()``). The exporter names
+    the graphs from it, validation checks them against it, and the runners check the loaded
+    sessions against the copy in the manifest.
+    """
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
+    d_model, heads = int(config["d_model"]), int(config["n_heads"])
+    d_k = d_model // heads
+    layers, vocab = int(config["n_decoder_layers"]), int(config["tgt_vocab_size"])
+    cross = [BATCH, heads, SRC_LEN, d_k]
+    cache = [BATCH, heads, CACHE_LEN, d_k]
+
+    encoder = {
+        "inputs": [_tensor("input_ids", "int64", [BATCH, SRC_LEN]), _tensor("src_lengths", "int64", [BATCH])],
+        "outputs": [_tensor("encoder_out", "float32", [BATCH, SRC_LEN, d_model])]
+        + [_tensor(f"cross_{kind}.{i}", "float32", cross) for i in range(layers) for kind in ("key", "value")],
+    }
+    inputs = [
+        _tensor("input_ids", "int64", [BATCH, 1]),
+        _tensor("positions", "int64", [BATCH]),
+        _tensor("src_lengths", "int64", [BATCH]),
+    ]
+    inputs += [_tensor(f"self_{kind}.{i}", "float32", cache) for i in range(layers) for kind in ("key", "value")]
+    inputs += [_tensor(f"cross_{kind}.{i}", "float32", cross) for i in range(layers) for kind in ("key", "value")]
+    outputs = [_tensor("logits", "float32", [BATCH, vocab])]
+    if flavour == "portable":
+        outputs += [
+            _tensor(f"new_{kind}.{i}", "float32", [BATCH, heads, 1, d_k]) for i in range(layers) for kind in ("key", "value")
+        ]
+    else:
+        outputs += [_tensor(f"present_{kind}.{i}", "float32", cache) for i in range(layers) for kind in ("key", "value")]
+    return {"encoder": encoder, "decoder_step": {"inputs": inputs, "outputs": outputs}}
+
+
+def io_problems(spec: Mapping[str, Any], actual_inputs: list[dict], actual_outputs: list[dict], *,
+                compare_dtypes: bool = True) -> list[str]:
+    """Every difference between a graph's inputs/outputs (``[{"name", "dtype", "shape"}]``, in
+    order; a shape entry is an int, an axis name, or ``None`` for an unnamed dynamic axis) and
+    ``spec`` (an entry of :func:`graph_specs`). ``compare_dtypes=False`` compares names, order and
+    shapes only (graphs converted to another precision differ in dtype on purpose)."""
+    problems = []
+    for kind, want, have in (("input", spec["inputs"], actual_inputs), ("output", spec["outputs"], actual_outputs)):
+        want_names = [t["name"] for t in want]
+        have_names = [t["name"] for t in have]
+        if want_names != have_names:
+            missing = [n for n in want_names if n not in have_names]
+            extra = [n for n in have_names if n not in want_names]
+            problems.append(
+                f"{kind} names differ (missing {missing}, unexpected {extra})" if missing or extra
+                else f"{kind}s are in another order: {have_names}"
+            )
+            continue
+        for w, h in zip(want, have):
+            if compare_dtypes and w["dtype"] != h["dtype"]:
+                problems.append(f"{kind} {w['name']}: dtype {h['dtype']} != {w['dtype']}")
+            if h["shape"] is None or list(w["shape"]) != list(h["shape"]):
+                shape = None if h["shape"] is None else list(h["shape"])
+                problems.append(f"{kind} {w['name']}: shape {shape} != {list(w['shape'])}")
+    return problems
+
+
+def check_io(graph: str, spec: Mapping[str, Any], actual_inputs: list[dict], actual_outputs: list[dict], *,
+             compare_dtypes: bool = True) -> None:
+    """:func:`io_problems`, raised as one :class:`ManifestError` naming ``graph`` and listing every difference."""
+    problems = io_problems(spec, actual_inputs, actual_outputs, compare_dtypes=compare_dtypes)
+    if problems:
+        raise ManifestError(f"{graph} does not match the manifest: " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------------------------------
+# The manifest
+# ------------------------------------------------------------------------------------------
+
+
+def _plain_name(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and os.path.basename(value) == value and value not in (".", "..")
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """Read and check ``directory/manifest.json``: the format marker and a readable version, the
+    keys every reader relies on, and graphs that follow from its model config and flavour.
+
+    Raises:
+        ManifestError: the folder or its manifest is missing, not JSON, of another tool or of an
+            unknown version, or inconsistent; the message names the file and what is wrong.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise ManifestError(f"export folder not found: {directory} (run `python -m export.onnx` first)")
+    path = os.path.join(directory, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        raise ManifestError(f"{path} not found: an export folder holds {ENCODER_FILE}, {DECODER_FILE} and {MANIFEST_NAME}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{path} must hold a JSON object")
+    missing = [k for k in _REQUIRED_KEYS if k not in manifest]
+    if missing:
+        raise ManifestError(f"{path} lacks the keys {missing}")
+    version = manifest["format_version"]
+    if manifest["format"] != FORMAT or isinstance(version, bool) or version not in READABLE_FORMAT_VERSIONS:
+        newer = (manifest["format"] == FORMAT and isinstance(version, int) and not isinstance(version, bool)
+                 and version > FORMAT_VERSION)
+        hint = "; it was written by a newer transformer_ext: upgrade it" if newer else ""
+        raise ManifestError(
+            f"{path} is not a {FORMAT} manifest of version {' or '.join(map(str, READABLE_FORMAT_VERSIONS))} "
+            f"(format={manifest['format']!r}, version={version!r}){hint}"
+        )
+    files = manifest["files"]
+    if version >= 2:
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise ManifestError(f"{path}: files must list the names of the folder's files")
+        if not isinstance(manifest.get("tokenizer_files"), list) or not all(
+                _plain_name(f) for f in manifest["tokenizer_files"]):
+            raise ManifestError(f"{path}: tokenizer_files must list the tokenizer's files (an empty list for none)")
+    elif not isinstance(files, dict):
+        raise ManifestError(f"{path}: files must be an object in a version-1 manifest")
+    if version >= 3:
+        name = manifest.get("generation_config")
+        if not _plain_name(name):
+            raise ManifestError(f"{path}: generation_config must name the generation config file "
+                                f"(e.g. {GENERATION_FILE!r}), got {name!r}")
+        unlisted = [f for f in [*manifest["tokenizer_files"], name] if f not in files]
+        if unlisted:
+            raise ManifestError(f"{path}: {unlisted} are named by the manifest but not in its files list")
+    if manifest["flavour"] not in FLAVOURS:
+        raise ManifestError(f"{path}: unknown flavour {manifest['flavour']!r}, expected one of {FLAVOURS}")
+    config = manifest["model_config"]
+    if not isinstance(config, dict) or any(k not in config for k in _CONFIG_KEYS):
+        raise ManifestError(f"{path}: model_config must hold at least {list(_CONFIG_KEYS)}")
+    graphs = manifest["graphs"]
+    for graph in GRAPH_FILES:
+        if not isinstance(graphs, dict) or graph not in graphs or not isinstance(graphs[graph], dict) \
+                or not {"inputs", "outputs"} <= set(graphs[graph]):
+            raise ManifestError(f"{path}: graphs.{graph} must list its inputs and outputs")
+    try:
+        expected = graph_specs(config, manifest["flavour"])
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ManifestError(f"{path}: model_config is invalid ({exc})") from exc
+    if graphs != expected:
+        raise ManifestError(
+            f"{path}: the graphs it lists do not follow from its model_config and flavour "
+            f"{manifest['flavour']!r} (edited by hand, or written by another version?)"
+        )
+    return manifest
+
+
+def tokenizer_files(manifest: Mapping[str, Any]) -> list[str]:
+    """The tokenizer's file names in an export folder, for manifests of every readable version."""
+    if int(manifest.get("format_version", 0)) >= 2:
+        return list(manifest.get("tokenizer_files") or [])
+    files = manifest.get("files")
+    return list(files.get("tokenizer") or []) if isinstance(files, dict) else []
+
+
+def _int_field(value: Any) -> Optional[int]:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def manifest_max_positions(manifest: Mapping[str, Any]) -> Optional[int]:
+    """The model's ``max_len`` (positional-encoding rows): ``max_positions``, else the config's."""
+    value = _int_field(manifest.get("max_positions"))
+    if value is not None:
+        return value
+    config = manifest.get("model_config")
+    return _int_field(config.get("max_len")) if isinstance(config, Mapping) else None
+
+
+def manifest_max_cache_len(manifest: Mapping[str, Any]) -> Optional[int]:
+    """The largest cache capacity the export supports (``max_cache_len``), else :func:`manifest_max_positions`."""
+    value = _int_field(manifest.get("max_cache_len"))
+    return value if value is not None else manifest_max_positions(manifest)
+
+
+# ------------------------------------------------------------------------------------------
+# The generation config
+# ------------------------------------------------------------------------------------------
+
+GENERATION_FORMAT = "transformer_ext.generation_config"
+GENERATION_FORMAT_VERSION = 1
+_SPECIAL_REQUIRED = ("pad", "bos", "eos")
+_SPECIAL_ALLOWED = ("pad", "bos", "eos", "unk")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How a deployment decodes with an export folder, as ``generation.json`` records it.
+
+    The generation budget of a source of ``n`` tokens is ``min(floor(max_len_a * n + max_len_b),
+    max_new_tokens)`` tokens, at least 1, EOS included; EOS is suppressed before
+    ``min_new_tokens`` tokens (:mod:`transformer_ext.decoding`). ``beam_size`` 1 is greedy search.
+    ``special_tokens`` are the ids of the model and its tokenizer (``pad``, ``bos``, ``eos`` and,
+    with a tokenizer, ``unk``); they must equal the manifest's.
+    """
+
+    special_tokens: Mapping[str, int]
+    max_new_tokens: int  # the largest budget; at most the export's max_cache_len
+    beam_size: int = 1
+    length_penalty: str = "gnmt"  # one of transformer_ext.decoding.LENGTH_PENALTIES
+    alpha: float = 0.6
+    max_len_a: float = 1.5  # the budget of transformer_ext.translate's defaults
+    max_len_b: float = 10.0
+    min_new_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        """The content of ``generation.json``: format marker and version first, then every field."""
+        body = asdict(self)
+        body["special_tokens"] = dict(self.special_tokens)
+        return {"format": GENERATION_FORMAT, "format_version": GENERATION_FORMAT_VERSION, **body}
+
+    @classmethod
+    def defaults_for(cls, manifest: Mapping[str, Any], **overrides: Any) -> "GenerationConfig":
+        """The default config of an export: its special ids, ``max_new_tokens`` = its largest cache
+        capacity; ``overrides`` replace fields. Checked as :meth:`from_dict` checks a file."""
+        special = manifest.get("special_tokens")
+        if not isinstance(special, Mapping):
+            config = manifest.get("model_config") or {}
+            special = {k: config.get(f"{k}_id") for k in _SPECIAL_REQUIRED}
+        values = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+        values.update(special_tokens=dict(special), max_new_tokens=manifest_max_cache_len(manifest) or 1)
+        values.update(overrides)
+        data = {"format": GENERATION_FORMAT, "format_version": GENERATION_FORMAT_VERSION, **values}
+        return cls.from_dict(data, "the generation options", manifest=manifest)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = GENERATION_FILE, *,
+                  manifest: Optional[Mapping[str, Any]] = None) -> "GenerationConfig":
+        """Check ``data`` (the parsed ``generation.json``) field by field: every field present and
+        of its JSON type, no unknown field, values in range; with ``manifest``, ``max_new_tokens``
+        within its cache capacity and the special ids equal to its own.
+
+        Raises:
+            GenerationConfigError: naming ``source``, the field and what was expected.
+        """
+        from .decoding import LENGTH_PENALTIES  # numpy: imported only where a config is checked
+
+        def fail(message: str) -> GenerationConfigError:
+            return GenerationConfigError(f"{source}: {message}")
+
+        if not isinstance(data, dict):
+            raise fail(f"must hold a JSON object, got {type(data).__name__}")
+        if data.get("format") != GENERATION_FORMAT:
+            raise fail(f"format must be {GENERATION_FORMAT!r}, got {data.get('format')!r}")
+        version = data.get("format_version")
+        if isinstance(version, bool) or version != GENERATION_FORMAT_VERSION:
+            raise fail(f"unsupported format_version {version!r} (this version reads {GENERATION_FORMAT_VERSION})")
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise fail(f"missing fields {missing}")
+        unknown = sorted(k for k in data if k not in names and k not in ("format", "format_version"))
+        if unknown:
+            raise fail(f"unknown fields {unknown} (a version {GENERATION_FORMAT_VERSION} generation config has {names})")
+
+        def integer(name: str, low: int) -> int:
+            value = data[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise fail(f"{name} must be an integer, got {_show(value)}")
+            if value < low:
+                raise fail(f"{name} must be >= {low}, got {value}")
+            return value
+
+        def number(name: str) -> float:
+            value = data[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise fail(f"{name} must be a finite number >= 0, got {_show(value)}")
+            return float(value)
+
+        beam_size = integer("beam_size", 1)
+        if data["length_penalty"] not in LENGTH_PENALTIES:
+            raise fail(f"length_penalty must be one of {list(LENGTH_PENALTIES)}, got {_show(data['length_penalty'])}")
+        alpha, a, b = number("alpha"), number("max_len_a"), number("max_len_b")
+        min_new, max_new = integer("min_new_tokens", 0), integer("max_new_tokens", 1)
+        if min_new > max_new:
+            raise fail(f"min_new_tokens ({min_new}) must be <= max_new_tokens ({max_new})")
+        special = data["special_tokens"]
+        if not isinstance(special, dict) or any(k not in special for k in _SPECIAL_REQUIRED) \
+                or any(k not in _SPECIAL_ALLOWED for k in special) \
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in special.values()):
+            raise fail(f"special_tokens must map {list(_SPECIAL_REQUIRED)} (and optionally 'unk') to ids >= 0, "
+                       f"got {_show(special)}")
+        if manifest is not None:
+            capacity = manifest_max_cache_len(manifest)
+            if capacity is not None and max_new > capacity:
+                raise fail(f"max_new_tokens {max_new} exceeds the export's cache capacity max_cache_len = {capacity}")
+            theirs = manifest.get("special_tokens")
+            if isinstance(theirs, Mapping) and dict(theirs) != dict(special):
+                raise fail(f"special_tokens {dict(special)} differ from the manifest's {dict(theirs)}")
+            config = manifest.get("model_config") or {}
+            for key in _SPECIAL_REQUIRED:
+                if f"{key}_id" in config and config[f"{key}_id"] != special[key]:
+                    raise fail(f"special_tokens.{key} = {special[key]} differs from the model config's "
+                               f"{key}_id = {config[f'{key}_id']}")
+        return cls(beam_size=beam_size, length_penalty=data["length_penalty"], alpha=alpha, max_len_a=a,
+                   max_len_b=b, min_new_tokens=min_new, max_new_tokens=max_new, special_tokens=dict(special))
+
+
+def _show(value: Any) -> str:
+    """``value`` as JSON when it is JSON, else its repr (NaN, infinities, Python objects)."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def read_generation_config(directory: str | os.PathLike,
+                           manifest: Optional[Mapping[str, Any]] = None) -> GenerationConfig:
+    """The generation config of an export folder.
+
+    Format version 3 folders name the file in their manifest (``"generation_config"``); it is
+    read and checked against the manifest (:meth:`GenerationConfig.from_dict`). Folders of
+    versions 1 and 2 have none: the defaults for the folder (:meth:`GenerationConfig.defaults_for`).
+    ``manifest``: the folder's manifest if already read (else :func:`read_manifest` reads it).
+
+    Raises:
+        ManifestError: the manifest is missing or invalid.
+        GenerationConfigError: the file is missing, not JSON or invalid (naming the file and field).
+    """
+    directory = os.fspath(directory)
+    if manifest is None:
+        manifest = read_manifest(directory)
+    name = manifest.get("generation_config")
+    if name is None:
+        return GenerationConfig.defaults_for(manifest)
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        raise GenerationConfigError(f"{path} not found: the manifest names it as the folder's generation config "
+                                    "(export the model again)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise GenerationConfigError(f"{path} is not valid JSON: {exc}") from exc
+    return GenerationConfig.from_dict(data, path, manifest=manifest)
