@@ -145,6 +145,22 @@ def test_bad_export_folders(demo_export, tmp_path):
         Translator.from_export_dir(demo_export, threads=0)
 
 
+def test_the_export_generation_config_sets_the_defaults(demo_export, tmp_path):
+    manifest = json.loads((demo_export / MANIFEST_NAME).read_text())
+    if not manifest.get("generation_config"):
+        pytest.skip("this export format has no generation config")
+    folder = _copy(demo_export, tmp_path)
+    path = folder / manifest["generation_config"]
+    config = json.loads(path.read_text())
+    config.update(beam_size=3, max_new_tokens=4)
+    path.write_text(json.dumps(config))
+    translator = Translator.from_export_dir(folder)
+    (one,) = translator.translate_detailed(["seven thousand, seven hundred and seventy-seven"])
+    assert one.score is not None  # beam search, from the folder's config
+    assert len(one.hypotheses[0].tokens) == 4 and not one.hypotheses[0].finished  # its budget cap
+    assert translator.translate(["one"], beam_size=1, max_len_a=0, max_len_b=2) == ["ei"]  # a call overrides it
+
+
 @pytest.mark.skipif(__import__("importlib").util.find_spec("tensorrt") is not None, reason="TensorRT is installed")
 def test_tensorrt_runtime_without_tensorrt_says_what_to_install(demo_export):
     with pytest.raises(RuntimeNotAvailableError, match=r"needs TensorRT, which is not installed: .*pip install "
