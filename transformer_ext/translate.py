@@ -54,7 +54,14 @@ import numpy as np
 from .cli import UserError, add_debug_flag, run_cli
 from .decoding import LENGTH_PENALTIES, Hypothesis, Runner
 from .fsutil import atomic_write_text
-from .tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError, UnknownCharacterError, check_model_config, load_tokenizer
+from .tokenizer import (
+    TOKENIZER_FILE,
+    Tokenizer,
+    TokenizerError,
+    UnknownCharacterError,
+    check_model_config,
+    load_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +370,8 @@ class Translator:
             raise TypeError("Translator(tokenizer, runner): to load a folder use Translator.from_model_dir(path) "
                             "or Translator.from_export_dir(path)")
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer must implement transformer_ext.tokenizer.Tokenizer, got {type(tokenizer).__name__}")
+            raise TypeError(f"tokenizer must implement transformer_ext.tokenizer.Tokenizer, "
+                            f"got {type(tokenizer).__name__}")
         if not all(callable(getattr(runner, m, None)) for m in ("encode", "step", "reorder")):
             raise TypeError(f"runner must implement encode / step / reorder (transformer_ext.decoding.Runner), "
                             f"got {type(runner).__name__}")
@@ -785,7 +793,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "such as CUDAExecutionProvider")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="intra-op threads of ONNX Runtime, or of PyTorch for the eager runtime")
-    parser.add_argument("--device", default=None, help="torch device of the eager runtime: cpu (default), cuda or cuda:N")
+    parser.add_argument("--device", default=None,
+                        help="torch device of the eager runtime: cpu (default), cuda or cuda:N")
     parser.add_argument("--beam", type=int, default=None, metavar="N",
                         help="beam size; 1 is greedy decoding (default: the export folder's generation config, else 1)")
     parser.add_argument("--n-best", type=int, default=None, metavar="K",
@@ -933,7 +942,8 @@ def _load_translator(args) -> Translator:
             import torch
 
             if not torch.cuda.is_available():
-                raise TranslationError(f"--device {args.device}: torch sees no CUDA GPU on this machine; use --device cpu")
+                raise TranslationError(f"--device {args.device}: torch sees no CUDA GPU on this machine; "
+                                       "use --device cpu")
         if args.threads is not None:
             import torch
 
