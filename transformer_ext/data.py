@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
+
+from .cli import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,13 @@ __all__ = [
     "collate",
     "example_cost",
     "TokenBatchSampler",
+    "DataError",
+    "read_lines",
+    "read_parallel",
+    "read_tsv",
+    "ParallelIds",
+    "FilterReport",
+    "encode_parallel",
 ]
 
 DEMO_RANGE = (0, 9999)  # inclusive: every integer from zero to nine thousand nine hundred and ninety-nine
@@ -223,9 +233,9 @@ def collate(
     tgt_out = torch.full((B, T), pad_id, dtype=torch.long)
     src_lengths = torch.empty(B, dtype=torch.long)
     for b, (src, tgt) in enumerate(pairs):
-        src_ids[b, : len(src)] = torch.as_tensor(list(src), dtype=torch.long)
+        src_ids[b, : len(src)] = torch.as_tensor(np.asarray(src, dtype=np.int64))
         src_lengths[b] = len(src)
-        y = torch.as_tensor(list(tgt), dtype=torch.long)
+        y = torch.as_tensor(np.asarray(tgt, dtype=np.int64))
         tgt_in[b, 0] = bos_id
         tgt_in[b, 1 : len(tgt) + 1] = y
         tgt_out[b, : len(tgt)] = y
@@ -312,3 +322,159 @@ class TokenBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches(0))
+
+
+# ---------------------------------------------------------------------- parallel text (real corpora)
+class DataError(UserError, ValueError):
+    """Parallel text that cannot be used (unreadable, misaligned, not UTF-8, empty after filtering)."""
+
+
+def read_lines(path) -> list[str]:
+    """The lines of a UTF-8 text file, without line endings; a non-UTF-8 line is named by number."""
+    import os
+
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise DataError(f"{path} is a folder, expected a text file with one sentence per line") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}, line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); the corpus files must "
+                        "be UTF-8") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def read_parallel(src_path, tgt_path) -> tuple[list[str], list[str]]:
+    """Line-aligned ``(sources, targets)`` of two files; different line counts name both files and counts."""
+    sources, targets = read_lines(src_path), read_lines(tgt_path)
+    if len(sources) != len(targets):
+        raise DataError(f"{src_path} has {len(sources)} lines but {tgt_path} has {len(targets)}: the source and "
+                        "target files must be line-aligned (one sentence pair per line number)")
+    return sources, targets
+
+
+def read_tsv(path) -> tuple[list[str], list[str]]:
+    """``(sources, targets)`` of a file of ``source<TAB>target`` lines (an empty line is an empty pair)."""
+    sources: list[str] = []
+    targets: list[str] = []
+    for number, line in enumerate(read_lines(path), start=1):
+        if not line.strip():
+            sources.append("")
+            targets.append("")
+            continue
+        parts = line.split("\t")
+        if len(parts) != 2:
+            raise DataError(f"{path}, line {number}: expected source<TAB>target (2 fields), got {len(parts)} "
+                            "field(s)")
+        sources.append(parts[0])
+        targets.append(parts[1])
+    return sources, targets
+
+
+class ParallelIds:
+    """A parallel corpus held once, as token ids: two flat int32 arrays and their offsets.
+
+    ``corpus[i]`` is ``(source ids, target ids)`` of pair ``i`` as numpy views (no bos/eos);
+    :attr:`costs` is :func:`example_cost` of every pair, for :class:`TokenBatchSampler`.
+    """
+
+    def __init__(self, src_ids, src_offsets, tgt_ids, tgt_offsets):
+        self.src_ids = np.asarray(src_ids, dtype=np.int32)
+        self.tgt_ids = np.asarray(tgt_ids, dtype=np.int32)
+        self.src_offsets = np.asarray(src_offsets, dtype=np.int64)
+        self.tgt_offsets = np.asarray(tgt_offsets, dtype=np.int64)
+        if len(self.src_offsets) != len(self.tgt_offsets):
+            raise ValueError("source and target offsets differ in length")
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> "ParallelIds":
+        src_len = np.array([len(s) for s, _ in pairs], dtype=np.int64)
+        tgt_len = np.array([len(t) for _, t in pairs], dtype=np.int64)
+        src = np.fromiter((i for s, _ in pairs for i in s), dtype=np.int32, count=int(src_len.sum()))
+        tgt = np.fromiter((i for _, t in pairs for i in t), dtype=np.int32, count=int(tgt_len.sum()))
+        return cls(src, np.concatenate([[0], np.cumsum(src_len)]), tgt, np.concatenate([[0], np.cumsum(tgt_len)]))
+
+    def __len__(self) -> int:
+        return len(self.src_offsets) - 1
+
+    def __getitem__(self, i: int):
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return (self.src_ids[self.src_offsets[i]:self.src_offsets[i + 1]],
+                self.tgt_ids[self.tgt_offsets[i]:self.tgt_offsets[i + 1]])
+
+    def source_lengths(self):
+        return np.diff(self.src_offsets)
+
+    def target_lengths(self):
+        return np.diff(self.tgt_offsets)
+
+    @property
+    def costs(self) -> list[int]:
+        return np.maximum(self.source_lengths(), self.target_lengths() + 1).tolist()
+
+    def n_target_tokens(self) -> int:
+        """Target tokens of the corpus, eos included (what the loss is normalised by)."""
+        return int(len(self.tgt_ids) + len(self))
+
+
+@dataclass
+class FilterReport:
+    """How many pairs each filter removed (in the order they are applied) and how many are kept."""
+
+    total: int
+    empty: int = 0
+    too_long: int = 0
+    ratio: int = 0
+    kept: int = 0
+    kept_index: list = field(default_factory=list, repr=False)  # line index (0-based) of every kept pair
+
+    def describe(self) -> str:
+        return (f"{self.total} pairs read: {self.empty} removed as empty, {self.too_long} as longer than max_len, "
+                f"{self.ratio} by the length ratio; {self.kept} kept")
+
+
+def encode_parallel(tokenizer, sources: Sequence[str], targets: Sequence[str], *, max_len: int,
+                    max_len_ratio: float | None = None) -> tuple[ParallelIds, FilterReport]:
+    """Tokenize and filter a parallel corpus.
+
+    Filters, in this order: pairs with an empty side (after whitespace is stripped); pairs whose
+    source (``len``) or decoder sequence (``len + 1``: bos + target, or target + eos) is longer
+    than ``max_len`` tokens; pairs whose longer side exceeds ``max_len_ratio`` times the shorter
+    (None: no ratio filter). Returns the kept pairs as :class:`ParallelIds` and the counts.
+    """
+    report = FilterReport(total=len(sources))
+    keep_text = [i for i in range(len(sources)) if sources[i].strip() and targets[i].strip()]
+    report.empty = len(sources) - len(keep_text)
+    src_texts = [sources[i] for i in keep_text]
+    tgt_texts = [targets[i] for i in keep_text]
+    if hasattr(tokenizer, "encode_sources"):
+        src_ids, tgt_ids = tokenizer.encode_sources(src_texts), tokenizer.encode_targets(tgt_texts)
+    else:  # the character tokenizer: characters outside its vocabulary become <unk>
+        src_ids = [tokenizer.encode_source(t, unknown="unk") for t in src_texts]
+        tgt_ids = [tokenizer.encode_target(t, unknown="unk") for t in tgt_texts]
+    pairs = []
+    for line, s, t in zip(keep_text, src_ids, tgt_ids):
+        if len(s) == 0 or len(t) == 0:
+            report.empty += 1
+        elif len(s) > max_len or len(t) + 1 > max_len:
+            report.too_long += 1
+        elif max_len_ratio is not None and max(len(s), len(t)) > max_len_ratio * min(len(s), len(t)):
+            report.ratio += 1
+        else:
+            pairs.append((s, t))
+            report.kept_index.append(line)
+    report.kept = len(pairs)
+    return ParallelIds.from_pairs(pairs), report

@@ -45,12 +45,14 @@ What a training run does:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -114,6 +116,11 @@ STATE_TENSORS = "training_state.safetensors"
 OPTIONS_JSON = "train_options.json"
 SUMMARY_JSON = "summary.json"
 MODEL_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE)
+PROVENANCE_FILE = "provenance.json"  # where the corpus came from (corpus, editions, licence, split)
+CHECKPOINTS_DIR = "checkpoints"  # <out>/checkpoints/step-N/: the models of the last --keep-last validations
+BEST_METRICS = ("bleu", "chrf", "loss", "exact")
+TOKENIZERS = ("char", "sentencepiece")
+AMP_DTYPES = ("bf16", "fp16")
 
 
 class TrainingError(UserError, ValueError):
@@ -146,7 +153,15 @@ class TrainOptions:
     max_len: Optional[int] = None
     norm_first: Optional[bool] = None
     shared_vocab: bool = False  # one character vocabulary for source and target, all embeddings tied
-    # data
+    # data: the demo task (default), or parallel text (train_files / train_tsv with a validation set)
+    train_files: Optional[tuple[str, str]] = None  # (source file, target file), line-aligned UTF-8
+    valid_files: Optional[tuple[str, str]] = None
+    train_tsv: Optional[str] = None  # source<TAB>target lines
+    valid_tsv: Optional[str] = None
+    tokenizer: Optional[str] = None  # "char" or "sentencepiece"; None: char for the demo, sentencepiece for text
+    vocab_size: int = 8000  # SentencePiece pieces per model (specials included)
+    spm_model_type: str = "unigram"  # "unigram" or "bpe"
+    max_len_ratio: Optional[float] = None  # drop pairs whose longer side has more than ratio x the shorter's tokens
     range_low: int = DEMO_RANGE[0]
     range_high: int = DEMO_RANGE[1]
     split_seed: int = SPLIT_SEED
@@ -161,6 +176,10 @@ class TrainOptions:
     warmup: int = 200
     label_smoothing: float = 0.1
     clip_norm: float = 1.0  # max gradient norm; 0 disables clipping
+    lr_schedule: str = "noam"  # "noam" (the paper's, --lr-factor) or "inverse-sqrt" (fairseq's, peak --lr)
+    lr: Optional[float] = None  # peak learning rate of inverse-sqrt (reached after --warmup steps)
+    update_freq: int = 1  # batches whose gradients are accumulated into one optimiser step
+    amp: Optional[str] = None  # "bf16" or "fp16" autocast on CUDA (fp16 with a GradScaler); CPU: float32 only
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     # validation and logging
@@ -168,6 +187,9 @@ class TrainOptions:
     eval_examples: int = 500  # validation sources decoded greedily for exact match (demo: all of them)
     final_eval: bool = True  # evaluate the best model on the held-out split at the end
     final_beam: int = 4  # beam size of the final held-out evaluation (0 or 1: greedy only)
+    best_metric: Optional[str] = None  # "bleu", "chrf", "loss" or "exact"; None: exact (demo) / bleu (text)
+    patience: Optional[int] = None  # stop after this many validations without a new best (None: never)
+    keep_last: int = 0  # also keep the model of the last K validations in <out>/checkpoints/step-N/
     log_every: int = 100  # steps between log lines
     progress: bool = True  # tqdm progress bar
 
@@ -177,6 +199,8 @@ _RUN_DEFINING = (
     "seed", "preset", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "dropout",
     "max_len", "norm_first", "shared_vocab", "range_low", "range_high", "split_seed", "max_tokens",
     "lr_factor", "warmup", "label_smoothing", "clip_norm", "adam_betas", "adam_eps", "oversample",
+    "train_files", "valid_files", "train_tsv", "valid_tsv", "tokenizer", "vocab_size", "spm_model_type",
+    "max_len_ratio", "lr_schedule", "lr", "update_freq", "best_metric",
 )
 
 
@@ -217,8 +241,25 @@ def make_optimizer(model: torch.nn.Module, opts: TrainOptions) -> torch.optim.Ad
                             fused=True)
 
 
-def make_scheduler(optimizer, d_model: int, warmup: int, factor: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """LambdaLR of :func:`noam_lr`; its internal counter starts at 0, the schedule's step at 1."""
+def inverse_sqrt_lr(step: int, warmup: int, peak: float) -> float:
+    """fairseq's inverse_sqrt: ``peak * step / warmup`` up to ``warmup``, then ``peak * sqrt(warmup / step)``."""
+    if step < 1:
+        raise ValueError(f"the schedule counts steps from 1, got step={step}")
+    if warmup < 1:
+        raise ValueError(f"warmup must be >= 1, got {warmup}")
+    return peak * min(step / warmup, math.sqrt(warmup / step))
+
+
+def make_scheduler(optimizer, d_model: int, warmup: int, factor: float, schedule: str = "noam",
+                   peak_lr: Optional[float] = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR of :func:`noam_lr` (or :func:`inverse_sqrt_lr` with ``peak_lr``); its internal counter
+    starts at 0, the schedule's step at 1."""
+    if schedule == "inverse-sqrt":
+        if peak_lr is None:
+            raise TrainingError("--lr-schedule inverse-sqrt needs --lr (the peak learning rate)")
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda s: inverse_sqrt_lr(s + 1, warmup, peak_lr))
+    if schedule != "noam":
+        raise TrainingError(f"--lr-schedule must be noam or inverse-sqrt, got {schedule!r}")
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda=lambda s: noam_lr(s + 1, d_model, warmup, factor)
     )
@@ -277,6 +318,8 @@ def evaluate(
     exact_examples: Optional[int] = None,
     beam_size: int = 1,
     with_loss: bool = True,
+    pairs=None,
+    bleu: bool = False,
 ) -> dict:
     """Loss and exact match of ``model`` on ``examples``.
 
@@ -284,7 +327,9 @@ def evaluate(
     label-smoothed training objective, ``nll`` the plain cross-entropy (both per target token,
     over all examples); ``exact_match`` is the fraction of ``exact_examples``
     examples, evenly spread over them (all when None), whose decoded translation equals
-    the reference exactly.
+    the reference exactly. ``pairs``: the examples' token ids when already encoded (parallel
+    text). ``bleu``: also ``bleu``, ``chrf`` and their sacrebleu signatures over the same decoded
+    examples (detokenized hypotheses against the raw reference texts).
     """
     from .translate import Translator
 
@@ -293,7 +338,8 @@ def evaluate(
     result: dict[str, Any] = {}
     try:
         if with_loss:
-            pairs = encode_examples(tokenizer, examples)
+            if pairs is None:
+                pairs = encode_examples(tokenizer, examples)
             sampler = TokenBatchSampler([example_cost(len(s), len(t)) for s, t in pairs], max_tokens, shuffle=False)
             ls_sum = nll_sum = 0.0
             n_tok = 0
@@ -316,6 +362,12 @@ def evaluate(
             outputs = translator.translate([ex.source for ex in subset], beam_size=beam_size,
                                            n_best=1)
             correct = sum(out.text == ex.target for out, ex in zip(outputs, subset))
+            if bleu:
+                from .evaluate import score_texts
+
+                scores = score_texts([out.text for out in outputs], [ex.target for ex in subset])
+                result.update(bleu=scores["bleu"], chrf=scores["chrf"], bleu_signature=scores["bleu_signature"],
+                              chrf_signature=scores["chrf_signature"])
             result.update(exact_match=correct / len(subset), n_exact=len(subset),
                           errors=[(ex.source, out.text, ex.target) for out, ex in zip(outputs, subset)
                                   if out.text != ex.target][:20])
@@ -331,7 +383,7 @@ def evaluate(
 RUN_MARKER = "run.json"
 RUN_FORMAT = "transformer_ext.train-run"
 RUN_FORMAT_VERSION = 1
-_RUN_ENTRIES = frozenset({RUN_MARKER, OPTIONS_JSON, SUMMARY_JSON, "best", "last"})
+_RUN_ENTRIES = frozenset({RUN_MARKER, OPTIONS_JSON, SUMMARY_JSON, "best", "last", "checkpoints"})
 # What a run folder of the version before run.json could hold: its files, and the temporaries of
 # its own writers (`best.tmp`, `last.old`, `summary.json.tmp`, ...).
 _UNMARKED_RUN_ENTRIES = frozenset(
@@ -422,11 +474,35 @@ def _commit_run(stage: StagedDir, folder: _RunFolder) -> None:
 
 
 # ---------------------------------------------------------------------- checkpoints and state
-def _save_model_dir(model, tokenizer: CharTokenizer, directory: Path) -> None:
+def _save_model_dir(model, tokenizer, directory: Path, provenance: Optional[bytes] = None) -> None:
     from .checkpoint import save_model
 
     save_model(model, directory)
     tokenizer.save(directory)
+    if provenance is not None:
+        atomic_write_bytes(directory / PROVENANCE_FILE, provenance)
+
+
+def _save_step_checkpoint(run_dir: Path, step: int, model, tokenizer, keep: int,
+                          provenance: Optional[bytes] = None) -> None:
+    """``<run_dir>/checkpoints/step-N/`` (a model folder), keeping the ``keep`` newest step folders."""
+    folder = run_dir / CHECKPOINTS_DIR
+    folder.mkdir(exist_ok=True)
+    _save_checkpoint(folder, f"step-{step}", model, tokenizer, provenance=provenance)
+    for old in step_checkpoints(folder)[:-keep]:
+        shutil.rmtree(old)
+        logger.info("removed %s (--keep-last %d)", old, keep)
+
+
+def step_checkpoints(folder: Path) -> list[Path]:
+    """The ``step-N`` model folders this program wrote in ``folder``, oldest (smallest N) first."""
+    found = []
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            m = re.fullmatch(r"step-(\d+)", entry.name)
+            if m and entry.is_dir() and (entry / "config.json").is_file():
+                found.append((int(m.group(1)), entry))
+    return [p for _, p in sorted(found)]
 
 
 def _optimizer_to_flat(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -475,7 +551,7 @@ def _jsonable(value: Any) -> bool:
 
 
 def _save_checkpoint(run_dir: Path, name: str, model, tokenizer, optimizer=None, scheduler=None,
-                     state: Optional[dict] = None) -> Path:
+                     state: Optional[dict] = None, provenance: Optional[bytes] = None) -> Path:
     """Write ``<run_dir>/<name>/`` (model directory, plus the training state when given).
 
     Built in a temporary sibling and swapped in (:class:`~transformer_ext.fsutil.StagedDir`):
@@ -485,7 +561,7 @@ def _save_checkpoint(run_dir: Path, name: str, model, tokenizer, optimizer=None,
     from safetensors.torch import save_file
 
     with StagedDir(run_dir / name) as stage:
-        _save_model_dir(model, tokenizer, stage.path)
+        _save_model_dir(model, tokenizer, stage.path, provenance)
         if state is not None:
             tensors, opt_meta = _optimizer_to_flat(optimizer)
             tensors["rng.torch"] = torch.get_rng_state()
@@ -590,7 +666,7 @@ def _merge_resume_options(opts: TrainOptions, saved: dict) -> TrainOptions:
         if name not in saved:
             continue
         value = saved[name]
-        if name == "adam_betas":
+        if name in ("adam_betas", "train_files", "valid_files") and value is not None:
             value = tuple(value)
         elif name == "oversample":
             value = tuple(tuple(rule) for rule in value)
@@ -616,6 +692,10 @@ _FLAGS = {
     "clip_norm": "--clip-norm", "eval_every": "--eval-every", "eval_examples": "--eval-examples",
     "final_eval": "--no-final-eval", "final_beam": "--final-beam", "log_every": "--log-every",
     "progress": "--no-progress", "resume": "--resume", "overwrite": "--overwrite",
+    "train_files": "--train", "valid_files": "--valid", "train_tsv": "--train-tsv", "valid_tsv": "--valid-tsv",
+    "tokenizer": "--tokenizer", "vocab_size": "--vocab-size", "spm_model_type": "--spm-model-type",
+    "max_len_ratio": "--max-len-ratio", "lr_schedule": "--lr-schedule", "lr": "--lr", "update_freq": "--update-freq",
+    "amp": "--amp", "best_metric": "--best-metric", "patience": "--patience", "keep_last": "--keep-last",
 }
 _SEED_MAX = 2 ** 63 - 1
 _THREADS_MAX = 1024
@@ -712,6 +792,58 @@ def _check_options(opts: TrainOptions) -> None:
     _check_int(opts, "eval_examples", 0)
     _check_int(opts, "log_every", 0)
     _check_int(opts, "final_beam", 0, note=" (0 or 1: greedy only)")
+    _check_text_options(opts)
+
+
+def _check_text_options(opts: TrainOptions) -> None:
+    """The options of parallel-text training, mixed precision, schedules and checkpoint selection."""
+    for name in ("train_files", "valid_files"):
+        value = getattr(opts, name)
+        if value is not None and (not isinstance(value, (tuple, list)) or len(value) != 2
+                                  or not all(isinstance(v, (str, os.PathLike)) and os.fspath(v) for v in value)):
+            raise TrainingError(f"{_option(name)} takes two file paths, SOURCE_FILE TARGET_FILE, got {value!r}")
+    for name in ("train_tsv", "valid_tsv"):
+        value = getattr(opts, name)
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+            raise TrainingError(f"{_option(name)} must be a file path, got {value!r}")
+    if opts.train_files is not None and opts.train_tsv is not None:
+        raise TrainingError("give the training data once: --train SRC TGT or --train-tsv FILE, not both")
+    if opts.valid_files is not None and opts.valid_tsv is not None:
+        raise TrainingError("give the validation data once: --valid SRC TGT or --valid-tsv FILE, not both")
+    has_train = _text_mode(opts)
+    has_valid = opts.valid_files is not None or opts.valid_tsv is not None
+    if has_train and not has_valid:
+        raise TrainingError("--train needs a validation set: --valid SRC_FILE TGT_FILE or --valid-tsv FILE")
+    if has_valid and not has_train:
+        raise TrainingError("--valid is given without --train (the demo task has its own validation split)")
+    if opts.tokenizer is not None and opts.tokenizer not in TOKENIZERS:
+        raise TrainingError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {opts.tokenizer!r}")
+    if opts.tokenizer == "sentencepiece" and not has_train:
+        raise TrainingError("--tokenizer sentencepiece needs parallel text (--train / --valid); the demo task uses "
+                            "the character tokenizer")
+    _check_int(opts, "vocab_size", 8, note=" (SentencePiece pieces, the 4 special tokens included)")
+    if opts.spm_model_type not in ("unigram", "bpe"):
+        raise TrainingError(f"--spm-model-type must be unigram or bpe, got {opts.spm_model_type!r}")
+    _check_float(opts, "max_len_ratio", 1.0, optional=True, note=" (longer side / shorter side, in tokens)")
+    if opts.lr_schedule not in ("noam", "inverse-sqrt"):
+        raise TrainingError(f"--lr-schedule must be noam or inverse-sqrt, got {opts.lr_schedule!r}")
+    _check_float(opts, "lr", 0.0, low_open=True, optional=True)
+    if opts.lr_schedule == "inverse-sqrt" and opts.lr is None:
+        raise TrainingError("--lr-schedule inverse-sqrt needs --lr (the peak learning rate, e.g. 5e-4)")
+    if opts.lr_schedule == "noam" and opts.lr is not None:
+        raise TrainingError("--lr is the peak of --lr-schedule inverse-sqrt; the noam schedule is scaled by --lr-factor")
+    _check_int(opts, "update_freq", 1, 4096)
+    if opts.amp is not None:
+        if opts.amp not in AMP_DTYPES:
+            raise TrainingError(f"--amp must be bf16 or fp16, got {opts.amp!r}")
+        if not (isinstance(opts.device, str) and opts.device.startswith("cuda")):
+            raise TrainingError(f"--amp {opts.amp} needs --device cuda: on the CPU training runs in float32, since "
+                                "bfloat16/float16 matrix products on CPUs without native bf16 instructions are about "
+                                "100x slower than float32")
+    if opts.best_metric is not None and opts.best_metric not in BEST_METRICS:
+        raise TrainingError(f"--best-metric must be one of {', '.join(BEST_METRICS)}, got {opts.best_metric!r}")
+    _check_int(opts, "patience", 1, optional=True, note=" (validations without a new best before stopping)")
+    _check_int(opts, "keep_last", 0)
 
 
 def _check_export_dir(opts: TrainOptions, out: Path) -> Optional[Path]:
@@ -749,6 +881,85 @@ def _device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise TrainingError(f"unsupported device {name!r}: use cpu or cuda")
     return device
+
+
+def _text_mode(opts: TrainOptions) -> bool:
+    return opts.train_files is not None or opts.train_tsv is not None
+
+
+def _data_name(files, tsv) -> str:
+    return f"{files[0]} / {files[1]}" if files is not None else str(tsv)
+
+
+def _read_pairs(files, tsv, flag: str) -> tuple[list[str], list[str]]:
+    from .data import DataError, read_parallel, read_tsv
+
+    try:
+        return read_parallel(*files) if files is not None else read_tsv(tsv)
+    except DataError as exc:
+        raise TrainingError(f"{flag}: {exc}") from None
+
+
+def _find_provenance(opts: TrainOptions) -> Optional[bytes]:
+    """The corpus's provenance.json (written by transformer_ext.corpora) next to the training data, if any."""
+    first = opts.train_files[0] if opts.train_files is not None else opts.train_tsv
+    path = Path(first).parent / PROVENANCE_FILE
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    try:
+        json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TrainingError(f"{path} is not a provenance file (not UTF-8 JSON: {exc}); remove it or fix it") from None
+    logger.info("corpus provenance from %s goes into every model folder", path)
+    return data
+
+
+def _build_text_tokenizer(opts: TrainOptions, sources: list[str], targets: list[str], ctx):
+    """The tokenizer of a parallel-text run, learnt from the training split only.
+
+    SentencePiece under torchrun: rank 0 trains it, the other ranks wait and receive the same model files.
+    """
+    from .tokenizer import TokenizerError
+
+    kind = opts.tokenizer or "sentencepiece"
+    if kind == "char":
+        return CharTokenizer.build(sources, targets, shared=opts.shared_vocab)
+    from .spm_tokenizer import SentencePieceTokenizer
+
+    payload = None
+    if ctx.is_main:
+        t0 = time.monotonic()
+        try:
+            tok = SentencePieceTokenizer.train(sources, targets, vocab_size=opts.vocab_size,
+                                               model_type=opts.spm_model_type, shared=opts.shared_vocab,
+                                               threads=opts.threads or 1)
+        except TokenizerError as exc:
+            ctx.broadcast(None)
+            raise TrainingError(f"--vocab-size / --tokenizer: {exc}") from None
+        logger.info("trained %s in %.1f s on %d training pairs", tok, time.monotonic() - t0, len(sources))
+        payload = (tok._src_bytes, None if tok.shared else tok._tgt_bytes, tok.model_type)
+    payload = ctx.broadcast(payload)
+    if payload is None:
+        raise TrainingError("rank 0 could not train the SentencePiece model (see its error)")
+    if ctx.is_main:
+        return tok
+    return SentencePieceTokenizer(payload[0], payload[1], model_type=payload[2])
+
+
+def _tokenizer_info(tokenizer) -> dict:
+    info = dict(type=tokenizer.type, src_vocab_size=tokenizer.src_vocab_size, tgt_vocab_size=tokenizer.tgt_vocab_size,
+                files=list(tokenizer.files))
+    if hasattr(tokenizer, "model_type"):
+        info.update(model_type=tokenizer.model_type, shared=tokenizer.shared)
+    return info
+
+
+def _metric_key(record: dict, metric: str) -> tuple:
+    """Larger is better: the chosen metric, then the negated validation loss."""
+    if metric == "loss":
+        return (-record["loss"],)
+    return (record.get({"exact": "exact_match"}.get(metric, metric), 0.0), -record["loss"])
 
 
 def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResult:
@@ -812,37 +1023,82 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         except (TrainingError, TypeError, ValueError) as exc:
             raise TrainingError(f"cannot resume: {out / OPTIONS_JSON} does not hold valid options: {exc}") from None
 
-    # Data: the split is fixed by (range, split_seed); the tokenizer comes from the training split.
-    try:
-        splits = split_numbers(opts.range_low, opts.range_high, seed=opts.split_seed)
-    except ValueError as exc:
-        raise TrainingError(f"--range {opts.range_low} {opts.range_high}: {exc}") from None
-    if not splits.valid or not splits.heldout:
-        raise TrainingError(f"--range {opts.range_low} {opts.range_high} holds too few numbers: its validation and "
-                            "held-out splits (5% of the numbers each) are empty; widen the range")
-    train_examples = make_examples(oversample(splits.train, opts.oversample))
-    valid_examples = make_examples(splits.valid)
-    if not train_examples:
-        raise TrainingError("the training split is empty; widen the number range")
+    text_mode = _text_mode(opts)
+    provenance: Optional[bytes] = None
+    data_report: dict[str, Any] = {}
+    if text_mode:
+        # Parallel text: read and checked before anything is written; the tokenizer (trained on the
+        # training split only) and the filters come next.
+        train_src, train_tgt = _read_pairs(opts.train_files, opts.train_tsv, "--train")
+        valid_src, valid_tgt = _read_pairs(opts.valid_files, opts.valid_tsv, "--valid")
+        if not valid_src:
+            raise TrainingError(f"the validation set {_data_name(opts.valid_files, opts.valid_tsv)} has no lines")
+        if not train_src:
+            raise TrainingError(f"the training set {_data_name(opts.train_files, opts.train_tsv)} has no lines")
+        provenance = _find_provenance(opts)
+        splits = None
+    else:
+        # Data: the split is fixed by (range, split_seed); the tokenizer comes from the training split.
+        try:
+            splits = split_numbers(opts.range_low, opts.range_high, seed=opts.split_seed)
+        except ValueError as exc:
+            raise TrainingError(f"--range {opts.range_low} {opts.range_high}: {exc}") from None
+        if not splits.valid or not splits.heldout:
+            raise TrainingError(f"--range {opts.range_low} {opts.range_high} holds too few numbers: its validation "
+                                "and held-out splits (5% of the numbers each) are empty; widen the range")
+        train_examples = make_examples(oversample(splits.train, opts.oversample))
+        valid_examples = make_examples(splits.valid)
+        if not train_examples:
+            raise TrainingError("the training split is empty; widen the number range")
 
     if opts.resume:
-        tokenizer = CharTokenizer.load(last)
+        from .spm_tokenizer import load_any_tokenizer
+
+        tokenizer = load_any_tokenizer(last)
         model = load_model(last, device)
         config = model.config
     else:
-        tokenizer = CharTokenizer.build([e.source for e in train_examples], [e.target for e in train_examples],
-                                        shared=opts.shared_vocab, lowercase=True)
+        if text_mode:
+            tokenizer = _build_text_tokenizer(opts, train_src, train_tgt, ctx)
+        else:
+            tokenizer = CharTokenizer.build([e.source for e in train_examples], [e.target for e in train_examples],
+                                            shared=opts.shared_vocab, lowercase=True)
         config = build_config(opts, tokenizer)
         torch.manual_seed(opts.seed)
         model = Transformer(config).to(device)
-    train_pairs = encode_examples(tokenizer, train_examples)
-    longest = max(max(len(s), len(t) + 1) for s, t in train_pairs)
-    if longest > config.max_len:
-        raise TrainingError(f"the longest training sequence has {longest} tokens, more than max_len={config.max_len}")
-    sampler = TokenBatchSampler([example_cost(len(s), len(t)) for s, t in train_pairs], opts.max_tokens,
-                                seed=opts.seed)
+    valid_pairs = None
+    if text_mode:
+        from .data import encode_parallel
+
+        train_pairs, train_report = encode_parallel(tokenizer, train_src, train_tgt, max_len=config.max_len,
+                                                    max_len_ratio=opts.max_len_ratio)
+        logger.info("training data %s: %s", _data_name(opts.train_files, opts.train_tsv), train_report.describe())
+        if train_report.kept == 0:
+            raise TrainingError(f"no training pair is left after filtering "
+                                f"{_data_name(opts.train_files, opts.train_tsv)}: {train_report.describe()}")
+        valid_ids, valid_report = encode_parallel(tokenizer, valid_src, valid_tgt, max_len=config.max_len,
+                                                  max_len_ratio=None)
+        logger.info("validation data %s: %s", _data_name(opts.valid_files, opts.valid_tsv), valid_report.describe())
+        if valid_report.kept == 0:
+            raise TrainingError(f"no validation pair is left after filtering "
+                                f"{_data_name(opts.valid_files, opts.valid_tsv)}: {valid_report.describe()}")
+        valid_examples = [Example(int(i), valid_src[i], valid_tgt[i]) for i in valid_report.kept_index]
+        valid_pairs = [valid_ids[i] for i in range(len(valid_ids))]
+        data_report = dict(train=dataclasses.asdict(train_report), valid=dataclasses.asdict(valid_report))
+        for r in data_report.values():
+            r.pop("kept_index", None)
+        del train_src, train_tgt
+        costs = train_pairs.costs
+    else:
+        train_pairs = encode_examples(tokenizer, train_examples)
+        longest = max(max(len(s), len(t) + 1) for s, t in train_pairs)
+        if longest > config.max_len:
+            raise TrainingError(f"the longest training sequence has {longest} tokens, more than max_len={config.max_len}")
+        costs = [example_cost(len(s), len(t)) for s, t in train_pairs]
+    best_metric = opts.best_metric or ("bleu" if text_mode else "exact")
+    sampler = TokenBatchSampler(costs, opts.max_tokens, seed=opts.seed)
     sampler = ctx.shard(sampler)  # under torchrun: this rank's batches r, r+N, r+2N, ... of each epoch
-    steps_per_epoch = len(sampler)
+    steps_per_epoch = math.ceil(len(sampler) / opts.update_freq)
     limits = []
     if opts.max_steps is not None:
         limits.append(opts.max_steps)
@@ -852,9 +1108,12 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
 
     train_model = ctx.wrap(model)  # DDP under torchrun (gradients all-reduced during backward)
     optimizer = make_optimizer(model, opts)
-    scheduler = make_scheduler(optimizer, config.d_model, opts.warmup, opts.lr_factor)
+    scheduler = make_scheduler(optimizer, config.d_model, opts.warmup, opts.lr_factor, opts.lr_schedule, opts.lr)
+    scaler = torch.amp.GradScaler("cuda") if opts.amp == "fp16" else None
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(opts.amp or "")
 
-    state: dict[str, Any] = dict(step=0, epoch=0, batch_in_epoch=0, history=[], best=None, total_elapsed_s=0.0)
+    state: dict[str, Any] = dict(step=0, epoch=0, batch_in_epoch=0, history=[], best=None, total_elapsed_s=0.0,
+                                 evals_since_best=0)
     if opts.resume:
         saved = _load_state(last, optimizer, scheduler)
         state.update({k: saved[k] for k in state if k in saved})
@@ -884,10 +1143,16 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                 atomic_write_json(out / RUN_MARKER, _marker())
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("model: %s parameters, config %s", f"{n_params:,}", config.to_dict())
-        logger.info("data: %d train / %d valid / %d held-out numbers in %d..%d; %d training examples per epoch "
-                    "(oversampling %s), %d batches of <= %d tokens", len(splits.train), len(splits.valid),
-                    len(splits.heldout), opts.range_low, opts.range_high, len(train_examples),
-                    list(opts.oversample) or "none", steps_per_epoch, opts.max_tokens)
+        if text_mode:
+            logger.info("data: %d training pairs (%d target tokens), %d validation pairs; %d batches of <= %d tokens "
+                        "per epoch, %d optimiser steps per epoch (--update-freq %d)", len(train_pairs),
+                        train_pairs.n_target_tokens(), len(valid_examples), len(sampler), opts.max_tokens,
+                        steps_per_epoch, opts.update_freq)
+        else:
+            logger.info("data: %d train / %d valid / %d held-out numbers in %d..%d; %d training examples per epoch "
+                        "(oversampling %s), %d batches of <= %d tokens", len(splits.train), len(splits.valid),
+                        len(splits.heldout), opts.range_low, opts.range_high, len(train_examples),
+                        list(opts.oversample) or "none", steps_per_epoch, opts.max_tokens)
 
         ctx.seed_rank_rng(opts.seed, state["step"])  # ranks > 0: their own dropout masks
         model.train()
@@ -906,32 +1171,53 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         def elapsed() -> float:
             return time.monotonic() - started
 
+        def partial_summary() -> dict:
+            return dict(running=True, options=_options_dict(opts), config=config.to_dict(), parameters=n_params,
+                        steps=state["step"], steps_per_epoch=steps_per_epoch, best_metric=best_metric,
+                        best=state["best"], history=state["history"], data=data_report,
+                        tokenizer=_tokenizer_info(tokenizer), world_size=ctx.world_size, torch=torch.__version__,
+                        threads=torch.get_num_threads(), load_average=_load_average())
+
         def validate_and_save() -> None:
             nonlocal last_eval_step, run_dir
+            t0 = time.monotonic()
             metrics = evaluate(model, tokenizer, valid_examples, device=device, max_tokens=max(opts.max_tokens, 4000),
-                               label_smoothing=opts.label_smoothing, exact_examples=opts.eval_examples)
+                               label_smoothing=opts.label_smoothing, exact_examples=opts.eval_examples,
+                               pairs=valid_pairs, bleu=text_mode or best_metric in ("bleu", "chrf"))
             errors = metrics.pop("errors", [])
+            signatures = {k: metrics.pop(k) for k in ("bleu_signature", "chrf_signature") if k in metrics}
             record = dict(step=state["step"], epoch=state["epoch"] + state["batch_in_epoch"] / steps_per_epoch,
-                          elapsed_s=round(state["total_elapsed_s"] + elapsed(), 1), **metrics)
+                          elapsed_s=round(state["total_elapsed_s"] + elapsed(), 1),
+                          validation_s=round(time.monotonic() - t0, 1), **metrics)
             state["history"].append(record)
             last_eval_step = state["step"]
             best = state["best"]
-            key = (record.get("exact_match", 0.0), -record["loss"])
-            improved = best is None or key > (best.get("exact_match", 0.0), -best["loss"])
-            logger.info("validation at step %d: loss %.4f, nll %.4f, exact match %.3f (%d)%s", record["step"],
+            improved = best is None or _metric_key(record, best_metric) > _metric_key(best, best_metric)
+            if signatures and not any("bleu_signature" in h for h in state["history"][:-1]):
+                record.update(signatures)
+                logger.info("validation scores: sacrebleu BLEU %s, chrF %s", signatures.get("bleu_signature"),
+                            signatures.get("chrf_signature"))
+            bleu_text = (f", BLEU {record['bleu']:.2f}, chrF {record['chrf']:.2f}" if "bleu" in record else "")
+            logger.info("validation at step %d: loss %.4f, nll %.4f, exact match %.3f (%d)%s%s", record["step"],
                         record["loss"], record["nll"], record.get("exact_match", float("nan")),
-                        record.get("n_exact", 0), " (best so far)" if improved else "")
+                        record.get("n_exact", 0), bleu_text, " (best so far)" if improved else "")
             for src, hyp, ref in errors[:3]:
                 logger.debug("  %r -> %r (reference %r)", src, hyp, ref)
             if improved:
                 state["best"] = record
-                _save_checkpoint(run_dir, "best", model, tokenizer)
+                state["evals_since_best"] = 0
+                _save_checkpoint(run_dir, "best", model, tokenizer, provenance=provenance)
+            else:
+                state["evals_since_best"] += 1
+            if opts.keep_last:
+                _save_step_checkpoint(run_dir, state["step"], model, tokenizer, opts.keep_last, provenance)
             snapshot = dict(state, total_elapsed_s=state["total_elapsed_s"] + elapsed(),
                             batch_in_epoch=ctx.global_position(state["batch_in_epoch"]), world_size=ctx.world_size)
-            _save_checkpoint(run_dir, "last", model, tokenizer, optimizer, scheduler, snapshot)
+            _save_checkpoint(run_dir, "last", model, tokenizer, optimizer, scheduler, snapshot, provenance=provenance)
             if stage is not None and not stage.committed:  # the first checkpoint of a new run: it replaces --out
                 _commit_run(stage, folder)
                 run_dir = out
+            atomic_write_json(run_dir / SUMMARY_JSON, partial_summary())  # an interrupted run keeps its numbers
 
         def validate_and_save_on_rank0() -> None:
             """validate_and_save() on rank 0 while the others wait; then every rank holds its record."""
@@ -942,8 +1228,28 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                                state["step"])
             if ctx.is_main:
                 validate_and_save()
-            state["history"], state["best"], last_eval_step = ctx.broadcast(
-                (state["history"], state["best"], last_eval_step))
+            state["history"], state["best"], last_eval_step, state["evals_since_best"] = ctx.broadcast(
+                (state["history"], state["best"], last_eval_step, state["evals_since_best"]))
+
+        def accumulate_gradients(micro: list) -> tuple[float, int]:
+            """Gradients of one optimiser step over ``micro`` batches: the loss of all their target tokens
+            divided by that token count (so N batches give the gradient of one N-times larger batch).
+            Returns (loss per target token, target tokens), over all ranks under torchrun."""
+            local_tokens = sum(b.n_target_tokens(tokenizer.pad_id) for b in micro)
+            loss_value, n_tokens = 0.0, 0
+            for k, batch in enumerate(micro):
+                sync = k == len(micro) - 1 or not hasattr(train_model, "no_sync")
+                with (contextlib.nullcontext() if sync else train_model.no_sync()):
+                    with (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                          else contextlib.nullcontext()):
+                        logits = train_model(batch.src_ids, batch.src_lengths, batch.tgt_in)
+                    loss, n = token_loss(logits, batch.tgt_out, tokenizer.pad_id, opts.label_smoothing)
+                    # under torchrun: loss summed over this rank / target tokens of all ranks (x world_size, as
+                    # DDP averages); the value and the count returned are then the global batch's
+                    loss, value, n_tokens = ctx.reduce_loss(loss * (n / max(local_tokens, 1)), local_tokens)
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                loss_value += value
+            return loss_value, n_tokens
 
         bar = tqdm(total=total_steps, initial=state["step"], disable=not opts.progress or not ctx.is_main, desc="train",
                    unit="step", dynamic_ncols=True, leave=False)
@@ -959,23 +1265,24 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                         stop_reason = "max_minutes"
                         done = True
                         break
-                    idx = batches[state["batch_in_epoch"]]
-                    batch = collate([train_pairs[i] for i in idx], pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
-                                    eos_id=tokenizer.eos_id).to(device)
+                    group = batches[state["batch_in_epoch"]:state["batch_in_epoch"] + opts.update_freq]
+                    micro = [collate([train_pairs[i] for i in idx], pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
+                                     eos_id=tokenizer.eos_id).to(device) for idx in group]
                     lr = optimizer.param_groups[0]["lr"]
-                    logits = train_model(batch.src_ids, batch.src_lengths, batch.tgt_in)
-                    loss, n_tokens = token_loss(logits, batch.tgt_out, tokenizer.pad_id, opts.label_smoothing)
-                    # under torchrun: loss summed over this rank / target tokens of all ranks (x world_size, as DDP
-                    # averages); loss_value and n_tokens are then the global batch's
-                    loss, loss_value, n_tokens = ctx.reduce_loss(loss, n_tokens)
                     optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
+                    loss_value, n_tokens = accumulate_gradients(micro)
+                    if scaler is not None:
+                        scaler.unscale_(optimizer)
                     if opts.clip_norm > 0:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip_norm)
-                    optimizer.step()
+                    if scaler is not None:
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        optimizer.step()
                     scheduler.step()
                     state["step"] += 1
-                    state["batch_in_epoch"] += 1
+                    state["batch_in_epoch"] += len(group)
                     if not math.isfinite(loss_value):
                         raise TrainingDiverged(f"training loss became {loss_value} at step {state['step']}; "
                                                "try a smaller --lr-factor or a longer --warmup")
@@ -993,6 +1300,10 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                         window_loss, window_tokens, window_start = 0.0, 0, time.monotonic()
                     if opts.eval_every and state["step"] % opts.eval_every == 0:
                         validate_and_save_on_rank0()
+                        if opts.patience is not None and state["evals_since_best"] >= opts.patience:
+                            stop_reason = "patience"
+                            done = True
+                            break
                 else:
                     state["epoch"] += 1
                     state["batch_in_epoch"] = 0
@@ -1009,7 +1320,7 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                     state["total_elapsed_s"], _load_average())
 
         heldout = None
-        if opts.final_eval and ctx.is_main:
+        if opts.final_eval and ctx.is_main and not text_mode:
             heldout = _evaluate_heldout(out / "best", splits.heldout, device, opts.final_beam)
         result = TrainResult(
             out_dir=str(out), config=config.to_dict(), step=state["step"], first_step=first_step, epoch=state["epoch"],
@@ -1022,6 +1333,7 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
             epochs=result.epoch + state["batch_in_epoch"] / steps_per_epoch, steps_per_epoch=steps_per_epoch,
             train_seconds=round(result.total_elapsed_s, 1), stop_reason=stop_reason, best=result.best,
             heldout=heldout, world_size=ctx.world_size, torch=torch.__version__, threads=torch.get_num_threads(),
+            best_metric=best_metric, history=state["history"], data=data_report, tokenizer=_tokenizer_info(tokenizer),
             last_session=dict(wall_seconds=round(session_s, 1), process_cpu_seconds=round(session_cpu_s, 1),
                               load_average_start=load_start, load_average_end=_load_average(),
                               cpu_count=os.cpu_count()),
@@ -1029,7 +1341,7 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         if ctx.is_main:
             atomic_write_json(out / SUMMARY_JSON, summary)
             if export_dir is not None:
-                _export(out / "best", export_dir, summary)
+                _export(out / "best", export_dir, summary, tokenizer.files)
         ctx.close()
         return result
 
@@ -1074,14 +1386,17 @@ def _evaluate_heldout(model_dir: Path, numbers: Sequence[int], device, beam: int
     return report
 
 
-def _export(best: Path, target: Path, summary: dict) -> None:
+def _export(best: Path, target: Path, summary: dict, tokenizer_files: Sequence[str] = (TOKENIZER_FILE,)) -> None:
     """Copy the model directory ``best`` (config, weights, tokenizer) to ``target`` with a summary.
 
     ``target`` was checked before training (:func:`_check_export_dir`); each file is replaced
     atomically, other files in ``target`` are kept.
     """
     target.mkdir(parents=True, exist_ok=True)
-    for name in MODEL_FILES:
+    names = list(MODEL_FILES[:2]) + list(tokenizer_files)
+    if (best / PROVENANCE_FILE).is_file():
+        names.append(PROVENANCE_FILE)
+    for name in names:
         atomic_write_bytes(target / name, (best / name).read_bytes())
     atomic_write_json(target / "training_summary.json", summary)
     logger.info("exported the best model to %s", target)
@@ -1093,11 +1408,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m transformer_ext.train",
         description=(
-            "Train an encoder-decoder Transformer on the demo task, English number words to German "
-            "number words (num2words), with the paper's recipe: teacher forcing, label smoothing, Adam "
-            "with the warmup schedule, gradient clipping, batches by token count. Without options it "
-            "trains the demo model. Checkpoints go to OUT/best/ and OUT/last/ (config.json, "
-            "model.safetensors, tokenizer.json; OUT/last/ also holds the state for --resume)."
+            "Train an encoder-decoder Transformer with the paper's recipe: teacher forcing, label smoothing, "
+            "Adam with a warmup schedule, gradient clipping, batches by token count bucketed by length. "
+            "Without options it trains the demo model (English to German number words, num2words, character "
+            "tokenizer); with --train SRC TGT --valid SRC TGT it trains on parallel text with a SentencePiece "
+            "vocabulary and selects checkpoints by validation BLEU. Checkpoints go to OUT/best/ and OUT/last/ "
+            "(config.json, model.safetensors, tokenizer files; OUT/last/ also holds the state for --resume). "
+            "Multi-process training: torchrun --nproc-per-node N -m transformer_ext.train ... (data-parallel, "
+            "gloo on the CPU, nccl on CUDA; rank 0 trains the tokenizer, validates and writes)."
         ),
     )
     g = p.add_argument_group("run")
@@ -1135,7 +1453,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pre-ln", dest="norm_first", action="store_const", const=True, default=None,
                    help="Pre-LN layers (default: the preset's, Post-LN for demo)")
     g.add_argument("--shared-vocab", action="store_true",
-                   help="one character vocabulary for both languages, all embeddings tied")
+                   help="one vocabulary (character or SentencePiece) for both languages; the source embedding, "
+                        "target embedding and output projection are then one matrix")
+
+    g = p.add_argument_group("parallel text (instead of the demo task)")
+    g.add_argument("--train", dest="train_files", nargs=2, metavar=("SRC_FILE", "TGT_FILE"),
+                   help="training pairs: two line-aligned UTF-8 files (e.g. from python -m transformer_ext.corpora); a "
+                        "provenance.json next to SRC_FILE is copied into every model folder")
+    g.add_argument("--valid", dest="valid_files", nargs=2, metavar=("SRC_FILE", "TGT_FILE"),
+                   help="validation pairs (loss, BLEU and chrF with sacrebleu, best-checkpoint selection)")
+    g.add_argument("--train-tsv", metavar="FILE", help="training pairs as source<TAB>target lines")
+    g.add_argument("--valid-tsv", metavar="FILE", help="validation pairs as source<TAB>target lines")
+    g.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
+                   help="char, or sentencepiece (the default with --train: learnt from the training split only, "
+                        "special ids equal to the model's)")
+    g.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                   help="SentencePiece pieces per model, special tokens included (default: %(default)s)")
+    g.add_argument("--spm-model-type", choices=("unigram", "bpe"), default=d.spm_model_type,
+                   help="SentencePiece algorithm (default: %(default)s)")
+    g.add_argument("--max-len-ratio", type=float, default=None, metavar="R",
+                   help="drop training pairs whose longer side has more than R times the tokens of the shorter "
+                        "(pairs longer than --max-len tokens, BOS/EOS included, and empty lines are always dropped; "
+                        "the counts are logged)")
 
     g = p.add_argument_group("data")
     g.add_argument("--range", dest="number_range", nargs=2, type=int, metavar=("LOW", "HIGH"),
@@ -1167,6 +1506,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="label smoothing epsilon (default: %(default)s)")
     g.add_argument("--clip-norm", type=float, default=d.clip_norm,
                    help="max gradient norm, 0: no clipping (default: %(default)s)")
+    g.add_argument("--lr-schedule", choices=("noam", "inverse-sqrt"), default=d.lr_schedule,
+                   help="noam: the paper's formula scaled by --lr-factor; inverse-sqrt: fairseq's, a linear warmup "
+                        "to --lr over --warmup steps, then lr * sqrt(warmup / step) (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate of --lr-schedule inverse-sqrt")
+    g.add_argument("--update-freq", type=int, default=d.update_freq, metavar="N",
+                   help="accumulate the gradients of N batches into one optimiser step (the gradient of one N-times "
+                        "larger batch) (default: %(default)s)")
+    g.add_argument("--amp", choices=AMP_DTYPES, default=None,
+                   help="mixed precision on CUDA (fp16 with a gradient scaler). Not on the CPU: there training runs "
+                        "float32, because bfloat16/float16 matrix products on CPUs without native bf16 instructions "
+                        "are about 100x slower than float32")
 
     g = p.add_argument_group("validation")
     g.add_argument("--eval-every", type=int, default=d.eval_every,
@@ -1177,6 +1527,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the held-out evaluation of the best model at the end")
     g.add_argument("--final-beam", type=int, default=d.final_beam,
                    help="beam size of the final held-out evaluation (1: greedy only) (default: %(default)s)")
+    g.add_argument("--best-metric", choices=BEST_METRICS, default=None,
+                   help="what selects OUT/best/: validation BLEU, chrF, loss, or exact match (default: exact for the "
+                        "demo, bleu for parallel text)")
+    g.add_argument("--patience", type=int, default=None, metavar="N",
+                   help="stop early after N validations without a new best")
+    g.add_argument("--keep-last", type=int, default=d.keep_last, metavar="K",
+                   help="also keep the models of the last K validations in OUT/checkpoints/step-N/ (for "
+                        "python -m transformer_ext.average) (default: %(default)s)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)")
     return p
 
@@ -1204,6 +1562,9 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
                 values[name] = layers
     if values.get("max_steps") is not None and values["max_steps"] <= 0:
         values["max_steps"] = None
+    for name in ("train_files", "valid_files"):
+        if values.get(name) is not None:
+            values[name] = tuple(values[name])
     return TrainOptions(range_low=low, range_high=high, **values)
 
 
@@ -1230,8 +1591,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if rank > 0:
             return 0
         best = result.best or {}
-        print(f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); "
-              f"best validation exact match {best.get('exact_match', float('nan')):.4f} at step {best.get('step')}")
+        if "bleu" in best:
+            print(f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); best "
+                  f"validation BLEU {best['bleu']:.2f}, chrF {best['chrf']:.2f} at step {best.get('step')}")
+        else:
+            print(f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); "
+                  f"best validation exact match {best.get('exact_match', float('nan')):.4f} at step {best.get('step')}")
         if result.heldout:
             h = result.heldout
             line = f"held-out ({h['n']} numbers): greedy exact match {h['greedy_exact_match']:.4f}"
