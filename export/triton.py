@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.export_format import DTYPES, io_problems, read_generation_config
 from transformer_ext.fsutil import StagedDir, atomic_write_json
 
 from . import ExportError, InvalidGraphError, ManifestError, OutputFolderError
@@ -108,7 +109,6 @@ TRANSLATOR_MODEL = "translator"
 DEFAULT_MAX_BATCH_SIZE = 64  # rows (sources x beams) per model execution
 DEFAULT_QUEUE_DELAY_US = 100  # how long the batchers wait for more requests to merge
 SEQUENCE_IDLE_US = 5_000_000  # a sequence idle this long is freed by Triton (default would be 1 s)
-DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B = 1.5, 10  # transformer_ext.translate's default budget
 MAX_BEAM_SIZE = 16
 # The marker of a repository written by this tool: format, version and every file it wrote.
 MARKER_FILE = "transformer_ext.repository.json"
@@ -125,19 +125,12 @@ _UNMARKED_FILES = frozenset(
 )
 
 _TRANSLATOR_SOURCE = Path(__file__).resolve().parent / "triton_models" / "translator" / "model.py"
-_DECODING_SOURCE_MODULE = "transformer_ext.decoding"
+# The modules the translator imports from transformer_ext, copied into 1/_vendor/transformer_ext/
+# unchanged (transformer_ext.decoding needs only numpy: the search and the runners' checks).
+VENDORED_MODULES = ("transformer_ext.decoding",)
 
-# manifest dtype -> (Triton data type, bytes per element)
-TRITON_DTYPES = {
-    "int64": ("TYPE_INT64", 8),
-    "int32": ("TYPE_INT32", 4),
-    "float32": ("TYPE_FP32", 4),
-    "float16": ("TYPE_FP16", 2),
-    "bfloat16": ("TYPE_BF16", 2),
-    "bool": ("TYPE_BOOL", 1),
-}
-# ONNX TensorProto element types -> manifest dtype
-_ONNX_DTYPES = {7: "int64", 6: "int32", 1: "float32", 10: "float16", 16: "bfloat16", 9: "bool"}
+# manifest dtype -> (Triton data type, bytes per element), from transformer_ext.export_format.DTYPES
+TRITON_DTYPES = {name: (d.triton, d.itemsize) for name, d in DTYPES.items()}
 
 
 class TritonExportError(ExportError):
@@ -434,12 +427,12 @@ def _check_onnx_file(path: Path, spec: Mapping[str, Any]) -> None:
             f"{path} is not a valid ONNX graph ({type(exc).__name__}: {str(exc).strip() or 'unreadable'}); "
             "export the folder again with python -m export.onnx"
         ) from exc
-    want = ([t["name"] for t in spec["inputs"]], [t["name"] for t in spec["outputs"]])
-    have = ([t.name for t in graph.inputs], [t.name for t in graph.outputs])
-    if want != have:
+    as_dicts = [[{"name": t.name, "dtype": t.dtype, "shape": t.shape} for t in ts] for ts in (graph.inputs, graph.outputs)]
+    problems = io_problems(spec, *as_dicts)
+    if problems:
         raise InvalidGraphError(
-            f"{path} does not have the inputs and outputs its manifest lists (inputs {have[0]}, outputs "
-            f"{have[1]}); export the folder again with python -m export.onnx"
+            f"{path} does not have the inputs and outputs its manifest lists ({'; '.join(problems)}); "
+            "export the folder again with python -m export.onnx"
         )
 
 
@@ -486,6 +479,7 @@ class _Plan:
     encoder_max_batch: int
     decoder_max_batch: int
     max_src_len: int
+    max_positions: int  # the model's max_len: positions stay below it
     max_cache_len: int
     fixed_cache_len: int  # 0 = the cache_len axis is dynamic
     cache_dtype: str
@@ -555,7 +549,9 @@ def _stateful_config(plan: _Plan, **kwargs: Any) -> dict:
     return ordered
 
 
-def _translator_config(plan: _Plan, *, instances: int, decoder_instances: int, stateful_model: Optional[str]) -> dict:
+def _translator_config(plan: _Plan, generation, *, instances: int, decoder_instances: int,
+                       stateful_model: Optional[str]) -> dict:
+    """The translator's config; its decoding defaults are the export's generation config."""
     cfg = plan.manifest["model_config"]
     heads = int(cfg["n_heads"])
     stateful_rows = 0
@@ -572,6 +568,8 @@ def _translator_config(plan: _Plan, *, instances: int, decoder_instances: int, s
         "n_heads": heads,
         "d_k": int(cfg["d_model"]) // heads,
         "src_vocab_size": int(cfg.get("src_vocab_size", 0)),
+        "tgt_vocab_size": int(cfg["tgt_vocab_size"]),
+        "max_positions": plan.max_positions,
         "bos_id": int(cfg["bos_id"]),
         "eos_id": int(cfg["eos_id"]),
         "pad_id": int(cfg["pad_id"]),
@@ -583,11 +581,14 @@ def _translator_config(plan: _Plan, *, instances: int, decoder_instances: int, s
         "encoder_max_batch_size": plan.encoder_max_batch,
         "decoder_max_batch_size": plan.decoder_max_batch,
         "stateful_max_sequences": stateful_rows,
-        "max_len_a": DEFAULT_MAX_LEN_A,
-        "max_len_b": DEFAULT_MAX_LEN_B,
-        "max_beam_size": MAX_BEAM_SIZE,
-        "length_penalty": "gnmt",
-        "alpha": 0.6,
+        "beam_size": generation.beam_size,
+        "max_len_a": generation.max_len_a,
+        "max_len_b": generation.max_len_b,
+        "min_new_tokens": generation.min_new_tokens,
+        "max_new_tokens": generation.max_new_tokens,
+        "max_beam_size": max(MAX_BEAM_SIZE, generation.beam_size),
+        "length_penalty": generation.length_penalty,
+        "alpha": generation.alpha,
     }
     i64, f32 = "int64", "float32"
     return {
@@ -713,7 +714,8 @@ def _plan(export_dir: Path, manifest: dict, *, backend: str, precision: Optional
         manifest=manifest, flavour=flavour, backend=backend, precision=precision if backend == "tensorrt" else None,
         encoder=encoder, decoder=decoder, encoder_file=encoder_file, decoder_file=decoder_file,
         instance_kind=instance_kind, encoder_max_batch=int(enc_batch), decoder_max_batch=int(dec_batch),
-        max_src_len=int(max_src_len), max_cache_len=int(max_cache_len), fixed_cache_len=fixed_cache_len,
+        max_src_len=int(max_src_len), max_positions=int(max_positions), max_cache_len=int(max_cache_len),
+        fixed_cache_len=fixed_cache_len,
         cache_dtype=cache_dtype, stateful=bool(stateful), state_cache_len=state_cache_len,
     )
 
@@ -723,23 +725,35 @@ def _plan(export_dir: Path, manifest: dict, *, backend: str, precision: Optional
 # ------------------------------------------------------------------------------------------
 
 
-def _write_translator(model_dir: Path) -> None:
-    """``1/model.py`` and the shared decoding code it imports, vendored under ``1/_vendor``."""
+def _module_file(module: str) -> Path:
     import importlib.util
 
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        raise TritonExportError(f"cannot find {module} to copy into the repository")
+    return Path(spec.origin)
+
+
+def _vendored_path(module: str) -> str:
+    """``transformer_ext.decoding`` -> ``1/_vendor/transformer_ext/decoding.py`` (relative to the model folder)."""
+    return "1/_vendor/" + module.replace(".", "/") + ".py"
+
+
+def _write_translator(model_dir: Path) -> None:
+    """``1/model.py`` and the modules of transformer_ext it imports (:data:`VENDORED_MODULES`),
+    copied byte for byte under ``1/_vendor`` (the package's ``__init__`` is a stub, so that
+    nothing else of transformer_ext is imported in Triton's Python backend)."""
     version = model_dir / "1"
     version.mkdir(parents=True, exist_ok=True)
     shutil.copy2(_TRANSLATOR_SOURCE, version / "model.py")
-    spec = importlib.util.find_spec(_DECODING_SOURCE_MODULE)
-    if spec is None or not spec.origin:
-        raise TritonExportError(f"cannot find {_DECODING_SOURCE_MODULE} to copy into the repository")
     vendor = version / "_vendor" / "transformer_ext"
     vendor.mkdir(parents=True)
     (vendor / "__init__.py").write_text(
         '"""The part of transformer_ext the Triton translator needs (copied by python -m export.triton)."""\n',
         encoding="utf-8",
     )
-    shutil.copy2(spec.origin, vendor / "decoding.py")
+    for module in VENDORED_MODULES:
+        shutil.copy2(_module_file(module), model_dir / _vendored_path(module))
 
 
 def export_triton(
@@ -838,7 +852,7 @@ def export_triton(
             )
     if translator:
         configs[TRANSLATOR_MODEL] = _translator_config(
-            plan, instances=translator_instances, decoder_instances=instances,
+            plan, read_generation_config(export_dir, manifest), instances=translator_instances, decoder_instances=instances,
             stateful_model=STATEFUL_DECODER_MODEL if plan.stateful else None,
         )
     texts = {name: render_pbtxt(cfg) for name, cfg in configs.items()}
@@ -923,17 +937,17 @@ def parse_config(text: str, path: str = "config.pbtxt"):
 
 
 def _onnx_io(path: Path) -> _Graph:
+    """A graph file's inputs (initializers excluded) and outputs (:func:`export.contract.graph_io`)."""
     import onnx
 
-    model = onnx.load(os.fspath(path), load_external_data=False)
-    inits = {i.name for i in model.graph.initializer}
+    from .contract import graph_io
 
-    def conv(vi):
-        tt = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or -1) for d in tt.shape.dim]
-        return _Tensor(vi.name, _ONNX_DTYPES.get(tt.elem_type, f"onnx:{tt.elem_type}"), dims)
+    inputs, outputs = graph_io(onnx.load(os.fspath(path), load_external_data=False))
 
-    return _Graph([conv(v) for v in model.graph.input if v.name not in inits], [conv(v) for v in model.graph.output])
+    def conv(t: dict) -> _Tensor:
+        return _Tensor(t["name"], t["dtype"], [-1 if d is None else d for d in (t["shape"] or [])])
+
+    return _Graph([conv(t) for t in inputs], [conv(t) for t in outputs])
 
 
 def _normalize(config: Mapping[str, Any]) -> dict:
@@ -1075,8 +1089,13 @@ def validate_repository(repo_dir: str | os.PathLike, *, engine_graphs: Optional[
         elif config.get("backend") == "python":
             if not (folder / "1" / "model.py").is_file():
                 problems.append(f"{name}: 1/model.py is missing")
-            if not (folder / "1" / "_vendor" / "transformer_ext" / "decoding.py").is_file():
-                problems.append(f"{name}: the vendored 1/_vendor/transformer_ext/decoding.py is missing")
+            for module in VENDORED_MODULES:
+                copy = folder / _vendored_path(module)
+                if not copy.is_file():
+                    problems.append(f"{name}: the vendored {_vendored_path(module)} is missing")
+                elif copy.read_bytes() != _module_file(module).read_bytes():
+                    problems.append(f"{name}: {_vendored_path(module)} is not a copy of {module} "
+                                    f"({_module_file(module)})")
             params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
             for key in ("encoder_model", "decoder_model", "stateful_decoder_model"):
                 if params.get(key) and params[key] not in parsed:

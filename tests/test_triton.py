@@ -344,8 +344,9 @@ def test_configs_parse_with_tritons_protobuf_and_match_the_graphs(repos, exports
     translator = parse(repo / TRANSLATOR_MODEL / "config.pbtxt")
     assert translator["backend"] == "python" and translator.get("max_batch_size", 0) == 0  # proto3: 0 is not listed
     assert translator["instance_group"] == [{"count": 1, "kind": "KIND_CPU"}]
-    assert (repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding.py").read_text() == \
-        Path(decoding.__file__).read_text()
+    # the real decoding module, byte for byte (not a copy of its code that could drift)
+    assert (repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding.py").read_bytes() == \
+        Path(decoding.__file__).read_bytes()
     settings = settings_of(repo)
     assert settings.stateful_decoder_model == (STATEFUL_DECODER_MODEL if flavour == "tensorscatter" else "")
 
@@ -493,9 +494,13 @@ def test_bad_requests_are_refused_with_a_message(repos):
     translator = translator_module.Translator(settings_of(repos["tensorscatter"]))
     ids, lengths = sources(batch=2)
     cases = [
-        ({"input_ids": ids.astype(np.float32)}, "input_ids must be a non-empty int64"),
-        ({"input_ids": ids + 100}, r"input_ids must be in \[0, 48\)"),
+        # the search's and the runners' own checks (transformer_ext.decoding), as the client sees them
+        ({"input_ids": ids.astype(np.float32)}, "input_ids must hold integer token ids, got dtype float32"),
+        ({"input_ids": ids[0]}, r"input_ids must be a non-empty \[batch, src_len\] array"),
+        ({"input_ids": ids + 100}, r"input_ids\[0, 0\] = \d+ \(row 0\) is not a source token id: the source "
+                                   r"vocabulary has ids 0 \.\. 47"),
         ({"input_ids": ids, "src_lengths": np.array([0, 3])}, r"src_lengths must be in \[1, 7\]"),
+        ({"input_ids": ids, "src_lengths": np.array([3])}, r"src_lengths must have shape \(2,\)"),
         ({"input_ids": ids, "max_new_tokens": np.array([65])}, "max_new_tokens must be at most 64"),
         ({"input_ids": ids, "beam_size": np.array([17])}, "beam_size must be at most 16"),
         ({"input_ids": ids, "beam_size": np.array([0])}, "beam_size must be >= 1"),
@@ -521,6 +526,59 @@ def test_failing_step_still_ends_the_sequences(repos):
     with pytest.raises(RuntimeError, match="went away"):
         translator.translate({"input_ids": ids, "max_new_tokens": np.array([8])}, flaky)
     assert server.states == {}  # END sent for both sequences
+
+
+def test_translator_runners_use_the_shared_checks(repos):
+    """A bad step token or beam index is refused with transformer_ext.decoding's own message (the
+    vendored module's checks, not a copy in model.py)."""
+    settings = settings_of(repos["portable"])
+    server = FakeTriton(repos["portable"])
+    runner = translator_module.StatelessRunner(settings, server.infer_many)
+    ids, lengths = sources(batch=2)
+    state = runner.encode(ids, lengths, 4, 2)  # 4 rows
+    with pytest.raises(ValueError, match=r"tokens\[1\] = 40 \(row 1\) is not a target token id: the target vocabulary "
+                                         r"has ids 0 \.\. 39"):
+        runner.step(state, np.array([1, 40, 1, 1]))
+    runner.step(state, np.ones(4, dtype=np.int64))
+    with pytest.raises(IndexError, match=r"beam_index\[2\] = 4 is not a row of the decoding state: rows are 0 \.\. 3"):
+        runner.reorder(state, np.array([0, 1, 4, 3]))
+    state.position = settings.max_positions  # past the positional encodings (and the cache)
+    with pytest.raises(IndexError, match="cannot feed a token at position"):
+        runner.step(state, np.ones(4, dtype=np.int64))
+
+
+def test_generation_config_of_the_export_sets_the_translators_defaults(exports, eager, tmp_path):
+    folder = tmp_path / "export"
+    shutil.copytree(exports["portable"], folder)
+    generation = json.loads((folder / "generation.json").read_text())
+    generation.update(beam_size=3, length_penalty="average", alpha=1.0, max_len_a=0.0, max_len_b=5, min_new_tokens=2,
+                      max_new_tokens=4)
+    (folder / "generation.json").write_text(json.dumps(generation))
+    repo = export_triton(folder, tmp_path / "repo").repo_dir
+    settings = settings_of(repo)
+    assert (settings.beam_size, settings.length_penalty, settings.alpha, settings.max_len_a, settings.max_len_b,
+            settings.min_new_tokens, settings.max_new_tokens) == (3, "average", 1.0, 0.0, 5.0, 2, 4)
+    server = FakeTriton(repo)
+    ids, lengths = sources(batch=2)
+    out = translator_module.Translator(settings).translate({"input_ids": ids, "src_lengths": lengths}, server.infer_many)
+    c = eager.config
+    hyps = decoding.beam_search(eager, ids, lengths, bos_id=c.bos_id, eos_id=c.eos_id, beam_size=3, n_best=1,
+                                max_new_tokens=4, min_new_tokens=2, length_penalty="average", alpha=1.0)
+    assert unpack(out) == [h[0].tokens for h in hyps]  # min(floor(0 * n + 5), 4) = 4 tokens, beam 3
+    np.testing.assert_allclose(out["scores"], [h[0].score for h in hyps], rtol=0, atol=1e-4)
+    (folder / "generation.json").write_text(json.dumps({**generation, "beam_size": 0}))
+    with pytest.raises(ManifestError, match=r"generation.json: beam_size must be >= 1, got 0"):
+        export_triton(folder, tmp_path / "repo2")
+    assert not (tmp_path / "repo2").exists()
+
+
+def test_validation_refuses_a_vendored_module_that_is_not_the_packages(repos, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(repos["portable"], repo)
+    vendored = repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding.py"
+    vendored.write_bytes(vendored.read_bytes() + b"\n# edited\n")
+    with pytest.raises(TritonConfigError, match=r"_vendor/transformer_ext/decoding.py is not a copy of transformer_ext.decoding"):
+        validate_repository(repo)
 
 
 # ------------------------------------------------------------------------------------------

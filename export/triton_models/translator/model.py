@@ -1,8 +1,9 @@
 """Triton Python-backend (BLS) model ``translator``: token ids in, translated token ids out.
 
 Copied by ``python -m export.triton`` into ``<repo>/translator/1/model.py``, next to
-``_vendor/transformer_ext/decoding.py`` (a copy of the project's shared greedy / beam search, so
-the Triton image needs only numpy). The decoding loop is :mod:`transformer_ext.decoding`, driven
+``_vendor/transformer_ext/decoding.py``: the project's :mod:`transformer_ext.decoding`, byte for
+byte (it needs only numpy, so the Triton image needs nothing else). The decoding loop and the
+checks every runner makes (source ids, step tokens, beam indices) are that module's, driven
 through a runner (the runner protocol of DESIGN.md section 1) whose ``encode`` / ``step`` are
 BLS calls to the ``encoder`` and ``decoder_step`` models of the same repository:
 
@@ -22,8 +23,10 @@ the thin adapter that implements ``infer`` with ``pb_utils.InferenceRequest(...)
 
 Request (all int64): ``input_ids [batch, src_len]`` (right-padded with pad_id), optional
 ``src_lengths [batch]`` (default: up to the last non-pad token), ``max_new_tokens [1]`` (default
-``floor(1.5 * src_len + 10)`` per source, capped by the cache capacity), ``min_new_tokens [1]``,
-``beam_size [1]`` (1: greedy). Response: ``output_ids [batch, max_len]`` (pad-filled, no BOS/EOS),
+``floor(max_len_a * src_len + max_len_b)`` per source, capped by the generation config's
+``max_new_tokens`` and the cache capacity), ``min_new_tokens [1]``, ``beam_size [1]`` (1: greedy);
+the defaults are the export folder's generation config (``generation.json``), which
+``python -m export.triton`` writes into the translator's parameters. Response: ``output_ids [batch, max_len]`` (pad-filled, no BOS/EOS),
 ``output_lengths [batch]``, ``scores [batch]`` float32 (beam: the length-penalised score of the
 best hypothesis; greedy: NaN).
 """
@@ -91,6 +94,8 @@ class Settings:
     n_heads: int
     d_k: int
     src_vocab_size: int
+    tgt_vocab_size: int
+    max_positions: int  # the model's max_len: a step's position stays below it
     bos_id: int
     eos_id: int
     pad_id: int
@@ -102,8 +107,11 @@ class Settings:
     encoder_max_batch_size: int
     decoder_max_batch_size: int
     stateful_max_sequences: int  # sequences this instance may hold open at once
+    beam_size: int  # default of a request without beam_size (the generation config's)
     max_len_a: float
     max_len_b: float
+    min_new_tokens: int  # default of a request without min_new_tokens
+    max_new_tokens: int  # the largest default budget
     max_beam_size: int
     length_penalty: str
     alpha: float
@@ -175,12 +183,8 @@ class _RunnerBase:
         return rows, cross
 
     def _check_step(self, state: _State, tokens: np.ndarray) -> np.ndarray:
-        if state.position >= state.cache_len:
-            raise IndexError(f"cannot feed a token at position {state.position}: the cache holds {state.cache_len}")
-        tok = np.asarray(tokens)
-        if tok.shape != (state.num_rows,) or not np.issubdtype(tok.dtype, np.integer):
-            raise ValueError(f"tokens must be {state.num_rows} integers, got shape {tok.shape} dtype {tok.dtype}")
-        return tok.astype(np.int64)
+        return decoding.check_step_tokens(state.position, state.cache_len, self.s.max_positions, tokens,
+                                          state.num_rows, self.s.tgt_vocab_size)
 
 
 class StatelessRunner(_RunnerBase):
@@ -226,7 +230,7 @@ class StatelessRunner(_RunnerBase):
         return np.concatenate(logits, axis=0) if len(logits) > 1 else logits[0]
 
     def reorder(self, state: _State, beam_index) -> None:
-        index = np.asarray(beam_index, dtype=np.int64)
+        index = decoding.check_beam_index(beam_index, state.num_rows)
         p = state.position
         if p == 0:
             return
@@ -321,41 +325,39 @@ class Translator:
         self.s = settings
 
     def _sources(self, arrays: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """The request's sources, checked by the search's own source checks (shapes, dtypes,
+        lengths) and the runners' source-id check, before any budget is computed."""
         ids = np.asarray(arrays.get("input_ids"))
-        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise TranslationRequestError(f"input_ids must be a non-empty int64 [batch, src_len] tensor, got shape {ids.shape}")
-        ids = ids.astype(np.int64)
-        if ids.shape[1] > self.s.max_src_len:
-            raise TranslationRequestError(f"source length {ids.shape[1]} exceeds the served maximum {self.s.max_src_len}")
-        if self.s.src_vocab_size and (ids.min() < 0 or ids.max() >= self.s.src_vocab_size):
-            raise TranslationRequestError(f"input_ids must be in [0, {self.s.src_vocab_size}), got [{ids.min()}, {ids.max()}]")
         lengths = arrays.get("src_lengths")
-        if lengths is None:  # right-padded: up to the last non-pad token
+        if lengths is None and ids.ndim == 2 and ids.size:  # right-padded: up to the last non-pad token
             nonpad = ids != self.s.pad_id
             lengths = np.where(nonpad.any(axis=1), ids.shape[1] - np.argmax(nonpad[:, ::-1], axis=1), 1)
-        lengths = np.asarray(lengths).reshape(-1)
-        if lengths.shape != (ids.shape[0],) or not np.issubdtype(lengths.dtype, np.integer):
-            raise TranslationRequestError(f"src_lengths must hold {ids.shape[0]} integers, got shape {lengths.shape}")
-        if lengths.min() < 1 or lengths.max() > ids.shape[1]:
-            raise TranslationRequestError(f"src_lengths must be in [1, {ids.shape[1]}], got {lengths.tolist()}")
-        return ids, lengths.astype(np.int64)
+        try:
+            ids, lengths = decoding._check_sources(ids, np.asarray(lengths).reshape(-1) if lengths is not None else None)
+            decoding.check_token_ids("input_ids", ids, self.s.src_vocab_size or None, side="source")
+        except (TypeError, ValueError) as exc:
+            raise TranslationRequestError(str(exc)) from None
+        if ids.shape[1] > self.s.max_src_len:
+            raise TranslationRequestError(f"source length {ids.shape[1]} exceeds the served maximum {self.s.max_src_len}")
+        return ids, lengths
 
     def translate(self, arrays: Mapping[str, Any], infer: Infer,
                   new_correlation_id: Optional[Callable[[], int]] = None) -> dict[str, np.ndarray]:
         ids, lengths = self._sources(arrays)
         B = ids.shape[0]
-        beam = _scalar(arrays, "beam_size", 1, 1)
+        beam = _scalar(arrays, "beam_size", self.s.beam_size, 1)
         if beam > self.s.max_beam_size:
             raise TranslationRequestError(f"beam_size must be at most {self.s.max_beam_size}, got {beam}")
         stateful = beam == 1 and bool(self.s.stateful_decoder_model)
         capacity = self.s.state_cache_len if stateful else (self.s.fixed_cache_len or self.s.max_cache_len)
-        min_new = _scalar(arrays, "min_new_tokens", 0, 0)
+        min_new = _scalar(arrays, "min_new_tokens", self.s.min_new_tokens, 0)
         if arrays.get("max_new_tokens") is not None:
             max_new = np.full(B, _scalar(arrays, "max_new_tokens", 0, 1), dtype=np.int64)
             if int(max_new[0]) > capacity:
                 raise TranslationRequestError(f"max_new_tokens must be at most {capacity} (the decoder's cache capacity)")
         else:
-            max_new = decoding.max_new_tokens_for(lengths, self.s.max_len_a, self.s.max_len_b, cap=capacity)
+            max_new = decoding.max_new_tokens_for(lengths, self.s.max_len_a, self.s.max_len_b,
+                                                  cap=min(capacity, self.s.max_new_tokens))
 
         tokens: list[list[int]] = []
         scores = np.full(B, np.nan, dtype=np.float32)
