@@ -53,6 +53,7 @@ import numpy as np
 
 from .cli import UserError, add_debug_flag, run_cli
 from .decoding import LENGTH_PENALTIES, Hypothesis, Runner
+from .export_format import MANIFEST_NAME, read_generation_config, read_manifest, tokenizer_files
 from .fsutil import atomic_write_text
 from .tokenizer import (
     TOKENIZER_FILE,
@@ -85,7 +86,6 @@ DEFAULT_MAX_LEN_A = 1.5  # German number words are at most 6 characters longer t
 DEFAULT_MAX_LEN_B = 10
 PROGRESS_MIN_BATCHES = 4  # a progress bar only for inputs of at least this many batches
 RUNTIMES = ("eager", "onnxruntime", "tensorrt")
-_MANIFEST_NAME = "manifest.json"  # export.manifest.MANIFEST_NAME, without importing export here
 # ONNX Runtime execution providers by their short names.
 PROVIDER_ALIASES = {
     "cpu": "CPUExecutionProvider",
@@ -170,7 +170,7 @@ def _config_value(config: Any, key: str) -> Any:
 
 def is_export_dir(path: Union[str, os.PathLike]) -> bool:
     """Whether ``path`` is an export folder (it holds ``manifest.json``) rather than a model folder."""
-    return os.path.isfile(os.path.join(os.fspath(path), _MANIFEST_NAME))
+    return os.path.isfile(os.path.join(os.fspath(path), MANIFEST_NAME))
 
 
 # ---------------------------------------------------------------------- generation options
@@ -178,8 +178,8 @@ def is_export_dir(path: Union[str, os.PathLike]) -> bool:
 
 @dataclass(frozen=True)
 class _GenerationDefaults:
-    """The generation options of a folder without a generation config. A folder's own config
-    (``transformer_ext.export_format.GenerationConfig``) has these fields too."""
+    """The generation options of a translator given no generation config (the fields of
+    :class:`transformer_ext.export_format.GenerationConfig` that the translator reads)."""
 
     beam_size: int = 1
     length_penalty: str = "gnmt"
@@ -341,10 +341,11 @@ class Translator:
         beam_size, n_best, max_len_a, max_len_b, length_penalty, alpha, batch_size: the
             generation options (see :meth:`translate`); ``None`` takes ``generation``'s value,
             else the default.
-        generation: the defaults of those options: an object with the fields ``beam_size``,
-            ``length_penalty``, ``alpha``, ``max_len_a``, ``max_len_b`` (and optionally
-            ``min_new_tokens``, ``max_new_tokens``, ``special_tokens``), such as an export
-            folder's generation config; ``None``: the defaults above.
+        generation: the defaults of those options: a
+            :class:`transformer_ext.export_format.GenerationConfig` (an export folder's
+            ``generation.json``) or any object with its fields ``beam_size``, ``length_penalty``,
+            ``alpha``, ``max_len_a``, ``max_len_b`` (and optionally ``min_new_tokens``,
+            ``max_new_tokens``, ``special_tokens``); ``None``: the defaults above.
         max_len: the model's maximum positions, for a runner that does not tell (a bare
             ``TensorRTRunner``).
 
@@ -426,7 +427,7 @@ class Translator:
                 "model.safetensors and tokenizer.json, as written by `python -m transformer_ext.train`)"
             )
         if is_export_dir(model_dir) and not (model_dir / "config.json").exists():
-            raise TranslationError(f"{model_dir} is an export folder (it has {_MANIFEST_NAME}, no PyTorch weights): "
+            raise TranslationError(f"{model_dir} is an export folder (it has {MANIFEST_NAME}, no PyTorch weights): "
                                    "load it with Translator.from_export_dir (ONNX Runtime or TensorRT)")
         tokenizer_path = model_dir / TOKENIZER_FILE
         tokenizer = _load_folder_tokenizer(model_dir)
@@ -452,15 +453,14 @@ class Translator:
         the only precision built). ``options``: generation options, as for the constructor.
 
         Raises:
-            ManifestError: no ``manifest.json``, one of another tool or of an unknown format version.
+            ManifestError: no ``manifest.json``, one of another tool or of an unknown format version;
+                ``GenerationConfigError`` (a ManifestError) for an invalid generation config.
             TranslationError: a tokenizer file the manifest lists is missing, the tokenizer does
                 not belong to the model, an option that does not fit the runtime.
             RuntimeNotAvailableError: ONNX Runtime, the provider, or TensorRT is not installed
                 (the message says what to install).
             InvalidGraphError: a graph is missing or corrupt.
         """
-        from export.manifest import read_manifest
-
         runtime = "onnxruntime" if runtime is None else runtime
         if runtime not in RUNTIMES:
             raise TranslationError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
@@ -475,8 +475,8 @@ class Translator:
         config = manifest["model_config"]
         if tokenizer is not None:
             _check_tokenizer(tokenizer, config, os.fspath(export_dir / TOKENIZER_FILE),
-                             os.fspath(export_dir / _MANIFEST_NAME))
-        generation = _export_generation(export_dir, manifest)
+                             os.fspath(export_dir / MANIFEST_NAME))
+        generation = read_generation_config(export_dir, manifest)  # the defaults for folders without one
         if runtime == "onnxruntime":
             if precision not in (None, "fp32"):
                 raise TranslationError(f"precision {precision!r} applies to the TensorRT runtime; ONNX Runtime runs "
@@ -714,16 +714,6 @@ class _DetailedTranslator(Translator):
         return self.translate_detailed(sources, progress=progress, **options)
 
 
-def _export_generation(export_dir: Path, manifest: dict) -> Optional[Any]:
-    """The generation config the export folder's manifest names (``"generation_config"``), or
-    ``None`` for a folder that names none (format versions 1 and 2: the defaults apply)."""
-    if manifest.get("generation_config") is None:
-        return None
-    from .export_format import read_generation_config
-
-    return read_generation_config(export_dir, manifest)
-
-
 def _load_folder_tokenizer(model_dir: Path) -> Optional[Tokenizer]:
     """A model folder's tokenizer; ``None`` (with a warning) when it has no ``tokenizer.json``."""
     if not (model_dir / TOKENIZER_FILE).exists():
@@ -734,20 +724,18 @@ def _load_folder_tokenizer(model_dir: Path) -> Optional[Tokenizer]:
 
 def _load_export_tokenizer(export_dir: Path, manifest: dict) -> Optional[Tokenizer]:
     """The tokenizer the manifest names; ``None`` when it names none (exported without one)."""
-    from export.manifest import tokenizer_files
-
     names = tokenizer_files(manifest)
     if not names:
         logger.warning("%s holds no tokenizer (its model folder had none): it can decode token ids, not translate "
                        "text", export_dir)
         return None
     if TOKENIZER_FILE not in names:
-        raise TranslationError(f"{export_dir / _MANIFEST_NAME} names the tokenizer files {names}, which this version "
+        raise TranslationError(f"{export_dir / MANIFEST_NAME} names the tokenizer files {names}, which this version "
                                f"cannot read (a tokenizer is described by {TOKENIZER_FILE})")
     for name in names:
         if not (export_dir / name).is_file():
             raise TranslationError(
-                f"{export_dir / name} is missing: {_MANIFEST_NAME} lists it among the tokenizer files, so the export "
+                f"{export_dir / name} is missing: {MANIFEST_NAME} lists it among the tokenizer files, so the export "
                 "folder is incomplete; export it again (python -m export.onnx) or copy the file from the model folder"
             )
     return load_tokenizer(export_dir)
@@ -934,7 +922,7 @@ def _load_translator(args) -> Translator:
         raise TranslationError(f"{problems[0]}, and {folder}")
     if runtime == "eager":
         if export:
-            raise TranslationError(f"--model {args.model} is an export folder (it has {_MANIFEST_NAME}, no PyTorch "
+            raise TranslationError(f"--model {args.model} is an export folder (it has {MANIFEST_NAME}, no PyTorch "
                                    "weights): --runtime eager needs a model folder; use --runtime onnxruntime "
                                    "or tensorrt")
         device = args.device or "cpu"
@@ -953,7 +941,7 @@ def _load_translator(args) -> Translator:
         raise TranslationError(f"--runtime {runtime} needs --model EXPORT_DIR, a folder written by "
                                "`python -m export.onnx`")
     if not export:
-        what = "does not exist" if not os.path.exists(args.model) else f"is not an export folder (no {_MANIFEST_NAME})"
+        what = "does not exist" if not os.path.exists(args.model) else f"is not an export folder (no {MANIFEST_NAME})"
         raise TranslationError(f"--model {args.model} {what}: --runtime {runtime} runs an export folder, written by "
                                "`python -m export.onnx --model-dir MODEL_DIR --output-dir EXPORT_DIR`; a model "
                                "folder runs with --runtime eager")

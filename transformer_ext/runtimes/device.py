@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from transformer_ext import decoding
+from transformer_ext.export_format import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +50,8 @@ __all__ = [
     "decoder_bindings",
 ]
 
-TORCH_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8,
-}
+# Our dtype names (export_format.DTYPES) -> torch dtypes.
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 class BindingError(RuntimeError):

@@ -30,9 +30,15 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from export import InvalidGraphError
-from export.manifest import DECODER_FILE, ENCODER_FILE, check_io, read_manifest
 from transformer_ext import decoding
+from transformer_ext.export_format import (
+    DECODER_FILE,
+    ENCODER_FILE,
+    InvalidGraphError,
+    check_io,
+    dtype_from_ort,
+    read_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +50,6 @@ GRAPH_OPTIMIZATION_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
-
-_ORT_DTYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16"}
-
 
 @dataclass
 class OrtState:
@@ -73,7 +76,7 @@ class OrtState:
 
 def _io(values) -> list[dict]:
     return [
-        {"name": v.name, "dtype": _ORT_DTYPES.get(v.type, v.type), "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
+        {"name": v.name, "dtype": dtype_from_ort(v.type), "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
         for v in values
     ]
 

@@ -34,10 +34,17 @@ from typing import Any, Callable, Mapping, Optional, Union
 import numpy as np
 import onnxruntime as ort
 import torch
-from onnx import TensorProto
 
-from export import InvalidGraphError, ManifestError
-from export.manifest import DECODER_FILE, ENCODER_FILE, read_manifest
+from transformer_ext.export_format import (
+    DECODER_FILE,
+    DTYPES,
+    ENCODER_FILE,
+    InvalidGraphError,
+    ManifestError,
+    dtype_from_ort,
+    io_problems,
+    read_manifest,
+)
 
 from .device import (
     TORCH_DTYPES,
@@ -49,24 +56,21 @@ from .device import (
     _dtype_name,
     decoder_bindings,
 )
-from .ort import GRAPH_OPTIMIZATION_LEVELS
+from .ort import GRAPH_OPTIMIZATION_LEVELS, _io
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OrtCudaRunner", "ORT_TYPES", "ort_element_type", "session_io"]
 
-# ONNX Runtime type strings -> our dtype names.
-ORT_TYPES = {
-    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
-    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
-}
-_ELEMENT_TYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
-                  "bool": np.bool_, "bfloat16": TensorProto.BFLOAT16}  # numpy has no bfloat16: ONNX enum
+# ONNX Runtime type strings -> our dtype names (a view of export_format.DTYPES).
+ORT_TYPES = {d.ort: d.name for d in DTYPES.values()}
 
 
 def ort_element_type(dtype: torch.dtype):
-    """The ``element_type`` IO binding takes for a torch dtype (numpy type, or the ONNX enum for bfloat16)."""
-    return _ELEMENT_TYPES[_dtype_name(dtype)]
+    """The ``element_type`` IO binding takes for a torch dtype: the numpy type, or the ONNX
+    element type for bfloat16 (numpy has none)."""
+    name = _dtype_name(dtype)
+    return DTYPES[name].onnx if name == "bfloat16" else np.dtype(name).type
 
 
 def session_io(session: Any) -> dict[str, dict[str, Any]]:
@@ -74,7 +78,7 @@ def session_io(session: Any) -> dict[str, dict[str, Any]]:
     out = {}
     for mode, values in (("input", session.get_inputs()), ("output", session.get_outputs())):
         for v in values:
-            out[v.name] = {"mode": mode, "dtype": ORT_TYPES.get(v.type, v.type),
+            out[v.name] = {"mode": mode, "dtype": dtype_from_ort(v.type),
                            "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
     return out
 
@@ -184,20 +188,13 @@ class OrtCudaRunner(DeviceRunner):
             raise InvalidGraphError(f"ONNX Runtime cannot load {path} ({self.precision}): {exc}") from exc
 
     def _check_io(self) -> None:
-        """Names and shapes against the manifest; dtypes too for fp32 (converted graphs differ on purpose)."""
+        """Names, order and shapes against the manifest; dtypes too for fp32 (converted graphs
+        differ on purpose): the one comparator of :mod:`transformer_ext.export_format`."""
         problems = []
-        for graph, io in (("encoder", self.encoder_io), ("decoder_step", self.decoder_io)):
-            spec = self.manifest["graphs"][graph]
-            want = {t["name"]: t for t in spec["inputs"] + spec["outputs"]}
-            if set(want) != set(io):
-                problems.append(f"{graph}: names differ (missing {sorted(set(want) - set(io))}, "
-                                f"unexpected {sorted(set(io) - set(want))})")
-                continue
-            for name, t in want.items():
-                if list(t["shape"]) != list(io[name]["shape"]):
-                    problems.append(f"{graph}: {name} shape {io[name]['shape']} != {t['shape']}")
-                if self.precision == "fp32" and t["dtype"] != io[name]["dtype"]:
-                    problems.append(f"{graph}: {name} dtype {io[name]['dtype']} != {t['dtype']}")
+        for graph, session in (("encoder", self.encoder), ("decoder_step", self.decoder)):
+            problems += [f"{graph}: {p}" for p in io_problems(
+                self.manifest["graphs"][graph], _io(session.get_inputs()), _io(session.get_outputs()),
+                compare_dtypes=self.precision == "fp32")]
         if problems:
             raise ManifestError("the graphs do not match the manifest: " + "; ".join(problems))
 

@@ -22,6 +22,8 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from transformer_ext.export_format import DTYPES, dtype_from_tensorrt
+
 from .device import (
     TORCH_DTYPES,
     BindingError,
@@ -37,11 +39,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TRT_DTYPE_NAMES", "TensorRTRunner", "engine_io"]
 
-# TensorRT DataType member names -> our dtype names.
-TRT_DTYPE_NAMES = {
-    "FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
-    "BOOL": "bool", "UINT8": "uint8", "INT8": "int8",
-}
+# TensorRT DataType member names -> our dtype names (a view of export_format.DTYPES).
+TRT_DTYPE_NAMES = {d.tensorrt: d.name for d in DTYPES.values() if d.tensorrt}
 
 
 def _enum_name(value: Any) -> str:
@@ -57,7 +56,7 @@ def engine_io(engine: Any) -> dict[str, dict[str, Any]]:
         trt_dtype = _enum_name(engine.get_tensor_dtype(name))
         out[name] = {
             "mode": _enum_name(engine.get_tensor_mode(name)).lower(),
-            "dtype": TRT_DTYPE_NAMES.get(trt_dtype, trt_dtype.lower()),
+            "dtype": dtype_from_tensorrt(trt_dtype),
             "shape": [int(d) for d in engine.get_tensor_shape(name)],
         }
     return out
@@ -136,9 +135,8 @@ class TensorRTRunner(DeviceRunner):
     def from_export_dir(cls, export_dir: Union[str, os.PathLike], precision: str = "fp32", *,
                         device: Union[str, torch.device] = "cuda", verify: bool = True) -> "TensorRTRunner":
         """Load ``<graph>.<precision>.engine`` as recorded in ``manifest.json`` by ``python -m export.tensorrt``."""
-        from export.manifest import read_manifest
         from export.tensorrt import _TrtLogger, import_tensorrt
-        from export.trt_readiness import manifest_max_positions
+        from transformer_ext.export_format import manifest_max_positions, read_manifest
 
         export_dir = Path(export_dir)
         manifest = read_manifest(export_dir)
