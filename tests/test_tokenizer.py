@@ -277,9 +277,10 @@ def test_load_tokenizer_dispatches_on_the_type(tmp_path, tok, monkeypatch):
 
     class Pieces:  # a second kind registered beside the character tokenizer
         @classmethod
-        def from_dict(cls, data):
+        def load(cls, path):
             made = cls()
-            made.data = data
+            made.data = json.loads(open(path, encoding="utf-8").read())
+            made.path = path
             return made
 
     monkeypatch.setitem(TOKENIZER_TYPES, "pieces", Pieces)
@@ -288,13 +289,22 @@ def test_load_tokenizer_dispatches_on_the_type(tmp_path, tok, monkeypatch):
     (tmp_path / "pieces" / "tokenizer.json").write_text(json.dumps(description), encoding="utf-8")
     other = load_tokenizer(tmp_path / "pieces")
     assert isinstance(other, Pieces) and other.data == description
+    assert other.path == str(tmp_path / "pieces" / "tokenizer.json")  # its own files are read from that folder
+    monkeypatch.setitem(TOKENIZER_TYPES, "pieces", f"{__name__}:_LazyKind")  # imported on first use
+    assert isinstance(load_tokenizer(tmp_path / "pieces"), _LazyKind)
+
+
+class _LazyKind:
+    @classmethod
+    def load(cls, path):
+        return cls()
 
 
 @pytest.mark.parametrize(
     "description, match",
     [
         ({"format": "transformer_ext.Future", "type": "bpe-9"},
-         r"tokenizer.json: unknown tokenizer type 'bpe-9' \(this version reads 'char'\)"),
+         r"tokenizer.json: unknown tokenizer type 'bpe-9' \(this version reads 'char', 'sentencepiece'\)"),
         ({"format": "transformer_ext.CharTokenizer"}, "unknown tokenizer type None"),
         ({"version": "1.0", "model": {"type": "BPE"}, "added_tokens": []},  # a Hugging Face tokenizer.json
          "not a transformer_ext tokenizer description"),
@@ -317,3 +327,18 @@ def test_load_tokenizer_missing_and_corrupt_files(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"format": "transformer_ext.CharTokenizer", "ty', encoding="utf-8")
     with pytest.raises(TokenizerError, match=r"corrupt tokenizer file .*tokenizer.json: not valid JSON"):
         load_tokenizer(tmp_path)
+
+
+def test_load_tokenizer_reads_a_sentencepiece_folder(tmp_path):
+    pytest.importorskip("sentencepiece")
+    from transformer_ext.spm_tokenizer import SentencePieceTokenizer
+
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "twenty", "hundred"]
+    german = ["eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "acht", "neun", "zehn", "zwanzig", "hundert"]
+    sources = [f"{a} {b}" for a in words for b in words]
+    targets = [f"{a}{b}" for a in german for b in german]
+    tok = SentencePieceTokenizer.train(sources, targets, vocab_size=40)
+    tok.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert type(loaded) is SentencePieceTokenizer and loaded == tok and isinstance(loaded, Tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(loaded.files)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from .cli import UserError
 from .fsutil import atomic_write_text
@@ -416,13 +416,28 @@ def _read_description(directory: str | os.PathLike) -> tuple[str, Any]:
     return path, data
 
 
-# Tokenizer kinds by the "type" field of their tokenizer.json.
-TOKENIZER_TYPES: dict[str, type] = {"char": CharTokenizer}
+# Tokenizer kinds by the "type" field of their tokenizer.json: the class, or "module:Class" for a
+# kind imported only when a file of that type is loaded (its package is optional).
+TOKENIZER_TYPES: dict[str, Union[type, str]] = {
+    "char": CharTokenizer,
+    "sentencepiece": "transformer_ext.spm_tokenizer:SentencePieceTokenizer",
+}
+
+
+def _tokenizer_class(kind: str) -> type:
+    entry = TOKENIZER_TYPES[kind]
+    if isinstance(entry, str):
+        import importlib
+
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
+    return entry
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """The tokenizer saved in ``directory`` (or at the ``tokenizer.json`` path given), of whichever
-    kind its ``"type"`` field names.
+    kind its ``"type"`` field names (:data:`TOKENIZER_TYPES`), loaded by that kind's ``load``
+    (which reads the kind's other files from the same folder).
 
     Raises:
         FileNotFoundError: the folder or its ``tokenizer.json`` does not exist.
@@ -438,16 +453,12 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
             f"invalid tokenizer file {path}: not a transformer_ext tokenizer description (its \"format\" "
             f"field is {_short(format_)}, expected one like {_FORMAT!r}); was it written by another tool?"
         )
-    cls = TOKENIZER_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
+    if not isinstance(kind, str) or kind not in TOKENIZER_TYPES:
         raise TokenizerError(
             f"invalid tokenizer file {path}: unknown tokenizer type {_short(kind)} (this version reads "
             f"{', '.join(repr(t) for t in sorted(TOKENIZER_TYPES))}); a newer version of transformer_ext may read it"
         )
-    try:
-        return cls.from_dict(data)
-    except TokenizerError as exc:
-        raise TokenizerError(f"invalid tokenizer file {path}: {exc}") from exc
+    return _tokenizer_class(kind).load(path)
 
 
 def _config_value(config: Any, key: str) -> Any:
