@@ -1,0 +1,77 @@
+"""Checkpoint averaging: the result is the mean of the parameters and a normal model folder."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from transformer_ext.average import AverageError, average_checkpoints, main
+from transformer_ext.checkpoint import WEIGHTS_NAME, load_model, save_model
+from transformer_ext.config import TransformerConfig
+from transformer_ext.model import Transformer
+from transformer_ext.tokenizer import CharTokenizer
+
+TOKENIZER = CharTokenizer.build(["abc de"], ["xyz uv"], shared=True)
+
+
+def make_folder(path, seed, shared=True, **overrides):
+    torch.manual_seed(seed)
+    config = TransformerConfig.preset("tiny", src_vocab_size=TOKENIZER.src_vocab_size,
+                                      tgt_vocab_size=TOKENIZER.tgt_vocab_size, shared_vocab=shared, **overrides)
+    save_model(Transformer(config), path)
+    TOKENIZER.save(path)
+    return path
+
+
+def test_mean_of_parameters(tmp_path):
+    folders = [make_folder(tmp_path / f"step-{i}", seed=i) for i in range(3)]
+    average_checkpoints(folders, tmp_path / "avg")
+    tensors = [load_file(str(f / WEIGHTS_NAME)) for f in folders]
+    averaged = load_file(str(tmp_path / "avg" / WEIGHTS_NAME))
+    assert set(averaged) == set(tensors[0])
+    for name, value in averaged.items():
+        expected = sum(t[name].double() for t in tensors) / 3  # independent float64 mean
+        torch.testing.assert_close(value.double(), expected, rtol=0, atol=1e-7)
+    model = load_model(tmp_path / "avg")  # a normal model folder: loads, ties kept
+    assert model.src_embed.lut.weight.data_ptr() == model.tgt_embed.lut.weight.data_ptr()  # shared_vocab: tied
+    assert model.generator.proj.weight.data_ptr() == model.tgt_embed.lut.weight.data_ptr()
+    assert CharTokenizer.load(tmp_path / "avg") == TOKENIZER
+
+
+def test_last_k_of_a_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for step in (100, 200, 300, 1000):
+        make_folder(run / "checkpoints" / f"step-{step}", seed=step)
+    (run / "checkpoints" / "step-5000").mkdir()  # no config.json: not a checkpoint of the run
+    assert main(["--last", "2", str(run), "--out", str(tmp_path / "avg")]) == 0
+    assert "step-300, step-1000" in capsys.readouterr().out  # numeric order, not text order
+    a = load_file(str(run / "checkpoints" / "step-300" / WEIGHTS_NAME))
+    b = load_file(str(run / "checkpoints" / "step-1000" / WEIGHTS_NAME))
+    avg = load_file(str(tmp_path / "avg" / WEIGHTS_NAME))
+    for name in avg:
+        torch.testing.assert_close(avg[name].double(), (a[name].double() + b[name].double()) / 2, rtol=0, atol=1e-7)
+
+
+def test_different_models_refused(tmp_path):
+    a = make_folder(tmp_path / "a", seed=0)
+    b = make_folder(tmp_path / "b", seed=1, d_ff=128)
+    with pytest.raises(AverageError, match="differs from"):
+        average_checkpoints([a, b], tmp_path / "avg")
+    assert not (tmp_path / "avg").exists()
+
+
+def test_out_not_empty_refused(tmp_path, capsys):
+    a = make_folder(tmp_path / "a", seed=0)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main([str(a), "--out", str(out)]) == 1
+    assert "not an empty folder" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_too_few_checkpoints(tmp_path, capsys):
+    run = tmp_path / "run"
+    make_folder(run / "checkpoints" / "step-10", seed=0)
+    assert main(["--last", "3", str(run), "--out", str(tmp_path / "avg")]) == 1
+    assert "holds only 1 checkpoints" in capsys.readouterr().err
