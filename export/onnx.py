@@ -237,9 +237,10 @@ def _load_model_folder(model_dir):
 def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]]:
     """``(tokenizer files to copy, special token ids)`` of a model folder, checked.
 
-    ``tokenizer.json`` is read with the tokenizer's own loader (a corrupt file is an error naming
-    it), and its pad/bos/eos/unk ids and vocabulary sizes must agree with ``config.json``; the
-    returned ids are the ones the manifest records. A folder without a tokenizer (models for
+    ``tokenizer.json`` is read with :func:`transformer_ext.tokenizer.load_tokenizer` (whatever
+    kind it describes; a corrupt file is an error naming it), every file the tokenizer needs
+    (:attr:`Tokenizer.files`) must be there, and its pad/bos/eos ids and vocabulary sizes must
+    agree with ``config.json``; the returned ids (unk included) are the ones the manifest records. A folder without a tokenizer (models for
     benchmarks) exports with a warning: the ids are then the config's, and the export can decode
     token ids but not translate text.
 
@@ -249,7 +250,7 @@ def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]
             :func:`transformer_ext.tokenizer.check_model_config`).
     """
     from transformer_ext.checkpoint import CONFIG_NAME
-    from transformer_ext.tokenizer import CharTokenizer, check_model_config
+    from transformer_ext.tokenizer import check_model_config, load_tokenizer
 
     special = {"pad": int(config.pad_id), "bos": int(config.bos_id), "eos": int(config.eos_id)}
     path = Path(model_path) / TOKENIZER_FILE
@@ -259,11 +260,16 @@ def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]
         return [], special
     if not path.is_file():
         raise ModelDirectoryError(f"{path} is not a file (a model folder's tokenizer is the file {TOKENIZER_FILE})")
-    tokenizer = CharTokenizer.load(path)
+    tokenizer = load_tokenizer(path)
     check_model_config(tokenizer, config, tokenizer_file=os.fspath(path),
                        config_file=os.fspath(Path(model_path) / CONFIG_NAME))
+    files = list(tokenizer.files)
+    for name in files:
+        if not (Path(model_path) / name).is_file():
+            raise ModelDirectoryError(f"{Path(model_path) / name} is missing: the tokenizer described by {path} "
+                                      f"needs the files {files}")
     special["unk"] = int(tokenizer.unk_id)
-    return [TOKENIZER_FILE], special
+    return files, special
 
 
 # ------------------------------------------------------------------------------------------
@@ -660,28 +666,30 @@ def summary_text(result: ExportResult) -> str:
 def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES) -> list[tuple[str, str, Optional[str]]]:
     """``(source, ONNX Runtime translation, reference or None)`` for ``n`` example sources of the
     demo task (:func:`transformer_ext.demo.heldout_examples`), decoded from the export folder
-    alone (its graphs, tokenizer and generation config); empty without a character tokenizer or
-    when the sources use characters outside its vocabulary."""
+    alone (its graphs, tokenizer and generation config); empty without a tokenizer, and without
+    the sources the tokenizer cannot encode."""
     import numpy as np
 
     from transformer_ext.decoding import max_new_tokens_for
     from transformer_ext.demo import heldout_examples
     from transformer_ext.runtimes import OrtRunner
-    from transformer_ext.tokenizer import CharTokenizer
+    from transformer_ext.tokenizer import TokenizerError, load_tokenizer
 
     if n <= 0 or not tokenizer_files(result.manifest):
         return []
-    try:
-        tokenizer = CharTokenizer.load(result.output_dir)
-    except Exception as exc:  # another tokenizer kind: nothing to show
-        logger.info("no translations shown: %s", exc)
-        return []
-    pairs = [(s, r) for s, r in heldout_examples(n)
-             if all(ch in tokenizer.source_vocab for ch in tokenizer.normalize_source(s))]
+    tokenizer = load_tokenizer(result.output_dir)
+    pairs, ids = [], []
+    for source, reference in heldout_examples(n):
+        try:
+            encoded = tokenizer.encode_source(source)
+        except TokenizerError:  # characters this model's tokenizer does not know: not its task
+            continue
+        if encoded:
+            ids.append(encoded)
+            pairs.append((source, reference))
     if not pairs:
         return []
     gen = read_generation_config(result.output_dir, result.manifest)
-    ids = [tokenizer.encode_source(s) for s, _ in pairs]
     lengths = np.array([len(x) for x in ids], dtype=np.int64)
     batch = np.full((len(ids), int(lengths.max())), tokenizer.pad_id, dtype=np.int64)
     for row, x in enumerate(ids):
