@@ -30,7 +30,8 @@ Temporaries of a killed earlier run are removed by the next one.
 
 Precision. ``fp32``: a strongly typed network over the float32 graphs, TF32 off (parity with
 eager float32; ``--tf32`` turns it on). ``fp16`` / ``bf16`` (``--typing strong``, the default):
-the graphs are converted to that precision before parsing (weights, caches and activations in
+the graphs are converted to that precision before parsing
+(:func:`transformer_ext.precision.convert_precision`: weights, caches and activations in
 fp16/bf16) with softmax, normalizations, reductions, ``Exp``/``Log``/``Pow``/``Sqrt`` kept in
 float32 by explicit ``Cast`` nodes, and ``logits`` returned in float32; the network is strongly
 typed, so TensorRT runs exactly those types (TensorRT 11 removes the weakly-typed builder flags).
@@ -40,12 +41,13 @@ Either way the self- and cross-attention caches have the precision's dtype
 (:data:`CACHE_DTYPES`), stated in the manifest; matrix products accumulate in float32 (TensorRT's
 GEMM kernels for fp16/bf16 inputs accumulate in float32).
 
-Before anything is built, :func:`export.trt_readiness.check_export_dir` checks the graphs against
-TensorRT 10.15's ONNX operator support list (``--check-only`` runs only this check and needs no
-TensorRT). Parser errors are logged one by one and end in :class:`TensorRTParseError`.
+Before anything is built, :func:`export.trt_readiness.check_export_dir` checks the graphs, the
+original and the converted ones, against what the exporter emits and TensorRT 10.15's parser
+requires of it (``--check-only`` runs only this check and needs no TensorRT). Parser errors are
+logged one by one and end in :class:`TensorRTParseError`.
 
-TensorRT itself is imported only when building: ``pip install tensorrt-cu13`` (CUDA 13; or
-``tensorrt-cu12``), or ``pip install 'transformer_ext[tensorrt]'``.
+TensorRT itself is imported only when building (:func:`transformer_ext.tensorrt_support.import_tensorrt`):
+``pip install tensorrt-cu13`` (CUDA 13; or ``tensorrt-cu12``), or ``pip install 'transformer_ext[tensorrt]'``.
 """
 
 from __future__ import annotations
@@ -62,9 +64,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 from transformer_ext.cli import add_debug_flag, run_cli
 from transformer_ext.export_format import (
@@ -82,6 +82,21 @@ from transformer_ext.export_format import (
     read_manifest,
 )
 from transformer_ext.fsutil import StagedDir, atomic_write_bytes, remove_stale_temporaries, temporary_name
+from transformer_ext.precision import (
+    CACHE_DTYPES,
+    FLOAT32_OPS,
+    FLOAT32_OUTPUTS,
+    PRECISIONS,
+    PrecisionConversionError,
+    convert_precision,
+)
+from transformer_ext.tensorrt_support import (
+    INSTALL_HINT,
+    MIN_TENSORRT_VERSION,
+    TensorRTNotAvailableError,
+    import_tensorrt,
+)
+from transformer_ext.tensorrt_support import TrtLogger as _TrtLogger
 
 from . import ExportError, ManifestError, OutputFolderError
 from . import manifest as export_manifest
@@ -99,6 +114,8 @@ from .trt_readiness import (
 )
 
 logger = logging.getLogger(__name__)
+
+TYPINGS = ("strong", "weak")
 
 __all__ = [
     "MIN_TENSORRT_VERSION",
@@ -124,40 +141,6 @@ __all__ = [
     "main",
 ]
 
-MIN_TENSORRT_VERSION = "10.15"
-INSTALL_HINT = (
-    "install TensorRT's Python package on a machine with an NVIDIA GPU: `pip install tensorrt-cu13` "
-    "(CUDA 13; `tensorrt-cu12` for CUDA 12) or the extra `pip install 'transformer_ext[tensorrt]'`; "
-    "`python -m export.tensorrt --check-only` checks the graphs without TensorRT"
-)
-
-# Each precision: the dtype of its caches (self- and cross-attention K/V), its ONNX element type
-# and the builder flag of the weakly-typed path.
-PRECISIONS: dict[str, dict[str, Any]] = {
-    "fp32": {"cache_dtype": "float32", "onnx_type": TensorProto.FLOAT, "weak_flag": None},
-    "fp16": {"cache_dtype": "float16", "onnx_type": TensorProto.FLOAT16, "weak_flag": "FP16"},
-    "bf16": {"cache_dtype": "bfloat16", "onnx_type": TensorProto.BFLOAT16, "weak_flag": "BF16"},
-}
-CACHE_DTYPES: dict[str, str] = {p: v["cache_dtype"] for p, v in PRECISIONS.items()}
-TYPINGS = ("strong", "weak")
-
-# Ops computed in float32 whatever the precision: softmax, normalizations, reductions and the
-# transcendental steps of decomposed softmax / normalization.
-FLOAT32_OPS = frozenset({
-    "Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "GroupNormalization",
-    "InstanceNormalization", "BatchNormalization", "MeanVarianceNormalization", "LpNormalization",
-    "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum",
-    "ReduceLogSumExp", "ReduceProd", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Erf", "CumSum",
-})
-# Outputs that stay float32 in every precision (DESIGN.md section 3: logits are float32).
-FLOAT32_OUTPUTS = ("logits",)
-# Ops whose float inputs may have any float type (no cast needed in front of them).
-_TYPE_AGNOSTIC_INPUTS = frozenset({"Cast", "Shape", "Size"})
-
-
-class TensorRTNotAvailableError(ExportError, ImportError):
-    """TensorRT's Python package is missing or too old."""
-
 
 class TensorRTParseError(ExportError, RuntimeError):
     """TensorRT's ONNX parser rejected a graph; ``errors`` holds one line per parser error."""
@@ -178,27 +161,6 @@ class TensorRTParseError(ExportError, RuntimeError):
 
 class TensorRTBuildError(ExportError, RuntimeError):
     """TensorRT parsed a graph but could not build an engine from it."""
-
-
-class PrecisionConversionError(ExportError, ValueError):
-    """A graph could not be converted to fp16/bf16 with consistent types."""
-
-
-def import_tensorrt(min_version: str = MIN_TENSORRT_VERSION):
-    """``import tensorrt``, or a :class:`TensorRTNotAvailableError` that says how to install it."""
-    try:
-        import tensorrt as trt  # noqa: PLC0415 - gated import, TensorRT is optional
-    except ImportError as exc:
-        raise TensorRTNotAvailableError(f"TensorRT is not installed ({exc}); {INSTALL_HINT}") from exc
-    from packaging.version import Version
-
-    version = getattr(trt, "__version__", "0")
-    if Version(version) < Version(min_version):
-        raise TensorRTNotAvailableError(
-            f"TensorRT {version} is too old: the exported graphs need TensorRT >= {min_version} "
-            f"(ONNX opsets up to 24, TensorScatter); {INSTALL_HINT}"
-        )
-    return trt
 
 
 # ------------------------------------------------------------------------------------------
@@ -310,7 +272,7 @@ class BuildResult:
 
 
 # ------------------------------------------------------------------------------------------
-# Graph rewrites: pin axes, convert precision
+# Graph rewrites: pin axes (the precision conversion is transformer_ext.precision.convert_precision)
 # ------------------------------------------------------------------------------------------
 
 
@@ -329,197 +291,6 @@ def pin_axes(model: onnx.ModelProto, values: Mapping[str, int]) -> onnx.ModelPro
                 v = int(values[d.dim_param])
                 d.ClearField("dim_param")
                 d.dim_value = v
-    return out
-
-
-def _tensor_types(model: onnx.ModelProto) -> dict[str, int]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
-    except Exception as exc:  # noqa: BLE001
-        raise PrecisionConversionError(f"ONNX shape inference failed on {model.graph.name!r}: {exc}") from exc
-    types: dict[str, int] = {}
-    for vi in list(inferred.graph.input) + list(inferred.graph.output) + list(inferred.graph.value_info):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            types[vi.name] = vi.type.tensor_type.elem_type
-    for t in inferred.graph.initializer:
-        types[t.name] = t.data_type
-    for node in inferred.graph.node:  # Constant outputs are not always in value_info
-        if node.op_type == "Constant":
-            for a in node.attribute:
-                if a.name == "value":
-                    types.setdefault(node.output[0], a.t.data_type)
-                elif a.name in ("value_float", "value_floats"):
-                    types.setdefault(node.output[0], TensorProto.FLOAT)
-    return types
-
-
-def _to_low(array: np.ndarray, low: int) -> onnx.TensorProto:
-    np_dtype = helper.tensor_dtype_to_np_dtype(low)
-    return numpy_helper.from_array(np.asarray(array, dtype=np.float32).astype(np_dtype))
-
-
-def convert_precision(
-    model: onnx.ModelProto,
-    precision: str,
-    *,
-    float32_ops: frozenset[str] = FLOAT32_OPS,
-    float32_outputs: Sequence[str] = FLOAT32_OUTPUTS,
-) -> onnx.ModelProto:
-    """A copy of a float32 graph in fp16 or bf16, for a strongly typed TensorRT network.
-
-    * float32 initializers, constants and graph inputs/outputs become the low precision (so the
-      self- and cross-attention caches and ``new_key``/``present_key`` outputs have the dtype of
-      :data:`CACHE_DTYPES`), except the outputs in ``float32_outputs`` (``logits``), which get a
-      final ``Cast`` to float32;
-    * nodes in ``float32_ops`` (softmax, normalizations, reductions...) compute in float32: a
-      ``Cast`` up in front of each low-precision float input, a ``Cast`` down behind each output
-      that a low-precision node reads; initializers read only by such nodes stay float32;
-    * ``Cast(to=FLOAT)`` / ``ConstantOfShape`` of float32 produce the low precision instead.
-
-    The result passes ``onnx.checker`` and strict type inference, or
-    :class:`PrecisionConversionError` is raised. ``fp32`` returns an unchanged copy.
-    """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    out = copy.deepcopy(model)
-    if precision == "fp32":
-        return out
-    low = PRECISIONS[precision]["onnx_type"]
-    FLOAT = TensorProto.FLOAT
-    g = out.graph
-    types = _tensor_types(out)
-    # Work on copies addressed by index (protobuf wrappers have no stable identity).
-    nodes: list[onnx.NodeProto] = []
-    for n in g.node:
-        clone = onnx.NodeProto()
-        clone.CopyFrom(n)
-        nodes.append(clone)
-    for n in nodes:
-        if n.domain not in ("", "ai.onnx"):
-            raise PrecisionConversionError(f"cannot convert custom op {n.domain}::{n.op_type}")
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
-            raise PrecisionConversionError(f"cannot convert {n.op_type}: subgraphs are not supported")
-    float_names = {name for name, t in types.items() if t == FLOAT}
-    keep = {k for k, n in enumerate(nodes) if n.op_type in float32_ops}
-    consumers: dict[str, list[int]] = {}
-    for k, n in enumerate(nodes):
-        for i in n.input:
-            if i:
-                consumers.setdefault(i, []).append(k)
-    graph_outputs = {o.name for o in g.output}
-
-    # New type of every float32 tensor: FLOAT when computed by a kept node (or a float32-only
-    # constant), else the low precision.
-    new_type: dict[str, int] = {name: low for name in float_names}
-    for k in keep:
-        for o in nodes[k].output:
-            if o in float_names:
-                new_type[o] = FLOAT
-
-    def only_kept_consumers(name: str) -> bool:
-        cons = consumers.get(name, [])
-        return bool(cons) and all(c in keep for c in cons) and name not in graph_outputs
-
-    # Initializers and constant-producing nodes.
-    for t in g.initializer:
-        if t.data_type != FLOAT:
-            continue
-        if only_kept_consumers(t.name):
-            new_type[t.name] = FLOAT
-            continue
-        conv = _to_low(numpy_helper.to_array(t), low)
-        conv.name = t.name
-        t.CopyFrom(conv)
-        new_type[t.name] = low
-    for n in nodes:
-        if n.op_type == "Constant" and n.output[0] in float_names:
-            if only_kept_consumers(n.output[0]):
-                new_type[n.output[0]] = FLOAT
-                continue
-            value = None
-            for a in n.attribute:
-                if a.name == "value":
-                    value = numpy_helper.to_array(a.t)
-                elif a.name == "value_float":
-                    value = np.array(a.f, dtype=np.float32)
-                elif a.name == "value_floats":
-                    value = np.array(list(a.floats), dtype=np.float32)
-            if value is not None:
-                del n.attribute[:]
-                n.attribute.append(helper.make_attribute("value", _to_low(value, low)))
-        elif n.op_type == "ConstantOfShape" and n.output[0] in float_names:
-            for a in n.attribute:
-                if a.name == "value":
-                    a.t.CopyFrom(_to_low(numpy_helper.to_array(a.t), low))
-            if not any(a.name == "value" for a in n.attribute):  # default value: float32 zero
-                n.attribute.append(helper.make_attribute("value", _to_low(np.zeros(1, np.float32), low)))
-        elif n.op_type == "Cast" and any(a.name == "to" and a.i == FLOAT for a in n.attribute):
-            if n.output[0] in float32_outputs and n.output[0] in graph_outputs:
-                new_type[n.output[0]] = FLOAT  # already the float32 output cast
-                continue
-            for a in n.attribute:
-                if a.name == "to":
-                    a.i = low
-
-    # Cast insertion in front of nodes whose inputs have the other precision.
-    cast_cache: dict[tuple[str, int], str] = {}
-    rebuilt: list[onnx.NodeProto] = []
-    for k, n in enumerate(nodes):
-        kept = k in keep
-        for idx, i in enumerate(n.input):
-            if not i or i not in new_type:
-                continue
-            want = None
-            if kept and new_type[i] == low:
-                want = FLOAT
-            elif not kept and new_type[i] == FLOAT and n.op_type not in _TYPE_AGNOSTIC_INPUTS:
-                want = low
-            if want is None:
-                continue
-            key = (i, want)
-            if key not in cast_cache:
-                cast_cache[key] = f"{i}__{'fp32' if want == FLOAT else precision}"
-                rebuilt.append(helper.make_node("Cast", [i], [cast_cache[key]], to=want,
-                                                name=f"precision_cast_{len(cast_cache)}"))
-            n.input[idx] = cast_cache[key]
-        rebuilt.append(n)
-
-    # Graph outputs: float32 ones end in a Cast up, the others must be low precision.
-    tail: list[onnx.NodeProto] = []
-    renames: dict[str, str] = {}
-    for o in g.output:
-        if o.name not in new_type:
-            continue
-        want = FLOAT if o.name in float32_outputs else low
-        if new_type[o.name] != want:
-            inner = f"{o.name}__{'fp32' if new_type[o.name] == FLOAT else precision}_value"
-            renames[o.name] = inner
-            tail.append(helper.make_node("Cast", [inner], [o.name], to=want, name=f"precision_output_cast_{o.name}"))
-        o.type.tensor_type.elem_type = want
-    if renames:
-        for n in rebuilt:
-            for idx, o in enumerate(n.output):
-                if o in renames:
-                    n.output[idx] = renames[o]
-            for idx, i in enumerate(n.input):
-                if i in renames:
-                    n.input[idx] = renames[i]
-    del g.node[:]
-    g.node.extend(rebuilt + tail)
-    for vi in g.input:
-        if vi.name in new_type and vi.type.tensor_type.elem_type == FLOAT:
-            vi.type.tensor_type.elem_type = new_type[vi.name]
-    del g.value_info[:]  # stale types; strict inference below recomputes them
-    try:
-        onnx.checker.check_model(out)
-        onnx.shape_inference.infer_shapes(out, check_type=True, strict_mode=True)
-    except Exception as exc:  # noqa: BLE001
-        raise PrecisionConversionError(
-            f"the {precision} conversion of {model.graph.name!r} is not type-consistent: {exc}"
-        ) from exc
-    n_casts = sum(1 for n in out.graph.node if n.name.startswith("precision_"))
-    logger.info("converted %s to %s: %d nodes kept in float32, %d casts inserted, outputs %s stay float32",
-                model.graph.name, precision, len(keep), n_casts, [o for o in float32_outputs if o in graph_outputs])
     return out
 
 
@@ -661,28 +432,6 @@ def describe_parser_error(error: Any) -> str:
     if where[0]:
         parts.append(f"[{where[2]} {os.path.basename(str(where[0]))}:{where[1]}]")
     return " ".join(parts)
-
-
-class _TrtLogger:
-    """Route TensorRT's log through :mod:`logging`."""
-
-    @staticmethod
-    def create(trt):
-        class Logger(trt.ILogger):
-            def __init__(self):
-                trt.ILogger.__init__(self)
-
-            def log(self, severity, msg):
-                level = {
-                    trt.ILogger.Severity.INTERNAL_ERROR: logging.CRITICAL,
-                    trt.ILogger.Severity.ERROR: logging.ERROR,
-                    trt.ILogger.Severity.WARNING: logging.WARNING,
-                    trt.ILogger.Severity.INFO: logging.DEBUG,
-                    trt.ILogger.Severity.VERBOSE: logging.DEBUG,
-                }.get(severity, logging.INFO)
-                logger.log(level, "[TensorRT] %s", msg)
-
-        return Logger()
 
 
 def _float32_layer_types(trt) -> set:

@@ -91,6 +91,20 @@ def test_reading_an_export_folder_imports_no_numpy_torch_or_onnx():
     assert done.stdout.strip() == "[]"
 
 
+def test_what_runners_need_of_the_format_imports_nothing_of_export():
+    """Imports run one way (DESIGN.md section 1): export/ uses these modules, never the reverse."""
+    code = ("import sys, transformer_ext.export_format, transformer_ext.precision, transformer_ext.tensorrt_support, "
+            "transformer_ext.demo; print(sorted(m for m in sys.modules if m == 'export' or m.startswith('export.')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    from transformer_ext import precision, tensorrt_support
+
+    assert trtb.convert_precision is precision.convert_precision and trtb.CACHE_DTYPES is precision.CACHE_DTYPES
+    assert trtb.import_tensorrt is tensorrt_support.import_tensorrt
+    assert trtb.TensorRTNotAvailableError is tensorrt_support.TensorRTNotAvailableError
+
+
 def test_export_errors_are_the_formats_and_every_tensorrt_error_is_an_export_error():
     assert export.ManifestError is ef.ManifestError and export.ExportError is ef.ExportError
     assert export.InvalidGraphError is ef.InvalidGraphError
