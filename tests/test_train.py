@@ -589,3 +589,153 @@ def test_resume_after_a_kill_between_the_two_renames_of_a_checkpoint(tmp_path, r
     resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True))
     assert resumed.first_step == 3 and resumed.step == 3
     assert state_step(run_copy) == 3 and not temporaries(run_copy)
+
+
+# ---------------------------------------------------------------------- parallel text (issue 12)
+def test_inverse_sqrt_lr_matches_fairseq():
+    from transformer_ext.train import inverse_sqrt_lr
+
+    for step in (1, 50, 99, 100, 101, 400, 10000):
+        expected = 5e-4 * step / 100 if step <= 100 else 5e-4 * (100 / step) ** 0.5
+        assert inverse_sqrt_lr(step, 100, 5e-4) == pytest.approx(expected, rel=1e-12)
+
+
+def test_update_freq_equals_one_larger_batch():
+    """N accumulated batches give the gradient of the one batch holding all their examples."""
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.data import collate
+    from transformer_ext.model import Transformer
+    from transformer_ext.train import accumulate_gradients_of
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig.preset("tiny", dropout=0.0))
+    g = torch.Generator().manual_seed(1)
+    pairs = [(torch.randint(4, 48, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist(),
+              torch.randint(4, 40, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist())
+             for _ in range(9)]
+    ids = dict(pad_id=0, bos_id=1, eos_id=2)
+
+    def grads(micro):
+        model.zero_grad(set_to_none=True)
+        value, n = accumulate_gradients_of(model, micro, pad_id=0, label_smoothing=0.1)
+        return value, n, {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+    one_value, one_n, one = grads([collate(pairs, **ids)])
+    acc_value, acc_n, acc = grads([collate(pairs[:2], **ids), collate(pairs[2:7], **ids), collate(pairs[7:], **ids)])
+    assert acc_n == one_n == sum(len(t) + 1 for _, t in pairs)
+    assert acc_value == pytest.approx(one_value, rel=1e-5)
+    for name in one:
+        torch.testing.assert_close(acc[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+    # and it is not simply the mean of the per-batch mean losses (batches differ in size)
+    model.zero_grad(set_to_none=True)
+    for micro in (pairs[:2], pairs[2:7], pairs[7:]):
+        b = collate(micro, **ids)
+        (token_loss(model(b.src_ids, b.src_lengths, b.tgt_in), b.tgt_out, 0, 0.1)[0] / 3).backward()
+    naive = {k: p.grad for k, p in model.named_parameters()}
+    assert any(not torch.allclose(naive[k], one[k], rtol=1e-3, atol=1e-5) for k in one)
+
+
+SENTS_EN = ["the man went to the city", "the woman saw the house", "a child ran in the field", "he spoke to them",
+            "they went up to the mountain", "she gave bread to the poor", "the king sat on the throne",
+            "the people heard the word", "he wrote a letter to the church", "the sheep were in the field"]
+SENTS_DE = ["der Mann ging in die Stadt", "die Frau sah das Haus", "ein Kind lief auf dem Feld",
+            "er redete zu ihnen", "sie gingen hinauf auf den Berg", "sie gab den Armen Brot",
+            "der König saß auf dem Thron", "das Volk hörte das Wort", "er schrieb einen Brief an die Gemeinde",
+            "die Schafe waren auf dem Feld"]
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def text_opts(tmp_path, name="run", **kw):
+    src = write_lines(tmp_path / "train.en", SENTS_EN * 3)
+    tgt = write_lines(tmp_path / "train.de", SENTS_DE * 3)
+    vsrc = write_lines(tmp_path / "valid.en", SENTS_EN[:3])
+    vtgt = write_lines(tmp_path / "valid.de", SENTS_DE[:3])
+    base = dict(TINY, train_files=(src, tgt), valid_files=(vsrc, vtgt), tokenizer="char", max_steps=6, eval_every=3,
+                eval_examples=3)
+    base.update(kw)
+    return TrainOptions(out_dir=str(tmp_path / name), **base)
+
+
+def test_text_training_with_char_tokenizer_and_keep_last(tmp_path):
+    opts = text_opts(tmp_path, keep_last=1, best_metric="chrf", update_freq=2, max_steps=4, eval_every=2,
+                     max_len_ratio=1.5)
+    result = train(opts)
+    out = Path(result.out_dir)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-4"]  # --keep-last 1
+    assert {"bleu", "chrf", "loss"} <= set(result.history[-1])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_metric"] == "chrf"
+    assert summary["data"]["train"]["total"] == 30
+    assert summary["data"]["train"]["ratio"] == sum(
+        max(len(a), len(b)) > 1.5 * min(len(a), len(b)) for a, b in zip(SENTS_EN * 3, SENTS_DE * 3))
+    assert load_model(out / "best").config.max_len == 64
+
+
+def test_patience_stops_early(tmp_path, monkeypatch):
+    # a metric that never improves after the first validation: the run stops after `patience` more
+    monkeypatch.setattr(train_mod, "_metric_key", lambda record, metric: (0.0,))
+    result = train(text_opts(tmp_path, patience=2, max_steps=12, eval_every=2))
+    assert result.stop_reason == "patience"
+    assert [h["step"] for h in result.history] == [2, 4, 6]
+    assert result.best["step"] == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(valid_files=None), "--train needs a validation set"),
+    (dict(amp="bf16"), "--amp bf16 needs --device cuda: on the CPU training runs in float32.*100x slower"),
+    (dict(lr_schedule="inverse-sqrt"), "needs --lr"),
+    (dict(update_freq=0), "--update-freq"),
+    (dict(keep_last=-1), "--keep-last"),
+    (dict(best_metric="rouge"), "--best-metric"),
+    (dict(vocab_size=2), "--vocab-size"),
+])
+def test_text_bad_options(tmp_path, kwargs, match):
+    with pytest.raises(TrainingError, match=match):
+        train(text_opts(tmp_path, **kwargs))
+    assert not (tmp_path / "run").exists()
+
+
+def test_text_bad_data_is_named(tmp_path, capsys):
+    opts = text_opts(tmp_path)
+    src, tgt = opts.train_files
+    vsrc, vtgt = opts.valid_files
+    args = ["--out", str(tmp_path / "run"), "--preset", "tiny", "--max-steps", "2", "--no-progress",
+            "--tokenizer", "char"]
+    short = write_lines(tmp_path / "short.de", SENTS_DE[:4])
+    assert train_mod.main(args + ["--train", src, short, "--valid", vsrc, vtgt]) == 1
+    assert f"{src} has 30 lines but {short} has 4" in capsys.readouterr().err
+    bad = tmp_path / "bad.en"
+    bad.write_bytes(("\n".join(SENTS_EN * 3)).encode() .replace(b"city", b"cit\xe9", 1) + b"\n")
+    assert train_mod.main(args + ["--train", str(bad), tgt, "--valid", vsrc, vtgt]) == 1
+    assert f"{bad}, line 1: not UTF-8" in capsys.readouterr().err
+    empty = write_lines(tmp_path / "empty.en", [])
+    empty2 = write_lines(tmp_path / "empty.de", [])
+    assert train_mod.main(args + ["--train", src, tgt, "--valid", empty, empty2]) == 1
+    assert "has no lines" in capsys.readouterr().err
+    assert train_mod.main(args + ["--train", src, tgt, "--valid", vsrc, vtgt, "--max-len", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "no training pair is left after filtering" in err and "30 as longer than max_len" in err
+    blanks = write_lines(tmp_path / "blank.en", [" "] * 30)
+    assert train_mod.main(args + ["--train", blanks, tgt, "--valid", vsrc, vtgt]) == 1
+    assert "30 removed as empty" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_text_tsv_and_impossible_vocab(tmp_path, capsys):
+    pytest.importorskip("sentencepiece")
+    tsv = write_lines(tmp_path / "train.tsv", [f"{a}\t{b}" for a, b in zip(SENTS_EN, SENTS_DE)])
+    vtsv = write_lines(tmp_path / "valid.tsv", [f"{a}\t{b}" for a, b in zip(SENTS_EN[:2], SENTS_DE[:2])])
+    args = ["--out", str(tmp_path / "run"), "--preset", "tiny", "--max-steps", "2", "--no-progress",
+            "--train-tsv", tsv, "--valid-tsv", vtsv, "--shared-vocab"]
+    assert train_mod.main(args + ["--vocab-size", "8000"]) == 1
+    err = capsys.readouterr().err
+    assert "--vocab-size 8000 is more than the source and target training text supports" in err
+    assert "lower --vocab-size" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    bad = write_lines(tmp_path / "bad.tsv", ["one\ttwo\tthree"])
+    assert train_mod.main(["--out", str(tmp_path / "run"), "--train-tsv", bad, "--valid-tsv", vtsv]) == 1
+    assert f"{bad}, line 1: expected source<TAB>target (2 fields), got 3" in capsys.readouterr().err

@@ -295,6 +295,34 @@ def build_config(opts: TrainOptions, tokenizer: CharTokenizer):
 
 
 # ---------------------------------------------------------------------- loss and evaluation
+def accumulate_gradients_of(model, micro: Sequence, *, pad_id: int, label_smoothing: float, ctx=None, scaler=None,
+                            autocast_dtype=None) -> tuple[float, int]:
+    """Back-propagate the loss of one optimiser step made of the batches ``micro``.
+
+    The loss is summed over every target token of all the batches and divided by their number,
+    so N batches give the gradient of one N-times larger batch (``--update-freq``). Under
+    torchrun (``ctx``) the count is that of all ranks, and DDP synchronises the gradients only
+    at the last batch. Returns (loss per target token, target tokens), over all ranks.
+    """
+    ctx = ctx or distributed.Context(torch.device("cpu"))
+    local_tokens = sum(b.n_target_tokens(pad_id) for b in micro)
+    loss_value, n_tokens = 0.0, 0
+    for k, batch in enumerate(micro):
+        sync = k == len(micro) - 1 or not hasattr(model, "no_sync")
+        with (contextlib.nullcontext() if sync else model.no_sync()):
+            with (torch.autocast(batch.src_ids.device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                  else contextlib.nullcontext()):
+                logits = model(batch.src_ids, batch.src_lengths, batch.tgt_in)
+            loss, n = token_loss(logits, batch.tgt_out, pad_id, label_smoothing)
+            # under torchrun: loss summed over this rank / target tokens of all ranks (x world_size, as DDP
+            # averages); the value and the count returned are then the global batch's
+            loss, value, n_tokens = ctx.reduce_loss(loss * (n / max(local_tokens, 1)), local_tokens)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_value += value
+    return loss_value, n_tokens
+
+
+
 def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, pad_id: int, label_smoothing: float):
     """(loss per non-pad target token, number of non-pad target tokens)."""
     V = logits.shape[-1]
@@ -1232,24 +1260,9 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                 (state["history"], state["best"], last_eval_step, state["evals_since_best"]))
 
         def accumulate_gradients(micro: list) -> tuple[float, int]:
-            """Gradients of one optimiser step over ``micro`` batches: the loss of all their target tokens
-            divided by that token count (so N batches give the gradient of one N-times larger batch).
-            Returns (loss per target token, target tokens), over all ranks under torchrun."""
-            local_tokens = sum(b.n_target_tokens(tokenizer.pad_id) for b in micro)
-            loss_value, n_tokens = 0.0, 0
-            for k, batch in enumerate(micro):
-                sync = k == len(micro) - 1 or not hasattr(train_model, "no_sync")
-                with (contextlib.nullcontext() if sync else train_model.no_sync()):
-                    with (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                          else contextlib.nullcontext()):
-                        logits = train_model(batch.src_ids, batch.src_lengths, batch.tgt_in)
-                    loss, n = token_loss(logits, batch.tgt_out, tokenizer.pad_id, opts.label_smoothing)
-                    # under torchrun: loss summed over this rank / target tokens of all ranks (x world_size, as
-                    # DDP averages); the value and the count returned are then the global batch's
-                    loss, value, n_tokens = ctx.reduce_loss(loss * (n / max(local_tokens, 1)), local_tokens)
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                loss_value += value
-            return loss_value, n_tokens
+            return accumulate_gradients_of(train_model, micro, pad_id=tokenizer.pad_id,
+                                           label_smoothing=opts.label_smoothing, ctx=ctx, scaler=scaler,
+                                           autocast_dtype=autocast_dtype)
 
         bar = tqdm(total=total_steps, initial=state["step"], disable=not opts.progress or not ctx.is_main, desc="train",
                    unit="step", dynamic_ncols=True, leave=False)
