@@ -400,7 +400,10 @@ class GenerationConfig:
         """The content of ``generation.json``: format marker and version first, then every field."""
         body = asdict(self)
         body["special_tokens"] = dict(self.special_tokens)
-        return {"format": GENERATION_FORMAT, "format_version": GENERATION_FORMAT_VERSION, **body}
+        order = ("beam_size", "length_penalty", "alpha", "max_len_a", "max_len_b", "min_new_tokens", "max_new_tokens",
+                 "special_tokens")
+        ordered = {k: body.pop(k) for k in order}
+        return {"format": GENERATION_FORMAT, "format_version": GENERATION_FORMAT_VERSION, **ordered, **body}
 
     @classmethod
     def defaults_for(cls, manifest: Mapping[str, Any], **overrides: Any) -> "GenerationConfig":
