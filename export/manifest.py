@@ -48,7 +48,7 @@ from transformer_ext.export_format import (
 )
 from transformer_ext.fsutil import atomic_write_json
 
-from . import ManifestError, OutputFolderError
+from . import OutputFolderError
 
 logger = logging.getLogger(__name__)
 
