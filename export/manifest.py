@@ -160,7 +160,7 @@ def _load_own_manifest(directory: Path) -> tuple[Optional[dict], str]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return None, f"its {MANIFEST_NAME} was not written by this package (no \"format\": \"{FORMAT}\")"
     version = manifest.get("format_version")
-    if version not in READABLE_FORMAT_VERSIONS:
+    if isinstance(version, bool) or version not in READABLE_FORMAT_VERSIONS:
         return None, f"its {MANIFEST_NAME} has format_version {version!r}, which this version does not know"
     if version >= 2 and not (isinstance(manifest.get("files"), list) and all(isinstance(f, str) for f in manifest["files"])):
         return None, f"its {MANIFEST_NAME} does not list the folder's files"
