@@ -171,3 +171,80 @@ def test_oversample_repeats_short_numbers_only():
     short = [n for n in train if n < 100]
     assert short and all(weighted.count(n) == 20 for n in short[:5])
     assert weighted.count(train[-1]) == 1
+
+
+# ---------------------------------------------------------------------- parallel text (issue 12)
+from transformer_ext.data import DataError, ParallelIds, encode_parallel, read_lines, read_parallel, read_tsv  # noqa: E402
+from transformer_ext.tokenizer import CharTokenizer  # noqa: E402
+
+
+def test_parallel_ids_hold_every_pair_once():
+    pairs = [([5, 6, 7], [8]), ([9], [10, 11, 12, 13]), ([4, 4], [5, 5])]
+    corpus = ParallelIds.from_pairs(pairs)
+    assert len(corpus) == 3
+    assert [(s.tolist(), t.tolist()) for s, t in (corpus[i] for i in range(3))] == pairs
+    assert corpus.src_ids.tolist() == [5, 6, 7, 9, 4, 4] and corpus.tgt_ids.tolist() == [8, 10, 11, 12, 13, 5, 5]
+    assert corpus.costs == [max(len(s), len(t) + 1) for s, t in pairs]
+    assert corpus.n_target_tokens() == sum(len(t) + 1 for _, t in pairs)
+    batch = collate([corpus[0], corpus[1]], pad_id=0, bos_id=1, eos_id=2)
+    assert batch.tgt_out[1].tolist() == [10, 11, 12, 13, 2] and batch.src_ids[1].tolist() == [9, 0, 0]
+
+
+def test_encode_parallel_filters_and_counts():
+    tok = CharTokenizer.build(["abcdefgh"], ["abcdefgh"])
+    sources = ["abc", "", "abcdefgh", "a", "ab", "  "]
+    targets = ["ab", "abc", "ab", "abcdef", "ba", "cd"]
+    corpus, report = encode_parallel(tok, sources, targets, max_len=6, max_len_ratio=2.0)
+    # empty: lines 1 and 5; too long: "abcdefgh" (8 > 6) and "abcdef" (6 + 1 > 6); ratio: none left
+    assert (report.total, report.empty, report.too_long, report.ratio, report.kept) == (6, 2, 2, 0, 2)
+    assert report.kept_index == [0, 4]
+    assert [tok.decode_source(corpus[i][0].tolist()) for i in range(2)] == ["abc", "ab"]
+    _, report = encode_parallel(tok, ["a", "abcd"], ["abcd", "abcd"], max_len=10, max_len_ratio=3.0)
+    assert (report.ratio, report.kept) == (1, 1)
+    assert "2 pairs read: 0 removed as empty, 0 as longer than max_len, 1 by the length ratio; 1 kept" == \
+        report.describe()
+
+
+def test_read_lines_utf8_crlf_bom(tmp_path):
+    p = tmp_path / "a.txt"
+    p.write_bytes("\ufeffeins\r\nzwei\r\n\r\ndrei".encode("utf-8"))
+    assert read_lines(p) == ["eins", "zwei", "", "drei"]
+    p.write_bytes(b"ok\nok\nbad \xc3\x28 line\n")
+    with pytest.raises(DataError, match=r"a.txt, line 3: not UTF-8 text \(byte 0xc3\)"):
+        read_lines(p)
+
+
+def test_read_parallel_line_counts_named(tmp_path):
+    a, b = tmp_path / "x.en", tmp_path / "x.de"
+    a.write_text("one\ntwo\nthree\n")
+    b.write_text("eins\nzwei\n")
+    with pytest.raises(DataError, match=f"{a} has 3 lines but {b} has 2"):
+        read_parallel(a, b)
+    with pytest.raises(DataError, match="no such file"):
+        read_parallel(a, tmp_path / "missing")
+
+
+def test_read_tsv(tmp_path):
+    p = tmp_path / "x.tsv"
+    p.write_text("one\teins\n\ntwo\tzwei\n")
+    assert read_tsv(p) == (["one", "", "two"], ["eins", "", "zwei"])
+    p.write_text("one\teins\ntwo zwei\n")
+    with pytest.raises(DataError, match="line 2: expected source<TAB>target"):
+        read_tsv(p)
+
+
+def test_corpus_sampler_is_deterministic_and_bucketed():
+    lengths = [(i * 7919) % 50 + 1 for i in range(500)]
+    corpus = ParallelIds.from_pairs([([4] * n, [5] * n) for n in lengths])
+    a = TokenBatchSampler(corpus.costs, 300, seed=3)
+    b = TokenBatchSampler(corpus.costs, 300, seed=3)
+    assert a.batches(2) == b.batches(2) and a.batches(1) != a.batches(2)
+    assert sorted(i for batch in a.batches(0) for i in batch) == list(range(500))
+    ranges = []
+    for batch in a.batches(0):
+        costs = [corpus.costs[i] for i in batch]
+        assert len(batch) * max(costs) <= 300 or len(batch) == 1
+        ranges.append((min(costs), max(costs)))
+    ranges.sort()
+    # length bucketing: the batches cut the sorted lengths into consecutive ranges (they overlap at most at an edge)
+    assert all(hi <= next_lo for (_, hi), (next_lo, _) in zip(ranges, ranges[1:]))
