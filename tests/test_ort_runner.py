@@ -329,3 +329,53 @@ def test_ort_runner_reorder_names_row_and_value(exported_portable):
     runner.step(state, np.full(6, runner.bos_id, dtype=np.int64))
     with pytest.raises(IndexError, match=r"^beam_index\[5\] = 6 is not a row"):
         runner.reorder(state, np.array([0, 1, 2, 3, 4, 6]))
+
+
+# ------------------------------------------------------------------------------------------
+# source checks: one shared check (decoding.check_encode_args) in every runner
+# ------------------------------------------------------------------------------------------
+
+
+def _any_runner(kind: str, export_dir: Path):
+    if kind == "ort":
+        return OrtRunner(export_dir)
+    if kind in ("eager", "catcache"):
+        from transformer_ext.runtimes import CatCacheRunner
+
+        return (EagerRunner if kind == "eager" else CatCacheRunner)(eager_model(export_dir))
+    return _device_runner(kind, export_dir)
+
+
+@pytest.mark.parametrize("kind", ["eager", "catcache", "ort", "ort_cuda", "tensorrt"])
+def test_every_runner_makes_the_same_source_checks(exported_portable, kind):
+    """The same bad encode arguments give the same error, word for word, from every runner
+    (the eager runners used to skip the source-length checks, each runner had its own wording)."""
+    runner = _any_runner(kind, exported_portable)
+    max_len = eager_model(exported_portable).config.max_len
+    ids = np.full((3, 7), 5, np.int64)
+    lengths = np.array([7, 2, 3])
+    too_long = np.full((1, max_len + 1), 5, np.int64)
+    cases = [
+        ((ids[0], lengths[:1], 4, 1), ValueError, "input_ids must be a non-empty [batch, src_len] array, got shape (7,)"),
+        ((ids.astype(np.float64), lengths, 4, 1), TypeError, "input_ids must hold integer token ids, got dtype float64"),
+        ((ids, lengths[:2], 4, 1), ValueError, "src_lengths must have shape (3,), got (2,)"),
+        ((ids, np.array([7, 0, 3]), 4, 1), ValueError,
+         "src_lengths must be in [1, 7] (the padded source length), got [7, 0, 3]"),
+        ((ids, np.array([7, 8, 3]), 4, 1), ValueError,
+         "src_lengths must be in [1, 7] (the padded source length), got [7, 8, 3]"),
+        ((ids, lengths.astype(np.float32), 4, 1), TypeError, "src_lengths must be integers, got dtype float32"),
+        ((too_long, np.array([max_len + 1]), 4, 1), ValueError,
+         f"source length {max_len + 1} exceeds the model's max_len = {max_len}"),
+        ((ids, lengths, 0, 1), ValueError, "cache_len must be a positive int, got 0"),
+        ((ids, lengths, 2.0, 1), ValueError, "cache_len must be a positive int, got 2.0"),
+        ((ids, lengths, max_len + 1, 1), ValueError,
+         f"cache_len = {max_len + 1} exceeds the model's max_len = {max_len} (positions past it have no positional "
+         "encoding); generate fewer tokens"),
+        ((ids, lengths, 4, 0), ValueError, "num_beams must be a positive int, got 0"),
+    ]
+    for args, exc, message in cases:
+        with pytest.raises(exc) as info:
+            runner.encode(*args)
+        assert str(info.value) == message, (kind, args[2:])
+    state = runner.encode(ids, lengths, 4, 2)  # and good arguments still work
+    assert runner.step(state, np.ones(6, np.int64)).shape[0] == 6

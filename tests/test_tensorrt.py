@@ -30,6 +30,7 @@ from export import tensorrt as trtb
 from export.trt_readiness import AxisRange, TensorRTReadinessError, check_export_dir, check_model
 from transformer_ext.export_format import read_manifest
 from transformer_ext.runtimes.device import BindingError, DeviceState, decoder_bindings, encoder_bindings
+from transformer_ext.runtimes.kv_cache import KVCache
 from transformer_ext.runtimes.trt import TensorRTRunner
 
 import importlib.util
@@ -1072,11 +1073,14 @@ def test_tensorrt_runner_binds_once_and_appends_after_each_step(tiny_model):
     for step in range(3):
         runner.step(state, np.array([1, 1, 5, 6]))
     kinds = [c[0] for c in calls]
-    # bound once (first step), then per step: execute, then the 2 x n_layers appends
+    # bound once (first step), then per step: execute, then one append for K and one for V,
+    # each over the caches of every layer (stacked: [n_layers * N, H, L, d_k])
     assert kinds.count("set_tensor_address") == len(dec.names) and kinds.count("execute_async_v3") == 3
-    n_append = 2 * tiny_model.config.n_decoder_layers
+    n_layers = tiny_model.config.n_decoder_layers
+    n_append = 2
     first_exec = kinds.index("execute_async_v3")
     assert kinds[first_exec + 1: first_exec + 1 + n_append] == ["kv_cache_append_"] * n_append
+    assert kinds.count("kv_cache_append_") == 3 * n_append
     shapes = {c[2]: c[3] for c in calls if c[0] == "set_input_shape"}
     assert shapes["self_key.0"] == (4, tiny_model.config.n_heads, 5, tiny_model.config.d_k)
     assert shapes["input_ids"] == (4, 1) and shapes["cross_key.1"][2] == 9
@@ -1084,8 +1088,13 @@ def test_tensorrt_runner_binds_once_and_appends_after_each_step(tiny_model):
     assert addresses["self_key.0"] == state.self_keys[0].data_ptr()
     assert addresses["new_value.1"] == state.new_values[1].data_ptr()
     appends = [c for c in calls if c[0] == "kv_cache_append_"]
+    # the stacked buffers start at layer 0's views: the K append reads the new K of every layer
     assert appends[0][1:3] == (state.self_keys[0].data_ptr(), state.new_keys[0].data_ptr())
-    assert [c[3] for c in appends[-n_append:]] == [[2, 2, 2, 2]] * n_append  # third step writes position 2
+    assert appends[1][1:3] == (state.self_values[0].data_ptr(), state.new_values[0].data_ptr())
+    assert state.self_keys[1].data_ptr() == state.self_keys[0].data_ptr() + state.self_keys[0].nbytes
+    assert addresses["new_key.1"] == state.new_keys[0].data_ptr() + state.new_keys[0].nbytes
+    # third step writes position 2, in every layer's 4 rows
+    assert [c[3] for c in appends[-n_append:]] == [[2] * (4 * n_layers)] * n_append
     # a second decoding rebinds (new buffers)
     state2 = runner.encode(ids, lengths, cache_len=5)
     calls.clear()
@@ -1112,10 +1121,10 @@ def test_tensorscatter_binds_one_buffer_as_input_and_output(tiny_model):
 
 def test_binding_plans():
     t = lambda *s: torch.zeros(s)  # noqa: E731
-    state = DeviceState(batch=1, num_beams=2, src_len=3, cache_len=4, input_ids=t(2, 1), positions=t(2),
-                        src_lengths=t(2), self_keys=[t(2, 1, 4, 2)], self_values=[t(2, 1, 4, 2)],
+    cache = KVCache.allocate(1, 2, 1, 4, 2, dtype=torch.float32, device="cpu", staging=True)
+    state = DeviceState(batch=1, num_beams=2, src_len=3, input_ids=t(2, 1), src_lengths=t(2), cache=cache,
                         cross_keys=[t(2, 1, 3, 2)], cross_values=[t(2, 1, 3, 2)], logits=t(2, 5), logits_host=t(2, 5),
-                        tokens_host=t(2), new_keys=[t(2, 1, 1, 2)], new_values=[t(2, 1, 1, 2)])
+                        tokens_host=t(2))
     portable = decoder_bindings(state, "portable")
     assert sorted(portable) == sorted(["input_ids", "positions", "src_lengths", "logits", "self_key.0", "self_value.0",
                                        "cross_key.0", "cross_value.0", "new_key.0", "new_value.0"])
@@ -1200,6 +1209,17 @@ def test_ort_device_runner_fp16_graphs(exports, tiny_model):
         a, b = r32.step(s32, tokens), r16.step(s16, tokens)
         np.testing.assert_allclose(b, a, atol=3e-2)
         tokens = a.argmax(-1)
+
+
+def test_ort_device_runner_converts_graphs_without_export(exports, monkeypatch):
+    """The in-memory fp16 conversion is transformer_ext.precision's (the builder's too): a
+    deployment without export/ runs it."""
+    monkeypatch.setitem(sys.modules, "export", None)
+    monkeypatch.setitem(sys.modules, "export.tensorrt", None)
+    runner = _ort_cuda_runner(exports["portable"], precision="fp16")
+    assert runner.cache_dtype == torch.float16
+    ids, lengths = _sources(1)
+    assert np.isfinite(runner.step(runner.encode(ids, lengths, 4), np.ones(len(ids), np.int64))).all()
 
 
 class _RecordingSession:
@@ -1337,5 +1357,8 @@ def test_precisions_accumulate_in_one_manifest_and_engines_are_verified(exports,
     with pytest.raises(FileNotFoundError, match="--precision bf16"):
         TensorRTRunner.from_export_dir(out, "bf16", device="cpu")
     (out / "decoder_step.fp16.engine").write_bytes(b"tampered")
+    # the runner loads TensorRT through transformer_ext.tensorrt_support: nothing of export/
+    monkeypatch.setitem(sys.modules, "export", None)
+    monkeypatch.setitem(sys.modules, "export.tensorrt", None)
     with pytest.raises(RuntimeError, match="sha256"):
         TensorRTRunner.from_export_dir(out, "fp16", device="cpu")

@@ -41,9 +41,12 @@ __all__ = [
     "max_new_tokens_for",
     "length_penalty_factor",
     "log_softmax",
+    "check_sources",
+    "check_encode_args",
     "check_token_ids",
     "check_step_tokens",
     "check_beam_index",
+    "as_int64",
     "LENGTH_PENALTIES",
 ]
 
@@ -236,22 +239,65 @@ def max_new_tokens_for(src_lengths: IntOrArray, a: float, b: float, *, cap: int 
     return np.maximum(budget.astype(np.int64), 1)
 
 
-def _check_sources(input_ids: Any, src_lengths: Any) -> tuple[np.ndarray, np.ndarray]:
+def check_sources(input_ids: Any, src_lengths: Any, *, src_vocab_size: int | None = None,
+                  max_src_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The checks every runner and both searches make on a batch of sources; returns
+    ``(input_ids, src_lengths)`` as contiguous int64 arrays.
+
+    ``input_ids``: a non-empty ``[batch, src_len]`` integer array (right-padded);
+    ``src_lengths``: ``[batch]`` integers in ``[1, src_len]``; ``src_len`` at most
+    ``max_src_len`` (the model's ``max_len``: sources longer have no positional encoding);
+    every id in ``[0, src_vocab_size)`` (:func:`check_token_ids`, naming row and value).
+    ``None`` skips the length / vocabulary check. TypeError for non-integer arrays, ValueError
+    otherwise, each naming the argument and what was expected.
+    """
     ids = np.asarray(input_ids)
     lengths = np.asarray(src_lengths)
     if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
         raise ValueError(f"input_ids must be a non-empty [batch, src_len] array, got shape {ids.shape}")
     if not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
-    if lengths.shape != (ids.shape[0],):
-        raise ValueError(f"src_lengths must have shape ({ids.shape[0]},), got {lengths.shape}")
+    B, S = ids.shape
+    if lengths.shape != (B,):
+        raise ValueError(f"src_lengths must have shape ({B},), got {lengths.shape}")
     if not np.issubdtype(lengths.dtype, np.integer):
         raise TypeError(f"src_lengths must be integers, got dtype {lengths.dtype}")
-    if lengths.min() < 1 or lengths.max() > ids.shape[1]:
+    if lengths.min() < 1 or lengths.max() > S:
+        raise ValueError(f"src_lengths must be in [1, {S}] (the padded source length), got {lengths.tolist()}")
+    if max_src_len is not None and S > max_src_len:
+        raise ValueError(f"source length {S} exceeds the model's max_len = {int(max_src_len)}")
+    ids = check_token_ids("input_ids", ids, src_vocab_size, side="source")
+    return ids, np.ascontiguousarray(lengths, dtype=np.int64)
+
+
+# The searches' name of check_sources, which the Triton translator's vendored copy of this
+# module also calls.
+_check_sources = check_sources
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_encode_args(input_ids: Any, src_lengths: Any, cache_len: Any, num_beams: Any, *,
+                      src_vocab_size: int | None = None,
+                      max_positions: int | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The checks every runner's ``encode`` makes: the sources (:func:`check_sources`, source
+    length at most ``max_positions``), ``cache_len`` a positive int of at most ``max_positions``
+    (the model's ``max_len``: positions past it have no positional encoding) and ``num_beams``
+    a positive int. Returns ``(input_ids, src_lengths, cache_len, num_beams)``; limits of a
+    runner's own (an export's or an engine profile's) are checked by the runner after these.
+    """
+    ids, lengths = check_sources(input_ids, src_lengths, src_vocab_size=src_vocab_size, max_src_len=max_positions)
+    cache_len = _check_positive_int("cache_len", cache_len)
+    if max_positions is not None and cache_len > max_positions:
         raise ValueError(
-            f"src_lengths must be in [1, {ids.shape[1]}] (the padded source length), got {lengths.tolist()}"
+            f"cache_len = {cache_len} exceeds the model's max_len = {int(max_positions)} "
+            "(positions past it have no positional encoding); generate fewer tokens"
         )
-    return ids.astype(np.int64, copy=False), lengths.astype(np.int64, copy=False)
+    return ids, lengths, cache_len, _check_positive_int("num_beams", num_beams)
 
 
 def _per_row(name: str, value: IntOrArray, n: int) -> np.ndarray:
@@ -298,7 +344,7 @@ def greedy_decode(
     Stops as soon as every row is finished. Rows that finished keep being fed EOS (their
     outputs are ignored) so that every step is one batched call.
     """
-    ids, lengths = _check_sources(input_ids, src_lengths)
+    ids, lengths = check_sources(input_ids, src_lengths)
     B = ids.shape[0]
     max_new = _per_row("max_new_tokens", max_new_tokens, B)
     min_new = _per_row("min_new_tokens", min_new_tokens, B)
@@ -379,7 +425,7 @@ def beam_search(
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best!r}")
     if alpha < 0 or not math.isfinite(alpha):
         raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
-    ids, lengths = _check_sources(input_ids, src_lengths)
+    ids, lengths = check_sources(input_ids, src_lengths)
     B, K = ids.shape[0], int(beam_size)
     max_new = _per_row("max_new_tokens", max_new_tokens, B)
     min_new = _per_row("min_new_tokens", min_new_tokens, B)

@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["CatCacheRunner", "CatCacheState", "greedy_decode_uncached"]
 
 
-
-
 @dataclass
 class CatCacheState:
     """Decoding state of :class:`CatCacheRunner`."""
@@ -58,12 +56,12 @@ class CatCacheRunner:
         self.config = model.config
 
     def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> CatCacheState:
-        lengths, cross_keys, cross_values, src_len = _encode_sources(
+        lengths, cross_keys, cross_values, src_len, cache_len, _ = _encode_sources(
             self.model, self.device, input_ids, src_lengths, cache_len, num_beams)
         with torch.inference_mode():
             src_mask = padding_mask(lengths, src_len)
         n = self.config.n_decoder_layers
-        return CatCacheState(src_mask, cross_keys, cross_values, [None] * n, [None] * n, 0, int(cache_len))
+        return CatCacheState(src_mask, cross_keys, cross_values, [None] * n, [None] * n, 0, cache_len)
 
     @staticmethod
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -5,21 +5,24 @@
 Data path of one decoding (DESIGN.md sections 1 and 3), everything on one CUDA stream:
 
 * :meth:`DeviceRunner.encode`: every buffer is a torch CUDA tensor allocated once: token ids,
-  positions, source lengths, the self-attention caches ``[N, H, L, d_k]`` (zero-filled: the
-  graph reads the whole buffer, so it must hold finite values), cross K/V, logits, the new K/V.
-  The encoder runs once per source; its cross K/V are repeated per beam on the device.
+  source lengths, cross K/V, logits and the self-attention cache, a
+  :class:`~transformer_ext.runtimes.kv_cache.KVCache` (every layer's K in one zero-filled buffer
+  ``[n_layers * N, H, L, d_k]``, V in another, bound per layer through views: the graph reads the
+  whole buffer, so it must hold finite values; with it the write positions and, for the portable
+  flavour, the stacked staging buffers the graph writes the new K/V into). The encoder runs once
+  per source; its cross K/V are repeated per beam on the device.
 * :meth:`DeviceRunner.step`: the token ids are copied in, ``positions`` filled, the decoder
   step enqueued on the runner's stream (the subclass binds the buffers once per decoding: no
-  step binds anything); the new K/V are then written into the caches in place by
-  ``transformer_ext.ops.kv_cache_append_`` on the same stream (``tensorscatter`` flavour: the
-  graph's cache update writes them, the cache buffer bound as both ``self_key.{i}`` and
-  ``present_key.{i}``); the logits are copied to pinned host memory and the stream is
-  synchronised once: the decoding loop needs them on the host. On CUDA the append gets an
-  ``error_flag`` (so the op never syncs to check positions on the host); the flag is copied back
-  with the logits and checked after that one sync, at no extra cost. Positions are checked on the
-  host before the step (``0 <= position < min(cache capacity, max_len)``, DESIGN.md section 3),
-  so the flag only guards against a broken invariant.
-* :meth:`DeviceRunner.reorder`: ``kv_cache_reorder_`` on the valid prefix, same stream.
+  step binds anything); the new K/V of every layer are then written into the caches in place by
+  one ``transformer_ext.ops.kv_cache_append_`` per buffer on the same stream (``tensorscatter``
+  flavour: the graph's cache update writes them, the cache buffer bound as both
+  ``self_key.{i}`` and ``present_key.{i}``); the logits are copied to pinned host memory and the
+  stream is synchronised once: the decoding loop needs them on the host. On CUDA the append gets
+  the cache's ``error_flag`` (so the op never syncs to check positions on the host); the flag is
+  copied back behind the appends and checked after that one sync, at no extra cost. Positions are
+  checked on the host before the step (``0 <= position < min(cache capacity, max_len)``,
+  DESIGN.md section 3), so the flag only guards against a broken invariant.
+* :meth:`DeviceRunner.reorder`: one ``kv_cache_reorder_`` per buffer on the valid prefix, same stream.
 
 Needs torch (and this project's compiled ops for the cache writes).
 """
@@ -36,6 +39,8 @@ import torch
 
 from transformer_ext import decoding
 from transformer_ext.export_format import DTYPES
+
+from .kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -96,27 +101,55 @@ class DeviceState:
     batch: int
     num_beams: int
     src_len: int
-    cache_len: int  # allocated capacity L (>= the requested cache_len)
     input_ids: torch.Tensor  # [N, 1] int64, refilled every step
-    positions: torch.Tensor  # [N] int64, filled with `position` every step
     src_lengths: torch.Tensor  # [N] int64
-    self_keys: list[torch.Tensor]  # per layer [N, H, L, d_k], cache dtype, zero-filled
-    self_values: list[torch.Tensor]
+    # The self-attention caches, stacked over layers (zero-filled), their write positions, the
+    # staging buffers of the new K/V (portable flavour) and the device error flag.
+    cache: KVCache
     cross_keys: list[torch.Tensor]  # per layer [N, H, S, d_k]
     cross_values: list[torch.Tensor]
     logits: torch.Tensor  # [N, V] float32
     logits_host: torch.Tensor  # [N, V] float32, pinned when the device is CUDA
     tokens_host: torch.Tensor  # [N] int64, pinned when the device is CUDA
-    new_keys: list[torch.Tensor] = field(default_factory=list)  # portable: per layer [N, H, 1, d_k]
-    new_values: list[torch.Tensor] = field(default_factory=list)
-    error_flag: Optional[torch.Tensor] = None  # CUDA: int32 [1], set by kv_cache_append_ on a bad row
-    error_flag_host: Optional[torch.Tensor] = None
-    position: int = 0  # tokens already in the caches (the same for every row)
     backend: dict[str, Any] = field(default_factory=dict)  # the backend's per-decoding objects
 
     @property
     def num_rows(self) -> int:
         return int(self.src_lengths.shape[0])
+
+    @property
+    def cache_len(self) -> int:
+        """Allocated capacity L (>= the requested cache_len)."""
+        return self.cache.capacity
+
+    @property
+    def position(self) -> int:
+        """Tokens already in the caches (the same for every row)."""
+        return self.cache.length
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[N]`` int64, the decoder step's ``positions`` (filled with ``position`` every step)."""
+        return self.cache.step_positions
+
+    @property
+    def self_keys(self) -> list[torch.Tensor]:
+        """Per layer ``[N, H, L, d_k]``, cache dtype: views into the stacked cache."""
+        return self.cache.key_layers
+
+    @property
+    def self_values(self) -> list[torch.Tensor]:
+        return self.cache.value_layers
+
+    @property
+    def new_keys(self) -> list[torch.Tensor]:
+        """Portable flavour: per layer ``[N, H, 1, d_k]``, views into the stacked staging buffer
+        the graph writes; empty for the tensorscatter flavour."""
+        return self.cache.new_key_layers
+
+    @property
+    def new_values(self) -> list[torch.Tensor]:
+        return self.cache.new_value_layers
 
 
 # ------------------------------------------------------------------------------------------
@@ -167,9 +200,6 @@ def decoder_bindings(state: DeviceState, flavour: str) -> dict[str, torch.Tensor
             b[f"present_key.{i}"] = state.self_keys[i]
             b[f"present_value.{i}"] = state.self_values[i]
     return b
-
-
-_int64 = decoding.as_int64
 
 
 # ------------------------------------------------------------------------------------------
@@ -235,10 +265,8 @@ class DeviceRunner(decoding.SearchMethods):
         return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _cache_capacity(self, cache_len: int) -> int:
+        """The capacity to allocate for a checked ``cache_len`` under the engines' profile."""
         lim = self.limits
-        if not isinstance(cache_len, (int, np.integer)) or cache_len < 1:
-            raise ValueError(f"cache_len must be a positive int, got {cache_len!r}")
-        cache_len = int(cache_len)
         if lim.static_cache_len is not None:
             if cache_len > lim.static_cache_len:
                 raise ValueError(
@@ -253,21 +281,15 @@ class DeviceRunner(decoding.SearchMethods):
             )
         return max(cache_len, lim.min_cache_len)  # capacity only: unused positions are never read
 
-    def _check_sources(self, ids: np.ndarray, lengths: np.ndarray, num_beams: int) -> None:
-        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be a non-empty [batch, src_len] array, got shape {ids.shape}")
+    def _check_sources(self, input_ids: Any, src_lengths: Any, cache_len: Any,
+                       num_beams: Any) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """The checks every runner makes (:func:`transformer_ext.decoding.check_encode_args`),
+        then the engines' profile limits."""
+        d = self.dims
+        ids, lengths, cache_len, num_beams = decoding.check_encode_args(
+            input_ids, src_lengths, cache_len, num_beams, src_vocab_size=d.src_vocab_size, max_positions=d.max_positions)
         B, S = ids.shape
-        if lengths.shape != (B,):
-            raise ValueError(f"src_lengths must have shape ({B},), got {lengths.shape}")
-        if lengths.min() < 1 or lengths.max() > S:
-            raise ValueError(f"src_lengths must be in [1, {S}], got {lengths.tolist()}")
-        if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
-            raise ValueError(f"num_beams must be a positive int, got {num_beams!r}")
-        decoding.check_token_ids("input_ids", ids, self.dims.src_vocab_size, side="source")
         lim = self.limits
-        mp = self.dims.max_positions
-        if mp is not None and S > mp:
-            raise ValueError(f"source length {S} exceeds the model's max_len = {mp}")
         if lim.max_src_len is not None and S > lim.max_src_len:
             raise ValueError(f"source length {S} exceeds the engine profile's maximum {lim.max_src_len}; rebuild "
                              "with a larger --src-len or split the input")
@@ -279,6 +301,7 @@ class DeviceRunner(decoding.SearchMethods):
         if lim.max_rows is not None and B * num_beams > lim.max_rows:
             raise ValueError(f"{B} sources x {num_beams} beams = {B * num_beams} rows exceed the decoder profile's "
                              f"maximum batch {lim.max_rows}; decode in smaller batches or rebuild with --batch")
+        return ids, lengths, cache_len, num_beams
 
     # ---------------------------------------------------------------- subclass hooks
 
@@ -293,12 +316,9 @@ class DeviceRunner(decoding.SearchMethods):
     def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, num_beams: int = 1) -> DeviceState:
         """Encode ``input_ids [B, S]`` once; allocate every buffer of the decoding; repeat the
         cross K/V per beam on the device. See :class:`transformer_ext.decoding.Runner`."""
-        ids = _int64("input_ids", input_ids)
-        lengths = _int64("src_lengths", src_lengths)
-        self._check_sources(ids, lengths, num_beams)
+        ids, lengths, cache_len, K = self._check_sources(input_ids, src_lengths, cache_len, num_beams)
         L = self._cache_capacity(cache_len)
         B, S = ids.shape
-        K = int(num_beams)
         N = B * K
         d = self.dims
         dev = self.device
@@ -314,66 +334,45 @@ class DeviceRunner(decoding.SearchMethods):
                 cross_keys = [k.repeat_interleave(K, dim=0) for k in cross_keys]
                 cross_values = [v.repeat_interleave(K, dim=0) for v in cross_values]
                 lens_dev = lens_dev.repeat_interleave(K, dim=0)
-            cache_shape = (N, d.n_heads, L, d.d_k)
+            # portable: the graph writes the new K/V into stacked staging buffers that one append
+            # per buffer reads; tensorscatter: the graph updates the bound caches itself.
+            cache = KVCache.allocate(d.n_layers, N, d.n_heads, L, d.d_k, dtype=self.cache_dtype, device=dev,
+                                     staging=self.flavour == "portable", append_op=self._kv_append,
+                                     reorder_op=self._kv_reorder)
             state = DeviceState(
-                batch=B, num_beams=K, src_len=S, cache_len=L,
+                batch=B, num_beams=K, src_len=S,
                 input_ids=torch.zeros((N, 1), dtype=torch.int64, device=dev),
-                positions=torch.zeros(N, dtype=torch.int64, device=dev),
                 src_lengths=lens_dev.contiguous(),
-                self_keys=[torch.zeros(cache_shape, dtype=self.cache_dtype, device=dev) for _ in range(d.n_layers)],
-                self_values=[torch.zeros(cache_shape, dtype=self.cache_dtype, device=dev) for _ in range(d.n_layers)],
+                cache=cache,
                 cross_keys=[k.contiguous() for k in cross_keys],
                 cross_values=[v.contiguous() for v in cross_values],
                 logits=torch.empty((N, d.vocab_size), dtype=torch.float32, device=dev),
                 logits_host=self._host((N, d.vocab_size), torch.float32),
                 tokens_host=self._host((N,), torch.int64),
             )
-            if self.flavour == "portable":
-                new_shape = (N, d.n_heads, 1, d.d_k)
-                state.new_keys = [torch.empty(new_shape, dtype=self.cache_dtype, device=dev) for _ in range(d.n_layers)]
-                state.new_values = [torch.empty(new_shape, dtype=self.cache_dtype, device=dev) for _ in range(d.n_layers)]
-            if dev.type == "cuda":
-                state.error_flag = torch.zeros(1, dtype=torch.int32, device=dev)
-                state.error_flag_host = self._host((1,), torch.int32)
         return state
 
     def step(self, state: DeviceState, tokens: Any) -> np.ndarray:
         """Feed one token per row at the current position; append its K/V in place; return the
         float32 logits ``[N, V]`` on the host."""
-        p = state.position
+        cache = state.cache
         N = state.num_rows
         vocab = self.dims.vocab_size if self.dims.vocab_size > 0 else None
-        tok = decoding.check_step_tokens(p, state.cache_len, self.dims.max_positions, tokens, N, vocab)
+        tok = decoding.check_step_tokens(cache.length, cache.capacity, self.dims.max_positions, tokens, N, vocab)
         with self._on_stream(), torch.inference_mode():
             state.tokens_host.copy_(torch.from_numpy(np.ascontiguousarray(tok, dtype=np.int64)))
             state.input_ids.view(N).copy_(state.tokens_host, non_blocking=True)
-            state.positions.fill_(p)
+            cache.begin_step()
             self._run_decoder(state)
             if self.flavour == "portable":
-                for caches, news in ((state.self_keys, state.new_keys), (state.self_values, state.new_values)):
-                    for cache, new in zip(caches, news):
-                        if state.error_flag is not None:
-                            self._kv_append(cache, new, state.positions, state.error_flag)
-                        else:
-                            self._kv_append(cache, new, state.positions)
+                cache.append_()  # from the staging buffers the graph wrote; the flag copy behind it
             state.logits_host.copy_(state.logits, non_blocking=True)
-            if state.error_flag is not None:
-                state.error_flag_host.copy_(state.error_flag, non_blocking=True)
         self._synchronize()
-        if state.error_flag_host is not None and int(state.error_flag_host[0]) != 0:
-            raise RuntimeError(f"kv_cache_append_ skipped rows whose position {p} + 1 exceeds the cache capacity "
-                               f"{state.cache_len} (reported by the CUDA kernel's error flag)")
-        state.position = p + 1
+        cache.end_step()  # the flag's host copy is complete after the sync
         return state.logits_host.numpy().copy()
 
     def reorder(self, state: DeviceState, beam_index: Any) -> None:
         """Row ``r`` of every self-attention cache becomes old row ``beam_index[r]`` over the valid
         prefix, in place on the runner's stream; cross K/V are untouched."""
-        index = decoding.check_beam_index(beam_index, state.num_rows)
-        p = state.position
-        if p == 0:
-            return
         with self._on_stream(), torch.inference_mode():
-            idx = torch.from_numpy(index).to(self.device)
-            for cache in (*state.self_keys, *state.self_values):
-                self._kv_reorder(cache, idx, p)
+            state.cache.reorder_(beam_index)

@@ -12,6 +12,9 @@ allocates and copies no cache-sized tensor:
 
 * ``portable`` flavour: the graph outputs the new token's K/V (``[N, H, 1, d_k]``) into bound
   buffers; the runner writes them into the caches in place (``cache[:, :, p] = new[:, :, 0]``).
+  Caches and those buffers are a :class:`~transformer_ext.runtimes.kv_cache.HostKVCache`: every
+  layer's K in one stacked array (V in another), bound per layer through views, so the write is
+  one assignment per buffer for all layers.
 * ``tensorscatter`` flavour: each cache buffer is bound both as the input ``self_key.{i}`` and
   as the output ``present_key.{i}``; the graph's ``TensorScatter`` writes the new row in place.
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -39,6 +42,8 @@ from transformer_ext.export_format import (
     dtype_from_ort,
     read_manifest,
 )
+
+from .kv_cache import HostKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +66,41 @@ class OrtState:
     src_lengths: np.ndarray  # [N] int64
     cross_keys: list[np.ndarray]  # per layer [N, H, S, d_k]
     cross_values: list[np.ndarray]
-    self_keys: list[np.ndarray]  # per layer [N, H, cache_len, d_k], zero-filled at allocation
-    self_values: list[np.ndarray]
+    # The self-attention caches, stacked over layers and zero-filled at allocation, with the
+    # stacked buffers the portable graph writes the new K/V into.
+    cache: HostKVCache
     logits: np.ndarray  # [N, V] float32, written by every step
-    new_keys: list[np.ndarray] = field(default_factory=list)  # portable: per layer [N, H, 1, d_k]
-    new_values: list[np.ndarray] = field(default_factory=list)
-    position: int = 0  # tokens already in the caches (the same for every row)
-    cache_len: int = 0
 
     @property
     def num_rows(self) -> int:
         return int(self.src_lengths.shape[0])
+
+    @property
+    def self_keys(self) -> list[np.ndarray]:
+        """Per layer ``[N, H, cache_len, d_k]``: views into the stacked cache."""
+        return self.cache.key_layers
+
+    @property
+    def self_values(self) -> list[np.ndarray]:
+        return self.cache.value_layers
+
+    @property
+    def new_keys(self) -> list[np.ndarray]:
+        """Portable flavour: per layer ``[N, H, 1, d_k]`` (views); empty for tensorscatter."""
+        return self.cache.new_key_layers
+
+    @property
+    def new_values(self) -> list[np.ndarray]:
+        return self.cache.new_value_layers
+
+    @property
+    def position(self) -> int:
+        """Tokens already in the caches (the same for every row)."""
+        return self.cache.length
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.capacity
 
 
 def _io(values) -> list[dict]:
@@ -79,9 +108,6 @@ def _io(values) -> list[dict]:
         {"name": v.name, "dtype": dtype_from_ort(v.type), "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
         for v in values
     ]
-
-
-_int64 = decoding.as_int64
 
 
 class OrtRunner(decoding.SearchMethods):
@@ -169,30 +195,17 @@ class OrtRunner(decoding.SearchMethods):
 
     def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, num_beams: int = 1) -> OrtState:
         """Encode ``input_ids [B, S]`` once; repeat each row ``num_beams`` times; allocate and bind."""
-        ids = _int64("input_ids", input_ids)
-        lengths = _int64("src_lengths", src_lengths)
-        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be a non-empty [batch, src_len] array, got shape {ids.shape}")
-        B, S = ids.shape
-        if lengths.shape != (B,):
-            raise ValueError(f"src_lengths must have shape ({B},), got {lengths.shape}")
-        if lengths.min() < 1 or lengths.max() > S:
-            raise ValueError(f"src_lengths must be in [1, {S}], got {lengths.tolist()}")
-        if S > self.max_len:
-            raise ValueError(f"source length {S} exceeds the model's max_len = {self.max_len}")
-        decoding.check_token_ids("input_ids", ids, self.src_vocab_size, side="source")
-        if not isinstance(cache_len, (int, np.integer)) or cache_len < 1:
-            raise ValueError(f"cache_len must be a positive int, got {cache_len!r}")
-        if cache_len > min(self.max_len, self.max_cache_len):
+        ids, lengths, cache_len, K = decoding.check_encode_args(
+            input_ids, src_lengths, cache_len, num_beams, src_vocab_size=self.src_vocab_size, max_positions=self.max_len)
+        if cache_len > self.max_cache_len:
             raise ValueError(
-                f"cache_len = {cache_len} exceeds what this export supports "
-                f"(max_len = {self.max_len}, max_cache_len = {self.max_cache_len}); generate fewer tokens"
+                f"cache_len = {cache_len} exceeds what this export supports (max_cache_len = {self.max_cache_len}, "
+                "the largest cache capacity it was exported for); generate fewer tokens or export with a larger "
+                "--cache-len"
             )
-        if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
-            raise ValueError(f"num_beams must be a positive int, got {num_beams!r}")
+        B, S = ids.shape
 
         outs = dict(zip(self._encoder_outputs, self.encoder.run(self._encoder_outputs, {"input_ids": ids, "src_lengths": lengths})))
-        K = int(num_beams)
         N = B * K
 
         def rows(a: np.ndarray) -> np.ndarray:  # each source row repeated K times, contiguous
@@ -200,7 +213,6 @@ class OrtRunner(decoding.SearchMethods):
 
         cross_keys = [rows(outs[f"cross_key.{i}"]) for i in range(self.n_layers)]
         cross_values = [rows(outs[f"cross_value.{i}"]) for i in range(self.n_layers)]
-        shape = (N, self.n_heads, int(cache_len), self.d_k)
         state = OrtState(
             binding=self.decoder.io_binding(),
             input_ids=np.zeros((N, 1), dtype=np.int64),
@@ -208,15 +220,10 @@ class OrtRunner(decoding.SearchMethods):
             src_lengths=rows(lengths),
             cross_keys=cross_keys,
             cross_values=cross_values,
-            self_keys=[np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)],
-            self_values=[np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)],
+            cache=HostKVCache(self.n_layers, N, self.n_heads, cache_len, self.d_k, dtype=np.float32,
+                              staging=self.flavour == "portable"),
             logits=np.zeros((N, self.vocab_size), dtype=np.float32),
-            cache_len=int(cache_len),
         )
-        if self.flavour == "portable":
-            new_shape = (N, self.n_heads, 1, self.d_k)
-            state.new_keys = [np.zeros(new_shape, dtype=np.float32) for _ in range(self.n_layers)]
-            state.new_values = [np.zeros(new_shape, dtype=np.float32) for _ in range(self.n_layers)]
         self._bind(state)
         return state
 
@@ -247,24 +254,17 @@ class OrtRunner(decoding.SearchMethods):
 
     def step(self, state: OrtState, tokens: Any) -> np.ndarray:
         """Feed one token per row at the current position; returns float32 logits ``[N, V]``."""
-        p = state.position
-        tok = decoding.check_step_tokens(p, state.cache_len, self.max_len, tokens, state.num_rows, self.vocab_size)
+        cache = state.cache
+        p = cache.length
+        tok = decoding.check_step_tokens(p, cache.capacity, self.max_len, tokens, state.num_rows, self.vocab_size)
         state.input_ids[:, 0] = tok
         state.positions.fill(p)
         self.decoder.run_with_iobinding(state.binding)
         if self.flavour == "portable":
-            for cache, new in zip(state.self_keys, state.new_keys):
-                cache[:, :, p] = new[:, :, 0]
-            for cache, new in zip(state.self_values, state.new_values):
-                cache[:, :, p] = new[:, :, 0]
-        state.position = p + 1
+            cache.append_()  # every layer's new K/V at position p: one copy per buffer
+        cache.end_step()
         return state.logits.copy()
 
     def reorder(self, state: OrtState, beam_index: Any) -> None:
         """Row ``r`` of every self-attention cache becomes old row ``beam_index[r]`` (valid prefix only)."""
-        index = decoding.check_beam_index(beam_index, state.num_rows)
-        p = state.position
-        if p == 0:
-            return
-        for cache in (*state.self_keys, *state.self_values):
-            cache[:, :, :p] = cache[index, :, :p]  # the right side is a temporary copy
+        state.cache.reorder_(beam_index)

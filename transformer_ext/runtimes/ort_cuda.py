@@ -21,7 +21,8 @@ with ``onnxruntime``: they overwrite each other; extra ``transformer_ext[onnx-gp
 
 Precision: ``fp32`` runs ``encoder.onnx`` / ``decoder_step.onnx``; ``fp16`` runs the converted
 graphs ``python -m export.tensorrt --precision fp16`` writes (``encoder.fp16.onnx``...), or
-converts them in memory (:func:`export.tensorrt.convert_precision`) when they are absent.
+converts them in memory (:func:`transformer_ext.precision.convert_precision`, the conversion the
+builder uses) when they are absent.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _graph_source(export_dir: Path, filename: str, precision: str) -> Union[str,
         return os.fspath(converted)
     import onnx
 
-    from export.tensorrt import convert_precision
+    from transformer_ext.precision import convert_precision
 
     logger.info("%s not found: converting %s to %s in memory", converted.name, filename, precision)
     return convert_precision(onnx.load(os.fspath(export_dir / filename)), precision).SerializeToString()

@@ -8,7 +8,9 @@ Buffers, stream order and cache writes are those of
 binding plans checked against the engines' I/O (names, dtypes, profile ranges),
 ``set_input_shape`` / ``set_tensor_address`` (once per decoding) / ``execute_async_v3(stream)``.
 
-TensorRT is imported only by :meth:`TensorRTRunner.from_export_dir`; the class itself works with
+TensorRT is imported only by :meth:`TensorRTRunner.from_export_dir` (through
+:func:`transformer_ext.tensorrt_support.import_tensorrt`, which the engine builder uses too: the
+runner imports nothing of ``export/``); the class itself works with
 any objects that have the engine / execution-context API, which is how it is tested without a GPU.
 """
 
@@ -135,8 +137,8 @@ class TensorRTRunner(DeviceRunner):
     def from_export_dir(cls, export_dir: Union[str, os.PathLike], precision: str = "fp32", *,
                         device: Union[str, torch.device] = "cuda", verify: bool = True) -> "TensorRTRunner":
         """Load ``<graph>.<precision>.engine`` as recorded in ``manifest.json`` by ``python -m export.tensorrt``."""
-        from export.tensorrt import _TrtLogger, import_tensorrt
         from transformer_ext.export_format import manifest_max_positions, read_manifest
+        from transformer_ext.tensorrt_support import TrtLogger, import_tensorrt
 
         export_dir = Path(export_dir)
         manifest = read_manifest(export_dir)
@@ -147,7 +149,7 @@ class TensorRTRunner(DeviceRunner):
                 f"run `python -m export.tensorrt {export_dir} --precision {precision}`"
             )
         trt = import_tensorrt()
-        trt_logger = _TrtLogger.create(trt)
+        trt_logger = TrtLogger.create(trt)
         runtime = trt.Runtime(trt_logger)
         engines = {}
         for graph in ("encoder", "decoder_step"):

@@ -1,0 +1,288 @@
+"""transformer_ext.runtimes.kv_cache: the stacked self-attention cache of the eager, GPU and
+ONNX Runtime runners, checked against plain per-layer indexing (an independent numpy oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import device_params
+from transformer_ext.runtimes.kv_cache import CacheOverflowError, HostKVCache, KVCache
+
+BACKENDS = ["torch", "host"]
+SHAPES = [(1, 1, 1, 3, 2), (3, 4, 2, 6, 4)]  # (n_layers, rows, heads, capacity, d_k)
+
+
+def _make(backend, n_layers, rows, heads, capacity, d_k, device="cpu"):
+    if backend == "torch":
+        return KVCache.allocate(n_layers, rows, heads, capacity, d_k, dtype=torch.float32, device=device,
+                                staging=True)
+    return HostKVCache(n_layers, rows, heads, capacity, d_k, dtype=np.float32, staging=True)
+
+
+def _np(x):
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _append(cache, backend, new_k, new_v):
+    """One step through the public API: new K/V per layer ([N, H, 1, d_k] numpy arrays)."""
+    if backend == "torch":
+        with torch.inference_mode():
+            cache.begin_step()
+            for view, value in zip(cache.new_key_layers + cache.new_value_layers, new_k + new_v):
+                view.copy_(torch.from_numpy(value))
+            cache.append_()
+    else:
+        for view, value in zip(cache.new_key_layers + cache.new_value_layers, new_k + new_v):
+            view[...] = value
+        cache.append_()
+    cache.end_step()
+
+
+def _reorder(cache, backend, index):
+    if backend == "torch":
+        with torch.inference_mode():
+            cache.reorder_(index)
+    else:
+        cache.reorder_(index)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_append_and_reorder_match_plain_indexing(backend, shape):
+    """Random appends and beam reorders, compared after every operation with separate per-layer
+    arrays updated by plain indexing; past the valid prefix everything stays zero."""
+    n_layers, N, H, L, D = shape
+    rng = np.random.default_rng(0)
+    cache = _make(backend, *shape)
+    oracle_k = [np.zeros((N, H, L, D), np.float32) for _ in range(n_layers)]
+    oracle_v = [np.zeros((N, H, L, D), np.float32) for _ in range(n_layers)]
+    for p in range(L):
+        new_k = [rng.standard_normal((N, H, 1, D)).astype(np.float32) for _ in range(n_layers)]
+        new_v = [rng.standard_normal((N, H, 1, D)).astype(np.float32) for _ in range(n_layers)]
+        _append(cache, backend, new_k, new_v)
+        for i in range(n_layers):
+            oracle_k[i][:, :, p] = new_k[i][:, :, 0]
+            oracle_v[i][:, :, p] = new_v[i][:, :, 0]
+        assert cache.length == p + 1
+        index = rng.integers(0, N, size=N)
+        _reorder(cache, backend, index)
+        for i in range(n_layers):
+            old_k, old_v = oracle_k[i].copy(), oracle_v[i].copy()
+            for r in range(N):
+                oracle_k[i][r, :, : p + 1] = old_k[index[r], :, : p + 1]
+                oracle_v[i][r, :, : p + 1] = old_v[index[r], :, : p + 1]
+        for i in range(n_layers):
+            np.testing.assert_array_equal(_np(cache.key_layers[i]), oracle_k[i])
+            np.testing.assert_array_equal(_np(cache.value_layers[i]), oracle_v[i])
+    # the stacked buffers are the layers one after the other
+    np.testing.assert_array_equal(_np(cache.keys), np.concatenate(oracle_k))
+    np.testing.assert_array_equal(_np(cache.values), np.concatenate(oracle_v))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_views_alias_the_stacked_buffers(backend):
+    """One buffer per K / V for all layers: the per-layer views are contiguous slices of it
+    (bindable by pointer), and the staging buffers are stacked the same way."""
+    n_layers, N, H, L, D = 3, 2, 2, 5, 4
+    cache = _make(backend, n_layers, N, H, L, D)
+    assert tuple(cache.keys.shape) == (n_layers * N, H, L, D) and tuple(cache.new_keys.shape) == (n_layers * N, H, 1, D)
+    assert not _np(cache.keys).any() and not _np(cache.values).any()  # zero-filled
+    for stacked, views, per in ((cache.keys, cache.key_layers, L), (cache.values, cache.value_layers, L),
+                                (cache.new_keys, cache.new_key_layers, 1), (cache.new_values, cache.new_value_layers, 1)):
+        assert len(views) == n_layers
+        for i, view in enumerate(views):
+            assert tuple(view.shape) == (N, H, per, D)
+            if backend == "torch":
+                assert view.is_contiguous() and view.data_ptr() == stacked.data_ptr() + i * view.nbytes
+            else:
+                assert view.flags.c_contiguous and view.ctypes.data == stacked.ctypes.data + i * view.nbytes
+    with torch.inference_mode():  # the buffers are inference tensors
+        cache.key_layers[2][1, 0, 3, 2] = 7.0  # written through a view, seen in the stacked buffer
+    assert _np(cache.keys)[2 * N + 1, 0, 3, 2] == 7.0
+
+
+def test_torch_append_takes_stacked_or_per_layer_updates():
+    """``append_`` with a stacked tensor, with per-layer lists, or from the staging buffers writes
+    the same; the write positions of every stacked row are the cache's length."""
+    n_layers, N, H, L, D = 2, 3, 2, 4, 2
+    rng = torch.Generator().manual_seed(1)
+    new_k = [torch.randn((N, H, 1, D), generator=rng) for _ in range(n_layers)]
+    new_v = [torch.randn((N, H, 1, D), generator=rng) for _ in range(n_layers)]
+    caches = [KVCache.allocate(n_layers, N, H, L, D, dtype=torch.float32, device="cpu", staging=s)
+              for s in (False, False, True)]
+    with torch.inference_mode():
+        for form, cache in enumerate(caches):
+            cache.end_step()  # write at position 1
+            step_positions = cache.begin_step()
+            assert step_positions.tolist() == [1] * N and cache.positions.tolist() == [1] * (n_layers * N)
+            if form == 0:
+                cache.append_(torch.cat(new_k), torch.cat(new_v))
+            elif form == 1:
+                cache.append_(new_k, new_v)
+            else:
+                cache.new_keys.copy_(torch.cat(new_k))
+                cache.new_values.copy_(torch.cat(new_v))
+                cache.append_()
+    for cache in caches:
+        for i in range(n_layers):
+            assert torch.equal(cache.key_layers[i][:, :, 1:2], new_k[i])
+            assert torch.equal(cache.value_layers[i][:, :, 1:2], new_v[i])
+            assert not cache.key_layers[i][:, :, [0, 2, 3]].any()
+    with pytest.raises(ValueError, match="staging buffers"):
+        caches[0].append_()
+    with pytest.raises(ValueError, match="both new_keys and new_values"):
+        caches[0].append_(new_k, None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_beam_index_names_the_callers_row_and_moves_nothing(backend):
+    cache = _make(backend, 2, 3, 1, 4, 2)
+    rng = np.random.default_rng(2)
+    _append(cache, backend, [rng.standard_normal((3, 1, 1, 2)).astype(np.float32) for _ in range(2)],
+            [rng.standard_normal((3, 1, 1, 2)).astype(np.float32) for _ in range(2)])
+    before = _np(cache.keys).copy()
+    # row 2 of the caller's index, not a row of the stacked buffer (which has 6 rows)
+    with pytest.raises(IndexError, match=r"^beam_index\[2\] = 3 is not a row of the decoding state: rows are 0 \.\. 2$"):
+        _reorder(cache, backend, np.array([0, 1, 3]))
+    with pytest.raises(ValueError, match=r"beam_index must have shape \(3,\)"):
+        _reorder(cache, backend, np.array([0, 1]))
+    np.testing.assert_array_equal(_np(cache.keys), before)
+
+
+def test_empty_cache_reorder_is_checked_but_moves_nothing():
+    calls = []
+    cache = KVCache.allocate(1, 2, 1, 3, 1, dtype=torch.float32, device="cpu",
+                             reorder_op=lambda *a: calls.append(a))
+    cache.reorder_(np.array([1, 0]))
+    assert calls == []
+    with pytest.raises(IndexError, match=r"beam_index\[0\] = -1"):
+        cache.reorder_(np.array([-1, 0]))
+
+
+def test_cpu_append_past_the_capacity_raises_before_writing():
+    """On CPU the op checks positions itself (no flag): nothing is written."""
+    cache = KVCache.allocate(2, 2, 1, 2, 2, dtype=torch.float32, device="cpu")
+    assert cache.error_flag is None and cache.error_flag_host is None
+    ones = torch.ones((4, 1, 1, 2))
+    with torch.inference_mode():
+        for _ in range(2):
+            cache.begin_step()
+            cache.append_(ones, ones)
+            cache.end_step()
+        before = cache.keys.clone()
+        cache.begin_step()  # position 2 == capacity
+        with pytest.raises(RuntimeError, match=r"positions\[0\] = 2 leaves no room for T = 1 new token in a cache "
+                                               r"of capacity L = 2"):
+            cache.append_(2 * ones, 2 * ones)
+    assert torch.equal(cache.keys, before) and cache.length == 2
+
+
+def test_host_cache_full_raises_before_writing():
+    cache = HostKVCache(1, 1, 1, 1, 1, staging=True)
+    cache.append_()
+    cache.end_step()
+    before = cache.keys.copy()
+    with pytest.raises(IndexError, match="cannot append at position 1: the cache holds 1 positions"):
+        cache.append_()
+    np.testing.assert_array_equal(cache.keys, before)
+    with pytest.raises(ValueError, match="staging buffers"):
+        HostKVCache(1, 1, 1, 1, 1).append_()
+
+
+def test_error_flag_is_read_from_its_host_copy_at_end_step():
+    """With a flag, the append passes it to the op and enqueues a copy to the host behind the
+    writes; ``end_step`` (after the caller's sync) reads only that copy: a flag the kernel set
+    during this step's appends is a CacheOverflowError naming position and capacity, and the
+    length does not advance. A stand-in op sets the flag as the CUDA kernel does for a row that
+    does not fit (the CPU kernel raises instead)."""
+    seen = []
+
+    def skipping_append(cache_buffer, update, positions, *flag):
+        seen.append(len(flag))
+        flag[0].fill_(1)
+
+    cache = KVCache.allocate(2, 2, 1, 4, 2, dtype=torch.float32, device="cpu", staging=True, error_flag=True,
+                             append_op=skipping_append)
+    assert cache.error_flag.dtype == torch.int32 and cache.error_flag.device.type == "cpu"
+    with torch.inference_mode():
+        cache.begin_step()
+        cache.append_()
+    assert seen == [1, 1]  # both appends got the flag
+    assert int(cache.error_flag_host[0]) == 1  # copied behind the writes
+    with pytest.raises(CacheOverflowError, match=r"position 0 \+ 1 exceeds the cache capacity 4"):
+        cache.end_step()
+    assert cache.length == 0
+
+    ok = KVCache.allocate(1, 1, 1, 4, 1, dtype=torch.float32, device="cpu", staging=True, error_flag=True)
+    with torch.inference_mode():
+        ok.begin_step()
+        ok.append_()  # the real op, in range: the flag stays 0
+        ok.error_flag.fill_(1)  # set after the copy: end_step reads the copy, not the device
+    ok.end_step()
+    assert ok.length == 1
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_device_default_flag(device):
+    """A flag by default exactly on CUDA (pinned host copy there); on CUDA an append past the
+    capacity is skipped on the device and reported at end_step."""
+    cache = KVCache.allocate(2, 2, 1, 1, 2, dtype=torch.float32, device=device, staging=True)
+    if device == "cpu":
+        assert cache.error_flag is None
+        return
+    assert cache.error_flag is not None and cache.error_flag_host.is_pinned()
+    with torch.inference_mode():
+        cache.begin_step()
+        cache.append_()
+        torch.cuda.synchronize()
+        cache.end_step()
+        cache.new_keys.fill_(3.0)
+        cache.begin_step()  # position 1 == capacity
+        cache.append_()
+        torch.cuda.synchronize()
+    with pytest.raises(CacheOverflowError, match="exceeds the cache capacity 1"):
+        cache.end_step()
+    assert not (cache.keys == 3.0).any()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ((0, 1, 1, 1, 1), "n_layers must be a positive int, got 0"),
+    ((1, 1, 1, True, 1), "capacity must be a positive int, got True"),
+    ((1, 1, 1, 1, 1.5), "d_k must be a positive int, got 1.5"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sizes_are_checked(backend, args, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        if backend == "torch":
+            KVCache.allocate(*args, dtype=torch.float32, device="cpu")
+        else:
+            HostKVCache(*args)
+
+
+def test_runner_states_keep_one_stacked_cache(tiny_model_and_batch):
+    """EagerRunner and OrtRunner-like states hold their layers as views of one buffer per K / V."""
+    from transformer_ext.runtimes import EagerRunner
+
+    model, src, lengths = tiny_model_and_batch
+    runner = EagerRunner(model)
+    state = runner.encode(src, lengths, 4, 2)
+    N = state.num_rows
+    assert isinstance(state.cache, KVCache) and state.position == 0 and state.cache_len == 4
+    for i, view in enumerate(state.self_keys):
+        assert view.data_ptr() == state.cache.keys.data_ptr() + i * view.nbytes and view.shape[0] == N
+    runner.step(state, np.ones(N, np.int64))
+    assert state.position == 1 and state.cache.key_layers[1][:, :, 0].any() and not state.cache.keys[:, :, 1:].any()
+
+
+@pytest.fixture
+def tiny_model_and_batch():
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.model import Transformer
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(src_vocab_size=11, tgt_vocab_size=13, d_model=16, n_heads=2, d_ff=32,
+                            n_encoder_layers=1, n_decoder_layers=2, max_len=16, dropout=0.0)
+    model = Transformer(cfg).eval()
+    return model, np.array([[3, 4, 5], [6, 7, 0]], np.int64), np.array([3, 2], np.int64)

@@ -1,0 +1,298 @@
+"""The self-attention KV cache of a decoding: one object for every runner that keeps one.
+
+A decoding of N rows (sources x beams) through a decoder of ``n_layers`` layers keeps, per layer,
+the keys and values of every token fed so far (DESIGN.md section 1). Both classes here hold them
+the same way:
+
+* **Stacked buffers.** All layers' keys live in ONE zero-filled buffer ``keys
+  [n_layers * N, H, L, d_k]`` (layer i = rows ``i*N .. (i+1)*N - 1``), the values in another;
+  ``key_layers[i]`` / ``value_layers[i]`` are per-layer views ``[N, H, L, d_k]``, contiguous, so a
+  graph input can be bound to them by pointer. Zero-filled once: a graph reads the whole buffer,
+  and the contract requires finite values past the prefix (DESIGN.md section 3).
+* **In-place append.** A step's new keys and values of every layer are written with one call
+  each, at the cache's ``length`` (the same for every row): 2 writes per step instead of
+  ``2 * n_layers``. Runners whose graph outputs the new K/V into bound buffers ask for staging
+  buffers (``staging=True``), stacked the same way (``new_keys [n_layers * N, H, 1, d_k]`` and
+  per-layer views), so the append reads them with no concatenation.
+* **In-place reorder** of the valid prefix for beam search, one call per buffer: the caller's
+  ``beam_index`` (checked by :func:`transformer_ext.decoding.check_beam_index`, so an error names
+  the caller's row and value) is turned into the stacked index on the host.
+* A step is ``begin_step()`` (write positions), the graph or model, ``append_(...)``, the
+  caller's synchronisation (it needs the logits on the host anyway), ``end_step()`` (advance).
+
+:class:`KVCache` (torch tensors; :class:`~transformer_ext.runtimes.eager.EagerRunner` and the GPU
+runners, :class:`~transformer_ext.runtimes.device.DeviceRunner`) writes with the compiled ops
+``kv_cache_append_`` / ``kv_cache_reorder_``. On CUDA the append gets a device error flag
+instead of checking positions on the host (which would sync every step): ``append_`` enqueues a
+copy of the flag into pinned host memory behind the writes, and ``end_step`` reads that copy,
+which is complete once the caller has synchronised for the logits, so reading it costs no extra
+sync; a set flag (a row the kernel skipped because it did not fit) is a RuntimeError naming the
+position and the capacity. Positions are checked on the host before every step
+(:func:`transformer_ext.decoding.check_step_tokens`), so the flag guards a broken invariant
+only. On CPU the op itself raises before writing anything, and there is no flag.
+
+:class:`HostKVCache` (numpy arrays; :class:`~transformer_ext.runtimes.ort.OrtRunner`) writes by
+array indexing: it needs neither torch nor the compiled ops. This module imports numpy only;
+:class:`KVCache` imports torch and the compiled ops when it allocates.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from transformer_ext import decoding
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVCache", "HostKVCache", "CacheOverflowError"]
+
+
+class CacheOverflowError(RuntimeError):
+    """The device's error flag says ``kv_cache_append_`` skipped a row: it did not fit the cache."""
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class _Layout:
+    """What both caches share: the sizes and the valid length."""
+
+    n_layers: int
+    rows: int
+    capacity: int
+    length: int
+
+    def _init_layout(self, n_layers: int, rows: int, capacity: int) -> None:
+        self.n_layers = _positive_int("n_layers", n_layers)
+        self.rows = _positive_int("rows", rows)
+        self.capacity = _positive_int("capacity", capacity)
+        self.length = 0  # tokens in the cache (its valid prefix), the same for every row
+
+    def end_step(self) -> None:
+        """One token more in the cache (after its K/V were appended, or written by the graph)."""
+        self.length += 1
+
+
+def _views(buffer: Any, rows: int, n_layers: int) -> list:
+    return [buffer[i * rows:(i + 1) * rows] for i in range(n_layers)]
+
+
+class KVCache(_Layout):
+    """Stacked self-attention caches in torch tensors, written by the compiled in-place ops.
+
+    Build one with :meth:`allocate`. Attributes: ``keys`` / ``values`` (stacked, ``[n_layers *
+    N, H, L, d_k]``), ``key_layers`` / ``value_layers`` (per-layer views), ``positions`` (int64
+    ``[n_layers * N]``, the write position of every stacked row; ``step_positions`` = its first N
+    entries, the decoder step's ``positions`` input), ``new_keys`` / ``new_values`` and their
+    ``new_key_layers`` / ``new_value_layers`` views (staging, ``[n_layers * N, H, 1, d_k]``, or
+    ``None`` and empty lists), ``error_flag`` (int32 ``[1]`` on the device, or ``None``) with its
+    host copy ``error_flag_host``, ``length`` and ``capacity``.
+
+    ``append_`` and ``reorder_`` must run under ``torch.inference_mode()`` (the buffers are
+    inference tensors), on the stream the caller computes on.
+    """
+
+    def __init__(self, keys: "torch.Tensor", values: "torch.Tensor", n_layers: int, *,
+                 positions: "torch.Tensor", new_keys: Optional["torch.Tensor"] = None,
+                 new_values: Optional["torch.Tensor"] = None, error_flag: Optional["torch.Tensor"] = None,
+                 error_flag_host: Optional["torch.Tensor"] = None,
+                 append_op: Optional[Callable[..., None]] = None, reorder_op: Optional[Callable[..., None]] = None):
+        """Use :meth:`allocate`; this takes buffers made elsewhere (tests)."""
+        n_layers = _positive_int("n_layers", n_layers)
+        if keys.dim() != 4 or keys.shape != values.shape or keys.shape[0] % n_layers:
+            raise ValueError(f"keys and values must be [n_layers * N, H, L, d_k] of one shape, got "
+                             f"{tuple(keys.shape)} and {tuple(values.shape)} for {n_layers} layers")
+        self._init_layout(n_layers, keys.shape[0] // n_layers, keys.shape[2])
+        if tuple(positions.shape) != (keys.shape[0],):
+            raise ValueError(f"positions must have shape ({keys.shape[0]},), got {tuple(positions.shape)}")
+        if (new_keys is None) != (new_values is None):
+            raise ValueError("give both new_keys and new_values, or neither")
+        if error_flag is not None and error_flag_host is None:
+            raise ValueError("an error_flag needs its host copy error_flag_host")
+        import torch  # noqa: PLC0415 - torch only for the torch-backed cache
+
+        if append_op is None or reorder_op is None:
+            from transformer_ext import ops  # noqa: PLC0415 - the compiled library
+
+            append_op = append_op or ops.kv_cache_append_
+            reorder_op = reorder_op or ops.kv_cache_reorder_
+        self._torch = torch
+        self.keys, self.values = keys, values
+        self.key_layers = _views(keys, self.rows, self.n_layers)
+        self.value_layers = _views(values, self.rows, self.n_layers)
+        self.positions = positions
+        self.step_positions = positions[: self.rows]
+        self.new_keys, self.new_values = new_keys, new_values
+        self.new_key_layers = [] if new_keys is None else _views(new_keys, self.rows, self.n_layers)
+        self.new_value_layers = [] if new_values is None else _views(new_values, self.rows, self.n_layers)
+        self.error_flag, self.error_flag_host = error_flag, error_flag_host
+        self._append, self._reorder = append_op, reorder_op
+        # Row offsets of the layers in the stacked buffers, for the stacked beam index.
+        self._layer_offsets = (np.arange(self.n_layers, dtype=np.int64) * self.rows).reshape(-1, 1)
+
+    @classmethod
+    def allocate(cls, n_layers: int, rows: int, n_heads: int, capacity: int, d_k: int, *, dtype: Any,
+                 device: Union[str, "torch.device"], staging: bool = False, error_flag: Optional[bool] = None,
+                 append_op: Optional[Callable[..., None]] = None,
+                 reorder_op: Optional[Callable[..., None]] = None) -> "KVCache":
+        """Zero-filled stacked caches for ``rows`` rows of ``n_layers`` layers, capacity ``capacity``.
+
+        ``staging``: also the stacked buffers a graph writes the new token's K/V into.
+        ``error_flag``: pass the device error flag to the append (default: on CUDA devices; on a
+        CPU device the op ignores it and raises instead, which tests use). ``append_op`` /
+        ``reorder_op``: stand-ins of ``ops.kv_cache_append_`` / ``kv_cache_reorder_`` with their
+        signatures (tests that observe the writes).
+        """
+        import torch  # noqa: PLC0415
+
+        device = torch.device(device)
+        if error_flag is None:
+            error_flag = device.type == "cuda"
+        stacked = (_positive_int("n_layers", n_layers) * _positive_int("rows", rows),
+                   _positive_int("n_heads", n_heads), _positive_int("capacity", capacity), _positive_int("d_k", d_k))
+        with torch.inference_mode():
+            keys = torch.zeros(stacked, dtype=dtype, device=device)
+            values = torch.zeros(stacked, dtype=dtype, device=device)
+            positions = torch.zeros(stacked[0], dtype=torch.int64, device=device)
+            new_keys = new_values = None
+            if staging:
+                new_keys = torch.zeros((stacked[0], stacked[1], 1, stacked[3]), dtype=dtype, device=device)
+                new_values = torch.zeros_like(new_keys)
+            flag = flag_host = None
+            if error_flag:
+                flag = torch.zeros(1, dtype=torch.int32, device=device)
+                flag_host = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        return cls(keys, values, n_layers, positions=positions, new_keys=new_keys, new_values=new_values,
+                   error_flag=flag, error_flag_host=flag_host, append_op=append_op, reorder_op=reorder_op)
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        return self.keys.dtype
+
+    @property
+    def device(self) -> "torch.device":
+        return self.keys.device
+
+    def begin_step(self) -> "torch.Tensor":
+        """Write positions for the next token (every stacked row at ``length``, one fill);
+        returns ``step_positions`` (``[N]``, the decoder step's ``positions``)."""
+        self.positions.fill_(self.length)
+        return self.step_positions
+
+    def append_(self, new_keys: Union[None, "torch.Tensor", Sequence["torch.Tensor"]] = None,
+                new_values: Union[None, "torch.Tensor", Sequence["torch.Tensor"]] = None) -> None:
+        """Write one step's new K/V of every layer at the positions :meth:`begin_step` wrote.
+
+        ``new_keys`` / ``new_values``: stacked ``[n_layers * N, H, T, d_k]`` tensors, per-layer
+        sequences of ``[N, H, T, d_k]`` (concatenated first: one allocation), or ``None`` for the
+        staging buffers. One ``kv_cache_append_`` per buffer; with an error flag, a copy of it
+        to the host is enqueued behind them (read by :meth:`end_step`).
+        """
+        if new_keys is None and new_values is None:
+            if self.new_keys is None:
+                raise ValueError("append_() without new K/V needs the staging buffers (allocate with staging=True)")
+            new_keys, new_values = self.new_keys, self.new_values
+        elif new_keys is None or new_values is None:
+            raise ValueError("append_() takes both new_keys and new_values, or neither (the staging buffers)")
+        if not isinstance(new_keys, self._torch.Tensor):
+            new_keys = self._torch.cat(list(new_keys))
+        if not isinstance(new_values, self._torch.Tensor):
+            new_values = self._torch.cat(list(new_values))
+        flag = self.error_flag
+        if flag is None:
+            self._append(self.keys, new_keys, self.positions)
+            self._append(self.values, new_values, self.positions)
+        else:
+            self._append(self.keys, new_keys, self.positions, flag)
+            self._append(self.values, new_values, self.positions, flag)
+            self.error_flag_host.copy_(flag, non_blocking=True)
+
+    def end_step(self) -> None:
+        """After the caller synchronised (for the logits): raise :class:`CacheOverflowError`
+        if the device flag reports a skipped row, else count the token. Costs no sync."""
+        host = self.error_flag_host
+        if host is not None and int(host[0]) != 0:
+            raise CacheOverflowError(
+                f"kv_cache_append_ skipped rows whose position {self.length} + 1 exceeds the cache capacity "
+                f"{self.capacity} (reported by the CUDA kernel's error flag); the decoding state is invalid"
+            )
+        self.length += 1
+
+    def reorder_(self, beam_index: Any) -> None:
+        """Row ``r`` of every layer becomes old row ``beam_index[r]`` over the valid prefix, in
+        place (one ``kv_cache_reorder_`` per buffer). An out-of-range index is an IndexError
+        naming the caller's row and value, and nothing is moved."""
+        index = decoding.check_beam_index(beam_index, self.rows)
+        if self.length == 0:
+            return
+        # Layer i's row r becomes layer i's row index[r]: the stacked index [n_layers * N].
+        stacked = self._torch.from_numpy((index.reshape(1, -1) + self._layer_offsets).reshape(-1)).to(self.keys.device)
+        self._reorder(self.keys, stacked, self.length)
+        self._reorder(self.values, stacked, self.length)
+
+
+class HostKVCache(_Layout):
+    """Stacked self-attention caches in numpy arrays, written by indexing (no torch).
+
+    The attributes of :class:`KVCache` that a host runner needs: ``keys`` / ``values``,
+    ``key_layers`` / ``value_layers``, ``new_keys`` / ``new_values`` and their views (staging),
+    ``length``, ``capacity``; there are no positions (the runner's graph input) and no flag.
+    """
+
+    def __init__(self, n_layers: int, rows: int, n_heads: int, capacity: int, d_k: int, *,
+                 dtype: Any = np.float32, staging: bool = False):
+        self._init_layout(n_layers, rows, capacity)
+        shape5 = (self.n_layers, self.rows, _positive_int("n_heads", n_heads), self.capacity,
+                  _positive_int("d_k", d_k))
+        self._keys5 = np.zeros(shape5, dtype=dtype)  # [n_layers, N, H, L, d_k]
+        self._values5 = np.zeros(shape5, dtype=dtype)
+        self.keys = self._keys5.reshape(-1, *shape5[2:])  # views, [n_layers * N, H, L, d_k]
+        self.values = self._values5.reshape(-1, *shape5[2:])
+        self.key_layers = list(self._keys5)
+        self.value_layers = list(self._values5)
+        self._new_keys5 = self._new_values5 = None
+        self.new_keys = self.new_values = None
+        self.new_key_layers: list[np.ndarray] = []
+        self.new_value_layers: list[np.ndarray] = []
+        if staging:
+            new5 = (*shape5[:3], 1, shape5[4])
+            self._new_keys5 = np.zeros(new5, dtype=dtype)
+            self._new_values5 = np.zeros(new5, dtype=dtype)
+            self.new_keys = self._new_keys5.reshape(-1, *new5[2:])
+            self.new_values = self._new_values5.reshape(-1, *new5[2:])
+            self.new_key_layers = list(self._new_keys5)
+            self.new_value_layers = list(self._new_values5)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.keys.dtype
+
+    def append_(self) -> None:
+        """Copy the staging buffers' new K/V into every layer at position ``length``: one
+        assignment per buffer. Raises IndexError when the cache is full (nothing written)."""
+        if self._new_keys5 is None:
+            raise ValueError("append_() needs the staging buffers (HostKVCache(..., staging=True))")
+        p = self.length
+        if p >= self.capacity:
+            raise IndexError(f"cannot append at position {p}: the cache holds {self.capacity} positions")
+        self._keys5[:, :, :, p] = self._new_keys5[:, :, :, 0]
+        self._values5[:, :, :, p] = self._new_values5[:, :, :, 0]
+
+    def reorder_(self, beam_index: Any) -> None:
+        """Row ``r`` of every layer becomes old row ``beam_index[r]`` over the valid prefix
+        (one gather per buffer into a temporary, then a copy back); errors as :class:`KVCache`'s."""
+        index = decoding.check_beam_index(beam_index, self.rows)
+        p = self.length
+        if p == 0:
+            return
+        self._keys5[:, :, :, :p] = self._keys5[:, index, :, :p]
+        self._values5[:, :, :, :p] = self._values5[:, index, :, :p]
