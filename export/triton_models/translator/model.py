@@ -325,16 +325,17 @@ class Translator:
         self.s = settings
 
     def _sources(self, arrays: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-        """The request's sources, checked by the search's own source checks (shapes, dtypes,
-        lengths) and the runners' source-id check, before any budget is computed."""
+        """The request's sources, checked by the checks of every runner and both searches
+        (:func:`transformer_ext.decoding.check_sources`: shapes, dtypes, lengths, source ids)
+        before any budget is computed."""
         ids = np.asarray(arrays.get("input_ids"))
         lengths = arrays.get("src_lengths")
         if lengths is None and ids.ndim == 2 and ids.size:  # right-padded: up to the last non-pad token
             nonpad = ids != self.s.pad_id
             lengths = np.where(nonpad.any(axis=1), ids.shape[1] - np.argmax(nonpad[:, ::-1], axis=1), 1)
         try:
-            ids, lengths = decoding._check_sources(ids, np.asarray(lengths).reshape(-1) if lengths is not None else None)
-            decoding.check_token_ids("input_ids", ids, self.s.src_vocab_size or None, side="source")
+            ids, lengths = decoding.check_sources(ids, np.asarray(lengths).reshape(-1) if lengths is not None else None,
+                                                  src_vocab_size=self.s.src_vocab_size or None)
         except (TypeError, ValueError) as exc:
             raise TranslationRequestError(str(exc)) from None
         if ids.shape[1] > self.s.max_src_len:
