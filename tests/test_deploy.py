@@ -180,6 +180,77 @@ def test_unavailable_provider(demo_export):
     assert Translator.from_export_dir(demo_export, provider="CPUExecutionProvider").translate(["one"]) == ["eins"]
 
 
+@pytest.fixture
+def cuda_provider_listed(monkeypatch):
+    """ONNX Runtime reports the CUDA provider (as onnxruntime-gpu does); what each runner is
+    built with is recorded, and the runner built is a CPU OrtRunner, so the selection logic runs
+    without a GPU."""
+    import onnxruntime as ort
+
+    import transformer_ext.runtimes.ort as ort_module
+    import transformer_ext.runtimes.ort_cuda as ort_cuda_module
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    built = []
+    real = ort_module.OrtRunner
+
+    def fake(kind):
+        def make(export_dir, **kwargs):
+            built.append((kind, kwargs))
+            return real(export_dir)
+        return make
+
+    monkeypatch.setattr(ort_module, "OrtRunner", fake("OrtRunner"))
+    monkeypatch.setattr(ort_cuda_module, "OrtCudaRunner", fake("OrtCudaRunner"))
+    return built
+
+
+@pytest.mark.parametrize("provider", ["cuda", "CUDAExecutionProvider"])
+def test_cuda_provider_selects_the_device_runner_when_torch_has_cuda(demo_export, cuda_provider_listed, monkeypatch,
+                                                                     provider):
+    from transformer_ext import translate
+
+    monkeypatch.setattr(translate, "_device_buffers_available", lambda: (True, ""))
+    t = Translator.from_export_dir(demo_export, provider=provider, threads=2)
+    assert cuda_provider_listed == [("OrtCudaRunner", {"device": "cuda", "intra_op_num_threads": 2})]
+    assert t.translate(["one"]) == ["eins"]
+
+
+def test_cuda_provider_without_device_buffers_runs_ort_runner_on_cuda(demo_export, cuda_provider_listed, monkeypatch,
+                                                                       caplog):
+    from transformer_ext import translate
+
+    monkeypatch.setattr(translate, "_device_buffers_available", lambda: (False, "torch is not installed"))
+    with caplog.at_level("INFO", logger="transformer_ext.translate"):
+        Translator.from_export_dir(demo_export, provider="cuda")
+    assert cuda_provider_listed == [("OrtRunner", {"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                                   "intra_op_num_threads": None})]
+    assert any("torch is not installed" in r.getMessage() for r in caplog.records)
+    cuda_provider_listed.clear()
+    Translator.from_export_dir(demo_export, provider="cpu")  # never the device runner, nothing probed
+    assert cuda_provider_listed == [("OrtRunner", {"providers": ["CPUExecutionProvider"], "intra_op_num_threads": None})]
+
+
+def test_device_buffers_need_torch_a_gpu_and_the_cuda_kernels(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    from transformer_ext import ops, translate
+
+    real_find_spec = importlib.util.find_spec
+    with monkeypatch.context() as m:
+        m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a))
+        assert translate._device_buffers_available() == (False, "torch is not installed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert translate._device_buffers_available() == (False, "torch sees no CUDA GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ops, "cuda_kernels_built", lambda: False)
+    assert translate._device_buffers_available() == (False, "this package was built without its CUDA kernels")
+    monkeypatch.setattr(ops, "cuda_kernels_built", lambda: True)
+    assert translate._device_buffers_available() == (True, "")
+
+
 # ------------------------------------------------------------------------------------------
 # the command line on an export folder
 # ------------------------------------------------------------------------------------------

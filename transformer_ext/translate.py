@@ -304,6 +304,29 @@ def _import_onnxruntime() -> None:
         ) from exc
 
 
+def _device_buffers_available() -> tuple[bool, str]:
+    """Whether :class:`~transformer_ext.runtimes.ort_cuda.OrtCudaRunner` (device-resident
+    buffers) can run here: torch installed, a CUDA GPU visible to it, this package's CUDA
+    kernels built. ``(False, why)`` otherwise; torch is imported only when it is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False, "torch is not installed"
+    try:
+        import torch
+    except ImportError as exc:  # a broken install
+        return False, f"torch cannot be imported ({exc})"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA GPU"
+    try:
+        from . import ops
+    except (ImportError, OSError) as exc:
+        return False, f"this package's compiled ops cannot be loaded ({exc})"
+    if not ops.cuda_kernels_built():
+        return False, "this package was built without its CUDA kernels"
+    return True, ""
+
+
 def _import_tensorrt_runtime():
     """The TensorRT runner class, or a RuntimeNotAvailableError that says what to install."""
     import importlib.util
@@ -448,8 +471,13 @@ class Translator:
         export.tensorrt`` built its engines.
 
         ``provider``: the ONNX Runtime execution provider (``"cpu"``, default; ``"cuda"``, or a
-        full name such as ``"CUDAExecutionProvider"``); ``threads``: ONNX Runtime's intra-op
-        threads; ``precision``: the TensorRT engines to run (default ``fp32`` when built, else
+        full name such as ``"CUDAExecutionProvider"``). With the CUDA provider the runner is
+        :class:`~transformer_ext.runtimes.OrtCudaRunner` (every buffer on the GPU, the caches
+        written in place there) when torch is installed, sees a CUDA GPU and this package has
+        its CUDA kernels; otherwise :class:`~transformer_ext.runtimes.OrtRunner` with the CUDA
+        provider (host buffers, which ONNX Runtime copies to the GPU at every step; the reason
+        is logged), so a torch-free deployment with onnxruntime-gpu runs too. ``threads``: ONNX
+        Runtime's intra-op threads; ``precision``: the TensorRT engines to run (default ``fp32`` when built, else
         the only precision built). ``options``: generation options, as for the constructor.
 
         Raises:
@@ -483,9 +511,19 @@ class Translator:
                                        "the fp32 graphs")
             _import_onnxruntime()
             providers = _resolve_provider(provider)
-            from .runtimes.ort import OrtRunner
+            device_buffers, why = (_device_buffers_available() if providers[0] == "CUDAExecutionProvider"
+                                   else (False, ""))
+            if device_buffers:
+                from .runtimes.ort_cuda import OrtCudaRunner
 
-            runner = OrtRunner(export_dir, providers=providers, intra_op_num_threads=threads)
+                logger.info("CUDA provider with device-resident buffers (OrtCudaRunner)")
+                runner = OrtCudaRunner(export_dir, device="cuda", intra_op_num_threads=threads)
+            else:
+                from .runtimes.ort import OrtRunner
+
+                if why:
+                    logger.info("CUDA provider on host buffers (OrtRunner): %s, so OrtCudaRunner cannot run", why)
+                runner = OrtRunner(export_dir, providers=providers, intra_op_num_threads=threads)
         else:
             if provider is not None or threads is not None:
                 raise TranslationError("provider and threads are ONNX Runtime options; the TensorRT runtime takes "
@@ -778,7 +816,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: onnxruntime for an export folder, eager otherwise")
     parser.add_argument("--provider", default=None, metavar="NAME",
                         help="ONNX Runtime execution provider: cpu (default), cuda, or a full name "
-                             "such as CUDAExecutionProvider")
+                             "such as CUDAExecutionProvider; cuda keeps every buffer on the GPU when torch "
+                             "with CUDA is installed, else ONNX Runtime copies them at every step")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="intra-op threads of ONNX Runtime, or of PyTorch for the eager runtime")
     parser.add_argument("--device", default=None,
