@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from transformer_ext import decoding
 from transformer_ext.decoding import (
     Hypothesis,
     Runner,
     beam_search,
     check_beam_index,
+    check_encode_args,
+    check_sources,
     check_step_tokens,
     check_token_ids,
     greedy_decode,
@@ -651,3 +654,22 @@ def test_shared_id_checks():
     check_step_tokens(0, 4, 64, np.array([-1, 2]), 2)  # no vocabulary given: the range is not checked
     with pytest.raises(IndexError, match=r"beam_index\[1\] = 2 "):
         check_beam_index([0, 2], 2)
+
+
+def test_shared_source_and_encode_checks():
+    """check_sources / check_encode_args: the one copy every runner (and both searches) call."""
+    ids, lengths = check_sources(np.array([[3, 4, 0]], np.int32), [2])
+    assert ids.dtype == lengths.dtype == np.int64 and ids.flags.c_contiguous and lengths.tolist() == [2]
+    assert decoding._check_sources is check_sources  # the name the Triton translator's vendored copy calls
+    with pytest.raises(ValueError, match=r"^input_ids\[0, 1\] = 4 \(row 0\) is not a source token id"):
+        check_sources(np.array([[3, 4]]), np.array([2]), src_vocab_size=4)
+    with pytest.raises(ValueError, match=r"^source length 3 exceeds the model's max_len = 2$"):
+        check_sources(np.ones((1, 3), np.int64), np.array([3]), max_src_len=2)
+    with pytest.raises(ValueError, match=r"^src_lengths must have shape \(1,\), got \(\)$"):
+        check_sources(np.ones((1, 3), np.int64), None)
+    assert check_encode_args(np.ones((2, 3), np.int64), np.array([3, 1]), np.int64(5), 2, max_positions=5)[2:] == (5, 2)
+    for cache_len, num_beams, fragment in ((True, 1, "cache_len must be a positive int, got True"),
+                                           (6, 1, "cache_len = 6 exceeds the model's max_len = 5"),
+                                           (5, -1, "num_beams must be a positive int, got -1")):
+        with pytest.raises(ValueError, match=fragment):
+            check_encode_args(np.ones((2, 3), np.int64), np.array([3, 1]), cache_len, num_beams, max_positions=5)

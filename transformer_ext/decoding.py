@@ -19,6 +19,12 @@ Conventions:
   function of its length, which counts the generated tokens with the EOS (when it has one).
 * The runner's self-attention cache must hold every fed token: the decoder feeds BOS and then
   all generated tokens but the last, so ``cache_len`` defaults to ``max(max_new_tokens)``.
+
+The checks every runner makes on its arguments live here, once, so that every backend refuses
+the same input with the same message (naming the argument, and for ids the row and value):
+:func:`check_encode_args` (sources via :func:`check_sources`, ``cache_len``, ``num_beams``) at
+encode, :func:`check_step_tokens` at a step, :func:`check_beam_index` at a reorder. A runner
+checks limits of its own (an export's, an engine profile's) after them.
 """
 
 from __future__ import annotations

@@ -13,7 +13,16 @@ runner                        backend                                     needs
 
 Modules: :mod:`.eager`, :mod:`.baseline` (``CatCacheRunner``, ``greedy_decode_uncached``),
 :mod:`.ort`, :mod:`.device` (``DeviceRunner``: buffers, stream order and cache writes shared by
-the GPU runners), :mod:`.ort_cuda`, :mod:`.trt`.
+the GPU runners), :mod:`.ort_cuda`, :mod:`.trt`, and :mod:`.kv_cache`: the self-attention cache
+every cached runner keeps (``KVCache`` on torch for the eager and GPU runners, ``HostKVCache`` on
+numpy for ``OrtRunner``: every layer stacked in one buffer per K / V, in-place append and
+reorder, the CUDA error flag read without a per-step sync).
+
+What every runner checks is written once in :mod:`transformer_ext.decoding`
+(``check_encode_args`` / ``check_sources`` at encode, ``check_step_tokens`` at a step,
+``check_beam_index`` at a reorder); what they need of the export format, of TensorRT and of
+precision conversion is in :mod:`transformer_ext.export_format`,
+:mod:`transformer_ext.tensorrt_support` and :mod:`transformer_ext.precision` (never ``export/``).
 
 Every name here is imported on first use: ``import transformer_ext.runtimes`` loads nothing, and
 ``from transformer_ext.runtimes import OrtRunner`` loads onnxruntime and numpy, never torch, so a
@@ -40,6 +49,9 @@ _EXPORTS = {
     "DeviceState": "device",
     "BindingError": "device",
     "TensorRTRunner": "trt",
+    "KVCache": "kv_cache",
+    "HostKVCache": "kv_cache",
+    "CacheOverflowError": "kv_cache",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -48,6 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .baseline import CatCacheRunner, CatCacheState, greedy_decode_uncached
     from .device import BindingError, DeviceRunner, DeviceState
     from .eager import CompileError, EagerRunner, EagerState
+    from .kv_cache import CacheOverflowError, HostKVCache, KVCache
     from .ort import OrtRunner, OrtState
     from .ort_cuda import OrtCudaRunner
     from .trt import TensorRTRunner
