@@ -54,6 +54,7 @@ __all__ = [
     "FORMAT_VERSION",
     "READABLE_FORMAT_VERSIONS",
     "FLAVOURS",
+    "QUANTIZATION_SCHEMES",
     "BATCH",
     "SRC_LEN",
     "CACHE_LEN",
@@ -71,6 +72,7 @@ __all__ = [
     "tokenizer_files",
     "manifest_max_positions",
     "manifest_max_cache_len",
+    "manifest_quantization",
     # generation config
     "GENERATION_FORMAT",
     "GENERATION_FORMAT_VERSION",
@@ -117,6 +119,10 @@ FORMAT = "transformer_ext.onnx_export"
 FORMAT_VERSION = 3
 READABLE_FORMAT_VERSIONS = (1, 2, 3)
 FLAVOURS = ("portable", "tensorscatter")
+# Quantized exports (python -m export.onnx --quantize int8): same files, graph inputs and
+# outputs as float32 ones; the manifest's optional "quantization" section says how (scheme,
+# per_channel, reduce_range, weight_type, op_types, per-graph node counts, the quality gate).
+QUANTIZATION_SCHEMES = ("int8",)
 
 # Named (dynamic) axes of the graphs.
 BATCH, SRC_LEN, CACHE_LEN = "batch", "src_len", "cache_len"
@@ -336,6 +342,10 @@ def read_manifest(directory: str | os.PathLike) -> dict:
             f"{path}: the graphs it lists do not follow from its model_config and flavour "
             f"{manifest['flavour']!r} (edited by hand, or written by another version?)"
         )
+    try:
+        manifest_quantization(manifest)
+    except ManifestError as exc:
+        raise ManifestError(f"{path}: {exc}") from None
     return manifest
 
 
@@ -364,6 +374,19 @@ def manifest_max_cache_len(manifest: Mapping[str, Any]) -> Optional[int]:
     """The largest cache capacity the export supports (``max_cache_len``), else :func:`manifest_max_positions`."""
     value = _int_field(manifest.get("max_cache_len"))
     return value if value is not None else manifest_max_positions(manifest)
+
+
+def manifest_quantization(manifest: Mapping[str, Any]) -> Optional[dict]:
+    """The manifest's ``"quantization"`` section (a dict with at least ``"scheme"``), or ``None``
+    for a float32 export. Raises :class:`ManifestError` for a section of another shape or an
+    unknown scheme (a reader must not run graphs whose quantization it does not know)."""
+    section = manifest.get("quantization")
+    if section is None:
+        return None
+    if not isinstance(section, Mapping) or section.get("scheme") not in QUANTIZATION_SCHEMES:
+        raise ManifestError(f"{MANIFEST_NAME}: quantization must be null or an object whose scheme is one of "
+                            f"{list(QUANTIZATION_SCHEMES)}, got {_show(section)}")
+    return dict(section)
 
 
 # ------------------------------------------------------------------------------------------
