@@ -739,3 +739,23 @@ def test_text_tsv_and_impossible_vocab(tmp_path, capsys):
     bad = write_lines(tmp_path / "bad.tsv", ["one\ttwo\tthree"])
     assert train_mod.main(["--out", str(tmp_path / "run"), "--train-tsv", bad, "--valid-tsv", vtsv]) == 1
     assert f"{bad}, line 1: expected source<TAB>target (2 fields), got 3" in capsys.readouterr().err
+
+
+def test_interrupted_run_keeps_its_numbers(tmp_path, monkeypatch):
+    """summary.json is written at every validation, so a run killed later still has its curve."""
+    real = train_mod.accumulate_gradients_of
+    calls = []
+
+    def interrupt_at_step_5(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "accumulate_gradients_of", interrupt_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(text_opts(tmp_path, max_steps=8, eval_every=3))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["running"] is True
+    assert [h["step"] for h in summary["history"]] == [3]
+    assert {"bleu", "chrf", "loss"} <= set(summary["history"][0])
