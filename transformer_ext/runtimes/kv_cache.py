@@ -38,7 +38,6 @@ array indexing: it needs neither torch nor the compiled ops. This module imports
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -47,8 +46,6 @@ from transformer_ext import decoding
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["KVCache", "HostKVCache", "CacheOverflowError"]
 
@@ -106,7 +103,7 @@ class KVCache(_Layout):
                  new_values: Optional["torch.Tensor"] = None, error_flag: Optional["torch.Tensor"] = None,
                  error_flag_host: Optional["torch.Tensor"] = None,
                  append_op: Optional[Callable[..., None]] = None, reorder_op: Optional[Callable[..., None]] = None):
-        """Use :meth:`allocate`; this takes buffers made elsewhere (tests)."""
+        """The cache over existing buffers (zero-filled, inference tensors); :meth:`allocate` makes them."""
         n_layers = _positive_int("n_layers", n_layers)
         if keys.dim() != 4 or keys.shape != values.shape or keys.shape[0] % n_layers:
             raise ValueError(f"keys and values must be [n_layers * N, H, L, d_k] of one shape, got "
