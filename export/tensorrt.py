@@ -101,6 +101,7 @@ from transformer_ext.tensorrt_support import TrtLogger as _TrtLogger
 from . import ExportError, ManifestError, OutputFolderError
 from . import manifest as export_manifest
 from .trt_readiness import (
+    INT8_REFUSAL,
     TRT_TARGET_VERSION,
     AxisRange,
     ReadinessReport,
@@ -336,6 +337,8 @@ def plan_build(
         raise FileNotFoundError(f"export folder not found: {export_dir} (write one with `python -m export.onnx`)")
     output_dir = Path(options.output_dir).resolve() if options.output_dir else export_dir
     manifest = read_manifest(export_dir)
+    if manifest.get("quantization"):
+        raise ExportError(INT8_REFUSAL.format(folder=export_dir))
     max_positions = manifest_max_positions(manifest)
 
     user_ranges = dict(options.axis_ranges)

@@ -13,6 +13,9 @@ what our exporter emits, not every graph TensorRT could parse:
   10.15's ONNX parser that apply to them (matrix products and normalizations on floating-point
   tensors, ``Squeeze``/``Unsqueeze`` axes resolvable to constants, ``LayerNormalization`` with
   its ``Y`` output only); the default-domain opset is one the parser reads (9 to 24);
+* int8-quantized graphs (``python -m export.onnx --quantize``: ``MatMulInteger``,
+  ``DynamicQuantizeLinear``, a manifest with a ``quantization`` section) are refused: they are
+  for ONNX Runtime;
 * dtypes: graph inputs and outputs of a type an engine binds, no float64 tensor anywhere
   (TensorRT clamps it to float32);
 * the optimization profile: every dynamic axis of every input named and bounded
@@ -372,6 +375,14 @@ class TensorRTReadinessError(ExportError, RuntimeError):
         return (type(self), (self.report,))
 
 
+# Op types of quantized graphs (export.quantize writes MatMulInteger + DynamicQuantizeLinear).
+INT8_OP_TYPES = frozenset({"MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "ConvInteger",
+                           "MatMulIntegerToFloat", "DynamicQuantizeMatMul"})
+INT8_REFUSAL = ("{folder} is an int8-quantized export (its manifest has a quantization section): int8 exports are "
+                "for ONNX Runtime (OrtRunner, the translator, Triton's onnxruntime backend); build TensorRT engines "
+                "from a float32 export (python -m export.onnx without --quantize)")
+
+
 def decoder_flavour(decoder: Union[onnx.ModelProto, Iterable[str]]) -> str:
     """``"tensorscatter"`` when the decoder step returns ``present_key.*`` caches, else ``"portable"``."""
     names = [o.name for o in decoder.graph.output] if isinstance(decoder, onnx.ModelProto) else list(decoder)
@@ -476,12 +487,16 @@ def check_model(
 
     # ---- nodes: emitted op types and their restrictions
     counts: Counter[str] = Counter()
+    int8_nodes: Counter[str] = Counter()
     for idx, node in enumerate(model.graph.node):
         label = node.name or f"#{idx} {node.op_type}"
         default_domain = node.domain in ("", "ai.onnx")
         counts[node.op_type if default_domain else f"{node.domain}::{node.op_type}"] += 1
         if not default_domain or any(p.node == label for p in report.problems if p.kind == "control_flow"):
             continue  # reported by the contract check
+        if node.op_type in INT8_OP_TYPES:
+            int8_nodes[node.op_type] += 1  # reported once per graph below
+            continue
         if node.op_type not in EMITTED_OPS:
             problem("unsupported_op", f"{node.op_type} is not an op python -m export.onnx emits; TensorRT "
                                       f"{TRT_TARGET_VERSION} engines are built from {_ranges_text(EMITTED_OPS)} only", label)
@@ -498,6 +513,10 @@ def check_model(
                 if a.name == "value" and any(int(d) == 0 for d in a.t.dims):
                     problem("zero_dim", f"constant {node.output[0]!r} has a zero-length dimension {list(a.t.dims)}", label)
     report.op_counts = dict(sorted(counts.items()))
+    if int8_nodes:
+        problem("int8", "an int8-quantized graph (" + ", ".join(f"{n} {op}" for op, n in sorted(int8_nodes.items()))
+                + "; python -m export.onnx --quantize): int8 exports are for ONNX Runtime, build TensorRT engines "
+                  "from a float32 export")
 
     # ---- dtypes and zero-length dims of inputs, outputs, initializers, inferred tensors
     for kind, specs in (("input", input_specs(model)), ("output", output_specs(model))):
@@ -616,6 +635,8 @@ def check_export_dir(
     except ManifestError as exc:
         manifest = {}
         extra.append(Problem(MANIFEST_NAME, "manifest", str(exc)))
+    if manifest.get("quantization"):
+        extra.append(Problem(MANIFEST_NAME, "int8", INT8_REFUSAL.format(folder=export_dir)))
     max_positions = manifest_max_positions(manifest)
     max_cache_len = manifest_max_cache_len(manifest)
     sources = {"encoder": export_dir / ENCODER_FILE, "decoder_step": export_dir / DECODER_FILE}

@@ -461,3 +461,32 @@ def test_demo_model(tmp_path, capsys):
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert Path(manifest["export"]["source_model_dir"]).resolve() == DEMO_DIR.resolve()
     assert manifest["validation"]["greedy"]["tokens_identical"]
+
+
+# ------------------------------------------------------------------------------------------
+# --quantize (the int8 scheme itself: tests/test_quantize.py)
+# ------------------------------------------------------------------------------------------
+
+
+def test_quantize_unknown_scheme_before_the_disk(tmp_path, fast_export):
+    from export.quantize import QuantizationError
+
+    model_dir = make_model_dir(tmp_path / "model")
+    with pytest.raises(QuantizationError, match="unknown quantization scheme 'int4'"):
+        export_onnx(model_dir, tmp_path / "out", quantize="int4")
+    assert not (tmp_path / "out").exists() and fast_export == []  # nothing traced either
+
+
+def test_quantize_int8_writes_the_same_files_with_a_quantization_section(tmp_path, fast_export):
+    from transformer_ext.export_format import manifest_quantization, read_manifest
+
+    model_dir = make_model_dir(tmp_path / "model")
+    plain = export_onnx(model_dir, tmp_path / "f32", validate=False)
+    result = export_onnx(model_dir, tmp_path / "int8", validate=False, quantize="int8")
+    assert sorted(os.listdir(tmp_path / "int8")) == sorted(os.listdir(tmp_path / "f32"))
+    assert manifest_quantization(read_manifest(tmp_path / "int8"))["scheme"] == "int8"
+    assert result.manifest["quantization"]["gate"] is None  # validation off: no gate
+    assert manifest_quantization(plain.manifest) is None
+    ops = {n.op_type for n in onnx.load(tmp_path / "int8" / DECODER_FILE).graph.node}
+    assert "MatMulInteger" in ops and "Gemm" not in ops
+    assert sorted(os.listdir(tmp_path)) == ["f32", "int8", "model"]  # no temporary left

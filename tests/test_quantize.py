@@ -1,0 +1,241 @@
+"""export.quantize / ``python -m export.onnx --quantize int8``: a complete int8 export folder, its
+manifest section, the quality gate, the runtimes that accept it, the ones that refuse it, bad input.
+
+The mechanics run on the tiny random-weight model (whose tokenizer cannot encode the demo task,
+so its gate cannot run: ``validate=False``); the quality gate runs once on the bundled demo model
+(about 40 s: the float32 export, its validation, the quantization, two greedy decodes of the 500
+held-out examples).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from export import quantize as quant
+from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME
+from export.onnx import export_onnx, main
+from export.quantize import QualityGateError, QuantizationError, quantize_export
+from transformer_ext.export_format import ManifestError, manifest_quantization, read_manifest
+
+from test_export_onnx import DEMO_DIR, exported_dir
+
+FLOAT32_FILES = {ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "generation.json", "tokenizer.json"}
+
+
+@pytest.fixture(scope="module")
+def tiny_float(tmp_path_factory) -> Path:
+    return exported_dir(tmp_path_factory, "portable")
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tiny_float, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("q") / "tiny_int8"
+    quantize_export(tiny_float, out, "int8", gate=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo_int8(tmp_path_factory) -> Path:
+    if not (DEMO_DIR / "model.safetensors").is_file():
+        pytest.skip("the bundled demo model is not in this checkout")
+    out = tmp_path_factory.mktemp("demo") / "int8"
+    export_onnx(DEMO_DIR, out, quantize="int8")
+    return out
+
+
+def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in model.graph.initializer}
+
+
+# ------------------------------------------------------------------------------------------
+# the folder and its graphs
+# ------------------------------------------------------------------------------------------
+
+
+def test_folder_is_complete_with_the_float32_file_names(tiny_float, tiny_int8):
+    assert set(os.listdir(tiny_int8)) == set(os.listdir(tiny_float)) == FLOAT32_FILES
+    manifest = read_manifest(tiny_int8)
+    assert sorted(manifest["files"]) == sorted(os.listdir(tiny_int8))
+    assert manifest["graphs"] == read_manifest(tiny_float)["graphs"]  # same inputs and outputs
+    q = manifest_quantization(manifest)
+    assert q["scheme"] == "int8" and q["per_channel"] is True and q["reduce_range"] is True
+    assert q["weight_type"] == "int8" and q["op_types"] == ["MatMul", "Gemm"] and q["gate"] is None
+    assert manifest_quantization(read_manifest(tiny_float)) is None
+
+
+@pytest.mark.parametrize("graph", [ENCODER_FILE, DECODER_FILE])
+def test_every_weight_product_is_int8_per_output_channel(tiny_float, tiny_int8, graph):
+    before, after = onnx.load(tiny_float / graph), onnx.load(tiny_int8 / graph)
+    init_before, init_after = _initializers(before), _initializers(after)
+    weights = [n for n in before.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in init_before]
+    assert weights, "the float32 graph has weight products"
+    # no float32 weight product is left ...
+    assert not [n.name for n in after.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in init_after]
+    products = [n for n in after.graph.node if n.op_type == "MatMulInteger"]
+    assert len(products) == len(weights)
+    for n in products:
+        w, w_zero = init_after[n.input[1]], init_after[n.input[3]]
+        assert w.data_type == onnx.TensorProto.INT8
+        values = onnx.numpy_helper.to_array(w)
+        assert np.abs(values.astype(np.int32)).max() <= 64  # reduce_range: 7-bit weights
+        assert list(w_zero.dims) == [w.dims[1]]  # one zero point (and scale) per output channel
+    if graph == DECODER_FILE:  # ... the output projection included: a [d_model, vocab] int8 weight
+        cfg = read_manifest(tiny_int8)["model_config"]
+        shapes = {tuple(init_after[n.input[1]].dims) for n in products}
+        assert (cfg["d_model"], cfg["tgt_vocab_size"]) in shapes
+
+
+def test_int8_decodes_close_to_float32(tiny_float, tiny_int8):
+    """OrtRunner loads the folder unchanged; its first-step logits stay near the float32 ones
+    (quantization error, not garbage: the tolerance is a few percent of the logits' spread)."""
+    from transformer_ext.runtimes import OrtRunner
+
+    f32, i8 = OrtRunner(tiny_float, intra_op_num_threads=1), OrtRunner(tiny_int8, intra_op_num_threads=1)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(4, f32.src_vocab_size, size=(3, 7))
+    lengths = np.array([7, 5, 2])
+    tokens = np.full(3, f32.bos_id)
+    a = f32.step(f32.encode(ids, lengths, cache_len=8, num_beams=1), tokens)
+    b = i8.step(i8.encode(ids, lengths, cache_len=8, num_beams=1), tokens)
+    a, b = np.asarray(a), np.asarray(b)
+    assert not np.array_equal(a, b)  # really different graphs
+    assert np.abs(a - b).max() <= 0.05 * (a.max() - a.min())
+
+
+# ------------------------------------------------------------------------------------------
+# the quality gate on the demo model
+# ------------------------------------------------------------------------------------------
+
+
+def test_demo_gate_passes_and_matches_an_independent_count(demo_int8):
+    """The gate's recorded exact match equals a count made here from texts: the int8 folder
+    translated by Translator.from_export_dir, compared with data.target_text."""
+    from transformer_ext import data
+    from transformer_ext.translate import Translator
+
+    gate = manifest_quantization(read_manifest(demo_int8))["gate"]
+    numbers = data.split_numbers().heldout
+    assert gate["examples"] == len(numbers)
+    assert gate["drop_points"] <= 0.2 and gate["exact_match_float32"] - gate["exact_match_int8"] <= 0.2
+    translator = Translator.from_export_dir(demo_int8)
+    outputs = translator.translate([data.source_text(n) for n in numbers], beam_size=1)
+    hits = sum(out == data.target_text(n) for out, n in zip(outputs, numbers))
+    assert 100.0 * hits / len(numbers) == pytest.approx(gate["exact_match_int8"], abs=1e-3)
+    assert gate["exact_match_int8"] >= 95.0  # the demo model is that good in float32 (99.8%)
+
+
+def test_failing_gate_says_by_how_much_and_writes_nothing(tiny_float, tmp_path, monkeypatch):
+    """int8 decodes that lose 10% of the exact matches: refused, the drop named, nothing written."""
+    shutil.copytree(tiny_float, tmp_path / "float")
+    refs = [[5, 6, 7]] * 10
+    monkeypatch.setattr(quant, "_heldout_batch",
+                        lambda folder: (np.full((10, 2), 5), np.full(10, 2), refs))
+    monkeypatch.setattr(quant, "_greedy_all", lambda folder, ids, lengths: [
+        [5, 6, 7] if quant.manifest_quantization(read_manifest(folder)) is None or i else [5, 6]
+        for i in range(10)])
+    good = tmp_path / "kept"
+    quantize_export(tmp_path / "float", good, gate=False)
+    before = {p: (good / p).read_bytes() for p in os.listdir(good)}
+    for out in (tmp_path / "new", good):
+        with pytest.raises(QualityGateError, match=r"exact match 90.00% vs 100.00%.*10.00 points lower"):
+            quantize_export(tmp_path / "float", out)
+    assert not (tmp_path / "new").exists()
+    assert {p: (good / p).read_bytes() for p in os.listdir(good)} == before
+    assert sorted(os.listdir(tmp_path)) == ["float", "kept"]  # no temporary left
+
+
+def test_gate_needs_the_demo_task(tiny_float, tmp_path):
+    """The tiny model's tokenizer cannot encode the demo task: the gate says so, nothing written."""
+    with pytest.raises(QualityGateError, match="--no-validate"):
+        quantize_export(tiny_float, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# runtimes that accept and refuse it
+# ------------------------------------------------------------------------------------------
+
+
+def test_tensorrt_refuses_int8(tiny_int8, tiny_float):
+    from export import ExportError
+    from export.tensorrt import plan_build
+    from export.trt_readiness import TensorRTReadinessError, check_export_dir, check_model
+
+    with pytest.raises(TensorRTReadinessError, match="for ONNX Runtime") as info:
+        check_export_dir(tiny_int8)
+    kinds = {(p.graph, p.kind) for p in info.value.report.problems}
+    assert {(MANIFEST_NAME, "int8"), (ENCODER_FILE, "int8"), (DECODER_FILE, "int8")} <= kinds
+    # the graph alone (without the manifest) is refused too
+    assert any(p.kind == "int8" for p in check_model(tiny_int8 / DECODER_FILE).problems)
+    assert not any(p.kind == "int8" for p in check_model(tiny_float / DECODER_FILE).problems)
+    with pytest.raises(ExportError, match="int8 exports are for ONNX Runtime"):
+        plan_build(tiny_int8)
+
+
+def test_triton_onnxruntime_repository_of_an_int8_export(tiny_int8, tmp_path):
+    pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    from export.triton import export_triton, validate_repository
+
+    result = export_triton(tiny_int8, tmp_path / "repo", backend="onnxruntime", instance_kind="cpu")
+    assert validate_repository(result.repo_dir, require_protobuf=True) is True
+    copied = [p for p in Path(result.repo_dir).rglob("*.onnx")]
+    assert any(any(n.op_type == "MatMulInteger" for n in onnx.load(p).graph.node) for p in copied)
+
+
+# ------------------------------------------------------------------------------------------
+# bad input
+# ------------------------------------------------------------------------------------------
+
+
+def test_already_quantized_folder_is_refused(tiny_int8, tmp_path):
+    with pytest.raises(QuantizationError, match="already quantized"):
+        quantize_export(tiny_int8, tmp_path / "twice", gate=False)
+    assert not (tmp_path / "twice").exists()
+
+
+@pytest.mark.parametrize("scheme", ["int4", "INT8", "", None])
+def test_unknown_scheme_before_the_disk(tiny_float, tmp_path, scheme):
+    with pytest.raises(QuantizationError, match="unknown quantization scheme"):
+        quantize_export(tiny_float, tmp_path / "out", scheme, gate=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_max_drop_and_same_folder(tiny_float, tmp_path):
+    with pytest.raises(ValueError, match="max_em_drop"):
+        quantize_export(tiny_float, tmp_path / "out", max_em_drop=-1)
+    with pytest.raises(QuantizationError, match="must differ"):
+        quantize_export(tiny_float, tiny_float, gate=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_scheme_in_a_manifest_is_refused_by_readers(tiny_int8, tmp_path):
+    copy = tmp_path / "edited"
+    shutil.copytree(tiny_int8, copy)
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    manifest["quantization"]["scheme"] = "int3"
+    (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="quantization"):
+        read_manifest(copy)
+
+
+def test_cli_unknown_scheme_is_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["--quantize", "int4", "--output-dir", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "int4" in err[0] and "int8" in err[0]
+    assert not out.exists()
+
+
+def test_quantize_cli(tiny_float, tiny_int8, tmp_path, capsys):
+    assert quant.main(["--export-dir", str(tiny_int8), "--output-dir", str(tmp_path / "o"), "--no-validate"]) == 1
+    assert "already quantized" in capsys.readouterr().err
+    assert quant.main(["--export-dir", str(tiny_float), "--output-dir", str(tmp_path / "o"), "--no-validate"]) == 0
+    assert "MatMulInteger" in capsys.readouterr().out
+    assert manifest_quantization(read_manifest(tmp_path / "o"))["scheme"] == "int8"
