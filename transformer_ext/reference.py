@@ -234,6 +234,8 @@ def attention(
     if causal:
         allowed = allowed & causal_mask(Q, K, device=dev)
     allowed = allowed.expand(B, H, Q, K)
+    if K == 0:  # no key at all: every row is empty
+        return torch.where(torch.zeros_like(qf, dtype=torch.bool), qf, 0.0).to(q.dtype)
     scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
     probs = masked_softmax(scores, allowed, 1.0, False)  # zeros for empty rows
     if dropout_p > 0.0:
