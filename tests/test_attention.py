@@ -374,3 +374,99 @@ def test_fuzz_attention(B, H, Q, K, D, causal, dropout_p, with_lengths, seed):
         rg = r.grad if r.grad is not None else torch.zeros_like(r)  # K = 0: k, v unused
         if rg.numel():
             assert (a.grad.double() - rg).abs().max().item() <= 1e-5 * max(1.0, rg.abs().max().item())
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def _batch(config, B=4, S=11, T=9, seed=1):
+    g = _gen(seed)
+    src = torch.randint(3, config.src_vocab_size, (B, S), generator=g)
+    lengths = torch.tensor([S, 6, 1, 9][:B], dtype=torch.int64)
+    for b in range(B):
+        src[b, lengths[b]:] = config.pad_id
+    tgt = torch.randint(3, config.tgt_vocab_size, (B, T + 1), generator=g)
+    tgt[:, 0] = config.bos_id
+    tgt[1, 5:] = config.pad_id
+    return src, lengths, tgt[:, :-1], tgt[:, 1:]
+
+
+def _set_fused(model, fused: bool) -> None:
+    from transformer_ext.model import MultiHeadAttention
+
+    for m in model.modules():
+        if isinstance(m, MultiHeadAttention):
+            m.fused_attention = fused
+
+
+def _train_losses(fused: bool, dropout: float, steps: int = 4, norm_first: bool = False):
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.model import Transformer
+
+    torch.manual_seed(0)
+    config = TransformerConfig.preset("tiny", dropout=dropout, norm_first=norm_first)
+    model = Transformer(config)
+    _set_fused(model, fused)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    src, lengths, tgt_in, tgt_out = _batch(config)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        logits = model(src, lengths, tgt_in)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
+            ignore_index=config.pad_id, label_smoothing=0.1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_training_loss_curve_matches_three_step_path(norm_first):
+    fused, m_fused = _train_losses(True, 0.0, norm_first=norm_first)
+    plain, m_plain = _train_losses(False, 0.0, norm_first=norm_first)
+    assert fused[-1] < fused[0], "the loss must go down"
+    assert fused == pytest.approx(plain, rel=1e-4, abs=1e-5)
+    for (name, a), (_, b) in zip(m_fused.named_parameters(), m_plain.named_parameters()):
+        # The key bias adds the same q.b_k to every score of a row, so softmax cancels it: its
+        # gradient is rounding noise, which Adam scales up to full-size steps of random sign.
+        if not name.endswith("W_K.bias"):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3, msg=name)
+
+
+def test_training_with_attention_dropout_is_reproducible_and_uses_it():
+    a, _ = _train_losses(True, 0.1, steps=2)
+    b, _ = _train_losses(True, 0.1, steps=2)
+    assert a == b  # torch.manual_seed fixes the attention dropout seeds too
+    c, _ = _train_losses(True, 0.0, steps=2)
+    assert a[0] != c[0]
+
+
+def test_model_attention_goes_through_the_op_except_when_exporting(monkeypatch):
+    from transformer_ext import model as model_mod
+    from transformer_ext.config import TransformerConfig
+
+    config = TransformerConfig.preset("tiny", dropout=0.0)
+    model = model_mod.Transformer(config).eval()
+    src, lengths, tgt_in, _ = _batch(config)
+    calls = []
+    original = ops.attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("causal", False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "attention", counting)
+    with torch.no_grad():
+        logits = model(src, lengths, tgt_in)
+        model.encode(src, lengths)
+    # encoder self-attention (2 layers), decoder self (causal) + cross (2 layers each), encode again
+    assert sorted(calls) == [False] * 6 + [True] * 2
+    calls.clear()
+    monkeypatch.setattr(model_mod, "_is_exporting", lambda: True)
+    with torch.no_grad():
+        exported_path = model(src, lengths, tgt_in)
+    assert calls == []
+    torch.testing.assert_close(exported_path, logits, atol=1e-5, rtol=1e-5)
