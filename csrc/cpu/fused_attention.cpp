@@ -136,8 +136,8 @@ struct BwdArgs {
 
 inline int64_t forward_workspace_floats(int64_t D, int64_t W) {
   const int64_t Dp = round_up(D, W);
-  return kBlockM * D + D * kBlockN + 2 * kBlockN * Dp + kBlockM * kBlockN + kBlockM * Dp +
-         2 * kBlockM + 64;
+  return D * kBlockM + kBlockN * D + kBlockN * Dp + kBlockN * kBlockM + kBlockM * Dp +
+         3 * kBlockM + Dp + 64;
 }
 
 inline int64_t backward_workspace_floats(int64_t Q, int64_t D, int64_t W) {

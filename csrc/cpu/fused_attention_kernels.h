@@ -24,6 +24,7 @@ constexpr int W = TE_FA_W;
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef float vfu __attribute__((vector_size(W * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef int32_t viu __attribute__((vector_size(W * 4), aligned(4)));
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint32_t vuu __attribute__((vector_size(W * 4), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2), aligned(2)));
@@ -33,8 +34,20 @@ constexpr int kCols = TE_FA_W == 16 ? 4 : 2;  // vectors of columns of a registe
 
 inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
-inline vf splat(float x) { return vf{} + x; }
-inline vu splat_u(uint32_t x) { return vu{} + x; }
+inline vf splat(float x) {  // a broadcast (vf{} + x would add 0 to x first, for -0.0)
+#if TE_FA_W == 16
+  return _mm512_set1_ps(x);
+#else
+  return _mm256_set1_ps(x);
+#endif
+}
+inline vu splat_u(uint32_t x) {
+#if TE_FA_W == 16
+  return reinterpret_cast<vu>(_mm512_set1_epi32(static_cast<int>(x)));
+#else
+  return reinterpret_cast<vu>(_mm256_set1_epi32(static_cast<int>(x)));
+#endif
+}
 inline vi iota() {
   vi r;
   for (int k = 0; k < W; ++k) r[k] = k;
@@ -50,9 +63,14 @@ inline vf fmadd(vf a, vf b, vf c) {
 }
 
 inline float hsum(vf v) {
-  float s = 0.f;
-  for (int k = 0; k < W; ++k) s += v[k];
-  return s;
+#if TE_FA_W == 16
+  return _mm512_reduce_add_ps(v);
+#else
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 0x55));
+  return _mm_cvtss_f32(x);
+#endif
 }
 
 // max that keeps the accumulator where x is NaN (NaN propagates through the exponentials).
@@ -291,66 +309,96 @@ inline void scale_row(float* x, int64_t n, float f) {
 
 // One block of query rows [i0, i1) of one (b, h) pair; rows at or past query_lengths[b] are
 // written by the caller. `ws` holds forward_workspace_floats(D) floats.
+//
+// The scores are kept transposed, keys x query rows (S^T = K Q^T with Q transposed once per
+// block): the softmax statistics of W query rows then live in one vector and the max, exp and
+// sum over the keys of a tile are plain vertical operations, with no horizontal reductions and
+// no per-tile transpose of K.
 template <typename T>
 void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t i1, float* ws) {
-  const int64_t D = a.D, Dp = round_up(D, W), BN = kBlockN;
-  const int64_t M = i1 - i0;
-  float* Qf = ws;                      // [kBlockM, D]
-  float* KT = Qf + kBlockM * D;        // [D, BN]
-  float* Kf = KT + D * BN;             // [BN, Dp]
-  float* Vf = Kf + BN * Dp;            // [BN, Dp]
-  float* S = Vf + BN * Dp;             // [kBlockM, BN]
-  float* O = S + kBlockM * BN;         // [kBlockM, Dp]
-  float* m = O + kBlockM * Dp;         // [kBlockM]
-  float* l = m + kBlockM;              // [kBlockM]
-  int64_t lim[kBlockM];                // keys row i may see: [0, lim)
-  int64_t n[kBlockM];                  // of them in the current tile
-  uint32_t r1[kBlockM], r2[kBlockM];   // dropout row keys
+  const int64_t D = a.D, Dp = round_up(D, W), BN = kBlockN, BM = kBlockM;
+  const int64_t M = i1 - i0, Mp = round_up(M, W);
+  float* QT = ws;                 // [D, BM]   q * scale * log2(e), transposed
+  float* Kf = QT + D * BM;        // [BN, D]
+  float* Vf = Kf + BN * D;        // [BN, Dp]
+  float* ST = Vf + BN * Dp;       // [BN, BM]  scores, then probabilities (keys x rows)
+  float* O = ST + BN * BM;        // [BM, Dp]
+  float* m = O + BM * Dp;         // [BM] running max (log2 units)
+  float* l = m + BM;              // [BM] running sum
+  float* alpha = l + BM;          // [BM] rescale factor of the current tile
+  float* qrow = alpha + BM;       // [Dp]
+  int32_t lim[kBlockM];           // keys row i may see: [0, lim)
+  int64_t n[kBlockM];             // of them in the current tile
+  uint32_t r1[kBlockM], r2[kBlockM];  // dropout row keys
 
   const int64_t klen = a.klen[b];
   const T* qb = a.q + b * a.qs0 + h * a.qs1;
   const T* kb = a.k + b * a.ks0 + h * a.ks1;
   const T* vb = a.v + b * a.vs0 + h * a.vs1;
   const float qmul = a.scale * kLog2e;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t kend = 0;
-  for (int64_t r = 0; r < M; ++r) {
-    lim[r] = row_key_limit(i0 + r, klen, a.Q, a.K, a.causal);
-    kend = std::max(kend, lim[r]);
-    load_row(qb + (i0 + r) * a.qs2, Qf + r * D, D, D, qmul);
-    m[r] = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < Mp; ++r) {
+    m[r] = neg_inf;
     l[r] = 0.f;
+    r1[r] = r2[r] = 0;
+    if (r >= M) {  // padding lanes of the last vector: no key, zero q
+      lim[r] = 0;
+      for (int64_t d = 0; d < D; ++d) QT[d * BM + r] = 0.f;
+      continue;
+    }
+    lim[r] = static_cast<int32_t>(row_key_limit(i0 + r, klen, a.Q, a.K, a.causal));
+    kend = std::max<int64_t>(kend, lim[r]);
+    load_row(qb + (i0 + r) * a.qs2, qrow, D, D, qmul);
+    for (int64_t d = 0; d < D; ++d) QT[d * BM + r] = qrow[d];
     std::fill(O + r * Dp, O + (r + 1) * Dp, 0.f);
     if (a.dropout) dropout_row_keys(a.bh_key1[b * a.H + h], a.bh_key2[b * a.H + h], i0 + r, &r1[r], &r2[r]);
   }
   for (int64_t j0 = 0; j0 < kend; j0 += BN) {
-    const int64_t jn = std::min(BN, kend - j0), jnp = round_up(jn, W);
-    for (int64_t c = 0; c < jn; ++c) {  // K transposed, V as rows; nothing past kend is read
-      load_row(kb + (j0 + c) * a.ks2, Kf + c * Dp, D, Dp, 1.f);
-      for (int64_t d = 0; d < D; ++d) KT[d * BN + c] = Kf[c * Dp + d];
+    const int64_t jn = std::min(BN, kend - j0);
+    for (int64_t c = 0; c < jn; ++c) {  // nothing past kend (<= key_lengths[b]) is read
+      load_row(kb + (j0 + c) * a.ks2, Kf + c * D, D, D, 1.f);
       load_row(vb + (j0 + c) * a.vs2, Vf + c * Dp, D, Dp, 1.f);
     }
-    for (int64_t d = 0; d < D; ++d) std::fill(KT + d * BN + jn, KT + d * BN + jnp, 0.f);
     // Rows that see no key of this tile are the first ones of the block (causal): skip them.
     int64_t rfirst = 0;
-    while (rfirst < M && lim[rfirst] <= j0) {
-      n[rfirst] = 0;
-      ++rfirst;
+    while (rfirst < M && lim[rfirst] <= j0) ++rfirst;
+    if (rfirst >= M) continue;
+    const int64_t v0 = rfirst / W * W;
+    nt_product(Kf, D, QT + v0, BM, D, ST + v0, BM, jn, Mp - v0);
+    for (int64_t rv = v0; rv < Mp; rv += W) {
+      const vi vlim = *reinterpret_cast<const viu*>(lim + rv);
+      vf tmax = splat(neg_inf);
+      for (int64_t c = 0; c < jn; ++c) {
+        const vf x = load(ST + c * BM + rv);
+        tmax = vmax(tmax, vlim > static_cast<int32_t>(j0 + c) ? x : splat(neg_inf));
+      }
+      const vf mold = load(m + rv);
+      const vf mnew = vmax(mold, tmax);
+      const vf al = mold == mnew ? splat(1.f) : exp2v(mold - mnew);
+      vf sum = splat(0.f);
+      const vu k1 = *reinterpret_cast<const vuu*>(r1 + rv);
+      const vu k2 = *reinterpret_cast<const vuu*>(r2 + rv);
+      for (int64_t c = 0; c < jn; ++c) {
+        const int32_t j = static_cast<int32_t>(j0 + c);
+        const vf e = vlim > j ? exp2v(load(ST + c * BM + rv) - mnew) : splat(0.f);
+        sum += e;
+        if (a.dropout) {
+          const vu u = mix32v(mix32v(splat_u(static_cast<uint32_t>(j)) + k1) ^ k2);
+          store(ST + c * BM + rv, u >= a.threshold ? e : splat(0.f));
+        } else {
+          store(ST + c * BM + rv, e);
+        }
+      }
+      store(l + rv, load(l + rv) * al + sum);
+      store(m + rv, mnew);
+      store(alpha + rv, al);
     }
-    const int64_t Mt = M - rfirst;
-    if (Mt <= 0) continue;
-    nt_product(Qf + rfirst * D, D, KT, BN, D, S + rfirst * BN, BN, Mt, jnp);
     for (int64_t r = rfirst; r < M; ++r) {
       n[r] = std::clamp<int64_t>(lim[r] - j0, 0, jn);
-      float* s = S + r * BN;
-      const float mx = std::max(m[r], max_row(s, n[r]));
-      const float alpha = std::exp2(m[r] - mx);  // 0 on the first tile (m = -inf)
-      const float sum = exp2_row(s, s, n[r], jnp, mx);
-      l[r] = l[r] * alpha + sum;
-      if (a.dropout) apply_dropout_row(s, n[r], r1[r], r2[r], j0, a.threshold);
-      if (alpha != 1.f) scale_row(O + r * Dp, Dp, alpha);
-      m[r] = mx;
+      if (alpha[r] != 1.f) scale_row(O + r * Dp, Dp, alpha[r]);
     }
-    acc_rows_limited(S + rfirst * BN, BN, 1, n + rfirst, Mt, Vf, Dp, O + rfirst * Dp, Dp, Dp);
+    acc_rows_limited(ST + rfirst, 1, BM, n + rfirst, M - rfirst, Vf, Dp, O + rfirst * Dp, Dp, Dp);
   }
   T* ob = a.out + b * a.os0 + h * a.os1;
   float* lse = a.lse + (b * a.H + h) * a.Q;
@@ -358,7 +406,7 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
     T* orow = ob + (i0 + r) * a.os2;
     if (!(l[r] != 0.f)) {  // l == 0: no allowed key (l is NaN when a score was NaN)
       std::fill(orow, orow + D, T(0));
-      lse[i0 + r] = -std::numeric_limits<float>::infinity();
+      lse[i0 + r] = neg_inf;
       continue;
     }
     store_row(O + r * Dp, orow, D, a.keep_scale / l[r]);
