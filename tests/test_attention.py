@@ -470,3 +470,50 @@ def test_model_attention_goes_through_the_op_except_when_exporting(monkeypatch):
         exported_path = model(src, lengths, tgt_in)
     assert calls == []
     torch.testing.assert_close(exported_path, logits, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- the ATen composite
+
+
+def test_attention_float64_and_empty_shapes():
+    # float64 runs the ATen composite (as CPUs without AVX2 do): same semantics, empty shapes too
+    for B, H, Q, K in [(2, 2, 3, 0), (2, 2, 0, 4), (0, 2, 3, 4)]:
+        q, k, v = (t.requires_grad_() for t in _inputs(B, H, Q, K, 4, dtype=torch.float64))
+        out = ops.attention(q, k, v, causal=True, dropout_p=0.5, seed=1)
+        assert out.shape == (B, H, Q, 4) and (out == 0).all()
+        out.sum().backward()
+        assert all(t.grad.shape == t.shape and (t.grad == 0).all() for t in (q, k, v))
+    q, k, v = _inputs(2, 2, 9, 70, 6, dtype=torch.float64, seed=37)
+    kl, ql = torch.tensor([70, 9]), torch.tensor([9, 4])
+    out = ops.attention(q, k, v, key_lengths=kl, query_lengths=ql, causal=True, dropout_p=0.3, seed=8)
+    ref = reference.attention(q, k, v, kl, ql, None, True, 0.3, 8)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+
+
+def test_attention_cpu_fallback_composite_matches_reference():
+    """TRANSFORMER_EXT_CPU_FALLBACK=1 (and CPUs without AVX2) run the composite for every dtype."""
+    import subprocess
+    import sys
+    import os
+
+    code = """
+import torch
+from transformer_ext import ops, reference
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for n in (9, 70, 70))
+kl, ql = torch.tensor([70, 5]), torch.tensor([9, 7])
+leaves = [t.float().requires_grad_() for t in (q, k, v)]
+out = ops.attention(*leaves, key_lengths=kl, query_lengths=ql, causal=True, dropout_p=0.3, seed=4)
+out.sum().backward()
+refs = [t.clone().requires_grad_() for t in (q, k, v)]
+ref = reference.attention(*refs, kl, ql, None, True, 0.3, 4)
+ref.sum().backward()
+assert (out.double() - ref).abs().max() < 2e-6
+for a, r in zip(leaves, refs):
+    assert (a.grad.double() - r.grad).abs().max() < 1e-5
+print("ok")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRANSFORMER_EXT_CPU_FALLBACK="1", PYTHONPATH=root)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

@@ -369,6 +369,11 @@ std::tuple<at::Tensor, at::Tensor> attention_composite(
     const at::Tensor& qlen, double scale, bool causal, double dropout_p, int64_t seed) {
   const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  if (B * H * Q == 0 || K == 0) {  // no key or no query at all: zeros
+    at::Tensor out = empty_bthd(B, H, Q, D, q.options());
+    out.zero_();
+    return {out, at::full({B, H, Q}, -INFINITY, q.options().dtype(at::kFloat))};
+  }
   const at::Tensor qf = q.to(acc), kf = k.to(acc);
   // Values past the key lengths are never used: zeroed so that a NaN there cannot leak.
   const at::Tensor keys = at::arange(K, at::TensorOptions().dtype(at::kLong)).view({1, 1, K, 1});
@@ -389,6 +394,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_composite(
     bool causal, double dropout_p, int64_t seed) {
   const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  if (B * H * Q == 0 || K == 0) {
+    at::Tensor dq = empty_bthd(B, H, Q, D, q.options()), dk = empty_bthd(B, H, K, D, q.options());
+    at::Tensor dv = empty_bthd(B, H, K, D, q.options());
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
   const at::Tensor qf = q.to(acc), kf = k.to(acc), vf = v.to(acc), gf = g.to(acc);
   Probs pr = composite_probs(qf, kf, klen, qlen, scale, causal);
   at::Tensor keep_scaled;
