@@ -517,3 +517,15 @@ print("ok")
     env = dict(os.environ, TRANSFORMER_EXT_CPU_FALLBACK="1", PYTHONPATH=root)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_bench_attention_smoke():
+    """The benchmark runs (and cross-checks ours, SDPA and the three-step path); speed is not asserted."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_attention
+
+    rows = bench_attention.bench("cpu", [16], repeats=1, min_time=0.0)
+    assert len(rows) == 8 and all(set(r["seconds"]) == set(bench_attention.ENGINES) for r in rows)
