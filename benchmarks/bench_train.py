@@ -101,7 +101,7 @@ def worker(engine: str, T: int, dropout: float, steps: int, threads: int) -> dic
         opt.step()
         return loss.item()
 
-    for _ in range(2):  # warm-up
+    for _ in range(1):  # warm-up (first-step allocations)
         step()
     times = []
     for _ in range(steps):
