@@ -34,6 +34,14 @@ from common import environment, write_json  # noqa: E402
 logger = logging.getLogger("bench_train")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINES = ("ours", "nn_transformer")
+# Profiler op names that make up attention (forward and backward) in each engine; "three_step"
+# is our model with the fused op switched off (today's path before ops.attention): its 4-D
+# batched matmuls (aten::bmm) are the attention products, the projections are 2-D (addmm/mm).
+ATTENTION_OPS = {
+    "ours": ("transformer_ext::attention",),
+    "three_step": ("transformer_ext::masked_softmax", "aten::bmm"),
+    "nn_transformer": ("scaled_dot_product", "flash_attention"),
+}
 D_MODEL, HEADS, LAYERS, D_FF, VOCAB = 256, 8, 3, 1024, 8000
 
 
@@ -66,6 +74,14 @@ class PlainTransformer(nn.Module):
 
 
 def build(engine: str, dropout: float, max_len: int) -> nn.Module:
+    if engine == "three_step":
+        from transformer_ext.model import MultiHeadAttention
+
+        model = build("ours", dropout, max_len)
+        for m in model.modules():
+            if isinstance(m, MultiHeadAttention):
+                m.fused_attention = False
+        return model
     if engine == "ours":
         from transformer_ext.config import TransformerConfig
         from transformer_ext.model import Transformer
@@ -79,7 +95,7 @@ def build(engine: str, dropout: float, max_len: int) -> nn.Module:
     raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
 
 
-def worker(engine: str, T: int, dropout: float, steps: int, threads: int) -> dict:
+def worker(engine: str, T: int, dropout: float, steps: int, threads: int, profile: bool = False) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     B = max(1, 4096 // T)
@@ -109,12 +125,24 @@ def worker(engine: str, T: int, dropout: float, steps: int, threads: int) -> dic
         step()
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    return {"engine": engine, "T": T, "B": B, "dropout": dropout, "step_s": med, "tokens_per_s": B * T / med}
+    result = {"engine": engine, "T": T, "B": B, "dropout": dropout, "step_s": med, "tokens_per_s": B * T / med}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        names = ATTENTION_OPS[engine]
+        attn = sum(e.self_cpu_time_total for e in events if any(n in e.key for n in names))
+        result["attention_share"] = attn / total if total else float("nan")
+    return result
 
 
-def run_worker(engine, T, dropout, steps, threads):
+def run_worker(engine, T, dropout, steps, threads, profile=False):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--T", str(T), "--dropout", str(dropout),
-           "--steps", str(steps), "--threads", str(threads)]
+           "--steps", str(steps), "--threads", str(threads)] + (["--profile"] if profile else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"worker {engine} T={T} p={dropout} failed:\n{res.stderr[-2000:]}")
@@ -129,12 +157,16 @@ def main(argv=None):
     p.add_argument("--sizes", default="32,128,256", help="comma-separated target lengths T")
     p.add_argument("--quick", action="store_true", help="T = 32, 1 round, 2 steps: a smoke test")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_train_cpu.json)")
+    p.add_argument("--attention-share", action="store_true",
+                   help="instead: attention's share of one profiled step (dropout 0) for ours, the three-step "
+                        "path and nn.Transformer, added to the existing --out JSON")
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--T", type=int, default=32, help=argparse.SUPPRESS)
     p.add_argument("--dropout", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.T, args.dropout, args.steps, args.threads)))
+        print(json.dumps(worker(args.worker, args.T, args.dropout, args.steps, args.threads, args.profile)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -146,6 +178,22 @@ def main(argv=None):
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.steps)
     if args.quick:
         sizes = [32]
+    out = args.out or os.path.join(HERE, "results", "bench_train_cpu.json")
+    if args.attention_share:
+        shares = {}
+        for T in sizes:
+            for engine in ("ours", "three_step", "nn_transformer"):
+                res = run_worker(engine, T, 0.0, 1, args.threads, profile=True)
+                shares.setdefault(str(T), {})[engine] = res["attention_share"]
+                logger.info("T=%3d %-15s attention share of a step %.1f%%", T, engine, 100 * res["attention_share"])
+        results = {}
+        if os.path.exists(out):
+            with open(out, encoding="utf-8") as f:
+                results = json.load(f)
+        results["attention_share_dropout0"] = shares
+        write_json(out, results)
+        logger.info("updated %s", out)
+        return
     samples: dict = {}
     for r in range(rounds):
         for T in sizes:
@@ -167,7 +215,6 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     results = {"environment": {**environment(), **cpu_description()}, "rounds": rounds, "steps": steps,
                "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "cases": cases}
-    out = args.out or os.path.join(HERE, "results", "bench_train_cpu.json")
     write_json(out, results)
     logger.info("wrote %s", out)
 
