@@ -6,6 +6,7 @@
 #pragma once
 
 #include <optional>
+#include <tuple>
 
 #include <ATen/ATen.h>
 
@@ -56,5 +57,50 @@ at::Tensor linear(
     const at::Tensor& x,                    // [..., in_features]
     const at::Tensor& weight,               // [out_features, in_features]
     const std::optional<at::Tensor>& bias); // [out_features]
+
+// Fused full-sequence attention for training and encoding -> (out, lse). Keys at or past
+// key_lengths[b] and query rows at or past query_lengths[b] cost no work (such rows are zeros);
+// causal: query i sees key j iff j <= i + (K - Q); a row with no allowed key is zeros. Dropout on
+// the probabilities from a counter-based generator keyed by (seed, b, h, i, j). `out` has the
+// memory layout of [B, Q, H, D] (so merging the heads is a view); lse = log-sum-exp of the
+// scaled scores over the allowed keys (-inf for an empty row), float32.
+std::tuple<at::Tensor, at::Tensor> attention(
+    const at::Tensor& q,                              // [B, H, Q, D], last dim dense
+    const at::Tensor& k,                              // [B, H, K, D]
+    const at::Tensor& v,                              // [B, H, K, D]
+    const std::optional<at::Tensor>& key_lengths,     // [B] int64, 0 <= . <= K
+    const std::optional<at::Tensor>& query_lengths,   // [B] int64, 0 <= . <= Q
+    double scale,
+    bool causal,
+    double dropout_p,                                 // [0, 1)
+    const std::optional<at::Tensor>& seed);           // int64, one element; needed when p > 0
+
+// (dq, dk, dv) of attention from grad_out and the forward's out and lse (probabilities and
+// the dropout mask are recomputed tile by tile).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out,                       // [B, H, Q, D]
+    const at::Tensor& q,                              // [B, H, Q, D]
+    const at::Tensor& k,                              // [B, H, K, D]
+    const at::Tensor& v,                              // [B, H, K, D]
+    const at::Tensor& out,                            // [B, H, Q, D]
+    const at::Tensor& lse,                            // [B, H, Q] float32
+    const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& query_lengths,
+    double scale,
+    bool causal,
+    double dropout_p,
+    const std::optional<at::Tensor>& seed);
+
+// Debug view of attention's dropout generator: bool [B, H, Q, K], true where (seed, b, h, i, j)
+// is kept at rate dropout_p.
+at::Tensor attention_dropout_mask(const at::Tensor& seed, int64_t B, int64_t H, int64_t Q,
+                                  int64_t K, double dropout_p);
+
+// attention's argument checks (shapes, dtypes, devices, dropout_p, seed), shared by the
+// CPU and CUDA host functions; the length values are range-checked by each backend.
+void check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& key_lengths,
+                          const std::optional<at::Tensor>& query_lengths, double scale,
+                          double dropout_p, const std::optional<at::Tensor>& seed);
 
 }  // namespace transformer_ext

@@ -30,4 +30,15 @@ TORCH_LIBRARY(transformer_ext, m) {
   m.def("kv_cache_reorder_(Tensor(a!) cache, Tensor index, int length) -> ()");
   // x @ weight^T + bias; a matrix-vector kernel for the few rows of a decoder step on the CPU
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  // fused attention over lengths / causal with dropout inside -> (out, log-sum-exp per row)
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, Tensor? query_lengths, "
+      "float scale, bool causal, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
+  // (dq, dk, dv) of attention, probabilities and dropout mask recomputed from lse and seed
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? key_lengths, Tensor? query_lengths, float scale, bool causal, float dropout_p, "
+      "Tensor? seed) -> (Tensor, Tensor, Tensor)");
+  // debug: attention's dropout keep mask [B, H, Q, K] for a seed
+  m.def("attention_dropout_mask(Tensor seed, int B, int H, int Q, int K, float dropout_p) -> Tensor");
 }

@@ -4,6 +4,7 @@
 #   2. runs every CUDA test (tests whose id or markers say cuda, in every test file);
 #   3. the CUDA op benchmark (benchmarks/bench_ops.py --device cuda: masked_softmax vs the eager
 #      composite and torch._masked_softmax, attention vs SDPA, decode_attention vs eager);
+#   3b. the fused attention benchmark (benchmarks/bench_attention.py --device cuda, T = 256 and 1024);
 #   4. the decode benchmark on CUDA (benchmarks/bench_decode.py --device cuda, torch engines);
 #   5. prints one summary table (also written to summary.txt) with the issue's GPU targets.
 # Everything is bounded to GPU_CHECK_BUDGET seconds of run time (default 290, under 5 minutes):
@@ -111,6 +112,24 @@ if [ "$built" = 1 ]; then
   fi
 fi
 
+# ------------------------------------------------------------------ 3b. fused attention benchmark
+if [ "$built" = 1 ] && [ -f benchmarks/bench_attention.py ]; then
+  t0=$SECONDS
+  budget_att=$(( $(left) * 30 / 100 ))
+  att_sizes="256,1024"
+  [ "$dry" = 1 ] && att_sizes="32"
+  note "fused attention benchmark on $device (T in $att_sizes, ${budget_att}s at most)"
+  # the PNG stays in the scratch folder (at most 8 files come back)
+  if timeout "$budget_att" "$py" benchmarks/bench_attention.py --device "$device" --sizes "$att_sizes" --repeats 3 \
+      --out "$scratch/bench_attention_cuda.json" >"$scratch/bench_attention.log" 2>&1; then
+    cp "$scratch/bench_attention_cuda.json" "$out/bench_attention_cuda.json"
+    record bench_attention ok $(( SECONDS - t0 ))
+  else
+    record bench_attention FAILED $(( SECONDS - t0 ))
+    tail -n 15 "$scratch/bench_attention.log"
+  fi
+fi
+
 # ------------------------------------------------------------------ 4. decode benchmark
 if [ "$built" = 1 ] && [ -f benchmarks/bench_decode.py ] && grep -q -- "--device" benchmarks/bench_decode.py; then
   t0=$SECONDS
@@ -144,11 +163,11 @@ else
 fi
 
 # ------------------------------------------------------------------ 5. summary
-"$py" - "$status_file" "$scratch/pytest.xml" "$out/bench_ops_cuda.json" "$out/bench_decode_cuda.json" "$SECONDS" <<'EOF' | tee "$out/summary.txt"
+"$py" - "$status_file" "$scratch/pytest.xml" "$out/bench_ops_cuda.json" "$out/bench_decode_cuda.json" "$SECONDS" "$out/bench_attention_cuda.json" <<'EOF' | tee "$out/summary.txt"
 import json, os, sys
 import xml.etree.ElementTree as ET
 
-status_file, junit, ops_json, dec_json, seconds = sys.argv[1:6]
+status_file, junit, ops_json, dec_json, seconds, att_json = sys.argv[1:7]
 lines = []
 def row(*cells):
     lines.append("  ".join(str(c) for c in cells))
@@ -196,6 +215,12 @@ if os.path.exists(ops_json):
     if kv:
         row("kv append", " ".join(f"{k}: first {v['first_steps_s'] * 1e6:.1f} us, last {v['last_steps_s'] * 1e6:.1f} us/step"
                                   for k, v in kv.items()))
+if os.path.exists(att_json):
+    r = json.load(open(att_json))
+    lines.append("ops.attention vs SDPA (speed-up of ours; fwd / fwd+bwd, full / ragged, dropout 0 / 0.1)")
+    for c in r.get("cases", []):
+        row(f"  T={c['T']:<5d}", f"{c['mode']:8s}", "ragged" if c["ragged"] else "full  ", f"p={c['dropout_p']}",
+            f"{c['speedup_vs_sdpa']:.2f}x (three-step {c['speedup_vs_three_step']:.2f}x)")
 if os.path.exists(dec_json):
     r = json.load(open(dec_json))
     lines.append("decode (greedy, 48 tokens, source 24, float32) tokens/s on " + r.get("device", "?"))

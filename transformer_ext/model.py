@@ -7,8 +7,11 @@ Names follow the paper and the harvardnlp annotated transformer: ``Embeddings``,
 
 Two paths through the decoder:
 
-* training / teacher forcing (:meth:`Transformer.forward`): whole sequences, attention through
-  ``ops.masked_softmax`` with a bool padding mask and ``causal=True``;
+* training / teacher forcing (:meth:`Transformer.forward`) and encoding: whole sequences,
+  attention through the fused ``ops.attention`` (source lengths for the encoder self-attention
+  and the cross-attention, ``causal=True`` for the decoder self-attention, attention dropout
+  inside the kernel); when exporting, the three steps with ``ops.masked_softmax`` and a bool
+  padding mask, whose lowering is standard ONNX ops;
 * incremental decoding (:meth:`Transformer.encode` once, then :meth:`Transformer.decode_step`
   per token): one new token per row, attention through the fused ``ops.decode_attention``
   over a preallocated self-attention cache and the cross-attention K/V computed once.
@@ -182,6 +185,11 @@ class MultiHeadAttention(nn.Module):
         v = self.split_heads(self.W_V(memory)).contiguous()
         return k, v
 
+    # Whole-sequence attention through the fused ops.attention (scores, softmax, dropout and the
+    # weighted sum in one kernel with its own backward). Class-level so a test can compare it with
+    # the three-step path on one instance (set it to False there).
+    fused_attention: bool = True
+
     def forward(
         self,
         query: torch.Tensor,  # [B, Tq, d_model]
@@ -189,10 +197,20 @@ class MultiHeadAttention(nn.Module):
         value: torch.Tensor,  # [B, Tk, d_model]
         mask: Optional[torch.Tensor] = None,  # bool, broadcastable to [B, H, Tq, Tk]
         causal: bool = False,
+        key_lengths: Optional[torch.Tensor] = None,  # [B] int64: the padding `mask` as lengths
     ) -> torch.Tensor:
+        """Attention of ``query`` over ``key``/``value``. With ``key_lengths`` (the same padding as
+        ``mask``) or without a mask, it runs the fused ``ops.attention``; an explicit mask alone,
+        and export (whose graphs keep the standard-op lowering of ``masked_softmax``), run the
+        three steps: scores, ``ops.masked_softmax``, dropout, the weighted sum."""
+        B, Tq, _ = query.shape
         q = self.split_heads(self.W_Q(query))  # [B, H, Tq, d_k]
         k = self.split_heads(self.W_K(key))  # [B, H, Tk, d_k]
         v = self.split_heads(self.W_V(value))  # [B, H, Tk, d_k]
+        if self.fused_attention and (key_lengths is not None or mask is None) and not _is_exporting():
+            p = self.dropout.p if self.training else 0.0
+            out = ops.attention(q, k, v, key_lengths=key_lengths, scale=self.scale, causal=causal, dropout_p=p)
+            return self.W_O(out.transpose(1, 2).reshape(B, Tq, self.d_model))  # a view: out is [B, Tq, H, d_k] in memory
         scores = torch.matmul(q, k.transpose(-2, -1))  # [B, H, Tq, Tk]
         p_attn = ops.masked_softmax(scores, mask, self.scale, causal)
         if self.training:
@@ -260,9 +278,11 @@ class EncoderLayer(nn.Module):
             [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(2)]
         )
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
-        """``x [B, S, d_model]``, ``src_mask`` bool ``[B, 1, 1, S]``."""
-        x = self.sublayer[0](x, lambda h: self.self_attn(h, h, h, src_mask))
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor,
+                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [B, S, d_model]``, ``src_mask`` bool ``[B, 1, 1, S]``, optionally the same padding as
+        ``src_lengths [B]`` (then attention runs the fused op)."""
+        x = self.sublayer[0](x, lambda h: self.self_attn(h, h, h, src_mask, key_lengths=src_lengths))
         return self.sublayer[1](x, self.feed_forward)
 
 
@@ -279,10 +299,12 @@ class DecoderLayer(nn.Module):
             [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(3)]
         )
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
-        """Teacher forcing: ``x [B, T, d_model]``, ``memory [B, S, d_model]``, ``src_mask [B, 1, 1, S]``."""
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Teacher forcing: ``x [B, T, d_model]``, ``memory [B, S, d_model]``, ``src_mask [B, 1, 1, S]``
+        (optionally also as ``src_lengths [B]``)."""
         x = self.sublayer[0](x, lambda h: self.self_attn(h, h, h, None, causal=True))
-        x = self.sublayer[1](x, lambda h: self.src_attn(h, memory, memory, src_mask))
+        x = self.sublayer[1](x, lambda h: self.src_attn(h, memory, memory, src_mask, key_lengths=src_lengths))
         return self.sublayer[2](x, self.feed_forward)
 
     def step_weights(self, fused_qkv: Optional[tuple] = None) -> "DecoderStepWeights":
@@ -405,9 +427,10 @@ class Encoder(nn.Module):
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
         )
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor,
+                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, src_mask)
+            x = layer(x, src_mask, src_lengths)
         return self.norm(x)
 
 
@@ -421,9 +444,10 @@ class Decoder(nn.Module):
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
         )
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, memory, src_mask)
+            x = layer(x, memory, src_mask, src_lengths)
         return self.norm(x)
 
 
@@ -534,7 +558,7 @@ class Transformer(nn.Module):
     def decode(self, encoder_out: torch.Tensor, src_lengths: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Teacher-forced decoder over the whole prefix ``tgt_in [B, T]`` -> logits ``[B, T, V]``."""
         src_mask = padding_mask(src_lengths, encoder_out.shape[1])
-        return self.generator(self.decoder(self.embed_target(tgt_in), encoder_out, src_mask))
+        return self.generator(self.decoder(self.embed_target(tgt_in), encoder_out, src_mask, src_lengths))
 
     def forward(self, src_ids: torch.Tensor, src_lengths: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Teacher forcing: ``src_ids [B, S]`` right-padded, ``src_lengths [B]``, ``tgt_in [B, T]``
@@ -547,8 +571,8 @@ class Transformer(nn.Module):
             self._check_src(src_ids, src_lengths)
             self._check_ids("tgt_in", tgt_in, self.config.tgt_vocab_size, src_ids.shape[0])
         src_mask = padding_mask(src_lengths, src_ids.shape[1])
-        memory = self.encoder(self.embed_source(src_ids), src_mask)
-        return self.generator(self.decoder(self.embed_target(tgt_in), memory, src_mask))
+        memory = self.encoder(self.embed_source(src_ids), src_mask, src_lengths)
+        return self.generator(self.decoder(self.embed_target(tgt_in), memory, src_mask, src_lengths))
 
     # ---------------------------------------------------------------- incremental decoding
 
@@ -563,7 +587,7 @@ class Transformer(nn.Module):
         if not _is_tracing():
             self._check_src(src_ids, src_lengths)
         src_mask = padding_mask(src_lengths, src_ids.shape[1])
-        encoder_out = self.encoder(self.embed_source(src_ids), src_mask)
+        encoder_out = self.encoder(self.embed_source(src_ids), src_mask, src_lengths)
         cross_keys, cross_values = [], []
         for layer in self.decoder.layers:
             k, v = layer.src_attn.project_kv(encoder_out)

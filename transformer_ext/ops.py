@@ -9,6 +9,7 @@ own backward kernel. The semantics are those of :mod:`transformer_ext.reference`
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -256,4 +257,139 @@ torch.library.register_autograd(
     "transformer_ext::masked_softmax",
     _masked_softmax_backward,
     setup_context=_masked_softmax_setup_context,
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Fused attention for training and encoding
+# ---------------------------------------------------------------------------------------
+
+__all__ += ["attention", "attention_dropout_mask"]
+
+_SEED_HIGH = 2**62  # seeds drawn from torch's generator lie in [0, 2**62)
+
+
+def _seed_tensor(seed: Optional[int], device: torch.device) -> torch.Tensor:
+    """The op's seed argument: ``seed`` as an int64 tensor, or one drawn from torch's default
+    generator of ``device`` (so ``torch.manual_seed`` makes dropout reproducible)."""
+    if seed is None:
+        return torch.randint(0, _SEED_HIGH, (1,), dtype=torch.int64, device=device)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be a Python int or None, got {type(seed).__name__}")
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must fit in int64, got {seed}")
+    return torch.tensor([seed], dtype=torch.int64, device=device)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_lengths: Optional[torch.Tensor] = None,
+    query_lengths: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    seed: Optional[int] = None,
+) -> torch.Tensor:
+    """Fused attention over whole sequences (training and encoding), differentiable.
+
+    Args:
+        q: ``[B, H, Q, D]`` float32, float16, bfloat16 (float64 for gradcheck); any strides
+            with a dense last dimension (e.g. a view of a projection output).
+        k, v: ``[B, H, K, D]``, the dtype and device of ``q``.
+        key_lengths: optional int64 ``[B]``: row ``b`` attends keys ``0 .. key_lengths[b]-1``
+            only; the others are never read and cost no work.
+        query_lengths: optional int64 ``[B]``: query rows at or past ``query_lengths[b]`` are
+            zeros (and get zero gradients) and cost no work.
+        scale: score multiplier, default ``1/sqrt(D)``.
+        causal: query ``i`` sees key ``j`` iff ``j <= i + (K - Q)`` (bottom-right aligned; the
+            lengths mask, they do not move the diagonal).
+        dropout_p: dropout rate on the attention probabilities, in ``[0, 1)``.
+        seed: the dropout generator's seed (an int); by default drawn from torch's generator.
+            The mask is a function of ``(seed, b, h, i, j)`` only (not of threads or tiling),
+            and the backward pass regenerates it.
+
+    Returns:
+        ``[B, H, Q, D]`` in the dtype of ``q``, with the memory layout of ``[B, Q, H, D]`` (so
+        ``out.transpose(1, 2).reshape(B, Q, H * D)`` is a view). A row with no allowed key is
+        zeros; a NaN score in an allowed position makes its row NaN.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() == 4 and q.shape[-1] > 0 else 1.0
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    seed_t = _seed_tensor(seed, q.device) if p > 0.0 else None
+    out, _lse = _ops.attention(q, k, v, key_lengths, query_lengths, float(scale), bool(causal), p, seed_t)
+    return out
+
+
+def attention_dropout_mask(seed: int, B: int, H: int, Q: int, K: int, dropout_p: float) -> torch.Tensor:
+    """Debug view of :func:`attention`'s dropout generator: bool ``[B, H, Q, K]``, True where
+    key ``j`` of query ``i`` in head ``(b, h)`` is kept for ``seed`` at rate ``dropout_p``."""
+    return _ops.attention_dropout_mask(_seed_tensor(int(seed), torch.device("cpu")), B, H, Q, K, float(dropout_p))
+
+
+def _attention_check_devices(ref: torch.Tensor, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            raise RuntimeError(f"{name} must be on {ref.device} (the device of q), got {t.device}")
+
+
+def _bthd_empty_like(x: torch.Tensor, T: int) -> torch.Tensor:
+    B, H, _, D = x.shape
+    return x.new_empty((B, T, H, D)).transpose(1, 2)
+
+
+@torch.library.register_fake("transformer_ext::attention")
+def _attention_fake(q, k, v, key_lengths, query_lengths, scale, causal, dropout_p, seed):
+    _check(q.dim() == 4, f"q must have 4 dimensions [B, H, Q, D], got shape {tuple(q.shape)}")
+    _check(k.dim() == 4, f"k must have 4 dimensions [B, H, K, D], got shape {tuple(k.shape)}")
+    _check(v.shape == k.shape, f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    B, H, Q, D = q.shape
+    _check(k.shape[0] == B and k.shape[1] == H and k.shape[3] == D,
+           f"k must have shape [{B}, {H}, K, {D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    _check(k.dtype == q.dtype and v.dtype == q.dtype, f"k and v must have the dtype of q ({q.dtype})")
+    _attention_check_devices(q, k=k, v=v, key_lengths=key_lengths, query_lengths=query_lengths, seed=seed)
+    for name, t in (("key_lengths", key_lengths), ("query_lengths", query_lengths)):
+        if t is not None:
+            _check(t.dtype == torch.int64, f"{name} must be int64, got {t.dtype}")
+    _check(0.0 <= dropout_p < 1.0, f"dropout_p must be in [0, 1), got {dropout_p}")
+    _check(dropout_p == 0.0 or seed is not None, "seed is required when dropout_p > 0")
+    return _bthd_empty_like(q, Q), q.new_empty((B, H, Q), dtype=torch.float32)
+
+
+@torch.library.register_fake("transformer_ext::attention_backward")
+def _attention_backward_fake(grad_out, q, k, v, out, lse, key_lengths, query_lengths, scale, causal,
+                             dropout_p, seed):
+    _attention_check_devices(q, grad_out=grad_out, k=k, v=v, out=out, lse=lse, key_lengths=key_lengths,
+                       query_lengths=query_lengths, seed=seed)
+    return _bthd_empty_like(q, q.shape[2]), _bthd_empty_like(k, k.shape[2]), _bthd_empty_like(v, v.shape[2])
+
+
+@torch.library.register_fake("transformer_ext::attention_dropout_mask")
+def _attention_dropout_mask_fake(seed, B, H, Q, K, dropout_p):
+    return seed.new_empty((B, H, Q, K), dtype=torch.bool)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, key_lengths, query_lengths, scale, causal, dropout_p, seed = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
+    ctx.save_for_backward(q, k, v, out, lse, key_lengths, query_lengths, seed)
+
+
+def _attention_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, key_lengths, query_lengths, seed = ctx.saved_tensors
+    dq, dk, dv = _ops.attention_backward(
+        grad_out, q, k, v, out, lse, key_lengths, query_lengths, ctx.scale, ctx.causal, ctx.dropout_p, seed
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "transformer_ext::attention", _attention_backward, setup_context=_attention_setup_context
 )

@@ -7,6 +7,7 @@ operations and float32 (or wider) arithmetic. Functions ending in ``_`` write in
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -18,6 +19,9 @@ __all__ = [
     "decode_attention",
     "kv_cache_append_",
     "kv_cache_reorder_",
+    "attention",
+    "attention_dropout_keep",
+    "dropout_threshold",
 ]
 
 
@@ -134,3 +138,117 @@ def kv_cache_reorder_(cache: torch.Tensor, index: torch.Tensor, length: int) -> 
     if any(i < 0 or i >= B for i in idx):
         raise IndexError(f"index values must be in [0, {B}), got {idx}")
     cache[:, :, :length] = cache[index, :, :length].clone()
+
+
+# ------------------------------------------------------------------------------------------
+# Fused attention (ops.attention) and its dropout generator
+# ------------------------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 tensors holding uint32 values, without int64 overflow:
+    the product is split at 16 bits of ``c``."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The generator's 32-bit finalizer (xor-shift, multiply; a bijection on uint32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mix32_int(x: int) -> int:
+    return int(_mix32(torch.tensor([x & _MASK32], dtype=torch.int64))[0])
+
+
+def dropout_threshold(p: float) -> int:
+    """Keys whose 32-bit draw is ``>= floor(p * 2**32)`` are kept (probability ``1 - p``)."""
+    if not p > 0.0:
+        return 0
+    return int(min(math.floor(p * 4294967296.0), 4294967295))
+
+
+def attention_dropout_keep(seed: int, B: int, H: int, Q: int, K: int, p: float) -> torch.Tensor:
+    """Bool ``[B, H, Q, K]``: True where ``ops.attention``'s dropout keeps key ``j`` of query
+    ``i`` in head ``(b, h)`` for ``seed``. The counter-based generator, in int64 tensor ops:
+
+    * per ``(b, h)``: two chains ``s = mix(s + x)`` over ``(seed mod 2**32, seed >> 32 mod 2**32,
+      b, h)`` starting from ``0x243F6A88`` and ``0x85A308D3``;
+    * per row ``i``: ``r1 = mix(s1 + i)``, ``r2 = mix(s2 + i)``;
+    * per key ``j``: ``u = mix(mix(j + r1) ^ r2)``, kept iff ``u >= floor(p * 2**32)``;
+
+    all arithmetic modulo ``2**32``.
+    """
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    words = [s & _MASK32, s >> 32]
+    b = torch.arange(B, dtype=torch.int64).view(B, 1)
+    h = torch.arange(H, dtype=torch.int64).view(1, H)
+    chains = []
+    for start in (0x243F6A88, 0x85A308D3):
+        st = start
+        for w in words:
+            st = _mix32_int(st + w)
+        x = _mix32((st + b) & _MASK32)  # [B, 1]
+        x = _mix32((x + h) & _MASK32)  # [B, H]
+        chains.append(x)
+    i = torch.arange(Q, dtype=torch.int64).view(1, 1, Q)
+    r1 = _mix32((chains[0].unsqueeze(-1) + i) & _MASK32).unsqueeze(-1)  # [B, H, Q, 1]
+    r2 = _mix32((chains[1].unsqueeze(-1) + i) & _MASK32).unsqueeze(-1)
+    j = torch.arange(K, dtype=torch.int64).view(1, 1, 1, K)
+    u = _mix32(_mix32((j + r1) & _MASK32) ^ r2)
+    return u >= dropout_threshold(p)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_lengths: Optional[torch.Tensor] = None,
+    query_lengths: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    seed: Optional[int] = None,
+) -> torch.Tensor:
+    """``ops.attention`` spelled out: ``q [B,H,Q,D]``, ``k, v [B,H,K,D]``.
+
+    Query ``i`` of row ``b`` may attend key ``j`` iff ``j < key_lengths[b]``, ``i <
+    query_lengths[b]`` and (causal) ``j <= i + (K - Q)``. Softmax of ``scale * q.k`` over the
+    allowed keys (``scale`` defaults to ``1/sqrt(D)``), then dropout (kept entries divided by
+    ``1 - p``, the mask of :func:`attention_dropout_keep`), then the weighted sum of the values.
+    A row with no allowed key is zeros; values of keys that are not allowed never enter the sum.
+    Math in float32 (float64 stays float64); the result has the dtype of ``q``.
+    """
+    B, H, Q, D = q.shape
+    K = k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf = q.to(compute), k.to(compute), v.to(compute)
+    dev = q.device
+    kl = torch.full((B,), K, device=dev) if key_lengths is None else key_lengths.to(dev)
+    ql = torch.full((B,), Q, device=dev) if query_lengths is None else query_lengths.to(dev)
+    j = torch.arange(K, device=dev).view(1, 1, 1, K)
+    i = torch.arange(Q, device=dev).view(1, 1, Q, 1)
+    allowed = (j < kl.view(B, 1, 1, 1)) & (i < ql.view(B, 1, 1, 1))
+    if causal:
+        allowed = allowed & causal_mask(Q, K, device=dev)
+    allowed = allowed.expand(B, H, Q, K)
+    if K == 0:  # no key at all: every row is empty
+        return torch.where(torch.zeros_like(qf, dtype=torch.bool), qf, 0.0).to(q.dtype)
+    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    probs = masked_softmax(scores, allowed, 1.0, False)  # zeros for empty rows
+    if dropout_p > 0.0:
+        if seed is None:
+            raise ValueError("the reference needs the seed when dropout_p > 0")
+        keep = attention_dropout_keep(seed, B, H, Q, K, dropout_p).to(dev)
+        probs = torch.where(keep, probs / (1.0 - dropout_p), 0.0)
+    # Zero-weight keys contribute exactly nothing, even where a value is not finite.
+    terms = torch.where(allowed.unsqueeze(-1), probs.unsqueeze(-1) * vf.unsqueeze(2), 0.0)
+    return terms.sum(dim=3).to(q.dtype)  # [B, H, Q, D]
