@@ -1,48 +1,37 @@
-"""End-to-end greedy decoding speed (DESIGN.md section 4).
+"""End-to-end decoding speed against CTranslate2, measured fairly (DESIGN.md section 4).
 
-    python benchmarks/bench_decode.py                    # base + small, batch 1 and 16, 3 repeats
-    python benchmarks/bench_decode.py --quick            # tiny model, 1 repeat: a smoke test
-    python benchmarks/bench_decode.py --models small --engines eager_ops,torch_cat
+    python benchmarks/bench_decode.py                      # base: every engine, 1 and 2 threads, greedy + beam 4
+    python benchmarks/bench_decode.py --quick              # tiny model, 1 repeat: a smoke test
+    python benchmarks/bench_decode.py --engines onnxrt,ctranslate2 --modes greedy --threads 2
 
-Settings: random weights (the speed does not depend on them), 8000-token source and target
-vocabularies, source length 24, exactly 48 generated tokens per sequence (EOS suppressed until
-then: ``min_new_tokens = max_new_tokens = 48``), float32, 2 threads, medians over repeats, the
-engines of one case timed side by side (interleaved, rotating order). Every engine's tokens are
-compared with the first engine's before any time is recorded; an engine that disagrees is not
-timed and the run exits with status 1.
+Fairness. Every engine runs in a process of its own that loads only what it needs
+(``decode_worker.py``): the CTranslate2 and ONNX Runtime workers import numpy and their engine,
+never torch (checked in the worker; recorded per engine in the JSON as ``torch_imported``), so
+no second OpenMP pool competes for the cores. The parent builds the models once, untimed:
+random weights (seed 0), saved; exported with ``export.onnx`` (float32, and int8 with
+``--quantize int8``: the quality gate needs a trained model, so it is skipped for these random
+weights and the int8 tokens are compared, not required, to match); converted once with
+``ctranslate2.specs`` from the same weights (our positional table assigned explicitly) and saved
+as float32 and int8 models. Only one engine decodes at any time; rounds are interleaved in a
+rotating order; medians of ``--repeats`` are reported.
 
-A measurement covers a whole decode: encoder, 48 decoder steps, search. Reported as generated
-tokens per second (``batch * 48 / median seconds``).
+Settings: source length 24, exactly 48 generated tokens per sequence (EOS suppressed until then:
+our ``min_new_tokens = max_new_tokens = 48``, CTranslate2's ``min_decoding_length =
+max_decoding_length = 48``), greedy and beam 4 (no length penalty on either side: our
+``length_penalty="none"``, CTranslate2's ``length_penalty=0``; best hypothesis compared),
+batch 1 and 16, 1 and 2 threads for every engine (CTranslate2 ``intra_threads=N,
+inter_threads=1``; ONNX Runtime ``intra_op_num_threads=N``; torch ``set_num_threads(N)``).
 
-Each engine runs in its own process (``--same-process`` to turn that off), built once per case;
-the parent asks one engine at a time for a decode and the engine times it itself. Idle intra-op
-threads spin (the runtimes' default; ``--passive-threads`` makes them sleep, for a busy machine).
+Tokens first: every float32 engine's tokens are compared with the first float32 engine's
+before any time is recorded; one that disagrees is not timed (exit status 1). int8 engines are
+timed and their agreement with the float32 tokens and with each other is recorded.
 
-Engines (``ENGINES``; another backend is one more entry whose ``build`` returns a decode
-function ``(input_ids, src_lengths, n_tokens) -> list[list[int]]``):
-
-* ``uncached``: the seed's re-decode loop, the full decoder over the whole prefix at every step;
-* ``eager_ops``: :class:`transformer_ext.runtimes.EagerRunner`: cross K/V once, preallocated
-  self-attention cache written in place, fused ``decode_attention``;
-* ``compiled_ops``: the same runner with ``compile=True``: ``model.decode_step`` through
-  ``torch.compile`` (fullgraph, static shapes: the preallocated cache keeps every step's shapes
-  equal, so one graph serves the whole decode; compiled during the untimed warm-up run);
-* ``torch_cat``: :class:`transformer_ext.runtimes.CatCacheRunner`: plain PyTorch, cross K/V once,
-  ``torch.cat``-grown self-attention cache, eager masked softmax (the seed's KV-cache decoder);
-* ``onnxrt`` / ``onnxrt_ts``: :class:`transformer_ext.runtimes.OrtRunner` on the model exported by
-  ``export.onnx`` (portable / tensorscatter flavour; exported once per model, not timed), ONNX
-  Runtime CPU with ``--threads`` intra-op threads that sleep rather than spin when idle (present
-  when onnx and onnxruntime are installed);
-* ``ctranslate2``: the peer engine CTranslate2 (float32, ``intra_threads=--threads``,
-  ``inter_threads=1``, ``min_decoding_length`` suppressing EOS), its model built with
-  ``ctranslate2.specs`` from the same weights, our positional table assigned explicitly (present
-  when ``ctranslate2`` is installed: ``pip install ctranslate2`` in the benchmark environment only);
-  ``ctranslate2_1t``: the same with ``intra_threads=1``, which is faster at batch 1 on the 2-core
-  development machine, so the comparison is made against the better of the two.
-
-At batch 1 the benchmark also prints each engine's fraction of the memory-bandwidth floor: the
-bytes of the decoder and output-projection weights read per generated token divided by this
-machine's measured copy bandwidth (STREAM-style, read + write bytes of a large ``numpy`` copy).
+The JSON records the machine (``lscpu``: CPU model, cores, L3; measured read and copy
+bandwidth with 1 and 2 threads), the load average before and after, and per model the batch-1
+bandwidth floor of every engine: the bytes its weights actually occupy that one generated token
+reads (decoder layers and output projection, one embedding row; cross-attention K/V projections
+run once per source and are excluded) divided by the measured read bandwidth at the engine's
+thread count, and the fraction of that floor the engine reached.
 """
 
 from __future__ import annotations
@@ -52,87 +41,60 @@ import atexit
 import importlib.util
 import logging
 import os
+import pickle
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
-from typing import Callable
 
-# Idle intra-op threads spin for a while before sleeping (the OpenMP and ONNX Runtime default).
-# At batch 1 a decoder step is ~50 small parallel regions, and waking sleeping threads costs
-# ~80 us per region (measured: a 512x512 linear takes 35 us with spinning threads and 120 us
-# with OMP_WAIT_POLICY=PASSIVE), so spinning is what a latency-bound deployment runs with.
-# On a machine whose cores are shared with other jobs a spinning thread loses its time slices
-# instead: ``--passive-threads`` makes every engine's idle threads sleep (OMP_WAIT_POLICY=PASSIVE
-# for torch and CTranslate2, allow_spinning=False for ONNX Runtime). The variable must be set
-# before torch (libgomp) is loaded, hence this check of the raw command line.
-PASSIVE_THREADS = "--passive-threads" in sys.argv[1:]
-if PASSIVE_THREADS:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+import numpy as np
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, if not installed
-from common import environment, sync, write_json  # noqa: E402
-
-from transformer_ext.config import TransformerConfig  # noqa: E402
-from transformer_ext.decoding import greedy_decode  # noqa: E402
-from transformer_ext.model import Transformer  # noqa: E402
-from transformer_ext.runtimes import CatCacheRunner, EagerRunner, greedy_decode_uncached  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # the repository, if not installed
+from common import environment, machine_info, write_json  # noqa: E402
 
 logger = logging.getLogger("bench_decode")
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 SRC_LEN = 24
 NEW_TOKENS = 48
+MODES = ("greedy", "beam4")
+WORKER = os.path.join(HERE, "decode_worker.py")
 
-DecodeFn = Callable[[np.ndarray, np.ndarray, int], "list[list[int]]"]
 
-
-@dataclass
+@dataclass(frozen=True)
 class Engine:
-    """A decoding backend: ``build(model, device)`` returns its decode function."""
-
     name: str
     description: str
-    build: Callable[[Transformer, torch.device], DecodeFn]
+    worker: str  # decode_worker.BUILDERS key
+    artifact: str  # which prepared model folder it reads: "model", "onnx", "onnx_int8", "ct2", "ct2_int8"
+    dtype: str  # float32 / int8
+    forbid_torch: bool
+    compute_type: str = "float32"
 
 
-def _runner_engine(runner_cls, **options) -> Callable[[Transformer, torch.device], DecodeFn]:
-    def build(model: Transformer, device: torch.device) -> DecodeFn:
-        return _greedy_exactly_n(runner_cls(model, device, **options), model)
+ENGINES: list[Engine] = [
+    Engine("onnxrt", "ONNX Runtime, portable export (python -m export.onnx), OrtRunner", "onnxrt", "onnx",
+           "float32", True),
+    Engine("eager", "EagerRunner: torch, compiled ops, in-place cache", "eager", "model", "float32", False),
+]
+if importlib.util.find_spec("ctranslate2"):
+    ENGINES.insert(1, Engine("ctranslate2", "CTranslate2 float32 (peer, same weights)", "ctranslate2", "ct2",
+                             "float32", True, "float32"))
+ENGINES.append(Engine("onnxrt_int8", "ONNX Runtime, python -m export.onnx --quantize int8 (dynamic int8, per-channel, "
+                                     "reduce_range)", "onnxrt", "onnx_int8", "int8", True))
+if importlib.util.find_spec("ctranslate2"):
+    ENGINES.append(Engine("ctranslate2_int8", "CTranslate2 int8 (peer, same weights, converted with quantization=int8)",
+                          "ctranslate2", "ct2_int8", "int8", True, "int8"))
+PEERS = ("ctranslate2", "ctranslate2_int8")
 
-    return build
-
-
-def _greedy_exactly_n(runner, model: Transformer) -> DecodeFn:
-    """Greedy decoding with ``runner`` that generates exactly ``n`` tokens per row (EOS suppressed)."""
-    c = model.config
-
-    def decode(src: np.ndarray, lengths: np.ndarray, n: int):
-        return greedy_decode(runner, src, lengths, bos_id=c.bos_id, eos_id=c.eos_id,
-                             max_new_tokens=n, min_new_tokens=n)
-
-    return decode
-
-
-def _build_uncached(model: Transformer, device: torch.device) -> DecodeFn:
-    c = model.config
-
-    def decode(src: np.ndarray, lengths: np.ndarray, n: int):
-        return greedy_decode_uncached(
-            model, torch.from_numpy(src).to(device), torch.from_numpy(lengths).to(device),
-            bos_id=c.bos_id, eos_id=c.eos_id, max_new_tokens=n, min_new_tokens=n,
-        )
-
-    return decode
-
-
-_EXPORTS: dict = {}  # (id(model), flavour) -> export folder, exported once per model
+MODELS = {
+    "base": dict(),  # the preset: 6+6 layers, d_model 512, 8 heads, d_ff 2048, 8000/8000 vocabularies
+    "small": dict(),
+    "tiny": dict(max_len=64),  # --quick and the tests
+}
 
 
 def _scratch_dir(prefix: str) -> str:
@@ -141,29 +103,12 @@ def _scratch_dir(prefix: str) -> str:
     return path
 
 
-def _onnxrt_engine(flavour: str) -> Callable[[Transformer, torch.device], DecodeFn]:
-    """Export with ``export.onnx`` (untimed, once per model), decode with :class:`OrtRunner`."""
-
-    def build(model: Transformer, device: torch.device) -> DecodeFn:
-        from export.onnx import export_onnx
-        from transformer_ext.checkpoint import save_model
-        from transformer_ext.runtimes import OrtRunner
-
-        key = (id(model), flavour)
-        if key not in _EXPORTS:
-            scratch = _scratch_dir("bench_onnx_")
-            save_model(model, os.path.join(scratch, "model"))  # CPU copy of the weights
-            export_onnx(os.path.join(scratch, "model"), os.path.join(scratch, flavour), flavour=flavour,
-                        validate=False)  # the benchmark compares whole decodes itself
-            _EXPORTS[key] = os.path.join(scratch, flavour)
-        runner = OrtRunner(_EXPORTS[key], intra_op_num_threads=torch.get_num_threads(),
-                           allow_spinning=not PASSIVE_THREADS)
-        return _greedy_exactly_n(runner, model)
-
-    return build
+# ------------------------------------------------------------------------------------------
+# Preparing the artifacts (parent only: torch lives here)
+# ------------------------------------------------------------------------------------------
 
 
-def _ct2_spec(model: Transformer):
+def _ct2_spec(model):
     """A ``ctranslate2.specs.TransformerSpec`` holding ``model``'s weights (float32)."""
     from ctranslate2.specs import common_spec, transformer_spec
 
@@ -218,262 +163,247 @@ def _ct2_spec(model: Transformer):
     spec.register_target_vocabulary(specials + [f"t{i}" for i in range(len(specials), c.tgt_vocab_size)])
     spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = "<s>", "</s>", "<unk>"
     spec.config.decoder_start_token = "<s>"
-    return spec, specials
+    return spec
 
 
-def _ctranslate2_engine(threads: int | None = None) -> Callable[[Transformer, torch.device], DecodeFn]:
-    """CTranslate2 with ``intra_threads=threads`` (None: ``--threads``, the DESIGN.md setting)."""
-
-    def build(model: Transformer, device: torch.device) -> DecodeFn:
-        return _build_ctranslate2(model, device, threads or torch.get_num_threads())
-
-    return build
-
-
-def _build_ctranslate2(model: Transformer, device: torch.device, threads: int) -> DecodeFn:
-    import ctranslate2
-
-    c = model.config
-    if (c.pad_id, c.bos_id, c.eos_id) != (0, 1, 2):
-        raise ValueError("the CTranslate2 engine assumes pad/bos/eos ids 0/1/2")
-    spec, specials = _ct2_spec(model)
-    spec.validate()
-    spec.optimize(quantization="float32")
-    out = os.path.join(_scratch_dir("bench_ct2_"), "model")
-    os.makedirs(out)
-    spec.save(out)
-    translator = ctranslate2.Translator(out, device="cuda" if device.type == "cuda" else "cpu",
-                                        compute_type="float32", intra_threads=threads,
-                                        inter_threads=1)
-    target_ids = {tok: i for i, tok in enumerate(specials)}
-
-    def decode(src: np.ndarray, lengths: np.ndarray, n: int):
-        batch = [[f"s{int(t)}" for t in row[:length]] for row, length in zip(src, lengths)]
-        results = translator.translate_batch(batch, beam_size=1, max_batch_size=len(batch),
-                                             max_decoding_length=n, min_decoding_length=n)
-        return [[target_ids[t] if t in target_ids else int(t[1:]) for t in r.hypotheses[0]] for r in results]
-
-    return decode
-
-
-ENGINES: list[Engine] = [
-    Engine("uncached", "seed re-decode loop (no cache)", _build_uncached),
-    Engine("eager_ops", "EagerRunner: compiled ops, in-place cache", _runner_engine(EagerRunner)),
-    Engine("compiled_ops", "EagerRunner(compile=True): decode_step through torch.compile (static shapes)",
-           _runner_engine(EagerRunner, compile=True)),
-    Engine("torch_cat", "CatCacheRunner: plain PyTorch, torch.cat cache", _runner_engine(CatCacheRunner)),
-]
-if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):
-    ENGINES += [
-        Engine("onnxrt", "ONNX Runtime, portable export (runner appends K/V in place)", _onnxrt_engine("portable")),
-        Engine("onnxrt_ts", "ONNX Runtime, tensorscatter export (cache updated in place in the graph)",
-               _onnxrt_engine("tensorscatter")),
-    ]
-if importlib.util.find_spec("ctranslate2"):
-    ENGINES += [
-        Engine("ctranslate2", "CTranslate2 float32 (peer engine, same weights), intra_threads=--threads",
-               _ctranslate2_engine()),
-        # Reported beside the DESIGN.md setting because on this 2-core machine CTranslate2 at batch
-        # 1 was measured faster with one thread (104 vs 63 tokens/s): its best is the bar.
-        Engine("ctranslate2_1t", "CTranslate2 float32, intra_threads=1", _ctranslate2_engine(1)),
-    ]
-
-MODELS = {
-    "base": dict(),  # the preset as is: 6+6 layers, d_model 512, 8 heads, d_ff 2048, 8000/8000
-    "small": dict(),  # demo-like: 3+3 layers, d_model 256, 4 heads, d_ff 1024, 8000/8000
-    "tiny": dict(max_len=64),  # --quick
-}
-
-
-def make_sources(config: TransformerConfig, batch: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    low = max(config.pad_id, config.bos_id, config.eos_id) + 1
-    src = rng.integers(low, config.src_vocab_size, size=(batch, SRC_LEN), dtype=np.int64)
-    return src, np.full(batch, SRC_LEN, dtype=np.int64)
-
-
-def _engine_by_name(name: str) -> Engine:
-    for e in ENGINES:
-        if e.name == name:
-            return e
-    raise ValueError(f"unknown engine {name!r}; available: {[e.name for e in ENGINES]}")
-
-
-def _timed(fn: DecodeFn, device: torch.device, src: np.ndarray, lengths: np.ndarray, n: int):
-    sync(str(device))
-    t0 = time.perf_counter()
-    tokens = fn(src, lengths, n)
-    sync(str(device))
-    return tokens, time.perf_counter() - t0
-
-
-def _engine_worker(conn, name: str, model_dir: str, device: str, threads: int) -> None:
-    """Body of one engine's process: build the engine, then run the decodes the parent asks for.
-
-    Runs in a fresh (spawned) interpreter, so no other engine's thread pool lives in it: with
-    spinning idle threads, two runtimes in one process (torch's and CTranslate2's own libgomp,
-    ONNX Runtime's pool) steal each other's cores and every number drops (measured: torch eager
-    74 tokens/s beside the other engines vs 119 alone, base batch 1).
-    """
-    try:
-        from transformer_ext.checkpoint import load_model
-
-        torch.set_num_threads(threads)
-        dev = torch.device(device)
-        model = load_model(model_dir, dev)
-        fn = _engine_by_name(name).build(model, dev)
-        conn.send(("ready", None))
-        while True:
-            msg = conn.recv()
-            if msg[0] == "stop":
-                break
-            _, src, lengths, n = msg
-            conn.send(("done", _timed(fn, dev, src, lengths, n)))
-    except BaseException:  # reported to the parent, which raises it
-        import traceback
-
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-class _EngineProcess:
-    """One engine in its own process; the parent runs one decode at a time across all of them."""
-
-    def __init__(self, name: str, model_dir: str, device: str, threads: int):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_worker, args=(child, name, model_dir, device, threads), daemon=True)
-        self.proc.start()
-        child.close()
-        self._reply()  # built
-
-    def _reply(self):
-        try:
-            kind, payload = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"engine {self.name}: worker process died (exit code {self.proc.exitcode})") from None
-        if kind == "error":
-            raise RuntimeError(f"engine {self.name} failed in its worker process:\n{payload}")
-        return payload
-
-    def __call__(self, src: np.ndarray, lengths: np.ndarray, n: int):
-        self.conn.send(("decode", src, lengths, n))
-        return self._reply()
-
-    def close(self) -> None:
-        try:
-            self.conn.send(("stop",))
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
-def bench_case(model: Transformer, engines: list[Engine], device: torch.device, batch: int,
-               repeats: int, model_dir: str | None = None) -> dict:
-    """Tokens first (compared with the first engine), then interleaved timed repeats.
-
-    With ``model_dir`` (the model saved there) each engine runs in its own process, built once
-    for this case; only one engine decodes at any time. Without it every engine runs here.
-    """
-    src, lengths = make_sources(model.config, batch)
-    threads = torch.get_num_threads()
-    runners: dict = {}
-    try:
-        for e in engines:
-            if model_dir is not None:
-                runners[e.name] = _EngineProcess(e.name, model_dir, str(device), threads)
-            else:
-                fn = e.build(model, device)
-                runners[e.name] = lambda s, l, n, fn=fn: _timed(fn, device, s, l, n)
-        return _measure(runners, batch, src, lengths, repeats)
-    finally:
-        for r in runners.values():
-            if isinstance(r, _EngineProcess):
-                r.close()
-
-
-def _measure(runners: dict, batch: int, src: np.ndarray, lengths: np.ndarray, repeats: int) -> dict:
-    case: dict = {"batch": batch, "src_len": SRC_LEN, "new_tokens": NEW_TOKENS, "engines": {}}
-    reference_name, reference_tokens = None, None
-    timed = []
-    for name, run_fn in runners.items():  # warm-up run, which also gives the tokens
-        tokens, _ = run_fn(src, lengths, NEW_TOKENS)
-        if any(len(row) != NEW_TOKENS for row in tokens):
-            raise RuntimeError(f"{name} did not generate exactly {NEW_TOKENS} tokens per row")
-        entry = case["engines"].setdefault(name, {})
-        if reference_tokens is None:
-            reference_name, reference_tokens = name, tokens
-            entry["tokens_match"] = True
+def _ct2_decoder_bytes(spec) -> int:
+    """Bytes one generated token reads from a converted CTranslate2 model: every decoder variable
+    but the embedding table (one row) and the cross-attention K/V projection (once per source)."""
+    total = 0
+    for name, value in spec.variables(ordered=True):
+        if not name.startswith("decoder/") or "/attention/linear_1/" in name:
+            continue
+        value = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+        if name.startswith("decoder/embeddings"):
+            total += value.nbytes // max(1, value.shape[0])
         else:
-            entry["tokens_match"] = tokens == reference_tokens
-            if not entry["tokens_match"]:
-                mismatch = [b for b in range(batch) if tokens[b] != reference_tokens[b]]
-                logger.error("%s: tokens differ from %s in rows %s; not timed", name, reference_name, mismatch)
-                continue
-        timed.append(name)
-    samples: dict[str, list[float]] = {name: [] for name in timed}
-    for r in range(repeats):
-        order = timed[r % len(timed):] + timed[: r % len(timed)] if timed else []
-        for name in order:
-            _, seconds = runners[name](src, lengths, NEW_TOKENS)
-            samples[name].append(seconds)
-    for name in timed:
-        med = statistics.median(samples[name])
-        case["engines"][name].update(
-            seconds=med, samples=samples[name], tokens_per_second=batch * NEW_TOKENS / med,
-            ms_per_step=1e3 * med / NEW_TOKENS,
-        )
-    case["reference_engine"] = reference_name
-    case["tokens_sample"] = reference_tokens[0][:12]
-    return case
+            total += value.nbytes
+    return total
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> float:
-    """This machine's copy bandwidth in bytes/s (STREAM-style: read + write bytes), median of repeats."""
-    a = np.ones(nbytes // 4, dtype=np.float32)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        times.append(time.perf_counter() - t0)
-    return 2 * a.nbytes / statistics.median(times)
+def _onnx_decoder_bytes(path: str) -> int:
+    """Bytes of the decoder step's initializers that one step reads: every initializer a non-
+    Gather node consumes, one row of those only gathered from (the embedding table)."""
+    import onnx
+
+    model = onnx.load(path)
+    users: dict[str, set] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            users.setdefault(name, set()).add(node.op_type)
+    total = 0
+    for t in model.graph.initializer:
+        nbytes = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        ops = users.get(t.name, set())
+        if ops == {"Gather"} and len(t.dims) == 2:
+            nbytes //= max(1, int(t.dims[0]))
+        total += nbytes
+    return total
 
 
-def weight_bytes_per_token(model: Transformer) -> int:
-    """Bytes of the weights one generated token reads: the decoder layers (the cross-attention K/V
-    projections excluded: they run once per source in the encoder pass) and the output projection
-    (one embedding row is negligible)."""
+def _torch_decoder_bytes(model) -> int:
     seen, total = set(), 0
-    params = list(model.decoder.named_parameters(prefix="decoder")) + list(model.generator.named_parameters(prefix="generator"))
+    params = list(model.decoder.named_parameters(prefix="decoder")) + list(
+        model.generator.named_parameters(prefix="generator"))
     for name, p in params:
         if id(p) in seen or ".src_attn.W_K." in name or ".src_attn.W_V." in name:
             continue
         seen.add(id(p))
         total += p.numel() * p.element_size()
-    return total
+    return total + model.config.d_model * 4  # one embedding row
 
 
-def bandwidth_floor(model: Transformer, cases: list, bandwidth: float) -> dict:
-    """Floor seconds per generated token at batch 1 and each engine's fraction of it."""
-    nbytes = weight_bytes_per_token(model)
-    floor = nbytes / bandwidth
-    entry = {"weight_bytes_per_token": nbytes, "copy_bandwidth_bytes_per_s": bandwidth,
-             "floor_ms_per_token": 1e3 * floor, "fraction_of_floor": {}}
-    for case in cases:
-        if case["batch"] != 1:
+def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict, dict, dict]:
+    """Build every artifact the engines need, once: ``(paths, weight_bytes_per_token, config dict)``."""
+    import torch
+
+    from transformer_ext.checkpoint import save_model
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.model import Transformer
+
+    torch.manual_seed(0)
+    config = TransformerConfig.preset(model_name, **MODELS.get(model_name, {}))
+    if (config.pad_id, config.bos_id, config.eos_id) != (0, 1, 2):
+        raise ValueError("the CTranslate2 conversion assumes pad/bos/eos ids 0/1/2")
+    model = Transformer(config).eval()
+    needed = {e.artifact for e in engines}
+    paths, nbytes = {"model": os.path.join(scratch, "model")}, {}
+    save_model(model, paths["model"])
+    nbytes["model"] = _torch_decoder_bytes(model)
+    if needed & {"onnx", "onnx_int8"}:
+        from export.onnx import export_onnx
+        from export.quantize import quantize_export
+
+        paths["onnx"] = os.path.join(scratch, "onnx")
+        logger.info("exporting %s to ONNX (untimed) ...", model_name)
+        export_onnx(paths["model"], paths["onnx"], validate=False, cache_len=min(config.max_len, 64))
+        nbytes["onnx"] = _onnx_decoder_bytes(os.path.join(paths["onnx"], "decoder_step.onnx"))
+        if "onnx_int8" in needed:
+            paths["onnx_int8"] = os.path.join(scratch, "onnx_int8")
+            quantize_export(paths["onnx"], paths["onnx_int8"], "int8", gate=False)  # random weights: no gate
+            nbytes["onnx_int8"] = _onnx_decoder_bytes(os.path.join(paths["onnx_int8"], "decoder_step.onnx"))
+    for artifact, quantization in (("ct2", "float32"), ("ct2_int8", "int8")):
+        if artifact in needed:
+            spec = _ct2_spec(model)
+            spec.validate()
+            spec.optimize(quantization=quantization)
+            paths[artifact] = os.path.join(scratch, artifact)
+            os.makedirs(paths[artifact])
+            spec.save(paths[artifact])
+            nbytes[artifact] = _ct2_decoder_bytes(spec)
+    return paths, nbytes, config.to_dict()
+
+
+# ------------------------------------------------------------------------------------------
+# Workers
+# ------------------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """One engine in its own process (``decode_worker.py``); one request at a time."""
+
+    def __init__(self, engine: Engine, model_path: str, threads: int, config: dict):
+        self.name = engine.name
+        spec = {"engine": engine.worker, "model": model_path, "threads": threads, "compute_type": engine.compute_type,
+                "forbid_torch": engine.forbid_torch, "bos": config["bos_id"], "eos": config["eos_id"]}
+        import json
+
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        self.info = self._reply()
+
+    def _reply(self):
+        try:
+            kind, payload = pickle.load(self.proc.stdout)
+        except EOFError:
+            raise RuntimeError(f"engine {self.name}: worker process died (exit code {self.proc.wait()})") from None
+        if kind == "error":
+            raise RuntimeError(f"engine {self.name} failed in its worker process:\n{payload}")
+        return payload
+
+    def __call__(self, mode: str, src: np.ndarray, lengths: np.ndarray, n: int):
+        pickle.dump(("decode", mode, src, lengths, n), self.proc.stdin)
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        try:
+            pickle.dump(("stop",), self.proc.stdin)
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------------------------------
+# Measuring
+# ------------------------------------------------------------------------------------------
+
+
+def make_sources(config: dict, batch: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    low = max(config["pad_id"], config["bos_id"], config["eos_id"]) + 1
+    src = rng.integers(low, config["src_vocab_size"], size=(batch, SRC_LEN), dtype=np.int64)
+    return src, np.full(batch, SRC_LEN, dtype=np.int64)
+
+
+def _agreement(a: list, b: list) -> float:
+    return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
+
+
+def measure_case(workers: dict, engines: list[Engine], mode: str, batch: int, config: dict, repeats: int) -> dict:
+    """Tokens first (warm-up decode of every engine, compared), then interleaved timed rounds."""
+    src, lengths = make_sources(config, batch)
+    case: dict = {"mode": mode, "batch": batch, "src_len": SRC_LEN, "new_tokens": NEW_TOKENS, "engines": {}}
+    tokens: dict = {}
+    reference = None
+    timed = []
+    for e in engines:
+        out, _ = workers[e.name](mode, src, lengths, NEW_TOKENS)
+        if any(len(row) != NEW_TOKENS for row in out):
+            raise RuntimeError(f"{e.name} ({mode}) did not generate exactly {NEW_TOKENS} tokens per sequence")
+        tokens[e.name] = out
+        entry = case["engines"].setdefault(e.name, {"dtype": e.dtype})
+        if e.dtype == "float32":
+            if reference is None:
+                reference = e.name
+            entry["tokens_match"] = out == tokens[reference]
+            if not entry["tokens_match"]:
+                rows = [b for b in range(batch) if out[b] != tokens[reference][b]]
+                logger.error("%s %s batch %d: tokens differ from %s in rows %s; not timed", e.name, mode, batch,
+                             reference, rows)
+                continue
+        timed.append(e.name)
+    for e in engines:
+        if e.dtype == "int8":
+            entry = case["engines"][e.name]
+            if reference is not None:
+                entry["rows_equal_to_float32"] = _agreement(tokens[e.name], tokens[reference])
+            others = [o.name for o in engines if o.dtype == "int8" and o.name != e.name]
+            for other in others:
+                entry[f"rows_equal_to_{other}"] = _agreement(tokens[e.name], tokens[other])
+    case["reference_engine"] = reference
+    samples: dict[str, list[float]] = {name: [] for name in timed}
+    for r in range(repeats):
+        order = timed[r % len(timed):] + timed[: r % len(timed)] if timed else []
+        for name in order:
+            samples[name].append(workers[name](mode, src, lengths, NEW_TOKENS)[1])
+    for name in timed:
+        med = statistics.median(samples[name])
+        case["engines"][name].update(seconds=med, samples=samples[name], tokens_per_second=batch * NEW_TOKENS / med,
+                                     ms_per_step=1e3 * med / NEW_TOKENS)
+    return case
+
+
+def _ratios(results: dict) -> list[dict]:
+    """Ours vs the peer of the same dtype, at equal threads, and vs the peer's better thread count."""
+    rows = []
+    for model_name, m in results["models"].items():
+        cases = m["cases"]
+        for c in cases:
+            for name, e in c["engines"].items():
+                if name in PEERS or "tokens_per_second" not in e:
+                    continue
+                peer = "ctranslate2" if e["dtype"] == "float32" else "ctranslate2_int8"
+                p = c["engines"].get(peer, {})
+                if "tokens_per_second" not in p:
+                    continue
+                best = max((x["engines"][peer]["tokens_per_second"], x["threads"]) for x in cases
+                           if x["mode"] == c["mode"] and x["batch"] == c["batch"]
+                           and "tokens_per_second" in x["engines"].get(peer, {}))
+                rows.append({"model": model_name, "engine": name, "peer": peer, "mode": c["mode"],
+                             "batch": c["batch"], "threads": c["threads"],
+                             "ratio_same_threads": e["tokens_per_second"] / p["tokens_per_second"],
+                             "peer_best_threads": best[1], "ratio_vs_peer_best": e["tokens_per_second"] / best[0]})
+    return rows
+
+
+def bandwidth_floors(cases: list, nbytes: dict, engines: list[Engine], machine: dict) -> dict:
+    """Batch-1 floor (ms per generated token) per engine and thread count, and the fraction reached."""
+    out = {}
+    read = machine.get("read_bandwidth_bytes_per_s", {})
+    for e in engines:
+        b = nbytes.get(e.artifact)
+        if b is None:
             continue
-        for name, e in case["engines"].items():
-            if "ms_per_step" in e:
-                entry["fraction_of_floor"][name] = 1e3 * floor / e["ms_per_step"]
-    return entry
+        entry = {"weight_bytes_per_token": b, "by_threads": {}}
+        for c in cases:
+            if c["batch"] != 1 or c["mode"] != "greedy" or "ms_per_step" not in c["engines"].get(e.name, {}):
+                continue
+            bw = read.get(str(c["threads"]))
+            if not bw:
+                continue
+            floor_ms = 1e3 * b / bw
+            entry["by_threads"][str(c["threads"])] = {
+                "read_bandwidth_bytes_per_s": bw, "floor_ms_per_token": floor_ms,
+                "fraction_of_floor": floor_ms / c["engines"][e.name]["ms_per_step"]}
+        out[e.name] = entry
+    return out
 
 
 def plot(results: dict, path: str) -> None:
@@ -484,7 +414,7 @@ def plot(results: dict, path: str) -> None:
 
     cases = [(m, c) for m, r in results["models"].items() for c in r["cases"]]
     engines = [e["name"] for e in results["engines"]]
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4.8))
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(cases)), 5))
     width = 0.8 / max(1, len(engines))
     for i, name in enumerate(engines):
         xs, ys = [], []
@@ -494,64 +424,66 @@ def plot(results: dict, path: str) -> None:
                 xs.append(j + (i - (len(engines) - 1) / 2) * width)
                 ys.append(tps)
         bars = ax.bar(xs, ys, width, label=name)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.set_xticks(range(len(cases)), [f"{m}\nbatch {c['batch']}" for m, c in cases])
+        ax.bar_label(bars, fmt="%.0f", fontsize=6, rotation=90)
+    ax.set_xticks(range(len(cases)), [f"{c['mode']}\nb{c['batch']} {c['threads']}t" for _, c in cases], fontsize=8)
+    cpu = results["machine"].get("model_name", "?")
     ax.set(ylabel="generated tokens / second", yscale="log",
-           title=f"greedy decoding, {NEW_TOKENS} tokens, source {SRC_LEN}, float32, "
-                 f"{results['environment']['torch_threads']} threads ({results['device']})")
-    ax.legend(fontsize=8)
+           title=f"{'/'.join(results['models'])}: {NEW_TOKENS} tokens, source {SRC_LEN}, one process per engine\n{cpu}")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)
 
 
-def run(models: list[str], engine_names: list[str] | None, batch_sizes: list[int], repeats: int,
-        device: str = "cpu", threads: int = 2, out: str | None = None, isolate: bool = True) -> dict:
+def run(models: list[str], engine_names: list[str] | None = None, batch_sizes=(1, 16), modes=MODES,
+        threads_list=(1, 2), repeats: int = 5, out: str | None = None) -> dict:
     """Run the benchmark and write ``out`` (JSON) and the PNG beside it; returns the results."""
-    torch.set_num_threads(threads)
-    dev = torch.device(device)
-    engines = [e for e in ENGINES if engine_names is None or e.name in engine_names]
+    available = {e.name: e for e in ENGINES}
     if engine_names is not None:
-        unknown = sorted(set(engine_names) - {e.name for e in ENGINES})
+        unknown = sorted(set(engine_names) - set(available))
         if unknown:
-            raise ValueError(f"unknown engines {unknown}; available: {[e.name for e in ENGINES]}")
+            raise ValueError(f"unknown engines {unknown}; available: {sorted(available)}")
+    bad_modes = sorted(set(modes) - set(MODES))
+    if bad_modes:
+        raise ValueError(f"unknown modes {bad_modes}; available: {list(MODES)}")
+    engines = [e for e in ENGINES if engine_names is None or e.name in engine_names]
+    machine = machine_info()
     results: dict = {
-        "device": device, "environment": {**environment(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-                                          "idle_threads": "sleep" if PASSIVE_THREADS else "spin"},
-        "src_len": SRC_LEN, "new_tokens": NEW_TOKENS,
-        "dtype": "float32", "repeats": repeats, "engine_processes": "one per engine" if isolate else "shared",
-        "engines": [{"name": e.name, "description": e.description} for e in engines], "models": {},
+        "machine": machine, "environment": environment(), "src_len": SRC_LEN, "new_tokens": NEW_TOKENS,
+        "modes": list(modes), "threads": list(threads_list), "batch_sizes": list(batch_sizes), "repeats": repeats,
+        "engine_processes": "one per engine and thread count (decode_worker.py)",
+        "beam": {"size": 4, "length_penalty": "none (ours: length_penalty='none'; CTranslate2: length_penalty=0)"},
+        "engines": [{"name": e.name, "description": e.description, "dtype": e.dtype} for e in engines],
+        "models": {}, "load_average_start": os.getloadavg(),
     }
-    results["load_average_start"] = os.getloadavg()
     for model_name in models:
-        torch.manual_seed(0)
-        config = TransformerConfig.preset(model_name, **MODELS.get(model_name, {}))
-        model = Transformer(config).to(dev).eval()
-        entry = {"config": config.to_dict(), "parameters": sum(p.numel() for p in model.parameters()), "cases": []}
-        model_dir = None
-        if isolate:
-            from transformer_ext.checkpoint import save_model
-
-            model_dir = os.path.join(_scratch_dir("bench_model_"), model_name)
-            save_model(model.cpu(), model_dir)
-            model.to(dev)
-        for batch in batch_sizes:
-            logger.info("%s, batch %d ...", model_name, batch)
-            case = bench_case(model, engines, dev, batch, repeats, model_dir)
-            for name, e in case["engines"].items():
-                if "tokens_per_second" in e:
-                    logger.info("  %-10s %9.1f tokens/s  (%.1f ms/step)", name, e["tokens_per_second"], e["ms_per_step"])
-            entry["cases"].append(case)
-        if dev.type == "cpu" and 1 in batch_sizes:
-            bandwidth = results.setdefault("copy_bandwidth_bytes_per_s", copy_bandwidth())
-            entry["bandwidth_floor"] = floor = bandwidth_floor(model, entry["cases"], bandwidth)
-            logger.info("  batch 1 memory-bandwidth floor: %.2f ms/token (%.1f MB of weights per token at %.1f GB/s "
-                        "copy bandwidth); fraction reached: %s", floor["floor_ms_per_token"],
-                        floor["weight_bytes_per_token"] / 1e6, bandwidth / 1e9,
-                        ", ".join(f"{k} {v:.0%}" for k, v in floor["fraction_of_floor"].items()))
+        scratch = _scratch_dir(f"bench_decode_{model_name}_")
+        paths, nbytes, config = prepare(model_name, engines, scratch)
+        entry = {"config": config, "weight_bytes_per_token": {e.name: nbytes.get(e.artifact) for e in engines},
+                 "workers": {}, "cases": []}
+        for threads in threads_list:
+            workers: dict = {}
+            try:
+                for e in engines:
+                    workers[e.name] = EngineProcess(e, paths[e.artifact], threads, config)
+                    entry["workers"][f"{e.name}/{threads}"] = workers[e.name].info
+                for mode in modes:
+                    for batch in batch_sizes:
+                        logger.info("%s %s batch %d, %d thread(s) ...", model_name, mode, batch, threads)
+                        case = measure_case(workers, engines, mode, batch, config, repeats)
+                        case["threads"] = threads
+                        for name, e in case["engines"].items():
+                            if "tokens_per_second" in e:
+                                logger.info("  %-17s %8.1f tokens/s", name, e["tokens_per_second"])
+                        entry["cases"].append(case)
+            finally:
+                for w in workers.values():
+                    w.close()
+        entry["bandwidth_floor_batch1"] = bandwidth_floors(entry["cases"], nbytes, engines, machine)
         results["models"][model_name] = entry
-    results["load_average_end"] = os.getloadavg()  # other jobs on the machine distort the times
+    results["ratios"] = _ratios(results)
+    results["load_average_end"] = os.getloadavg()
     out = out or os.path.join(HERE, "results", "bench_decode.json")
     write_json(out, results)
     plot(results, os.path.splitext(out)[0] + ".png")
@@ -561,34 +493,29 @@ def run(models: list[str], engine_names: list[str] | None, batch_sizes: list[int
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=None, help="comma-separated presets (default: base,small; --quick: tiny)")
+    p.add_argument("--models", default=None, help="comma-separated presets (default: base; --quick: tiny)")
     p.add_argument("--engines", default=None, help=f"comma-separated subset of {[e.name for e in ENGINES]}")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of greedy,beam4")
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per case; medians reported (default: 3)")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts, every engine (default: 1,2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per case; medians reported (default: 5)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat: a smoke test")
-    p.add_argument("--same-process", action="store_true",
-                   help="run every engine in this process instead of one process per engine (faster to start; "
-                        "the engines' thread pools then compete for the cores)")
-    p.add_argument("--passive-threads", action="store_true",
-                   help="idle intra-op threads of every engine sleep instead of spinning (use on a machine "
-                        "whose cores are busy with other jobs; costs ~80 us per parallel region at batch 1)")
-    p.add_argument("--out", default=None,
-                   help="JSON path (default: benchmarks/results/bench_decode.json, or bench_decode_quick.json "
-                        "with --quick); the PNG goes beside it")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_decode.json, "
+                                               "bench_decode_quick.json with --quick); the PNG goes beside it")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda needs a visible CUDA GPU")
-    models = args.models.split(",") if args.models else (["tiny"] if args.quick else ["base", "small"])
-    engines = args.engines.split(",") if args.engines else None
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    repeats = 1 if args.quick else args.repeats
+    models = args.models.split(",") if args.models else (["tiny"] if args.quick else ["base"])
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError as exc:
+        p.error(f"--batch-sizes and --threads take comma-separated integers ({exc})")
+    if args.repeats < 1 or min(batch_sizes) < 1 or min(threads) < 1:
+        p.error("--repeats, --batch-sizes and --threads must be >= 1")
     out = args.out or (os.path.join(HERE, "results", "bench_decode_quick.json") if args.quick else None)
-    results = run(models, engines, batch_sizes, repeats, args.device, args.threads, out,
-                  isolate=not args.same_process)
-    ok = all(e.get("tokens_match", False) for m in results["models"].values() for c in m["cases"]
+    results = run(models, args.engines.split(",") if args.engines else None, batch_sizes, args.modes.split(","),
+                  threads, 1 if args.quick else args.repeats, out)
+    ok = all(e.get("tokens_match", True) for m in results["models"].values() for c in m["cases"]
              for e in c["engines"].values())
     return 0 if ok else 1
 

@@ -5,15 +5,23 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
+import subprocess
+import threading
 import time
 from typing import Callable, Dict
 
-import torch
+import numpy as np
+
+# torch is imported where it is used: the benchmark workers of engines other than torch's import
+# this module's machine helpers without it.
 
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
+        import torch
+
         torch.cuda.synchronize()
 
 
@@ -57,6 +65,8 @@ def time_side_by_side(
 
 
 def environment() -> dict:
+    import torch
+
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -77,3 +87,72 @@ def write_json(path: str, payload: dict) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2)
     os.replace(tmp, path)
+
+
+def lscpu() -> dict:
+    """CPU model, sockets, cores, threads per core and cache sizes as ``lscpu`` reports them."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    keys = {"Model name": "model_name", "CPU(s)": "cpus", "Thread(s) per core": "threads_per_core",
+            "Core(s) per socket": "cores_per_socket", "Socket(s)": "sockets", "L1d cache": "l1d", "L2 cache": "l2",
+            "L3 cache": "l3", "Flags": "flags"}
+    info = {new: fields[old] for old, new in keys.items() if old in fields}
+    flags = info.pop("flags", "").split()
+    info["simd"] = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+                    if f in flags]
+    return info
+
+
+def _parallel_seconds(work: Callable[[int], None], threads: int) -> float:
+    barrier = threading.Barrier(threads + 1)
+    done = threading.Barrier(threads + 1)
+
+    def body(i):
+        barrier.wait()
+        work(i)
+        done.wait()
+
+    pool = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    done.wait()
+    seconds = time.perf_counter() - t0
+    for t in pool:
+        t.join()
+    return seconds
+
+
+def memory_bandwidth(nbytes: int = 256 * 2**20, threads: int = 1, repeats: int = 5) -> dict:
+    """Measured bytes/s: ``read`` (a sum over ``nbytes`` of float32, numpy releases the GIL so
+    ``threads`` threads each read their share) and ``copy`` (STREAM-style, read + write bytes)."""
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    parts_a, parts_b = np.array_split(a, threads), np.array_split(b, threads)
+    np.copyto(b, a)
+    read, copy = [], []
+    for _ in range(repeats):
+        read.append(_parallel_seconds(lambda i: parts_a[i].sum(), threads))
+        copy.append(_parallel_seconds(lambda i: np.copyto(parts_b[i], parts_a[i]), threads))
+    return {"read": a.nbytes / statistics.median(read), "copy": 2 * a.nbytes / statistics.median(copy)}
+
+
+def machine_info(threads=(1, 2)) -> dict:
+    """lscpu facts and the measured read and copy bandwidth at each thread count."""
+    info = lscpu()
+    info["os_cpu_count"] = os.cpu_count()
+    info["read_bandwidth_bytes_per_s"], info["copy_bandwidth_bytes_per_s"] = {}, {}
+    for n in threads:
+        bw = memory_bandwidth(threads=n)
+        info["read_bandwidth_bytes_per_s"][str(n)] = bw["read"]
+        info["copy_bandwidth_bytes_per_s"][str(n)] = bw["copy"]
+    info["bandwidth_method"] = "numpy float32 sum (read) and copyto (copy, read + write bytes) over 256 MiB, " \
+                               "median of 5, threads splitting the array"
+    return info

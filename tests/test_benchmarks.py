@@ -5,6 +5,7 @@ Speed is never asserted here (benchmarks/ measures it); these only keep the scri
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -18,21 +19,72 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
 
 import bench_decode  # noqa: E402
 
+HAS_CT2 = importlib.util.find_spec("ctranslate2") is not None
 
-@pytest.mark.parametrize("isolate", [True, False], ids=["process_per_engine", "same_process"])
-def test_bench_decode_tiny(tmp_path, isolate):
-    out = str(tmp_path / "decode.json")
-    results = bench_decode.run(["tiny"], ["eager_ops", "torch_cat"], [1], repeats=2, out=out, isolate=isolate)
-    assert os.path.getsize(tmp_path / "decode.png") > 0
+
+TINY_ENGINES = ["onnxrt", "eager", "onnxrt_int8"] + (["ctranslate2", "ctranslate2_int8"] if HAS_CT2 else [])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The benchmark once on the tiny model: every engine, both modes, batch 1 and 2, 1 and 2 threads."""
+    out = str(tmp_path_factory.mktemp("bench") / "decode.json")
+    results = bench_decode.run(["tiny"], TINY_ENGINES, [1, 2], repeats=1, out=out)
+    return out, results
+
+
+def test_bench_decode_tiny(tiny_run):
+    """Every engine in its own process, both modes, 1 and 2 threads: tokens compared, JSON + PNG."""
+    out, results = tiny_run
+    assert os.path.getsize(os.path.splitext(out)[0] + ".png") > 0
     with open(out) as f:
         saved = json.load(f)
-    assert saved["engine_processes"] == ("one per engine" if isolate else "shared")
-    (case,) = saved["models"]["tiny"]["cases"]
-    assert set(case["engines"]) == {"eager_ops", "torch_cat"}
-    for entry in case["engines"].values():
-        assert entry["tokens_match"] is True
-        assert len(entry["samples"]) == 2 and entry["tokens_per_second"] > 0
-    assert results["models"]["tiny"]["bandwidth_floor"]["weight_bytes_per_token"] > 0
+    assert saved["machine"]["read_bandwidth_bytes_per_s"]["1"] > 0 and saved["machine"]["os_cpu_count"] >= 1
+    model = saved["models"]["tiny"]
+    assert {(c["mode"], c["batch"], c["threads"]) for c in model["cases"]} == {
+        (m, b, t) for m in ("greedy", "beam4") for b in (1, 2) for t in (1, 2)}
+    for case in model["cases"]:
+        assert set(case["engines"]) == set(TINY_ENGINES)
+        for name, entry in case["engines"].items():
+            if entry["dtype"] == "float32":
+                assert entry["tokens_match"] is True, (name, case["mode"])
+            else:
+                assert 0.0 <= entry["rows_equal_to_float32"] <= 1.0
+            assert len(entry["samples"]) == 1 and entry["tokens_per_second"] > 0
+    floors = model["bandwidth_floor_batch1"]
+    # int8 weights occupy fewer bytes than float32 ones (the output projection included)
+    assert floors["onnxrt_int8"]["weight_bytes_per_token"] < floors["onnxrt"]["weight_bytes_per_token"]
+    if HAS_CT2:
+        assert floors["ctranslate2_int8"]["weight_bytes_per_token"] < floors["ctranslate2"]["weight_bytes_per_token"]
+        assert {r["engine"] for r in results["ratios"]} >= {"onnxrt", "onnxrt_int8"}
+
+
+def test_workers_of_ctranslate2_and_onnxruntime_import_no_torch(tiny_run):
+    """The fairness rule: only the eager worker loads torch (checked in the worker and recorded)."""
+    workers = tiny_run[1]["models"]["tiny"]["workers"]
+    for threads in (1, 2):
+        assert workers[f"onnxrt/{threads}"]["torch_imported"] is False
+        assert workers[f"onnxrt_int8/{threads}"]["modules"] == ["onnxruntime"]
+        assert workers[f"eager/{threads}"]["torch_imported"] is True
+    if not HAS_CT2:
+        pytest.skip("ctranslate2 is not installed (pip install -r requirements/bench.txt)")
+    for threads in (1, 2):
+        assert workers[f"ctranslate2/{threads}"]["modules"] == ["ctranslate2"]
+        assert workers[f"ctranslate2_int8/{threads}"]["torch_imported"] is False
+
+
+def test_worker_that_must_not_import_torch_refuses_it(tmp_path):
+    """A worker that must not import torch fails, naming the engine, when it does."""
+    import dataclasses
+
+    engine = dataclasses.replace(next(e for e in bench_decode.ENGINES if e.name == "onnxrt"), worker="eager")
+    model_dir = tmp_path / "m"
+    from test_export_onnx import make_model_dir
+
+    make_model_dir(model_dir)
+    cfg = {"bos_id": 1, "eos_id": 2}
+    with pytest.raises(RuntimeError, match="(?s)engine onnxrt.*imported torch"):
+        bench_decode.EngineProcess(engine, str(model_dir), 1, cfg)
 
 
 def test_bench_decode_unknown_engine_is_named(tmp_path):
@@ -40,10 +92,11 @@ def test_bench_decode_unknown_engine_is_named(tmp_path):
         bench_decode.run(["tiny"], ["no_such_engine"], [1], repeats=1, out=str(tmp_path / "x.json"))
 
 
-def test_bench_decode_worker_failure_is_reported(tmp_path, monkeypatch):
+def test_bench_decode_worker_failure_is_reported(tmp_path):
     """An engine that fails in its worker process surfaces as an error naming the engine."""
-    with pytest.raises(RuntimeError, match="engine eager_ops"):
-        bench_decode._EngineProcess("eager_ops", str(tmp_path / "missing_model"), "cpu", 1)
+    engine = next(e for e in bench_decode.ENGINES if e.name == "onnxrt")
+    with pytest.raises(RuntimeError, match="engine onnxrt"):
+        bench_decode.EngineProcess(engine, str(tmp_path / "missing_export"), 1, {"bos_id": 1, "eos_id": 2})
 
 
 def test_bench_linear_quick(tmp_path):
