@@ -168,15 +168,27 @@ def _ct2_spec(model):
 
 def _ct2_decoder_bytes(spec) -> int:
     """Bytes one generated token reads from a converted CTranslate2 model: every decoder variable
-    but the embedding table (one row) and the cross-attention K/V projection (once per source)."""
-    total = 0
-    for name, value in spec.variables(ordered=True):
+    but the embedding table (one row) and the cross-attention K/V projection (once per source).
+    ``optimize`` turns identical arrays into aliases (the tied output projection is an alias of
+    the target embeddings): an alias counts as the array it names, each array once, except that
+    the projection reads the whole table the embedding lookup reads one row of."""
+    variables = dict(spec.variables(ordered=True))
+
+    def array(name):
+        while isinstance(variables[name], str):
+            name = variables[name]
+        value = variables[name]
+        return name, np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+
+    total, counted = 0, set()
+    for name in variables:
         if not name.startswith("decoder/") or "/attention/linear_1/" in name:
             continue
-        value = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+        target, value = array(name)
         if name.startswith("decoder/embeddings"):
-            total += value.nbytes // max(1, value.shape[0])
-        else:
+            total += value.nbytes // max(1, value.shape[0]) if value.ndim else value.nbytes
+        elif target not in counted:
+            counted.add(target)
             total += value.nbytes
     return total
 
@@ -213,8 +225,25 @@ def _torch_decoder_bytes(model) -> int:
     return total + model.config.d_model * 4  # one embedding row
 
 
+PREPARED = "prepared.json"
+PREPARED_VERSION = 2  # bumped when what prepare() records changes
+
+
 def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict, dict, dict]:
-    """Build every artifact the engines need, once: ``(paths, weight_bytes_per_token, config dict)``."""
+    """Build every artifact the engines need, once: ``(paths, weight_bytes_per_token, config dict)``.
+
+    ``scratch/prepared.json`` records what was built; a later run given the same folder
+    (``--artifacts``) reuses it when it holds every artifact the engines need.
+    """
+    import json
+
+    record = os.path.join(scratch, PREPARED)
+    if os.path.isfile(record):
+        with open(record) as f:
+            saved = json.load(f)
+        if {e.artifact for e in engines} <= set(saved["paths"]) and saved.get("version") == PREPARED_VERSION:
+            logger.info("reusing the artifacts in %s", scratch)
+            return saved["paths"], saved["weight_bytes_per_token"], saved["config"]
     import torch
 
     from transformer_ext.checkpoint import save_model
@@ -228,6 +257,9 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
     model = Transformer(config).eval()
     needed = {e.artifact for e in engines}
     paths, nbytes = {"model": os.path.join(scratch, "model")}, {}
+    for name in needed | {"model"}:  # a folder of an earlier, incomplete or older preparation is rebuilt
+        if os.path.exists(os.path.join(scratch, name)):
+            shutil.rmtree(os.path.join(scratch, name))
     save_model(model, paths["model"])
     nbytes["model"] = _torch_decoder_bytes(model)
     if needed & {"onnx", "onnx_int8"}:
@@ -251,6 +283,8 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
             os.makedirs(paths[artifact])
             spec.save(paths[artifact])
             nbytes[artifact] = _ct2_decoder_bytes(spec)
+    write_json(record, {"version": PREPARED_VERSION, "paths": paths, "weight_bytes_per_token": nbytes,
+                        "config": config.to_dict()})
     return paths, nbytes, config.to_dict()
 
 
@@ -406,6 +440,34 @@ def bandwidth_floors(cases: list, nbytes: dict, engines: list[Engine], machine: 
     return out
 
 
+def summary_table(results: dict) -> str:
+    """Tokens/s of every engine per case, and our ratios against the peer of the same dtype."""
+    lines = []
+    for model_name, m in results["models"].items():
+        names = [e["name"] for e in results["engines"]]
+        lines.append(f"{model_name}: tokens/s (median of {results['repeats']})")
+        lines.append(f"{'case':<18}" + "".join(f"{n:>18}" for n in names))
+        for c in m["cases"]:
+            row = f"{c['mode']} b{c['batch']} {c['threads']}t"
+            cells = []
+            for n in names:
+                e = c["engines"].get(n, {})
+                cells.append(f"{e['tokens_per_second']:18.1f}" if "tokens_per_second" in e else f"{'-':>18}")
+            lines.append(f"{row:<18}" + "".join(cells))
+    lines.append("")
+    lines.append("ratios (ours / peer of the same dtype): same threads | vs the peer's better thread count")
+    for r in results.get("ratios", []):
+        lines.append(f"  {r['engine']:<12} vs {r['peer']:<17} {r['mode']:<6} b{r['batch']:<3} {r['threads']}t: "
+                     f"{r['ratio_same_threads']:.2f}x | {r['ratio_vs_peer_best']:.2f}x (peer best at "
+                     f"{r['peer_best_threads']}t)")
+    for model_name, m in results["models"].items():
+        for name, f in m.get("bandwidth_floor_batch1", {}).items():
+            for t, v in f["by_threads"].items():
+                lines.append(f"  floor {model_name} {name} {t}t: {f['weight_bytes_per_token'] / 1e6:.1f} MB/token, "
+                             f"{v['floor_ms_per_token']:.2f} ms, reached {v['fraction_of_floor']:.0%}")
+    return "\n".join(lines)
+
+
 def plot(results: dict, path: str) -> None:
     import matplotlib
 
@@ -437,8 +499,12 @@ def plot(results: dict, path: str) -> None:
 
 
 def run(models: list[str], engine_names: list[str] | None = None, batch_sizes=(1, 16), modes=MODES,
-        threads_list=(1, 2), repeats: int = 5, out: str | None = None) -> dict:
-    """Run the benchmark and write ``out`` (JSON) and the PNG beside it; returns the results."""
+        threads_list=(1, 2), repeats: int = 5, out: str | None = None, artifacts: str | None = None,
+        prepare_only: bool = False) -> dict:
+    """Run the benchmark and write ``out`` (JSON) and the PNG beside it; returns the results.
+
+    ``artifacts``: a folder to build the models in (``<artifacts>/<model>``) and reuse on the next
+    run, instead of a temporary one; ``prepare_only`` builds them and measures nothing."""
     available = {e.name: e for e in ENGINES}
     if engine_names is not None:
         unknown = sorted(set(engine_names) - set(available))
@@ -458,8 +524,17 @@ def run(models: list[str], engine_names: list[str] | None = None, batch_sizes=(1
         "models": {}, "load_average_start": os.getloadavg(),
     }
     for model_name in models:
-        scratch = _scratch_dir(f"bench_decode_{model_name}_")
+        if artifacts:
+            scratch = os.path.join(os.path.abspath(artifacts), model_name)
+            if not os.path.isfile(os.path.join(scratch, PREPARED)) and os.path.exists(scratch):
+                raise ValueError(f"--artifacts: {scratch} exists but was not prepared by this benchmark "
+                                 f"(no {PREPARED}); choose a new folder")
+            os.makedirs(scratch, exist_ok=True)
+        else:
+            scratch = _scratch_dir(f"bench_decode_{model_name}_")
         paths, nbytes, config = prepare(model_name, engines, scratch)
+        if prepare_only:
+            continue
         entry = {"config": config, "weight_bytes_per_token": {e.name: nbytes.get(e.artifact) for e in engines},
                  "workers": {}, "cases": []}
         for threads in threads_list:
@@ -482,6 +557,8 @@ def run(models: list[str], engine_names: list[str] | None = None, batch_sizes=(1
                     w.close()
         entry["bandwidth_floor_batch1"] = bandwidth_floors(entry["cases"], nbytes, engines, machine)
         results["models"][model_name] = entry
+    if prepare_only:
+        return results
     results["ratios"] = _ratios(results)
     results["load_average_end"] = os.getloadavg()
     out = out or os.path.join(HERE, "results", "bench_decode.json")
@@ -500,6 +577,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts, every engine (default: 1,2)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per case; medians reported (default: 5)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat: a smoke test")
+    p.add_argument("--artifacts", default=None,
+                   help="folder to build the exported / converted models in and reuse on later runs (default: a "
+                        "temporary folder)")
+    p.add_argument("--prepare-only", action="store_true", help="build the artifacts (with --artifacts) and stop")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_decode.json, "
                                                "bench_decode_quick.json with --quick); the PNG goes beside it")
     args = p.parse_args(argv)
@@ -513,8 +594,13 @@ def main(argv=None) -> int:
     if args.repeats < 1 or min(batch_sizes) < 1 or min(threads) < 1:
         p.error("--repeats, --batch-sizes and --threads must be >= 1")
     out = args.out or (os.path.join(HERE, "results", "bench_decode_quick.json") if args.quick else None)
+    if args.prepare_only and not args.artifacts:
+        p.error("--prepare-only needs --artifacts")
     results = run(models, args.engines.split(",") if args.engines else None, batch_sizes, args.modes.split(","),
-                  threads, 1 if args.quick else args.repeats, out)
+                  threads, 1 if args.quick else args.repeats, out, args.artifacts, args.prepare_only)
+    if args.prepare_only:
+        return 0
+    print(summary_table(results))
     ok = all(e.get("tokens_match", True) for m in results["models"].values() for c in m["cases"]
              for e in c["engines"].values())
     return 0 if ok else 1
