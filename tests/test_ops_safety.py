@@ -165,7 +165,14 @@ def _op_cases():
     def linear(d):
         return [_randn(3, 4, device=d), _randn(5, 4, seed=1, device=d), _randn(5, seed=2, device=d)]
 
+    def attention(d):
+        q = _randn(2, 2, 3, 4, device=d)
+        k = _randn(2, 2, 5, 4, seed=1, device=d)
+        return [q, k, k.clone(), torch.tensor([2, 5], device=d), torch.tensor([3, 1], device=d)]
+
     return [
+        ("attention", lambda a: ops.attention(a[0], a[1], a[2], key_lengths=a[3], query_lengths=a[4]),
+         ["q", "k", "v", "key_lengths", "query_lengths"], attention, 0),
         ("masked_softmax", lambda a: ops.masked_softmax(a[0], a[1], 1.0, False), ["scores", "mask"], softmax, 0),
         ("masked_softmax_backward",
          lambda a: torch.ops.transformer_ext.masked_softmax_backward(a[0], a[1], 1.0), ["grad_probs", "probs"],

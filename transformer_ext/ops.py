@@ -332,12 +332,6 @@ def attention_dropout_mask(seed: int, B: int, H: int, Q: int, K: int, dropout_p:
     return _ops.attention_dropout_mask(_seed_tensor(int(seed), torch.device("cpu")), B, H, Q, K, float(dropout_p))
 
 
-def _attention_check_devices(ref: torch.Tensor, **tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.device != ref.device:
-            raise RuntimeError(f"{name} must be on {ref.device} (the device of q), got {t.device}")
-
-
 def _bthd_empty_like(x: torch.Tensor, T: int) -> torch.Tensor:
     B, H, _, D = x.shape
     return x.new_empty((B, T, H, D)).transpose(1, 2)
@@ -352,7 +346,7 @@ def _attention_fake(q, k, v, key_lengths, query_lengths, scale, causal, dropout_
     _check(k.shape[0] == B and k.shape[1] == H and k.shape[3] == D,
            f"k must have shape [{B}, {H}, K, {D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
     _check(k.dtype == q.dtype and v.dtype == q.dtype, f"k and v must have the dtype of q ({q.dtype})")
-    _attention_check_devices(q, k=k, v=v, key_lengths=key_lengths, query_lengths=query_lengths, seed=seed)
+    _check_same_device("q", q, k=k, v=v, key_lengths=key_lengths, query_lengths=query_lengths, seed=seed)
     for name, t in (("key_lengths", key_lengths), ("query_lengths", query_lengths)):
         if t is not None:
             _check(t.dtype == torch.int64, f"{name} must be int64, got {t.dtype}")
@@ -364,7 +358,7 @@ def _attention_fake(q, k, v, key_lengths, query_lengths, scale, causal, dropout_
 @torch.library.register_fake("transformer_ext::attention_backward")
 def _attention_backward_fake(grad_out, q, k, v, out, lse, key_lengths, query_lengths, scale, causal,
                              dropout_p, seed):
-    _attention_check_devices(q, grad_out=grad_out, k=k, v=v, out=out, lse=lse, key_lengths=key_lengths,
+    _check_same_device("q", q, grad_out=grad_out, k=k, v=v, out=out, lse=lse, key_lengths=key_lengths,
                        query_lengths=query_lengths, seed=seed)
     return _bthd_empty_like(q, q.shape[2]), _bthd_empty_like(k, k.shape[2]), _bthd_empty_like(v, v.shape[2])
 
