@@ -114,6 +114,9 @@ def test_export_errors_are_the_formats_and_every_tensorrt_error_is_an_export_err
                           (trtb.TensorRTBuildError, RuntimeError), (trtb.PrecisionConversionError, ValueError),
                           (trt_readiness.TensorRTReadinessError, RuntimeError)):
         assert issubclass(cls, export.ExportError) and issubclass(cls, old_base), cls
+    from transformer_ext.runtimes.device import BindingError  # the TensorRT runner's
+
+    assert issubclass(BindingError, export.ExportError) and issubclass(BindingError, RuntimeError)
 
 
 def test_the_old_lenient_reader_is_a_deprecated_wrapper_of_the_strict_one(exported_portable, tmp_path):

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from transformer_ext import decoding
-from transformer_ext.export_format import DTYPES
+from transformer_ext.export_format import DTYPES, ExportError
 
 from .kv_cache import KVCache
 
@@ -59,8 +59,9 @@ __all__ = [
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
-class BindingError(RuntimeError):
-    """The buffers a runner binds do not fit the engine / session (names, dtypes, shapes)."""
+class BindingError(ExportError, RuntimeError):
+    """The buffers a runner binds do not fit the engine / session (names, dtypes, shapes): the
+    export folder or engine does not match what the runner was given."""
 
 
 def _dtype_name(t: torch.dtype) -> str:
