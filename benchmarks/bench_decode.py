@@ -555,14 +555,21 @@ def run(models: list[str], engine_names: list[str] | None = None, batch_sizes=(1
             finally:
                 for w in workers.values():
                     w.close()
-        entry["bandwidth_floor_batch1"] = bandwidth_floors(entry["cases"], nbytes, engines, machine)
-        results["models"][model_name] = entry
+            entry["bandwidth_floor_batch1"] = bandwidth_floors(entry["cases"], nbytes, engines, machine)
+            results["models"][model_name] = entry
+            # what is measured so far, in case the run is cut short (the final write replaces it)
+            write_json(os.path.splitext(out or os.path.join(HERE, "results", "bench_decode.json"))[0] + ".partial.json",
+                       {**results, "complete": False})
     if prepare_only:
         return results
     results["ratios"] = _ratios(results)
     results["load_average_end"] = os.getloadavg()
+    results["complete"] = True
     out = out or os.path.join(HERE, "results", "bench_decode.json")
     write_json(out, results)
+    partial = os.path.splitext(out)[0] + ".partial.json"
+    if os.path.exists(partial):
+        os.remove(partial)
     plot(results, os.path.splitext(out)[0] + ".png")
     logger.info("wrote %s and %s", out, os.path.splitext(out)[0] + ".png")
     return results
