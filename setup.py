@@ -162,14 +162,20 @@ setup(
         "onnx-gpu": ["onnx>=1.17", "onnxscript>=0.2", "onnxruntime-gpu>=1.20"],
         "tensorrt": ["onnx>=1.17", "tensorrt>=10.15"],
         "demo": ["num2words>=0.5.13"],
+        # the public-domain Bible corpus of recipes/ (python -m transformer_ext.corpora)
+        "corpus": _requirements("requirements/corpus.txt"),
+        # BLEU / chrF scores and SentencePiece (python -m transformer_ext.evaluate, train --train)
+        "eval": _requirements("requirements/eval.txt"),
         "test": ["pytest>=8", "hypothesis>=6", "num2words>=0.5.13", "onnx>=1.17",
-                 "onnxscript>=0.2", "onnxruntime>=1.20"],
+                 "onnxscript>=0.2", "onnxruntime>=1.20", "sentencepiece>=0.2.3", "sacrebleu>=2.6"],
     },
     entry_points={
         "console_scripts": [
             "transformer-ext-train=transformer_ext.train:main",
             "transformer-ext-translate=transformer_ext.translate:main",
             "transformer-ext-export-onnx=export.onnx:main",
+            "transformer-ext-evaluate=transformer_ext.evaluate:main",
+            "transformer-ext-average=transformer_ext.average:main",
         ]
     },
 )
