@@ -78,6 +78,8 @@ from .manifest import (
     write_manifest,
 )
 
+PROVENANCE_FILE = "provenance.json"  # written by transformer_ext.corpora, copied by train into model folders
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -564,6 +566,10 @@ def _write_export(tmp_dir: Path, model, model_path: Path, tokenizer_names: list[
     structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
     for name in tokenizer_names:
         shutil.copy2(model_path / name, tmp_dir / name)
+    # Where the training data came from (corpus, editions, licence): every export carries it.
+    provenance = PROVENANCE_FILE if (model_path / PROVENANCE_FILE).is_file() else None
+    if provenance:
+        shutil.copy2(model_path / provenance, tmp_dir / provenance)
     write_generation_config(tmp_dir, generation_config, GENERATION_FILE)
 
     manifest = {
@@ -575,6 +581,7 @@ def _write_export(tmp_dir: Path, model, model_path: Path, tokenizer_names: list[
         "files": folder_files(tmp_dir),
         "tokenizer_files": list(tokenizer_names),
         "generation_config": GENERATION_FILE,
+        "provenance": provenance,
         "model_config": config.to_dict(),
         "special_tokens": dict(special_tokens),
         "max_positions": config.max_len,

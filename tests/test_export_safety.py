@@ -388,6 +388,16 @@ def test_model_folder_without_tokenizer_exports_with_a_warning(tmp_path, model_d
     assert result.manifest["special_tokens"] == {"pad": 0, "bos": 1, "eos": 2}
 
 
+def test_the_provenance_of_the_training_data_travels_with_the_export(tmp_path, model_dir, fast_export):
+    provenance = {"corpus": "test", "licence": "public domain"}
+    (model_dir / "provenance.json").write_text(json.dumps(provenance))
+    result = export_onnx(model_dir, tmp_path / "out", validate=False)
+    assert result.manifest["provenance"] == "provenance.json" and "provenance.json" in result.manifest["files"]
+    assert json.loads((Path(result.output_dir) / "provenance.json").read_text()) == provenance
+    (model_dir / "provenance.json").unlink()
+    assert export_onnx(model_dir, tmp_path / "out2", validate=False).manifest["provenance"] is None
+
+
 def test_manifest_ids_are_those_of_config_and_tokenizer(tmp_path, model_dir, fast_export):
     from transformer_ext.checkpoint import load_model
     from transformer_ext.tokenizer import CharTokenizer
