@@ -39,7 +39,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -266,9 +265,10 @@ def quantize_folder(folder: Path, scheme: str, *, gate: bool = True,
     if manifest_quantization(manifest) is not None:
         raise QuantizationError(f"{folder} is already quantized ({manifest_quantization(manifest).get('scheme')}): "
                                 "quantize a float32 export")
-    # A sibling of the folder (not inside it, so its files list stays exact), removed on any exit.
-    with tempfile.TemporaryDirectory(prefix=f".{folder.name}.quantize-", dir=folder.parent) as tmp:
-        tmp_dir = Path(tmp)
+    # A scratch sibling of the folder (not inside it, so its files list stays exact), never
+    # committed: removed on any exit, and by the next run on this host if this one is killed.
+    with StagedDir(folder.with_name(f"{folder.name}.quantize")) as scratch:
+        tmp_dir = scratch.path
         for name in folder_files(folder):
             shutil.copy2(folder / name, tmp_dir / name)
         section = quantize_graphs(folder, tmp_dir, scheme)
