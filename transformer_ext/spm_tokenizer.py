@@ -27,7 +27,7 @@ import re
 from typing import Any, Iterable, Optional, Sequence
 
 from .fsutil import atomic_write_bytes, atomic_write_text
-from .tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, UNK_ID, TokenizerError, _read_description
+from .tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, UNK_ID, TokenizerError, _read_description, check_description
 
 logger = logging.getLogger(__name__)
 
@@ -215,23 +215,7 @@ class SentencePieceTokenizer:
         """
         if directory is None:
             raise TokenizerError("a SentencePiece tokenizer.json needs the folder that holds its model files")
-        if not isinstance(data, dict):
-            raise TokenizerError(f"not a {_FORMAT} description: expected a JSON object, got {type(data).__name__}")
-        if data.get("format") != _FORMAT:
-            raise TokenizerError(f"not a {_FORMAT} description (missing or wrong 'format' field: {data.get('format')!r})")
-        version = data.get("version")
-        if isinstance(version, bool) or version != _FORMAT_VERSION:
-            raise TokenizerError(f"unsupported tokenizer format version {version!r} (this code reads {_FORMAT_VERSION})")
-        unknown = sorted(set(data) - set(_FIELDS))
-        if unknown:
-            raise TokenizerError(f"unknown fields {unknown} (a version {_FORMAT_VERSION} tokenizer has {list(_FIELDS)})")
-        missing = [k for k in _FIELDS if k not in data]
-        if missing:
-            raise TokenizerError(f"missing fields {missing}")
-        for key, kind in _FIELDS.items():
-            value = data[key]
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise TokenizerError(f"field {key!r} must be of type {kind.__name__}, got {value!r}"[:300])
+        check_description(data, _FORMAT, _FORMAT_VERSION, _FIELDS)
         if data["type"] != cls.type:
             raise TokenizerError(f"field 'type' must be {cls.type!r}, got {data['type']!r}")
         if data["model_type"] not in MODEL_TYPES:

@@ -61,6 +61,29 @@ _FIELDS = {
 }
 _KIND_NAMES = {str: "string", int: "integer", bool: "boolean (true or false)", dict: "JSON object", list: "JSON list"}
 
+def check_description(data: Any, fmt: str, version: int, fields: dict[str, type]) -> None:
+    """Check a tokenizer file's JSON against its schema: an object with ``format == fmt``, version
+    ``version``, exactly the keys of ``fields``, each of its type (bools are not integers). The
+    one schema check of every tokenizer kind; a TokenizerError names the field."""
+    if not isinstance(data, dict):
+        raise TokenizerError(f"not a {fmt} description: expected a JSON object, got {type(data).__name__}")
+    if data.get("format") != fmt:
+        raise TokenizerError(f"not a {fmt} description (missing or wrong 'format' field: {data.get('format')!r})")
+    found = data.get("version")
+    if isinstance(found, bool) or found != version:
+        raise TokenizerError(f"unsupported tokenizer format version {found!r} (this code reads {version})")
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise TokenizerError(f"unknown fields {unknown} (a version {version} tokenizer has {list(fields)})")
+    missing = [key for key in fields if key not in data]
+    if missing:
+        raise TokenizerError(f"missing fields {missing}")
+    for key, kind in fields.items():
+        value = data[key]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise TokenizerError(f"field {key!r} must be a {_KIND_NAMES[kind]}, got {value!r}"[:300])
+
+
 
 class TokenizerError(ValueError, UserError):
     """A tokenizer file is missing or invalid, or a text cannot be encoded."""
@@ -316,25 +339,7 @@ class CharTokenizer:
     def from_dict(cls, data: Any) -> "CharTokenizer":
         """A tokenizer from its :meth:`to_dict` description; every field is required and checked
         (type and value), unknown fields are refused: a TokenizerError names the field."""
-        if not isinstance(data, dict):
-            raise TokenizerError(f"not a {_FORMAT} description: expected a JSON object, got {type(data).__name__}")
-        if data.get("format") != _FORMAT:
-            raise TokenizerError(f"not a {_FORMAT} description (missing or wrong 'format' field: {data.get('format')!r})")
-        version = data.get("version")
-        if isinstance(version, bool) or version != _FORMAT_VERSION:
-            raise TokenizerError(
-                f"unsupported tokenizer format version {version!r} (this code reads {_FORMAT_VERSION})"
-            )
-        unknown = sorted(set(data) - set(_FIELDS))
-        if unknown:
-            raise TokenizerError(f"unknown fields {unknown} (a version {_FORMAT_VERSION} tokenizer has {list(_FIELDS)})")
-        missing = [key for key in _FIELDS if key not in data]
-        if missing:
-            raise TokenizerError(f"missing fields {missing}")
-        for key, kind in _FIELDS.items():
-            value = data[key]
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise TokenizerError(f"field {key!r} must be a {_KIND_NAMES[kind]}, got {value!r}"[:300])
+        check_description(data, _FORMAT, _FORMAT_VERSION, _FIELDS)
         if data["type"] != "char":
             raise TokenizerError(f"field 'type' must be 'char', got {data['type']!r}")
         expected = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID}
