@@ -49,10 +49,14 @@ def _reorder(cache, backend, index):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_append_and_reorder_match_plain_indexing(backend, shape):
+@pytest.mark.parametrize("backend", BACKENDS + ["host-row-copies"])
+def test_append_and_reorder_match_plain_indexing(backend, shape, monkeypatch):
     """Random appends and beam reorders, compared after every operation with separate per-layer
-    arrays updated by plain indexing; past the valid prefix everything stays zero."""
+    arrays updated by plain indexing; past the valid prefix everything stays zero.
+    ``host-row-copies``: the host cache's copy-per-row path (taken for large moves)."""
+    if backend == "host-row-copies":
+        monkeypatch.setattr(HostKVCache, "_SMALL_MOVE_BYTES", 0)
+        backend = "host"
     n_layers, N, H, L, D = shape
     rng = np.random.default_rng(0)
     cache = _make(backend, *shape)

@@ -346,6 +346,7 @@ def greedy_decode(
     cache_len: int | None = None,
 ) -> list[list[int]]:
     """Batched greedy decoding; each row stops at its EOS (not returned) or its budget.
+    A NaN or +inf logit is a RuntimeError naming the step and row.
 
     Stops as soon as every row is finished. Rows that finished keep being fed EOS (their
     outputs are ignored) so that every step is one batched call.
@@ -373,6 +374,7 @@ def greedy_decode(
             logits = np.array(logits, dtype=np.float32, copy=True)
             logits[rows[suppress], eos_id] = -np.inf
         next_tokens = np.argmax(logits, axis=-1).astype(np.int64)
+        _check_finite_logits(logits[rows, next_tokens], t)  # argmax picks a NaN or +inf if there is one
         for b in range(B):
             if finished[b]:
                 continue
@@ -392,6 +394,44 @@ def greedy_decode(
 # ------------------------------------------------------------------------------------------
 # beam search
 # ------------------------------------------------------------------------------------------
+
+
+# Top-k over the vocabulary by blocks: the k largest entries of a row lie in the k blocks with
+# the largest maxima, so one pass computes block maxima and only k blocks are partitioned.
+_TOPK_BLOCK = 64
+_TOPK_OFFSETS = np.arange(_TOPK_BLOCK)
+
+
+def _row_top_k(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices, row_max)`` for ``x [N, V]``: ``indices [N, min(k, V)]`` of each row's largest
+    entries (in no particular order; ties broken arbitrarily) and each row's maximum (NaN when
+    the row holds a NaN)."""
+    N, V = x.shape
+    k = min(k, V)
+    full = V - V % _TOPK_BLOCK
+    n_blocks = full // _TOPK_BLOCK
+    if k == V:
+        return np.broadcast_to(np.arange(V), (N, V)), x.max(axis=1)
+    if n_blocks < 4 * k:  # a small vocabulary or a wide beam: partition the whole rows
+        return np.argpartition(x, V - k, axis=1)[:, V - k:], x.max(axis=1)
+    block_max = x[:, :full].reshape(N, n_blocks, _TOPK_BLOCK).max(axis=2)  # NaN propagates
+    top_blocks = np.argpartition(block_max, n_blocks - k, axis=1)[:, n_blocks - k:]
+    cols = (top_blocks[:, :, None] * _TOPK_BLOCK + _TOPK_OFFSETS).reshape(N, k * _TOPK_BLOCK)
+    if full < V:  # the entries after the last whole block are always candidates
+        cols = np.concatenate([cols, np.broadcast_to(np.arange(full, V), (N, V - full))], axis=1)
+    rows = np.arange(N)[:, None]
+    values = x[rows, cols]
+    pick = np.argpartition(values, values.shape[1] - k, axis=1)[:, values.shape[1] - k:]
+    return cols[rows, pick], values.max(axis=1)
+
+
+def _check_finite_logits(row_max: np.ndarray, step: int) -> None:
+    bad = np.flatnonzero(~(row_max < np.inf))  # NaN or +inf somewhere in the row
+    if bad.size:
+        raise RuntimeError(
+            f"runner.step returned a NaN or +inf logit at step {step} (row {int(bad[0])}"
+            f"{f' and {bad.size - 1} more rows' if bad.size > 1 else ''}); logits must be finite or -inf"
+        )
 
 
 def beam_search(
@@ -419,9 +459,16 @@ def beam_search(
     ``n_best``-th of them even at its maximum length (log-probabilities only fall as a
     hypothesis grows, and the penalty divisor is largest at the maximum length), or when it
     reaches ``max_new_tokens``; then its open beams join the candidates as unfinished hypotheses.
+    Candidates of equal score are ranked by beam, then token id.
 
     ``length_penalty``: one of :data:`LENGTH_PENALTIES` (see :func:`length_penalty_factor`),
     with exponent ``alpha``. ``min_new_tokens``: EOS masked before the softmax (module docstring).
+
+    A step's host work is vectorised over all sources: the logits stay float32 ``[rows, V]``
+    (each row's best ``2 * beam_size`` tokens found by block maxima, its log-sum-exp from one
+    float32 exponential pass summed in float64); only the ``rows x 2 * beam_size`` candidates are scored in float64. Python loops run
+    only over the hypotheses that finish. A NaN or +inf logit is a RuntimeError naming the step
+    and row (it has no log-probability).
     """
     if length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}")
@@ -450,85 +497,108 @@ def beam_search(
     # beams of a source are identical then, expanding them all would give K copies).
     beam_scores = np.full((B, K), -np.inf, dtype=np.float64)
     beam_scores[:, 0] = 0.0
-    history = np.zeros((N, 0), dtype=np.int64)  # generated tokens of every open beam
+    history = np.zeros((N, steps), dtype=np.int64)  # generated tokens of every open beam
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    n_finished = np.zeros(B, dtype=np.int64)
+    nth_best = np.full(B, -np.inf)  # score of each source's n_best-th finished hypothesis
+    max_penalty = np.array([penalty(int(m)) for m in np.maximum(max_new, 1)])  # divisor at the budget
     done = max_new == 0
     for b in np.flatnonzero(done):
         results[b] = [Hypothesis([], 0.0, 0.0, False)]
     tokens = np.full(N, bos_id, dtype=np.int64)
     identity = np.arange(N, dtype=np.int64)
+    beam_of_row = identity % K
+    row_ids = identity[:, None]
+    source_ids = np.arange(B)[:, None]
 
     for t in range(steps):
         logits = np.asarray(runner.step(state, tokens))
         if logits.ndim != 2 or logits.shape[0] != N:
             raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
         V = logits.shape[1]
+        x = logits if logits.dtype == np.float32 else logits.astype(np.float32)
         suppress = t < min_new  # [B]: EOS masked before the softmax, the rest renormalised
         if suppress.any():
-            logits = np.array(logits, dtype=np.float32, copy=True).reshape(B, K, V)
-            logits[suppress, :, eos_id] = -np.inf
-            logits = logits.reshape(N, V)
-        logp = log_softmax(logits).reshape(B, K, V)
-        cand = (beam_scores[:, :, None] + logp).reshape(B, K * V)  # [B, K*V]
+            x = np.array(x, copy=True).reshape(B, K, V)
+            x[suppress, :, eos_id] = -np.inf
+            x = x.reshape(N, V)
+        # Each row's best k2 tokens hold every candidate of the source's best 2K.
+        k2 = min(2 * K, V)
+        cols, row_max = _row_top_k(x, k2)
+        _check_finite_logits(row_max, t)
+        shift = np.where(np.isfinite(row_max), row_max, np.float32(0.0))
+        scaled = np.subtract(x, shift[:, None])
+        np.exp(scaled, out=scaled)
+        sums = scaled.sum(axis=1, dtype=np.float64)
+        with np.errstate(divide="ignore"):
+            log_z = shift.astype(np.float64) + np.log(sums)  # -inf for a row of only -inf
+        values = x[row_ids, cols].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            logp = np.where(np.isneginf(values), -np.inf, values - log_z[:, None])
+        cand = (beam_scores.reshape(N, 1) + logp).reshape(B, K * k2)
+        flat = (beam_of_row[:, None] * V + cols).reshape(B, K * k2)
         n_cand = min(2 * K, K * V)
-        top = np.argpartition(-cand, n_cand - 1, axis=1)[:, :n_cand]  # [B, 2K], unordered
+        order = np.lexsort((flat, -cand), axis=1)[:, :n_cand]  # best first; ties by beam, token
+        s_score = cand[source_ids, order]
+        s_flat = flat[source_ids, order]
+        s_beam, s_tok = np.divmod(s_flat, V)
+        live = ~done[:, None]
 
+        # The best K non-EOS candidates are the next open beams.
+        is_eos = s_tok == eos_id
+        open_rank = np.cumsum(~is_eos, axis=1) - 1
+        take_b, take_c = np.nonzero(~is_eos & (open_rank < K) & live)
+        slot = take_b * K + open_rank[take_b, take_c]
         beam_index = identity.copy()
+        beam_index[slot] = take_b * K + s_beam[take_b, take_c]
         new_tokens = np.full(N, eos_id, dtype=np.int64)
-        new_scores = np.full((B, K), -np.inf, dtype=np.float64)
+        new_tokens[slot] = s_tok[take_b, take_c]
+        new_scores = np.full(N, -np.inf)
+        new_scores[slot] = s_score[take_b, take_c]
+        new_scores = new_scores.reshape(B, K)
+
+        # An EOS candidate within the best K finishes a hypothesis.
         length = t + 1  # generated tokens after this step, the candidate included
-        for b in range(B):
-            if done[b]:
-                continue
-            order = top[b][np.argsort(-cand[b, top[b]], kind="stable")]
-            n_open = 0
-            for rank, flat in enumerate(order):
-                score = cand[b, flat]
-                beam, tok = divmod(int(flat), V)
-                row = b * K + beam
-                if tok == eos_id:
-                    if rank < K and np.isfinite(score):
-                        finished[b].append(
-                            Hypothesis(history[row].tolist(), float(score) / penalty(length), float(score), True)
-                        )
-                    continue
-                if n_open < K:
-                    beam_index[b * K + n_open] = row
-                    new_tokens[b * K + n_open] = tok
-                    new_scores[b, n_open] = score
-                    n_open += 1
-                if n_open == K and rank >= K:
-                    break
-            # Done? At this source's budget, or when no open beam can beat the n-th best.
-            at_budget = length >= max_new[b]
+        fin_b, fin_c = np.nonzero(is_eos & (np.arange(n_cand) < K) & np.isfinite(s_score) & live)
+        for b, c in zip(fin_b.tolist(), fin_c.tolist()):
+            score = float(s_score[b, c])
+            row = b * K + int(s_beam[b, c])
+            finished[b].append(Hypothesis(history[row, :t].tolist(), score / penalty(length), score, True))
+        for b in set(fin_b.tolist()):
             finished[b].sort(key=lambda h: h.score, reverse=True)
-            best_open = np.max(new_scores[b])
-            if not at_budget and len(finished[b]) >= n_best:
-                bound = best_open / penalty(int(max_new[b])) if np.isfinite(best_open) else -np.inf
-                if bound <= finished[b][n_best - 1].score:
-                    done[b] = True
-            if not np.isfinite(best_open) and finished[b]:
-                done[b] = True  # every continuation is impossible (-inf)
-            if at_budget:
-                for k in range(K):
-                    if np.isfinite(new_scores[b, k]):
-                        row = beam_index[b * K + k]
-                        toks = history[row].tolist() + [int(new_tokens[b * K + k])]
-                        s = float(new_scores[b, k])
-                        finished[b].append(Hypothesis(toks, s / penalty(length), s, False))
-                done[b] = True
-            if done[b]:
-                finished[b].sort(key=lambda h: h.score, reverse=True)
-                results[b] = finished[b][:n_best]
-                new_scores[b, :] = -np.inf
-                beam_index[b * K:(b + 1) * K] = identity[b * K:(b + 1) * K]
-                new_tokens[b * K:(b + 1) * K] = eos_id
+            n_finished[b] = len(finished[b])
+            if n_finished[b] >= n_best:
+                nth_best[b] = finished[b][n_best - 1].score
+
+        # Done? At this source's budget, or when no open beam can beat the n-th best even at
+        # its maximum length, or when every continuation is impossible (-inf).
+        at_budget = ~done & (length >= max_new)
+        best_open = new_scores.max(axis=1)
+        open_finite = np.isfinite(best_open)
+        bound = np.where(open_finite, best_open / max_penalty, -np.inf)
+        stop = ~done & ~at_budget & (n_finished >= n_best) & (bound <= nth_best)
+        stop |= ~done & ~open_finite & (n_finished > 0)
+        for b in np.flatnonzero(at_budget).tolist():
+            for k in np.flatnonzero(np.isfinite(new_scores[b])).tolist():
+                r = b * K + k
+                toks = history[beam_index[r], :t].tolist() + [int(new_tokens[r])]
+                s = float(new_scores[b, k])
+                finished[b].append(Hypothesis(toks, s / penalty(length), s, False))
+        for b in np.flatnonzero(stop | at_budget).tolist():
+            finished[b].sort(key=lambda h: h.score, reverse=True)
+            results[b] = finished[b][:n_best]
+            rows = slice(b * K, (b + 1) * K)
+            new_scores[b, :] = -np.inf
+            beam_index[rows] = identity[rows]
+            new_tokens[rows] = eos_id
+            done[b] = True
         if done.all():
             break
         beam_scores = new_scores
-        history = np.concatenate([history[beam_index], new_tokens[:, None]], axis=1)
         if not np.array_equal(beam_index, identity):
+            history[:, :t] = history[beam_index, :t]
             runner.reorder(state, beam_index)
+        history[:, t] = new_tokens
         tokens = new_tokens
 
     for b in range(B):

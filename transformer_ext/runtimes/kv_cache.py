@@ -14,7 +14,8 @@ the same way:
   ``2 * n_layers``. Runners whose graph outputs the new K/V into bound buffers ask for staging
   buffers (``staging=True``), stacked the same way (``new_keys [n_layers * N, H, 1, d_k]`` and
   per-layer views), so the append reads them with no concatenation.
-* **In-place reorder** of the valid prefix for beam search, one call per buffer: the caller's
+* **In-place reorder** of the valid prefix for beam search (:class:`KVCache`: one call per
+  buffer; :class:`HostKVCache`: the rows that change only): the caller's
   ``beam_index`` (checked by :func:`transformer_ext.decoding.check_beam_index`, so an error names
   the caller's row and value) is turned into the stacked index on the host.
 * A step is ``begin_step()`` (write positions), the graph or model, ``append_(...)``, the
@@ -245,6 +246,10 @@ class HostKVCache(_Layout):
     ``length``, ``capacity``; there are no positions (the runner's graph input) and no flag.
     """
 
+    # Below this many bytes moved per buffer a reorder is one fancy-indexed copy per buffer
+    # (its Python overhead is lower than that of a copy per row and layer).
+    _SMALL_MOVE_BYTES = 1 << 18
+
     def __init__(self, n_layers: int, rows: int, n_heads: int, capacity: int, d_k: int, *,
                  dtype: Any = np.float32, staging: bool = False):
         self._init_layout(n_layers, rows, capacity)
@@ -285,11 +290,35 @@ class HostKVCache(_Layout):
         self._values5[:, :, :, p] = self._new_values5[:, :, :, 0]
 
     def reorder_(self, beam_index: Any) -> None:
-        """Row ``r`` of every layer becomes old row ``beam_index[r]`` over the valid prefix
-        (one gather per buffer into a temporary, then a copy back); errors as :class:`KVCache`'s."""
+        """Row ``r`` of every layer becomes old row ``beam_index[r]`` over the valid prefix, in
+        place; errors as :class:`KVCache`'s (nothing is moved).
+
+        Only the rows that change are written (in beam search most beams keep their own row).
+        A small move is one gather-and-scatter per buffer (numpy gathers into a temporary, so a
+        source that is itself overwritten is read before it is). A large one is one slice copy
+        per row, layer and buffer, which numpy makes directly because the slices do not
+        overlap: it reads and writes the moved rows once instead of twice; sources that are
+        themselves overwritten are copied aside first.
+        """
         index = decoding.check_beam_index(beam_index, self.rows)
         p = self.length
         if p == 0:
             return
-        self._keys5[:, :, :, :p] = self._keys5[:, index, :, :p]
-        self._values5[:, :, :, :p] = self._values5[:, index, :, :p]
+        is_moved = index != np.arange(self.rows)
+        moved = np.flatnonzero(is_moved)
+        if moved.size == 0:
+            return
+        sources = index[moved]
+        row_bytes = self._keys5[:, 0, :, :p].nbytes
+        if moved.size * row_bytes <= self._SMALL_MOVE_BYTES:
+            for buf5 in (self._keys5, self._values5):
+                buf5[:, moved, :, :p] = buf5[:, sources, :, :p]
+            return
+        clobbered = np.unique(sources[is_moved[sources]])
+        saved_at = {int(s): j for j, s in enumerate(clobbered.tolist())}
+        pairs = [(r, old, saved_at.get(old)) for r, old in zip(moved.tolist(), sources.tolist())]
+        for buf5 in (self._keys5, self._values5):
+            saved = buf5[:, clobbered, :, :p].copy() if clobbered.size else None
+            for layer, layer_buf in enumerate(buf5):
+                for r, old, j in pairs:
+                    layer_buf[r, :, :p] = layer_buf[old, :, :p] if j is None else saved[layer, j]

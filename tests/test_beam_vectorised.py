@@ -1,0 +1,104 @@
+"""The vectorised beam search against the loop it replaced (``tests/beam_reference.py``), on
+random runners, and its top-k helper against a full sort."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from beam_reference import loop_beam_search
+from test_decoding import FunctionRunner, sources
+from transformer_ext import decoding
+from transformer_ext.decoding import beam_search, greedy_decode, log_softmax
+
+
+def masked_random_fn(V: int, seed: int, sharp: float, p_masked: float):
+    """Log-probabilities from a generator keyed by (seed, source, prefix); a fraction of the
+    tokens (never all) get -inf, so impossible candidates appear at every step."""
+
+    def fn(src, prefix):
+        rng = np.random.default_rng(abs(hash((seed, src) + prefix)) % (2**32))
+        logits = sharp * rng.standard_normal(V)
+        masked = rng.random(V) < p_masked
+        masked[rng.integers(V)] = False
+        logits[masked] = -np.inf
+        return log_softmax(logits)
+
+    return fn
+
+
+def run_both(V, fn, B, **kwargs):
+    src, lengths = sources(B)
+    runners = FunctionRunner(V, fn), FunctionRunner(V, fn)
+    got = beam_search(runners[0], src, lengths, bos_id=1, eos_id=2, **kwargs)
+    want = loop_beam_search(runners[1], src, lengths, bos_id=1, eos_id=2, **kwargs)
+    return got, want, runners
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for g_hyps, w_hyps in zip(got, want):
+        assert [h.tokens for h in g_hyps] == [h.tokens for h in w_hyps]
+        assert [h.finished for h in g_hyps] == [h.finished for h in w_hyps]
+        np.testing.assert_allclose([h.score for h in g_hyps], [h.score for h in w_hyps], rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose([h.log_prob for h in g_hyps], [h.log_prob for h in w_hyps], rtol=1e-6, atol=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    V=st.sampled_from([3, 5, 9, 40, 600, 1100]),
+    B=st.integers(1, 4),
+    K=st.integers(1, 5),
+    data=st.data(),
+    seed=st.integers(0, 10_000),
+    sharp=st.sampled_from([0.5, 1.5, 4.0]),
+    p_masked=st.sampled_from([0.0, 0.3]),
+    kind=st.sampled_from(decoding.LENGTH_PENALTIES),
+)
+def test_vectorised_beam_equals_loop_beam(V, B, K, data, seed, sharp, p_masked, kind):
+    n_best = data.draw(st.integers(1, K))
+    max_new = np.array(data.draw(st.lists(st.integers(0, 7), min_size=B, max_size=B)))
+    min_new = np.array(data.draw(st.lists(st.integers(0, 4), min_size=B, max_size=B)))
+    fn = masked_random_fn(V, seed, sharp, p_masked)
+    got, want, runners = run_both(V, fn, B, beam_size=K, n_best=n_best, max_new_tokens=max_new,
+                                  min_new_tokens=min_new, length_penalty=kind, alpha=0.7)
+    assert_same(got, want)
+    assert runners[0].steps == runners[1].steps  # the same early stops
+
+
+@pytest.mark.parametrize("V", [1000, 1024, 1025, 1087, 8000])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_row_top_k_holds_the_largest_entries(V, k):
+    rng = np.random.default_rng(V * 10 + k)
+    x = rng.standard_normal((7, V)).astype(np.float32)
+    x[1, :] = -np.inf  # a row of only -inf
+    x[2, rng.random(V) < 0.9] = -np.inf
+    x[3, -3:] += 10.0  # the largest entries in the tail after the last whole block
+    x[4, :5] = 10.0  # ties among the largest
+    idx, row_max = decoding._row_top_k(x, k)
+    assert idx.shape == (7, k)
+    np.testing.assert_array_equal(row_max, x.max(axis=1))
+    for r in range(7):
+        assert len(set(idx[r].tolist())) == k  # no entry twice
+        want = np.sort(x[r])[::-1][:k]
+        np.testing.assert_array_equal(np.sort(x[r, idx[r]])[::-1], want)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_or_inf_logits_are_an_error_naming_step_and_row(bad):
+    V = 1100
+
+    def fn(src, prefix):
+        out = np.full(V, -7.0)
+        if len(prefix) == 2 and src == 1:
+            out[5] = bad
+        return out
+
+    src, lengths = sources(2)
+    with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 2 \(row 2"):
+        beam_search(FunctionRunner(V, fn), src, lengths, bos_id=1, eos_id=2, beam_size=2, max_new_tokens=5,
+                    min_new_tokens=5)
+    with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 2 \(row 1"):
+        greedy_decode(FunctionRunner(V, fn), src, lengths, bos_id=1, eos_id=2, max_new_tokens=5, min_new_tokens=5)
