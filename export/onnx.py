@@ -444,6 +444,8 @@ def export_onnx(
     fuse_matmuls: bool = True,
     generation: Optional[Mapping[str, Any]] = None,
     quantize: Optional[str] = None,
+    gate_data: Any = None,
+    max_bleu_drop: Optional[float] = None,
 ) -> ExportResult:
     """Export ``model_dir`` to ``encoder.onnx`` + ``decoder_step.onnx`` + ``manifest.json`` +
     tokenizer files + ``generation.json`` in ``output_dir``.
@@ -474,6 +476,9 @@ def export_onnx(
             the float32 graphs are validated as usual, then quantized and, with ``validate``,
             gated on the demo held-out set (:func:`export.quantize.quality_gate`); the folder has
             the same files and a ``"quantization"`` section in its manifest.
+        gate_data, max_bleu_drop: with ``quantize``, an :class:`export.quantize.GateData` (a
+            parallel text) replaces the demo gate by a BLEU gate: int8 greedy BLEU at most
+            ``max_bleu_drop`` (default 0.5) points below float32's.
 
     Raises:
         ValueError: a bad option (flavour, opset, cache_len, tolerance, seed).
@@ -495,9 +500,13 @@ def export_onnx(
     t_start = time.perf_counter()
     opset, cache_len, tolerance = _check_arguments(flavour, opset, cache_len, tolerance, seed)
     if quantize is not None:
-        from .quantize import check_scheme
+        from .quantize import DEFAULT_MAX_BLEU_DROP, _check_max_drop, check_scheme
 
         check_scheme(quantize)
+        max_bleu_drop = _check_max_drop(DEFAULT_MAX_BLEU_DROP if max_bleu_drop is None else max_bleu_drop,
+                                        "max_bleu_drop")
+    elif gate_data is not None:
+        raise ValueError("a BLEU gate (--gate-src / --gate-ref) checks int8 graphs: it needs --quantize int8")
     output_dir = Path(output_dir).absolute()
     check_replaceable(output_dir)
     model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
@@ -527,7 +536,8 @@ def export_onnx(
             if quantize is not None:
                 from .quantize import quantize_folder
 
-                manifest = quantize_folder(stage.path, quantize, gate=validate)
+                manifest = quantize_folder(stage.path, quantize, gate=validate, gate_data=gate_data,
+                                           max_bleu_drop=max_bleu_drop)
             check_replaceable(output_dir)  # nothing of someone else's appeared there meanwhile
             stage.commit()
     except BaseException as exc:
@@ -651,7 +661,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="write int8 graphs (scheme: int8; dynamic quantization, per-output-channel int8 weights with "
                         "reduce_range, every MatMul/Gemm incl. the output projection), for ONNX Runtime only; "
                         "validated by a quality gate (greedy exact match on the demo held-out set at most 0.2 points "
-                        "below float32) instead of a logit tolerance")
+                        "below float32, or with --gate-src/--gate-ref a BLEU gate) instead of a logit tolerance")
+    from .quantize import add_gate_arguments
+
+    add_gate_arguments(p)
     g = p.add_argument_group(
         "generation config", f"how a deployment decodes with the export, written to {GENERATION_FILE} "
                              "(defaults: the translator's)")
@@ -691,11 +704,13 @@ def summary_text(result: ExportResult) -> str:
     return "\n".join(lines)
 
 
-def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES) -> list[tuple[str, str, Optional[str]]]:
-    """``(source, ONNX Runtime translation, reference or None)`` for ``n`` example sources of the
-    demo task (:func:`transformer_ext.demo.heldout_examples`), decoded from the export folder
-    alone (its graphs, tokenizer and generation config); empty without a tokenizer, and without
-    the sources the tokenizer cannot encode."""
+def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES,
+                       examples: Optional[Sequence[tuple[str, str]]] = None) -> list[tuple[str, str, Optional[str]]]:
+    """``(source, ONNX Runtime translation, reference or None)`` for ``n`` example sources,
+    decoded from the export folder alone (its graphs, tokenizer and generation config):
+    ``examples`` (``(source, reference)`` pairs, e.g. the BLEU gate's parallel text) or the demo
+    task's (:func:`transformer_ext.demo.heldout_examples`); empty without a tokenizer, and
+    without the sources the tokenizer cannot encode."""
     import numpy as np
 
     from transformer_ext.decoding import max_new_tokens_for
@@ -707,7 +722,7 @@ def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES) -> l
         return []
     tokenizer = load_tokenizer(result.output_dir)
     pairs, ids = [], []
-    for source, reference in heldout_examples(n):
+    for source, reference in (heldout_examples(n) if examples is None else list(examples)[:n]):
         try:
             encoded = tokenizer.encode_source(source)
         except TokenizerError:  # characters this model's tokenizer does not know: not its task
@@ -752,17 +767,24 @@ def _run(args) -> int:
     if args.examples < 0:
         raise ValueError(f"--examples must be >= 0, got {args.examples}")
     generation = {name: getattr(args, name) for name in _GENERATION_OPTIONS if getattr(args, name) is not None}
+    from .quantize import gate_data_from_args
+
+    if args.quantize is None and (args.gate_src is not None or args.gate_ref is not None):
+        raise ValueError("--gate-src / --gate-ref check int8 graphs: they need --quantize int8")
+    gate_data = gate_data_from_args(args)  # read and checked before anything is exported
     result = export_onnx(
         args.model_dir, args.output_dir, opset=args.opset, cache_len=args.cache_len,
         flavour=args.flavour, tolerance=args.tolerance, validate=args.validate, seed=args.seed,
         fuse_matmuls=args.fuse_matmuls, generation=generation, quantize=args.quantize,
+        gate_data=gate_data, max_bleu_drop=args.max_bleu_drop,
     )
     print(summary_text(result))
     if result.manifest.get("quantization"):
         from .quantize import quantization_summary
 
         print(quantization_summary(result.manifest))
-    examples = translate_examples(result, args.examples)
+    gate_pairs = None if gate_data is None else list(zip(gate_data.sources, gate_data.references))
+    examples = translate_examples(result, args.examples, gate_pairs)
     if examples:
         beam = read_generation_config(result.output_dir, result.manifest).beam_size
         print()

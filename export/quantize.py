@@ -23,9 +23,13 @@ decodes of the demo task's held-out set (:func:`transformer_ext.demo.heldout_exa
 :mod:`transformer_ext.data`'s split) by the float32 and the int8 graphs, exact match against the
 references; the int8 exact match may be at most :data:`DEFAULT_MAX_EM_DROP` points below the
 float32 one. A failing gate raises :class:`QualityGateError` saying by how much, and nothing is
-written. A model whose tokenizer cannot encode the demo task has no held-out set here: the gate
-cannot run and the export is refused unless validation is turned off (``--no-validate``,
-recorded as ``"gate": null`` in the manifest).
+written. A model of real data gets a BLEU gate instead (``--gate-src FILE --gate-ref FILE``,
+:class:`GateData`): both folders translate the source file greedily (the translator, ONNX
+Runtime), sacrebleu scores them against the reference file, and the int8 BLEU may be at most
+:data:`DEFAULT_MAX_BLEU_DROP` points below float32's. Without gate files, a model whose
+tokenizer cannot encode the demo task has no held-out set: the gate cannot run and the export
+is refused unless validation is turned off (``--no-validate``, recorded as ``"gate": null`` in
+the manifest).
 
 Files. :func:`quantize_export` converts an existing float32 export folder into a new folder
 (every argument checked first, the folder built in a temporary sibling and swapped in;
@@ -64,6 +68,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SCHEMES",
     "DEFAULT_MAX_EM_DROP",
+    "DEFAULT_MAX_BLEU_DROP",
+    "GateData",
+    "bleu_gate",
     "INT8_OP_TYPES",
     "QuantizationError",
     "QualityGateError",
@@ -93,6 +100,7 @@ SCHEMES: dict[str, dict[str, Any]] = {
 }
 assert tuple(SCHEMES) == QUANTIZATION_SCHEMES
 DEFAULT_MAX_EM_DROP = 0.2  # points of exact match (percent) the int8 graphs may lose against float32
+DEFAULT_MAX_BLEU_DROP = 0.5  # BLEU points the int8 graphs may lose against float32 on --gate-src/--gate-ref
 # Ops of quantized graphs (what the TensorRT readiness check refuses).
 INT8_OP_TYPES = ("MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "ConvInteger", "DynamicQuantizeMatMul",
                  "MatMulIntegerToFloat", "QuantizeLinear", "DequantizeLinear")
@@ -113,11 +121,38 @@ def check_scheme(scheme: Any) -> str:
     return scheme
 
 
-def _check_max_drop(max_em_drop: Any) -> float:
-    if isinstance(max_em_drop, bool) or not isinstance(max_em_drop, (int, float)) or not (
-            np.isfinite(max_em_drop) and max_em_drop >= 0):
-        raise ValueError(f"max_em_drop must be a finite number >= 0 (points of exact match), got {max_em_drop!r}")
-    return float(max_em_drop)
+class GateData:
+    """The parallel text of a BLEU gate: ``sources`` and ``references`` (one line each), read and
+    checked when made, so a bad file is refused before anything is written.
+
+    Raises :class:`QuantizationError` naming ``--gate-src`` / ``--gate-ref`` for a missing,
+    non-UTF-8 or empty file, line counts that differ, or a blank source line.
+    """
+
+    def __init__(self, src: str | os.PathLike, ref: str | os.PathLike):
+        from transformer_ext.data import DataError, read_lines
+
+        self.src, self.ref = Path(src), Path(ref)
+        try:
+            self.sources, self.references = read_lines(self.src), read_lines(self.ref)
+        except DataError as exc:
+            raise QuantizationError(f"BLEU gate (--gate-src / --gate-ref): {exc}") from None
+        if not self.sources:
+            raise QuantizationError(f"--gate-src {self.src} has no lines")
+        if len(self.sources) != len(self.references):
+            raise QuantizationError(f"--gate-src {self.src} has {len(self.sources)} lines but --gate-ref {self.ref} "
+                                    f"has {len(self.references)}: one reference per source line")
+        blank = next((i for i, line in enumerate(self.sources) if not line.strip()), None)
+        if blank is not None:
+            raise QuantizationError(f"--gate-src {self.src}, line {blank + 1} is empty: every gate source must "
+                                    "have text")
+
+
+def _check_max_drop(value: Any, name: str = "max_em_drop") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (np.isfinite(value) and value >= 0):
+        what = "points of exact match" if name == "max_em_drop" else "BLEU points"
+        raise ValueError(f"{name} must be a finite number >= 0 ({what}), got {value!r}")
+    return float(value)
 
 
 # ------------------------------------------------------------------------------------------
@@ -248,18 +283,50 @@ def quality_gate(float_dir: Path, int8_dir: Path, max_em_drop: float = DEFAULT_M
     return record
 
 
+def bleu_gate(float_dir: Path, int8_dir: Path, data: GateData, max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP) -> dict:
+    """Greedy translations of ``data.sources`` by both folders, BLEU against ``data.references``
+    (sacrebleu); raises :class:`QualityGateError` when the int8 BLEU is more than
+    ``max_bleu_drop`` points below float32's. Returns the gate's record."""
+    from transformer_ext.evaluate import score_texts
+    from transformer_ext.translate import Translator
+
+    max_bleu_drop = _check_max_drop(max_bleu_drop, "max_bleu_drop")
+    t0 = time.perf_counter()
+    hyps = {}
+    for name, folder in (("float32", float_dir), ("int8", int8_dir)):
+        translator = Translator.from_export_dir(folder, threads=2)
+        hyps[name] = translator.translate(data.sources, beam_size=1, progress=True)
+    scores = {name: score_texts(h, data.references) for name, h in hyps.items()}
+    b32, b8 = scores["float32"]["bleu"], scores["int8"]["bleu"]
+    n = len(data.sources)
+    agree = 100.0 * sum(a == b for a, b in zip(hyps["float32"], hyps["int8"])) / n
+    record = {"data": f"{data.src.name} -> {data.ref.name}, greedy", "examples": n,
+              "bleu_float32": round(b32, 2), "bleu_int8": round(b8, 2), "drop_points": round(b32 - b8, 2),
+              "max_drop_points": max_bleu_drop, "bleu_signature": scores["float32"]["bleu_signature"],
+              "int8_equal_to_float32": round(agree, 4), "seconds": round(time.perf_counter() - t0, 2)}
+    logger.info("int8 BLEU gate: %s", record)
+    if b32 - b8 > max_bleu_drop + 1e-9:
+        raise QualityGateError(
+            f"the int8 graphs fail the BLEU gate: BLEU {b8:.2f} vs {b32:.2f} for float32 on {n} sentences of "
+            f"{data.src}, {b32 - b8:.2f} points lower (at most {max_bleu_drop:g} allowed); nothing was written")
+    return record
+
+
 # ------------------------------------------------------------------------------------------
 # Folders
 # ------------------------------------------------------------------------------------------
 
 
 def quantize_folder(folder: Path, scheme: str, *, gate: bool = True,
-                    max_em_drop: float = DEFAULT_MAX_EM_DROP) -> dict:
+                    max_em_drop: float = DEFAULT_MAX_EM_DROP, gate_data: Optional[GateData] = None,
+                    max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP) -> dict:
     """Quantize the float32 export in ``folder`` (a staged folder of this process) in place: the
-    int8 graphs are written beside it, gated against the float32 ones, then moved over them and
-    the manifest updated. Returns the new manifest. On any failure ``folder`` is as it was."""
+    int8 graphs are written beside it, gated against the float32 ones (:func:`bleu_gate` on
+    ``gate_data`` when given, else :func:`quality_gate` on the demo task), then moved over them
+    and the manifest updated. Returns the new manifest. On any failure ``folder`` is as it was."""
     check_scheme(scheme)
     max_em_drop = _check_max_drop(max_em_drop)
+    max_bleu_drop = _check_max_drop(max_bleu_drop, "max_bleu_drop")
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest_quantization(manifest) is not None:
@@ -275,7 +342,9 @@ def quantize_folder(folder: Path, scheme: str, *, gate: bool = True,
         int8_manifest = dict(manifest, quantization=section)
         int8_manifest["files"] = folder_files(tmp_dir)
         write_manifest(tmp_dir, int8_manifest)
-        if gate:
+        if gate and gate_data is not None:
+            section["gate"] = bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop)
+        elif gate:
             section["gate"] = quality_gate(folder, tmp_dir, max_em_drop)
         else:
             logger.warning("int8 quality gate skipped (validation off)")
@@ -288,18 +357,21 @@ def quantize_folder(folder: Path, scheme: str, *, gate: bool = True,
 
 
 def quantize_export(export_dir: str | os.PathLike, output_dir: str | os.PathLike, scheme: str = "int8", *,
-                    gate: bool = True, max_em_drop: float = DEFAULT_MAX_EM_DROP) -> dict:
+                    gate: bool = True, max_em_drop: float = DEFAULT_MAX_EM_DROP,
+                    gate_data: Optional[GateData] = None, max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP) -> dict:
     """Write an int8 copy of the float32 export ``export_dir`` to ``output_dir`` (a new folder, or
     one this package wrote); returns its manifest. Everything is checked before the disk is touched.
 
     Raises:
         QuantizationError: unknown scheme, ``export_dir`` already quantized, the same folder twice.
-        QualityGateError: the int8 decodes lose more than ``max_em_drop`` points of exact match.
+        QualityGateError: the int8 decodes lose more than ``max_em_drop`` points of exact match
+            (or, with ``gate_data``, more than ``max_bleu_drop`` BLEU points).
         ManifestError: ``export_dir`` is not an export folder.
         OutputFolderError: ``output_dir`` holds files this package did not write.
     """
     check_scheme(scheme)
     max_em_drop = _check_max_drop(max_em_drop)
+    max_bleu_drop = _check_max_drop(max_bleu_drop, "max_bleu_drop")
     src = Path(export_dir).absolute()
     out = Path(output_dir).absolute()
     manifest = read_manifest(src)
@@ -316,7 +388,8 @@ def quantize_export(export_dir: str | os.PathLike, output_dir: str | os.PathLike
         with StagedDir(out) as stage:
             for name in folder_files(src):
                 shutil.copy2(src / name, stage.path / name)
-            result = quantize_folder(stage.path, scheme, gate=gate, max_em_drop=max_em_drop)
+            result = quantize_folder(stage.path, scheme, gate=gate, max_em_drop=max_em_drop, gate_data=gate_data,
+                                     max_bleu_drop=max_bleu_drop)
             check_replaceable(out)
             stage.commit()
     except BaseException as exc:
@@ -332,15 +405,36 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m export.quantize",
         description="Write an int8 copy of a float32 export folder (python -m export.onnx), gated on the demo "
-                    "task's held-out set; python -m export.onnx --quantize int8 does the same in one step.")
+                    "task's held-out set or, with --gate-src/--gate-ref, on BLEU of a parallel text; "
+                    "python -m export.onnx --quantize int8 does the same in one step.")
     p.add_argument("--export-dir", required=True, help="the float32 export folder to quantize")
     p.add_argument("--output-dir", required=True, help="the folder to write (new, or an export of this package)")
     p.add_argument("--scheme", default="int8", help=f"quantization scheme, one of {list(SCHEMES)}")
     p.add_argument("--max-em-drop", type=float, default=DEFAULT_MAX_EM_DROP,
                    help="points of exact match the int8 decodes may lose against float32")
+    add_gate_arguments(p)
     p.add_argument("--no-validate", dest="validate", action="store_false", help="skip the quality gate")
     add_debug_flag(p)
     return p
+
+
+def add_gate_arguments(p: argparse.ArgumentParser) -> None:
+    """``--gate-src``, ``--gate-ref``, ``--max-bleu-drop``: the BLEU gate of a real-data model."""
+    p.add_argument("--gate-src", default=None, metavar="FILE",
+                   help="BLEU gate instead of the demo task's exact-match gate: source sentences, one per line "
+                        "(e.g. a held-out test set); needs --gate-ref and sacrebleu")
+    p.add_argument("--gate-ref", default=None, metavar="FILE", help="the references of --gate-src, one per line")
+    p.add_argument("--max-bleu-drop", type=float, default=DEFAULT_MAX_BLEU_DROP,
+                   help="BLEU points the int8 greedy translations of --gate-src may lose against float32")
+
+
+def gate_data_from_args(args: argparse.Namespace) -> Optional[GateData]:
+    """The :class:`GateData` of ``--gate-src`` / ``--gate-ref`` (both or neither), read and checked."""
+    if (args.gate_src is None) != (args.gate_ref is None):
+        raise QuantizationError("--gate-src and --gate-ref go together (the sources and their references)")
+    if args.gate_src is None:
+        return None
+    return GateData(args.gate_src, args.gate_ref)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -350,7 +444,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def work() -> int:
         m = quantize_export(args.export_dir, args.output_dir, args.scheme, gate=args.validate,
-                            max_em_drop=args.max_em_drop)
+                            max_em_drop=args.max_em_drop, gate_data=gate_data_from_args(args),
+                            max_bleu_drop=args.max_bleu_drop)
         print(quantization_summary(m))
         return 0
 
@@ -365,7 +460,11 @@ def quantization_summary(manifest: dict) -> str:
                  f"{k} {v['quantized_nodes']} MatMulInteger, {v['initializer_bytes'] / 2**20:.1f} MiB"
                  for k, v in g.items())]
     gate = q.get("gate")
-    if gate:
+    if gate and "bleu_int8" in gate:
+        lines.append(f"BLEU gate: int8 {gate['bleu_int8']:.2f} vs float32 {gate['bleu_float32']:.2f} on "
+                     f"{gate['examples']} sentences ({gate['data']}; drop {gate['drop_points']:.2f} points, at most "
+                     f"{gate['max_drop_points']:g}; {gate['bleu_signature']})")
+    elif gate:
         lines.append(f"quality gate: exact match int8 {gate['exact_match_int8']:.2f}% vs float32 "
                      f"{gate['exact_match_float32']:.2f}% on {gate['examples']} held-out examples "
                      f"(drop {gate['drop_points']:.2f} points, at most {gate['max_drop_points']:g})")

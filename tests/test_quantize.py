@@ -239,3 +239,80 @@ def test_quantize_cli(tiny_float, tiny_int8, tmp_path, capsys):
     assert quant.main(["--export-dir", str(tiny_float), "--output-dir", str(tmp_path / "o"), "--no-validate"]) == 0
     assert "MatMulInteger" in capsys.readouterr().out
     assert manifest_quantization(read_manifest(tmp_path / "o"))["scheme"] == "int8"
+
+
+# ------------------------------------------------------------------------------------------
+# the BLEU gate (--gate-src / --gate-ref)
+# ------------------------------------------------------------------------------------------
+
+
+def _parallel(tmp_path, sources, references):
+    src, ref = tmp_path / "gate.src", tmp_path / "gate.ref"
+    src.write_text("".join(s + "\n" for s in sources), encoding="utf-8")
+    ref.write_text("".join(r + "\n" for r in references), encoding="utf-8")
+    return src, ref
+
+
+GATE_SOURCES = ["a cab", "dead beef", "face bad", "bead", "add a fee"]
+
+
+def test_bleu_gate_records_the_scores_of_an_independent_scoring(tiny_float, tmp_path):
+    """The recorded BLEU of both folders equals sacrebleu run here on the translator's outputs."""
+    import sacrebleu
+
+    from transformer_ext.translate import Translator
+
+    src, ref = _parallel(tmp_path, GATE_SOURCES, ["ab cd", "ef", "a b c", "dd", "e a"])
+    out = tmp_path / "int8"
+    quantize_export(tiny_float, out, gate_data=quant.GateData(src, ref), max_bleu_drop=100.0)
+    gate = manifest_quantization(read_manifest(out))["gate"]
+    refs = [["ab cd", "ef", "a b c", "dd", "e a"]]
+    for name, folder in (("float32", tiny_float), ("int8", out)):
+        hyps = Translator.from_export_dir(folder).translate(GATE_SOURCES, beam_size=1)
+        assert gate[f"bleu_{name}"] == pytest.approx(round(sacrebleu.corpus_bleu(hyps, refs).score, 2))
+    assert gate["examples"] == 5 and gate["max_drop_points"] == 100.0
+    assert gate["bleu_signature"].startswith("nrefs:1|")
+
+
+def test_failing_bleu_gate_says_by_how_much_and_writes_nothing(tiny_float, tmp_path, monkeypatch):
+    import transformer_ext.evaluate as evaluate
+
+    src, ref = _parallel(tmp_path, GATE_SOURCES, GATE_SOURCES)
+    scores = iter([30.0, 29.2])  # float32 first, then int8
+    monkeypatch.setattr(evaluate, "score_texts", lambda h, r: {"bleu": next(scores), "bleu_signature": "sig"})
+    out = tmp_path / "out"
+    with pytest.raises(QualityGateError, match=r"BLEU 29.20 vs 30.00 .*0.80 points lower \(at most 0.5 allowed\)"):
+        quantize_export(tiny_float, out, gate_data=quant.GateData(src, ref))
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gate.ref", "gate.src"]  # no temporary left
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("counts", "has 2 lines but --gate-ref"),
+    ("missing", "no such file"),
+    ("blank", "line 2 is empty"),
+    ("empty", "has no lines"),
+])
+def test_bad_gate_files_are_refused_naming_the_flag(tmp_path, case, fragment):
+    sources = {"counts": ["a", "b"], "missing": ["a"], "blank": ["a", " ", "c"], "empty": []}[case]
+    refs = {"counts": ["a", "b", "c"], "missing": ["a"], "blank": ["a", "b", "c"], "empty": []}[case]
+    src, ref = _parallel(tmp_path, sources, refs)
+    if case == "missing":
+        ref = tmp_path / "nope.ref"
+    with pytest.raises(QuantizationError, match=fragment):
+        quant.GateData(src, ref)
+
+
+def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path, capsys):
+    src, ref = _parallel(tmp_path, ["a", "b"], ["a"])
+    out = tmp_path / "out"
+    assert main(["--output-dir", str(out), "--gate-src", str(src), "--gate-ref", str(ref)]) == 1
+    assert "need --quantize int8" in capsys.readouterr().err
+    assert main(["--output-dir", str(out), "--quantize", "int8", "--gate-src", str(src), "--gate-ref", str(ref)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 2 lines but --gate-ref" in err[0]
+    assert quant.main(["--export-dir", str(tiny_float), "--output-dir", str(out), "--gate-src", str(src)]) == 1
+    assert "--gate-src and --gate-ref go together" in capsys.readouterr().err
+    assert main(["--output-dir", str(out), "--quantize", "int8", "--max-bleu-drop", "-1"]) == 1
+    assert "max_bleu_drop must be a finite number >= 0" in capsys.readouterr().err
+    assert not out.exists()
