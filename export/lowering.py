@@ -188,6 +188,51 @@ def translation_table(flavour: str = "portable") -> dict:
     return table
 
 
+def share_shape_reads(model) -> int:
+    """Graph pass: every ``Shape`` of a graph input reads the first input declared with the same
+    shape instead.
+
+    The decoder step reads the length of each layer's cache (``Shape(self_key.i)``) to build that
+    layer's key mask; the contract declares every cache ``[batch, H, cache_len, d_k]`` (and every
+    cross K/V ``[batch, H, src_len, d_k]``), so those shapes are equal by construction. Reading one
+    input's shape makes the per-layer mask subgraphs identical, and ONNX Runtime's
+    common-subexpression elimination then computes each mask once per step instead of once per
+    layer (about 40 fewer nodes in a 6-layer decoder). Inputs whose shape is not fully declared
+    (a dimension with neither a value nor a name) are left alone. Works in place on an
+    ``onnx.ModelProto``; returns the number of ``Shape`` nodes rewired.
+    """
+
+    def declared(value_info):
+        t = value_info.type.tensor_type
+        if not t.HasField("shape"):
+            return None
+        dims = []
+        for d in t.shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(("value", d.dim_value))
+            elif d.HasField("dim_param") and d.dim_param:
+                dims.append(("name", d.dim_param))
+            else:
+                return None
+        return t.elem_type, tuple(dims)
+
+    first_with: dict = {}
+    canonical: dict[str, str] = {}
+    for value_info in model.graph.input:
+        key = declared(value_info)
+        if key is not None:
+            canonical[value_info.name] = first_with.setdefault(key, value_info.name)
+    rewired = 0
+    for node in model.graph.node:
+        if node.op_type == "Shape" and node.domain in ("", "ai.onnx") and node.input:
+            target = canonical.get(node.input[0])
+            if target is not None and target != node.input[0]:
+                node.input[0] = target
+                rewired += 1
+    logger.debug("share_shape_reads: %d Shape nodes rewired", rewired)
+    return rewired
+
+
 def fuse_shared_input_matmuls(model) -> int:
     """Graph pass: merge ``MatMul`` s that read the same input with constant weights into one.
 

@@ -342,7 +342,9 @@ def _quiet_exporter():
 def _export_graph(module, args, spec: dict, n_positional: int, opset: int, flavour: str, path: Path,
                   fuse_matmuls: bool = True):
     """Trace ``module`` with the dynamo exporter, fix the IR version, optionally merge the MatMuls
-    that share an input (:func:`export.lowering.fuse_shared_input_matmuls`), check, save ``path``."""
+    that share an input (:func:`export.lowering.fuse_shared_input_matmuls`), make the per-layer
+    shape reads of equally declared inputs share one (:func:`export.lowering.share_shape_reads`),
+    check, save ``path``."""
     import onnx
 
     from . import lowering
@@ -365,6 +367,7 @@ def _export_graph(module, args, spec: dict, n_positional: int, opset: int, flavo
     proto = program.model_proto
     if fuse_matmuls:
         lowering.fuse_shared_input_matmuls(proto)
+    lowering.share_shape_reads(proto)
     if proto.ir_version > IR_VERSION:
         proto.ir_version = IR_VERSION
     proto.producer_name = "transformer_ext export.onnx"
@@ -602,7 +605,7 @@ def _write_export(tmp_dir: Path, model, model_path: Path, tokenizer_names: list[
             "source_model_dir": str(model_path),
             "exporter": "torch.onnx.export(dynamo=True)",
             "dummy_shapes": dummy,
-            "graph_passes": ["fuse_shared_input_matmuls"] if fuse_matmuls else [],
+            "graph_passes": (["fuse_shared_input_matmuls"] if fuse_matmuls else []) + ["share_shape_reads"],
             "structure": structure,
         },
         "validation": None,

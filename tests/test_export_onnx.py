@@ -244,9 +244,30 @@ def test_fuse_shared_input_matmuls_keeps_values(exported_portable):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     # in the real export: one Q/K/V product per decoder layer
     manifest = json.loads((exported_portable / MANIFEST_NAME).read_text())
-    assert manifest["export"]["graph_passes"] == ["fuse_shared_input_matmuls"]
+    assert manifest["export"]["graph_passes"] == ["fuse_shared_input_matmuls", "share_shape_reads"]
     decoder = onnx.load(exported_portable / DECODER_FILE)
     assert [n.op_type for n in decoder.graph.node].count("Split") == manifest["model_config"]["n_decoder_layers"]
+
+
+def test_share_shape_reads_rewires_only_equally_declared_inputs(exported_portable):
+    from onnx import TensorProto, helper
+
+    from export.lowering import share_shape_reads
+
+    def inp(name, dims):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
+
+    inputs = [inp("a", ["n", 3]), inp("b", ["n", 3]), inp("c", ["m", 3]), inp("d", [None, 3])]
+    nodes = [helper.make_node("Shape", [x], [f"s_{x}"]) for x in "abcd"]
+    outputs = [helper.make_tensor_value_info(f"s_{x}", TensorProto.INT64, [2]) for x in "abcd"]
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs), opset_imports=[helper.make_opsetid("", 18)])
+    assert share_shape_reads(model) == 1
+    assert [n.input[0] for n in model.graph.node] == ["a", "a", "c", "d"]  # only b shares a's declared shape
+    # in the real export: the decoder reads one self-attention cache shape and one cross K/V shape
+    decoder = onnx.load(exported_portable / DECODER_FILE)
+    read = {n.input[0] for n in decoder.graph.node if n.op_type == "Shape" and n.input[0] in
+            {i.name for i in decoder.graph.input}}
+    assert read <= {"self_key.0", "cross_key.0", "self_value.0", "cross_value.0"}, read
 
 
 # ------------------------------------------------------------------------------------------
