@@ -40,7 +40,7 @@ import torch
 from transformer_ext import decoding
 from transformer_ext.export_format import DTYPES, ExportError
 
-from .kv_cache import KVCache
+from .kv_cache import CacheStateViews, KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class ProfileLimits:
 
 
 @dataclass
-class DeviceState:
+class DeviceState(CacheStateViews):
     """Decoding state of a :class:`DeviceRunner` for N = batch x num_beams rows; all tensors on
     the runner's device, allocated once by :meth:`DeviceRunner.encode`."""
 
@@ -115,42 +115,9 @@ class DeviceState:
     backend: dict[str, Any] = field(default_factory=dict)  # the backend's per-decoding objects
 
     @property
-    def num_rows(self) -> int:
-        return int(self.src_lengths.shape[0])
-
-    @property
-    def cache_len(self) -> int:
-        """Allocated capacity L (>= the requested cache_len)."""
-        return self.cache.capacity
-
-    @property
-    def position(self) -> int:
-        """Tokens already in the caches (the same for every row)."""
-        return self.cache.length
-
-    @property
     def positions(self) -> torch.Tensor:
         """``[N]`` int64, the decoder step's ``positions`` (filled with ``position`` every step)."""
         return self.cache.step_positions
-
-    @property
-    def self_keys(self) -> list[torch.Tensor]:
-        """Per layer ``[N, H, L, d_k]``, cache dtype: views into the stacked cache."""
-        return self.cache.key_layers
-
-    @property
-    def self_values(self) -> list[torch.Tensor]:
-        return self.cache.value_layers
-
-    @property
-    def new_keys(self) -> list[torch.Tensor]:
-        """Portable flavour: per layer ``[N, H, 1, d_k]``, views into the stacked staging buffer
-        the graph writes; empty for the tensorscatter flavour."""
-        return self.cache.new_key_layers
-
-    @property
-    def new_values(self) -> list[torch.Tensor]:
-        return self.cache.new_value_layers
 
 
 # ------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from transformer_ext import decoding
 from transformer_ext.cli import UserError
 from transformer_ext.model import Transformer
 
-from .kv_cache import KVCache
+from .kv_cache import CacheStateViews, KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _encode_sources(model: Transformer, device: torch.device, input_ids: np.ndar
 
 
 @dataclass
-class EagerState:
+class EagerState(CacheStateViews):
     """Decoding state of :class:`EagerRunner` (N = batch * num_beams rows)."""
 
     src_lengths: torch.Tensor  # [N] int64
@@ -76,28 +76,6 @@ class EagerState:
     # Per layer (W_QKV, b_QKV), copied from the parameters at encode (model.fused_qkv()): one
     # Q/K/V GEMM per layer per step; a decode never sees a later parameter update.
     fused_qkv: Optional[list] = None
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.src_lengths.shape[0])
-
-    @property
-    def self_keys(self) -> list[torch.Tensor]:
-        """Per layer ``[N, H, cache_len, d_k]``: views into the stacked cache."""
-        return self.cache.key_layers
-
-    @property
-    def self_values(self) -> list[torch.Tensor]:
-        return self.cache.value_layers
-
-    @property
-    def position(self) -> int:
-        """Tokens already in the caches (the same for every row)."""
-        return self.cache.length
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.capacity
 
 
 class EagerRunner:

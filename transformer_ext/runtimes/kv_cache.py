@@ -48,7 +48,45 @@ from transformer_ext import decoding
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["KVCache", "HostKVCache", "CacheOverflowError"]
+__all__ = ["KVCache", "HostKVCache", "CacheOverflowError", "CacheStateViews"]
+
+
+class CacheStateViews:
+    """What every runner's decoding state exposes of its self-attention cache (``self.cache``, a
+    :class:`KVCache` or :class:`HostKVCache`) and of its rows (``self.src_lengths``)."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.src_lengths.shape[0])
+
+    @property
+    def self_keys(self) -> list:
+        """Per layer ``[N, H, cache_len, d_k]``: views into the stacked cache."""
+        return self.cache.key_layers
+
+    @property
+    def self_values(self) -> list:
+        return self.cache.value_layers
+
+    @property
+    def new_keys(self) -> list:
+        """Staging buffers (portable flavour): per layer ``[N, H, 1, d_k]`` views the graph
+        writes; empty without staging."""
+        return self.cache.new_key_layers
+
+    @property
+    def new_values(self) -> list:
+        return self.cache.new_value_layers
+
+    @property
+    def position(self) -> int:
+        """Tokens already in the caches (the same for every row)."""
+        return self.cache.length
+
+    @property
+    def cache_len(self) -> int:
+        """The allocated capacity."""
+        return self.cache.capacity
 
 
 class CacheOverflowError(RuntimeError):

@@ -43,7 +43,7 @@ from transformer_ext.export_format import (
     read_manifest,
 )
 
-from .kv_cache import HostKVCache
+from .kv_cache import CacheStateViews, HostKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ GRAPH_OPTIMIZATION_LEVELS = {
 }
 
 @dataclass
-class OrtState:
+class OrtState(CacheStateViews):
     """Decoding state of :class:`OrtRunner` for N = batch * num_beams rows."""
 
     binding: Any  # ort.IOBinding, bound once to the buffers below
@@ -70,37 +70,6 @@ class OrtState:
     # stacked buffers the portable graph writes the new K/V into.
     cache: HostKVCache
     logits: np.ndarray  # [N, V] float32, written by every step
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.src_lengths.shape[0])
-
-    @property
-    def self_keys(self) -> list[np.ndarray]:
-        """Per layer ``[N, H, cache_len, d_k]``: views into the stacked cache."""
-        return self.cache.key_layers
-
-    @property
-    def self_values(self) -> list[np.ndarray]:
-        return self.cache.value_layers
-
-    @property
-    def new_keys(self) -> list[np.ndarray]:
-        """Portable flavour: per layer ``[N, H, 1, d_k]`` (views); empty for tensorscatter."""
-        return self.cache.new_key_layers
-
-    @property
-    def new_values(self) -> list[np.ndarray]:
-        return self.cache.new_value_layers
-
-    @property
-    def position(self) -> int:
-        """Tokens already in the caches (the same for every row)."""
-        return self.cache.length
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.capacity
 
 
 def _io(values) -> list[dict]:
