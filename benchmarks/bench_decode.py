@@ -54,7 +54,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repository, if not installed
-from common import environment, machine_info, write_json  # noqa: E402
+from common import environment, machine_info, save_figure, write_json  # noqa: E402
 
 logger = logging.getLogger("bench_decode")
 
@@ -493,9 +493,7 @@ def plot(results: dict, path: str) -> None:
            title=f"{'/'.join(results['models'])}: {NEW_TOKENS} tokens, source {SRC_LEN}, one process per engine\n{cpu}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def run(models: list[str], engine_names: list[str] | None = None, batch_sizes=(1, 16), modes=MODES,

@@ -81,12 +81,35 @@ def environment() -> dict:
     return info
 
 
+def _json_safe(value):
+    """``value`` with every NaN or infinite float replaced by None (JSON has no such numbers)."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def write_json(path: str, payload: dict) -> None:
+    """``payload`` as indented JSON at ``path``, written atomically (:mod:`transformer_ext.fsutil`);
+    a NaN or infinite number (a case that could not be measured) becomes ``null``."""
+    from transformer_ext.fsutil import atomic_write_json
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+    atomic_write_json(path, _json_safe(payload))
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> None:
+    """A matplotlib figure as a PNG at ``path``, written atomically."""
+    import io
+
+    from transformer_ext.fsutil import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def lscpu() -> dict:
