@@ -108,3 +108,22 @@ def test_bench_linear_quick(tmp_path):
     (step,) = results["step"]
     assert step["rows"] == 1 and set(step["seconds"]) == {"ops.linear", "F.linear"}
     assert len(results["shape"]) == len(set(bench_linear.decoder_step_shapes(128, 512, 2, 1000)))
+
+
+def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_factory):
+    """profile_decode on the tiny export: the split adds up to the total, the profiler saw MatMuls."""
+    import profile_decode
+    from test_export_onnx import exported_dir
+
+    export = exported_dir(tmp_path_factory, "portable")
+    out = tmp_path / "profile.json"
+    assert profile_decode.main(["--export", str(export), "--batch-sizes", "2", "--new-tokens", "4", "--repeats", "1",
+                                "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [(c["mode"], c["batch"]) for c in results["cases"]] == [("greedy", 2), ("beam4", 2)]
+    for case in results["cases"]:
+        s = case["split_ms"]
+        assert s["total"] == pytest.approx(s["encode"] + s["step"] + s["reorder"] + s["search"], abs=0.01)
+        assert "MatMul" in case["operators"]["ops"] and case["operators"]["nodes_per_step"] > 0
+    with pytest.raises(SystemExit):
+        profile_decode.main(["--export", str(tmp_path), "--out", str(out)])  # not an export folder
