@@ -128,6 +128,20 @@ inline void apply_dropout_row(float* p, int64_t n, uint32_t r1, uint32_t r2, int
   }
 }
 
+// ---- prefetch ----------------------------------------------------------------------------
+
+// Asks for `n` rows of `row_bytes` bytes, `stride` elements apart, to be brought into the cache.
+// The rows of one head in a [B, T, H, D] buffer (what the model's projections give) lie H * D
+// elements apart, a stride the hardware prefetchers follow poorly; asking for every line of a
+// task up front overlaps their memory latencies instead of meeting them one row at a time.
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t n, int64_t stride, int64_t row_bytes) {
+  for (int64_t r = 0; r < n; ++r) {
+    const char* row = reinterpret_cast<const char*>(p + r * stride);
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 3);
+  }
+}
+
 // ---- conversions -------------------------------------------------------------------------
 
 // dst[d] = mul * src[d] for d < n, dst[n .. pad) = 0.
@@ -195,7 +209,16 @@ inline void nt_row_block(const float* A, int64_t lda, const float* BT, int64_t l
                          float* C, int64_t ldc, int64_t ncols) {
   int64_t c = 0;
   for (; c + kCols * W <= ncols; c += kCols * W) nt_micro<R, kCols>(A, lda, BT + c, ldb, D, C + c, ldc);
-  for (; c < ncols; c += W) nt_micro<R, 1>(A, lda, BT + c, ldb, D, C + c, ldc);
+  // The rest in one block as wide as it is (a narrow tile, e.g. 32 columns of a short sequence,
+  // would otherwise run one vector per pass: a broadcast per FMA).
+  const int64_t rest = (ncols - c) / W;
+  if constexpr (kCols > 3) {
+    if (rest == 3) return nt_micro<R, 3>(A, lda, BT + c, ldb, D, C + c, ldc);
+  }
+  if constexpr (kCols > 2) {
+    if (rest == 2) return nt_micro<R, 2>(A, lda, BT + c, ldb, D, C + c, ldc);
+  }
+  if (rest == 1) nt_micro<R, 1>(A, lda, BT + c, ldb, D, C + c, ldc);
 }
 
 // C [M, ncols] = A [M, D] . BT [D, ncols]; ncols a multiple of W.
@@ -486,6 +509,14 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
     lim[i] = row_key_limit(i, klen, a.Q, a.K, a.causal);
     kend = std::max(kend, lim[i]);
     if (lim[i] == 0) qstart = i + 1;  // lim is non-decreasing in i
+  }
+  {
+    const int64_t rb = D * static_cast<int64_t>(sizeof(T)), nq = qlen - qstart;
+    prefetch_rows(qb + qstart * a.qs2, nq, a.qs2, rb);
+    prefetch_rows(gb + qstart * a.gs2, nq, a.gs2, rb);
+    prefetch_rows(ob + qstart * a.os2, nq, a.os2, rb);
+    prefetch_rows(kb, kend, a.ks2, rb);
+    prefetch_rows(vb, kend, a.vs2, rb);
   }
   for (int64_t i = qstart; i < qlen; ++i) {
     load_row(qb + i * a.qs2, Qf + i * Dp, D, Dp, qmul);
