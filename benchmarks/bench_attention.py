@@ -273,9 +273,11 @@ def main(argv=None):
         sizes, repeats, min_time = [32, 64], 2, 0.005
     else:
         repeats, min_time = args.repeats, 0.05
+    load_before = os.getloadavg()  # other processes on the machine skew every ratio: recorded
     results = {"device": args.device, "environment": {**environment(), **cpu_description()},
                "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
                "cases": bench(args.device, sizes, repeats, min_time)}
+    results["load_average_1_5_15min"] = {"before": load_before, "after": os.getloadavg()}
     if args.device == "cpu" and not args.quick:
         results["peak_memory_fwd_bwd"] = peak_memory(max(sizes), args.threads)
     write_json(out, results)
