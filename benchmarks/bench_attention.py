@@ -13,7 +13,8 @@ forward alone or forward + backward. Engines, timed side by side (interleaved re
 * ``three_step``: matmul, ``ops.masked_softmax``, ``F.dropout``, matmul (today's training path).
 
 Outputs are compared (dropout 0) before anything is timed. Peak memory of forward + backward at
-the largest T: the growth of the peak RSS of a fresh process per engine (inputs allocated first).
+the largest T, in a fresh process per engine: the growth of the peak RSS (inputs and a small
+same-style warm-up first) and the peak of torch's allocator (torch.profiler).
 """
 
 from __future__ import annotations
@@ -116,34 +117,81 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
+def _head_views(q, k, v):
+    """q, k, v as head views of [B, T, H * D] projections, as in the model (gradients land in
+    the contiguous bases, which are returned too)."""
+    bases = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    return bases, [t.transpose(1, 2) for t in bases]
+
+
+def _allocator_peak(run) -> int:
+    """Peak of the bytes live in torch's CPU allocator during ``run()``, above what was live when
+    it started (torch.profiler's memory events, summed in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def memory_probe(engine, T, ragged, threads):
-    """Peak-RSS growth (bytes) of one forward + backward in this fresh process: the peak RSS is
-    reset (``/proc/self/clear_refs``) once the inputs exist, so start-up peaks do not count."""
+    """Memory of one forward + backward at length T in this fresh process, two ways:
+
+    * ``peak_rss_growth_bytes``: the growth of the peak RSS (``VmHWM``, reset through
+      ``/proc/self/clear_refs`` once the inputs exist, so start-up peaks do not count);
+    * ``allocator_peak_bytes``: the peak of the bytes live in torch's allocator (torch.profiler,
+      ``profile_memory=True``) during a second, identical forward + backward.
+
+    Before either, a small warm-up runs the same engine the same way (head views of projections,
+    ``backward`` with an explicit gradient): the first explicit-gradient ``backward`` of a process
+    imports torch.fx's symbolic-shape helpers (sympy, mpmath: about 34 MiB of Python objects),
+    which would otherwise land in the measured RSS of every engine alike.
+    """
     torch.set_num_threads(threads)
-    warm = make_inputs(2, 2, 8, 64, ragged, "cpu", grad=True)  # library and thread-pool start-up
-    engine_fn(engine, *warm[:3], warm[3], warm[4], 0.0)().sum().backward()
+    wq, wk, wv, wl, wm = make_inputs(2, 2, 8, 64, ragged, "cpu")
+    _, views = _head_views(wq, wk, wv)
+    warm_out = engine_fn(engine, *views, wl, wm, 0.0)()
+    warm_out.backward(torch.ones_like(warm_out))
+    del warm_out, views
     B = max(1, 4096 // T)
     q, k, v, lengths, mask = make_inputs(B, 8, T, 64, ragged, "cpu")
-    # as in the model: q, k, v are head views of [B, T, H * D] projections (gradients land there)
-    bases = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-    q, k, v = (t.transpose(1, 2) for t in bases)
+    bases, (q, k, v) = _head_views(q, k, v)
     grad_out = torch.randn_like(q)
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")  # reset VmHWM to the current RSS
     before = _rss_kib("VmRSS")
-    engine_fn(engine, q, k, v, lengths, mask, 0.0)().backward(grad_out)
-    return (_rss_kib("VmHWM") - before) * 1024
+    fn = engine_fn(engine, q, k, v, lengths, mask, 0.0)
+    fn().backward(grad_out)
+    rss = (_rss_kib("VmHWM") - before) * 1024
+    for t in bases:
+        t.grad = None
+    return {"peak_rss_growth_bytes": rss, "allocator_peak_bytes": _allocator_peak(lambda: fn().backward(grad_out))}
 
 
 def peak_memory(T, threads):
-    out = {}
+    rss, alloc = {}, {}
     for engine in ENGINES:
         cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", engine, "--memory-T", str(T),
                "--threads", str(threads)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        out[engine] = json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_growth_bytes"]
-        logger.info("peak RSS growth of fwd+bwd at T=%d (full rows): %-10s %8.1f MiB", T, engine, out[engine] / 2**20)
-    return out
+        probe = json.loads(res.stdout.strip().splitlines()[-1])
+        rss[engine], alloc[engine] = probe["peak_rss_growth_bytes"], probe["allocator_peak_bytes"]
+        logger.info("fwd+bwd at T=%d (full rows): %-10s peak RSS growth %7.1f MiB, allocator peak %7.1f MiB",
+                    T, engine, rss[engine] / 2**20, alloc[engine] / 2**20)
+    return {"T": T, "bytes": rss, "allocator_peak_bytes": alloc,
+            "ratio_ours_vs_three_step": {"rss": rss["ours"] / rss["three_step"],
+                                         "allocator": alloc["ours"] / alloc["three_step"]},
+            "method": "fresh process per engine; inputs (head views of [B, T, H*D] projections) and a small "
+                      "warm-up of the same engine with an explicit-gradient backward first (it imports torch.fx's "
+                      "sympy helpers, ~34 MiB, once per process); bytes: growth of the peak RSS over one "
+                      "forward + backward; allocator_peak_bytes: peak of torch's allocator (torch.profiler "
+                      "profile_memory) over a second one. The irreducible part is the output and dq, dk, dv: "
+                      "4 * B*H*T*D float32 = 32 MiB at T = 1024."}
 
 
 def plot(results, path):
@@ -198,7 +246,7 @@ def main(argv=None):
     p.add_argument("--memory-T", type=int, default=1024, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.memory_probe:
-        print(json.dumps({"peak_rss_growth_bytes": memory_probe(args.memory_probe, args.memory_T, False, args.threads)}))
+        print(json.dumps(memory_probe(args.memory_probe, args.memory_T, False, args.threads)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -217,7 +265,7 @@ def main(argv=None):
     if args.memory_only:
         with open(out, encoding="utf-8") as f:
             results = json.load(f)
-        results["peak_memory_fwd_bwd"] = {"T": max(sizes), "bytes": peak_memory(max(sizes), args.threads)}
+        results["peak_memory_fwd_bwd"] = peak_memory(max(sizes), args.threads)
         write_json(out, results)
         logger.info("updated %s", out)
         return
@@ -225,11 +273,13 @@ def main(argv=None):
         sizes, repeats, min_time = [32, 64], 2, 0.005
     else:
         repeats, min_time = args.repeats, 0.05
+    load_before = os.getloadavg()  # other processes on the machine skew every ratio: recorded
     results = {"device": args.device, "environment": {**environment(), **cpu_description()},
                "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
                "cases": bench(args.device, sizes, repeats, min_time)}
+    results["load_average_1_5_15min"] = {"before": load_before, "after": os.getloadavg()}
     if args.device == "cpu" and not args.quick:
-        results["peak_memory_fwd_bwd"] = {"T": max(sizes), "bytes": peak_memory(max(sizes), args.threads)}
+        results["peak_memory_fwd_bwd"] = peak_memory(max(sizes), args.threads)
     write_json(out, results)
     plot(results, os.path.splitext(out)[0] + ".png")
     logger.info("wrote %s and %s", out, os.path.splitext(out)[0] + ".png")

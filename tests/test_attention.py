@@ -143,6 +143,39 @@ def test_attention_never_reads_past_lengths(device):
     assert torch.equal(clean, dirty)
 
 
+def _poisoned_backward_grads(device, dtype=torch.float32):
+    """Gradients of the same attention with and without NaN/inf in the rows past the lengths
+    (keys and values past key_lengths, queries and output gradients past query_lengths)."""
+    B, H, Q, K, D = 2, 2, 20, 80, 16
+    q, k, v = _inputs(B, H, Q, K, D, dtype=dtype, device=device, seed=8)
+    g = torch.randn(B, H, Q, D, generator=_gen(9), dtype=torch.float64).to(device=device, dtype=dtype)
+    kl = torch.tensor([70, 3], device=device)
+    ql = torch.tensor([20, 11], device=device)
+    grads = []
+    for poison in (False, True):
+        q2, k2, v2, g2 = q.clone(), k.clone(), v.clone(), g.clone()
+        if poison:
+            k2[0, :, 70:] = float("nan")
+            v2[0, :, 70:] = float("inf")
+            k2[1, :, 3:] = float("nan")
+            v2[1, :, 3:] = float("nan")
+            q2[1, :, 11:] = float("nan")
+            g2[1, :, 11:] = float("nan")
+        leaves = [t.requires_grad_() for t in (q2, k2, v2)]
+        ops.attention(*leaves, key_lengths=kl, query_lengths=ql, dropout_p=0.2, seed=3).backward(g2)
+        grads.append([t.grad for t in leaves])
+    return grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64: the ATen composite
+def test_attention_backward_never_reads_past_lengths(device, dtype):
+    clean, dirty = _poisoned_backward_grads(device, dtype)
+    for c, d in zip(clean, dirty):
+        assert torch.isfinite(d).all()
+        assert torch.equal(c, d)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_nan_score_makes_its_row_nan(device):
     q, k, v = _inputs(1, 1, 6, 6, 8, device=device, seed=9)
@@ -511,10 +544,16 @@ ref.sum().backward()
 assert (out.double() - ref).abs().max() < 2e-6
 for a, r in zip(leaves, refs):
     assert (a.grad.double() - r.grad).abs().max() < 1e-5
+from test_attention import _poisoned_backward_grads
+for dtype in (torch.float32, torch.float64):
+    clean, dirty = _poisoned_backward_grads("cpu", dtype)
+    for c, d in zip(clean, dirty):
+        assert torch.isfinite(d).all() and torch.equal(c, d), "composite backward read past the lengths"
 print("ok")
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRANSFORMER_EXT_CPU_FALLBACK="1", PYTHONPATH=root)
+    env = dict(os.environ, TRANSFORMER_EXT_CPU_FALLBACK="1",
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 

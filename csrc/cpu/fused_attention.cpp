@@ -402,7 +402,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_composite(
     dv.zero_();
     return {dq, dk, dv};
   }
-  const at::Tensor qf = q.to(acc), kf = k.to(acc), vf = v.to(acc), gf = g.to(acc);
+  // Rows past the lengths are never used: zeroed so that a NaN there cannot leak through a
+  // zero probability (0 * NaN) into the products below.
+  const auto lo = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor past_k = at::arange(K, lo).view({1, 1, K, 1}) >= klen.view({-1, 1, 1, 1});
+  const at::Tensor past_q = at::arange(Q, lo).view({1, 1, Q, 1}) >= qlen.view({-1, 1, 1, 1});
+  const at::Tensor qf = q.to(acc).masked_fill(past_q, 0.0), gf = g.to(acc).masked_fill(past_q, 0.0);
+  const at::Tensor kf = k.to(acc).masked_fill(past_k, 0.0), vf = v.to(acc).masked_fill(past_k, 0.0);
   Probs pr = composite_probs(qf, kf, klen, qlen, scale, causal);
   at::Tensor keep_scaled;
   at::Tensor pd = pr.p;
@@ -412,7 +418,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_composite(
     pd = pd * keep_scaled;
     dp = dp * keep_scaled;
   }
-  const at::Tensor delta = (gf * out.to(acc)).sum(-1, true);
+  const at::Tensor delta = (gf * out.to(acc).masked_fill(past_q, 0.0)).sum(-1, true);
   const at::Tensor ds = (pr.p * (dp - delta)).masked_fill(pr.allowed.logical_not(), 0.0);
   at::Tensor dq = empty_bthd(B, H, Q, D, q.options());
   at::Tensor dk = empty_bthd(B, H, K, D, q.options());

@@ -128,6 +128,20 @@ inline void apply_dropout_row(float* p, int64_t n, uint32_t r1, uint32_t r2, int
   }
 }
 
+// ---- prefetch ----------------------------------------------------------------------------
+
+// Asks for `n` rows of `row_bytes` bytes, `stride` elements apart, to be brought into the cache.
+// The rows of one head in a [B, T, H, D] buffer (what the model's projections give) lie H * D
+// elements apart, a stride the hardware prefetchers follow poorly; asking for every line of a
+// task up front overlaps their memory latencies instead of meeting them one row at a time.
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t n, int64_t stride, int64_t row_bytes) {
+  for (int64_t r = 0; r < n; ++r) {
+    const char* row = reinterpret_cast<const char*>(p + r * stride);
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 3);
+  }
+}
+
 // ---- conversions -------------------------------------------------------------------------
 
 // dst[d] = mul * src[d] for d < n, dst[n .. pad) = 0.
@@ -195,7 +209,16 @@ inline void nt_row_block(const float* A, int64_t lda, const float* BT, int64_t l
                          float* C, int64_t ldc, int64_t ncols) {
   int64_t c = 0;
   for (; c + kCols * W <= ncols; c += kCols * W) nt_micro<R, kCols>(A, lda, BT + c, ldb, D, C + c, ldc);
-  for (; c < ncols; c += W) nt_micro<R, 1>(A, lda, BT + c, ldb, D, C + c, ldc);
+  // The rest in one block as wide as it is (a narrow tile, e.g. 32 columns of a short sequence,
+  // would otherwise run one vector per pass: a broadcast per FMA).
+  const int64_t rest = (ncols - c) / W;
+  if constexpr (kCols > 3) {
+    if (rest == 3) return nt_micro<R, 3>(A, lda, BT + c, ldb, D, C + c, ldc);
+  }
+  if constexpr (kCols > 2) {
+    if (rest == 2) return nt_micro<R, 2>(A, lda, BT + c, ldb, D, C + c, ldc);
+  }
+  if (rest == 1) nt_micro<R, 1>(A, lda, BT + c, ldb, D, C + c, ldc);
 }
 
 // C [M, ncols] = A [M, D] . BT [D, ncols]; ncols a multiple of W.
@@ -354,51 +377,85 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
     std::fill(O + r * Dp, O + (r + 1) * Dp, 0.f);
     if (a.dropout) dropout_row_keys(a.bh_key1[b * a.H + h], a.bh_key2[b * a.H + h], i0 + r, &r1[r], &r2[r]);
   }
+  // float32 K and V tiles are read in place (rows of keys, any row stride); other dtypes, and
+  // V rows that are not whole vectors, are converted into Kf / Vf first.
+  constexpr bool kF32 = std::is_same_v<T, float>;
+  const bool v_direct = kF32 && D == Dp;
   for (int64_t j0 = 0; j0 < kend; j0 += BN) {
     const int64_t jn = std::min(BN, kend - j0);
-    for (int64_t c = 0; c < jn; ++c) {  // nothing past kend (<= key_lengths[b]) is read
-      load_row(kb + (j0 + c) * a.ks2, Kf + c * D, D, D, 1.f);
-      load_row(vb + (j0 + c) * a.vs2, Vf + c * Dp, D, Dp, 1.f);
-    }
     // Rows that see no key of this tile are the first ones of the block (causal): skip them.
     int64_t rfirst = 0;
     while (rfirst < M && lim[rfirst] <= j0) ++rfirst;
     if (rfirst >= M) continue;
+    const float* Kt = Kf;
+    const float* Vt = Vf;
+    int64_t ldk = D, ldv = Dp;
+    if constexpr (kF32) {
+      Kt = reinterpret_cast<const float*>(kb) + j0 * a.ks2;
+      ldk = a.ks2;
+    }
+    if (v_direct) {
+      Vt = reinterpret_cast<const float*>(vb) + j0 * a.vs2;
+      ldv = a.vs2;
+    }
+    for (int64_t c = 0; c < jn; ++c) {  // nothing past kend (<= key_lengths[b]) is read
+      if constexpr (!kF32) load_row(kb + (j0 + c) * a.ks2, Kf + c * D, D, D, 1.f);
+      if (!v_direct) load_row(vb + (j0 + c) * a.vs2, Vf + c * Dp, D, Dp, 1.f);
+    }
     const int64_t v0 = rfirst / W * W;
-    nt_product(Kf, D, QT + v0, BM, D, ST + v0, BM, jn, Mp - v0);
-    for (int64_t rv = v0; rv < Mp; rv += W) {
+    nt_product(Kt, ldk, QT + v0, BM, D, ST + v0, BM, jn, Mp - v0);
+    // kMasked: some lane of the vector has keys of this tile outside its limit (causal diagonal,
+    // key lengths, padding lanes); without, the compare-and-select per score is left out.
+    auto softmax_tile = [&](auto masked_tag, auto dropout_tag, int64_t rv) {
+      constexpr bool kMasked = decltype(masked_tag)::value;
+      constexpr bool kDropout = decltype(dropout_tag)::value;
       const vi vlim = *reinterpret_cast<const viu*>(lim + rv);
       vf tmax = splat(neg_inf);
       for (int64_t c = 0; c < jn; ++c) {
         const vf x = load(ST + c * BM + rv);
-        tmax = vmax(tmax, vlim > static_cast<int32_t>(j0 + c) ? x : splat(neg_inf));
+        if constexpr (kMasked) {
+          tmax = vmax(tmax, vlim > static_cast<int32_t>(j0 + c) ? x : splat(neg_inf));
+        } else {
+          tmax = vmax(tmax, x);
+        }
       }
       const vf mold = load(m + rv);
       const vf mnew = vmax(mold, tmax);
       const vf al = mold == mnew ? splat(1.f) : exp2v(mold - mnew);
       vf sum = splat(0.f);
-      const vu k1 = *reinterpret_cast<const vuu*>(r1 + rv);
-      const vu k2 = *reinterpret_cast<const vuu*>(r2 + rv);
+      [[maybe_unused]] const vu k1 = *reinterpret_cast<const vuu*>(r1 + rv);
+      [[maybe_unused]] const vu k2 = *reinterpret_cast<const vuu*>(r2 + rv);
       for (int64_t c = 0; c < jn; ++c) {
         const int32_t j = static_cast<int32_t>(j0 + c);
-        const vf e = vlim > j ? exp2v(load(ST + c * BM + rv) - mnew) : splat(0.f);
+        vf e = exp2v(load(ST + c * BM + rv) - mnew);
+        if constexpr (kMasked) e = vlim > j ? e : splat(0.f);
         sum += e;
-        if (a.dropout) {
+        if constexpr (kDropout) {
           const vu u = mix32v(mix32v(splat_u(static_cast<uint32_t>(j)) + k1) ^ k2);
-          store(ST + c * BM + rv, u >= a.threshold ? e : splat(0.f));
-        } else {
-          store(ST + c * BM + rv, e);
+          e = u >= a.threshold ? e : splat(0.f);
         }
+        store(ST + c * BM + rv, e);
       }
       store(l + rv, load(l + rv) * al + sum);
       store(m + rv, mnew);
       store(alpha + rv, al);
+    };
+    for (int64_t rv = v0; rv < Mp; rv += W) {
+      bool masked = false;
+      for (int k = 0; k < W; ++k) masked |= lim[rv + k] < j0 + jn;
+      if (masked) {
+        if (a.dropout) softmax_tile(std::true_type{}, std::true_type{}, rv);
+        else softmax_tile(std::true_type{}, std::false_type{}, rv);
+      } else {
+        if (a.dropout) softmax_tile(std::false_type{}, std::true_type{}, rv);
+        else softmax_tile(std::false_type{}, std::false_type{}, rv);
+      }
     }
     for (int64_t r = rfirst; r < M; ++r) {
       n[r] = std::clamp<int64_t>(lim[r] - j0, 0, jn);
       if (alpha[r] != 1.f) scale_row(O + r * Dp, Dp, alpha[r]);
     }
-    acc_rows_limited(ST + rfirst, 1, BM, n + rfirst, M - rfirst, Vf, Dp, O + rfirst * Dp, Dp, Dp);
+    acc_rows_limited(ST + rfirst, 1, BM, n + rfirst, M - rfirst, Vt, ldv, O + rfirst * Dp, Dp, Dp);
   }
   T* ob = a.out + b * a.os0 + h * a.os1;
   float* lse = a.lse + (b * a.H + h) * a.Q;
@@ -452,6 +509,14 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
     lim[i] = row_key_limit(i, klen, a.Q, a.K, a.causal);
     kend = std::max(kend, lim[i]);
     if (lim[i] == 0) qstart = i + 1;  // lim is non-decreasing in i
+  }
+  {
+    const int64_t rb = D * static_cast<int64_t>(sizeof(T)), nq = qlen - qstart;
+    prefetch_rows(qb + qstart * a.qs2, nq, a.qs2, rb);
+    prefetch_rows(gb + qstart * a.gs2, nq, a.gs2, rb);
+    prefetch_rows(ob + qstart * a.os2, nq, a.os2, rb);
+    prefetch_rows(kb, kend, a.ks2, rb);
+    prefetch_rows(vb, kend, a.vs2, rb);
   }
   for (int64_t i = qstart; i < qlen; ++i) {
     load_row(qb + i * a.qs2, Qf + i * Dp, D, Dp, qmul);
