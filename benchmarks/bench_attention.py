@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, if not installed
-from common import environment, sync, time_side_by_side, write_json  # noqa: E402
+from common import environment, save_figure, sync, time_side_by_side, write_json  # noqa: E402
 
 from transformer_ext import ops  # noqa: E402
 
@@ -214,9 +214,7 @@ def plot(results, path):
     env = results["environment"]
     fig.suptitle(f"ops.attention on {results['device']} ({env.get('gpu', env.get('cpu_model', 'cpu'))}, {env['torch_threads']} threads)")
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def cpu_description() -> dict:
@@ -263,6 +261,8 @@ def main(argv=None):
     torch.manual_seed(0)
     out = args.out or os.path.join(HERE, "results", f"bench_attention_{args.device}.json")
     if args.memory_only:
+        if not os.path.isfile(out):
+            p.error(f"--memory-only adds to an existing result file, and {out} does not exist: run without it first")
         with open(out, encoding="utf-8") as f:
             results = json.load(f)
         results["peak_memory_fwd_bwd"] = peak_memory(max(sizes), args.threads)

@@ -568,3 +568,17 @@ def test_bench_attention_smoke():
 
     rows = bench_attention.bench("cpu", [16], repeats=1, min_time=0.0)
     assert len(rows) == 8 and all(set(r["seconds"]) == set(bench_attention.ENGINES) for r in rows)
+
+
+def test_bench_attention_memory_only_needs_an_existing_result(tmp_path, capsys):
+    """--memory-only adds to a result file: a missing one is an argument error, not a traceback."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_attention
+
+    with pytest.raises(SystemExit) as exc:
+        bench_attention.main(["--memory-only", "--out", str(tmp_path / "missing.json")])
+    assert exc.value.code == 2 and "run without it first" in capsys.readouterr().err
+    assert not (tmp_path / "missing.json").exists()
