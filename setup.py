@@ -57,8 +57,10 @@ def _want_cuda() -> bool:
         return False
     if CUDA_MODE == "1":
         if not has_cuda_torch:
-            sys.exit("TRANSFORMER_EXT_CUDA=1 but torch is a CPU-only build "
-                     f"({torch.__version__}); install a CUDA build of torch.")
+            sys.exit(
+                "TRANSFORMER_EXT_CUDA=1 but torch is a CPU-only build "
+                f"({torch.__version__}); install a CUDA build of torch."
+            )
         if not _nvcc_found():
             sys.exit("TRANSFORMER_EXT_CUDA=1 but nvcc was not found; set CUDA_HOME to the toolkit.")
         return True
@@ -153,7 +155,9 @@ setup(
     package_data={"transformer_ext": ["demo_model/*"]},
     include_package_data=True,
     ext_modules=[] if DEPLOY else [_extension()],
-    cmdclass={"develop": develop} if DEPLOY else {"build_ext": cpp_extension.BuildExtension, "develop": develop},
+    cmdclass={"develop": develop}
+    if DEPLOY
+    else {"build_ext": cpp_extension.BuildExtension, "develop": develop},
     install_requires=[] if DEPLOY else _requirements("requirements/runtime.txt"),
     extras_require={
         # The deployment extra: translate from an export folder with ONNX Runtime, no torch.
@@ -166,8 +170,16 @@ setup(
         "corpus": _requirements("requirements/corpus.txt"),
         # BLEU / chrF scores and SentencePiece (python -m transformer_ext.evaluate, train --train)
         "eval": _requirements("requirements/eval.txt"),
-        "test": ["pytest>=8", "hypothesis>=6", "num2words>=0.5.13", "onnx>=1.17",
-                 "onnxscript>=0.2", "onnxruntime>=1.20", "sentencepiece>=0.2.3", "sacrebleu>=2.6"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "num2words>=0.5.13",
+            "onnx>=1.17",
+            "onnxscript>=0.2",
+            "onnxruntime>=1.20",
+            "sentencepiece>=0.2.3",
+            "sacrebleu>=2.6",
+        ],
     },
     entry_points={
         "console_scripts": [

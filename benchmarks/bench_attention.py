@@ -58,11 +58,13 @@ def engine_fn(name, q, k, v, lengths, mask, p):
     if name == "sdpa":
         return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)
     if name == "three_step":
+
         def three():
             probs = ops.masked_softmax(q @ k.transpose(-2, -1), mask, scale, False)
             if p > 0:
                 probs = F.dropout(probs, p)
             return probs @ v
+
         return three
     raise ValueError(f"unknown engine {name!r}; expected one of {ENGINES}")
 
@@ -72,6 +74,7 @@ def with_backward(fn, grad_out):
         out = fn()
         out.backward(grad_out)
         return out
+
     return run
 
 
@@ -92,20 +95,41 @@ def bench(device, sizes, repeats, min_time):
                             if err > 1e-4:
                                 raise RuntimeError(f"{e} differs from three_step by {err:.3g} at T={T}")
                     if mode == "fwd+bwd":
-                        grad_out = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1)).to(device)
+                        grad_out = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1)).to(
+                            device
+                        )
                         fns = {e: with_backward(f, grad_out) for e, f in fns.items()}
                         ctx = torch.enable_grad()
                     else:
                         ctx = torch.no_grad()
                     with ctx:
                         t = time_side_by_side(fns, device, repeats=repeats, min_time=min_time)
-                    row = {"T": T, "B": B, "H": H, "D": D, "ragged": ragged, "dropout_p": p, "mode": mode,
-                           "seconds": t, "speedup_vs_sdpa": t["sdpa"] / t["ours"],
-                           "speedup_vs_three_step": t["three_step"] / t["ours"]}
+                    row = {
+                        "T": T,
+                        "B": B,
+                        "H": H,
+                        "D": D,
+                        "ragged": ragged,
+                        "dropout_p": p,
+                        "mode": mode,
+                        "seconds": t,
+                        "speedup_vs_sdpa": t["sdpa"] / t["ours"],
+                        "speedup_vs_three_step": t["three_step"] / t["ours"],
+                    }
                     rows.append(row)
-                    logger.info("T=%4d B=%3d %-6s p=%.1f %-7s ours %8.2f ms  sdpa %8.2f ms (%.2fx)  three-step %8.2f ms (%.2fx)",
-                                T, B, "ragged" if ragged else "full", p, mode, t["ours"] * 1e3, t["sdpa"] * 1e3,
-                                row["speedup_vs_sdpa"], t["three_step"] * 1e3, row["speedup_vs_three_step"])
+                    logger.info(
+                        "T=%4d B=%3d %-6s p=%.1f %-7s ours %8.2f ms  sdpa %8.2f ms (%.2fx)  three-step %8.2f ms (%.2fx)",
+                        T,
+                        B,
+                        "ragged" if ragged else "full",
+                        p,
+                        mode,
+                        t["ours"] * 1e3,
+                        t["sdpa"] * 1e3,
+                        row["speedup_vs_sdpa"],
+                        t["three_step"] * 1e3,
+                        row["speedup_vs_three_step"],
+                    )
     return rows
 
 
@@ -131,7 +155,9 @@ def _allocator_peak(run) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -170,28 +196,50 @@ def memory_probe(engine, T, ragged, threads):
     rss = (_rss_kib("VmHWM") - before) * 1024
     for t in bases:
         t.grad = None
-    return {"peak_rss_growth_bytes": rss, "allocator_peak_bytes": _allocator_peak(lambda: fn().backward(grad_out))}
+    return {
+        "peak_rss_growth_bytes": rss,
+        "allocator_peak_bytes": _allocator_peak(lambda: fn().backward(grad_out)),
+    }
 
 
 def peak_memory(T, threads):
     rss, alloc = {}, {}
     for engine in ENGINES:
-        cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", engine, "--memory-T", str(T),
-               "--threads", str(threads)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--memory-probe",
+            engine,
+            "--memory-T",
+            str(T),
+            "--threads",
+            str(threads),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         probe = json.loads(res.stdout.strip().splitlines()[-1])
         rss[engine], alloc[engine] = probe["peak_rss_growth_bytes"], probe["allocator_peak_bytes"]
-        logger.info("fwd+bwd at T=%d (full rows): %-10s peak RSS growth %7.1f MiB, allocator peak %7.1f MiB",
-                    T, engine, rss[engine] / 2**20, alloc[engine] / 2**20)
-    return {"T": T, "bytes": rss, "allocator_peak_bytes": alloc,
-            "ratio_ours_vs_three_step": {"rss": rss["ours"] / rss["three_step"],
-                                         "allocator": alloc["ours"] / alloc["three_step"]},
-            "method": "fresh process per engine; inputs (head views of [B, T, H*D] projections) and a small "
-                      "warm-up of the same engine with an explicit-gradient backward first (it imports torch.fx's "
-                      "sympy helpers, ~34 MiB, once per process); bytes: growth of the peak RSS over one "
-                      "forward + backward; allocator_peak_bytes: peak of torch's allocator (torch.profiler "
-                      "profile_memory) over a second one. The irreducible part is the output and dq, dk, dv: "
-                      "4 * B*H*T*D float32 = 32 MiB at T = 1024."}
+        logger.info(
+            "fwd+bwd at T=%d (full rows): %-10s peak RSS growth %7.1f MiB, allocator peak %7.1f MiB",
+            T,
+            engine,
+            rss[engine] / 2**20,
+            alloc[engine] / 2**20,
+        )
+    return {
+        "T": T,
+        "bytes": rss,
+        "allocator_peak_bytes": alloc,
+        "ratio_ours_vs_three_step": {
+            "rss": rss["ours"] / rss["three_step"],
+            "allocator": alloc["ours"] / alloc["three_step"],
+        },
+        "method": "fresh process per engine; inputs (head views of [B, T, H*D] projections) and a small "
+        "warm-up of the same engine with an explicit-gradient backward first (it imports torch.fx's "
+        "sympy helpers, ~34 MiB, once per process); bytes: growth of the peak RSS over one "
+        "forward + backward; allocator_peak_bytes: peak of torch's allocator (torch.profiler "
+        "profile_memory) over a second one. The irreducible part is the output and dq, dk, dv: "
+        "4 * B*H*T*D float32 = 32 MiB at T = 1024.",
+    }
 
 
 def plot(results, path):
@@ -204,15 +252,30 @@ def plot(results, path):
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
         for ragged in (False, True):
             for p in (0.0, 0.1):
-                rs = [r for r in results["cases"] if r["mode"] == mode and r["ragged"] == ragged and r["dropout_p"] == p]
+                rs = [
+                    r
+                    for r in results["cases"]
+                    if r["mode"] == mode and r["ragged"] == ragged and r["dropout_p"] == p
+                ]
                 label = f"{'ragged' if ragged else 'full'}, dropout {p}"
-                ax.plot([r["T"] for r in rs], [r["speedup_vs_sdpa"] for r in rs], "o-", label=f"vs SDPA, {label}")
-                ax.plot([r["T"] for r in rs], [r["speedup_vs_three_step"] for r in rs], "s--", label=f"vs three-step, {label}")
+                ax.plot(
+                    [r["T"] for r in rs], [r["speedup_vs_sdpa"] for r in rs], "o-", label=f"vs SDPA, {label}"
+                )
+                ax.plot(
+                    [r["T"] for r in rs],
+                    [r["speedup_vs_three_step"] for r in rs],
+                    "s--",
+                    label=f"vs three-step, {label}",
+                )
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set(xscale="log", xlabel="T (B = 4096 / T), H=8, D=64", ylabel="speed-up of ops.attention", title=mode)
+        ax.set(
+            xscale="log", xlabel="T (B = 4096 / T), H=8, D=64", ylabel="speed-up of ops.attention", title=mode
+        )
         ax.legend(fontsize=7)
     env = results["environment"]
-    fig.suptitle(f"ops.attention on {results['device']} ({env.get('gpu', env.get('cpu_model', 'cpu'))}, {env['torch_threads']} threads)")
+    fig.suptitle(
+        f"ops.attention on {results['device']} ({env.get('gpu', env.get('cpu_model', 'cpu'))}, {env['torch_threads']} threads)"
+    )
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -224,7 +287,11 @@ def cpu_description() -> dict:
         for line in out.splitlines():
             key, _, value = line.partition(":")
             if key.strip() in ("Model name", "L2 cache", "L3 cache", "CPU(s)"):
-                info[{"Model name": "cpu_model", "L2 cache": "l2", "L3 cache": "l3", "CPU(s)": "cpus"}[key.strip()]] = value.strip()
+                info[
+                    {"Model name": "cpu_model", "L2 cache": "l2", "L3 cache": "l3", "CPU(s)": "cpus"}[
+                        key.strip()
+                    ]
+                ] = value.strip()
     except (OSError, subprocess.CalledProcessError):
         pass
     return info
@@ -234,12 +301,21 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads on CPU (default: 2)")
-    p.add_argument("--repeats", type=int, default=7, help="repeats per case; medians are reported (default: 7)")
+    p.add_argument(
+        "--repeats", type=int, default=7, help="repeats per case; medians are reported (default: 7)"
+    )
     p.add_argument("--sizes", default="64,128,256,512,1024", help="comma-separated T values")
-    p.add_argument("--quick", action="store_true", help="T in {32, 64}, 2 repeats, no memory probe: a smoke test")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_attention_<device>.json)")
-    p.add_argument("--memory-only", action="store_true",
-                   help="only measure the peak memory (at the largest --sizes) and add it to the existing --out JSON")
+    p.add_argument(
+        "--quick", action="store_true", help="T in {32, 64}, 2 repeats, no memory probe: a smoke test"
+    )
+    p.add_argument(
+        "--out", default=None, help="JSON path (default: benchmarks/results/bench_attention_<device>.json)"
+    )
+    p.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="only measure the peak memory (at the largest --sizes) and add it to the existing --out JSON",
+    )
     p.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     p.add_argument("--memory-T", type=int, default=1024, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -262,7 +338,9 @@ def main(argv=None):
     out = args.out or os.path.join(HERE, "results", f"bench_attention_{args.device}.json")
     if args.memory_only:
         if not os.path.isfile(out):
-            p.error(f"--memory-only adds to an existing result file, and {out} does not exist: run without it first")
+            p.error(
+                f"--memory-only adds to an existing result file, and {out} does not exist: run without it first"
+            )
         with open(out, encoding="utf-8") as f:
             results = json.load(f)
         results["peak_memory_fwd_bwd"] = peak_memory(max(sizes), args.threads)
@@ -274,9 +352,12 @@ def main(argv=None):
     else:
         repeats, min_time = args.repeats, 0.05
     load_before = os.getloadavg()  # other processes on the machine skew every ratio: recorded
-    results = {"device": args.device, "environment": {**environment(), **cpu_description()},
-               "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-               "cases": bench(args.device, sizes, repeats, min_time)}
+    results = {
+        "device": args.device,
+        "environment": {**environment(), **cpu_description()},
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "cases": bench(args.device, sizes, repeats, min_time),
+    }
     results["load_average_1_5_15min"] = {"before": load_before, "after": os.getloadavg()}
     if args.device == "cpu" and not args.quick:
         results["peak_memory_fwd_bwd"] = peak_memory(max(sizes), args.threads)

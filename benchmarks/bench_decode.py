@@ -76,18 +76,51 @@ class Engine:
 
 
 ENGINES: list[Engine] = [
-    Engine("onnxrt", "ONNX Runtime, portable export (python -m export.onnx), OrtRunner", "onnxrt", "onnx",
-           "float32", True),
+    Engine(
+        "onnxrt",
+        "ONNX Runtime, portable export (python -m export.onnx), OrtRunner",
+        "onnxrt",
+        "onnx",
+        "float32",
+        True,
+    ),
     Engine("eager", "EagerRunner: torch, compiled ops, in-place cache", "eager", "model", "float32", False),
 ]
 if importlib.util.find_spec("ctranslate2"):
-    ENGINES.insert(1, Engine("ctranslate2", "CTranslate2 float32 (peer, same weights)", "ctranslate2", "ct2",
-                             "float32", True, "float32"))
-ENGINES.append(Engine("onnxrt_int8", "ONNX Runtime, python -m export.onnx --quantize int8 (dynamic int8, per-channel, "
-                                     "reduce_range)", "onnxrt", "onnx_int8", "int8", True))
+    ENGINES.insert(
+        1,
+        Engine(
+            "ctranslate2",
+            "CTranslate2 float32 (peer, same weights)",
+            "ctranslate2",
+            "ct2",
+            "float32",
+            True,
+            "float32",
+        ),
+    )
+ENGINES.append(
+    Engine(
+        "onnxrt_int8",
+        "ONNX Runtime, python -m export.onnx --quantize int8 (dynamic int8, per-channel, reduce_range)",
+        "onnxrt",
+        "onnx_int8",
+        "int8",
+        True,
+    )
+)
 if importlib.util.find_spec("ctranslate2"):
-    ENGINES.append(Engine("ctranslate2_int8", "CTranslate2 int8 (peer, same weights, converted with quantization=int8)",
-                          "ctranslate2", "ct2_int8", "int8", True, "int8"))
+    ENGINES.append(
+        Engine(
+            "ctranslate2_int8",
+            "CTranslate2 int8 (peer, same weights, converted with quantization=int8)",
+            "ctranslate2",
+            "ct2_int8",
+            "int8",
+            True,
+            "int8",
+        )
+    )
 PEERS = ("ctranslate2", "ctranslate2_int8")
 
 MODELS = {
@@ -125,8 +158,11 @@ def _ct2_spec(model):
 
     c = model.config
     spec = transformer_spec.TransformerSpec.from_config(
-        (c.n_encoder_layers, c.n_decoder_layers), c.n_heads, pre_norm=c.norm_first,
-        activation=common_spec.Activation.RELU)
+        (c.n_encoder_layers, c.n_decoder_layers),
+        c.n_heads,
+        pre_norm=c.norm_first,
+        activation=common_spec.Activation.RELU,
+    )
     spec.config.layer_norm_epsilon = c.layer_norm_eps
     enc, dec = spec.encoder, spec.decoder
     enc.embeddings[0].weight, enc.scale_embeddings = arr(model.src_embed.lut.weight), True
@@ -205,7 +241,9 @@ def _onnx_decoder_bytes(path: str) -> int:
             users.setdefault(name, set()).add(node.op_type)
     total = 0
     for t in model.graph.initializer:
-        nbytes = int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        nbytes = (
+            int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        )
         ops = users.get(t.name, set())
         if ops == {"Gather"} and len(t.dims) == 2:
             nbytes //= max(1, int(t.dims[0]))
@@ -216,7 +254,8 @@ def _onnx_decoder_bytes(path: str) -> int:
 def _torch_decoder_bytes(model) -> int:
     seen, total = set(), 0
     params = list(model.decoder.named_parameters(prefix="decoder")) + list(
-        model.generator.named_parameters(prefix="generator"))
+        model.generator.named_parameters(prefix="generator")
+    )
     for name, p in params:
         if id(p) in seen or ".src_attn.W_K." in name or ".src_attn.W_V." in name:
             continue
@@ -283,8 +322,15 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
             os.makedirs(paths[artifact])
             spec.save(paths[artifact])
             nbytes[artifact] = _ct2_decoder_bytes(spec)
-    write_json(record, {"version": PREPARED_VERSION, "paths": paths, "weight_bytes_per_token": nbytes,
-                        "config": config.to_dict()})
+    write_json(
+        record,
+        {
+            "version": PREPARED_VERSION,
+            "paths": paths,
+            "weight_bytes_per_token": nbytes,
+            "config": config.to_dict(),
+        },
+    )
     return paths, nbytes, config.to_dict()
 
 
@@ -298,20 +344,30 @@ class EngineProcess:
 
     def __init__(self, engine: Engine, model_path: str, threads: int, config: dict):
         self.name = engine.name
-        spec = {"engine": engine.worker, "model": model_path, "threads": threads, "compute_type": engine.compute_type,
-                "forbid_torch": engine.forbid_torch, "bos": config["bos_id"], "eos": config["eos_id"]}
+        spec = {
+            "engine": engine.worker,
+            "model": model_path,
+            "threads": threads,
+            "compute_type": engine.compute_type,
+            "forbid_torch": engine.forbid_torch,
+            "bos": config["bos_id"],
+            "eos": config["eos_id"],
+        }
         import json
 
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER, json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
         self.info = self._reply()
 
     def _reply(self):
         try:
             kind, payload = pickle.load(self.proc.stdout)
         except EOFError:
-            raise RuntimeError(f"engine {self.name}: worker process died (exit code {self.proc.wait()})") from None
+            raise RuntimeError(
+                f"engine {self.name}: worker process died (exit code {self.proc.wait()})"
+            ) from None
         if kind == "error":
             raise RuntimeError(f"engine {self.name} failed in its worker process:\n{payload}")
         return payload
@@ -350,7 +406,9 @@ def _agreement(a: list, b: list) -> float:
     return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
 
 
-def measure_case(workers: dict, engines: list[Engine], mode: str, batch: int, config: dict, repeats: int) -> dict:
+def measure_case(
+    workers: dict, engines: list[Engine], mode: str, batch: int, config: dict, repeats: int
+) -> dict:
     """Tokens first (warm-up decode of every engine, compared), then interleaved timed rounds."""
     src, lengths = make_sources(config, batch)
     case: dict = {"mode": mode, "batch": batch, "src_len": SRC_LEN, "new_tokens": NEW_TOKENS, "engines": {}}
@@ -369,8 +427,14 @@ def measure_case(workers: dict, engines: list[Engine], mode: str, batch: int, co
             entry["tokens_match"] = out == tokens[reference]
             if not entry["tokens_match"]:
                 rows = [b for b in range(batch) if out[b] != tokens[reference][b]]
-                logger.error("%s %s batch %d: tokens differ from %s in rows %s; not timed", e.name, mode, batch,
-                             reference, rows)
+                logger.error(
+                    "%s %s batch %d: tokens differ from %s in rows %s; not timed",
+                    e.name,
+                    mode,
+                    batch,
+                    reference,
+                    rows,
+                )
                 continue
         timed.append(e.name)
     for e in engines:
@@ -384,13 +448,17 @@ def measure_case(workers: dict, engines: list[Engine], mode: str, batch: int, co
     case["reference_engine"] = reference
     samples: dict[str, list[float]] = {name: [] for name in timed}
     for r in range(repeats):
-        order = timed[r % len(timed):] + timed[: r % len(timed)] if timed else []
+        order = timed[r % len(timed) :] + timed[: r % len(timed)] if timed else []
         for name in order:
             samples[name].append(workers[name](mode, src, lengths, NEW_TOKENS)[1])
     for name in timed:
         med = statistics.median(samples[name])
-        case["engines"][name].update(seconds=med, samples=samples[name], tokens_per_second=batch * NEW_TOKENS / med,
-                                     ms_per_step=1e3 * med / NEW_TOKENS)
+        case["engines"][name].update(
+            seconds=med,
+            samples=samples[name],
+            tokens_per_second=batch * NEW_TOKENS / med,
+            ms_per_step=1e3 * med / NEW_TOKENS,
+        )
     return case
 
 
@@ -407,13 +475,26 @@ def _ratios(results: dict) -> list[dict]:
                 p = c["engines"].get(peer, {})
                 if "tokens_per_second" not in p:
                     continue
-                best = max((x["engines"][peer]["tokens_per_second"], x["threads"]) for x in cases
-                           if x["mode"] == c["mode"] and x["batch"] == c["batch"]
-                           and "tokens_per_second" in x["engines"].get(peer, {}))
-                rows.append({"model": model_name, "engine": name, "peer": peer, "mode": c["mode"],
-                             "batch": c["batch"], "threads": c["threads"],
-                             "ratio_same_threads": e["tokens_per_second"] / p["tokens_per_second"],
-                             "peer_best_threads": best[1], "ratio_vs_peer_best": e["tokens_per_second"] / best[0]})
+                best = max(
+                    (x["engines"][peer]["tokens_per_second"], x["threads"])
+                    for x in cases
+                    if x["mode"] == c["mode"]
+                    and x["batch"] == c["batch"]
+                    and "tokens_per_second" in x["engines"].get(peer, {})
+                )
+                rows.append(
+                    {
+                        "model": model_name,
+                        "engine": name,
+                        "peer": peer,
+                        "mode": c["mode"],
+                        "batch": c["batch"],
+                        "threads": c["threads"],
+                        "ratio_same_threads": e["tokens_per_second"] / p["tokens_per_second"],
+                        "peer_best_threads": best[1],
+                        "ratio_vs_peer_best": e["tokens_per_second"] / best[0],
+                    }
+                )
     return rows
 
 
@@ -434,8 +515,10 @@ def bandwidth_floors(cases: list, nbytes: dict, engines: list[Engine], machine: 
                 continue
             floor_ms = 1e3 * b / bw
             entry["by_threads"][str(c["threads"])] = {
-                "read_bandwidth_bytes_per_s": bw, "floor_ms_per_token": floor_ms,
-                "fraction_of_floor": floor_ms / c["engines"][e.name]["ms_per_step"]}
+                "read_bandwidth_bytes_per_s": bw,
+                "floor_ms_per_token": floor_ms,
+                "fraction_of_floor": floor_ms / c["engines"][e.name]["ms_per_step"],
+            }
         out[e.name] = entry
     return out
 
@@ -457,14 +540,18 @@ def summary_table(results: dict) -> str:
     lines.append("")
     lines.append("ratios (ours / peer of the same dtype): same threads | vs the peer's better thread count")
     for r in results.get("ratios", []):
-        lines.append(f"  {r['engine']:<12} vs {r['peer']:<17} {r['mode']:<6} b{r['batch']:<3} {r['threads']}t: "
-                     f"{r['ratio_same_threads']:.2f}x | {r['ratio_vs_peer_best']:.2f}x (peer best at "
-                     f"{r['peer_best_threads']}t)")
+        lines.append(
+            f"  {r['engine']:<12} vs {r['peer']:<17} {r['mode']:<6} b{r['batch']:<3} {r['threads']}t: "
+            f"{r['ratio_same_threads']:.2f}x | {r['ratio_vs_peer_best']:.2f}x (peer best at "
+            f"{r['peer_best_threads']}t)"
+        )
     for model_name, m in results["models"].items():
         for name, f in m.get("bandwidth_floor_batch1", {}).items():
             for t, v in f["by_threads"].items():
-                lines.append(f"  floor {model_name} {name} {t}t: {f['weight_bytes_per_token'] / 1e6:.1f} MB/token, "
-                             f"{v['floor_ms_per_token']:.2f} ms, reached {v['fraction_of_floor']:.0%}")
+                lines.append(
+                    f"  floor {model_name} {name} {t}t: {f['weight_bytes_per_token'] / 1e6:.1f} MB/token, "
+                    f"{v['floor_ms_per_token']:.2f} ms, reached {v['fraction_of_floor']:.0%}"
+                )
     return "\n".join(lines)
 
 
@@ -487,18 +574,31 @@ def plot(results: dict, path: str) -> None:
                 ys.append(tps)
         bars = ax.bar(xs, ys, width, label=name)
         ax.bar_label(bars, fmt="%.0f", fontsize=6, rotation=90)
-    ax.set_xticks(range(len(cases)), [f"{c['mode']}\nb{c['batch']} {c['threads']}t" for _, c in cases], fontsize=8)
+    ax.set_xticks(
+        range(len(cases)), [f"{c['mode']}\nb{c['batch']} {c['threads']}t" for _, c in cases], fontsize=8
+    )
     cpu = results["machine"].get("model_name", "?")
-    ax.set(ylabel="generated tokens / second", yscale="log",
-           title=f"{'/'.join(results['models'])}: {NEW_TOKENS} tokens, source {SRC_LEN}, one process per engine\n{cpu}")
+    ax.set(
+        ylabel="generated tokens / second",
+        yscale="log",
+        title=f"{'/'.join(results['models'])}: {NEW_TOKENS} tokens, source {SRC_LEN}, one process per engine\n{cpu}",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path)
 
 
-def run(models: list[str], engine_names: list[str] | None = None, batch_sizes=(1, 16), modes=MODES,
-        threads_list=(1, 2), repeats: int = 5, out: str | None = None, artifacts: str | None = None,
-        prepare_only: bool = False) -> dict:
+def run(
+    models: list[str],
+    engine_names: list[str] | None = None,
+    batch_sizes=(1, 16),
+    modes=MODES,
+    threads_list=(1, 2),
+    repeats: int = 5,
+    out: str | None = None,
+    artifacts: str | None = None,
+    prepare_only: bool = False,
+) -> dict:
     """Run the benchmark and write ``out`` (JSON) and the PNG beside it; returns the results.
 
     ``artifacts``: a folder to build the models in (``<artifacts>/<model>``) and reuse on the next
@@ -514,27 +614,43 @@ def run(models: list[str], engine_names: list[str] | None = None, batch_sizes=(1
     engines = [e for e in ENGINES if engine_names is None or e.name in engine_names]
     machine = machine_info()
     results: dict = {
-        "machine": machine, "environment": environment(), "src_len": SRC_LEN, "new_tokens": NEW_TOKENS,
-        "modes": list(modes), "threads": list(threads_list), "batch_sizes": list(batch_sizes), "repeats": repeats,
+        "machine": machine,
+        "environment": environment(),
+        "src_len": SRC_LEN,
+        "new_tokens": NEW_TOKENS,
+        "modes": list(modes),
+        "threads": list(threads_list),
+        "batch_sizes": list(batch_sizes),
+        "repeats": repeats,
         "engine_processes": "one per engine and thread count (decode_worker.py)",
-        "beam": {"size": 4, "length_penalty": "none (ours: length_penalty='none'; CTranslate2: length_penalty=0)"},
+        "beam": {
+            "size": 4,
+            "length_penalty": "none (ours: length_penalty='none'; CTranslate2: length_penalty=0)",
+        },
         "engines": [{"name": e.name, "description": e.description, "dtype": e.dtype} for e in engines],
-        "models": {}, "load_average_start": os.getloadavg(),
+        "models": {},
+        "load_average_start": os.getloadavg(),
     }
     for model_name in models:
         if artifacts:
             scratch = os.path.join(os.path.abspath(artifacts), model_name)
             if not os.path.isfile(os.path.join(scratch, PREPARED)) and os.path.exists(scratch):
-                raise ValueError(f"--artifacts: {scratch} exists but was not prepared by this benchmark "
-                                 f"(no {PREPARED}); choose a new folder")
+                raise ValueError(
+                    f"--artifacts: {scratch} exists but was not prepared by this benchmark "
+                    f"(no {PREPARED}); choose a new folder"
+                )
             os.makedirs(scratch, exist_ok=True)
         else:
             scratch = _scratch_dir(f"bench_decode_{model_name}_")
         paths, nbytes, config = prepare(model_name, engines, scratch)
         if prepare_only:
             continue
-        entry = {"config": config, "weight_bytes_per_token": {e.name: nbytes.get(e.artifact) for e in engines},
-                 "workers": {}, "cases": []}
+        entry = {
+            "config": config,
+            "weight_bytes_per_token": {e.name: nbytes.get(e.artifact) for e in engines},
+            "workers": {},
+            "cases": [],
+        }
         for threads in threads_list:
             workers: dict = {}
             try:
@@ -556,8 +672,11 @@ def run(models: list[str], engine_names: list[str] | None = None, batch_sizes=(1
             entry["bandwidth_floor_batch1"] = bandwidth_floors(entry["cases"], nbytes, engines, machine)
             results["models"][model_name] = entry
             # what is measured so far, in case the run is cut short (the final write replaces it)
-            write_json(os.path.splitext(out or os.path.join(HERE, "results", "bench_decode.json"))[0] + ".partial.json",
-                       {**results, "complete": False})
+            write_json(
+                os.path.splitext(out or os.path.join(HERE, "results", "bench_decode.json"))[0]
+                + ".partial.json",
+                {**results, "complete": False},
+            )
     if prepare_only:
         return results
     results["ratios"] = _ratios(results)
@@ -579,15 +698,28 @@ def main(argv=None) -> int:
     p.add_argument("--engines", default=None, help=f"comma-separated subset of {[e.name for e in ENGINES]}")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of greedy,beam4")
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
-    p.add_argument("--threads", default="1,2", help="comma-separated thread counts, every engine (default: 1,2)")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per case; medians reported (default: 5)")
+    p.add_argument(
+        "--threads", default="1,2", help="comma-separated thread counts, every engine (default: 1,2)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed rounds per case; medians reported (default: 5)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat: a smoke test")
-    p.add_argument("--artifacts", default=None,
-                   help="folder to build the exported / converted models in and reuse on later runs (default: a "
-                        "temporary folder)")
-    p.add_argument("--prepare-only", action="store_true", help="build the artifacts (with --artifacts) and stop")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_decode.json, "
-                                               "bench_decode_quick.json with --quick); the PNG goes beside it")
+    p.add_argument(
+        "--artifacts",
+        default=None,
+        help="folder to build the exported / converted models in and reuse on later runs (default: a "
+        "temporary folder)",
+    )
+    p.add_argument(
+        "--prepare-only", action="store_true", help="build the artifacts (with --artifacts) and stop"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/bench_decode.json, "
+        "bench_decode_quick.json with --quick); the PNG goes beside it",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     models = args.models.split(",") if args.models else (["tiny"] if args.quick else ["base"])
@@ -601,13 +733,26 @@ def main(argv=None) -> int:
     out = args.out or (os.path.join(HERE, "results", "bench_decode_quick.json") if args.quick else None)
     if args.prepare_only and not args.artifacts:
         p.error("--prepare-only needs --artifacts")
-    results = run(models, args.engines.split(",") if args.engines else None, batch_sizes, args.modes.split(","),
-                  threads, 1 if args.quick else args.repeats, out, args.artifacts, args.prepare_only)
+    results = run(
+        models,
+        args.engines.split(",") if args.engines else None,
+        batch_sizes,
+        args.modes.split(","),
+        threads,
+        1 if args.quick else args.repeats,
+        out,
+        args.artifacts,
+        args.prepare_only,
+    )
     if args.prepare_only:
         return 0
     print(summary_table(results))
-    ok = all(e.get("tokens_match", True) for m in results["models"].values() for c in m["cases"]
-             for e in c["engines"].values())
+    ok = all(
+        e.get("tokens_match", True)
+        for m in results["models"].values()
+        for c in m["cases"]
+        for e in c["engines"].values()
+    )
     return 0 if ok else 1
 
 

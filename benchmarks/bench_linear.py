@@ -36,8 +36,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def decoder_step_shapes(d_model: int = 512, d_ff: int = 2048, layers: int = 6, vocab: int = 8000):
     """``(out_features, in_features)`` of one decoder step's projections, in order."""
-    per_layer = [(3 * d_model, d_model), (d_model, d_model), (d_model, d_model), (d_model, d_model),
-                 (d_ff, d_model), (d_model, d_ff)]
+    per_layer = [
+        (3 * d_model, d_model),
+        (d_model, d_model),
+        (d_model, d_model),
+        (d_model, d_model),
+        (d_ff, d_model),
+        (d_model, d_ff),
+    ]
     return per_layer * layers + [(vocab, d_model)]
 
 
@@ -46,11 +52,17 @@ def run(rows_list, repeats: int, threads: int, quick: bool, out: str) -> dict:
     g = torch.Generator().manual_seed(0)
     shapes = decoder_step_shapes(128, 512, 2, 1000) if quick else decoder_step_shapes()
     weights = [(torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)) for n, k in shapes]
-    results = {"environment": environment(), "dtype": "float32", "repeats": repeats,
-               "weight_bytes_per_step": sum(w.numel() * 4 for w, _ in weights), "step": [], "shape": []}
+    results = {
+        "environment": environment(),
+        "dtype": "float32",
+        "repeats": repeats,
+        "weight_bytes_per_step": sum(w.numel() * 4 for w, _ in weights),
+        "step": [],
+        "shape": [],
+    }
     for rows in rows_list:
         inputs = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in shapes}}
-        for (w, b) in weights:  # same results before timing
+        for w, b in weights:  # same results before timing
             x = inputs[w.shape[1]]
             torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
@@ -58,26 +70,49 @@ def run(rows_list, repeats: int, threads: int, quick: bool, out: str) -> dict:
             def call():
                 for w, b in weights:
                     fn(inputs[w.shape[1]], w, b)
+
             return call
 
         with torch.inference_mode():
-            t = time_side_by_side({"ops.linear": step(ops.linear), "F.linear": step(F.linear)}, "cpu",
-                                  repeats=repeats)
+            t = time_side_by_side(
+                {"ops.linear": step(ops.linear), "F.linear": step(F.linear)}, "cpu", repeats=repeats
+            )
         entry = {"rows": rows, "seconds": t, "speedup": t["F.linear"] / t["ops.linear"]}
         results["step"].append(entry)
-        logger.info("step (%d products), rows %d: ops.linear %.2f ms, F.linear %.2f ms -> x%.2f", len(weights),
-                    rows, t["ops.linear"] * 1e3, t["F.linear"] * 1e3, entry["speedup"])
+        logger.info(
+            "step (%d products), rows %d: ops.linear %.2f ms, F.linear %.2f ms -> x%.2f",
+            len(weights),
+            rows,
+            t["ops.linear"] * 1e3,
+            t["F.linear"] * 1e3,
+            entry["speedup"],
+        )
         for n, k in sorted(set(shapes)):
             w, b = next(wb for wb in weights if tuple(wb[0].shape) == (n, k))
             x = inputs[k]
             with torch.inference_mode():
-                t = time_side_by_side({"ops.linear": lambda: ops.linear(x, w, b), "F.linear": lambda: F.linear(x, w, b)},
-                                      "cpu", repeats=repeats)
-            entry = {"rows": rows, "out_features": n, "in_features": k, "seconds": t,
-                     "speedup": t["F.linear"] / t["ops.linear"]}
+                t = time_side_by_side(
+                    {"ops.linear": lambda: ops.linear(x, w, b), "F.linear": lambda: F.linear(x, w, b)},
+                    "cpu",
+                    repeats=repeats,
+                )
+            entry = {
+                "rows": rows,
+                "out_features": n,
+                "in_features": k,
+                "seconds": t,
+                "speedup": t["F.linear"] / t["ops.linear"],
+            }
             results["shape"].append(entry)
-            logger.info("  [%5d, %4d] rows %d: ops.linear %6.1f us, F.linear %6.1f us -> x%.2f", n, k, rows,
-                        t["ops.linear"] * 1e6, t["F.linear"] * 1e6, entry["speedup"])
+            logger.info(
+                "  [%5d, %4d] rows %d: ops.linear %6.1f us, F.linear %6.1f us -> x%.2f",
+                n,
+                k,
+                rows,
+                t["ops.linear"] * 1e6,
+                t["F.linear"] * 1e6,
+                entry["speedup"],
+            )
     write_json(out, results)
     plot(results, os.path.splitext(out)[0] + ".png")
     logger.info("wrote %s and %s", out, os.path.splitext(out)[0] + ".png")
@@ -102,8 +137,10 @@ def plot(results: dict, path: str) -> None:
     ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(values)), labels, fontsize=6)
-    ax.set(ylabel="speed-up of ops.linear over F.linear",
-           title=f"decoder-step projections, float32, {results['environment']['torch_threads']} threads")
+    ax.set(
+        ylabel="speed-up of ops.linear over F.linear",
+        title=f"decoder-step projections, float32, {results['environment']['torch_threads']} threads",
+    )
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=110)
@@ -116,12 +153,18 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=9, help="repeats; medians reported (default: 9)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
     p.add_argument("--quick", action="store_true", help="a smaller model, rows 1, 3 repeats: a smoke test")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_linear.json, "
-                                                 "bench_linear_quick.json with --quick)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/bench_linear.json, "
+        "bench_linear_quick.json with --quick)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = [1] if args.quick else [int(r) for r in args.rows.split(",")]
-    out = args.out or os.path.join(HERE, "results", "bench_linear_quick.json" if args.quick else "bench_linear.json")
+    out = args.out or os.path.join(
+        HERE, "results", "bench_linear_quick.json" if args.quick else "bench_linear.json"
+    )
     run(rows, 3 if args.quick else args.repeats, args.threads, args.quick, out)
     return 0
 

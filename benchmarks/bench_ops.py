@@ -80,15 +80,27 @@ def bench_masked_softmax(device, dtypes, sizes, B, H, repeats):
                 assert (a.float() - c.float()).abs().max() <= tol, "ours != torch._masked_softmax"
                 t = time_side_by_side(fns, device, repeats=repeats)
                 row = {
-                    "op": "masked_softmax", "dtype": str(dtype).replace("torch.", ""), "mask": mask_kind,
-                    "B": B, "H": H, "Q": Q, "K": K, "seconds": t,
+                    "op": "masked_softmax",
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "mask": mask_kind,
+                    "B": B,
+                    "H": H,
+                    "Q": Q,
+                    "K": K,
+                    "seconds": t,
                     "speedup_vs_eager": t["eager"] / t["ours"],
                     "speedup_vs_torch_masked_softmax": t["torch._masked_softmax"] / t["ours"],
                 }
                 rows.append(row)
-                logger.info("masked_softmax %-8s %-7s K=%4d  ours %.3f ms  eager x%.2f  _masked_softmax x%.2f",
-                            row["dtype"], mask_kind, K, t["ours"] * 1e3, row["speedup_vs_eager"],
-                            row["speedup_vs_torch_masked_softmax"])
+                logger.info(
+                    "masked_softmax %-8s %-7s K=%4d  ours %.3f ms  eager x%.2f  _masked_softmax x%.2f",
+                    row["dtype"],
+                    mask_kind,
+                    K,
+                    t["ours"] * 1e3,
+                    row["speedup_vs_eager"],
+                    row["speedup_vs_torch_masked_softmax"],
+                )
     return rows
 
 
@@ -114,12 +126,26 @@ def bench_attention(device, dtypes, sizes, B, H, D, repeats):
             tol = 1e-4 if dtype == torch.float32 else 5e-2
             assert (ours().float() - sdpa().float()).abs().max() <= tol, "attention mismatch"
             t = time_side_by_side({"ours": ours, "sdpa": sdpa}, device, repeats=repeats)
-            row = {"op": "attention", "dtype": str(dtype).replace("torch.", ""), "mask": "padding+causal",
-                   "B": B, "H": H, "Q": K, "K": K, "D": D, "seconds": t,
-                   "speedup_vs_sdpa": t["sdpa"] / t["ours"]}
+            row = {
+                "op": "attention",
+                "dtype": str(dtype).replace("torch.", ""),
+                "mask": "padding+causal",
+                "B": B,
+                "H": H,
+                "Q": K,
+                "K": K,
+                "D": D,
+                "seconds": t,
+                "speedup_vs_sdpa": t["sdpa"] / t["ours"],
+            }
             rows.append(row)
-            logger.info("attention      %-8s K=%4d  ours %.3f ms  sdpa x%.2f", row["dtype"], K,
-                        t["ours"] * 1e3, row["speedup_vs_sdpa"])
+            logger.info(
+                "attention      %-8s K=%4d  ours %.3f ms  sdpa x%.2f",
+                row["dtype"],
+                K,
+                t["ours"] * 1e3,
+                row["speedup_vs_sdpa"],
+            )
     return rows
 
 
@@ -150,11 +176,24 @@ def bench_decode_attention(device, batch_sizes, lengths, H, D, repeats):
 
             assert (ours() - eager()).abs().max() <= 1e-5, "decode_attention mismatch"
             t = time_side_by_side({"ours": ours, "eager": eager}, device, repeats=repeats)
-            row = {"op": "decode_attention", "dtype": "float32", "B": B, "H": H, "L": L, "D": D,
-                   "seconds": t, "speedup_vs_eager": t["eager"] / t["ours"]}
+            row = {
+                "op": "decode_attention",
+                "dtype": "float32",
+                "B": B,
+                "H": H,
+                "L": L,
+                "D": D,
+                "seconds": t,
+                "speedup_vs_eager": t["eager"] / t["ours"],
+            }
             rows.append(row)
-            logger.info("decode_attn    B=%2d L=%4d  ours %.3f ms  eager x%.2f", B, L, t["ours"] * 1e3,
-                        row["speedup_vs_eager"])
+            logger.info(
+                "decode_attn    B=%2d L=%4d  ours %.3f ms  eager x%.2f",
+                B,
+                L,
+                t["ours"] * 1e3,
+                row["speedup_vs_eager"],
+            )
     return rows
 
 
@@ -182,10 +221,23 @@ def bench_kv_append(device, B, H, D, steps, repeats):
     q = max(1, steps // 8)
     summary = {k: {"first_steps_s": sum(v[:q]) / q, "last_steps_s": sum(v[-q:]) / q} for k, v in med.items()}
     for k, s in summary.items():
-        logger.info("kv append %-9s first %d steps %.2f us/step, last %d steps %.2f us/step", k, q,
-                    s["first_steps_s"] * 1e6, q, s["last_steps_s"] * 1e6)
-    return {"op": "kv_cache_append_", "B": B, "H": H, "D": D, "steps": steps, "per_step_s": med,
-            "summary": summary}
+        logger.info(
+            "kv append %-9s first %d steps %.2f us/step, last %d steps %.2f us/step",
+            k,
+            q,
+            s["first_steps_s"] * 1e6,
+            q,
+            s["last_steps_s"] * 1e6,
+        )
+    return {
+        "op": "kv_cache_append_",
+        "B": B,
+        "H": H,
+        "D": D,
+        "steps": steps,
+        "per_step_s": med,
+        "summary": summary,
+    }
 
 
 def plot(results, path):
@@ -199,9 +251,18 @@ def plot(results, path):
     for dtype in sorted({r["dtype"] for r in results["masked_softmax"]}):
         for mask in ("padding", "causal"):
             rs = [r for r in results["masked_softmax"] if r["dtype"] == dtype and r["mask"] == mask]
-            ax.plot([r["K"] for r in rs], [r["speedup_vs_eager"] for r in rs], "o-", label=f"vs eager {dtype} {mask}")
-            ax.plot([r["K"] for r in rs], [r["speedup_vs_torch_masked_softmax"] for r in rs], "s--",
-                    label=f"vs _masked_softmax {dtype} {mask}")
+            ax.plot(
+                [r["K"] for r in rs],
+                [r["speedup_vs_eager"] for r in rs],
+                "o-",
+                label=f"vs eager {dtype} {mask}",
+            )
+            ax.plot(
+                [r["K"] for r in rs],
+                [r["speedup_vs_torch_masked_softmax"] for r in rs],
+                "s--",
+                label=f"vs _masked_softmax {dtype} {mask}",
+            )
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set(xscale="log", xlabel="K (= Q)", ylabel="speed-up of ours", title="masked_softmax")
     ax.legend(fontsize=7)
@@ -210,7 +271,12 @@ def plot(results, path):
         rs = [r for r in results["attention"] if r["dtype"] == dtype]
         ax.plot([r["K"] for r in rs], [r["speedup_vs_sdpa"] for r in rs], "o-", label=dtype)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set(xscale="log", xlabel="sequence length", ylabel="ours / SDPA speed", title="attention: matmul+masked_softmax+matmul vs SDPA")
+    ax.set(
+        xscale="log",
+        xlabel="sequence length",
+        ylabel="ours / SDPA speed",
+        title="attention: matmul+masked_softmax+matmul vs SDPA",
+    )
     ax.legend(fontsize=8)
     ax = axes[1][0]
     for B in sorted({r["B"] for r in results["decode_attention"]}):
@@ -223,9 +289,15 @@ def plot(results, path):
     kv = results["kv_cache_append_"]
     for k, v in kv["per_step_s"].items():
         ax.plot(range(1, len(v) + 1), [x * 1e6 for x in v], label=k)
-    ax.set(xlabel="decode step", ylabel="µs per step (median)", title=f"KV cache growth, B={kv['B']} H={kv['H']} D={kv['D']}")
+    ax.set(
+        xlabel="decode step",
+        ylabel="µs per step (median)",
+        title=f"KV cache growth, B={kv['B']} H={kv['H']} D={kv['D']}",
+    )
     ax.legend(fontsize=8)
-    fig.suptitle(f"transformer_ext ops on {results['device']} ({results['environment'].get('gpu', results['environment']['processor'] or 'cpu')}, {results['environment']['torch_threads']} threads)")
+    fig.suptitle(
+        f"transformer_ext ops on {results['device']} ({results['environment'].get('gpu', results['environment']['processor'] or 'cpu')}, {results['environment']['torch_threads']} threads)"
+    )
     fig.tight_layout()
     tmp = path + ".tmp.png"
     fig.savefig(tmp, dpi=110)
@@ -236,9 +308,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads on CPU (default: 2)")
-    p.add_argument("--repeats", type=int, default=7, help="repeats per case; medians are reported (default: 7)")
+    p.add_argument(
+        "--repeats", type=int, default=7, help="repeats per case; medians are reported (default: 7)"
+    )
     p.add_argument("--quick", action="store_true", help="small sizes and 3 repeats: a smoke test")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_ops_<device>.json); the PNG goes beside it")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/bench_ops_<device>.json); the PNG goes beside it",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -42,8 +42,11 @@ ENGINES = ("ours", "nn_transformer")
 # node), so the op's own name alone would leave its forward time out.
 ATTENTION_OPS = {
     "ours": ("transformer_ext::attention", "generatedbackwardfor_transformer_ext_attention"),
-    "three_step": ("transformer_ext::masked_softmax", "generatedbackwardfor_transformer_ext_masked_softmax",
-                   "aten::bmm"),
+    "three_step": (
+        "transformer_ext::masked_softmax",
+        "generatedbackwardfor_transformer_ext_masked_softmax",
+        "aten::bmm",
+    ),
     "nn_transformer": ("scaled_dot_product", "scaleddotproduct", "flash_attention"),
 }
 D_MODEL, HEADS, LAYERS, D_FF, VOCAB = 256, 8, 3, 1024, 8000
@@ -72,8 +75,9 @@ class PlainTransformer(nn.Module):
         x = self.dropout(self.src_embed(src) * math.sqrt(D_MODEL) + self.pe[:S])
         y = self.dropout(self.tgt_embed(tgt_in) * math.sqrt(D_MODEL) + self.pe[:T])
         causal = nn.Transformer.generate_square_subsequent_mask(T, dtype=x.dtype)
-        h = self.core(x, y, tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad,
-                      tgt_is_causal=True)
+        h = self.core(
+            x, y, tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad, tgt_is_causal=True
+        )
         return self.proj(h)
 
 
@@ -90,9 +94,17 @@ def build(engine: str, dropout: float, max_len: int) -> nn.Module:
         from transformer_ext.config import TransformerConfig
         from transformer_ext.model import Transformer
 
-        config = TransformerConfig(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=D_MODEL, n_heads=HEADS,
-                                   n_encoder_layers=LAYERS, n_decoder_layers=LAYERS, d_ff=D_FF,
-                                   dropout=dropout, max_len=max_len)
+        config = TransformerConfig(
+            src_vocab_size=VOCAB,
+            tgt_vocab_size=VOCAB,
+            d_model=D_MODEL,
+            n_heads=HEADS,
+            n_encoder_layers=LAYERS,
+            n_decoder_layers=LAYERS,
+            d_ff=D_FF,
+            dropout=dropout,
+            max_len=max_len,
+        )
         return Transformer(config)
     if engine == "nn_transformer":
         return PlainTransformer(dropout, max_len)
@@ -129,7 +141,14 @@ def worker(engine: str, T: int, dropout: float, steps: int, threads: int, profil
         step()
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    result = {"engine": engine, "T": T, "B": B, "dropout": dropout, "step_s": med, "tokens_per_s": B * T / med}
+    result = {
+        "engine": engine,
+        "T": T,
+        "B": B,
+        "dropout": dropout,
+        "step_s": med,
+        "tokens_per_s": B * T / med,
+    }
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -145,8 +164,20 @@ def worker(engine: str, T: int, dropout: float, steps: int, threads: int, profil
 
 
 def run_worker(engine, T, dropout, steps, threads, profile=False):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--T", str(T), "--dropout", str(dropout),
-           "--steps", str(steps), "--threads", str(threads)] + (["--profile"] if profile else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        engine,
+        "--T",
+        str(T),
+        "--dropout",
+        str(dropout),
+        "--steps",
+        str(steps),
+        "--threads",
+        str(threads),
+    ] + (["--profile"] if profile else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"worker {engine} T={T} p={dropout} failed:\n{res.stderr[-2000:]}")
@@ -156,14 +187,19 @@ def run_worker(engine, T, dropout, steps, threads, profile=False):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported (default: 3)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds; medians are reported (default: 3)"
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps per process (default: 5)")
     p.add_argument("--sizes", default="32,128,256", help="comma-separated target lengths T")
     p.add_argument("--quick", action="store_true", help="T = 32, 1 round, 2 steps: a smoke test")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_train_cpu.json)")
-    p.add_argument("--attention-share", action="store_true",
-                   help="instead: attention's share of one profiled step (dropout 0) for ours, the three-step "
-                        "path and nn.Transformer, added to the existing --out JSON")
+    p.add_argument(
+        "--attention-share",
+        action="store_true",
+        help="instead: attention's share of one profiled step (dropout 0) for ours, the three-step "
+        "path and nn.Transformer, added to the existing --out JSON",
+    )
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--T", type=int, default=32, help=argparse.SUPPRESS)
@@ -189,7 +225,9 @@ def main(argv=None):
             for engine in ("ours", "three_step", "nn_transformer"):
                 res = run_worker(engine, T, 0.0, 1, args.threads, profile=True)
                 shares.setdefault(str(T), {})[engine] = res["attention_share"]
-                logger.info("T=%3d %-15s attention share of a step %.1f%%", T, engine, 100 * res["attention_share"])
+                logger.info(
+                    "T=%3d %-15s attention share of a step %.1f%%", T, engine, 100 * res["attention_share"]
+                )
         results = {}
         if os.path.exists(out):
             with open(out, encoding="utf-8") as f:
@@ -207,20 +245,45 @@ def main(argv=None):
                 for engine in order:
                     res = run_worker(engine, T, dropout, steps, args.threads)
                     samples.setdefault((T, dropout), {}).setdefault(engine, []).append(res["tokens_per_s"])
-                    logger.info("round %d T=%3d p=%.1f %-15s %8.0f tokens/s", r, T, dropout, engine, res["tokens_per_s"])
+                    logger.info(
+                        "round %d T=%3d p=%.1f %-15s %8.0f tokens/s",
+                        r,
+                        T,
+                        dropout,
+                        engine,
+                        res["tokens_per_s"],
+                    )
     cases = []
     for (T, dropout), per in samples.items():
         med = {e: statistics.median(v) for e, v in per.items()}
-        cases.append({"T": T, "dropout": dropout, "tokens_per_s": med, "samples": per,
-                      "speedup_vs_nn_transformer": med["ours"] / med["nn_transformer"]})
-        logger.info("T=%3d p=%.1f ours %8.0f tokens/s, nn.Transformer %8.0f tokens/s: %.2fx", T, dropout,
-                    med["ours"], med["nn_transformer"], cases[-1]["speedup_vs_nn_transformer"])
+        cases.append(
+            {
+                "T": T,
+                "dropout": dropout,
+                "tokens_per_s": med,
+                "samples": per,
+                "speedup_vs_nn_transformer": med["ours"] / med["nn_transformer"],
+            }
+        )
+        logger.info(
+            "T=%3d p=%.1f ours %8.0f tokens/s, nn.Transformer %8.0f tokens/s: %.2fx",
+            T,
+            dropout,
+            med["ours"],
+            med["nn_transformer"],
+            cases[-1]["speedup_vs_nn_transformer"],
+        )
     from bench_attention import cpu_description
 
     torch.set_num_threads(args.threads)
-    results = {"environment": {**environment(), **cpu_description()}, "rounds": rounds, "steps": steps,
-               "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "cases": cases,
-               "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()}}
+    results = {
+        "environment": {**environment(), **cpu_description()},
+        "rounds": rounds,
+        "steps": steps,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "cases": cases,
+        "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
+    }
     write_json(out, results)
     logger.info("wrote %s", out)
 

@@ -52,7 +52,7 @@ def time_side_by_side(
         calls[name] = n
     samples: Dict[str, list] = {name: [] for name in names}
     for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             n = calls[name]
             sync(device)
@@ -122,13 +122,24 @@ def lscpu() -> dict:
     for line in text.splitlines():
         key, _, value = line.partition(":")
         fields[key.strip()] = value.strip()
-    keys = {"Model name": "model_name", "CPU(s)": "cpus", "Thread(s) per core": "threads_per_core",
-            "Core(s) per socket": "cores_per_socket", "Socket(s)": "sockets", "L1d cache": "l1d", "L2 cache": "l2",
-            "L3 cache": "l3", "Flags": "flags"}
+    keys = {
+        "Model name": "model_name",
+        "CPU(s)": "cpus",
+        "Thread(s) per core": "threads_per_core",
+        "Core(s) per socket": "cores_per_socket",
+        "Socket(s)": "sockets",
+        "L1d cache": "l1d",
+        "L2 cache": "l2",
+        "L3 cache": "l3",
+        "Flags": "flags",
+    }
     info = {new: fields[old] for old, new in keys.items() if old in fields}
     flags = info.pop("flags", "").split()
-    info["simd"] = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
-                    if f in flags]
+    info["simd"] = [
+        f
+        for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+        if f in flags
+    ]
     return info
 
 
@@ -176,6 +187,8 @@ def machine_info(threads=(1, 2)) -> dict:
         bw = memory_bandwidth(threads=n)
         info["read_bandwidth_bytes_per_s"][str(n)] = bw["read"]
         info["copy_bandwidth_bytes_per_s"][str(n)] = bw["copy"]
-    info["bandwidth_method"] = "numpy float32 sum (read) and copyto (copy, read + write bytes) over 256 MiB, " \
-                               "median of 5, threads splitting the array"
+    info["bandwidth_method"] = (
+        "numpy float32 sum (read) and copyto (copy, read + write bytes) over 256 MiB, "
+        "median of 5, threads splitting the array"
+    )
     return info

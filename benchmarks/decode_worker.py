@@ -29,16 +29,27 @@ BEAM = 4
 def _ctranslate2(spec):
     import ctranslate2
 
-    translator = ctranslate2.Translator(spec["model"], device="cpu", compute_type=spec["compute_type"],
-                                        intra_threads=int(spec["threads"]), inter_threads=1)
+    translator = ctranslate2.Translator(
+        spec["model"],
+        device="cpu",
+        compute_type=spec["compute_type"],
+        intra_threads=int(spec["threads"]),
+        inter_threads=1,
+    )
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     target_ids = {tok: i for i, tok in enumerate(specials)}
 
     def decode(mode, src, lengths, n):
         batch = [[f"s{int(t)}" for t in row[:length]] for row, length in zip(src, lengths)]
         beam = 1 if mode == "greedy" else BEAM
-        results = translator.translate_batch(batch, beam_size=beam, length_penalty=0.0, max_batch_size=len(batch),
-                                             max_decoding_length=n, min_decoding_length=n)
+        results = translator.translate_batch(
+            batch,
+            beam_size=beam,
+            length_penalty=0.0,
+            max_batch_size=len(batch),
+            max_decoding_length=n,
+            min_decoding_length=n,
+        )
         return [[target_ids[t] if t in target_ids else int(t[1:]) for t in r.hypotheses[0]] for r in results]
 
     return decode
@@ -51,9 +62,20 @@ def _search(runner, spec):
         from transformer_ext.decoding import beam_search, greedy_decode
 
         if mode == "greedy":
-            return greedy_decode(runner, src, lengths, bos_id=bos, eos_id=eos, max_new_tokens=n, min_new_tokens=n)
-        hyps = beam_search(runner, src, lengths, bos_id=bos, eos_id=eos, beam_size=BEAM, max_new_tokens=n,
-                           min_new_tokens=n, length_penalty="none")
+            return greedy_decode(
+                runner, src, lengths, bos_id=bos, eos_id=eos, max_new_tokens=n, min_new_tokens=n
+            )
+        hyps = beam_search(
+            runner,
+            src,
+            lengths,
+            bos_id=bos,
+            eos_id=eos,
+            beam_size=BEAM,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            length_penalty="none",
+        )
         return [list(row[0].tokens) for row in hyps]
 
     return decode
@@ -96,8 +118,16 @@ def main() -> int:
         torch_imported = "torch" in sys.modules
         if spec.get("forbid_torch") and torch_imported:
             raise RuntimeError(f"the {spec['engine']} worker imported torch; it must load only its engine")
-        send(("ready", {"torch_imported": torch_imported, "pid": os.getpid(),
-                        "modules": sorted(m for m in ("torch", "ctranslate2", "onnxruntime") if m in sys.modules)}))
+        send(
+            (
+                "ready",
+                {
+                    "torch_imported": torch_imported,
+                    "pid": os.getpid(),
+                    "modules": sorted(m for m in ("torch", "ctranslate2", "onnxruntime") if m in sys.modules),
+                },
+            )
+        )
         while True:
             msg = pickle.load(proto_in)
             if msg[0] == "stop":

@@ -75,10 +75,20 @@ def _decode(runner, mode, src, lengths, n_tokens):
     inner = runner.runner if isinstance(runner, _Timed) else runner
     bos, eos = inner.bos_id, inner.eos_id
     if mode == "greedy":
-        return greedy_decode(runner, src, lengths, bos_id=bos, eos_id=eos, max_new_tokens=n_tokens,
-                             min_new_tokens=n_tokens)
-    return beam_search(runner, src, lengths, bos_id=bos, eos_id=eos, beam_size=BEAM, max_new_tokens=n_tokens,
-                       min_new_tokens=n_tokens, length_penalty="none")
+        return greedy_decode(
+            runner, src, lengths, bos_id=bos, eos_id=eos, max_new_tokens=n_tokens, min_new_tokens=n_tokens
+        )
+    return beam_search(
+        runner,
+        src,
+        lengths,
+        bos_id=bos,
+        eos_id=eos,
+        beam_size=BEAM,
+        max_new_tokens=n_tokens,
+        min_new_tokens=n_tokens,
+        length_penalty="none",
+    )
 
 
 def split(export_dir, mode, batch, threads, n_tokens, repeats):
@@ -99,7 +109,9 @@ def split(export_dir, mode, batch, threads, n_tokens, repeats):
         runs.append({"total": total, **parts, "search": total - sum(parts.values())})
     runs.sort(key=lambda r: r["total"])
     med = runs[len(runs) // 2]
-    return {k: round(v * 1e3, 3) for k, v in med.items()} | {"step_ms_per_step": round(med["step"] * 1e3 / n_tokens, 3)}
+    return {k: round(v * 1e3, 3) for k, v in med.items()} | {
+        "step_ms_per_step": round(med["step"] * 1e3 / n_tokens, 3)
+    }
 
 
 def operators(export_dir, mode, batch, threads, n_tokens):
@@ -132,10 +144,17 @@ def operators(export_dir, mode, batch, threads, n_tokens):
             count[op] += 1
         elif e.get("name") == "model_run":
             run_us += e["dur"]
-    return {"model_run_ms_per_step": round(run_us / n_tokens / 1e3, 3),
-            "nodes_per_step": round(sum(count.values()) / n_tokens, 1),
-            "ops": {op: {"ms_per_step": round(us / n_tokens / 1e3, 3), "nodes_per_step": round(count[op] / n_tokens, 1)}
-                    for op, us in per_op.most_common()}}
+    return {
+        "model_run_ms_per_step": round(run_us / n_tokens / 1e3, 3),
+        "nodes_per_step": round(sum(count.values()) / n_tokens, 1),
+        "ops": {
+            op: {
+                "ms_per_step": round(us / n_tokens / 1e3, 3),
+                "nodes_per_step": round(count[op] / n_tokens, 1),
+            }
+            for op, us in per_op.most_common()
+        },
+    }
 
 
 def main(argv=None) -> int:
@@ -145,7 +164,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per sequence")
-    p.add_argument("--repeats", type=int, default=5, help="decodes timed for the split; the median is reported")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="decodes timed for the split; the median is reported"
+    )
     p.add_argument("--out", default=os.path.join(HERE, "results", "profile_decode.json"), help="JSON path")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -160,22 +181,46 @@ def main(argv=None) -> int:
         p.error(f"--export {args.export} is not an export folder (no manifest.json)")
     if args.new_tokens < 1 or args.repeats < 1 or args.threads < 1 or any(b < 1 for b in batches):
         p.error("--new-tokens, --repeats, --threads and the batch sizes must be positive")
-    results = {"machine": machine_info(threads=(args.threads,)), "environment": environment(),
-               "export": os.path.abspath(args.export), "threads": args.threads, "new_tokens": args.new_tokens,
-               "src_len": SRC_LEN, "load_average_start": os.getloadavg(), "cases": []}
+    results = {
+        "machine": machine_info(threads=(args.threads,)),
+        "environment": environment(),
+        "export": os.path.abspath(args.export),
+        "threads": args.threads,
+        "new_tokens": args.new_tokens,
+        "src_len": SRC_LEN,
+        "load_average_start": os.getloadavg(),
+        "cases": [],
+    }
     for mode in modes:
         for batch in batches:
-            case = {"mode": mode, "batch": batch, "split_ms": split(args.export, mode, batch, args.threads,
-                                                                   args.new_tokens, args.repeats),
-                    "operators": operators(args.export, mode, batch, args.threads, args.new_tokens)}
+            case = {
+                "mode": mode,
+                "batch": batch,
+                "split_ms": split(args.export, mode, batch, args.threads, args.new_tokens, args.repeats),
+                "operators": operators(args.export, mode, batch, args.threads, args.new_tokens),
+            }
             results["cases"].append(case)
             s, o = case["split_ms"], case["operators"]
-            logger.info("%s batch %d, %d threads: total %.1f ms = encode %.1f + steps %.1f (%.2f/step) + reorder %.1f "
-                        "+ search %.1f", mode, batch, args.threads, s["total"], s["encode"], s["step"],
-                        s["step_ms_per_step"], s["reorder"], s["search"])
+            logger.info(
+                "%s batch %d, %d threads: total %.1f ms = encode %.1f + steps %.1f (%.2f/step) + reorder %.1f "
+                "+ search %.1f",
+                mode,
+                batch,
+                args.threads,
+                s["total"],
+                s["encode"],
+                s["step"],
+                s["step_ms_per_step"],
+                s["reorder"],
+                s["search"],
+            )
             top = list(o["ops"].items())[:8]
-            logger.info("  profiler: %.2f ms/step over %.0f nodes; %s", o["model_run_ms_per_step"], o["nodes_per_step"],
-                        ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in top))
+            logger.info(
+                "  profiler: %.2f ms/step over %.0f nodes; %s",
+                o["model_run_ms_per_step"],
+                o["nodes_per_step"],
+                ", ".join(f"{k} {v['ms_per_step']:.2f}" for k, v in top),
+            )
     results["load_average_end"] = os.getloadavg()
     write_json(args.out, results)
     logger.info("wrote %s", args.out)

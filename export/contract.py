@@ -43,9 +43,21 @@ __all__ = [
     "contract_problems",
 ]
 
-FORBIDDEN_OPS = frozenset({"If", "Loop", "Scan", "SequenceConstruct", "SequenceInsert", "SequenceAt",
-                           "SequenceEmpty", "SequenceErase", "SequenceLength", "SplitToSequence",
-                           "ConcatFromSequence"})
+FORBIDDEN_OPS = frozenset(
+    {
+        "If",
+        "Loop",
+        "Scan",
+        "SequenceConstruct",
+        "SequenceInsert",
+        "SequenceAt",
+        "SequenceEmpty",
+        "SequenceErase",
+        "SequenceLength",
+        "SplitToSequence",
+        "ConcatFromSequence",
+    }
+)
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
@@ -82,7 +94,11 @@ def tensor_dims(type_proto: onnx.TypeProto) -> Optional[list]:
 def value_info(v: onnx.ValueInfoProto) -> dict:
     """``{"name", "dtype", "shape"}`` of a graph input/output; a shape entry is an int, an axis
     name, or ``None`` (dynamic without a name); ``shape`` is ``None`` when the rank is unknown."""
-    return {"name": v.name, "dtype": onnx_dtype_name(v.type.tensor_type.elem_type), "shape": tensor_dims(v.type)}
+    return {
+        "name": v.name,
+        "dtype": onnx_dtype_name(v.type.tensor_type.elem_type),
+        "shape": tensor_dims(v.type),
+    }
 
 
 def graph_io(model: onnx.ModelProto) -> tuple[list[dict], list[dict]]:
@@ -181,8 +197,10 @@ def tensor_scatter_problems(node: onnx.NodeProto, g: GraphIndex) -> list[str]:
     out = []
     axis = _attr(node, "axis", None)
     if axis != -2:
-        out.append(f"`axis` must be the literal -2 (the only spelling TensorRT's parser accepts), got "
-                   f"{'no axis attribute (the ONNX default)' if axis is None else f'axis={axis}'}")
+        out.append(
+            f"`axis` must be the literal -2 (the only spelling TensorRT's parser accepts), got "
+            f"{'no axis attribute (the ONNX default)' if axis is None else f'axis={axis}'}"
+        )
     mode = _attr(node, "mode", b"linear")
     mode = mode.decode() if isinstance(mode, bytes) else mode
     if mode != "linear":
@@ -194,13 +212,19 @@ def tensor_scatter_problems(node: onnx.NodeProto, g: GraphIndex) -> list[str]:
             out.append(f"`{what}` ({name!r}) must be 4-D, got rank {len(shape)}")
     cache = node.input[0] if node.input else ""
     if cache and cache not in g.graph_inputs:
-        out.append(f"`past_cache` ({cache!r}) must be a graph input: the cache is updated in the buffer the "
-                   "runtime binds")
+        out.append(
+            f"`past_cache` ({cache!r}) must be a graph input: the cache is updated in the buffer the "
+            "runtime binds"
+        )
     elif cache:
-        others = [n.name or n.op_type for n in g.consumers.get(cache, []) if list(n.output) != list(node.output)]
+        others = [
+            n.name or n.op_type for n in g.consumers.get(cache, []) if list(n.output) != list(node.output)
+        ]
         if others:
-            out.append(f"cache input {cache!r} is also read by {others}: with the cache updated in place, only "
-                       "the TensorScatter may read it")
+            out.append(
+                f"cache input {cache!r} is also read by {others}: with the cache updated in place, only "
+                "the TensorScatter may read it"
+            )
     present = node.output[0] if node.output else ""
     if present and present not in g.graph_outputs:
         out.append(f"the updated cache {present!r} must be a graph output (it aliases the input buffer)")
@@ -211,25 +235,45 @@ def _cache_problems(name: str, g: GraphIndex, flavour: str) -> list[ContractProb
     users = g.consumers.get(name, [])
     if flavour == "tensorscatter":
         if len(users) != 1 or users[0].op_type != "TensorScatter":
-            return [ContractProblem("cache_aliasing", f"{name} must be read by exactly one TensorScatter node "
-                                                      f"(found {[u.op_type for u in users]})")]
+            return [
+                ContractProblem(
+                    "cache_aliasing",
+                    f"{name} must be read by exactly one TensorScatter node "
+                    f"(found {[u.op_type for u in users]})",
+                )
+            ]
         return []
     problems = []
     for u in users:
         if u.op_type == "Transpose":
             later = {c.op_type for out in u.output for c in g.consumers.get(out, [])}
             if not later <= {"MatMul"}:
-                problems.append(ContractProblem("cache_read", f"the transposed {name} feeds {sorted(later)}, "
-                                                              "expected MatMul only", u.name or None))
+                problems.append(
+                    ContractProblem(
+                        "cache_read",
+                        f"the transposed {name} feeds {sorted(later)}, expected MatMul only",
+                        u.name or None,
+                    )
+                )
         elif u.op_type not in ("MatMul", "Shape"):
-            problems.append(ContractProblem("cache_read", f"{name} is read by a {u.op_type} node (expected MatMul, "
-                                                          "Transpose->MatMul, Shape)", u.name or None))
+            problems.append(
+                ContractProblem(
+                    "cache_read",
+                    f"{name} is read by a {u.op_type} node (expected MatMul, Transpose->MatMul, Shape)",
+                    u.name or None,
+                )
+            )
     return problems
 
 
-def contract_problems(model: onnx.ModelProto, spec: Optional[Mapping[str, Any]] = None,
-                      flavour: Optional[str] = None, index: Optional[GraphIndex] = None, *,
-                      compare_dtypes: bool = True) -> list[ContractProblem]:
+def contract_problems(
+    model: onnx.ModelProto,
+    spec: Optional[Mapping[str, Any]] = None,
+    flavour: Optional[str] = None,
+    index: Optional[GraphIndex] = None,
+    *,
+    compare_dtypes: bool = True,
+) -> list[ContractProblem]:
     """Every broken rule of the module docstring in ``model``.
 
     ``spec``: the graph's entry of :func:`graph_specs` (inputs and outputs are compared with it
@@ -241,34 +285,57 @@ def contract_problems(model: onnx.ModelProto, spec: Optional[Mapping[str, Any]] 
     problems: list[ContractProblem] = []
     inputs, outputs = graph_io(model)
     if spec is not None:
-        problems += [ContractProblem("io", p) for p in io_problems(spec, inputs, outputs, compare_dtypes=compare_dtypes)]
+        problems += [
+            ContractProblem("io", p)
+            for p in io_problems(spec, inputs, outputs, compare_dtypes=compare_dtypes)
+        ]
     for kind, tensors in (("input", inputs), ("output", outputs)):
         for t in tensors:
             if t["shape"] and any(d == 0 for d in t["shape"]):
-                problems.append(ContractProblem("zero_dim", f"{kind} {t['name']!r} has a zero-length dimension "
-                                                            f"{t['shape']} (no zero-length past, no empty first step)"))
+                problems.append(
+                    ContractProblem(
+                        "zero_dim",
+                        f"{kind} {t['name']!r} has a zero-length dimension "
+                        f"{t['shape']} (no zero-length past, no empty first step)",
+                    )
+                )
     if len(model.functions):
-        problems.append(ContractProblem("custom_domain", f"model-local functions {[f.name for f in model.functions]} "
-                                                         "(expected plain nodes)"))
+        problems.append(
+            ContractProblem(
+                "custom_domain",
+                f"model-local functions {[f.name for f in model.functions]} (expected plain nodes)",
+            )
+        )
     for i, node in enumerate(model.graph.node):
         label = _label(node, i)
         if node.domain not in DEFAULT_DOMAINS:
-            problems.append(ContractProblem(
-                "custom_domain", f"{node.domain}::{node.op_type} is not a standard ONNX op (every custom op must be "
-                                 "lowered to standard ops; TensorRT would need a plugin)", label))
+            problems.append(
+                ContractProblem(
+                    "custom_domain",
+                    f"{node.domain}::{node.op_type} is not a standard ONNX op (every custom op must be "
+                    "lowered to standard ops; TensorRT would need a plugin)",
+                    label,
+                )
+            )
         elif node.op_type in FORBIDDEN_OPS:
-            problems.append(ContractProblem(
-                "control_flow", f"{node.op_type} node: control flow and sequences are forbidden in the exported "
-                                "graphs (one decoder graph for every step)", label))
+            problems.append(
+                ContractProblem(
+                    "control_flow",
+                    f"{node.op_type} node: control flow and sequences are forbidden in the exported "
+                    "graphs (one decoder graph for every step)",
+                    label,
+                )
+            )
         elif any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             problems.append(ContractProblem("control_flow", f"{node.op_type} node holds a subgraph", label))
         elif node.op_type == "TensorScatter":
-            problems += [ContractProblem("op_restriction", f"TensorScatter: {m}", label)
-                         for m in tensor_scatter_problems(node, g)]
+            problems += [
+                ContractProblem("op_restriction", f"TensorScatter: {m}", label)
+                for m in tensor_scatter_problems(node, g)
+            ]
     if flavour is None:
         flavour = "tensorscatter" if any(o["name"].startswith("present_") for o in outputs) else "portable"
     for t in inputs:
         if t["name"].startswith(("self_key.", "self_value.")):
             problems += _cache_problems(t["name"], g, flavour)
     return problems
-

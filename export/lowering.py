@@ -268,8 +268,12 @@ def fuse_shared_input_matmuls(model) -> int:
             continue
         users = consumers[node.output[0]]
         add = users[0] if len(users) == 1 and users[0].op_type == "Add" else None
-        if add is not None and not (add.input[0] == node.output[0] and add.input[1] in inits
-                                    and len(inits[add.input[1]].dims) == 1 and len(consumers[add.input[1]]) == 1):
+        if add is not None and not (
+            add.input[0] == node.output[0]
+            and add.input[1] in inits
+            and len(inits[add.input[1]].dims) == 1
+            and len(consumers[add.input[1]]) == 1
+        ):
             add = None
         groups[(node.input[0], inits[node.input[1]].dims[0])].append((node, add))
 
@@ -288,17 +292,26 @@ def fuse_shared_input_matmuls(model) -> int:
         prefix = f"{first.name or first.output[0]}_fused"
         weights = [numpy_helper.to_array(inits[mm.input[1]]) for mm, _ in members]
         new_inits.append(numpy_helper.from_array(np.concatenate(weights, axis=1), f"{prefix}.weight"))
-        new_inits.append(numpy_helper.from_array(np.array([w.shape[1] for w in weights], np.int64), f"{prefix}.split"))
-        nodes = [helper.make_node("MatMul", [x, f"{prefix}.weight"], [f"{prefix}.matmul"], name=f"{prefix}_MatMul")]
+        new_inits.append(
+            numpy_helper.from_array(np.array([w.shape[1] for w in weights], np.int64), f"{prefix}.split")
+        )
+        nodes = [
+            helper.make_node("MatMul", [x, f"{prefix}.weight"], [f"{prefix}.matmul"], name=f"{prefix}_MatMul")
+        ]
         result = f"{prefix}.matmul"
         if with_bias:
             biases = [numpy_helper.to_array(inits[add.input[1]]) for _, add in members]
             new_inits.append(numpy_helper.from_array(np.concatenate(biases, axis=0), f"{prefix}.bias"))
-            nodes.append(helper.make_node("Add", [result, f"{prefix}.bias"], [f"{prefix}.add"], name=f"{prefix}_Add"))
+            nodes.append(
+                helper.make_node("Add", [result, f"{prefix}.bias"], [f"{prefix}.add"], name=f"{prefix}_Add")
+            )
             result = f"{prefix}.add"
         split_outputs = [(add.output[0] if with_bias else mm.output[0]) for mm, add in members]
-        nodes.append(helper.make_node("Split", [result, f"{prefix}.split"], split_outputs, axis=-1,
-                                      name=f"{prefix}_Split"))
+        nodes.append(
+            helper.make_node(
+                "Split", [result, f"{prefix}.split"], split_outputs, axis=-1, name=f"{prefix}_Split"
+            )
+        )
         replace[id(first)] = nodes
         for mm, add in members:
             dropped_nodes.add(id(mm))

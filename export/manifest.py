@@ -91,7 +91,14 @@ __all__ = [
 # manifest itself.
 _V1_GRAPHS = ("encoder", "decoder_step")
 _V1_FILES = frozenset(
-    {ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, ENCODER_FILE + ".data", DECODER_FILE + ".data", "tensorrt.timing.cache"}
+    {
+        ENCODER_FILE,
+        DECODER_FILE,
+        MANIFEST_NAME,
+        ENCODER_FILE + ".data",
+        DECODER_FILE + ".data",
+        "tensorrt.timing.cache",
+    }
     | {f"{g}.{p}.engine" for g in _V1_GRAPHS for p in ("fp32", "fp16", "bf16")}
     | {f"{g}.{p}.onnx" for g in _V1_GRAPHS for p in ("fp16", "bf16")}
 )
@@ -106,8 +113,9 @@ def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) ->
     return path
 
 
-def write_generation_config(directory: str | os.PathLike, config: GenerationConfig,
-                            name: str = GENERATION_FILE) -> str:
+def write_generation_config(
+    directory: str | os.PathLike, config: GenerationConfig, name: str = GENERATION_FILE
+) -> str:
     """Write ``config`` as ``directory/name`` (default ``generation.json``) atomically; returns its path."""
     path = os.path.join(os.fspath(directory), name)
     atomic_write_json(path, config.to_dict())
@@ -158,11 +166,13 @@ def _load_own_manifest(directory: Path) -> tuple[Optional[dict], str]:
     except (OSError, ValueError) as exc:
         return None, f"its {MANIFEST_NAME} cannot be read ({exc})"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return None, f"its {MANIFEST_NAME} was not written by this package (no \"format\": \"{FORMAT}\")"
+        return None, f'its {MANIFEST_NAME} was not written by this package (no "format": "{FORMAT}")'
     version = manifest.get("format_version")
     if isinstance(version, bool) or version not in READABLE_FORMAT_VERSIONS:
         return None, f"its {MANIFEST_NAME} has format_version {version!r}, which this version does not know"
-    if version >= 2 and not (isinstance(manifest.get("files"), list) and all(isinstance(f, str) for f in manifest["files"])):
+    if version >= 2 and not (
+        isinstance(manifest.get("files"), list) and all(isinstance(f, str) for f in manifest["files"])
+    ):
         return None, f"its {MANIFEST_NAME} does not list the folder's files"
     return manifest, ""
 
@@ -209,8 +219,11 @@ def check_replaceable(directory: str | os.PathLike, *, option: str = "--output-d
             "Refusing to replace it: choose another folder, or move its contents away"
         )
     owned = owned_files(manifest)
-    unexpected = [e for e in entries
-                  if e not in owned or ((directory / e).is_dir() and not (directory / e).is_symlink())]
+    unexpected = [
+        e
+        for e in entries
+        if e not in owned or ((directory / e).is_dir() and not (directory / e).is_symlink())
+    ]
     if unexpected:
         raise OutputFolderError(
             f"{option} {directory} is an ONNX export, but it also holds files this package did not write "

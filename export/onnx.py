@@ -52,10 +52,9 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from transformer_ext.cli import add_debug_flag, run_cli
-from transformer_ext.fsutil import StagedDir
-
 from transformer_ext.decoding import LENGTH_PENALTIES
 from transformer_ext.export_format import GenerationConfig, read_generation_config
+from transformer_ext.fsutil import StagedDir
 
 from . import ExportError, GraphContractError, ModelDirectoryError
 from .manifest import (
@@ -258,19 +257,31 @@ def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]
     special = {"pad": int(config.pad_id), "bos": int(config.bos_id), "eos": int(config.eos_id)}
     path = Path(model_path) / TOKENIZER_FILE
     if not path.exists():
-        logger.warning("%s has no %s: exporting without a tokenizer (the export can decode token ids, "
-                       "not translate text)", model_path, TOKENIZER_FILE)
+        logger.warning(
+            "%s has no %s: exporting without a tokenizer (the export can decode token ids, "
+            "not translate text)",
+            model_path,
+            TOKENIZER_FILE,
+        )
         return [], special
     if not path.is_file():
-        raise ModelDirectoryError(f"{path} is not a file (a model folder's tokenizer is the file {TOKENIZER_FILE})")
+        raise ModelDirectoryError(
+            f"{path} is not a file (a model folder's tokenizer is the file {TOKENIZER_FILE})"
+        )
     tokenizer = load_tokenizer(path)
-    check_model_config(tokenizer, config, tokenizer_file=os.fspath(path),
-                       config_file=os.fspath(Path(model_path) / CONFIG_NAME))
+    check_model_config(
+        tokenizer,
+        config,
+        tokenizer_file=os.fspath(path),
+        config_file=os.fspath(Path(model_path) / CONFIG_NAME),
+    )
     files = list(tokenizer.files)
     for name in files:
         if not (Path(model_path) / name).is_file():
-            raise ModelDirectoryError(f"{Path(model_path) / name} is missing: the tokenizer described by {path} "
-                                      f"needs the files {files}")
+            raise ModelDirectoryError(
+                f"{Path(model_path) / name} is missing: the tokenizer described by {path} "
+                f"needs the files {files}"
+            )
     special["unk"] = int(tokenizer.unk_id)
     return files, special
 
@@ -310,7 +321,9 @@ def _dynamic_shapes(spec: dict, n_positional: int):
 
     The first ``n_positional`` inputs are separate arguments, the rest the ``*kv`` tuple.
     """
-    per_input = [{axis: dim for axis, dim in enumerate(t["shape"]) if isinstance(dim, str)} for t in spec["inputs"]]
+    per_input = [
+        {axis: dim for axis, dim in enumerate(t["shape"]) if isinstance(dim, str)} for t in spec["inputs"]
+    ]
     if len(per_input) == n_positional:
         return tuple(per_input)
     return tuple(per_input[:n_positional]) + (tuple(per_input[n_positional:]),)
@@ -339,8 +352,16 @@ def _quiet_exporter():
                     logger.debug("exporter: %s", line)
 
 
-def _export_graph(module, args, spec: dict, n_positional: int, opset: int, flavour: str, path: Path,
-                  fuse_matmuls: bool = True):
+def _export_graph(
+    module,
+    args,
+    spec: dict,
+    n_positional: int,
+    opset: int,
+    flavour: str,
+    path: Path,
+    fuse_matmuls: bool = True,
+):
     """Trace ``module`` with the dynamo exporter, fix the IR version, optionally merge the MatMuls
     that share an input (:func:`export.lowering.fuse_shared_input_matmuls`), make the per-layer
     shape reads of equally declared inputs share one (:func:`export.lowering.share_shape_reads`),
@@ -373,12 +394,22 @@ def _export_graph(module, args, spec: dict, n_positional: int, opset: int, flavo
     proto.producer_name = "transformer_ext export.onnx"
     onnx.checker.check_model(proto, full_check=True)
     if proto.ByteSize() >= 2**31 - 1:  # protobuf limit: weights go to one external file
-        onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data")
+        onnx.save_model(
+            proto,
+            path,
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+        )
     else:
         onnx.save_model(proto, path)
-    logger.info("exported %s in %.1f s (%d nodes, %d initializers)", path.name, time.perf_counter() - t0,
-                len(proto.graph.node), len(proto.graph.initializer))
+    logger.info(
+        "exported %s in %.1f s (%d nodes, %d initializers)",
+        path.name,
+        time.perf_counter() - t0,
+        len(proto.graph.node),
+        len(proto.graph.initializer),
+    )
     return proto
 
 
@@ -393,8 +424,12 @@ def _versions() -> dict:
 
     import transformer_ext
 
-    versions = {"torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__,
-                "transformer_ext": transformer_ext.__version__}
+    versions = {
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxscript": onnxscript.__version__,
+        "transformer_ext": transformer_ext.__version__,
+    }
     try:
         import onnxruntime
 
@@ -413,15 +448,18 @@ def _as_int(name: str, value: Any) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
-def _check_arguments(flavour: str, opset: Optional[int], cache_len: Optional[int], tolerance: float,
-                     seed: int) -> tuple[int, Optional[int], float]:
+def _check_arguments(
+    flavour: str, opset: Optional[int], cache_len: Optional[int], tolerance: float, seed: int
+) -> tuple[int, Optional[int], float]:
     """``(opset, cache_len, tolerance)`` checked (cache_len against max_len later); touches nothing."""
     if flavour not in FLAVOURS:
         raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
     opset = DEFAULT_OPSETS[flavour] if opset is None else _as_int("opset", opset)
     allowed = OPSET_RANGES[flavour]
     if opset not in allowed:
-        raise ValueError(f"opset {opset} is not supported for the {flavour} flavour (use {allowed.start}..{allowed.stop - 1})")
+        raise ValueError(
+            f"opset {opset} is not supported for the {flavour} flavour (use {allowed.start}..{allowed.stop - 1})"
+        )
     if cache_len is not None:
         cache_len = _as_int("cache_len", cache_len)
         if cache_len < 1:
@@ -506,8 +544,9 @@ def export_onnx(
         from .quantize import DEFAULT_MAX_BLEU_DROP, _check_max_drop, check_scheme
 
         check_scheme(quantize)
-        max_bleu_drop = _check_max_drop(DEFAULT_MAX_BLEU_DROP if max_bleu_drop is None else max_bleu_drop,
-                                        "max_bleu_drop")
+        max_bleu_drop = _check_max_drop(
+            DEFAULT_MAX_BLEU_DROP if max_bleu_drop is None else max_bleu_drop, "max_bleu_drop"
+        )
     elif gate_data is not None:
         raise ValueError("a BLEU gate (--gate-src / --gate-ref) checks int8 graphs: it needs --quantize int8")
     output_dir = Path(output_dir).absolute()
@@ -515,7 +554,9 @@ def export_onnx(
     model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
     config = model.config
     if config.max_len < 4:
-        raise ExportError(f"max_len = {config.max_len} is too small to export (the tracing dummies need 4 positions)")
+        raise ExportError(
+            f"max_len = {config.max_len} is too small to export (the tracing dummies need 4 positions)"
+        )
     if cache_len is None:
         cache_len = config.max_len
     if not 1 <= cache_len <= config.max_len:
@@ -532,15 +573,29 @@ def export_onnx(
     try:
         make_parents(output_dir, made)
         with StagedDir(output_dir) as stage:
-            manifest, report = _write_export(stage.path, model, model_path, tokenizer_names, special_tokens, specs,
-                                             generation_config, opset=opset, cache_len=cache_len, flavour=flavour, tolerance=tolerance,
-                                             validate=validate, seed=seed, fuse_matmuls=fuse_matmuls,
-                                             validation=validation)
+            manifest, report = _write_export(
+                stage.path,
+                model,
+                model_path,
+                tokenizer_names,
+                special_tokens,
+                specs,
+                generation_config,
+                opset=opset,
+                cache_len=cache_len,
+                flavour=flavour,
+                tolerance=tolerance,
+                validate=validate,
+                seed=seed,
+                fuse_matmuls=fuse_matmuls,
+                validation=validation,
+            )
             if quantize is not None:
                 from .quantize import quantize_folder
 
-                manifest = quantize_folder(stage.path, quantize, gate=validate, gate_data=gate_data,
-                                           max_bleu_drop=max_bleu_drop)
+                manifest = quantize_folder(
+                    stage.path, quantize, gate=validate, gate_data=gate_data, max_bleu_drop=max_bleu_drop
+                )
             check_replaceable(output_dir)  # nothing of someone else's appeared there meanwhile
             stage.commit()
     except BaseException as exc:
@@ -562,19 +617,46 @@ def export_onnx(
     )
 
 
-def _write_export(tmp_dir: Path, model, model_path: Path, tokenizer_names: list[str], special_tokens: dict,
-                  specs: dict, generation_config: GenerationConfig, *, opset: int, cache_len: int, flavour: str, tolerance: float, validate: bool,
-                  seed: int, fuse_matmuls: bool, validation) -> tuple[dict, Any]:
+def _write_export(
+    tmp_dir: Path,
+    model,
+    model_path: Path,
+    tokenizer_names: list[str],
+    special_tokens: dict,
+    specs: dict,
+    generation_config: GenerationConfig,
+    *,
+    opset: int,
+    cache_len: int,
+    flavour: str,
+    tolerance: float,
+    validate: bool,
+    seed: int,
+    fuse_matmuls: bool,
+    validation,
+) -> tuple[dict, Any]:
     """Write and validate the export in the (temporary) folder ``tmp_dir``; ``(manifest, report)``."""
     config = model.config
     encoder_args, decoder_args, dummy = _dummy_inputs(model, flavour)
     encoder_proto = _export_graph(
-        EncoderGraph(model), encoder_args, specs["encoder"], 2, opset, flavour, tmp_dir / ENCODER_FILE,
+        EncoderGraph(model),
+        encoder_args,
+        specs["encoder"],
+        2,
+        opset,
+        flavour,
+        tmp_dir / ENCODER_FILE,
         fuse_matmuls=fuse_matmuls,
     )
     decoder_proto = _export_graph(
-        DecoderStepGraph(model, flavour), decoder_args, specs["decoder_step"], 3, opset, flavour,
-        tmp_dir / DECODER_FILE, fuse_matmuls=fuse_matmuls,
+        DecoderStepGraph(model, flavour),
+        decoder_args,
+        specs["decoder_step"],
+        3,
+        opset,
+        flavour,
+        tmp_dir / DECODER_FILE,
+        fuse_matmuls=fuse_matmuls,
     )
     structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
     for name in tokenizer_names:
@@ -638,51 +720,100 @@ def _parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model-dir", default=None,
-                   help="model folder (config.json, model.safetensors, tokenizer.json); default: the bundled demo model")
-    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
-                   help="folder to write; an existing one is replaced atomically only when it is empty or an export "
-                        "holding nothing but the files its manifest lists, and refused otherwise")
-    p.add_argument("--flavour", choices=FLAVOURS, default="portable",
-                   help="portable: standard ops only, the step outputs the new token's K/V and the runtime appends them "
-                        "to its cache; tensorscatter: the cache update is inside the graph (opset-24 TensorScatter), "
-                        "the step outputs the updated caches, bound in place by the runtime")
-    p.add_argument("--opset", type=int, default=None,
-                   help="ONNX opset (default: 18 for portable, allowed 17..21; 24 for tensorscatter)")
-    p.add_argument("--cache-len", type=int, default=None,
-                   help="largest self-attention cache capacity a runtime may allocate (the cache_len axis is "
-                        "dynamic; recorded as max_cache_len in the manifest); default: the model's max_len")
-    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                   help="largest absolute difference allowed between every ONNX Runtime output and eager PyTorch")
-    p.add_argument("--no-validate", dest="validate", action="store_false",
-                   help="skip the parity validation in ONNX Runtime (structural checks still run)")
-    p.add_argument("--no-fuse-matmuls", dest="fuse_matmuls", action="store_false",
-                   help="keep the traced graphs as they are instead of merging the matrix products that read the "
-                        "same input (Q/K/V projections) into one MatMul + Split")
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="model folder (config.json, model.safetensors, tokenizer.json); default: the bundled demo model",
+    )
+    p.add_argument(
+        "--output-dir",
+        default=DEFAULT_OUTPUT_DIR,
+        help="folder to write; an existing one is replaced atomically only when it is empty or an export "
+        "holding nothing but the files its manifest lists, and refused otherwise",
+    )
+    p.add_argument(
+        "--flavour",
+        choices=FLAVOURS,
+        default="portable",
+        help="portable: standard ops only, the step outputs the new token's K/V and the runtime appends them "
+        "to its cache; tensorscatter: the cache update is inside the graph (opset-24 TensorScatter), "
+        "the step outputs the updated caches, bound in place by the runtime",
+    )
+    p.add_argument(
+        "--opset",
+        type=int,
+        default=None,
+        help="ONNX opset (default: 18 for portable, allowed 17..21; 24 for tensorscatter)",
+    )
+    p.add_argument(
+        "--cache-len",
+        type=int,
+        default=None,
+        help="largest self-attention cache capacity a runtime may allocate (the cache_len axis is "
+        "dynamic; recorded as max_cache_len in the manifest); default: the model's max_len",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help="largest absolute difference allowed between every ONNX Runtime output and eager PyTorch",
+    )
+    p.add_argument(
+        "--no-validate",
+        dest="validate",
+        action="store_false",
+        help="skip the parity validation in ONNX Runtime (structural checks still run)",
+    )
+    p.add_argument(
+        "--no-fuse-matmuls",
+        dest="fuse_matmuls",
+        action="store_false",
+        help="keep the traced graphs as they are instead of merging the matrix products that read the "
+        "same input (Q/K/V projections) into one MatMul + Split",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random validation inputs")
-    p.add_argument("--quantize", default=None, metavar="SCHEME",
-                   help="write int8 graphs (scheme: int8; dynamic quantization, per-output-channel int8 weights with "
-                        "reduce_range, every MatMul/Gemm incl. the output projection), for ONNX Runtime only; "
-                        "validated by a quality gate (greedy exact match on the demo held-out set at most 0.2 points "
-                        "below float32, or with --gate-src/--gate-ref a BLEU gate) instead of a logit tolerance")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="SCHEME",
+        help="write int8 graphs (scheme: int8; dynamic quantization, per-output-channel int8 weights with "
+        "reduce_range, every MatMul/Gemm incl. the output projection), for ONNX Runtime only; "
+        "validated by a quality gate (greedy exact match on the demo held-out set at most 0.2 points "
+        "below float32, or with --gate-src/--gate-ref a BLEU gate) instead of a logit tolerance",
+    )
     from .quantize import add_gate_arguments
 
     add_gate_arguments(p)
     g = p.add_argument_group(
-        "generation config", f"how a deployment decodes with the export, written to {GENERATION_FILE} "
-                             "(defaults: the translator's)")
+        "generation config",
+        f"how a deployment decodes with the export, written to {GENERATION_FILE} "
+        "(defaults: the translator's)",
+    )
     g.add_argument("--beam-size", type=int, help="beam size; 1 (default) is greedy search")
-    g.add_argument("--length-penalty", choices=LENGTH_PENALTIES,
-                   help="beam length penalty (default gnmt); see python -m transformer_ext.translate --help")
+    g.add_argument(
+        "--length-penalty",
+        choices=LENGTH_PENALTIES,
+        help="beam length penalty (default gnmt); see python -m transformer_ext.translate --help",
+    )
     g.add_argument("--alpha", type=float, help="length-penalty exponent (default 0.6)")
-    g.add_argument("--max-len-a", type=float,
-                   help="generate at most A * source_length + B tokens (default A = 1.5)")
+    g.add_argument(
+        "--max-len-a", type=float, help="generate at most A * source_length + B tokens (default A = 1.5)"
+    )
     g.add_argument("--max-len-b", type=float, help="see --max-len-a (default B = 10)")
-    g.add_argument("--min-new-tokens", type=int, help="tokens generated before EOS may end a translation (default 0)")
-    g.add_argument("--max-new-tokens", type=int,
-                   help="the largest budget, whatever the source length (default and maximum: --cache-len)")
-    p.add_argument("--examples", type=int, default=TRANSLATION_EXAMPLES,
-                   help="held-out sources to translate with ONNX Runtime at the end (0: none)")
+    g.add_argument(
+        "--min-new-tokens", type=int, help="tokens generated before EOS may end a translation (default 0)"
+    )
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="the largest budget, whatever the source length (default and maximum: --cache-len)",
+    )
+    p.add_argument(
+        "--examples",
+        type=int,
+        default=TRANSLATION_EXAMPLES,
+        help="held-out sources to translate with ONNX Runtime at the end (0: none)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
     add_debug_flag(p)
     return p
@@ -707,8 +838,9 @@ def summary_text(result: ExportResult) -> str:
     return "\n".join(lines)
 
 
-def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES,
-                       examples: Optional[Sequence[tuple[str, str]]] = None) -> list[tuple[str, str, Optional[str]]]:
+def translate_examples(
+    result: ExportResult, n: int = TRANSLATION_EXAMPLES, examples: Optional[Sequence[tuple[str, str]]] = None
+) -> list[tuple[str, str, Optional[str]]]:
     """``(source, ONNX Runtime translation, reference or None)`` for ``n`` example sources,
     decoded from the export folder alone (its graphs, tokenizer and generation config):
     ``examples`` (``(source, reference)`` pairs, e.g. the BLEU gate's parallel text) or the demo
@@ -725,7 +857,7 @@ def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES,
         return []
     tokenizer = load_tokenizer(result.output_dir)
     pairs, ids = [], []
-    for source, reference in (heldout_examples(n) if examples is None else list(examples)[:n]):
+    for source, reference in heldout_examples(n) if examples is None else list(examples)[:n]:
         try:
             encoded = tokenizer.encode_source(source)
         except TokenizerError:  # characters this model's tokenizer does not know: not its task
@@ -746,8 +878,14 @@ def translate_examples(result: ExportResult, n: int = TRANSLATION_EXAMPLES,
     if gen.beam_size == 1:
         outputs = runner.greedy(batch, lengths, **common)
     else:
-        hyps = runner.beam_search(batch, lengths, beam_size=gen.beam_size, length_penalty=gen.length_penalty,
-                                  alpha=gen.alpha, **common)
+        hyps = runner.beam_search(
+            batch,
+            lengths,
+            beam_size=gen.beam_size,
+            length_penalty=gen.length_penalty,
+            alpha=gen.alpha,
+            **common,
+        )
         outputs = [row[0].tokens for row in hyps]
     return [(s, tokenizer.decode_target(out), r) for (s, r), out in zip(pairs, outputs)]
 
@@ -757,29 +895,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     traceback), 2 for a bad option, 130 / 143 when interrupted by SIGINT / SIGTERM."""
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     return run_cli(parser.prog, lambda: _run(args), debug=args.debug)
 
 
-_GENERATION_OPTIONS = ("beam_size", "length_penalty", "alpha", "max_len_a", "max_len_b", "min_new_tokens",
-                       "max_new_tokens")
+_GENERATION_OPTIONS = (
+    "beam_size",
+    "length_penalty",
+    "alpha",
+    "max_len_a",
+    "max_len_b",
+    "min_new_tokens",
+    "max_new_tokens",
+)
 
 
 def _run(args) -> int:
     if args.examples < 0:
         raise ValueError(f"--examples must be >= 0, got {args.examples}")
-    generation = {name: getattr(args, name) for name in _GENERATION_OPTIONS if getattr(args, name) is not None}
+    generation = {
+        name: getattr(args, name) for name in _GENERATION_OPTIONS if getattr(args, name) is not None
+    }
     from .quantize import gate_data_from_args
 
     if args.quantize is None and (args.gate_src is not None or args.gate_ref is not None):
         raise ValueError("--gate-src / --gate-ref check int8 graphs: they need --quantize int8")
     gate_data = gate_data_from_args(args)  # read and checked before anything is exported
     result = export_onnx(
-        args.model_dir, args.output_dir, opset=args.opset, cache_len=args.cache_len,
-        flavour=args.flavour, tolerance=args.tolerance, validate=args.validate, seed=args.seed,
-        fuse_matmuls=args.fuse_matmuls, generation=generation, quantize=args.quantize,
-        gate_data=gate_data, max_bleu_drop=args.max_bleu_drop,
+        args.model_dir,
+        args.output_dir,
+        opset=args.opset,
+        cache_len=args.cache_len,
+        flavour=args.flavour,
+        tolerance=args.tolerance,
+        validate=args.validate,
+        seed=args.seed,
+        fuse_matmuls=args.fuse_matmuls,
+        generation=generation,
+        quantize=args.quantize,
+        gate_data=gate_data,
+        max_bleu_drop=args.max_bleu_drop,
     )
     print(summary_text(result))
     if result.manifest.get("quantization"):
@@ -791,10 +948,16 @@ def _run(args) -> int:
     if examples:
         beam = read_generation_config(result.output_dir, result.manifest).beam_size
         print()
-        print(f"translations decoded by ONNX Runtime ({'greedy' if beam == 1 else f'beam {beam}'}, "
-              f"as {GENERATION_FILE} says):")
+        print(
+            f"translations decoded by ONNX Runtime ({'greedy' if beam == 1 else f'beam {beam}'}, "
+            f"as {GENERATION_FILE} says):"
+        )
         for source, text, reference in examples:
-            mark = "" if reference is None else ("  (correct)" if text == reference else f"  (reference: {reference})")
+            mark = (
+                ""
+                if reference is None
+                else ("  (correct)" if text == reference else f"  (reference: {reference})")
+            )
             print(f"  {source!r} -> {text!r}{mark}")
     return 0
 

@@ -61,7 +61,14 @@ from transformer_ext.export_format import (
 )
 from transformer_ext.fsutil import StagedDir
 
-from .manifest import check_replaceable, folder_files, make_parents, named_write_error, remove_made_parents, write_manifest
+from .manifest import (
+    check_replaceable,
+    folder_files,
+    make_parents,
+    named_write_error,
+    remove_made_parents,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +109,16 @@ assert tuple(SCHEMES) == QUANTIZATION_SCHEMES
 DEFAULT_MAX_EM_DROP = 0.2  # points of exact match (percent) the int8 graphs may lose against float32
 DEFAULT_MAX_BLEU_DROP = 0.5  # BLEU points the int8 graphs may lose against float32 on --gate-src/--gate-ref
 # Ops of quantized graphs (what the TensorRT readiness check refuses).
-INT8_OP_TYPES = ("MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "ConvInteger", "DynamicQuantizeMatMul",
-                 "MatMulIntegerToFloat", "QuantizeLinear", "DequantizeLinear")
+INT8_OP_TYPES = (
+    "MatMulInteger",
+    "DynamicQuantizeLinear",
+    "QLinearMatMul",
+    "ConvInteger",
+    "DynamicQuantizeMatMul",
+    "MatMulIntegerToFloat",
+    "QuantizeLinear",
+    "DequantizeLinear",
+)
 
 
 class QuantizationError(ExportError):
@@ -140,16 +155,23 @@ class GateData:
         if not self.sources:
             raise QuantizationError(f"--gate-src {self.src} has no lines")
         if len(self.sources) != len(self.references):
-            raise QuantizationError(f"--gate-src {self.src} has {len(self.sources)} lines but --gate-ref {self.ref} "
-                                    f"has {len(self.references)}: one reference per source line")
+            raise QuantizationError(
+                f"--gate-src {self.src} has {len(self.sources)} lines but --gate-ref {self.ref} "
+                f"has {len(self.references)}: one reference per source line"
+            )
         blank = next((i for i, line in enumerate(self.sources) if not line.strip()), None)
         if blank is not None:
-            raise QuantizationError(f"--gate-src {self.src}, line {blank + 1} is empty: every gate source must "
-                                    "have text")
+            raise QuantizationError(
+                f"--gate-src {self.src}, line {blank + 1} is empty: every gate source must have text"
+            )
 
 
 def _check_max_drop(value: Any, name: str = "max_em_drop") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (np.isfinite(value) and value >= 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (np.isfinite(value) and value >= 0)
+    ):
         what = "points of exact match" if name == "max_em_drop" else "BLEU points"
         raise ValueError(f"{name} must be a finite number >= 0 ({what}), got {value!r}")
     return float(value)
@@ -167,15 +189,25 @@ def _quantize_one(src: Path, dst: Path, settings: dict) -> dict:
 
     weight_type = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}[settings["weight_type"]]
     before = onnx.load(os.fspath(src))
-    candidates = sum(1 for n in before.graph.node if n.op_type in settings["op_types"]
-                     and len(n.input) > 1 and n.input[1] in {t.name for t in before.graph.initializer})
+    candidates = sum(
+        1
+        for n in before.graph.node
+        if n.op_type in settings["op_types"]
+        and len(n.input) > 1
+        and n.input[1] in {t.name for t in before.graph.initializer}
+    )
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # quantize_dynamic warns on the root logger about pre-processing
     try:
-        quantize_dynamic(os.fspath(src), os.fspath(dst), op_types_to_quantize=list(settings["op_types"]),
-                         per_channel=settings["per_channel"], reduce_range=settings["reduce_range"],
-                         weight_type=weight_type)
+        quantize_dynamic(
+            os.fspath(src),
+            os.fspath(dst),
+            op_types_to_quantize=list(settings["op_types"]),
+            per_channel=settings["per_channel"],
+            reduce_range=settings["reduce_range"],
+            weight_type=weight_type,
+        )
     finally:
         root.setLevel(level)
     model = onnx.load(os.fspath(dst))
@@ -183,15 +215,28 @@ def _quantize_one(src: Path, dst: Path, settings: dict) -> dict:
     for n in model.graph.node:
         counts[n.op_type] = counts.get(n.op_type, 0) + 1
     quantized = counts.get("MatMulInteger", 0)
-    left = sum(1 for n in model.graph.node if n.op_type in settings["op_types"]
-               and len(n.input) > 1 and n.input[1] in {t.name for t in model.graph.initializer})
+    left = sum(
+        1
+        for n in model.graph.node
+        if n.op_type in settings["op_types"]
+        and len(n.input) > 1
+        and n.input[1] in {t.name for t in model.graph.initializer}
+    )
     if quantized != candidates or left:
-        raise QuantizationError(f"{src.name}: {quantized} of {candidates} weight products were quantized "
-                                f"({left} float32 ones left): the graph is not what this quantizer expects")
+        raise QuantizationError(
+            f"{src.name}: {quantized} of {candidates} weight products were quantized "
+            f"({left} float32 ones left): the graph is not what this quantizer expects"
+        )
     onnx.checker.check_model(model, full_check=True)
-    nbytes = sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-                 for t in model.graph.initializer)
-    return {"quantized_nodes": quantized, "op_counts": dict(sorted(counts.items())), "initializer_bytes": int(nbytes)}
+    nbytes = sum(
+        int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        for t in model.graph.initializer
+    )
+    return {
+        "quantized_nodes": quantized,
+        "op_counts": dict(sorted(counts.items())),
+        "initializer_bytes": int(nbytes),
+    }
 
 
 def quantize_graphs(src_dir: Path, dst_dir: Path, scheme: str) -> dict:
@@ -202,7 +247,13 @@ def quantize_graphs(src_dir: Path, dst_dir: Path, scheme: str) -> dict:
     graphs = {}
     for key, name in (("encoder", ENCODER_FILE), ("decoder_step", DECODER_FILE)):
         graphs[key] = _quantize_one(Path(src_dir) / name, Path(dst_dir) / name, settings)
-    return {"scheme": scheme, **settings, "onnxruntime": onnxruntime.__version__, "graphs": graphs, "gate": None}
+    return {
+        "scheme": scheme,
+        **settings,
+        "onnxruntime": onnxruntime.__version__,
+        "graphs": graphs,
+        "gate": None,
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -218,8 +269,10 @@ def _heldout_batch(folder: Path):
 
     manifest = read_manifest(folder)
     if not tokenizer_files(manifest):
-        raise QualityGateError(f"{folder}: the export has no tokenizer, so the int8 quality gate (the demo task's "
-                               "held-out set) cannot run; pass --no-validate to skip it")
+        raise QualityGateError(
+            f"{folder}: the export has no tokenizer, so the int8 quality gate (the demo task's "
+            "held-out set) cannot run; pass --no-validate to skip it"
+        )
     tokenizer = load_tokenizer(folder)
     sources, references = [], []
     try:
@@ -228,8 +281,10 @@ def _heldout_batch(folder: Path):
             sources.append(ids)
             references.append(tokenizer.encode_target(data.target_text(number)))
     except (TokenizerError, ImportError) as exc:
-        raise QualityGateError(f"{folder}: the int8 quality gate decodes the demo task's held-out set, which this "
-                               f"model's tokenizer cannot encode ({exc}); pass --no-validate to skip the gate") from exc
+        raise QualityGateError(
+            f"{folder}: the int8 quality gate decodes the demo task's held-out set, which this "
+            f"model's tokenizer cannot encode ({exc}); pass --no-validate to skip the gate"
+        ) from exc
     lengths = np.array([len(s) for s in sources], dtype=np.int64)
     ids = np.full((len(sources), int(lengths.max())), tokenizer.pad_id, dtype=np.int64)
     for row, s in enumerate(sources):
@@ -270,20 +325,29 @@ def quality_gate(float_dir: Path, int8_dir: Path, max_em_drop: float = DEFAULT_M
     em_f32 = 100.0 * sum(a == r for a, r in zip(f32, references)) / n
     em_i8 = 100.0 * sum(a == r for a, r in zip(i8, references)) / n
     agree = 100.0 * sum(a == b for a, b in zip(f32, i8)) / n
-    record = {"data": "demo held-out set (transformer_ext.data.split_numbers().heldout), greedy", "examples": n,
-              "exact_match_float32": round(em_f32, 4), "exact_match_int8": round(em_i8, 4),
-              "drop_points": round(em_f32 - em_i8, 4), "max_drop_points": max_em_drop,
-              "int8_equal_to_float32": round(agree, 4), "seconds": round(time.perf_counter() - t0, 2)}
+    record = {
+        "data": "demo held-out set (transformer_ext.data.split_numbers().heldout), greedy",
+        "examples": n,
+        "exact_match_float32": round(em_f32, 4),
+        "exact_match_int8": round(em_i8, 4),
+        "drop_points": round(em_f32 - em_i8, 4),
+        "max_drop_points": max_em_drop,
+        "int8_equal_to_float32": round(agree, 4),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     logger.info("int8 quality gate: %s", record)
     if em_f32 - em_i8 > max_em_drop + 1e-9:
         raise QualityGateError(
             f"the int8 graphs fail the quality gate: exact match {em_i8:.2f}% vs {em_f32:.2f}% for float32 on "
             f"{n} held-out examples, {em_f32 - em_i8:.2f} points lower (at most {max_em_drop:g} allowed); "
-            "nothing was written")
+            "nothing was written"
+        )
     return record
 
 
-def bleu_gate(float_dir: Path, int8_dir: Path, data: GateData, max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP) -> dict:
+def bleu_gate(
+    float_dir: Path, int8_dir: Path, data: GateData, max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP
+) -> dict:
     """Greedy translations of ``data.sources`` by both folders, BLEU against ``data.references``
     (sacrebleu); raises :class:`QualityGateError` when the int8 BLEU is more than
     ``max_bleu_drop`` points below float32's. Returns the gate's record."""
@@ -300,15 +364,23 @@ def bleu_gate(float_dir: Path, int8_dir: Path, data: GateData, max_bleu_drop: fl
     b32, b8 = scores["float32"]["bleu"], scores["int8"]["bleu"]
     n = len(data.sources)
     agree = 100.0 * sum(a == b for a, b in zip(hyps["float32"], hyps["int8"])) / n
-    record = {"data": f"{data.src.name} -> {data.ref.name}, greedy", "examples": n,
-              "bleu_float32": round(b32, 2), "bleu_int8": round(b8, 2), "drop_points": round(b32 - b8, 2),
-              "max_drop_points": max_bleu_drop, "bleu_signature": scores["float32"]["bleu_signature"],
-              "int8_equal_to_float32": round(agree, 4), "seconds": round(time.perf_counter() - t0, 2)}
+    record = {
+        "data": f"{data.src.name} -> {data.ref.name}, greedy",
+        "examples": n,
+        "bleu_float32": round(b32, 2),
+        "bleu_int8": round(b8, 2),
+        "drop_points": round(b32 - b8, 2),
+        "max_drop_points": max_bleu_drop,
+        "bleu_signature": scores["float32"]["bleu_signature"],
+        "int8_equal_to_float32": round(agree, 4),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     logger.info("int8 BLEU gate: %s", record)
     if b32 - b8 > max_bleu_drop + 1e-9:
         raise QualityGateError(
             f"the int8 graphs fail the BLEU gate: BLEU {b8:.2f} vs {b32:.2f} for float32 on {n} sentences of "
-            f"{data.src}, {b32 - b8:.2f} points lower (at most {max_bleu_drop:g} allowed); nothing was written")
+            f"{data.src}, {b32 - b8:.2f} points lower (at most {max_bleu_drop:g} allowed); nothing was written"
+        )
     return record
 
 
@@ -317,9 +389,15 @@ def bleu_gate(float_dir: Path, int8_dir: Path, data: GateData, max_bleu_drop: fl
 # ------------------------------------------------------------------------------------------
 
 
-def quantize_folder(folder: Path, scheme: str, *, gate: bool = True,
-                    max_em_drop: float = DEFAULT_MAX_EM_DROP, gate_data: Optional[GateData] = None,
-                    max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP) -> dict:
+def quantize_folder(
+    folder: Path,
+    scheme: str,
+    *,
+    gate: bool = True,
+    max_em_drop: float = DEFAULT_MAX_EM_DROP,
+    gate_data: Optional[GateData] = None,
+    max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP,
+) -> dict:
     """Quantize the float32 export in ``folder`` (a staged folder of this process) in place: the
     int8 graphs are written beside it, gated against the float32 ones (:func:`bleu_gate` on
     ``gate_data`` when given, else :func:`quality_gate` on the demo task), then moved over them
@@ -330,8 +408,10 @@ def quantize_folder(folder: Path, scheme: str, *, gate: bool = True,
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest_quantization(manifest) is not None:
-        raise QuantizationError(f"{folder} is already quantized ({manifest_quantization(manifest).get('scheme')}): "
-                                "quantize a float32 export")
+        raise QuantizationError(
+            f"{folder} is already quantized ({manifest_quantization(manifest).get('scheme')}): "
+            "quantize a float32 export"
+        )
     # A scratch sibling of the folder (not inside it, so its files list stays exact), never
     # committed: removed on any exit, and by the next run on this host if this one is killed.
     with StagedDir(folder.with_name(f"{folder.name}.quantize")) as scratch:
@@ -356,9 +436,16 @@ def quantize_folder(folder: Path, scheme: str, *, gate: bool = True,
     return int8_manifest
 
 
-def quantize_export(export_dir: str | os.PathLike, output_dir: str | os.PathLike, scheme: str = "int8", *,
-                    gate: bool = True, max_em_drop: float = DEFAULT_MAX_EM_DROP,
-                    gate_data: Optional[GateData] = None, max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP) -> dict:
+def quantize_export(
+    export_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    scheme: str = "int8",
+    *,
+    gate: bool = True,
+    max_em_drop: float = DEFAULT_MAX_EM_DROP,
+    gate_data: Optional[GateData] = None,
+    max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP,
+) -> dict:
     """Write an int8 copy of the float32 export ``export_dir`` to ``output_dir`` (a new folder, or
     one this package wrote); returns its manifest. Everything is checked before the disk is touched.
 
@@ -376,11 +463,15 @@ def quantize_export(export_dir: str | os.PathLike, output_dir: str | os.PathLike
     out = Path(output_dir).absolute()
     manifest = read_manifest(src)
     if manifest_quantization(manifest) is not None:
-        raise QuantizationError(f"{src} is already quantized ({manifest_quantization(manifest).get('scheme')}): "
-                                "quantize a float32 export")
+        raise QuantizationError(
+            f"{src} is already quantized ({manifest_quantization(manifest).get('scheme')}): "
+            "quantize a float32 export"
+        )
     if out.exists() and out.resolve() == src.resolve():
-        raise QuantizationError(f"--output-dir must differ from the export folder {src} (it is replaced atomically "
-                                "from a float32 source that must stay readable)")
+        raise QuantizationError(
+            f"--output-dir must differ from the export folder {src} (it is replaced atomically "
+            "from a float32 source that must stay readable)"
+        )
     check_replaceable(out)
     made: list[Path] = []
     try:
@@ -388,8 +479,14 @@ def quantize_export(export_dir: str | os.PathLike, output_dir: str | os.PathLike
         with StagedDir(out) as stage:
             for name in folder_files(src):
                 shutil.copy2(src / name, stage.path / name)
-            result = quantize_folder(stage.path, scheme, gate=gate, max_em_drop=max_em_drop, gate_data=gate_data,
-                                     max_bleu_drop=max_bleu_drop)
+            result = quantize_folder(
+                stage.path,
+                scheme,
+                gate=gate,
+                max_em_drop=max_em_drop,
+                gate_data=gate_data,
+                max_bleu_drop=max_bleu_drop,
+            )
             check_replaceable(out)
             stage.commit()
     except BaseException as exc:
@@ -405,13 +502,20 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m export.quantize",
         description="Write an int8 copy of a float32 export folder (python -m export.onnx), gated on the demo "
-                    "task's held-out set or, with --gate-src/--gate-ref, on BLEU of a parallel text; "
-                    "python -m export.onnx --quantize int8 does the same in one step.")
+        "task's held-out set or, with --gate-src/--gate-ref, on BLEU of a parallel text; "
+        "python -m export.onnx --quantize int8 does the same in one step.",
+    )
     p.add_argument("--export-dir", required=True, help="the float32 export folder to quantize")
-    p.add_argument("--output-dir", required=True, help="the folder to write (new, or an export of this package)")
+    p.add_argument(
+        "--output-dir", required=True, help="the folder to write (new, or an export of this package)"
+    )
     p.add_argument("--scheme", default="int8", help=f"quantization scheme, one of {list(SCHEMES)}")
-    p.add_argument("--max-em-drop", type=float, default=DEFAULT_MAX_EM_DROP,
-                   help="points of exact match the int8 decodes may lose against float32")
+    p.add_argument(
+        "--max-em-drop",
+        type=float,
+        default=DEFAULT_MAX_EM_DROP,
+        help="points of exact match the int8 decodes may lose against float32",
+    )
     add_gate_arguments(p)
     p.add_argument("--no-validate", dest="validate", action="store_false", help="skip the quality gate")
     add_debug_flag(p)
@@ -420,12 +524,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def add_gate_arguments(p: argparse.ArgumentParser) -> None:
     """``--gate-src``, ``--gate-ref``, ``--max-bleu-drop``: the BLEU gate of a real-data model."""
-    p.add_argument("--gate-src", default=None, metavar="FILE",
-                   help="BLEU gate instead of the demo task's exact-match gate: source sentences, one per line "
-                        "(e.g. a held-out test set); needs --gate-ref and sacrebleu")
-    p.add_argument("--gate-ref", default=None, metavar="FILE", help="the references of --gate-src, one per line")
-    p.add_argument("--max-bleu-drop", type=float, default=DEFAULT_MAX_BLEU_DROP,
-                   help="BLEU points the int8 greedy translations of --gate-src may lose against float32")
+    p.add_argument(
+        "--gate-src",
+        default=None,
+        metavar="FILE",
+        help="BLEU gate instead of the demo task's exact-match gate: source sentences, one per line "
+        "(e.g. a held-out test set); needs --gate-ref and sacrebleu",
+    )
+    p.add_argument(
+        "--gate-ref", default=None, metavar="FILE", help="the references of --gate-src, one per line"
+    )
+    p.add_argument(
+        "--max-bleu-drop",
+        type=float,
+        default=DEFAULT_MAX_BLEU_DROP,
+        help="BLEU points the int8 greedy translations of --gate-src may lose against float32",
+    )
 
 
 def gate_data_from_args(args: argparse.Namespace) -> Optional[GateData]:
@@ -443,9 +557,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     def work() -> int:
-        m = quantize_export(args.export_dir, args.output_dir, args.scheme, gate=args.validate,
-                            max_em_drop=args.max_em_drop, gate_data=gate_data_from_args(args),
-                            max_bleu_drop=args.max_bleu_drop)
+        m = quantize_export(
+            args.export_dir,
+            args.output_dir,
+            args.scheme,
+            gate=args.validate,
+            max_em_drop=args.max_em_drop,
+            gate_data=gate_data_from_args(args),
+            max_bleu_drop=args.max_bleu_drop,
+        )
         print(quantization_summary(m))
         return 0
 
@@ -455,19 +575,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def quantization_summary(manifest: dict) -> str:
     q = manifest_quantization(manifest) or {}
     g = q.get("graphs", {})
-    lines = [f"quantized ({q.get('scheme')}, per-channel {q.get('per_channel')}, reduce_range {q.get('reduce_range')}, "
-             f"weights {q.get('weight_type')}): " + ", ".join(
-                 f"{k} {v['quantized_nodes']} MatMulInteger, {v['initializer_bytes'] / 2**20:.1f} MiB"
-                 for k, v in g.items())]
+    lines = [
+        f"quantized ({q.get('scheme')}, per-channel {q.get('per_channel')}, reduce_range {q.get('reduce_range')}, "
+        f"weights {q.get('weight_type')}): "
+        + ", ".join(
+            f"{k} {v['quantized_nodes']} MatMulInteger, {v['initializer_bytes'] / 2**20:.1f} MiB"
+            for k, v in g.items()
+        )
+    ]
     gate = q.get("gate")
     if gate and "bleu_int8" in gate:
-        lines.append(f"BLEU gate: int8 {gate['bleu_int8']:.2f} vs float32 {gate['bleu_float32']:.2f} on "
-                     f"{gate['examples']} sentences ({gate['data']}; drop {gate['drop_points']:.2f} points, at most "
-                     f"{gate['max_drop_points']:g}; {gate['bleu_signature']})")
+        lines.append(
+            f"BLEU gate: int8 {gate['bleu_int8']:.2f} vs float32 {gate['bleu_float32']:.2f} on "
+            f"{gate['examples']} sentences ({gate['data']}; drop {gate['drop_points']:.2f} points, at most "
+            f"{gate['max_drop_points']:g}; {gate['bleu_signature']})"
+        )
     elif gate:
-        lines.append(f"quality gate: exact match int8 {gate['exact_match_int8']:.2f}% vs float32 "
-                     f"{gate['exact_match_float32']:.2f}% on {gate['examples']} held-out examples "
-                     f"(drop {gate['drop_points']:.2f} points, at most {gate['max_drop_points']:g})")
+        lines.append(
+            f"quality gate: exact match int8 {gate['exact_match_int8']:.2f}% vs float32 "
+            f"{gate['exact_match_float32']:.2f}% on {gate['examples']} held-out examples "
+            f"(drop {gate['drop_points']:.2f} points, at most {gate['max_drop_points']:g})"
+        )
     else:
         lines.append("quality gate skipped")
     return "\n".join(lines)

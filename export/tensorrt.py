@@ -149,7 +149,10 @@ class TensorRTParseError(ExportError, RuntimeError):
     def __init__(self, graph: str, errors: Sequence[str]):
         self.graph = graph
         self.errors = list(errors)
-        body = "\n".join(f"  {i + 1}. {e}" for i, e in enumerate(self.errors)) or "  (the parser reported no detail)"
+        body = (
+            "\n".join(f"  {i + 1}. {e}" for i, e in enumerate(self.errors))
+            or "  (the parser reported no detail)"
+        )
         super().__init__(
             f"TensorRT's ONNX parser rejected {graph} with {len(self.errors)} error(s):\n{body}\n"
             "Run `python -m export.tensorrt --check-only` for the static readiness report, and check "
@@ -334,7 +337,9 @@ def plan_build(
     options.validate()
     export_dir = Path(export_dir).resolve()
     if not export_dir.is_dir():
-        raise FileNotFoundError(f"export folder not found: {export_dir} (write one with `python -m export.onnx`)")
+        raise FileNotFoundError(
+            f"export folder not found: {export_dir} (write one with `python -m export.onnx`)"
+        )
     output_dir = Path(options.output_dir).resolve() if options.output_dir else export_dir
     manifest = read_manifest(export_dir)
     if manifest.get("quantization"):
@@ -342,22 +347,40 @@ def plan_build(
     max_positions = manifest_max_positions(manifest)
 
     user_ranges = dict(options.axis_ranges)
-    if CACHE_LEN in user_ranges and not user_ranges[CACHE_LEN].static and (export_dir / DECODER_FILE).is_file():
+    if (
+        CACHE_LEN in user_ranges
+        and not user_ranges[CACHE_LEN].static
+        and (export_dir / DECODER_FILE).is_file()
+    ):
         try:
-            dec_outputs = [o.name for o in onnx.load(os.fspath(export_dir / DECODER_FILE), load_external_data=False).graph.output]
+            dec_outputs = [
+                o.name
+                for o in onnx.load(
+                    os.fspath(export_dir / DECODER_FILE), load_external_data=False
+                ).graph.output
+            ]
         except Exception:  # noqa: BLE001 - the readiness check below reports a corrupt graph
             dec_outputs = []
         if decoder_flavour(dec_outputs) == "tensorscatter":
             n = user_ranges[CACHE_LEN].max
-            logger.warning("tensorscatter flavour: TensorRT's KV-cache update layer needs a static cache length; "
-                           "cache_len %s -> %d:%d:%d", user_ranges[CACHE_LEN], n, n, n)
+            logger.warning(
+                "tensorscatter flavour: TensorRT's KV-cache update layer needs a static cache length; "
+                "cache_len %s -> %d:%d:%d",
+                user_ranges[CACHE_LEN],
+                n,
+                n,
+                n,
+            )
             user_ranges[CACHE_LEN] = AxisRange(n, n, n)
     # The original graphs are checked first (manifest included): problems there are the exporter's.
     readiness_original = check_export_dir(export_dir, user_ranges or None, raise_on_error=True)
     flavour = readiness_original.flavour or "portable"
     ranges = dict(readiness_original.axis_ranges)
 
-    originals = {"encoder": _load_full(export_dir / ENCODER_FILE), "decoder_step": _load_full(export_dir / DECODER_FILE)}
+    originals = {
+        "encoder": _load_full(export_dir / ENCODER_FILE),
+        "decoder_step": _load_full(export_dir / DECODER_FILE),
+    }
     pinned: dict[str, int] = {}
     if flavour == "tensorscatter":
         # TensorRT's KV-cache update layer needs a static cache length (and aliases in/out).
@@ -371,22 +394,31 @@ def plan_build(
             m = convert_precision(m, options.precision)
         graphs[key] = m
     # The graphs TensorRT will parse are checked too (types after conversion, pinned axes).
-    readiness = check_export_dir(export_dir, ranges, raise_on_error=True, graphs=graphs, compare_manifest=False)
+    readiness = check_export_dir(
+        export_dir, ranges, raise_on_error=True, graphs=graphs, compare_manifest=False
+    )
 
     suffix = options.precision
     engines = []
     for key, m in graphs.items():
-        engines.append(EnginePlan(
-            graph=key,
-            onnx_path=os.fspath(export_dir / f"{key}.onnx"),
-            engine_file=f"{key}.{suffix}.engine",
-            converted_onnx_file=f"{key}.{suffix}.onnx" if (options.keep_onnx and m is not originals[key]
-                                                          and options.precision != "fp32") else None,
-            shapes=profile_shapes(input_specs(m), ranges),
-            io_dtypes=_io_dtypes(m) if options.typing == "strong" else _weak_io_dtypes(m, options.precision),
-            pinned_axes=dict(pinned) if key == "decoder_step" else {},
-        ))
-    timing_cache = Path(options.timing_cache).resolve() if options.timing_cache else output_dir / "tensorrt.timing.cache"
+        engines.append(
+            EnginePlan(
+                graph=key,
+                onnx_path=os.fspath(export_dir / f"{key}.onnx"),
+                engine_file=f"{key}.{suffix}.engine",
+                converted_onnx_file=f"{key}.{suffix}.onnx"
+                if (options.keep_onnx and m is not originals[key] and options.precision != "fp32")
+                else None,
+                shapes=profile_shapes(input_specs(m), ranges),
+                io_dtypes=_io_dtypes(m)
+                if options.typing == "strong"
+                else _weak_io_dtypes(m, options.precision),
+                pinned_axes=dict(pinned) if key == "decoder_step" else {},
+            )
+        )
+    timing_cache = (
+        Path(options.timing_cache).resolve() if options.timing_cache else output_dir / "tensorrt.timing.cache"
+    )
     plan = BuildPlan(
         export_dir=os.fspath(export_dir),
         output_dir=os.fspath(output_dir),
@@ -402,8 +434,14 @@ def plan_build(
         engines=engines,
         readiness=readiness,
     )
-    logger.info("plan: %s %s-typed, cache dtype %s, flavour %s, profile %s", plan.precision, plan.typing,
-                plan.cache_dtype, plan.flavour, ", ".join(f"{k}={v}" for k, v in sorted(ranges.items())))
+    logger.info(
+        "plan: %s %s-typed, cache dtype %s, flavour %s, profile %s",
+        plan.precision,
+        plan.typing,
+        plan.cache_dtype,
+        plan.flavour,
+        ", ".join(f"{k}={v}" for k, v in sorted(ranges.items())),
+    )
     return plan, graphs
 
 
@@ -438,14 +476,24 @@ def describe_parser_error(error: Any) -> str:
 
 
 def _float32_layer_types(trt) -> set:
-    return {t for t in (getattr(trt.LayerType, n, None) for n in ("SOFTMAX", "REDUCE", "NORMALIZATION")) if t is not None}
+    return {
+        t
+        for t in (getattr(trt.LayerType, n, None) for n in ("SOFTMAX", "REDUCE", "NORMALIZATION"))
+        if t is not None
+    }
 
 
 def apply_weak_precision(trt, network, precision: str, io_dtypes: Mapping[str, str]) -> int:
     """Weakly-typed reduced precision: pin softmax / reduce / normalization layers (and their
     outputs) to float32, give the network I/O the planned dtypes. Returns the layers pinned."""
-    trt_dtypes = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16,
-                  "int64": trt.int64, "int32": trt.int32, "bool": trt.bool}
+    trt_dtypes = {
+        "float32": trt.float32,
+        "float16": trt.float16,
+        "bfloat16": trt.bfloat16,
+        "int64": trt.int64,
+        "int32": trt.int32,
+        "bool": trt.bool,
+    }
     pinned = 0
     kinds = _float32_layer_types(trt)
     for i in range(network.num_layers):
@@ -467,7 +515,9 @@ def apply_weak_precision(trt, network, precision: str, io_dtypes: Mapping[str, s
     return pinned
 
 
-def _build_one(trt, trt_logger, plan: BuildPlan, eplan: EnginePlan, model: onnx.ModelProto, timing_cache) -> bytes:
+def _build_one(
+    trt, trt_logger, plan: BuildPlan, eplan: EnginePlan, model: onnx.ModelProto, timing_cache
+) -> bytes:
     builder = trt.Builder(trt_logger)
     flags = 0
     for name in plan.flags["network"]:
@@ -476,8 +526,10 @@ def _build_one(trt, trt_logger, plan: BuildPlan, eplan: EnginePlan, model: onnx.
     parser = trt.OnnxParser(network, trt_logger)
     logger.info("parsing %s (%s)", eplan.graph, eplan.converted_onnx_file or eplan.onnx_path)
     if model.ByteSize() >= 2**31:
-        raise TensorRTBuildError(f"{eplan.graph}: the graph with its weights exceeds 2 GiB, the protobuf limit of "
-                                 "an in-memory parse; export with external weights and build from files")
+        raise TensorRTBuildError(
+            f"{eplan.graph}: the graph with its weights exceeds 2 GiB, the protobuf limit of "
+            "an in-memory parse; export with external weights and build from files"
+        )
     if not parser.parse(model.SerializeToString(), eplan.onnx_path):
         errors = [describe_parser_error(parser.get_error(i)) for i in range(parser.num_errors)]
         for i, e in enumerate(errors):
@@ -504,7 +556,9 @@ def _build_one(trt, trt_logger, plan: BuildPlan, eplan: EnginePlan, model: onnx.
     for name, (lo, mid, hi) in eplan.shapes.items():
         profile.set_shape(name, lo, mid, hi)
     config.add_optimization_profile(profile)
-    logger.info("building %s engine (%s, %s typing); this takes a while", eplan.graph, plan.precision, plan.typing)
+    logger.info(
+        "building %s engine (%s, %s typing); this takes a while", eplan.graph, plan.precision, plan.typing
+    )
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise TensorRTBuildError(
@@ -602,8 +656,9 @@ def _gpu_info() -> dict[str, Any]:
     return {}
 
 
-def manifest_section(plan: BuildPlan, engine_bytes: Mapping[str, bytes], engine_io: Mapping[str, Any],
-                     trt_version: str) -> dict[str, Any]:
+def manifest_section(
+    plan: BuildPlan, engine_bytes: Mapping[str, bytes], engine_io: Mapping[str, Any], trt_version: str
+) -> dict[str, Any]:
     """The ``tensorrt.engines[<precision>]`` entry of the manifest."""
     return {
         "precision": plan.precision,
@@ -620,8 +675,10 @@ def manifest_section(plan: BuildPlan, engine_bytes: Mapping[str, bytes], engine_
                 "bytes": len(engine_bytes[e.graph]),
                 "sha256": _sha256(engine_bytes[e.graph]),
                 "onnx": e.converted_onnx_file or os.path.relpath(e.onnx_path, plan.output_dir),
-                "profile": {name: {"min": list(lo), "opt": list(mid), "max": list(hi)}
-                            for name, (lo, mid, hi) in e.shapes.items()},
+                "profile": {
+                    name: {"min": list(lo), "opt": list(mid), "max": list(hi)}
+                    for name, (lo, mid, hi) in e.shapes.items()
+                },
                 "io_dtypes": e.io_dtypes,
                 "io": engine_io.get(e.graph, {}),
                 "pinned_axes": e.pinned_axes,
@@ -677,11 +734,15 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
     engine_bytes: dict[str, bytes] = {}
     engine_io: dict[str, Any] = {}
     for eplan in plan.engines:
-        engine_bytes[eplan.graph] = _build_one(trt, trt_logger, plan, eplan, graphs[eplan.graph], timing_cache)
+        engine_bytes[eplan.graph] = _build_one(
+            trt, trt_logger, plan, eplan, graphs[eplan.graph], timing_cache
+        )
         engine_io[eplan.graph] = _engine_io(trt, trt_logger, engine_bytes[eplan.graph])
         built = {name: info["dtype"] for name, info in engine_io[eplan.graph].items()}
         if built != eplan.io_dtypes:
-            diff = sorted(n for n in set(built) | set(eplan.io_dtypes) if built.get(n) != eplan.io_dtypes.get(n))
+            diff = sorted(
+                n for n in set(built) | set(eplan.io_dtypes) if built.get(n) != eplan.io_dtypes.get(n)
+            )
             raise TensorRTBuildError(
                 f"the {eplan.graph} engine's I/O differs from the plan at {diff}: engine "
                 f"{ {n: built.get(n) for n in diff} }, plan { {n: eplan.io_dtypes.get(n) for n in diff} }"
@@ -695,7 +756,9 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
             files[eplan.converted_onnx_file] = graphs[eplan.graph].SerializeToString()
         files[eplan.engine_file] = engine_bytes[eplan.graph]
         paths[eplan.graph] = os.fspath(out_dir / eplan.engine_file)
-    files.update(target.carried)  # an engine folder apart from the export: its tokenizer and generation config
+    files.update(
+        target.carried
+    )  # an engine folder apart from the export: its tokenizer and generation config
     timing_data = bytes(memoryview(timing_cache.serialize()))
     timing_inside = timing_path.parent == out_dir
     if timing_inside:
@@ -744,7 +807,9 @@ class _OutputFolder:
     generation_config: str = GENERATION_FILE
 
 
-def _deployment_files(export_dir: Path, out_dir: Path, manifest: Mapping[str, Any]) -> tuple[dict[str, bytes], str]:
+def _deployment_files(
+    export_dir: Path, out_dir: Path, manifest: Mapping[str, Any]
+) -> tuple[dict[str, bytes], str]:
     """``(files to add besides the engines, the name of the generation config)``.
 
     An export folder of format version 1 or 2 has no generation config: the build adds one with
@@ -766,8 +831,9 @@ def _deployment_files(export_dir: Path, out_dir: Path, manifest: Mapping[str, An
         for n in names:
             path = export_dir / n
             if not path.is_file():
-                raise ManifestError(f"{path} is named by {export_dir / MANIFEST_NAME} but missing "
-                                    "(export the model again)")
+                raise ManifestError(
+                    f"{path} is named by {export_dir / MANIFEST_NAME} but missing (export the model again)"
+                )
             out[n] = path.read_bytes()
     return out, name
 
@@ -801,7 +867,11 @@ def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
                 ) from None
             onnx_dir = base.get("onnx_dir")
             if not isinstance(onnx_dir, str) or (out_dir / onnx_dir).resolve() != export_dir:
-                what = "the graphs of another export" if not onnx_dir else f"the engines of the export {onnx_dir}"
+                what = (
+                    "the graphs of another export"
+                    if not onnx_dir
+                    else f"the engines of the export {onnx_dir}"
+                )
                 raise OutputFolderError(
                     f"--output-dir {out_dir} holds {what}: adding the engines of {export_dir} to its manifest "
                     "would make it describe two exports; choose a new or empty folder"
@@ -809,7 +879,9 @@ def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
         owned = export_manifest.owned_files(base)
         present = set(os.listdir(out_dir))
         timing_name = Path(plan.timing_cache).name if Path(plan.timing_cache).parent == out_dir else None
-        writes = {e.engine_file for e in plan.engines} | {e.converted_onnx_file for e in plan.engines if e.converted_onnx_file}
+        writes = {e.engine_file for e in plan.engines} | {
+            e.converted_onnx_file for e in plan.engines if e.converted_onnx_file
+        }
         writes |= set(carried)
         foreign = sorted(n for n in writes & present if n not in owned)
         if foreign:
@@ -858,31 +930,73 @@ def build_parser() -> argparse.ArgumentParser:
             f"TensorRT >= {MIN_TENSORRT_VERSION} is needed to build: {INSTALL_HINT}."
         ),
     )
-    p.add_argument("export_dir", nargs="?", default="onnx_export",
-                   help="folder written by `python -m export.onnx` (default: onnx_export)")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
-                   help="engine precision; caches are float32 / float16 / bfloat16 accordingly; softmax, "
-                        "normalizations and reductions stay float32 (default: fp32)")
-    p.add_argument("--typing", choices=TYPINGS, default="strong",
-                   help="strong: convert the graphs to the precision and build a strongly typed network "
-                        "(default); weak: TensorRT 10.x builder flags with float32 layer constraints")
-    p.add_argument("--batch", type=_range_arg, metavar="MIN:OPT:MAX",
-                   help="decoder rows per call (sources x beams); also the encoder batch")
+    p.add_argument(
+        "export_dir",
+        nargs="?",
+        default="onnx_export",
+        help="folder written by `python -m export.onnx` (default: onnx_export)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="fp32",
+        help="engine precision; caches are float32 / float16 / bfloat16 accordingly; softmax, "
+        "normalizations and reductions stay float32 (default: fp32)",
+    )
+    p.add_argument(
+        "--typing",
+        choices=TYPINGS,
+        default="strong",
+        help="strong: convert the graphs to the precision and build a strongly typed network "
+        "(default); weak: TensorRT 10.x builder flags with float32 layer constraints",
+    )
+    p.add_argument(
+        "--batch",
+        type=_range_arg,
+        metavar="MIN:OPT:MAX",
+        help="decoder rows per call (sources x beams); also the encoder batch",
+    )
     p.add_argument("--src-len", type=_range_arg, metavar="MIN:OPT:MAX", help="source length in tokens")
-    p.add_argument("--cache-len", type=_range_arg, metavar="MIN:OPT:MAX",
-                   help="self-attention cache capacity (the tensorscatter flavour uses a static one: N)")
-    p.add_argument("--axis", type=_axis_arg, action="append", default=[], metavar="NAME=MIN:OPT:MAX",
-                   help="range of any other named dynamic axis (repeatable)")
-    p.add_argument("--output-dir", help="where engines and the updated manifest go (default: the export folder)")
-    p.add_argument("--timing-cache", help="timing cache file, read if present and updated (default: "
-                                          "<output-dir>/tensorrt.timing.cache)")
-    p.add_argument("--workspace-mib", type=int, default=4096, help="builder workspace limit in MiB (default: 4096)")
-    p.add_argument("--optimization-level", type=int, choices=range(6), metavar="0..5",
-                   help="TensorRT builder optimization level (TensorRT's default: 3)")
-    p.add_argument("--tf32", action="store_true", help="allow TF32 math in float32 layers (off: parity with eager)")
+    p.add_argument(
+        "--cache-len",
+        type=_range_arg,
+        metavar="MIN:OPT:MAX",
+        help="self-attention cache capacity (the tensorscatter flavour uses a static one: N)",
+    )
+    p.add_argument(
+        "--axis",
+        type=_axis_arg,
+        action="append",
+        default=[],
+        metavar="NAME=MIN:OPT:MAX",
+        help="range of any other named dynamic axis (repeatable)",
+    )
+    p.add_argument(
+        "--output-dir", help="where engines and the updated manifest go (default: the export folder)"
+    )
+    p.add_argument(
+        "--timing-cache",
+        help="timing cache file, read if present and updated (default: <output-dir>/tensorrt.timing.cache)",
+    )
+    p.add_argument(
+        "--workspace-mib", type=int, default=4096, help="builder workspace limit in MiB (default: 4096)"
+    )
+    p.add_argument(
+        "--optimization-level",
+        type=int,
+        choices=range(6),
+        metavar="0..5",
+        help="TensorRT builder optimization level (TensorRT's default: 3)",
+    )
+    p.add_argument(
+        "--tf32", action="store_true", help="allow TF32 math in float32 layers (off: parity with eager)"
+    )
     p.add_argument("--no-keep-onnx", action="store_true", help="do not write the converted fp16/bf16 graphs")
-    p.add_argument("--check-only", action="store_true",
-                   help="only run the TensorRT readiness check over the graphs (no TensorRT needed)")
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="only run the TensorRT readiness check over the graphs (no TensorRT needed)",
+    )
     p.add_argument("--json", action="store_true", help="with --check-only: print the report as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (TensorRT's own log included)")
     add_debug_flag(p)
@@ -897,9 +1011,15 @@ def _options_from_args(args) -> BuildOptions:
         if value is not None:
             ranges[name] = value
     return BuildOptions(
-        precision=args.precision, typing=args.typing, axis_ranges=ranges, output_dir=args.output_dir,
-        timing_cache=args.timing_cache, workspace_mib=args.workspace_mib, tf32=args.tf32,
-        optimization_level=args.optimization_level, keep_onnx=not args.no_keep_onnx,
+        precision=args.precision,
+        typing=args.typing,
+        axis_ranges=ranges,
+        output_dir=args.output_dir,
+        timing_cache=args.timing_cache,
+        workspace_mib=args.workspace_mib,
+        tf32=args.tf32,
+        optimization_level=args.optimization_level,
+        keep_onnx=not args.no_keep_onnx,
     )
 
 
@@ -909,7 +1029,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     when interrupted by SIGINT / SIGTERM."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     expected = (TensorRTReadinessError, TensorRTNotAvailableError, TensorRTParseError, TensorRTBuildError)
     return run_cli(parser.prog, lambda: _run(args), debug=args.debug, expected=expected)
 
@@ -922,16 +1044,20 @@ def _run(args) -> int:
             plan, _ = plan_build(args.export_dir, options)
             report = plan.readiness
             print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
-            print(f"engines would be: {', '.join(e.engine_file for e in plan.engines)} "
-                  f"({plan.precision}, cache dtype {plan.cache_dtype})")
+            print(
+                f"engines would be: {', '.join(e.engine_file for e in plan.engines)} "
+                f"({plan.precision}, cache dtype {plan.cache_dtype})"
+            )
             return 0
         result = build_engines(args.export_dir, options)
     except TensorRTReadinessError as exc:
         print(exc.report.format(), file=sys.stderr)
         raise
     plan = result.plan
-    print(f"TensorRT {result.tensorrt_version}: built {plan.precision} engines ({plan.typing} typing, "
-          f"cache dtype {plan.cache_dtype}, flavour {plan.flavour})")
+    print(
+        f"TensorRT {result.tensorrt_version}: built {plan.precision} engines ({plan.typing} typing, "
+        f"cache dtype {plan.cache_dtype}, flavour {plan.flavour})"
+    )
     for graph, path in result.engine_paths.items():
         print(f"  {graph:13s} {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
     print(f"  manifest      {result.manifest_path}\n  timing cache  {result.timing_cache_path}")

@@ -118,10 +118,16 @@ _MODEL_NAMES = ("encoder", "decoder_step", "decoder_step_stateful", "translator"
 # What the version before the marker wrote (recognised by these exact paths, for --force).
 _UNMARKED_FILES = frozenset(
     {f"{m}/config.pbtxt" for m in _MODEL_NAMES}
-    | {f"{m}/1/{f}" for m in _MODEL_NAMES[:3]
-       for f in ("model.onnx", "model.plan", ENCODER_FILE + ".data", DECODER_FILE + ".data")}
-    | {"translator/1/model.py", "translator/1/_vendor/transformer_ext/__init__.py",
-       "translator/1/_vendor/transformer_ext/decoding.py"}
+    | {
+        f"{m}/1/{f}"
+        for m in _MODEL_NAMES[:3]
+        for f in ("model.onnx", "model.plan", ENCODER_FILE + ".data", DECODER_FILE + ".data")
+    }
+    | {
+        "translator/1/model.py",
+        "translator/1/_vendor/transformer_ext/__init__.py",
+        "translator/1/_vendor/transformer_ext/decoding.py",
+    }
 )
 
 _TRANSLATOR_SOURCE = Path(__file__).resolve().parent / "triton_models" / "translator" / "model.py"
@@ -273,7 +279,9 @@ def _graph_from_spec(spec: Mapping[str, Any], pinned: Mapping[str, int] | None =
     return graph
 
 
-def _graph_from_engine(spec: Mapping[str, Any], entry: Mapping[str, Any], pinned: Mapping[str, int]) -> _Graph:
+def _graph_from_engine(
+    spec: Mapping[str, Any], entry: Mapping[str, Any], pinned: Mapping[str, int]
+) -> _Graph:
     """The graph spec with the dtypes and shapes of the built engine (``io`` in the manifest)."""
     graph = _graph_from_spec(spec, pinned)
     io = entry.get("io") or {}
@@ -283,7 +291,9 @@ def _graph_from_engine(spec: Mapping[str, Any], entry: Mapping[str, Any], pinned
             t.dtype = io[t.name]["dtype"]
             shape = [int(d) for d in io[t.name]["shape"]]
             if len(shape) != len(t.shape):
-                raise ManifestError(f"engine tensor {t.name!r} has rank {len(shape)}, the graph {len(t.shape)}")
+                raise ManifestError(
+                    f"engine tensor {t.name!r} has rank {len(shape)}, the graph {len(t.shape)}"
+                )
             t.shape = ["batch"] + shape[1:]
         elif t.name in dtypes:
             t.dtype = dtypes[t.name]
@@ -319,7 +329,9 @@ def _tensorrt_section(manifest: Mapping[str, Any], precision: Optional[str]) -> 
     if precision is None:
         precision = "fp32" if "fp32" in engines else (next(iter(engines)) if len(engines) == 1 else None)
         if precision is None:
-            raise TritonExportError(f"the manifest lists engines for {sorted(engines)}: choose one with --precision")
+            raise TritonExportError(
+                f"the manifest lists engines for {sorted(engines)}: choose one with --precision"
+            )
     if precision not in engines:
         raise TritonExportError(
             f"no {precision} engines in the manifest (it lists {sorted(engines)}); build them with "
@@ -411,7 +423,9 @@ def _check_target(repo_dir: Path, force: bool) -> None:
         )
     unexpected = [f for f in _repository_files(repo_dir) if f not in owned and not _is_bytecode_of(f, owned)]
     if unexpected:
-        shown = ", ".join(unexpected[:5]) + (f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else "")
+        shown = ", ".join(unexpected[:5]) + (
+            f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        )
         raise OutputFolderError(
             f"--out {repo_dir} is a repository of python -m export.triton, but it also holds files this tool did "
             f"not write: {shown}. Refusing to replace it (they would be lost): move them away, or choose another --out"
@@ -427,7 +441,10 @@ def _check_onnx_file(path: Path, spec: Mapping[str, Any]) -> None:
             f"{path} is not a valid ONNX graph ({type(exc).__name__}: {str(exc).strip() or 'unreadable'}); "
             "export the folder again with python -m export.onnx"
         ) from exc
-    as_dicts = [[{"name": t.name, "dtype": t.dtype, "shape": t.shape} for t in ts] for ts in (graph.inputs, graph.outputs)]
+    as_dicts = [
+        [{"name": t.name, "dtype": t.dtype, "shape": t.shape} for t in ts]
+        for ts in (graph.inputs, graph.outputs)
+    ]
     problems = io_problems(spec, *as_dicts)
     if problems:
         raise InvalidGraphError(
@@ -436,7 +453,9 @@ def _check_onnx_file(path: Path, spec: Mapping[str, Any]) -> None:
         )
 
 
-def _copy_model_file(src: Path, version_dir: Path, model_file: str, *, data_name: str, link: bool = False) -> None:
+def _copy_model_file(
+    src: Path, version_dir: Path, model_file: str, *, data_name: str, link: bool = False
+) -> None:
     """Copy (``link=True``: hard-link, so the weights are not twice on disk) a model file as
     ``version_dir/model_file``.
 
@@ -487,9 +506,19 @@ class _Plan:
     state_cache_len: int
 
 
-def _model_config(name: str, plan: _Plan, graph: _Graph, max_batch: int, *, instances: int,
-                  gpus: Optional[Sequence[int]], queue_delay_us: int, ort_threads: Optional[int],
-                  inputs: Optional[Iterable[str]] = None, outputs: Optional[Iterable[str]] = None) -> dict:
+def _model_config(
+    name: str,
+    plan: _Plan,
+    graph: _Graph,
+    max_batch: int,
+    *,
+    instances: int,
+    gpus: Optional[Sequence[int]],
+    queue_delay_us: int,
+    ort_threads: Optional[int],
+    inputs: Optional[Iterable[str]] = None,
+    outputs: Optional[Iterable[str]] = None,
+) -> dict:
     if plan.backend == "tensorrt":
         config: dict[str, Any] = {"name": name, "platform": "tensorrt_plan", "backend": "tensorrt"}
     else:
@@ -514,13 +543,22 @@ def _stateful_config(plan: _Plan, **kwargs: Any) -> dict:
     state_pairs = [(f"self_{kind}.{i}", f"present_{kind}.{i}") for i in range(n) for kind in ("key", "value")]
     state_inputs = {a for a, _ in state_pairs}
     inputs = [t.name for t in plan.decoder.inputs if t.name not in state_inputs]
-    config = _model_config(STATEFUL_DECODER_MODEL, plan, plan.decoder, plan.decoder_max_batch,
-                           inputs=inputs, outputs=["logits"], **kwargs)
+    config = _model_config(
+        STATEFUL_DECODER_MODEL,
+        plan,
+        plan.decoder,
+        plan.decoder_max_batch,
+        inputs=inputs,
+        outputs=["logits"],
+        **kwargs,
+    )
     del config["dynamic_batching"]
     states = []
     for in_name, out_name in state_pairs:
         t = plan.decoder.input(in_name)
-        dims = [plan.state_cache_len if i == 1 else d for i, d in enumerate(t.dims)]  # [heads, cache_len, d_k]
+        dims = [
+            plan.state_cache_len if i == 1 else d for i, d in enumerate(t.dims)
+        ]  # [heads, cache_len, d_k]
         dtype = Enum(TRITON_DTYPES[t.dtype][0])
         state: dict[str, Any] = {
             "input_name": in_name,
@@ -528,7 +566,12 @@ def _stateful_config(plan: _Plan, **kwargs: Any) -> dict:
             "data_type": dtype,
             "dims": dims,
             # zero-filled once per sequence: the contract requires finite cache values
-            "initial_state": {"name": f"zeros_{in_name}", "data_type": dtype, "dims": dims, "zero_data": True},
+            "initial_state": {
+                "name": f"zeros_{in_name}",
+                "data_type": dtype,
+                "dims": dims,
+                "zero_data": True,
+            },
         }
         if plan.backend == "tensorrt":
             # TensorRT's KV-cache update aliases input and output: one buffer per state
@@ -543,14 +586,27 @@ def _stateful_config(plan: _Plan, **kwargs: Any) -> dict:
         "state": states,
     }
     # the sequence batcher replaces the dynamic batcher; keep the key order readable
-    ordered = {k: config[k] for k in ("name", "platform", "backend", "max_batch_size", "input", "output",
-                                      "sequence_batching", "instance_group") if k in config}
+    ordered = {
+        k: config[k]
+        for k in (
+            "name",
+            "platform",
+            "backend",
+            "max_batch_size",
+            "input",
+            "output",
+            "sequence_batching",
+            "instance_group",
+        )
+        if k in config
+    }
     ordered.update({k: v for k, v in config.items() if k not in ordered})
     return ordered
 
 
-def _translator_config(plan: _Plan, generation, *, instances: int, decoder_instances: int,
-                       stateful_model: Optional[str]) -> dict:
+def _translator_config(
+    plan: _Plan, generation, *, instances: int, decoder_instances: int, stateful_model: Optional[str]
+) -> dict:
     """The translator's config; its decoding defaults are the export's generation config."""
     cfg = plan.manifest["model_config"]
     heads = int(cfg["n_heads"])
@@ -617,8 +673,17 @@ def _translator_config(plan: _Plan, generation, *, instances: int, decoder_insta
 # ------------------------------------------------------------------------------------------
 
 
-def _plan(export_dir: Path, manifest: dict, *, backend: str, precision: Optional[str], instance_kind: str,
-          max_batch_size: int, stateful: Optional[bool], state_cache_len: Optional[int]) -> _Plan:
+def _plan(
+    export_dir: Path,
+    manifest: dict,
+    *,
+    backend: str,
+    precision: Optional[str],
+    instance_kind: str,
+    max_batch_size: int,
+    stateful: Optional[bool],
+    state_cache_len: Optional[int],
+) -> _Plan:
     flavour = manifest["flavour"]
     cfg = manifest["model_config"]
     max_positions = int(manifest.get("max_positions", cfg["max_len"]))
@@ -626,14 +691,22 @@ def _plan(export_dir: Path, manifest: dict, *, backend: str, precision: Optional
     onnx_dir = (export_dir / manifest["onnx_dir"]).resolve() if manifest.get("onnx_dir") else export_dir
 
     if backend == "auto":
-        backend = "tensorrt" if (manifest.get("tensorrt") or {}).get("engines") and instance_kind != "cpu" else "onnxruntime"
+        backend = (
+            "tensorrt"
+            if (manifest.get("tensorrt") or {}).get("engines") and instance_kind != "cpu"
+            else "onnxruntime"
+        )
     if backend == "onnxruntime" and precision is not None:
-        raise TritonExportError("--precision selects TensorRT engines; it has no meaning with --backend onnxruntime")
+        raise TritonExportError(
+            "--precision selects TensorRT engines; it has no meaning with --backend onnxruntime"
+        )
 
     specs = manifest["graphs"]
     if backend == "tensorrt":
         if instance_kind == "cpu":
-            raise TritonExportError("TensorRT plans run on GPUs only: use --instance-kind gpu (or auto) with --backend tensorrt")
+            raise TritonExportError(
+                "TensorRT plans run on GPUs only: use --instance-kind gpu (or auto) with --backend tensorrt"
+            )
         instance_kind = "gpu"
         precision, section = _tensorrt_section(manifest, precision)
         if section.get("cache_dtype") == "bfloat16":
@@ -651,7 +724,9 @@ def _plan(export_dir: Path, manifest: dict, *, backend: str, precision: Optional
                 raise TritonExportError(f"{path} is listed in the manifest but missing; rebuild the engines")
             want = entries[graph].get("sha256")
             if want and _sha256(path) != want:
-                raise TritonExportError(f"{path} does not match the sha256 in the manifest (rebuilt or corrupt?)")
+                raise TritonExportError(
+                    f"{path} does not match the sha256 in the manifest (rebuilt or corrupt?)"
+                )
             files[graph] = path
         pinned = {k: int(v) for k, v in (entries["decoder_step"].get("pinned_axes") or {}).items()}
         encoder = _graph_from_engine(specs["encoder"], entries["encoder"], {})
@@ -669,10 +744,15 @@ def _plan(export_dir: Path, manifest: dict, *, backend: str, precision: Optional
         dec_batch = min(max_batch_size, profile_max("decoder_step", "input_ids", 0, max_batch_size))
         for graph in ("encoder", "decoder_step"):
             if profile_min(graph, "input_ids", 0) > 1:
-                logger.warning("the %s engine's profile starts at batch %d: smaller batches will fail",
-                               graph, profile_min(graph, "input_ids", 0))
+                logger.warning(
+                    "the %s engine's profile starts at batch %d: smaller batches will fail",
+                    graph,
+                    profile_min(graph, "input_ids", 0),
+                )
         if (enc_batch, dec_batch) != (max_batch_size, max_batch_size):
-            logger.info("max_batch_size capped by the engines' profiles: encoder %d, decoder %d", enc_batch, dec_batch)
+            logger.info(
+                "max_batch_size capped by the engines' profiles: encoder %d, decoder %d", enc_batch, dec_batch
+            )
         max_src_len = min(max_positions, profile_max("encoder", "input_ids", 1, max_positions))
         max_cache_len = min(max_cache_len, profile_max("decoder_step", "self_key.0", 2, max_cache_len))
         fixed_cache_len = int(pinned.get("cache_len", 0))
@@ -708,15 +788,29 @@ def _plan(export_dir: Path, manifest: dict, *, backend: str, precision: Optional
         state_cache_len = max_cache_len
     state_cache_len = int(state_cache_len)
     if not 1 <= state_cache_len <= max_cache_len:
-        raise TritonExportError(f"--state-cache-len must be in [1, {max_cache_len}] for this export, got {state_cache_len}")
+        raise TritonExportError(
+            f"--state-cache-len must be in [1, {max_cache_len}] for this export, got {state_cache_len}"
+        )
 
     return _Plan(
-        manifest=manifest, flavour=flavour, backend=backend, precision=precision if backend == "tensorrt" else None,
-        encoder=encoder, decoder=decoder, encoder_file=encoder_file, decoder_file=decoder_file,
-        instance_kind=instance_kind, encoder_max_batch=int(enc_batch), decoder_max_batch=int(dec_batch),
-        max_src_len=int(max_src_len), max_positions=int(max_positions), max_cache_len=int(max_cache_len),
+        manifest=manifest,
+        flavour=flavour,
+        backend=backend,
+        precision=precision if backend == "tensorrt" else None,
+        encoder=encoder,
+        decoder=decoder,
+        encoder_file=encoder_file,
+        decoder_file=decoder_file,
+        instance_kind=instance_kind,
+        encoder_max_batch=int(enc_batch),
+        decoder_max_batch=int(dec_batch),
+        max_src_len=int(max_src_len),
+        max_positions=int(max_positions),
+        max_cache_len=int(max_cache_len),
         fixed_cache_len=fixed_cache_len,
-        cache_dtype=cache_dtype, stateful=bool(stateful), state_cache_len=state_cache_len,
+        cache_dtype=cache_dtype,
+        stateful=bool(stateful),
+        state_cache_len=state_cache_len,
     )
 
 
@@ -818,13 +912,21 @@ def export_triton(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if instance_kind not in INSTANCE_KINDS:
         raise ValueError(f"instance_kind must be one of {INSTANCE_KINDS}, got {instance_kind!r}")
-    for name, value, low in (("max_batch_size", max_batch_size, 1), ("instances", instances, 1),
-                             ("translator_instances", translator_instances, 1), ("max_queue_delay_us", max_queue_delay_us, 0)):
+    for name, value, low in (
+        ("max_batch_size", max_batch_size, 1),
+        ("instances", instances, 1),
+        ("translator_instances", translator_instances, 1),
+        ("max_queue_delay_us", max_queue_delay_us, 0),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if ort_threads is not None and (isinstance(ort_threads, bool) or not isinstance(ort_threads, int) or ort_threads < 1):
+    if ort_threads is not None and (
+        isinstance(ort_threads, bool) or not isinstance(ort_threads, int) or ort_threads < 1
+    ):
         raise ValueError(f"ort_threads must be a positive int, got {ort_threads!r}")
-    if state_cache_len is not None and (isinstance(state_cache_len, bool) or not isinstance(state_cache_len, int)):
+    if state_cache_len is not None and (
+        isinstance(state_cache_len, bool) or not isinstance(state_cache_len, int)
+    ):
         raise ValueError(f"state_cache_len must be an int, got {state_cache_len!r}")
     if gpus is not None and any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
         raise ValueError(f"gpus must be GPU ids (ints >= 0), got {list(gpus)!r}")
@@ -835,8 +937,16 @@ def export_triton(
     onnx_dirs = [(export_dir / manifest["onnx_dir"]).resolve()] if manifest.get("onnx_dir") else []
     _check_overlap(export_dir, repo_dir, onnx_dirs)
     _check_target(repo_dir, force)
-    plan = _plan(export_dir, manifest, backend=backend, precision=precision, instance_kind=instance_kind,
-                 max_batch_size=max_batch_size, stateful=stateful, state_cache_len=state_cache_len)
+    plan = _plan(
+        export_dir,
+        manifest,
+        backend=backend,
+        precision=precision,
+        instance_kind=instance_kind,
+        max_batch_size=max_batch_size,
+        stateful=stateful,
+        state_cache_len=state_cache_len,
+    )
     common = dict(instances=instances, gpus=gpus, queue_delay_us=max_queue_delay_us, ort_threads=ort_threads)
     configs: dict[str, dict] = {
         ENCODER_MODEL: _model_config(ENCODER_MODEL, plan, plan.encoder, plan.encoder_max_batch, **common),
@@ -852,7 +962,10 @@ def export_triton(
             )
     if translator:
         configs[TRANSLATOR_MODEL] = _translator_config(
-            plan, read_generation_config(export_dir, manifest), instances=translator_instances, decoder_instances=instances,
+            plan,
+            read_generation_config(export_dir, manifest),
+            instances=translator_instances,
+            decoder_instances=instances,
             stateful_model=STATEFUL_DECODER_MODEL if plan.stateful else None,
         )
     texts = {name: render_pbtxt(cfg) for name, cfg in configs.items()}
@@ -871,20 +984,35 @@ def export_triton(
             _copy_model_file(plan.encoder_file, tmp_dir / ENCODER_MODEL / "1", model_file, data_name=enc_data)
             _copy_model_file(plan.decoder_file, tmp_dir / DECODER_MODEL / "1", model_file, data_name=dec_data)
             if plan.stateful:  # the same graph under the sequence batcher
-                _copy_model_file(tmp_dir / DECODER_MODEL / "1" / model_file, tmp_dir / STATEFUL_DECODER_MODEL / "1",
-                                 model_file, data_name=dec_data, link=True)
+                _copy_model_file(
+                    tmp_dir / DECODER_MODEL / "1" / model_file,
+                    tmp_dir / STATEFUL_DECODER_MODEL / "1",
+                    model_file,
+                    data_name=dec_data,
+                    link=True,
+                )
             if translator:
                 _write_translator(tmp_dir / TRANSLATOR_MODEL)
             if validate:
-                engines = ({ENCODER_MODEL: plan.encoder, DECODER_MODEL: plan.decoder,
-                            STATEFUL_DECODER_MODEL: plan.decoder} if plan.backend == "tensorrt" else None)
+                engines = (
+                    {
+                        ENCODER_MODEL: plan.encoder,
+                        DECODER_MODEL: plan.decoder,
+                        STATEFUL_DECODER_MODEL: plan.decoder,
+                    }
+                    if plan.backend == "tensorrt"
+                    else None
+                )
                 protobuf_checked = validate_repository(tmp_dir, engine_graphs=engines, configs=configs)
-            atomic_write_json(tmp_dir / MARKER_FILE, {
-                "format": REPOSITORY_FORMAT,
-                "format_version": REPOSITORY_FORMAT_VERSION,
-                "export_dir": os.fspath(export_dir),
-                "files": sorted(set(_repository_files(tmp_dir)) | {MARKER_FILE}),
-            })
+            atomic_write_json(
+                tmp_dir / MARKER_FILE,
+                {
+                    "format": REPOSITORY_FORMAT,
+                    "format_version": REPOSITORY_FORMAT_VERSION,
+                    "export_dir": os.fspath(export_dir),
+                    "files": sorted(set(_repository_files(tmp_dir)) | {MARKER_FILE}),
+                },
+            )
             _check_target(repo_dir, force)  # nothing of someone else's appeared there meanwhile
             stage.commit()
     except BaseException as exc:
@@ -898,16 +1026,26 @@ def export_triton(
     dtype_bytes = TRITON_DTYPES[plan.cache_dtype][1]
     rows, length = 1, plan.state_cache_len
     result = TritonExportResult(
-        repo_dir=repo_dir, backend=plan.backend, precision=plan.precision, flavour=plan.flavour,
-        models={name: repo_dir / name for name in texts}, configs=texts, protobuf_checked=protobuf_checked,
+        repo_dir=repo_dir,
+        backend=plan.backend,
+        precision=plan.precision,
+        flavour=plan.flavour,
+        models={name: repo_dir / name for name in texts},
+        configs=texts,
+        protobuf_checked=protobuf_checked,
         cache_bytes={
             "rows": rows,
             "cache_len": length,
             "self_cache": cache_bytes_per_step(cfg, rows, length, dtype_bytes),
         },
     )
-    logger.info("wrote the Triton model repository %s (%s, %s flavour): %s", repo_dir, plan.backend,
-                plan.flavour, ", ".join(texts))
+    logger.info(
+        "wrote the Triton model repository %s (%s, %s flavour): %s",
+        repo_dir,
+        plan.backend,
+        plan.flavour,
+        ", ".join(texts),
+    )
     return result
 
 
@@ -953,6 +1091,7 @@ def _onnx_io(path: Path) -> _Graph:
 def _normalize(config: Mapping[str, Any]) -> dict:
     """One of our config dicts in the shape ``json_format.MessageToDict`` gives a parsed config
     (enums as strings, ``parameters`` as a map, ``initial_state`` as a list)."""
+
     def conv(v):
         if isinstance(v, Mapping):
             return {k: conv(x) for k, x in v.items()}
@@ -975,24 +1114,34 @@ def _check_model(name: str, config: Mapping[str, Any], graph: _Graph) -> list[st
     batched = int(config.get("max_batch_size", 0)) > 0
     by_type = {v: k for k, (v, _) in TRITON_DTYPES.items()}
 
-    def compare(kind: str, tname: str, data_type: Any, shape: Sequence[Any], tensors: Mapping[str, _Tensor]) -> None:
+    def compare(
+        kind: str, tname: str, data_type: Any, shape: Sequence[Any], tensors: Mapping[str, _Tensor]
+    ) -> None:
         t = tensors.get(tname)
         if t is None:
-            problems.append(f"{name}: {kind} {tname!r} is not a tensor of the graph (it has {sorted(tensors)})")
+            problems.append(
+                f"{name}: {kind} {tname!r} is not a tensor of the graph (it has {sorted(tensors)})"
+            )
             return
         if by_type.get(str(data_type)) != t.dtype:
-            problems.append(f"{name}: {kind} {tname!r} is {data_type} in config.pbtxt, {t.dtype} in the graph")
+            problems.append(
+                f"{name}: {kind} {tname!r} is {data_type} in config.pbtxt, {t.dtype} in the graph"
+            )
         full = (["batch"] if batched else []) + [int(d) for d in shape]
         if len(full) != len(t.shape):
-            problems.append(f"{name}: {kind} {tname!r} has rank {len(full)} in config.pbtxt (batch axis "
-                            f"{'included' if batched else 'none'}), {len(t.shape)} in the graph")
+            problems.append(
+                f"{name}: {kind} {tname!r} has rank {len(full)} in config.pbtxt (batch axis "
+                f"{'included' if batched else 'none'}), {len(t.shape)} in the graph"
+            )
             return
         for axis, (c, g) in enumerate(zip(full, t.shape)):
             if axis == 0 and batched:
                 if isinstance(g, int) and g >= 0:
                     problems.append(f"{name}: {kind} {tname!r} has a static batch axis ({g}) in the graph")
             elif isinstance(g, int) and g >= 0 and c != -1 and c != g:
-                problems.append(f"{name}: {kind} {tname!r} axis {axis} is {c} in config.pbtxt, {g} in the graph")
+                problems.append(
+                    f"{name}: {kind} {tname!r} axis {axis} is {c} in config.pbtxt, {g} in the graph"
+                )
 
     def model_shape(entry: Mapping[str, Any]) -> list:
         # what the model sees: the reshape when there is one, else dims
@@ -1011,8 +1160,10 @@ def _check_model(name: str, config: Mapping[str, Any], graph: _Graph) -> list[st
         for init in st.get("initial_state", []):
             dims = [int(d) for d in init.get("dims", [])]
             if dims != [int(d) for d in st.get("dims", [])] or any(d < 0 for d in dims):
-                problems.append(f"{name}: the initial state of {st['input_name']!r} needs the state's fixed dims "
-                                f"{st.get('dims')}, got {init.get('dims')}")
+                problems.append(
+                    f"{name}: the initial state of {st['input_name']!r} needs the state's fixed dims "
+                    f"{st.get('dims')}, got {init.get('dims')}"
+                )
             if init.get("data_type") != st.get("data_type"):
                 problems.append(f"{name}: the initial state of {st['input_name']!r} has another data type")
     covered = {e["name"] for e in config.get("input", [])} | {s["input_name"] for s in states}
@@ -1022,9 +1173,13 @@ def _check_model(name: str, config: Mapping[str, Any], graph: _Graph) -> list[st
     return problems
 
 
-def validate_repository(repo_dir: str | os.PathLike, *, engine_graphs: Optional[Mapping[str, _Graph]] = None,
-                        configs: Optional[Mapping[str, Mapping[str, Any]]] = None,
-                        require_protobuf: bool = False) -> bool:
+def validate_repository(
+    repo_dir: str | os.PathLike,
+    *,
+    engine_graphs: Optional[Mapping[str, _Graph]] = None,
+    configs: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    require_protobuf: bool = False,
+) -> bool:
     """Check every model of a repository written by :func:`export_triton`.
 
     Each ``config.pbtxt`` is parsed with Triton's own ``ModelConfig`` protobuf (from
@@ -1047,8 +1202,10 @@ def validate_repository(repo_dir: str | os.PathLike, *, engine_graphs: Optional[
     if pb2 is None:
         if require_protobuf:
             raise ImportError("tritonclient is not installed: `pip install 'tritonclient[grpc]'`")
-        logger.warning("tritonclient is not installed: the config.pbtxt files are not parsed with Triton's "
-                       "protobuf, only checked against the graphs (pip install 'tritonclient[grpc]')")
+        logger.warning(
+            "tritonclient is not installed: the config.pbtxt files are not parsed with Triton's "
+            "protobuf, only checked against the graphs (pip install 'tritonclient[grpc]')"
+        )
     parsed: dict[str, dict] = {}
     for cfg_path in sorted(repo.glob("*/config.pbtxt")):
         name = cfg_path.parent.name
@@ -1094,12 +1251,15 @@ def validate_repository(repo_dir: str | os.PathLike, *, engine_graphs: Optional[
                 if not copy.is_file():
                     problems.append(f"{name}: the vendored {_vendored_path(module)} is missing")
                 elif copy.read_bytes() != _module_file(module).read_bytes():
-                    problems.append(f"{name}: {_vendored_path(module)} is not a copy of {module} "
-                                    f"({_module_file(module)})")
+                    problems.append(
+                        f"{name}: {_vendored_path(module)} is not a copy of {module} ({_module_file(module)})"
+                    )
             params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
             for key in ("encoder_model", "decoder_model", "stateful_decoder_model"):
                 if params.get(key) and params[key] not in parsed:
-                    problems.append(f"{name}: parameter {key} names {params[key]!r}, which is not in the repository")
+                    problems.append(
+                        f"{name}: parameter {key} names {params[key]!r}, which is not in the repository"
+                    )
         else:
             problems.append(f"{name}: unexpected platform/backend {platform or config.get('backend')!r}")
     if problems:
@@ -1122,51 +1282,119 @@ def _parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--export-dir", default=DEFAULT_EXPORT_DIR, help="export folder (encoder.onnx, decoder_step.onnx, manifest.json)")
+    p.add_argument(
+        "--export-dir",
+        default=DEFAULT_EXPORT_DIR,
+        help="export folder (encoder.onnx, decoder_step.onnx, manifest.json)",
+    )
     p.add_argument("--out", default=DEFAULT_REPO_DIR, help="model repository folder to create")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="onnxruntime (onnxruntime_onnx), tensorrt (tensorrt_plan, from the manifest's engines), "
-                        "auto: tensorrt when engines exist and --instance-kind is not cpu")
-    p.add_argument("--precision", default=None, help="TensorRT engines to serve (fp32, fp16); default fp32 or the only one")
-    p.add_argument("--instance-kind", choices=INSTANCE_KINDS, default="auto",
-                   help="KIND_CPU / KIND_GPU for the encoder and decoder models (auto: Triton decides)")
-    p.add_argument("--instances", type=int, default=1, help="instances of each encoder/decoder model (per GPU)")
-    p.add_argument("--gpus", type=_gpu_ids, default=None, help="comma-separated GPU ids for KIND_GPU instances, e.g. 0,1")
-    p.add_argument("--translator-instances", type=int, default=1, help="instances of the Python-backend translator")
-    p.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
-                   help="rows (sources x beams) per execution of the encoder / decoder models")
-    p.add_argument("--max-queue-delay-us", type=int, default=DEFAULT_QUEUE_DELAY_US,
-                   help="how long the dynamic / sequence batcher waits to merge requests (microseconds)")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="onnxruntime (onnxruntime_onnx), tensorrt (tensorrt_plan, from the manifest's engines), "
+        "auto: tensorrt when engines exist and --instance-kind is not cpu",
+    )
+    p.add_argument(
+        "--precision",
+        default=None,
+        help="TensorRT engines to serve (fp32, fp16); default fp32 or the only one",
+    )
+    p.add_argument(
+        "--instance-kind",
+        choices=INSTANCE_KINDS,
+        default="auto",
+        help="KIND_CPU / KIND_GPU for the encoder and decoder models (auto: Triton decides)",
+    )
+    p.add_argument(
+        "--instances", type=int, default=1, help="instances of each encoder/decoder model (per GPU)"
+    )
+    p.add_argument(
+        "--gpus", type=_gpu_ids, default=None, help="comma-separated GPU ids for KIND_GPU instances, e.g. 0,1"
+    )
+    p.add_argument(
+        "--translator-instances", type=int, default=1, help="instances of the Python-backend translator"
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=DEFAULT_MAX_BATCH_SIZE,
+        help="rows (sources x beams) per execution of the encoder / decoder models",
+    )
+    p.add_argument(
+        "--max-queue-delay-us",
+        type=int,
+        default=DEFAULT_QUEUE_DELAY_US,
+        help="how long the dynamic / sequence batcher waits to merge requests (microseconds)",
+    )
     state = p.add_mutually_exclusive_group()
-    state.add_argument("--stateful", dest="stateful", action="store_true", default=None,
-                       help="write decoder_step_stateful (default for the tensorscatter flavour)")
-    state.add_argument("--no-stateful", dest="stateful", action="store_false",
-                       help="no stateful decoder: greedy decoding sends the cache with every step")
-    p.add_argument("--state-cache-len", type=int, default=None,
-                   help="cache capacity of each stateful sequence (default: the export's max_cache_len)")
-    p.add_argument("--no-translator", dest="translator", action="store_false", help="skip the Python-backend translator")
-    p.add_argument("--ort-threads", type=int, default=None, help="intra_op_thread_count of the ONNX Runtime models")
-    p.add_argument("--force", action="store_true",
-                   help="replace a non-empty --out folder, if it is a repository written by this tool holding nothing else")
-    p.add_argument("--no-validate", dest="validate", action="store_false",
-                   help="skip checking the configurations against Triton's protobuf and the graphs")
+    state.add_argument(
+        "--stateful",
+        dest="stateful",
+        action="store_true",
+        default=None,
+        help="write decoder_step_stateful (default for the tensorscatter flavour)",
+    )
+    state.add_argument(
+        "--no-stateful",
+        dest="stateful",
+        action="store_false",
+        help="no stateful decoder: greedy decoding sends the cache with every step",
+    )
+    p.add_argument(
+        "--state-cache-len",
+        type=int,
+        default=None,
+        help="cache capacity of each stateful sequence (default: the export's max_cache_len)",
+    )
+    p.add_argument(
+        "--no-translator", dest="translator", action="store_false", help="skip the Python-backend translator"
+    )
+    p.add_argument(
+        "--ort-threads", type=int, default=None, help="intra_op_thread_count of the ONNX Runtime models"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a non-empty --out folder, if it is a repository written by this tool holding nothing else",
+    )
+    p.add_argument(
+        "--no-validate",
+        dest="validate",
+        action="store_false",
+        help="skip checking the configurations against Triton's protobuf and the graphs",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
     add_debug_flag(p)
     return p
 
 
 def summary_text(result: TritonExportResult) -> str:
-    lines = [f"wrote {result.repo_dir} ({result.backend}"
-             + (f" {result.precision}" if result.precision else "") + f", {result.flavour} flavour)"]
+    lines = [
+        f"wrote {result.repo_dir} ({result.backend}"
+        + (f" {result.precision}" if result.precision else "")
+        + f", {result.flavour} flavour)"
+    ]
     for name, folder in result.models.items():
         lines.append(f"  {name}/  {', '.join(sorted(p.name for p in (folder / '1').iterdir()))}")
-    lines.append("configurations " + ("parsed with Triton's model_config protobuf and checked against the graphs"
-                                      if result.protobuf_checked else "not validated with tritonclient (not installed)"))
+    lines.append(
+        "configurations "
+        + (
+            "parsed with Triton's model_config protobuf and checked against the graphs"
+            if result.protobuf_checked
+            else "not validated with tritonclient (not installed)"
+        )
+    )
     c = result.cache_bytes
-    lines.append(f"self-attention cache of one row at cache_len {c['cache_len']}: {c['self_cache']} bytes "
-                 "(what a stateless decoder step request carries per row)")
-    lines += ["", "serve it (Triton is not part of this package):",
-              f"  tritonserver --model-repository={result.repo_dir}"]
+    lines.append(
+        f"self-attention cache of one row at cache_len {c['cache_len']}: {c['self_cache']} bytes "
+        "(what a stateless decoder step request carries per row)"
+    )
+    lines += [
+        "",
+        "serve it (Triton is not part of this package):",
+        f"  tritonserver --model-repository={result.repo_dir}",
+    ]
     return "\n".join(lines)
 
 
@@ -1174,7 +1402,9 @@ def _gpu_ids(text: str) -> list[int]:
     try:
         ids = [int(g) for g in text.split(",") if g.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated GPU ids such as 0,1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated GPU ids such as 0,1, got {text!r}"
+        ) from None
     if not ids or any(g < 0 for g in ids):
         raise argparse.ArgumentTypeError(f"expected comma-separated GPU ids >= 0 such as 0,1, got {text!r}")
     return ids
@@ -1185,19 +1415,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     traceback), 2 for a bad option, 130 / 143 when interrupted by SIGINT / SIGTERM."""
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     return run_cli(parser.prog, lambda: _run(args), debug=args.debug)
 
 
 def _run(args) -> int:
     result = export_triton(
-        args.export_dir, args.out, backend=args.backend, precision=args.precision,
-        instance_kind=args.instance_kind, instances=args.instances, gpus=args.gpus,
-        translator_instances=args.translator_instances, max_batch_size=args.max_batch_size,
-        max_queue_delay_us=args.max_queue_delay_us, stateful=args.stateful,
-        state_cache_len=args.state_cache_len, translator=args.translator, ort_threads=args.ort_threads,
-        force=args.force, validate=args.validate,
+        args.export_dir,
+        args.out,
+        backend=args.backend,
+        precision=args.precision,
+        instance_kind=args.instance_kind,
+        instances=args.instances,
+        gpus=args.gpus,
+        translator_instances=args.translator_instances,
+        max_batch_size=args.max_batch_size,
+        max_queue_delay_us=args.max_queue_delay_us,
+        stateful=args.stateful,
+        state_cache_len=args.state_cache_len,
+        translator=args.translator,
+        ort_threads=args.ort_threads,
+        force=args.force,
+        validate=args.validate,
     )
     print(summary_text(result))
     return 0

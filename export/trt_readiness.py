@@ -92,11 +92,37 @@ MANIFEST_FILE = MANIFEST_NAME
 # the Cast nodes of the fp16/bf16 conversion (export.tensorrt.convert_precision). All of them are
 # in TensorRT 10.15's ONNX operator support list. A new op in the exporter's output must be added
 # here once an engine has been built from it.
-EMITTED_OPS: frozenset[str] = frozenset({
-    "Add", "And", "Cast", "CastLike", "Concat", "Constant", "Gather", "GatherND", "Gemm",
-    "LayerNormalization", "Less", "LessOrEqual", "MatMul", "Mul", "Range", "Relu", "Reshape", "Shape",
-    "Slice", "Softmax", "Split", "Squeeze", "Sub", "TensorScatter", "Transpose", "Unsqueeze", "Where",
-})
+EMITTED_OPS: frozenset[str] = frozenset(
+    {
+        "Add",
+        "And",
+        "Cast",
+        "CastLike",
+        "Concat",
+        "Constant",
+        "Gather",
+        "GatherND",
+        "Gemm",
+        "LayerNormalization",
+        "Less",
+        "LessOrEqual",
+        "MatMul",
+        "Mul",
+        "Range",
+        "Relu",
+        "Reshape",
+        "Shape",
+        "Slice",
+        "Softmax",
+        "Split",
+        "Squeeze",
+        "Sub",
+        "TensorScatter",
+        "Transpose",
+        "Unsqueeze",
+        "Where",
+    }
+)
 # Emitted ops that TensorRT runs on floating-point tensors only (the support list: FP32 FP16 BF16).
 FLOAT_ONLY_OPS = frozenset({"MatMul", "Gemm", "Softmax", "LayerNormalization"})
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16"})
@@ -132,7 +158,9 @@ class AxisRange:
         if out:
             return out
         if self.min < 1:
-            out.append(f"axis {axis!r}: min = {self.min} < 1 (TensorRT must never see a zero-length dimension)")
+            out.append(
+                f"axis {axis!r}: min = {self.min} < 1 (TensorRT must never see a zero-length dimension)"
+            )
         if not self.min <= self.opt <= self.max:
             out.append(f"axis {axis!r}: need min <= opt <= max, got {self.min}:{self.opt}:{self.max}")
         return out
@@ -220,7 +248,9 @@ def input_specs(model: onnx.ModelProto) -> list[TensorSpec]:
 
 def output_specs(model: onnx.ModelProto) -> list[TensorSpec]:
     """The graph outputs."""
-    return [TensorSpec(vi.name, vi.type.tensor_type.elem_type, _dims_of(vi.type)) for vi in model.graph.output]
+    return [
+        TensorSpec(vi.name, vi.type.tensor_type.elem_type, _dims_of(vi.type)) for vi in model.graph.output
+    ]
 
 
 def profile_shapes(
@@ -331,9 +361,15 @@ class ReadinessReport:
             "axis_ranges": {k: asdict(v) for k, v in self.axis_ranges.items()},
             "graphs": [
                 {
-                    "name": g.name, "path": g.path, "opset": g.opset, "ir_version": g.ir_version,
-                    "op_counts": dict(g.op_counts), "inputs": g.inputs, "outputs": g.outputs,
-                    "problems": [str(p) for p in g.problems], "warnings": [str(w) for w in g.warnings],
+                    "name": g.name,
+                    "path": g.path,
+                    "opset": g.opset,
+                    "ir_version": g.ir_version,
+                    "op_counts": dict(g.op_counts),
+                    "inputs": g.inputs,
+                    "outputs": g.outputs,
+                    "problems": [str(p) for p in g.problems],
+                    "warnings": [str(w) for w in g.warnings],
                 }
                 for g in self.graphs
             ],
@@ -342,13 +378,17 @@ class ReadinessReport:
 
     def format(self) -> str:
         """A human-readable summary: one line per graph, then every problem and warning."""
-        lines = [f"TensorRT {self.target} readiness ({'OK' if self.ok else 'NOT READY'}), "
-                 f"flavour {self.flavour or '?'}, profile "
-                 + ", ".join(f"{k}={v}" for k, v in sorted(self.axis_ranges.items()))]
+        lines = [
+            f"TensorRT {self.target} readiness ({'OK' if self.ok else 'NOT READY'}), "
+            f"flavour {self.flavour or '?'}, profile "
+            + ", ".join(f"{k}={v}" for k, v in sorted(self.axis_ranges.items()))
+        ]
         for g in self.graphs:
             n_nodes = sum(g.op_counts.values())
-            lines.append(f"  {g.name}: opset {g.opset}, IR {g.ir_version}, {n_nodes} nodes, "
-                         f"{len(g.op_counts)} op types, {len(g.problems)} problem(s), {len(g.warnings)} warning(s)")
+            lines.append(
+                f"  {g.name}: opset {g.opset}, IR {g.ir_version}, {n_nodes} nodes, "
+                f"{len(g.op_counts)} op types, {len(g.problems)} problem(s), {len(g.warnings)} warning(s)"
+            )
         for p in self.problems:
             lines.append(f"  PROBLEM {p}")
         for w in self.warnings:
@@ -376,11 +416,21 @@ class TensorRTReadinessError(ExportError, RuntimeError):
 
 
 # Op types of quantized graphs (export.quantize writes MatMulInteger + DynamicQuantizeLinear).
-INT8_OP_TYPES = frozenset({"MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "ConvInteger",
-                           "MatMulIntegerToFloat", "DynamicQuantizeMatMul"})
-INT8_REFUSAL = ("{folder} is an int8-quantized export (its manifest has a quantization section): int8 exports are "
-                "for ONNX Runtime (OrtRunner, the translator, Triton's onnxruntime backend); build TensorRT engines "
-                "from a float32 export (python -m export.onnx without --quantize)")
+INT8_OP_TYPES = frozenset(
+    {
+        "MatMulInteger",
+        "DynamicQuantizeLinear",
+        "QLinearMatMul",
+        "ConvInteger",
+        "MatMulIntegerToFloat",
+        "DynamicQuantizeMatMul",
+    }
+)
+INT8_REFUSAL = (
+    "{folder} is an int8-quantized export (its manifest has a quantization section): int8 exports are "
+    "for ONNX Runtime (OrtRunner, the translator, Triton's onnxruntime backend); build TensorRT engines "
+    "from a float32 export (python -m export.onnx without --quantize)"
+)
 
 
 def decoder_flavour(decoder: Union[onnx.ModelProto, Iterable[str]]) -> str:
@@ -403,7 +453,9 @@ def _needs_constant(node: onnx.NodeProto, g: GraphIndex, index: int, what: str) 
     if not name or g.is_constant(name):
         return []
     if g.is_constant_foldable(name):
-        return [("warning", f"`{what}` ({name!r}) is computed from shapes/constants; the parser must fold it")]
+        return [
+            ("warning", f"`{what}` ({name!r}) is computed from shapes/constants; the parser must fold it")
+        ]
     return [("problem", f"`{what}` must be resolvable to a constant, but {name!r} depends on runtime data")]
 
 
@@ -467,15 +519,20 @@ def check_model(
     if report.opset is None:
         problem("opset", "the model imports no default-domain ('ai.onnx') opset")
     elif not MIN_OPSET <= report.opset <= MAX_OPSET:
-        problem("opset", f"opset {report.opset} is outside the range TensorRT {TRT_TARGET_VERSION} parses "
-                         f"({MIN_OPSET}..{MAX_OPSET}); re-export with --opset {min(max(report.opset, MIN_OPSET), MAX_OPSET)}")
+        problem(
+            "opset",
+            f"opset {report.opset} is outside the range TensorRT {TRT_TARGET_VERSION} parses "
+            f"({MIN_OPSET}..{MAX_OPSET}); re-export with --opset {min(max(report.opset, MIN_OPSET), MAX_OPSET)}",
+        )
     for imp in model.opset_import:
         if imp.domain not in ("", "ai.onnx"):
             warning("custom_domain", f"imports opset domain {imp.domain!r} v{imp.version}")
 
     # ---- shape/type inference (types and shapes of intermediate tensors)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(
+            model, check_type=False, strict_mode=False, data_prop=True
+        )
     except Exception as exc:  # noqa: BLE001
         warning("dtype", f"ONNX shape inference failed ({exc}); intermediate types are not checked")
         inferred = model
@@ -498,40 +555,69 @@ def check_model(
             int8_nodes[node.op_type] += 1  # reported once per graph below
             continue
         if node.op_type not in EMITTED_OPS:
-            problem("unsupported_op", f"{node.op_type} is not an op python -m export.onnx emits; TensorRT "
-                                      f"{TRT_TARGET_VERSION} engines are built from {_ranges_text(EMITTED_OPS)} only", label)
+            problem(
+                "unsupported_op",
+                f"{node.op_type} is not an op python -m export.onnx emits; TensorRT "
+                f"{TRT_TARGET_VERSION} engines are built from {_ranges_text(EMITTED_OPS)} only",
+                label,
+            )
             continue
         for severity, message in _restrictions(node, g):
-            (problem if severity == "problem" else warning)("op_restriction", f"{node.op_type}: {message}", label)
+            (problem if severity == "problem" else warning)(
+                "op_restriction", f"{node.op_type}: {message}", label
+            )
         if node.op_type in FLOAT_ONLY_OPS and node.input and node.input[0] in g.types:
             dtype = onnx_dtype_name(g.types[node.input[0]])
             if dtype not in FLOAT_DTYPES:
-                problem("dtype", f"{node.op_type} on {dtype} tensor {node.input[0]!r}: TensorRT {TRT_TARGET_VERSION} "
-                                 f"runs it on {_ranges_text(FLOAT_DTYPES)} only", label)
+                problem(
+                    "dtype",
+                    f"{node.op_type} on {dtype} tensor {node.input[0]!r}: TensorRT {TRT_TARGET_VERSION} "
+                    f"runs it on {_ranges_text(FLOAT_DTYPES)} only",
+                    label,
+                )
         if node.op_type == "Constant":
             for a in node.attribute:
                 if a.name == "value" and any(int(d) == 0 for d in a.t.dims):
-                    problem("zero_dim", f"constant {node.output[0]!r} has a zero-length dimension {list(a.t.dims)}", label)
+                    problem(
+                        "zero_dim",
+                        f"constant {node.output[0]!r} has a zero-length dimension {list(a.t.dims)}",
+                        label,
+                    )
     report.op_counts = dict(sorted(counts.items()))
     if int8_nodes:
-        problem("int8", "an int8-quantized graph (" + ", ".join(f"{n} {op}" for op, n in sorted(int8_nodes.items()))
-                + "; python -m export.onnx --quantize): int8 exports are for ONNX Runtime, build TensorRT engines "
-                  "from a float32 export")
+        problem(
+            "int8",
+            "an int8-quantized graph ("
+            + ", ".join(f"{n} {op}" for op, n in sorted(int8_nodes.items()))
+            + "; python -m export.onnx --quantize): int8 exports are for ONNX Runtime, build TensorRT engines "
+            "from a float32 export",
+        )
 
     # ---- dtypes and zero-length dims of inputs, outputs, initializers, inferred tensors
     for kind, specs in (("input", input_specs(model)), ("output", output_specs(model))):
         for s in specs:
             (report.inputs if kind == "input" else report.outputs)[s.name] = {
-                "dtype": s.dtype, "shape": list(s.dims) if s.dims is not None else None}
+                "dtype": s.dtype,
+                "shape": list(s.dims) if s.dims is not None else None,
+            }
             if s.dtype not in IO_DTYPES:
-                problem("dtype", f"{kind} {s.name!r} is {s.dtype}; TensorRT engines bind {_ranges_text(IO_DTYPES)}"
-                        + (" (float64 is clamped to float32)" if s.dtype == "float64" else ""))
+                problem(
+                    "dtype",
+                    f"{kind} {s.name!r} is {s.dtype}; TensorRT engines bind {_ranges_text(IO_DTYPES)}"
+                    + (" (float64 is clamped to float32)" if s.dtype == "float64" else ""),
+                )
     for t in g.initializers.values():
         dtype = onnx_dtype_name(t.data_type)
         if dtype not in TENSOR_DTYPES:
-            problem("dtype", f"initializer {t.name!r} is {dtype}" + (
-                " (TensorRT casts float64 down to float32, clamping to +-FLT_MAX)" if dtype == "float64" else
-                f"; TensorRT supports {_ranges_text(TENSOR_DTYPES)}"))
+            problem(
+                "dtype",
+                f"initializer {t.name!r} is {dtype}"
+                + (
+                    " (TensorRT casts float64 down to float32, clamping to +-FLT_MAX)"
+                    if dtype == "float64"
+                    else f"; TensorRT supports {_ranges_text(TENSOR_DTYPES)}"
+                ),
+            )
         if any(int(d) == 0 for d in t.dims):
             problem("zero_dim", f"initializer {t.name!r} has a zero-length dimension {list(t.dims)}")
     io_names = {vi.name for vi in list(model.graph.input) + list(model.graph.output)}
@@ -540,11 +626,16 @@ def check_model(
             continue
         dims = g.shapes.get(vi.name)
         if dims and any(d == 0 for d in dims):
-            problem("zero_dim", f"tensor {vi.name!r} has a zero-length dimension {list(dims)} (TensorRT and the "
-                                "contract forbid empty tensors: no zero-length past, no empty first step)")
+            problem(
+                "zero_dim",
+                f"tensor {vi.name!r} has a zero-length dimension {list(dims)} (TensorRT and the "
+                "contract forbid empty tensors: no zero-length past, no empty first step)",
+            )
         dtype = onnx_dtype_name(vi.type.tensor_type.elem_type)
         if vi.type.tensor_type.elem_type and dtype not in TENSOR_DTYPES:
-            problem("dtype", f"tensor {vi.name!r} is {dtype}; TensorRT supports {_ranges_text(TENSOR_DTYPES)}")
+            problem(
+                "dtype", f"tensor {vi.name!r} is {dtype}; TensorRT supports {_ranges_text(TENSOR_DTYPES)}"
+            )
 
     # ---- profile: every dynamic axis named and bounded
     ranges = dict(axis_ranges) if axis_ranges is not None else None
@@ -561,31 +652,58 @@ def check_model(
                 static_cache_axes.setdefault(str(dims[-2]), set()).add(_input(node, 0))
     for spec_ in specs:
         if spec_.dims is None:
-            problem("unbounded_axis", f"input {spec_.name!r} has no shape (rank unknown): TensorRT needs the rank")
+            problem(
+                "unbounded_axis", f"input {spec_.name!r} has no shape (rank unknown): TensorRT needs the rank"
+            )
             continue
         for i, d in enumerate(spec_.dims):
             if isinstance(d, int):
                 continue
             if d is None:
-                problem("unbounded_axis", f"input {spec_.name!r} axis {i} is dynamic without a name: no profile can "
-                                          "bound it (the exporter must name every dynamic axis)")
+                problem(
+                    "unbounded_axis",
+                    f"input {spec_.name!r} axis {i} is dynamic without a name: no profile can "
+                    "bound it (the exporter must name every dynamic axis)",
+                )
                 continue
             if ranges is not None and d not in ranges:
-                problem("unbounded_axis", f"input {spec_.name!r} axis {i} ({d!r}) is not bounded by the optimization "
-                                          f"profile (profile axes: {sorted(ranges)}); pass --axis {d}=MIN:OPT:MAX")
+                problem(
+                    "unbounded_axis",
+                    f"input {spec_.name!r} axis {i} ({d!r}) is not bounded by the optimization "
+                    f"profile (profile axes: {sorted(ranges)}); pass --axis {d}=MIN:OPT:MAX",
+                )
     for axis, names in static_cache_axes.items():
         if axis.lstrip("-").isdigit():
             continue
         if ranges is not None and axis in ranges and not ranges[axis].static:
-            problem("cache_aliasing", f"TensorScatter caches {sorted(names)}: TensorRT's KV-cache update layer needs a "
-                                      f"static cache length, but axis {axis!r} ranges {ranges[axis]}; pass "
-                                      f"--cache-len N (the builder then fixes {axis} = N)")
-    if ranges is not None and max_positions is not None and SRC_LEN in ranges and ranges[SRC_LEN].max > max_positions:
-        problem("profile", f"src_len max {ranges[SRC_LEN].max} > the model's max_len {max_positions} "
-                           "(positional-encoding rows; DESIGN.md section 3)")
-    if ranges is not None and max_positions is not None and CACHE_LEN in ranges and ranges[CACHE_LEN].max > max_positions:
-        warning("profile", f"cache_len max {ranges[CACHE_LEN].max} > max_len {max_positions}: positions beyond "
-                           "max_len are never written, the extra capacity is wasted")
+            problem(
+                "cache_aliasing",
+                f"TensorScatter caches {sorted(names)}: TensorRT's KV-cache update layer needs a "
+                f"static cache length, but axis {axis!r} ranges {ranges[axis]}; pass "
+                f"--cache-len N (the builder then fixes {axis} = N)",
+            )
+    if (
+        ranges is not None
+        and max_positions is not None
+        and SRC_LEN in ranges
+        and ranges[SRC_LEN].max > max_positions
+    ):
+        problem(
+            "profile",
+            f"src_len max {ranges[SRC_LEN].max} > the model's max_len {max_positions} "
+            "(positional-encoding rows; DESIGN.md section 3)",
+        )
+    if (
+        ranges is not None
+        and max_positions is not None
+        and CACHE_LEN in ranges
+        and ranges[CACHE_LEN].max > max_positions
+    ):
+        warning(
+            "profile",
+            f"cache_len max {ranges[CACHE_LEN].max} > max_len {max_positions}: positions beyond "
+            "max_len are never written, the extra capacity is wasted",
+        )
     return report
 
 
@@ -597,8 +715,12 @@ def check_model(
 def read_manifest(export_dir: Union[str, os.PathLike]) -> dict[str, Any]:
     """Deprecated: :func:`transformer_ext.export_format.read_manifest` (strict; raises
     :class:`~transformer_ext.export_format.ManifestError`), which this calls."""
-    warnings.warn("export.trt_readiness.read_manifest is deprecated: use transformer_ext.export_format.read_manifest "
-                  "(it raises ManifestError for a missing or invalid manifest)", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "export.trt_readiness.read_manifest is deprecated: use transformer_ext.export_format.read_manifest "
+        "(it raises ManifestError for a missing or invalid manifest)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return _read_manifest(export_dir)
 
 
@@ -629,7 +751,9 @@ def check_export_dir(
     export_dir = Path(export_dir)
     extra: list[Problem] = []
     if not export_dir.is_dir():
-        raise FileNotFoundError(f"export folder not found: {export_dir} (write one with `python -m export.onnx`)")
+        raise FileNotFoundError(
+            f"export folder not found: {export_dir} (write one with `python -m export.onnx`)"
+        )
     try:
         manifest = _read_manifest(export_dir)
     except ManifestError as exc:
@@ -650,7 +774,11 @@ def check_export_dir(
             extra.append(Problem(f"{key}.onnx", "load", f"{src} is missing"))
             continue
         try:
-            loaded[key] = src if isinstance(src, onnx.ModelProto) else onnx.load(os.fspath(src), load_external_data=False)
+            loaded[key] = (
+                src
+                if isinstance(src, onnx.ModelProto)
+                else onnx.load(os.fspath(src), load_external_data=False)
+            )
         except Exception as exc:  # noqa: BLE001
             extra.append(Problem(f"{key}.onnx", "load", f"cannot load {src}: {exc}"))
     if "decoder_step" in loaded:
@@ -659,8 +787,11 @@ def check_export_dir(
     if flavour == "tensorscatter" and not (axis_ranges and CACHE_LEN in axis_ranges):
         # TensorRT's KV-cache update layer needs a static cache length: default to the longest.
         ranges = default_axis_ranges(max_positions, max_cache_len, static_cache_len=ranges[CACHE_LEN].max)
-        logger.warning("tensorscatter flavour: cache_len pinned to %d (max_cache_len); choose the capacity your "
-                       "requests need with --cache-len N, every step reads the whole cache", ranges[CACHE_LEN].max)
+        logger.warning(
+            "tensorscatter flavour: cache_len pinned to %d (max_cache_len); choose the capacity your "
+            "requests need with --cache-len N, every step reads the whole cache",
+            ranges[CACHE_LEN].max,
+        )
     if axis_ranges:
         ranges.update(axis_ranges)
     for key, model in loaded.items():

@@ -72,7 +72,9 @@ def _check_one(graph_name: str, proto: onnx.ModelProto, spec: dict, flavour: str
         if size >= _DEDUP_MIN_BYTES:
             digest = _initializer_digest(t)
             if digest in seen:
-                problems.append(f"initializers {seen[digest]} and {t.name} hold the same data (a weight stored twice)")
+                problems.append(
+                    f"initializers {seen[digest]} and {t.name} hold the same data (a weight stored twice)"
+                )
             seen[digest] = t.name
 
     if problems:
@@ -87,8 +89,9 @@ def _check_one(graph_name: str, proto: onnx.ModelProto, spec: dict, flavour: str
     }
 
 
-def check_graphs(encoder: onnx.ModelProto, decoder: onnx.ModelProto, config, flavour: str,
-                 specs: Optional[dict] = None) -> dict:
+def check_graphs(
+    encoder: onnx.ModelProto, decoder: onnx.ModelProto, config, flavour: str, specs: Optional[dict] = None
+) -> dict:
     """Check both graphs against the contract; returns a summary per graph (nodes, weights...).
 
     Also checks that a tied target embedding / output projection is stored once in the decoder.
@@ -135,14 +138,19 @@ class ValidationReport:
 
     @property
     def worst(self) -> float:
-        values = list(self.max_abs_diff.values()) + list(self.greedy.get("logits_max_diff_per_step", [])) + list(
-            self.beam.get("logits_max_diff_per_step", []))
+        values = (
+            list(self.max_abs_diff.values())
+            + list(self.greedy.get("logits_max_diff_per_step", []))
+            + list(self.beam.get("logits_max_diff_per_step", []))
+        )
         return float(max(values)) if values else 0.0
 
     def table(self) -> str:
         """A human-readable parity table."""
-        lines = [f"parity with eager PyTorch: max |onnxruntime - eager| per output, tolerance {self.tolerance:.0e}",
-                 f"  {'graph':<15}{'output':<20}{'max diff':>10}  status"]
+        lines = [
+            f"parity with eager PyTorch: max |onnxruntime - eager| per output, tolerance {self.tolerance:.0e}",
+            f"  {'graph':<15}{'output':<20}{'max diff':>10}  status",
+        ]
         for key, diff in self.max_abs_diff.items():
             graph, output = key.split("/", 1)
             status = "ok" if diff <= self.tolerance else "FAIL"
@@ -159,7 +167,8 @@ class ValidationReport:
             )
             lines.append(
                 f"  {'':<15}{'logits per step':<20}{max(per_step) if per_step else 0.0:>10.2e}  "
-                f"worst at step {worst_step}; per step: " + " ".join(f"{x:.1e}" for x in per_step[:10])
+                f"worst at step {worst_step}; per step: "
+                + " ".join(f"{x:.1e}" for x in per_step[:10])
                 + (" ..." if len(per_step) > 10 else "")
             )
         lines.append("  shapes tried:")
@@ -176,11 +185,23 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.nan_to_num(diff, nan=np.inf).max())
 
 
-def _record(report: ValidationReport, graph: str, output: str, onnx_value: np.ndarray, eager_value: np.ndarray,
-            case: str, step: Optional[int] = None) -> None:
+def _record(
+    report: ValidationReport,
+    graph: str,
+    output: str,
+    onnx_value: np.ndarray,
+    eager_value: np.ndarray,
+    case: str,
+    step: Optional[int] = None,
+) -> None:
     if onnx_value.shape != eager_value.shape:
-        raise ParityError(f"{graph}/{output}", step, float("inf"), report.tolerance,
-                          f"{case}: shape {onnx_value.shape} != eager {eager_value.shape}")
+        raise ParityError(
+            f"{graph}/{output}",
+            step,
+            float("inf"),
+            report.tolerance,
+            f"{case}: shape {onnx_value.shape} != eager {eager_value.shape}",
+        )
     diff = _max_diff(onnx_value, eager_value)
     key = f"{graph}/{output}"
     report.max_abs_diff[key] = max(report.max_abs_diff.get(key, 0.0), diff)
@@ -255,8 +276,10 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
         caches = [rng.standard_normal(self_shape, dtype=np.float32) for _ in range(2 * n)]
         cross = [rng.standard_normal(cross_shape, dtype=np.float32) for _ in range(2 * n)]
         feeds = dict(zip(in_names, [ids, positions, lengths, *caches, *cross]))
-        case = (f"decoder_step batch {batch} src_len {src_len} cache_len {cache_len} "
-                f"positions {_short(positions)} src_lengths {_short(lengths)}")
+        case = (
+            f"decoder_step batch {batch} src_len {src_len} cache_len {cache_len} "
+            f"positions {_short(positions)} src_lengths {_short(lengths)}"
+        )
         # Without IO binding the tensorscatter graph copies each cache (ORT warns): expected here.
         quiet = ort.RunOptions()
         quiet.log_severity_level = 3
@@ -267,8 +290,13 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
         self_values = [t[f"self_value.{i}"] for i in range(n)]
         with torch.inference_mode():
             logits, new_keys, new_values = model.decode_step(
-                t["input_ids"], t["positions"], t["src_lengths"], self_keys, self_values,
-                [t[f"cross_key.{i}"] for i in range(n)], [t[f"cross_value.{i}"] for i in range(n)],
+                t["input_ids"],
+                t["positions"],
+                t["src_lengths"],
+                self_keys,
+                self_values,
+                [t[f"cross_key.{i}"] for i in range(n)],
+                [t[f"cross_value.{i}"] for i in range(n)],
             )
             if runner.flavour == "portable":
                 eager = [logits] + [x for kv in zip(new_keys, new_values) for x in kv]
@@ -278,8 +306,15 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
                 eager = [logits] + [x for kv in zip(self_keys, self_values) for x in kv]
         for name, a, b in zip(out_names, onnx_out, eager):
             _record(report, "decoder_step", name, a, b.numpy(), case)
-        report.cases.append({"graph": "decoder_step", "batch": batch, "src_len": src_len, "cache_len": cache_len,
-                             "case": case})
+        report.cases.append(
+            {
+                "graph": "decoder_step",
+                "batch": batch,
+                "src_len": src_len,
+                "cache_len": cache_len,
+                "case": case,
+            }
+        )
 
 
 def _short(a: np.ndarray) -> str:
@@ -307,8 +342,9 @@ class _Recorder:
         self.runner.reorder(state, beam_index)
 
 
-def _compare_decodes(report, kind: str, eager: _Recorder, onnx_rec: _Recorder, eager_tokens, onnx_tokens,
-                     case: str) -> dict:
+def _compare_decodes(
+    report, kind: str, eager: _Recorder, onnx_rec: _Recorder, eager_tokens, onnx_tokens, case: str
+) -> dict:
     per_step = []
     for step, (a, b) in enumerate(zip(onnx_rec.logits, eager.logits)):
         diff = _max_diff(a, b)
@@ -319,13 +355,19 @@ def _compare_decodes(report, kind: str, eager: _Recorder, onnx_rec: _Recorder, e
         # The first step at which the fed tokens diverge names the failure.
         step = next((t for t, (x, y) in enumerate(zip(onnx_tokens, eager_tokens)) if x != y), None)
         detail = f"{case}; eager {eager_tokens} vs onnxruntime {onnx_tokens}"
-        raise ParityError(f"{kind} decode tokens", step if step is not None else len(per_step),
-                          max(per_step) if per_step else 0.0, report.tolerance, detail)
+        raise ParityError(
+            f"{kind} decode tokens",
+            step if step is not None else len(per_step),
+            max(per_step) if per_step else 0.0,
+            report.tolerance,
+            detail,
+        )
     return {"steps": len(per_step), "logits_max_diff_per_step": per_step, "tokens_identical": True}
 
 
-def _check_decodes(report, runner: OrtRunner, model, rng, max_cache_len: int, batch: int, max_new_tokens: int,
-                   beam_size: int) -> None:
+def _check_decodes(
+    report, runner: OrtRunner, model, rng, max_cache_len: int, batch: int, max_new_tokens: int, beam_size: int
+) -> None:
     config = model.config
     src_len = max(1, min(config.max_len, 12))
     lengths = _ragged_lengths(rng, batch, src_len)
@@ -343,10 +385,14 @@ def _check_decodes(report, runner: OrtRunner, model, rng, max_cache_len: int, ba
     eager_hyps = decoding.beam_search(eager, ids, lengths, beam_size=beam_size, n_best=beam_size, **common)
     onnx_hyps = decoding.beam_search(onnx_rec, ids, lengths, beam_size=beam_size, n_best=beam_size, **common)
     tokens = lambda hyps: [[h.tokens for h in row] for row in hyps]  # noqa: E731
-    report.beam = _compare_decodes(report, "beam", eager, onnx_rec, tokens(eager_hyps), tokens(onnx_hyps),
-                                   f"beam {beam_size} " + case)
-    report.beam.update(batch=batch, beam_size=beam_size,
-                       tokens_generated=sum(len(h.tokens) for row in onnx_hyps for h in row))
+    report.beam = _compare_decodes(
+        report, "beam", eager, onnx_rec, tokens(eager_hyps), tokens(onnx_hyps), f"beam {beam_size} " + case
+    )
+    report.beam.update(
+        batch=batch,
+        beam_size=beam_size,
+        tokens_generated=sum(len(h.tokens) for row in onnx_hyps for h in row),
+    )
 
 
 def validate_export(

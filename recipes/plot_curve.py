@@ -1,6 +1,6 @@
 """Plot validation BLEU (and chrF) against training steps from a run's summary.json.
 
-    python recipes/plot_curve.py RUN/summary.json OUT.png
+python recipes/plot_curve.py RUN/summary.json OUT.png
 """
 
 import json

@@ -86,7 +86,9 @@ def loop_beam_search(
                 if tok == eos_id:
                     if rank < K and np.isfinite(score):
                         finished[b].append(
-                            Hypothesis(history[row].tolist(), float(score) / penalty(length), float(score), True)
+                            Hypothesis(
+                                history[row].tolist(), float(score) / penalty(length), float(score), True
+                            )
                         )
                     continue
                 if n_open < K:
@@ -118,8 +120,8 @@ def loop_beam_search(
                 finished[b].sort(key=lambda h: h.score, reverse=True)
                 results[b] = finished[b][:n_best]
                 new_scores[b, :] = -np.inf
-                beam_index[b * K:(b + 1) * K] = identity[b * K:(b + 1) * K]
-                new_tokens[b * K:(b + 1) * K] = eos_id
+                beam_index[b * K : (b + 1) * K] = identity[b * K : (b + 1) * K]
+                new_tokens[b * K : (b + 1) * K] = eos_id
         if done.all():
             break
         beam_scores = new_scores

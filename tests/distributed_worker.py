@@ -17,8 +17,10 @@ import torch
 def main(out_dir: str, results: str, options_json: str) -> int:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
     from safetensors.torch import save_file
 
     from transformer_ext.train import TrainOptions, train
@@ -27,9 +29,17 @@ def main(out_dir: str, results: str, options_json: str) -> int:
     state = {name: p.detach().cpu().contiguous() for name, p in result.model.named_parameters()}
     save_file(state, os.path.join(results, f"rank{rank}.safetensors"))
     with open(os.path.join(results, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-        json.dump(dict(losses=result.losses, learning_rates=result.learning_rates, step=result.step,
-                       first_step=result.first_step, world_size=result.world_size,
-                       history_steps=[h["step"] for h in result.history]), f)
+        json.dump(
+            dict(
+                losses=result.losses,
+                learning_rates=result.learning_rates,
+                step=result.step,
+                first_step=result.first_step,
+                world_size=result.world_size,
+                history_steps=[h["step"] for h in result.history],
+            ),
+            f,
+        )
     return 0
 
 

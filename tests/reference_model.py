@@ -77,17 +77,26 @@ def weights_from_state_dict(sd: dict, n_enc: int, n_dec: int) -> dict:
         W["proj"]["w"] = W["tgt_emb"]
     for i in range(n_enc):
         p = f"encoder.layers.{i}"
-        W["enc"].append({
-            "attn": attention(p + ".self_attn"), "ffn": ffn(p + ".feed_forward"),
-            "ln1": norm(p + ".sublayer.0.norm"), "ln2": norm(p + ".sublayer.1.norm"),
-        })
+        W["enc"].append(
+            {
+                "attn": attention(p + ".self_attn"),
+                "ffn": ffn(p + ".feed_forward"),
+                "ln1": norm(p + ".sublayer.0.norm"),
+                "ln2": norm(p + ".sublayer.1.norm"),
+            }
+        )
     for i in range(n_dec):
         p = f"decoder.layers.{i}"
-        W["dec"].append({
-            "self": attention(p + ".self_attn"), "cross": attention(p + ".src_attn"),
-            "ffn": ffn(p + ".feed_forward"), "ln1": norm(p + ".sublayer.0.norm"),
-            "ln2": norm(p + ".sublayer.1.norm"), "ln3": norm(p + ".sublayer.2.norm"),
-        })
+        W["dec"].append(
+            {
+                "self": attention(p + ".self_attn"),
+                "cross": attention(p + ".src_attn"),
+                "ffn": ffn(p + ".feed_forward"),
+                "ln1": norm(p + ".sublayer.0.norm"),
+                "ln2": norm(p + ".sublayer.1.norm"),
+                "ln3": norm(p + ".sublayer.2.norm"),
+            }
+        )
     return W
 
 
@@ -133,8 +142,14 @@ class ReferenceTransformer:
     """Eval-mode (no dropout) float64 forward pass of the paper's Transformer."""
 
     def __init__(self, config, state_dict):
-        self.hp = RefHyper(config.d_model, config.n_heads, config.n_encoder_layers,
-                           config.n_decoder_layers, config.layer_norm_eps, config.norm_first)
+        self.hp = RefHyper(
+            config.d_model,
+            config.n_heads,
+            config.n_encoder_layers,
+            config.n_decoder_layers,
+            config.layer_norm_eps,
+            config.norm_first,
+        )
         self.W = weights_from_state_dict(state_dict, self.hp.n_enc, self.hp.n_dec)
         self.pe = sinusoid_table(config.max_len, config.d_model)
 

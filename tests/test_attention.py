@@ -12,12 +12,11 @@ import math
 
 import pytest
 import torch
+from conftest import device_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transformer_ext import ops, reference
-
-from conftest import device_params
 
 DEVICES = device_params()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -201,7 +200,9 @@ def test_attention_backward_matches_reference(device, dtype, causal, dropout_p):
     ql = torch.tensor([70, 3, 40], device=device)
     grad = torch.randn(B, H, Q, D, generator=_gen(12)).to(device)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out = ops.attention(*leaves, key_lengths=kl, query_lengths=ql, causal=causal, dropout_p=dropout_p, seed=99)
+    out = ops.attention(
+        *leaves, key_lengths=kl, query_lengths=ql, causal=causal, dropout_p=dropout_p, seed=99
+    )
     out.backward(grad.to(dtype))
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref = reference.attention(*ref_leaves, kl, ql, None, causal, dropout_p, 99)
@@ -228,8 +229,10 @@ def test_attention_backward_matches_reference(device, dtype, causal, dropout_p):
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_gradcheck_float64(device):
     g = _gen(13)
-    q, k, v = (torch.randn(2, 2, n, 5, generator=g, dtype=torch.float64).to(device).requires_grad_()
-               for n in (6, 9, 9))
+    q, k, v = (
+        torch.randn(2, 2, n, 5, generator=g, dtype=torch.float64).to(device).requires_grad_()
+        for n in (6, 9, 9)
+    )
     kl = torch.tensor([9, 4], device=device)
     ql = torch.tensor([5, 6], device=device)
 
@@ -356,8 +359,10 @@ def test_attention_opcheck(device):
     torch.library.opcheck(op.attention.default, (*leaves, kl, ql, 0.4, True, 0.25, seed))
     torch.library.opcheck(op.attention.default, (q, k, v, None, None, 0.4, False, 0.0, None))
     out, lse = op.attention(q, k, v, kl, ql, 0.4, True, 0.25, seed)
-    torch.library.opcheck(op.attention_backward.default,
-                          (torch.randn_like(out), q, k, v, out, lse, kl, ql, 0.4, True, 0.25, seed))
+    torch.library.opcheck(
+        op.attention_backward.default,
+        (torch.randn_like(out), q, k, v, out, lse, kl, ql, 0.4, True, 0.25, seed),
+    )
     torch.library.opcheck(op.attention_dropout_mask.default, (seed.cpu(), 2, 2, 3, 4, 0.3))
 
 
@@ -382,12 +387,22 @@ def test_attention_torch_compile_fullgraph_forward_and_backward():
 # --------------------------------------------------------------------------- fuzz
 
 
-@settings(max_examples=20, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(
-    B=st.integers(1, 3), H=st.integers(1, 2), Q=st.integers(1, 70), K=st.integers(0, 70),
-    D=st.integers(1, 20), causal=st.booleans(), dropout_p=st.sampled_from([0.0, 0.2]),
-    with_lengths=st.booleans(), seed=st.integers(0, 10_000),
+    B=st.integers(1, 3),
+    H=st.integers(1, 2),
+    Q=st.integers(1, 70),
+    K=st.integers(0, 70),
+    D=st.integers(1, 20),
+    causal=st.booleans(),
+    dropout_p=st.sampled_from([0.0, 0.2]),
+    with_lengths=st.booleans(),
+    seed=st.integers(0, 10_000),
 )
 def test_fuzz_attention(B, H, Q, K, D, causal, dropout_p, with_lengths, seed):
     q, k, v = _inputs(B, H, Q, K, D, seed=seed)
@@ -395,7 +410,9 @@ def test_fuzz_attention(B, H, Q, K, D, causal, dropout_p, with_lengths, seed):
     kl = torch.randint(0, K + 1, (B,), generator=g) if with_lengths else None
     ql = torch.randint(0, Q + 1, (B,), generator=g) if with_lengths else None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = ops.attention(*leaves, key_lengths=kl, query_lengths=ql, causal=causal, dropout_p=dropout_p, seed=seed)
+    out = ops.attention(
+        *leaves, key_lengths=kl, query_lengths=ql, causal=causal, dropout_p=dropout_p, seed=seed
+    )
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = reference.attention(*ref_leaves, kl, ql, None, causal, dropout_p, seed)
     if out.numel():
@@ -417,7 +434,7 @@ def _batch(config, B=4, S=11, T=9, seed=1):
     src = torch.randint(3, config.src_vocab_size, (B, S), generator=g)
     lengths = torch.tensor([S, 6, 1, 9][:B], dtype=torch.int64)
     for b in range(B):
-        src[b, lengths[b]:] = config.pad_id
+        src[b, lengths[b] :] = config.pad_id
     tgt = torch.randint(3, config.tgt_vocab_size, (B, T + 1), generator=g)
     tgt[:, 0] = config.bos_id
     tgt[1, 5:] = config.pad_id
@@ -447,8 +464,11 @@ def _train_losses(fused: bool, dropout: float, steps: int = 4, norm_first: bool 
     for _ in range(steps):
         logits = model(src, lengths, tgt_in)
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
-            ignore_index=config.pad_id, label_smoothing=0.1)
+            logits.reshape(-1, logits.shape[-1]),
+            tgt_out.reshape(-1),
+            ignore_index=config.pad_id,
+            label_smoothing=0.1,
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -525,9 +545,9 @@ def test_attention_float64_and_empty_shapes():
 
 def test_attention_cpu_fallback_composite_matches_reference():
     """TRANSFORMER_EXT_CPU_FALLBACK=1 (and CPUs without AVX2) run the composite for every dtype."""
+    import os
     import subprocess
     import sys
-    import os
 
     code = """
 import torch
@@ -552,9 +572,14 @@ for dtype in (torch.float32, torch.float64):
 print("ok")
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRANSFORMER_EXT_CPU_FALLBACK="1",
-               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, timeout=120)
+    env = dict(
+        os.environ,
+        TRANSFORMER_EXT_CPU_FALLBACK="1",
+        PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]),
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root, timeout=120
+    )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
@@ -563,7 +588,9 @@ def test_bench_attention_smoke():
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    )
     import bench_attention
 
     rows = bench_attention.bench("cpu", [16], repeats=1, min_time=0.0)
@@ -575,7 +602,9 @@ def test_bench_attention_memory_only_needs_an_existing_result(tmp_path, capsys):
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    )
     import bench_attention
 
     with pytest.raises(SystemExit) as exc:

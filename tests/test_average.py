@@ -15,8 +15,13 @@ TOKENIZER = CharTokenizer.build(["abc de"], ["xyz uv"], shared=True)
 
 def make_folder(path, seed, shared=True, **overrides):
     torch.manual_seed(seed)
-    config = TransformerConfig.preset("tiny", src_vocab_size=TOKENIZER.src_vocab_size,
-                                      tgt_vocab_size=TOKENIZER.tgt_vocab_size, shared_vocab=shared, **overrides)
+    config = TransformerConfig.preset(
+        "tiny",
+        src_vocab_size=TOKENIZER.src_vocab_size,
+        tgt_vocab_size=TOKENIZER.tgt_vocab_size,
+        shared_vocab=shared,
+        **overrides,
+    )
     save_model(Transformer(config), path)
     TOKENIZER.save(path)
     return path
@@ -32,7 +37,9 @@ def test_mean_of_parameters(tmp_path):
         expected = sum(t[name].double() for t in tensors) / 3  # independent float64 mean
         torch.testing.assert_close(value.double(), expected, rtol=0, atol=1e-7)
     model = load_model(tmp_path / "avg")  # a normal model folder: loads, ties kept
-    assert model.src_embed.lut.weight.data_ptr() == model.tgt_embed.lut.weight.data_ptr()  # shared_vocab: tied
+    assert (
+        model.src_embed.lut.weight.data_ptr() == model.tgt_embed.lut.weight.data_ptr()
+    )  # shared_vocab: tied
     assert model.generator.proj.weight.data_ptr() == model.tgt_embed.lut.weight.data_ptr()
     assert CharTokenizer.load(tmp_path / "avg") == TOKENIZER
 
@@ -49,7 +56,9 @@ def test_last_k_of_a_run(tmp_path, capsys):
     b = load_file(str(run / "checkpoints" / "step-1000" / WEIGHTS_NAME))
     avg = load_file(str(tmp_path / "avg" / WEIGHTS_NAME))
     for name in avg:
-        torch.testing.assert_close(avg[name].double(), (a[name].double() + b[name].double()) / 2, rtol=0, atol=1e-7)
+        torch.testing.assert_close(
+            avg[name].double(), (a[name].double() + b[name].double()) / 2, rtol=0, atol=1e-7
+        )
 
 
 def test_different_models_refused(tmp_path):

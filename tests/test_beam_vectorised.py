@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from beam_reference import loop_beam_search
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from beam_reference import loop_beam_search
 from test_decoding import FunctionRunner, sources
+
 from transformer_ext import decoding
 from transformer_ext.decoding import beam_search, greedy_decode, log_softmax
 
@@ -43,7 +43,9 @@ def assert_same(got, want):
         assert [h.tokens for h in g_hyps] == [h.tokens for h in w_hyps]
         assert [h.finished for h in g_hyps] == [h.finished for h in w_hyps]
         np.testing.assert_allclose([h.score for h in g_hyps], [h.score for h in w_hyps], rtol=1e-6, atol=1e-9)
-        np.testing.assert_allclose([h.log_prob for h in g_hyps], [h.log_prob for h in w_hyps], rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(
+            [h.log_prob for h in g_hyps], [h.log_prob for h in w_hyps], rtol=1e-6, atol=1e-9
+        )
 
 
 @settings(max_examples=60, deadline=None)
@@ -62,8 +64,17 @@ def test_vectorised_beam_equals_loop_beam(V, B, K, data, seed, sharp, p_masked, 
     max_new = np.array(data.draw(st.lists(st.integers(0, 7), min_size=B, max_size=B)))
     min_new = np.array(data.draw(st.lists(st.integers(0, 4), min_size=B, max_size=B)))
     fn = masked_random_fn(V, seed, sharp, p_masked)
-    got, want, runners = run_both(V, fn, B, beam_size=K, n_best=n_best, max_new_tokens=max_new,
-                                  min_new_tokens=min_new, length_penalty=kind, alpha=0.7)
+    got, want, runners = run_both(
+        V,
+        fn,
+        B,
+        beam_size=K,
+        n_best=n_best,
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        length_penalty=kind,
+        alpha=0.7,
+    )
     assert_same(got, want)
     assert runners[0].steps == runners[1].steps  # the same early stops
 
@@ -98,7 +109,17 @@ def test_nan_or_inf_logits_are_an_error_naming_step_and_row(bad):
 
     src, lengths = sources(2)
     with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 2 \(row 2"):
-        beam_search(FunctionRunner(V, fn), src, lengths, bos_id=1, eos_id=2, beam_size=2, max_new_tokens=5,
-                    min_new_tokens=5)
+        beam_search(
+            FunctionRunner(V, fn),
+            src,
+            lengths,
+            bos_id=1,
+            eos_id=2,
+            beam_size=2,
+            max_new_tokens=5,
+            min_new_tokens=5,
+        )
     with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 2 \(row 1"):
-        greedy_decode(FunctionRunner(V, fn), src, lengths, bos_id=1, eos_id=2, max_new_tokens=5, min_new_tokens=5)
+        greedy_decode(
+            FunctionRunner(V, fn), src, lengths, bos_id=1, eos_id=2, max_new_tokens=5, min_new_tokens=5
+        )

@@ -42,7 +42,8 @@ def test_bench_decode_tiny(tiny_run):
     assert saved["machine"]["read_bandwidth_bytes_per_s"]["1"] > 0 and saved["machine"]["os_cpu_count"] >= 1
     model = saved["models"]["tiny"]
     assert {(c["mode"], c["batch"], c["threads"]) for c in model["cases"]} == {
-        (m, b, t) for m in ("greedy", "beam4") for b in (1, 2) for t in (1, 2)}
+        (m, b, t) for m in ("greedy", "beam4") for b in (1, 2) for t in (1, 2)
+    }
     for case in model["cases"]:
         assert set(case["engines"]) == set(TINY_ENGINES)
         for name, entry in case["engines"].items():
@@ -55,7 +56,10 @@ def test_bench_decode_tiny(tiny_run):
     # int8 weights occupy fewer bytes than float32 ones (the output projection included)
     assert floors["onnxrt_int8"]["weight_bytes_per_token"] < floors["onnxrt"]["weight_bytes_per_token"]
     if HAS_CT2:
-        assert floors["ctranslate2_int8"]["weight_bytes_per_token"] < floors["ctranslate2"]["weight_bytes_per_token"]
+        assert (
+            floors["ctranslate2_int8"]["weight_bytes_per_token"]
+            < floors["ctranslate2"]["weight_bytes_per_token"]
+        )
         assert {r["engine"] for r in results["ratios"]} >= {"onnxrt", "onnxrt_int8"}
 
 
@@ -117,8 +121,23 @@ def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_
 
     export = exported_dir(tmp_path_factory, "portable")
     out = tmp_path / "profile.json"
-    assert profile_decode.main(["--export", str(export), "--batch-sizes", "2", "--new-tokens", "4", "--repeats", "1",
-                                "--out", str(out)]) == 0
+    assert (
+        profile_decode.main(
+            [
+                "--export",
+                str(export),
+                "--batch-sizes",
+                "2",
+                "--new-tokens",
+                "4",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads(out.read_text())
     assert [(c["mode"], c["batch"]) for c in results["cases"]] == [("greedy", 2), ("beam4", 2)]
     for case in results["cases"]:

@@ -153,7 +153,9 @@ def test_config_that_does_not_match_the_weights(tmp_path):
         load_model(directory)
 
     _rewrite_config(directory, norm_first=False, tie_target_embeddings=False)
-    with pytest.raises(ValueError, match=r"missing tensors \['generator.proj.bias', 'generator.proj.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"missing tensors \['generator.proj.bias', 'generator.proj.weight'\]"
+    ):
         load_model(directory)
 
 
@@ -205,10 +207,28 @@ def test_non_utf8_config_names_the_file(tmp_path):
 def test_bundled_demo_config_is_version_1_with_every_field():
     data = json.loads((DEMO_DIR / CONFIG_NAME).read_text(encoding="utf-8"))
     assert data["format_version"] == 1
-    assert sorted(data) == sorted(["format_version", "bias", "bos_id", "d_ff", "d_model", "dropout", "eos_id",
-                                   "layer_norm_eps", "max_len", "n_decoder_layers", "n_encoder_layers", "n_heads",
-                                   "norm_first", "pad_id", "shared_vocab", "src_vocab_size", "tgt_vocab_size",
-                                   "tie_target_embeddings"])
+    assert sorted(data) == sorted(
+        [
+            "format_version",
+            "bias",
+            "bos_id",
+            "d_ff",
+            "d_model",
+            "dropout",
+            "eos_id",
+            "layer_norm_eps",
+            "max_len",
+            "n_decoder_layers",
+            "n_encoder_layers",
+            "n_heads",
+            "norm_first",
+            "pad_id",
+            "shared_vocab",
+            "src_vocab_size",
+            "tgt_vocab_size",
+            "tie_target_embeddings",
+        ]
+    )
     model = load_model(DEMO_DIR)
     assert model.config.n_heads == data["n_heads"] == 4
 

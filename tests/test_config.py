@@ -38,8 +38,11 @@ INVALID = [
     (dict(bos_id=2, eos_id=2), ValueError, "distinct"),
     (dict(pad_id=1), ValueError, "distinct"),
     (dict(shared_vocab=True), ValueError, "must equal tgt_vocab_size"),
-    (dict(shared_vocab=True, src_vocab_size=40, tie_target_embeddings=False), ValueError,
-     "tie_target_embeddings"),
+    (
+        dict(shared_vocab=True, src_vocab_size=40, tie_target_embeddings=False),
+        ValueError,
+        "tie_target_embeddings",
+    ),
     (dict(d_model=32.0), TypeError, "d_model must be an int"),
     (dict(n_heads=True), TypeError, "n_heads must be an int"),
     (dict(norm_first=1), TypeError, "norm_first must be a bool"),
@@ -68,7 +71,13 @@ def test_preset_base_and_tiny():
     base = TransformerConfig.preset("base")
     assert (base.src_vocab_size, base.tgt_vocab_size, base.d_model, base.d_ff) == (8000, 8000, 512, 2048)
     tiny = TransformerConfig.preset("tiny", norm_first=True)
-    assert (tiny.n_encoder_layers, tiny.n_decoder_layers, tiny.d_model, tiny.n_heads, tiny.d_ff) == (2, 2, 32, 4, 64)
+    assert (tiny.n_encoder_layers, tiny.n_decoder_layers, tiny.d_model, tiny.n_heads, tiny.d_ff) == (
+        2,
+        2,
+        32,
+        4,
+        64,
+    )
     assert tiny.norm_first is True and tiny.d_k == 8
 
 
@@ -133,15 +142,43 @@ def test_load_json_errors_name_the_file(tmp_path):
 # The seventeen fields written out by hand (not taken from the code under test): what the writer
 # before format_version always wrote, and what format_version 1 requires.
 FIELDS_WRITTEN_BEFORE_VERSIONING = [
-    "bias", "bos_id", "d_ff", "d_model", "dropout", "eos_id", "layer_norm_eps", "max_len", "n_decoder_layers",
-    "n_encoder_layers", "n_heads", "norm_first", "pad_id", "shared_vocab", "src_vocab_size", "tgt_vocab_size",
+    "bias",
+    "bos_id",
+    "d_ff",
+    "d_model",
+    "dropout",
+    "eos_id",
+    "layer_norm_eps",
+    "max_len",
+    "n_decoder_layers",
+    "n_encoder_layers",
+    "n_heads",
+    "norm_first",
+    "pad_id",
+    "shared_vocab",
+    "src_vocab_size",
+    "tgt_vocab_size",
     "tie_target_embeddings",
 ]
 # A config.json exactly as the writer before format_version wrote it (json.dump(sort_keys=True)).
 UNVERSIONED_TINY = {
-    "bias": True, "bos_id": 1, "d_ff": 64, "d_model": 32, "dropout": 0.1, "eos_id": 2, "layer_norm_eps": 1e-05,
-    "max_len": 64, "n_decoder_layers": 2, "n_encoder_layers": 2, "n_heads": 4, "norm_first": False, "pad_id": 0,
-    "shared_vocab": False, "src_vocab_size": 48, "tgt_vocab_size": 40, "tie_target_embeddings": True,
+    "bias": True,
+    "bos_id": 1,
+    "d_ff": 64,
+    "d_model": 32,
+    "dropout": 0.1,
+    "eos_id": 2,
+    "layer_norm_eps": 1e-05,
+    "max_len": 64,
+    "n_decoder_layers": 2,
+    "n_encoder_layers": 2,
+    "n_heads": 4,
+    "norm_first": False,
+    "pad_id": 0,
+    "shared_vocab": False,
+    "src_vocab_size": 48,
+    "tgt_vocab_size": 40,
+    "tie_target_embeddings": True,
 }
 
 
@@ -164,7 +201,9 @@ def test_migration_of_the_unversioned_form():
 @pytest.mark.parametrize("key", FIELDS_WRITTEN_BEFORE_VERSIONING)
 def test_a_missing_key_is_an_error_in_both_forms(key):
     old = {k: v for k, v in UNVERSIONED_TINY.items() if k != key}
-    with pytest.raises(ConfigError, match=rf"^old.json: missing key '{key}'; a config without format_version"):
+    with pytest.raises(
+        ConfigError, match=rf"^old.json: missing key '{key}'; a config without format_version"
+    ):
         migrate_config(old, "old.json")
     new = {"format_version": 1, **old}
     with pytest.raises(ConfigError, match=rf"^new.json: missing key '{key}'; a config of format_version 1"):
@@ -173,8 +212,11 @@ def test_a_missing_key_is_an_error_in_both_forms(key):
 
 @pytest.mark.parametrize("form", ["unversioned", "v1"])
 def test_unknown_keys_are_errors_in_both_forms(form):
-    d = dict(UNVERSIONED_TINY, n_layers=2) if form == "unversioned" else dict(UNVERSIONED_TINY, format_version=1,
-                                                                                 n_layers=2)
+    d = (
+        dict(UNVERSIONED_TINY, n_layers=2)
+        if form == "unversioned"
+        else dict(UNVERSIONED_TINY, format_version=1, n_layers=2)
+    )
     with pytest.raises(ConfigError, match=r"^f.json: unknown key 'n_layers'"):
         TransformerConfig.from_dict(d, "f.json")
 
@@ -195,10 +237,15 @@ WRONG_TYPES = [
 
 @pytest.mark.parametrize("key, value, expected", WRONG_TYPES)
 def test_wrong_json_types_name_the_key_and_the_file(key, value, expected):
-    for d in (dict(UNVERSIONED_TINY, **{key: value}), dict(UNVERSIONED_TINY, format_version=1, **{key: value})):
+    for d in (
+        dict(UNVERSIONED_TINY, **{key: value}),
+        dict(UNVERSIONED_TINY, format_version=1, **{key: value}),
+    ):
         with pytest.raises(ConfigError) as info:
             TransformerConfig.from_dict(d, "dir/config.json")
-        assert str(info.value).startswith(f"dir/config.json: key '{key}' must be {expected}, got "), info.value
+        assert str(info.value).startswith(f"dir/config.json: key '{key}' must be {expected}, got "), (
+            info.value
+        )
 
 
 def test_an_integer_is_a_valid_float():
@@ -206,13 +253,16 @@ def test_an_integer_is_a_valid_float():
     assert c.dropout == 0.0 and isinstance(c.dropout, float)
 
 
-@pytest.mark.parametrize("version, match", [
-    (2, "format_version 2 was written by a newer transformer_ext"),
-    (0, "unsupported format_version 0"),
-    ("1", "key 'format_version' must be an integer"),
-    (True, "key 'format_version' must be an integer"),
-    (1.0, "key 'format_version' must be an integer"),
-])
+@pytest.mark.parametrize(
+    "version, match",
+    [
+        (2, "format_version 2 was written by a newer transformer_ext"),
+        (0, "unsupported format_version 0"),
+        ("1", "key 'format_version' must be an integer"),
+        (True, "key 'format_version' must be an integer"),
+        (1.0, "key 'format_version' must be an integer"),
+    ],
+)
 def test_unsupported_versions(version, match):
     with pytest.raises(ConfigError, match=match):
         TransformerConfig.from_dict(dict(UNVERSIONED_TINY, format_version=version), "f.json")
@@ -254,4 +304,6 @@ def test_load_json_file_errors(tmp_path):
 def test_unversioned_manifest_config_still_loads():
     """Export manifests of the version before format_version embed the unversioned dict as model_config."""
     manifest = {"format": "transformer_ext-onnx", "model_config": dict(UNVERSIONED_TINY)}
-    assert TransformerConfig.from_dict(manifest["model_config"], "manifest.json") == TransformerConfig.preset("tiny")
+    assert TransformerConfig.from_dict(manifest["model_config"], "manifest.json") == TransformerConfig.preset(
+        "tiny"
+    )

@@ -10,31 +10,61 @@ from transformer_ext.corpora import PROVENANCE_FILE, extract_bible, main
 
 # (book, chapter, verse) -> text per edition code; '4' English (WEB), 'e' German, 'k' a copyrighted edition
 VERSES = {
-    (1, 1, 1): ("In the beginning, God created the heavens and the earth.", "Im Anfang schuf Gott die Himmel und die Erde."),
-    (1, 1, 2): ("God`s Spirit was hovering over the waters.", "Und der Geist Gottes schwebte über den Wassern."),
+    (1, 1, 1): (
+        "In the beginning, God created the heavens and the earth.",
+        "Im Anfang schuf Gott die Himmel und die Erde.",
+    ),
+    (1, 1, 2): (
+        "God`s Spirit was hovering over the waters.",
+        "Und der Geist Gottes schwebte über den Wassern.",
+    ),
     (1, 1, 3): ("", "Und Gott sprach: Es werde Licht!"),  # empty English verse: skipped
-    (8, 1, 1): ("In the days when the judges judged.", "Und es geschah in den Tagen, als die Richter richteten."),
-    (19, 23, 1): ("Yahweh is my shepherd: I shall lack nothing.", "Jehova ist mein Hirte, mir wird nichts mangeln."),
+    (8, 1, 1): (
+        "In the days when the judges judged.",
+        "Und es geschah in den Tagen, als die Richter richteten.",
+    ),
+    (19, 23, 1): (
+        "Yahweh is my shepherd: I shall lack nothing.",
+        "Jehova ist mein Hirte, mir wird nichts mangeln.",
+    ),
     (44, 1, 1): ("The first book I wrote, Theophilus.", "Den ersten Bericht habe ich verfaßt, o Theophilus."),
-    (44, 1, 2): ("until the day in which he was received up.", "bis zu dem Tage, an welchem er aufgenommen wurde."),
+    (44, 1, 2): (
+        "until the day in which he was received up.",
+        "bis zu dem Tage, an welchem er aufgenommen wurde.",
+    ),
     (50, 1, 1): ("Paul and Timothy, servants of Christ.", "Paulus und Timotheus, Knechte Christi Jesu."),
 }
 
 
 def make_db(path, verses=VERSES):
     conn = sqlite3.connect(path)
-    conn.execute("CREATE TABLE bible (id INTEGER NOT NULL, bbName TEXT NOT NULL, bNumber INTEGER NOT NULL, "
-                 "cNumber INTEGER NOT NULL, vNumber INTEGER NOT NULL, vText TEXT NOT NULL, "
-                 "PRIMARY KEY (bbName, bNumber, cNumber, vNumber))")
-    conn.execute("CREATE TABLE bibleRef (bbName TEXT NOT NULL, bNumber INTEGER NOT NULL, bName TEXT NOT NULL, "
-                 "bsName TEXT NOT NULL, PRIMARY KEY (bbName, bNumber))")
+    conn.execute(
+        "CREATE TABLE bible (id INTEGER NOT NULL, bbName TEXT NOT NULL, bNumber INTEGER NOT NULL, "
+        "cNumber INTEGER NOT NULL, vNumber INTEGER NOT NULL, vText TEXT NOT NULL, "
+        "PRIMARY KEY (bbName, bNumber, cNumber, vNumber))"
+    )
+    conn.execute(
+        "CREATE TABLE bibleRef (bbName TEXT NOT NULL, bNumber INTEGER NOT NULL, bName TEXT NOT NULL, "
+        "bsName TEXT NOT NULL, PRIMARY KEY (bbName, bNumber))"
+    )
     rows = []
     for i, ((b, c, v), (en, de)) in enumerate(sorted(verses.items())):
-        rows += [(3 * i, "4", b, c, v, en), (3 * i + 1, "e", b, c, v, de), (3 * i + 2, "k", b, c, v, "COPYRIGHTED " + de)]
+        rows += [
+            (3 * i, "4", b, c, v, en),
+            (3 * i + 1, "e", b, c, v, de),
+            (3 * i + 2, "k", b, c, v, "COPYRIGHTED " + de),
+        ]
     conn.executemany("INSERT INTO bible VALUES (?, ?, ?, ?, ?, ?)", rows)
-    conn.executemany("INSERT INTO bibleRef VALUES (?, ?, ?, ?)",
-                     [("4", 1, "Genesis", "Gen"), ("4", 8, "Ruth", "Ru"), ("4", 44, "Acts", "Ac"),
-                      ("4", 50, "Philippians", "Php"), ("4", 19, "Psalms", "Ps")])
+    conn.executemany(
+        "INSERT INTO bibleRef VALUES (?, ?, ?, ?)",
+        [
+            ("4", 1, "Genesis", "Gen"),
+            ("4", 8, "Ruth", "Ru"),
+            ("4", 44, "Acts", "Ac"),
+            ("4", 50, "Philippians", "Php"),
+            ("4", 19, "Psalms", "Ps"),
+        ],
+    )
     conn.commit()
     conn.close()
     return path
@@ -49,7 +79,8 @@ def test_extract_split_by_books(tmp_path):
     assert main(["bible", "--pair", "en-de", "--out", str(tmp_path / "c"), "--db", str(db)]) == 0
     out = tmp_path / "c"
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [f"{s}.{l}" for s in ("train", "valid", "test") for l in ("en", "de")] + [PROVENANCE_FILE])
+        [f"{s}.{l}" for s in ("train", "valid", "test") for l in ("en", "de")] + [PROVENANCE_FILE]
+    )
     # every verse lands in the split of its book, aligned, from the public-domain editions only
     expected = {"train": [], "valid": [], "test": []}
     for (b, c, v), (en, de) in sorted(VERSES.items()):

@@ -24,7 +24,10 @@ PAD, BOS, EOS = 0, 1, 2
 def test_pairs_are_num2words():
     assert source_text(342) == "three hundred and forty-two"
     assert target_text(342) == "dreihundertzweiundvierzig"
-    assert make_examples([42, 7]) == [Example(42, "forty-two", "zweiundvierzig"), Example(7, "seven", "sieben")]
+    assert make_examples([42, 7]) == [
+        Example(42, "forty-two", "zweiundvierzig"),
+        Example(7, "seven", "sieben"),
+    ]
     for n in (0, 16, 1001, 9999):
         assert source_text(n) == num2words(n, lang="en") and target_text(n) == num2words(n, lang="de")
 
@@ -183,7 +186,15 @@ def test_parallel_ids_hold_every_pair_once():
     corpus = ParallelIds.from_pairs(pairs)
     assert len(corpus) == 3
     assert [(s.tolist(), t.tolist()) for s, t in (corpus[i] for i in range(3))] == pairs
-    assert corpus.src_ids.tolist() == [5, 6, 7, 9, 4, 4] and corpus.tgt_ids.tolist() == [8, 10, 11, 12, 13, 5, 5]
+    assert corpus.src_ids.tolist() == [5, 6, 7, 9, 4, 4] and corpus.tgt_ids.tolist() == [
+        8,
+        10,
+        11,
+        12,
+        13,
+        5,
+        5,
+    ]
     assert corpus.costs == [max(len(s), len(t) + 1) for s, t in pairs]
     assert corpus.n_target_tokens() == sum(len(t) + 1 for _, t in pairs)
     batch = collate([corpus[0], corpus[1]], pad_id=0, bos_id=1, eos_id=2)
@@ -201,8 +212,10 @@ def test_encode_parallel_filters_and_counts():
     assert [tok.decode_source(corpus[i][0].tolist()) for i in range(2)] == ["abc", "ab"]
     _, report = encode_parallel(tok, ["a", "abcd"], ["abcd", "abcd"], max_len=10, max_len_ratio=3.0)
     assert (report.ratio, report.kept) == (1, 1)
-    assert "2 pairs read: 0 removed as empty, 0 as longer than max_len, 1 by the length ratio; 1 kept" == \
-        report.describe()
+    assert (
+        "2 pairs read: 0 removed as empty, 0 as longer than max_len, 1 by the length ratio; 1 kept"
+        == report.describe()
+    )
 
 
 def test_read_lines_utf8_crlf_bom(tmp_path):

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from test_model import make_batch, make_model
 
 from transformer_ext import decoding
 from transformer_ext.decoding import (
@@ -28,8 +29,6 @@ from transformer_ext.decoding import (
     max_new_tokens_for,
 )
 from transformer_ext.runtimes import CatCacheRunner, EagerRunner, greedy_decode_uncached
-
-from test_model import make_batch, make_model
 
 NORM_FIRST = [False, True]
 RUNNERS = {"eager": EagerRunner, "catcache": CatCacheRunner}
@@ -174,10 +173,17 @@ def test_max_new_tokens_for_huge_finite_budget_is_capped(a, b):
         max_new_tokens_for([1, 7], a, b)
 
 
-@pytest.mark.parametrize("a,b,name", [
-    (math.inf, 10, "a "), (math.nan, 10, "a "), (-1.0, 10, "a "),
-    (1.5, math.inf, "b "), (1.5, math.nan, "b "), (1.5, -5, "b "),
-])
+@pytest.mark.parametrize(
+    "a,b,name",
+    [
+        (math.inf, 10, "a "),
+        (math.nan, 10, "a "),
+        (-1.0, 10, "a "),
+        (1.5, math.inf, "b "),
+        (1.5, math.nan, "b "),
+        (1.5, -5, "b "),
+    ],
+)
 def test_max_new_tokens_for_rejects_non_finite_or_negative(a, b, name):
     with pytest.raises(ValueError, match=f"^{name}.*finite number >= 0"):
         max_new_tokens_for([3], a, b, cap=64)
@@ -188,16 +194,26 @@ def penalty_oracle(kind: str, length: int, alpha: float) -> float:
     return {
         "gnmt": ((5 + length) / (5 + 1)) ** alpha,  # Wu et al. 2016
         "seed": ((5 + (length + 1)) / 5) ** alpha,  # the seed tutorial, length with BOS
-        "average": length ** alpha,  # fairseq: score / (tokens incl. EOS) ** lenpen
+        "average": length**alpha,  # fairseq: score / (tokens incl. EOS) ** lenpen
         "none": 1.0,
     }[kind]
 
 
-@pytest.mark.parametrize("kind,length,alpha,want", [
-    ("gnmt", 1, 0.6, 1.0), ("gnmt", 7, 0.6, 2.0 ** 0.6), ("gnmt", 3, 1.0, 8 / 6),
-    ("seed", 4, 0.6, 2.0 ** 0.6), ("seed", 1, 1.0, 7 / 5), ("none", 9, 0.6, 1.0),
-    ("average", 4, 0.5, 2.0), ("average", 3, 1.0, 3.0), ("average", 1, 2.0, 1.0), ("average", 9, 0.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "kind,length,alpha,want",
+    [
+        ("gnmt", 1, 0.6, 1.0),
+        ("gnmt", 7, 0.6, 2.0**0.6),
+        ("gnmt", 3, 1.0, 8 / 6),
+        ("seed", 4, 0.6, 2.0**0.6),
+        ("seed", 1, 1.0, 7 / 5),
+        ("none", 9, 0.6, 1.0),
+        ("average", 4, 0.5, 2.0),
+        ("average", 3, 1.0, 3.0),
+        ("average", 1, 2.0, 1.0),
+        ("average", 9, 0.0, 1.0),
+    ],
+)
 def test_length_penalty_factor(kind, length, alpha, want):
     assert length_penalty_factor(length, kind, alpha) == pytest.approx(want)
 
@@ -217,7 +233,9 @@ def test_cached_greedy_equals_uncached(norm_first, runner_name):
         model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n, return_logits=True
     )
     rec = Recorder(RUNNERS[runner_name](model))
-    got = greedy_decode(rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n)
+    got = greedy_decode(
+        rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n
+    )
     assert got == want
     assert all(len(row) == n for row in got)
     assert len(rec.logits) == len(want_logits) == n
@@ -231,11 +249,15 @@ def test_cached_greedy_stops_like_uncached(norm_first):
     """Per-row EOS and per-row budgets: an EOS id the model actually produces early."""
     model = make_model(norm_first, seed=3)
     src, lengths, _ = make_batch(model.config)
-    free = greedy_decode_uncached(model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=10, min_new_tokens=10)
+    free = greedy_decode_uncached(
+        model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=10, min_new_tokens=10
+    )
     eos = free[0][2]  # row 0 will stop after at most 2 tokens with this EOS id
     budget = np.array([10, 10, 4])
     want = greedy_decode_uncached(model, src, lengths, bos_id=1, eos_id=eos, max_new_tokens=budget)
-    got = greedy_decode(EagerRunner(model), src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, max_new_tokens=budget)
+    got = greedy_decode(
+        EagerRunner(model), src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, max_new_tokens=budget
+    )
     assert got == want
     assert len(got[0]) <= 2 and eos not in got[0] and len(got[2]) <= 4
 
@@ -248,7 +270,9 @@ def test_runner_sees_optimizer_updates_between_decodes():
     src, lengths, tgt = make_batch(model.config)
     runner = EagerRunner(model)
     n = 6
-    greedy_decode(runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n)
+    greedy_decode(
+        runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n
+    )
     opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
     model.train()
     loss = model(src, lengths, tgt).logsumexp(-1).mean()
@@ -260,7 +284,9 @@ def test_runner_sees_optimizer_updates_between_decodes():
         model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n, return_logits=True
     )
     rec = Recorder(runner)
-    got = greedy_decode(rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n)
+    got = greedy_decode(
+        rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n
+    )
     assert got == want
     for step, (a, b) in enumerate(zip(rec.logits, want_logits)):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0, err_msg=f"step {step}")
@@ -277,14 +303,18 @@ def test_compiled_runner_matches_uncached_and_eager_beams():
     )
     compiled = EagerRunner(model, compile=True)
     rec = Recorder(compiled)
-    got = greedy_decode(rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n)
+    got = greedy_decode(
+        rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n
+    )
     assert got == want
     for step, (a, b) in enumerate(zip(rec.logits, want_logits)):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0, err_msg=f"step {step}")
     kwargs = dict(bos_id=1, eos_id=7, beam_size=2, max_new_tokens=6, n_best=2)
     eager_beams = beam_search(EagerRunner(model), src.numpy(), lengths.numpy(), **kwargs)
     compiled_beams = beam_search(compiled, src.numpy(), lengths.numpy(), **kwargs)
-    assert [[h.tokens for h in row] for row in compiled_beams] == [[h.tokens for h in row] for row in eager_beams]
+    assert [[h.tokens for h in row] for row in compiled_beams] == [
+        [h.tokens for h in row] for row in eager_beams
+    ]
     for row_c, row_e in zip(compiled_beams, eager_beams):
         np.testing.assert_allclose([h.score for h in row_c], [h.score for h in row_e], atol=1e-5, rtol=0)
 
@@ -313,8 +343,16 @@ def test_beam_size_one_equals_greedy(norm_first):
     runner = EagerRunner(model)
     for eos in (2, 7):
         greedy = greedy_decode(runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, max_new_tokens=9)
-        beams = beam_search(runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, beam_size=1,
-                            max_new_tokens=9, length_penalty="none")
+        beams = beam_search(
+            runner,
+            src.numpy(),
+            lengths.numpy(),
+            bos_id=1,
+            eos_id=eos,
+            beam_size=1,
+            max_new_tokens=9,
+            length_penalty="none",
+        )
         assert [h[0].tokens for h in beams] == greedy
 
 
@@ -327,8 +365,18 @@ def test_beam_hypotheses_match_uncached_rescoring(norm_first):
     rec = Recorder(EagerRunner(model))
     free = greedy_decode_uncached(model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=6, min_new_tokens=6)
     eos = free[1][3]  # an id the model likes: a mix of finished and unfinished hypotheses
-    results = beam_search(rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, beam_size=4, n_best=4,
-                          max_new_tokens=8, length_penalty="gnmt", alpha=0.6)
+    results = beam_search(
+        rec,
+        src.numpy(),
+        lengths.numpy(),
+        bos_id=1,
+        eos_id=eos,
+        beam_size=4,
+        n_best=4,
+        max_new_tokens=8,
+        length_penalty="gnmt",
+        alpha=0.6,
+    )
     assert any(not np.array_equal(r, np.arange(len(r))) for r in rec.reorders), "no reorder happened"
     for b, hyps in enumerate(results):
         assert len(hyps) == 4
@@ -338,8 +386,18 @@ def test_beam_hypotheses_match_uncached_rescoring(norm_first):
             n = len(h.tokens) + (1 if h.finished else 0)
             assert h.score == pytest.approx(h.log_prob / length_penalty_factor(n, "gnmt", 0.6))
             assert eos not in h.tokens
-    other = beam_search(CatCacheRunner(model), src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, beam_size=4,
-                        n_best=4, max_new_tokens=8, length_penalty="gnmt", alpha=0.6)
+    other = beam_search(
+        CatCacheRunner(model),
+        src.numpy(),
+        lengths.numpy(),
+        bos_id=1,
+        eos_id=eos,
+        beam_size=4,
+        n_best=4,
+        max_new_tokens=8,
+        length_penalty="gnmt",
+        alpha=0.6,
+    )
     assert [[h.tokens for h in hs] for hs in other] == [[h.tokens for h in hs] for hs in results]
 
 
@@ -357,8 +415,17 @@ def test_beam_finds_better_sequence_than_greedy():
     src, lengths = sources(1)
     greedy = greedy_decode(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, max_new_tokens=5)
     assert greedy == [[A]]
-    (hyps,) = beam_search(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, beam_size=2,
-                          n_best=2, max_new_tokens=5, length_penalty="none")
+    (hyps,) = beam_search(
+        FunctionRunner(5, fn),
+        src,
+        lengths,
+        bos_id=BOS,
+        eos_id=EOS,
+        beam_size=2,
+        n_best=2,
+        max_new_tokens=5,
+        length_penalty="none",
+    )
     assert isinstance(hyps[0], Hypothesis)
     assert hyps[0].tokens == [B_] and hyps[0].log_prob == pytest.approx(math.log(0.36))
     assert hyps[1].tokens == [A] and hyps[1].log_prob == pytest.approx(math.log(0.20))
@@ -401,8 +468,18 @@ def test_exhaustive_beam_equals_brute_force(kind):
     V, eos, max_new = 4, 0, 4
     fn = random_fn(V, seed=11, sharp=1.0)
     src, lengths = sources(2)
-    (got0, got1) = beam_search(FunctionRunner(V, fn), src, lengths, bos_id=3, eos_id=eos, beam_size=V ** max_new,
-                               n_best=10, max_new_tokens=max_new, length_penalty=kind, alpha=0.8)
+    (got0, got1) = beam_search(
+        FunctionRunner(V, fn),
+        src,
+        lengths,
+        bos_id=3,
+        eos_id=eos,
+        beam_size=V**max_new,
+        n_best=10,
+        max_new_tokens=max_new,
+        length_penalty=kind,
+        alpha=0.8,
+    )
     for b, got in enumerate((got0, got1)):
         want = brute_force(fn, V, eos, max_new, kind, 0.8, src=b)[:10]
         assert [h.tokens for h in got] == [w[1] for w in want]
@@ -417,8 +494,19 @@ def test_exhaustive_beam_with_min_new_tokens_equals_renormalised_brute_force(kin
     V, eos, max_new, min_new = 4, 0, 4, 2
     fn = random_fn(V, seed=5, sharp=1.0)
     src, lengths = sources(2)
-    results = beam_search(FunctionRunner(V, fn), src, lengths, bos_id=3, eos_id=eos, beam_size=V ** max_new,
-                          n_best=8, max_new_tokens=max_new, min_new_tokens=min_new, length_penalty=kind, alpha=0.8)
+    results = beam_search(
+        FunctionRunner(V, fn),
+        src,
+        lengths,
+        bos_id=3,
+        eos_id=eos,
+        beam_size=V**max_new,
+        n_best=8,
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        length_penalty=kind,
+        alpha=0.8,
+    )
     for b, got in enumerate(results):
         want = brute_force(fn, V, eos, max_new, kind, 0.8, src=b, min_new=min_new)[:8]
         assert [h.tokens for h in got] == [w[1] for w in want]
@@ -442,8 +530,18 @@ def test_min_new_tokens_renormalises_instead_of_dropping_eos_mass():
     want = brute_force(fn, 5, EOS, 4, "none", 0.0, min_new=2)
     assert want[0][1] == [A, A] and want[0][3] == pytest.approx(math.log(0.52))
     for beam_size in (2, 3):
-        (hyps,) = beam_search(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, beam_size=beam_size,
-                              n_best=2, max_new_tokens=4, min_new_tokens=2, length_penalty="none")
+        (hyps,) = beam_search(
+            FunctionRunner(5, fn),
+            src,
+            lengths,
+            bos_id=BOS,
+            eos_id=EOS,
+            beam_size=beam_size,
+            n_best=2,
+            max_new_tokens=4,
+            min_new_tokens=2,
+            length_penalty="none",
+        )
         assert [h.tokens for h in hyps] == [w[1] for w in want[:2]]
         np.testing.assert_allclose([h.log_prob for h in hyps], [w[3] for w in want[:2]], rtol=1e-6)
         assert hyps[0].tokens == [A, A] and hyps[0].log_prob == pytest.approx(math.log(0.52), rel=1e-6)
@@ -457,8 +555,21 @@ def test_average_length_penalty_changes_the_winner():
     table = {(): {EOS: 0.55, A: 0.45}, (A,): {A: 0.9, EOS: 0.1}, (A, A): {EOS: 0.9, A: 0.1}}
     fn = table_fn(table, 5, EOS)
     src, lengths = sources(1)
-    runs = {kind: beam_search(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, beam_size=3, n_best=2,
-                              max_new_tokens=5, length_penalty=kind, alpha=1.0)[0] for kind in ("none", "average")}
+    runs = {
+        kind: beam_search(
+            FunctionRunner(5, fn),
+            src,
+            lengths,
+            bos_id=BOS,
+            eos_id=EOS,
+            beam_size=3,
+            n_best=2,
+            max_new_tokens=5,
+            length_penalty=kind,
+            alpha=1.0,
+        )[0]
+        for kind in ("none", "average")
+    }
     short_lp, long_lp = math.log(0.55), math.log(0.45 * 0.9 * 0.9)
     assert runs["none"][0].tokens == [] and runs["none"][0].score == pytest.approx(short_lp)
     assert runs["average"][0].tokens == [A, A] and runs["average"][0].score == pytest.approx(long_lp / 3)
@@ -470,8 +581,18 @@ def test_n_best_sorted_and_scored(kind):
     V = 7
     fn = random_fn(V, seed=2)
     src, lengths = sources(3)
-    results = beam_search(FunctionRunner(V, fn), src, lengths, bos_id=1, eos_id=2, beam_size=5, n_best=3,
-                          max_new_tokens=6, length_penalty=kind, alpha=0.6)
+    results = beam_search(
+        FunctionRunner(V, fn),
+        src,
+        lengths,
+        bos_id=1,
+        eos_id=2,
+        beam_size=5,
+        n_best=3,
+        max_new_tokens=6,
+        length_penalty=kind,
+        alpha=0.6,
+    )
     for b, hyps in enumerate(results):
         assert len(hyps) == 3
         scores = [h.score for h in hyps]
@@ -506,8 +627,17 @@ def test_beam_keeps_searching_while_a_longer_hypothesis_can_win():
         return np.log([1e-9, 1e-9, p_eos, 1 - p_eos - 3e-9, 1e-9])
 
     src, lengths = sources(1)
-    (hyps,) = beam_search(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, beam_size=2,
-                          max_new_tokens=10, length_penalty="gnmt", alpha=2.0)
+    (hyps,) = beam_search(
+        FunctionRunner(5, fn),
+        src,
+        lengths,
+        bos_id=BOS,
+        eos_id=EOS,
+        beam_size=2,
+        max_new_tokens=10,
+        length_penalty="gnmt",
+        alpha=2.0,
+    )
     assert hyps[0].tokens == [A] * 5 and hyps[0].finished
     assert hyps[0].score == pytest.approx(hyps[0].log_prob / (11 / 6) ** 2)
 
@@ -518,8 +648,17 @@ def test_beam_runs_to_budget_without_eos():
     fn = lambda s, p: np.log(np.array([0.01, 0.01, 1e-9, 0.5, 0.3, 0.18 - 1e-9]))  # noqa: E731
     src, lengths = sources(2)
     runner = FunctionRunner(V, fn)
-    h = beam_search(runner, src, lengths, bos_id=1, eos_id=2, beam_size=3, n_best=2,
-                    max_new_tokens=np.array([3, 5]), length_penalty="none")
+    h = beam_search(
+        runner,
+        src,
+        lengths,
+        bos_id=1,
+        eos_id=2,
+        beam_size=3,
+        n_best=2,
+        max_new_tokens=np.array([3, 5]),
+        length_penalty="none",
+    )
     assert [x.tokens for x in h[0]] == [[3, 3, 3], [3, 3, 4]] and not h[0][0].finished
     assert h[1][0].tokens == [3] * 5
     assert runner.steps == 5
@@ -530,12 +669,28 @@ def test_min_new_tokens_suppresses_eos(search):
     fn = lambda s, p: np.log(np.array([0.05, 0.05, 0.6, 0.2, 0.1]))  # noqa: E731  EOS most likely
     src, lengths = sources(2)
     if search == "greedy":
-        out = greedy_decode(FunctionRunner(5, fn), src, lengths, bos_id=1, eos_id=2, max_new_tokens=8,
-                            min_new_tokens=np.array([3, 0]))
+        out = greedy_decode(
+            FunctionRunner(5, fn),
+            src,
+            lengths,
+            bos_id=1,
+            eos_id=2,
+            max_new_tokens=8,
+            min_new_tokens=np.array([3, 0]),
+        )
         assert out == [[3, 3, 3], []]
     else:
-        out = beam_search(FunctionRunner(5, fn), src, lengths, bos_id=1, eos_id=2, beam_size=2,
-                          max_new_tokens=8, min_new_tokens=3, length_penalty="none")
+        out = beam_search(
+            FunctionRunner(5, fn),
+            src,
+            lengths,
+            bos_id=1,
+            eos_id=2,
+            beam_size=2,
+            max_new_tokens=8,
+            min_new_tokens=3,
+            length_penalty="none",
+        )
         assert [h[0].tokens for h in out] == [[3, 3, 3], [3, 3, 3]]
 
 
@@ -558,14 +713,17 @@ def test_zero_budget():
     assert [x[0].tokens for x in h] == [[], []] and runner.steps == 0
 
 
-@pytest.mark.parametrize("kwargs,exc,fragment", [
-    (dict(beam_size=0), ValueError, "beam_size"),
-    (dict(n_best=3), ValueError, "n_best"),
-    (dict(length_penalty="wu"), ValueError, "length_penalty"),
-    (dict(cache_len=3), ValueError, "cache_len = 3 is too small"),
-    (dict(max_new_tokens=[4, 4, 4]), ValueError, "max_new_tokens"),
-    (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,fragment",
+    [
+        (dict(beam_size=0), ValueError, "beam_size"),
+        (dict(n_best=3), ValueError, "n_best"),
+        (dict(length_penalty="wu"), ValueError, "length_penalty"),
+        (dict(cache_len=3), ValueError, "cache_len = 3 is too small"),
+        (dict(max_new_tokens=[4, 4, 4]), ValueError, "max_new_tokens"),
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0"),
+    ],
+)
 def test_beam_search_argument_errors(kwargs, exc, fragment):
     src, lengths = sources(2)
     args = {**dict(bos_id=1, eos_id=2, beam_size=2, max_new_tokens=4), **kwargs}
@@ -576,7 +734,9 @@ def test_beam_search_argument_errors(kwargs, exc, fragment):
 def test_source_argument_errors():
     runner = FunctionRunner(5, random_fn(5))
     with pytest.raises(ValueError, match="src_lengths must be in"):
-        greedy_decode(runner, np.ones((2, 3), np.int64), np.array([3, 0]), bos_id=1, eos_id=2, max_new_tokens=2)
+        greedy_decode(
+            runner, np.ones((2, 3), np.int64), np.array([3, 0]), bos_id=1, eos_id=2, max_new_tokens=2
+        )
     with pytest.raises(ValueError, match="src_lengths must have shape"):
         greedy_decode(runner, np.ones((2, 3), np.int64), np.array([3]), bos_id=1, eos_id=2, max_new_tokens=2)
     with pytest.raises(ValueError, match="input_ids must be a non-empty"):
@@ -617,16 +777,22 @@ def test_runner_token_checks_name_row_and_value(runner_name):
     for bad, row in ((-1, 1), (V, 2)):
         tokens = np.ones(3, np.int64)
         tokens[row] = bad
-        with pytest.raises(ValueError, match=rf"tokens\[{row}\] = {bad} \(row {row}\) is not a target token id: "
-                                             rf"the target vocabulary has ids 0 \.\. {V - 1}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"tokens\[{row}\] = {bad} \(row {row}\) is not a target token id: "
+            rf"the target vocabulary has ids 0 \.\. {V - 1}",
+        ):
             runner.step(state, tokens)
     assert state.position == 0
     assert np.isfinite(runner.step(state, np.ones(3, np.int64))).all()  # the state is still usable
     ids = src.numpy().copy()
     ids[0, 1] = model.config.src_vocab_size
     ids[2, 0] = -3
-    with pytest.raises(ValueError, match=r"input_ids\[0, 1\] = \d+ \(row 0\) is not a source token id.*"
-                                         r"\(1 more ids out of range\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"input_ids\[0, 1\] = \d+ \(row 0\) is not a source token id.*"
+        r"\(1 more ids out of range\)",
+    ):
         runner.encode(ids, lengths.numpy(), 4)
 
 
@@ -639,7 +805,9 @@ def test_runner_reorder_reports_the_callers_row_and_value(runner_name):
     src, lengths, _ = make_batch(model.config)
     state = runner.encode(src.numpy(), lengths.numpy(), 4, 2)  # N = 6 rows
     runner.step(state, np.ones(6, np.int64))
-    with pytest.raises(IndexError, match=r"^beam_index\[4\] = 6 is not a row of the decoding state: rows are 0 \.\. 5$"):
+    with pytest.raises(
+        IndexError, match=r"^beam_index\[4\] = 6 is not a row of the decoding state: rows are 0 \.\. 5$"
+    ):
         runner.reorder(state, np.array([0, 1, 2, 3, 6, 5]))
     with pytest.raises(IndexError, match=r"beam_index\[0\] = -1 .*\(1 more out of range\)"):
         runner.reorder(state, np.array([-1, 1, 2, 3, 4, 9]))
@@ -667,9 +835,15 @@ def test_shared_source_and_encode_checks():
         check_sources(np.ones((1, 3), np.int64), np.array([3]), max_src_len=2)
     with pytest.raises(ValueError, match=r"^src_lengths must have shape \(1,\), got \(\)$"):
         check_sources(np.ones((1, 3), np.int64), None)
-    assert check_encode_args(np.ones((2, 3), np.int64), np.array([3, 1]), np.int64(5), 2, max_positions=5)[2:] == (5, 2)
-    for cache_len, num_beams, fragment in ((True, 1, "cache_len must be a positive int, got True"),
-                                           (6, 1, "cache_len = 6 exceeds the model's max_len = 5"),
-                                           (5, -1, "num_beams must be a positive int, got -1")):
+    assert check_encode_args(np.ones((2, 3), np.int64), np.array([3, 1]), np.int64(5), 2, max_positions=5)[
+        2:
+    ] == (5, 2)
+    for cache_len, num_beams, fragment in (
+        (True, 1, "cache_len must be a positive int, got True"),
+        (6, 1, "cache_len = 6 exceeds the model's max_len = 5"),
+        (5, -1, "num_beams must be a positive int, got -1"),
+    ):
         with pytest.raises(ValueError, match=fragment):
-            check_encode_args(np.ones((2, 3), np.int64), np.array([3, 1]), cache_len, num_beams, max_positions=5)
+            check_encode_args(
+                np.ones((2, 3), np.int64), np.array([3, 1]), cache_len, num_beams, max_positions=5
+            )

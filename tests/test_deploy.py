@@ -103,17 +103,24 @@ def test_export_translates_like_eager(demo_export, eager, heldout):
     ours = ort.translate(some, beam_size=3, n_best=2)
     theirs = eager.translate(some, beam_size=3, n_best=2)
     assert [[t for t, _ in row] for row in ours] == [[t for t, _ in row] for row in theirs]
-    np.testing.assert_allclose([[s for _, s in row] for row in ours], [[s for _, s in row] for row in theirs],
-                               rtol=0, atol=1e-4)
+    np.testing.assert_allclose(
+        [[s for _, s in row] for row in ours], [[s for _, s in row] for row in theirs], rtol=0, atol=1e-4
+    )
 
 
 def test_translator_over_a_runner_built_by_hand(demo_export):
     """Translator(tokenizer, runner): any iterable, batched by length, results in input order."""
-    translator = Translator(load_tokenizer(demo_export), OrtRunner(demo_export, intra_op_num_threads=1),
-                            batch_size=2)
+    translator = Translator(
+        load_tokenizer(demo_export), OrtRunner(demo_export, intra_op_num_threads=1), batch_size=2
+    )
     sources = ["seven thousand and seventeen", "one", "forty-two", "three hundred", "twelve"]
     assert translator.translate(s for s in sources) == [
-        "siebentausendsiebzehn", "eins", "zweiundvierzig", "dreihundert", "zwölf"]
+        "siebentausendsiebzehn",
+        "eins",
+        "zweiundvierzig",
+        "dreihundert",
+        "zwölf",
+    ]
     assert translator.translate([]) == []
 
 
@@ -128,8 +135,11 @@ def test_bad_export_folders(demo_export, tmp_path):
 
     folder = _copy(demo_export, tmp_path / "b")
     os.remove(folder / "tokenizer.json")
-    with pytest.raises(TranslationError, match=r"tokenizer.json is missing: manifest.json lists it among the "
-                                               r"tokenizer files, so the export folder is incomplete"):
+    with pytest.raises(
+        TranslationError,
+        match=r"tokenizer.json is missing: manifest.json lists it among the "
+        r"tokenizer files, so the export folder is incomplete",
+    ):
         Translator.from_export_dir(folder)
 
     _edit_manifest(folder, tokenizer_files=[], files=sorted(os.listdir(folder)))
@@ -158,13 +168,20 @@ def test_the_export_generation_config_sets_the_defaults(demo_export, tmp_path):
     (one,) = translator.translate_detailed(["seven thousand, seven hundred and seventy-seven"])
     assert one.score is not None  # beam search, from the folder's config
     assert len(one.hypotheses[0].tokens) == 4 and not one.hypotheses[0].finished  # its budget cap
-    assert translator.translate(["one"], beam_size=1, max_len_a=0, max_len_b=2) == ["ei"]  # a call overrides it
+    assert translator.translate(["one"], beam_size=1, max_len_a=0, max_len_b=2) == [
+        "ei"
+    ]  # a call overrides it
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("tensorrt") is not None, reason="TensorRT is installed")
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("tensorrt") is not None, reason="TensorRT is installed"
+)
 def test_tensorrt_runtime_without_tensorrt_says_what_to_install(demo_export):
-    with pytest.raises(RuntimeNotAvailableError, match=r"needs TensorRT, which is not installed: .*pip install "
-                                                       r"tensorrt-cu13"):
+    with pytest.raises(
+        RuntimeNotAvailableError,
+        match=r"needs TensorRT, which is not installed: .*pip install "
+        r"tensorrt-cu13",
+    ):
         Translator.from_export_dir(demo_export, runtime="tensorrt")
 
 
@@ -172,12 +189,19 @@ def test_unavailable_provider(demo_export):
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        with pytest.raises(RuntimeNotAvailableError, match=r"provider 'cuda' \(CUDAExecutionProvider\) is not "
-                                                           r"available: .*install onnxruntime-gpu"):
+        with pytest.raises(
+            RuntimeNotAvailableError,
+            match=r"provider 'cuda' \(CUDAExecutionProvider\) is not "
+            r"available: .*install onnxruntime-gpu",
+        ):
             Translator.from_export_dir(demo_export, provider="cuda")
-    with pytest.raises(RuntimeNotAvailableError, match=r"provider 'npu9' \(npu9\) is not available.*short names: cpu"):
+    with pytest.raises(
+        RuntimeNotAvailableError, match=r"provider 'npu9' \(npu9\) is not available.*short names: cpu"
+    ):
         Translator.from_export_dir(demo_export, provider="npu9")
-    assert Translator.from_export_dir(demo_export, provider="CPUExecutionProvider").translate(["one"]) == ["eins"]
+    assert Translator.from_export_dir(demo_export, provider="CPUExecutionProvider").translate(["one"]) == [
+        "eins"
+    ]
 
 
 @pytest.fixture
@@ -190,7 +214,9 @@ def cuda_provider_listed(monkeypatch):
     import transformer_ext.runtimes.ort as ort_module
     import transformer_ext.runtimes.ort_cuda as ort_cuda_module
 
-    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(
+        ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
     built = []
     real = ort_module.OrtRunner
 
@@ -198,6 +224,7 @@ def cuda_provider_listed(monkeypatch):
         def make(export_dir, **kwargs):
             built.append((kind, kwargs))
             return real(export_dir)
+
         return make
 
     monkeypatch.setattr(ort_module, "OrtRunner", fake("OrtRunner"))
@@ -206,8 +233,9 @@ def cuda_provider_listed(monkeypatch):
 
 
 @pytest.mark.parametrize("provider", ["cuda", "CUDAExecutionProvider"])
-def test_cuda_provider_selects_the_device_runner_when_torch_has_cuda(demo_export, cuda_provider_listed, monkeypatch,
-                                                                     provider):
+def test_cuda_provider_selects_the_device_runner_when_torch_has_cuda(
+    demo_export, cuda_provider_listed, monkeypatch, provider
+):
     from transformer_ext import translate
 
     monkeypatch.setattr(translate, "_device_buffers_available", lambda: (True, ""))
@@ -216,19 +244,26 @@ def test_cuda_provider_selects_the_device_runner_when_torch_has_cuda(demo_export
     assert t.translate(["one"]) == ["eins"]
 
 
-def test_cuda_provider_without_device_buffers_runs_ort_runner_on_cuda(demo_export, cuda_provider_listed, monkeypatch,
-                                                                       caplog):
+def test_cuda_provider_without_device_buffers_runs_ort_runner_on_cuda(
+    demo_export, cuda_provider_listed, monkeypatch, caplog
+):
     from transformer_ext import translate
 
     monkeypatch.setattr(translate, "_device_buffers_available", lambda: (False, "torch is not installed"))
     with caplog.at_level("INFO", logger="transformer_ext.translate"):
         Translator.from_export_dir(demo_export, provider="cuda")
-    assert cuda_provider_listed == [("OrtRunner", {"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-                                                   "intra_op_num_threads": None})]
+    assert cuda_provider_listed == [
+        (
+            "OrtRunner",
+            {"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"], "intra_op_num_threads": None},
+        )
+    ]
     assert any("torch is not installed" in r.getMessage() for r in caplog.records)
     cuda_provider_listed.clear()
     Translator.from_export_dir(demo_export, provider="cpu")  # never the device runner, nothing probed
-    assert cuda_provider_listed == [("OrtRunner", {"providers": ["CPUExecutionProvider"], "intra_op_num_threads": None})]
+    assert cuda_provider_listed == [
+        ("OrtRunner", {"providers": ["CPUExecutionProvider"], "intra_op_num_threads": None})
+    ]
 
 
 def test_device_buffers_need_torch_a_gpu_and_the_cuda_kernels(monkeypatch):
@@ -240,7 +275,11 @@ def test_device_buffers_need_torch_a_gpu_and_the_cuda_kernels(monkeypatch):
 
     real_find_spec = importlib.util.find_spec
     with monkeypatch.context() as m:
-        m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a))
+        m.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a: None if name == "torch" else real_find_spec(name, *a),
+        )
         assert translate._device_buffers_available() == (False, "torch is not installed")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert translate._device_buffers_available() == (False, "torch sees no CUDA GPU")
@@ -260,7 +299,9 @@ def test_cli_on_the_export_prints_what_the_eager_cli_prints(demo_export, heldout
     for sources, extra in ((heldout_sources, []), (heldout_sources[::3], ["--beam", "4"])):
         code, eager_out, _ = run_main(sources + extra, capsys)
         assert code == 0 and len(eager_out.splitlines()) == len(sources)
-        code, export_out, err = run_main(sources + extra + ["--model", str(demo_export), "--threads", "1"], capsys)
+        code, export_out, err = run_main(
+            sources + extra + ["--model", str(demo_export), "--threads", "1"], capsys
+        )
         assert code == 0, err
         assert export_out == eager_out
 
@@ -269,8 +310,14 @@ def test_cli_forty_two_through_onnx_runtime(demo_export):
     """The issue's command, and the same with torch made unimportable: the export folder is run
     by ONNX Runtime alone."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    plain = subprocess.run([sys.executable, "-m", "transformer_ext.translate", "--model", str(demo_export),
-                            "forty-two"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    plain = subprocess.run(
+        [sys.executable, "-m", "transformer_ext.translate", "--model", str(demo_export), "forty-two"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert plain.returncode == 0 and plain.stdout == "zweiundvierzig\n", plain.stderr
     code = (
         "import runpy, sys\n"
@@ -282,8 +329,9 @@ def test_cli_forty_two_through_onnx_runtime(demo_export):
         "    assert exc.code == 0, exc.code\n"
         "assert 'onnxruntime' in sys.modules\n"
     )
-    no_torch = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
-                              timeout=120)
+    no_torch = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
     assert no_torch.returncode == 0, no_torch.stderr
     assert no_torch.stdout == "zweiundvierzig\ndreihundertzweiundvierzig\n"
 
@@ -291,9 +339,15 @@ def test_cli_forty_two_through_onnx_runtime(demo_export):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--runtime", "eager"], "is an export folder (it has manifest.json, no PyTorch weights): --runtime eager "
-                                 "needs a model folder"),
-        (["--compile"], "--compile applies to the eager runtime only, and --model EXPORT is an export folder"),
+        (
+            ["--runtime", "eager"],
+            "is an export folder (it has manifest.json, no PyTorch weights): --runtime eager "
+            "needs a model folder",
+        ),
+        (
+            ["--compile"],
+            "--compile applies to the eager runtime only, and --model EXPORT is an export folder",
+        ),
         (["--device", "cpu"], "--device applies to the eager runtime only (ONNX Runtime: --provider)"),
         (["--provider", "npu9"], "ONNX Runtime provider 'npu9' (npu9) is not available"),
     ],
@@ -309,24 +363,37 @@ def test_cli_export_folder_errors(demo_export, tmp_path, capsys):
     folder = _copy(demo_export, tmp_path)
     os.remove(folder / "tokenizer.json")
     code, out, err = run_main(["one", "--model", str(folder)], capsys)
-    assert code == 1 and out == "" and f"{folder}/tokenizer.json is missing" in err and len(err.splitlines()) == 1
+    assert (
+        code == 1
+        and out == ""
+        and f"{folder}/tokenizer.json is missing" in err
+        and len(err.splitlines()) == 1
+    )
     _edit_manifest(folder, format_version=7)
     code, _, err = run_main(["one", "--model", str(folder)], capsys)
     assert code == 1 and "version=7" in err and "Traceback" not in err
     code, _, err = run_main(["one", "--runtime", "onnxruntime"], capsys)  # the demo model folder
     assert code == 1 and "--runtime onnxruntime needs --model EXPORT_DIR" in err
     code, _, err = run_main(["one", "--runtime", "onnxruntime", "--model", str(tmp_path)], capsys)
-    assert code == 1 and "is not an export folder (no manifest.json)" in err and "a model folder runs with " \
-        "--runtime eager" in err
+    assert (
+        code == 1
+        and "is not an export folder (no manifest.json)" in err
+        and "a model folder runs with --runtime eager" in err
+    )
 
 
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--runtime", "onnxruntime", "--compile"], "--compile applies to the eager runtime only, not to --runtime "
-                                                    "onnxruntime"),
+        (
+            ["--runtime", "onnxruntime", "--compile"],
+            "--compile applies to the eager runtime only, not to --runtime onnxruntime",
+        ),
         (["--runtime", "eager", "--provider", "cpu"], "--provider applies to the onnxruntime runtime only"),
-        (["--runtime", "tensorrt", "--threads", "2"], "--threads applies to the onnxruntime and eager runtimes only"),
+        (
+            ["--runtime", "tensorrt", "--threads", "2"],
+            "--threads applies to the onnxruntime and eager runtimes only",
+        ),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--runtime", "ctranslate2"], "invalid choice"),
     ],
@@ -349,7 +416,9 @@ def test_deployment_install_translates_without_torch(demo_export, tmp_path):
     install <repo>[deploy]`` (not editable), then text from the demo export through the Python
     API and the command line; torch is neither installed nor imported."""
     venv = tmp_path / "venv"
-    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True, timeout=300)
+    made = subprocess.run(
+        [sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True, timeout=300
+    )
     if made.returncode != 0:
         pytest.skip(f"cannot create a virtual environment here: {made.stderr.strip()[-500:]}")
     python = venv / "bin" / "python"
@@ -358,11 +427,19 @@ def test_deployment_install_translates_without_torch(demo_export, tmp_path):
     for name in INSTALL_FILES:
         (shutil.copytree if (REPO / name).is_dir() else shutil.copy2)(REPO / name, source / name)
     for name in INSTALL_PACKAGES:
-        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
+        shutil.copytree(
+            REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc")
+        )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env["TRANSFORMER_EXT_DEPLOY"] = "1"
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"{source}[deploy]"],
-                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", f"{source}[deploy]"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
 
     script = (
@@ -375,13 +452,26 @@ def test_deployment_install_translates_without_torch(demo_export, tmp_path):
         "assert 'torch' not in sys.modules\n"
         "assert importlib.util.find_spec('torch') is None, 'torch is installed in the deployment venv'\n"
     )
-    api = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         timeout=120)
+    api = subprocess.run(
+        [str(python), "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     assert api.returncode == 0, api.stderr
     assert api.stdout == "['zweiundvierzig', 'dreihundertzweiundvierzig']\n"
-    cli = subprocess.run([str(python), "-m", "transformer_ext.translate", "--model", str(demo_export), "forty-two"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    cli = subprocess.run(
+        [str(python), "-m", "transformer_ext.translate", "--model", str(demo_export), "forty-two"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert cli.returncode == 0 and cli.stdout == "zweiundvierzig\n", cli.stderr
-    eager = subprocess.run([str(python), "-m", "transformer_ext.translate", "forty-two"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    eager = subprocess.run(
+        [str(python), "-m", "transformer_ext.translate", "forty-two"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert eager.returncode == 1 and "Traceback" not in eager.stderr and "torch" in eager.stderr, eager.stderr

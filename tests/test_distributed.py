@@ -54,8 +54,21 @@ FULL_ENV = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1
 # The tiny task of test_train.py with 7 batches per epoch (3 steps per epoch on 2 ranks, one batch
 # left out) and no dropout, so that two ranks and one process can be compared step by step.
 TINY = dict(
-    preset="tiny", range_low=0, range_high=99, max_tokens=200, warmup=10, lr_factor=2.0, dropout=0.0, seed=3,
-    max_steps=4, eval_every=2, eval_examples=2, final_eval=False, progress=False, log_every=1, threads=1,
+    preset="tiny",
+    range_low=0,
+    range_high=99,
+    max_tokens=200,
+    warmup=10,
+    lr_factor=2.0,
+    dropout=0.0,
+    seed=3,
+    max_steps=4,
+    eval_every=2,
+    eval_examples=2,
+    final_eval=False,
+    progress=False,
+    log_every=1,
+    threads=1,
     max_minutes=60.0,  # never reached, but the ranks agree on it at every step
     oversample=(),  # the single-process references below batch the plain training split
 )
@@ -68,11 +81,14 @@ def test_no_launcher_variables_is_a_single_process_run(env):
 
 
 def test_complete_environment():
-    assert read_env(FULL_ENV) == DistEnv(rank=1, world_size=2, local_rank=1, master_addr="127.0.0.1",
-                                         master_port=29500)
+    assert read_env(FULL_ENV) == DistEnv(
+        rank=1, world_size=2, local_rank=1, master_addr="127.0.0.1", master_port=29500
+    )
 
 
-@pytest.mark.parametrize("missing", [[name] for name in ENV_VARS if name != "RANK"] + [["MASTER_ADDR", "MASTER_PORT"]])
+@pytest.mark.parametrize(
+    "missing", [[name] for name in ENV_VARS if name != "RANK"] + [["MASTER_ADDR", "MASTER_PORT"]]
+)
 def test_partial_environment_names_what_is_missing(missing):
     env = {k: v for k, v in FULL_ENV.items() if k not in missing}
     with pytest.raises(DistributedError) as info:
@@ -160,14 +176,18 @@ def test_more_ranks_than_batches_is_an_error():
     with pytest.raises(DistributedError, match="4 ranks but only 3 batches per epoch"):
         DistributedBatchSampler(sampler, 0, 4)
     # the same through the context the training loop uses (no process group needed to shard)
-    ctx = DistributedContext(DistEnv(3, 4, 3, "127.0.0.1", 29500), torch.device("cpu"), "gloo", owns_group=False)
+    ctx = DistributedContext(
+        DistEnv(3, 4, 3, "127.0.0.1", 29500), torch.device("cpu"), "gloo", owns_group=False
+    )
     with pytest.raises(DistributedError, match="--max-tokens"):
         ctx.shard(sampler)
     assert len(DistributedBatchSampler(sampler, 2, 3)) == 1
 
 
 def test_resume_position_is_world_size_independent():
-    ctx = DistributedContext(DistEnv(0, 2, 0, "127.0.0.1", 29500), torch.device("cpu"), "gloo", owns_group=False)
+    ctx = DistributedContext(
+        DistEnv(0, 2, 0, "127.0.0.1", 29500), torch.device("cpu"), "gloo", owns_group=False
+    )
     assert ctx.global_position(3) == 6
     assert ctx.local_position(6, saved_world_size=4) == 3
     assert ctx.local_position(7, saved_world_size=1) == 4  # one batch skipped, never one repeated
@@ -222,14 +242,37 @@ def free_port() -> int:
 def torchrun(args, nproc=2):
     """Run ``torchrun --nproc_per_node nproc args`` on 127.0.0.1; returns (returncode, output)."""
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     for attempt in range(3):  # the free port may be taken between bind(0) and torchrun's bind
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--max_restarts", "0",
-               *map(str, args)]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--nnodes",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            "--max_restarts",
+            "0",
+            *map(str, args),
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -255,14 +298,18 @@ def reference_run(opts: TrainOptions, tokenizer: CharTokenizer, world_size: int,
     model.train()
     optimizer = make_optimizer(model, opts)
     scheduler = make_scheduler(optimizer, config.d_model, opts.warmup, opts.lr_factor)
-    sampler = TokenBatchSampler([example_cost(len(s), len(t)) for s, t in pairs], opts.max_tokens, seed=opts.seed)
+    sampler = TokenBatchSampler(
+        [example_cost(len(s), len(t)) for s, t in pairs], opts.max_tokens, seed=opts.seed
+    )
     steps_per_epoch = len(sampler) // world_size
     ids = dict(pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     losses, counts = [], []
     for step in range(opts.max_steps):
         epoch, k = divmod(step, steps_per_epoch)
-        group = sampler.batches(epoch)[k * world_size: (k + 1) * world_size]
-        counts.append([collate([pairs[i] for i in b], **ids).n_target_tokens(tokenizer.pad_id) for b in group])
+        group = sampler.batches(epoch)[k * world_size : (k + 1) * world_size]
+        counts.append(
+            [collate([pairs[i] for i in b], **ids).n_target_tokens(tokenizer.pad_id) for b in group]
+        )
         if naive:
             per_batch = []
             for b in group:
@@ -291,8 +338,13 @@ def two_rank_run(tmp_path_factory):
     results.mkdir()
     code, output = torchrun([WORKER, out, results, json.dumps(TINY)])
     assert code == 0, output[-6000:]
-    ranks = [dict(params=load_file(str(results / f"rank{r}.safetensors")),
-                  **json.loads((results / f"rank{r}.json").read_text())) for r in range(2)]
+    ranks = [
+        dict(
+            params=load_file(str(results / f"rank{r}.safetensors")),
+            **json.loads((results / f"rank{r}.json").read_text()),
+        )
+        for r in range(2)
+    ]
     return out, ranks, output
 
 
@@ -329,24 +381,41 @@ def test_two_ranks_equal_one_process_on_the_global_batch(two_rank_run):
         worst = max(worst, float((got - expected).abs().max()))
     # the same function: logits of the ranks' weights equal the single process's
     splits = split_numbers(opts.range_low, opts.range_high, seed=opts.split_seed)
-    batch = collate(encode_examples(tokenizer, make_examples(splits.valid)), pad_id=tokenizer.pad_id,
-                    bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    batch = collate(
+        encode_examples(tokenizer, make_examples(splits.valid)),
+        pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+    )
     inputs = (batch.src_ids, batch.src_lengths, batch.tgt_in)
     model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(torch.func.functional_call(model, ranks[0]["params"], inputs), model(*inputs),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            torch.func.functional_call(model, ranks[0]["params"], inputs),
+            model(*inputs),
+            rtol=1e-4,
+            atol=1e-5,
+        )
     # the check can fail: normalising by each rank's own tokens gives measurably different weights
     naive_model, _, _ = reference_run(opts, tokenizer, world_size=2, naive=True)
-    naive = max(float((p.detach() - ranks[0]["params"][n]).abs().max()) for n, p in naive_model.named_parameters()
-                if n in compared)
+    naive = max(
+        float((p.detach() - ranks[0]["params"][n]).abs().max())
+        for n, p in naive_model.named_parameters()
+        if n in compared
+    )
     assert naive > 100 * max(worst, 1e-6)
 
 
 def test_rank_zero_writes_validates_and_logs(two_rank_run):
     out, ranks, output = two_rank_run
     assert ranks[0]["history_steps"] == ranks[1]["history_steps"] == [2, 4]  # rank 0's validations, broadcast
-    assert sorted(os.listdir(out)) == ["best", "last", "run.json", "summary.json", "train_options.json"]  # no .tmp
+    assert sorted(os.listdir(out)) == [
+        "best",
+        "last",
+        "run.json",
+        "summary.json",
+        "train_options.json",
+    ]  # no .tmp
     assert sorted(os.listdir(out.parent)) == ["results", "run"]  # the run's temporary folder is gone
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps_per_epoch"] == 3 and summary["steps"] == 4
@@ -364,8 +433,23 @@ def test_resume_with_another_world_size(tmp_path):
     opts = dict(TINY, eval_every=0, log_every=0)
     first = train(TrainOptions(out_dir=str(out), **{**opts, "max_steps": 3}))
     assert first.step == 3 and first.world_size == 1
-    cli = ["-m", "transformer_ext.train", "--out", out, "--resume", "--max-steps", 5, "--eval-every", 0,
-           "--eval-examples", 2, "--no-final-eval", "--no-progress", "--threads", 1]
+    cli = [
+        "-m",
+        "transformer_ext.train",
+        "--out",
+        out,
+        "--resume",
+        "--max-steps",
+        5,
+        "--eval-every",
+        0,
+        "--eval-examples",
+        2,
+        "--no-final-eval",
+        "--no-progress",
+        "--threads",
+        1,
+    ]
     code, output = torchrun(cli)
     assert code == 0, output[-6000:]
     assert output.count("trained 5 steps") == 1  # printed by rank 0 only
@@ -380,15 +464,34 @@ def test_resume_with_another_world_size(tmp_path):
     assert (again.first_step, again.step, again.epoch, again.world_size) == (6, 10, 2, 1)
     assert again.stop_reason == "epochs"
     d_model = build_config(TrainOptions(**TINY), CharTokenizer.load(out / "last")).d_model
-    assert again.learning_rates == pytest.approx([noam_lr(s, d_model, TINY["warmup"], TINY["lr_factor"])
-                                                  for s in range(6, 11)], rel=1e-12)  # the schedule went on
+    assert again.learning_rates == pytest.approx(
+        [noam_lr(s, d_model, TINY["warmup"], TINY["lr_factor"]) for s in range(6, 11)], rel=1e-12
+    )  # the schedule went on
     assert [h["step"] for h in again.history] == [3, 5, 10]
 
 
 def test_more_ranks_than_batches_fails_cleanly(tmp_path):
     out = tmp_path / "run"
-    code, output = torchrun(["-m", "transformer_ext.train", "--out", out, "--preset", "tiny", "--range", "0", "99",
-                             "--max-tokens", "100000", "--max-steps", 2, "--no-progress", "--threads", 1])
+    code, output = torchrun(
+        [
+            "-m",
+            "transformer_ext.train",
+            "--out",
+            out,
+            "--preset",
+            "tiny",
+            "--range",
+            "0",
+            "99",
+            "--max-tokens",
+            "100000",
+            "--max-steps",
+            2,
+            "--no-progress",
+            "--threads",
+            1,
+        ]
+    )
     assert code != 0
     assert "2 ranks but only 1 batch per epoch" in output
     assert not out.exists()

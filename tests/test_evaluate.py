@@ -12,13 +12,36 @@ pytest.importorskip("sacrebleu")
 from transformer_ext.evaluate import main, score_texts
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "transformer_ext" / "demo_model"
-HYPS = ["der Hund bellt laut .", "ich habe zwei Katzen", "Hallo Welt", "Ein völlig anderer Satz, mit Ümlauten."]
+HYPS = [
+    "der Hund bellt laut .",
+    "ich habe zwei Katzen",
+    "Hallo Welt",
+    "Ein völlig anderer Satz, mit Ümlauten.",
+]
 REFS = ["der Hund bellt .", "ich habe drei Katzen", "hallo Welt !", "Ein ganz anderer Satz mit Umlauten."]
 
 
 def sacrebleu_cli(ref: Path, hyp: Path) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "sacrebleu", str(ref), "-i", str(hyp), "-m", "bleu", "chrf",
-                          "--format", "json", "-w", "6"], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sacrebleu",
+            str(ref),
+            "-i",
+            str(hyp),
+            "-m",
+            "bleu",
+            "chrf",
+            "--format",
+            "json",
+            "-w",
+            "6",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out)
 
 
@@ -40,7 +63,10 @@ def test_evaluate_cli_model_folder(tmp_path, capsys):
     src = write(tmp_path / "src", ["forty-two", "one hundred and one", "seven", "three thousand and twelve"])
     ref = write(tmp_path / "ref", ["zweiundvierzig", "einhunderteins", "sieben", "dreitausendzwölf"])
     hyp = tmp_path / "hyp"
-    assert main(["--model", str(DEMO_DIR), "--src", str(src), "--ref", str(ref), "--output", str(hyp), "--json"]) == 0
+    assert (
+        main(["--model", str(DEMO_DIR), "--src", str(src), "--ref", str(ref), "--output", str(hyp), "--json"])
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     # the printed scores are sacrebleu's on the written hypotheses
     cli = sacrebleu_cli(ref, hyp)
@@ -55,7 +81,12 @@ def test_evaluate_cli_model_folder(tmp_path, capsys):
     assert hyp.read_text().splitlines() == expected
     assert main(["--model", str(DEMO_DIR), "--src", str(src), "--ref", str(ref), "--beam", "4"]) == 0
     text = capsys.readouterr().out
-    assert "beam 4" in text and "BLEU = " in text and "nrefs:1|case:mixed|eff:no|tok:13a" in text and "chrF = " in text
+    assert (
+        "beam 4" in text
+        and "BLEU = " in text
+        and "nrefs:1|case:mixed|eff:no|tok:13a" in text
+        and "chrF = " in text
+    )
 
 
 def test_reference_line_count_differs(tmp_path, capsys):
@@ -79,7 +110,9 @@ def test_non_utf8_source_line(tmp_path, capsys):
 def test_output_is_a_folder(tmp_path, capsys):
     src = write(tmp_path / "src", ["one"])
     ref = write(tmp_path / "ref", ["eins"])
-    assert main(["--model", str(DEMO_DIR), "--src", str(src), "--ref", str(ref), "--output", str(tmp_path)]) == 1
+    assert (
+        main(["--model", str(DEMO_DIR), "--src", str(src), "--ref", str(ref), "--output", str(tmp_path)]) == 1
+    )
     assert "is a folder" in capsys.readouterr().err
 
 

@@ -21,12 +21,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import helper
+from test_export_onnx import exported_portable, fast_export, make_model_dir  # noqa: F401  (fixtures)
+from test_tensorrt import _fake_tensorrt
 
 import export
-from export import OutputFolderError
+from export import OutputFolderError, trt_readiness
 from export import manifest as export_manifest
 from export import tensorrt as trtb
-from export import trt_readiness
 from export.contract import onnx_dtype_name
 from export.onnx import export_onnx, main
 from transformer_ext import export_format as ef
@@ -39,9 +40,6 @@ from transformer_ext.export_format import (
     read_generation_config,
     read_manifest,
 )
-
-from test_export_onnx import exported_portable, fast_export, make_model_dir  # noqa: F401  (fixtures)
-from test_tensorrt import _fake_tensorrt
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,8 +71,12 @@ def as_version_2(export_dir: Path, dst: Path) -> Path:
     folder = copy_export(export_dir, dst)
     (folder / "generation.json").unlink()
     manifest = json.loads((folder / "manifest.json").read_text())
-    rewrite(folder, format_version=2, generation_config=None,
-            files=[f for f in manifest["files"] if f != "generation.json"])
+    rewrite(
+        folder,
+        format_version=2,
+        generation_config=None,
+        files=[f for f in manifest["files"] if f != "generation.json"],
+    )
     return folder
 
 
@@ -84,8 +86,10 @@ def as_version_2(export_dir: Path, dst: Path) -> Path:
 
 
 def test_reading_an_export_folder_imports_no_numpy_torch_or_onnx():
-    code = ("import sys, transformer_ext.export_format, export.manifest; "
-            "print(sorted(m for m in ('numpy', 'torch', 'onnx', 'onnxruntime') if m in sys.modules))")
+    code = (
+        "import sys, transformer_ext.export_format, export.manifest; "
+        "print(sorted(m for m in ('numpy', 'torch', 'onnx', 'onnxruntime') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
@@ -93,14 +97,18 @@ def test_reading_an_export_folder_imports_no_numpy_torch_or_onnx():
 
 def test_what_runners_need_of_the_format_imports_nothing_of_export():
     """Imports run one way (DESIGN.md section 1): export/ uses these modules, never the reverse."""
-    code = ("import sys, transformer_ext.export_format, transformer_ext.precision, transformer_ext.tensorrt_support, "
-            "transformer_ext.demo; print(sorted(m for m in sys.modules if m == 'export' or m.startswith('export.')))")
+    code = (
+        "import sys, transformer_ext.export_format, transformer_ext.precision, transformer_ext.tensorrt_support, "
+        "transformer_ext.demo; print(sorted(m for m in sys.modules if m == 'export' or m.startswith('export.')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
     from transformer_ext import precision, tensorrt_support
 
-    assert trtb.convert_precision is precision.convert_precision and trtb.CACHE_DTYPES is precision.CACHE_DTYPES
+    assert (
+        trtb.convert_precision is precision.convert_precision and trtb.CACHE_DTYPES is precision.CACHE_DTYPES
+    )
     assert trtb.import_tensorrt is tensorrt_support.import_tensorrt
     assert trtb.TensorRTNotAvailableError is tensorrt_support.TensorRTNotAvailableError
 
@@ -110,9 +118,13 @@ def test_export_errors_are_the_formats_and_every_tensorrt_error_is_an_export_err
     assert export.InvalidGraphError is ef.InvalidGraphError
     assert issubclass(GenerationConfigError, ManifestError) and issubclass(ManifestError, UserError)
     # derived from ExportError, and still what existing `except` clauses catch
-    for cls, old_base in ((trtb.TensorRTNotAvailableError, ImportError), (trtb.TensorRTParseError, RuntimeError),
-                          (trtb.TensorRTBuildError, RuntimeError), (trtb.PrecisionConversionError, ValueError),
-                          (trt_readiness.TensorRTReadinessError, RuntimeError)):
+    for cls, old_base in (
+        (trtb.TensorRTNotAvailableError, ImportError),
+        (trtb.TensorRTParseError, RuntimeError),
+        (trtb.TensorRTBuildError, RuntimeError),
+        (trtb.PrecisionConversionError, ValueError),
+        (trt_readiness.TensorRTReadinessError, RuntimeError),
+    ):
         assert issubclass(cls, export.ExportError) and issubclass(cls, old_base), cls
     from transformer_ext.runtimes.device import BindingError  # the TensorRT runner's
 
@@ -129,8 +141,21 @@ def test_the_old_lenient_reader_is_a_deprecated_wrapper_of_the_strict_one(export
 
 
 def test_export_manifest_keeps_the_reader_names():
-    for name in ("read_manifest", "check_io", "graph_specs", "tokenizer_files", "MANIFEST_NAME", "ENCODER_FILE",
-                 "DECODER_FILE", "TOKENIZER_FILE", "FORMAT", "FORMAT_VERSION", "FLAVOURS", "BATCH", "CACHE_LEN"):
+    for name in (
+        "read_manifest",
+        "check_io",
+        "graph_specs",
+        "tokenizer_files",
+        "MANIFEST_NAME",
+        "ENCODER_FILE",
+        "DECODER_FILE",
+        "TOKENIZER_FILE",
+        "FORMAT",
+        "FORMAT_VERSION",
+        "FLAVOURS",
+        "BATCH",
+        "CACHE_LEN",
+    ):
         assert getattr(export_manifest, name) is getattr(ef, name), name
 
 
@@ -145,9 +170,12 @@ def test_dtype_table_agrees_with_onnx_and_onnxruntime():
         assert ef.dtype_from_onnx(d.onnx) == d.name
         assert np.dtype(helper.tensor_dtype_to_np_dtype(d.onnx)).itemsize == d.itemsize
         # what ONNX Runtime calls a graph input of that type
-        graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
-                                  [helper.make_tensor_value_info("x", d.onnx, [2])],
-                                  [helper.make_tensor_value_info("y", d.onnx, [2])])
+        graph = helper.make_graph(
+            [helper.make_node("Identity", ["x"], ["y"])],
+            "g",
+            [helper.make_tensor_value_info("x", d.onnx, [2])],
+            [helper.make_tensor_value_info("y", d.onnx, [2])],
+        )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
         model.ir_version = 10
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -160,14 +188,24 @@ def test_dtype_table_agrees_with_onnx_and_onnxruntime():
 
 
 def test_io_comparator_names_every_difference():
-    spec = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
-            "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}]}
-    same = ([{"name": "x", "dtype": "float16", "shape": ["batch", 4]}], [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}])
+    spec = {
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
+    }
+    same = (
+        [{"name": "x", "dtype": "float16", "shape": ["batch", 4]}],
+        [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
+    )
     assert ef.io_problems(spec, *same) == ["input x: dtype float16 != float32"]
     assert ef.io_problems(spec, *same, compare_dtypes=False) == []  # a converted graph
-    other = ([{"name": "x", "dtype": "float32", "shape": ["batch", None]}], [{"name": "z", "dtype": "float32", "shape": [1]}])
-    assert ef.io_problems(spec, *other) == ["input x: shape ['batch', None] != ['batch', 4]",
-                                            "output names differ (missing ['y'], unexpected ['z'])"]
+    other = (
+        [{"name": "x", "dtype": "float32", "shape": ["batch", None]}],
+        [{"name": "z", "dtype": "float32", "shape": [1]}],
+    )
+    assert ef.io_problems(spec, *other) == [
+        "input x: shape ['batch', None] != ['batch', 4]",
+        "output names differ (missing ['y'], unexpected ['z'])",
+    ]
     with pytest.raises(ManifestError, match="^decoder does not match the manifest: input x: dtype"):
         ef.check_io("decoder", spec, *same)
 
@@ -177,17 +215,22 @@ def test_io_comparator_names_every_difference():
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(format_version=4), r"version=4\); it was written by a newer transformer_ext: upgrade it"),
-    (dict(format_version=True), "version=True"),
-    (dict(format="someone.else"), "is not a transformer_ext.onnx_export manifest"),
-    (dict(generation_config=None), "generation_config must name the generation config file"),
-    (dict(generation_config="../generation.json"), "generation_config must name"),
-    (dict(files=["encoder.onnx", "decoder_step.onnx", "manifest.json", "tokenizer.json"]),
-     r"\['generation.json'\] are named by the manifest but not in its files list"),
-    (dict(tokenizer_files=["../tokenizer.json"]), "tokenizer_files must list"),
-    (dict(model_config={"d_model": 32}), "model_config must hold at least"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(format_version=4), r"version=4\); it was written by a newer transformer_ext: upgrade it"),
+        (dict(format_version=True), "version=True"),
+        (dict(format="someone.else"), "is not a transformer_ext.onnx_export manifest"),
+        (dict(generation_config=None), "generation_config must name the generation config file"),
+        (dict(generation_config="../generation.json"), "generation_config must name"),
+        (
+            dict(files=["encoder.onnx", "decoder_step.onnx", "manifest.json", "tokenizer.json"]),
+            r"\['generation.json'\] are named by the manifest but not in its files list",
+        ),
+        (dict(tokenizer_files=["../tokenizer.json"]), "tokenizer_files must list"),
+        (dict(model_config={"d_model": 32}), "model_config must hold at least"),
+    ],
+)
 def test_manifest_reader_refuses_what_it_cannot_rely_on(exported_portable, tmp_path, changes, match):
     folder = copy_export(exported_portable, tmp_path / "e")
     rewrite(folder, **changes)
@@ -196,16 +239,24 @@ def test_manifest_reader_refuses_what_it_cannot_rely_on(exported_portable, tmp_p
     assert str(folder / "manifest.json") in str(info.value)
 
 
-def test_version_2_folders_still_load_with_the_default_generation_config(exported_portable, tmp_path, model_dir,
-                                                                         fast_export):
+def test_version_2_folders_still_load_with_the_default_generation_config(
+    exported_portable, tmp_path, model_dir, fast_export
+):
     old = as_version_2(exported_portable, tmp_path / "v2")
     manifest = read_manifest(old)
     assert manifest["format_version"] == 2
     config = read_generation_config(old)
-    assert config == GenerationConfig(special_tokens={"pad": 0, "bos": 1, "eos": 2, "unk": 3},
-                                      max_new_tokens=manifest["max_cache_len"])
-    assert (config.beam_size, config.length_penalty, config.alpha, config.max_len_a, config.max_len_b,
-            config.min_new_tokens) == (1, "gnmt", 0.6, 1.5, 10.0, 0)
+    assert config == GenerationConfig(
+        special_tokens={"pad": 0, "bos": 1, "eos": 2, "unk": 3}, max_new_tokens=manifest["max_cache_len"]
+    )
+    assert (
+        config.beam_size,
+        config.length_penalty,
+        config.alpha,
+        config.max_len_a,
+        config.max_len_b,
+        config.min_new_tokens,
+    ) == (1, "gnmt", 0.6, 1.5, 10.0, 0)
     # a generation.json in a version-2 folder is not one the exporter wrote there: kept
     (old / "generation.json").write_text("{}")
     with pytest.raises(OutputFolderError, match="did not write there: generation.json"):
@@ -226,26 +277,33 @@ def _write_generation(folder: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("beam_size", 0, "beam_size must be >= 1, got 0"),
-    ("beam_size", "4", 'beam_size must be an integer, got "4"'),
-    ("beam_size", True, "beam_size must be an integer, got true"),
-    ("length_penalty", "wu", r"length_penalty must be one of \['gnmt', 'seed', 'average', 'none'\], got \"wu\""),
-    ("alpha", -0.5, "alpha must be a finite number >= 0, got -0.5"),
-    ("alpha", "NaN", "alpha must be a finite number >= 0, got nan"),
-    ("max_len_a", "Infinity", "max_len_a must be a finite number >= 0, got inf"),
-    ("max_len_b", None, "max_len_b must be a finite number >= 0, got null"),
-    ("min_new_tokens", -1, "min_new_tokens must be >= 0, got -1"),
-    ("min_new_tokens", 10, r"min_new_tokens \(10\) must be <= max_new_tokens \(5\)"),
-    ("max_new_tokens", 0, "max_new_tokens must be >= 1, got 0"),
-    ("max_new_tokens", 65, "max_new_tokens 65 exceeds the export's cache capacity max_cache_len = 64"),
-    ("special_tokens", {"pad": 0, "bos": 1}, "special_tokens must map"),
-    ("special_tokens", {"pad": 0, "bos": 1, "eos": 2, "unk": 3, "mask": 4}, "special_tokens must map"),
-    ("special_tokens", {"pad": 0, "bos": 1, "eos": 3, "unk": 2}, "differ from the manifest's"),
-    ("colour", "blue", r"unknown fields \['colour'\]"),
-    ("format_version", 2, "unsupported format_version 2"),
-    ("format", "other", "format must be 'transformer_ext.generation_config'"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("beam_size", 0, "beam_size must be >= 1, got 0"),
+        ("beam_size", "4", 'beam_size must be an integer, got "4"'),
+        ("beam_size", True, "beam_size must be an integer, got true"),
+        (
+            "length_penalty",
+            "wu",
+            r"length_penalty must be one of \['gnmt', 'seed', 'average', 'none'\], got \"wu\"",
+        ),
+        ("alpha", -0.5, "alpha must be a finite number >= 0, got -0.5"),
+        ("alpha", "NaN", "alpha must be a finite number >= 0, got nan"),
+        ("max_len_a", "Infinity", "max_len_a must be a finite number >= 0, got inf"),
+        ("max_len_b", None, "max_len_b must be a finite number >= 0, got null"),
+        ("min_new_tokens", -1, "min_new_tokens must be >= 0, got -1"),
+        ("min_new_tokens", 10, r"min_new_tokens \(10\) must be <= max_new_tokens \(5\)"),
+        ("max_new_tokens", 0, "max_new_tokens must be >= 1, got 0"),
+        ("max_new_tokens", 65, "max_new_tokens 65 exceeds the export's cache capacity max_cache_len = 64"),
+        ("special_tokens", {"pad": 0, "bos": 1}, "special_tokens must map"),
+        ("special_tokens", {"pad": 0, "bos": 1, "eos": 2, "unk": 3, "mask": 4}, "special_tokens must map"),
+        ("special_tokens", {"pad": 0, "bos": 1, "eos": 3, "unk": 2}, "differ from the manifest's"),
+        ("colour", "blue", r"unknown fields \['colour'\]"),
+        ("format_version", 2, "unsupported format_version 2"),
+        ("format", "other", "format must be 'transformer_ext.generation_config'"),
+    ],
+)
 def test_generation_config_is_validated_on_read(exported_portable, tmp_path, field, value, match):
     folder = copy_export(exported_portable, tmp_path / "e")
     data = json.loads((folder / "generation.json").read_text())
@@ -279,13 +337,41 @@ def test_generation_config_file_missing_corrupt_or_incomplete(exported_portable,
 
 def test_exporter_writes_the_generation_options_it_is_given(tmp_path, model_dir, fast_export, capsys):
     out = tmp_path / "out"
-    export_onnx(model_dir, out, validate=False, cache_len=32,
-                generation={"beam_size": 4, "length_penalty": "average", "alpha": 1.0, "max_new_tokens": 20})
+    export_onnx(
+        model_dir,
+        out,
+        validate=False,
+        cache_len=32,
+        generation={"beam_size": 4, "length_penalty": "average", "alpha": 1.0, "max_new_tokens": 20},
+    )
     config = read_generation_config(out)
-    assert (config.beam_size, config.length_penalty, config.alpha, config.max_new_tokens) == (4, "average", 1.0, 20)
+    assert (config.beam_size, config.length_penalty, config.alpha, config.max_new_tokens) == (
+        4,
+        "average",
+        1.0,
+        20,
+    )
     # from the command line, and the translations printed are decoded as the file says
-    assert main(["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate", "--beam-size", "2",
-                 "--max-len-a", "0", "--max-len-b", "3", "--examples", "2"]) == 0
+    assert (
+        main(
+            [
+                "--model-dir",
+                str(model_dir),
+                "--output-dir",
+                str(out),
+                "--no-validate",
+                "--beam-size",
+                "2",
+                "--max-len-a",
+                "0",
+                "--max-len-b",
+                "3",
+                "--examples",
+                "2",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "translations decoded by ONNX Runtime (beam 2, as generation.json says)" in printed
     config = read_generation_config(out)
@@ -295,13 +381,17 @@ def test_exporter_writes_the_generation_options_it_is_given(tmp_path, model_dir,
     assert len(texts) == 2 and all(len(t) <= 3 for t in texts)  # a character tokenizer: at most 3 tokens
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"beam_size": 0}, "the generation options: beam_size must be >= 1, got 0"),
-    ({"max_new_tokens": 33}, "max_new_tokens 33 exceeds the export's cache capacity max_cache_len = 32"),
-    ({"temperature": 0.7}, r"unknown fields \['temperature'\]"),
-])
-def test_bad_generation_options_are_refused_before_anything_is_written(tmp_path, model_dir, fast_export, options,
-                                                                      match):
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"beam_size": 0}, "the generation options: beam_size must be >= 1, got 0"),
+        ({"max_new_tokens": 33}, "max_new_tokens 33 exceeds the export's cache capacity max_cache_len = 32"),
+        ({"temperature": 0.7}, r"unknown fields \['temperature'\]"),
+    ],
+)
+def test_bad_generation_options_are_refused_before_anything_is_written(
+    tmp_path, model_dir, fast_export, options, match
+):
     with pytest.raises(GenerationConfigError, match=match):
         export_onnx(model_dir, tmp_path / "out", validate=False, cache_len=32, generation=options)
     assert not (tmp_path / "out").exists() and fast_export == []
@@ -310,12 +400,15 @@ def test_bad_generation_options_are_refused_before_anything_is_written(tmp_path,
 def test_cli_bad_generation_option_is_one_line(tmp_path, model_dir, fast_export, capsys):
     assert main(["--model-dir", str(model_dir), "--output-dir", str(tmp_path / "out"), "--alpha", "-1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["python -m export.onnx: error: the generation options: alpha must be a finite number >= 0, got -1.0"]
+    assert err == [
+        "python -m export.onnx: error: the generation options: alpha must be a finite number >= 0, got -1.0"
+    ]
     assert not (tmp_path / "out").exists()
 
 
-def test_full_disk_while_writing_the_generation_config_keeps_the_old_export(tmp_path, model_dir, fast_export,
-                                                                           monkeypatch):
+def test_full_disk_while_writing_the_generation_config_keeps_the_old_export(
+    tmp_path, model_dir, fast_export, monkeypatch
+):
     out = tmp_path / "out"
     export_onnx(model_dir, out, validate=False)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -339,8 +432,9 @@ def test_full_disk_while_writing_the_generation_config_keeps_the_old_export(tmp_
 # ------------------------------------------------------------------------------------------
 
 
-def test_engine_folder_apart_from_the_export_holds_the_tokenizer_and_generation_config(exported_portable, tmp_path,
-                                                                                        monkeypatch):
+def test_engine_folder_apart_from_the_export_holds_the_tokenizer_and_generation_config(
+    exported_portable, tmp_path, monkeypatch
+):
     monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
     export_dir = copy_export(exported_portable, tmp_path / "export")
     engines = tmp_path / "engines"

@@ -103,8 +103,9 @@ def axes(value: onnx.ValueInfoProto) -> list:
 def test_folder_and_manifest(exported):
     encoder, decoder, manifest = load_graphs(exported)
     flavour = manifest["flavour"]
-    assert sorted(os.listdir(exported)) == sorted([ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "tokenizer.json",
-                                                   "generation.json"])
+    assert sorted(os.listdir(exported)) == sorted(
+        [ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "tokenizer.json", "generation.json"]
+    )
     assert not [p for p in exported.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     config = TransformerConfig.from_dict(manifest["model_config"])
     assert config == TransformerConfig.preset("tiny", dropout=0.0)
@@ -117,9 +118,17 @@ def test_folder_and_manifest(exported):
     assert manifest["generation_config"] == "generation.json"
     # the defaults of the translator, the model's special ids, the export's cache capacity
     assert json.loads((exported / "generation.json").read_text()) == {
-        "format": "transformer_ext.generation_config", "format_version": 1, "beam_size": 1,
-        "length_penalty": "gnmt", "alpha": 0.6, "max_len_a": 1.5, "max_len_b": 10.0, "min_new_tokens": 0,
-        "max_new_tokens": config.max_len, "special_tokens": {"pad": 0, "bos": 1, "eos": 2, "unk": 3}}
+        "format": "transformer_ext.generation_config",
+        "format_version": 1,
+        "beam_size": 1,
+        "length_penalty": "gnmt",
+        "alpha": 0.6,
+        "max_len_a": 1.5,
+        "max_len_b": 10.0,
+        "min_new_tokens": 0,
+        "max_new_tokens": config.max_len,
+        "special_tokens": {"pad": 0, "bos": 1, "eos": 2, "unk": 3},
+    }
     assert manifest["max_positions"] == config.max_len == manifest["max_cache_len"]
     assert manifest["graphs"] == graph_specs(config.to_dict(), flavour)
     assert set(manifest["versions"]) >= {"torch", "onnx", "onnxruntime"}
@@ -132,7 +141,9 @@ def test_folder_and_manifest(exported):
     assert {1, 3, 8} <= batches and 2 not in batches  # unlike the export dummies (batch 2)
     for proto in (encoder, decoder):
         assert proto.ir_version == IR_VERSION
-        assert {o.domain or "ai.onnx": o.version for o in proto.opset_import} == {"ai.onnx": manifest["opset"]}
+        assert {o.domain or "ai.onnx": o.version for o in proto.opset_import} == {
+            "ai.onnx": manifest["opset"]
+        }
         onnx.checker.check_model(proto, full_check=True)
 
 
@@ -185,7 +196,9 @@ def test_cache_is_read_by_matmul_or_tensorscatter_only(exported):
                 assert [a.i for a in readers[0].attribute if a.name == "axis"] == [-2]
             else:
                 assert {r.op_type for r in readers} <= {"MatMul", "Transpose", "Shape"}
-                assert "Concat" not in {u.op_type for r in readers for o in r.output for u in users.get(o, [])}
+                assert "Concat" not in {
+                    u.op_type for r in readers for o in r.output for u in users.get(o, [])
+                }
 
 
 def test_tied_embedding_stored_once(exported):
@@ -196,9 +209,13 @@ def test_tied_embedding_stored_once(exported):
     assert sizes.count(c["tgt_vocab_size"] * c["d_model"]) == 1
     total = sum(sizes)
     model = Transformer(TransformerConfig.from_dict(c))
-    decoder_params = sum(p.numel() for name, p in model.named_parameters()
-                         if not name.startswith(("src_embed", "encoder")) and "src_attn.W_K" not in name
-                         and "src_attn.W_V" not in name)
+    decoder_params = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if not name.startswith(("src_embed", "encoder"))
+        and "src_attn.W_K" not in name
+        and "src_attn.W_V" not in name
+    )
     pe = c["max_len"] * c["d_model"]
     assert total <= decoder_params + pe + 1024  # + small constants
 
@@ -207,46 +224,75 @@ def test_export_matches_eager_on_new_shapes(exported):
     """The recorded validation can be re-run from the folder on other random inputs."""
     manifest = json.loads((exported / MANIFEST_NAME).read_text())
     model = load_model(manifest["export"]["source_model_dir"])
-    report = validation.validate_export(exported, model, tolerance=TOLERANCE, seed=7, decode_batch=3,
-                                        max_new_tokens=10, beam_size=2)
+    report = validation.validate_export(
+        exported, model, tolerance=TOLERANCE, seed=7, decode_batch=3, max_new_tokens=10, beam_size=2
+    )
     assert report.worst <= TOLERANCE
     assert report.greedy["tokens_identical"] and report.beam["tokens_identical"]
     assert "logits per step" in report.table()
 
 
 def test_fuse_shared_input_matmuls_keeps_values(exported_portable):
-    from onnx import TensorProto, helper, numpy_helper
     import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
 
     from export.lowering import fuse_shared_input_matmuls
 
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(rng.standard_normal((8, n)).astype(np.float32), f"w{i}")
-             for i, n in enumerate((8, 8, 4, 8))]
-    inits += [numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), f"b{i}") for i, n in enumerate((8, 8, 4))]
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, n)).astype(np.float32), f"w{i}")
+        for i, n in enumerate((8, 8, 4, 8))
+    ]
+    inits += [
+        numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), f"b{i}")
+        for i, n in enumerate((8, 8, 4))
+    ]
     nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"]) for i in range(3)]
     nodes += [helper.make_node("Add", [f"m{i}", f"b{i}"], [f"y{i}"]) for i in range(3)]
-    nodes += [helper.make_node("MatMul", ["x", "w3"], ["m3"]), helper.make_node("Relu", ["w3"], ["y3"])]  # w3 read twice
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1, 8])],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in
-                               (("y0", [2, 1, 8]), ("y1", [2, 1, 8]), ("y2", [2, 1, 4]), ("m3", [2, 1, 8]), ("y3", [8, 8]))],
-                              inits)
+    nodes += [
+        helper.make_node("MatMul", ["x", "w3"], ["m3"]),
+        helper.make_node("Relu", ["w3"], ["y3"]),
+    ]  # w3 read twice
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1, 8])],
+        [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+            for n, shape in (
+                ("y0", [2, 1, 8]),
+                ("y1", [2, 1, 8]),
+                ("y2", [2, 1, 4]),
+                ("m3", [2, 1, 8]),
+                ("y3", [8, 8]),
+            )
+        ],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = IR_VERSION
     x = rng.standard_normal((2, 1, 8)).astype(np.float32)
-    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
     assert fuse_shared_input_matmuls(model) == 1
     onnx.checker.check_model(model, full_check=True)
     assert [n.op_type for n in model.graph.node].count("MatMul") == 2  # the fused one and the one on w3
-    assert {t.name for t in model.graph.initializer} >= {"w3"} and "w0" not in {t.name for t in model.graph.initializer}
-    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert {t.name for t in model.graph.initializer} >= {"w3"} and "w0" not in {
+        t.name for t in model.graph.initializer
+    }
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
     for a, b in zip(before, after):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     # in the real export: one Q/K/V product per decoder layer
     manifest = json.loads((exported_portable / MANIFEST_NAME).read_text())
     assert manifest["export"]["graph_passes"] == ["fuse_shared_input_matmuls", "share_shape_reads"]
     decoder = onnx.load(exported_portable / DECODER_FILE)
-    assert [n.op_type for n in decoder.graph.node].count("Split") == manifest["model_config"]["n_decoder_layers"]
+    assert [n.op_type for n in decoder.graph.node].count("Split") == manifest["model_config"][
+        "n_decoder_layers"
+    ]
 
 
 def test_share_shape_reads_rewires_only_equally_declared_inputs(exported_portable):
@@ -260,13 +306,18 @@ def test_share_shape_reads_rewires_only_equally_declared_inputs(exported_portabl
     inputs = [inp("a", ["n", 3]), inp("b", ["n", 3]), inp("c", ["m", 3]), inp("d", [None, 3])]
     nodes = [helper.make_node("Shape", [x], [f"s_{x}"]) for x in "abcd"]
     outputs = [helper.make_tensor_value_info(f"s_{x}", TensorProto.INT64, [2]) for x in "abcd"]
-    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs), opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", inputs, outputs), opset_imports=[helper.make_opsetid("", 18)]
+    )
     assert share_shape_reads(model) == 1
     assert [n.input[0] for n in model.graph.node] == ["a", "a", "c", "d"]  # only b shares a's declared shape
     # in the real export: the decoder reads one self-attention cache shape and one cross K/V shape
     decoder = onnx.load(exported_portable / DECODER_FILE)
-    read = {n.input[0] for n in decoder.graph.node if n.op_type == "Shape" and n.input[0] in
-            {i.name for i in decoder.graph.input}}
+    read = {
+        n.input[0]
+        for n in decoder.graph.node
+        if n.op_type == "Shape" and n.input[0] in {i.name for i in decoder.graph.input}
+    }
     assert read <= {"self_key.0", "cross_key.0", "self_value.0", "cross_value.0"}, read
 
 
@@ -303,8 +354,15 @@ def test_parity_error_names_decode_step():
     assert (info.value.output, info.value.step, info.value.max_diff) == ("greedy decode logits", 2, 0.5)
     # logits within tolerance but different tokens: still an error, at the first differing step
     with pytest.raises(ParityError) as info:
-        validation._compare_decodes(report, "greedy", eager, _FakeRecorder([x * 0 for x in onnx_logits]),
-                                    [[1, 2, 3]], [[1, 2, 4]], "case")
+        validation._compare_decodes(
+            report,
+            "greedy",
+            eager,
+            _FakeRecorder([x * 0 for x in onnx_logits]),
+            [[1, 2, 3]],
+            [[1, 2, 4]],
+            "case",
+        )
     assert info.value.output == "greedy decode tokens" and info.value.step == 0
 
 
@@ -319,13 +377,19 @@ def test_check_graphs_rejects_contract_breaks(exported_portable):
         validation.check_graphs(encoder, renamed, config, "portable")
 
     concat = onnx.ModelProto.FromString(decoder.SerializeToString())
-    concat.graph.node.append(onnx.helper.make_node("Concat", ["self_key.0", "self_key.0"], ["copied"], axis=2))
+    concat.graph.node.append(
+        onnx.helper.make_node("Concat", ["self_key.0", "self_key.0"], ["copied"], axis=2)
+    )
     with pytest.raises(GraphContractError, match="Concat"):
         validation.check_graphs(encoder, concat, config, "portable")
 
     branchy = onnx.ModelProto.FromString(decoder.SerializeToString())
-    branch = onnx.helper.make_graph([], "b", [], [onnx.helper.make_tensor_value_info("positions", onnx.TensorProto.INT64, None)])
-    branchy.graph.node.append(onnx.helper.make_node("If", ["cond"], ["x"], then_branch=branch, else_branch=branch))
+    branch = onnx.helper.make_graph(
+        [], "b", [], [onnx.helper.make_tensor_value_info("positions", onnx.TensorProto.INT64, None)]
+    )
+    branchy.graph.node.append(
+        onnx.helper.make_node("If", ["cond"], ["x"], then_branch=branch, else_branch=branch)
+    )
     with pytest.raises(GraphContractError, match="If"):
         validation.check_graphs(encoder, branchy, config, "portable")
 
@@ -338,8 +402,9 @@ def test_check_graphs_rejects_contract_breaks(exported_portable):
         validation.check_graphs(encoder, doubled, config, "portable")
 
     with pytest.raises(GraphContractError, match="TensorScatter"):
-        validation.check_graphs(encoder, decoder, config, "tensorscatter",
-                                graph_specs(config.to_dict(), "portable"))
+        validation.check_graphs(
+            encoder, decoder, config, "tensorscatter", graph_specs(config.to_dict(), "portable")
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -438,14 +503,32 @@ def test_cli_help(capsys):
         main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--model-dir", "--output-dir", "--flavour", "--opset", "--cache-len", "--tolerance", "--no-validate"):
+    for option in (
+        "--model-dir",
+        "--output-dir",
+        "--flavour",
+        "--opset",
+        "--cache-len",
+        "--tolerance",
+        "--no-validate",
+    ):
         assert option in text
 
 
 def test_cli_prints_parity_table_and_translations(tmp_path, fast_export, capsys):
     model_dir = make_model_dir(tmp_path / "model")
-    code = main(["--model-dir", str(model_dir), "--output-dir", str(tmp_path / "out"), "--cache-len", "32",
-                 "--examples", "2"])
+    code = main(
+        [
+            "--model-dir",
+            str(model_dir),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--cache-len",
+            "32",
+            "--examples",
+            "2",
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "parity with eager PyTorch" in text and "decoder_step" in text and "identical" in text
@@ -464,8 +547,13 @@ def test_cli_reports_errors(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [dict(norm_first=True, tie_target_embeddings=False),
-                                     dict(shared_vocab=True, src_vocab_size=40, bias=False)])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(norm_first=True, tie_target_embeddings=False),
+        dict(shared_vocab=True, src_vocab_size=40, bias=False),
+    ],
+)
 def test_model_variants(tmp_path, variant):
     model_dir = make_model_dir(tmp_path / "model", seed=3, **variant)
     result = export_onnx(model_dir, tmp_path / "out", flavour="tensorscatter", tolerance=TOLERANCE)

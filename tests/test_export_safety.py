@@ -27,6 +27,8 @@ from pathlib import Path
 
 import onnx
 import pytest
+from test_export_onnx import exported_portable, fast_export, make_model_dir  # noqa: F401  (fixtures)
+from test_tensorrt import _fake_tensorrt
 
 from export import OutputFolderError
 from export import onnx as export_mod
@@ -37,16 +39,15 @@ from export.onnx import export_onnx
 from export.triton import MARKER_FILE, export_triton
 from transformer_ext.tokenizer import TokenizerError
 
-from test_export_onnx import exported_portable, fast_export, make_model_dir  # noqa: F401  (fixtures)
-from test_tensorrt import _fake_tensorrt
-
 ROOT = Path(__file__).resolve().parents[1]
 TEMP_MARKS = (".tmp-", ".old-")
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file below ``folder`` with its bytes."""
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def temporaries(folder: Path) -> list[str]:
@@ -91,10 +92,19 @@ def v1_folder(export: Path, dst: Path) -> Path:
     manifest = json.loads((dst / MANIFEST_NAME).read_text())
     (dst / manifest.pop("generation_config")).unlink()  # version 1 had no generation config
     manifest["format_version"] = 1
-    manifest["files"] = {"encoder": ENCODER_FILE, "decoder_step": DECODER_FILE, "tokenizer": manifest.pop("tokenizer_files")}
+    manifest["files"] = {
+        "encoder": ENCODER_FILE,
+        "decoder_step": DECODER_FILE,
+        "tokenizer": manifest.pop("tokenizer_files"),
+    }
     manifest["tensorrt"] = {"engines": {"fp16": {"engines": {"encoder": {"file": "encoder.fp16.engine"}}}}}
     (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
-    for name in ("encoder.fp16.engine", "decoder_step.fp16.engine", "decoder_step.fp16.onnx", "tensorrt.timing.cache"):
+    for name in (
+        "encoder.fp16.engine",
+        "decoder_step.fp16.engine",
+        "decoder_step.fp16.onnx",
+        "tensorrt.timing.cache",
+    ):
         (dst / name).write_bytes(b"old builder output")
     return dst
 
@@ -131,7 +141,9 @@ def test_an_export_with_a_file_of_the_users_is_refused(tmp_path, model_dir, fast
     assert temporaries(tmp_path) == []
 
 
-def test_version_1_folders_are_recognised_by_their_file_set(tmp_path, model_dir, fast_export, exported_portable):
+def test_version_1_folders_are_recognised_by_their_file_set(
+    tmp_path, model_dir, fast_export, exported_portable
+):
     old = v1_folder(exported_portable, tmp_path / "old")
     export_onnx(model_dir, old, validate=False)
     assert read_manifest(old)["format_version"] == 3
@@ -157,15 +169,21 @@ def test_empty_folder_is_used_and_a_file_is_refused(tmp_path, model_dir, fast_ex
     assert (tmp_path / "file").read_text() == "x"
 
 
-def test_tensorrt_lists_its_files_so_the_folder_stays_replaceable(tmp_path, model_dir, fast_export, monkeypatch):
+def test_tensorrt_lists_its_files_so_the_folder_stays_replaceable(
+    tmp_path, model_dir, fast_export, monkeypatch
+):
     monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
     out = tmp_path / "out"
     export_onnx(model_dir, out, validate=False)
     trtb.build_engines(out, trtb.BuildOptions(precision="fp16"))
     manifest = read_manifest(out)
     assert manifest["files"] == sorted(os.listdir(out))
-    assert {"encoder.fp16.engine", "decoder_step.fp16.engine", "decoder_step.fp16.onnx",
-            "tensorrt.timing.cache"} <= set(manifest["files"])
+    assert {
+        "encoder.fp16.engine",
+        "decoder_step.fp16.engine",
+        "decoder_step.fp16.onnx",
+        "tensorrt.timing.cache",
+    } <= set(manifest["files"])
     engines = tmp_path / "engines"  # a separate engine folder lists its own files
     trtb.build_engines(out, trtb.BuildOptions(precision="fp32", output_dir=engines))
     assert read_manifest(engines)["files"] == sorted(os.listdir(engines))
@@ -211,8 +229,12 @@ def test_triton_out_overlapping_the_export_is_refused(tmp_path, exported_portabl
     shutil.copytree(exported_portable, export)
     (tmp_path / "link").symlink_to(export)
     before = snapshot(project)
-    for out, relation in ((project, "contains"), (export, "is"), (export / "repo", "is inside"),
-                          (tmp_path / "link", "is")):
+    for out, relation in (
+        (project, "contains"),
+        (export, "is"),
+        (export / "repo", "is inside"),
+        (tmp_path / "link", "is"),
+    ):
         code = triton_export.main(["--export-dir", str(export), "--out", str(out), "--force"])
         assert code == 1
         one_error_line(capsys.readouterr().err, f"{relation} the export folder")
@@ -224,7 +246,9 @@ def test_triton_force_replaces_only_its_own_files(tmp_path, exported_portable):
     repo = export_triton(exported_portable, tmp_path / "repo").repo_dir
     marker = json.loads((repo / MARKER_FILE).read_text())
     assert marker["format"] == "transformer_ext.triton_repository" and MARKER_FILE in marker["files"]
-    assert sorted(marker["files"]) == sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
+    assert sorted(marker["files"]) == sorted(
+        p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file()
+    )
     pycache = repo / "translator" / "1" / "__pycache__"  # what Triton's Python backend leaves
     pycache.mkdir()
     (pycache / "model.cpython-311.pyc").write_bytes(b"bytecode")
@@ -274,8 +298,15 @@ sys.exit(mod.main(sys.argv[4:]))
 
 def start_child(module: str, attr: str, src: Path, argv: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, module, attr, str(src), *argv], cwd=ROOT, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, module, attr, str(src), *argv],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     if line.strip() != "READY":
         proc.kill()
@@ -284,14 +315,21 @@ def start_child(module: str, attr: str, src: Path, argv: list[str]) -> subproces
     return proc
 
 
-@pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+@pytest.mark.parametrize(
+    "sig, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
 def test_export_onnx_interrupted_leaves_no_temporary_and_keeps_the_old_export(
-        tmp_path, model_dir, exported_portable, fast_export, sig, code, word):
+    tmp_path, model_dir, exported_portable, fast_export, sig, code, word
+):
     out = tmp_path / "out"
     export_onnx(model_dir, out, validate=False)
     before = snapshot(out)
-    proc = start_child("export.onnx", "_export_graph", exported_portable,
-                       ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"])
+    proc = start_child(
+        "export.onnx",
+        "_export_graph",
+        exported_portable,
+        ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"],
+    )
     assert len(temporaries(tmp_path)) == 1  # the staged folder exists while it writes
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
@@ -301,10 +339,15 @@ def test_export_onnx_interrupted_leaves_no_temporary_and_keeps_the_old_export(
 
 
 def test_export_onnx_killed_leaves_a_temporary_that_the_next_run_removes(
-        tmp_path, model_dir, exported_portable, fast_export, caplog):
+    tmp_path, model_dir, exported_portable, fast_export, caplog
+):
     out = tmp_path / "out"
-    proc = start_child("export.onnx", "_export_graph", exported_portable,
-                       ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"])
+    proc = start_child(
+        "export.onnx",
+        "_export_graph",
+        exported_portable,
+        ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"],
+    )
     proc.kill()
     proc.communicate(timeout=120)
     [left] = temporaries(tmp_path)
@@ -318,8 +361,12 @@ def test_export_onnx_killed_leaves_a_temporary_that_the_next_run_removes(
 def test_export_triton_terminated_leaves_no_temporary(tmp_path, exported_portable):
     repo = export_triton(exported_portable, tmp_path / "repo").repo_dir
     before = snapshot(repo)
-    proc = start_child("export.triton", "_write_translator", exported_portable,
-                       ["--export-dir", str(exported_portable), "--out", str(repo), "--force"])
+    proc = start_child(
+        "export.triton",
+        "_write_translator",
+        exported_portable,
+        ["--export-dir", str(exported_portable), "--out", str(repo), "--force"],
+    )
     assert len(temporaries(tmp_path)) == 1
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -367,14 +414,19 @@ def test_corrupt_tokenizer_fails_the_export(tmp_path, model_dir, fast_export, ca
 
 def test_special_ids_of_config_and_tokenizer_must_agree(tmp_path, fast_export):
     model_dir = make_model_dir(tmp_path / "model", bos_id=4)
-    with pytest.raises(TokenizerError, match=r"model/config.json has bos_id = 4 but .*model/tokenizer.json has bos = 1"):
+    with pytest.raises(
+        TokenizerError, match=r"model/config.json has bos_id = 4 but .*model/tokenizer.json has bos = 1"
+    ):
         export_onnx(model_dir, tmp_path / "out", validate=False)
     small = make_model_dir(tmp_path / "small")
     from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
 
     CharTokenizer(list(SPECIAL_TOKENS) + list("abc"), list(SPECIAL_TOKENS) + list("xyz")).save(small)
-    with pytest.raises(TokenizerError, match=r"small/tokenizer.json has a source vocabulary of 7 tokens but "
-                                             r".*small/config.json has src_vocab_size = 48"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"small/tokenizer.json has a source vocabulary of 7 tokens but "
+        r".*small/config.json has src_vocab_size = 48",
+    ):
         export_onnx(small, tmp_path / "out", validate=False)
     assert not (tmp_path / "out").exists()
 
@@ -392,7 +444,9 @@ def test_the_provenance_of_the_training_data_travels_with_the_export(tmp_path, m
     provenance = {"corpus": "test", "licence": "public domain"}
     (model_dir / "provenance.json").write_text(json.dumps(provenance))
     result = export_onnx(model_dir, tmp_path / "out", validate=False)
-    assert result.manifest["provenance"] == "provenance.json" and "provenance.json" in result.manifest["files"]
+    assert (
+        result.manifest["provenance"] == "provenance.json" and "provenance.json" in result.manifest["files"]
+    )
     assert json.loads((Path(result.output_dir) / "provenance.json").read_text()) == provenance
     (model_dir / "provenance.json").unlink()
     assert export_onnx(model_dir, tmp_path / "out2", validate=False).manifest["provenance"] is None
@@ -405,9 +459,17 @@ def test_manifest_ids_are_those_of_config_and_tokenizer(tmp_path, model_dir, fas
     manifest = export_onnx(model_dir, tmp_path / "out", validate=False).manifest
     config = load_model(model_dir).config
     tokenizer = CharTokenizer.load(model_dir)
-    assert manifest["special_tokens"] == {"pad": config.pad_id, "bos": config.bos_id, "eos": config.eos_id,
-                                          "unk": tokenizer.unk_id}
-    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (config.pad_id, config.bos_id, config.eos_id)
+    assert manifest["special_tokens"] == {
+        "pad": config.pad_id,
+        "bos": config.bos_id,
+        "eos": config.eos_id,
+        "unk": tokenizer.unk_id,
+    }
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (
+        config.pad_id,
+        config.bos_id,
+        config.eos_id,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -434,7 +496,9 @@ def test_export_onnx_full_disk_and_read_only_folder(tmp_path, model_dir, fast_ex
     assert snapshot(out) == before and temporaries(tmp_path) == []
 
 
-def test_export_triton_corrupt_graph_full_disk_and_read_only(tmp_path, exported_portable, monkeypatch, capsys):
+def test_export_triton_corrupt_graph_full_disk_and_read_only(
+    tmp_path, exported_portable, monkeypatch, capsys
+):
     export = tmp_path / "export"
     shutil.copytree(exported_portable, export)
     repo = export_triton(export, tmp_path / "repo").repo_dir
@@ -443,8 +507,12 @@ def test_export_triton_corrupt_graph_full_disk_and_read_only(tmp_path, exported_
     good = (export / ENCODER_FILE).read_bytes()
     (export / ENCODER_FILE).write_bytes(good[: len(good) // 3])  # truncated
     assert triton_export.main(argv) == 1
-    one_error_line(capsys.readouterr().err, str(export / ENCODER_FILE), "is not a valid ONNX graph",
-                   "export the folder again")
+    one_error_line(
+        capsys.readouterr().err,
+        str(export / ENCODER_FILE),
+        "is not a valid ONNX graph",
+        "export the folder again",
+    )
     (export / ENCODER_FILE).write_bytes(good)
     with monkeypatch.context() as m:
         fail_on(m, "replace", errno.ENOSPC, under(tmp_path))
@@ -507,15 +575,18 @@ def test_symlinked_output_folder_stays_a_symlink(tmp_path, model_dir, fast_expor
     assert temporaries(tmp_path) == temporaries(real.parent) == []
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(opset=18.7), "opset must be an integer"),
-    (dict(opset=True), "opset must be an integer"),
-    (dict(cache_len=0), "cache_len must be >= 1"),
-    (dict(cache_len=2.5), "cache_len must be an integer"),
-    (dict(tolerance=float("inf")), "positive finite"),
-    (dict(tolerance=float("nan")), "positive finite"),
-    (dict(flavour="merged"), "flavour"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(opset=18.7), "opset must be an integer"),
+        (dict(opset=True), "opset must be an integer"),
+        (dict(cache_len=0), "cache_len must be >= 1"),
+        (dict(cache_len=2.5), "cache_len must be an integer"),
+        (dict(tolerance=float("inf")), "positive finite"),
+        (dict(tolerance=float("nan")), "positive finite"),
+        (dict(flavour="merged"), "flavour"),
+    ],
+)
 def test_bad_arguments_touch_nothing(tmp_path, model_dir, fast_export, kwargs, match):
     with pytest.raises(ValueError, match=match):
         export_onnx(model_dir, tmp_path / "a" / "b" / "out", **kwargs)
@@ -537,6 +608,8 @@ def test_failed_export_removes_the_parents_it_made(tmp_path, model_dir, fast_exp
 
 def test_triton_bad_gpu_list_is_an_option_error(tmp_path, exported_portable, capsys):
     with pytest.raises(SystemExit) as info:
-        triton_export.main(["--export-dir", str(exported_portable), "--out", str(tmp_path / "r"), "--gpus", "0,x"])
+        triton_export.main(
+            ["--export-dir", str(exported_portable), "--out", str(tmp_path / "r"), "--gpus", "0,x"]
+        )
     assert info.value.code == 2 and "comma-separated GPU ids" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

@@ -131,7 +131,7 @@ def test_sigterm_under_run_cli_cleans_up(tmp_path):
         from transformer_ext import cli, fsutil
 
         def work():
-            with fsutil.StagedDir(Path({str(tmp_path / 'out')!r})) as stage:
+            with fsutil.StagedDir(Path({str(tmp_path / "out")!r})) as stage:
                 (stage.path / "partial").write_text("x")
                 print("ready", flush=True)
                 time.sleep(60)
@@ -140,7 +140,9 @@ def test_sigterm_under_run_cli_cleans_up(tmp_path):
 
         sys.exit(cli.run_cli("prog", work))
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)

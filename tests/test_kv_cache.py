@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import device_params
+
 from transformer_ext.runtimes.kv_cache import CacheOverflowError, HostKVCache, KVCache
 
 BACKENDS = ["torch", "host"]
@@ -16,8 +16,9 @@ SHAPES = [(1, 1, 1, 3, 2), (3, 4, 2, 6, 4)]  # (n_layers, rows, heads, capacity,
 
 def _make(backend, n_layers, rows, heads, capacity, d_k, device="cpu"):
     if backend == "torch":
-        return KVCache.allocate(n_layers, rows, heads, capacity, d_k, dtype=torch.float32, device=device,
-                                staging=True)
+        return KVCache.allocate(
+            n_layers, rows, heads, capacity, d_k, dtype=torch.float32, device=device, staging=True
+        )
     return HostKVCache(n_layers, rows, heads, capacity, d_k, dtype=np.float32, staging=True)
 
 
@@ -91,10 +92,19 @@ def test_layer_views_alias_the_stacked_buffers(backend):
     (bindable by pointer), and the staging buffers are stacked the same way."""
     n_layers, N, H, L, D = 3, 2, 2, 5, 4
     cache = _make(backend, n_layers, N, H, L, D)
-    assert tuple(cache.keys.shape) == (n_layers * N, H, L, D) and tuple(cache.new_keys.shape) == (n_layers * N, H, 1, D)
+    assert tuple(cache.keys.shape) == (n_layers * N, H, L, D) and tuple(cache.new_keys.shape) == (
+        n_layers * N,
+        H,
+        1,
+        D,
+    )
     assert not _np(cache.keys).any() and not _np(cache.values).any()  # zero-filled
-    for stacked, views, per in ((cache.keys, cache.key_layers, L), (cache.values, cache.value_layers, L),
-                                (cache.new_keys, cache.new_key_layers, 1), (cache.new_values, cache.new_value_layers, 1)):
+    for stacked, views, per in (
+        (cache.keys, cache.key_layers, L),
+        (cache.values, cache.value_layers, L),
+        (cache.new_keys, cache.new_key_layers, 1),
+        (cache.new_values, cache.new_value_layers, 1),
+    ):
         assert len(views) == n_layers
         for i, view in enumerate(views):
             assert tuple(view.shape) == (N, H, per, D)
@@ -114,8 +124,10 @@ def test_torch_append_takes_stacked_or_per_layer_updates():
     rng = torch.Generator().manual_seed(1)
     new_k = [torch.randn((N, H, 1, D), generator=rng) for _ in range(n_layers)]
     new_v = [torch.randn((N, H, 1, D), generator=rng) for _ in range(n_layers)]
-    caches = [KVCache.allocate(n_layers, N, H, L, D, dtype=torch.float32, device="cpu", staging=s)
-              for s in (False, False, True)]
+    caches = [
+        KVCache.allocate(n_layers, N, H, L, D, dtype=torch.float32, device="cpu", staging=s)
+        for s in (False, False, True)
+    ]
     with torch.inference_mode():
         for form, cache in enumerate(caches):
             cache.end_step()  # write at position 1
@@ -144,11 +156,17 @@ def test_torch_append_takes_stacked_or_per_layer_updates():
 def test_bad_beam_index_names_the_callers_row_and_moves_nothing(backend):
     cache = _make(backend, 2, 3, 1, 4, 2)
     rng = np.random.default_rng(2)
-    _append(cache, backend, [rng.standard_normal((3, 1, 1, 2)).astype(np.float32) for _ in range(2)],
-            [rng.standard_normal((3, 1, 1, 2)).astype(np.float32) for _ in range(2)])
+    _append(
+        cache,
+        backend,
+        [rng.standard_normal((3, 1, 1, 2)).astype(np.float32) for _ in range(2)],
+        [rng.standard_normal((3, 1, 1, 2)).astype(np.float32) for _ in range(2)],
+    )
     before = _np(cache.keys).copy()
     # row 2 of the caller's index, not a row of the stacked buffer (which has 6 rows)
-    with pytest.raises(IndexError, match=r"^beam_index\[2\] = 3 is not a row of the decoding state: rows are 0 \.\. 2$"):
+    with pytest.raises(
+        IndexError, match=r"^beam_index\[2\] = 3 is not a row of the decoding state: rows are 0 \.\. 2$"
+    ):
         _reorder(cache, backend, np.array([0, 1, 3]))
     with pytest.raises(ValueError, match=r"beam_index must have shape \(3,\)"):
         _reorder(cache, backend, np.array([0, 1]))
@@ -157,8 +175,9 @@ def test_bad_beam_index_names_the_callers_row_and_moves_nothing(backend):
 
 def test_empty_cache_reorder_is_checked_but_moves_nothing():
     calls = []
-    cache = KVCache.allocate(1, 2, 1, 3, 1, dtype=torch.float32, device="cpu",
-                             reorder_op=lambda *a: calls.append(a))
+    cache = KVCache.allocate(
+        1, 2, 1, 3, 1, dtype=torch.float32, device="cpu", reorder_op=lambda *a: calls.append(a)
+    )
     cache.reorder_(np.array([1, 0]))
     assert calls == []
     with pytest.raises(IndexError, match=r"beam_index\[0\] = -1"):
@@ -177,8 +196,11 @@ def test_cpu_append_past_the_capacity_raises_before_writing():
             cache.end_step()
         before = cache.keys.clone()
         cache.begin_step()  # position 2 == capacity
-        with pytest.raises(RuntimeError, match=r"positions\[0\] = 2 leaves no room for T = 1 new token in a cache "
-                                               r"of capacity L = 2"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"positions\[0\] = 2 leaves no room for T = 1 new token in a cache "
+            r"of capacity L = 2",
+        ):
             cache.append_(2 * ones, 2 * ones)
     assert torch.equal(cache.keys, before) and cache.length == 2
 
@@ -207,8 +229,18 @@ def test_error_flag_is_read_from_its_host_copy_at_end_step():
         seen.append(len(flag))
         flag[0].fill_(1)
 
-    cache = KVCache.allocate(2, 2, 1, 4, 2, dtype=torch.float32, device="cpu", staging=True, error_flag=True,
-                             append_op=skipping_append)
+    cache = KVCache.allocate(
+        2,
+        2,
+        1,
+        4,
+        2,
+        dtype=torch.float32,
+        device="cpu",
+        staging=True,
+        error_flag=True,
+        append_op=skipping_append,
+    )
     assert cache.error_flag.dtype == torch.int32 and cache.error_flag.device.type == "cpu"
     with torch.inference_mode():
         cache.begin_step()
@@ -251,11 +283,14 @@ def test_device_default_flag(device):
     assert not (cache.keys == 3.0).any()
 
 
-@pytest.mark.parametrize("args, fragment", [
-    ((0, 1, 1, 1, 1), "n_layers must be a positive int, got 0"),
-    ((1, 1, 1, True, 1), "capacity must be a positive int, got True"),
-    ((1, 1, 1, 1, 1.5), "d_k must be a positive int, got 1.5"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ((0, 1, 1, 1, 1), "n_layers must be a positive int, got 0"),
+        ((1, 1, 1, True, 1), "capacity must be a positive int, got True"),
+        ((1, 1, 1, 1, 1.5), "d_k must be a positive int, got 1.5"),
+    ],
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sizes_are_checked(backend, args, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -277,7 +312,11 @@ def test_runner_states_keep_one_stacked_cache(tiny_model_and_batch):
     for i, view in enumerate(state.self_keys):
         assert view.data_ptr() == state.cache.keys.data_ptr() + i * view.nbytes and view.shape[0] == N
     runner.step(state, np.ones(N, np.int64))
-    assert state.position == 1 and state.cache.key_layers[1][:, :, 0].any() and not state.cache.keys[:, :, 1:].any()
+    assert (
+        state.position == 1
+        and state.cache.key_layers[1][:, :, 0].any()
+        and not state.cache.keys[:, :, 1:].any()
+    )
 
 
 @pytest.fixture
@@ -286,7 +325,16 @@ def tiny_model_and_batch():
     from transformer_ext.model import Transformer
 
     torch.manual_seed(0)
-    cfg = TransformerConfig(src_vocab_size=11, tgt_vocab_size=13, d_model=16, n_heads=2, d_ff=32,
-                            n_encoder_layers=1, n_decoder_layers=2, max_len=16, dropout=0.0)
+    cfg = TransformerConfig(
+        src_vocab_size=11,
+        tgt_vocab_size=13,
+        d_model=16,
+        n_heads=2,
+        d_ff=32,
+        n_encoder_layers=1,
+        n_decoder_layers=2,
+        max_len=16,
+        dropout=0.0,
+    )
     model = Transformer(cfg).eval()
     return model, np.array([[3, 4, 5], [6, 7, 0]], np.int64), np.array([3, 2], np.int64)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_model import ReferenceTransformer, sinusoid_table
 
 from transformer_ext import ops
 from transformer_ext.config import TransformerConfig
 from transformer_ext.model import Transformer
-
-from reference_model import ReferenceTransformer, sinusoid_table
 
 NORM_FIRST = [False, True]
 VARIANTS = {
@@ -39,7 +38,7 @@ def make_batch(config: TransformerConfig, seed: int = 1, B: int = 3, S: int = 7,
     src = torch.randint(3, config.src_vocab_size, (B, S), generator=g)
     lengths = torch.tensor([S, 4, 1][:B] + [S] * max(0, B - 3), dtype=torch.int64)
     for b in range(B):
-        src[b, lengths[b]:] = config.pad_id
+        src[b, lengths[b] :] = config.pad_id
     tgt = torch.randint(3, config.tgt_vocab_size, (B, T), generator=g)
     tgt[:, 0] = config.bos_id
     return src, lengths, tgt
@@ -72,7 +71,9 @@ def test_reference_is_sensitive():
 def test_positional_encoding_table():
     model = make_model(False)
     c = model.config
-    torch.testing.assert_close(model.tgt_pe.pe.double(), sinusoid_table(c.max_len, c.d_model), atol=2e-5, rtol=0)
+    torch.testing.assert_close(
+        model.tgt_pe.pe.double(), sinusoid_table(c.max_len, c.d_model), atol=2e-5, rtol=0
+    )
     assert torch.equal(model.src_pe.pe, model.tgt_pe.pe)
     assert not any("pe" == k.split(".")[-1] for k in model.state_dict())  # non-persistent
 
@@ -81,9 +82,11 @@ def test_positional_encoding_table():
 def test_source_padding_never_changes_outputs(norm_first):
     model = make_model(norm_first)
     src, lengths, tgt = make_batch(model.config)
-    garbage = torch.randint(0, model.config.src_vocab_size, (src.shape[0], 5), generator=torch.Generator().manual_seed(9))
+    garbage = torch.randint(
+        0, model.config.src_vocab_size, (src.shape[0], 5), generator=torch.Generator().manual_seed(9)
+    )
     src_long = torch.cat([src, garbage], dim=1)
-    src_long[1, lengths[1]:] = torch.randint(3, 40, (src_long.shape[1] - lengths[1],))  # garbage inside too
+    src_long[1, lengths[1] :] = torch.randint(3, 40, (src_long.shape[1] - lengths[1],))  # garbage inside too
     with torch.no_grad():
         a = model(src, lengths, tgt)
         b = model(src_long, lengths, tgt)
@@ -292,9 +295,21 @@ def _bad(kind):
     raise AssertionError(kind)
 
 
-BAD_INPUTS = ["src_oov", "src_negative", "tgt_oov", "src_too_long", "tgt_too_long", "empty_source",
-              "length_past_src", "lengths_shape", "lengths_dtype", "src_dtype", "src_1d",
-              "batch_mismatch", "zero_width"]
+BAD_INPUTS = [
+    "src_oov",
+    "src_negative",
+    "tgt_oov",
+    "src_too_long",
+    "tgt_too_long",
+    "empty_source",
+    "length_past_src",
+    "lengths_shape",
+    "lengths_dtype",
+    "src_dtype",
+    "src_1d",
+    "batch_mismatch",
+    "zero_width",
+]
 
 
 @pytest.mark.parametrize("kind", BAD_INPUTS)

@@ -12,12 +12,11 @@ import math
 
 import pytest
 import torch
+from conftest import HAS_CUDA, device_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transformer_ext import ops, reference
-
-from conftest import HAS_CUDA, device_params
 
 DEVICES = device_params()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -34,7 +33,9 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _randn(*shape, seed=0, device="cpu", dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=_gen(seed), dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+    return (torch.randn(*shape, generator=_gen(seed), dtype=torch.float64) * scale).to(
+        device=device, dtype=dtype
+    )
 
 
 def _make_mask(kind, B, H, Q, K, device, seed=0):
@@ -196,8 +197,13 @@ def test_decode_attention_all_lengths(device, dtype, D, with_new):
     scale = 1 / math.sqrt(D)
     out = ops.decode_attention(q, k, v, lengths, scale, kn, vn)
     ref = reference.decode_attention(
-        q.double(), k.double(), v.double(), lengths, scale,
-        None if kn is None else kn.double(), None if vn is None else vn.double(),
+        q.double(),
+        k.double(),
+        v.double(),
+        lengths,
+        scale,
+        None if kn is None else kn.double(),
+        None if vn is None else vn.double(),
     )
     assert out.shape == (B, H, 1, D) and out.dtype == dtype
     plain = reference.decode_attention(q, k, v, lengths, scale, kn, vn) if dtype == torch.float32 else None
@@ -317,8 +323,9 @@ def _linear_errors(x, w, b):
     ours = ops.linear(x, w, b)
     assert ours.dtype == x.dtype and ours.shape == ref.shape
     scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
-    return (ours.double() - ref).abs().max().item() / scale if ref.numel() else 0.0, \
-        (plain - ref).abs().max().item() / scale if ref.numel() else 0.0
+    return (ours.double() - ref).abs().max().item() / scale if ref.numel() else 0.0, (
+        plain - ref
+    ).abs().max().item() / scale if ref.numel() else 0.0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -358,7 +365,9 @@ def test_linear_shapes_and_strided_inputs(device):
     xt = torch.randn(64, 3, generator=g).to(device).t()  # non-contiguous rows
     wt = torch.randn(64, 40, generator=g).to(device).t()  # non-contiguous weight
     for xi, wi in ((xt, w), (xt, wt), (x3, wt)):
-        torch.testing.assert_close(ops.linear(xi, wi, b), torch.nn.functional.linear(xi, wi, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            ops.linear(xi, wi, b), torch.nn.functional.linear(xi, wi, b), rtol=1e-5, atol=1e-5
+        )
     empty = torch.empty(0, 64, device=device)
     assert ops.linear(empty, w, b).shape == (0, 40)
 
@@ -444,11 +453,23 @@ def _opcheck_cases(device):
     return [
         (torch.ops.transformer_ext.masked_softmax.default, (s.clone().requires_grad_(), m, 0.5, True)),
         (torch.ops.transformer_ext.masked_softmax.default, (s, None, 1.0, False)),
-        (torch.ops.transformer_ext.masked_softmax_backward.default, (torch.randn_like(s), s.softmax(-1), 0.5)),
+        (
+            torch.ops.transformer_ext.masked_softmax_backward.default,
+            (torch.randn_like(s), s.softmax(-1), 0.5),
+        ),
         (torch.ops.transformer_ext.decode_attention.default, (q, kc, kc.clone(), lengths, 0.3, None, None)),
-        (torch.ops.transformer_ext.decode_attention.default, (q, kc, kc.clone(), lengths, 0.3, q.clone(), q.clone())),
-        (torch.ops.transformer_ext.kv_cache_append_.default, (cache.clone(), q.clone(), torch.tensor([0, 4], device=device), None)),
-        (torch.ops.transformer_ext.kv_cache_reorder_.default, (cache.clone(), torch.tensor([1, 1], device=device), 4)),
+        (
+            torch.ops.transformer_ext.decode_attention.default,
+            (q, kc, kc.clone(), lengths, 0.3, q.clone(), q.clone()),
+        ),
+        (
+            torch.ops.transformer_ext.kv_cache_append_.default,
+            (cache.clone(), q.clone(), torch.tensor([0, 4], device=device), None),
+        ),
+        (
+            torch.ops.transformer_ext.kv_cache_reorder_.default,
+            (cache.clone(), torch.tensor([1, 1], device=device), 4),
+        ),
         (torch.ops.transformer_ext.linear.default, (q.view(6, 8), kc[0, 0], kc[1, 0, :, 0].contiguous())),
         (torch.ops.transformer_ext.linear.default, (q[0, 0], kc[0, 1], None)),
     ]
@@ -488,16 +509,23 @@ def test_torch_compile_fullgraph_smoke():
 # --------------------------------------------------------------------------- fuzz
 
 _fuzz_settings = settings(
-    max_examples=40, deadline=None, derandomize=True,
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 
 
 @_fuzz_settings
 @given(
-    B=st.integers(1, 3), H=st.integers(1, 3), Q=st.integers(1, 9), K=st.integers(1, 70),
-    dtype=st.sampled_from(DTYPES), mask_kind=st.sampled_from(MASK_KINDS),
-    scale=st.floats(0.01, 4.0), seed=st.integers(0, 10_000),
+    B=st.integers(1, 3),
+    H=st.integers(1, 3),
+    Q=st.integers(1, 9),
+    K=st.integers(1, 70),
+    dtype=st.sampled_from(DTYPES),
+    mask_kind=st.sampled_from(MASK_KINDS),
+    scale=st.floats(0.01, 4.0),
+    seed=st.integers(0, 10_000),
 )
 def test_fuzz_masked_softmax(B, H, Q, K, dtype, mask_kind, scale, seed):
     scores = _randn(B, H, Q, K, seed=seed, dtype=dtype, scale=3.0)
@@ -511,8 +539,13 @@ def test_fuzz_masked_softmax(B, H, Q, K, dtype, mask_kind, scale, seed):
 
 @_fuzz_settings
 @given(
-    B=st.integers(1, 4), H=st.integers(1, 3), L=st.integers(0, 40), D=st.integers(1, 40),
-    with_new=st.booleans(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 10_000),
+    B=st.integers(1, 4),
+    H=st.integers(1, 3),
+    L=st.integers(0, 40),
+    D=st.integers(1, 40),
+    with_new=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 10_000),
 )
 def test_fuzz_decode_attention(B, H, L, D, with_new, dtype, seed):
     q = _randn(B, H, 1, D, seed=seed, dtype=dtype)
@@ -523,8 +556,13 @@ def test_fuzz_decode_attention(B, H, L, D, with_new, dtype, seed):
     vn = _randn(B, H, 1, D, seed=seed + 4, dtype=dtype) if with_new else None
     out = ops.decode_attention(q, k, v, lengths, 0.5, kn, vn)
     ref = reference.decode_attention(
-        q.double(), k.double(), v.double(), lengths, 0.5,
-        None if kn is None else kn.double(), None if vn is None else vn.double(),
+        q.double(),
+        k.double(),
+        v.double(),
+        lengths,
+        0.5,
+        None if kn is None else kn.double(),
+        None if vn is None else vn.double(),
     )
     tol = 2e-6 if dtype == torch.float32 else (4e-3 if dtype == torch.float16 else 3e-2)
     assert torch.isfinite(out).all()
@@ -533,7 +571,10 @@ def test_fuzz_decode_attention(B, H, L, D, with_new, dtype, seed):
 
 @_fuzz_settings
 @given(
-    B=st.integers(1, 4), L=st.integers(1, 12), T=st.integers(1, 4), seed=st.integers(0, 10_000),
+    B=st.integers(1, 4),
+    L=st.integers(1, 12),
+    T=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
 )
 def test_fuzz_kv_cache_append(B, L, T, seed):
     g = _gen(seed)

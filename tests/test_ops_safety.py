@@ -22,10 +22,9 @@ import sys
 
 import pytest
 import torch
+from conftest import device_params
 
 from transformer_ext import ops, reference
-
-from conftest import device_params
 
 DEVICES = device_params()
 # float64 runs the ATen composites (the code TRANSFORMER_EXT_CPU_FALLBACK=1 selects) in-process.
@@ -145,6 +144,7 @@ def test_in_place_ops_refuse_inference_tensors_outside_inference_mode(device):
 def _op_cases():
     """(name, op, argument names, argument builder, index of the argument the others are checked
     against); every argument a tensor, on the device given to the builder."""
+
     def softmax(d):
         return [_randn(1, 2, 3, 4, device=d), torch.ones(1, 1, 3, 4, dtype=torch.bool, device=d)]
 
@@ -171,16 +171,41 @@ def _op_cases():
         return [q, k, k.clone(), torch.tensor([2, 5], device=d), torch.tensor([3, 1], device=d)]
 
     return [
-        ("attention", lambda a: ops.attention(a[0], a[1], a[2], key_lengths=a[3], query_lengths=a[4]),
-         ["q", "k", "v", "key_lengths", "query_lengths"], attention, 0),
-        ("masked_softmax", lambda a: ops.masked_softmax(a[0], a[1], 1.0, False), ["scores", "mask"], softmax, 0),
-        ("masked_softmax_backward",
-         lambda a: torch.ops.transformer_ext.masked_softmax_backward(a[0], a[1], 1.0), ["grad_probs", "probs"],
-         softmax_bwd, 1),
-        ("decode_attention", lambda a: ops.decode_attention(a[0], a[1], a[2], a[3], 0.5, a[4], a[5]),
-         ["q", "k_cache", "v_cache", "lengths", "k_new", "v_new"], decode, 0),
-        ("kv_cache_append_", lambda a: ops.kv_cache_append_(*a), ["cache", "update", "positions", "error_flag"],
-         append, 0),
+        (
+            "attention",
+            lambda a: ops.attention(a[0], a[1], a[2], key_lengths=a[3], query_lengths=a[4]),
+            ["q", "k", "v", "key_lengths", "query_lengths"],
+            attention,
+            0,
+        ),
+        (
+            "masked_softmax",
+            lambda a: ops.masked_softmax(a[0], a[1], 1.0, False),
+            ["scores", "mask"],
+            softmax,
+            0,
+        ),
+        (
+            "masked_softmax_backward",
+            lambda a: torch.ops.transformer_ext.masked_softmax_backward(a[0], a[1], 1.0),
+            ["grad_probs", "probs"],
+            softmax_bwd,
+            1,
+        ),
+        (
+            "decode_attention",
+            lambda a: ops.decode_attention(a[0], a[1], a[2], a[3], 0.5, a[4], a[5]),
+            ["q", "k_cache", "v_cache", "lengths", "k_new", "v_new"],
+            decode,
+            0,
+        ),
+        (
+            "kv_cache_append_",
+            lambda a: ops.kv_cache_append_(*a),
+            ["cache", "update", "positions", "error_flag"],
+            append,
+            0,
+        ),
         ("kv_cache_reorder_", lambda a: ops.kv_cache_reorder_(a[0], a[1], 3), ["cache", "index"], reorder, 0),
         ("linear", lambda a: ops.linear(*a), ["x", "weight", "bias"], linear, 0),
     ]
@@ -317,7 +342,7 @@ def test_masked_softmax_nan_in_a_masked_position_changes_nothing(device, dtype, 
         mask = torch.rand(B, H, Q, K, generator=_gen(K)) < 0.6
         mask[..., 0] = True
     elif mask_kind == "broadcast":  # [B, 1, 1, K] padding mask, a stride-0 view in the kernels
-        mask = (torch.arange(K).view(1, 1, 1, K) < torch.tensor([K, K // 2]).view(B, 1, 1, 1))
+        mask = torch.arange(K).view(1, 1, 1, K) < torch.tensor([K, K // 2]).view(B, 1, 1, 1)
     else:
         mask = None
     allowed = _allowed(mask, causal, scores.shape)
@@ -371,7 +396,7 @@ def _decode_inputs(dtype, D, with_new, L=13):
 
 
 def _decode(device, q, k, v, lengths, kn, vn):
-    to = (lambda t: None if t is None else t.to(device))
+    to = lambda t: None if t is None else t.to(device)
     return ops.decode_attention(to(q), to(k), to(v), to(lengths), 0.4, to(kn), to(vn)).cpu()
 
 
@@ -411,8 +436,10 @@ def test_decode_attention_nan_rule(device, dtype, D, with_new):
         k3[b, :, n:] = NAN
         v3[b, :, n:] = NAN
     assert torch.equal(_decode(device, q, k3, v3, lengths, kn, vn), base)
-    assert torch.equal(reference.decode_attention(q, k3, v3, lengths, 0.4, kn, vn),
-                       reference.decode_attention(q, k, v, lengths, 0.4, kn, vn))
+    assert torch.equal(
+        reference.decode_attention(q, k3, v3, lengths, 0.4, kn, vn),
+        reference.decode_attention(q, k, v, lengths, 0.4, kn, vn),
+    )
 
 
 def test_nan_rule_of_the_cpu_fallback_composites():
@@ -452,7 +479,9 @@ def test_position_overflow_message_prints_the_position_not_a_wrapped_sum(device)
     msg = str(info.value)
     assert f"positions[0] = {big} leaves no room for T = 2 new tokens" in msg and "L = 4" in msg
     assert f"-{big}" not in msg and str(-(2**63) + 1) not in msg
-    with pytest.raises(RuntimeError, match=r"positions\[0\] = 0 cannot be written: update holds T = 5 tokens"):
+    with pytest.raises(
+        RuntimeError, match=r"positions\[0\] = 0 cannot be written: update holds T = 5 tokens"
+    ):
         ops.kv_cache_append_(cache, torch.ones(1, 1, 5, 2, device=device), torch.tensor([0], device=device))
     assert (cache == 0).all()
 

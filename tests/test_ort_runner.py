@@ -13,14 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_export_onnx import FLAVOURS, exported_dir
 
 from export import InvalidGraphError, ManifestError
 from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
 from transformer_ext import decoding, reference
 from transformer_ext.checkpoint import load_model
 from transformer_ext.runtimes import EagerRunner, OrtRunner
-
-from test_export_onnx import FLAVOURS, exported_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +37,9 @@ def exported_portable(tmp_path_factory) -> Path:
 def sources(runner: OrtRunner, batch: int = 3, src_len: int = 7, seed: int = 0):
     rng = np.random.default_rng(seed)
     ids = rng.integers(4, runner.config["src_vocab_size"], size=(batch, src_len)).astype(np.int64)
-    lengths = np.array([src_len] + [int(x) for x in rng.integers(1, src_len + 1, size=batch - 1)], dtype=np.int64)
+    lengths = np.array(
+        [src_len] + [int(x) for x in rng.integers(1, src_len + 1, size=batch - 1)], dtype=np.int64
+    )
     for row, n in enumerate(lengths):
         ids[row, n:] = runner.pad_id
     return ids, lengths
@@ -59,7 +60,9 @@ def test_greedy_and_beam_match_eager(exported):
     eager = EagerRunner(eager_model(exported), "cpu")
     ids, lengths = sources(runner, batch=5)
     common = dict(bos_id=runner.bos_id, eos_id=runner.eos_id, max_new_tokens=15)
-    assert runner.greedy(ids, lengths, max_new_tokens=15) == decoding.greedy_decode(eager, ids, lengths, **common)
+    assert runner.greedy(ids, lengths, max_new_tokens=15) == decoding.greedy_decode(
+        eager, ids, lengths, **common
+    )
     ours = runner.beam_search(ids, lengths, beam_size=4, n_best=2, max_new_tokens=15)
     theirs = decoding.beam_search(eager, ids, lengths, beam_size=4, n_best=2, **common)
     assert [[h.tokens for h in row] for row in ours] == [[h.tokens for h in row] for row in theirs]
@@ -133,8 +136,14 @@ def test_tensorscatter_updates_the_bound_cache_in_place(tmp_path_factory, capfd)
     # Control: the same graph without IO binding copies the cache, and ONNX Runtime says so.
     feeds = {"input_ids": state.input_ids, "positions": state.positions, "src_lengths": state.src_lengths}
     for i in range(runner.n_layers):
-        feeds.update({f"self_key.{i}": state.self_keys[i], f"self_value.{i}": state.self_values[i],
-                      f"cross_key.{i}": state.cross_keys[i], f"cross_value.{i}": state.cross_values[i]})
+        feeds.update(
+            {
+                f"self_key.{i}": state.self_keys[i],
+                f"self_value.{i}": state.self_values[i],
+                f"cross_key.{i}": state.cross_keys[i],
+                f"cross_value.{i}": state.cross_values[i],
+            }
+        )
     runner.decoder.run(None, feeds)
     assert "in-place optimization not activated" in capfd.readouterr().err
 
@@ -174,8 +183,12 @@ def test_num_beams_repeats_rows_row_major(exported_portable):
 
 
 def test_session_options(exported_portable):
-    runner = OrtRunner(exported_portable, providers=["CPUExecutionProvider"], intra_op_num_threads=1,
-                       graph_optimization_level="basic")
+    runner = OrtRunner(
+        exported_portable,
+        providers=["CPUExecutionProvider"],
+        intra_op_num_threads=1,
+        graph_optimization_level="basic",
+    )
     assert runner.decoder.get_providers() == ["CPUExecutionProvider"]
     assert runner.decoder.get_session_options().intra_op_num_threads == 1
     with pytest.raises(ValueError, match="graph_optimization_level"):
@@ -274,7 +287,9 @@ assert "torch" not in {{m.split(".")[0] for m in sys.modules if sys.modules[m] i
 print(out[0], hyps[0][0].tokens)
 """
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
 
@@ -291,13 +306,15 @@ def _device_runner(kind: str, export_dir: Path):
         from transformer_ext.runtimes import OrtCudaRunner
 
         return OrtCudaRunner(export_dir, device="cpu", intra_op_num_threads=1)
-    from transformer_ext.runtimes import TensorRTRunner
     from test_tensorrt import _fake_engines
+
+    from transformer_ext.runtimes import TensorRTRunner
 
     model = eager_model(export_dir)
     enc, dec = _fake_engines(model, "portable", torch.device("cpu"), [])
-    return TensorRTRunner(enc, dec, max_positions=model.config.max_len,
-                          src_vocab_size=model.config.src_vocab_size, device="cpu")
+    return TensorRTRunner(
+        enc, dec, max_positions=model.config.max_len, src_vocab_size=model.config.src_vocab_size, device="cpu"
+    )
 
 
 @pytest.mark.parametrize("kind", ["ort", "ort_cuda", "tensorrt"])
@@ -312,13 +329,18 @@ def test_runners_check_token_ids(exported_portable, kind):
     for bad, row in ((-1, 0), (cfg.tgt_vocab_size, 2)):
         tokens = np.full(3, cfg.bos_id, dtype=np.int64)
         tokens[row] = bad
-        with pytest.raises(ValueError, match=rf"tokens\[{row}\] = {bad} \(row {row}\) is not a target token id"):
+        with pytest.raises(
+            ValueError, match=rf"tokens\[{row}\] = {bad} \(row {row}\) is not a target token id"
+        ):
             runner.step(state, tokens)
     assert state.position == 0
     bad_src = ids.copy()
     bad_src[1, 0] = cfg.src_vocab_size + 3
-    with pytest.raises(ValueError, match=rf"input_ids\[1, 0\] = {cfg.src_vocab_size + 3} \(row 1\) is not a source "
-                                         rf"token id: the source vocabulary has ids 0 \.\. {cfg.src_vocab_size - 1}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"input_ids\[1, 0\] = {cfg.src_vocab_size + 3} \(row 1\) is not a source "
+        rf"token id: the source vocabulary has ids 0 \.\. {cfg.src_vocab_size - 1}",
+    ):
         runner.encode(bad_src, lengths, cache_len=4)
 
 
@@ -356,21 +378,45 @@ def test_every_runner_makes_the_same_source_checks(exported_portable, kind):
     lengths = np.array([7, 2, 3])
     too_long = np.full((1, max_len + 1), 5, np.int64)
     cases = [
-        ((ids[0], lengths[:1], 4, 1), ValueError, "input_ids must be a non-empty [batch, src_len] array, got shape (7,)"),
-        ((ids.astype(np.float64), lengths, 4, 1), TypeError, "input_ids must hold integer token ids, got dtype float64"),
+        (
+            (ids[0], lengths[:1], 4, 1),
+            ValueError,
+            "input_ids must be a non-empty [batch, src_len] array, got shape (7,)",
+        ),
+        (
+            (ids.astype(np.float64), lengths, 4, 1),
+            TypeError,
+            "input_ids must hold integer token ids, got dtype float64",
+        ),
         ((ids, lengths[:2], 4, 1), ValueError, "src_lengths must have shape (3,), got (2,)"),
-        ((ids, np.array([7, 0, 3]), 4, 1), ValueError,
-         "src_lengths must be in [1, 7] (the padded source length), got [7, 0, 3]"),
-        ((ids, np.array([7, 8, 3]), 4, 1), ValueError,
-         "src_lengths must be in [1, 7] (the padded source length), got [7, 8, 3]"),
-        ((ids, lengths.astype(np.float32), 4, 1), TypeError, "src_lengths must be integers, got dtype float32"),
-        ((too_long, np.array([max_len + 1]), 4, 1), ValueError,
-         f"source length {max_len + 1} exceeds the model's max_len = {max_len}"),
+        (
+            (ids, np.array([7, 0, 3]), 4, 1),
+            ValueError,
+            "src_lengths must be in [1, 7] (the padded source length), got [7, 0, 3]",
+        ),
+        (
+            (ids, np.array([7, 8, 3]), 4, 1),
+            ValueError,
+            "src_lengths must be in [1, 7] (the padded source length), got [7, 8, 3]",
+        ),
+        (
+            (ids, lengths.astype(np.float32), 4, 1),
+            TypeError,
+            "src_lengths must be integers, got dtype float32",
+        ),
+        (
+            (too_long, np.array([max_len + 1]), 4, 1),
+            ValueError,
+            f"source length {max_len + 1} exceeds the model's max_len = {max_len}",
+        ),
         ((ids, lengths, 0, 1), ValueError, "cache_len must be a positive int, got 0"),
         ((ids, lengths, 2.0, 1), ValueError, "cache_len must be a positive int, got 2.0"),
-        ((ids, lengths, max_len + 1, 1), ValueError,
-         f"cache_len = {max_len + 1} exceeds the model's max_len = {max_len} (positions past it have no positional "
-         "encoding); generate fewer tokens"),
+        (
+            (ids, lengths, max_len + 1, 1),
+            ValueError,
+            f"cache_len = {max_len + 1} exceeds the model's max_len = {max_len} (positions past it have no positional "
+            "encoding); generate fewer tokens",
+        ),
         ((ids, lengths, 4, 0), ValueError, "num_beams must be a positive int, got 0"),
     ]
     for args, exc, message in cases:

@@ -17,14 +17,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from test_export_onnx import DEMO_DIR, exported_dir
 
 from export import quantize as quant
 from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME
 from export.onnx import export_onnx, main
 from export.quantize import QualityGateError, QuantizationError, quantize_export
 from transformer_ext.export_format import ManifestError, manifest_quantization, read_manifest
-
-from test_export_onnx import DEMO_DIR, exported_dir
 
 FLOAT32_FILES = {ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "generation.json", "tokenizer.json"}
 
@@ -77,7 +76,9 @@ def test_every_weight_product_is_int8_per_output_channel(tiny_float, tiny_int8, 
     weights = [n for n in before.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in init_before]
     assert weights, "the float32 graph has weight products"
     # no float32 weight product is left ...
-    assert not [n.name for n in after.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in init_after]
+    assert not [
+        n.name for n in after.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in init_after
+    ]
     products = [n for n in after.graph.node if n.op_type == "MatMulInteger"]
     assert len(products) == len(weights)
     for n in products:
@@ -135,11 +136,15 @@ def test_failing_gate_says_by_how_much_and_writes_nothing(tiny_float, tmp_path, 
     """int8 decodes that lose 10% of the exact matches: refused, the drop named, nothing written."""
     shutil.copytree(tiny_float, tmp_path / "float")
     refs = [[5, 6, 7]] * 10
-    monkeypatch.setattr(quant, "_heldout_batch",
-                        lambda folder: (np.full((10, 2), 5), np.full(10, 2), refs))
-    monkeypatch.setattr(quant, "_greedy_all", lambda folder, ids, lengths: [
-        [5, 6, 7] if quant.manifest_quantization(read_manifest(folder)) is None or i else [5, 6]
-        for i in range(10)])
+    monkeypatch.setattr(quant, "_heldout_batch", lambda folder: (np.full((10, 2), 5), np.full(10, 2), refs))
+    monkeypatch.setattr(
+        quant,
+        "_greedy_all",
+        lambda folder, ids, lengths: [
+            [5, 6, 7] if quant.manifest_quantization(read_manifest(folder)) is None or i else [5, 6]
+            for i in range(10)
+        ],
+    )
     good = tmp_path / "kept"
     quantize_export(tmp_path / "float", good, gate=False)
     before = {p: (good / p).read_bytes() for p in os.listdir(good)}
@@ -234,9 +239,15 @@ def test_cli_unknown_scheme_is_one_line_and_writes_nothing(tmp_path, capsys):
 
 
 def test_quantize_cli(tiny_float, tiny_int8, tmp_path, capsys):
-    assert quant.main(["--export-dir", str(tiny_int8), "--output-dir", str(tmp_path / "o"), "--no-validate"]) == 1
+    assert (
+        quant.main(["--export-dir", str(tiny_int8), "--output-dir", str(tmp_path / "o"), "--no-validate"])
+        == 1
+    )
     assert "already quantized" in capsys.readouterr().err
-    assert quant.main(["--export-dir", str(tiny_float), "--output-dir", str(tmp_path / "o"), "--no-validate"]) == 0
+    assert (
+        quant.main(["--export-dir", str(tiny_float), "--output-dir", str(tmp_path / "o"), "--no-validate"])
+        == 0
+    )
     assert "MatMulInteger" in capsys.readouterr().out
     assert manifest_quantization(read_manifest(tmp_path / "o"))["scheme"] == "int8"
 
@@ -281,18 +292,23 @@ def test_failing_bleu_gate_says_by_how_much_and_writes_nothing(tiny_float, tmp_p
     scores = iter([30.0, 29.2])  # float32 first, then int8
     monkeypatch.setattr(evaluate, "score_texts", lambda h, r: {"bleu": next(scores), "bleu_signature": "sig"})
     out = tmp_path / "out"
-    with pytest.raises(QualityGateError, match=r"BLEU 29.20 vs 30.00 .*0.80 points lower \(at most 0.5 allowed\)"):
+    with pytest.raises(
+        QualityGateError, match=r"BLEU 29.20 vs 30.00 .*0.80 points lower \(at most 0.5 allowed\)"
+    ):
         quantize_export(tiny_float, out, gate_data=quant.GateData(src, ref))
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gate.ref", "gate.src"]  # no temporary left
 
 
-@pytest.mark.parametrize("case, fragment", [
-    ("counts", "has 2 lines but --gate-ref"),
-    ("missing", "no such file"),
-    ("blank", "line 2 is empty"),
-    ("empty", "has no lines"),
-])
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("counts", "has 2 lines but --gate-ref"),
+        ("missing", "no such file"),
+        ("blank", "line 2 is empty"),
+        ("empty", "has no lines"),
+    ],
+)
 def test_bad_gate_files_are_refused_naming_the_flag(tmp_path, case, fragment):
     sources = {"counts": ["a", "b"], "missing": ["a"], "blank": ["a", " ", "c"], "empty": []}[case]
     refs = {"counts": ["a", "b", "c"], "missing": ["a"], "blank": ["a", "b", "c"], "empty": []}[case]
@@ -308,10 +324,15 @@ def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path,
     out = tmp_path / "out"
     assert main(["--output-dir", str(out), "--gate-src", str(src), "--gate-ref", str(ref)]) == 1
     assert "need --quantize int8" in capsys.readouterr().err
-    assert main(["--output-dir", str(out), "--quantize", "int8", "--gate-src", str(src), "--gate-ref", str(ref)]) == 1
+    assert (
+        main(["--output-dir", str(out), "--quantize", "int8", "--gate-src", str(src), "--gate-ref", str(ref)])
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has 2 lines but --gate-ref" in err[0]
-    assert quant.main(["--export-dir", str(tiny_float), "--output-dir", str(out), "--gate-src", str(src)]) == 1
+    assert (
+        quant.main(["--export-dir", str(tiny_float), "--output-dir", str(out), "--gate-src", str(src)]) == 1
+    )
     assert "--gate-src and --gate-ref go together" in capsys.readouterr().err
     assert main(["--output-dir", str(out), "--quantize", "int8", "--max-bleu-drop", "-1"]) == 1
     assert "max_bleu_drop must be a finite number >= 0" in capsys.readouterr().err

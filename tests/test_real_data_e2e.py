@@ -12,7 +12,14 @@ pytest.importorskip("sacrebleu")
 from transformer_ext import average, evaluate
 from transformer_ext import train as train_mod
 
-NOUNS = {"man": "Mann", "woman": "Frau", "king": "König", "child": "Kind", "servant": "Knecht", "prophet": "Prophet"}
+NOUNS = {
+    "man": "Mann",
+    "woman": "Frau",
+    "king": "König",
+    "child": "Kind",
+    "servant": "Knecht",
+    "prophet": "Prophet",
+}
 VERBS = {"saw": "sah", "called": "rief", "blessed": "segnete", "heard": "hörte", "followed": "folgte"}
 PLACES = {"city": "Stadt", "house": "Haus", "field": "Feld", "temple": "Tempel"}
 
@@ -39,15 +46,49 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     src, tgt = make_pairs(300, seed=0)
     vsrc, vtgt = make_pairs(20, seed=1)
-    files = dict(train=(write(root / "train.en", src), write(root / "train.de", tgt)),
-                 valid=(write(root / "valid.en", vsrc), write(root / "valid.de", vtgt)),
-                 test=(write(root / "test.en", vsrc[:8]), write(root / "test.de", vtgt[:8])))
-    (root / "provenance.json").write_text(json.dumps({"corpus": "synthetic test sentences", "licence": "none"}))
-    argv = ["--train", *files["train"], "--valid", *files["valid"], "--out", str(root / "run"),
-            "--vocab-size", "60", "--shared-vocab", "--preset", "tiny", "--max-len", "48", "--dropout", "0",
-            "--lr-schedule", "inverse-sqrt", "--lr", "3e-3", "--warmup", "10", "--max-tokens", "600",
-            "--max-steps", "30", "--eval-every", "10", "--keep-last", "2", "--no-progress", "--threads", "1",
-            "--quiet"]
+    files = dict(
+        train=(write(root / "train.en", src), write(root / "train.de", tgt)),
+        valid=(write(root / "valid.en", vsrc), write(root / "valid.de", vtgt)),
+        test=(write(root / "test.en", vsrc[:8]), write(root / "test.de", vtgt[:8])),
+    )
+    (root / "provenance.json").write_text(
+        json.dumps({"corpus": "synthetic test sentences", "licence": "none"})
+    )
+    argv = [
+        "--train",
+        *files["train"],
+        "--valid",
+        *files["valid"],
+        "--out",
+        str(root / "run"),
+        "--vocab-size",
+        "60",
+        "--shared-vocab",
+        "--preset",
+        "tiny",
+        "--max-len",
+        "48",
+        "--dropout",
+        "0",
+        "--lr-schedule",
+        "inverse-sqrt",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "10",
+        "--max-tokens",
+        "600",
+        "--max-steps",
+        "30",
+        "--eval-every",
+        "10",
+        "--keep-last",
+        "2",
+        "--no-progress",
+        "--threads",
+        "1",
+        "--quiet",
+    ]
     assert train_mod.main(argv) == 0
     return root, files
 
@@ -57,7 +98,8 @@ def test_run_folder(trained):
     run = root / "run"
     best = run / "best"
     assert {"config.json", "model.safetensors", "tokenizer.json", "spm.model", "provenance.json"} <= {
-        p.name for p in best.iterdir()}
+        p.name for p in best.iterdir()
+    }
     assert json.loads((best / "provenance.json").read_text())["corpus"] == "synthetic test sentences"
     config = json.loads((best / "config.json").read_text())
     assert config["shared_vocab"] and config["src_vocab_size"] == config["tgt_vocab_size"] == 60
@@ -80,13 +122,30 @@ def test_evaluate_average_export_and_onnx_runtime(trained, tmp_path, capsys):
     capsys.readouterr()
     reports = {}
     for name, model in (("best", root / "run" / "best"), ("avg", tmp_path / "avg")):
-        assert evaluate.main(["--model", str(model), "--src", src, "--ref", ref, "--json",
-                              "--output", str(tmp_path / f"{name}.hyp")]) == 0
+        assert (
+            evaluate.main(
+                [
+                    "--model",
+                    str(model),
+                    "--src",
+                    src,
+                    "--ref",
+                    ref,
+                    "--json",
+                    "--output",
+                    str(tmp_path / f"{name}.hyp"),
+                ]
+            )
+            == 0
+        )
         reports[name] = json.loads(capsys.readouterr().out)
     assert reports["best"]["runtime"] == "eager" and 0 <= reports["best"]["bleu"] <= 100
 
     out = tmp_path / "onnx"
-    assert export_main(["--model-dir", str(root / "run" / "best"), "--output-dir", str(out), "--examples", "0"]) == 0
+    assert (
+        export_main(["--model-dir", str(root / "run" / "best"), "--output-dir", str(out), "--examples", "0"])
+        == 0
+    )
     capsys.readouterr()
     assert {"tokenizer.json", "spm.model"} <= {p.name for p in out.iterdir()}
     sources = open(src, encoding="utf-8").read().splitlines()

@@ -19,26 +19,49 @@ REPO = Path(__file__).resolve().parents[1]
 RUNNERS = ["EagerRunner", "CatCacheRunner", "OrtRunner", "OrtCudaRunner", "TensorRTRunner"]
 # old module -> (new module, names that must be the very same objects)
 OLD_PATHS = {
-    "export.ort_runner": ("transformer_ext.runtimes.ort", ["OrtRunner", "OrtState", "GRAPH_OPTIMIZATION_LEVELS"]),
-    "export.ort_cuda_runner": ("transformer_ext.runtimes.ort_cuda", ["OrtCudaRunner", "session_io", "ORT_TYPES"]),
+    "export.ort_runner": (
+        "transformer_ext.runtimes.ort",
+        ["OrtRunner", "OrtState", "GRAPH_OPTIMIZATION_LEVELS"],
+    ),
+    "export.ort_cuda_runner": (
+        "transformer_ext.runtimes.ort_cuda",
+        ["OrtCudaRunner", "session_io", "ORT_TYPES"],
+    ),
     "export.trt_runner": ("transformer_ext.runtimes.trt", ["TensorRTRunner", "engine_io", "TRT_DTYPE_NAMES"]),
-    "transformer_ext.runner": ("transformer_ext.runtimes.eager", ["EagerRunner", "EagerState", "CompileError"]),
+    "transformer_ext.runner": (
+        "transformer_ext.runtimes.eager",
+        ["EagerRunner", "EagerState", "CompileError"],
+    ),
 }
 # names the old modules held that now live in a second new module
 OLD_EXTRA = {
-    "export.trt_runner": ("transformer_ext.runtimes.device",
-                          ["DeviceRunner", "DeviceState", "BindingError", "ModelDims", "ProfileLimits",
-                           "TORCH_DTYPES", "decoder_bindings", "encoder_bindings", "_dtype_name"]),
-    "transformer_ext.runner": ("transformer_ext.runtimes.baseline",
-                               ["CatCacheRunner", "CatCacheState", "greedy_decode_uncached"]),
+    "export.trt_runner": (
+        "transformer_ext.runtimes.device",
+        [
+            "DeviceRunner",
+            "DeviceState",
+            "BindingError",
+            "ModelDims",
+            "ProfileLimits",
+            "TORCH_DTYPES",
+            "decoder_bindings",
+            "encoder_bindings",
+            "_dtype_name",
+        ],
+    ),
+    "transformer_ext.runner": (
+        "transformer_ext.runtimes.baseline",
+        ["CatCacheRunner", "CatCacheState", "greedy_decode_uncached"],
+    ),
 }
 MOVED_MESSAGE = "is deprecated and will be removed: import from transformer_ext.runtimes"
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_every_runner_from_one_package():
@@ -49,7 +72,9 @@ def test_every_runner_from_one_package():
         assert cls.__module__.startswith("transformer_ext.runtimes."), cls
         for method in ("encode", "step", "reorder"):
             assert callable(getattr(cls, method, None)), (cls, method)
-    assert issubclass(OrtCudaRunner, runtimes.DeviceRunner) and issubclass(TensorRTRunner, runtimes.DeviceRunner)
+    assert issubclass(OrtCudaRunner, runtimes.DeviceRunner) and issubclass(
+        TensorRTRunner, runtimes.DeviceRunner
+    )
     assert runtimes.DeviceRunner.__module__ == "transformer_ext.runtimes.device"  # its own module
     assert set(RUNNERS) <= set(runtimes.__all__) and set(RUNNERS) <= set(dir(runtimes))
     for name in runtimes.__all__:

@@ -6,14 +6,35 @@ import pytest
 
 pytest.importorskip("sentencepiece")
 
-from transformer_ext.spm_tokenizer import (SHARED_MODEL_FILE, SOURCE_MODEL_FILE, TARGET_MODEL_FILE,
-                                           SentencePieceTokenizer, load_any_tokenizer)
-from transformer_ext.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, UNK_ID, CharTokenizer, TokenizerError
+from transformer_ext.spm_tokenizer import (
+    SHARED_MODEL_FILE,
+    SOURCE_MODEL_FILE,
+    TARGET_MODEL_FILE,
+    SentencePieceTokenizer,
+    load_any_tokenizer,
+)
+from transformer_ext.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    TOKENIZER_FILE,
+    UNK_ID,
+    CharTokenizer,
+    TokenizerError,
+)
 
-SOURCES = [f"the {w} man saw {n} sheep in the field of {c}." for w in ("old", "young", "tall", "wise")
-           for n in ("two", "three", "seven", "many") for c in ("Moab", "Judah", "Egypt")]
-TARGETS = [f"der {w} Mann sah {n} Schafe auf dem Feld von {c}." for w in ("alte", "junge", "große", "weise")
-           for n in ("zwei", "drei", "sieben", "viele") for c in ("Moab", "Juda", "Ägypten")]
+SOURCES = [
+    f"the {w} man saw {n} sheep in the field of {c}."
+    for w in ("old", "young", "tall", "wise")
+    for n in ("two", "three", "seven", "many")
+    for c in ("Moab", "Judah", "Egypt")
+]
+TARGETS = [
+    f"der {w} Mann sah {n} Schafe auf dem Feld von {c}."
+    for w in ("alte", "junge", "große", "weise")
+    for n in ("zwei", "drei", "sieben", "viele")
+    for c in ("Moab", "Juda", "Ägypten")
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +45,9 @@ def shared():
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])
 def test_round_trip_and_special_ids(model_type):
     tok = SentencePieceTokenizer.train(SOURCES, TARGETS, vocab_size=36, model_type=model_type, shared=False)
-    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id) == (PAD_ID, BOS_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
+    assert (
+        (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id) == (PAD_ID, BOS_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
+    )
     # the ids SentencePiece itself assigns to the special pieces are the model's (no remapping)
     for sp in (tok._src, tok._tgt):
         assert [sp.id_to_piece(i) for i in range(4)] == ["<pad>", "<s>", "</s>", "<unk>"]
@@ -40,7 +63,7 @@ def test_round_trip_and_special_ids(model_type):
 def test_decode_skips_specials(shared):
     ids = shared.encode_target(TARGETS[0])
     assert shared.decode_target([BOS_ID, PAD_ID] + ids + [EOS_ID] + ids) == TARGETS[0]
-    assert shared.decode_target([UNK_ID] + ids + [10 ** 6]) == TARGETS[0]  # unk and out-of-range ids skipped
+    assert shared.decode_target([UNK_ID] + ids + [10**6]) == TARGETS[0]  # unk and out-of-range ids skipped
 
 
 def test_whitespace_normalised(shared):
@@ -71,12 +94,16 @@ def test_char_tokenizer_still_loads(tmp_path):
 
 
 def test_vocab_too_large_is_rephrased():
-    with pytest.raises(TokenizerError, match=r"--vocab-size 5000 is more than .* at most \d+ pieces.*lower --vocab-size"):
+    with pytest.raises(
+        TokenizerError, match=r"--vocab-size 5000 is more than .* at most \d+ pieces.*lower --vocab-size"
+    ):
         SentencePieceTokenizer.train(SOURCES[:3], TARGETS[:3], vocab_size=5000)
 
 
 def test_vocab_too_small():
-    with pytest.raises(TokenizerError, match=r"--vocab-size 20 is too small .* characters alone need \d+ pieces"):
+    with pytest.raises(
+        TokenizerError, match=r"--vocab-size 20 is too small .* characters alone need \d+ pieces"
+    ):
         SentencePieceTokenizer.train(SOURCES, TARGETS, vocab_size=20)
     with pytest.raises(TokenizerError, match="--vocab-size must be an integer >= 8"):
         SentencePieceTokenizer.train(SOURCES, TARGETS, vocab_size=3)
@@ -113,8 +140,9 @@ def test_foreign_sentencepiece_model_with_other_ids_is_refused():
     import sentencepiece as spm
 
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(SOURCES), model_writer=buf, vocab_size=30,
-                                   minloglevel=2)  # SentencePiece's defaults: unk 0, bos 1, eos 2, no pad
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SOURCES), model_writer=buf, vocab_size=30, minloglevel=2
+    )  # SentencePiece's defaults: unk 0, bos 1, eos 2, no pad
     with pytest.raises(TokenizerError, match="special ids"):
         SentencePieceTokenizer(buf.getvalue())
 

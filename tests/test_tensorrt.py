@@ -11,6 +11,7 @@ skipped without them, with the reason.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -21,27 +22,27 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import HAS_CUDA, device_params
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import HAS_CUDA, device_params
-
-from export import trt_readiness as rd
 from export import tensorrt as trtb
+from export import trt_readiness as rd
 from export.trt_readiness import AxisRange, TensorRTReadinessError, check_export_dir, check_model
 from transformer_ext.export_format import read_manifest
 from transformer_ext.runtimes.device import BindingError, DeviceState, decoder_bindings, encoder_bindings
 from transformer_ext.runtimes.kv_cache import KVCache
 from transformer_ext.runtimes.trt import TensorRTRunner
 
-import importlib.util
-
 FLAVOURS = ["portable", "tensorscatter"]
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 # Decided at collection, so that skipped engine tests do not export graphs first.
 needs_tensorrt_gpu = pytest.mark.skipif(
     not (HAS_TENSORRT and HAS_CUDA),
-    reason=("TensorRT is not installed (pip install tensorrt-cu13)" if not HAS_TENSORRT
-            else "TensorRT engines need a CUDA GPU; none is visible"),
+    reason=(
+        "TensorRT is not installed (pip install tensorrt-cu13)"
+        if not HAS_TENSORRT
+        else "TensorRT engines need a CUDA GPU; none is visible"
+    ),
 )
 
 
@@ -49,6 +50,7 @@ def _has_ort_cuda() -> bool:
     import onnxruntime as ort
 
     return HAS_CUDA and "CUDAExecutionProvider" in ort.get_available_providers()
+
 
 PRECISIONS = ["fp16", "bf16"]
 DEVICES = device_params()
@@ -82,7 +84,9 @@ def tiny_model(tiny_model_dir):
 def exports(tiny_model_dir, tmp_path_factory):
     """{flavour: export folder}, exported without the (slow) parity validation: the exporter's
     own tests prove parity; here the graphs are inputs."""
-    onnx_export = pytest.importorskip("export.onnx", reason="the ONNX exporter (export/onnx.py) is not available")
+    onnx_export = pytest.importorskip(
+        "export.onnx", reason="the ONNX exporter (export/onnx.py) is not available"
+    )
     out = {}
     for flavour in FLAVOURS:
         path = tmp_path_factory.mktemp(f"export_{flavour}") / "export"
@@ -119,7 +123,9 @@ def _kinds(report):
 
 
 def _simple(op="Relu", elem=TensorProto.FLOAT, shape=("batch", 4), **attrs):
-    return _model([helper.make_node(op, ["x"], ["y"], **attrs)], [_vi("x", elem, list(shape))], [_vi("y", elem, None)])
+    return _model(
+        [helper.make_node(op, ["x"], ["y"], **attrs)], [_vi("x", elem, list(shape))], [_vi("y", elem, None)]
+    )
 
 
 RANGES = {"batch": AxisRange(1, 2, 4), "cache_len": AxisRange(1, 8, 16), "src_len": AxisRange(1, 8, 16)}
@@ -137,9 +143,14 @@ def _scatter_graph(axis=-2, cache_dims=("batch", 2, "cache_len", 4), extra_reade
     inits = [numpy_helper.from_array(np.array([2], np.int64), "axes")] if extra_reader else []
     return _model(
         nodes,
-        [_vi("cache", TensorProto.FLOAT, list(cache_dims)), _vi("update", TensorProto.FLOAT, ["batch", 2, 1, 4]),
-         _vi("pos", TensorProto.INT64, ["batch"])],
-        outputs, inits, opset=24,
+        [
+            _vi("cache", TensorProto.FLOAT, list(cache_dims)),
+            _vi("update", TensorProto.FLOAT, ["batch", 2, 1, 4]),
+            _vi("pos", TensorProto.INT64, ["batch"]),
+        ],
+        outputs,
+        inits,
+        opset=24,
     )
 
 
@@ -150,37 +161,55 @@ def test_good_hand_made_graph_has_no_problem():
 
 
 def test_if_node_is_rejected_as_control_flow():
-    then = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [], [_vi("t", TensorProto.FLOAT, None)])
-    other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [], [_vi("e", TensorProto.FLOAT, None)])
-    m = _model([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
-               [_vi("c", TensorProto.BOOL, []), _vi("x", TensorProto.FLOAT, ["batch", 4])], [_vi("y", TensorProto.FLOAT, None)])
+    then = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["t"])], "then", [], [_vi("t", TensorProto.FLOAT, None)]
+    )
+    other = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["e"])], "else", [], [_vi("e", TensorProto.FLOAT, None)]
+    )
+    m = _model(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+        [_vi("c", TensorProto.BOOL, []), _vi("x", TensorProto.FLOAT, ["batch", 4])],
+        [_vi("y", TensorProto.FLOAT, None)],
+    )
     report = check_model(m, "g", RANGES)
     assert _kinds(report) == ["control_flow"]
     assert "If" in report.problems[0].message
 
 
 def test_loop_and_scan_are_rejected_too():
-    body = helper.make_graph([helper.make_node("Identity", ["c_in"], ["c_out"])], "body",
-                             [_vi("i", TensorProto.INT64, []), _vi("c_in", TensorProto.BOOL, [])],
-                             [_vi("c_out", TensorProto.BOOL, [])])
-    m = _model([helper.make_node("Loop", ["n", "c"], [], body=body)],
-               [_vi("n", TensorProto.INT64, []), _vi("c", TensorProto.BOOL, [])], [])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c_in"], ["c_out"])],
+        "body",
+        [_vi("i", TensorProto.INT64, []), _vi("c_in", TensorProto.BOOL, [])],
+        [_vi("c_out", TensorProto.BOOL, [])],
+    )
+    m = _model(
+        [helper.make_node("Loop", ["n", "c"], [], body=body)],
+        [_vi("n", TensorProto.INT64, []), _vi("c", TensorProto.BOOL, [])],
+        [],
+    )
     assert "control_flow" in _kinds(check_model(m, "g", RANGES))
 
 
 def test_zero_length_dimension_in_input_and_initializer():
-    m = _model([helper.make_node("Add", ["x", "w"], ["y"])],
-               [_vi("x", TensorProto.FLOAT, ["batch", 0])], [_vi("y", TensorProto.FLOAT, None)],
-               [numpy_helper.from_array(np.zeros((1, 0), np.float32), "w")])
+    m = _model(
+        [helper.make_node("Add", ["x", "w"], ["y"])],
+        [_vi("x", TensorProto.FLOAT, ["batch", 0])],
+        [_vi("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.zeros((1, 0), np.float32), "w")],
+    )
     report = check_model(m, "g", RANGES)
     zero = [p for p in report.problems if p.kind == "zero_dim"]
     assert any("'x'" in p.message for p in zero) and any("'w'" in p.message for p in zero)
 
 
 def test_unbounded_and_unnamed_dynamic_axes():
-    m = _model([helper.make_node("Add", ["x", "z"], ["y"])],
-               [_vi("x", TensorProto.FLOAT, ["batch", "mystery"]), _vi("z", TensorProto.FLOAT, ["batch", None])],
-               [_vi("y", TensorProto.FLOAT, None)])
+    m = _model(
+        [helper.make_node("Add", ["x", "z"], ["y"])],
+        [_vi("x", TensorProto.FLOAT, ["batch", "mystery"]), _vi("z", TensorProto.FLOAT, ["batch", None])],
+        [_vi("y", TensorProto.FLOAT, None)],
+    )
     report = check_model(m, "g", RANGES)
     messages = [p.message for p in report.problems if p.kind == "unbounded_axis"]
     assert any("'mystery'" in msg for msg in messages)
@@ -212,7 +241,9 @@ def test_tensor_scatter_needs_a_static_cache_and_a_private_cache_input():
     assert any("also read by" in p.message for p in shared.problems)
     circular = check_model(_scatter_graph(mode="circular"), "g", {**RANGES, "cache_len": AxisRange(8, 8, 8)})
     assert any("linear" in p.message for p in circular.problems)
-    rank3 = check_model(_scatter_graph(cache_dims=("batch", "cache_len", 4)), "g", {**RANGES, "cache_len": AxisRange(8, 8, 8)})
+    rank3 = check_model(
+        _scatter_graph(cache_dims=("batch", "cache_len", 4)), "g", {**RANGES, "cache_len": AxisRange(8, 8, 8)}
+    )
     assert any("4-D" in p.message for p in rank3.problems)
 
 
@@ -234,8 +265,11 @@ def test_every_emitted_op_is_in_the_allowlist(exports):
 
 
 def test_custom_domain_op_needs_a_plugin():
-    m = _model([helper.make_node("decode_attention", ["x"], ["y"], domain="transformer_ext")],
-               [_vi("x", TensorProto.FLOAT, ["batch", 4])], [_vi("y", TensorProto.FLOAT, None)])
+    m = _model(
+        [helper.make_node("decode_attention", ["x"], ["y"], domain="transformer_ext")],
+        [_vi("x", TensorProto.FLOAT, ["batch", 4])],
+        [_vi("y", TensorProto.FLOAT, None)],
+    )
     m.opset_import.append(helper.make_opsetid("transformer_ext", 1))
     report = check_model(m, "g", RANGES)
     assert _kinds(report) == ["custom_domain"]
@@ -244,8 +278,12 @@ def test_custom_domain_op_needs_a_plugin():
 
 @pytest.mark.parametrize("opset, ok", [(8, False), (9, True), (24, True), (25, False)])
 def test_opset_range(opset, ok):
-    m = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, ["batch", 4])],
-               [_vi("y", TensorProto.FLOAT, None)], opset=opset)
+    m = _model(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [_vi("x", TensorProto.FLOAT, ["batch", 4])],
+        [_vi("y", TensorProto.FLOAT, None)],
+        opset=opset,
+    )
     report = check_model(m, "g", RANGES)
     assert report.ok is ok
     if not ok:
@@ -256,8 +294,11 @@ def test_dtypes_float64_input_and_int64_matmul():
     report = check_model(_simple("Relu", TensorProto.DOUBLE), "g", RANGES)
     assert "dtype" in _kinds(report)
     assert any("float64" in p.message for p in report.problems)
-    matmul = _model([helper.make_node("MatMul", ["x", "x"], ["y"])], [_vi("x", TensorProto.INT64, [4, 4])],
-                    [_vi("y", TensorProto.INT64, None)])
+    matmul = _model(
+        [helper.make_node("MatMul", ["x", "x"], ["y"])],
+        [_vi("x", TensorProto.INT64, [4, 4])],
+        [_vi("y", TensorProto.INT64, None)],
+    )
     report = check_model(matmul, "g", RANGES)
     assert any(p.kind == "dtype" and "MatMul on int64" in p.message for p in report.problems)
     # int64 where TensorRT supports it is fine (token ids, positions, Gather indices, Add)
@@ -265,23 +306,36 @@ def test_dtypes_float64_input_and_int64_matmul():
 
 
 def test_unsqueeze_axes_must_resolve_to_a_constant():
-    runtime = _model([helper.make_node("Unsqueeze", ["x", "axes"], ["y"])],
-                     [_vi("x", TensorProto.FLOAT, ["batch", 4]), _vi("axes", TensorProto.INT64, [1])],
-                     [_vi("y", TensorProto.FLOAT, None)])
+    runtime = _model(
+        [helper.make_node("Unsqueeze", ["x", "axes"], ["y"])],
+        [_vi("x", TensorProto.FLOAT, ["batch", 4]), _vi("axes", TensorProto.INT64, [1])],
+        [_vi("y", TensorProto.FLOAT, None)],
+    )
     report = check_model(runtime, "g", RANGES)
     assert any(p.kind == "op_restriction" and "axes" in p.message for p in report.problems)
-    from_shape = _model([helper.make_node("Shape", ["x"], ["s"], start=1, end=2),
-                         helper.make_node("Unsqueeze", ["x", "s"], ["y"])],
-                        [_vi("x", TensorProto.FLOAT, ["batch", 1])], [_vi("y", TensorProto.FLOAT, None)])
+    from_shape = _model(
+        [
+            helper.make_node("Shape", ["x"], ["s"], start=1, end=2),
+            helper.make_node("Unsqueeze", ["x", "s"], ["y"]),
+        ],
+        [_vi("x", TensorProto.FLOAT, ["batch", 1])],
+        [_vi("y", TensorProto.FLOAT, None)],
+    )
     report = check_model(from_shape, "g", RANGES)
     assert report.ok and any("axes" in w.message for w in report.warnings)  # the parser folds it
 
 
 def test_every_problem_is_listed_in_the_error(exports, tmp_path):
     folder = _copy_export(exports["portable"], tmp_path / "bad")
-    bad = _model([helper.make_node("Unique", ["input_ids"], ["u"]), helper.make_node("Relu", ["x"], ["y"])],
-                 [_vi("input_ids", TensorProto.INT64, ["batch", 0]), _vi("x", TensorProto.DOUBLE, ["batch", "mystery"])],
-                 [_vi("y", TensorProto.DOUBLE, None)], opset=25)
+    bad = _model(
+        [helper.make_node("Unique", ["input_ids"], ["u"]), helper.make_node("Relu", ["x"], ["y"])],
+        [
+            _vi("input_ids", TensorProto.INT64, ["batch", 0]),
+            _vi("x", TensorProto.DOUBLE, ["batch", "mystery"]),
+        ],
+        [_vi("y", TensorProto.DOUBLE, None)],
+        opset=25,
+    )
     onnx.save(bad, folder / "encoder.onnx")
     with pytest.raises(TensorRTReadinessError) as info:
         check_export_dir(folder)
@@ -342,7 +396,9 @@ def test_build_without_tensorrt_says_how_to_install(exports, tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     folder = _copy_export(exports["portable"], tmp_path / "e")
     before = sorted(os.listdir(folder))
-    with pytest.raises(trtb.TensorRTNotAvailableError, match=r"pip install tensorrt-cu13.*transformer_ext\[tensorrt\]"):
+    with pytest.raises(
+        trtb.TensorRTNotAvailableError, match=r"pip install tensorrt-cu13.*transformer_ext\[tensorrt\]"
+    ):
         trtb.build_engines(folder)
     assert sorted(os.listdir(folder)) == before  # nothing written
     assert trtb.main([str(folder)]) == 1
@@ -354,8 +410,10 @@ def test_build_without_tensorrt_says_how_to_install(exports, tmp_path, monkeypat
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, expected", [("1:8:32", AxisRange(1, 8, 32)), ("16", AxisRange(1, 16, 16)),
-                                            (" 4:4:4 ", AxisRange(4, 4, 4))])
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1:8:32", AxisRange(1, 8, 32)), ("16", AxisRange(1, 16, 16)), (" 4:4:4 ", AxisRange(4, 4, 4))],
+)
 def test_parse_axis_range(text, expected):
     assert rd.parse_axis_range(text) == expected
 
@@ -367,10 +425,28 @@ def test_parse_axis_range_rejects(text):
 
 
 def test_cli_ranges_become_options():
-    args = trtb.build_parser().parse_args(["x", "--batch", "2:4:8", "--cache-len", "16", "--axis", "foo=1:1:2",
-                                           "--precision", "bf16", "--typing", "weak", "--tf32"])
+    args = trtb.build_parser().parse_args(
+        [
+            "x",
+            "--batch",
+            "2:4:8",
+            "--cache-len",
+            "16",
+            "--axis",
+            "foo=1:1:2",
+            "--precision",
+            "bf16",
+            "--typing",
+            "weak",
+            "--tf32",
+        ]
+    )
     opts = trtb._options_from_args(args)
-    assert opts.axis_ranges == {"batch": AxisRange(2, 4, 8), "cache_len": AxisRange(1, 16, 16), "foo": AxisRange(1, 1, 2)}
+    assert opts.axis_ranges == {
+        "batch": AxisRange(2, 4, 8),
+        "cache_len": AxisRange(1, 16, 16),
+        "foo": AxisRange(1, 1, 2),
+    }
     assert (opts.precision, opts.typing, opts.tf32) == ("bf16", "weak", True)
     with pytest.raises(SystemExit):
         trtb.build_parser().parse_args(["x", "--batch", "0:1:2"])
@@ -380,7 +456,9 @@ def test_default_ranges_follow_the_manifest(exports):
     manifest = read_manifest(exports["portable"])
     ranges = rd.default_axis_ranges(rd.manifest_max_positions(manifest), rd.manifest_max_cache_len(manifest))
     max_len = manifest["model_config"]["max_len"]
-    assert ranges["src_len"].max == max_len and ranges["cache_len"].max == min(max_len, manifest["max_cache_len"])
+    assert ranges["src_len"].max == max_len and ranges["cache_len"].max == min(
+        max_len, manifest["max_cache_len"]
+    )
     assert all(r.min >= 1 for r in ranges.values())
 
 
@@ -396,12 +474,15 @@ def test_profile_shapes_of_the_decoder(exports):
         rd.profile_shapes(rd.input_specs(dec), {"batch": AxisRange(1, 1, 1), "src_len": AxisRange(1, 1, 1)})
 
 
-@pytest.mark.parametrize("precision, typing, expected", [
-    ("fp32", "strong", {"network": ["STRONGLY_TYPED"], "set": [], "clear": ["TF32"]}),
-    ("fp16", "strong", {"network": ["STRONGLY_TYPED"], "set": [], "clear": ["TF32"]}),
-    ("fp16", "weak", {"network": [], "set": ["FP16", "OBEY_PRECISION_CONSTRAINTS"], "clear": ["TF32"]}),
-    ("bf16", "weak", {"network": [], "set": ["BF16", "OBEY_PRECISION_CONSTRAINTS"], "clear": ["TF32"]}),
-])
+@pytest.mark.parametrize(
+    "precision, typing, expected",
+    [
+        ("fp32", "strong", {"network": ["STRONGLY_TYPED"], "set": [], "clear": ["TF32"]}),
+        ("fp16", "strong", {"network": ["STRONGLY_TYPED"], "set": [], "clear": ["TF32"]}),
+        ("fp16", "weak", {"network": [], "set": ["FP16", "OBEY_PRECISION_CONSTRAINTS"], "clear": ["TF32"]}),
+        ("bf16", "weak", {"network": [], "set": ["BF16", "OBEY_PRECISION_CONSTRAINTS"], "clear": ["TF32"]}),
+    ],
+)
 def test_precision_flags(precision, typing, expected):
     assert trtb.precision_flags(precision, typing) == expected
     assert "TF32" in trtb.precision_flags(precision, typing, tf32=True)["set"]
@@ -433,13 +514,17 @@ def test_plan_converts_graphs_and_keeps_logits_float32(exports, flavour, precisi
 
 
 def test_plan_pins_the_tensorscatter_cache(exports):
-    plan, graphs = trtb.plan_build(exports["tensorscatter"], trtb.BuildOptions(axis_ranges={"cache_len": AxisRange(1, 8, 24)}))
+    plan, graphs = trtb.plan_build(
+        exports["tensorscatter"], trtb.BuildOptions(axis_ranges={"cache_len": AxisRange(1, 8, 24)})
+    )
     dec = plan.engine("decoder_step")
     assert dec.pinned_axes == {"cache_len": 24}
     assert dec.shapes["self_key.0"][0][2] == dec.shapes["self_key.0"][2][2] == 24
     cache_input = next(i for i in graphs["decoder_step"].graph.input if i.name == "self_key.0")
     assert cache_input.type.tensor_type.shape.dim[2].dim_value == 24
-    portable, _ = trtb.plan_build(exports["portable"], trtb.BuildOptions(axis_ranges={"cache_len": AxisRange(1, 8, 24)}))
+    portable, _ = trtb.plan_build(
+        exports["portable"], trtb.BuildOptions(axis_ranges={"cache_len": AxisRange(1, 8, 24)})
+    )
     assert portable.engine("decoder_step").shapes["self_key.0"][0][2] == 1  # dynamic for the portable flavour
 
 
@@ -467,8 +552,11 @@ def test_fp16_conversion_matches_float32_in_onnx_runtime(exports):
     for name, ref in e32.items():
         assert e16[name].dtype == np.float16
         np.testing.assert_allclose(e16[name].astype(np.float32), ref, atol=2e-2)
-    feeds = {"input_ids": rng.integers(3, 40, (3, 1)).astype(np.int64), "positions": np.full(3, 4, np.int64),
-             "src_lengths": lens}
+    feeds = {
+        "input_ids": rng.integers(3, 40, (3, 1)).astype(np.int64),
+        "positions": np.full(3, 4, np.int64),
+        "src_lengths": lens,
+    }
     for i in range(2):
         feeds[f"cross_key.{i}"], feeds[f"cross_value.{i}"] = e32[f"cross_key.{i}"], e32[f"cross_value.{i}"]
         feeds[f"self_key.{i}"] = rng.standard_normal((3, 4, 6, 8)).astype(np.float32)
@@ -484,9 +572,17 @@ def test_conversion_keeps_float32_islands_and_casts_output():
     """LayerNormalization in float32 between fp16 MatMuls; scale/bias stay float32; logits float32."""
     w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
     scale = numpy_helper.from_array(np.ones(4, np.float32), "scale")
-    m = _model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("LayerNormalization", ["h", "scale"], ["n"]),
-                helper.make_node("Softmax", ["n"], ["p"]), helper.make_node("MatMul", ["p", "w"], ["logits"])],
-               [_vi("x", TensorProto.FLOAT, ["batch", 4])], [_vi("logits", TensorProto.FLOAT, ["batch", 4])], [w, scale])
+    m = _model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("LayerNormalization", ["h", "scale"], ["n"]),
+            helper.make_node("Softmax", ["n"], ["p"]),
+            helper.make_node("MatMul", ["p", "w"], ["logits"]),
+        ],
+        [_vi("x", TensorProto.FLOAT, ["batch", 4])],
+        [_vi("logits", TensorProto.FLOAT, ["batch", 4])],
+        [w, scale],
+    )
     out = trtb.convert_precision(m, "fp16")
     inits = {t.name: t.data_type for t in out.graph.initializer}
     assert inits == {"w": TensorProto.FLOAT16, "scale": TensorProto.FLOAT}
@@ -501,8 +597,11 @@ def test_conversion_keeps_float32_islands_and_casts_output():
 
 
 def test_conversion_rejects_custom_ops():
-    m = _model([helper.make_node("Foo", ["x"], ["y"], domain="custom")], [_vi("x", TensorProto.FLOAT, [2])],
-               [_vi("y", TensorProto.FLOAT, [2])])
+    m = _model(
+        [helper.make_node("Foo", ["x"], ["y"], domain="custom")],
+        [_vi("x", TensorProto.FLOAT, [2])],
+        [_vi("y", TensorProto.FLOAT, [2])],
+    )
     m.opset_import.append(helper.make_opsetid("custom", 1))
     with pytest.raises(trtb.PrecisionConversionError):
         trtb.convert_precision(m, "fp16")
@@ -535,7 +634,10 @@ def test_describe_parser_error():
             return "parseNode"
 
     text = trtb.describe_parser_error(Err())
-    assert text == "UNSUPPORTED_NODE: no importer for op Foo at node 7 '/decoder/Foo_3' (Foo) [parseNode ModelImporter.cpp:42]"
+    assert (
+        text
+        == "UNSUPPORTED_NODE: no importer for op Foo at node 7 '/decoder/Foo_3' (Foo) [parseNode ModelImporter.cpp:42]"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -559,13 +661,21 @@ def _fake_tensorrt(calls: list, parse_errors=None, fail_build=False):
     trt = types.ModuleType("tensorrt")
     trt.__version__ = "10.15.1"
     trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=_Enum("STRONGLY_TYPED", 0))
-    trt.BuilderFlag = types.SimpleNamespace(**{n: _Enum(n) for n in ("FP16", "BF16", "TF32", "OBEY_PRECISION_CONSTRAINTS")})
+    trt.BuilderFlag = types.SimpleNamespace(
+        **{n: _Enum(n) for n in ("FP16", "BF16", "TF32", "OBEY_PRECISION_CONSTRAINTS")}
+    )
     trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE=_Enum("WORKSPACE"))
-    trt.LayerType = types.SimpleNamespace(SOFTMAX=_Enum("SOFTMAX"), REDUCE=_Enum("REDUCE"), NORMALIZATION=_Enum("NORMALIZATION"))
+    trt.LayerType = types.SimpleNamespace(
+        SOFTMAX=_Enum("SOFTMAX"), REDUCE=_Enum("REDUCE"), NORMALIZATION=_Enum("NORMALIZATION")
+    )
     trt.float32, trt.float16, trt.bfloat16 = _Enum("FLOAT"), _Enum("HALF"), _Enum("BF16")
     trt.int64, trt.int32, trt.bool = _Enum("INT64"), _Enum("INT32"), _Enum("BOOL")
-    _types = {TensorProto.FLOAT: "FLOAT", TensorProto.FLOAT16: "HALF", TensorProto.BFLOAT16: "BF16",
-              TensorProto.INT64: "INT64"}
+    _types = {
+        TensorProto.FLOAT: "FLOAT",
+        TensorProto.FLOAT16: "HALF",
+        TensorProto.BFLOAT16: "BF16",
+        TensorProto.INT64: "INT64",
+    }
 
     class ILogger:
         Severity = types.SimpleNamespace(INTERNAL_ERROR=0, ERROR=1, WARNING=2, INFO=3, VERBOSE=4)
@@ -655,10 +765,17 @@ def _fake_tensorrt(calls: list, parse_errors=None, fail_build=False):
         def parse(self, data, path=None):
             model = onnx.load_from_string(data)
             inits = {t.name for t in model.graph.initializer}
-            self.network.inputs = [Tensor(i.name, _Enum(_types[i.type.tensor_type.elem_type]))
-                                   for i in model.graph.input if i.name not in inits]
-            self.network.outputs = [Tensor(o.name, _Enum(_types[o.type.tensor_type.elem_type])) for o in model.graph.output]
-            calls.append(("parse", path, [(t.name, t.dtype.name) for t in self.network.inputs + self.network.outputs]))
+            self.network.inputs = [
+                Tensor(i.name, _Enum(_types[i.type.tensor_type.elem_type]))
+                for i in model.graph.input
+                if i.name not in inits
+            ]
+            self.network.outputs = [
+                Tensor(o.name, _Enum(_types[o.type.tensor_type.elem_type])) for o in model.graph.output
+            ]
+            calls.append(
+                ("parse", path, [(t.name, t.dtype.name) for t in self.network.inputs + self.network.outputs])
+            )
             if parse_errors:
                 self.errors = [ParserError(d, n) for d, n in parse_errors]
                 return False
@@ -725,17 +842,24 @@ def _fake_tensorrt(calls: list, parse_errors=None, fail_build=False):
     return trt
 
 
-@pytest.mark.parametrize("flavour, precision, typing", [
-    ("portable", "fp32", "strong"), ("portable", "fp16", "strong"), ("tensorscatter", "bf16", "strong"),
-    ("portable", "fp16", "weak"),
-])
+@pytest.mark.parametrize(
+    "flavour, precision, typing",
+    [
+        ("portable", "fp32", "strong"),
+        ("portable", "fp16", "strong"),
+        ("tensorscatter", "bf16", "strong"),
+        ("portable", "fp16", "weak"),
+    ],
+)
 def test_build_engines_with_a_stand_in_tensorrt(exports, tmp_path, monkeypatch, flavour, precision, typing):
     calls: list = []
     monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt(calls))
     folder = _copy_export(exports[flavour], tmp_path / "e")
     (folder / "tensorrt.timing.cache").write_bytes(b"previous")
     ranges = {"batch": AxisRange(1, 4, 8), "cache_len": AxisRange(2, 8, 16)}
-    result = trtb.build_engines(folder, trtb.BuildOptions(precision=precision, typing=typing, axis_ranges=ranges))
+    result = trtb.build_engines(
+        folder, trtb.BuildOptions(precision=precision, typing=typing, axis_ranges=ranges)
+    )
 
     builds = [c for c in calls if c[0] == "build"]
     assert len(builds) == 2
@@ -751,7 +875,10 @@ def test_build_engines_with_a_stand_in_tensorrt(exports, tmp_path, monkeypatch, 
     parsed_types = dict(next(c for c in calls if c[0] == "parse" and "decoder_step" in c[1])[2])
     low = {"fp32": "FLOAT", "fp16": "HALF", "bf16": "BF16"}[precision]
     # strong typing parses the converted graph; weak typing parses float32 and retypes the network I/O
-    assert parsed_types["self_key.0"] == (low if typing == "strong" else "FLOAT") and parsed_types["logits"] == "FLOAT"
+    assert (
+        parsed_types["self_key.0"] == (low if typing == "strong" else "FLOAT")
+        and parsed_types["logits"] == "FLOAT"
+    )
     assert ("create_timing_cache", b"previous") in calls
     assert (folder / "tensorrt.timing.cache").read_bytes() == b"previous+timing"
 
@@ -767,7 +894,9 @@ def test_build_engines_with_a_stand_in_tensorrt(exports, tmp_path, monkeypatch, 
         assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["bytes"] == len(data)
         assert entry["io"]["input_ids"]["mode"] == "input"
     assert section["engines"]["decoder_step"]["io"]["self_key.0"]["dtype"] == trtb.CACHE_DTYPES[precision]
-    assert (folder / f"decoder_step.{precision}.onnx").exists() == (precision != "fp32" and typing == "strong")
+    assert (folder / f"decoder_step.{precision}.onnx").exists() == (
+        precision != "fp32" and typing == "strong"
+    )
     assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]
     from export.manifest import read_manifest
 
@@ -783,7 +912,10 @@ def test_parser_errors_are_reported_one_by_one_and_nothing_is_written(exports, t
     before = {p: (folder / p).stat().st_mtime_ns for p in os.listdir(folder)}
     with caplog.at_level("ERROR", logger="export.tensorrt"), pytest.raises(trtb.TensorRTParseError) as info:
         trtb.build_engines(folder)
-    assert info.value.errors == ["UNSUPPORTED_NODE: no importer for Foo at node 3", "UNSUPPORTED_NODE: bad shape at node 9"]
+    assert info.value.errors == [
+        "UNSUPPORTED_NODE: no importer for Foo at node 3",
+        "UNSUPPORTED_NODE: bad shape at node 9",
+    ]
     assert "2 error(s)" in str(info.value) and "--check-only" in str(info.value)
     logged = [r.getMessage() for r in caplog.records]
     assert any("parser error 1/2" in m for m in logged) and any("parser error 2/2" in m for m in logged)
@@ -819,11 +951,19 @@ def test_weak_typing_pins_float32_layers():
 
     class Net:
         def __init__(self):
-            self.layers = [Layer(trt.LayerType.SOFTMAX), Layer(_Enum("MATRIX_MULTIPLY")), Layer(trt.LayerType.REDUCE)]
-            self.ins = [types.SimpleNamespace(name="self_key.0", dtype=trt.float32),
-                        types.SimpleNamespace(name="input_ids", dtype=trt.int64)]
-            self.outs = [types.SimpleNamespace(name="logits", dtype=trt.float32),
-                         types.SimpleNamespace(name="new_key.0", dtype=trt.float32)]
+            self.layers = [
+                Layer(trt.LayerType.SOFTMAX),
+                Layer(_Enum("MATRIX_MULTIPLY")),
+                Layer(trt.LayerType.REDUCE),
+            ]
+            self.ins = [
+                types.SimpleNamespace(name="self_key.0", dtype=trt.float32),
+                types.SimpleNamespace(name="input_ids", dtype=trt.int64),
+            ]
+            self.outs = [
+                types.SimpleNamespace(name="logits", dtype=trt.float32),
+                types.SimpleNamespace(name="new_key.0", dtype=trt.float32),
+            ]
             self.num_layers, self.num_inputs, self.num_outputs = 3, 2, 2
 
         def get_layer(self, i):
@@ -838,7 +978,10 @@ def test_weak_typing_pins_float32_layers():
     net = Net()
     io = {"self_key.0": "float16", "input_ids": "int64", "logits": "float32", "new_key.0": "float16"}
     assert trtb.apply_weak_precision(trt, net, "fp16", io) == 2
-    assert net.layers[0].precision is trt.float32 and net.layers[0].output_types == {0: trt.float32, 1: trt.float32}
+    assert net.layers[0].precision is trt.float32 and net.layers[0].output_types == {
+        0: trt.float32,
+        1: trt.float32,
+    }
     assert net.layers[1].precision is None
     assert [t.dtype for t in net.ins] == [trt.float16, trt.int64]
     assert [t.dtype for t in net.outs] == [trt.float32, trt.float16]
@@ -896,9 +1039,17 @@ class FakeContext:
         dev = self.engine.device
         views = {}
         for name in self.engine.names:
-            shape = self.shapes[name] if self.engine.io[name][0] == "INPUT" else self.engine.output_shape(name, self.shapes)
+            shape = (
+                self.shapes[name]
+                if self.engine.io[name][0] == "INPUT"
+                else self.engine.output_shape(name, self.shapes)
+            )
             views[name] = _tensor_at(self.addresses[name], shape, self.engine.io[name][1], dev)
-        ctx = torch.cuda.stream(torch.cuda.ExternalStream(stream_handle)) if dev.type == "cuda" else _nullcontext()
+        ctx = (
+            torch.cuda.stream(torch.cuda.ExternalStream(stream_handle))
+            if dev.type == "cuda"
+            else _nullcontext()
+        )
         with ctx, torch.inference_mode():
             self.engine.compute(views)
         return True
@@ -916,7 +1067,14 @@ class FakeEngine:
     """Engine API (names, modes, dtypes, static dims, profile 0) + an eager computation."""
 
     def __init__(self, kind, io, profile, compute, device, calls):
-        self.kind, self.io, self.profile, self.compute, self.device, self.calls = kind, io, profile, compute, device, calls
+        self.kind, self.io, self.profile, self.compute, self.device, self.calls = (
+            kind,
+            io,
+            profile,
+            compute,
+            device,
+            calls,
+        )
         self.names = list(io)
 
     @property
@@ -945,40 +1103,80 @@ class FakeEngine:
         return FakeContext(self)
 
 
-def _fake_engines(model, flavour, device, calls, *, max_rows=16, max_src=32, cache=(1, 64), static_cache=None,
-                  cache_dtype="float32"):
+def _fake_engines(
+    model,
+    flavour,
+    device,
+    calls,
+    *,
+    max_rows=16,
+    max_src=32,
+    cache=(1, 64),
+    static_cache=None,
+    cache_dtype="float32",
+):
     """Encoder + decoder stand-ins for ``model``, with the I/O of DESIGN.md section 3."""
     c = model.config
     H, D, n = c.n_heads, c.d_k, c.n_decoder_layers
     L = static_cache or -1
     f = cache_dtype
     enc_io = {
-        "input_ids": ("INPUT", "int64", [-1, -1]), "src_lengths": ("INPUT", "int64", [-1]),
+        "input_ids": ("INPUT", "int64", [-1, -1]),
+        "src_lengths": ("INPUT", "int64", [-1]),
         "encoder_out": ("OUTPUT", "float32", [-1, -1, c.d_model], lambda s: (*s["input_ids"], c.d_model)),
     }
     for i in range(n):
         for kind in ("key", "value"):
-            enc_io[f"cross_{kind}.{i}"] = ("OUTPUT", f, [-1, H, -1, D], lambda s: (s["input_ids"][0], H, s["input_ids"][1], D))
-    enc_profile = {"input_ids": ((1, 1), (4, 8), (max_rows, max_src)), "src_lengths": ((1,), (4,), (max_rows,))}
+            enc_io[f"cross_{kind}.{i}"] = (
+                "OUTPUT",
+                f,
+                [-1, H, -1, D],
+                lambda s: (s["input_ids"][0], H, s["input_ids"][1], D),
+            )
+    enc_profile = {
+        "input_ids": ((1, 1), (4, 8), (max_rows, max_src)),
+        "src_lengths": ((1,), (4,), (max_rows,)),
+    }
 
-    dec_io = {"input_ids": ("INPUT", "int64", [-1, 1]), "positions": ("INPUT", "int64", [-1]),
-              "src_lengths": ("INPUT", "int64", [-1])}
+    dec_io = {
+        "input_ids": ("INPUT", "int64", [-1, 1]),
+        "positions": ("INPUT", "int64", [-1]),
+        "src_lengths": ("INPUT", "int64", [-1]),
+    }
     lo, hi = (static_cache, static_cache) if static_cache else cache
-    dec_profile = {"input_ids": ((1, 1), (4, 1), (max_rows, 1)), "positions": ((1,), (4,), (max_rows,)),
-                   "src_lengths": ((1,), (4,), (max_rows,))}
+    dec_profile = {
+        "input_ids": ((1, 1), (4, 1), (max_rows, 1)),
+        "positions": ((1,), (4,), (max_rows,)),
+        "src_lengths": ((1,), (4,), (max_rows,)),
+    }
     for i in range(n):
         for kind in ("key", "value"):
             dec_io[f"self_{kind}.{i}"] = ("INPUT", f, [-1, H, L, D])
             dec_profile[f"self_{kind}.{i}"] = ((1, H, lo, D), (4, H, hi, D), (max_rows, H, hi, D))
             dec_io[f"cross_{kind}.{i}"] = ("INPUT", f, [-1, H, -1, D])
             dec_profile[f"cross_{kind}.{i}"] = ((1, H, 1, D), (4, H, 8, D), (max_rows, H, max_src, D))
-    dec_io["logits"] = ("OUTPUT", "float32", [-1, c.tgt_vocab_size], lambda s: (s["input_ids"][0], c.tgt_vocab_size))
+    dec_io["logits"] = (
+        "OUTPUT",
+        "float32",
+        [-1, c.tgt_vocab_size],
+        lambda s: (s["input_ids"][0], c.tgt_vocab_size),
+    )
     for i in range(n):
         for kind in ("key", "value"):
             if flavour == "portable":
-                dec_io[f"new_{kind}.{i}"] = ("OUTPUT", f, [-1, H, 1, D], lambda s: (s["input_ids"][0], H, 1, D))
+                dec_io[f"new_{kind}.{i}"] = (
+                    "OUTPUT",
+                    f,
+                    [-1, H, 1, D],
+                    lambda s: (s["input_ids"][0], H, 1, D),
+                )
             else:
-                dec_io[f"present_{kind}.{i}"] = ("OUTPUT", f, [-1, H, L, D], lambda s, k=kind, j=i: s[f"self_{k}.{j}"])
+                dec_io[f"present_{kind}.{i}"] = (
+                    "OUTPUT",
+                    f,
+                    [-1, H, L, D],
+                    lambda s, k=kind, j=i: s[f"self_{k}.{j}"],
+                )
 
     def encode(v):
         enc_out, keys, values = model.encode(v["input_ids"], v["src_lengths"])
@@ -989,8 +1187,15 @@ def _fake_engines(model, flavour, device, calls, *, max_rows=16, max_src=32, cac
 
     def decode(v):
         get = lambda k: [v[f"{k}.{i}"].float() for i in range(n)]  # noqa: E731
-        logits, new_k, new_v = model.decode_step(v["input_ids"], v["positions"], v["src_lengths"], get("self_key"),
-                                                 get("self_value"), get("cross_key"), get("cross_value"))
+        logits, new_k, new_v = model.decode_step(
+            v["input_ids"],
+            v["positions"],
+            v["src_lengths"],
+            get("self_key"),
+            get("self_value"),
+            get("cross_key"),
+            get("cross_value"),
+        )
         v["logits"].copy_(logits)
         for i in range(n):
             if flavour == "portable":
@@ -1002,8 +1207,10 @@ def _fake_engines(model, flavour, device, calls, *, max_rows=16, max_src=32, cac
                     v[f"present_key.{i}"][b, :, p] = new_k[i][b, :, 0]
                     v[f"present_value.{i}"][b, :, p] = new_v[i][b, :, 0]
 
-    return (FakeEngine("encoder", enc_io, enc_profile, encode, device, calls),
-            FakeEngine("decoder", dec_io, dec_profile, decode, device, calls))
+    return (
+        FakeEngine("encoder", enc_io, enc_profile, encode, device, calls),
+        FakeEngine("decoder", dec_io, dec_profile, decode, device, calls),
+    )
 
 
 def _sources(seed=0, B=3, S=9):
@@ -1028,7 +1235,11 @@ def _decode_all(runner, ids, lengths, cache_len=None):
     kw = dict(bos_id=1, eos_id=2, max_new_tokens=10, cache_len=cache_len)
     greedy = decoding.greedy_decode(runner, ids, lengths, **kw)
     beams = decoding.beam_search(runner, ids, lengths, beam_size=3, n_best=2, **kw)
-    return greedy, [[h.tokens for h in hyps] for hyps in beams], np.array([[h.score for h in hyps] for hyps in beams])
+    return (
+        greedy,
+        [[h.tokens for h in hyps] for hyps in beams],
+        np.array([[h.score for h in hyps] for hyps in beams]),
+    )
 
 
 def _assert_same_decodes(ours, ref, atol=1e-4):
@@ -1048,7 +1259,9 @@ def test_tensorrt_runner_decodes_like_eager_with_stand_in_engines(tiny_model, fl
         runner = TensorRTRunner(enc, dec, max_positions=model.config.max_len, device=dev)
         assert runner.flavour == flavour and runner.limits.static_cache_len == static
         ids, lengths = _sources()
-        _assert_same_decodes(_decode_all(runner, ids, lengths), _decode_all(_eager(model, dev), ids, lengths), atol=1e-5)
+        _assert_same_decodes(
+            _decode_all(runner, ids, lengths), _decode_all(_eager(model, dev), ids, lengths), atol=1e-5
+        )
     finally:
         tiny_model.to("cpu")
 
@@ -1079,7 +1292,7 @@ def test_tensorrt_runner_binds_once_and_appends_after_each_step(tiny_model):
     n_layers = tiny_model.config.n_decoder_layers
     n_append = 2
     first_exec = kinds.index("execute_async_v3")
-    assert kinds[first_exec + 1: first_exec + 1 + n_append] == ["kv_cache_append_"] * n_append
+    assert kinds[first_exec + 1 : first_exec + 1 + n_append] == ["kv_cache_append_"] * n_append
     assert kinds.count("kv_cache_append_") == 3 * n_append
     shapes = {c[2]: c[3] for c in calls if c[0] == "set_input_shape"}
     assert shapes["self_key.0"] == (4, tiny_model.config.n_heads, 5, tiny_model.config.d_k)
@@ -1122,12 +1335,34 @@ def test_tensorscatter_binds_one_buffer_as_input_and_output(tiny_model):
 def test_binding_plans():
     t = lambda *s: torch.zeros(s)  # noqa: E731
     cache = KVCache.allocate(1, 2, 1, 4, 2, dtype=torch.float32, device="cpu", staging=True)
-    state = DeviceState(batch=1, num_beams=2, src_len=3, input_ids=t(2, 1), src_lengths=t(2), cache=cache,
-                        cross_keys=[t(2, 1, 3, 2)], cross_values=[t(2, 1, 3, 2)], logits=t(2, 5), logits_host=t(2, 5),
-                        tokens_host=t(2))
+    state = DeviceState(
+        batch=1,
+        num_beams=2,
+        src_len=3,
+        input_ids=t(2, 1),
+        src_lengths=t(2),
+        cache=cache,
+        cross_keys=[t(2, 1, 3, 2)],
+        cross_values=[t(2, 1, 3, 2)],
+        logits=t(2, 5),
+        logits_host=t(2, 5),
+        tokens_host=t(2),
+    )
     portable = decoder_bindings(state, "portable")
-    assert sorted(portable) == sorted(["input_ids", "positions", "src_lengths", "logits", "self_key.0", "self_value.0",
-                                       "cross_key.0", "cross_value.0", "new_key.0", "new_value.0"])
+    assert sorted(portable) == sorted(
+        [
+            "input_ids",
+            "positions",
+            "src_lengths",
+            "logits",
+            "self_key.0",
+            "self_value.0",
+            "cross_key.0",
+            "cross_value.0",
+            "new_key.0",
+            "new_value.0",
+        ]
+    )
     assert portable["new_key.0"] is state.new_keys[0]
     scatter = decoder_bindings(state, "tensorscatter")
     assert scatter["present_key.0"] is scatter["self_key.0"] is state.self_keys[0]
@@ -1139,7 +1374,9 @@ def test_binding_plans():
 
 
 def test_tensorrt_runner_checks_profile_limits(tiny_model):
-    enc, dec = _fake_engines(tiny_model, "portable", torch.device("cpu"), [], max_rows=4, max_src=12, cache=(2, 20))
+    enc, dec = _fake_engines(
+        tiny_model, "portable", torch.device("cpu"), [], max_rows=4, max_src=12, cache=(2, 20)
+    )
     runner = TensorRTRunner(enc, dec, max_positions=64, device="cpu")
     ids, lengths = _sources(B=2)
     with pytest.raises(ValueError, match="rows exceed"):
@@ -1195,7 +1432,9 @@ def _ort_cuda_runner(folder, **kw):
 def test_ort_device_runner_decodes_like_eager(exports, tiny_model, flavour):
     runner = _ort_cuda_runner(exports[flavour])
     ids, lengths = _sources(1)
-    _assert_same_decodes(_decode_all(runner, ids, lengths), _decode_all(_eager(tiny_model, "cpu"), ids, lengths))
+    _assert_same_decodes(
+        _decode_all(runner, ids, lengths), _decode_all(_eager(tiny_model, "cpu"), ids, lengths)
+    )
 
 
 def test_ort_device_runner_fp16_graphs(exports, tiny_model):
@@ -1287,9 +1526,13 @@ def test_ort_device_runner_providers_use_the_runner_stream():
 
     fake = types.SimpleNamespace(device=torch.device("cuda", 1), stream_handle=123456)
     providers = OrtCudaRunner.provider_list(fake, {"arena_extend_strategy": "kSameAsRequested"})
-    assert providers[0] == ("CUDAExecutionProvider", {"device_id": 1, "user_compute_stream": "123456",
-                                                      "arena_extend_strategy": "kSameAsRequested"})
-    assert OrtCudaRunner.provider_list(types.SimpleNamespace(device=torch.device("cpu"))) == ["CPUExecutionProvider"]
+    assert providers[0] == (
+        "CUDAExecutionProvider",
+        {"device_id": 1, "user_compute_stream": "123456", "arena_extend_strategy": "kSameAsRequested"},
+    )
+    assert OrtCudaRunner.provider_list(types.SimpleNamespace(device=torch.device("cpu"))) == [
+        "CPUExecutionProvider"
+    ]
 
 
 # ------------------------------------------------------------------------------------------
@@ -1308,7 +1551,9 @@ def _need_tensorrt_gpu():
 
 @pytest.mark.cuda
 @needs_tensorrt_gpu
-@pytest.mark.parametrize("flavour, precision", [("portable", "fp32"), ("tensorscatter", "fp32"), ("portable", "fp16")])
+@pytest.mark.parametrize(
+    "flavour, precision", [("portable", "fp32"), ("tensorscatter", "fp32"), ("portable", "fp16")]
+)
 def test_engines_decode_like_eager(exports, tiny_model, tmp_path, flavour, precision):
     _need_tensorrt_gpu()
     folder = _copy_export(exports[flavour], tmp_path / "e")
@@ -1333,14 +1578,19 @@ def test_engines_decode_like_eager(exports, tiny_model, tmp_path, flavour, preci
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not _has_ort_cuda(), reason="needs a CUDA GPU and onnxruntime-gpu (CUDAExecutionProvider)")
+@pytest.mark.skipif(
+    not _has_ort_cuda(), reason="needs a CUDA GPU and onnxruntime-gpu (CUDAExecutionProvider)"
+)
 def test_ort_cuda_provider_decodes_like_eager(exports, tiny_model):
     from transformer_ext.runtimes import OrtCudaRunner
 
     runner = OrtCudaRunner(exports["portable"], device="cuda")
     ids, lengths = _sources()
     try:
-        _assert_same_decodes(_decode_all(runner, ids, lengths), _decode_all(_eager(tiny_model.to("cuda"), "cuda"), ids, lengths))
+        _assert_same_decodes(
+            _decode_all(runner, ids, lengths),
+            _decode_all(_eager(tiny_model.to("cuda"), "cuda"), ids, lengths),
+        )
     finally:
         tiny_model.to("cpu")
 

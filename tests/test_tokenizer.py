@@ -128,7 +128,7 @@ def test_load_missing_directory_and_file(tmp_path):
         ("{not json", "corrupt tokenizer file"),
         ("\xff\xfe", "corrupt tokenizer file"),
         ('{"format": "something else"}', "format"),
-        ('[1, 2, 3]', "expected a JSON object, got list"),
+        ("[1, 2, 3]", "expected a JSON object, got list"),
     ],
 )
 def test_load_corrupt_file(tmp_path, content, match):
@@ -179,16 +179,19 @@ def _write(tmp_path, data) -> None:
     (tmp_path / "tokenizer.json").write_text(text, encoding="utf-8")
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(shared="false"), "field 'shared' must be a boolean"),
-    (dict(lowercase=1), "field 'lowercase' must be a boolean"),
-    (dict(version=True), "unsupported tokenizer format version True"),
-    (dict(type="bpe"), "field 'type' must be 'char'"),
-    (dict(extra=1), r"unknown fields \['extra'\]"),
-    (dict(special_tokens=[0, 1, 2, 3]), "field 'special_tokens' must be a JSON object"),
-    (dict(source_vocab="abc"), "field 'source_vocab' must be a JSON list"),
-    (dict(shared=True), "'shared' is true but 'source_vocab' and 'target_vocab' differ"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(shared="false"), "field 'shared' must be a boolean"),
+        (dict(lowercase=1), "field 'lowercase' must be a boolean"),
+        (dict(version=True), "unsupported tokenizer format version True"),
+        (dict(type="bpe"), "field 'type' must be 'char'"),
+        (dict(extra=1), r"unknown fields \['extra'\]"),
+        (dict(special_tokens=[0, 1, 2, 3]), "field 'special_tokens' must be a JSON object"),
+        (dict(source_vocab="abc"), "field 'source_vocab' must be a JSON list"),
+        (dict(shared=True), "'shared' is true but 'source_vocab' and 'target_vocab' differ"),
+    ],
+)
 def test_load_rejects_a_wrong_schema_naming_the_file_and_field(tmp_path, tok, change, match):
     _write(tmp_path, {**tok.to_dict(), **change})
     with pytest.raises(TokenizerError, match=match) as info:
@@ -199,14 +202,18 @@ def test_load_rejects_a_wrong_schema_naming_the_file_and_field(tmp_path, tok, ch
 @pytest.mark.parametrize("field", ["type", "shared", "lowercase", "target_vocab"])
 def test_load_rejects_a_missing_field(tmp_path, tok, field):
     _write(tmp_path, {k: v for k, v in tok.to_dict().items() if k != field})
-    with pytest.raises(TokenizerError, match=rf"invalid tokenizer file .*tokenizer.json: missing fields \['{field}'\]"):
+    with pytest.raises(
+        TokenizerError, match=rf"invalid tokenizer file .*tokenizer.json: missing fields \['{field}'\]"
+    ):
         CharTokenizer.load(tmp_path)
 
 
 def test_load_truncated_or_empty_file(tmp_path, tok):
     full = json.dumps(tok.to_dict(), indent=1)
     _write(tmp_path, full[: len(full) // 2])
-    with pytest.raises(TokenizerError, match=r"corrupt tokenizer file .*tokenizer.json: not valid JSON \(truncated\?\)"):
+    with pytest.raises(
+        TokenizerError, match=r"corrupt tokenizer file .*tokenizer.json: not valid JSON \(truncated\?\)"
+    ):
         CharTokenizer.load(tmp_path)
     _write(tmp_path, "  \n")
     with pytest.raises(TokenizerError, match="corrupt tokenizer file .*: the file is empty"):
@@ -248,11 +255,17 @@ def test_check_model_config_names_both_files_and_the_id(tok):
     check_model_config(tok, _Config(**sizes))
     check_model_config(tok, {**sizes, "pad_id": 0, "bos_id": 1, "eos_id": 2})  # a manifest's model_config
     files = dict(tokenizer_file="m/tokenizer.json", config_file="m/config.json")
-    with pytest.raises(TokenizerError, match=r"special id mismatch: m/config.json has eos_id = 5 but "
-                                             r"m/tokenizer.json has eos = 2"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"special id mismatch: m/config.json has eos_id = 5 but "
+        r"m/tokenizer.json has eos = 2",
+    ):
         check_model_config(tok, _Config(**sizes, eos_id=5), **files)
-    with pytest.raises(TokenizerError, match=r"m/tokenizer.json has a target vocabulary of \d+ tokens but "
-                                             r"m/config.json has tgt_vocab_size = 999"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"m/tokenizer.json has a target vocabulary of \d+ tokens but "
+        r"m/config.json has tgt_vocab_size = 999",
+    ):
         check_model_config(tok, _Config(**{**sizes, "tgt_vocab_size": 999}), **files)
 
 
@@ -289,7 +302,9 @@ def test_load_tokenizer_dispatches_on_the_type(tmp_path, tok, monkeypatch):
     (tmp_path / "pieces" / "tokenizer.json").write_text(json.dumps(description), encoding="utf-8")
     other = load_tokenizer(tmp_path / "pieces")
     assert isinstance(other, Pieces) and other.data == description
-    assert other.path == str(tmp_path / "pieces" / "tokenizer.json")  # its own files are read from that folder
+    assert other.path == str(
+        tmp_path / "pieces" / "tokenizer.json"
+    )  # its own files are read from that folder
     monkeypatch.setitem(TOKENIZER_TYPES, "pieces", f"{__name__}:_LazyKind")  # imported on first use
     assert isinstance(load_tokenizer(tmp_path / "pieces"), _LazyKind)
 
@@ -303,11 +318,15 @@ class _LazyKind:
 @pytest.mark.parametrize(
     "description, match",
     [
-        ({"format": "transformer_ext.Future", "type": "bpe-9"},
-         r"tokenizer.json: unknown tokenizer type 'bpe-9' \(this version reads 'char', 'sentencepiece'\)"),
+        (
+            {"format": "transformer_ext.Future", "type": "bpe-9"},
+            r"tokenizer.json: unknown tokenizer type 'bpe-9' \(this version reads 'char', 'sentencepiece'\)",
+        ),
         ({"format": "transformer_ext.CharTokenizer"}, "unknown tokenizer type None"),
-        ({"version": "1.0", "model": {"type": "BPE"}, "added_tokens": []},  # a Hugging Face tokenizer.json
-         "not a transformer_ext tokenizer description"),
+        (
+            {"version": "1.0", "model": {"type": "BPE"}, "added_tokens": []},  # a Hugging Face tokenizer.json
+            "not a transformer_ext tokenizer description",
+        ),
         ([1, 2], "not a transformer_ext tokenizer description"),
         ({"format": "transformer_ext.CharTokenizer", "type": "char", "version": 1}, "missing fields"),
     ],
@@ -324,7 +343,9 @@ def test_load_tokenizer_missing_and_corrupt_files(tmp_path):
         load_tokenizer(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
         load_tokenizer(tmp_path)
-    (tmp_path / "tokenizer.json").write_text('{"format": "transformer_ext.CharTokenizer", "ty', encoding="utf-8")
+    (tmp_path / "tokenizer.json").write_text(
+        '{"format": "transformer_ext.CharTokenizer", "ty', encoding="utf-8"
+    )
     with pytest.raises(TokenizerError, match=r"corrupt tokenizer file .*tokenizer.json: not valid JSON"):
         load_tokenizer(tmp_path)
 
@@ -333,8 +354,34 @@ def test_load_tokenizer_reads_a_sentencepiece_folder(tmp_path):
     pytest.importorskip("sentencepiece")
     from transformer_ext.spm_tokenizer import SentencePieceTokenizer
 
-    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "twenty", "hundred"]
-    german = ["eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "acht", "neun", "zehn", "zwanzig", "hundert"]
+    words = [
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "twenty",
+        "hundred",
+    ]
+    german = [
+        "eins",
+        "zwei",
+        "drei",
+        "vier",
+        "fünf",
+        "sechs",
+        "sieben",
+        "acht",
+        "neun",
+        "zehn",
+        "zwanzig",
+        "hundert",
+    ]
     sources = [f"{a} {b}" for a in words for b in words]
     targets = [f"{a}{b}" for a in german for b in german]
     tok = SentencePieceTokenizer.train(sources, targets, vocab_size=40)

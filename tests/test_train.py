@@ -29,8 +29,20 @@ from transformer_ext.train import (
 
 # A tiny task: the numbers 0..99, the "tiny" model, a few dozen steps (seconds on 2 cores).
 TINY = dict(
-    preset="tiny", range_low=0, range_high=99, max_tokens=400, warmup=10, lr_factor=2.0, dropout=0.1,
-    max_steps=24, eval_every=12, eval_examples=4, final_eval=False, progress=False, log_every=0, threads=1,
+    preset="tiny",
+    range_low=0,
+    range_high=99,
+    max_tokens=400,
+    warmup=10,
+    lr_factor=2.0,
+    dropout=0.1,
+    max_steps=24,
+    eval_every=12,
+    eval_examples=4,
+    final_eval=False,
+    progress=False,
+    log_every=0,
+    threads=1,
     oversample=(),
 )
 
@@ -49,16 +61,17 @@ def reference_run(tmp_path_factory):
 # ---------------------------------------------------------------------- schedule
 def paper_rate(step, d_model, warmup, factor):
     """The schedule written out independently: d^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
-    return factor * (1.0 / math.sqrt(d_model)) * min(1.0 / math.sqrt(step), step / warmup ** 1.5)
+    return factor * (1.0 / math.sqrt(d_model)) * min(1.0 / math.sqrt(step), step / warmup**1.5)
 
 
 @pytest.mark.parametrize("d_model, warmup, factor", [(512, 4000, 1.0), (128, 400, 0.5), (32, 10, 2.0)])
 def test_noam_lr_matches_the_formula(d_model, warmup, factor):
     for step in (1, 2, warmup // 2, warmup - 1, warmup, warmup + 1, 3 * warmup, 10 * warmup):
-        assert noam_lr(step, d_model, warmup, factor) == pytest.approx(paper_rate(step, d_model, warmup, factor),
-                                                                        rel=1e-12)
+        assert noam_lr(step, d_model, warmup, factor) == pytest.approx(
+            paper_rate(step, d_model, warmup, factor), rel=1e-12
+        )
     peak = noam_lr(warmup, d_model, warmup, factor)
-    assert peak == pytest.approx(factor * d_model ** -0.5 * warmup ** -0.5)
+    assert peak == pytest.approx(factor * d_model**-0.5 * warmup**-0.5)
     assert noam_lr(warmup - 1, d_model, warmup, factor) < peak > noam_lr(warmup + 1, d_model, warmup, factor)
 
 
@@ -142,8 +155,13 @@ def test_checkpoints_are_model_directories(reference_run):
         assert model.config.tgt_vocab_size == tok.tgt_vocab_size
     # the training state is safetensors + json: nothing that needs pickle
     last = set(os.listdir(os.path.join(out, "last")))
-    assert last == {"config.json", "model.safetensors", "tokenizer.json", "training_state.json",
-                    "training_state.safetensors"}
+    assert last == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "training_state.json",
+        "training_state.safetensors",
+    }
     assert not any(f.endswith((".pt", ".pth", ".pkl", ".bin")) for f in last)
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["steps"] == TINY["max_steps"] and summary["best"]["step"] in (12, 24)
@@ -219,11 +237,13 @@ def test_bad_options(tmp_path, kwargs, match):
 
 
 def test_export_and_time_budget(tmp_path):
-    result = train(tiny(tmp_path, max_steps=50, max_minutes=1e-6, eval_every=0,
-                        export_dir=str(tmp_path / "exported")))
+    result = train(
+        tiny(tmp_path, max_steps=50, max_minutes=1e-6, eval_every=0, export_dir=str(tmp_path / "exported"))
+    )
     assert result.stop_reason == "max_minutes" and result.step < 50
     assert {"config.json", "model.safetensors", "tokenizer.json", "training_summary.json"} <= set(
-        os.listdir(tmp_path / "exported"))
+        os.listdir(tmp_path / "exported")
+    )
     load_model(tmp_path / "exported")
 
 
@@ -232,15 +252,45 @@ def test_cli(tmp_path, capsys):
         train_mod.main(["--help"])
     assert info.value.code == 0
     help_text = capsys.readouterr().out
-    for flag in ("--resume", "--seed", "--device", "--preset", "--max-minutes", "--max-tokens", "--warmup",
-                 "--label-smoothing", "--clip-norm", "--eval-every", "--export"):
+    for flag in (
+        "--resume",
+        "--seed",
+        "--device",
+        "--preset",
+        "--max-minutes",
+        "--max-tokens",
+        "--warmup",
+        "--label-smoothing",
+        "--clip-norm",
+        "--eval-every",
+        "--export",
+    ):
         assert flag in help_text
     out = str(tmp_path / "cli")
 
     def args(steps, *extra):
-        return ["--out", out, "--preset", "tiny", "--range", "0", "99", "--max-steps", str(steps), "--eval-every",
-                "0", "--eval-examples", "2", "--no-final-eval", "--no-progress", "--quiet", "--threads", "1",
-                "--oversample", *extra]
+        return [
+            "--out",
+            out,
+            "--preset",
+            "tiny",
+            "--range",
+            "0",
+            "99",
+            "--max-steps",
+            str(steps),
+            "--eval-every",
+            "0",
+            "--eval-examples",
+            "2",
+            "--no-final-eval",
+            "--no-progress",
+            "--quiet",
+            "--threads",
+            "1",
+            "--oversample",
+            *extra,
+        ]
 
     assert train_mod.main(args(2)) == 0
     assert "trained 2 steps" in capsys.readouterr().out
@@ -248,7 +298,12 @@ def test_cli(tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
     assert train_mod.main(args(4, "--resume")) == 0
     assert "trained 4 steps" in capsys.readouterr().out
-    assert train_mod.main(["--out", str(tmp_path / "x"), "--preset", "tiny", "--d-model", "30", "--n-heads", "4"]) == 1
+    assert (
+        train_mod.main(
+            ["--out", str(tmp_path / "x"), "--preset", "tiny", "--d-model", "30", "--n-heads", "4"]
+        )
+        == 1
+    )
     assert "divisible" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
@@ -257,7 +312,10 @@ def test_cli(tmp_path, capsys):
 def snapshot(folder) -> dict:
     """Every path under ``folder`` (hidden ones included) with its bytes (None for a folder)."""
     folder = Path(folder)
-    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def temporaries(root) -> list[str]:
@@ -266,9 +324,30 @@ def temporaries(root) -> list[str]:
 
 
 def cli(out, *extra, steps=2):
-    return ["--out", str(out), "--preset", "tiny", "--range", "0", "99", "--max-steps", str(steps), "--eval-every",
-            "0", "--eval-examples", "2", "--no-final-eval", "--no-progress", "--quiet", "--threads", "1",
-            "--max-tokens", "400", "--oversample", *extra]
+    return [
+        "--out",
+        str(out),
+        "--preset",
+        "tiny",
+        "--range",
+        "0",
+        "99",
+        "--max-steps",
+        str(steps),
+        "--eval-every",
+        "0",
+        "--eval-examples",
+        "2",
+        "--no-final-eval",
+        "--no-progress",
+        "--quiet",
+        "--threads",
+        "1",
+        "--max-tokens",
+        "400",
+        "--oversample",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +424,9 @@ def test_overwrite_replaces_the_old_run_only_when_the_new_one_has_a_checkpoint(r
     real = train_mod._save_checkpoint
 
     def spy(run_dir, name, *args, **kwargs):
-        seen.append((Path(run_dir) == run_copy, (run_copy / "last" / "model.safetensors").read_bytes() == old_weights))
+        seen.append(
+            (Path(run_dir) == run_copy, (run_copy / "last" / "model.safetensors").read_bytes() == old_weights)
+        )
         return real(run_dir, name, *args, **kwargs)
 
     monkeypatch.setattr(train_mod, "_save_checkpoint", spy)
@@ -353,7 +434,9 @@ def test_overwrite_replaces_the_old_run_only_when_the_new_one_has_a_checkpoint(r
     assert result.step == 4 and result.first_step == 1
     # steps 2 (best + last, in the new run's temporary folder: the old run still in place), 4 (in --out)
     assert seen[:2] == [(False, True), (False, True)] and all(in_out for in_out, _ in seen[2:])
-    assert state_step(run_copy) == 4 and json.loads((run_copy / "run.json").read_text())["format_version"] == 1
+    assert (
+        state_step(run_copy) == 4 and json.loads((run_copy / "run.json").read_text())["format_version"] == 1
+    )
     assert sorted(os.listdir(run_copy.parent)) == ["run"] and not temporaries(run_copy.parent)
 
 
@@ -374,7 +457,9 @@ def test_refuses_folders_it_did_not_create(tmp_path, run_copy):
     with pytest.raises(TrainingError, match=r"holds files this program did not write \(notes.txt\)"):
         train(tiny(tmp_path, overwrite=True))
     assert snapshot(run_copy) == before
-    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True))  # resuming does not delete anything
+    resumed = train(
+        tiny(tmp_path, max_steps=3, eval_every=0, resume=True)
+    )  # resuming does not delete anything
     assert resumed.step == 3 and (run_copy / "notes.txt").read_text() == "mine"
 
 
@@ -445,29 +530,61 @@ def _wrong_shape_optimizer_state(path):
 
 # (what is done to the saved run, the file named in the error, a fragment of the error)
 CORRUPTIONS = {
-    "truncated state tensors": (lambda r: _truncate(r / "last" / "training_state.safetensors"),
-                                "last/training_state.safetensors", "corrupt or truncated"),
-    "truncated state json": (lambda r: _truncate(r / "last" / "training_state.json"),
-                             "last/training_state.json", "corrupt or truncated"),
-    "state json without step": (lambda r: _set_json(r / "last" / "training_state.json", step=None),
-                                "last/training_state.json", "has no 'step'"),
-    "negative step": (lambda r: _set_json(r / "last" / "training_state.json", step=-4),
-                      "last/training_state.json", "'step' is -4"),
-    "non-finite optimizer state": (lambda r: _nan_in_optimizer_state(r / "last" / "training_state.safetensors"),
-                                   "last/training_state.safetensors", "non-finite"),
+    "truncated state tensors": (
+        lambda r: _truncate(r / "last" / "training_state.safetensors"),
+        "last/training_state.safetensors",
+        "corrupt or truncated",
+    ),
+    "truncated state json": (
+        lambda r: _truncate(r / "last" / "training_state.json"),
+        "last/training_state.json",
+        "corrupt or truncated",
+    ),
+    "state json without step": (
+        lambda r: _set_json(r / "last" / "training_state.json", step=None),
+        "last/training_state.json",
+        "has no 'step'",
+    ),
+    "negative step": (
+        lambda r: _set_json(r / "last" / "training_state.json", step=-4),
+        "last/training_state.json",
+        "'step' is -4",
+    ),
+    "non-finite optimizer state": (
+        lambda r: _nan_in_optimizer_state(r / "last" / "training_state.safetensors"),
+        "last/training_state.safetensors",
+        "non-finite",
+    ),
     "optimizer state of another shape": (
         lambda r: _wrong_shape_optimizer_state(r / "last" / "training_state.safetensors"),
-        "last/training_state.safetensors", "has shape (3,)"),
-    "options not json": (lambda r: (r / "train_options.json").write_bytes(b"\xff\xfe{"),
-                         "train_options.json", "corrupt or truncated"),
-    "options out of range": (lambda r: _set_json(r / "train_options.json", lr_factor=-1.0),
-                             "train_options.json", "--lr-factor"),
-    "config without n_heads": (lambda r: _set_json(r / "last" / "config.json", n_heads=None),
-                               "last/config.json", "missing key 'n_heads'"),
-    "truncated weights": (lambda r: _truncate(r / "last" / "model.safetensors"),
-                          "last/model.safetensors", "not a readable safetensors file"),
-    "state missing": (lambda r: (r / "last" / "training_state.json").unlink(),
-                      "last/training_state.json", "cannot resume"),
+        "last/training_state.safetensors",
+        "has shape (3,)",
+    ),
+    "options not json": (
+        lambda r: (r / "train_options.json").write_bytes(b"\xff\xfe{"),
+        "train_options.json",
+        "corrupt or truncated",
+    ),
+    "options out of range": (
+        lambda r: _set_json(r / "train_options.json", lr_factor=-1.0),
+        "train_options.json",
+        "--lr-factor",
+    ),
+    "config without n_heads": (
+        lambda r: _set_json(r / "last" / "config.json", n_heads=None),
+        "last/config.json",
+        "missing key 'n_heads'",
+    ),
+    "truncated weights": (
+        lambda r: _truncate(r / "last" / "model.safetensors"),
+        "last/model.safetensors",
+        "not a readable safetensors file",
+    ),
+    "state missing": (
+        lambda r: (r / "last" / "training_state.json").unlink(),
+        "last/training_state.json",
+        "cannot resume",
+    ),
 }
 
 
@@ -524,7 +641,9 @@ def test_full_disk_at_a_later_checkpoint_keeps_the_previous_one(tmp_path, monkey
     assert resumed.first_step == 2 and resumed.step == 3
 
 
-@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.parametrize(
+    "sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
 def test_signal_at_the_first_checkpoint_keeps_the_old_run(run_copy, monkeypatch, capsys, sig, code, word):
     before = snapshot(run_copy.parent)
     real = train_mod._save_model_dir
@@ -571,10 +690,14 @@ def _dead_pid() -> int:
 def test_temporaries_of_a_killed_run_are_removed(tmp_path, caplog):
     from transformer_ext import fsutil
 
-    stale = tmp_path / f".run.tmp-{fsutil._HOST}-{_dead_pid()}-0123abcd"  # a run killed before its first checkpoint
+    stale = (
+        tmp_path / f".run.tmp-{fsutil._HOST}-{_dead_pid()}-0123abcd"
+    )  # a run killed before its first checkpoint
     stale.mkdir()
     (stale / "run.json").write_text("{}")
-    other_host = tmp_path / f".run.tmp-otherhost-{_dead_pid()}-0123abcd"  # may belong to a live process elsewhere
+    other_host = (
+        tmp_path / f".run.tmp-otherhost-{_dead_pid()}-0123abcd"
+    )  # may belong to a live process elsewhere
     other_host.mkdir()
     train(tiny(tmp_path, max_steps=1, eval_every=0))
     assert not stale.exists() and other_host.is_dir()
@@ -610,9 +733,13 @@ def test_update_freq_equals_one_larger_batch():
     torch.manual_seed(0)
     model = Transformer(TransformerConfig.preset("tiny", dropout=0.0))
     g = torch.Generator().manual_seed(1)
-    pairs = [(torch.randint(4, 48, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist(),
-              torch.randint(4, 40, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist())
-             for _ in range(9)]
+    pairs = [
+        (
+            torch.randint(4, 48, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist(),
+            torch.randint(4, 40, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist(),
+        )
+        for _ in range(9)
+    ]
     ids = dict(pad_id=0, bos_id=1, eos_id=2)
 
     def grads(micro):
@@ -621,7 +748,9 @@ def test_update_freq_equals_one_larger_batch():
         return value, n, {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
     one_value, one_n, one = grads([collate(pairs, **ids)])
-    acc_value, acc_n, acc = grads([collate(pairs[:2], **ids), collate(pairs[2:7], **ids), collate(pairs[7:], **ids)])
+    acc_value, acc_n, acc = grads(
+        [collate(pairs[:2], **ids), collate(pairs[2:7], **ids), collate(pairs[7:], **ids)]
+    )
     assert acc_n == one_n == sum(len(t) + 1 for _, t in pairs)
     assert acc_value == pytest.approx(one_value, rel=1e-5)
     for name in one:
@@ -635,13 +764,30 @@ def test_update_freq_equals_one_larger_batch():
     assert any(not torch.allclose(naive[k], one[k], rtol=1e-3, atol=1e-5) for k in one)
 
 
-SENTS_EN = ["the man went to the city", "the woman saw the house", "a child ran in the field", "he spoke to them",
-            "they went up to the mountain", "she gave bread to the poor", "the king sat on the throne",
-            "the people heard the word", "he wrote a letter to the church", "the sheep were in the field"]
-SENTS_DE = ["der Mann ging in die Stadt", "die Frau sah das Haus", "ein Kind lief auf dem Feld",
-            "er redete zu ihnen", "sie gingen hinauf auf den Berg", "sie gab den Armen Brot",
-            "der König saß auf dem Thron", "das Volk hörte das Wort", "er schrieb einen Brief an die Gemeinde",
-            "die Schafe waren auf dem Feld"]
+SENTS_EN = [
+    "the man went to the city",
+    "the woman saw the house",
+    "a child ran in the field",
+    "he spoke to them",
+    "they went up to the mountain",
+    "she gave bread to the poor",
+    "the king sat on the throne",
+    "the people heard the word",
+    "he wrote a letter to the church",
+    "the sheep were in the field",
+]
+SENTS_DE = [
+    "der Mann ging in die Stadt",
+    "die Frau sah das Haus",
+    "ein Kind lief auf dem Feld",
+    "er redete zu ihnen",
+    "sie gingen hinauf auf den Berg",
+    "sie gab den Armen Brot",
+    "der König saß auf dem Thron",
+    "das Volk hörte das Wort",
+    "er schrieb einen Brief an die Gemeinde",
+    "die Schafe waren auf dem Feld",
+]
 
 
 def write_lines(path, lines):
@@ -654,15 +800,23 @@ def text_opts(tmp_path, name="run", **kw):
     tgt = write_lines(tmp_path / "train.de", SENTS_DE * 3)
     vsrc = write_lines(tmp_path / "valid.en", SENTS_EN[:3])
     vtgt = write_lines(tmp_path / "valid.de", SENTS_DE[:3])
-    base = dict(TINY, train_files=(src, tgt), valid_files=(vsrc, vtgt), tokenizer="char", max_steps=6, eval_every=3,
-                eval_examples=3)
+    base = dict(
+        TINY,
+        train_files=(src, tgt),
+        valid_files=(vsrc, vtgt),
+        tokenizer="char",
+        max_steps=6,
+        eval_every=3,
+        eval_examples=3,
+    )
     base.update(kw)
     return TrainOptions(out_dir=str(tmp_path / name), **base)
 
 
 def test_text_training_with_char_tokenizer_and_keep_last(tmp_path):
-    opts = text_opts(tmp_path, keep_last=1, best_metric="chrf", update_freq=2, max_steps=4, eval_every=2,
-                     max_len_ratio=1.5)
+    opts = text_opts(
+        tmp_path, keep_last=1, best_metric="chrf", update_freq=2, max_steps=4, eval_every=2, max_len_ratio=1.5
+    )
     result = train(opts)
     out = Path(result.out_dir)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-4"]  # --keep-last 1
@@ -671,7 +825,8 @@ def test_text_training_with_char_tokenizer_and_keep_last(tmp_path):
     assert summary["best_metric"] == "chrf"
     assert summary["data"]["train"]["total"] == 30
     assert summary["data"]["train"]["ratio"] == sum(
-        max(len(a), len(b)) > 1.5 * min(len(a), len(b)) for a, b in zip(SENTS_EN * 3, SENTS_DE * 3))
+        max(len(a), len(b)) > 1.5 * min(len(a), len(b)) for a, b in zip(SENTS_EN * 3, SENTS_DE * 3)
+    )
     assert load_model(out / "best").config.max_len == 64
 
 
@@ -684,15 +839,21 @@ def test_patience_stops_early(tmp_path, monkeypatch):
     assert result.best["step"] == 2
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(valid_files=None), "--train needs a validation set"),
-    (dict(amp="bf16"), "--amp bf16 needs --device cuda: on the CPU training runs in float32.*100x slower"),
-    (dict(lr_schedule="inverse-sqrt"), "needs --lr"),
-    (dict(update_freq=0), "--update-freq"),
-    (dict(keep_last=-1), "--keep-last"),
-    (dict(best_metric="rouge"), "--best-metric"),
-    (dict(vocab_size=2), "--vocab-size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(valid_files=None), "--train needs a validation set"),
+        (
+            dict(amp="bf16"),
+            "--amp bf16 needs --device cuda: on the CPU training runs in float32.*100x slower",
+        ),
+        (dict(lr_schedule="inverse-sqrt"), "needs --lr"),
+        (dict(update_freq=0), "--update-freq"),
+        (dict(keep_last=-1), "--keep-last"),
+        (dict(best_metric="rouge"), "--best-metric"),
+        (dict(vocab_size=2), "--vocab-size"),
+    ],
+)
 def test_text_bad_options(tmp_path, kwargs, match):
     with pytest.raises(TrainingError, match=match):
         train(text_opts(tmp_path, **kwargs))
@@ -703,13 +864,22 @@ def test_text_bad_data_is_named(tmp_path, capsys):
     opts = text_opts(tmp_path)
     src, tgt = opts.train_files
     vsrc, vtgt = opts.valid_files
-    args = ["--out", str(tmp_path / "run"), "--preset", "tiny", "--max-steps", "2", "--no-progress",
-            "--tokenizer", "char"]
+    args = [
+        "--out",
+        str(tmp_path / "run"),
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "2",
+        "--no-progress",
+        "--tokenizer",
+        "char",
+    ]
     short = write_lines(tmp_path / "short.de", SENTS_DE[:4])
     assert train_mod.main(args + ["--train", src, short, "--valid", vsrc, vtgt]) == 1
     assert f"{src} has 30 lines but {short} has 4" in capsys.readouterr().err
     bad = tmp_path / "bad.en"
-    bad.write_bytes(("\n".join(SENTS_EN * 3)).encode() .replace(b"city", b"cit\xe9", 1) + b"\n")
+    bad.write_bytes(("\n".join(SENTS_EN * 3)).encode().replace(b"city", b"cit\xe9", 1) + b"\n")
     assert train_mod.main(args + ["--train", str(bad), tgt, "--valid", vsrc, vtgt]) == 1
     assert f"{bad}, line 1: not UTF-8" in capsys.readouterr().err
     empty = write_lines(tmp_path / "empty.en", [])
@@ -729,8 +899,20 @@ def test_text_tsv_and_impossible_vocab(tmp_path, capsys):
     pytest.importorskip("sentencepiece")
     tsv = write_lines(tmp_path / "train.tsv", [f"{a}\t{b}" for a, b in zip(SENTS_EN, SENTS_DE)])
     vtsv = write_lines(tmp_path / "valid.tsv", [f"{a}\t{b}" for a, b in zip(SENTS_EN[:2], SENTS_DE[:2])])
-    args = ["--out", str(tmp_path / "run"), "--preset", "tiny", "--max-steps", "2", "--no-progress",
-            "--train-tsv", tsv, "--valid-tsv", vtsv, "--shared-vocab"]
+    args = [
+        "--out",
+        str(tmp_path / "run"),
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "2",
+        "--no-progress",
+        "--train-tsv",
+        tsv,
+        "--valid-tsv",
+        vtsv,
+        "--shared-vocab",
+    ]
     assert train_mod.main(args + ["--vocab-size", "8000"]) == 1
     err = capsys.readouterr().err
     assert "--vocab-size 8000 is more than the source and target training text supports" in err

@@ -61,7 +61,9 @@ def test_examples(translator):
 
 def test_beam_n_best(translator):
     (pairs,) = translator.translate(["seven thousand and seventeen"], beam_size=4, n_best=3)
-    assert len(pairs) == 3 and all(isinstance(text, str) and isinstance(score, float) for text, score in pairs)
+    assert len(pairs) == 3 and all(
+        isinstance(text, str) and isinstance(score, float) for text, score in pairs
+    )
     scores = [score for _, score in pairs]
     assert scores == sorted(scores, reverse=True)
     assert len({text for text, _ in pairs}) == 3
@@ -83,8 +85,15 @@ def test_beam_search_of_one_equals_greedy(translator):
     padded = np.zeros((len(ids), lengths.max()), dtype=np.int64)
     for i, x in enumerate(ids):
         padded[i, : len(x)] = x
-    beams = beam_search(translator.runner, padded, lengths, bos_id=1, eos_id=2, beam_size=1,
-                        max_new_tokens=translator.max_new_tokens(lengths, 1.5, 10))
+    beams = beam_search(
+        translator.runner,
+        padded,
+        lengths,
+        bos_id=1,
+        eos_id=2,
+        beam_size=1,
+        max_new_tokens=translator.max_new_tokens(lengths, 1.5, 10),
+    )
     assert [list(b[0].tokens) for b in beams] == [list(t.hypotheses[0].tokens) for t in greedy]
     assert [t.text for t in greedy] == translator.translate(sources, beam_size=3)
 
@@ -184,8 +193,11 @@ def test_model_without_tokenizer_loads_but_cannot_translate_text(tmp_path):
     os.remove(partial / "tokenizer.json")
     translator = Translator.from_model_dir(partial)
     assert translator.tokenizer is None
-    with pytest.raises(TranslationError, match=r"no_tokenizer has no tokenizer.json: a tokenizer is needed to "
-                                               r"translate text"):
+    with pytest.raises(
+        TranslationError,
+        match=r"no_tokenizer has no tokenizer.json: a tokenizer is needed to "
+        r"translate text",
+    ):
         translator.translate(["one"])
     ids = np.array([[5, 6, 7]], dtype=np.int64)  # token ids still decode (benchmarks)
     (out,) = greedy_decode(translator.runner, ids, np.array([3]), bos_id=1, eos_id=2, max_new_tokens=4)
@@ -202,7 +214,9 @@ def test_corrupt_tokenizer_is_an_error_naming_the_file(tmp_path):
     folder = _model_copy(tmp_path)
     text = (folder / "tokenizer.json").read_text(encoding="utf-8")
     (folder / "tokenizer.json").write_text(text[: len(text) // 2], encoding="utf-8")
-    with pytest.raises(TokenizerError, match=rf"corrupt tokenizer file {folder}/tokenizer.json: not valid JSON"):
+    with pytest.raises(
+        TokenizerError, match=rf"corrupt tokenizer file {folder}/tokenizer.json: not valid JSON"
+    ):
         Translator.from_model_dir(folder)
 
 
@@ -211,8 +225,11 @@ def test_special_ids_checked_against_the_config(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["eos_id"] = 3
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(TranslationError, match=rf"special id mismatch: {folder}/config.json has eos_id = 3 but "
-                                               rf"{folder}/tokenizer.json has eos = 2"):
+    with pytest.raises(
+        TranslationError,
+        match=rf"special id mismatch: {folder}/config.json has eos_id = 3 but "
+        rf"{folder}/tokenizer.json has eos = 2",
+    ):
         Translator.from_model_dir(folder)
 
 
@@ -252,9 +269,22 @@ def test_cli_n_best_prints_scores(capsys):
 
 
 def test_cli_options_reach_the_decoder(capsys):
-    code, out, _ = run_main(["seven thousand, seven hundred and seventy-seven", "--max-len-a", "0",
-                             "--max-len-b", "4", "--beam", "2", "--model", str(DEMO_MODEL_DIR),
-                             "--device", "cpu"], capsys=capsys)
+    code, out, _ = run_main(
+        [
+            "seven thousand, seven hundred and seventy-seven",
+            "--max-len-a",
+            "0",
+            "--max-len-b",
+            "4",
+            "--beam",
+            "2",
+            "--model",
+            str(DEMO_MODEL_DIR),
+            "--device",
+            "cpu",
+        ],
+        capsys=capsys,
+    )
     assert code == 0 and len(out.strip()) <= 4
 
 
@@ -326,8 +356,10 @@ def test_cli_huge_budget_translates_with_a_capped_warning(capsys, caplog):
 
 
 def test_cli_average_length_penalty(capsys):
-    code, out, _ = run_main(["forty-two", "--beam", "3", "--n-best", "2", "--length-penalty", "average",
-                             "--alpha", "1"], capsys=capsys)
+    code, out, _ = run_main(
+        ["forty-two", "--beam", "3", "--n-best", "2", "--length-penalty", "average", "--alpha", "1"],
+        capsys=capsys,
+    )
     assert code == 0
     lines = [line.split("\t") for line in out.splitlines()]
     assert lines[0][2] == "zweiundvierzig" and float(lines[0][1]) >= float(lines[1][1])
@@ -369,11 +401,23 @@ def test_cli_missing_tokenizer_exit_1(tmp_path, capsys):
 
 def test_cli_subprocess():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    ok = subprocess.run([sys.executable, "-m", "transformer_ext.translate", "three hundred and forty-two"],
-                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "transformer_ext.translate", "three hundred and forty-two"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert ok.returncode == 0 and ok.stdout == "dreihundertzweiundvierzig\n", ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "transformer_ext.translate", "forty-two!"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "transformer_ext.translate", "forty-two!"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and "'!'" in bad.stderr
 
 
@@ -408,22 +452,36 @@ def test_generation_defaults_come_from_a_generation_config(translator):
     from transformer_ext.runtimes import EagerRunner
 
     runner = EagerRunner(translator.model, "cpu")
-    config = SimpleNamespace(beam_size=3, length_penalty="none", alpha=0.6, max_len_a=0.0, max_len_b=6.0,
-                             min_new_tokens=0, max_new_tokens=4, special_tokens={"pad": 0, "bos": 1, "eos": 2})
+    config = SimpleNamespace(
+        beam_size=3,
+        length_penalty="none",
+        alpha=0.6,
+        max_len_a=0.0,
+        max_len_b=6.0,
+        min_new_tokens=0,
+        max_new_tokens=4,
+        special_tokens={"pad": 0, "bos": 1, "eos": 2},
+    )
     configured = Translator(translator.tokenizer, runner, generation=config)
     (hyp,) = configured.translate_detailed(["seven thousand, seven hundred and seventy-seven"])[0].hypotheses
     assert hyp.score is not None  # beam search, from the config
     assert len(hyp.tokens) == 4 and not hyp.finished  # max_new_tokens 4 caps the budget of 6
     assert configured.translate(["seven"], max_len_b=2) == ["si"]  # a call still overrides it
-    forced = Translator(translator.tokenizer, runner, generation=SimpleNamespace(**{**vars(config), "min_new_tokens": 3,
-                                                                                     "max_new_tokens": 64,
-                                                                                     "max_len_b": 10.0}))
+    forced = Translator(
+        translator.tokenizer,
+        runner,
+        generation=SimpleNamespace(
+            **{**vars(config), "min_new_tokens": 3, "max_new_tokens": 64, "max_len_b": 10.0}
+        ),
+    )
     (short,) = forced.translate_detailed(["one"], beam_size=1)
     assert len(short.hypotheses[0].tokens) >= 3  # EOS suppressed before 3 tokens ("eins" has 4 anyway)
     assert len(forced.translate(["zero"], beam_size=1)[0]) >= 3
     bad = SimpleNamespace(**{**vars(config), "special_tokens": {"pad": 0, "bos": 1, "eos": 5}})
-    with pytest.raises(TranslationError, match="special id mismatch: the generation config has eos = 5 but the "
-                                               "tokenizer has eos = 2"):
+    with pytest.raises(
+        TranslationError,
+        match="special id mismatch: the generation config has eos = 5 but the tokenizer has eos = 2",
+    ):
         Translator(translator.tokenizer, runner, generation=bad)
 
 
@@ -437,7 +495,9 @@ def test_cli_output_file_is_written_atomically(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # no temporaries left
 
 
-@pytest.mark.parametrize("case", ["directory", "missing folder", "parent is a file", "same as input", "empty"])
+@pytest.mark.parametrize(
+    "case", ["directory", "missing folder", "parent is a file", "same as input", "empty"]
+)
 def test_cli_bad_output_is_refused_before_reading_or_loading(tmp_path, capsys, monkeypatch, case):
     src = tmp_path / "in.txt"
     src.write_text("one\n", encoding="utf-8")
@@ -479,7 +539,10 @@ def test_cli_output_interrupted_or_disk_full_leaves_the_old_file(tmp_path, capsy
     monkeypatch.setattr(os, "replace", full)
     code, stdout, err = run_main(["one", "--output", str(out)], capsys=capsys)
     assert code == 1 and stdout == "" and len(err.splitlines()) == 1
-    assert err == f"python -m transformer_ext.translate: error: no space left on the device; free some space and run " \
-                  f"the command again: {out}\n"
+    assert (
+        err
+        == f"python -m transformer_ext.translate: error: no space left on the device; free some space and run "
+        f"the command again: {out}\n"
+    )
     assert out.read_text(encoding="utf-8") == "previous\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # the temporary is gone

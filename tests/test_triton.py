@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from test_export_onnx import make_model_dir
 
 from export import ManifestError, OutputFolderError
 from export import triton as triton_export
@@ -52,10 +53,9 @@ from transformer_ext import decoding
 from transformer_ext.checkpoint import load_model
 from transformer_ext.runtimes import EagerRunner
 
-from test_export_onnx import make_model_dir
-
 model_config_pb2 = pytest.importorskip(
-    "tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is needed to parse config.pbtxt with Triton's protobuf"
+    "tritonclient.grpc.model_config_pb2",
+    reason="tritonclient[grpc] is needed to parse config.pbtxt with Triton's protobuf",
 )
 from google.protobuf import json_format, text_format  # noqa: E402  (installed with tritonclient)
 
@@ -110,7 +110,9 @@ def parse(path: Path) -> dict:
 def sources(batch: int = 3, src_len: int = 7, seed: int = 0, vocab: int = 48, pad: int = 0):
     rng = np.random.default_rng(seed)
     ids = rng.integers(4, vocab, size=(batch, src_len)).astype(np.int64)
-    lengths = np.array([src_len] + [int(x) for x in rng.integers(1, src_len + 1, size=batch - 1)], dtype=np.int64)
+    lengths = np.array(
+        [src_len] + [int(x) for x in rng.integers(1, src_len + 1, size=batch - 1)], dtype=np.int64
+    )
     for row, n in enumerate(lengths):
         ids[row, n:] = pad
     return ids, lengths
@@ -133,12 +135,15 @@ class FakeTriton:
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
-        options.log_severity_level = 3  # TensorScatter's per-call "in-place optimization not activated" warning
+        options.log_severity_level = (
+            3  # TensorScatter's per-call "in-place optimization not activated" warning
+        )
         for path in sorted(repo.glob("*/config.pbtxt")):
             config = parse(path)
             if config.get("platform") == "onnxruntime_onnx":
-                session = ort.InferenceSession(os.fspath(path.parent / "1" / "model.onnx"), options,
-                                               providers=["CPUExecutionProvider"])
+                session = ort.InferenceSession(
+                    os.fspath(path.parent / "1" / "model.onnx"), options, providers=["CPUExecutionProvider"]
+                )
                 self.models[config["name"]] = (config, session)
         self.states: dict = {}  # (model, correlation id) -> {state input name: array without batch}
         self.log: list[dict] = []
@@ -172,7 +177,9 @@ class FakeTriton:
             if len(shape) != len(dims) or any(d not in (-1, s) for d, s in zip(dims, shape)):
                 raise FakeTritonError(f"{model}: {name} has shape {list(shape)}, config dims {dims}")
             if "reshape" in entry:
-                arr = arr.reshape(((batch,) if mbs > 0 else ()) + tuple(int(d) for d in entry["reshape"].get("shape", [])))
+                arr = arr.reshape(
+                    ((batch,) if mbs > 0 else ()) + tuple(int(d) for d in entry["reshape"].get("shape", []))
+                )
             feeds[name] = arr
         sequence = config.get("sequence_batching")
         states = sequence.get("state", []) if sequence else []
@@ -181,10 +188,14 @@ class FakeTriton:
             if correlation_id == 0:
                 raise FakeTritonError(f"{model}: a sequence request needs a correlation id")
             if batch != 1:
-                raise FakeTritonError(f"{model}: must specify batch-size 1 due to requirements of sequence batcher")
+                raise FakeTritonError(
+                    f"{model}: must specify batch-size 1 due to requirements of sequence batcher"
+                )
             if flags & 1:
                 self.states[key] = {
-                    st["input_name"]: np.zeros([int(d) for d in st["initial_state"][0]["dims"]], TYPES[st["data_type"]])
+                    st["input_name"]: np.zeros(
+                        [int(d) for d in st["initial_state"][0]["dims"]], TYPES[st["data_type"]]
+                    )
                     for st in states
                 }
             elif key not in self.states:
@@ -195,7 +206,9 @@ class FakeTriton:
             raise FakeTritonError(f"{model}: sequence flags for a model without a sequence batcher")
         needed = [i.name for i in session.get_inputs()]
         if sorted(needed) != sorted(feeds):
-            raise FakeTritonError(f"{model}: the graph needs {sorted(needed)}, the request fed {sorted(feeds)}")
+            raise FakeTritonError(
+                f"{model}: the graph needs {sorted(needed)}, the request fed {sorted(feeds)}"
+            )
         out_entries = {e["name"]: e for e in config.get("output", [])}
         for name in outputs:
             if name not in out_entries:
@@ -205,9 +218,14 @@ class FakeTriton:
         for name in outputs:
             entry, arr = out_entries[name], results[name]
             dims = [int(d) for d in entry["dims"]]
-            if arr.dtype != TYPES[entry["data_type"]] or len(arr.shape) != len(dims) + (mbs > 0) or any(
-                    d not in (-1, s) for d, s in zip(dims, arr.shape[1:] if mbs > 0 else arr.shape)):
-                raise FakeTritonError(f"{model}: output {name} {arr.dtype}{list(arr.shape)} breaks its config {entry}")
+            if (
+                arr.dtype != TYPES[entry["data_type"]]
+                or len(arr.shape) != len(dims) + (mbs > 0)
+                or any(d not in (-1, s) for d, s in zip(dims, arr.shape[1:] if mbs > 0 else arr.shape))
+            ):
+                raise FakeTritonError(
+                    f"{model}: output {name} {arr.dtype}{list(arr.shape)} breaks its config {entry}"
+                )
         for st in states:
             new = results[st["output_name"]][0]
             if list(new.shape) != [int(d) for d in st["dims"]]:
@@ -215,12 +233,20 @@ class FakeTriton:
             self.states[key][st["input_name"]] = new
         if sequence and flags & 2:
             del self.states[key]
-        self.log.append({"model": model, "batch": batch, "flags": flags,
-                         "bytes": {n: np.asarray(a).nbytes for n, a in inputs.items()}})
+        self.log.append(
+            {
+                "model": model,
+                "batch": batch,
+                "flags": flags,
+                "bytes": {n: np.asarray(a).nbytes for n, a in inputs.items()},
+            }
+        )
         return {name: results[name] for name in outputs}
 
     def infer_many(self, calls):
-        return [self.infer(c.model, dict(c.inputs), list(c.outputs), c.correlation_id, c.flags) for c in calls]
+        return [
+            self.infer(c.model, dict(c.inputs), list(c.outputs), c.correlation_id, c.flags) for c in calls
+        ]
 
     def calls(self, model: str) -> list[dict]:
         return [entry for entry in self.log if entry["model"] == model]
@@ -261,8 +287,14 @@ def fake_pb_utils(server: FakeTriton) -> types.ModuleType:
             return self._error
 
     class InferenceRequest:
-        def __init__(self, model_name="", requested_output_names=(), inputs=(), correlation_id=0, flags=0, **_):
-            self.model_name, self.outputs, self._inputs = model_name, list(requested_output_names), list(inputs)
+        def __init__(
+            self, model_name="", requested_output_names=(), inputs=(), correlation_id=0, flags=0, **_
+        ):
+            self.model_name, self.outputs, self._inputs = (
+                model_name,
+                list(requested_output_names),
+                list(inputs),
+            )
             self.correlation_id, self.flags = correlation_id, flags
 
         def inputs(self):
@@ -270,8 +302,13 @@ def fake_pb_utils(server: FakeTriton) -> types.ModuleType:
 
         def exec(self):
             try:
-                out = server.infer(self.model_name, {t.name(): t.as_numpy() for t in self._inputs}, self.outputs,
-                                   self.correlation_id, self.flags)
+                out = server.infer(
+                    self.model_name,
+                    {t.name(): t.as_numpy() for t in self._inputs},
+                    self.outputs,
+                    self.correlation_id,
+                    self.flags,
+                )
             except FakeTritonError as exc:
                 return InferenceResponse([], TritonError(str(exc)))
             return InferenceResponse([Tensor(n, a) for n, a in out.items()])
@@ -282,7 +319,12 @@ def fake_pb_utils(server: FakeTriton) -> types.ModuleType:
     def by_name(tensors, name):
         return next((t for t in tensors if t.name() == name), None)
 
-    m.TritonError, m.Tensor, m.InferenceRequest, m.InferenceResponse = TritonError, Tensor, InferenceRequest, InferenceResponse
+    m.TritonError, m.Tensor, m.InferenceRequest, m.InferenceResponse = (
+        TritonError,
+        Tensor,
+        InferenceRequest,
+        InferenceResponse,
+    )
     m.get_input_tensor_by_name = lambda request, name: by_name(request.inputs(), name)
     m.get_output_tensor_by_name = lambda response, name: by_name(response.output_tensors(), name)
     m.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, m.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 1, 2
@@ -290,7 +332,9 @@ def fake_pb_utils(server: FakeTriton) -> types.ModuleType:
 
 
 def settings_of(repo: Path) -> translator_module.Settings:
-    return translator_module.Settings.from_parameters(parse(repo / TRANSLATOR_MODEL / "config.pbtxt")["parameters"])
+    return translator_module.Settings.from_parameters(
+        parse(repo / TRANSLATOR_MODEL / "config.pbtxt")["parameters"]
+    )
 
 
 def eager_decodes(eager: EagerRunner, ids, lengths, beam: int, max_new=MAX_NEW, min_new=0):
@@ -315,7 +359,9 @@ def unpack(result: dict) -> list[list[int]]:
 def test_configs_parse_with_tritons_protobuf_and_match_the_graphs(repos, exports, flavour):
     repo = repos[flavour]
     names = sorted(p.name for p in repo.iterdir())
-    expected = [DECODER_MODEL, ENCODER_MODEL, TRANSLATOR_MODEL, MARKER_FILE] + ([STATEFUL_DECODER_MODEL] if flavour == "tensorscatter" else [])
+    expected = [DECODER_MODEL, ENCODER_MODEL, TRANSLATOR_MODEL, MARKER_FILE] + (
+        [STATEFUL_DECODER_MODEL] if flavour == "tensorscatter" else []
+    )
     assert names == sorted(expected)
     assert not [p for p in repo.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     assert validate_repository(repo, require_protobuf=True) is True
@@ -329,10 +375,18 @@ def test_configs_parse_with_tritons_protobuf_and_match_the_graphs(repos, exports
         assert "max_queue_delay_microseconds" in c["dynamic_batching"]
         assert c["instance_group"] == [{"count": 1}]  # KIND_AUTO: Triton picks GPU or CPU
     inputs = {e["name"]: e for e in dec["input"]}
-    assert [e["name"] for e in dec["input"]] == [t["name"] for t in manifest["graphs"]["decoder_step"]["inputs"]]
-    assert inputs["positions"]["dims"] == ["1"] and inputs["positions"]["reshape"] == {}  # [batch] in the graph
+    assert [e["name"] for e in dec["input"]] == [
+        t["name"] for t in manifest["graphs"]["decoder_step"]["inputs"]
+    ]
+    assert (
+        inputs["positions"]["dims"] == ["1"] and inputs["positions"]["reshape"] == {}
+    )  # [batch] in the graph
     assert inputs["input_ids"]["dims"] == ["1"] and "reshape" not in inputs["input_ids"]  # [batch, 1]
-    assert inputs["self_key.0"]["data_type"] == "TYPE_FP32" and inputs["self_key.0"]["dims"] == [str(H), "-1", str(d_k)]
+    assert inputs["self_key.0"]["data_type"] == "TYPE_FP32" and inputs["self_key.0"]["dims"] == [
+        str(H),
+        "-1",
+        str(d_k),
+    ]
     outputs = {e["name"]: e for e in dec["output"]}
     assert outputs["logits"]["dims"] == [str(V)]
     new = "new_key.1" if flavour == "portable" else "present_key.1"
@@ -342,11 +396,14 @@ def test_configs_parse_with_tritons_protobuf_and_match_the_graphs(repos, exports
         assert (repo / name / "1" / "model.onnx").read_bytes() == src.read_bytes()
 
     translator = parse(repo / TRANSLATOR_MODEL / "config.pbtxt")
-    assert translator["backend"] == "python" and translator.get("max_batch_size", 0) == 0  # proto3: 0 is not listed
+    assert (
+        translator["backend"] == "python" and translator.get("max_batch_size", 0) == 0
+    )  # proto3: 0 is not listed
     assert translator["instance_group"] == [{"count": 1, "kind": "KIND_CPU"}]
     # the real decoding module, byte for byte (not a copy of its code that could drift)
-    assert (repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding.py").read_bytes() == \
-        Path(decoding.__file__).read_bytes()
+    assert (
+        repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding.py"
+    ).read_bytes() == Path(decoding.__file__).read_bytes()
     settings = settings_of(repo)
     assert settings.stateful_decoder_model == (STATEFUL_DECODER_MODEL if flavour == "tensorscatter" else "")
 
@@ -354,17 +411,28 @@ def test_configs_parse_with_tritons_protobuf_and_match_the_graphs(repos, exports
         st = parse(repo / STATEFUL_DECODER_MODEL / "config.pbtxt")
         assert "dynamic_batching" not in st
         assert {e["name"] for e in st["input"]} == {"input_ids", "positions", "src_lengths"} | {
-            f"cross_{k}.{i}" for i in range(cfg["n_decoder_layers"]) for k in ("key", "value")}
+            f"cross_{k}.{i}" for i in range(cfg["n_decoder_layers"]) for k in ("key", "value")
+        }
         assert [e["name"] for e in st["output"]] == ["logits"]
         seq = st["sequence_batching"]
         assert seq["oldest"]["max_candidate_sequences"] == 64
         pairs = [(s["input_name"], s["output_name"]) for s in seq["state"]]
-        assert pairs == [(f"self_{k}.{i}", f"present_{k}.{i}") for i in range(cfg["n_decoder_layers"]) for k in ("key", "value")]
+        assert pairs == [
+            (f"self_{k}.{i}", f"present_{k}.{i}")
+            for i in range(cfg["n_decoder_layers"])
+            for k in ("key", "value")
+        ]
         L = manifest["max_cache_len"]
         for s in seq["state"]:
             assert s["dims"] == [str(H), str(L), str(d_k)] and s["data_type"] == "TYPE_FP32"
-            assert s["initial_state"] == [{"name": f"zeros_{s['input_name']}", "data_type": "TYPE_FP32",
-                                           "dims": s["dims"], "zero_data": True}]
+            assert s["initial_state"] == [
+                {
+                    "name": f"zeros_{s['input_name']}",
+                    "data_type": "TYPE_FP32",
+                    "dims": s["dims"],
+                    "zero_data": True,
+                }
+            ]
             assert "use_same_buffer_for_input_output" not in s  # ONNX Runtime backend: not supported there
         a, b = repo / DECODER_MODEL / "1" / "model.onnx", repo / STATEFUL_DECODER_MODEL / "1" / "model.onnx"
         assert a.read_bytes() == b.read_bytes()
@@ -372,16 +440,34 @@ def test_configs_parse_with_tritons_protobuf_and_match_the_graphs(repos, exports
 
 
 def test_options_reach_the_configs(exports, tmp_path):
-    repo = export_triton(exports["portable"], tmp_path / "r", instance_kind="gpu", instances=2, gpus=[0, 1],
-                         translator_instances=3, max_batch_size=8, max_queue_delay_us=500, ort_threads=2).repo_dir
+    repo = export_triton(
+        exports["portable"],
+        tmp_path / "r",
+        instance_kind="gpu",
+        instances=2,
+        gpus=[0, 1],
+        translator_instances=3,
+        max_batch_size=8,
+        max_queue_delay_us=500,
+        ort_threads=2,
+    ).repo_dir
     dec = parse(repo / DECODER_MODEL / "config.pbtxt")
     assert dec["max_batch_size"] == 8 and dec["dynamic_batching"] == {"max_queue_delay_microseconds": "500"}
     assert dec["instance_group"] == [{"count": 2, "kind": "KIND_GPU", "gpus": [0, 1]}]
     assert dec["parameters"] == {"intra_op_thread_count": {"string_value": "2"}}
-    assert parse(repo / TRANSLATOR_MODEL / "config.pbtxt")["instance_group"] == [{"count": 3, "kind": "KIND_CPU"}]
+    assert parse(repo / TRANSLATOR_MODEL / "config.pbtxt")["instance_group"] == [
+        {"count": 3, "kind": "KIND_CPU"}
+    ]
     assert settings_of(repo).decoder_max_batch_size == 8
-    cpu = export_triton(exports["tensorscatter"], tmp_path / "c", instance_kind="cpu", instances=2,
-                        translator_instances=3, max_batch_size=8, state_cache_len=20).repo_dir
+    cpu = export_triton(
+        exports["tensorscatter"],
+        tmp_path / "c",
+        instance_kind="cpu",
+        instances=2,
+        translator_instances=3,
+        max_batch_size=8,
+        state_cache_len=20,
+    ).repo_dir
     st = parse(cpu / STATEFUL_DECODER_MODEL / "config.pbtxt")
     assert st["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]
     assert st["sequence_batching"]["state"][0]["dims"][1] == "20"
@@ -395,14 +481,22 @@ def test_validation_catches_configs_that_do_not_match_the_graph(repos, tmp_path)
     shutil.copytree(repos["tensorscatter"], repo)
     path = repo / DECODER_MODEL / "config.pbtxt"
     good = path.read_text()
-    path.write_text(good.replace('name: "logits"\n    data_type: TYPE_FP32', 'name: "logits"\n    data_type: TYPE_FP16'))
-    with pytest.raises(TritonConfigError, match=r"decoder_step: output 'logits' is TYPE_FP16 in config.pbtxt, float32"):
+    path.write_text(
+        good.replace('name: "logits"\n    data_type: TYPE_FP32', 'name: "logits"\n    data_type: TYPE_FP16')
+    )
+    with pytest.raises(
+        TritonConfigError, match=r"decoder_step: output 'logits' is TYPE_FP16 in config.pbtxt, float32"
+    ):
         validate_repository(repo)
-    path.write_text(good.replace('dims: [ 4, -1, 8 ]', 'dims: [ 4, 8 ]', 1))
-    with pytest.raises(TritonConfigError, match=r"input 'self_key.0' has rank 3 in config.pbtxt .*, 4 in the graph"):
+    path.write_text(good.replace("dims: [ 4, -1, 8 ]", "dims: [ 4, 8 ]", 1))
+    with pytest.raises(
+        TritonConfigError, match=r"input 'self_key.0' has rank 3 in config.pbtxt .*, 4 in the graph"
+    ):
         validate_repository(repo)
-    path.write_text(good.replace('dims: [ 4, -1, 8 ]', 'dims: [ 5, -1, 8 ]', 1))
-    with pytest.raises(TritonConfigError, match=r"input 'self_key.0' axis 1 is 5 in config.pbtxt, 4 in the graph"):
+    path.write_text(good.replace("dims: [ 4, -1, 8 ]", "dims: [ 5, -1, 8 ]", 1))
+    with pytest.raises(
+        TritonConfigError, match=r"input 'self_key.0' axis 1 is 5 in config.pbtxt, 4 in the graph"
+    ):
         validate_repository(repo)
     path.write_text(good.replace("max_batch_size: 64", "max_batch_sise: 64"))
     with pytest.raises(TritonConfigError, match="not a valid Triton model configuration"):
@@ -410,8 +504,11 @@ def test_validation_catches_configs_that_do_not_match_the_graph(repos, tmp_path)
     path.write_text(good)
     st = repo / STATEFUL_DECODER_MODEL / "config.pbtxt"
     st.write_text(st.read_text().replace('input_name: "self_value.1"', 'input_name: "self_value.7"'))
-    with pytest.raises(TritonConfigError, match=r"state input 'self_value.7' is not a tensor of the graph[\s\S]*"
-                                                r"graph inputs \['self_value.1'\] are neither"):
+    with pytest.raises(
+        TritonConfigError,
+        match=r"state input 'self_value.7' is not a tensor of the graph[\s\S]*"
+        r"graph inputs \['self_value.1'\] are neither",
+    ):
         validate_repository(repo)
 
 
@@ -425,8 +522,12 @@ def test_translator_greedy_and_beam_match_eager(repos, eager, flavour):
     server = FakeTriton(repos[flavour])
     translator = translator_module.Translator(settings_of(repos[flavour]))
     ids, lengths = sources(batch=3)
-    request = {"input_ids": ids, "src_lengths": lengths, "max_new_tokens": np.array([MAX_NEW]),
-               "min_new_tokens": np.array([3])}
+    request = {
+        "input_ids": ids,
+        "src_lengths": lengths,
+        "max_new_tokens": np.array([MAX_NEW]),
+        "min_new_tokens": np.array([3]),
+    }
     greedy = translator.translate(request, server.infer_many)
     want, _ = eager_decodes(eager, ids, lengths, 1, min_new=3)
     assert unpack(greedy) == want and all(len(t) >= 3 for t in want)
@@ -445,7 +546,9 @@ def test_translator_greedy_and_beam_match_eager(repos, eager, flavour):
     want, scores = eager_decodes(eager, ids, lengths, 3, min_new=3)
     assert unpack(beam) == want
     np.testing.assert_allclose(beam["scores"], scores, rtol=0, atol=1e-4)
-    assert server.calls(DECODER_MODEL) and not server.calls(STATEFUL_DECODER_MODEL)  # beams need reordering here
+    assert server.calls(DECODER_MODEL) and not server.calls(
+        STATEFUL_DECODER_MODEL
+    )  # beams need reordering here
 
 
 def test_translator_defaults_chunks_and_fixed_cache_len(repos, eager, exports, tmp_path):
@@ -460,11 +563,14 @@ def test_translator_defaults_chunks_and_fixed_cache_len(repos, eager, exports, t
     greedy = translator.translate({"input_ids": ids}, server.infer_many)  # src_lengths from the padding
     assert unpack(greedy) == eager_decodes(eager, ids, lengths, 1, max_new=budget)[0]
     assert max(c["batch"] for c in server.log) <= 2 and server.states == {}
-    beam = translator.translate({"input_ids": ids, "beam_size": np.array([3]), "max_new_tokens": np.array([8])},
-                                server.infer_many)
+    beam = translator.translate(
+        {"input_ids": ids, "beam_size": np.array([3]), "max_new_tokens": np.array([8])}, server.infer_many
+    )
     assert unpack(beam) == eager_decodes(eager, ids, lengths, 3, max_new=8)[0]
     # a decoder with a static cache axis (TensorRT tensorscatter engines): larger buffers, same tokens
-    fixed = translator_module.Translator(dataclasses.replace(settings_of(repos["portable"]), fixed_cache_len=20))
+    fixed = translator_module.Translator(
+        dataclasses.replace(settings_of(repos["portable"]), fixed_cache_len=20)
+    )
     server = FakeTriton(repos["portable"])
     out = fixed.translate({"input_ids": ids, "max_new_tokens": np.array([8])}, server.infer_many)
     assert unpack(out) == eager_decodes(eager, ids, lengths, 1, max_new=8)[0]
@@ -476,7 +582,12 @@ def test_bytes_per_step_sent_to_the_decoder(repos, exports):
     manifest = json.loads((exports["portable"] / MANIFEST_NAME).read_text())
     cfg = manifest["model_config"]
     ids, lengths = sources(batch=2)
-    request = {"input_ids": ids, "src_lengths": lengths, "max_new_tokens": np.array([10]), "min_new_tokens": np.array([10])}
+    request = {
+        "input_ids": ids,
+        "src_lengths": lengths,
+        "max_new_tokens": np.array([10]),
+        "min_new_tokens": np.array([10]),
+    }
     portable = FakeTriton(repos["portable"])
     translator_module.Translator(settings_of(repos["portable"])).translate(request, portable.infer_many)
     steps = portable.calls(DECODER_MODEL)
@@ -497,8 +608,11 @@ def test_bad_requests_are_refused_with_a_message(repos):
         # the search's and the runners' own checks (transformer_ext.decoding), as the client sees them
         ({"input_ids": ids.astype(np.float32)}, "input_ids must hold integer token ids, got dtype float32"),
         ({"input_ids": ids[0]}, r"input_ids must be a non-empty \[batch, src_len\] array"),
-        ({"input_ids": ids + 100}, r"input_ids\[0, 0\] = \d+ \(row 0\) is not a source token id: the source "
-                                   r"vocabulary has ids 0 \.\. 47"),
+        (
+            {"input_ids": ids + 100},
+            r"input_ids\[0, 0\] = \d+ \(row 0\) is not a source token id: the source "
+            r"vocabulary has ids 0 \.\. 47",
+        ),
         ({"input_ids": ids, "src_lengths": np.array([0, 3])}, r"src_lengths must be in \[1, 7\]"),
         ({"input_ids": ids, "src_lengths": np.array([3])}, r"src_lengths must have shape \(2,\)"),
         ({"input_ids": ids, "max_new_tokens": np.array([65])}, "max_new_tokens must be at most 64"),
@@ -536,11 +650,16 @@ def test_translator_runners_use_the_shared_checks(repos):
     runner = translator_module.StatelessRunner(settings, server.infer_many)
     ids, lengths = sources(batch=2)
     state = runner.encode(ids, lengths, 4, 2)  # 4 rows
-    with pytest.raises(ValueError, match=r"tokens\[1\] = 40 \(row 1\) is not a target token id: the target vocabulary "
-                                         r"has ids 0 \.\. 39"):
+    with pytest.raises(
+        ValueError,
+        match=r"tokens\[1\] = 40 \(row 1\) is not a target token id: the target vocabulary "
+        r"has ids 0 \.\. 39",
+    ):
         runner.step(state, np.array([1, 40, 1, 1]))
     runner.step(state, np.ones(4, dtype=np.int64))
-    with pytest.raises(IndexError, match=r"beam_index\[2\] = 4 is not a row of the decoding state: rows are 0 \.\. 3"):
+    with pytest.raises(
+        IndexError, match=r"beam_index\[2\] = 4 is not a row of the decoding state: rows are 0 \.\. 3"
+    ):
         runner.reorder(state, np.array([0, 1, 4, 3]))
     state.position = settings.max_positions  # past the positional encodings (and the cache)
     with pytest.raises(IndexError, match="cannot feed a token at position"):
@@ -551,19 +670,46 @@ def test_generation_config_of_the_export_sets_the_translators_defaults(exports, 
     folder = tmp_path / "export"
     shutil.copytree(exports["portable"], folder)
     generation = json.loads((folder / "generation.json").read_text())
-    generation.update(beam_size=3, length_penalty="average", alpha=1.0, max_len_a=0.0, max_len_b=5, min_new_tokens=2,
-                      max_new_tokens=4)
+    generation.update(
+        beam_size=3,
+        length_penalty="average",
+        alpha=1.0,
+        max_len_a=0.0,
+        max_len_b=5,
+        min_new_tokens=2,
+        max_new_tokens=4,
+    )
     (folder / "generation.json").write_text(json.dumps(generation))
     repo = export_triton(folder, tmp_path / "repo").repo_dir
     settings = settings_of(repo)
-    assert (settings.beam_size, settings.length_penalty, settings.alpha, settings.max_len_a, settings.max_len_b,
-            settings.min_new_tokens, settings.max_new_tokens) == (3, "average", 1.0, 0.0, 5.0, 2, 4)
+    assert (
+        settings.beam_size,
+        settings.length_penalty,
+        settings.alpha,
+        settings.max_len_a,
+        settings.max_len_b,
+        settings.min_new_tokens,
+        settings.max_new_tokens,
+    ) == (3, "average", 1.0, 0.0, 5.0, 2, 4)
     server = FakeTriton(repo)
     ids, lengths = sources(batch=2)
-    out = translator_module.Translator(settings).translate({"input_ids": ids, "src_lengths": lengths}, server.infer_many)
+    out = translator_module.Translator(settings).translate(
+        {"input_ids": ids, "src_lengths": lengths}, server.infer_many
+    )
     c = eager.config
-    hyps = decoding.beam_search(eager, ids, lengths, bos_id=c.bos_id, eos_id=c.eos_id, beam_size=3, n_best=1,
-                                max_new_tokens=4, min_new_tokens=2, length_penalty="average", alpha=1.0)
+    hyps = decoding.beam_search(
+        eager,
+        ids,
+        lengths,
+        bos_id=c.bos_id,
+        eos_id=c.eos_id,
+        beam_size=3,
+        n_best=1,
+        max_new_tokens=4,
+        min_new_tokens=2,
+        length_penalty="average",
+        alpha=1.0,
+    )
     assert unpack(out) == [h[0].tokens for h in hyps]  # min(floor(0 * n + 5), 4) = 4 tokens, beam 3
     np.testing.assert_allclose(out["scores"], [h[0].score for h in hyps], rtol=0, atol=1e-4)
     (folder / "generation.json").write_text(json.dumps({**generation, "beam_size": 0}))
@@ -577,7 +723,10 @@ def test_validation_refuses_a_vendored_module_that_is_not_the_packages(repos, tm
     shutil.copytree(repos["portable"], repo)
     vendored = repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding.py"
     vendored.write_bytes(vendored.read_bytes() + b"\n# edited\n")
-    with pytest.raises(TritonConfigError, match=r"_vendor/transformer_ext/decoding.py is not a copy of transformer_ext.decoding"):
+    with pytest.raises(
+        TritonConfigError,
+        match=r"_vendor/transformer_ext/decoding.py is not a copy of transformer_ext.decoding",
+    ):
         validate_repository(repo)
 
 
@@ -589,7 +738,9 @@ def test_validation_refuses_a_vendored_module_that_is_not_the_packages(repos, tm
 def load_repo_model(repo: Path, server: FakeTriton, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils(server))
     monkeypatch.setattr(sys, "path", list(sys.path))  # the model adds its _vendor folder
-    spec = importlib.util.spec_from_file_location("translator_model_under_test", repo / TRANSLATOR_MODEL / "1" / "model.py")
+    spec = importlib.util.spec_from_file_location(
+        "translator_model_under_test", repo / TRANSLATOR_MODEL / "1" / "model.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -602,13 +753,27 @@ def test_triton_python_model_executes_requests_through_bls(repos, eager, monkeyp
     pb = module.pb_utils
     config = parse(repo / TRANSLATOR_MODEL / "config.pbtxt")
     model = module.TritonPythonModel()
-    model.initialize({"model_config": json.dumps(config), "model_name": TRANSLATOR_MODEL, "model_version": "1"})
+    model.initialize(
+        {"model_config": json.dumps(config), "model_name": TRANSLATOR_MODEL, "model_version": "1"}
+    )
     ids, lengths = sources(batch=3, seed=2)
-    good = pb.InferenceRequest(inputs=[pb.Tensor("input_ids", ids), pb.Tensor("src_lengths", lengths),
-                                       pb.Tensor("max_new_tokens", np.array([MAX_NEW]))])
-    beam = pb.InferenceRequest(inputs=[pb.Tensor("input_ids", ids), pb.Tensor("max_new_tokens", np.array([MAX_NEW])),
-                                       pb.Tensor("beam_size", np.array([2]))])
-    bad = pb.InferenceRequest(inputs=[pb.Tensor("input_ids", ids), pb.Tensor("max_new_tokens", np.array([1000]))])
+    good = pb.InferenceRequest(
+        inputs=[
+            pb.Tensor("input_ids", ids),
+            pb.Tensor("src_lengths", lengths),
+            pb.Tensor("max_new_tokens", np.array([MAX_NEW])),
+        ]
+    )
+    beam = pb.InferenceRequest(
+        inputs=[
+            pb.Tensor("input_ids", ids),
+            pb.Tensor("max_new_tokens", np.array([MAX_NEW])),
+            pb.Tensor("beam_size", np.array([2])),
+        ]
+    )
+    bad = pb.InferenceRequest(
+        inputs=[pb.Tensor("input_ids", ids), pb.Tensor("max_new_tokens", np.array([1000]))]
+    )
     responses = asyncio.run(model.execute([good, bad, beam]))
     assert len(responses) == 3
     assert not responses[0].has_error() and not responses[2].has_error()
@@ -625,11 +790,19 @@ def test_repository_translator_imports_its_vendored_decoding(repos, tmp_path):
     """In a clean interpreter (as in Triton's Python backend) model.py finds the decoding code
     copied next to it, not the source tree's."""
     folder = repos["portable"] / TRANSLATOR_MODEL / "1"
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import model; "
-            "print(model.decoding.__file__); print(model.pb_utils)")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import model; "
+        "print(model.decoding.__file__); print(model.pb_utils)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", code, os.fspath(folder)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code, os.fspath(folder)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     path, pb = done.stdout.split()
     assert Path(path).resolve() == (folder / "_vendor" / "transformer_ext" / "decoding.py").resolve()
@@ -641,8 +814,14 @@ def test_repository_translator_imports_its_vendored_decoding(repos, tmp_path):
 # ------------------------------------------------------------------------------------------
 
 
-def with_fake_engines(export_dir: Path, out: Path, precision: str = "fp32", batch_max: int = 8,
-                      cache_max: int = 16, src_max: int = 32) -> Path:
+def with_fake_engines(
+    export_dir: Path,
+    out: Path,
+    precision: str = "fp32",
+    batch_max: int = 8,
+    cache_max: int = 16,
+    src_max: int = 32,
+) -> Path:
     """A copy of ``export_dir`` whose manifest lists engines like ``python -m export.tensorrt`` writes."""
     shutil.copytree(export_dir, out)
     manifest = json.loads((out / MANIFEST_NAME).read_text())
@@ -659,18 +838,40 @@ def with_fake_engines(export_dir: Path, out: Path, precision: str = "fp32", batc
                 dtype = cache_dtype if t["dtype"] == "float32" and t["name"] != "logits" else t["dtype"]
                 shape = [pinned.get(d, -1) if isinstance(d, str) else d for d in t["shape"]]
                 io[t["name"]] = {"mode": mode, "dtype": dtype, "shape": shape}
-        profile = {"input_ids": {"min": [1, 1], "opt": [4, 8], "max": [batch_max, src_max if graph == "encoder" else 1]}}
+        profile = {
+            "input_ids": {
+                "min": [1, 1],
+                "opt": [4, 8],
+                "max": [batch_max, src_max if graph == "encoder" else 1],
+            }
+        }
         if graph == "decoder_step":
             H, d_k = io["self_key.0"]["shape"][1], io["self_key.0"]["shape"][3]
-            profile["self_key.0"] = {"min": [1, H, cache_max if pinned else 1, d_k], "opt": [4, H, cache_max, d_k],
-                                     "max": [batch_max, H, cache_max, d_k]}
-        engines[graph] = {"file": f"{graph}.{precision}.engine", "bytes": len(data),
-                          "sha256": hashlib.sha256(data).hexdigest(), "profile": profile,
-                          "io_dtypes": {n: v["dtype"] for n, v in io.items()}, "io": io,
-                          "pinned_axes": pinned if graph == "decoder_step" else {}}
-    manifest["tensorrt"] = {"cache_dtypes": {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"},
-                            "engines": {precision: {"precision": precision, "cache_dtype": cache_dtype,
-                                                    "flavour": flavour, "engines": engines}}}
+            profile["self_key.0"] = {
+                "min": [1, H, cache_max if pinned else 1, d_k],
+                "opt": [4, H, cache_max, d_k],
+                "max": [batch_max, H, cache_max, d_k],
+            }
+        engines[graph] = {
+            "file": f"{graph}.{precision}.engine",
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "profile": profile,
+            "io_dtypes": {n: v["dtype"] for n, v in io.items()},
+            "io": io,
+            "pinned_axes": pinned if graph == "decoder_step" else {},
+        }
+    manifest["tensorrt"] = {
+        "cache_dtypes": {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"},
+        "engines": {
+            precision: {
+                "precision": precision,
+                "cache_dtype": cache_dtype,
+                "flavour": flavour,
+                "engines": engines,
+            }
+        },
+    }
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
     return out
 
@@ -684,16 +885,28 @@ def test_tensorrt_plans_when_engines_exist(exports, tmp_path):
         c = parse(repo / name / "config.pbtxt")
         assert c["platform"] == "tensorrt_plan" and c["max_batch_size"] == 8  # capped by the profile
         assert c["instance_group"] == [{"count": 1, "kind": "KIND_GPU"}]
-        assert (repo / name / "1" / "model.plan").read_bytes() == (folder / f"{c['name'].replace('_stateful', '')}.fp16.engine").read_bytes()
+        assert (repo / name / "1" / "model.plan").read_bytes() == (
+            folder / f"{c['name'].replace('_stateful', '')}.fp16.engine"
+        ).read_bytes()
     dec = parse(repo / DECODER_MODEL / "config.pbtxt")
     inputs = {e["name"]: e for e in dec["input"]}
-    assert inputs["self_key.0"]["data_type"] == "TYPE_FP16" and inputs["self_key.0"]["dims"] == ["4", "16", "8"]
+    assert inputs["self_key.0"]["data_type"] == "TYPE_FP16" and inputs["self_key.0"]["dims"] == [
+        "4",
+        "16",
+        "8",
+    ]
     assert {e["name"]: e for e in dec["output"]}["logits"]["data_type"] == "TYPE_FP32"
     state = parse(repo / STATEFUL_DECODER_MODEL / "config.pbtxt")["sequence_batching"]["state"][0]
     assert state["dims"] == ["4", "16", "8"] and state["data_type"] == "TYPE_FP16"
     assert state["use_same_buffer_for_input_output"] is True
     s = settings_of(repo)
-    assert (s.fixed_cache_len, s.state_cache_len, s.max_cache_len, s.max_src_len, s.cache_dtype) == (16, 16, 16, 32, "float16")
+    assert (s.fixed_cache_len, s.state_cache_len, s.max_cache_len, s.max_src_len, s.cache_dtype) == (
+        16,
+        16,
+        16,
+        32,
+        "float16",
+    )
     assert s.encoder_max_batch_size == s.decoder_max_batch_size == 8
     # the same folder served by ONNX Runtime on CPUs
     cpu = export_triton(folder, tmp_path / "cpu", instance_kind="cpu")
@@ -752,11 +965,18 @@ def test_existing_repository_is_refused_unless_forced(exports, tmp_path, capsys)
     with pytest.raises(OutputFolderError, match="is not a folder"):
         export_triton(exports["portable"], tmp_path / "file", force=True)
     (repo / "mine.txt").unlink()
-    assert main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo)]) == 0  # empty: used
+    assert (
+        main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo)]) == 0
+    )  # empty: used
     assert main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo), "--force"]) == 0
     out = capsys.readouterr().out
     assert f"tritonserver --model-repository={repo}" in out
-    assert sorted(p.name for p in repo.iterdir()) == [DECODER_MODEL, ENCODER_MODEL, MARKER_FILE, TRANSLATOR_MODEL]
+    assert sorted(p.name for p in repo.iterdir()) == [
+        DECODER_MODEL,
+        ENCODER_MODEL,
+        MARKER_FILE,
+        TRANSLATOR_MODEL,
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "repo"]  # no temp or backup folder left
 
 
@@ -790,8 +1010,12 @@ def test_bad_options(exports, tmp_path):
         export_triton(exports["portable"], tmp_path / "d", backend="tensorflow")
     with pytest.raises(TritonExportError, match="--precision selects TensorRT engines"):
         export_triton(exports["portable"], tmp_path / "e", backend="onnxruntime", precision="fp16")
-    no_state = export_triton(exports["tensorscatter"], tmp_path / "f", stateful=False, translator=False).repo_dir
+    no_state = export_triton(
+        exports["tensorscatter"], tmp_path / "f", stateful=False, translator=False
+    ).repo_dir
     assert sorted(p.name for p in no_state.iterdir()) == [DECODER_MODEL, ENCODER_MODEL, MARKER_FILE]
     assert not any((tmp_path / n).exists() for n in "abcde")
-    with pytest.raises(TritonExportError, match="3 translator instances cannot share 2 stateful sequence slots"):
+    with pytest.raises(
+        TritonExportError, match="3 translator instances cannot share 2 stateful sequence slots"
+    ):
         export_triton(exports["tensorscatter"], tmp_path / "g", max_batch_size=2, translator_instances=3)

@@ -44,10 +44,14 @@ def last_checkpoints(run: Path, k: int) -> list[Path]:
         raise AverageError(f"--last: {run} is not a folder (expected a training run folder)")
     found = step_checkpoints(run / CHECKPOINTS_DIR)
     if not found:
-        raise AverageError(f"--last: {run / CHECKPOINTS_DIR} holds no step-N checkpoint (train with --keep-last K)")
+        raise AverageError(
+            f"--last: {run / CHECKPOINTS_DIR} holds no step-N checkpoint (train with --keep-last K)"
+        )
     if len(found) < k:
-        raise AverageError(f"--last {k}: {run / CHECKPOINTS_DIR} holds only {len(found)} checkpoints "
-                           f"({', '.join(p.name for p in found)})")
+        raise AverageError(
+            f"--last {k}: {run / CHECKPOINTS_DIR} holds only {len(found)} checkpoints "
+            f"({', '.join(p.name for p in found)})"
+        )
     return found[-k:]
 
 
@@ -83,12 +87,15 @@ def average_checkpoints(folders: Sequence[Path], out: Path) -> Path:
     for folder in folders[1:]:
         other = load_model(folder, "cpu")
         if other.config != model.config:
-            raise AverageError(f"{folder / 'config.json'} differs from {first / 'config.json'}: only checkpoints of one "
-                               "model can be averaged")
+            raise AverageError(
+                f"{folder / 'config.json'} differs from {first / 'config.json'}: only checkpoints of one "
+                "model can be averaged"
+            )
         for name in tok_files:
             if (folder / name).read_bytes() != (first / name).read_bytes():
-                raise AverageError(f"{folder / name} differs from {first / name}: the checkpoints have different "
-                                   "tokenizers")
+                raise AverageError(
+                    f"{folder / name} differs from {first / name}: the checkpoints have different tokenizers"
+                )
         for name, t in canonical_state_dict(other)[0].items():
             sums[name] += t.detach().to(torch.float64)
         del other
@@ -102,7 +109,9 @@ def average_checkpoints(folders: Sequence[Path], out: Path) -> Path:
         extra = list(tok_files) + ([PROVENANCE_FILE] if (first / PROVENANCE_FILE).is_file() else [])
         for name in extra:
             atomic_write_bytes(stage.path / name, (first / name).read_bytes())
-        atomic_write_json(stage.path / AVERAGED_FILE, dict(checkpoints=[str(f) for f in folders], n=len(folders)))
+        atomic_write_json(
+            stage.path / AVERAGED_FILE, dict(checkpoints=[str(f) for f in folders], n=len(folders))
+        )
         stage.commit()
     logger.info("averaged %d checkpoints into %s", len(folders), out)
     return out
@@ -112,10 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m transformer_ext.average",
         description="Average the parameters of checkpoints of one model (same config and tokenizer) into a new "
-                    "model folder.")
+        "model folder.",
+    )
     p.add_argument("checkpoints", nargs="*", metavar="CKPT", help="model folders to average")
-    p.add_argument("--last", nargs=2, metavar=("K", "RUN"),
-                   help="the K newest RUN/checkpoints/step-N folders (train with --keep-last K)")
+    p.add_argument(
+        "--last",
+        nargs=2,
+        metavar=("K", "RUN"),
+        help="the K newest RUN/checkpoints/step-N folders (train with --keep-last K)",
+    )
     p.add_argument("--out", required=True, help="the new model folder")
     add_debug_flag(p)
     return p
@@ -134,18 +148,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"--last K RUN: K must be an integer, got {args.last[0]!r}")
         if k < 1:
             parser.error(f"--last K RUN: K must be >= 1, got {k}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
     def work() -> int:
         out = Path(args.out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise AverageError(f"--out {out} exists and is not an empty folder; choose a new folder")
-        folders = last_checkpoints(Path(args.last[1]), k) if args.last else [Path(c) for c in args.checkpoints]
+        folders = (
+            last_checkpoints(Path(args.last[1]), k) if args.last else [Path(c) for c in args.checkpoints]
+        )
         for f in folders:
             if not f.is_dir():
-                raise AverageError(f"checkpoint {f} is not a folder (expected a model folder with config.json and "
-                                   "model.safetensors)")
+                raise AverageError(
+                    f"checkpoint {f} is not a folder (expected a model folder with config.json and "
+                    "model.safetensors)"
+                )
         average_checkpoints(folders, out)
         print(f"averaged {len(folders)} checkpoints ({', '.join(f.name for f in folders)}) into {out}")
         return 0

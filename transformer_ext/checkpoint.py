@@ -21,10 +21,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from .fsutil import StagedDir, atomic_write_bytes
-
 from . import __version__
 from .config import TransformerConfig
+from .fsutil import StagedDir, atomic_write_bytes
 from .model import Transformer
 
 logger = logging.getLogger(__name__)
@@ -82,8 +81,9 @@ def save_model(model: Transformer, directory: PathLike) -> None:
         raise TypeError(f"save_model expects a transformer_ext Transformer, got {type(model).__name__}")
     directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(directory) and not os.path.isdir(directory):
-        raise NotADirectoryError(errno.ENOTDIR, "cannot save a model here: it exists and is not a directory",
-                                 directory)
+        raise NotADirectoryError(
+            errno.ENOTDIR, "cannot save a model here: it exists and is not a directory", directory
+        )
     if os.path.isdir(directory):
         _write_files(model, directory)
         logger.info("saved model to existing directory %s", directory)
@@ -106,7 +106,9 @@ def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
         n_inf = int(torch.isinf(t).sum())
         bad.append(f"{name} ({n_nan} NaN, {n_inf} infinite of {t.numel()})")
     if bad:
-        raise ValueError(f"{source} holds non-finite values (weights must be finite numbers): " + "; ".join(bad))
+        raise ValueError(
+            f"{source} holds non-finite values (weights must be finite numbers): " + "; ".join(bad)
+        )
 
 
 def load_model(directory: PathLike, device: Union[str, torch.device] = "cpu") -> Transformer:
@@ -127,9 +129,13 @@ def load_model(directory: PathLike, device: Union[str, torch.device] = "cpu") ->
     config_path = os.path.join(directory, CONFIG_NAME)
     weights_path = os.path.join(directory, WEIGHTS_NAME)
     if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: a model directory needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+        raise FileNotFoundError(
+            f"{config_path} not found: a model directory needs {CONFIG_NAME} and {WEIGHTS_NAME}"
+        )
     if not os.path.isfile(weights_path):
-        raise FileNotFoundError(f"{weights_path} not found: a model directory needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+        raise FileNotFoundError(
+            f"{weights_path} not found: a model directory needs {CONFIG_NAME} and {WEIGHTS_NAME}"
+        )
 
     config = TransformerConfig.load_json(config_path)
     try:
@@ -160,7 +166,9 @@ def load_model(directory: PathLike, device: Union[str, torch.device] = "cpu") ->
                 f"{alias} differs from {canonical}, but the config ties them "
                 "(tie_target_embeddings / shared_vocab)"
             )
-    nonfloat = [name for name in sorted(set(expected) & set(tensors)) if not tensors[name].is_floating_point()]
+    nonfloat = [
+        name for name in sorted(set(expected) & set(tensors)) if not tensors[name].is_floating_point()
+    ]
     if nonfloat:
         problems.append(f"non-floating-point tensors {nonfloat}")
     if problems:

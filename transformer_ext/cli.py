@@ -40,8 +40,11 @@ class UserError(Exception):
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--debug", action="store_true",
-                        help="show the full traceback of an error instead of a one-line message")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error instead of a one-line message",
+    )
     return parser
 
 
@@ -86,8 +89,14 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
-def run_cli(prog: str, work: Callable[[], int], *, debug: bool = False,
-            interrupted_hint: Union[str, Callable[[], str]] = "", expected: Optional[tuple[type[BaseException], ...]] = None) -> int:
+def run_cli(
+    prog: str,
+    work: Callable[[], int],
+    *,
+    debug: bool = False,
+    interrupted_hint: Union[str, Callable[[], str]] = "",
+    expected: Optional[tuple[type[BaseException], ...]] = None,
+) -> int:
     """Run ``work()`` and return its exit code, or one for the failure (see the module docstring).
 
     ``interrupted_hint`` is appended to the "interrupted" line (``"resume with --resume"``); a

@@ -29,7 +29,14 @@ from .cli import UserError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TransformerConfig", "PRESETS", "ConfigError", "CONFIG_FORMAT_VERSION", "V1_FIELDS", "migrate_config"]
+__all__ = [
+    "TransformerConfig",
+    "PRESETS",
+    "ConfigError",
+    "CONFIG_FORMAT_VERSION",
+    "V1_FIELDS",
+    "migrate_config",
+]
 
 # Version of the config.json form (and of a manifest's model_config); see migrate_config.
 CONFIG_FORMAT_VERSION = 1
@@ -98,12 +105,24 @@ class TransformerConfig:
     eos_id: int = 2  # ends a target; decoding stops when it is generated
 
     _INT_FIELDS: ClassVar[tuple[str, ...]] = (
-        "src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "n_encoder_layers",
-        "n_decoder_layers", "d_ff", "max_len", "pad_id", "bos_id", "eos_id",
+        "src_vocab_size",
+        "tgt_vocab_size",
+        "d_model",
+        "n_heads",
+        "n_encoder_layers",
+        "n_decoder_layers",
+        "d_ff",
+        "max_len",
+        "pad_id",
+        "bos_id",
+        "eos_id",
     )
     _FLOAT_FIELDS: ClassVar[tuple[str, ...]] = ("dropout", "layer_norm_eps")
     _BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
-        "norm_first", "bias", "tie_target_embeddings", "shared_vocab",
+        "norm_first",
+        "bias",
+        "tie_target_embeddings",
+        "shared_vocab",
     )
 
     def __post_init__(self) -> None:
@@ -134,8 +153,16 @@ class TransformerConfig:
             if not isinstance(value, bool):
                 raise TypeError(f"TransformerConfig.{name} must be a bool, got {value!r}")
 
-        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads",
-                     "n_encoder_layers", "n_decoder_layers", "d_ff", "max_len"):
+        for name in (
+            "src_vocab_size",
+            "tgt_vocab_size",
+            "d_model",
+            "n_heads",
+            "n_encoder_layers",
+            "n_decoder_layers",
+            "d_ff",
+            "max_len",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransformerConfig.{name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.n_heads != 0:
@@ -241,7 +268,9 @@ class TransformerConfig:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
         unknown = sorted(set(overrides) - set(_field_names()))
         if unknown:
-            raise ValueError(f"unknown TransformerConfig fields {unknown}; the fields are {list(_field_names())}")
+            raise ValueError(
+                f"unknown TransformerConfig fields {unknown}; the fields are {list(_field_names())}"
+            )
         return cls(**{**PRESETS[name], **overrides})
 
 
@@ -270,9 +299,23 @@ def _field_names() -> tuple[str, ...]:
 # The fields of format_version 1, in the order config.json lists them. A later version that adds a
 # field appends it to its own tuple, bumps CONFIG_FORMAT_VERSION and adds a migration step below.
 V1_FIELDS: tuple[str, ...] = (
-    "src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers",
-    "d_ff", "dropout", "max_len", "norm_first", "layer_norm_eps", "bias", "tie_target_embeddings",
-    "shared_vocab", "pad_id", "bos_id", "eos_id",
+    "src_vocab_size",
+    "tgt_vocab_size",
+    "d_model",
+    "n_heads",
+    "n_encoder_layers",
+    "n_decoder_layers",
+    "d_ff",
+    "dropout",
+    "max_len",
+    "norm_first",
+    "layer_norm_eps",
+    "bias",
+    "tie_target_embeddings",
+    "shared_vocab",
+    "pad_id",
+    "bos_id",
+    "eos_id",
 )
 # What the writer before format_version always wrote (dataclasses.asdict of the config of that
 # time): the same seventeen fields, without the version key.
@@ -341,7 +384,9 @@ def migrate_config(data: Any, source: str = "the model config") -> dict[str, Any
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a model config is a JSON object, got {type(data).__name__}")
     if "format_version" not in data:
-        _check_keys(data, UNVERSIONED_FIELDS, source, "a config without format_version (written before versioning)")
+        _check_keys(
+            data, UNVERSIONED_FIELDS, source, "a config without format_version (written before versioning)"
+        )
         data = {"format_version": 1, **{k: data[k] for k in UNVERSIONED_FIELDS}}
     version = data["format_version"]
     if isinstance(version, bool) or not isinstance(version, int):
@@ -352,7 +397,9 @@ def migrate_config(data: Any, source: str = "the model config") -> dict[str, Any
             f"format_version {CONFIG_FORMAT_VERSION} and older: upgrade transformer_ext"
         )
     if version < 1:
-        raise ConfigError(f"{source}: unsupported format_version {version} (supported: 1..{CONFIG_FORMAT_VERSION})")
+        raise ConfigError(
+            f"{source}: unsupported format_version {version} (supported: 1..{CONFIG_FORMAT_VERSION})"
+        )
     _check_keys(data, V1_FIELDS, source, "a config of format_version 1")
     _check_types(data, source)
     return {"format_version": 1, **{k: data[k] for k in V1_FIELDS}}

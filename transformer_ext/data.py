@@ -138,7 +138,11 @@ def split_numbers(
         raise ValueError(f"empty range {low}..{high}")
     if low < 0:
         raise ValueError(f"the demo task covers non-negative numbers, got low={low}")
-    if not (0.0 <= heldout_fraction < 1.0 and 0.0 <= valid_fraction < 1.0 and heldout_fraction + valid_fraction < 1.0):
+    if not (
+        0.0 <= heldout_fraction < 1.0
+        and 0.0 <= valid_fraction < 1.0
+        and heldout_fraction + valid_fraction < 1.0
+    ):
         raise ValueError(
             f"heldout_fraction ({heldout_fraction}) and valid_fraction ({valid_fraction}) must be in [0, 1) "
             "and leave some numbers for training"
@@ -345,8 +349,10 @@ def read_lines(path) -> list[str]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
-        raise DataError(f"{path}, line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); the corpus files must "
-                        "be UTF-8") from None
+        raise DataError(
+            f"{path}, line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); the corpus files must "
+            "be UTF-8"
+        ) from None
     if text.startswith("\ufeff"):
         text = text[1:]
     lines = text.split("\n")
@@ -359,8 +365,10 @@ def read_parallel(src_path, tgt_path) -> tuple[list[str], list[str]]:
     """Line-aligned ``(sources, targets)`` of two files; different line counts name both files and counts."""
     sources, targets = read_lines(src_path), read_lines(tgt_path)
     if len(sources) != len(targets):
-        raise DataError(f"{src_path} has {len(sources)} lines but {tgt_path} has {len(targets)}: the source and "
-                        "target files must be line-aligned (one sentence pair per line number)")
+        raise DataError(
+            f"{src_path} has {len(sources)} lines but {tgt_path} has {len(targets)}: the source and "
+            "target files must be line-aligned (one sentence pair per line number)"
+        )
     return sources, targets
 
 
@@ -375,8 +383,9 @@ def read_tsv(path) -> tuple[list[str], list[str]]:
             continue
         parts = line.split("\t")
         if len(parts) != 2:
-            raise DataError(f"{path}, line {number}: expected source<TAB>target (2 fields), got {len(parts)} "
-                            "field(s)")
+            raise DataError(
+                f"{path}, line {number}: expected source<TAB>target (2 fields), got {len(parts)} field(s)"
+            )
         sources.append(parts[0])
         targets.append(parts[1])
     return sources, targets
@@ -403,7 +412,9 @@ class ParallelIds:
         tgt_len = np.array([len(t) for _, t in pairs], dtype=np.int64)
         src = np.fromiter((i for s, _ in pairs for i in s), dtype=np.int32, count=int(src_len.sum()))
         tgt = np.fromiter((i for _, t in pairs for i in t), dtype=np.int32, count=int(tgt_len.sum()))
-        return cls(src, np.concatenate([[0], np.cumsum(src_len)]), tgt, np.concatenate([[0], np.cumsum(tgt_len)]))
+        return cls(
+            src, np.concatenate([[0], np.cumsum(src_len)]), tgt, np.concatenate([[0], np.cumsum(tgt_len)])
+        )
 
     def __len__(self) -> int:
         return len(self.src_offsets) - 1
@@ -412,8 +423,10 @@ class ParallelIds:
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
-        return (self.src_ids[self.src_offsets[i]:self.src_offsets[i + 1]],
-                self.tgt_ids[self.tgt_offsets[i]:self.tgt_offsets[i + 1]])
+        return (
+            self.src_ids[self.src_offsets[i] : self.src_offsets[i + 1]],
+            self.tgt_ids[self.tgt_offsets[i] : self.tgt_offsets[i + 1]],
+        )
 
     def source_lengths(self):
         return np.diff(self.src_offsets)
@@ -442,12 +455,20 @@ class FilterReport:
     kept_index: list = field(default_factory=list, repr=False)  # line index (0-based) of every kept pair
 
     def describe(self) -> str:
-        return (f"{self.total} pairs read: {self.empty} removed as empty, {self.too_long} as longer than max_len, "
-                f"{self.ratio} by the length ratio; {self.kept} kept")
+        return (
+            f"{self.total} pairs read: {self.empty} removed as empty, {self.too_long} as longer than max_len, "
+            f"{self.ratio} by the length ratio; {self.kept} kept"
+        )
 
 
-def encode_parallel(tokenizer, sources: Sequence[str], targets: Sequence[str], *, max_len: int,
-                    max_len_ratio: float | None = None) -> tuple[ParallelIds, FilterReport]:
+def encode_parallel(
+    tokenizer,
+    sources: Sequence[str],
+    targets: Sequence[str],
+    *,
+    max_len: int,
+    max_len_ratio: float | None = None,
+) -> tuple[ParallelIds, FilterReport]:
     """Tokenize and filter a parallel corpus.
 
     Filters, in this order: pairs with an empty side (after whitespace is stripped); pairs whose

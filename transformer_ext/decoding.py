@@ -65,7 +65,9 @@ LENGTH_PENALTIES = ("gnmt", "seed", "average", "none")
 class Runner(Protocol):
     """What a backend implements to be driven by :func:`greedy_decode` / :func:`beam_search`."""
 
-    def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> Any:
+    def encode(
+        self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1
+    ) -> Any:
         """Encode ``input_ids`` int64 ``[B, S]`` (right-padded) with ``src_lengths`` int64 ``[B]``.
 
         Returns an opaque state holding N = B * num_beams rows: every source row repeated
@@ -113,8 +115,14 @@ def check_token_ids(name: str, ids: Any, vocab_size: int | None, *, side: str = 
     return arr
 
 
-def check_step_tokens(position: int, cache_len: int, max_positions: int | None, tokens: Any, num_rows: int,
-                      vocab_size: int | None = None) -> np.ndarray:
+def check_step_tokens(
+    position: int,
+    cache_len: int,
+    max_positions: int | None,
+    tokens: Any,
+    num_rows: int,
+    vocab_size: int | None = None,
+) -> np.ndarray:
     """The checks every runner makes before feeding one token per row at ``position``: room in
     the cache and the positional encodings, shape ``(num_rows,)``, integer ids in
     ``[0, vocab_size)`` (the target vocabulary; ``None`` skips the range check). Returns int64."""
@@ -245,8 +253,9 @@ def max_new_tokens_for(src_lengths: IntOrArray, a: float, b: float, *, cap: int 
     return np.maximum(budget.astype(np.int64), 1)
 
 
-def check_sources(input_ids: Any, src_lengths: Any, *, src_vocab_size: int | None = None,
-                  max_src_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def check_sources(
+    input_ids: Any, src_lengths: Any, *, src_vocab_size: int | None = None, max_src_len: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The checks every runner and both searches make on a batch of sources; returns
     ``(input_ids, src_lengths)`` as contiguous int64 arrays.
 
@@ -269,7 +278,9 @@ def check_sources(input_ids: Any, src_lengths: Any, *, src_vocab_size: int | Non
     if not np.issubdtype(lengths.dtype, np.integer):
         raise TypeError(f"src_lengths must be integers, got dtype {lengths.dtype}")
     if lengths.min() < 1 or lengths.max() > S:
-        raise ValueError(f"src_lengths must be in [1, {S}] (the padded source length), got {lengths.tolist()}")
+        raise ValueError(
+            f"src_lengths must be in [1, {S}] (the padded source length), got {lengths.tolist()}"
+        )
     if max_src_len is not None and S > max_src_len:
         raise ValueError(f"source length {S} exceeds the model's max_len = {int(max_src_len)}")
     ids = check_token_ids("input_ids", ids, src_vocab_size, side="source")
@@ -287,16 +298,24 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def check_encode_args(input_ids: Any, src_lengths: Any, cache_len: Any, num_beams: Any, *,
-                      src_vocab_size: int | None = None,
-                      max_positions: int | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
+def check_encode_args(
+    input_ids: Any,
+    src_lengths: Any,
+    cache_len: Any,
+    num_beams: Any,
+    *,
+    src_vocab_size: int | None = None,
+    max_positions: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, int, int]:
     """The checks every runner's ``encode`` makes: the sources (:func:`check_sources`, source
     length at most ``max_positions``), ``cache_len`` a positive int of at most ``max_positions``
     (the model's ``max_len``: positions past it have no positional encoding) and ``num_beams``
     a positive int. Returns ``(input_ids, src_lengths, cache_len, num_beams)``; limits of a
     runner's own (an export's or an engine profile's) are checked by the runner after these.
     """
-    ids, lengths = check_sources(input_ids, src_lengths, src_vocab_size=src_vocab_size, max_src_len=max_positions)
+    ids, lengths = check_sources(
+        input_ids, src_lengths, src_vocab_size=src_vocab_size, max_src_len=max_positions
+    )
     cache_len = _check_positive_int("cache_len", cache_len)
     if max_positions is not None and cache_len > max_positions:
         raise ValueError(
@@ -413,15 +432,15 @@ def _row_top_k(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if k == V:
         return np.broadcast_to(np.arange(V), (N, V)), x.max(axis=1)
     if n_blocks < 4 * k:  # a small vocabulary or a wide beam: partition the whole rows
-        return np.argpartition(x, V - k, axis=1)[:, V - k:], x.max(axis=1)
+        return np.argpartition(x, V - k, axis=1)[:, V - k :], x.max(axis=1)
     block_max = x[:, :full].reshape(N, n_blocks, _TOPK_BLOCK).max(axis=2)  # NaN propagates
-    top_blocks = np.argpartition(block_max, n_blocks - k, axis=1)[:, n_blocks - k:]
+    top_blocks = np.argpartition(block_max, n_blocks - k, axis=1)[:, n_blocks - k :]
     cols = (top_blocks[:, :, None] * _TOPK_BLOCK + _TOPK_OFFSETS).reshape(N, k * _TOPK_BLOCK)
     if full < V:  # the entries after the last whole block are always candidates
         cols = np.concatenate([cols, np.broadcast_to(np.arange(full, V), (N, V - full))], axis=1)
     rows = np.arange(N)[:, None]
     values = x[rows, cols]
-    pick = np.argpartition(values, values.shape[1] - k, axis=1)[:, values.shape[1] - k:]
+    pick = np.argpartition(values, values.shape[1] - k, axis=1)[:, values.shape[1] - k :]
     return cols[rows, pick], values.max(axis=1)
 
 
@@ -631,10 +650,19 @@ class SearchMethods:
 
     def greedy(self, input_ids, src_lengths, *, max_new_tokens: IntOrArray, **kwargs) -> list[list[int]]:
         """:func:`greedy_decode` with this runner (keyword arguments as there)."""
-        return greedy_decode(self, input_ids, src_lengths, max_new_tokens=max_new_tokens, **self._search_kwargs(kwargs))
+        return greedy_decode(
+            self, input_ids, src_lengths, max_new_tokens=max_new_tokens, **self._search_kwargs(kwargs)
+        )
 
-    def beam_search(self, input_ids, src_lengths, *, beam_size: int, max_new_tokens: IntOrArray,
-                    **kwargs) -> list[list[Hypothesis]]:
+    def beam_search(
+        self, input_ids, src_lengths, *, beam_size: int, max_new_tokens: IntOrArray, **kwargs
+    ) -> list[list[Hypothesis]]:
         """:func:`beam_search` with this runner (keyword arguments as there)."""
-        return beam_search(self, input_ids, src_lengths, beam_size=beam_size, max_new_tokens=max_new_tokens,
-                           **self._search_kwargs(kwargs))
+        return beam_search(
+            self,
+            input_ids,
+            src_lengths,
+            beam_size=beam_size,
+            max_new_tokens=max_new_tokens,
+            **self._search_kwargs(kwargs),
+        )

@@ -13,7 +13,13 @@ from typing import Optional
 __all__ = ["FALLBACK_SOURCES", "heldout_examples"]
 
 # Shown when the demo split cannot be computed; the demo model translates them.
-FALLBACK_SOURCES = ("forty-two", "three hundred and seven", "one thousand and one", "nineteen", "five thousand")
+FALLBACK_SOURCES = (
+    "forty-two",
+    "three hundred and seven",
+    "one thousand and one",
+    "nineteen",
+    "five thousand",
+)
 
 
 def heldout_examples(n: int) -> list[tuple[str, Optional[str]]]:

@@ -115,7 +115,9 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> Optional[DistEnv]:
         except ValueError:
             raise DistributedError(f"{name} must be an integer, got {value!r}; {_LAUNCH_HINT}") from None
 
-    rank, world_size, local_rank, port = (integer(n) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
+    rank, world_size, local_rank, port = (
+        integer(n) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    )
     if world_size < 1:
         raise DistributedError(f"WORLD_SIZE must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -160,14 +162,18 @@ class DistributedBatchSampler:
         self.rank = rank
         self.world_size = world_size
         self.steps_per_epoch = n // world_size
-        self.dropped = n - self.steps_per_epoch * world_size  # batches left out of each epoch (reshuffled each epoch)
+        self.dropped = (
+            n - self.steps_per_epoch * world_size
+        )  # batches left out of each epoch (reshuffled each epoch)
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of ``epoch``, in training order: global batches rank, rank+N, ..."""
-        return self.sampler.batches(epoch)[self.rank : self.steps_per_epoch * self.world_size : self.world_size]
+        return self.sampler.batches(epoch)[
+            self.rank : self.steps_per_epoch * self.world_size : self.world_size
+        ]
 
 
 # ---------------------------------------------------------------------- loss
@@ -258,30 +264,45 @@ class DistributedContext(Context):
 
         # No buffer broadcast before every forward: the only buffers (positional encodings) are constants.
         # (Newer torch spells it forward_sync_buffers and deprecates broadcast_buffers.)
-        no_buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
-                          inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
-        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                       **{no_buffer_sync: False})
+        no_buffer_sync = (
+            "forward_sync_buffers"
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+            else "broadcast_buffers"
+        )
+        return DistributedDataParallel(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            **{no_buffer_sync: False},
+        )
 
     def shard(self, sampler):
         sharded = DistributedBatchSampler(sampler, self.rank, self.world_size)
         if self.is_main:
-            logger.info("%d batches per epoch over %d ranks: %d steps per epoch on every rank%s", len(sampler),
-                        self.world_size, len(sharded),
-                        f"; the last {sharded.dropped} batch(es) of each (reshuffled) epoch are left out"
-                        if sharded.dropped else "")
+            logger.info(
+                "%d batches per epoch over %d ranks: %d steps per epoch on every rank%s",
+                len(sampler),
+                self.world_size,
+                len(sharded),
+                f"; the last {sharded.dropped} batch(es) of each (reshuffled) epoch are left out"
+                if sharded.dropped
+                else "",
+            )
         return sharded
 
     def reduce_loss(self, loss: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, float, int]:
         import torch.distributed as dist
 
-        stats = torch.tensor([float(loss.detach()) * n_tokens, float(n_tokens)], dtype=torch.float64,
-                             device=self.device)
+        stats = torch.tensor(
+            [float(loss.detach()) * n_tokens, float(n_tokens)], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(stats)
         loss_sum, global_tokens = stats.tolist()
         global_tokens = int(round(global_tokens))
-        return (scale_loss(loss, n_tokens, global_tokens, self.world_size), loss_sum / max(global_tokens, 1),
-                global_tokens)
+        return (
+            scale_loss(loss, n_tokens, global_tokens, self.world_size),
+            loss_sum / max(global_tokens, 1),
+            global_tokens,
+        )
 
     def any(self, flag: bool) -> bool:
         import torch.distributed as dist
@@ -314,15 +335,22 @@ class DistributedContext(Context):
         # A seed of (seed, step at session start, rank): distinct dropout masks on every rank,
         # reproducible for the same launch. (Only rank 0's generator is checkpointed.)
         derived = (int(seed) * 1_000_003 + int(step)) * 65_537 + self.rank
-        torch.manual_seed(derived % (2 ** 63))
+        torch.manual_seed(derived % (2**63))
 
     def local_position(self, global_batches: int, saved_world_size: int = 1) -> int:
         steps = math.ceil(global_batches / self.world_size)
         skipped = steps * self.world_size - global_batches
         if skipped and self.is_main:
-            logger.warning("resuming %d batches into the epoch with %d ranks (saved with %d): the next %d "
-                           "batch%s of this epoch %s skipped", global_batches, self.world_size, saved_world_size,
-                           skipped, "es" if skipped > 1 else "", "are" if skipped > 1 else "is")
+            logger.warning(
+                "resuming %d batches into the epoch with %d ranks (saved with %d): the next %d "
+                "batch%s of this epoch %s skipped",
+                global_batches,
+                self.world_size,
+                saved_world_size,
+                skipped,
+                "es" if skipped > 1 else "",
+                "are" if skipped > 1 else "is",
+            )
         return steps
 
     def global_position(self, local_steps: int) -> int:
@@ -353,12 +381,16 @@ def setup(device: torch.device | str, *, timeout_s: Optional[float] = None) -> C
         raise DistributedError("this PyTorch build has no torch.distributed; multi-process training needs it")
     if device.type == "cuda":
         if device.index is not None and device.index != env.local_rank:
-            raise DistributedError(f"under torchrun each process uses cuda:LOCAL_RANK (cuda:{env.local_rank} "
-                                   f"here); pass --device cuda, not {device}")
+            raise DistributedError(
+                f"under torchrun each process uses cuda:LOCAL_RANK (cuda:{env.local_rank} "
+                f"here); pass --device cuda, not {device}"
+            )
         n_gpus = torch.cuda.device_count()
         if env.local_rank >= n_gpus:
-            raise DistributedError(f"LOCAL_RANK={env.local_rank} but this node sees {n_gpus} CUDA device(s): start "
-                                   f"at most {n_gpus} processes per node (--nproc_per_node {n_gpus})")
+            raise DistributedError(
+                f"LOCAL_RANK={env.local_rank} but this node sees {n_gpus} CUDA device(s): start "
+                f"at most {n_gpus} processes per node (--nproc_per_node {n_gpus})"
+            )
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -380,14 +412,20 @@ def setup(device: torch.device | str, *, timeout_s: Optional[float] = None) -> C
     if backend == "nccl":
         kwargs["device_id"] = device
     try:
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, **kwargs)
+        dist.init_process_group(
+            backend, init_method="env://", rank=env.rank, world_size=env.world_size, **kwargs
+        )
     except (RuntimeError, ValueError, OSError) as exc:
         raise DistributedError(
             f"rank {env.rank} of {env.world_size} could not join the process group at "
             f"{env.master_addr}:{env.master_port} ({backend}): {exc}"
         ) from exc
     if env.rank == 0:
-        logger.info("process group: %d ranks, backend %s, rendezvous %s:%d", env.world_size, backend,
-                    env.master_addr, env.master_port)
+        logger.info(
+            "process group: %d ranks, backend %s, rendezvous %s:%d",
+            env.world_size,
+            backend,
+            env.master_addr,
+            env.master_port,
+        )
     return DistributedContext(env, device, backend, owns_group=True)
-

@@ -21,8 +21,9 @@ def _sacrebleu():
     except ImportError as exc:  # pragma: no cover - depends on the environment
         from .cli import UserError
 
-        raise UserError("scoring needs the sacrebleu package: pip install sacrebleu==2.6.0 (or the [eval] extra)") \
-            from exc
+        raise UserError(
+            "scoring needs the sacrebleu package: pip install sacrebleu==2.6.0 (or the [eval] extra)"
+        ) from exc
     return sacrebleu
 
 
@@ -39,8 +40,14 @@ def score_texts(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
     hyps, refs = list(hypotheses), [list(references)]
     b = bleu.corpus_score(hyps, refs)
     c = chrf.corpus_score(hyps, refs)
-    return dict(bleu=float(b.score), chrf=float(c.score), bleu_signature=str(bleu.get_signature()),
-                chrf_signature=str(chrf.get_signature()), n=len(hyps), bleu_detail=str(b))
+    return dict(
+        bleu=float(b.score),
+        chrf=float(c.score),
+        bleu_signature=str(bleu.get_signature()),
+        chrf_signature=str(chrf.get_signature()),
+        n=len(hyps),
+        bleu_detail=str(b),
+    )
 
 
 # ---------------------------------------------------------------------- command line
@@ -64,7 +71,9 @@ def load_translator(model: Path, *, device: str = "cpu", threads: Optional[int] 
     from .translate import Translator, is_export_dir
 
     if not model.is_dir():
-        raise EvaluationError(f"--model {model} is not a folder (expected a model folder or an export folder)")
+        raise EvaluationError(
+            f"--model {model} is not a folder (expected a model folder or an export folder)"
+        )
     if is_export_dir(model) and not (model / "config.json").exists():
         return Translator.from_export_dir(model, threads=threads), "onnxruntime"
     from .checkpoint import load_model
@@ -80,10 +89,21 @@ def load_translator(model: Path, *, device: str = "cpu", threads: Optional[int] 
     return Translator(tokenizer, runner), "eager"
 
 
-def evaluate_files(model: Path, src: Path, ref: Path, *, beam: int = 1, output: Optional[Path] = None,
-                   device: str = "cpu", threads: Optional[int] = None, batch_size: int = 64,
-                   length_penalty: Optional[str] = None, alpha: Optional[float] = None,
-                   max_len_a: Optional[float] = None, max_len_b: Optional[float] = None) -> dict:
+def evaluate_files(
+    model: Path,
+    src: Path,
+    ref: Path,
+    *,
+    beam: int = 1,
+    output: Optional[Path] = None,
+    device: str = "cpu",
+    threads: Optional[int] = None,
+    batch_size: int = 64,
+    length_penalty: Optional[str] = None,
+    alpha: Optional[float] = None,
+    max_len_a: Optional[float] = None,
+    max_len_b: Optional[float] = None,
+) -> dict:
     """Translate ``src`` with ``model``, score against ``ref``; returns the report (see :func:`main`)."""
     from .data import DataError, read_lines
     from .fsutil import atomic_write_text
@@ -93,16 +113,24 @@ def evaluate_files(model: Path, src: Path, ref: Path, *, beam: int = 1, output: 
     except DataError as exc:
         raise EvaluationError(str(exc)) from None
     if len(sources) != len(references):
-        raise EvaluationError(f"--src {src} has {len(sources)} lines but --ref {ref} has {len(references)}: the "
-                              "reference file must have one line per source line")
+        raise EvaluationError(
+            f"--src {src} has {len(sources)} lines but --ref {ref} has {len(references)}: the "
+            "reference file must have one line per source line"
+        )
     if not sources:
         raise EvaluationError(f"--src {src} has no lines")
     translator, runtime = load_translator(model, device=device, threads=threads)
     keep = [i for i, s in enumerate(sources) if s.strip()]
     if len(keep) < len(sources):
         logger.warning("%d empty source lines get empty hypotheses", len(sources) - len(keep))
-    options = dict(beam_size=beam, batch_size=batch_size, length_penalty=length_penalty, alpha=alpha,
-                   max_len_a=max_len_a, max_len_b=max_len_b)
+    options = dict(
+        beam_size=beam,
+        batch_size=batch_size,
+        length_penalty=length_penalty,
+        alpha=alpha,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+    )
     options = {k: v for k, v in options.items() if v is not None}
     settings = translator._resolve(options)
     settings.pop("explicit_budget", None)
@@ -115,11 +143,21 @@ def evaluate_files(model: Path, src: Path, ref: Path, *, beam: int = 1, output: 
     if output is not None:
         atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
     scores = score_texts(hypotheses, references)
-    return dict(model=str(model), runtime=runtime, src=str(src), ref=str(ref), n=len(sources),
-                bleu=round(scores["bleu"], 2), chrf=round(scores["chrf"], 2),
-                bleu_signature=scores["bleu_signature"], chrf_signature=scores["chrf_signature"],
-                bleu_detail=scores["bleu_detail"], decoding=settings, seconds=round(seconds, 1),
-                output=str(output) if output is not None else None)
+    return dict(
+        model=str(model),
+        runtime=runtime,
+        src=str(src),
+        ref=str(ref),
+        n=len(sources),
+        bleu=round(scores["bleu"], 2),
+        chrf=round(scores["chrf"], 2),
+        bleu_signature=scores["bleu_signature"],
+        chrf_signature=scores["chrf_signature"],
+        bleu_detail=scores["bleu_detail"],
+        decoding=settings,
+        seconds=round(seconds, 1),
+        output=str(output) if output is not None else None,
+    )
 
 
 def _check_output(path: Path, src: Path, ref: Path) -> None:
@@ -137,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m transformer_ext.evaluate",
         description="Translate a source file and score it against a reference file with sacrebleu (BLEU with "
-                    "13a tokenization, chrF), detokenized hypotheses against raw references. MODEL is a model "
-                    "folder (eager PyTorch) or an export folder (ONNX Runtime).")
+        "13a tokenization, chrF), detokenized hypotheses against raw references. MODEL is a model "
+        "folder (eager PyTorch) or an export folder (ONNX Runtime).",
+    )
     p.add_argument("--model", required=True, help="model folder or export folder")
     p.add_argument("--src", required=True, help="source sentences, one per line (UTF-8)")
     p.add_argument("--ref", required=True, help="reference translations, line-aligned with --src")
@@ -148,8 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda, for a model folder (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch or ONNX Runtime)")
     p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (default: 64)")
-    p.add_argument("--length-penalty", choices=("gnmt", "seed", "average", "none"), default=None,
-                   help="beam search length penalty (default: the translator's, gnmt)")
+    p.add_argument(
+        "--length-penalty",
+        choices=("gnmt", "seed", "average", "none"),
+        default=None,
+        help="beam search length penalty (default: the translator's, gnmt)",
+    )
     p.add_argument("--alpha", type=float, default=None, help="length penalty exponent (default: 0.6)")
     p.add_argument("--max-len-a", type=float, default=None, help="at most A * source length + B tokens")
     p.add_argument("--max-len-b", type=float, default=None, help="see --max-len-a")
@@ -166,8 +209,9 @@ def main(argv=None) -> int:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
     def work() -> int:
         src, ref = Path(args.src), Path(args.ref)
@@ -175,17 +219,33 @@ def main(argv=None) -> int:
         if output is not None:
             _check_output(output, src, ref)
         _sacrebleu()
-        report = evaluate_files(Path(args.model), src, ref, beam=args.beam, output=output, device=args.device,
-                                threads=args.threads, batch_size=args.batch_size, length_penalty=args.length_penalty,
-                                alpha=args.alpha, max_len_a=args.max_len_a, max_len_b=args.max_len_b)
+        report = evaluate_files(
+            Path(args.model),
+            src,
+            ref,
+            beam=args.beam,
+            output=output,
+            device=args.device,
+            threads=args.threads,
+            batch_size=args.batch_size,
+            length_penalty=args.length_penalty,
+            alpha=args.alpha,
+            max_len_a=args.max_len_a,
+            max_len_b=args.max_len_b,
+        )
         if args.json:
             print(json.dumps(report, indent=1))
             return 0
         d = report["decoding"]
-        mode = "greedy" if d["beam_size"] == 1 else f"beam {d['beam_size']} (length penalty {d['length_penalty']}, " \
-                                                     f"alpha {d['alpha']})"
-        print(f"{report['model']} ({report['runtime']}), {report['n']} sentences, {mode}, at most "
-              f"{d['max_len_a']:g} * source length + {d['max_len_b']:g} tokens, {report['seconds']} s")
+        mode = (
+            "greedy"
+            if d["beam_size"] == 1
+            else f"beam {d['beam_size']} (length penalty {d['length_penalty']}, alpha {d['alpha']})"
+        )
+        print(
+            f"{report['model']} ({report['runtime']}), {report['n']} sentences, {mode}, at most "
+            f"{d['max_len_a']:g} * source length + {d['max_len_b']:g} tokens, {report['seconds']} s"
+        )
         print(f"BLEU = {report['bleu']:.2f}  {report['bleu_signature']}")
         print(f"     {report['bleu_detail']}")
         print(f"chrF = {report['chrf']:.2f}  {report['chrf_signature']}")

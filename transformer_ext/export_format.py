@@ -127,8 +127,26 @@ QUANTIZATION_SCHEMES = ("int8",)
 # Named (dynamic) axes of the graphs.
 BATCH, SRC_LEN, CACHE_LEN = "batch", "src_len", "cache_len"
 
-_REQUIRED_KEYS = ("format", "format_version", "flavour", "opset", "ir_version", "files", "model_config", "graphs")
-_CONFIG_KEYS = ("d_model", "n_heads", "n_decoder_layers", "tgt_vocab_size", "max_len", "bos_id", "eos_id", "pad_id")
+_REQUIRED_KEYS = (
+    "format",
+    "format_version",
+    "flavour",
+    "opset",
+    "ir_version",
+    "files",
+    "model_config",
+    "graphs",
+)
+_CONFIG_KEYS = (
+    "d_model",
+    "n_heads",
+    "n_decoder_layers",
+    "tgt_vocab_size",
+    "max_len",
+    "bos_id",
+    "eos_id",
+    "pad_id",
+)
 
 
 # ------------------------------------------------------------------------------------------
@@ -148,17 +166,20 @@ class DType:
     itemsize: int  # bytes per element
 
 
-DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("float32", 1, "tensor(float)", "FLOAT", "TYPE_FP32", 4),
-    DType("float16", 10, "tensor(float16)", "HALF", "TYPE_FP16", 2),
-    DType("bfloat16", 16, "tensor(bfloat16)", "BF16", "TYPE_BF16", 2),
-    DType("float64", 11, "tensor(double)", None, "TYPE_FP64", 8),
-    DType("int64", 7, "tensor(int64)", "INT64", "TYPE_INT64", 8),
-    DType("int32", 6, "tensor(int32)", "INT32", "TYPE_INT32", 4),
-    DType("int8", 3, "tensor(int8)", "INT8", "TYPE_INT8", 1),
-    DType("uint8", 2, "tensor(uint8)", "UINT8", "TYPE_UINT8", 1),
-    DType("bool", 9, "tensor(bool)", "BOOL", "TYPE_BOOL", 1),
-)}
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("float32", 1, "tensor(float)", "FLOAT", "TYPE_FP32", 4),
+        DType("float16", 10, "tensor(float16)", "HALF", "TYPE_FP16", 2),
+        DType("bfloat16", 16, "tensor(bfloat16)", "BF16", "TYPE_BF16", 2),
+        DType("float64", 11, "tensor(double)", None, "TYPE_FP64", 8),
+        DType("int64", 7, "tensor(int64)", "INT64", "TYPE_INT64", 8),
+        DType("int32", 6, "tensor(int32)", "INT32", "TYPE_INT32", 4),
+        DType("int8", 3, "tensor(int8)", "INT8", "TYPE_INT8", 1),
+        DType("uint8", 2, "tensor(uint8)", "UINT8", "TYPE_UINT8", 1),
+        DType("bool", 9, "tensor(bool)", "BOOL", "TYPE_BOOL", 1),
+    )
+}
 _BY_ONNX = {d.onnx: d.name for d in DTYPES.values()}
 _BY_ORT = {d.ort: d.name for d in DTYPES.values()}
 _BY_TENSORRT = {d.tensorrt: d.name for d in DTYPES.values() if d.tensorrt}
@@ -210,40 +231,61 @@ def graph_specs(config: Mapping[str, Any], flavour: str = "portable") -> dict:
     encoder = {
         "inputs": [_tensor("input_ids", "int64", [BATCH, SRC_LEN]), _tensor("src_lengths", "int64", [BATCH])],
         "outputs": [_tensor("encoder_out", "float32", [BATCH, SRC_LEN, d_model])]
-        + [_tensor(f"cross_{kind}.{i}", "float32", cross) for i in range(layers) for kind in ("key", "value")],
+        + [
+            _tensor(f"cross_{kind}.{i}", "float32", cross) for i in range(layers) for kind in ("key", "value")
+        ],
     }
     inputs = [
         _tensor("input_ids", "int64", [BATCH, 1]),
         _tensor("positions", "int64", [BATCH]),
         _tensor("src_lengths", "int64", [BATCH]),
     ]
-    inputs += [_tensor(f"self_{kind}.{i}", "float32", cache) for i in range(layers) for kind in ("key", "value")]
-    inputs += [_tensor(f"cross_{kind}.{i}", "float32", cross) for i in range(layers) for kind in ("key", "value")]
+    inputs += [
+        _tensor(f"self_{kind}.{i}", "float32", cache) for i in range(layers) for kind in ("key", "value")
+    ]
+    inputs += [
+        _tensor(f"cross_{kind}.{i}", "float32", cross) for i in range(layers) for kind in ("key", "value")
+    ]
     outputs = [_tensor("logits", "float32", [BATCH, vocab])]
     if flavour == "portable":
         outputs += [
-            _tensor(f"new_{kind}.{i}", "float32", [BATCH, heads, 1, d_k]) for i in range(layers) for kind in ("key", "value")
+            _tensor(f"new_{kind}.{i}", "float32", [BATCH, heads, 1, d_k])
+            for i in range(layers)
+            for kind in ("key", "value")
         ]
     else:
-        outputs += [_tensor(f"present_{kind}.{i}", "float32", cache) for i in range(layers) for kind in ("key", "value")]
+        outputs += [
+            _tensor(f"present_{kind}.{i}", "float32", cache)
+            for i in range(layers)
+            for kind in ("key", "value")
+        ]
     return {"encoder": encoder, "decoder_step": {"inputs": inputs, "outputs": outputs}}
 
 
-def io_problems(spec: Mapping[str, Any], actual_inputs: list[dict], actual_outputs: list[dict], *,
-                compare_dtypes: bool = True) -> list[str]:
+def io_problems(
+    spec: Mapping[str, Any],
+    actual_inputs: list[dict],
+    actual_outputs: list[dict],
+    *,
+    compare_dtypes: bool = True,
+) -> list[str]:
     """Every difference between a graph's inputs/outputs (``[{"name", "dtype", "shape"}]``, in
     order; a shape entry is an int, an axis name, or ``None`` for an unnamed dynamic axis) and
     ``spec`` (an entry of :func:`graph_specs`). ``compare_dtypes=False`` compares names, order and
     shapes only (graphs converted to another precision differ in dtype on purpose)."""
     problems = []
-    for kind, want, have in (("input", spec["inputs"], actual_inputs), ("output", spec["outputs"], actual_outputs)):
+    for kind, want, have in (
+        ("input", spec["inputs"], actual_inputs),
+        ("output", spec["outputs"], actual_outputs),
+    ):
         want_names = [t["name"] for t in want]
         have_names = [t["name"] for t in have]
         if want_names != have_names:
             missing = [n for n in want_names if n not in have_names]
             extra = [n for n in have_names if n not in want_names]
             problems.append(
-                f"{kind} names differ (missing {missing}, unexpected {extra})" if missing or extra
+                f"{kind} names differ (missing {missing}, unexpected {extra})"
+                if missing or extra
                 else f"{kind}s are in another order: {have_names}"
             )
             continue
@@ -256,8 +298,14 @@ def io_problems(spec: Mapping[str, Any], actual_inputs: list[dict], actual_outpu
     return problems
 
 
-def check_io(graph: str, spec: Mapping[str, Any], actual_inputs: list[dict], actual_outputs: list[dict], *,
-             compare_dtypes: bool = True) -> None:
+def check_io(
+    graph: str,
+    spec: Mapping[str, Any],
+    actual_inputs: list[dict],
+    actual_outputs: list[dict],
+    *,
+    compare_dtypes: bool = True,
+) -> None:
     """:func:`io_problems`, raised as one :class:`ManifestError` naming ``graph`` and listing every difference."""
     problems = io_problems(spec, actual_inputs, actual_outputs, compare_dtypes=compare_dtypes)
     if problems:
@@ -270,7 +318,12 @@ def check_io(graph: str, spec: Mapping[str, Any], actual_inputs: list[dict], act
 
 
 def _plain_name(value: Any) -> bool:
-    return isinstance(value, str) and bool(value) and os.path.basename(value) == value and value not in (".", "..")
+    return (
+        isinstance(value, str)
+        and bool(value)
+        and os.path.basename(value) == value
+        and value not in (".", "..")
+    )
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:
@@ -286,7 +339,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise ManifestError(f"export folder not found: {directory} (run `python -m export.onnx` first)")
     path = os.path.join(directory, MANIFEST_NAME)
     if not os.path.isfile(path):
-        raise ManifestError(f"{path} not found: an export folder holds {ENCODER_FILE}, {DECODER_FILE} and {MANIFEST_NAME}")
+        raise ManifestError(
+            f"{path} not found: an export folder holds {ENCODER_FILE}, {DECODER_FILE} and {MANIFEST_NAME}"
+        )
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
@@ -299,8 +354,12 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise ManifestError(f"{path} lacks the keys {missing}")
     version = manifest["format_version"]
     if manifest["format"] != FORMAT or isinstance(version, bool) or version not in READABLE_FORMAT_VERSIONS:
-        newer = (manifest["format"] == FORMAT and isinstance(version, int) and not isinstance(version, bool)
-                 and version > FORMAT_VERSION)
+        newer = (
+            manifest["format"] == FORMAT
+            and isinstance(version, int)
+            and not isinstance(version, bool)
+            and version > FORMAT_VERSION
+        )
         hint = "; it was written by a newer transformer_ext: upgrade it" if newer else ""
         raise ManifestError(
             f"{path} is not a {FORMAT} manifest of version {' or '.join(map(str, READABLE_FORMAT_VERSIONS))} "
@@ -311,15 +370,20 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
             raise ManifestError(f"{path}: files must list the names of the folder's files")
         if not isinstance(manifest.get("tokenizer_files"), list) or not all(
-                _plain_name(f) for f in manifest["tokenizer_files"]):
-            raise ManifestError(f"{path}: tokenizer_files must list the tokenizer's files (an empty list for none)")
+            _plain_name(f) for f in manifest["tokenizer_files"]
+        ):
+            raise ManifestError(
+                f"{path}: tokenizer_files must list the tokenizer's files (an empty list for none)"
+            )
     elif not isinstance(files, dict):
         raise ManifestError(f"{path}: files must be an object in a version-1 manifest")
     if version >= 3:
         name = manifest.get("generation_config")
         if not _plain_name(name):
-            raise ManifestError(f"{path}: generation_config must name the generation config file "
-                                f"(e.g. {GENERATION_FILE!r}), got {name!r}")
+            raise ManifestError(
+                f"{path}: generation_config must name the generation config file "
+                f"(e.g. {GENERATION_FILE!r}), got {name!r}"
+            )
         unlisted = [f for f in [*manifest["tokenizer_files"], name] if f not in files]
         if unlisted:
             raise ManifestError(f"{path}: {unlisted} are named by the manifest but not in its files list")
@@ -330,8 +394,12 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise ManifestError(f"{path}: model_config must hold at least {list(_CONFIG_KEYS)}")
     graphs = manifest["graphs"]
     for graph in GRAPH_FILES:
-        if not isinstance(graphs, dict) or graph not in graphs or not isinstance(graphs[graph], dict) \
-                or not {"inputs", "outputs"} <= set(graphs[graph]):
+        if (
+            not isinstance(graphs, dict)
+            or graph not in graphs
+            or not isinstance(graphs[graph], dict)
+            or not {"inputs", "outputs"} <= set(graphs[graph])
+        ):
             raise ManifestError(f"{path}: graphs.{graph} must list its inputs and outputs")
     try:
         expected = graph_specs(config, manifest["flavour"])
@@ -384,8 +452,10 @@ def manifest_quantization(manifest: Mapping[str, Any]) -> Optional[dict]:
     if section is None:
         return None
     if not isinstance(section, Mapping) or section.get("scheme") not in QUANTIZATION_SCHEMES:
-        raise ManifestError(f"{MANIFEST_NAME}: quantization must be null or an object whose scheme is one of "
-                            f"{list(QUANTIZATION_SCHEMES)}, got {_show(section)}")
+        raise ManifestError(
+            f"{MANIFEST_NAME}: quantization must be null or an object whose scheme is one of "
+            f"{list(QUANTIZATION_SCHEMES)}, got {_show(section)}"
+        )
     return dict(section)
 
 
@@ -423,8 +493,16 @@ class GenerationConfig:
         """The content of ``generation.json``: format marker and version first, then every field."""
         body = asdict(self)
         body["special_tokens"] = dict(self.special_tokens)
-        order = ("beam_size", "length_penalty", "alpha", "max_len_a", "max_len_b", "min_new_tokens", "max_new_tokens",
-                 "special_tokens")
+        order = (
+            "beam_size",
+            "length_penalty",
+            "alpha",
+            "max_len_a",
+            "max_len_b",
+            "min_new_tokens",
+            "max_new_tokens",
+            "special_tokens",
+        )
         ordered = {k: body.pop(k) for k in order}
         return {"format": GENERATION_FORMAT, "format_version": GENERATION_FORMAT_VERSION, **ordered, **body}
 
@@ -443,8 +521,9 @@ class GenerationConfig:
         return cls.from_dict(data, "the generation options", manifest=manifest)
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = GENERATION_FILE, *,
-                  manifest: Optional[Mapping[str, Any]] = None) -> "GenerationConfig":
+    def from_dict(
+        cls, data: Any, source: str = GENERATION_FILE, *, manifest: Optional[Mapping[str, Any]] = None
+    ) -> "GenerationConfig":
         """Check ``data`` (the parsed ``generation.json``) field by field: every field present and
         of its JSON type, no unknown field, values in range; with ``manifest``, ``max_new_tokens``
         within its cache capacity and the special ids equal to its own.
@@ -463,14 +542,18 @@ class GenerationConfig:
             raise fail(f"format must be {GENERATION_FORMAT!r}, got {data.get('format')!r}")
         version = data.get("format_version")
         if isinstance(version, bool) or version != GENERATION_FORMAT_VERSION:
-            raise fail(f"unsupported format_version {version!r} (this version reads {GENERATION_FORMAT_VERSION})")
+            raise fail(
+                f"unsupported format_version {version!r} (this version reads {GENERATION_FORMAT_VERSION})"
+            )
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in data]
         if missing:
             raise fail(f"missing fields {missing}")
         unknown = sorted(k for k in data if k not in names and k not in ("format", "format_version"))
         if unknown:
-            raise fail(f"unknown fields {unknown} (a version {GENERATION_FORMAT_VERSION} generation config has {names})")
+            raise fail(
+                f"unknown fields {unknown} (a version {GENERATION_FORMAT_VERSION} generation config has {names})"
+            )
 
         def integer(name: str, low: int) -> int:
             value = data[name]
@@ -482,37 +565,61 @@ class GenerationConfig:
 
         def number(name: str) -> float:
             value = data[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
                 raise fail(f"{name} must be a finite number >= 0, got {_show(value)}")
             return float(value)
 
         beam_size = integer("beam_size", 1)
         if data["length_penalty"] not in LENGTH_PENALTIES:
-            raise fail(f"length_penalty must be one of {list(LENGTH_PENALTIES)}, got {_show(data['length_penalty'])}")
+            raise fail(
+                f"length_penalty must be one of {list(LENGTH_PENALTIES)}, got {_show(data['length_penalty'])}"
+            )
         alpha, a, b = number("alpha"), number("max_len_a"), number("max_len_b")
         min_new, max_new = integer("min_new_tokens", 0), integer("max_new_tokens", 1)
         if min_new > max_new:
             raise fail(f"min_new_tokens ({min_new}) must be <= max_new_tokens ({max_new})")
         special = data["special_tokens"]
-        if not isinstance(special, dict) or any(k not in special for k in _SPECIAL_REQUIRED) \
-                or any(k not in _SPECIAL_ALLOWED for k in special) \
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in special.values()):
-            raise fail(f"special_tokens must map {list(_SPECIAL_REQUIRED)} (and optionally 'unk') to ids >= 0, "
-                       f"got {_show(special)}")
+        if (
+            not isinstance(special, dict)
+            or any(k not in special for k in _SPECIAL_REQUIRED)
+            or any(k not in _SPECIAL_ALLOWED for k in special)
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in special.values())
+        ):
+            raise fail(
+                f"special_tokens must map {list(_SPECIAL_REQUIRED)} (and optionally 'unk') to ids >= 0, "
+                f"got {_show(special)}"
+            )
         if manifest is not None:
             capacity = manifest_max_cache_len(manifest)
             if capacity is not None and max_new > capacity:
-                raise fail(f"max_new_tokens {max_new} exceeds the export's cache capacity max_cache_len = {capacity}")
+                raise fail(
+                    f"max_new_tokens {max_new} exceeds the export's cache capacity max_cache_len = {capacity}"
+                )
             theirs = manifest.get("special_tokens")
             if isinstance(theirs, Mapping) and dict(theirs) != dict(special):
                 raise fail(f"special_tokens {dict(special)} differ from the manifest's {dict(theirs)}")
             config = manifest.get("model_config") or {}
             for key in _SPECIAL_REQUIRED:
                 if f"{key}_id" in config and config[f"{key}_id"] != special[key]:
-                    raise fail(f"special_tokens.{key} = {special[key]} differs from the model config's "
-                               f"{key}_id = {config[f'{key}_id']}")
-        return cls(beam_size=beam_size, length_penalty=data["length_penalty"], alpha=alpha, max_len_a=a,
-                   max_len_b=b, min_new_tokens=min_new, max_new_tokens=max_new, special_tokens=dict(special))
+                    raise fail(
+                        f"special_tokens.{key} = {special[key]} differs from the model config's "
+                        f"{key}_id = {config[f'{key}_id']}"
+                    )
+        return cls(
+            beam_size=beam_size,
+            length_penalty=data["length_penalty"],
+            alpha=alpha,
+            max_len_a=a,
+            max_len_b=b,
+            min_new_tokens=min_new,
+            max_new_tokens=max_new,
+            special_tokens=dict(special),
+        )
 
 
 def _show(value: Any) -> str:
@@ -523,8 +630,9 @@ def _show(value: Any) -> str:
         return repr(value)
 
 
-def read_generation_config(directory: str | os.PathLike,
-                           manifest: Optional[Mapping[str, Any]] = None) -> GenerationConfig:
+def read_generation_config(
+    directory: str | os.PathLike, manifest: Optional[Mapping[str, Any]] = None
+) -> GenerationConfig:
     """The generation config of an export folder.
 
     Format version 3 folders name the file in their manifest (``"generation_config"``); it is
@@ -544,8 +652,10 @@ def read_generation_config(directory: str | os.PathLike,
         return GenerationConfig.defaults_for(manifest)
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
-        raise GenerationConfigError(f"{path} not found: the manifest names it as the folder's generation config "
-                                    "(export the model again)")
+        raise GenerationConfigError(
+            f"{path} not found: the manifest names it as the folder's generation config "
+            "(export the model again)"
+        )
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)

@@ -176,7 +176,9 @@ class StagedDir:
     def __enter__(self) -> "StagedDir":
         parent = self.target.parent
         if not parent.is_dir():
-            raise FileNotFoundError(errno.ENOENT, "the folder that should contain the output does not exist", str(parent))
+            raise FileNotFoundError(
+                errno.ENOENT, "the folder that should contain the output does not exist", str(parent)
+            )
         remove_stale_temporaries(self.target)
         path = parent / temporary_name(self.target)
         os.mkdir(path)

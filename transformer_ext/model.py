@@ -84,7 +84,7 @@ def inference_kernels(module: nn.Module) -> bool:
 def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """Bool ``[B, 1, 1, max_len]``: True at key positions ``< lengths[b]`` (may be attended)."""
     positions = torch.arange(max_len, device=lengths.device)
-    return (positions.view(1, 1, 1, max_len) < lengths.view(-1, 1, 1, 1))
+    return positions.view(1, 1, 1, max_len) < lengths.view(-1, 1, 1, 1)
 
 
 # ------------------------------------------------------------------------------------------
@@ -157,7 +157,6 @@ class MultiHeadAttention(nn.Module):
         self.W_O = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)  # on the attention probabilities
 
-
     def fused_qkv(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """A new copy of ``[W_Q; W_K; W_V]`` (``[3*d_model, d_model]``) and of the biases (or None),
         for one-GEMM projections of a decoder step. A snapshot: it does not follow later updates
@@ -165,8 +164,11 @@ class MultiHeadAttention(nn.Module):
         its user makes one per decode (see :meth:`Transformer.fused_qkv`)."""
         with torch.no_grad():
             weight = torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight], 0)
-            bias = (torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias], 0)
-                    if self.W_Q.bias is not None else None)
+            bias = (
+                torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias], 0)
+                if self.W_Q.bias is not None
+                else None
+            )
         return weight, bias
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,8 +211,12 @@ class MultiHeadAttention(nn.Module):
         v = self.split_heads(self.W_V(value))  # [B, H, Tk, d_k]
         if self.fused_attention and (key_lengths is not None or mask is None) and not _is_exporting():
             p = self.dropout.p if self.training else 0.0
-            out = ops.attention(q, k, v, key_lengths=key_lengths, scale=self.scale, causal=causal, dropout_p=p)
-            return self.W_O(out.transpose(1, 2).reshape(B, Tq, self.d_model))  # a view: out is [B, Tq, H, d_k] in memory
+            out = ops.attention(
+                q, k, v, key_lengths=key_lengths, scale=self.scale, causal=causal, dropout_p=p
+            )
+            return self.W_O(
+                out.transpose(1, 2).reshape(B, Tq, self.d_model)
+            )  # a view: out is [B, Tq, H, d_k] in memory
         scores = torch.matmul(q, k.transpose(-2, -1))  # [B, H, Tq, Tk]
         p_attn = ops.masked_softmax(scores, mask, self.scale, causal)
         if self.training:
@@ -278,8 +284,9 @@ class EncoderLayer(nn.Module):
             [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(2)]
         )
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor,
-                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, src_mask: torch.Tensor, src_lengths: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``x [B, S, d_model]``, ``src_mask`` bool ``[B, 1, 1, S]``, optionally the same padding as
         ``src_lengths [B]`` (then attention runs the fused op)."""
         x = self.sublayer[0](x, lambda h: self.self_attn(h, h, h, src_mask, key_lengths=src_lengths))
@@ -299,8 +306,13 @@ class DecoderLayer(nn.Module):
             [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(3)]
         )
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        src_lengths: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Teacher forcing: ``x [B, T, d_model]``, ``memory [B, S, d_model]``, ``src_mask [B, 1, 1, S]``
         (optionally also as ``src_lengths [B]``)."""
         x = self.sublayer[0](x, lambda h: self.self_attn(h, h, h, None, causal=True))
@@ -317,12 +329,37 @@ class DecoderLayer(nn.Module):
         n0, n1, n2 = (sub._modules["norm"]._parameters for sub in m["sublayer"]._modules.values())
         qkv = fused_qkv if fused_qkv is not None else (None, None)
         aq, ak, av, ao = (a._modules[k]._parameters for k in ("W_Q", "W_K", "W_V", "W_O"))
-        xq, xo, f1, f2 = x["W_Q"]._parameters, x["W_O"]._parameters, ff["w_1"]._parameters, ff["w_2"]._parameters
+        xq, xo, f1, f2 = (
+            x["W_Q"]._parameters,
+            x["W_O"]._parameters,
+            ff["w_1"]._parameters,
+            ff["w_2"]._parameters,
+        )
         return DecoderStepWeights(
-            qkv[0], qkv[1], aq["weight"], aq["bias"], ak["weight"], ak["bias"], av["weight"], av["bias"],
-            ao["weight"], ao["bias"], n0["weight"], n0["bias"],
-            xq["weight"], xq["bias"], xo["weight"], xo["bias"], n1["weight"], n1["bias"],
-            f1["weight"], f1["bias"], f2["weight"], f2["bias"], n2["weight"], n2["bias"],
+            qkv[0],
+            qkv[1],
+            aq["weight"],
+            aq["bias"],
+            ak["weight"],
+            ak["bias"],
+            av["weight"],
+            av["bias"],
+            ao["weight"],
+            ao["bias"],
+            n0["weight"],
+            n0["bias"],
+            xq["weight"],
+            xq["bias"],
+            xo["weight"],
+            xo["bias"],
+            n1["weight"],
+            n1["bias"],
+            f1["weight"],
+            f1["bias"],
+            f2["weight"],
+            f2["bias"],
+            n2["weight"],
+            n2["bias"],
         )
 
     def step(
@@ -427,8 +464,9 @@ class Encoder(nn.Module):
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
         )
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor,
-                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, src_mask: torch.Tensor, src_lengths: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, src_mask, src_lengths)
         return self.norm(x)
@@ -444,8 +482,13 @@ class Decoder(nn.Module):
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
         )
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        src_lengths: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, memory, src_mask, src_lengths)
         return self.norm(x)
@@ -538,7 +581,9 @@ class Transformer(nn.Module):
         if src_lengths.dtype != torch.int64:
             raise TypeError(f"src_lengths must be int64, got {src_lengths.dtype}")
         if src_lengths.shape != (B,):
-            raise ValueError(f"src_lengths must have shape [{B}] (one per source), got {tuple(src_lengths.shape)}")
+            raise ValueError(
+                f"src_lengths must have shape [{B}] (one per source), got {tuple(src_lengths.shape)}"
+            )
         if src_lengths.device != src_ids.device:
             raise ValueError(f"src_lengths is on {src_lengths.device} but src_ids on {src_ids.device}")
         lo, hi = int(src_lengths.min()), int(src_lengths.max())
@@ -555,7 +600,9 @@ class Transformer(nn.Module):
     def embed_target(self, tgt_ids: torch.Tensor) -> torch.Tensor:
         return self.tgt_pe(self.tgt_embed(tgt_ids))  # [B, T, d_model]
 
-    def decode(self, encoder_out: torch.Tensor, src_lengths: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, encoder_out: torch.Tensor, src_lengths: torch.Tensor, tgt_in: torch.Tensor
+    ) -> torch.Tensor:
         """Teacher-forced decoder over the whole prefix ``tgt_in [B, T]`` -> logits ``[B, T, V]``."""
         src_mask = padding_mask(src_lengths, encoder_out.shape[1])
         return self.generator(self.decoder(self.embed_target(tgt_in), encoder_out, src_mask, src_lengths))
@@ -629,7 +676,9 @@ class Transformer(nn.Module):
         inference project Q/K/V with one GEMM per layer; it is ignored with autograd on, in
         training mode and when exporting, where the separate projections run.
         """
-        x = self.tgt_embed(input_ids) + self.tgt_pe.at(positions).unsqueeze(1).to(self.tgt_embed.lut.weight.dtype)
+        x = self.tgt_embed(input_ids) + self.tgt_pe.at(positions).unsqueeze(1).to(
+            self.tgt_embed.lut.weight.dtype
+        )
         new_keys: list[torch.Tensor] = []
         new_values: list[torch.Tensor] = []
         kernel_linear = inference_kernels(self)
@@ -637,8 +686,15 @@ class Transformer(nn.Module):
             fused_qkv = None
         for i, layer in enumerate(self.decoder.layers):
             x, k_new, v_new = layer.step(
-                x, positions, src_lengths, self_keys[i], self_values[i], cross_keys[i], cross_values[i],
-                None if fused_qkv is None else fused_qkv[i], kernel_linear,
+                x,
+                positions,
+                src_lengths,
+                self_keys[i],
+                self_values[i],
+                cross_keys[i],
+                cross_values[i],
+                None if fused_qkv is None else fused_qkv[i],
+                kernel_linear,
             )
             new_keys.append(k_new)
             new_values.append(v_new)

@@ -39,9 +39,7 @@ __all__ = [
 
 def cuda_kernels_built() -> bool:
     """True when the library was compiled with its CUDA kernels."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        "transformer_ext::masked_softmax", "CUDA"
-    )
+    return torch._C._dispatch_has_kernel_for_dispatch_key("transformer_ext::masked_softmax", "CUDA")
 
 
 def masked_softmax(
@@ -196,8 +194,10 @@ def _masked_softmax_fake(scores, mask, scale, causal):
 @torch.library.register_fake("transformer_ext::masked_softmax_backward")
 def _masked_softmax_backward_fake(grad_probs, probs, scale):
     _check_same_device("probs", probs, grad_probs=grad_probs)
-    _check(grad_probs.shape == probs.shape,
-           f"grad_probs must have the shape of probs {tuple(probs.shape)}, got {tuple(grad_probs.shape)}")
+    _check(
+        grad_probs.shape == probs.shape,
+        f"grad_probs must have the shape of probs {tuple(probs.shape)}, got {tuple(grad_probs.shape)}",
+    )
     return probs.new_empty(probs.shape)
 
 
@@ -231,8 +231,10 @@ def _kv_cache_reorder__fake(cache, index, length):
 def _linear_fake(x, weight, bias=None):
     _check_same_device("x", x, weight=weight, bias=bias)
     _check(weight.dim() == 2, f"weight must have 2 dimensions, got shape {tuple(weight.shape)}")
-    _check(x.dim() >= 1 and x.shape[-1] == weight.shape[1],
-           f"x.size(-1) must be weight.size(1) = {weight.shape[1]}, got x of shape {tuple(x.shape)}")
+    _check(
+        x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+        f"x.size(-1) must be weight.size(1) = {weight.shape[1]}, got x of shape {tuple(x.shape)}",
+    )
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -329,7 +331,9 @@ def attention(
 def attention_dropout_mask(seed: int, B: int, H: int, Q: int, K: int, dropout_p: float) -> torch.Tensor:
     """Debug view of :func:`attention`'s dropout generator: bool ``[B, H, Q, K]``, True where
     key ``j`` of query ``i`` in head ``(b, h)`` is kept for ``seed`` at rate ``dropout_p``."""
-    return _ops.attention_dropout_mask(_seed_tensor(int(seed), torch.device("cpu")), B, H, Q, K, float(dropout_p))
+    return _ops.attention_dropout_mask(
+        _seed_tensor(int(seed), torch.device("cpu")), B, H, Q, K, float(dropout_p)
+    )
 
 
 def _bthd_empty_like(x: torch.Tensor, T: int) -> torch.Tensor:
@@ -343,8 +347,10 @@ def _attention_fake(q, k, v, key_lengths, query_lengths, scale, causal, dropout_
     _check(k.dim() == 4, f"k must have 4 dimensions [B, H, K, D], got shape {tuple(k.shape)}")
     _check(v.shape == k.shape, f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     B, H, Q, D = q.shape
-    _check(k.shape[0] == B and k.shape[1] == H and k.shape[3] == D,
-           f"k must have shape [{B}, {H}, K, {D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    _check(
+        k.shape[0] == B and k.shape[1] == H and k.shape[3] == D,
+        f"k must have shape [{B}, {H}, K, {D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}",
+    )
     _check(k.dtype == q.dtype and v.dtype == q.dtype, f"k and v must have the dtype of q ({q.dtype})")
     _check_same_device("q", q, k=k, v=v, key_lengths=key_lengths, query_lengths=query_lengths, seed=seed)
     for name, t in (("key_lengths", key_lengths), ("query_lengths", query_lengths)):
@@ -356,10 +362,21 @@ def _attention_fake(q, k, v, key_lengths, query_lengths, scale, causal, dropout_
 
 
 @torch.library.register_fake("transformer_ext::attention_backward")
-def _attention_backward_fake(grad_out, q, k, v, out, lse, key_lengths, query_lengths, scale, causal,
-                             dropout_p, seed):
-    _check_same_device("q", q, grad_out=grad_out, k=k, v=v, out=out, lse=lse, key_lengths=key_lengths,
-                       query_lengths=query_lengths, seed=seed)
+def _attention_backward_fake(
+    grad_out, q, k, v, out, lse, key_lengths, query_lengths, scale, causal, dropout_p, seed
+):
+    _check_same_device(
+        "q",
+        q,
+        grad_out=grad_out,
+        k=k,
+        v=v,
+        out=out,
+        lse=lse,
+        key_lengths=key_lengths,
+        query_lengths=query_lengths,
+        seed=seed,
+    )
     return _bthd_empty_like(q, q.shape[2]), _bthd_empty_like(k, k.shape[2]), _bthd_empty_like(v, v.shape[2])
 
 

@@ -24,8 +24,14 @@ from .export_format import DTYPES, ExportError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PRECISIONS", "CACHE_DTYPES", "FLOAT32_OPS", "FLOAT32_OUTPUTS", "PrecisionConversionError",
-           "convert_precision"]
+__all__ = [
+    "PRECISIONS",
+    "CACHE_DTYPES",
+    "FLOAT32_OPS",
+    "FLOAT32_OUTPUTS",
+    "PrecisionConversionError",
+    "convert_precision",
+]
 
 # Each precision: the dtype of its caches (self- and cross-attention K/V), its ONNX element type
 # and the builder flag of the weakly-typed path.
@@ -38,17 +44,38 @@ CACHE_DTYPES: dict[str, str] = {p: v["cache_dtype"] for p, v in PRECISIONS.items
 
 # Ops computed in float32 whatever the precision: softmax, normalizations, reductions and the
 # transcendental steps of decomposed softmax / normalization.
-FLOAT32_OPS = frozenset({
-    "Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "GroupNormalization",
-    "InstanceNormalization", "BatchNormalization", "MeanVarianceNormalization", "LpNormalization",
-    "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum",
-    "ReduceLogSumExp", "ReduceProd", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Erf", "CumSum",
-})
+FLOAT32_OPS = frozenset(
+    {
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "RMSNormalization",
+        "GroupNormalization",
+        "InstanceNormalization",
+        "BatchNormalization",
+        "MeanVarianceNormalization",
+        "LpNormalization",
+        "ReduceMean",
+        "ReduceSum",
+        "ReduceSumSquare",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceProd",
+        "Exp",
+        "Log",
+        "Pow",
+        "Sqrt",
+        "Reciprocal",
+        "Erf",
+        "CumSum",
+    }
+)
 # Outputs that stay float32 in every precision (DESIGN.md section 3: logits are float32).
 FLOAT32_OUTPUTS = ("logits",)
 # Ops whose float inputs may have any float type (no cast needed in front of them).
 _TYPE_AGNOSTIC_INPUTS = frozenset({"Cast", "Shape", "Size"})
-
 
 
 class PrecisionConversionError(ExportError, ValueError):
@@ -202,8 +229,11 @@ def convert_precision(
             key = (i, want)
             if key not in cast_cache:
                 cast_cache[key] = f"{i}__{'fp32' if want == FLOAT else precision}"
-                rebuilt.append(helper.make_node("Cast", [i], [cast_cache[key]], to=want,
-                                                name=f"precision_cast_{len(cast_cache)}"))
+                rebuilt.append(
+                    helper.make_node(
+                        "Cast", [i], [cast_cache[key]], to=want, name=f"precision_cast_{len(cast_cache)}"
+                    )
+                )
             n.input[idx] = cast_cache[key]
         rebuilt.append(n)
 
@@ -217,7 +247,9 @@ def convert_precision(
         if new_type[o.name] != want:
             inner = f"{o.name}__{'fp32' if new_type[o.name] == FLOAT else precision}_value"
             renames[o.name] = inner
-            tail.append(helper.make_node("Cast", [inner], [o.name], to=want, name=f"precision_output_cast_{o.name}"))
+            tail.append(
+                helper.make_node("Cast", [inner], [o.name], to=want, name=f"precision_output_cast_{o.name}")
+            )
         o.type.tensor_type.elem_type = want
     if renames:
         for n in rebuilt:
@@ -241,6 +273,12 @@ def convert_precision(
             f"the {precision} conversion of {model.graph.name!r} is not type-consistent: {exc}"
         ) from exc
     n_casts = sum(1 for n in out.graph.node if n.name.startswith("precision_"))
-    logger.info("converted %s to %s: %d nodes kept in float32, %d casts inserted, outputs %s stay float32",
-                model.graph.name, precision, len(keep), n_casts, [o for o in float32_outputs if o in graph_outputs])
+    logger.info(
+        "converted %s to %s: %d nodes kept in float32, %d casts inserted, outputs %s stay float32",
+        model.graph.name,
+        precision,
+        len(keep),
+        n_casts,
+        [o for o in float32_outputs if o in graph_outputs],
+    )
     return out

@@ -114,9 +114,7 @@ def decode_attention(
     return torch.matmul(probs, vf).to(q.dtype)
 
 
-def kv_cache_append_(
-    cache: torch.Tensor, update: torch.Tensor, positions: torch.Tensor
-) -> None:
+def kv_cache_append_(cache: torch.Tensor, update: torch.Tensor, positions: torch.Tensor) -> None:
     """``cache[b, :, p:p+T] = update[b]`` for every row with ``p = positions[b] >= 0``.
 
     Raises ``IndexError`` before writing anything when a row would run past the capacity.

@@ -27,12 +27,27 @@ import re
 from typing import Any, Iterable, Optional, Sequence
 
 from .fsutil import atomic_write_bytes, atomic_write_text
-from .tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, UNK_ID, TokenizerError, _read_description, check_description
+from .tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    TOKENIZER_FILE,
+    UNK_ID,
+    TokenizerError,
+    _read_description,
+    check_description,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SentencePieceTokenizer", "MODEL_TYPES", "SHARED_MODEL_FILE", "SOURCE_MODEL_FILE", "TARGET_MODEL_FILE",
-           "load_any_tokenizer"]
+__all__ = [
+    "SentencePieceTokenizer",
+    "MODEL_TYPES",
+    "SHARED_MODEL_FILE",
+    "SOURCE_MODEL_FILE",
+    "TARGET_MODEL_FILE",
+    "load_any_tokenizer",
+]
 
 MODEL_TYPES = ("unigram", "bpe")
 SHARED_MODEL_FILE = "spm.model"
@@ -41,8 +56,15 @@ TARGET_MODEL_FILE = "spm.tgt.model"
 _FORMAT = "transformer_ext.SentencePieceTokenizer"
 _FORMAT_VERSION = 1
 _FIELDS = {
-    "format": str, "version": int, "type": str, "shared": bool, "model_type": str, "special_tokens": dict,
-    "src_vocab_size": int, "tgt_vocab_size": int, "files": dict,
+    "format": str,
+    "version": int,
+    "type": str,
+    "shared": bool,
+    "model_type": str,
+    "special_tokens": dict,
+    "src_vocab_size": int,
+    "tgt_vocab_size": int,
+    "files": dict,
 }
 _SPECIALS = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID}
 _MIN_VOCAB = 8  # the 4 specials and a few pieces
@@ -52,8 +74,9 @@ def _spm():
     try:
         import sentencepiece
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise TokenizerError("the SentencePiece tokenizer needs the sentencepiece package: "
-                             "pip install sentencepiece==0.2.3") from exc
+        raise TokenizerError(
+            "the SentencePiece tokenizer needs the sentencepiece package: pip install sentencepiece==0.2.3"
+        ) from exc
     return sentencepiece
 
 
@@ -69,8 +92,10 @@ def _processor(model_bytes: bytes, name: str):
 def _check_processor_ids(sp, name: str) -> None:
     ids = {"pad": sp.pad_id(), "bos": sp.bos_id(), "eos": sp.eos_id(), "unk": sp.unk_id()}
     if ids != _SPECIALS:
-        raise TokenizerError(f"{name} has special ids {ids}, the model's are {_SPECIALS}: it was not trained by "
-                             "transformer_ext (the ids would need remapping)")
+        raise TokenizerError(
+            f"{name} has special ids {ids}, the model's are {_SPECIALS}: it was not trained by "
+            "transformer_ext (the ids would need remapping)"
+        )
 
 
 class SentencePieceTokenizer:
@@ -94,15 +119,26 @@ class SentencePieceTokenizer:
         self._src_bytes = bytes(src_model)
         self._tgt_bytes = self._src_bytes if self.shared else bytes(tgt_model)
         self._src = _processor(self._src_bytes, "the source SentencePiece model")
-        self._tgt = self._src if self.shared else _processor(self._tgt_bytes, "the target SentencePiece model")
+        self._tgt = (
+            self._src if self.shared else _processor(self._tgt_bytes, "the target SentencePiece model")
+        )
         _check_processor_ids(self._src, "the source SentencePiece model")
         _check_processor_ids(self._tgt, "the target SentencePiece model")
 
     # ------------------------------------------------------------------ training
     @classmethod
-    def train(cls, sources: Sequence[str], targets: Sequence[str], *, vocab_size: int, model_type: str = "unigram",
-              shared: bool = True, character_coverage: float = 1.0, seed_sentences: int = 2_000_000,
-              threads: int = 1) -> "SentencePieceTokenizer":
+    def train(
+        cls,
+        sources: Sequence[str],
+        targets: Sequence[str],
+        *,
+        vocab_size: int,
+        model_type: str = "unigram",
+        shared: bool = True,
+        character_coverage: float = 1.0,
+        seed_sentences: int = 2_000_000,
+        threads: int = 1,
+    ) -> "SentencePieceTokenizer":
         """Learn SentencePiece vocabularies of ``vocab_size`` pieces (specials included) from the texts.
 
         ``shared``: one model trained on sources and targets together; otherwise one per side,
@@ -110,15 +146,33 @@ class SentencePieceTokenizer:
         says the largest size SentencePiece would accept.
         """
         if model_type not in MODEL_TYPES:
-            raise TokenizerError(f"--spm-model-type must be one of {', '.join(MODEL_TYPES)}, got {model_type!r}")
+            raise TokenizerError(
+                f"--spm-model-type must be one of {', '.join(MODEL_TYPES)}, got {model_type!r}"
+            )
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < _MIN_VOCAB:
             raise TokenizerError(f"--vocab-size must be an integer >= {_MIN_VOCAB}, got {vocab_size!r}")
         if shared:
-            return cls(_train_one(list(sources) + list(targets), vocab_size, model_type, "source and target",
-                                  character_coverage, seed_sentences, threads), model_type=model_type)
-        return cls(_train_one(sources, vocab_size, model_type, "source", character_coverage, seed_sentences, threads),
-                   _train_one(targets, vocab_size, model_type, "target", character_coverage, seed_sentences, threads),
-                   model_type=model_type)
+            return cls(
+                _train_one(
+                    list(sources) + list(targets),
+                    vocab_size,
+                    model_type,
+                    "source and target",
+                    character_coverage,
+                    seed_sentences,
+                    threads,
+                ),
+                model_type=model_type,
+            )
+        return cls(
+            _train_one(
+                sources, vocab_size, model_type, "source", character_coverage, seed_sentences, threads
+            ),
+            _train_one(
+                targets, vocab_size, model_type, "target", character_coverage, seed_sentences, threads
+            ),
+            model_type=model_type,
+        )
 
     # ------------------------------------------------------------------ sizes and files
     @property
@@ -174,7 +228,9 @@ class SentencePieceTokenizer:
 
     def decode_source(self, ids: Iterable[int]) -> str:
         n = self.src_vocab_size
-        return self._src.decode([int(i) for i in ids if int(i) not in (PAD_ID, BOS_ID, EOS_ID) and 0 <= int(i) < n])
+        return self._src.decode(
+            [int(i) for i in ids if int(i) not in (PAD_ID, BOS_ID, EOS_ID) and 0 <= int(i) < n]
+        )
 
     def source_pieces(self, text: str) -> list[str]:
         return list(self._src.encode(self.normalize_source(text), out_type=str))
@@ -219,13 +275,19 @@ class SentencePieceTokenizer:
         if data["type"] != cls.type:
             raise TokenizerError(f"field 'type' must be {cls.type!r}, got {data['type']!r}")
         if data["model_type"] not in MODEL_TYPES:
-            raise TokenizerError(f"field 'model_type' must be one of {MODEL_TYPES}, got {data['model_type']!r}")
+            raise TokenizerError(
+                f"field 'model_type' must be one of {MODEL_TYPES}, got {data['model_type']!r}"
+            )
         if data["special_tokens"] != _SPECIALS:
-            raise TokenizerError(f"special token ids must be {_SPECIALS}, got {data['special_tokens']!r}"[:300])
+            raise TokenizerError(
+                f"special token ids must be {_SPECIALS}, got {data['special_tokens']!r}"[:300]
+            )
         expected = {SHARED_MODEL_FILE} if data["shared"] else {SOURCE_MODEL_FILE, TARGET_MODEL_FILE}
         if set(data["files"]) != expected:
-            raise TokenizerError(f"field 'files' must name {sorted(expected)} (shared={data['shared']}), got "
-                                 f"{sorted(data['files'])}")
+            raise TokenizerError(
+                f"field 'files' must name {sorted(expected)} (shared={data['shared']}), got "
+                f"{sorted(data['files'])}"
+            )
         blobs = {}
         for name in sorted(expected):
             path = os.path.join(os.fspath(directory), name)
@@ -233,11 +295,15 @@ class SentencePieceTokenizer:
                 with open(path, "rb") as f:
                     blob = f.read()
             except FileNotFoundError:
-                raise FileNotFoundError(f"SentencePiece model file not found: {path} (named by {TOKENIZER_FILE})") from None
+                raise FileNotFoundError(
+                    f"SentencePiece model file not found: {path} (named by {TOKENIZER_FILE})"
+                ) from None
             digest = hashlib.sha256(blob).hexdigest()
             if digest != data["files"][name]:
-                raise TokenizerError(f"{path} does not match {TOKENIZER_FILE} (SHA-256 {digest[:12]}..., expected "
-                                     f"{str(data['files'][name])[:12]}...): the files come from different tokenizers")
+                raise TokenizerError(
+                    f"{path} does not match {TOKENIZER_FILE} (SHA-256 {digest[:12]}..., expected "
+                    f"{str(data['files'][name])[:12]}...): the files come from different tokenizers"
+                )
             blobs[name] = blob
         if data["shared"]:
             tok = cls(blobs[SHARED_MODEL_FILE], model_type=data["model_type"])
@@ -245,7 +311,9 @@ class SentencePieceTokenizer:
             tok = cls(blobs[SOURCE_MODEL_FILE], blobs[TARGET_MODEL_FILE], model_type=data["model_type"])
         for key, ours in (("src_vocab_size", tok.src_vocab_size), ("tgt_vocab_size", tok.tgt_vocab_size)):
             if data[key] != ours:
-                raise TokenizerError(f"field {key!r} is {data[key]} but the SentencePiece model has {ours} pieces")
+                raise TokenizerError(
+                    f"field {key!r} is {data[key]} but the SentencePiece model has {ours} pieces"
+                )
         return tok
 
     @classmethod
@@ -263,16 +331,25 @@ class SentencePieceTokenizer:
         return self.to_dict() == other.to_dict()
 
     def __repr__(self) -> str:
-        return (f"SentencePieceTokenizer({self.model_type}, src_vocab_size={self.src_vocab_size}, "
-                f"tgt_vocab_size={self.tgt_vocab_size}, shared={self.shared})")
+        return (
+            f"SentencePieceTokenizer({self.model_type}, src_vocab_size={self.src_vocab_size}, "
+            f"tgt_vocab_size={self.tgt_vocab_size}, shared={self.shared})"
+        )
 
 
 _TOO_BIG = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 _TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
 
 
-def _train_one(texts: Iterable[str], vocab_size: int, model_type: str, side: str, character_coverage: float,
-               seed_sentences: int, threads: int) -> bytes:
+def _train_one(
+    texts: Iterable[str],
+    vocab_size: int,
+    model_type: str,
+    side: str,
+    character_coverage: float,
+    seed_sentences: int,
+    threads: int,
+) -> bytes:
     spm = _spm()
     lines = [" ".join(t.split()) for t in texts]
     lines = [t for t in lines if t]
@@ -281,11 +358,24 @@ def _train_one(texts: Iterable[str], vocab_size: int, model_type: str, side: str
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
-            pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID, pad_piece="<pad>", bos_piece="<s>",
-            eos_piece="</s>", unk_piece="<unk>", character_coverage=character_coverage,
-            input_sentence_size=seed_sentences, shuffle_input_sentence=True, num_threads=threads,
-            max_sentence_length=1 << 16, minloglevel=2,
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            pad_id=PAD_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            unk_id=UNK_ID,
+            pad_piece="<pad>",
+            bos_piece="<s>",
+            eos_piece="</s>",
+            unk_piece="<unk>",
+            character_coverage=character_coverage,
+            input_sentence_size=seed_sentences,
+            shuffle_input_sentence=True,
+            num_threads=threads,
+            max_sentence_length=1 << 16,
+            minloglevel=2,
         )
     except RuntimeError as exc:
         message = str(exc)
@@ -294,14 +384,18 @@ def _train_one(texts: Iterable[str], vocab_size: int, model_type: str, side: str
             raise TokenizerError(
                 f"--vocab-size {vocab_size} is more than the {side} training text supports for a {model_type} "
                 f"model: SentencePiece can make at most {m.group(2)} pieces from it; lower --vocab-size to "
-                f"{m.group(2)} or less, or train on more text") from None
+                f"{m.group(2)} or less, or train on more text"
+            ) from None
         m = _TOO_SMALL.search(message)
         if m:
             raise TokenizerError(
                 f"--vocab-size {vocab_size} is too small for the {side} training text: its characters alone "
-                f"need {m.group(2)} pieces; raise --vocab-size above {m.group(2)}") from None
-        raise TokenizerError(f"SentencePiece could not train a {model_type} model of {vocab_size} pieces on the "
-                             f"{side} text: {message.strip().splitlines()[-1] if message.strip() else message}") from None
+                f"need {m.group(2)} pieces; raise --vocab-size above {m.group(2)}"
+            ) from None
+        raise TokenizerError(
+            f"SentencePiece could not train a {model_type} model of {vocab_size} pieces on the "
+            f"{side} text: {message.strip().splitlines()[-1] if message.strip() else message}"
+        ) from None
     return model.getvalue()
 
 

@@ -11,7 +11,13 @@ from .export_format import ExportError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MIN_TENSORRT_VERSION", "INSTALL_HINT", "TensorRTNotAvailableError", "import_tensorrt", "TrtLogger"]
+__all__ = [
+    "MIN_TENSORRT_VERSION",
+    "INSTALL_HINT",
+    "TensorRTNotAvailableError",
+    "import_tensorrt",
+    "TrtLogger",
+]
 
 MIN_TENSORRT_VERSION = "10.15"
 INSTALL_HINT = (
@@ -19,6 +25,7 @@ INSTALL_HINT = (
     "(CUDA 13; `tensorrt-cu12` for CUDA 12) or the extra `pip install 'transformer_ext[tensorrt]'`; "
     "`python -m export.tensorrt --check-only` checks the graphs without TensorRT"
 )
+
 
 class TensorRTNotAvailableError(ExportError, ImportError):
     """TensorRT's Python package is missing or too old."""

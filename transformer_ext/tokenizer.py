@@ -56,10 +56,23 @@ _FORMAT = "transformer_ext.CharTokenizer"
 _FORMAT_VERSION = 1
 # Every field of a version-1 tokenizer.json and its JSON type.
 _FIELDS = {
-    "format": str, "version": int, "type": str, "shared": bool, "lowercase": bool,
-    "special_tokens": dict, "source_vocab": list, "target_vocab": list,
+    "format": str,
+    "version": int,
+    "type": str,
+    "shared": bool,
+    "lowercase": bool,
+    "special_tokens": dict,
+    "source_vocab": list,
+    "target_vocab": list,
 }
-_KIND_NAMES = {str: "string", int: "integer", bool: "boolean (true or false)", dict: "JSON object", list: "JSON list"}
+_KIND_NAMES = {
+    str: "string",
+    int: "integer",
+    bool: "boolean (true or false)",
+    dict: "JSON object",
+    list: "JSON list",
+}
+
 
 def check_description(data: Any, fmt: str, version: int, fields: dict[str, type]) -> None:
     """Check a tokenizer file's JSON against its schema: an object with ``format == fmt``, version
@@ -68,7 +81,9 @@ def check_description(data: Any, fmt: str, version: int, fields: dict[str, type]
     if not isinstance(data, dict):
         raise TokenizerError(f"not a {fmt} description: expected a JSON object, got {type(data).__name__}")
     if data.get("format") != fmt:
-        raise TokenizerError(f"not a {fmt} description (missing or wrong 'format' field: {data.get('format')!r})")
+        raise TokenizerError(
+            f"not a {fmt} description (missing or wrong 'format' field: {data.get('format')!r})"
+        )
     found = data.get("version")
     if isinstance(found, bool) or found != version:
         raise TokenizerError(f"unsupported tokenizer format version {found!r} (this code reads {version})")
@@ -82,7 +97,6 @@ def check_description(data: Any, fmt: str, version: int, fields: dict[str, type]
         value = data[key]
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
             raise TokenizerError(f"field {key!r} must be a {_KIND_NAMES[kind]}, got {value!r}"[:300])
-
 
 
 class TokenizerError(ValueError, UserError):
@@ -192,10 +206,12 @@ def _check_vocab(vocab: Sequence[str], name: str) -> list[str]:
             f"{name} must start with the special tokens {list(SPECIAL_TOKENS)}, "
             f"got {_short(vocab[: len(SPECIAL_TOKENS)], 200)}"
         )
-    chars = vocab[len(SPECIAL_TOKENS):]
+    chars = vocab[len(SPECIAL_TOKENS) :]
     for i, ch in enumerate(chars, start=len(SPECIAL_TOKENS)):
         if not isinstance(ch, str) or len(ch) != 1:
-            raise TokenizerError(f"{name} entries after the specials must be single characters, got {_short(ch)} at id {i}")
+            raise TokenizerError(
+                f"{name} entries after the specials must be single characters, got {_short(ch)} at id {i}"
+            )
     if len(set(chars)) != len(chars):
         seen: set[str] = set()
         dup = next(ch for ch in chars if ch in seen or seen.add(ch))
@@ -344,7 +360,9 @@ class CharTokenizer:
             raise TokenizerError(f"field 'type' must be 'char', got {data['type']!r}")
         expected = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID}
         if data["special_tokens"] != expected:
-            raise TokenizerError(f"special token ids must be {expected}, got {data['special_tokens']!r}"[:300])
+            raise TokenizerError(
+                f"special token ids must be {expected}, got {data['special_tokens']!r}"[:300]
+            )
         shared = data["shared"]
         if shared and data["target_vocab"] != data["source_vocab"]:
             raise TokenizerError("'shared' is true but 'source_vocab' and 'target_vocab' differ")
@@ -408,7 +426,9 @@ def _read_description(directory: str | os.PathLike) -> tuple[str, Any]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as exc:
-        raise TokenizerError(f"corrupt tokenizer file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        raise TokenizerError(
+            f"corrupt tokenizer file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from exc
     if not text.strip():
         raise TokenizerError(f"corrupt tokenizer file {path}: the file is empty")
     try:
@@ -455,7 +475,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     format_ = data.get("format") if isinstance(data, dict) else None
     if not (isinstance(format_, str) and format_.startswith("transformer_ext.")):
         raise TokenizerError(
-            f"invalid tokenizer file {path}: not a transformer_ext tokenizer description (its \"format\" "
+            f'invalid tokenizer file {path}: not a transformer_ext tokenizer description (its "format" '
             f"field is {_short(format_)}, expected one like {_FORMAT!r}); was it written by another tool?"
         )
     if not isinstance(kind, str) or kind not in TOKENIZER_TYPES:
@@ -470,8 +490,13 @@ def _config_value(config: Any, key: str) -> Any:
     return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
-def check_model_config(tokenizer: Tokenizer, config: Any, *, tokenizer_file: Optional[str] = None,
-                       config_file: Optional[str] = None) -> None:
+def check_model_config(
+    tokenizer: Tokenizer,
+    config: Any,
+    *,
+    tokenizer_file: Optional[str] = None,
+    config_file: Optional[str] = None,
+) -> None:
     """Check that ``tokenizer`` belongs to the model described by ``config``.
 
     ``config`` is a model config object or the ``model_config`` dict of a manifest (fields
@@ -481,7 +506,10 @@ def check_model_config(tokenizer: Tokenizer, config: Any, *, tokenizer_file: Opt
     """
     tok_name = tokenizer_file or "the tokenizer"
     cfg_name = config_file or "the model config"
-    for key, ours in (("src_vocab_size", tokenizer.src_vocab_size), ("tgt_vocab_size", tokenizer.tgt_vocab_size)):
+    for key, ours in (
+        ("src_vocab_size", tokenizer.src_vocab_size),
+        ("tgt_vocab_size", tokenizer.tgt_vocab_size),
+    ):
         theirs = _config_value(config, key)
         if theirs != ours:
             side = "source" if key.startswith("src") else "target"
@@ -489,7 +517,11 @@ def check_model_config(tokenizer: Tokenizer, config: Any, *, tokenizer_file: Opt
                 f"{tok_name} has a {side} vocabulary of {ours} tokens but {cfg_name} has {key} = {theirs!r}: "
                 "the tokenizer belongs to another model"
             )
-    for key, ours in (("pad_id", tokenizer.pad_id), ("bos_id", tokenizer.bos_id), ("eos_id", tokenizer.eos_id)):
+    for key, ours in (
+        ("pad_id", tokenizer.pad_id),
+        ("bos_id", tokenizer.bos_id),
+        ("eos_id", tokenizer.eos_id),
+    ):
         theirs = _config_value(config, key)
         if theirs != ours:
             raise TokenizerError(

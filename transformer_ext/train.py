@@ -62,6 +62,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import __version__, distributed
+from .cli import UserError, add_debug_flag, run_cli
 from .data import (
     DEMO_OVERSAMPLE,
     DEMO_RANGE,
@@ -75,8 +77,6 @@ from .data import (
     oversample,
     split_numbers,
 )
-from . import __version__, distributed
-from .cli import UserError, add_debug_flag, run_cli
 from .fsutil import StagedDir, atomic_write_bytes, atomic_write_json
 from .tokenizer import TOKENIZER_FILE, CharTokenizer
 
@@ -104,8 +104,19 @@ __all__ = [
 # core in minutes. No dropout: the task is noise-free, every training example is exact, and on
 # the CPU dropout's random numbers cost a quarter to a third of a training step.
 MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "demo": ("base", dict(d_model=64, n_heads=4, n_encoder_layers=3, n_decoder_layers=3, d_ff=256,
-                          dropout=0.0, max_len=64, norm_first=False)),
+    "demo": (
+        "base",
+        dict(
+            d_model=64,
+            n_heads=4,
+            n_encoder_layers=3,
+            n_decoder_layers=3,
+            d_ff=256,
+            dropout=0.0,
+            max_len=64,
+            norm_first=False,
+        ),
+    ),
     "tiny": ("tiny", {}),
     "small": ("small", {}),
     "base": ("base", {}),
@@ -158,10 +169,14 @@ class TrainOptions:
     valid_files: Optional[tuple[str, str]] = None
     train_tsv: Optional[str] = None  # source<TAB>target lines
     valid_tsv: Optional[str] = None
-    tokenizer: Optional[str] = None  # "char" or "sentencepiece"; None: char for the demo, sentencepiece for text
+    tokenizer: Optional[str] = (
+        None  # "char" or "sentencepiece"; None: char for the demo, sentencepiece for text
+    )
     vocab_size: int = 8000  # SentencePiece pieces per model (specials included)
     spm_model_type: str = "unigram"  # "unigram" or "bpe"
-    max_len_ratio: Optional[float] = None  # drop pairs whose longer side has more than ratio x the shorter's tokens
+    max_len_ratio: Optional[float] = (
+        None  # drop pairs whose longer side has more than ratio x the shorter's tokens
+    )
     range_low: int = DEMO_RANGE[0]
     range_high: int = DEMO_RANGE[1]
     split_seed: int = SPLIT_SEED
@@ -196,11 +211,40 @@ class TrainOptions:
 
 # Options that define a run: on --resume they are taken from the saved run.
 _RUN_DEFINING = (
-    "seed", "preset", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "dropout",
-    "max_len", "norm_first", "shared_vocab", "range_low", "range_high", "split_seed", "max_tokens",
-    "lr_factor", "warmup", "label_smoothing", "clip_norm", "adam_betas", "adam_eps", "oversample",
-    "train_files", "valid_files", "train_tsv", "valid_tsv", "tokenizer", "vocab_size", "spm_model_type",
-    "max_len_ratio", "lr_schedule", "lr", "update_freq", "best_metric",
+    "seed",
+    "preset",
+    "d_model",
+    "n_heads",
+    "n_encoder_layers",
+    "n_decoder_layers",
+    "d_ff",
+    "dropout",
+    "max_len",
+    "norm_first",
+    "shared_vocab",
+    "range_low",
+    "range_high",
+    "split_seed",
+    "max_tokens",
+    "lr_factor",
+    "warmup",
+    "label_smoothing",
+    "clip_norm",
+    "adam_betas",
+    "adam_eps",
+    "oversample",
+    "train_files",
+    "valid_files",
+    "train_tsv",
+    "valid_tsv",
+    "tokenizer",
+    "vocab_size",
+    "spm_model_type",
+    "max_len_ratio",
+    "lr_schedule",
+    "lr",
+    "update_freq",
+    "best_metric",
 )
 
 
@@ -222,7 +266,9 @@ class TrainResult:
     total_elapsed_s: float  # training wall time of all sessions
     stop_reason: str
     world_size: int = 1  # processes that trained together (torchrun's WORLD_SIZE)
-    model: Any = field(default=None, repr=False, compare=False)  # the trained model in memory (this rank's copy)
+    model: Any = field(
+        default=None, repr=False, compare=False
+    )  # the trained model in memory (this rank's copy)
 
 
 # ---------------------------------------------------------------------- schedule and optimiser
@@ -232,13 +278,14 @@ def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
         raise ValueError(f"the schedule counts steps from 1, got step={step}")
     if warmup < 1:
         raise ValueError(f"warmup must be >= 1, got {warmup}")
-    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
 def make_optimizer(model: torch.nn.Module, opts: TrainOptions) -> torch.optim.Adam:
     """Adam with base lr 1.0 (the scheduler's factor is the learning rate itself), fused kernel."""
-    return torch.optim.Adam(model.parameters(), lr=1.0, betas=tuple(opts.adam_betas), eps=opts.adam_eps,
-                            fused=True)
+    return torch.optim.Adam(
+        model.parameters(), lr=1.0, betas=tuple(opts.adam_betas), eps=opts.adam_eps, fused=True
+    )
 
 
 def inverse_sqrt_lr(step: int, warmup: int, peak: float) -> float:
@@ -250,14 +297,22 @@ def inverse_sqrt_lr(step: int, warmup: int, peak: float) -> float:
     return peak * min(step / warmup, math.sqrt(warmup / step))
 
 
-def make_scheduler(optimizer, d_model: int, warmup: int, factor: float, schedule: str = "noam",
-                   peak_lr: Optional[float] = None) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    optimizer,
+    d_model: int,
+    warmup: int,
+    factor: float,
+    schedule: str = "noam",
+    peak_lr: Optional[float] = None,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR of :func:`noam_lr` (or :func:`inverse_sqrt_lr` with ``peak_lr``); its internal counter
     starts at 0, the schedule's step at 1."""
     if schedule == "inverse-sqrt":
         if peak_lr is None:
             raise TrainingError("--lr-schedule inverse-sqrt needs --lr (the peak learning rate)")
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda s: inverse_sqrt_lr(s + 1, warmup, peak_lr))
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda=lambda s: inverse_sqrt_lr(s + 1, warmup, peak_lr)
+        )
     if schedule != "noam":
         raise TrainingError(f"--lr-schedule must be noam or inverse-sqrt, got {schedule!r}")
     return torch.optim.lr_scheduler.LambdaLR(
@@ -274,8 +329,16 @@ def build_config(opts: TrainOptions, tokenizer: CharTokenizer):
         raise TrainingError(f"unknown preset {opts.preset!r}; choose one of {sorted(MODEL_PRESETS)}")
     base, overrides = MODEL_PRESETS[opts.preset]
     overrides = dict(overrides)
-    for name in ("d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "dropout",
-                 "max_len", "norm_first"):
+    for name in (
+        "d_model",
+        "n_heads",
+        "n_encoder_layers",
+        "n_decoder_layers",
+        "d_ff",
+        "dropout",
+        "max_len",
+        "norm_first",
+    ):
         value = getattr(opts, name)
         if value is not None:
             overrides[name] = value
@@ -295,8 +358,9 @@ def build_config(opts: TrainOptions, tokenizer: CharTokenizer):
 
 
 # ---------------------------------------------------------------------- loss and evaluation
-def accumulate_gradients_of(model, micro: Sequence, *, pad_id: int, label_smoothing: float, ctx=None, scaler=None,
-                            autocast_dtype=None) -> tuple[float, int]:
+def accumulate_gradients_of(
+    model, micro: Sequence, *, pad_id: int, label_smoothing: float, ctx=None, scaler=None, autocast_dtype=None
+) -> tuple[float, int]:
     """Back-propagate the loss of one optimiser step made of the batches ``micro``.
 
     The loss is summed over every target token of all the batches and divided by their number,
@@ -309,9 +373,12 @@ def accumulate_gradients_of(model, micro: Sequence, *, pad_id: int, label_smooth
     loss_value, n_tokens = 0.0, 0
     for k, batch in enumerate(micro):
         sync = k == len(micro) - 1 or not hasattr(model, "no_sync")
-        with (contextlib.nullcontext() if sync else model.no_sync()):
-            with (torch.autocast(batch.src_ids.device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                  else contextlib.nullcontext()):
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with (
+                torch.autocast(batch.src_ids.device.type, dtype=autocast_dtype)
+                if autocast_dtype is not None
+                else contextlib.nullcontext()
+            ):
                 logits = model(batch.src_ids, batch.src_lengths, batch.tgt_in)
             loss, n = token_loss(logits, batch.tgt_out, pad_id, label_smoothing)
             # under torchrun: loss summed over this rank / target tokens of all ranks (x world_size, as DDP
@@ -322,13 +389,15 @@ def accumulate_gradients_of(model, micro: Sequence, *, pad_id: int, label_smooth
     return loss_value, n_tokens
 
 
-
 def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, pad_id: int, label_smoothing: float):
     """(loss per non-pad target token, number of non-pad target tokens)."""
     V = logits.shape[-1]
     total = F.cross_entropy(
-        logits.reshape(-1, V).float(), tgt_out.reshape(-1), ignore_index=pad_id,
-        label_smoothing=label_smoothing, reduction="sum",
+        logits.reshape(-1, V).float(),
+        tgt_out.reshape(-1),
+        ignore_index=pad_id,
+        label_smoothing=label_smoothing,
+        reduction="sum",
     )
     n_tokens = int((tgt_out != pad_id).sum())
     return total / max(n_tokens, 1), n_tokens
@@ -368,12 +437,18 @@ def evaluate(
         if with_loss:
             if pairs is None:
                 pairs = encode_examples(tokenizer, examples)
-            sampler = TokenBatchSampler([example_cost(len(s), len(t)) for s, t in pairs], max_tokens, shuffle=False)
+            sampler = TokenBatchSampler(
+                [example_cost(len(s), len(t)) for s, t in pairs], max_tokens, shuffle=False
+            )
             ls_sum = nll_sum = 0.0
             n_tok = 0
             for idx in sampler.batches(0):
-                batch = collate([pairs[i] for i in idx], pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
-                                eos_id=tokenizer.eos_id).to(device)
+                batch = collate(
+                    [pairs[i] for i in idx],
+                    pad_id=tokenizer.pad_id,
+                    bos_id=tokenizer.bos_id,
+                    eos_id=tokenizer.eos_id,
+                ).to(device)
                 logits = model(batch.src_ids, batch.src_lengths, batch.tgt_in)
                 ls, n = token_loss(logits, batch.tgt_out, tokenizer.pad_id, label_smoothing)
                 nll, _ = token_loss(logits, batch.tgt_out, tokenizer.pad_id, 0.0)
@@ -387,18 +462,27 @@ def evaluate(
             subset = [examples[i * len(examples) // exact_examples] for i in range(exact_examples)]
         if subset:
             translator = Translator.from_model(model, tokenizer, device)
-            outputs = translator.translate([ex.source for ex in subset], beam_size=beam_size,
-                                           n_best=1)
+            outputs = translator.translate([ex.source for ex in subset], beam_size=beam_size, n_best=1)
             correct = sum(out.text == ex.target for out, ex in zip(outputs, subset))
             if bleu:
                 from .evaluate import score_texts
 
                 scores = score_texts([out.text for out in outputs], [ex.target for ex in subset])
-                result.update(bleu=scores["bleu"], chrf=scores["chrf"], bleu_signature=scores["bleu_signature"],
-                              chrf_signature=scores["chrf_signature"])
-            result.update(exact_match=correct / len(subset), n_exact=len(subset),
-                          errors=[(ex.source, out.text, ex.target) for out, ex in zip(outputs, subset)
-                                  if out.text != ex.target][:20])
+                result.update(
+                    bleu=scores["bleu"],
+                    chrf=scores["chrf"],
+                    bleu_signature=scores["bleu_signature"],
+                    chrf_signature=scores["chrf_signature"],
+                )
+            result.update(
+                exact_match=correct / len(subset),
+                n_exact=len(subset),
+                errors=[
+                    (ex.source, out.text, ex.target)
+                    for out, ex in zip(outputs, subset)
+                    if out.text != ex.target
+                ][:20],
+            )
     finally:
         if was_training:
             model.train()
@@ -443,7 +527,9 @@ def _inspect_out(out: Path) -> _RunFolder:
     """Classify ``out`` without writing anything (errors for a path that cannot be a run folder)."""
     if not out.exists():
         if out.is_symlink():
-            raise TrainingError(f"--out {out} is a symbolic link to nothing; remove it or choose another folder")
+            raise TrainingError(
+                f"--out {out} is a symbolic link to nothing; remove it or choose another folder"
+            )
         return _RunFolder(out, "absent")
     if not out.is_dir():
         raise TrainingError(f"--out {out} is a file, not a folder; give the path of a folder for the run")
@@ -455,13 +541,17 @@ def _inspect_out(out: Path) -> _RunFolder:
         try:
             data = json.loads(marker.read_bytes().decode("utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return _RunFolder(out, "foreign", reason=f"its {RUN_MARKER} is not a run marker of this program ({exc})")
+            return _RunFolder(
+                out, "foreign", reason=f"its {RUN_MARKER} is not a run marker of this program ({exc})"
+            )
         if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
             return _RunFolder(out, "foreign", reason=f"its {RUN_MARKER} is not a run marker of this program")
         version = data.get("format_version")
         if version != RUN_FORMAT_VERSION:
-            raise TrainingError(f"{marker}: run format_version {version!r}; this version of transformer_ext "
-                                f"reads {RUN_FORMAT_VERSION} (was the run written by a newer version?)")
+            raise TrainingError(
+                f"{marker}: run format_version {version!r}; this version of transformer_ext "
+                f"reads {RUN_FORMAT_VERSION} (was the run written by a newer version?)"
+            )
         others = tuple(e for e in entries if not _ours(e, _RUN_ENTRIES))
         return _RunFolder(out, "run", marked=True, others=others)
     others = tuple(e for e in entries if not _ours(e, _UNMARKED_RUN_ENTRIES))
@@ -472,7 +562,9 @@ def _inspect_out(out: Path) -> _RunFolder:
 
 
 def _marker() -> dict:
-    return dict(format=RUN_FORMAT, format_version=RUN_FORMAT_VERSION, producer=f"transformer_ext {__version__}")
+    return dict(
+        format=RUN_FORMAT, format_version=RUN_FORMAT_VERSION, producer=f"transformer_ext {__version__}"
+    )
 
 
 def _commit_run(stage: StagedDir, folder: _RunFolder) -> None:
@@ -495,10 +587,14 @@ def _commit_run(stage: StagedDir, folder: _RunFolder) -> None:
     elif now.kind == "run" and folder.kind == "run" and not now.others:
         stage.commit()  # the old run is moved aside, the new one renamed in, then the old one deleted
     else:
-        raise TrainingError(f"--out {folder.path} changed while the new run was training (it now holds "
-                            f"{', '.join(sorted(os.listdir(target))[:5])}); it was left as it is and the new run "
-                            "was not put in place")
-    logger.info("the run folder %s is in place%s", target, " (the old run was replaced)" if now.kind == "run" else "")
+        raise TrainingError(
+            f"--out {folder.path} changed while the new run was training (it now holds "
+            f"{', '.join(sorted(os.listdir(target))[:5])}); it was left as it is and the new run "
+            "was not put in place"
+        )
+    logger.info(
+        "the run folder %s is in place%s", target, " (the old run was replaced)" if now.kind == "run" else ""
+    )
 
 
 # ---------------------------------------------------------------------- checkpoints and state
@@ -511,8 +607,9 @@ def _save_model_dir(model, tokenizer, directory: Path, provenance: Optional[byte
         atomic_write_bytes(directory / PROVENANCE_FILE, provenance)
 
 
-def _save_step_checkpoint(run_dir: Path, step: int, model, tokenizer, keep: int,
-                          provenance: Optional[bytes] = None) -> None:
+def _save_step_checkpoint(
+    run_dir: Path, step: int, model, tokenizer, keep: int, provenance: Optional[bytes] = None
+) -> None:
     """``<run_dir>/checkpoints/step-N/`` (a model folder), keeping the ``keep`` newest step folders."""
     folder = run_dir / CHECKPOINTS_DIR
     folder.mkdir(exist_ok=True)
@@ -557,7 +654,9 @@ def _optimizer_from_flat(optimizer, tensors: dict[str, torch.Tensor], meta: dict
         if not 0 <= pid < len(params):
             raise ValueError(f"tensor {name}: the model has {len(params)} parameters")
         if key in ("exp_avg", "exp_avg_sq") and tuple(value.shape) != tuple(params[pid].shape):
-            raise ValueError(f"tensor {name} has shape {tuple(value.shape)}, its parameter {tuple(params[pid].shape)}")
+            raise ValueError(
+                f"tensor {name} has shape {tuple(value.shape)}, its parameter {tuple(params[pid].shape)}"
+            )
         state.setdefault(pid, {})[key] = value
     for pid, extra in meta.get("scalars", {}).items():
         state.setdefault(int(pid), {}).update(extra)
@@ -578,8 +677,16 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def _save_checkpoint(run_dir: Path, name: str, model, tokenizer, optimizer=None, scheduler=None,
-                     state: Optional[dict] = None, provenance: Optional[bytes] = None) -> Path:
+def _save_checkpoint(
+    run_dir: Path,
+    name: str,
+    model,
+    tokenizer,
+    optimizer=None,
+    scheduler=None,
+    state: Optional[dict] = None,
+    provenance: Optional[bytes] = None,
+) -> Path:
     """Write ``<run_dir>/<name>/`` (model directory, plus the training state when given).
 
     Built in a temporary sibling and swapped in (:class:`~transformer_ext.fsutil.StagedDir`):
@@ -609,10 +716,14 @@ def _last_dir(out: Path) -> Path:
         return last
     if (out / "last.old").is_dir():  # the writer before fsutil, interrupted between two renames
         return out / "last.old"
-    backups = sorted((p for p in out.glob(".last.old-*") if p.is_dir() and _FSUTIL_TEMPORARY.match(p.name)),
-                     key=lambda p: p.stat().st_mtime)
+    backups = sorted(
+        (p for p in out.glob(".last.old-*") if p.is_dir() and _FSUTIL_TEMPORARY.match(p.name)),
+        key=lambda p: p.stat().st_mtime,
+    )
     if backups:
-        logger.warning("%s is missing; resuming from %s, left by an interrupted checkpoint write", last, backups[-1])
+        logger.warning(
+            "%s is missing; resuming from %s, left by an interrupted checkpoint write", last, backups[-1]
+        )
         return backups[-1]
     return last
 
@@ -626,8 +737,16 @@ def _read_json_file(path: Path, what: str) -> Any:
         raise TrainingError(f"cannot resume: {path} ({what}) is corrupt or truncated: {exc}") from None
 
 
-_STATE_KEYS = dict(step=int, epoch=int, batch_in_epoch=int, history=list, best=(dict, type(None)),
-                   total_elapsed_s=(int, float), optimizer=dict, scheduler=dict)
+_STATE_KEYS = dict(
+    step=int,
+    epoch=int,
+    batch_in_epoch=int,
+    history=list,
+    best=(dict, type(None)),
+    total_elapsed_s=(int, float),
+    optimizer=dict,
+    scheduler=dict,
+)
 
 
 def _load_state(last: Path, optimizer, scheduler) -> dict:
@@ -650,7 +769,9 @@ def _load_state(last: Path, optimizer, scheduler) -> dict:
         raise TrainingError(f"cannot resume: {json_path} is not a training state (not a JSON object)")
     for key, kind in _STATE_KEYS.items():
         if key not in payload:
-            raise TrainingError(f"cannot resume: {json_path} has no {key!r} (not a training state of this program)")
+            raise TrainingError(
+                f"cannot resume: {json_path} has no {key!r} (not a training state of this program)"
+            )
         value = payload[key]
         if isinstance(value, bool) or not isinstance(value, kind) or (kind is int and value < 0):
             raise TrainingError(f"cannot resume: {json_path}: {key!r} is {value!r}, not a valid value")
@@ -667,12 +788,15 @@ def _load_state(last: Path, optimizer, scheduler) -> dict:
     try:
         _optimizer_from_flat(optimizer, tensors, payload.pop("optimizer"))
         sched = payload.pop("scheduler")
-        sched["lr_lambdas"] = [None] * len(optimizer.param_groups)  # the schedule function is rebuilt, not stored
+        sched["lr_lambdas"] = [None] * len(
+            optimizer.param_groups
+        )  # the schedule function is rebuilt, not stored
         scheduler.load_state_dict(sched)
         torch.set_rng_state(tensors["rng.torch"])
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as exc:
-        raise TrainingError(f"cannot resume: {json_path} and {tensors_path} are not a training state of this "
-                            f"model: {exc}") from None
+        raise TrainingError(
+            f"cannot resume: {json_path} and {tensors_path} are not a training state of this model: {exc}"
+        ) from None
     cuda_states = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
     if cuda_states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda_states)
@@ -710,22 +834,58 @@ def _merge_resume_options(opts: TrainOptions, saved: dict) -> TrainOptions:
 # ---------------------------------------------------------------------- option checks
 # The command-line flag of each option, for messages (library callers see the field name too).
 _FLAGS = {
-    "out_dir": "--out", "export_dir": "--export", "seed": "--seed", "device": "--device", "threads": "--threads",
-    "preset": "--preset", "d_model": "--d-model", "n_heads": "--n-heads", "n_encoder_layers": "--encoder-layers",
-    "n_decoder_layers": "--decoder-layers", "d_ff": "--d-ff", "dropout": "--dropout", "max_len": "--max-len",
-    "norm_first": "--pre-ln", "shared_vocab": "--shared-vocab", "range_low": "--range LOW",
-    "range_high": "--range HIGH", "split_seed": "--split-seed", "max_tokens": "--max-tokens",
-    "oversample": "--oversample", "max_steps": "--max-steps", "epochs": "--epochs", "max_minutes": "--max-minutes",
-    "lr_factor": "--lr-factor", "warmup": "--warmup", "label_smoothing": "--label-smoothing",
-    "clip_norm": "--clip-norm", "eval_every": "--eval-every", "eval_examples": "--eval-examples",
-    "final_eval": "--no-final-eval", "final_beam": "--final-beam", "log_every": "--log-every",
-    "progress": "--no-progress", "resume": "--resume", "overwrite": "--overwrite",
-    "train_files": "--train", "valid_files": "--valid", "train_tsv": "--train-tsv", "valid_tsv": "--valid-tsv",
-    "tokenizer": "--tokenizer", "vocab_size": "--vocab-size", "spm_model_type": "--spm-model-type",
-    "max_len_ratio": "--max-len-ratio", "lr_schedule": "--lr-schedule", "lr": "--lr", "update_freq": "--update-freq",
-    "amp": "--amp", "best_metric": "--best-metric", "patience": "--patience", "keep_last": "--keep-last",
+    "out_dir": "--out",
+    "export_dir": "--export",
+    "seed": "--seed",
+    "device": "--device",
+    "threads": "--threads",
+    "preset": "--preset",
+    "d_model": "--d-model",
+    "n_heads": "--n-heads",
+    "n_encoder_layers": "--encoder-layers",
+    "n_decoder_layers": "--decoder-layers",
+    "d_ff": "--d-ff",
+    "dropout": "--dropout",
+    "max_len": "--max-len",
+    "norm_first": "--pre-ln",
+    "shared_vocab": "--shared-vocab",
+    "range_low": "--range LOW",
+    "range_high": "--range HIGH",
+    "split_seed": "--split-seed",
+    "max_tokens": "--max-tokens",
+    "oversample": "--oversample",
+    "max_steps": "--max-steps",
+    "epochs": "--epochs",
+    "max_minutes": "--max-minutes",
+    "lr_factor": "--lr-factor",
+    "warmup": "--warmup",
+    "label_smoothing": "--label-smoothing",
+    "clip_norm": "--clip-norm",
+    "eval_every": "--eval-every",
+    "eval_examples": "--eval-examples",
+    "final_eval": "--no-final-eval",
+    "final_beam": "--final-beam",
+    "log_every": "--log-every",
+    "progress": "--no-progress",
+    "resume": "--resume",
+    "overwrite": "--overwrite",
+    "train_files": "--train",
+    "valid_files": "--valid",
+    "train_tsv": "--train-tsv",
+    "valid_tsv": "--valid-tsv",
+    "tokenizer": "--tokenizer",
+    "vocab_size": "--vocab-size",
+    "spm_model_type": "--spm-model-type",
+    "max_len_ratio": "--max-len-ratio",
+    "lr_schedule": "--lr-schedule",
+    "lr": "--lr",
+    "update_freq": "--update-freq",
+    "amp": "--amp",
+    "best_metric": "--best-metric",
+    "patience": "--patience",
+    "keep_last": "--keep-last",
 }
-_SEED_MAX = 2 ** 63 - 1
+_SEED_MAX = 2**63 - 1
 _THREADS_MAX = 1024
 
 
@@ -738,8 +898,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(opts: TrainOptions, name: str, low: int, high: Optional[int] = None, *, optional: bool = False,
-               note: str = "") -> None:
+def _check_int(
+    opts: TrainOptions,
+    name: str,
+    low: int,
+    high: Optional[int] = None,
+    *,
+    optional: bool = False,
+    note: str = "",
+) -> None:
     value = getattr(opts, name)
     if optional and value is None:
         return
@@ -748,14 +915,27 @@ def _check_int(opts: TrainOptions, name: str, low: int, high: Optional[int] = No
         raise TrainingError(f"{_option(name)} must be {allowed}{note}, got {value!r}")
 
 
-def _check_float(opts: TrainOptions, name: str, low: float, high: Optional[float] = None, *,
-                 low_open: bool = False, high_open: bool = True, optional: bool = False, note: str = "") -> None:
+def _check_float(
+    opts: TrainOptions,
+    name: str,
+    low: float,
+    high: Optional[float] = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = True,
+    optional: bool = False,
+    note: str = "",
+) -> None:
     value = getattr(opts, name)
     if optional and value is None:
         return
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-          and (value > low if low_open else value >= low)
-          and (high is None or (value < high if high_open else value <= high)))
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > low if low_open else value >= low)
+        and (high is None or (value < high if high_open else value <= high))
+    )
     if not ok:
         if high is None:
             allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
@@ -780,7 +960,9 @@ def _check_options(opts: TrainOptions) -> None:
         if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
             raise TrainingError(f"{_option(name)} must be a folder path, got {value!r}")
     if not isinstance(opts.device, str):
-        raise TrainingError(f"{_option('device')} must be a device name such as cpu or cuda, got {opts.device!r}")
+        raise TrainingError(
+            f"{_option('device')} must be a device name such as cpu or cuda, got {opts.device!r}"
+        )
     if opts.preset not in MODEL_PRESETS:
         raise TrainingError(f"unknown preset {opts.preset!r}; choose one of {sorted(MODEL_PRESETS)}")
     _check_int(opts, "seed", 0, _SEED_MAX)
@@ -792,16 +974,25 @@ def _check_options(opts: TrainOptions) -> None:
     _check_int(opts, "range_low", 0)
     _check_int(opts, "range_high", 0)
     if opts.range_high < opts.range_low:
-        raise TrainingError(f"--range LOW HIGH must satisfy 0 <= LOW <= HIGH, got {opts.range_low} {opts.range_high}")
+        raise TrainingError(
+            f"--range LOW HIGH must satisfy 0 <= LOW <= HIGH, got {opts.range_low} {opts.range_high}"
+        )
     _check_int(opts, "max_tokens", 1)
     rules = opts.oversample
     if not isinstance(rules, (tuple, list)):
         raise TrainingError(f"{_option('oversample')} must be a list of (BELOW, TIMES) rules, got {rules!r}")
     for rule in rules:
-        if (not isinstance(rule, (tuple, list)) or len(rule) != 2 or not all(_is_int(x) for x in rule)
-                or rule[0] < 0 or rule[1] < 1):
-            raise TrainingError(f"{_option('oversample')} rules are BELOW=TIMES with integers BELOW >= 0 and "
-                                f"TIMES >= 1, got {rule!r}")
+        if (
+            not isinstance(rule, (tuple, list))
+            or len(rule) != 2
+            or not all(_is_int(x) for x in rule)
+            or rule[0] < 0
+            or rule[1] < 1
+        ):
+            raise TrainingError(
+                f"{_option('oversample')} rules are BELOW=TIMES with integers BELOW >= 0 and "
+                f"TIMES >= 1, got {rule!r}"
+            )
     _check_int(opts, "max_steps", 0, optional=True)
     _check_int(opts, "epochs", 0, optional=True)
     if opts.max_steps is None and opts.epochs is None:
@@ -812,8 +1003,11 @@ def _check_options(opts: TrainOptions) -> None:
     _check_float(opts, "label_smoothing", 0.0, 1.0)
     _check_float(opts, "clip_norm", 0.0, note=" (0 disables clipping)")
     betas = opts.adam_betas
-    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)
+    ):
         raise TrainingError(f"adam_betas must be two numbers in [0, 1), got {betas!r}")
     _check_float(opts, "adam_eps", 0.0, low_open=True)
     _check_int(opts, "eval_every", 0, note=" (0: validate only at the end)")
@@ -827,9 +1021,14 @@ def _check_text_options(opts: TrainOptions) -> None:
     """The options of parallel-text training, mixed precision, schedules and checkpoint selection."""
     for name in ("train_files", "valid_files"):
         value = getattr(opts, name)
-        if value is not None and (not isinstance(value, (tuple, list)) or len(value) != 2
-                                  or not all(isinstance(v, (str, os.PathLike)) and os.fspath(v) for v in value)):
-            raise TrainingError(f"{_option(name)} takes two file paths, SOURCE_FILE TARGET_FILE, got {value!r}")
+        if value is not None and (
+            not isinstance(value, (tuple, list))
+            or len(value) != 2
+            or not all(isinstance(v, (str, os.PathLike)) and os.fspath(v) for v in value)
+        ):
+            raise TrainingError(
+                f"{_option(name)} takes two file paths, SOURCE_FILE TARGET_FILE, got {value!r}"
+            )
     for name in ("train_tsv", "valid_tsv"):
         value = getattr(opts, name)
         if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
@@ -847,8 +1046,10 @@ def _check_text_options(opts: TrainOptions) -> None:
     if opts.tokenizer is not None and opts.tokenizer not in TOKENIZERS:
         raise TrainingError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {opts.tokenizer!r}")
     if opts.tokenizer == "sentencepiece" and not has_train:
-        raise TrainingError("--tokenizer sentencepiece needs parallel text (--train / --valid); the demo task uses "
-                            "the character tokenizer")
+        raise TrainingError(
+            "--tokenizer sentencepiece needs parallel text (--train / --valid); the demo task uses "
+            "the character tokenizer"
+        )
     _check_int(opts, "vocab_size", 8, note=" (SentencePiece pieces, the 4 special tokens included)")
     if opts.spm_model_type not in ("unigram", "bpe"):
         raise TrainingError(f"--spm-model-type must be unigram or bpe, got {opts.spm_model_type!r}")
@@ -859,17 +1060,23 @@ def _check_text_options(opts: TrainOptions) -> None:
     if opts.lr_schedule == "inverse-sqrt" and opts.lr is None:
         raise TrainingError("--lr-schedule inverse-sqrt needs --lr (the peak learning rate, e.g. 5e-4)")
     if opts.lr_schedule == "noam" and opts.lr is not None:
-        raise TrainingError("--lr is the peak of --lr-schedule inverse-sqrt; the noam schedule is scaled by --lr-factor")
+        raise TrainingError(
+            "--lr is the peak of --lr-schedule inverse-sqrt; the noam schedule is scaled by --lr-factor"
+        )
     _check_int(opts, "update_freq", 1, 4096)
     if opts.amp is not None:
         if opts.amp not in AMP_DTYPES:
             raise TrainingError(f"--amp must be bf16 or fp16, got {opts.amp!r}")
         if not (isinstance(opts.device, str) and opts.device.startswith("cuda")):
-            raise TrainingError(f"--amp {opts.amp} needs --device cuda: on the CPU training runs in float32, since "
-                                "bfloat16/float16 matrix products on CPUs without native bf16 instructions are about "
-                                "100x slower than float32")
+            raise TrainingError(
+                f"--amp {opts.amp} needs --device cuda: on the CPU training runs in float32, since "
+                "bfloat16/float16 matrix products on CPUs without native bf16 instructions are about "
+                "100x slower than float32"
+            )
     if opts.best_metric is not None and opts.best_metric not in BEST_METRICS:
-        raise TrainingError(f"--best-metric must be one of {', '.join(BEST_METRICS)}, got {opts.best_metric!r}")
+        raise TrainingError(
+            f"--best-metric must be one of {', '.join(BEST_METRICS)}, got {opts.best_metric!r}"
+        )
     _check_int(opts, "patience", 1, optional=True, note=" (validations without a new best before stopping)")
     _check_int(opts, "keep_last", 0)
 
@@ -889,13 +1096,17 @@ def _check_export_dir(opts: TrainOptions, out: Path) -> Optional[Path]:
 
         config = target / MODEL_FILES[0]
         if not config.is_file():
-            raise TrainingError(f"--export {target} is not empty and holds no {MODEL_FILES[0]}: it is not a model "
-                                "folder, and the export would write into it; choose an empty or new folder")
+            raise TrainingError(
+                f"--export {target} is not empty and holds no {MODEL_FILES[0]}: it is not a model "
+                "folder, and the export would write into it; choose an empty or new folder"
+            )
         try:
             TransformerConfig.load_json(config)
         except ValueError as exc:
-            raise TrainingError(f"--export {target} does not hold a model of this program ({exc}); choose an empty "
-                                "or new folder") from None
+            raise TrainingError(
+                f"--export {target} does not hold a model of this program ({exc}); choose an empty "
+                "or new folder"
+            ) from None
     return target
 
 
@@ -938,7 +1149,9 @@ def _find_provenance(opts: TrainOptions) -> Optional[bytes]:
     try:
         json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TrainingError(f"{path} is not a provenance file (not UTF-8 JSON: {exc}); remove it or fix it") from None
+        raise TrainingError(
+            f"{path} is not a provenance file (not UTF-8 JSON: {exc}); remove it or fix it"
+        ) from None
     logger.info("corpus provenance from %s goes into every model folder", path)
     return data
 
@@ -959,9 +1172,14 @@ def _build_text_tokenizer(opts: TrainOptions, sources: list[str], targets: list[
     if ctx.is_main:
         t0 = time.monotonic()
         try:
-            tok = SentencePieceTokenizer.train(sources, targets, vocab_size=opts.vocab_size,
-                                               model_type=opts.spm_model_type, shared=opts.shared_vocab,
-                                               threads=opts.threads or 1)
+            tok = SentencePieceTokenizer.train(
+                sources,
+                targets,
+                vocab_size=opts.vocab_size,
+                model_type=opts.spm_model_type,
+                shared=opts.shared_vocab,
+                threads=opts.threads or 1,
+            )
         except TokenizerError as exc:
             ctx.broadcast(None)
             raise TrainingError(f"--vocab-size / --tokenizer: {exc}") from None
@@ -976,8 +1194,12 @@ def _build_text_tokenizer(opts: TrainOptions, sources: list[str], targets: list[
 
 
 def _tokenizer_info(tokenizer) -> dict:
-    info = dict(type=tokenizer.type, src_vocab_size=tokenizer.src_vocab_size, tgt_vocab_size=tokenizer.tgt_vocab_size,
-                files=list(tokenizer.files))
+    info = dict(
+        type=tokenizer.type,
+        src_vocab_size=tokenizer.src_vocab_size,
+        tgt_vocab_size=tokenizer.tgt_vocab_size,
+        files=list(tokenizer.files),
+    )
     if hasattr(tokenizer, "model_type"):
         info.update(model_type=tokenizer.model_type, shared=tokenizer.shared)
     return info
@@ -1015,11 +1237,15 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     folder = _inspect_out(out)
     if opts.resume:
         if folder.kind != "run":
-            raise TrainingError(f"cannot resume: {out} holds no training run of this program"
-                                + (f" ({folder.reason})" if folder.reason else ""))
+            raise TrainingError(
+                f"cannot resume: {out} holds no training run of this program"
+                + (f" ({folder.reason})" if folder.reason else "")
+            )
     elif folder.kind == "foreign":
-        raise TrainingError(f"--out {out} is not a training run of this program ({folder.reason}); nothing in it "
-                            "is touched: choose a new or empty folder")
+        raise TrainingError(
+            f"--out {out} is not a training run of this program ({folder.reason}); nothing in it "
+            "is touched: choose a new or empty folder"
+        )
     elif folder.kind == "run" and not opts.overwrite:
         raise TrainingError(
             f"{out} already holds a training run; pass --resume to continue it, --overwrite to start "
@@ -1033,7 +1259,9 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         )
     export_dir = _check_export_dir(opts, out)
     device = _device(opts.device)
-    ctx = distributed.setup(device)  # single process, or one rank of a torchrun job (nccl on cuda, gloo on cpu)
+    ctx = distributed.setup(
+        device
+    )  # single process, or one rank of a torchrun job (nccl on cuda, gloo on cpu)
     device = ctx.device
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
@@ -1041,7 +1269,9 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     last = _last_dir(out)
     if opts.resume:
         if not (last / STATE_JSON).is_file():
-            raise TrainingError(f"cannot resume: no saved checkpoint in {out} ({last / STATE_JSON} not found)")
+            raise TrainingError(
+                f"cannot resume: no saved checkpoint in {out} ({last / STATE_JSON} not found)"
+            )
         saved_options = _read_json_file(out / OPTIONS_JSON, "the options of the run")
         try:
             if not isinstance(saved_options, dict):
@@ -1049,7 +1279,9 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
             opts = _merge_resume_options(opts, saved_options)
             _check_options(opts)
         except (TrainingError, TypeError, ValueError) as exc:
-            raise TrainingError(f"cannot resume: {out / OPTIONS_JSON} does not hold valid options: {exc}") from None
+            raise TrainingError(
+                f"cannot resume: {out / OPTIONS_JSON} does not hold valid options: {exc}"
+            ) from None
 
     text_mode = _text_mode(opts)
     provenance: Optional[bytes] = None
@@ -1060,9 +1292,13 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         train_src, train_tgt = _read_pairs(opts.train_files, opts.train_tsv, "--train")
         valid_src, valid_tgt = _read_pairs(opts.valid_files, opts.valid_tsv, "--valid")
         if not valid_src:
-            raise TrainingError(f"the validation set {_data_name(opts.valid_files, opts.valid_tsv)} has no lines")
+            raise TrainingError(
+                f"the validation set {_data_name(opts.valid_files, opts.valid_tsv)} has no lines"
+            )
         if not train_src:
-            raise TrainingError(f"the training set {_data_name(opts.train_files, opts.train_tsv)} has no lines")
+            raise TrainingError(
+                f"the training set {_data_name(opts.train_files, opts.train_tsv)} has no lines"
+            )
         provenance = _find_provenance(opts)
         splits = None
     else:
@@ -1072,8 +1308,10 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         except ValueError as exc:
             raise TrainingError(f"--range {opts.range_low} {opts.range_high}: {exc}") from None
         if not splits.valid or not splits.heldout:
-            raise TrainingError(f"--range {opts.range_low} {opts.range_high} holds too few numbers: its validation "
-                                "and held-out splits (5% of the numbers each) are empty; widen the range")
+            raise TrainingError(
+                f"--range {opts.range_low} {opts.range_high} holds too few numbers: its validation "
+                "and held-out splits (5% of the numbers each) are empty; widen the range"
+            )
         train_examples = make_examples(oversample(splits.train, opts.oversample))
         valid_examples = make_examples(splits.valid)
         if not train_examples:
@@ -1089,8 +1327,12 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         if text_mode:
             tokenizer = _build_text_tokenizer(opts, train_src, train_tgt, ctx)
         else:
-            tokenizer = CharTokenizer.build([e.source for e in train_examples], [e.target for e in train_examples],
-                                            shared=opts.shared_vocab, lowercase=True)
+            tokenizer = CharTokenizer.build(
+                [e.source for e in train_examples],
+                [e.target for e in train_examples],
+                shared=opts.shared_vocab,
+                lowercase=True,
+            )
         config = build_config(opts, tokenizer)
         torch.manual_seed(opts.seed)
         model = Transformer(config).to(device)
@@ -1098,18 +1340,28 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     if text_mode:
         from .data import encode_parallel
 
-        train_pairs, train_report = encode_parallel(tokenizer, train_src, train_tgt, max_len=config.max_len,
-                                                    max_len_ratio=opts.max_len_ratio)
-        logger.info("training data %s: %s", _data_name(opts.train_files, opts.train_tsv), train_report.describe())
+        train_pairs, train_report = encode_parallel(
+            tokenizer, train_src, train_tgt, max_len=config.max_len, max_len_ratio=opts.max_len_ratio
+        )
+        logger.info(
+            "training data %s: %s", _data_name(opts.train_files, opts.train_tsv), train_report.describe()
+        )
         if train_report.kept == 0:
-            raise TrainingError(f"no training pair is left after filtering "
-                                f"{_data_name(opts.train_files, opts.train_tsv)}: {train_report.describe()}")
-        valid_ids, valid_report = encode_parallel(tokenizer, valid_src, valid_tgt, max_len=config.max_len,
-                                                  max_len_ratio=None)
-        logger.info("validation data %s: %s", _data_name(opts.valid_files, opts.valid_tsv), valid_report.describe())
+            raise TrainingError(
+                f"no training pair is left after filtering "
+                f"{_data_name(opts.train_files, opts.train_tsv)}: {train_report.describe()}"
+            )
+        valid_ids, valid_report = encode_parallel(
+            tokenizer, valid_src, valid_tgt, max_len=config.max_len, max_len_ratio=None
+        )
+        logger.info(
+            "validation data %s: %s", _data_name(opts.valid_files, opts.valid_tsv), valid_report.describe()
+        )
         if valid_report.kept == 0:
-            raise TrainingError(f"no validation pair is left after filtering "
-                                f"{_data_name(opts.valid_files, opts.valid_tsv)}: {valid_report.describe()}")
+            raise TrainingError(
+                f"no validation pair is left after filtering "
+                f"{_data_name(opts.valid_files, opts.valid_tsv)}: {valid_report.describe()}"
+            )
         valid_examples = [Example(int(i), valid_src[i], valid_tgt[i]) for i in valid_report.kept_index]
         valid_pairs = [valid_ids[i] for i in range(len(valid_ids))]
         data_report = dict(train=dataclasses.asdict(train_report), valid=dataclasses.asdict(valid_report))
@@ -1121,7 +1373,9 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         train_pairs = encode_examples(tokenizer, train_examples)
         longest = max(max(len(s), len(t) + 1) for s, t in train_pairs)
         if longest > config.max_len:
-            raise TrainingError(f"the longest training sequence has {longest} tokens, more than max_len={config.max_len}")
+            raise TrainingError(
+                f"the longest training sequence has {longest} tokens, more than max_len={config.max_len}"
+            )
         costs = [example_cost(len(s), len(t)) for s, t in train_pairs]
     best_metric = opts.best_metric or ("bleu" if text_mode else "exact")
     sampler = TokenBatchSampler(costs, opts.max_tokens, seed=opts.seed)
@@ -1136,23 +1390,34 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
 
     train_model = ctx.wrap(model)  # DDP under torchrun (gradients all-reduced during backward)
     optimizer = make_optimizer(model, opts)
-    scheduler = make_scheduler(optimizer, config.d_model, opts.warmup, opts.lr_factor, opts.lr_schedule, opts.lr)
+    scheduler = make_scheduler(
+        optimizer, config.d_model, opts.warmup, opts.lr_factor, opts.lr_schedule, opts.lr
+    )
     scaler = torch.amp.GradScaler("cuda") if opts.amp == "fp16" else None
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(opts.amp or "")
 
-    state: dict[str, Any] = dict(step=0, epoch=0, batch_in_epoch=0, history=[], best=None, total_elapsed_s=0.0,
-                                 evals_since_best=0)
+    state: dict[str, Any] = dict(
+        step=0, epoch=0, batch_in_epoch=0, history=[], best=None, total_elapsed_s=0.0, evals_since_best=0
+    )
     if opts.resume:
         saved = _load_state(last, optimizer, scheduler)
         state.update({k: saved[k] for k in state if k in saved})
         # a checkpoint stores global batches into the epoch; a resume may use another world size
         state["batch_in_epoch"] = ctx.local_position(state["batch_in_epoch"], saved.get("world_size", 1))
-        if opts.epochs is not None and saved.get("world_size", 1) != ctx.world_size:  # epochs left, in new steps
-            limits[-1] = state["step"] + max(0, (opts.epochs - state["epoch"]) * steps_per_epoch
-                                             - state["batch_in_epoch"])
+        if (
+            opts.epochs is not None and saved.get("world_size", 1) != ctx.world_size
+        ):  # epochs left, in new steps
+            limits[-1] = state["step"] + max(
+                0, (opts.epochs - state["epoch"]) * steps_per_epoch - state["batch_in_epoch"]
+            )
             total_steps = min(limits)
-        logger.info("resumed %s at step %d (epoch %d, batch %d)", last, state["step"], state["epoch"],
-                    state["batch_in_epoch"])
+        logger.info(
+            "resumed %s at step %d (epoch %d, batch %d)",
+            last,
+            state["step"],
+            state["epoch"],
+            state["batch_in_epoch"],
+        )
 
     # Everything is checked: from here on the disk is written (by rank 0 only under torchrun).
     run_dir = out  # where checkpoints go: a new run's temporary folder until its first checkpoint
@@ -1172,15 +1437,31 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("model: %s parameters, config %s", f"{n_params:,}", config.to_dict())
         if text_mode:
-            logger.info("data: %d training pairs (%d target tokens), %d validation pairs; %d batches of <= %d tokens "
-                        "per epoch, %d optimiser steps per epoch (--update-freq %d)", len(train_pairs),
-                        train_pairs.n_target_tokens(), len(valid_examples), len(sampler), opts.max_tokens,
-                        steps_per_epoch, opts.update_freq)
+            logger.info(
+                "data: %d training pairs (%d target tokens), %d validation pairs; %d batches of <= %d tokens "
+                "per epoch, %d optimiser steps per epoch (--update-freq %d)",
+                len(train_pairs),
+                train_pairs.n_target_tokens(),
+                len(valid_examples),
+                len(sampler),
+                opts.max_tokens,
+                steps_per_epoch,
+                opts.update_freq,
+            )
         else:
-            logger.info("data: %d train / %d valid / %d held-out numbers in %d..%d; %d training examples per epoch "
-                        "(oversampling %s), %d batches of <= %d tokens", len(splits.train), len(splits.valid),
-                        len(splits.heldout), opts.range_low, opts.range_high, len(train_examples),
-                        list(opts.oversample) or "none", steps_per_epoch, opts.max_tokens)
+            logger.info(
+                "data: %d train / %d valid / %d held-out numbers in %d..%d; %d training examples per epoch "
+                "(oversampling %s), %d batches of <= %d tokens",
+                len(splits.train),
+                len(splits.valid),
+                len(splits.heldout),
+                opts.range_low,
+                opts.range_high,
+                len(train_examples),
+                list(opts.oversample) or "none",
+                steps_per_epoch,
+                opts.max_tokens,
+            )
 
         ctx.seed_rank_rng(opts.seed, state["step"])  # ranks > 0: their own dropout masks
         model.train()
@@ -1190,7 +1471,9 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         started = time.monotonic()
         cpu_started = time.process_time()
         load_start = _load_average()
-        stop_reason = "max_steps" if opts.max_steps is not None and total_steps == opts.max_steps else "epochs"
+        stop_reason = (
+            "max_steps" if opts.max_steps is not None and total_steps == opts.max_steps else "epochs"
+        )
         window_loss = 0.0
         window_tokens = 0
         window_start = time.monotonic()
@@ -1200,35 +1483,69 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
             return time.monotonic() - started
 
         def partial_summary() -> dict:
-            return dict(running=True, options=_options_dict(opts), config=config.to_dict(), parameters=n_params,
-                        steps=state["step"], steps_per_epoch=steps_per_epoch, best_metric=best_metric,
-                        best=state["best"], history=state["history"], data=data_report,
-                        tokenizer=_tokenizer_info(tokenizer), world_size=ctx.world_size, torch=torch.__version__,
-                        threads=torch.get_num_threads(), load_average=_load_average())
+            return dict(
+                running=True,
+                options=_options_dict(opts),
+                config=config.to_dict(),
+                parameters=n_params,
+                steps=state["step"],
+                steps_per_epoch=steps_per_epoch,
+                best_metric=best_metric,
+                best=state["best"],
+                history=state["history"],
+                data=data_report,
+                tokenizer=_tokenizer_info(tokenizer),
+                world_size=ctx.world_size,
+                torch=torch.__version__,
+                threads=torch.get_num_threads(),
+                load_average=_load_average(),
+            )
 
         def validate_and_save() -> None:
             nonlocal last_eval_step, run_dir
             t0 = time.monotonic()
-            metrics = evaluate(model, tokenizer, valid_examples, device=device, max_tokens=max(opts.max_tokens, 4000),
-                               label_smoothing=opts.label_smoothing, exact_examples=opts.eval_examples,
-                               pairs=valid_pairs, bleu=text_mode or best_metric in ("bleu", "chrf"))
+            metrics = evaluate(
+                model,
+                tokenizer,
+                valid_examples,
+                device=device,
+                max_tokens=max(opts.max_tokens, 4000),
+                label_smoothing=opts.label_smoothing,
+                exact_examples=opts.eval_examples,
+                pairs=valid_pairs,
+                bleu=text_mode or best_metric in ("bleu", "chrf"),
+            )
             errors = metrics.pop("errors", [])
             signatures = {k: metrics.pop(k) for k in ("bleu_signature", "chrf_signature") if k in metrics}
-            record = dict(step=state["step"], epoch=state["epoch"] + state["batch_in_epoch"] / steps_per_epoch,
-                          elapsed_s=round(state["total_elapsed_s"] + elapsed(), 1),
-                          validation_s=round(time.monotonic() - t0, 1), **metrics)
+            record = dict(
+                step=state["step"],
+                epoch=state["epoch"] + state["batch_in_epoch"] / steps_per_epoch,
+                elapsed_s=round(state["total_elapsed_s"] + elapsed(), 1),
+                validation_s=round(time.monotonic() - t0, 1),
+                **metrics,
+            )
             state["history"].append(record)
             last_eval_step = state["step"]
             best = state["best"]
             improved = best is None or _metric_key(record, best_metric) > _metric_key(best, best_metric)
             if signatures and not any("bleu_signature" in h for h in state["history"][:-1]):
                 record.update(signatures)
-                logger.info("validation scores: sacrebleu BLEU %s, chrF %s", signatures.get("bleu_signature"),
-                            signatures.get("chrf_signature"))
-            bleu_text = (f", BLEU {record['bleu']:.2f}, chrF {record['chrf']:.2f}" if "bleu" in record else "")
-            logger.info("validation at step %d: loss %.4f, nll %.4f, exact match %.3f (%d)%s%s", record["step"],
-                        record["loss"], record["nll"], record.get("exact_match", float("nan")),
-                        record.get("n_exact", 0), bleu_text, " (best so far)" if improved else "")
+                logger.info(
+                    "validation scores: sacrebleu BLEU %s, chrF %s",
+                    signatures.get("bleu_signature"),
+                    signatures.get("chrf_signature"),
+                )
+            bleu_text = f", BLEU {record['bleu']:.2f}, chrF {record['chrf']:.2f}" if "bleu" in record else ""
+            logger.info(
+                "validation at step %d: loss %.4f, nll %.4f, exact match %.3f (%d)%s%s",
+                record["step"],
+                record["loss"],
+                record["nll"],
+                record.get("exact_match", float("nan")),
+                record.get("n_exact", 0),
+                bleu_text,
+                " (best so far)" if improved else "",
+            )
             for src, hyp, ref in errors[:3]:
                 logger.debug("  %r -> %r (reference %r)", src, hyp, ref)
             if improved:
@@ -1239,33 +1556,58 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                 state["evals_since_best"] += 1
             if opts.keep_last:
                 _save_step_checkpoint(run_dir, state["step"], model, tokenizer, opts.keep_last, provenance)
-            snapshot = dict(state, total_elapsed_s=state["total_elapsed_s"] + elapsed(),
-                            batch_in_epoch=ctx.global_position(state["batch_in_epoch"]), world_size=ctx.world_size)
-            _save_checkpoint(run_dir, "last", model, tokenizer, optimizer, scheduler, snapshot, provenance=provenance)
-            if stage is not None and not stage.committed:  # the first checkpoint of a new run: it replaces --out
+            snapshot = dict(
+                state,
+                total_elapsed_s=state["total_elapsed_s"] + elapsed(),
+                batch_in_epoch=ctx.global_position(state["batch_in_epoch"]),
+                world_size=ctx.world_size,
+            )
+            _save_checkpoint(
+                run_dir, "last", model, tokenizer, optimizer, scheduler, snapshot, provenance=provenance
+            )
+            if (
+                stage is not None and not stage.committed
+            ):  # the first checkpoint of a new run: it replaces --out
                 _commit_run(stage, folder)
                 run_dir = out
-            atomic_write_json(run_dir / SUMMARY_JSON, partial_summary())  # an interrupted run keeps its numbers
+            atomic_write_json(
+                run_dir / SUMMARY_JSON, partial_summary()
+            )  # an interrupted run keeps its numbers
 
         def validate_and_save_on_rank0() -> None:
             """validate_and_save() on rank 0 while the others wait; then every rank holds its record."""
             nonlocal last_eval_step
             diff = ctx.replica_difference(model)
             if diff:
-                logger.warning("the ranks' parameters differ from rank 0's by up to %.3g at step %d", diff,
-                               state["step"])
+                logger.warning(
+                    "the ranks' parameters differ from rank 0's by up to %.3g at step %d", diff, state["step"]
+                )
             if ctx.is_main:
                 validate_and_save()
             state["history"], state["best"], last_eval_step, state["evals_since_best"] = ctx.broadcast(
-                (state["history"], state["best"], last_eval_step, state["evals_since_best"]))
+                (state["history"], state["best"], last_eval_step, state["evals_since_best"])
+            )
 
         def accumulate_gradients(micro: list) -> tuple[float, int]:
-            return accumulate_gradients_of(train_model, micro, pad_id=tokenizer.pad_id,
-                                           label_smoothing=opts.label_smoothing, ctx=ctx, scaler=scaler,
-                                           autocast_dtype=autocast_dtype)
+            return accumulate_gradients_of(
+                train_model,
+                micro,
+                pad_id=tokenizer.pad_id,
+                label_smoothing=opts.label_smoothing,
+                ctx=ctx,
+                scaler=scaler,
+                autocast_dtype=autocast_dtype,
+            )
 
-        bar = tqdm(total=total_steps, initial=state["step"], disable=not opts.progress or not ctx.is_main, desc="train",
-                   unit="step", dynamic_ncols=True, leave=False)
+        bar = tqdm(
+            total=total_steps,
+            initial=state["step"],
+            disable=not opts.progress or not ctx.is_main,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            leave=False,
+        )
         try:
             done = state["step"] >= total_steps
             while not done:
@@ -1278,9 +1620,16 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                         stop_reason = "max_minutes"
                         done = True
                         break
-                    group = batches[state["batch_in_epoch"]:state["batch_in_epoch"] + opts.update_freq]
-                    micro = [collate([train_pairs[i] for i in idx], pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
-                                     eos_id=tokenizer.eos_id).to(device) for idx in group]
+                    group = batches[state["batch_in_epoch"] : state["batch_in_epoch"] + opts.update_freq]
+                    micro = [
+                        collate(
+                            [train_pairs[i] for i in idx],
+                            pad_id=tokenizer.pad_id,
+                            bos_id=tokenizer.bos_id,
+                            eos_id=tokenizer.eos_id,
+                        ).to(device)
+                        for idx in group
+                    ]
                     lr = optimizer.param_groups[0]["lr"]
                     optimizer.zero_grad(set_to_none=True)
                     loss_value, n_tokens = accumulate_gradients(micro)
@@ -1297,8 +1646,10 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                     state["step"] += 1
                     state["batch_in_epoch"] += len(group)
                     if not math.isfinite(loss_value):
-                        raise TrainingDiverged(f"training loss became {loss_value} at step {state['step']}; "
-                                               "try a smaller --lr-factor or a longer --warmup")
+                        raise TrainingDiverged(
+                            f"training loss became {loss_value} at step {state['step']}; "
+                            "try a smaller --lr-factor or a longer --warmup"
+                        )
                     losses.append(loss_value)
                     lrs.append(lr)
                     window_loss += loss_value * n_tokens
@@ -1306,9 +1657,15 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
                     bar.update(1)
                     if opts.log_every and state["step"] % opts.log_every == 0:
                         dt = time.monotonic() - window_start
-                        logger.info("step %d/%d epoch %d loss %.4f lr %.2e %.0f target tokens/s",
-                                    state["step"], total_steps, state["epoch"] + 1, window_loss / window_tokens, lr,
-                                    window_tokens / max(dt, 1e-9))
+                        logger.info(
+                            "step %d/%d epoch %d loss %.4f lr %.2e %.0f target tokens/s",
+                            state["step"],
+                            total_steps,
+                            state["epoch"] + 1,
+                            window_loss / window_tokens,
+                            lr,
+                            window_tokens / max(dt, 1e-9),
+                        )
                         bar.set_postfix(loss=f"{window_loss / window_tokens:.3f}", lr=f"{lr:.1e}")
                         window_loss, window_tokens, window_start = 0.0, 0, time.monotonic()
                     if opts.eval_every and state["step"] % opts.eval_every == 0:
@@ -1328,28 +1685,62 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         session_s = elapsed()
         session_cpu_s = time.process_time() - cpu_started
         state["total_elapsed_s"] += session_s
-        logger.info("training stopped (%s) at step %d after %.1f s wall, %.1f s process CPU (%.1f s wall in all "
-                    "sessions; load average %s)", stop_reason, state["step"], session_s, session_cpu_s,
-                    state["total_elapsed_s"], _load_average())
+        logger.info(
+            "training stopped (%s) at step %d after %.1f s wall, %.1f s process CPU (%.1f s wall in all "
+            "sessions; load average %s)",
+            stop_reason,
+            state["step"],
+            session_s,
+            session_cpu_s,
+            state["total_elapsed_s"],
+            _load_average(),
+        )
 
         heldout = None
         if opts.final_eval and ctx.is_main and not text_mode:
             heldout = _evaluate_heldout(out / "best", splits.heldout, device, opts.final_beam)
         result = TrainResult(
-            out_dir=str(out), config=config.to_dict(), step=state["step"], first_step=first_step, epoch=state["epoch"],
-            losses=losses, learning_rates=lrs, history=state["history"], best=state["best"], heldout=heldout,
-            elapsed_s=session_s, total_elapsed_s=state["total_elapsed_s"], stop_reason=stop_reason,
-            world_size=ctx.world_size, model=model,
+            out_dir=str(out),
+            config=config.to_dict(),
+            step=state["step"],
+            first_step=first_step,
+            epoch=state["epoch"],
+            losses=losses,
+            learning_rates=lrs,
+            history=state["history"],
+            best=state["best"],
+            heldout=heldout,
+            elapsed_s=session_s,
+            total_elapsed_s=state["total_elapsed_s"],
+            stop_reason=stop_reason,
+            world_size=ctx.world_size,
+            model=model,
         )
         summary = dict(
-            options=_options_dict(opts), config=result.config, parameters=n_params, steps=result.step,
-            epochs=result.epoch + state["batch_in_epoch"] / steps_per_epoch, steps_per_epoch=steps_per_epoch,
-            train_seconds=round(result.total_elapsed_s, 1), stop_reason=stop_reason, best=result.best,
-            heldout=heldout, world_size=ctx.world_size, torch=torch.__version__, threads=torch.get_num_threads(),
-            best_metric=best_metric, history=state["history"], data=data_report, tokenizer=_tokenizer_info(tokenizer),
-            last_session=dict(wall_seconds=round(session_s, 1), process_cpu_seconds=round(session_cpu_s, 1),
-                              load_average_start=load_start, load_average_end=_load_average(),
-                              cpu_count=os.cpu_count()),
+            options=_options_dict(opts),
+            config=result.config,
+            parameters=n_params,
+            steps=result.step,
+            epochs=result.epoch + state["batch_in_epoch"] / steps_per_epoch,
+            steps_per_epoch=steps_per_epoch,
+            train_seconds=round(result.total_elapsed_s, 1),
+            stop_reason=stop_reason,
+            best=result.best,
+            heldout=heldout,
+            world_size=ctx.world_size,
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+            best_metric=best_metric,
+            history=state["history"],
+            data=data_report,
+            tokenizer=_tokenizer_info(tokenizer),
+            last_session=dict(
+                wall_seconds=round(session_s, 1),
+                process_cpu_seconds=round(session_cpu_s, 1),
+                load_average_start=load_start,
+                load_average_end=_load_average(),
+                cpu_count=os.cpu_count(),
+            ),
         )
         if ctx.is_main:
             atomic_write_json(out / SUMMARY_JSON, summary)
@@ -1358,11 +1749,13 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
         ctx.close()
         return result
 
-
     except BaseException:
         if stage is not None and not stage.committed:
-            logger.warning("stopped before the first checkpoint of the new run (nothing to resume): %s was left as "
-                           "it was", out)
+            logger.warning(
+                "stopped before the first checkpoint of the new run (nothing to resume): %s was left as "
+                "it was",
+                out,
+            )
         raise
     finally:
         if stage is not None:
@@ -1386,20 +1779,33 @@ def _evaluate_heldout(model_dir: Path, numbers: Sequence[int], device, beam: int
     examples = make_examples(numbers)
     t0 = time.monotonic()
     greedy = evaluate(model, tokenizer, examples, device=device, with_loss=False)
-    report: dict[str, Any] = dict(n=len(examples), greedy_exact_match=greedy["exact_match"],
-                                  greedy_seconds=round(time.monotonic() - t0, 1), greedy_errors=greedy["errors"])
-    logger.info("held-out (%d numbers never trained on): greedy exact match %.4f", len(examples),
-                greedy["exact_match"])
+    report: dict[str, Any] = dict(
+        n=len(examples),
+        greedy_exact_match=greedy["exact_match"],
+        greedy_seconds=round(time.monotonic() - t0, 1),
+        greedy_errors=greedy["errors"],
+    )
+    logger.info(
+        "held-out (%d numbers never trained on): greedy exact match %.4f",
+        len(examples),
+        greedy["exact_match"],
+    )
     if beam and beam > 1:
         t0 = time.monotonic()
         beamed = evaluate(model, tokenizer, examples, device=device, with_loss=False, beam_size=beam)
-        report.update(beam_size=beam, beam_exact_match=beamed["exact_match"],
-                      beam_seconds=round(time.monotonic() - t0, 1), beam_errors=beamed["errors"])
+        report.update(
+            beam_size=beam,
+            beam_exact_match=beamed["exact_match"],
+            beam_seconds=round(time.monotonic() - t0, 1),
+            beam_errors=beamed["errors"],
+        )
         logger.info("held-out: beam %d exact match %.4f", beam, beamed["exact_match"])
     return report
 
 
-def _export(best: Path, target: Path, summary: dict, tokenizer_files: Sequence[str] = (TOKENIZER_FILE,)) -> None:
+def _export(
+    best: Path, target: Path, summary: dict, tokenizer_files: Sequence[str] = (TOKENIZER_FILE,)
+) -> None:
     """Copy the model directory ``best`` (config, weights, tokenizer) to ``target`` with a summary.
 
     ``target`` was checked before training (:func:`_check_export_dir`); each file is replaced
@@ -1432,19 +1838,35 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     g = p.add_argument_group("run")
-    g.add_argument("--out", dest="out_dir", default=d.out_dir,
-                   help="output directory of the run (default: %(default)s)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue the run saved in OUT/last/ exactly where it stopped (model, data, schedule "
-                        "options are the saved run's; budgets such as --max-steps may be raised)")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start afresh even if OUT already holds a run of this program: the old run is replaced "
-                        "when the new one has written its first checkpoint")
-    g.add_argument("--export", dest="export_dir", default=None, metavar="DIR",
-                   help="at the end, copy the best model directory (config, weights, tokenizer) to DIR, "
-                        "e.g. transformer_ext/demo_model")
-    g.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of initialisation, dropout and batch order (default: %(default)s)")
+    g.add_argument(
+        "--out", dest="out_dir", default=d.out_dir, help="output directory of the run (default: %(default)s)"
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in OUT/last/ exactly where it stopped (model, data, schedule "
+        "options are the saved run's; budgets such as --max-steps may be raised)",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh even if OUT already holds a run of this program: the old run is replaced "
+        "when the new one has written its first checkpoint",
+    )
+    g.add_argument(
+        "--export",
+        dest="export_dir",
+        default=None,
+        metavar="DIR",
+        help="at the end, copy the best model directory (config, weights, tokenizer) to DIR, "
+        "e.g. transformer_ext/demo_model",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seed of initialisation, dropout and batch order (default: %(default)s)",
+    )
     g.add_argument("--device", default=d.device, help="cpu or cuda (default: %(default)s)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bar")
@@ -1452,9 +1874,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_debug_flag(g)
 
     g = p.add_argument_group("model")
-    g.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=d.preset,
-                   help="model size: demo (d_model 64, 3+3 layers, 4 heads, d_ff 256, Post-LN, no dropout), "
-                        "tiny, small, base (the paper's) (default: %(default)s)")
+    g.add_argument(
+        "--preset",
+        choices=sorted(MODEL_PRESETS),
+        default=d.preset,
+        help="model size: demo (d_model 64, 3+3 layers, 4 heads, d_ff 256, Post-LN, no dropout), "
+        "tiny, small, base (the paper's) (default: %(default)s)",
+    )
     g.add_argument("--d-model", type=int, help="width of the model (overrides the preset)")
     g.add_argument("--n-heads", type=int, help="attention heads (overrides the preset)")
     g.add_argument("--layers", type=int, help="encoder and decoder layers (overrides the preset)")
@@ -1463,92 +1889,208 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--d-ff", type=int, help="feed-forward inner width (overrides the preset)")
     g.add_argument("--dropout", type=float, help="dropout probability (overrides the preset)")
     g.add_argument("--max-len", type=int, help="longest source/target in tokens (overrides the preset)")
-    g.add_argument("--pre-ln", dest="norm_first", action="store_const", const=True, default=None,
-                   help="Pre-LN layers (default: the preset's, Post-LN for demo)")
-    g.add_argument("--shared-vocab", action="store_true",
-                   help="one vocabulary (character or SentencePiece) for both languages; the source embedding, "
-                        "target embedding and output projection are then one matrix")
+    g.add_argument(
+        "--pre-ln",
+        dest="norm_first",
+        action="store_const",
+        const=True,
+        default=None,
+        help="Pre-LN layers (default: the preset's, Post-LN for demo)",
+    )
+    g.add_argument(
+        "--shared-vocab",
+        action="store_true",
+        help="one vocabulary (character or SentencePiece) for both languages; the source embedding, "
+        "target embedding and output projection are then one matrix",
+    )
 
     g = p.add_argument_group("parallel text (instead of the demo task)")
-    g.add_argument("--train", dest="train_files", nargs=2, metavar=("SRC_FILE", "TGT_FILE"),
-                   help="training pairs: two line-aligned UTF-8 files (e.g. from python -m transformer_ext.corpora); a "
-                        "provenance.json next to SRC_FILE is copied into every model folder")
-    g.add_argument("--valid", dest="valid_files", nargs=2, metavar=("SRC_FILE", "TGT_FILE"),
-                   help="validation pairs (loss, BLEU and chrF with sacrebleu, best-checkpoint selection)")
+    g.add_argument(
+        "--train",
+        dest="train_files",
+        nargs=2,
+        metavar=("SRC_FILE", "TGT_FILE"),
+        help="training pairs: two line-aligned UTF-8 files (e.g. from python -m transformer_ext.corpora); a "
+        "provenance.json next to SRC_FILE is copied into every model folder",
+    )
+    g.add_argument(
+        "--valid",
+        dest="valid_files",
+        nargs=2,
+        metavar=("SRC_FILE", "TGT_FILE"),
+        help="validation pairs (loss, BLEU and chrF with sacrebleu, best-checkpoint selection)",
+    )
     g.add_argument("--train-tsv", metavar="FILE", help="training pairs as source<TAB>target lines")
     g.add_argument("--valid-tsv", metavar="FILE", help="validation pairs as source<TAB>target lines")
-    g.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
-                   help="char, or sentencepiece (the default with --train: learnt from the training split only, "
-                        "special ids equal to the model's)")
-    g.add_argument("--vocab-size", type=int, default=d.vocab_size,
-                   help="SentencePiece pieces per model, special tokens included (default: %(default)s)")
-    g.add_argument("--spm-model-type", choices=("unigram", "bpe"), default=d.spm_model_type,
-                   help="SentencePiece algorithm (default: %(default)s)")
-    g.add_argument("--max-len-ratio", type=float, default=None, metavar="R",
-                   help="drop training pairs whose longer side has more than R times the tokens of the shorter "
-                        "(pairs longer than --max-len tokens, BOS/EOS included, and empty lines are always dropped; "
-                        "the counts are logged)")
+    g.add_argument(
+        "--tokenizer",
+        choices=TOKENIZERS,
+        default=None,
+        help="char, or sentencepiece (the default with --train: learnt from the training split only, "
+        "special ids equal to the model's)",
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=d.vocab_size,
+        help="SentencePiece pieces per model, special tokens included (default: %(default)s)",
+    )
+    g.add_argument(
+        "--spm-model-type",
+        choices=("unigram", "bpe"),
+        default=d.spm_model_type,
+        help="SentencePiece algorithm (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-len-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="drop training pairs whose longer side has more than R times the tokens of the shorter "
+        "(pairs longer than --max-len tokens, BOS/EOS included, and empty lines are always dropped; "
+        "the counts are logged)",
+    )
 
     g = p.add_argument_group("data")
-    g.add_argument("--range", dest="number_range", nargs=2, type=int, metavar=("LOW", "HIGH"),
-                   default=[d.range_low, d.range_high],
-                   help=f"numbers of the task, inclusive (default: {d.range_low} {d.range_high})")
-    g.add_argument("--split-seed", type=int, default=d.split_seed,
-                   help="seed of the train / valid (5%%) / held-out (5%%) split (default: %(default)s)")
-    g.add_argument("--oversample", nargs="*", metavar="BELOW=TIMES", type=_oversample_rule,
-                   default=list(d.oversample),
-                   help="repeat training numbers below BELOW TIMES per epoch, first matching rule wins; "
-                        "no value: no oversampling (default: "
-                        + " ".join(f"{b}={t}" for b, t in d.oversample) + ")")
-    g.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="padded tokens per batch (default: %(default)s)")
+    g.add_argument(
+        "--range",
+        dest="number_range",
+        nargs=2,
+        type=int,
+        metavar=("LOW", "HIGH"),
+        default=[d.range_low, d.range_high],
+        help=f"numbers of the task, inclusive (default: {d.range_low} {d.range_high})",
+    )
+    g.add_argument(
+        "--split-seed",
+        type=int,
+        default=d.split_seed,
+        help="seed of the train / valid (5%%) / held-out (5%%) split (default: %(default)s)",
+    )
+    g.add_argument(
+        "--oversample",
+        nargs="*",
+        metavar="BELOW=TIMES",
+        type=_oversample_rule,
+        default=list(d.oversample),
+        help="repeat training numbers below BELOW TIMES per epoch, first matching rule wins; "
+        "no value: no oversampling (default: " + " ".join(f"{b}={t}" for b, t in d.oversample) + ")",
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=d.max_tokens, help="padded tokens per batch (default: %(default)s)"
+    )
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max-steps", type=int, default=d.max_steps,
-                   help="optimiser steps to train (0 or negative: no step limit, use --epochs) "
-                        "(default: %(default)s)")
+    g.add_argument(
+        "--max-steps",
+        type=int,
+        default=d.max_steps,
+        help="optimiser steps to train (0 or negative: no step limit, use --epochs) (default: %(default)s)",
+    )
     g.add_argument("--epochs", type=int, default=None, help="epochs to train (whichever limit comes first)")
-    g.add_argument("--max-minutes", type=float, default=None,
-                   help="time budget of this session in minutes; training stops (and saves) when it is spent")
-    g.add_argument("--lr-factor", type=float, default=d.lr_factor,
-                   help="factor of the schedule lr = factor * d_model^-0.5 * min(step^-0.5, "
-                        "step * warmup^-1.5) (default: %(default)s)")
-    g.add_argument("--warmup", type=int, default=d.warmup,
-                   help="warmup steps of the schedule (default: %(default)s)")
-    g.add_argument("--label-smoothing", type=float, default=d.label_smoothing,
-                   help="label smoothing epsilon (default: %(default)s)")
-    g.add_argument("--clip-norm", type=float, default=d.clip_norm,
-                   help="max gradient norm, 0: no clipping (default: %(default)s)")
-    g.add_argument("--lr-schedule", choices=("noam", "inverse-sqrt"), default=d.lr_schedule,
-                   help="noam: the paper's formula scaled by --lr-factor; inverse-sqrt: fairseq's, a linear warmup "
-                        "to --lr over --warmup steps, then lr * sqrt(warmup / step) (default: %(default)s)")
+    g.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="time budget of this session in minutes; training stops (and saves) when it is spent",
+    )
+    g.add_argument(
+        "--lr-factor",
+        type=float,
+        default=d.lr_factor,
+        help="factor of the schedule lr = factor * d_model^-0.5 * min(step^-0.5, "
+        "step * warmup^-1.5) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--warmup", type=int, default=d.warmup, help="warmup steps of the schedule (default: %(default)s)"
+    )
+    g.add_argument(
+        "--label-smoothing",
+        type=float,
+        default=d.label_smoothing,
+        help="label smoothing epsilon (default: %(default)s)",
+    )
+    g.add_argument(
+        "--clip-norm",
+        type=float,
+        default=d.clip_norm,
+        help="max gradient norm, 0: no clipping (default: %(default)s)",
+    )
+    g.add_argument(
+        "--lr-schedule",
+        choices=("noam", "inverse-sqrt"),
+        default=d.lr_schedule,
+        help="noam: the paper's formula scaled by --lr-factor; inverse-sqrt: fairseq's, a linear warmup "
+        "to --lr over --warmup steps, then lr * sqrt(warmup / step) (default: %(default)s)",
+    )
     g.add_argument("--lr", type=float, default=None, help="peak learning rate of --lr-schedule inverse-sqrt")
-    g.add_argument("--update-freq", type=int, default=d.update_freq, metavar="N",
-                   help="accumulate the gradients of N batches into one optimiser step (the gradient of one N-times "
-                        "larger batch) (default: %(default)s)")
-    g.add_argument("--amp", choices=AMP_DTYPES, default=None,
-                   help="mixed precision on CUDA (fp16 with a gradient scaler). Not on the CPU: there training runs "
-                        "float32, because bfloat16/float16 matrix products on CPUs without native bf16 instructions "
-                        "are about 100x slower than float32")
+    g.add_argument(
+        "--update-freq",
+        type=int,
+        default=d.update_freq,
+        metavar="N",
+        help="accumulate the gradients of N batches into one optimiser step (the gradient of one N-times "
+        "larger batch) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--amp",
+        choices=AMP_DTYPES,
+        default=None,
+        help="mixed precision on CUDA (fp16 with a gradient scaler). Not on the CPU: there training runs "
+        "float32, because bfloat16/float16 matrix products on CPUs without native bf16 instructions "
+        "are about 100x slower than float32",
+    )
 
     g = p.add_argument_group("validation")
-    g.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="steps between validations and checkpoints (0: only at the end) (default: %(default)s)")
-    g.add_argument("--eval-examples", type=int, default=d.eval_examples,
-                   help="validation sources decoded greedily for the exact-match score (default: %(default)s)")
-    g.add_argument("--no-final-eval", dest="final_eval", action="store_false",
-                   help="skip the held-out evaluation of the best model at the end")
-    g.add_argument("--final-beam", type=int, default=d.final_beam,
-                   help="beam size of the final held-out evaluation (1: greedy only) (default: %(default)s)")
-    g.add_argument("--best-metric", choices=BEST_METRICS, default=None,
-                   help="what selects OUT/best/: validation BLEU, chrF, loss, or exact match (default: exact for the "
-                        "demo, bleu for parallel text)")
-    g.add_argument("--patience", type=int, default=None, metavar="N",
-                   help="stop early after N validations without a new best")
-    g.add_argument("--keep-last", type=int, default=d.keep_last, metavar="K",
-                   help="also keep the models of the last K validations in OUT/checkpoints/step-N/ (for "
-                        "python -m transformer_ext.average) (default: %(default)s)")
-    g.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="steps between validations and checkpoints (0: only at the end) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--eval-examples",
+        type=int,
+        default=d.eval_examples,
+        help="validation sources decoded greedily for the exact-match score (default: %(default)s)",
+    )
+    g.add_argument(
+        "--no-final-eval",
+        dest="final_eval",
+        action="store_false",
+        help="skip the held-out evaluation of the best model at the end",
+    )
+    g.add_argument(
+        "--final-beam",
+        type=int,
+        default=d.final_beam,
+        help="beam size of the final held-out evaluation (1: greedy only) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--best-metric",
+        choices=BEST_METRICS,
+        default=None,
+        help="what selects OUT/best/: validation BLEU, chrF, loss, or exact match (default: exact for the "
+        "demo, bleu for parallel text)",
+    )
+    g.add_argument(
+        "--patience",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop early after N validations without a new best",
+    )
+    g.add_argument(
+        "--keep-last",
+        type=int,
+        default=d.keep_last,
+        metavar="K",
+        help="also keep the models of the last K validations in OUT/checkpoints/step-N/ (for "
+        "python -m transformer_ext.average) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--log-every", type=int, default=d.log_every, help="steps between log lines (default: %(default)s)"
+    )
     return p
 
 
@@ -1594,8 +2136,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     rank = distributed.env_rank()  # under torchrun only rank 0 logs progress and prints the result
-    logging.basicConfig(level=logging.WARNING if args.quiet or rank > 0 else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet or rank > 0 else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
     def work() -> int:
         opts = options_from_args(args)
@@ -1605,11 +2150,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         best = result.best or {}
         if "bleu" in best:
-            print(f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); best "
-                  f"validation BLEU {best['bleu']:.2f}, chrF {best['chrf']:.2f} at step {best.get('step')}")
+            print(
+                f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); best "
+                f"validation BLEU {best['bleu']:.2f}, chrF {best['chrf']:.2f} at step {best.get('step')}"
+            )
         else:
-            print(f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); "
-                  f"best validation exact match {best.get('exact_match', float('nan')):.4f} at step {best.get('step')}")
+            print(
+                f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); "
+                f"best validation exact match {best.get('exact_match', float('nan')):.4f} at step {best.get('step')}"
+            )
         if result.heldout:
             h = result.heldout
             line = f"held-out ({h['n']} numbers): greedy exact match {h['greedy_exact_match']:.4f}"

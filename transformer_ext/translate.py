@@ -224,8 +224,12 @@ def _runner_limits(runner: Any, max_len: Optional[int]) -> _Limits:
     if max_len is None:
         raise TypeError(f"cannot tell the model's max_len from {type(runner).__name__}: pass max_len=")
     max_len = int(max_len)
-    caps = [max_len, getattr(runner, "max_cache_len", None), getattr(limits, "max_cache_len", None),
-            getattr(limits, "static_cache_len", None)]
+    caps = [
+        max_len,
+        getattr(runner, "max_cache_len", None),
+        getattr(limits, "max_cache_len", None),
+        getattr(limits, "static_cache_len", None),
+    ]
     source_caps = [max_len, getattr(limits, "max_src_len", None)]
     return _Limits(
         max_source_len=min(int(c) for c in source_caps if c is not None),
@@ -245,14 +249,17 @@ def _special_ids(tokenizer: Optional[Tokenizer], runner: Any) -> tuple[int, int,
         value = _config_value(config, key) if config is not None else None
         value = getattr(runner, key, None) if value is None else value
         if value is None:
-            raise TypeError(f"without a tokenizer the special ids come from the runner, and "
-                            f"{type(runner).__name__} does not know its {key}")
+            raise TypeError(
+                f"without a tokenizer the special ids come from the runner, and "
+                f"{type(runner).__name__} does not know its {key}"
+            )
         ids.append(int(value))
     return ids[0], ids[1], ids[2]
 
 
-def _check_tokenizer(tokenizer: Tokenizer, config: Any, tokenizer_file: Optional[str] = None,
-                     config_file: Optional[str] = None) -> None:
+def _check_tokenizer(
+    tokenizer: Tokenizer, config: Any, tokenizer_file: Optional[str] = None, config_file: Optional[str] = None
+) -> None:
     try:
         check_model_config(tokenizer, config, tokenizer_file=tokenizer_file, config_file=config_file)
     except TokenizerError as exc:
@@ -267,8 +274,10 @@ def _check_generation_ids(generation: Any, tokenizer: Optional[Tokenizer]) -> No
     for key, value in special.items():
         ours = getattr(tokenizer, f"{key}_id", None)
         if ours is not None and int(ours) != int(value):
-            raise TranslationError(f"special id mismatch: the generation config has {key} = {value} but the "
-                                   f"tokenizer has {key} = {ours}")
+            raise TranslationError(
+                f"special id mismatch: the generation config has {key} = {value} but the "
+                f"tokenizer has {key} = {ours}"
+            )
 
 
 def _resolve_provider(provider: Optional[str]) -> list[str]:
@@ -283,8 +292,10 @@ def _resolve_provider(provider: Optional[str]) -> list[str]:
     available = ort.get_available_providers()
     if name not in available:
         if name == "CUDAExecutionProvider":
-            hint = ("; install onnxruntime-gpu in place of onnxruntime (`pip uninstall onnxruntime && pip install "
-                    "onnxruntime-gpu`, or the extra transformer_ext[onnx-gpu])")
+            hint = (
+                "; install onnxruntime-gpu in place of onnxruntime (`pip uninstall onnxruntime && pip install "
+                "onnxruntime-gpu`, or the extra transformer_ext[onnx-gpu])"
+            )
         else:
             hint = f"; short names: {', '.join(PROVIDER_ALIASES)}"
         raise RuntimeNotAvailableError(
@@ -391,14 +402,20 @@ class Translator:
         max_len: Optional[int] = None,
     ):
         if isinstance(tokenizer, (str, os.PathLike)) or runner is None:
-            raise TypeError("Translator(tokenizer, runner): to load a folder use Translator.from_model_dir(path) "
-                            "or Translator.from_export_dir(path)")
+            raise TypeError(
+                "Translator(tokenizer, runner): to load a folder use Translator.from_model_dir(path) "
+                "or Translator.from_export_dir(path)"
+            )
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer must implement transformer_ext.tokenizer.Tokenizer, "
-                            f"got {type(tokenizer).__name__}")
+            raise TypeError(
+                f"tokenizer must implement transformer_ext.tokenizer.Tokenizer, "
+                f"got {type(tokenizer).__name__}"
+            )
         if not all(callable(getattr(runner, m, None)) for m in ("encode", "step", "reorder")):
-            raise TypeError(f"runner must implement encode / step / reorder (transformer_ext.decoding.Runner), "
-                            f"got {type(runner).__name__}")
+            raise TypeError(
+                f"runner must implement encode / step / reorder (transformer_ext.decoding.Runner), "
+                f"got {type(runner).__name__}"
+            )
         self.tokenizer = tokenizer
         self.runner = runner
         self.generation = generation if generation is not None else _GenerationDefaults()
@@ -409,14 +426,22 @@ class Translator:
         self.limits = _runner_limits(runner, max_len)
         self.pad_id, self.bos_id, self.eos_id = _special_ids(tokenizer, runner)
         self.source_dir: Optional[Path] = None  # the folder it was loaded from, for messages
-        self._options = dict(beam_size=beam_size, n_best=n_best, max_len_a=max_len_a, max_len_b=max_len_b,
-                             length_penalty=length_penalty, alpha=alpha, batch_size=batch_size)
+        self._options = dict(
+            beam_size=beam_size,
+            n_best=n_best,
+            max_len_a=max_len_a,
+            max_len_b=max_len_b,
+            length_penalty=length_penalty,
+            alpha=alpha,
+            batch_size=batch_size,
+        )
         self._resolve({})  # every option checked now, not at the first translate()
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_model_dir(cls, path: Union[str, os.PathLike, None] = None, device=None, compile: bool = False,
-                       **options) -> "Translator":
+    def from_model_dir(
+        cls, path: Union[str, os.PathLike, None] = None, device=None, compile: bool = False, **options
+    ) -> "Translator":
         """A model folder (``config.json`` + ``model.safetensors`` + tokenizer files) on eager PyTorch.
 
         ``path=None`` is the bundled demo model (English number words to German number words);
@@ -450,22 +475,33 @@ class Translator:
                 "model.safetensors and tokenizer.json, as written by `python -m transformer_ext.train`)"
             )
         if is_export_dir(model_dir) and not (model_dir / "config.json").exists():
-            raise TranslationError(f"{model_dir} is an export folder (it has {MANIFEST_NAME}, no PyTorch weights): "
-                                   "load it with Translator.from_export_dir (ONNX Runtime or TensorRT)")
+            raise TranslationError(
+                f"{model_dir} is an export folder (it has {MANIFEST_NAME}, no PyTorch weights): "
+                "load it with Translator.from_export_dir (ONNX Runtime or TensorRT)"
+            )
         tokenizer_path = model_dir / TOKENIZER_FILE
         tokenizer = _load_folder_tokenizer(model_dir)
         device = "cpu" if device is None else device
         model = load_model(model_dir, device)
         if tokenizer is not None:
-            _check_tokenizer(tokenizer, model.config, os.fspath(tokenizer_path), os.fspath(model_dir / "config.json"))
+            _check_tokenizer(
+                tokenizer, model.config, os.fspath(tokenizer_path), os.fspath(model_dir / "config.json")
+            )
         self = cls(tokenizer, EagerRunner(model, device, compile=compile), **options)
         self.source_dir = model_dir
         return self
 
     @classmethod
-    def from_export_dir(cls, path: Union[str, os.PathLike], runtime: Optional[str] = None,
-                        provider: Optional[str] = None, threads: Optional[int] = None, *,
-                        precision: Optional[str] = None, **options) -> "Translator":
+    def from_export_dir(
+        cls,
+        path: Union[str, os.PathLike],
+        runtime: Optional[str] = None,
+        provider: Optional[str] = None,
+        threads: Optional[int] = None,
+        *,
+        precision: Optional[str] = None,
+        **options,
+    ) -> "Translator":
         """An export folder (``python -m export.onnx``): ONNX Runtime by default (needs only
         onnxruntime and numpy), TensorRT with ``runtime="tensorrt"`` once ``python -m
         export.tensorrt`` built its engines.
@@ -493,8 +529,10 @@ class Translator:
         if runtime not in RUNTIMES:
             raise TranslationError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         if runtime == "eager":
-            raise TranslationError(f"{path} is an export folder: it holds ONNX graphs, not PyTorch weights; use "
-                                   "runtime='onnxruntime' or 'tensorrt', or the model folder with the eager runtime")
+            raise TranslationError(
+                f"{path} is an export folder: it holds ONNX graphs, not PyTorch weights; use "
+                "runtime='onnxruntime' or 'tensorrt', or the model folder with the eager runtime"
+            )
         if threads is not None:
             threads = _check_positive_int("threads", threads)
         export_dir = Path(path)
@@ -502,17 +540,24 @@ class Translator:
         tokenizer = _load_export_tokenizer(export_dir, manifest)
         config = manifest["model_config"]
         if tokenizer is not None:
-            _check_tokenizer(tokenizer, config, os.fspath(export_dir / TOKENIZER_FILE),
-                             os.fspath(export_dir / MANIFEST_NAME))
+            _check_tokenizer(
+                tokenizer,
+                config,
+                os.fspath(export_dir / TOKENIZER_FILE),
+                os.fspath(export_dir / MANIFEST_NAME),
+            )
         generation = read_generation_config(export_dir, manifest)  # the defaults for folders without one
         if runtime == "onnxruntime":
             if precision not in (None, "fp32"):
-                raise TranslationError(f"precision {precision!r} applies to the TensorRT runtime; ONNX Runtime runs "
-                                       "the fp32 graphs")
+                raise TranslationError(
+                    f"precision {precision!r} applies to the TensorRT runtime; ONNX Runtime runs "
+                    "the fp32 graphs"
+                )
             _import_onnxruntime()
             providers = _resolve_provider(provider)
-            device_buffers, why = (_device_buffers_available() if providers[0] == "CUDAExecutionProvider"
-                                   else (False, ""))
+            device_buffers, why = (
+                _device_buffers_available() if providers[0] == "CUDAExecutionProvider" else (False, "")
+            )
             if device_buffers:
                 from .runtimes.ort_cuda import OrtCudaRunner
 
@@ -522,17 +567,22 @@ class Translator:
                 from .runtimes.ort import OrtRunner
 
                 if why:
-                    logger.info("CUDA provider on host buffers (OrtRunner): %s, so OrtCudaRunner cannot run", why)
+                    logger.info(
+                        "CUDA provider on host buffers (OrtRunner): %s, so OrtCudaRunner cannot run", why
+                    )
                 runner = OrtRunner(export_dir, providers=providers, intra_op_num_threads=threads)
         else:
             if provider is not None or threads is not None:
-                raise TranslationError("provider and threads are ONNX Runtime options; the TensorRT runtime takes "
-                                       "neither")
+                raise TranslationError(
+                    "provider and threads are ONNX Runtime options; the TensorRT runtime takes neither"
+                )
             TensorRTRunner = _import_tensorrt_runtime()
             built = sorted(((manifest.get("tensorrt") or {}).get("engines") or {}))
             if not built:
-                raise TranslationError(f"{export_dir} has no TensorRT engines: build them with "
-                                       f"`python -m export.tensorrt {export_dir}` (or use the onnxruntime runtime)")
+                raise TranslationError(
+                    f"{export_dir} has no TensorRT engines: build them with "
+                    f"`python -m export.tensorrt {export_dir}` (or use the onnxruntime runtime)"
+                )
             if precision is None:
                 precision = "fp32" if "fp32" in built or len(built) != 1 else built[0]
             runner = TensorRTRunner.from_export_dir(export_dir, precision)
@@ -590,7 +640,9 @@ class Translator:
             except UnknownCharacterError as exc:
                 raise _source_error(i, str(exc)) from None
             if len(ids) > limit:
-                raise _source_error(i, f"{len(ids)} tokens, more than the model's max_len ({limit}); split the source")
+                raise _source_error(
+                    i, f"{len(ids)} tokens, more than the model's max_len ({limit}); split the source"
+                )
             encoded.append(ids)
         return encoded
 
@@ -618,29 +670,48 @@ class Translator:
             logger.warning(
                 "max_len_a * source_length + max_len_b = %.6g tokens (longest source) exceeds the model's "
                 "max_len = %d: generation is capped at %d tokens for %d of %d sources",
-                max(wanted), cap, cap, over, len(wanted),
+                max(wanted),
+                cap,
+                cap,
+                over,
+                len(wanted),
             )
 
     def _resolve(self, overrides: dict) -> dict:
         """The generation options of one call: the call's, else the translator's, else the
         generation config's; each checked (TranslationError naming it)."""
-        given = {k: (overrides.get(k) if overrides.get(k) is not None else self._options[k]) for k in self._options}
+        given = {
+            k: (overrides.get(k) if overrides.get(k) is not None else self._options[k]) for k in self._options
+        }
         g = self.generation
-        beam_size = _check_positive_int("beam size", given["beam_size"] if given["beam_size"] is not None
-                                        else g.beam_size)
+        beam_size = _check_positive_int(
+            "beam size", given["beam_size"] if given["beam_size"] is not None else g.beam_size
+        )
         n_best = _check_positive_int("n_best", given["n_best"] if given["n_best"] is not None else 1)
         if n_best > beam_size:
             raise TranslationError(f"n_best ({n_best}) cannot exceed the beam size ({beam_size})")
         length_penalty = given["length_penalty"] if given["length_penalty"] is not None else g.length_penalty
         if length_penalty not in LENGTH_PENALTIES:
-            raise TranslationError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}")
+            raise TranslationError(
+                f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
+            )
         alpha = _check_number("alpha", given["alpha"] if given["alpha"] is not None else g.alpha)
         a = _check_number("max_len_a", given["max_len_a"], default=g.max_len_a)
         b = _check_number("max_len_b", given["max_len_b"], default=g.max_len_b)
-        batch_size = _check_positive_int("batch_size", given["batch_size"] if given["batch_size"] is not None else 64)
+        batch_size = _check_positive_int(
+            "batch_size", given["batch_size"] if given["batch_size"] is not None else 64
+        )
         explicit_budget = given["max_len_a"] is not None or given["max_len_b"] is not None
-        return dict(beam_size=beam_size, n_best=n_best, length_penalty=length_penalty, alpha=alpha,
-                    max_len_a=a, max_len_b=b, batch_size=batch_size, explicit_budget=explicit_budget)
+        return dict(
+            beam_size=beam_size,
+            n_best=n_best,
+            length_penalty=length_penalty,
+            alpha=alpha,
+            max_len_a=a,
+            max_len_b=b,
+            batch_size=batch_size,
+            explicit_budget=explicit_budget,
+        )
 
     def _batch_size(self, batch_size: int, beam_size: int) -> int:
         """``batch_size`` within what the runner accepts per call (a TensorRT profile's maximum batch)."""
@@ -649,14 +720,17 @@ class Translator:
             batch_size = min(batch_size, int(limits.max_sources))
         if limits.max_rows is not None:
             if beam_size > limits.max_rows:
-                raise TranslationError(f"beam size {beam_size} exceeds the {limits.max_rows} rows the runner's "
-                                       "decoder accepts per call (the TensorRT profile's maximum batch)")
+                raise TranslationError(
+                    f"beam size {beam_size} exceeds the {limits.max_rows} rows the runner's "
+                    "decoder accepts per call (the TensorRT profile's maximum batch)"
+                )
             batch_size = min(batch_size, int(limits.max_rows) // beam_size)
         return batch_size
 
     # ------------------------------------------------------------------ translate
-    def translate(self, sources: Iterable[str], *, progress: bool = False,
-                  **options) -> Union[list[str], list[list[tuple[str, Optional[float]]]]]:
+    def translate(
+        self, sources: Iterable[str], *, progress: bool = False, **options
+    ) -> Union[list[str], list[list[tuple[str, Optional[float]]]]]:
         """Translate each source: one string per source, in input order; with ``n_best > 1`` a
         list of ``(text, score)`` pairs per source, best first.
 
@@ -684,16 +758,34 @@ class Translator:
             return [t.text for t in results]
         return [[(text, h.score) for text, h in zip(t.texts, t.hypotheses)] for t in results]
 
-    def translate_detailed(self, sources: Iterable[str], *, progress: bool = False, beam_size: Optional[int] = None,
-                           n_best: Optional[int] = None, max_len_a: Optional[float] = None,
-                           max_len_b: Optional[float] = None, length_penalty: Optional[str] = None,
-                           alpha: Optional[float] = None, batch_size: Optional[int] = None) -> list[Translation]:
+    def translate_detailed(
+        self,
+        sources: Iterable[str],
+        *,
+        progress: bool = False,
+        beam_size: Optional[int] = None,
+        n_best: Optional[int] = None,
+        max_len_a: Optional[float] = None,
+        max_len_b: Optional[float] = None,
+        length_penalty: Optional[str] = None,
+        alpha: Optional[float] = None,
+        batch_size: Optional[int] = None,
+    ) -> list[Translation]:
         """:meth:`translate`, returning a :class:`Translation` per source (texts, token ids,
         scores and log-probabilities of the n-best hypotheses)."""
         from .decoding import beam_search, greedy_decode
 
-        opts = self._resolve(dict(beam_size=beam_size, n_best=n_best, max_len_a=max_len_a, max_len_b=max_len_b,
-                                  length_penalty=length_penalty, alpha=alpha, batch_size=batch_size))
+        opts = self._resolve(
+            dict(
+                beam_size=beam_size,
+                n_best=n_best,
+                max_len_a=max_len_a,
+                max_len_b=max_len_b,
+                length_penalty=length_penalty,
+                alpha=alpha,
+                batch_size=batch_size,
+            )
+        )
         beam, n_best, a, b = opts["beam_size"], opts["n_best"], opts["max_len_a"], opts["max_len_b"]
         if isinstance(sources, (str, bytes)):
             raise TypeError("translate() takes a list (or any iterable) of source strings, not one string")
@@ -721,20 +813,39 @@ class Translator:
                 budget = self.max_new_tokens(lengths, a, b)
                 min_new = np.minimum(int(getattr(self.generation, "min_new_tokens", 0) or 0), budget)
                 if beam == 1:
-                    out = greedy_decode(self.runner, input_ids, lengths, bos_id=self.bos_id, eos_id=self.eos_id,
-                                        max_new_tokens=budget, min_new_tokens=min_new)
+                    out = greedy_decode(
+                        self.runner,
+                        input_ids,
+                        lengths,
+                        bos_id=self.bos_id,
+                        eos_id=self.eos_id,
+                        max_new_tokens=budget,
+                        min_new_tokens=min_new,
+                    )
                     for r, i in enumerate(rows):
                         ids = [int(t) for t in out[r]]
                         # a row shorter than its budget stopped at an EOS
                         hyp = Hypothesis(ids, None, None, len(ids) < int(budget[r]))
                         results[i] = Translation(sources[i], [tok.decode_target(ids)], [hyp])
                 else:
-                    out = beam_search(self.runner, input_ids, lengths, bos_id=self.bos_id, eos_id=self.eos_id,
-                                      beam_size=beam, n_best=n_best, max_new_tokens=budget, min_new_tokens=min_new,
-                                      length_penalty=opts["length_penalty"], alpha=opts["alpha"])
+                    out = beam_search(
+                        self.runner,
+                        input_ids,
+                        lengths,
+                        bos_id=self.bos_id,
+                        eos_id=self.eos_id,
+                        beam_size=beam,
+                        n_best=n_best,
+                        max_new_tokens=budget,
+                        min_new_tokens=min_new,
+                        length_penalty=opts["length_penalty"],
+                        alpha=opts["alpha"],
+                    )
                     for r, i in enumerate(rows):
                         hyps = list(out[r][:n_best])
-                        results[i] = Translation(sources[i], [tok.decode_target(h.tokens) for h in hyps], hyps)
+                        results[i] = Translation(
+                            sources[i], [tok.decode_target(h.tokens) for h in hyps], hyps
+                        )
                 if bar is not None:
                     bar.update(len(rows))
         finally:
@@ -755,7 +866,9 @@ class _DetailedTranslator(Translator):
 def _load_folder_tokenizer(model_dir: Path) -> Optional[Tokenizer]:
     """A model folder's tokenizer; ``None`` (with a warning) when it has no ``tokenizer.json``."""
     if not (model_dir / TOKENIZER_FILE).exists():
-        logger.warning("%s has no %s: it can decode token ids, but not translate text", model_dir, TOKENIZER_FILE)
+        logger.warning(
+            "%s has no %s: it can decode token ids, but not translate text", model_dir, TOKENIZER_FILE
+        )
         return None
     return load_tokenizer(model_dir)  # a corrupt file is an error, not "no tokenizer"
 
@@ -764,12 +877,16 @@ def _load_export_tokenizer(export_dir: Path, manifest: dict) -> Optional[Tokeniz
     """The tokenizer the manifest names; ``None`` when it names none (exported without one)."""
     names = tokenizer_files(manifest)
     if not names:
-        logger.warning("%s holds no tokenizer (its model folder had none): it can decode token ids, not translate "
-                       "text", export_dir)
+        logger.warning(
+            "%s holds no tokenizer (its model folder had none): it can decode token ids, not translate text",
+            export_dir,
+        )
         return None
     if TOKENIZER_FILE not in names:
-        raise TranslationError(f"{export_dir / MANIFEST_NAME} names the tokenizer files {names}, which this version "
-                               f"cannot read (a tokenizer is described by {TOKENIZER_FILE})")
+        raise TranslationError(
+            f"{export_dir / MANIFEST_NAME} names the tokenizer files {names}, which this version "
+            f"cannot read (a tokenizer is described by {TOKENIZER_FILE})"
+        )
     for name in names:
         if not (export_dir / name).is_file():
             raise TranslationError(
@@ -798,50 +915,101 @@ def build_parser() -> argparse.ArgumentParser:
             "(0 to 9999) into German number words. Prints one translation per source line, in input order."
         ),
         epilog="Exit codes: 0 success, 1 bad input, model files or missing runtime, 2 invalid options, "
-               "130 interrupted, 143 terminated.",
+        "130 interrupted, 143 terminated.",
     )
     parser.add_argument(
-        "text", nargs="*",
+        "text",
+        nargs="*",
         help="source texts, one per argument (quote multi-word sources); '-' reads lines from stdin. "
-             "Without text and --input, lines are read from stdin when it is not a terminal.",
+        "Without text and --input, lines are read from stdin when it is not a terminal.",
     )
     parser.add_argument("--input", "-i", metavar="FILE", help="read sources from FILE, one per line")
-    parser.add_argument("--output", "-o", metavar="FILE",
-                        help="write the translations to FILE (atomically, once all are done) instead of stdout")
-    parser.add_argument("--model", metavar="DIR", default=None,
-                        help="a model folder (config.json, model.safetensors, tokenizer.json) or an export folder "
-                             "(manifest.json, from python -m export.onnx); default: the bundled demo model")
-    parser.add_argument("--runtime", choices=RUNTIMES, default=None,
-                        help="eager (PyTorch, a model folder), onnxruntime or tensorrt (an export folder); "
-                             "default: onnxruntime for an export folder, eager otherwise")
-    parser.add_argument("--provider", default=None, metavar="NAME",
-                        help="ONNX Runtime execution provider: cpu (default), cuda, or a full name "
-                             "such as CUDAExecutionProvider; cuda keeps every buffer on the GPU when torch "
-                             "with CUDA is installed, else ONNX Runtime copies them at every step")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="intra-op threads of ONNX Runtime, or of PyTorch for the eager runtime")
-    parser.add_argument("--device", default=None,
-                        help="torch device of the eager runtime: cpu (default), cuda or cuda:N")
-    parser.add_argument("--beam", type=int, default=None, metavar="N",
-                        help="beam size; 1 is greedy decoding (default: the export folder's generation config, else 1)")
-    parser.add_argument("--n-best", type=int, default=None, metavar="K",
-                        help="print the K best hypotheses of each source as 'index<TAB>score<TAB>text' "
-                             "(needs a beam size >= K; greedy output gets no score)")
-    parser.add_argument("--max-len-a", type=float, default=None, metavar="A",
-                        help=f"generate at most A * source_length + B tokens (default A={DEFAULT_MAX_LEN_A}); "
-                             "finite, >= 0")
-    parser.add_argument("--max-len-b", type=float, default=None, metavar="B",
-                        help=f"see --max-len-a (default B={DEFAULT_MAX_LEN_B}); finite, >= 0. The budget is "
-                             "always capped by the model's max_len (with a warning when A or B ask for more)")
-    parser.add_argument("--length-penalty", choices=LENGTH_PENALTIES, default=None,
-                        help="beam length penalty, len = generated tokens with the EOS: gnmt ((5+len)/6)^alpha "
-                             "(default), seed ((5+len+1)/5)^alpha, average len^alpha (fairseq's), none")
-    parser.add_argument("--alpha", type=float, default=None, help="length-penalty exponent (default 0.6); finite, >= 0")
+    parser.add_argument(
+        "--output",
+        "-o",
+        metavar="FILE",
+        help="write the translations to FILE (atomically, once all are done) instead of stdout",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="a model folder (config.json, model.safetensors, tokenizer.json) or an export folder "
+        "(manifest.json, from python -m export.onnx); default: the bundled demo model",
+    )
+    parser.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default=None,
+        help="eager (PyTorch, a model folder), onnxruntime or tensorrt (an export folder); "
+        "default: onnxruntime for an export folder, eager otherwise",
+    )
+    parser.add_argument(
+        "--provider",
+        default=None,
+        metavar="NAME",
+        help="ONNX Runtime execution provider: cpu (default), cuda, or a full name "
+        "such as CUDAExecutionProvider; cuda keeps every buffer on the GPU when torch "
+        "with CUDA is installed, else ONNX Runtime copies them at every step",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="intra-op threads of ONNX Runtime, or of PyTorch for the eager runtime",
+    )
+    parser.add_argument(
+        "--device", default=None, help="torch device of the eager runtime: cpu (default), cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--beam",
+        type=int,
+        default=None,
+        metavar="N",
+        help="beam size; 1 is greedy decoding (default: the export folder's generation config, else 1)",
+    )
+    parser.add_argument(
+        "--n-best",
+        type=int,
+        default=None,
+        metavar="K",
+        help="print the K best hypotheses of each source as 'index<TAB>score<TAB>text' "
+        "(needs a beam size >= K; greedy output gets no score)",
+    )
+    parser.add_argument(
+        "--max-len-a",
+        type=float,
+        default=None,
+        metavar="A",
+        help=f"generate at most A * source_length + B tokens (default A={DEFAULT_MAX_LEN_A}); finite, >= 0",
+    )
+    parser.add_argument(
+        "--max-len-b",
+        type=float,
+        default=None,
+        metavar="B",
+        help=f"see --max-len-a (default B={DEFAULT_MAX_LEN_B}); finite, >= 0. The budget is "
+        "always capped by the model's max_len (with a warning when A or B ask for more)",
+    )
+    parser.add_argument(
+        "--length-penalty",
+        choices=LENGTH_PENALTIES,
+        default=None,
+        help="beam length penalty, len = generated tokens with the EOS: gnmt ((5+len)/6)^alpha "
+        "(default), seed ((5+len+1)/5)^alpha, average len^alpha (fairseq's), none",
+    )
+    parser.add_argument(
+        "--alpha", type=float, default=None, help="length-penalty exponent (default 0.6); finite, >= 0"
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="sources decoded together (default 64)")
-    parser.add_argument("--compile", action="store_true",
-                        help="eager runtime: run the decoder step through torch.compile: faster per token, but "
-                             "every new batch shape compiles first (seconds); pays off on large inputs. On CPU it "
-                             "needs a C++ compiler")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="eager runtime: run the decoder step through torch.compile: faster per token, but "
+        "every new batch shape compiles first (seconds); pays off on large inputs. On CPU it "
+        "needs a C++ compiler",
+    )
     add_debug_flag(parser)
     return parser
 
@@ -852,7 +1020,11 @@ def _finite_non_negative(value: float) -> bool:
 
 def _check_options(parser: argparse.ArgumentParser, args, stdin) -> None:
     """Every option checked before anything is read or loaded; a usage error (exit 2) names it."""
-    for option, value in (("--max-len-a", args.max_len_a), ("--max-len-b", args.max_len_b), ("--alpha", args.alpha)):
+    for option, value in (
+        ("--max-len-a", args.max_len_a),
+        ("--max-len-b", args.max_len_b),
+        ("--alpha", args.alpha),
+    ):
         if value is not None and not _finite_non_negative(value):
             parser.error(f"{option} must be a finite number >= 0, got {value}")
     if args.beam is not None and args.beam < 1:
@@ -908,7 +1080,12 @@ def _check_output(args) -> Optional[Path]:
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
         raise TranslationError(f"--output {out}: the folder {parent} {what}")
-    if args.input is not None and out.exists() and os.path.exists(args.input) and os.path.samefile(out, args.input):
+    if (
+        args.input is not None
+        and out.exists()
+        and os.path.exists(args.input)
+        and os.path.samefile(out, args.input)
+    ):
         raise TranslationError(f"--output {out} is the --input file; write the translations to another file")
     return out
 
@@ -942,7 +1119,8 @@ def _gather_sources(args, stdin) -> tuple[list[str], list[str]]:
             raise TranslationError(f"--input {args.input} is a directory, expected a text file") from None
         except UnicodeDecodeError as exc:
             raise TranslationError(
-                f"input file {args.input} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+                f"input file {args.input} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
     if not args.text and args.input is None:
         entries.extend(_read_lines(stdin, "stdin"))
     if not entries:
@@ -955,36 +1133,53 @@ def _load_translator(args) -> Translator:
     export = args.model is not None and is_export_dir(args.model)
     runtime = args.runtime or ("onnxruntime" if export else "eager")
     problems = _runtime_conflicts(args, runtime)
-    if problems:  # only reachable with the runtime chosen by the folder (an explicit one is checked at parsing)
-        folder = (f"--model {args.model} is an export folder, run by ONNX Runtime" if export else
-                  "the model folder runs on the eager runtime")
+    if (
+        problems
+    ):  # only reachable with the runtime chosen by the folder (an explicit one is checked at parsing)
+        folder = (
+            f"--model {args.model} is an export folder, run by ONNX Runtime"
+            if export
+            else "the model folder runs on the eager runtime"
+        )
         raise TranslationError(f"{problems[0]}, and {folder}")
     if runtime == "eager":
         if export:
-            raise TranslationError(f"--model {args.model} is an export folder (it has {MANIFEST_NAME}, no PyTorch "
-                                   "weights): --runtime eager needs a model folder; use --runtime onnxruntime "
-                                   "or tensorrt")
+            raise TranslationError(
+                f"--model {args.model} is an export folder (it has {MANIFEST_NAME}, no PyTorch "
+                "weights): --runtime eager needs a model folder; use --runtime onnxruntime "
+                "or tensorrt"
+            )
         device = args.device or "cpu"
         if device.strip().lower().startswith("cuda"):
             import torch
 
             if not torch.cuda.is_available():
-                raise TranslationError(f"--device {args.device}: torch sees no CUDA GPU on this machine; "
-                                       "use --device cpu")
+                raise TranslationError(
+                    f"--device {args.device}: torch sees no CUDA GPU on this machine; use --device cpu"
+                )
         if args.threads is not None:
             import torch
 
             torch.set_num_threads(args.threads)
         return Translator.from_model_dir(args.model, device=device, compile=args.compile)
     if args.model is None:
-        raise TranslationError(f"--runtime {runtime} needs --model EXPORT_DIR, a folder written by "
-                               "`python -m export.onnx`")
+        raise TranslationError(
+            f"--runtime {runtime} needs --model EXPORT_DIR, a folder written by `python -m export.onnx`"
+        )
     if not export:
-        what = "does not exist" if not os.path.exists(args.model) else f"is not an export folder (no {MANIFEST_NAME})"
-        raise TranslationError(f"--model {args.model} {what}: --runtime {runtime} runs an export folder, written by "
-                               "`python -m export.onnx --model-dir MODEL_DIR --output-dir EXPORT_DIR`; a model "
-                               "folder runs with --runtime eager")
-    return Translator.from_export_dir(args.model, runtime=runtime, provider=args.provider, threads=args.threads)
+        what = (
+            "does not exist"
+            if not os.path.exists(args.model)
+            else f"is not an export folder (no {MANIFEST_NAME})"
+        )
+        raise TranslationError(
+            f"--model {args.model} {what}: --runtime {runtime} runs an export folder, written by "
+            "`python -m export.onnx --model-dir MODEL_DIR --output-dir EXPORT_DIR`; a model "
+            "folder runs with --runtime eager"
+        )
+    return Translator.from_export_dir(
+        args.model, runtime=runtime, provider=args.provider, threads=args.threads
+    )
 
 
 def _run(args, stdin, stdout) -> int:
@@ -993,9 +1188,15 @@ def _run(args, stdin, stdout) -> int:
     translator = _load_translator(args)
     try:
         translations = translator.translate_detailed(
-            sources, beam_size=args.beam, n_best=args.n_best, max_len_a=args.max_len_a,
-            max_len_b=args.max_len_b, length_penalty=args.length_penalty, alpha=args.alpha,
-            batch_size=args.batch_size, progress=sys.stderr.isatty(),
+            sources,
+            beam_size=args.beam,
+            n_best=args.n_best,
+            max_len_a=args.max_len_a,
+            max_len_b=args.max_len_b,
+            length_penalty=args.length_penalty,
+            alpha=args.alpha,
+            batch_size=args.batch_size,
+            progress=sys.stderr.isatty(),
         )
     except TranslationError as exc:
         if exc.index is None:

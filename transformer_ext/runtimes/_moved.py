@@ -22,6 +22,8 @@ def alias_module(old: str, namespace: MutableMapping[str, Any], *modules: Module
     )
     public: list[str] = []
     for module in modules:
-        namespace.update({k: v for k, v in vars(module).items() if not (k.startswith("__") and k.endswith("__"))})
+        namespace.update(
+            {k: v for k, v in vars(module).items() if not (k.startswith("__") and k.endswith("__"))}
+        )
         public += list(getattr(module, "__all__", ()))
     namespace["__all__"] = public

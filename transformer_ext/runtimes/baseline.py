@@ -55,17 +55,21 @@ class CatCacheRunner:
         self.model = model.to(self.device).eval()
         self.config = model.config
 
-    def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> CatCacheState:
+    def encode(
+        self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1
+    ) -> CatCacheState:
         lengths, cross_keys, cross_values, src_len, cache_len, _ = _encode_sources(
-            self.model, self.device, input_ids, src_lengths, cache_len, num_beams)
+            self.model, self.device, input_ids, src_lengths, cache_len, num_beams
+        )
         with torch.inference_mode():
             src_mask = padding_mask(lengths, src_len)
         n = self.config.n_decoder_layers
         return CatCacheState(src_mask, cross_keys, cross_values, [None] * n, [None] * n, 0, cache_len)
 
     @staticmethod
-    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [N, H, 1, K]
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -73,8 +77,12 @@ class CatCacheRunner:
 
     def step(self, state: CatCacheState, tokens: np.ndarray) -> np.ndarray:
         N = state.src_mask.shape[0]
-        ids = _to_device(decoding.check_step_tokens(state.position, state.cache_len, self.config.max_len, tokens, N,
-                                                    self.config.tgt_vocab_size), self.device)
+        ids = _to_device(
+            decoding.check_step_tokens(
+                state.position, state.cache_len, self.config.max_len, tokens, N, self.config.tgt_vocab_size
+            ),
+            self.device,
+        )
         model = self.model
         with torch.inference_mode():
             x = model.tgt_embed(ids.view(N, 1)) + model.tgt_pe.pe[state.position]  # [N, 1, d_model]
@@ -94,7 +102,9 @@ class CatCacheRunner:
                 src_attn = layer.src_attn
                 h = layer.sublayer[1].sublayer_input(x)
                 q = src_attn.split_heads(src_attn.W_Q(h))
-                out = self._attend(q, state.cross_keys[i], state.cross_values[i], src_attn.scale, state.src_mask)
+                out = self._attend(
+                    q, state.cross_keys[i], state.cross_values[i], src_attn.scale, state.src_mask
+                )
                 x = layer.sublayer[1].residual(x, src_attn.W_O(src_attn.merge_heads(out)))
 
                 x = layer.sublayer[2](x, layer.feed_forward)

@@ -209,7 +209,9 @@ class DeviceRunner(decoding.SearchMethods):
         from transformer_ext import ops  # the compiled library (CUDA kernels for a CUDA device)
 
         if self.device.type == "cuda" and not ops.cuda_kernels_built():
-            raise RuntimeError("transformer_ext was built without its CUDA kernels; rebuild with TRANSFORMER_EXT_CUDA=1")
+            raise RuntimeError(
+                "transformer_ext was built without its CUDA kernels; rebuild with TRANSFORMER_EXT_CUDA=1"
+            )
         # Indirections so that tests can observe the order of cache writes.
         self._kv_append: Callable[..., None] = ops.kv_cache_append_
         self._kv_reorder: Callable[..., None] = ops.kv_cache_reorder_
@@ -249,26 +251,39 @@ class DeviceRunner(decoding.SearchMethods):
             )
         return max(cache_len, lim.min_cache_len)  # capacity only: unused positions are never read
 
-    def _check_sources(self, input_ids: Any, src_lengths: Any, cache_len: Any,
-                       num_beams: Any) -> tuple[np.ndarray, np.ndarray, int, int]:
+    def _check_sources(
+        self, input_ids: Any, src_lengths: Any, cache_len: Any, num_beams: Any
+    ) -> tuple[np.ndarray, np.ndarray, int, int]:
         """The checks every runner makes (:func:`transformer_ext.decoding.check_encode_args`),
         then the engines' profile limits."""
         d = self.dims
         ids, lengths, cache_len, num_beams = decoding.check_encode_args(
-            input_ids, src_lengths, cache_len, num_beams, src_vocab_size=d.src_vocab_size, max_positions=d.max_positions)
+            input_ids,
+            src_lengths,
+            cache_len,
+            num_beams,
+            src_vocab_size=d.src_vocab_size,
+            max_positions=d.max_positions,
+        )
         B, S = ids.shape
         lim = self.limits
         if lim.max_src_len is not None and S > lim.max_src_len:
-            raise ValueError(f"source length {S} exceeds the engine profile's maximum {lim.max_src_len}; rebuild "
-                             "with a larger --src-len or split the input")
+            raise ValueError(
+                f"source length {S} exceeds the engine profile's maximum {lim.max_src_len}; rebuild "
+                "with a larger --src-len or split the input"
+            )
         if S < lim.min_src_len:
             raise ValueError(f"source length {S} is below the engine profile's minimum {lim.min_src_len}")
         if lim.max_sources is not None and B > lim.max_sources:
-            raise ValueError(f"{B} sources exceed the encoder profile's maximum batch {lim.max_sources}; "
-                             "decode in smaller batches or rebuild with a larger --batch")
+            raise ValueError(
+                f"{B} sources exceed the encoder profile's maximum batch {lim.max_sources}; "
+                "decode in smaller batches or rebuild with a larger --batch"
+            )
         if lim.max_rows is not None and B * num_beams > lim.max_rows:
-            raise ValueError(f"{B} sources x {num_beams} beams = {B * num_beams} rows exceed the decoder profile's "
-                             f"maximum batch {lim.max_rows}; decode in smaller batches or rebuild with --batch")
+            raise ValueError(
+                f"{B} sources x {num_beams} beams = {B * num_beams} rows exceed the decoder profile's "
+                f"maximum batch {lim.max_rows}; decode in smaller batches or rebuild with --batch"
+            )
         return ids, lengths, cache_len, num_beams
 
     # ---------------------------------------------------------------- subclass hooks
@@ -295,8 +310,12 @@ class DeviceRunner(decoding.SearchMethods):
             lens_dev = torch.from_numpy(lengths).to(dev)
             encoder_out = torch.empty((B, S, d.d_model), dtype=self.encoder_out_dtype, device=dev)
             cross_shape = (B, d.n_heads, S, d.d_k)
-            cross_keys = [torch.empty(cross_shape, dtype=self.cache_dtype, device=dev) for _ in range(d.n_layers)]
-            cross_values = [torch.empty(cross_shape, dtype=self.cache_dtype, device=dev) for _ in range(d.n_layers)]
+            cross_keys = [
+                torch.empty(cross_shape, dtype=self.cache_dtype, device=dev) for _ in range(d.n_layers)
+            ]
+            cross_values = [
+                torch.empty(cross_shape, dtype=self.cache_dtype, device=dev) for _ in range(d.n_layers)
+            ]
             self._run_encoder(encoder_bindings(ids_dev, lens_dev, encoder_out, cross_keys, cross_values))
             if K > 1:  # source b's beams are rows b*K .. b*K+K-1
                 cross_keys = [k.repeat_interleave(K, dim=0) for k in cross_keys]
@@ -304,11 +323,22 @@ class DeviceRunner(decoding.SearchMethods):
                 lens_dev = lens_dev.repeat_interleave(K, dim=0)
             # portable: the graph writes the new K/V into stacked staging buffers that one append
             # per buffer reads; tensorscatter: the graph updates the bound caches itself.
-            cache = KVCache.allocate(d.n_layers, N, d.n_heads, L, d.d_k, dtype=self.cache_dtype, device=dev,
-                                     staging=self.flavour == "portable", append_op=self._kv_append,
-                                     reorder_op=self._kv_reorder)
+            cache = KVCache.allocate(
+                d.n_layers,
+                N,
+                d.n_heads,
+                L,
+                d.d_k,
+                dtype=self.cache_dtype,
+                device=dev,
+                staging=self.flavour == "portable",
+                append_op=self._kv_append,
+                reorder_op=self._kv_reorder,
+            )
             state = DeviceState(
-                batch=B, num_beams=K, src_len=S,
+                batch=B,
+                num_beams=K,
+                src_len=S,
                 input_ids=torch.zeros((N, 1), dtype=torch.int64, device=dev),
                 src_lengths=lens_dev.contiguous(),
                 cache=cache,
@@ -326,7 +356,9 @@ class DeviceRunner(decoding.SearchMethods):
         cache = state.cache
         N = state.num_rows
         vocab = self.dims.vocab_size if self.dims.vocab_size > 0 else None
-        tok = decoding.check_step_tokens(cache.length, cache.capacity, self.dims.max_positions, tokens, N, vocab)
+        tok = decoding.check_step_tokens(
+            cache.length, cache.capacity, self.dims.max_positions, tokens, N, vocab
+        )
         with self._on_stream(), torch.inference_mode():
             state.tokens_host.copy_(torch.from_numpy(np.ascontiguousarray(tok, dtype=np.int64)))
             state.input_ids.view(N).copy_(state.tokens_host, non_blocking=True)

@@ -39,8 +39,14 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
 
 
-def _encode_sources(model: Transformer, device: torch.device, input_ids: np.ndarray, src_lengths: np.ndarray,
-                    cache_len: int, num_beams: int):
+def _encode_sources(
+    model: Transformer,
+    device: torch.device,
+    input_ids: np.ndarray,
+    src_lengths: np.ndarray,
+    cache_len: int,
+    num_beams: int,
+):
     """The shared encode prologue of the PyTorch runners: the checks every runner makes
     (:func:`transformer_ext.decoding.check_encode_args`), ``model.encode`` once, and the
     cross-attention K/V and source lengths repeated per beam (row ``b * num_beams + k``).
@@ -50,7 +56,8 @@ def _encode_sources(model: Transformer, device: torch.device, input_ids: np.ndar
     """
     c = model.config
     ids, lengths, cache_len, num_beams = decoding.check_encode_args(
-        input_ids, src_lengths, cache_len, num_beams, src_vocab_size=c.src_vocab_size, max_positions=c.max_len)
+        input_ids, src_lengths, cache_len, num_beams, src_vocab_size=c.src_vocab_size, max_positions=c.max_len
+    )
     src = _to_device(ids, device)
     lengths = _to_device(lengths, device)
     with torch.inference_mode():
@@ -93,8 +100,11 @@ class EagerRunner:
         self.model = model.to(self.device).eval()
         self.config = model.config
         self.compiled = bool(compile)
-        self._decode_step = (torch.compile(model.decode_step, fullgraph=True, dynamic=False)
-                             if self.compiled else model.decode_step)
+        self._decode_step = (
+            torch.compile(model.decode_step, fullgraph=True, dynamic=False)
+            if self.compiled
+            else model.decode_step
+        )
 
     def _run_decode_step(self, *args):
         if not self.compiled:
@@ -107,12 +117,22 @@ class EagerRunner:
                 "working C++ compiler. Run without compile (EagerRunner(..., compile=False), no --compile)"
             ) from exc
 
-    def encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1) -> EagerState:
+    def encode(
+        self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1
+    ) -> EagerState:
         lengths, cross_keys, cross_values, _, cache_len, _ = _encode_sources(
-            self.model, self.device, input_ids, src_lengths, cache_len, num_beams)
+            self.model, self.device, input_ids, src_lengths, cache_len, num_beams
+        )
         c = self.config
-        cache = KVCache.allocate(c.n_decoder_layers, int(lengths.shape[0]), c.n_heads, cache_len, c.d_k,
-                                 dtype=cross_keys[0].dtype, device=self.device)
+        cache = KVCache.allocate(
+            c.n_decoder_layers,
+            int(lengths.shape[0]),
+            c.n_heads,
+            cache_len,
+            c.d_k,
+            dtype=cross_keys[0].dtype,
+            device=self.device,
+        )
         with torch.inference_mode():
             fused_qkv = self.model.fused_qkv()
         return EagerState(lengths, cross_keys, cross_values, cache, fused_qkv)
@@ -120,13 +140,23 @@ class EagerRunner:
     def step(self, state: EagerState, tokens: np.ndarray) -> np.ndarray:
         N = state.num_rows
         cache = state.cache
-        ids = _to_device(decoding.check_step_tokens(cache.length, cache.capacity, self.config.max_len, tokens, N,
-                                                    self.config.tgt_vocab_size), self.device)
+        ids = _to_device(
+            decoding.check_step_tokens(
+                cache.length, cache.capacity, self.config.max_len, tokens, N, self.config.tgt_vocab_size
+            ),
+            self.device,
+        )
         with torch.inference_mode():
             positions = cache.begin_step()  # every row (and layer) at the same position
             logits, new_keys, new_values = self._run_decode_step(
-                ids.view(N, 1), positions, state.src_lengths,
-                cache.key_layers, cache.value_layers, state.cross_keys, state.cross_values, state.fused_qkv,
+                ids.view(N, 1),
+                positions,
+                state.src_lengths,
+                cache.key_layers,
+                cache.value_layers,
+                state.cross_keys,
+                state.cross_values,
+                state.fused_qkv,
             )
             cache.append_(new_keys, new_values)
             out = logits.cpu().numpy()  # synchronises: the cache's error flag is then on the host

@@ -119,7 +119,7 @@ class _Layout:
 
 
 def _views(buffer: Any, rows: int, n_layers: int) -> list:
-    return [buffer[i * rows:(i + 1) * rows] for i in range(n_layers)]
+    return [buffer[i * rows : (i + 1) * rows] for i in range(n_layers)]
 
 
 class KVCache(_Layout):
@@ -137,16 +137,27 @@ class KVCache(_Layout):
     inference tensors), on the stream the caller computes on.
     """
 
-    def __init__(self, keys: "torch.Tensor", values: "torch.Tensor", n_layers: int, *,
-                 positions: "torch.Tensor", new_keys: Optional["torch.Tensor"] = None,
-                 new_values: Optional["torch.Tensor"] = None, error_flag: Optional["torch.Tensor"] = None,
-                 error_flag_host: Optional["torch.Tensor"] = None,
-                 append_op: Optional[Callable[..., None]] = None, reorder_op: Optional[Callable[..., None]] = None):
+    def __init__(
+        self,
+        keys: "torch.Tensor",
+        values: "torch.Tensor",
+        n_layers: int,
+        *,
+        positions: "torch.Tensor",
+        new_keys: Optional["torch.Tensor"] = None,
+        new_values: Optional["torch.Tensor"] = None,
+        error_flag: Optional["torch.Tensor"] = None,
+        error_flag_host: Optional["torch.Tensor"] = None,
+        append_op: Optional[Callable[..., None]] = None,
+        reorder_op: Optional[Callable[..., None]] = None,
+    ):
         """The cache over existing buffers (zero-filled, inference tensors); :meth:`allocate` makes them."""
         n_layers = _positive_int("n_layers", n_layers)
         if keys.dim() != 4 or keys.shape != values.shape or keys.shape[0] % n_layers:
-            raise ValueError(f"keys and values must be [n_layers * N, H, L, d_k] of one shape, got "
-                             f"{tuple(keys.shape)} and {tuple(values.shape)} for {n_layers} layers")
+            raise ValueError(
+                f"keys and values must be [n_layers * N, H, L, d_k] of one shape, got "
+                f"{tuple(keys.shape)} and {tuple(values.shape)} for {n_layers} layers"
+            )
         self._init_layout(n_layers, keys.shape[0] // n_layers, keys.shape[2])
         if tuple(positions.shape) != (keys.shape[0],):
             raise ValueError(f"positions must have shape ({keys.shape[0]},), got {tuple(positions.shape)}")
@@ -176,10 +187,21 @@ class KVCache(_Layout):
         self._layer_offsets = (np.arange(self.n_layers, dtype=np.int64) * self.rows).reshape(-1, 1)
 
     @classmethod
-    def allocate(cls, n_layers: int, rows: int, n_heads: int, capacity: int, d_k: int, *, dtype: Any,
-                 device: Union[str, "torch.device"], staging: bool = False, error_flag: Optional[bool] = None,
-                 append_op: Optional[Callable[..., None]] = None,
-                 reorder_op: Optional[Callable[..., None]] = None) -> "KVCache":
+    def allocate(
+        cls,
+        n_layers: int,
+        rows: int,
+        n_heads: int,
+        capacity: int,
+        d_k: int,
+        *,
+        dtype: Any,
+        device: Union[str, "torch.device"],
+        staging: bool = False,
+        error_flag: Optional[bool] = None,
+        append_op: Optional[Callable[..., None]] = None,
+        reorder_op: Optional[Callable[..., None]] = None,
+    ) -> "KVCache":
         """Zero-filled stacked caches for ``rows`` rows of ``n_layers`` layers, capacity ``capacity``.
 
         ``staging``: also the stacked buffers a graph writes the new token's K/V into.
@@ -193,8 +215,12 @@ class KVCache(_Layout):
         device = torch.device(device)
         if error_flag is None:
             error_flag = device.type == "cuda"
-        stacked = (_positive_int("n_layers", n_layers) * _positive_int("rows", rows),
-                   _positive_int("n_heads", n_heads), _positive_int("capacity", capacity), _positive_int("d_k", d_k))
+        stacked = (
+            _positive_int("n_layers", n_layers) * _positive_int("rows", rows),
+            _positive_int("n_heads", n_heads),
+            _positive_int("capacity", capacity),
+            _positive_int("d_k", d_k),
+        )
         with torch.inference_mode():
             keys = torch.zeros(stacked, dtype=dtype, device=device)
             values = torch.zeros(stacked, dtype=dtype, device=device)
@@ -207,8 +233,18 @@ class KVCache(_Layout):
             if error_flag:
                 flag = torch.zeros(1, dtype=torch.int32, device=device)
                 flag_host = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
-        return cls(keys, values, n_layers, positions=positions, new_keys=new_keys, new_values=new_values,
-                   error_flag=flag, error_flag_host=flag_host, append_op=append_op, reorder_op=reorder_op)
+        return cls(
+            keys,
+            values,
+            n_layers,
+            positions=positions,
+            new_keys=new_keys,
+            new_values=new_values,
+            error_flag=flag,
+            error_flag_host=flag_host,
+            append_op=append_op,
+            reorder_op=reorder_op,
+        )
 
     @property
     def dtype(self) -> "torch.dtype":
@@ -224,8 +260,11 @@ class KVCache(_Layout):
         self.positions.fill_(self.length)
         return self.step_positions
 
-    def append_(self, new_keys: Union[None, "torch.Tensor", Sequence["torch.Tensor"]] = None,
-                new_values: Union[None, "torch.Tensor", Sequence["torch.Tensor"]] = None) -> None:
+    def append_(
+        self,
+        new_keys: Union[None, "torch.Tensor", Sequence["torch.Tensor"]] = None,
+        new_values: Union[None, "torch.Tensor", Sequence["torch.Tensor"]] = None,
+    ) -> None:
         """Write one step's new K/V of every layer at the positions :meth:`begin_step` wrote.
 
         ``new_keys`` / ``new_values``: stacked ``[n_layers * N, H, T, d_k]`` tensors, per-layer
@@ -235,7 +274,9 @@ class KVCache(_Layout):
         """
         if new_keys is None and new_values is None:
             if self.new_keys is None:
-                raise ValueError("append_() without new K/V needs the staging buffers (allocate with staging=True)")
+                raise ValueError(
+                    "append_() without new K/V needs the staging buffers (allocate with staging=True)"
+                )
             new_keys, new_values = self.new_keys, self.new_values
         elif new_keys is None or new_values is None:
             raise ValueError("append_() takes both new_keys and new_values, or neither (the staging buffers)")
@@ -271,7 +312,9 @@ class KVCache(_Layout):
         if self.length == 0:
             return
         # Layer i's row r becomes layer i's row index[r]: the stacked index [n_layers * N].
-        stacked = self._torch.from_numpy((index.reshape(1, -1) + self._layer_offsets).reshape(-1)).to(self.keys.device)
+        stacked = self._torch.from_numpy((index.reshape(1, -1) + self._layer_offsets).reshape(-1)).to(
+            self.keys.device
+        )
         self._reorder(self.keys, stacked, self.length)
         self._reorder(self.values, stacked, self.length)
 
@@ -288,11 +331,25 @@ class HostKVCache(_Layout):
     # (its Python overhead is lower than that of a copy per row and layer).
     _SMALL_MOVE_BYTES = 1 << 18
 
-    def __init__(self, n_layers: int, rows: int, n_heads: int, capacity: int, d_k: int, *,
-                 dtype: Any = np.float32, staging: bool = False):
+    def __init__(
+        self,
+        n_layers: int,
+        rows: int,
+        n_heads: int,
+        capacity: int,
+        d_k: int,
+        *,
+        dtype: Any = np.float32,
+        staging: bool = False,
+    ):
         self._init_layout(n_layers, rows, capacity)
-        shape5 = (self.n_layers, self.rows, _positive_int("n_heads", n_heads), self.capacity,
-                  _positive_int("d_k", d_k))
+        shape5 = (
+            self.n_layers,
+            self.rows,
+            _positive_int("n_heads", n_heads),
+            self.capacity,
+            _positive_int("d_k", d_k),
+        )
         self._keys5 = np.zeros(shape5, dtype=dtype)  # [n_layers, N, H, L, d_k]
         self._values5 = np.zeros(shape5, dtype=dtype)
         self.keys = self._keys5.reshape(-1, *shape5[2:])  # views, [n_layers * N, H, L, d_k]

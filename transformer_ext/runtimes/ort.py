@@ -56,6 +56,7 @@ GRAPH_OPTIMIZATION_LEVELS = {
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
 
+
 @dataclass
 class OrtState(CacheStateViews):
     """Decoding state of :class:`OrtRunner` for N = batch * num_beams rows."""
@@ -74,7 +75,11 @@ class OrtState(CacheStateViews):
 
 def _io(values) -> list[dict]:
     return [
-        {"name": v.name, "dtype": dtype_from_ort(v.type), "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
+        {
+            "name": v.name,
+            "dtype": dtype_from_ort(v.type),
+            "shape": [d if isinstance(d, int) else str(d) for d in v.shape],
+        }
         for v in values
     ]
 
@@ -134,21 +139,34 @@ class OrtRunner(decoding.SearchMethods):
                 )
             session_options.graph_optimization_level = GRAPH_OPTIMIZATION_LEVELS[graph_optimization_level]
             if allow_spinning is not None:
-                session_options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+                session_options.add_session_config_entry(
+                    "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
+                )
         self.providers = list(providers) if providers else ["CPUExecutionProvider"]
         self.encoder = self._session(ENCODER_FILE, session_options)
         self.decoder = self._session(DECODER_FILE, session_options)
         graphs = self.manifest["graphs"]
-        check_io(ENCODER_FILE, graphs["encoder"], _io(self.encoder.get_inputs()), _io(self.encoder.get_outputs()))
-        check_io(DECODER_FILE, graphs["decoder_step"], _io(self.decoder.get_inputs()), _io(self.decoder.get_outputs()))
+        check_io(
+            ENCODER_FILE, graphs["encoder"], _io(self.encoder.get_inputs()), _io(self.encoder.get_outputs())
+        )
+        check_io(
+            DECODER_FILE,
+            graphs["decoder_step"],
+            _io(self.decoder.get_inputs()),
+            _io(self.decoder.get_outputs()),
+        )
         self._encoder_outputs = [o["name"] for o in graphs["encoder"]["outputs"]]
         if any(p != "CPUExecutionProvider" for p in self.decoder.get_providers()):
             logger.warning(
                 "providers %s: the runner's buffers live in host memory, so ONNX Runtime copies them "
-                "to the device at every step", self.decoder.get_providers()
+                "to the device at every step",
+                self.decoder.get_providers(),
             )
         logger.info(
-            "ONNX Runtime runner on %s (%s flavour, providers %s)", self.export_dir, self.flavour, self.decoder.get_providers()
+            "ONNX Runtime runner on %s (%s flavour, providers %s)",
+            self.export_dir,
+            self.flavour,
+            self.decoder.get_providers(),
         )
 
     def _session(self, filename: str, options: ort.SessionOptions) -> ort.InferenceSession:
@@ -165,7 +183,13 @@ class OrtRunner(decoding.SearchMethods):
     def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, num_beams: int = 1) -> OrtState:
         """Encode ``input_ids [B, S]`` once; repeat each row ``num_beams`` times; allocate and bind."""
         ids, lengths, cache_len, K = decoding.check_encode_args(
-            input_ids, src_lengths, cache_len, num_beams, src_vocab_size=self.src_vocab_size, max_positions=self.max_len)
+            input_ids,
+            src_lengths,
+            cache_len,
+            num_beams,
+            src_vocab_size=self.src_vocab_size,
+            max_positions=self.max_len,
+        )
         if cache_len > self.max_cache_len:
             raise ValueError(
                 f"cache_len = {cache_len} exceeds what this export supports (max_cache_len = {self.max_cache_len}, "
@@ -174,7 +198,12 @@ class OrtRunner(decoding.SearchMethods):
             )
         B, S = ids.shape
 
-        outs = dict(zip(self._encoder_outputs, self.encoder.run(self._encoder_outputs, {"input_ids": ids, "src_lengths": lengths})))
+        outs = dict(
+            zip(
+                self._encoder_outputs,
+                self.encoder.run(self._encoder_outputs, {"input_ids": ids, "src_lengths": lengths}),
+            )
+        )
         N = B * K
 
         def rows(a: np.ndarray) -> np.ndarray:  # each source row repeated K times, contiguous
@@ -189,8 +218,15 @@ class OrtRunner(decoding.SearchMethods):
             src_lengths=rows(lengths),
             cross_keys=cross_keys,
             cross_values=cross_values,
-            cache=HostKVCache(self.n_layers, N, self.n_heads, cache_len, self.d_k, dtype=np.float32,
-                              staging=self.flavour == "portable"),
+            cache=HostKVCache(
+                self.n_layers,
+                N,
+                self.n_heads,
+                cache_len,
+                self.d_k,
+                dtype=np.float32,
+                staging=self.flavour == "portable",
+            ),
             logits=np.zeros((N, self.vocab_size), dtype=np.float32),
         )
         self._bind(state)
@@ -225,7 +261,9 @@ class OrtRunner(decoding.SearchMethods):
         """Feed one token per row at the current position; returns float32 logits ``[N, V]``."""
         cache = state.cache
         p = cache.length
-        tok = decoding.check_step_tokens(p, cache.capacity, self.max_len, tokens, state.num_rows, self.vocab_size)
+        tok = decoding.check_step_tokens(
+            p, cache.capacity, self.max_len, tokens, state.num_rows, self.vocab_size
+        )
         state.input_ids[:, 0] = tok
         state.positions.fill(p)
         self.decoder.run_with_iobinding(state.binding)

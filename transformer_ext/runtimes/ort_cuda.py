@@ -79,8 +79,11 @@ def session_io(session: Any) -> dict[str, dict[str, Any]]:
     out = {}
     for mode, values in (("input", session.get_inputs()), ("output", session.get_outputs())):
         for v in values:
-            out[v.name] = {"mode": mode, "dtype": dtype_from_ort(v.type),
-                           "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
+            out[v.name] = {
+                "mode": mode,
+                "dtype": dtype_from_ort(v.type),
+                "shape": [d if isinstance(d, int) else str(d) for d in v.shape],
+            }
     return out
 
 
@@ -137,8 +140,12 @@ class OrtCudaRunner(DeviceRunner):
         self.precision = precision
         heads = int(cfg["n_heads"])
         self.dims = ModelDims(
-            n_layers=int(cfg["n_decoder_layers"]), n_heads=heads, d_k=int(cfg["d_model"]) // heads,
-            d_model=int(cfg["d_model"]), vocab_size=int(cfg["tgt_vocab_size"]), max_positions=int(cfg["max_len"]),
+            n_layers=int(cfg["n_decoder_layers"]),
+            n_heads=heads,
+            d_k=int(cfg["d_model"]) // heads,
+            d_model=int(cfg["d_model"]),
+            vocab_size=int(cfg["tgt_vocab_size"]),
+            max_positions=int(cfg["max_len"]),
             src_vocab_size=int(cfg["src_vocab_size"]),
         )
         self.limits = ProfileLimits(max_cache_len=int(self.manifest.get("max_cache_len", cfg["max_len"])))
@@ -146,14 +153,17 @@ class OrtCudaRunner(DeviceRunner):
 
         options = ort.SessionOptions()
         if graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
-            raise ValueError(f"graph_optimization_level must be one of {sorted(GRAPH_OPTIMIZATION_LEVELS)}, "
-                             f"got {graph_optimization_level!r}")
+            raise ValueError(
+                f"graph_optimization_level must be one of {sorted(GRAPH_OPTIMIZATION_LEVELS)}, "
+                f"got {graph_optimization_level!r}"
+            )
         options.graph_optimization_level = GRAPH_OPTIMIZATION_LEVELS[graph_optimization_level]
         if intra_op_num_threads is not None:
             options.intra_op_num_threads = int(intra_op_num_threads)
         self.providers = self.provider_list(provider_options)
-        factory = session_factory or (lambda src, opts, providers: ort.InferenceSession(src, sess_options=opts,
-                                                                                        providers=providers))
+        factory = session_factory or (
+            lambda src, opts, providers: ort.InferenceSession(src, sess_options=opts, providers=providers)
+        )
         self.encoder = self._session(factory, ENCODER_FILE, options)
         self.decoder = self._session(factory, DECODER_FILE, options)
         if self.device.type == "cuda":
@@ -168,8 +178,14 @@ class OrtCudaRunner(DeviceRunner):
         self._check_io()
         self.cache_dtype = TORCH_DTYPES[self.decoder_io["self_key.0"]["dtype"]]
         self.encoder_out_dtype = TORCH_DTYPES[self.encoder_io["encoder_out"]["dtype"]]
-        logger.info("ONNX Runtime device runner on %s (%s, %s flavour, providers %s, cache %s)", self.export_dir,
-                    self.device, self.flavour, self.decoder.get_providers(), _dtype_name(self.cache_dtype))
+        logger.info(
+            "ONNX Runtime device runner on %s (%s, %s flavour, providers %s, cache %s)",
+            self.export_dir,
+            self.device,
+            self.flavour,
+            self.decoder.get_providers(),
+            _dtype_name(self.cache_dtype),
+        )
 
     def provider_list(self, provider_options: Optional[Mapping[str, Any]] = None) -> list:
         """The execution providers: CUDA on the runner's device and stream (CPU for ``device="cpu"``)."""
@@ -193,25 +209,40 @@ class OrtCudaRunner(DeviceRunner):
         differ on purpose): the one comparator of :mod:`transformer_ext.export_format`."""
         problems = []
         for graph, session in (("encoder", self.encoder), ("decoder_step", self.decoder)):
-            problems += [f"{graph}: {p}" for p in io_problems(
-                self.manifest["graphs"][graph], _io(session.get_inputs()), _io(session.get_outputs()),
-                compare_dtypes=self.precision == "fp32")]
+            problems += [
+                f"{graph}: {p}"
+                for p in io_problems(
+                    self.manifest["graphs"][graph],
+                    _io(session.get_inputs()),
+                    _io(session.get_outputs()),
+                    compare_dtypes=self.precision == "fp32",
+                )
+            ]
         if problems:
             raise ManifestError("the graphs do not match the manifest: " + "; ".join(problems))
 
     # ---------------------------------------------------------------- binding
 
-    def _bind(self, binding: Any, io: Mapping[str, Mapping[str, Any]], bindings: Mapping[str, torch.Tensor],
-              what: str) -> None:
+    def _bind(
+        self,
+        binding: Any,
+        io: Mapping[str, Mapping[str, Any]],
+        bindings: Mapping[str, torch.Tensor],
+        what: str,
+    ) -> None:
         missing = sorted(set(io) - set(bindings))
         extra = sorted(set(bindings) - set(io))
         if missing or extra:
-            raise BindingError(f"{what}: graph tensors without a buffer {missing}, buffers without a tensor {extra}")
+            raise BindingError(
+                f"{what}: graph tensors without a buffer {missing}, buffers without a tensor {extra}"
+            )
         device_type = self.device.type
         device_id = int(self.device.index or 0)
         for name, t in bindings.items():
             if _dtype_name(t.dtype) != io[name]["dtype"]:
-                raise BindingError(f"{what}: {name} is {io[name]['dtype']} in the graph, the buffer is {_dtype_name(t.dtype)}")
+                raise BindingError(
+                    f"{what}: {name} is {io[name]['dtype']} in the graph, the buffer is {_dtype_name(t.dtype)}"
+                )
             if t.device != self.device or not t.is_contiguous():
                 raise BindingError(f"{what}: {name} must be a contiguous tensor on {self.device}")
             args = (name, device_type, device_id, ort_element_type(t.dtype), list(t.shape), t.data_ptr())

@@ -85,57 +85,91 @@ class TensorRTRunner(DeviceRunner):
     Use :meth:`from_export_dir` to load the engines ``python -m export.tensorrt`` wrote.
     """
 
-    def __init__(self, encoder_engine: Any, decoder_engine: Any, *, max_positions: Optional[int] = None,
-                 src_vocab_size: Optional[int] = None, device: Union[str, torch.device] = "cuda",
-                 stream: Optional[Any] = None):
+    def __init__(
+        self,
+        encoder_engine: Any,
+        decoder_engine: Any,
+        *,
+        max_positions: Optional[int] = None,
+        src_vocab_size: Optional[int] = None,
+        device: Union[str, torch.device] = "cuda",
+        stream: Optional[Any] = None,
+    ):
         super().__init__(device, stream)
         self.encoder_engine, self.decoder_engine = encoder_engine, decoder_engine
         self.encoder_io = engine_io(encoder_engine)
         self.decoder_io = engine_io(decoder_engine)
         dec, enc = self.decoder_io, self.encoder_io
-        for need, io, what in ((("input_ids", "src_lengths", "encoder_out", "cross_key.0"), enc, "encoder"),
-                               (("input_ids", "positions", "src_lengths", "self_key.0", "logits"), dec, "decoder")):
+        for need, io, what in (
+            (("input_ids", "src_lengths", "encoder_out", "cross_key.0"), enc, "encoder"),
+            (("input_ids", "positions", "src_lengths", "self_key.0", "logits"), dec, "decoder"),
+        ):
             missing = [n for n in need if n not in io]
             if missing:
-                raise BindingError(f"the {what} engine lacks the tensors {missing} (has {sorted(io)}); "
-                                   "was it built from an export of DESIGN.md section 3?")
+                raise BindingError(
+                    f"the {what} engine lacks the tensors {missing} (has {sorted(io)}); "
+                    "was it built from an export of DESIGN.md section 3?"
+                )
         self.flavour = "tensorscatter" if "present_key.0" in dec else "portable"
         n_layers = sum(1 for n in dec if n.startswith("self_key."))
         _, heads, cache_dim, d_k = dec["self_key.0"]["shape"]
         self.dims = ModelDims(
-            n_layers=n_layers, n_heads=heads, d_k=d_k, d_model=enc["encoder_out"]["shape"][-1],
-            vocab_size=dec["logits"]["shape"][-1], max_positions=max_positions,
+            n_layers=n_layers,
+            n_heads=heads,
+            d_k=d_k,
+            d_model=enc["encoder_out"]["shape"][-1],
+            vocab_size=dec["logits"]["shape"][-1],
+            max_positions=max_positions,
             src_vocab_size=None if src_vocab_size is None else int(src_vocab_size),
         )
         self.cache_dtype = TORCH_DTYPES[dec["self_key.0"]["dtype"]]
         self.encoder_out_dtype = TORCH_DTYPES[enc["encoder_out"]["dtype"]]
         if TORCH_DTYPES[enc["cross_key.0"]["dtype"]] != self.cache_dtype:
-            raise BindingError(f"encoder cross_key dtype {enc['cross_key.0']['dtype']} != decoder cache dtype "
-                               f"{dec['self_key.0']['dtype']}: engines of different precisions?")
+            raise BindingError(
+                f"encoder cross_key dtype {enc['cross_key.0']['dtype']} != decoder cache dtype "
+                f"{dec['self_key.0']['dtype']}: engines of different precisions?"
+            )
         rows = _profile_dim(decoder_engine, "input_ids", 0)
         sources = _profile_dim(encoder_engine, "input_ids", 0)
         src = _profile_dim(encoder_engine, "input_ids", 1)
         cross_src = _profile_dim(decoder_engine, "cross_key.0", 2)
         cache = (cache_dim, cache_dim) if cache_dim > 0 else _profile_dim(decoder_engine, "self_key.0", 2)
-        static = cache[0] if cache[0] == cache[1] and (cache_dim > 0 or self.flavour == "tensorscatter") else None
+        static = (
+            cache[0] if cache[0] == cache[1] and (cache_dim > 0 or self.flavour == "tensorscatter") else None
+        )
         self.limits = ProfileLimits(
-            max_rows=rows[1], max_sources=sources[1],
-            min_src_len=max(src[0], cross_src[0]), max_src_len=min(src[1], cross_src[1]),
-            min_cache_len=cache[0], max_cache_len=cache[1], static_cache_len=static,
+            max_rows=rows[1],
+            max_sources=sources[1],
+            min_src_len=max(src[0], cross_src[0]),
+            max_src_len=min(src[1], cross_src[1]),
+            min_cache_len=cache[0],
+            max_cache_len=cache[1],
+            static_cache_len=static,
         )
         self.encoder_context = encoder_engine.create_execution_context()
         self.decoder_context = decoder_engine.create_execution_context()
         if self.encoder_context is None or self.decoder_context is None:
             raise RuntimeError("TensorRT could not create an execution context (out of device memory?)")
         self._bound_token: Optional[object] = None  # the decoding whose buffers the decoder context holds
-        logger.info("TensorRT runner: %s flavour, %d layers, cache %s, limits %s", self.flavour, n_layers,
-                    _dtype_name(self.cache_dtype), self.limits)
+        logger.info(
+            "TensorRT runner: %s flavour, %d layers, cache %s, limits %s",
+            self.flavour,
+            n_layers,
+            _dtype_name(self.cache_dtype),
+            self.limits,
+        )
 
     # ---------------------------------------------------------------- loading
 
     @classmethod
-    def from_export_dir(cls, export_dir: Union[str, os.PathLike], precision: str = "fp32", *,
-                        device: Union[str, torch.device] = "cuda", verify: bool = True) -> "TensorRTRunner":
+    def from_export_dir(
+        cls,
+        export_dir: Union[str, os.PathLike],
+        precision: str = "fp32",
+        *,
+        device: Union[str, torch.device] = "cuda",
+        verify: bool = True,
+    ) -> "TensorRTRunner":
         """Load ``<graph>.<precision>.engine`` as recorded in ``manifest.json`` by ``python -m export.tensorrt``."""
         from transformer_ext.export_format import manifest_max_positions, read_manifest
         from transformer_ext.tensorrt_support import TrtLogger, import_tensorrt
@@ -156,37 +190,57 @@ class TensorRTRunner(DeviceRunner):
             entry = built[precision]["engines"][graph]
             data = (export_dir / entry["file"]).read_bytes()
             if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                raise RuntimeError(f"{export_dir / entry['file']} does not match the sha256 in the manifest "
-                                   "(a build was interrupted, or the file was replaced); rebuild the engines")
+                raise RuntimeError(
+                    f"{export_dir / entry['file']} does not match the sha256 in the manifest "
+                    "(a build was interrupted, or the file was replaced); rebuild the engines"
+                )
             engine = runtime.deserialize_cuda_engine(data)
             if engine is None:
-                raise RuntimeError(f"TensorRT could not deserialize {entry['file']} (built with TensorRT "
-                                   f"{built[precision].get('tensorrt_version')} on {built[precision].get('device')}; "
-                                   f"this is TensorRT {trt.__version__}: engines are tied to both)")
+                raise RuntimeError(
+                    f"TensorRT could not deserialize {entry['file']} (built with TensorRT "
+                    f"{built[precision].get('tensorrt_version')} on {built[precision].get('device')}; "
+                    f"this is TensorRT {trt.__version__}: engines are tied to both)"
+                )
             engines[graph] = engine
         src_vocab = (manifest.get("model_config") or {}).get("src_vocab_size")
-        runner = cls(engines["encoder"], engines["decoder_step"], max_positions=manifest_max_positions(manifest),
-                     src_vocab_size=src_vocab, device=device)
+        runner = cls(
+            engines["encoder"],
+            engines["decoder_step"],
+            max_positions=manifest_max_positions(manifest),
+            src_vocab_size=src_vocab,
+            device=device,
+        )
         runner._runtime = runtime  # keep the runtime alive as long as its engines
         return runner
 
     # ---------------------------------------------------------------- binding
 
-    def _bind(self, context: Any, io: Mapping[str, Mapping[str, Any]], bindings: Mapping[str, torch.Tensor],
-              what: str) -> None:
+    def _bind(
+        self,
+        context: Any,
+        io: Mapping[str, Mapping[str, Any]],
+        bindings: Mapping[str, torch.Tensor],
+        what: str,
+    ) -> None:
         missing = sorted(set(io) - set(bindings))
         extra = sorted(set(bindings) - set(io))
         if missing or extra:
-            raise BindingError(f"{what}: engine tensors without a buffer {missing}, buffers without a tensor {extra}")
+            raise BindingError(
+                f"{what}: engine tensors without a buffer {missing}, buffers without a tensor {extra}"
+            )
         for name, t in bindings.items():
             want = io[name]["dtype"]
             if _dtype_name(t.dtype) != want:
-                raise BindingError(f"{what}: {name} is {want} in the engine, the buffer is {_dtype_name(t.dtype)}")
+                raise BindingError(
+                    f"{what}: {name} is {want} in the engine, the buffer is {_dtype_name(t.dtype)}"
+                )
             if t.device != self.device or not t.is_contiguous():
                 raise BindingError(f"{what}: {name} must be a contiguous tensor on {self.device}")
         for name, t in bindings.items():
             if io[name]["mode"] == "input" and not context.set_input_shape(name, tuple(t.shape)):
-                raise BindingError(f"{what}: shape {tuple(t.shape)} of {name} is outside the engine's profile")
+                raise BindingError(
+                    f"{what}: shape {tuple(t.shape)} of {name} is outside the engine's profile"
+                )
         for name, t in bindings.items():
             if not context.set_tensor_address(name, t.data_ptr()):
                 raise BindingError(f"{what}: TensorRT refused the address of {name}")
@@ -194,7 +248,9 @@ class TensorRTRunner(DeviceRunner):
             if io[name]["mode"] == "output":
                 shape = tuple(int(d) for d in context.get_tensor_shape(name))
                 if shape != tuple(t.shape):
-                    raise BindingError(f"{what}: the engine computes {name} as {shape}, the buffer is {tuple(t.shape)}")
+                    raise BindingError(
+                        f"{what}: the engine computes {name} as {shape}, the buffer is {tuple(t.shape)}"
+                    )
 
     def _execute(self, context: Any, what: str) -> None:
         if not context.execute_async_v3(self.stream_handle):
@@ -207,6 +263,8 @@ class TensorRTRunner(DeviceRunner):
     def _run_decoder(self, state: DeviceState) -> None:
         token = state.backend.setdefault("tensorrt_token", object())
         if self._bound_token is not token:  # addresses and shapes are set once per decoding
-            self._bind(self.decoder_context, self.decoder_io, decoder_bindings(state, self.flavour), "decoder")
+            self._bind(
+                self.decoder_context, self.decoder_io, decoder_bindings(state, self.flavour), "decoder"
+            )
             self._bound_token = token
         self._execute(self.decoder_context, "decoder step")

@@ -167,12 +167,20 @@ class _RunnerBase:
         self.cross_names = [f"cross_{k}.{i}" for i in range(settings.n_layers) for k in ("key", "value")]
         self.self_names = [f"self_{k}.{i}" for i in range(settings.n_layers) for k in ("key", "value")]
 
-    def _encode(self, input_ids: np.ndarray, src_lengths: np.ndarray, num_beams: int) -> tuple[np.ndarray, dict]:
+    def _encode(
+        self, input_ids: np.ndarray, src_lengths: np.ndarray, num_beams: int
+    ) -> tuple[np.ndarray, dict]:
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         lengths = np.ascontiguousarray(src_lengths, dtype=np.int64)
         B = ids.shape[0]
-        calls = [Call(self.s.encoder_model, {"input_ids": ids[sl], "src_lengths": lengths[sl, None]}, self.cross_names)
-                 for sl in _chunks(B, self.s.encoder_max_batch_size)]
+        calls = [
+            Call(
+                self.s.encoder_model,
+                {"input_ids": ids[sl], "src_lengths": lengths[sl, None]},
+                self.cross_names,
+            )
+            for sl in _chunks(B, self.s.encoder_max_batch_size)
+        ]
         outs = self.infer(calls)
         cross = {}
         for name in self.cross_names:
@@ -183,8 +191,14 @@ class _RunnerBase:
         return rows, cross
 
     def _check_step(self, state: _State, tokens: np.ndarray) -> np.ndarray:
-        return decoding.check_step_tokens(state.position, state.cache_len, self.s.max_positions, tokens,
-                                          state.num_rows, self.s.tgt_vocab_size)
+        return decoding.check_step_tokens(
+            state.position,
+            state.cache_len,
+            self.s.max_positions,
+            tokens,
+            state.num_rows,
+            self.s.tgt_vocab_size,
+        )
 
 
 class StatelessRunner(_RunnerBase):
@@ -209,12 +223,18 @@ class StatelessRunner(_RunnerBase):
         p = state.position
         N = state.num_rows
         portable = self.s.flavour == "portable"
-        out_names = ["logits"] + [n.replace("self_", "new_" if portable else "present_") for n in self.self_names]
+        out_names = ["logits"] + [
+            n.replace("self_", "new_" if portable else "present_") for n in self.self_names
+        ]
         positions = np.full((N, 1), p, dtype=np.int64)
         calls = []
         slices = _chunks(N, self.s.decoder_max_batch_size)
         for sl in slices:
-            inputs = {"input_ids": tok[sl, None], "positions": positions[sl], "src_lengths": state.src_lengths[sl, None]}
+            inputs = {
+                "input_ids": tok[sl, None],
+                "positions": positions[sl],
+                "src_lengths": state.src_lengths[sl, None],
+            }
             inputs.update({n: state.self_cache[n][sl] for n in self.self_names})
             inputs.update({n: state.cross[n][sl] for n in self.cross_names})
             calls.append(Call(self.s.decoder_model, inputs, out_names))
@@ -251,13 +271,17 @@ class StatefulRunner(_RunnerBase):
     from outside the server.
     """
 
-    def __init__(self, settings: Settings, infer: Infer, new_correlation_id: Optional[Callable[[], int]] = None):
+    def __init__(
+        self, settings: Settings, infer: Infer, new_correlation_id: Optional[Callable[[], int]] = None
+    ):
         super().__init__(settings, infer)
         self.new_correlation_id = new_correlation_id or (lambda: (uuid.uuid4().int >> 65) or 1)
 
     def encode(self, input_ids, src_lengths, cache_len, num_beams=1) -> _State:
         if int(num_beams) != 1:
-            raise ValueError("the stateful decoder serves greedy search only (beams cannot be reordered in Triton's state)")
+            raise ValueError(
+                "the stateful decoder serves greedy search only (beams cannot be reordered in Triton's state)"
+            )
         if int(cache_len) > self.s.state_cache_len:
             raise TranslationRequestError(
                 f"{cache_len} decoding steps do not fit the stateful decoder's cache capacity "
@@ -265,17 +289,24 @@ class StatefulRunner(_RunnerBase):
             )
         rows, cross = self._encode(input_ids, src_lengths, 1)
         if rows.shape[0] > self.s.stateful_max_sequences:
-            raise ValueError(f"{rows.shape[0]} rows exceed the {self.s.stateful_max_sequences} sequences this instance may hold")
+            raise ValueError(
+                f"{rows.shape[0]} rows exceed the {self.s.stateful_max_sequences} sequences this instance may hold"
+            )
         ids = [self.new_correlation_id() for _ in range(rows.shape[0])]
         return _State(src_lengths=rows, cross=cross, cache_len=int(cache_len), correlation_ids=ids)
 
     def _calls(self, state: _State, tok: np.ndarray, position: int, flags: int) -> list[Call]:
         calls = []
         for r, corr in enumerate(state.correlation_ids):
-            inputs = {"input_ids": tok[r:r + 1, None], "positions": np.full((1, 1), position, dtype=np.int64),
-                      "src_lengths": state.src_lengths[r:r + 1, None]}
-            inputs.update({n: state.cross[n][r:r + 1] for n in self.cross_names})
-            calls.append(Call(self.s.stateful_decoder_model, inputs, ["logits"], correlation_id=corr, flags=flags))
+            inputs = {
+                "input_ids": tok[r : r + 1, None],
+                "positions": np.full((1, 1), position, dtype=np.int64),
+                "src_lengths": state.src_lengths[r : r + 1, None],
+            }
+            inputs.update({n: state.cross[n][r : r + 1] for n in self.cross_names})
+            calls.append(
+                Call(self.s.stateful_decoder_model, inputs, ["logits"], correlation_id=corr, flags=flags)
+            )
         return calls
 
     def step(self, state: _State, tokens) -> np.ndarray:
@@ -334,16 +365,22 @@ class Translator:
             nonpad = ids != self.s.pad_id
             lengths = np.where(nonpad.any(axis=1), ids.shape[1] - np.argmax(nonpad[:, ::-1], axis=1), 1)
         try:
-            ids, lengths = decoding.check_sources(ids, np.asarray(lengths).reshape(-1) if lengths is not None else None,
-                                                  src_vocab_size=self.s.src_vocab_size or None)
+            ids, lengths = decoding.check_sources(
+                ids,
+                np.asarray(lengths).reshape(-1) if lengths is not None else None,
+                src_vocab_size=self.s.src_vocab_size or None,
+            )
         except (TypeError, ValueError) as exc:
             raise TranslationRequestError(str(exc)) from None
         if ids.shape[1] > self.s.max_src_len:
-            raise TranslationRequestError(f"source length {ids.shape[1]} exceeds the served maximum {self.s.max_src_len}")
+            raise TranslationRequestError(
+                f"source length {ids.shape[1]} exceeds the served maximum {self.s.max_src_len}"
+            )
         return ids, lengths
 
-    def translate(self, arrays: Mapping[str, Any], infer: Infer,
-                  new_correlation_id: Optional[Callable[[], int]] = None) -> dict[str, np.ndarray]:
+    def translate(
+        self, arrays: Mapping[str, Any], infer: Infer, new_correlation_id: Optional[Callable[[], int]] = None
+    ) -> dict[str, np.ndarray]:
         ids, lengths = self._sources(arrays)
         B = ids.shape[0]
         beam = _scalar(arrays, "beam_size", self.s.beam_size, 1)
@@ -355,10 +392,13 @@ class Translator:
         if arrays.get("max_new_tokens") is not None:
             max_new = np.full(B, _scalar(arrays, "max_new_tokens", 0, 1), dtype=np.int64)
             if int(max_new[0]) > capacity:
-                raise TranslationRequestError(f"max_new_tokens must be at most {capacity} (the decoder's cache capacity)")
+                raise TranslationRequestError(
+                    f"max_new_tokens must be at most {capacity} (the decoder's cache capacity)"
+                )
         else:
-            max_new = decoding.max_new_tokens_for(lengths, self.s.max_len_a, self.s.max_len_b,
-                                                  cap=min(capacity, self.s.max_new_tokens))
+            max_new = decoding.max_new_tokens_for(
+                lengths, self.s.max_len_a, self.s.max_len_b, cap=min(capacity, self.s.max_new_tokens)
+            )
 
         tokens: list[list[int]] = []
         scores = np.full(B, np.nan, dtype=np.float32)
@@ -366,16 +406,34 @@ class Translator:
             # Stateful: every row of a chunk holds a sequence slot until the chunk ends.
             size = self.s.stateful_max_sequences if stateful else B
             for sl in _chunks(B, size):
-                runner = (StatefulRunner(self.s, infer, new_correlation_id) if stateful
-                          else StatelessRunner(self.s, infer))
+                runner = (
+                    StatefulRunner(self.s, infer, new_correlation_id)
+                    if stateful
+                    else StatelessRunner(self.s, infer)
+                )
                 tokens += _run(
-                    runner, decoding.greedy_decode, ids[sl], lengths[sl], bos_id=self.s.bos_id,
-                    eos_id=self.s.eos_id, max_new_tokens=max_new[sl], min_new_tokens=min_new,
+                    runner,
+                    decoding.greedy_decode,
+                    ids[sl],
+                    lengths[sl],
+                    bos_id=self.s.bos_id,
+                    eos_id=self.s.eos_id,
+                    max_new_tokens=max_new[sl],
+                    min_new_tokens=min_new,
                 )
         else:
             hyps = _run(
-                StatelessRunner(self.s, infer), decoding.beam_search, ids, lengths, bos_id=self.s.bos_id,
-                eos_id=self.s.eos_id, beam_size=beam, n_best=1, max_new_tokens=max_new, min_new_tokens=min_new, length_penalty=self.s.length_penalty,
+                StatelessRunner(self.s, infer),
+                decoding.beam_search,
+                ids,
+                lengths,
+                bos_id=self.s.bos_id,
+                eos_id=self.s.eos_id,
+                beam_size=beam,
+                n_best=1,
+                max_new_tokens=max_new,
+                min_new_tokens=min_new,
+                length_penalty=self.s.length_penalty,
                 alpha=self.s.alpha,
             )
             tokens = [h[0].tokens for h in hyps]
@@ -384,7 +442,11 @@ class Translator:
         out = np.full((B, width), self.s.pad_id, dtype=np.int64)
         for row, t in enumerate(tokens):
             out[row, : len(t)] = t
-        return {"output_ids": out, "output_lengths": np.array([len(t) for t in tokens], dtype=np.int64), "scores": scores}
+        return {
+            "output_ids": out,
+            "output_lengths": np.array([len(t) for t in tokens], dtype=np.int64),
+            "scores": scores,
+        }
 
 
 class _Closing:
@@ -454,7 +516,9 @@ class TritonPythonModel:
                 pb_utils.InferenceRequest(
                     model_name=c.model,
                     requested_output_names=list(c.outputs),
-                    inputs=[pb_utils.Tensor(name, np.ascontiguousarray(arr)) for name, arr in c.inputs.items()],
+                    inputs=[
+                        pb_utils.Tensor(name, np.ascontiguousarray(arr)) for name, arr in c.inputs.items()
+                    ],
                     correlation_id=int(c.correlation_id),
                     flags=int(c.flags),
                 )
@@ -466,7 +530,12 @@ class TritonPythonModel:
                 if response.has_error():
                     raise RuntimeError(f"{c.model}: {response.error().message()}")
                 # copy out of the response's shared memory before it is released
-                outputs.append({n: np.array(pb_utils.get_output_tensor_by_name(response, n).as_numpy()) for n in c.outputs})
+                outputs.append(
+                    {
+                        n: np.array(pb_utils.get_output_tensor_by_name(response, n).as_numpy())
+                        for n in c.outputs
+                    }
+                )
             return outputs
 
         def infer(calls: Sequence[Call]) -> list:  # called from the decoding thread
@@ -486,11 +555,16 @@ class TritonPythonModel:
                     if tensor is not None:
                         arrays[name] = np.array(tensor.as_numpy())
                 result = await loop.run_in_executor(None, self.translator.translate, arrays, infer)
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor(name, arr) for name, arr in result.items()]))
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[pb_utils.Tensor(name, arr) for name, arr in result.items()]
+                    )
+                )
             except Exception as exc:  # noqa: BLE001 - every failure becomes this request's error
                 logger.warning("translator request failed: %s", exc)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
+                responses.append(
+                    pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc)))
+                )
         return responses
 
     def finalize(self) -> None:
