@@ -188,6 +188,7 @@ setup(
             "transformer-ext-export-onnx=export.onnx:main",
             "transformer-ext-evaluate=transformer_ext.evaluate:main",
             "transformer-ext-average=transformer_ext.average:main",
+            "transformer-ext-convert=transformer_ext.convert.__main__:main",
         ]
     },
 )

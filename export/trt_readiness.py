@@ -100,6 +100,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "CastLike",
         "Concat",
         "Constant",
+        "Erf",  # the gelu activation (activation="gelu")
         "Gather",
         "GatherND",
         "Gemm",
@@ -112,6 +113,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "Relu",
         "Reshape",
         "Shape",
+        "Sigmoid",  # the swish activation (activation="swish"), Sigmoid * Mul
         "Slice",
         "Softmax",
         "Split",
