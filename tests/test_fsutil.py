@@ -192,3 +192,77 @@ def test_run_cli_hint_may_be_decided_at_the_interruption(capsys):
     state["checkpoint"] = True
     assert cli.run_cli("p", interrupted, interrupted_hint=hint) == cli.EXIT_SIGINT
     assert capsys.readouterr().err == "p: interrupted; resume with --resume\n"
+
+
+# ---------------------------------------------------------------------- outputs overlapping inputs
+def test_check_output_path_refuses_an_output_that_is_the_input(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("x")
+    with pytest.raises(fsutil.OutputConflictError, match=rf"--output {src} is --input {src}"):
+        fsutil.check_output_path(src, inputs=[("--input", src)])
+    link = tmp_path / "link.txt"
+    link.symlink_to(src)
+    with pytest.raises(cli.UserError, match="is --input"):
+        fsutil.check_output_path(link, inputs=[("--input", src)])
+    hard = tmp_path / "hard.txt"
+    os.link(src, hard)
+    with pytest.raises(cli.UserError, match="is --input"):
+        fsutil.check_output_path(hard, inputs=[("--input", src)])
+
+
+def test_check_output_path_refuses_a_file_inside_the_model_folder(tmp_path):
+    model = tmp_path / "exp"
+    model.mkdir()
+    (model / "encoder.onnx").write_bytes(b"graph")
+    out = model / "encoder.onnx"
+    with pytest.raises(cli.UserError, match=rf"--output {out} lies inside the export folder --model {model}"):
+        fsutil.check_output_path(out, inputs=[("the export folder --model", model)])
+    # through a symlinked parent folder too
+    alias = tmp_path / "alias"
+    alias.symlink_to(model)
+    with pytest.raises(cli.UserError, match="lies inside"):
+        fsutil.check_output_path(alias / "new.txt", inputs=[("the export folder --model", model)])
+    assert (model / "encoder.onnx").read_bytes() == b"graph"
+
+
+def test_check_output_path_refuses_an_output_folder_holding_the_input(tmp_path):
+    model = tmp_path / "runs" / "m"
+    model.mkdir(parents=True)
+    with pytest.raises(cli.UserError, match="--output-dir .* contains --model"):
+        fsutil.check_output_path(tmp_path / "runs", inputs=[("--model", model)], what="--output-dir")
+
+
+def test_check_output_path_refuses_managed_folders(tmp_path):
+    run = tmp_path / "run"
+    (run / "last").mkdir(parents=True)
+    for out in (run / "last", run / "last" / "avg"):
+        with pytest.raises(
+            cli.UserError, match=r"--out .* lies inside the run's folder .*last, which the program"
+        ):
+            fsutil.check_output_path(out, managed_dirs=[("the run's folder", run / "last")], what="--out")
+    with pytest.raises(cli.UserError, match="contains the run's folder"):
+        fsutil.check_output_path(run, managed_dirs=[("the run's folder", run / "last")], what="--out")
+
+
+def test_check_output_path_accepts_a_sibling_and_returns_it_resolved(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model-x").mkdir()  # a name prefix is not containment
+    out = fsutil.check_output_path(
+        tmp_path / "model-x" / "out.txt", inputs=[tmp_path / "model"], managed_dirs=[tmp_path / "m2"]
+    )
+    assert out == Path(os.path.realpath(tmp_path)) / "model-x" / "out.txt"
+
+
+# ---------------------------------------------------------------------- exit codes
+def test_a_value_out_of_range_exits_2_like_argparse(capsys):
+    def work():
+        raise cli.UsageError("--beam must be >= 1, got 0")
+
+    assert cli.run_cli("prog", work) == cli.EXIT_USAGE == 2
+    assert capsys.readouterr().err == "prog: error: --beam must be >= 1, got 0\n"
+    assert isinstance(cli.UsageError("x"), ValueError)  # the Python API keeps raising ValueError
+
+    def bad_file():
+        raise cli.UserError("a.txt: not UTF-8")
+
+    assert cli.run_cli("prog", bad_file) == 1

@@ -15,6 +15,10 @@ folders, engines) goes through this module, so the rules hold everywhere:
   temporary of another host is never touched: run folders may sit on a file system shared by
   several machines under torchrun.
 * Permissions follow the umask, as for every other tool.
+* An output never overlaps what the command reads or a folder that a command manages
+  (:func:`check_output_path`): it is not an input file, not inside an input folder (a model or
+  export folder in use), does not contain an input, and is not inside (nor contains) a managed
+  folder (a training run's ``best/``, ``last/``, ``checkpoints/``). Symlinks are resolved first.
 """
 
 from __future__ import annotations
@@ -28,11 +32,16 @@ import secrets
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Iterable, Tuple, Union
+
+from .cli import UserError
 
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
+# a path, or ``(description, path)`` where the description names it in messages ("--input", "the
+# model folder --model")
+LabelledPath = Union[PathLike, Tuple[str, PathLike]]
 
 _KINDS = ("tmp", "old")
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
@@ -195,3 +204,77 @@ class StagedDir:
     def __exit__(self, *exc) -> None:
         if not self.committed and self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+class OutputConflictError(UserError, ValueError):
+    """An output that is, contains or lies inside an input or a managed folder."""
+
+
+def _labelled(item: LabelledPath, default: str) -> tuple[str, Path]:
+    if isinstance(item, tuple):
+        label, path = item
+        return str(label), Path(path)
+    return default, Path(item)
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(os.path.abspath(path)))
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links, bind mounts
+    except OSError:
+        return False
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner != outer and outer in inner.parents
+
+
+def check_output_path(
+    output: PathLike,
+    *,
+    inputs: Iterable[LabelledPath] = (),
+    managed_dirs: Iterable[LabelledPath] = (),
+    what: str = "--output",
+) -> Path:
+    """Refuse an ``output`` that overlaps an input or a managed folder; return it resolved.
+
+    ``output`` (a file or a folder the command will write or replace) must not be any of
+    ``inputs`` (files or folders the command reads), lie inside one of them or contain one, and
+    must not be, lie inside or contain any of ``managed_dirs`` (folders another part of the
+    package owns and replaces). Symlinks are resolved (and hard links compared by identity)
+    before comparing. Each entry is a path or ``(description, path)``; the error names ``what``
+    (the option), the output, the description and the path of the conflict. Touches nothing.
+    """
+    out = _real(Path(output))
+    for item in inputs:
+        label, path = _labelled(item, "the input")
+        real = _real(path)
+        if _same(out, real):
+            raise OutputConflictError(f"{what} {output} is {label} {path}; write the output to another file")
+        if _within(out, real):
+            raise OutputConflictError(
+                f"{what} {output} lies inside {label} {path}; choose an output outside it"
+            )
+        if _within(real, out):
+            raise OutputConflictError(
+                f"{what} {output} contains {label} {path}; choose an output that does not contain it"
+            )
+    for item in managed_dirs:
+        label, path = _labelled(item, "a managed folder")
+        real = _real(path)
+        if _same(out, real) or _within(out, real):
+            raise OutputConflictError(
+                f"{what} {output} lies inside {label} {path}, which the program manages (its contents are "
+                "replaced or deleted); choose an output outside it"
+            )
+        if _within(real, out):
+            raise OutputConflictError(
+                f"{what} {output} contains {label} {path}, which the program manages; choose an output that "
+                "does not contain it"
+            )
+    return out
