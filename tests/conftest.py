@@ -1,4 +1,6 @@
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,24 @@ def fast_export(monkeypatch, exported_portable):
 
     monkeypatch.setattr(export_mod, "_export_graph", fake_export_graph)
     return calls
+
+
+@pytest.fixture(autouse=True)
+def _sigint_deliverable():
+    """SIGINT raises KeyboardInterrupt in every test, even when pytest was started with it ignored.
+
+    A shell that runs pytest in the background, ``nohup`` and some CI runners start it with SIGINT
+    ignored; the tests that interrupt a command with SIGINT (in this process or in a child, which
+    inherits the disposition) need it delivered. The disposition is restored after each test.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)

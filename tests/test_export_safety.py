@@ -271,7 +271,9 @@ def test_triton_force_replaces_only_its_own_files(tmp_path, exported_portable):
 # Runs the real main() of a module in a subprocess, with one function wrapped so that the
 # process prints "READY" and waits on stdin at a known point inside the staged write.
 CHILD = r"""
-import importlib, os, sys
+import importlib, os, signal, sys
+# a test sends this process SIGINT: deliverable even when the test run was started with it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 module, attr, src = sys.argv[1], sys.argv[2], sys.argv[3]
 mod = importlib.import_module(module)
 real = getattr(mod, attr)
