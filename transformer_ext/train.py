@@ -17,7 +17,7 @@ What a training run does:
 * **Validation** every ``eval_every`` steps: loss over the validation split and exact match of
   greedy decoding on a fixed subset of it; the best checkpoint (by exact match, then loss) is
   kept in ``<out>/best/``, the latest in ``<out>/last/``.
-* **Checkpoints** follow DESIGN.md section 5: ``config.json`` + ``model.safetensors`` +
+* **Checkpoints** follow docs/DESIGN.md section 5: ``config.json`` + ``model.safetensors`` +
   ``tokenizer.json``. ``<out>/last/`` also holds the training state for ``--resume``:
   optimiser tensors and RNG states in ``training_state.safetensors``, everything else
   (step, epoch, position in the epoch, scheduler, history) in ``training_state.json``.
