@@ -83,7 +83,7 @@ def test_extract_split_by_books(tmp_path):
     )
     # every verse lands in the split of its book, aligned, from the public-domain editions only
     expected = {"train": [], "valid": [], "test": []}
-    for (b, c, v), (en, de) in sorted(VERSES.items()):
+    for (b, _c, _v), (en, de) in sorted(VERSES.items()):
         if en and de:
             split = "test" if b == 44 else "valid" if b in (8, 50) else "train"
             expected[split].append((en.replace("`", "'"), de))

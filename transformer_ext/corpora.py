@@ -314,7 +314,7 @@ def _book_numbers(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected book numbers separated by commas (e.g. 8,50), got {text!r}"
-        )
+        ) from None
     if not numbers or any(n < 1 for n in numbers):
         raise argparse.ArgumentTypeError(f"expected book numbers >= 1 separated by commas, got {text!r}")
     return numbers
