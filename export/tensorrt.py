@@ -77,7 +77,6 @@ from transformer_ext.export_format import (
     SRC_LEN,
     GenerationConfig,
     dtype_from_tensorrt,
-    manifest_max_positions,
     read_generation_config,
     read_manifest,
 )
@@ -344,7 +343,6 @@ def plan_build(
     manifest = read_manifest(export_dir)
     if manifest.get("quantization"):
         raise ExportError(INT8_REFUSAL.format(folder=export_dir))
-    max_positions = manifest_max_positions(manifest)
 
     user_ranges = dict(options.axis_ranges)
     if (

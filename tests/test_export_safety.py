@@ -15,7 +15,6 @@ line and wait on stdin) before the signal is sent, so no test waits on a clock.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -25,10 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import onnx
 import pytest
-from test_export_onnx import exported_portable, fast_export, make_model_dir  # noqa: F401  (fixtures)
-from test_tensorrt import _fake_tensorrt
+from fake_tensorrt import fake_tensorrt
+from helpers import make_model_dir
 
 from export import OutputFolderError
 from export import onnx as export_mod
@@ -172,7 +170,7 @@ def test_empty_folder_is_used_and_a_file_is_refused(tmp_path, model_dir, fast_ex
 def test_tensorrt_lists_its_files_so_the_folder_stays_replaceable(
     tmp_path, model_dir, fast_export, monkeypatch
 ):
-    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt([]))
     out = tmp_path / "out"
     export_onnx(model_dir, out, validate=False)
     trtb.build_engines(out, trtb.BuildOptions(precision="fp16"))
@@ -193,7 +191,7 @@ def test_tensorrt_lists_its_files_so_the_folder_stays_replaceable(
 
 
 def test_tensorrt_writes_only_into_folders_of_ours(tmp_path, exported_portable, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt([]))
     export = tmp_path / "export"
     shutil.copytree(exported_portable, export)
     mine = tmp_path / "mine"
@@ -273,7 +271,9 @@ def test_triton_force_replaces_only_its_own_files(tmp_path, exported_portable):
 # Runs the real main() of a module in a subprocess, with one function wrapped so that the
 # process prints "READY" and waits on stdin at a known point inside the staged write.
 CHILD = r"""
-import importlib, os, sys
+import importlib, os, signal, sys
+# a test sends this process SIGINT: deliverable even when the test run was started with it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 module, attr, src = sys.argv[1], sys.argv[2], sys.argv[3]
 mod = importlib.import_module(module)
 real = getattr(mod, attr)
@@ -375,7 +375,7 @@ def test_export_triton_terminated_leaves_no_temporary(tmp_path, exported_portabl
 
 
 def test_tensorrt_interrupted_while_renaming_puts_the_folder_back(tmp_path, exported_portable, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt([]))
     folder = tmp_path / "e"
     shutil.copytree(exported_portable, folder)
     trtb.build_engines(folder, trtb.BuildOptions(precision="fp16"))
@@ -528,7 +528,7 @@ def test_export_triton_corrupt_graph_full_disk_and_read_only(
 
 
 def test_export_tensorrt_full_disk_and_read_only(tmp_path, exported_portable, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt([]))
     folder = tmp_path / "e"
     shutil.copytree(exported_portable, folder)
     assert trtb.main([str(folder), "--precision", "fp16"]) == 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from test_export_onnx import DEMO_DIR, exported_dir
+from helpers import DEMO_DIR, exported_dir
 
 from export import quantize as quant
 from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME

@@ -15,7 +15,6 @@ an error or an interruption leaves nothing behind.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
