@@ -649,12 +649,11 @@ def kernel_compute(bits: int, block_size: int, accuracy_level: int) -> str:
     return "int8" if np.abs(y - ref).max() > 1e-4 * np.abs(ref).max() else "float32"
 
 
-_ISA_FLAGS = (
-    "sse4_1",
-    "avx",
+# The instruction-set extensions that decide which quantized kernels ONNX Runtime runs (x86:
+# AVX2 / AVX-512 / VNNI / AMX; ARM: dot products, int8 matrix multiply, SVE).
+ISA_FLAGS = (
     "avx2",
     "fma",
-    "f16c",
     "avx512f",
     "avx512bw",
     "avx512vl",
@@ -668,33 +667,20 @@ _ISA_FLAGS = (
     "asimddp",
     "i8mm",
     "sve",
-    "bf16",
 )
 
 
 def cpu_description() -> dict:
-    """The CPU a quantized export was made on: model name, architecture and the instruction-set
-    extensions ONNX Runtime's quantized kernels choose between (VNNI, AVX-512, AMX, ARM dot
-    products), from ``/proc/cpuinfo`` where the system has one."""
-    import platform
+    """The CPU a quantized export was made on (:func:`transformer_ext.cpu_features.cpu_flags`):
+    model name, architecture and which of :data:`ISA_FLAGS` it has (``"isa"``)."""
+    from transformer_ext.cpu_features import cpu_flags
 
-    flags: set[str] = set()
-    model = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key in ("flags", "features"):
-                    flags |= set(value.split())
-                elif key == "model name" and value.strip():
-                    model = value.strip()
-    except OSError:
-        pass
+    cpu = cpu_flags()
     return {
-        "model": model,
-        "machine": platform.machine(),
-        "isa": [f for f in _ISA_FLAGS if f in flags],
+        "model": cpu.model or None,
+        "arch": cpu.arch,
+        "isa": [f for f in ISA_FLAGS if f in cpu.flags],
+        "flags_source": cpu.source,
     }
 
 

@@ -20,8 +20,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import DEMO_DIR, exported_dir, make_model_dir
 from onnx import TensorProto, helper, numpy_helper
-from test_export_onnx import DEMO_DIR, exported_dir, make_model_dir
 
 from export import quantize as quant
 from export.manifest import DECODER_FILE, ENCODER_FILE
