@@ -530,8 +530,8 @@ def test_quantize_unknown_scheme_before_the_disk(tmp_path, fast_export):
     from export.quantize import QuantizationError
 
     model_dir = make_model_dir(tmp_path / "model")
-    with pytest.raises(QuantizationError, match="unknown quantization scheme 'int4'"):
-        export_onnx(model_dir, tmp_path / "out", quantize="int4")
+    with pytest.raises(QuantizationError, match="unknown quantization scheme 'int3'"):
+        export_onnx(model_dir, tmp_path / "out", quantize="int3")
     assert not (tmp_path / "out").exists() and fast_export == []  # nothing traced either
 
 
