@@ -72,7 +72,7 @@ from transformer_ext.export_format import (
     read_manifest,
     tokenizer_files,
 )
-from transformer_ext.fsutil import StagedDir
+from transformer_ext.fsutil import StagedDir, check_output_path
 
 from .manifest import (
     check_replaceable,
@@ -888,7 +888,10 @@ def quantize_folder(
         scheme, options, max_em_drop, max_bleu_drop, manifest["model_config"]
     )
     # A scratch sibling of the folder (not inside it, so its files list stays exact), never
-    # committed: removed on any exit, and by the next run on this host if this one is killed.
+    # committed: removed on any exit. ``folder`` is a temporary of the output (``.OUT.tmp-...``),
+    # so the scratch is a temporary of a temporary (``..OUT.tmp-....quantize.tmp-...``), which
+    # fsutil's one rule (parse_temporary_name) traces to OUT: after a SIGKILL the next write of
+    # OUT on this host removes it with the staged folder.
     with StagedDir(folder.with_name(f"{folder.name}.quantize")) as scratch:
         tmp_dir = scratch.path
         for name in folder_files(folder):
@@ -936,6 +939,8 @@ def quantize_export(
             (or, with ``gate_data``, more than ``max_bleu_drop`` BLEU points).
         ManifestError: ``export_dir`` is not an export folder.
         OutputFolderError: ``output_dir`` holds files this package did not write.
+        transformer_ext.fsutil.OutputConflictError: ``output_dir`` lies inside ``export_dir`` or
+            contains it.
     """
     check_quantize_arguments(scheme, options, max_em_drop, max_bleu_drop)
     src = Path(export_dir).absolute()
@@ -948,6 +953,8 @@ def quantize_export(
             f"--output-dir must differ from the export folder {src} (it is replaced atomically "
             "from a float32 source that must stay readable)"
         )
+    # an output inside the export it reads (or holding it) would be copied into itself
+    check_output_path(out, inputs=[("the export folder --export-dir", src)], what="--output-dir")
     check_replaceable(out)
     made: list[Path] = []
     try:
