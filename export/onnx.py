@@ -52,10 +52,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.cli import UsageError, add_debug_flag, run_cli
 from transformer_ext.decoding import LENGTH_PENALTIES
 from transformer_ext.export_format import GenerationConfig, read_generation_config
-from transformer_ext.fsutil import StagedDir
+from transformer_ext.fsutil import StagedDir, check_output_path
 
 from . import ExportError, GraphContractError, ModelDirectoryError
 from .manifest import (
@@ -442,11 +442,11 @@ def _versions() -> dict:
 
 def _as_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise UsageError(f"{name} must be an integer, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        raise UsageError(f"{name} must be an integer, got {value!r}") from None
 
 
 def _check_arguments(
@@ -454,21 +454,21 @@ def _check_arguments(
 ) -> tuple[int, Optional[int], float]:
     """``(opset, cache_len, tolerance)`` checked (cache_len against max_len later); touches nothing."""
     if flavour not in FLAVOURS:
-        raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
+        raise UsageError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
     opset = DEFAULT_OPSETS[flavour] if opset is None else _as_int("opset", opset)
     allowed = OPSET_RANGES[flavour]
     if opset not in allowed:
-        raise ValueError(
+        raise UsageError(
             f"opset {opset} is not supported for the {flavour} flavour (use {allowed.start}..{allowed.stop - 1})"
         )
     if cache_len is not None:
         cache_len = _as_int("cache_len", cache_len)
         if cache_len < 1:
-            raise ValueError(f"cache_len must be >= 1, got {cache_len}")
+            raise UsageError(f"cache_len must be >= 1, got {cache_len}")
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
-        raise ValueError(f"tolerance must be a number, got {tolerance!r}")
+        raise UsageError(f"tolerance must be a number, got {tolerance!r}")
     if not (math.isfinite(tolerance) and tolerance > 0):
-        raise ValueError(f"tolerance must be a positive finite number, got {tolerance}")
+        raise UsageError(f"tolerance must be a positive finite number, got {tolerance}")
     _as_int("seed", seed)
     return opset, cache_len, float(tolerance)
 
@@ -553,13 +553,14 @@ def export_onnx(
 
         _, _, max_bleu_drop = check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop)
     elif gate_data is not None:
-        raise ValueError(
+        raise UsageError(
             "a BLEU gate (--gate-src / --gate-ref) checks quantized graphs: it needs --quantize int8, int4 "
             "or int8-nbits"
         )
     elif quantize_options:
-        raise ValueError(f"quantize_options {dict(quantize_options)} need --quantize int4 or int8-nbits")
+        raise UsageError(f"quantize_options {dict(quantize_options)} need --quantize int4 or int8-nbits")
     output_dir = Path(output_dir).absolute()
+    check_output_path(output_dir, inputs=[("the model folder --model-dir", model_dir)], what="--output-dir")
     check_replaceable(output_dir)
     model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
     config = model.config
@@ -570,7 +571,7 @@ def export_onnx(
     if cache_len is None:
         cache_len = config.max_len
     if not 1 <= cache_len <= config.max_len:
-        raise ValueError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
+        raise UsageError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
     if quantize is not None:  # the block size against the model's matrices, before tracing
         check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop, config.to_dict())
     generation_config = GenerationConfig.defaults_for(
@@ -934,19 +935,19 @@ _GENERATION_OPTIONS = (
 
 def _run(args) -> int:
     if args.examples < 0:
-        raise ValueError(f"--examples must be >= 0, got {args.examples}")
+        raise UsageError(f"--examples must be >= 0, got {args.examples}")
     generation = {
         name: getattr(args, name) for name in _GENERATION_OPTIONS if getattr(args, name) is not None
     }
     from .quantize import gate_data_from_args, nbits_options_from_args
 
     if args.quantize is None and (args.gate_src is not None or args.gate_ref is not None):
-        raise ValueError(
+        raise UsageError(
             "--gate-src / --gate-ref check quantized graphs: they need --quantize int8, int4 or int8-nbits"
         )
     quantize_options = nbits_options_from_args(args)
     if args.quantize is None and quantize_options:
-        raise ValueError(
+        raise UsageError(
             "--quant-block-size / --quant-accuracy-level / --quant-symmetric set a MatMulNBits scheme: "
             "they need --quantize int4 or int8-nbits"
         )

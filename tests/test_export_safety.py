@@ -24,11 +24,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
+import torch
 from fake_tensorrt import fake_tensorrt
 from helpers import make_model_dir
 
-from export import OutputFolderError
+from export import GraphContractError, OutputFolderError
 from export import onnx as export_mod
 from export import tensorrt as trtb
 from export import triton as triton_export
@@ -613,3 +616,76 @@ def test_triton_bad_gpu_list_is_an_option_error(tmp_path, exported_portable, cap
         )
     assert info.value.code == 2 and "comma-separated GPU ids" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# 5. exit codes, outputs inside the model folder, the tied projection found by tracing
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option, value, match",
+    [
+        ("--cache-len", "0", "cache_len must be >= 1"),
+        ("--tolerance", "-1", "tolerance must be a positive finite number"),
+        ("--opset", "30", "opset 30 is not supported"),
+    ],
+)
+def test_export_onnx_values_out_of_range_exit_2(
+    tmp_path, model_dir, fast_export, capsys, option, value, match
+):
+    out = tmp_path / "out"
+    code = export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out), option, value])
+    assert code == 2
+    one_error_line(capsys.readouterr().err, match)
+    assert not out.exists() and fast_export == []
+
+
+def test_export_onnx_output_inside_the_model_folder_is_refused(tmp_path, model_dir, fast_export, capsys):
+    before = snapshot(model_dir)
+    out = model_dir / "onnx"
+    assert export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out)]) == 1
+    one_error_line(capsys.readouterr().err, f"--output-dir {out} lies inside the model folder --model-dir")
+    assert snapshot(model_dir) == before and fast_export == []
+
+
+def _tied_model_dir(directory: Path) -> Path:
+    """A tiny tied model whose 64 x 32 embedding has the size of other weights (d_ff x d_model, max_len)."""
+    from transformer_ext.checkpoint import save_model
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.model import Transformer
+    from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
+
+    torch.manual_seed(0)
+    config = TransformerConfig.preset(
+        "tiny", dropout=0.0, src_vocab_size=64, tgt_vocab_size=64, shared_vocab=True
+    )
+    assert config.d_model == 32 and config.d_ff * config.d_model == 64 * 32 and config.max_len == 64
+    save_model(Transformer(config).eval(), directory)
+    vocab = list(SPECIAL_TOKENS) + [chr(0x100 + i) for i in range(64 - len(SPECIAL_TOKENS))]
+    CharTokenizer(vocab, shared=True).save(directory)
+    return directory
+
+
+def test_a_tied_model_with_other_weights_of_the_embeddings_size_exports(tmp_path):
+    from export import validate as validation
+
+    model = _tied_model_dir(tmp_path / "model")
+    result = export_onnx(model, tmp_path / "out", validate=False)
+    decoder = onnx.load(result.output_dir / DECODER_FILE)
+    size = 64 * 32
+    same_size = [t.name for t in decoder.graph.initializer if int(np.prod(t.dims)) == size]
+    assert len(same_size) > 1  # what the check by shape tripped over
+    validation._check_tied_projection(decoder.graph)
+    # a graph whose projection reads a copy of the table is refused, naming both initializers
+    gemm = next(n for n in decoder.graph.node if "logits" in n.output)
+    table = next(t for t in decoder.graph.initializer if t.name == gemm.input[1])
+    copy = onnx.TensorProto()
+    copy.CopyFrom(table)
+    copy.name = "projection_copy"
+    decoder.graph.initializer.append(copy)
+    gemm.input[1] = "projection_copy"
+    with pytest.raises(
+        GraphContractError, match=rf"embedding table is {table.name} but .* reads projection_copy"
+    ):
+        validation._check_tied_projection(decoder.graph)
