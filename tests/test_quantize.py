@@ -238,7 +238,7 @@ def test_unknown_scheme_in_a_manifest_is_refused_by_readers(tiny_int8, tmp_path)
 
 def test_cli_unknown_scheme_is_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["--quantize", "int3", "--output-dir", str(out)]) == 1
+    assert main(["--quantize", "int3", "--output-dir", str(out)]) == 2  # a usage error
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "int3" in err[0] and "int8" in err[0] and "int4" in err[0]
     assert not out.exists()
@@ -328,7 +328,7 @@ def test_bad_gate_files_are_refused_naming_the_flag(tmp_path, case, fragment):
 def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path, capsys):
     src, ref = _parallel(tmp_path, ["a", "b"], ["a"])
     out = tmp_path / "out"
-    assert main(["--output-dir", str(out), "--gate-src", str(src), "--gate-ref", str(ref)]) == 1
+    assert main(["--output-dir", str(out), "--gate-src", str(src), "--gate-ref", str(ref)]) == 2
     assert "need --quantize int8" in capsys.readouterr().err
     assert (
         main(["--output-dir", str(out), "--quantize", "int8", "--gate-src", str(src), "--gate-ref", str(ref)])
@@ -337,10 +337,10 @@ def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has 2 lines but --gate-ref" in err[0]
     assert (
-        quant.main(["--export-dir", str(tiny_float), "--output-dir", str(out), "--gate-src", str(src)]) == 1
+        quant.main(["--export-dir", str(tiny_float), "--output-dir", str(out), "--gate-src", str(src)]) == 2
     )
     assert "--gate-src and --gate-ref go together" in capsys.readouterr().err
-    assert main(["--output-dir", str(out), "--quantize", "int8", "--max-bleu-drop", "-1"]) == 1
+    assert main(["--output-dir", str(out), "--quantize", "int8", "--max-bleu-drop", "-1"]) == 2
     assert "max_bleu_drop must be a finite number >= 0" in capsys.readouterr().err
     assert not out.exists()
 
