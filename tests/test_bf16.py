@@ -9,11 +9,17 @@ so the suite runs (and tests correctness on tiny shapes) on any CPU.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from transformer_ext import ops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (rows, in_features, out_features): 1..4 rows take the matrix-vector kernel, 5 at::linear;
 # in_features with and without a tail after the vector width, out_features with a partial block.
@@ -61,3 +67,25 @@ def test_linear_bfloat16_strided_and_one_dimensional_inputs():
             y = ops.linear(x, w, b)
         assert y.shape == want.shape
         assert _max_err(y, want) <= 2 * _max_err(F.linear(x, w, b), want)
+
+
+def test_linear_bfloat16_widening_kernel_without_the_dot_product_instruction():
+    """TRANSFORMER_EXT_CPU_BF16_DOT=0: the kernels that widen bfloat16 to float32 (what a CPU without
+    AVX-512 BF16 runs), against float64 with the same rule, in a fresh process."""
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from transformer_ext import ops\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "for rows, k, n in [(1, 37, 13), (3, 512, 40), (4, 100, 9)]:\n"
+        "    x = torch.randn(rows, k, generator=g).bfloat16(); w = torch.randn(n, k, generator=g).bfloat16()\n"
+        "    b = torch.randn(n, generator=g).bfloat16()\n"
+        "    want = F.linear(x.double(), w.double(), b.double())\n"
+        "    with torch.inference_mode():\n"
+        "        err = (ops.linear(x, w, b).double() - want).abs().max().item()\n"
+        "        plain = (F.linear(x, w, b).double() - want).abs().max().item()\n"
+        "    assert 0 < plain and err <= 2 * plain, (rows, k, n, err, plain)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "TRANSFORMER_EXT_CPU_BF16_DOT": "0", "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
