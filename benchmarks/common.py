@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import threading

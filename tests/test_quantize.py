@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from test_export_onnx import DEMO_DIR, exported_dir
+from helpers import DEMO_DIR, exported_dir
 
 from export import quantize as quant
 from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME
@@ -205,7 +205,7 @@ def test_already_quantized_folder_is_refused(tiny_int8, tmp_path):
     assert not (tmp_path / "twice").exists()
 
 
-@pytest.mark.parametrize("scheme", ["int4", "INT8", "", None])
+@pytest.mark.parametrize("scheme", ["int3", "INT8", "int4-nbits", "", None])
 def test_unknown_scheme_before_the_disk(tiny_float, tmp_path, scheme):
     with pytest.raises(QuantizationError, match="unknown quantization scheme"):
         quantize_export(tiny_float, tmp_path / "out", scheme, gate=False)
@@ -232,9 +232,9 @@ def test_unknown_scheme_in_a_manifest_is_refused_by_readers(tiny_int8, tmp_path)
 
 def test_cli_unknown_scheme_is_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["--quantize", "int4", "--output-dir", str(out)]) == 1
+    assert main(["--quantize", "int3", "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "int4" in err[0] and "int8" in err[0]
+    assert len(err) == 1 and "int3" in err[0] and "int8" in err[0] and "int4" in err[0]
     assert not out.exists()
 
 
