@@ -261,3 +261,18 @@ def test_corpus_sampler_is_deterministic_and_bucketed():
     ranges.sort()
     # length bucketing: the batches cut the sorted lengths into consecutive ranges (they overlap at most at an edge)
     assert all(hi <= next_lo for (_, hi), (next_lo, _) in zip(ranges, ranges[1:]))
+
+
+def test_training_text_with_tabs_puts_no_tab_in_the_vocabulary(tmp_path):
+    from transformer_ext.tokenizer import CharTokenizer
+
+    a, b, tsv = tmp_path / "x.en", tmp_path / "x.de", tmp_path / "x.tsv"
+    a.write_bytes(b"forty\ttwo\n  one \t\n")
+    b.write_bytes(b"zwei\tund\tvierzig\neins\n")
+    tsv.write_bytes(b"forty  two\tzwei\xc2\xa0und\n")
+    sources, targets = read_parallel(a, b)
+    # the rule the translator applies to its sources: every whitespace run one space, none at the ends
+    assert sources == ["forty two", "one"] and targets == ["zwei und vierzig", "eins"]
+    assert read_tsv(tsv) == (["forty two"], ["zwei und"])
+    tok = CharTokenizer.build(sources, targets)
+    assert "\t" not in tok.source_vocab and "\t" not in tok.target_vocab

@@ -192,3 +192,170 @@ def test_run_cli_hint_may_be_decided_at_the_interruption(capsys):
     state["checkpoint"] = True
     assert cli.run_cli("p", interrupted, interrupted_hint=hint) == cli.EXIT_SIGINT
     assert capsys.readouterr().err == "p: interrupted; resume with --resume\n"
+
+
+# ---------------------------------------------------------------------- outputs overlapping inputs
+def test_check_output_path_refuses_an_output_that_is_the_input(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("x")
+    with pytest.raises(fsutil.OutputConflictError, match=rf"--output {src} is --input {src}"):
+        fsutil.check_output_path(src, inputs=[("--input", src)])
+    link = tmp_path / "link.txt"
+    link.symlink_to(src)
+    with pytest.raises(cli.UserError, match="is --input"):
+        fsutil.check_output_path(link, inputs=[("--input", src)])
+    hard = tmp_path / "hard.txt"
+    os.link(src, hard)
+    with pytest.raises(cli.UserError, match="is --input"):
+        fsutil.check_output_path(hard, inputs=[("--input", src)])
+
+
+def test_check_output_path_refuses_a_file_inside_the_model_folder(tmp_path):
+    model = tmp_path / "exp"
+    model.mkdir()
+    (model / "encoder.onnx").write_bytes(b"graph")
+    out = model / "encoder.onnx"
+    with pytest.raises(cli.UserError, match=rf"--output {out} lies inside the export folder --model {model}"):
+        fsutil.check_output_path(out, inputs=[("the export folder --model", model)])
+    # through a symlinked parent folder too
+    alias = tmp_path / "alias"
+    alias.symlink_to(model)
+    with pytest.raises(cli.UserError, match="lies inside"):
+        fsutil.check_output_path(alias / "new.txt", inputs=[("the export folder --model", model)])
+    assert (model / "encoder.onnx").read_bytes() == b"graph"
+
+
+def test_check_output_path_refuses_an_output_folder_holding_the_input(tmp_path):
+    model = tmp_path / "runs" / "m"
+    model.mkdir(parents=True)
+    with pytest.raises(cli.UserError, match="--output-dir .* contains --model"):
+        fsutil.check_output_path(tmp_path / "runs", inputs=[("--model", model)], what="--output-dir")
+
+
+def test_check_output_path_refuses_managed_folders(tmp_path):
+    run = tmp_path / "run"
+    (run / "last").mkdir(parents=True)
+    for out in (run / "last", run / "last" / "avg"):
+        with pytest.raises(
+            cli.UserError, match=r"--out .* lies inside the run's folder .*last, which the program"
+        ):
+            fsutil.check_output_path(out, managed_dirs=[("the run's folder", run / "last")], what="--out")
+    with pytest.raises(cli.UserError, match="contains the run's folder"):
+        fsutil.check_output_path(run, managed_dirs=[("the run's folder", run / "last")], what="--out")
+
+
+def test_check_output_path_accepts_a_sibling_and_returns_it_resolved(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model-x").mkdir()  # a name prefix is not containment
+    out = fsutil.check_output_path(
+        tmp_path / "model-x" / "out.txt", inputs=[tmp_path / "model"], managed_dirs=[tmp_path / "m2"]
+    )
+    assert out == Path(os.path.realpath(tmp_path)) / "model-x" / "out.txt"
+
+
+# ---------------------------------------------------------------------- exit codes
+def test_a_value_out_of_range_exits_2_like_argparse(capsys):
+    def work():
+        raise cli.UsageError("--beam must be >= 1, got 0")
+
+    assert cli.run_cli("prog", work) == cli.EXIT_USAGE == 2
+    assert capsys.readouterr().err == "prog: error: --beam must be >= 1, got 0\n"
+    assert isinstance(cli.UsageError("x"), ValueError)  # the Python API keeps raising ValueError
+
+    def bad_file():
+        raise cli.UserError("a.txt: not UTF-8")
+
+    assert cli.run_cli("prog", bad_file) == 1
+
+
+# ---------------------------------------------------------------------- folder swaps cut short
+_KILL_BETWEEN_RENAMES = """
+import os, signal, sys
+from pathlib import Path
+from transformer_ext import fsutil
+
+target = Path(sys.argv[1])
+fsutil.exchange_paths = lambda a, b: False  # the file system without an atomic exchange
+real_rename, calls = os.rename, []
+
+def rename(src, dst):
+    calls.append(src)
+    if len(calls) == 2:  # the target is at its backup name, the new folder not yet in
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_rename(src, dst)
+
+fsutil.os.rename = rename
+with fsutil.StagedDir(target) as stage:
+    (stage.path / "data.txt").write_text("new")
+    stage.commit()
+"""
+
+
+def _old_folder(tmp_path: Path) -> Path:
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "data.txt").write_text("old")
+    return target
+
+
+def test_a_kill_between_the_two_renames_leaves_the_old_folder_for_the_next_write(tmp_path):
+    target = _old_folder(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_RENAMES, str(target)])
+    assert proc.returncode == -signal.SIGKILL
+    assert not target.exists()  # the window the kill hit
+    backups = [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
+    assert len(backups) == 1 and (backups[0] / "data.txt").read_text() == "old"
+    # the next command writing the same output fails too: the old folder must survive it
+    with pytest.raises(RuntimeError):
+        with fsutil.StagedDir(target) as stage:
+            (stage.path / "data.txt").write_text("half")
+            raise RuntimeError("the next command fails before committing")
+    assert (target / "data.txt").read_text() == "old"
+    assert _names(tmp_path) == ["out"]
+    with fsutil.StagedDir(target) as stage:
+        (stage.path / "data.txt").write_text("newer")
+        stage.commit()
+    assert (target / "data.txt").read_text() == "newer" and _names(tmp_path) == ["out"]
+
+
+def test_replace_dir_exchanges_atomically_where_the_file_system_can(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "f").write_text("a")
+    (b / "f").write_text("b")
+    if not fsutil.exchange_paths(a, b):
+        pytest.skip("this file system has no renameat2(RENAME_EXCHANGE)")
+    assert (a / "f").read_text() == "b" and (b / "f").read_text() == "a"
+    target = _old_folder(tmp_path / "b")
+    renames = []
+    real_rename = os.rename
+
+    def rename(src, dst):  # the exchange needs no rename: a kill can never find the target missing
+        renames.append((src, dst))
+        real_rename(src, dst)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fsutil.os, "rename", rename)
+        with fsutil.StagedDir(target) as stage:
+            (stage.path / "data.txt").write_text("new")
+            stage.commit()
+    assert renames == []
+    assert (target / "data.txt").read_text() == "new" and _names(tmp_path / "b") == ["f", "out"]
+
+
+def test_nested_scratch_temporaries_are_removed_by_the_same_rule(tmp_path):
+    out = tmp_path / "out"
+    dead = _dead_pid()
+    host = fsutil._HOST
+    staged = tmp_path / f".out.tmp-{host}-{dead}-0123abcd"
+    scratch = tmp_path / f"..out.tmp-{host}-{dead}-0123abcd.quantize.tmp-{host}-{dead}-89abcdef"
+    other = tmp_path / f"..other.tmp-{host}-{dead}-0123abcd.quantize.tmp-{host}-{dead}-89abcdef"
+    for folder in (staged, scratch, other):
+        folder.mkdir()
+        (folder / "encoder.onnx").write_bytes(b"x")
+    info = fsutil.parse_temporary_name(scratch.name)
+    assert (info.root, info.target, info.kind, info.pid) == ("out", staged.name + ".quantize", "tmp", dead)
+    removed = fsutil.remove_stale_temporaries(out)
+    assert sorted(removed) == sorted([staged, scratch])
+    assert _names(tmp_path) == [other.name]  # another output's temporaries are its own business

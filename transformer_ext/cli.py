@@ -24,6 +24,7 @@ import threading
 from typing import Callable, Optional, Union
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
@@ -37,6 +38,10 @@ class UserError(Exception):
 
     Message only, no traceback, when it reaches a CLI.
     """
+
+
+class UsageError(UserError, ValueError):
+    """An option value out of its range, or options that exclude each other: exit code 2 in a CLI."""
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -120,7 +125,7 @@ def run_cli(
         if debug:
             raise
         print(f"{prog}: error: {describe_error(exc)}", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_ERROR
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

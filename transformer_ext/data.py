@@ -29,7 +29,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .cli import UserError
+from . import text as _text
+from .text import DataError, normalize_text
 
 logger = logging.getLogger(__name__)
 
@@ -329,41 +330,18 @@ class TokenBatchSampler:
 
 
 # ---------------------------------------------------------------------- parallel text (real corpora)
-class DataError(UserError, ValueError):
-    """Parallel text that cannot be used (unreadable, misaligned, not UTF-8, empty after filtering)."""
-
-
-def read_lines(path) -> list[str]:
-    """The lines of a UTF-8 text file, without line endings; a non-UTF-8 line is named by number."""
-    import os
-
-    path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise DataError(f"{path} is a folder, expected a text file with one sentence per line") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise DataError(
-            f"{path}, line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); the corpus files must "
-            "be UTF-8"
-        ) from None
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
+def read_lines(path, *, normalize: bool = False) -> list[str]:
+    """The lines of a UTF-8 text file by the package's one text rule (:mod:`transformer_ext.text`)."""
+    return _text.read_lines(path, normalize=normalize)
 
 
 def read_parallel(src_path, tgt_path) -> tuple[list[str], list[str]]:
-    """Line-aligned ``(sources, targets)`` of two files; different line counts name both files and counts."""
-    sources, targets = read_lines(src_path), read_lines(tgt_path)
+    """Line-aligned ``(sources, targets)`` of two files; different line counts name both files and counts.
+
+    Each line is :func:`~transformer_ext.text.normalize_text`-ed (whitespace runs, TAB included, one
+    space), as the translator does with its sources, so training sees what translation sees.
+    """
+    sources, targets = read_lines(src_path, normalize=True), read_lines(tgt_path, normalize=True)
     if len(sources) != len(targets):
         raise DataError(
             f"{src_path} has {len(sources)} lines but {tgt_path} has {len(targets)}: the source and "
@@ -373,7 +351,10 @@ def read_parallel(src_path, tgt_path) -> tuple[list[str], list[str]]:
 
 
 def read_tsv(path) -> tuple[list[str], list[str]]:
-    """``(sources, targets)`` of a file of ``source<TAB>target`` lines (an empty line is an empty pair)."""
+    """``(sources, targets)`` of a file of ``source<TAB>target`` lines (an empty line is an empty pair).
+
+    Each field is :func:`~transformer_ext.text.normalize_text`-ed, as in :func:`read_parallel`.
+    """
     sources: list[str] = []
     targets: list[str] = []
     for number, line in enumerate(read_lines(path), start=1):
@@ -386,8 +367,8 @@ def read_tsv(path) -> tuple[list[str], list[str]]:
             raise DataError(
                 f"{path}, line {number}: expected source<TAB>target (2 fields), got {len(parts)} field(s)"
             )
-        sources.append(parts[0])
-        targets.append(parts[1])
+        sources.append(normalize_text(parts[0]))
+        targets.append(normalize_text(parts[1]))
     return sources, targets
 
 
@@ -487,7 +468,7 @@ def encode_parallel(
         src_ids = [tokenizer.encode_source(t, unknown="unk") for t in src_texts]
         tgt_ids = [tokenizer.encode_target(t, unknown="unk") for t in tgt_texts]
     pairs = []
-    for line, s, t in zip(keep_text, src_ids, tgt_ids):
+    for line, s, t in zip(keep_text, src_ids, tgt_ids, strict=True):
         if len(s) == 0 or len(t) == 0:
             report.empty += 1
         elif len(s) > max_len or len(t) + 1 > max_len:

@@ -43,6 +43,7 @@ __all__ = [
     "SearchMethods",
     "Hypothesis",
     "greedy_decode",
+    "greedy_advance",
     "beam_search",
     "max_new_tokens_for",
     "length_penalty_factor",
@@ -394,20 +395,38 @@ def greedy_decode(
             logits[rows[suppress], eos_id] = -np.inf
         next_tokens = np.argmax(logits, axis=-1).astype(np.int64)
         _check_finite_logits(logits[rows, next_tokens], t)  # argmax picks a NaN or +inf if there is one
-        for b in range(B):
-            if finished[b]:
-                continue
-            tok = int(next_tokens[b])
-            if tok == eos_id:
-                finished[b] = True
-            else:
-                outputs[b].append(tok)
-                if len(outputs[b]) >= max_new[b]:
-                    finished[b] = True
+        tokens = greedy_advance(outputs, finished, next_tokens, eos_id=eos_id, max_new_tokens=max_new)
         if finished.all():
             break
-        tokens = np.where(finished, eos_id, next_tokens).astype(np.int64)
     return outputs
+
+
+def greedy_advance(
+    outputs: list[list[int]],
+    finished: np.ndarray,
+    next_tokens: np.ndarray,
+    *,
+    eos_id: int,
+    max_new_tokens: np.ndarray,
+) -> np.ndarray:
+    """One greedy step's bookkeeping, in place: every open row ``b`` either finishes (its token is
+    the EOS, which is not appended) or appends its token to ``outputs[b]`` and finishes when it
+    holds ``max_new_tokens[b]`` tokens. ``finished`` (bool ``[B]``) is updated.
+
+    Returns the tokens to feed at the next step (int64 ``[B]``): each row's new token, the EOS for
+    finished rows (their outputs are ignored, so that every step stays one batched call).
+    """
+    for b in range(len(outputs)):
+        if finished[b]:
+            continue
+        tok = int(next_tokens[b])
+        if tok == eos_id:
+            finished[b] = True
+        else:
+            outputs[b].append(tok)
+            if len(outputs[b]) >= max_new_tokens[b]:
+                finished[b] = True
+    return np.where(finished, eos_id, next_tokens).astype(np.int64)
 
 
 # ------------------------------------------------------------------------------------------

@@ -166,18 +166,10 @@ def greedy_decode_uncached(
             logits = logits.copy()
             logits[t < min_new, eos_id] = -np.inf
             next_tokens = logits.argmax(-1)
-            for b in range(B):
-                if finished[b]:
-                    continue
-                tok = int(next_tokens[b])
-                if tok == eos_id:
-                    finished[b] = True
-                else:
-                    outputs[b].append(tok)
-                    if len(outputs[b]) >= max_new[b]:
-                        finished[b] = True
-            fed = np.where(finished, eos_id, next_tokens)
-            ys = torch.cat([ys, torch.from_numpy(fed.astype(np.int64)).view(B, 1).to(ys.device)], dim=1)
+            fed = decoding.greedy_advance(
+                outputs, finished, next_tokens, eos_id=eos_id, max_new_tokens=max_new
+            )
+            ys = torch.cat([ys, torch.from_numpy(fed).view(B, 1).to(ys.device)], dim=1)
     if return_logits:
         return outputs, step_logits
     return outputs
