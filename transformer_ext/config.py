@@ -376,7 +376,7 @@ V1_FIELDS: tuple[str, ...] = (
     "bos_id",
     "eos_id",
 )
-# format_version 2 adds what imported model families need (DESIGN.md section 7). A version-1 file
+# format_version 2 adds what imported model families need (docs/DESIGN.md section 7). A version-1 file
 # was written when each of them was fixed at the value V1_IMPLIED lists: migration sets exactly that.
 V1_IMPLIED: dict[str, Any] = {
     "activation": "relu",

@@ -1,6 +1,6 @@
 """Token constraints of imported models' generation configs, applied to any runner's logits.
 
-:class:`ConstrainedRunner` wraps a runner of the decoding protocol (DESIGN.md section 1) and edits
+:class:`ConstrainedRunner` wraps a runner of the decoding protocol (docs/DESIGN.md section 1) and edits
 the logits each step returns before the search sees them: at step ``t < len(forced_prefix)`` every
 token but ``forced_prefix[t]`` is ``-inf`` and the forced one 0 (transformers'
 ``forced_bos_token_id``: an M2M100/NLLB translation starts with its target-language token), and

@@ -3,7 +3,7 @@
 ``python -m transformer_ext.convert transformers HF_DIR --out MODEL_DIR`` (console script
 ``transformer-ext-convert``) reads a local Hugging Face checkpoint folder of a MarianMT (opus-mt)
 or M2M100 / NLLB-200 model without importing transformers (:mod:`transformer_ext.convert.hf`)
-and writes an ordinary model folder (DESIGN.md sections 5 and 7): ``config.json``, float32
+and writes an ordinary model folder (docs/DESIGN.md sections 5 and 7): ``config.json``, float32
 ``model.safetensors``, the tokenizer (``tokenizer.json`` and the original tokenizer files),
 ``generation_defaults.json`` and ``provenance.json`` (source folder, model type, SHA-256 of every
 file read, the dtype the weights were upcast from). Everything is read and checked before anything
