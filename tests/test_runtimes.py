@@ -7,7 +7,6 @@ import importlib
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -77,6 +76,7 @@ def test_every_runner_from_one_package():
     )
     assert runtimes.DeviceRunner.__module__ == "transformer_ext.runtimes.device"  # its own module
     assert set(RUNNERS) <= set(runtimes.__all__) and set(RUNNERS) <= set(dir(runtimes))
+    assert sorted(runtimes.__all__) == sorted(runtimes._EXPORTS)  # the literal list names every export
     for name in runtimes.__all__:
         assert getattr(runtimes, name) is not None
     assert Runner is not None
