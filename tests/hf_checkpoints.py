@@ -102,7 +102,7 @@ def write_marian(
     std: float = 0.3,
     dtype: torch.dtype = torch.float32,
     num_beams: int = 4,
-    max_length: int = 24,
+    max_length: int = 16,
     weights: str = "safetensors",
     gain: float = 2.0,
 ) -> Path:
@@ -207,7 +207,7 @@ def write_m2m100(
     seed: int = 0,
     std: float = 0.2,
     num_beams: int = 4,
-    max_length: int = 24,
+    max_length: int = 16,
     gain: float = 3.0,
 ) -> Path:
     """An M2M100 (``nllb=False``: vocab.json + the 100 m2m100 language codes) or NLLB

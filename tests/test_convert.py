@@ -10,6 +10,7 @@ converter (one line, nothing written).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -25,13 +26,12 @@ pytest.importorskip("sentencepiece")
 from hf_checkpoints import NLLB_TEST_CODES, sample_lines, write_m2m100, write_marian  # noqa: E402
 
 from transformer_ext.checkpoint import load_model  # noqa: E402
-from transformer_ext.constraints import ConstrainedRunner  # noqa: E402
 from transformer_ext.convert import (  # noqa: E402
     ConversionError,
     convert_transformers,
     read_generation_defaults,
 )
-from transformer_ext.decoding import greedy_decode  # noqa: E402
+from transformer_ext.decoding import beam_search, greedy_decode  # noqa: E402
 from transformer_ext.runtimes import EagerRunner  # noqa: E402
 from transformer_ext.tokenizer import load_tokenizer  # noqa: E402
 
@@ -81,10 +81,16 @@ def exports(folders, tmp_path_factory):
     return _Exports(folders, tmp_path_factory.mktemp("convert_export"))
 
 
-def _hf_model(hf_dir):
+@functools.lru_cache(maxsize=None)
+def _hf_model_at(hf_dir: str):
     from transformers import AutoModelForSeq2SeqLM
 
     return AutoModelForSeq2SeqLM.from_pretrained(hf_dir).eval()
+
+
+def _hf_model(hf_dir):
+    """transformers' model of a folder (loaded once; the tests never modify it)."""
+    return _hf_model_at(str(hf_dir))
 
 
 def _ragged_batch(config, seed: int, lengths=(MAX_POS, 17, 3, 9)):
@@ -178,17 +184,6 @@ def _sources(name: str, tokenizer) -> list[list[int]]:
     return [tokenizer.encode_source(line) for line in lines]
 
 
-def _constrained(runner, tokenizer, defaults):
-    prefix = tokenizer.forced_target_prefix() if defaults.force_target_language else []
-    return ConstrainedRunner(runner, prefix, defaults.banned_ids)
-
-
-def _budget(defaults) -> int:
-    """Content tokens transformers can generate within max_length (the decoder start counts;
-    with forced_eos_token_id the last position is </s>)."""
-    return defaults.max_length - 1 - (1 if defaults.force_eos_at_max_length else 0)
-
-
 def _hf_generate(hf_dir, sources, pad_id, eos_id, **kwargs) -> list[list[int]]:
     model = _hf_model(hf_dir)
     S = max(len(s) for s in sources)
@@ -214,6 +209,13 @@ def _padded(sources, pad_id):
     return ids, np.array([len(s) for s in sources], dtype=np.int64)
 
 
+def _hf_kwargs(tokenizer, defaults) -> dict:
+    """What a transformers user passes to generate() for a translation (the target language)."""
+    if defaults.force_target_language:
+        return {"forced_bos_token_id": tokenizer.forced_target_prefix()[0]}
+    return {}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_equal_generate(folders, exports, name):
     from transformer_ext.runtimes import OrtRunner
@@ -222,24 +224,36 @@ def test_greedy_tokens_equal_generate(folders, exports, name):
     tokenizer = load_tokenizer(ours)
     defaults = read_generation_defaults(ours)
     sources = _sources(name, tokenizer)
-    forced = (
-        {"forced_bos_token_id": tokenizer.forced_target_prefix()[0]} if defaults.force_target_language else {}
-    )
     expected = _hf_generate(
-        hf, sources, tokenizer.pad_id, tokenizer.eos_id, num_beams=1, do_sample=False, **forced
+        hf, sources, tokenizer.pad_id, tokenizer.eos_id, num_beams=1, **_hf_kwargs(tokenizer, defaults)
     )
     assert len({tuple(e) for e in expected}) >= N_SOURCES // 5  # the outputs vary
     ids, lengths = _padded(sources, tokenizer.pad_id)
     for runner in (EagerRunner(load_model(ours)), OrtRunner(exports[name])):
-        got = greedy_decode(
-            _constrained(runner, tokenizer, defaults),
-            ids,
-            lengths,
-            bos_id=tokenizer.bos_id,
-            eos_id=tokenizer.eos_id,
-            max_new_tokens=_budget(defaults),
-        )
+        got = greedy_decode(runner, ids, lengths, **defaults.search_options(tokenizer, N_SOURCES, beam=False))
         mismatched = [i for i in range(N_SOURCES) if got[i] != expected[i]]
+        assert not mismatched, f"{name} {type(runner).__name__}: sources {mismatched} differ"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_beam_tokens_equal_generate(folders, exports, name):
+    """Beam search with the model's generation config (num_beams 4, transformers' length penalty
+    and early stopping) against generate() with the same config."""
+    from transformer_ext.runtimes import OrtRunner
+
+    hf, ours = folders[name]
+    tokenizer = load_tokenizer(ours)
+    defaults = read_generation_defaults(ours)
+    assert defaults.num_beams == 4
+    sources = _sources(name, tokenizer)
+    expected = _hf_generate(
+        hf, sources, tokenizer.pad_id, tokenizer.eos_id, **_hf_kwargs(tokenizer, defaults)
+    )
+    ids, lengths = _padded(sources, tokenizer.pad_id)
+    for runner in (EagerRunner(load_model(ours)), OrtRunner(exports[name])):
+        got = beam_search(runner, ids, lengths, **defaults.search_options(tokenizer, N_SOURCES))
+        tokens = [h[0].tokens for h in got]
+        mismatched = [i for i in range(N_SOURCES) if tokens[i] != expected[i]]
         assert not mismatched, f"{name} {type(runner).__name__}: sources {mismatched} differ"
 
 
@@ -398,7 +412,9 @@ def test_float16_pickle_checkpoint_is_upcast(tmp_path):
     assert prov["weights_dtype"] == "float16" and prov["upcast_to_float32"] is True
     model = load_model(ours)
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    ref = _hf_model(hf).float()
+    from transformers import AutoModelForSeq2SeqLM
+
+    ref = AutoModelForSeq2SeqLM.from_pretrained(hf).eval().float()
     with torch.no_grad():  # the stored float16 sinusoids, recomputed in float32 by transformers itself
         for stack in (ref.model.encoder, ref.model.decoder):
             stack.embed_positions.weight.copy_(stack.embed_positions.create_weight())
@@ -538,3 +554,62 @@ def test_cli_converts(pristine, tmp_path, capsys):
     assert main(["transformers", str(pristine), "--out", str(tmp_path / "m")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "m")
     assert load_model(tmp_path / "m").config.activation == "swish"
+
+
+# ------------------------------------------------------------------------------------------
+# translating text without torch
+# ------------------------------------------------------------------------------------------
+
+_TORCH_FREE = """
+import json, sys
+sys.modules["torch"] = None  # a deployment without torch
+import numpy as np
+from transformer_ext.convert.generation import read_generation_defaults
+from transformer_ext.decoding import beam_search
+from transformer_ext.runtimes import OrtRunner
+from transformer_ext.tokenizer import load_tokenizer
+
+folder, src_lang, tgt_lang, texts = sys.argv[1], sys.argv[2] or None, sys.argv[3] or None, json.loads(sys.argv[4])
+tok = load_tokenizer(folder).with_languages(src_lang, tgt_lang)
+gen = read_generation_defaults(folder)
+sources = [tok.encode_source(t) for t in texts]
+ids = np.full((len(sources), max(map(len, sources))), tok.pad_id, dtype=np.int64)
+for i, s in enumerate(sources):
+    ids[i, : len(s)] = s
+lengths = np.array([len(s) for s in sources], dtype=np.int64)
+hyps = beam_search(OrtRunner(folder), ids, lengths, **gen.search_options(tok, len(sources)))
+print(json.dumps([tok.decode_target(h[0].tokens) for h in hyps], ensure_ascii=False))
+assert "torch" not in [m.split(".")[0] for m in sys.modules if sys.modules[m] is not None]
+"""
+
+
+@pytest.mark.parametrize("name, src, tgt", [("m2m100", "fr", "de"), ("marian_multilingual", "", "spa")])
+def test_torch_free_translation_equals_transformers(folders, exports, name, src, tgt):
+    """Text in, text out from the export folder alone (ONNX Runtime, the tokenizer, the generation
+    defaults; torch unimportable) equals transformers' tokenizer + generate() + decode."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    hf, _ = folders[name]
+    texts = sample_lines(8, seed=77)
+    theirs = AutoTokenizer.from_pretrained(hf, **({"src_lang": src, "tgt_lang": tgt} if src else {}))
+    hf_texts = [f">>{tgt}<< {t}" for t in texts] if not src else texts
+    enc = theirs(hf_texts, return_tensors="pt", padding=True)
+    kwargs = {"forced_bos_token_id": theirs.get_lang_id(tgt)} if src else {}
+    with torch.no_grad():
+        out = _hf_model(hf).generate(**enc, **kwargs)
+    skip = 2 if src else 1  # the decoder start, and the language token transformers 5.24 would print
+    expected = [theirs.decode(row[skip:], skip_special_tokens=True) for row in out.tolist()]
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run(
+        [sys.executable, "-c", _TORCH_FREE, str(exports[name]), src, tgt, json.dumps(texts)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout) == expected

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 from ..cli import UserError
 from ..fsutil import atomic_write_json
@@ -38,7 +38,7 @@ class GenerationDefaults:
     num_beams: int = 1  # transformers' num_beams (1: greedy)
     max_length: int = 256  # transformers' max_length: the decoder start plus every generated token
     length_penalty: float = 1.0  # transformers' exponent: a hypothesis scores sum(logp) / len**length_penalty
-    early_stopping: bool = False  # transformers' early_stopping (True: stop at num_beams finished)
+    early_stopping: Union[bool, str] = False  # transformers' early_stopping: True, False or "never"
     banned_ids: tuple[int, ...] = field(default_factory=tuple)  # never generated (bad_words_ids)
     force_eos_at_max_length: bool = False  # forced_eos_token_id: </s> is the token at max_length
     force_target_language: bool = False  # the target-language token is the first generated token
@@ -74,9 +74,11 @@ class GenerationDefaults:
         lp = data["length_penalty"]
         if isinstance(lp, bool) or not isinstance(lp, (int, float)):
             raise fail(f"length_penalty must be a number, got {lp!r}")
-        for name in ("early_stopping", "force_eos_at_max_length", "force_target_language"):
+        for name in ("force_eos_at_max_length", "force_target_language"):
             if not isinstance(data[name], bool):
                 raise fail(f"{name} must be true or false, got {data[name]!r}")
+        if not (isinstance(data["early_stopping"], bool) or data["early_stopping"] == "never"):
+            raise fail(f'early_stopping must be true, false or "never", got {data["early_stopping"]!r}')
         banned = data["banned_ids"]
         if not isinstance(banned, list) or any(
             isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in banned
@@ -91,6 +93,32 @@ class GenerationDefaults:
             force_eos_at_max_length=data["force_eos_at_max_length"],
             force_target_language=data["force_target_language"],
         )
+
+    def search_options(self, tokenizer: Any, n_sources: int, *, beam: Optional[bool] = None) -> dict:
+        """Keyword arguments of :func:`transformer_ext.decoding.greedy_decode` (``beam=False``) or
+        :func:`~transformer_ext.decoding.beam_search` (``beam=True``; default: ``num_beams > 1``)
+        that decode as transformers' ``generate()`` does with this configuration: the decoder
+        start, ``max_new_tokens = max_length - 1``, the banned tokens, the forced target language
+        (``tokenizer.forced_target_prefix()``), the forced EOS, and for beam search ``num_beams``
+        with transformers' length penalty and early-stopping rule."""
+        prefix: Sequence[int] = tokenizer.forced_target_prefix() if self.force_target_language else []
+        options: dict = dict(
+            bos_id=int(tokenizer.bos_id),
+            eos_id=int(tokenizer.eos_id),
+            max_new_tokens=self.max_length - 1,
+            banned_ids=list(self.banned_ids),
+            force_eos_at_budget=self.force_eos_at_max_length,
+        )
+        if prefix:
+            options["target_prefix"] = [list(prefix)] * n_sources
+        if beam if beam is not None else self.num_beams > 1:
+            options.update(
+                beam_size=self.num_beams,
+                length_penalty="hf",
+                alpha=self.length_penalty,
+                early_stopping=self.early_stopping,
+            )
+        return options
 
 
 def read_generation_defaults(directory: str | os.PathLike) -> Optional[GenerationDefaults]:

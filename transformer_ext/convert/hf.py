@@ -595,7 +595,7 @@ def _generation(
             f"{source}: forced_eos_token_id = {forced_eos} is not the eos id {config.eos_id}"
         )
     early = f.data.get("early_stopping", False)
-    if early == "never" or not isinstance(early, bool):
+    if not (isinstance(early, bool) or early == "never"):
         raise ConversionError(f"{source}: unsupported generation option early_stopping = {json.dumps(early)}")
     start = f.data.get("decoder_start_token_id")
     if start is not None and start != config.bos_id:
