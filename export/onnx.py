@@ -15,7 +15,7 @@ Python::
     result = export_onnx("path/to/model_dir", "path/to/output_dir")
     result.validation.max_abs_diff        # per output
 
-The output folder (DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
+The output folder (docs/DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
 ``manifest.json``, the model's tokenizer files and ``generation.json`` (how a deployment decodes:
 beam size, length penalty, maximum-length rule, special ids; ``--beam-size``, ``--alpha``... set
 it, :class:`transformer_ext.export_format.GenerationConfig`), so that a deployment needs nothing

@@ -1,7 +1,7 @@
 """``python -m export.tensorrt``: TensorRT engines from an ONNX export folder.
 
 Reads the folder written by ``python -m export.onnx`` (``encoder.onnx``, ``decoder_step.onnx``,
-``manifest.json``; DESIGN.md section 3) and writes, next to them (or into ``--output-dir``):
+``manifest.json``; docs/DESIGN.md section 3) and writes, next to them (or into ``--output-dir``):
 
 * ``encoder.<precision>.engine`` and ``decoder_step.<precision>.engine``: serialized engines,
   each with one optimization profile whose min/opt/max for ``batch``, ``src_len`` and

@@ -95,7 +95,7 @@ def test_reading_an_export_folder_imports_no_numpy_torch_or_onnx():
 
 
 def test_what_runners_need_of_the_format_imports_nothing_of_export():
-    """Imports run one way (DESIGN.md section 1): export/ uses these modules, never the reverse."""
+    """Imports run one way (docs/DESIGN.md section 1): export/ uses these modules, never the reverse."""
     code = (
         "import sys, transformer_ext.export_format, transformer_ext.precision, transformer_ext.tensorrt_support, "
         "transformer_ext.demo; print(sorted(m for m in sys.modules if m == 'export' or m.startswith('export.')))"

@@ -1,4 +1,4 @@
-"""export.onnx: the graphs of DESIGN.md section 3, their validation, the atomic output folder, the CLI.
+"""export.onnx: the graphs of docs/DESIGN.md section 3, their validation, the atomic output folder, the CLI.
 
 Tiny random-weight models (``TransformerConfig.preset("tiny")``) are exported once per flavour
 per session (``exported``); tests that only need the export machinery around the tracing

@@ -467,7 +467,7 @@ def test_already_quantized_folder_is_refused(tiny_float, tmp_path_factory, tmp_p
 )
 def test_export_cli_bad_options_are_one_line_and_write_nothing(tmp_path, capsys, argv, fragment):
     out = tmp_path / "out"
-    assert export_main([*argv, "--output-dir", str(out)]) == 1
+    assert export_main([*argv, "--output-dir", str(out)]) == 2  # usage errors
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
     assert not out.exists()
@@ -476,7 +476,7 @@ def test_export_cli_bad_options_are_one_line_and_write_nothing(tmp_path, capsys,
 def test_quantize_cli_int4(tiny_float, tmp_path, capsys):
     out = tmp_path / "o"
     argv = ["--export-dir", str(tiny_float), "--output-dir", str(out), "--no-validate", "--scheme", "int4"]
-    assert quant.main([*argv, "--quant-block-size", "64"]) == 1
+    assert quant.main([*argv, "--quant-block-size", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not divide d_model = 32" in err[0]
     assert not out.exists()

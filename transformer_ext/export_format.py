@@ -1,4 +1,4 @@
-"""The export folder as its readers see it (DESIGN.md section 3): file names, axis names, format
+"""The export folder as its readers see it (docs/DESIGN.md section 3): file names, axis names, format
 marker, the one manifest reader, the one I/O comparator, the one dtype table, the generation config.
 
 Everything that reads an export folder uses this module: the runners in

@@ -6,7 +6,7 @@ marker, or one of the version before it recognised by its exact file set, is res
 (``--overwrite``) replaced; any other non-empty folder is refused (:func:`inspect_out`,
 :func:`check_out`). A new run is built in a temporary sibling of ``--out`` and takes its place
 when its first checkpoint is complete (:func:`commit_run`). Checkpoints are model folders
-(DESIGN.md section 5: ``config.json`` + ``model.safetensors`` + tokenizer files); ``last/`` also
+(docs/DESIGN.md section 5: ``config.json`` + ``model.safetensors`` + tokenizer files); ``last/`` also
 holds the training state (:func:`save_checkpoint`, :func:`load_state`): optimiser tensors and RNG
 states in ``training_state.safetensors``, everything else in ``training_state.json``. No pickle
 anywhere. Every write is atomic (:mod:`transformer_ext.fsutil`).
