@@ -24,11 +24,10 @@ from helpers import DEMO_DIR, exported_dir, make_model_dir
 from onnx import TensorProto, helper, numpy_helper
 
 from export import quantize as quant
-from export.manifest import DECODER_FILE, ENCODER_FILE
 from export.onnx import export_onnx
 from export.onnx import main as export_main
 from export.quantize import QuantizationError, quantize_export
-from transformer_ext.export_format import manifest_quantization, read_manifest
+from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, manifest_quantization, read_manifest
 
 SCHEMES = ["int4", "int8-nbits"]
 BITS = {"int4": 4, "int8-nbits": 8}
