@@ -11,10 +11,9 @@ import re
 import numpy as np
 import pytest
 from beam_reference import row_log_probs
+from helpers import FunctionRunner, draw_options, masked_random_fn, shifted, sources
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_beam_vectorised import draw_options, masked_random_fn, shifted
-from test_decoding import FunctionRunner, sources
 
 from transformer_ext import decoding
 from transformer_ext.decoding import beam_search, generate, greedy_decode, log_softmax, score

@@ -25,10 +25,16 @@ import pytest
 from helpers import DEMO_DIR, exported_dir, make_model_dir
 
 from export import quantize as quant
-from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME
 from export.onnx import export_onnx, main
 from export.quantize import QualityGateError, QuantizationError, quantize_export
-from transformer_ext.export_format import ManifestError, manifest_quantization, read_manifest
+from transformer_ext.export_format import (
+    DECODER_FILE,
+    ENCODER_FILE,
+    MANIFEST_NAME,
+    ManifestError,
+    manifest_quantization,
+    read_manifest,
+)
 from transformer_ext.fsutil import parse_temporary_name
 
 FLOAT32_FILES = {ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "generation.json", "tokenizer.json"}
