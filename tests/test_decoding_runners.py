@@ -9,9 +9,8 @@ import json
 
 import numpy as np
 import pytest
-from beam_reference import loop_beam_search
+from beam_reference import BOS, EOS, loop_beam_search, loop_greedy, loop_sample, loop_score
 from helpers import exported_dir
-from test_decoding_options import BOS, EOS, loop_greedy, loop_sample, loop_score
 
 from transformer_ext.checkpoint import load_model
 from transformer_ext.decoding import beam_search, generate, greedy_decode, score
