@@ -322,7 +322,8 @@ def test_bad_gate_files_are_refused_naming_the_flag(tmp_path, case, fragment):
 def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path, capsys):
     src, ref = _parallel(tmp_path, ["a", "b"], ["a"])
     out = tmp_path / "out"
-    assert main(["--output-dir", str(out), "--gate-src", str(src), "--gate-ref", str(ref)]) == 1
+    # options that need another option: a usage error (exit 2)
+    assert main(["--output-dir", str(out), "--gate-src", str(src), "--gate-ref", str(ref)]) == 2
     assert "need --quantize int8" in capsys.readouterr().err
     assert (
         main(["--output-dir", str(out), "--quantize", "int8", "--gate-src", str(src), "--gate-ref", str(ref)])
