@@ -15,7 +15,7 @@ Python::
     result = export_onnx("path/to/model_dir", "path/to/output_dir")
     result.validation.max_abs_diff        # per output
 
-The output folder (DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
+The output folder (docs/DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
 ``manifest.json``, the model's tokenizer files and ``generation.json`` (how a deployment decodes:
 beam size, length penalty, maximum-length rule, special ids; ``--beam-size``, ``--alpha``... set
 it, :class:`transformer_ext.export_format.GenerationConfig`), so that a deployment needs nothing
@@ -54,11 +54,7 @@ import torch
 
 from transformer_ext.cli import UsageError, add_debug_flag, run_cli
 from transformer_ext.decoding import LENGTH_PENALTIES
-from transformer_ext.export_format import GenerationConfig, read_generation_config
-from transformer_ext.fsutil import StagedDir, check_output_path
-
-from . import ExportError, GraphContractError, ModelDirectoryError
-from .manifest import (
+from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
     FLAVOURS,
@@ -67,13 +63,20 @@ from .manifest import (
     GENERATION_FILE,
     MANIFEST_NAME,
     TOKENIZER_FILE,
+    GenerationConfig,
+    graph_specs,
+    read_generation_config,
+    tokenizer_files,
+)
+from transformer_ext.fsutil import StagedDir, check_output_path
+
+from . import ExportError, GraphContractError, ModelDirectoryError
+from .manifest import (
     check_replaceable,
     folder_files,
-    graph_specs,
     make_parents,
     named_write_error,
     remove_made_parents,
-    tokenizer_files,
     write_generation_config,
     write_manifest,
 )

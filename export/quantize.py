@@ -62,7 +62,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.cli import UsageError, add_debug_flag, run_cli
 from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -72,7 +72,7 @@ from transformer_ext.export_format import (
     read_manifest,
     tokenizer_files,
 )
-from transformer_ext.fsutil import StagedDir
+from transformer_ext.fsutil import StagedDir, check_output_path
 
 from .manifest import (
     check_replaceable,
@@ -93,6 +93,7 @@ __all__ = [
     "bleu_gate",
     "INT8_OP_TYPES",
     "QuantizationError",
+    "QuantizationUsageError",
     "QualityGateError",
     "check_scheme",
     "quantize_graphs",
@@ -100,6 +101,24 @@ __all__ = [
     "quantize_folder",
     "quantize_export",
     "main",
+    "NBITS_SCHEMES",
+    "NBITS_OPTIONS",
+    "BLOCK_SIZES",
+    "ACCURACY_LEVELS",
+    "DEFAULT_MAX_DROPS",
+    "ISA_FLAGS",
+    "default_max_drops",
+    "resolve_settings",
+    "check_block_dimensions",
+    "check_quantize_arguments",
+    "quantize_blocks",
+    "kernel_compute",
+    "cpu_description",
+    "add_gate_arguments",
+    "add_nbits_arguments",
+    "gate_data_from_args",
+    "nbits_options_from_args",
+    "quantization_summary",
 ]
 
 # How each scheme is made; recorded in the manifest's "quantization" section.
@@ -181,6 +200,12 @@ class QuantizationError(ExportError):
     """A folder cannot be quantized (unknown scheme, already quantized, not an export)."""
 
 
+class QuantizationUsageError(QuantizationError, UsageError):
+    """A quantization option out of its range, or options that exclude each other (exit code 2):
+    an unknown scheme or option, a block size that does not divide the model's matrices, a gate
+    threshold that is not a finite number >= 0, half of a BLEU gate's pair of files."""
+
+
 class QualityGateError(QuantizationError):
     """The quantized graphs decode too differently from float32 (or the gate cannot run)."""
 
@@ -188,7 +213,9 @@ class QualityGateError(QuantizationError):
 def check_scheme(scheme: Any) -> str:
     """``scheme`` if it is one of :data:`SCHEMES`; raises :class:`QuantizationError` naming the choices."""
     if not isinstance(scheme, str) or scheme not in SCHEMES:
-        raise QuantizationError(f"unknown quantization scheme {scheme!r}: expected one of {list(SCHEMES)}")
+        raise QuantizationUsageError(
+            f"unknown quantization scheme {scheme!r}: expected one of {list(SCHEMES)}"
+        )
     return scheme
 
 
@@ -229,7 +256,7 @@ def _check_max_drop(value: Any, name: str = "max_em_drop") -> float:
         or not (np.isfinite(value) and value >= 0)
     ):
         what = "points of exact match" if name == "max_em_drop" else "BLEU points"
-        raise ValueError(f"{name} must be a finite number >= 0 ({what}), got {value!r}")
+        raise QuantizationUsageError(f"{name} must be a finite number >= 0 ({what}), got {value!r}")
     return float(value)
 
 
@@ -336,11 +363,13 @@ def resolve_settings(scheme: str, options: Optional[Mapping[str, Any]] = None) -
     given = {k: v for k, v in dict(options or {}).items() if v is not None}
     unknown = sorted(set(given) - set(NBITS_OPTIONS))
     if unknown:
-        raise QuantizationError(f"unknown quantization option(s) {unknown}: expected {list(NBITS_OPTIONS)}")
+        raise QuantizationUsageError(
+            f"unknown quantization option(s) {unknown}: expected {list(NBITS_OPTIONS)}"
+        )
     if "bits" not in settings:
         if given:
             flags = ", ".join(NBITS_OPTIONS[k] for k in sorted(given))
-            raise QuantizationError(
+            raise QuantizationUsageError(
                 f"{flags} set the blocks of a MatMulNBits scheme ({', '.join(NBITS_SCHEMES)}); "
                 f"--quantize {scheme} is dynamic quantization with one scale per output channel"
             )
@@ -348,7 +377,7 @@ def resolve_settings(scheme: str, options: Optional[Mapping[str, Any]] = None) -
     if "block_size" in given:
         value = given["block_size"]
         if isinstance(value, bool) or not isinstance(value, int) or value not in BLOCK_SIZES:
-            raise QuantizationError(
+            raise QuantizationUsageError(
                 f"{NBITS_OPTIONS['block_size']} must be one of {list(BLOCK_SIZES)} (a power of two, the "
                 f"sizes ONNX Runtime's MatMulNBits kernels take), got {value!r}"
             )
@@ -356,14 +385,14 @@ def resolve_settings(scheme: str, options: Optional[Mapping[str, Any]] = None) -
     if "accuracy_level" in given:
         value = given["accuracy_level"]
         if isinstance(value, bool) or not isinstance(value, int) or value not in ACCURACY_LEVELS:
-            raise QuantizationError(
+            raise QuantizationUsageError(
                 f"{NBITS_OPTIONS['accuracy_level']} must be one of {list(ACCURACY_LEVELS)} (MatMulNBits: "
                 f"{'; '.join(f'{k} {v}' for k, v in ACCURACY_LEVELS.items())}), got {value!r}"
             )
         settings["accuracy_level"] = value
     if "symmetric" in given:
         if not isinstance(given["symmetric"], bool):
-            raise QuantizationError(
+            raise QuantizationUsageError(
                 f"{NBITS_OPTIONS['symmetric']} must be true or false, got {given['symmetric']!r}"
             )
         settings["symmetric"] = given["symmetric"]
@@ -401,7 +430,7 @@ def check_block_dimensions(model_config: Mapping[str, Any], settings: Mapping[st
         if value % block:
             fits = [b for b in BLOCK_SIZES if all(v % b == 0 for v in dims.values())]
             hint = f"block sizes that fit this model: {fits}" if fits else "no MatMulNBits block size fits it"
-            raise QuantizationError(
+            raise QuantizationUsageError(
                 f"{NBITS_OPTIONS['block_size']} {block} does not divide {name} = {value}, the input "
                 f"dimension K of {what[name]}: every block must be whole ({hint})"
             )
@@ -888,7 +917,10 @@ def quantize_folder(
         scheme, options, max_em_drop, max_bleu_drop, manifest["model_config"]
     )
     # A scratch sibling of the folder (not inside it, so its files list stays exact), never
-    # committed: removed on any exit, and by the next run on this host if this one is killed.
+    # committed: removed on any exit. ``folder`` is a temporary of the output (``.OUT.tmp-...``),
+    # so the scratch is a temporary of a temporary (``..OUT.tmp-....quantize.tmp-...``), which
+    # fsutil's one rule (parse_temporary_name) traces to OUT: after a SIGKILL the next write of
+    # OUT on this host removes it with the staged folder.
     with StagedDir(folder.with_name(f"{folder.name}.quantize")) as scratch:
         tmp_dir = scratch.path
         for name in folder_files(folder):
@@ -936,6 +968,8 @@ def quantize_export(
             (or, with ``gate_data``, more than ``max_bleu_drop`` BLEU points).
         ManifestError: ``export_dir`` is not an export folder.
         OutputFolderError: ``output_dir`` holds files this package did not write.
+        transformer_ext.fsutil.OutputConflictError: ``output_dir`` lies inside ``export_dir`` or
+            contains it.
     """
     check_quantize_arguments(scheme, options, max_em_drop, max_bleu_drop)
     src = Path(export_dir).absolute()
@@ -948,6 +982,8 @@ def quantize_export(
             f"--output-dir must differ from the export folder {src} (it is replaced atomically "
             "from a float32 source that must stay readable)"
         )
+    # an output inside the export it reads (or holding it) would be copied into itself
+    check_output_path(out, inputs=[("the export folder --export-dir", src)], what="--output-dir")
     check_replaceable(out)
     made: list[Path] = []
     try:
@@ -1070,7 +1106,9 @@ def nbits_options_from_args(args: argparse.Namespace) -> dict:
 def gate_data_from_args(args: argparse.Namespace) -> Optional[GateData]:
     """The :class:`GateData` of ``--gate-src`` / ``--gate-ref`` (both or neither), read and checked."""
     if (args.gate_src is None) != (args.gate_ref is None):
-        raise QuantizationError("--gate-src and --gate-ref go together (the sources and their references)")
+        raise QuantizationUsageError(
+            "--gate-src and --gate-ref go together (the sources and their references)"
+        )
     if args.gate_src is None:
         return None
     return GateData(args.gate_src, args.gate_ref)

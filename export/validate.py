@@ -1,4 +1,4 @@
-"""Proof that exported graphs match eager PyTorch (DESIGN.md section 3).
+"""Proof that exported graphs match eager PyTorch (docs/DESIGN.md section 3).
 
 Two levels, both raising typed errors that are never swallowed:
 

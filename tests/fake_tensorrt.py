@@ -339,7 +339,7 @@ def fake_engines(
     static_cache=None,
     cache_dtype="float32",
 ):
-    """Encoder + decoder stand-ins for ``model``, with the I/O of DESIGN.md section 3."""
+    """Encoder + decoder stand-ins for ``model``, with the I/O of docs/DESIGN.md section 3."""
     c = model.config
     H, D, n = c.n_heads, c.d_k, c.n_decoder_layers
     L = static_cache or -1

@@ -19,8 +19,8 @@ from helpers import rehash_export
 from num2words import num2words  # the independent oracle of the demo task
 
 from export import ManifestError
-from export.manifest import MANIFEST_NAME
 from transformer_ext.data import split_numbers
+from transformer_ext.export_format import MANIFEST_NAME
 from transformer_ext.runtimes import OrtRunner
 from transformer_ext.tokenizer import load_tokenizer
 from transformer_ext.translate import RuntimeNotAvailableError, TranslationError, Translator, main
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 HELDOUT_SAMPLE = 40  # held-out numbers (never seen in training) compared between the runtimes
 # What the deployment install needs of the repository (copied, so that the in-tree build writes
 # its build/ and egg-info folders into the copy, not into the working tree).
-INSTALL_FILES = ["setup.py", "README.md", "requirements"]
+INSTALL_FILES = ["pyproject.toml", "setup.py", "README.md", "requirements"]
 INSTALL_PACKAGES = ["transformer_ext", "export"]
 
 

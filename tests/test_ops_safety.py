@@ -1,4 +1,4 @@
-"""Safety contract of the compiled ops (DESIGN.md section 2), beyond their numerics.
+"""Safety contract of the compiled ops (docs/DESIGN.md section 2), beyond their numerics.
 
 * the in-place ops bump the version counter of what they write and refuse what autograd
   would refuse (a cache that requires grad in grad mode, an inference tensor outside

@@ -34,7 +34,6 @@ from helpers import make_model_dir, rehash_export
 
 from export import ManifestError, OutputFolderError
 from export import triton as triton_export
-from export.manifest import MANIFEST_NAME
 from export.triton import (
     DECODER_MODEL,
     ENCODER_MODEL,
@@ -51,6 +50,7 @@ from export.triton import (
 from export.triton_models.translator import model as translator_module
 from transformer_ext import decoding
 from transformer_ext.checkpoint import load_model
+from transformer_ext.export_format import MANIFEST_NAME
 from transformer_ext.runtimes import EagerRunner
 
 model_config_pb2 = pytest.importorskip(

@@ -1,6 +1,6 @@
 """ONNX Runtime runner for an export folder: the runner protocol of :mod:`transformer_ext.decoding`.
 
-Needs only numpy and onnxruntime (DESIGN.md section 6): no torch import, cache writes by numpy
+Needs only numpy and onnxruntime (docs/DESIGN.md section 6): no torch import, cache writes by numpy
 indexing. Greedy and beam search are the project's own (:mod:`transformer_ext.decoding`, which
 imports only numpy); :meth:`OrtRunner.greedy` and :meth:`OrtRunner.beam_search` are thin
 conveniences over them.
@@ -40,6 +40,7 @@ from transformer_ext.export_format import (
     InvalidGraphError,
     check_io,
     dtype_from_ort,
+    quantization_cpu_warning,
     read_manifest,
 )
 
@@ -114,6 +115,9 @@ class OrtRunner(decoding.SearchMethods):
     ):
         self.export_dir = os.fspath(export_dir)
         self.manifest = read_manifest(self.export_dir)
+        cpu_warning = quantization_cpu_warning(self.manifest, self.export_dir)
+        if cpu_warning:
+            logger.warning("%s", cpu_warning)
         cfg = self.manifest["model_config"]
         self.config = cfg
         self.flavour: str = self.manifest["flavour"]
