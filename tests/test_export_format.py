@@ -276,7 +276,7 @@ def _write_generation(folder: Path, text: str) -> Path:
         (
             "length_penalty",
             "wu",
-            r"length_penalty must be one of \['gnmt', 'seed', 'average', 'none'\], got \"wu\"",
+            r"length_penalty must be one of \['gnmt', 'seed', 'average', 'none', 'hf'\], got \"wu\"",
         ),
         ("alpha", -0.5, "alpha must be a finite number >= 0, got -0.5"),
         ("alpha", "NaN", "alpha must be a finite number >= 0, got nan"),
