@@ -501,7 +501,7 @@ def export_model(
     logger.info("exported the best model to %s", target)
 
 
-# ---------------------------------------------------------------------- what other commands must not write into
+# ---------------------------------------------------------------------- where other commands must not write
 MANAGED_DIRS = ("best", "last", CHECKPOINTS_DIR)  # the trainer replaces and deletes what is in them
 
 
