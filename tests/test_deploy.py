@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import rehash_export
 from num2words import num2words  # the independent oracle of the demo task
 
 from export import ManifestError
@@ -164,6 +165,7 @@ def test_the_export_generation_config_sets_the_defaults(demo_export, tmp_path):
     config = json.loads(path.read_text())
     config.update(beam_size=3, max_new_tokens=4)
     path.write_text(json.dumps(config))
+    rehash_export(folder)  # an edit the manifest knows of (it records every file's SHA-256)
     translator = Translator.from_export_dir(folder)
     (one,) = translator.translate_detailed(["seven thousand, seven hundred and seventy-seven"])
     assert one.score is not None  # beam search, from the folder's config

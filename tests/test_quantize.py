@@ -334,6 +334,7 @@ def test_bad_gate_files_are_refused_naming_the_flag(tmp_path, case, fragment):
 def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path, capsys):
     src, ref = _parallel(tmp_path, ["a", "b"], ["a"])
     out = tmp_path / "out"
+    # options that need another option: a usage error (exit 2)
     assert main(["--output-dir", str(out), "--gate-src", str(src), "--gate-ref", str(ref)]) == 2
     assert "need --quantize int8" in capsys.readouterr().err
     assert (
