@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, if not installed
-from common import environment, save_figure, sync, time_side_by_side, write_json  # noqa: E402
+from common import environment, save_figure, time_side_by_side, write_json  # noqa: E402
 
 from transformer_ext import ops  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""End-to-end decoding speed against CTranslate2, measured fairly (DESIGN.md section 4).
+"""End-to-end decoding speed against CTranslate2, measured fairly (docs/DESIGN.md section 4).
 
     python benchmarks/bench_decode.py                      # base: every engine, 1 and 2 threads, greedy + beam 4
     python benchmarks/bench_decode.py --quick              # tiny model, 1 repeat: a smoke test

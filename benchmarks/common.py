@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import threading
@@ -75,10 +73,19 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "bf16": bf16_record(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def bf16_record() -> dict:
+    """Whether this CPU runs bfloat16 matrix products natively, the flags that say so and the
+    reason (:func:`transformer_ext.cpu_features.bf16_support`): every benchmark's JSON holds it."""
+    from transformer_ext.cpu_features import bf16_support
+
+    return bf16_support().as_dict()
 
 
 def _json_safe(value):
@@ -137,7 +144,17 @@ def lscpu() -> dict:
     flags = info.pop("flags", "").split()
     info["simd"] = [
         f
-        for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+        for f in (
+            "avx2",
+            "fma",
+            "avx512f",
+            "avx512_vnni",
+            "avx_vnni",
+            "avx512_bf16",
+            "avx512_fp16",
+            "amx_bf16",
+            "amx_int8",
+        )
         if f in flags
     ]
     return info
@@ -179,8 +196,10 @@ def memory_bandwidth(nbytes: int = 256 * 2**20, threads: int = 1, repeats: int =
 
 
 def machine_info(threads=(1, 2)) -> dict:
-    """lscpu facts and the measured read and copy bandwidth at each thread count."""
+    """lscpu facts, native bfloat16 (:func:`bf16_record`) and the measured read and copy
+    bandwidth at each thread count."""
     info = lscpu()
+    info["bf16"] = bf16_record()
     info["os_cpu_count"] = os.cpu_count()
     info["read_bandwidth_bytes_per_s"], info["copy_bandwidth_bytes_per_s"] = {}, {}
     for n in threads:

@@ -1,4 +1,4 @@
-"""One decoding engine in a process of its own, for ``bench_decode.py`` (DESIGN.md section 4).
+"""One decoding engine in a process of its own, for ``bench_decode.py`` (docs/DESIGN.md section 4).
 
 Started by the parent as ``python benchmarks/decode_worker.py '<json spec>'``; it loads only what
 its engine needs (the CTranslate2 and ONNX Runtime workers import numpy and their engine, never

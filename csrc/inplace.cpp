@@ -1,6 +1,6 @@
 // Autograd and ADInplaceOrView kernels of the in-place ops kv_cache_append_ and
 // kv_cache_reorder_, for every backend (CPU, CUDA, Meta / fake tensors): what the kernels ATen
-// generates for its own in-place ops do, so that autograd sees every write (DESIGN.md
+// generates for its own in-place ops do, so that autograd sees every write (docs/DESIGN.md
 // section 2).
 //
 // Autograd key. The ops have no derivative. While grad mode is on, a written tensor that

@@ -1,7 +1,7 @@
 // Host entry points of every transformer_ext op.
 //
 // Shapes: B batch, H heads, Q query length, K key length, L cache capacity, D head dim.
-// Semantics are fixed by DESIGN.md section 2; transformer_ext/reference.py is the
+// Semantics are fixed by docs/DESIGN.md section 2; transformer_ext/reference.py is the
 // pure-PyTorch twin of each function below.
 #pragma once
 

@@ -2,7 +2,7 @@
 
 * ``python -m export.onnx`` / :func:`export.onnx.export_onnx`: ``encoder.onnx``,
   ``decoder_step.onnx``, ``manifest.json``, the tokenizer files and ``generation.json``
-  (DESIGN.md section 3), validated against eager PyTorch before the folder appears.
+  (docs/DESIGN.md section 3), validated against eager PyTorch before the folder appears.
 * ``python -m export.tensorrt``: TensorRT engines of an export folder; ``python -m export.triton``:
   a Triton model repository.
 
@@ -40,7 +40,7 @@ class OutputFolderError(ExportError):
 
 
 class GraphContractError(ExportError):
-    """An exported graph breaks the contract of DESIGN.md section 3 (names, axes, forbidden ops...)."""
+    """An exported graph breaks the contract of docs/DESIGN.md section 3 (names, axes, forbidden ops...)."""
 
 
 class ParityError(ExportError):

@@ -1,4 +1,4 @@
-"""The structural rules of the export contract (DESIGN.md section 3), checked on ONNX graphs.
+"""The structural rules of the export contract (docs/DESIGN.md section 3), checked on ONNX graphs.
 
 One implementation, used by both checkers of exported graphs: :func:`export.validate.check_graphs`
 (after every export; a problem is a :class:`export.GraphContractError`) and

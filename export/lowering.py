@@ -152,7 +152,7 @@ def kv_cache_update(cache, update, positions):
     ``cache [B,H,L,D]``, ``update [B,H,T,D]``, ``positions`` int64 ``[B]``: the updated cache with
     ``update[b]`` at ``positions[b] .. positions[b]+T-1`` of axis -2. The literal ``axis=-2`` is
     the spelling TensorRT's parser accepts. No skip and no range check (the runner guarantees
-    valid positions, DESIGN.md section 3).
+    valid positions, docs/DESIGN.md section 3).
     """
     return op24.TensorScatter(cache, update, positions, axis=-2, mode="linear")
 

@@ -6,6 +6,7 @@ Command line::
     python -m export.onnx --model-dir runs/base --output-dir out/base_onnx
     python -m export.onnx --flavour tensorscatter      # cache update inside the graph (opset 24)
     python -m export.onnx --quantize int8              # int8 weights, for ONNX Runtime (export.quantize)
+    python -m export.onnx --quantize int4              # 4-bit block-wise weights (MatMulNBits), ONNX Runtime
     python -m export.onnx --help
 
 Python::
@@ -14,7 +15,7 @@ Python::
     result = export_onnx("path/to/model_dir", "path/to/output_dir")
     result.validation.max_abs_diff        # per output
 
-The output folder (DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
+The output folder (docs/DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
 ``manifest.json``, the model's tokenizer files and ``generation.json`` (how a deployment decodes:
 beam size, length penalty, maximum-length rule, special ids; ``--beam-size``, ``--alpha``... set
 it, :class:`transformer_ext.export_format.GenerationConfig`), so that a deployment needs nothing
@@ -51,10 +52,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.cli import UsageError, add_debug_flag, run_cli
 from transformer_ext.decoding import LENGTH_PENALTIES
 from transformer_ext.export_format import GenerationConfig, read_generation_config
-from transformer_ext.fsutil import StagedDir
+from transformer_ext.fsutil import StagedDir, check_output_path
 
 from . import ExportError, GraphContractError, ModelDirectoryError
 from .manifest import (
@@ -441,11 +442,11 @@ def _versions() -> dict:
 
 def _as_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise UsageError(f"{name} must be an integer, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        raise UsageError(f"{name} must be an integer, got {value!r}") from None
 
 
 def _check_arguments(
@@ -453,21 +454,21 @@ def _check_arguments(
 ) -> tuple[int, Optional[int], float]:
     """``(opset, cache_len, tolerance)`` checked (cache_len against max_len later); touches nothing."""
     if flavour not in FLAVOURS:
-        raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
+        raise UsageError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
     opset = DEFAULT_OPSETS[flavour] if opset is None else _as_int("opset", opset)
     allowed = OPSET_RANGES[flavour]
     if opset not in allowed:
-        raise ValueError(
+        raise UsageError(
             f"opset {opset} is not supported for the {flavour} flavour (use {allowed.start}..{allowed.stop - 1})"
         )
     if cache_len is not None:
         cache_len = _as_int("cache_len", cache_len)
         if cache_len < 1:
-            raise ValueError(f"cache_len must be >= 1, got {cache_len}")
+            raise UsageError(f"cache_len must be >= 1, got {cache_len}")
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
-        raise ValueError(f"tolerance must be a number, got {tolerance!r}")
+        raise UsageError(f"tolerance must be a number, got {tolerance!r}")
     if not (math.isfinite(tolerance) and tolerance > 0):
-        raise ValueError(f"tolerance must be a positive finite number, got {tolerance}")
+        raise UsageError(f"tolerance must be a positive finite number, got {tolerance}")
     _as_int("seed", seed)
     return opset, cache_len, float(tolerance)
 
@@ -487,6 +488,7 @@ def export_onnx(
     quantize: Optional[str] = None,
     gate_data: Any = None,
     max_bleu_drop: Optional[float] = None,
+    quantize_options: Optional[Mapping[str, Any]] = None,
 ) -> ExportResult:
     """Export ``model_dir`` to ``encoder.onnx`` + ``decoder_step.onnx`` + ``manifest.json`` +
     tokenizer files + ``generation.json`` in ``output_dir``.
@@ -513,13 +515,18 @@ def export_onnx(
             ``alpha``, ``max_len_a``, ``max_len_b``, ``min_new_tokens``, ``max_new_tokens``); the
             others keep their defaults (:meth:`GenerationConfig.defaults_for`: the special ids of
             the model, ``max_new_tokens`` = ``cache_len``).
-        quantize: ``None`` (float32) or a scheme of :data:`export.quantize.SCHEMES` (``"int8"``):
-            the float32 graphs are validated as usual, then quantized and, with ``validate``,
-            gated on the demo held-out set (:func:`export.quantize.quality_gate`); the folder has
-            the same files and a ``"quantization"`` section in its manifest.
+        quantize: ``None`` (float32) or a scheme of :data:`export.quantize.SCHEMES` (``"int8"``,
+            ``"int4"``, ``"int8-nbits"``): the float32 graphs are validated as usual, then quantized
+            and, with ``validate``, gated on the demo held-out set
+            (:func:`export.quantize.quality_gate`); the folder has the same files and a
+            ``"quantization"`` section in its manifest.
         gate_data, max_bleu_drop: with ``quantize``, an :class:`export.quantize.GateData` (a
-            parallel text) replaces the demo gate by a BLEU gate: int8 greedy BLEU at most
-            ``max_bleu_drop`` (default 0.5) points below float32's.
+            parallel text) replaces the demo gate by a BLEU gate: the quantized greedy BLEU at most
+            ``max_bleu_drop`` points below float32's (default: the scheme's,
+            :data:`export.quantize.DEFAULT_MAX_DROPS`: 0.5 for int8, 1.0 for int4).
+        quantize_options: with ``quantize`` ``"int4"`` / ``"int8-nbits"``: ``block_size``,
+            ``accuracy_level``, ``symmetric`` (:func:`export.quantize.resolve_settings`), checked
+            against the model's dimensions before anything is traced.
 
     Raises:
         ValueError: a bad option (flavour, opset, cache_len, tolerance, seed).
@@ -531,8 +538,9 @@ def export_onnx(
         GenerationConfigError: a ``generation`` field is unknown, mistyped or out of range.
         GraphContractError: a graph breaks the contract (names, axes, forbidden nodes...).
         ParityError: an output differs from eager PyTorch by more than ``tolerance``.
-        export.quantize.QuantizationError: an unknown ``quantize`` scheme.
-        export.quantize.QualityGateError: the int8 graphs fail the quality gate (nothing is written).
+        export.quantize.QuantizationError: an unknown ``quantize`` scheme or option, a block size
+            that does not divide a weight matrix of the model.
+        export.quantize.QualityGateError: the quantized graphs fail the quality gate (nothing is written).
         OSError: the output cannot be written (full disk, read-only file system), naming ``output_dir``.
 
     Everything but the graphs is checked before anything is written; on any failure or
@@ -541,15 +549,18 @@ def export_onnx(
     t_start = time.perf_counter()
     opset, cache_len, tolerance = _check_arguments(flavour, opset, cache_len, tolerance, seed)
     if quantize is not None:
-        from .quantize import DEFAULT_MAX_BLEU_DROP, _check_max_drop, check_scheme
+        from .quantize import check_quantize_arguments
 
-        check_scheme(quantize)
-        max_bleu_drop = _check_max_drop(
-            DEFAULT_MAX_BLEU_DROP if max_bleu_drop is None else max_bleu_drop, "max_bleu_drop"
-        )
+        _, _, max_bleu_drop = check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop)
     elif gate_data is not None:
-        raise ValueError("a BLEU gate (--gate-src / --gate-ref) checks int8 graphs: it needs --quantize int8")
+        raise UsageError(
+            "a BLEU gate (--gate-src / --gate-ref) checks quantized graphs: it needs --quantize int8, int4 "
+            "or int8-nbits"
+        )
+    elif quantize_options:
+        raise UsageError(f"quantize_options {dict(quantize_options)} need --quantize int4 or int8-nbits")
     output_dir = Path(output_dir).absolute()
+    check_output_path(output_dir, inputs=[("the model folder --model-dir", model_dir)], what="--output-dir")
     check_replaceable(output_dir)
     model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
     config = model.config
@@ -560,7 +571,9 @@ def export_onnx(
     if cache_len is None:
         cache_len = config.max_len
     if not 1 <= cache_len <= config.max_len:
-        raise ValueError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
+        raise UsageError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
+    if quantize is not None:  # the block size against the model's matrices, before tracing
+        check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop, config.to_dict())
     generation_config = GenerationConfig.defaults_for(
         {"special_tokens": special_tokens, "max_cache_len": cache_len, "model_config": config.to_dict()},
         **dict(generation or {}),
@@ -594,7 +607,12 @@ def export_onnx(
                 from .quantize import quantize_folder
 
                 manifest = quantize_folder(
-                    stage.path, quantize, gate=validate, gate_data=gate_data, max_bleu_drop=max_bleu_drop
+                    stage.path,
+                    quantize,
+                    gate=validate,
+                    gate_data=gate_data,
+                    max_bleu_drop=max_bleu_drop,
+                    options=quantize_options,
                 )
             check_replaceable(output_dir)  # nothing of someone else's appeared there meanwhile
             stage.commit()
@@ -776,14 +794,17 @@ def _parser() -> argparse.ArgumentParser:
         "--quantize",
         default=None,
         metavar="SCHEME",
-        help="write int8 graphs (scheme: int8; dynamic quantization, per-output-channel int8 weights with "
-        "reduce_range, every MatMul/Gemm incl. the output projection), for ONNX Runtime only; "
-        "validated by a quality gate (greedy exact match on the demo held-out set at most 0.2 points "
-        "below float32, or with --gate-src/--gate-ref a BLEU gate) instead of a logit tolerance",
+        help="write quantized graphs, for ONNX Runtime only, every MatMul/Gemm incl. the output projection: "
+        "int8 (dynamic quantization, per-output-channel int8 weights with reduce_range), int4 (4-bit "
+        "block-wise weights, com.microsoft MatMulNBits; see --quant-block-size, --quant-accuracy-level) or "
+        "int8-nbits (the same with 8-bit weights); validated by a quality gate (greedy exact match on the "
+        "demo held-out set at most 0.2 points below float32, or with --gate-src/--gate-ref a BLEU gate: "
+        "0.5 points for int8, 1.0 for int4) instead of a logit tolerance",
     )
-    from .quantize import add_gate_arguments
+    from .quantize import add_gate_arguments, add_nbits_arguments
 
     add_gate_arguments(p)
+    add_nbits_arguments(p)
     g = p.add_argument_group(
         "generation config",
         f"how a deployment decodes with the export, written to {GENERATION_FILE} "
@@ -914,14 +935,22 @@ _GENERATION_OPTIONS = (
 
 def _run(args) -> int:
     if args.examples < 0:
-        raise ValueError(f"--examples must be >= 0, got {args.examples}")
+        raise UsageError(f"--examples must be >= 0, got {args.examples}")
     generation = {
         name: getattr(args, name) for name in _GENERATION_OPTIONS if getattr(args, name) is not None
     }
-    from .quantize import gate_data_from_args
+    from .quantize import gate_data_from_args, nbits_options_from_args
 
     if args.quantize is None and (args.gate_src is not None or args.gate_ref is not None):
-        raise ValueError("--gate-src / --gate-ref check int8 graphs: they need --quantize int8")
+        raise UsageError(
+            "--gate-src / --gate-ref check quantized graphs: they need --quantize int8, int4 or int8-nbits"
+        )
+    quantize_options = nbits_options_from_args(args)
+    if args.quantize is None and quantize_options:
+        raise UsageError(
+            "--quant-block-size / --quant-accuracy-level / --quant-symmetric set a MatMulNBits scheme: "
+            "they need --quantize int4 or int8-nbits"
+        )
     gate_data = gate_data_from_args(args)  # read and checked before anything is exported
     result = export_onnx(
         args.model_dir,
@@ -937,6 +966,7 @@ def _run(args) -> int:
         quantize=args.quantize,
         gate_data=gate_data,
         max_bleu_drop=args.max_bleu_drop,
+        quantize_options=quantize_options,
     )
     print(summary_text(result))
     if result.manifest.get("quantization"):

@@ -1,6 +1,6 @@
-"""int8 export folders: ``python -m export.onnx --quantize int8`` and ``python -m export.quantize``.
+"""Quantized export folders: ``python -m export.onnx --quantize SCHEME`` and ``python -m export.quantize``.
 
-An int8 export is a complete, standalone export folder with the same file names as a float32
+A quantized export is a complete, standalone export folder with the same file names as a float32
 one (``encoder.onnx``, ``decoder_step.onnx``, ``manifest.json``, tokenizer files,
 ``generation.json``) and the same graph inputs and outputs, so :class:`OrtRunner`, the
 translator and the Triton export load it unchanged. Its manifest carries a ``"quantization"``
@@ -17,19 +17,32 @@ add pairs of products in 16 bits (``VPMADDUBSW``), which saturates with full-ran
 products over the caches, layer norms and softmax stay float32. int8 graphs are for ONNX
 Runtime: the TensorRT builder and its readiness check refuse them.
 
+Schemes ``int4`` and ``int8-nbits``: weight-only, block-wise quantization written here
+(:func:`quantize_blocks`, :func:`_quantize_nbits_one`): every ``MatMul`` and ``Gemm`` whose weight
+is a 2-D initializer becomes ONNX Runtime's ``com.microsoft`` ``MatMulNBits`` (4 or 8 bits, a
+float32 scale and, unless ``symmetric``, a zero point per block of ``block_size`` weights along
+the input dimension of one output column), the output projection included; the tied target
+embedding keeps its float32 table for the lookup (``Gather``), as with ``int8``. A block size
+must divide every input dimension (``d_model``, ``d_ff``): checked on the model config before
+anything is traced or written (:func:`check_block_dimensions`). ``accuracy_level`` 4 lets the
+kernel quantize the activations to int8 per block (VNNI / AVX-512 int8 dot products); ONNX
+Runtime falls back to float32 where it has no int8 kernel for the bits and block size, so the
+manifest records what the kernel computed in on the exporting CPU (:func:`kernel_compute`) and
+that CPU's instruction-set extensions (:func:`cpu_description`).
+
 Validation. The float32 graphs are validated against eager PyTorch first (the logit tolerance
-of a float32 export); the int8 graphs then pass a quality gate instead of a tolerance: greedy
-decodes of the demo task's held-out set (:func:`transformer_ext.demo.heldout_examples`,
-:mod:`transformer_ext.data`'s split) by the float32 and the int8 graphs, exact match against the
-references; the int8 exact match may be at most :data:`DEFAULT_MAX_EM_DROP` points below the
-float32 one. A failing gate raises :class:`QualityGateError` saying by how much, and nothing is
-written. A model of real data gets a BLEU gate instead (``--gate-src FILE --gate-ref FILE``,
-:class:`GateData`): both folders translate the source file greedily (the translator, ONNX
-Runtime), sacrebleu scores them against the reference file, and the int8 BLEU may be at most
-:data:`DEFAULT_MAX_BLEU_DROP` points below float32's. Without gate files, a model whose
-tokenizer cannot encode the demo task has no held-out set: the gate cannot run and the export
-is refused unless validation is turned off (``--no-validate``, recorded as ``"gate": null`` in
-the manifest).
+of a float32 export); the quantized graphs then pass a quality gate instead of a tolerance:
+greedy decodes of the demo task's held-out set (:func:`transformer_ext.demo.heldout_examples`,
+:mod:`transformer_ext.data`'s split) by the float32 and the quantized graphs, exact match against
+the references; the quantized exact match may be at most :data:`DEFAULT_MAX_EM_DROP` points
+below the float32 one. A failing gate raises :class:`QualityGateError` saying by how much, and
+nothing is written. A model of real data gets a BLEU gate instead (``--gate-src FILE --gate-ref
+FILE``, :class:`GateData`): both folders translate the source file greedily (the translator,
+ONNX Runtime), sacrebleu scores them against the reference file, and the quantized BLEU may be
+at most the scheme's :data:`DEFAULT_MAX_DROPS` points below float32's (0.5 for the int8 schemes,
+1.0 for int4). Without gate files, a model whose tokenizer cannot encode the demo task has no
+held-out set: the gate cannot run and the export is refused unless validation is turned off
+(``--no-validate``, recorded as ``"gate": null`` in the manifest).
 
 Files. :func:`quantize_export` converts an existing float32 export folder into a new folder
 (every argument checked first, the folder built in a temporary sibling and swapped in;
@@ -45,11 +58,11 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.cli import UsageError, add_debug_flag, run_cli
 from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -59,7 +72,7 @@ from transformer_ext.export_format import (
     read_manifest,
     tokenizer_files,
 )
-from transformer_ext.fsutil import StagedDir
+from transformer_ext.fsutil import StagedDir, check_output_path
 
 from .manifest import (
     check_replaceable,
@@ -80,6 +93,7 @@ __all__ = [
     "bleu_gate",
     "INT8_OP_TYPES",
     "QuantizationError",
+    "QuantizationUsageError",
     "QualityGateError",
     "check_scheme",
     "quantize_graphs",
@@ -87,6 +101,24 @@ __all__ = [
     "quantize_folder",
     "quantize_export",
     "main",
+    "NBITS_SCHEMES",
+    "NBITS_OPTIONS",
+    "BLOCK_SIZES",
+    "ACCURACY_LEVELS",
+    "DEFAULT_MAX_DROPS",
+    "ISA_FLAGS",
+    "default_max_drops",
+    "resolve_settings",
+    "check_block_dimensions",
+    "check_quantize_arguments",
+    "quantize_blocks",
+    "kernel_compute",
+    "cpu_description",
+    "add_gate_arguments",
+    "add_nbits_arguments",
+    "gate_data_from_args",
+    "nbits_options_from_args",
+    "quantization_summary",
 ]
 
 # How each scheme is made; recorded in the manifest's "quantization" section.
@@ -94,6 +126,10 @@ __all__ = [
 # AMD EPYC without VNNI; float32 99.8%): per-channel int8 with reduce_range 99.8% (every decode
 # equal to float32's), full-range int8 or uint8 weights 99.6% (one decode differs). reduce_range
 # keeps the u8 x s8 kernels from saturating.
+_NBITS_METHOD = (
+    "MatMulNBits (ONNX Runtime contrib operator, com.microsoft), weight-only, written by export.quantize"
+)
+_NBITS_ACTIVATIONS = "float32; with accuracy_level 4 the kernel quantizes them to int8 per block at run time"
 SCHEMES: dict[str, dict[str, Any]] = {
     "int8": {
         "method": "onnxruntime.quantization.quantize_dynamic",
@@ -104,10 +140,49 @@ SCHEMES: dict[str, dict[str, Any]] = {
         "activations": "uint8, one scale per tensor, computed at run time (DynamicQuantizeLinear)",
         "op_types": ["MatMul", "Gemm"],
     },
+    "int4": {
+        "method": _NBITS_METHOD,
+        "bits": 4,
+        "block_size": 32,
+        "accuracy_level": 4,
+        "symmetric": False,
+        "activations": _NBITS_ACTIVATIONS,
+        "op_types": ["MatMul", "Gemm"],
+    },
+    "int8-nbits": {
+        "method": _NBITS_METHOD,
+        "bits": 8,
+        "block_size": 32,
+        "accuracy_level": 4,
+        "symmetric": False,
+        "activations": _NBITS_ACTIVATIONS,
+        "op_types": ["MatMul", "Gemm"],
+    },
 }
 assert tuple(SCHEMES) == QUANTIZATION_SCHEMES
+# The block-wise weight-only schemes, their options (with the command-line flag of each) and ranges.
+NBITS_SCHEMES = ("int4", "int8-nbits")
+NBITS_OPTIONS = {
+    "block_size": "--quant-block-size",
+    "accuracy_level": "--quant-accuracy-level",
+    "symmetric": "--quant-symmetric",
+}
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+ACCURACY_LEVELS = {
+    0: "unset (float32 on CPU)",
+    1: "float32",
+    2: "float16 (float32 on x86)",
+    3: "bfloat16 (float32 on x86)",
+    4: "int8 activations (VNNI / AVX-512 / AVX2 / ARM dot products)",
+}
 DEFAULT_MAX_EM_DROP = 0.2  # points of exact match (percent) the int8 graphs may lose against float32
 DEFAULT_MAX_BLEU_DROP = 0.5  # BLEU points the int8 graphs may lose against float32 on --gate-src/--gate-ref
+# Each scheme's defaults of both gates: (exact-match points on the demo, BLEU points on --gate-src).
+DEFAULT_MAX_DROPS: dict[str, tuple[float, float]] = {
+    "int8": (DEFAULT_MAX_EM_DROP, DEFAULT_MAX_BLEU_DROP),
+    "int4": (DEFAULT_MAX_EM_DROP, 1.0),
+    "int8-nbits": (DEFAULT_MAX_EM_DROP, DEFAULT_MAX_BLEU_DROP),
+}
 # Ops of quantized graphs (what the TensorRT readiness check refuses).
 INT8_OP_TYPES = (
     "MatMulInteger",
@@ -125,6 +200,12 @@ class QuantizationError(ExportError):
     """A folder cannot be quantized (unknown scheme, already quantized, not an export)."""
 
 
+class QuantizationUsageError(QuantizationError, UsageError):
+    """A quantization option out of its range, or options that exclude each other (exit code 2):
+    an unknown scheme or option, a block size that does not divide the model's matrices, a gate
+    threshold that is not a finite number >= 0, half of a BLEU gate's pair of files."""
+
+
 class QualityGateError(QuantizationError):
     """The quantized graphs decode too differently from float32 (or the gate cannot run)."""
 
@@ -132,7 +213,9 @@ class QualityGateError(QuantizationError):
 def check_scheme(scheme: Any) -> str:
     """``scheme`` if it is one of :data:`SCHEMES`; raises :class:`QuantizationError` naming the choices."""
     if not isinstance(scheme, str) or scheme not in SCHEMES:
-        raise QuantizationError(f"unknown quantization scheme {scheme!r}: expected one of {list(SCHEMES)}")
+        raise QuantizationUsageError(
+            f"unknown quantization scheme {scheme!r}: expected one of {list(SCHEMES)}"
+        )
     return scheme
 
 
@@ -173,7 +256,7 @@ def _check_max_drop(value: Any, name: str = "max_em_drop") -> float:
         or not (np.isfinite(value) and value >= 0)
     ):
         what = "points of exact match" if name == "max_em_drop" else "BLEU points"
-        raise ValueError(f"{name} must be a finite number >= 0 ({what}), got {value!r}")
+        raise QuantizationUsageError(f"{name} must be a finite number >= 0 ({what}), got {value!r}")
     return float(value)
 
 
@@ -239,20 +322,394 @@ def _quantize_one(src: Path, dst: Path, settings: dict) -> dict:
     }
 
 
-def quantize_graphs(src_dir: Path, dst_dir: Path, scheme: str) -> dict:
-    """Quantize ``src_dir``'s two graphs into ``dst_dir`` (same file names); the manifest section."""
+def quantize_graphs(
+    src_dir: Path, dst_dir: Path, scheme: str, options: Optional[Mapping[str, Any]] = None
+) -> dict:
+    """Quantize ``src_dir``'s two graphs into ``dst_dir`` (same file names); the manifest section:
+    the scheme's settings (``options`` applied, :func:`resolve_settings`), the ONNX Runtime
+    version, the CPU (:func:`cpu_description`) and, for MatMulNBits, what its kernel computes in
+    on this CPU (``"kernel_compute"``, :func:`kernel_compute`), the per-graph counts."""
     import onnxruntime
 
-    settings = SCHEMES[check_scheme(scheme)]
+    settings = resolve_settings(scheme, options)
     graphs = {}
     for key, name in (("encoder", ENCODER_FILE), ("decoder_step", DECODER_FILE)):
-        graphs[key] = _quantize_one(Path(src_dir) / name, Path(dst_dir) / name, settings)
+        if "bits" in settings:
+            graphs[key] = _quantize_nbits_one(Path(src_dir) / name, Path(dst_dir) / name, settings)
+        else:
+            graphs[key] = _quantize_one(Path(src_dir) / name, Path(dst_dir) / name, settings)
+    section = {"scheme": scheme, **settings, "onnxruntime": onnxruntime.__version__}
+    if "bits" in settings:
+        section["kernel_compute"] = kernel_compute(
+            settings["bits"], settings["block_size"], settings["accuracy_level"]
+        )
+    section.update(cpu=cpu_description(), graphs=graphs, gate=None)
+    return section
+
+
+# ------------------------------------------------------------------------------------------
+# Block-wise weight-only schemes (MatMulNBits)
+# ------------------------------------------------------------------------------------------
+
+
+def resolve_settings(scheme: str, options: Optional[Mapping[str, Any]] = None) -> dict:
+    """The settings of ``scheme`` with ``options`` (``block_size``, ``accuracy_level``,
+    ``symmetric``; ``None`` values keep the scheme's default) applied and checked.
+
+    Raises :class:`QuantizationError` naming the option and its allowed values, or saying that
+    the scheme has no such option (``int8`` is dynamic quantization: no blocks).
+    """
+    settings = dict(SCHEMES[check_scheme(scheme)])
+    given = {k: v for k, v in dict(options or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(NBITS_OPTIONS))
+    if unknown:
+        raise QuantizationUsageError(
+            f"unknown quantization option(s) {unknown}: expected {list(NBITS_OPTIONS)}"
+        )
+    if "bits" not in settings:
+        if given:
+            flags = ", ".join(NBITS_OPTIONS[k] for k in sorted(given))
+            raise QuantizationUsageError(
+                f"{flags} set the blocks of a MatMulNBits scheme ({', '.join(NBITS_SCHEMES)}); "
+                f"--quantize {scheme} is dynamic quantization with one scale per output channel"
+            )
+        return settings
+    if "block_size" in given:
+        value = given["block_size"]
+        if isinstance(value, bool) or not isinstance(value, int) or value not in BLOCK_SIZES:
+            raise QuantizationUsageError(
+                f"{NBITS_OPTIONS['block_size']} must be one of {list(BLOCK_SIZES)} (a power of two, the "
+                f"sizes ONNX Runtime's MatMulNBits kernels take), got {value!r}"
+            )
+        settings["block_size"] = value
+    if "accuracy_level" in given:
+        value = given["accuracy_level"]
+        if isinstance(value, bool) or not isinstance(value, int) or value not in ACCURACY_LEVELS:
+            raise QuantizationUsageError(
+                f"{NBITS_OPTIONS['accuracy_level']} must be one of {list(ACCURACY_LEVELS)} (MatMulNBits: "
+                f"{'; '.join(f'{k} {v}' for k, v in ACCURACY_LEVELS.items())}), got {value!r}"
+            )
+        settings["accuracy_level"] = value
+    if "symmetric" in given:
+        if not isinstance(given["symmetric"], bool):
+            raise QuantizationUsageError(
+                f"{NBITS_OPTIONS['symmetric']} must be true or false, got {given['symmetric']!r}"
+            )
+        settings["symmetric"] = given["symmetric"]
+    settings["weights"] = _weights_text(settings)
+    return settings
+
+
+def _weights_text(settings: Mapping[str, Any]) -> str:
+    bits, block = settings["bits"], settings["block_size"]
+    if settings["symmetric"]:
+        how = f"symmetric (a float32 scale per block, zero point {1 << (bits - 1)} implied)"
+    else:
+        how = f"asymmetric (a float32 scale and a {bits}-bit zero point per block)"
+    return (
+        f"{bits}-bit, block-wise along the input dimension K (blocks of {block} weights of one output "
+        f"column), {how}, rounded to nearest within the range of least squared error per block"
+    )
+
+
+def check_block_dimensions(model_config: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    """Refuse a block size that does not divide the input dimension of a weight matrix, naming
+    the matrices; ``d_model`` is the input of every attention projection, of the first
+    feed-forward matrix and of the output projection, ``d_ff`` the input of the second.
+    Checked on the model config, before any graph is traced or read."""
+    if "bits" not in settings:
+        return
+    block = settings["block_size"]
+    dims = {"d_model": int(model_config["d_model"]), "d_ff": int(model_config["d_ff"])}
+    what = {
+        "d_model": "the attention projections (d_model x d_model), the first feed-forward matrix "
+        "(d_model x d_ff) and the output projection (d_model x vocab)",
+        "d_ff": "the second feed-forward matrix (d_ff x d_model) of every layer",
+    }
+    for name, value in dims.items():
+        if value % block:
+            fits = [b for b in BLOCK_SIZES if all(v % b == 0 for v in dims.values())]
+            hint = f"block sizes that fit this model: {fits}" if fits else "no MatMulNBits block size fits it"
+            raise QuantizationUsageError(
+                f"{NBITS_OPTIONS['block_size']} {block} does not divide {name} = {value}, the input "
+                f"dimension K of {what[name]}: every block must be whole ({hint})"
+            )
+
+
+# Range factors tried per block by quantize_blocks (1.0 first: plain rounding to nearest).
+RANGE_FACTORS = tuple(np.round(np.linspace(1.0, 0.5, 26), 4))
+
+
+def quantize_blocks(weight_nk: np.ndarray, bits: int, block_size: int, symmetric: bool):
+    """``weight_nk`` ``[N, K]`` (one row per output column, ``K % block_size == 0``) in
+    MatMulNBits' layout: ``(packed [N, K / block_size, block_size * bits / 8] uint8, scales
+    [N, K / block_size] float32, zero_points [N, ceil(K / block_size * bits / 8)] uint8 or None)``.
+
+    Per block, values are rounded to nearest on a grid covering a range: asymmetric, ``f *
+    [min(v, 0), max(v, 0)]`` mapped onto ``0 .. 2^bits - 1`` (scale ``f * (max - min) / (2^bits -
+    1)``, zero point ``round(-f * min / scale)``); symmetric, ``f * [-absmax, absmax]`` onto ``1 ..
+    2^bits - 1`` around the implied zero point ``2^(bits-1)``. Of the factors ``f`` in
+    :data:`RANGE_FACTORS` each block keeps the one with the smallest squared error (a narrower
+    range clips a few large weights and rounds the others finer: on the demo model, block size
+    32, this keeps every int4 greedy decode equal to float32's where the full range loses 1.6
+    points of exact match). 4-bit values are packed two per byte, the first in the low nibble.
+    A block of zeros gets scale 1.
+    """
+    n, k = weight_nk.shape
+    blocks = k // block_size
+    v = np.asarray(weight_nk, dtype=np.float32).reshape(n, blocks, block_size)
+    top = (1 << bits) - 1
+    mid = 1 << (bits - 1)
+    if symmetric:
+        full_low, full_high = None, np.abs(v).max(axis=2)
+    else:
+        full_low, full_high = np.minimum(v.min(axis=2), 0.0), np.maximum(v.max(axis=2), 0.0)
+    best = None
+    for f in RANGE_FACTORS:
+        if symmetric:
+            scale = (full_high * np.float32(f) / (mid - 1)).astype(np.float32)
+            scale = np.where(scale > 0, scale, np.float32(1.0))
+            zero = np.full(scale.shape, mid, dtype=np.float32)
+            q = np.clip(np.rint(v / scale[..., None]), 1 - mid, mid - 1) + mid
+        else:
+            scale = ((full_high - full_low) * np.float32(f) / top).astype(np.float32)
+            scale = np.where(scale > 0, scale, np.float32(1.0))
+            zero = np.clip(np.rint(-full_low * np.float32(f) / scale), 0, top)
+            q = np.clip(np.rint(v / scale[..., None]) + zero[..., None], 0, top)
+        err = np.square((q - zero[..., None]) * scale[..., None] - v).sum(axis=2)
+        if best is None:
+            best = [err, q, scale, zero]
+            continue
+        better = err < best[0]
+        best = [
+            np.where(better, err, best[0]),
+            np.where(better[..., None], q, best[1]),
+            np.where(better, scale, best[2]),
+            np.where(better, zero, best[3]),
+        ]
+    _, q, scale, zero = best
+    q = q.astype(np.uint8)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4) if bits == 4 else q
+    zero_points = None
+    if not symmetric:
+        zero = zero.astype(np.uint8)
+        if bits == 4:
+            if blocks % 2:
+                zero = np.concatenate([zero, np.zeros((n, 1), np.uint8)], axis=1)
+            zero = zero[:, 0::2] | (zero[:, 1::2] << 4)
+        zero_points = np.ascontiguousarray(zero)
+    return np.ascontiguousarray(packed), np.ascontiguousarray(scale.astype(np.float32)), zero_points
+
+
+def _attribute(node, name: str, default: Any) -> Any:
+    import onnx
+
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _weight_product(node, inits: Mapping[str, Any]):
+    """``(weight name, transposed, bias name)`` when ``node`` multiplies by a 2-D float32
+    initializer (``MatMul`` x ``[K, N]``, or a plain ``Gemm``), else ``None``; a ``Gemm`` this
+    quantizer cannot express (``alpha``/``beta`` not 1, ``transA``) raises."""
+    import onnx
+
+    if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node.input[1] not in inits:
+        return None
+    w = inits[node.input[1]]
+    if len(w.dims) != 2 or w.data_type != onnx.TensorProto.FLOAT:
+        return None
+    if node.op_type == "MatMul":
+        return node.input[1], False, None
+    bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    plain = (
+        _attribute(node, "alpha", 1.0) == 1.0
+        and _attribute(node, "beta", 1.0) == 1.0
+        and _attribute(node, "transA", 0) == 0
+        and (
+            bias is None
+            or (
+                bias in inits
+                and list(inits[bias].dims) == [w.dims[0 if _attribute(node, "transB", 0) else 1]]
+            )
+        )
+    )
+    if not plain:
+        raise QuantizationError(
+            f"Gemm {node.name!r}: only alpha = beta = 1, transA = 0 and a 1-D bias initializer can become "
+            "MatMulNBits (the graph is not what this quantizer expects)"
+        )
+    return node.input[1], bool(_attribute(node, "transB", 0)), bias
+
+
+def _quantize_nbits_one(src: Path, dst: Path, settings: Mapping[str, Any]) -> dict:
+    """Every weight product of the graph ``src`` as a ``com.microsoft`` ``MatMulNBits`` in ``dst``."""
+    import onnx
+    from onnx import numpy_helper
+
+    bits, block, symmetric = settings["bits"], settings["block_size"], settings["symmetric"]
+    model = onnx.load(os.fspath(src))
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    done: dict[tuple[str, bool], tuple[list[str], int, int]] = {}
+    new_nodes, added = [], []
+    for node in graph.node:
+        product = _weight_product(node, inits)
+        if product is None:
+            new_nodes.append(node)
+            continue
+        name, transposed, bias = product
+        if (name, transposed) not in done:
+            w = numpy_helper.to_array(inits[name])
+            w_nk = w if transposed else w.T
+            n, k = w_nk.shape
+            if k % block:
+                raise QuantizationError(
+                    f"{src.name}: {NBITS_OPTIONS['block_size']} {block} does not divide K = {k} of the "
+                    f"weight {name!r} [{w.shape[0]} x {w.shape[1]}] of {node.op_type} {node.name!r}"
+                )
+            packed, scales, zero_points = quantize_blocks(w_nk, bits, block, symmetric)
+            stem = f"{name}.q{bits}" + ("t" if transposed else "")
+            names = [f"{stem}.weight", f"{stem}.scales"]
+            added += [numpy_helper.from_array(packed, names[0]), numpy_helper.from_array(scales, names[1])]
+            if zero_points is not None:
+                names.append(f"{stem}.zero_points")
+                added.append(numpy_helper.from_array(zero_points, names[2]))
+            done[(name, transposed)] = (names, k, n)
+        names, k, n = done[(name, transposed)]
+        inputs = [node.input[0], names[0], names[1], names[2] if len(names) > 2 else ""]
+        if bias is not None:
+            inputs += ["", bias]  # no g_idx
+        while inputs and not inputs[-1]:
+            inputs.pop()
+        new_nodes.append(
+            onnx.helper.make_node(
+                "MatMulNBits",
+                inputs,
+                list(node.output),
+                name=f"{node.name}_Q{bits}" if node.name else "",
+                domain="com.microsoft",
+                K=k,
+                N=n,
+                bits=bits,
+                block_size=block,
+                accuracy_level=settings["accuracy_level"],
+            )
+        )
+    if not done:
+        raise QuantizationError(f"{src.name}: no weight product to quantize (the graph is not an export's)")
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept + added)
+    if not any(op.domain == "com.microsoft" for op in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    onnx.checker.check_model(model)
+    left = [n.name for n in graph.node if _weight_product(n, {t.name: t for t in graph.initializer})]
+    if left:
+        raise QuantizationError(f"{src.name}: float32 weight products left after quantization: {left[:3]}")
+    onnx.save(model, os.fspath(dst))
+    counts: dict[str, int] = {}
+    for n in graph.node:
+        counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    nbytes = sum(
+        int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        for t in graph.initializer
+    )
     return {
-        "scheme": scheme,
-        **settings,
-        "onnxruntime": onnxruntime.__version__,
-        "graphs": graphs,
-        "gate": None,
+        "quantized_nodes": counts.get("MatMulNBits", 0),
+        "quantized_weights": len(done),
+        "op_counts": dict(sorted(counts.items())),
+        "initializer_bytes": int(nbytes),
+    }
+
+
+def kernel_compute(bits: int, block_size: int, accuracy_level: int) -> str:
+    """What ONNX Runtime's MatMulNBits kernel computes in on this CPU: ``"int8"`` (activations
+    quantized per block, int8 dot products) or ``"float32"`` (the weights dequantized).
+
+    ONNX Runtime falls back to float32 without a word when it has no int8 kernel for ``bits``
+    and ``block_size`` on this CPU; the two differ measurably, so one small product tells them
+    apart: float32 stays within 1e-5 (relative) of the float64 product of the dequantized
+    weights, int8 activations move it by about 1e-2."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    if accuracy_level != 4:
+        return "float32"
+    k, n = 4 * block_size, 32
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    a = rng.standard_normal((4, k)).astype(np.float32)
+    packed, scales, _ = quantize_blocks(w, bits, block_size, symmetric=True)
+    node = helper.make_node(
+        "MatMulNBits",
+        ["A", "B", "S"],
+        ["Y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block_size,
+        accuracy_level=accuracy_level,
+    )
+    graph = helper.make_graph(
+        [node],
+        "probe",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [4, k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [4, n])],
+        [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S")],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    y = session.run(None, {"A": a})[0].astype(np.float64)
+    mid = 1 << (bits - 1)
+    q = np.stack([packed & 15, packed >> 4], axis=-1) if bits == 4 else packed
+    deq = (q.reshape(n, -1, block_size).astype(np.float64) - mid) * scales[..., None]
+    ref = a.astype(np.float64) @ deq.reshape(n, k).T
+    return "int8" if np.abs(y - ref).max() > 1e-4 * np.abs(ref).max() else "float32"
+
+
+# The instruction-set extensions that decide which quantized kernels ONNX Runtime runs (x86:
+# AVX2 / AVX-512 / VNNI / AMX; ARM: dot products, int8 matrix multiply, SVE).
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "asimd",
+    "asimddp",
+    "i8mm",
+    "sve",
+)
+
+
+def cpu_description() -> dict:
+    """The CPU a quantized export was made on (:func:`transformer_ext.cpu_features.cpu_flags`):
+    model name, architecture and which of :data:`ISA_FLAGS` it has (``"isa"``)."""
+    from transformer_ext.cpu_features import cpu_flags
+
+    cpu = cpu_flags()
+    return {
+        "model": cpu.model or None,
+        "arch": cpu.arch,
+        "isa": [f for f in ISA_FLAGS if f in cpu.flags],
+        "flags_source": cpu.source,
     }
 
 
@@ -312,74 +769,95 @@ def _strip_eos(tokens: list[int], eos: int) -> list[int]:
     return list(tokens[: tokens.index(eos)]) if eos in tokens else list(tokens)
 
 
-def quality_gate(float_dir: Path, int8_dir: Path, max_em_drop: float = DEFAULT_MAX_EM_DROP) -> dict:
+def _label(scheme: str) -> str:
+    """What a gate record calls the quantized graphs: ``"int4"`` or ``"int8"`` (its key names)."""
+    return "int4" if scheme == "int4" else "int8"
+
+
+def default_max_drops(scheme: str) -> tuple[float, float]:
+    """The default ``(max_em_drop, max_bleu_drop)`` of ``scheme``'s gates (:data:`DEFAULT_MAX_DROPS`)."""
+    return DEFAULT_MAX_DROPS[check_scheme(scheme)]
+
+
+def quality_gate(
+    float_dir: Path, int8_dir: Path, max_em_drop: float = DEFAULT_MAX_EM_DROP, *, scheme: str = "int8"
+) -> dict:
     """Greedy exact match of both folders on the demo held-out set; raises :class:`QualityGateError`
-    when the int8 one is more than ``max_em_drop`` points below float32. Returns the gate's record."""
+    when the quantized one (``int8_dir``, made by ``scheme``) is more than ``max_em_drop`` points
+    below float32. Returns the gate's record (keys named after :func:`_label`)."""
     max_em_drop = _check_max_drop(max_em_drop)
+    label = _label(check_scheme(scheme))
     t0 = time.perf_counter()
     ids, lengths, references = _heldout_batch(Path(float_dir))
     eos = int(read_manifest(float_dir)["model_config"]["eos_id"])
     f32 = [_strip_eos(t, eos) for t in _greedy_all(Path(float_dir), ids, lengths)]
-    i8 = [_strip_eos(t, eos) for t in _greedy_all(Path(int8_dir), ids, lengths)]
+    qnt = [_strip_eos(t, eos) for t in _greedy_all(Path(int8_dir), ids, lengths)]
     n = len(references)
-    em_f32 = 100.0 * sum(a == r for a, r in zip(f32, references)) / n
-    em_i8 = 100.0 * sum(a == r for a, r in zip(i8, references)) / n
-    agree = 100.0 * sum(a == b for a, b in zip(f32, i8)) / n
+    em_f32 = 100.0 * sum(a == r for a, r in zip(f32, references, strict=True)) / n
+    em_q = 100.0 * sum(a == r for a, r in zip(qnt, references, strict=True)) / n
+    agree = 100.0 * sum(a == b for a, b in zip(f32, qnt, strict=True)) / n
     record = {
         "data": "demo held-out set (transformer_ext.data.split_numbers().heldout), greedy",
         "examples": n,
         "exact_match_float32": round(em_f32, 4),
-        "exact_match_int8": round(em_i8, 4),
-        "drop_points": round(em_f32 - em_i8, 4),
+        f"exact_match_{label}": round(em_q, 4),
+        "drop_points": round(em_f32 - em_q, 4),
         "max_drop_points": max_em_drop,
-        "int8_equal_to_float32": round(agree, 4),
+        f"{label}_equal_to_float32": round(agree, 4),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    logger.info("int8 quality gate: %s", record)
-    if em_f32 - em_i8 > max_em_drop + 1e-9:
+    logger.info("%s quality gate: %s", scheme, record)
+    if em_f32 - em_q > max_em_drop + 1e-9:
         raise QualityGateError(
-            f"the int8 graphs fail the quality gate: exact match {em_i8:.2f}% vs {em_f32:.2f}% for float32 on "
-            f"{n} held-out examples, {em_f32 - em_i8:.2f} points lower (at most {max_em_drop:g} allowed); "
-            "nothing was written"
+            f"the {scheme} graphs fail the quality gate: exact match {em_q:.2f}% vs {em_f32:.2f}% for "
+            f"float32 on {n} held-out examples, {em_f32 - em_q:.2f} points lower (at most {max_em_drop:g} "
+            "allowed); nothing was written"
         )
     return record
 
 
 def bleu_gate(
-    float_dir: Path, int8_dir: Path, data: GateData, max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP
+    float_dir: Path,
+    int8_dir: Path,
+    data: GateData,
+    max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP,
+    *,
+    scheme: str = "int8",
 ) -> dict:
     """Greedy translations of ``data.sources`` by both folders, BLEU against ``data.references``
-    (sacrebleu); raises :class:`QualityGateError` when the int8 BLEU is more than
-    ``max_bleu_drop`` points below float32's. Returns the gate's record."""
+    (sacrebleu); raises :class:`QualityGateError` when the quantized BLEU (``int8_dir``, made by
+    ``scheme``) is more than ``max_bleu_drop`` points below float32's. Returns the gate's record."""
     from transformer_ext.evaluate import score_texts
     from transformer_ext.translate import Translator
 
     max_bleu_drop = _check_max_drop(max_bleu_drop, "max_bleu_drop")
+    label = _label(check_scheme(scheme))
     t0 = time.perf_counter()
     hyps = {}
-    for name, folder in (("float32", float_dir), ("int8", int8_dir)):
+    for name, folder in (("float32", float_dir), (label, int8_dir)):
         translator = Translator.from_export_dir(folder, threads=2)
         hyps[name] = translator.translate(data.sources, beam_size=1, progress=True)
     scores = {name: score_texts(h, data.references) for name, h in hyps.items()}
-    b32, b8 = scores["float32"]["bleu"], scores["int8"]["bleu"]
+    b32, bq = scores["float32"]["bleu"], scores[label]["bleu"]
     n = len(data.sources)
-    agree = 100.0 * sum(a == b for a, b in zip(hyps["float32"], hyps["int8"])) / n
+    agree = 100.0 * sum(a == b for a, b in zip(hyps["float32"], hyps[label], strict=True)) / n
     record = {
         "data": f"{data.src.name} -> {data.ref.name}, greedy",
         "examples": n,
         "bleu_float32": round(b32, 2),
-        "bleu_int8": round(b8, 2),
-        "drop_points": round(b32 - b8, 2),
+        f"bleu_{label}": round(bq, 2),
+        "drop_points": round(b32 - bq, 2),
         "max_drop_points": max_bleu_drop,
         "bleu_signature": scores["float32"]["bleu_signature"],
-        "int8_equal_to_float32": round(agree, 4),
+        f"{label}_equal_to_float32": round(agree, 4),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    logger.info("int8 BLEU gate: %s", record)
-    if b32 - b8 > max_bleu_drop + 1e-9:
+    logger.info("%s BLEU gate: %s", scheme, record)
+    if b32 - bq > max_bleu_drop + 1e-9:
         raise QualityGateError(
-            f"the int8 graphs fail the BLEU gate: BLEU {b8:.2f} vs {b32:.2f} for float32 on {n} sentences of "
-            f"{data.src}, {b32 - b8:.2f} points lower (at most {max_bleu_drop:g} allowed); nothing was written"
+            f"the {scheme} graphs fail the BLEU gate: BLEU {bq:.2f} vs {b32:.2f} for float32 on {n} "
+            f"sentences of {data.src}, {b32 - bq:.2f} points lower (at most {max_bleu_drop:g} allowed); "
+            "nothing was written"
         )
     return record
 
@@ -389,51 +867,80 @@ def bleu_gate(
 # ------------------------------------------------------------------------------------------
 
 
+def check_quantize_arguments(
+    scheme: Any,
+    options: Optional[Mapping[str, Any]] = None,
+    max_em_drop: Optional[float] = None,
+    max_bleu_drop: Optional[float] = None,
+    model_config: Optional[Mapping[str, Any]] = None,
+) -> tuple[dict, float, float]:
+    """Every quantization argument checked, before anything is written: ``(settings, max_em_drop,
+    max_bleu_drop)`` with the scheme's defaults (:data:`DEFAULT_MAX_DROPS`) for ``None``; with
+    ``model_config``, the block size against the model's dimensions (:func:`check_block_dimensions`)."""
+    settings = resolve_settings(scheme, options)
+    em_default, bleu_default = default_max_drops(scheme)
+    max_em_drop = _check_max_drop(em_default if max_em_drop is None else max_em_drop)
+    max_bleu_drop = _check_max_drop(bleu_default if max_bleu_drop is None else max_bleu_drop, "max_bleu_drop")
+    if model_config is not None:
+        check_block_dimensions(model_config, settings)
+    return settings, max_em_drop, max_bleu_drop
+
+
+def _refuse_quantized(folder: Path, manifest: Mapping[str, Any]) -> None:
+    q = manifest_quantization(manifest)
+    if q is not None:
+        raise QuantizationError(
+            f"{folder} is already quantized ({q.get('scheme')}): quantize a float32 export"
+        )
+
+
 def quantize_folder(
     folder: Path,
     scheme: str,
     *,
     gate: bool = True,
-    max_em_drop: float = DEFAULT_MAX_EM_DROP,
+    max_em_drop: Optional[float] = None,
     gate_data: Optional[GateData] = None,
-    max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP,
+    max_bleu_drop: Optional[float] = None,
+    options: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Quantize the float32 export in ``folder`` (a staged folder of this process) in place: the
-    int8 graphs are written beside it, gated against the float32 ones (:func:`bleu_gate` on
+    quantized graphs are written beside it, gated against the float32 ones (:func:`bleu_gate` on
     ``gate_data`` when given, else :func:`quality_gate` on the demo task), then moved over them
-    and the manifest updated. Returns the new manifest. On any failure ``folder`` is as it was."""
-    check_scheme(scheme)
-    max_em_drop = _check_max_drop(max_em_drop)
-    max_bleu_drop = _check_max_drop(max_bleu_drop, "max_bleu_drop")
+    and the manifest updated. ``options``: ``block_size``, ``accuracy_level``, ``symmetric`` of a
+    MatMulNBits scheme (:func:`resolve_settings`); a ``None`` drop takes the scheme's default.
+    Returns the new manifest. On any failure ``folder`` is as it was."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    if manifest_quantization(manifest) is not None:
-        raise QuantizationError(
-            f"{folder} is already quantized ({manifest_quantization(manifest).get('scheme')}): "
-            "quantize a float32 export"
-        )
+    _refuse_quantized(folder, manifest)
+    _, max_em_drop, max_bleu_drop = check_quantize_arguments(
+        scheme, options, max_em_drop, max_bleu_drop, manifest["model_config"]
+    )
     # A scratch sibling of the folder (not inside it, so its files list stays exact), never
-    # committed: removed on any exit, and by the next run on this host if this one is killed.
+    # committed: removed on any exit. ``folder`` is a temporary of the output (``.OUT.tmp-...``),
+    # so the scratch is a temporary of a temporary (``..OUT.tmp-....quantize.tmp-...``), which
+    # fsutil's one rule (parse_temporary_name) traces to OUT: after a SIGKILL the next write of
+    # OUT on this host removes it with the staged folder.
     with StagedDir(folder.with_name(f"{folder.name}.quantize")) as scratch:
         tmp_dir = scratch.path
         for name in folder_files(folder):
             shutil.copy2(folder / name, tmp_dir / name)
-        section = quantize_graphs(folder, tmp_dir, scheme)
-        int8_manifest = dict(manifest, quantization=section)
-        int8_manifest["files"] = folder_files(tmp_dir)
-        write_manifest(tmp_dir, int8_manifest)
+        section = quantize_graphs(folder, tmp_dir, scheme, options)
+        quantized_manifest = dict(manifest, quantization=section)
+        quantized_manifest["files"] = folder_files(tmp_dir)
+        write_manifest(tmp_dir, quantized_manifest)
         if gate and gate_data is not None:
-            section["gate"] = bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop)
+            section["gate"] = bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop, scheme=scheme)
         elif gate:
-            section["gate"] = quality_gate(folder, tmp_dir, max_em_drop)
+            section["gate"] = quality_gate(folder, tmp_dir, max_em_drop, scheme=scheme)
         else:
-            logger.warning("int8 quality gate skipped (validation off)")
+            logger.warning("%s quality gate skipped (validation off)", scheme)
         for name in (ENCODER_FILE, DECODER_FILE):
             os.replace(tmp_dir / name, folder / name)
-    int8_manifest["quantization"] = section
-    int8_manifest["files"] = folder_files(folder)
-    write_manifest(folder, int8_manifest)
-    return int8_manifest
+    quantized_manifest["quantization"] = section
+    quantized_manifest["files"] = folder_files(folder)
+    write_manifest(folder, quantized_manifest)
+    return quantized_manifest
 
 
 def quantize_export(
@@ -442,36 +949,41 @@ def quantize_export(
     scheme: str = "int8",
     *,
     gate: bool = True,
-    max_em_drop: float = DEFAULT_MAX_EM_DROP,
+    max_em_drop: Optional[float] = None,
     gate_data: Optional[GateData] = None,
-    max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP,
+    max_bleu_drop: Optional[float] = None,
+    options: Optional[Mapping[str, Any]] = None,
 ) -> dict:
-    """Write an int8 copy of the float32 export ``export_dir`` to ``output_dir`` (a new folder, or
-    one this package wrote); returns its manifest. Everything is checked before the disk is touched.
+    """Write a quantized copy of the float32 export ``export_dir`` to ``output_dir`` (a new folder,
+    or one this package wrote); returns its manifest. Everything is checked before the disk is touched.
+
+    ``scheme``: one of :data:`SCHEMES`; ``options``: ``block_size``, ``accuracy_level``,
+    ``symmetric`` of ``int4`` / ``int8-nbits`` (:func:`resolve_settings`). ``max_em_drop`` /
+    ``max_bleu_drop`` ``None``: the scheme's default (:data:`DEFAULT_MAX_DROPS`).
 
     Raises:
-        QuantizationError: unknown scheme, ``export_dir`` already quantized, the same folder twice.
-        QualityGateError: the int8 decodes lose more than ``max_em_drop`` points of exact match
+        QuantizationError: unknown scheme or option, a block size that does not divide a weight
+            matrix, ``export_dir`` already quantized, the same folder twice.
+        QualityGateError: the quantized decodes lose more than ``max_em_drop`` points of exact match
             (or, with ``gate_data``, more than ``max_bleu_drop`` BLEU points).
         ManifestError: ``export_dir`` is not an export folder.
         OutputFolderError: ``output_dir`` holds files this package did not write.
+        transformer_ext.fsutil.OutputConflictError: ``output_dir`` lies inside ``export_dir`` or
+            contains it.
     """
-    check_scheme(scheme)
-    max_em_drop = _check_max_drop(max_em_drop)
-    max_bleu_drop = _check_max_drop(max_bleu_drop, "max_bleu_drop")
+    check_quantize_arguments(scheme, options, max_em_drop, max_bleu_drop)
     src = Path(export_dir).absolute()
     out = Path(output_dir).absolute()
     manifest = read_manifest(src)
-    if manifest_quantization(manifest) is not None:
-        raise QuantizationError(
-            f"{src} is already quantized ({manifest_quantization(manifest).get('scheme')}): "
-            "quantize a float32 export"
-        )
+    _refuse_quantized(src, manifest)
+    check_quantize_arguments(scheme, options, max_em_drop, max_bleu_drop, manifest["model_config"])
     if out.exists() and out.resolve() == src.resolve():
         raise QuantizationError(
             f"--output-dir must differ from the export folder {src} (it is replaced atomically "
             "from a float32 source that must stay readable)"
         )
+    # an output inside the export it reads (or holding it) would be copied into itself
+    check_output_path(out, inputs=[("the export folder --export-dir", src)], what="--output-dir")
     check_replaceable(out)
     made: list[Path] = []
     try:
@@ -486,6 +998,7 @@ def quantize_export(
                 max_em_drop=max_em_drop,
                 gate_data=gate_data,
                 max_bleu_drop=max_bleu_drop,
+                options=options,
             )
             check_replaceable(out)
             stage.commit()
@@ -501,9 +1014,9 @@ def quantize_export(
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m export.quantize",
-        description="Write an int8 copy of a float32 export folder (python -m export.onnx), gated on the demo "
-        "task's held-out set or, with --gate-src/--gate-ref, on BLEU of a parallel text; "
-        "python -m export.onnx --quantize int8 does the same in one step.",
+        description="Write a quantized copy of a float32 export folder (python -m export.onnx), gated on the "
+        "demo task's held-out set or, with --gate-src/--gate-ref, on BLEU of a parallel text; "
+        "python -m export.onnx --quantize SCHEME does the same in one step.",
     )
     p.add_argument("--export-dir", required=True, help="the float32 export folder to quantize")
     p.add_argument(
@@ -513,10 +1026,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-em-drop",
         type=float,
-        default=DEFAULT_MAX_EM_DROP,
-        help="points of exact match the int8 decodes may lose against float32",
+        default=None,
+        help="points of exact match the quantized decodes may lose against float32 "
+        f"(default {DEFAULT_MAX_EM_DROP:g})",
     )
     add_gate_arguments(p)
+    add_nbits_arguments(p)
     p.add_argument("--no-validate", dest="validate", action="store_false", help="skip the quality gate")
     add_debug_flag(p)
     return p
@@ -537,15 +1052,63 @@ def add_gate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-bleu-drop",
         type=float,
-        default=DEFAULT_MAX_BLEU_DROP,
-        help="BLEU points the int8 greedy translations of --gate-src may lose against float32",
+        default=None,
+        help="BLEU points the quantized greedy translations of --gate-src may lose against float32 "
+        "(default: " + ", ".join(f"{s} {d[1]:g}" for s, d in DEFAULT_MAX_DROPS.items()) + ")",
     )
+
+
+def add_nbits_arguments(p: argparse.ArgumentParser) -> None:
+    """``--quant-block-size``, ``--quant-accuracy-level``, ``--quant-symmetric``: the options of
+    the MatMulNBits schemes (int4, int8-nbits)."""
+    d = SCHEMES["int4"]
+    p.add_argument(
+        NBITS_OPTIONS["block_size"],
+        dest="quant_block_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"int4 / int8-nbits: weights per quantization block along the input dimension, one of "
+        f"{list(BLOCK_SIZES)}; it must divide d_model and d_ff (default {d['block_size']})",
+    )
+    p.add_argument(
+        NBITS_OPTIONS["accuracy_level"],
+        dest="quant_accuracy_level",
+        type=int,
+        default=None,
+        metavar="L",
+        help="int4 / int8-nbits: MatMulNBits accuracy_level, what the kernel computes in: "
+        + "; ".join(f"{k} {v}" for k, v in ACCURACY_LEVELS.items())
+        + f" (default {d['accuracy_level']}; without an int8 kernel ONNX Runtime uses float32)",
+    )
+    p.add_argument(
+        NBITS_OPTIONS["symmetric"],
+        dest="quant_symmetric",
+        action="store_const",
+        const=True,
+        default=None,
+        help="int4 / int8-nbits: symmetric blocks (a scale, no zero point) instead of a scale and a zero "
+        "point per block",
+    )
+
+
+def nbits_options_from_args(args: argparse.Namespace) -> dict:
+    """The ``options`` of :func:`quantize_export` / :func:`export.onnx.export_onnx` from the flags of
+    :func:`add_nbits_arguments` (only those given)."""
+    values = {
+        "block_size": args.quant_block_size,
+        "accuracy_level": args.quant_accuracy_level,
+        "symmetric": args.quant_symmetric,
+    }
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def gate_data_from_args(args: argparse.Namespace) -> Optional[GateData]:
     """The :class:`GateData` of ``--gate-src`` / ``--gate-ref`` (both or neither), read and checked."""
     if (args.gate_src is None) != (args.gate_ref is None):
-        raise QuantizationError("--gate-src and --gate-ref go together (the sources and their references)")
+        raise QuantizationUsageError(
+            "--gate-src and --gate-ref go together (the sources and their references)"
+        )
     if args.gate_src is None:
         return None
     return GateData(args.gate_src, args.gate_ref)
@@ -557,6 +1120,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     def work() -> int:
+        options = nbits_options_from_args(args)
+        check_quantize_arguments(args.scheme, options, args.max_em_drop, args.max_bleu_drop)
         m = quantize_export(
             args.export_dir,
             args.output_dir,
@@ -565,6 +1130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             max_em_drop=args.max_em_drop,
             gate_data=gate_data_from_args(args),
             max_bleu_drop=args.max_bleu_drop,
+            options=options,
         )
         print(quantization_summary(m))
         return 0
@@ -575,24 +1141,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def quantization_summary(manifest: dict) -> str:
     q = manifest_quantization(manifest) or {}
     g = q.get("graphs", {})
+    scheme = q.get("scheme")
+    label = _label(scheme) if scheme in SCHEMES else "int8"
+    if "bits" in q:
+        head = (
+            f"quantized ({scheme}: {q['bits']}-bit weights, MatMulNBits, block size {q.get('block_size')}, "
+            f"accuracy_level {q.get('accuracy_level')} ({q.get('kernel_compute', '?')} compute on this CPU), "
+            f"{'symmetric' if q.get('symmetric') else 'asymmetric'}): "
+        )
+        op = "MatMulNBits"
+    else:
+        head = (
+            f"quantized ({scheme}, per-channel {q.get('per_channel')}, reduce_range {q.get('reduce_range')}, "
+            f"weights {q.get('weight_type')}): "
+        )
+        op = "MatMulInteger"
     lines = [
-        f"quantized ({q.get('scheme')}, per-channel {q.get('per_channel')}, reduce_range {q.get('reduce_range')}, "
-        f"weights {q.get('weight_type')}): "
+        head
         + ", ".join(
-            f"{k} {v['quantized_nodes']} MatMulInteger, {v['initializer_bytes'] / 2**20:.1f} MiB"
-            for k, v in g.items()
+            f"{k} {v['quantized_nodes']} {op}, {v['initializer_bytes'] / 2**20:.1f} MiB" for k, v in g.items()
         )
     ]
     gate = q.get("gate")
-    if gate and "bleu_int8" in gate:
+    if gate and f"bleu_{label}" in gate:
         lines.append(
-            f"BLEU gate: int8 {gate['bleu_int8']:.2f} vs float32 {gate['bleu_float32']:.2f} on "
+            f"BLEU gate: {label} {gate[f'bleu_{label}']:.2f} vs float32 {gate['bleu_float32']:.2f} on "
             f"{gate['examples']} sentences ({gate['data']}; drop {gate['drop_points']:.2f} points, at most "
             f"{gate['max_drop_points']:g}; {gate['bleu_signature']})"
         )
     elif gate:
         lines.append(
-            f"quality gate: exact match int8 {gate['exact_match_int8']:.2f}% vs float32 "
+            f"quality gate: exact match {label} {gate[f'exact_match_{label}']:.2f}% vs float32 "
             f"{gate['exact_match_float32']:.2f}% on {gate['examples']} held-out examples "
             f"(drop {gate['drop_points']:.2f} points, at most {gate['max_drop_points']:g})"
         )

@@ -1,7 +1,7 @@
 """``python -m export.tensorrt``: TensorRT engines from an ONNX export folder.
 
 Reads the folder written by ``python -m export.onnx`` (``encoder.onnx``, ``decoder_step.onnx``,
-``manifest.json``; DESIGN.md section 3) and writes, next to them (or into ``--output-dir``):
+``manifest.json``; docs/DESIGN.md section 3) and writes, next to them (or into ``--output-dir``):
 
 * ``encoder.<precision>.engine`` and ``decoder_step.<precision>.engine``: serialized engines,
   each with one optimization profile whose min/opt/max for ``batch``, ``src_len`` and
@@ -77,7 +77,6 @@ from transformer_ext.export_format import (
     SRC_LEN,
     GenerationConfig,
     dtype_from_tensorrt,
-    manifest_max_positions,
     read_generation_config,
     read_manifest,
 )
@@ -344,7 +343,6 @@ def plan_build(
     manifest = read_manifest(export_dir)
     if manifest.get("quantization"):
         raise ExportError(INT8_REFUSAL.format(folder=export_dir))
-    max_positions = manifest_max_positions(manifest)
 
     user_ranges = dict(options.axis_ranges)
     if (

@@ -13,7 +13,7 @@ Python::
     result.models            # {"encoder": Path, "decoder_step": Path, ...}
 
 Reads the folder written by ``python -m export.onnx`` (``encoder.onnx``, ``decoder_step.onnx``,
-``manifest.json``; DESIGN.md section 3), optionally with TensorRT engines listed in its manifest
+``manifest.json``; docs/DESIGN.md section 3), optionally with TensorRT engines listed in its manifest
 (``python -m export.tensorrt``), and writes a model repository::
 
     <repo>/encoder/config.pbtxt                  1/model.onnx  (or 1/model.plan)
@@ -29,7 +29,7 @@ installed) and checked against the ONNX graphs or the TensorRT engines' I/O
 (:func:`validate_repository`).
 
 Batch dimension. The encoder and decoder models use ``max_batch_size > 0``: Triton owns the
-leading ``batch`` axis of every tensor (each graph's first axis is ``batch``, DESIGN.md section 3),
+leading ``batch`` axis of every tensor (each graph's first axis is ``batch``, docs/DESIGN.md section 3),
 so the dynamic batcher may merge the rows of concurrent requests whose other dims agree, and the
 sequence batcher may run one cache row per sequence. ``dims`` therefore omit the batch axis;
 tensors whose full shape is ``[batch]`` (``src_lengths``, ``positions``) are declared as

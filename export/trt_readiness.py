@@ -279,7 +279,7 @@ def profile_shapes(
             else:
                 raise ValueError(
                     f"input {spec.name!r} axis {i} is dynamic without a name; the exporter must name "
-                    "every dynamic axis (DESIGN.md section 3) so that a profile can bound it"
+                    "every dynamic axis (docs/DESIGN.md section 3) so that a profile can bound it"
                 )
         shapes[spec.name] = (tuple(lo), tuple(mid), tuple(hi))
     return shapes
@@ -690,7 +690,7 @@ def check_model(
         problem(
             "profile",
             f"src_len max {ranges[SRC_LEN].max} > the model's max_len {max_positions} "
-            "(positional-encoding rows; DESIGN.md section 3)",
+            "(positional-encoding rows; docs/DESIGN.md section 3)",
         )
     if (
         ranges is not None

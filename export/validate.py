@@ -1,4 +1,4 @@
-"""Proof that exported graphs match eager PyTorch (DESIGN.md section 3).
+"""Proof that exported graphs match eager PyTorch (docs/DESIGN.md section 3).
 
 Two levels, both raising typed errors that are never swallowed:
 
@@ -89,6 +89,88 @@ def _check_one(graph_name: str, proto: onnx.ModelProto, spec: dict, flavour: str
     }
 
 
+# Ops that pass a tensor through (a view, a cast, a copy): a weight read through them is still that weight.
+_PASS_THROUGH = frozenset({"Identity", "Cast", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+def _trace_back(name: str, producers: dict, initializers: set) -> Optional[str]:
+    """The initializer that ``name`` is (through pass-through ops), or None when it is computed."""
+    seen = set()
+    while name not in initializers:
+        node = producers.get(name)
+        if node is None or node.op_type not in _PASS_THROUGH or name in seen:
+            return None
+        seen.add(name)
+        name = node.input[0]
+    return name
+
+
+def _reads_input(name: str, producers: dict, graph_input: str) -> bool:
+    seen = set()
+    while name != graph_input:
+        node = producers.get(name)
+        if node is None or node.op_type not in _PASS_THROUGH or name in seen:
+            return False
+        seen.add(name)
+        name = node.input[0]
+    return True
+
+
+def _check_tied_projection(graph: onnx.GraphProto) -> None:
+    """The decoder's target embedding and its output projection are one initializer.
+
+    Found by tracing, never by shape: the embedding is the table of the ``Gather`` that reads
+    ``input_ids``; the projection is the weight of the ``MatMul`` / ``Gemm`` that ``logits`` comes
+    from (through a bias ``Add`` and pass-through ops); each traced back through pass-through
+    ops to its initializer. Other constants of the same size (feed-forward weights, the
+    positional table) play no part.
+    """
+    producers = {out: node for node in graph.node for out in node.output}
+    initializers = {t.name for t in graph.initializer}
+    tables = sorted(
+        {
+            _trace_back(node.input[0], producers, initializers) or f"<computed {node.input[0]}>"
+            for node in graph.node
+            if node.op_type == "Gather" and _reads_input(node.input[1], producers, "input_ids")
+        }
+    )
+    name, projection, seen = "logits", None, set()
+    while projection is None and name not in seen:
+        seen.add(name)
+        node = producers.get(name)
+        if node is None:
+            break
+        if node.op_type in ("MatMul", "Gemm"):
+            weight = node.input[1]
+            if node.op_type == "MatMul" and _trace_back(weight, producers, initializers) is None:
+                weight = node.input[0]  # logits = W x written the other way round
+            projection = _trace_back(weight, producers, initializers) or f"<computed {weight}>"
+        elif node.op_type == "Add":  # the output bias: follow the operand that is not a constant
+            computed = [i for i in node.input if _trace_back(i, producers, initializers) is None]
+            if len(computed) != 1:
+                break
+            name = computed[0]
+        elif node.op_type in _PASS_THROUGH:
+            name = node.input[0]
+        else:
+            break
+    what = "the tied target embedding / output projection"
+    if len(tables) != 1:
+        raise GraphContractError(
+            f"decoder_step.onnx: {what}: expected one embedding table read by a Gather of input_ids, "
+            f"found {tables or 'none'}"
+        )
+    if projection is None:
+        raise GraphContractError(
+            f"decoder_step.onnx: {what}: logits do not come from a MatMul or Gemm with a weight"
+        )
+    if tables[0] != projection:
+        raise GraphContractError(
+            f"decoder_step.onnx: {what} must be stored once: the embedding table is {tables[0]} but the "
+            f"projection that logits come from reads {projection}"
+        )
+
+
 def check_graphs(
     encoder: onnx.ModelProto, decoder: onnx.ModelProto, config, flavour: str, specs: Optional[dict] = None
 ) -> dict:
@@ -103,13 +185,7 @@ def check_graphs(
         "decoder_step": _check_one("decoder_step", decoder, specs["decoder_step"], flavour),
     }
     if config.tie_target_embeddings:
-        size = config.tgt_vocab_size * config.d_model
-        matrices = [t.name for t in decoder.graph.initializer if int(np.prod(t.dims, dtype=np.int64)) == size]
-        if len(matrices) != 1:
-            raise GraphContractError(
-                f"decoder_step.onnx: the tied target embedding / output projection ({config.tgt_vocab_size} x "
-                f"{config.d_model}) must be stored once, found {len(matrices)} initializers of that size {matrices}"
-            )
+        _check_tied_projection(decoder.graph)
     for name, proto in (("encoder", encoder), ("decoder_step", decoder)):
         try:
             onnx.checker.check_model(proto, full_check=True)

@@ -1,7 +1,7 @@
 """One rank of the two-process training test (tests/test_distributed.py), started by torchrun.
 
 ``python -m torch.distributed.run --nproc_per_node 2 ... tests/distributed_worker.py OUT RESULTS OPTIONS_JSON``
-runs :func:`transformer_ext.train.train` with the options in OPTIONS_JSON (plus ``out_dir=OUT``)
+runs :func:`transformer_ext.training.train` with the options in OPTIONS_JSON (plus ``out_dir=OUT``)
 and writes this rank's trained parameters to ``RESULTS/rank<R>.safetensors`` and its result
 (losses, learning rates, steps, world size) to ``RESULTS/rank<R>.json``.
 """
@@ -23,7 +23,7 @@ def main(out_dir: str, results: str, options_json: str) -> int:
     )
     from safetensors.torch import save_file
 
-    from transformer_ext.train import TrainOptions, train
+    from transformer_ext.training import TrainOptions, train
 
     result = train(TrainOptions(out_dir=out_dir, **json.loads(options_json)))
     state = {name: p.detach().cpu().contiguous() for name, p in result.model.named_parameters()}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from beam_reference import loop_beam_search
+from helpers import FunctionRunner, sources
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_decoding import FunctionRunner, sources
 
 from transformer_ext import decoding
 from transformer_ext.decoding import beam_search, greedy_decode, log_softmax

@@ -83,7 +83,7 @@ def test_worker_that_must_not_import_torch_refuses_it(tmp_path):
 
     engine = dataclasses.replace(next(e for e in bench_decode.ENGINES if e.name == "onnxrt"), worker="eager")
     model_dir = tmp_path / "m"
-    from test_export_onnx import make_model_dir
+    from helpers import make_model_dir
 
     make_model_dir(model_dir)
     cfg = {"bos_id": 1, "eos_id": 2}
@@ -117,7 +117,7 @@ def test_bench_linear_quick(tmp_path):
 def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_factory):
     """profile_decode on the tiny export: the split adds up to the total, the profiler saw MatMuls."""
     import profile_decode
-    from test_export_onnx import exported_dir
+    from helpers import exported_dir
 
     export = exported_dir(tmp_path_factory, "portable")
     out = tmp_path / "profile.json"

@@ -19,7 +19,7 @@ from transformer_ext.config import ConfigError
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "transformer_ext" / "demo_model"
 
-from test_model import make_batch, make_model
+from helpers import make_batch, make_model
 
 NORM_FIRST = [False, True]
 TYING = {

@@ -83,7 +83,7 @@ def test_extract_split_by_books(tmp_path):
     )
     # every verse lands in the split of its book, aligned, from the public-domain editions only
     expected = {"train": [], "valid": [], "test": []}
-    for (b, c, v), (en, de) in sorted(VERSES.items()):
+    for (b, _c, _v), (en, de) in sorted(VERSES.items()):
         if en and de:
             split = "test" if b == 44 else "valid" if b in (8, 50) else "train"
             expected[split].append((en.replace("`", "'"), de))
@@ -154,3 +154,40 @@ def test_not_a_database(tmp_path, capsys):
     bad.write_bytes(b"not sqlite at all" * 100)
     assert main(["bible", "--pair", "en-de", "--out", str(tmp_path / "c"), "--db", str(bad)]) == 1
     assert "not a bible.db SQLite file" in capsys.readouterr().err
+
+
+def test_overwrite_refuses_files_the_user_put_in_the_corpus_folder(tmp_path, capsys):
+    db = make_db(tmp_path / "bible.db")
+    out = tmp_path / "c"
+    assert main(["bible", "--pair", "en-de", "--out", str(out), "--db", str(db)]) == 0
+    written = sorted(p.name for p in out.iterdir())
+    mine = {"test.txt": "my notes", "train.log": "log", "valid.sh": "#!/bin/sh"}  # split-like names
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    capsys.readouterr()
+    assert main(["bible", "--pair", "en-de", "--out", str(out), "--db", str(db), "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "test.txt, train.log, valid.sh" in err and "did not write" in err
+    assert sorted(p.name for p in out.iterdir()) == sorted(written + list(mine))
+    for name, text in mine.items():
+        assert (out / name).read_text() == text
+
+
+def test_output_folder_holding_the_database_is_refused(tmp_path, capsys):
+    out = tmp_path / "c"
+    out.mkdir()
+    db = make_db(out / "bible.db")
+    assert main(["bible", "--pair", "en-de", "--out", str(tmp_path), "--db", str(db)]) == 1
+    assert f"--out {tmp_path} contains --db {db}" in capsys.readouterr().err
+    assert db.is_file()
+
+
+def test_line_breaks_inside_a_verse_become_spaces(tmp_path):
+    verses = dict(VERSES)
+    verses[(1, 1, 1)] = ("In the beginning,\r\nGod\rcreated\tthe heavens.", "Im Anfang\nschuf Gott.")
+    db = make_db(tmp_path / "bible.db", verses)
+    assert main(["bible", "--pair", "en-de", "--out", str(tmp_path / "c"), "--db", str(db)]) == 0
+    raw = (tmp_path / "c" / "train.en").read_bytes()
+    assert b"\r" not in raw and b"\t" not in raw
+    assert lines(tmp_path / "c" / "train.en")[0] == "In the beginning, God created the heavens."
+    assert lines(tmp_path / "c" / "train.de")[0] == "Im Anfang schuf Gott."

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from test_model import make_batch, make_model
+from helpers import FunctionRunner, make_batch, make_model, sources
 
 from transformer_ext import decoding
 from transformer_ext.decoding import (
@@ -62,45 +62,6 @@ class Recorder:
         self.inner.reorder(state, beam_index)
 
 
-class FunctionRunner:
-    """A numpy runner whose log-probabilities are a function of (source row, generated prefix).
-
-    It keeps the fed tokens of every row, so a wrong ``reorder`` (or a missing one) gives a row
-    the distribution of the wrong prefix. It also checks the protocol: beams never cross
-    sources, the cache capacity is respected.
-    """
-
-    def __init__(self, vocab_size: int, fn):
-        self.V = vocab_size
-        self.fn = fn  # (source index, prefix tuple) -> log-probs [V]
-        self.steps = 0
-
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
-        B = input_ids.shape[0]
-        assert input_ids.dtype == np.int64 and src_lengths.dtype == np.int64
-        return {
-            "src": np.repeat(np.arange(B), num_beams),
-            "K": num_beams,
-            "fed": [[] for _ in range(B * num_beams)],
-            "cache_len": cache_len,
-        }
-
-    def step(self, state, tokens):
-        assert tokens.dtype == np.int64 and tokens.shape == (len(state["fed"]),)
-        self.steps += 1
-        out = np.empty((len(state["fed"]), self.V), dtype=np.float32)
-        for r, tok in enumerate(tokens.tolist()):
-            state["fed"][r].append(tok)
-            assert len(state["fed"][r]) <= state["cache_len"], "cache overflow"
-            out[r] = self.fn(int(state["src"][r]), tuple(state["fed"][r][1:]))
-        return out
-
-    def reorder(self, state, beam_index):
-        K = state["K"]
-        assert all(int(i) // K == r // K for r, i in enumerate(beam_index)), "beam crossed sources"
-        state["fed"] = [list(state["fed"][int(i)]) for i in beam_index]
-
-
 def table_fn(table: dict, V: int, default_eos: int):
     """Log-probs from ``{prefix: {token: prob}}``; unlisted prefixes emit EOS with certainty."""
 
@@ -120,10 +81,6 @@ def random_fn(V: int, seed: int = 0, sharp: float = 1.5):
         return log_softmax(sharp * rng.standard_normal(V))
 
     return fn
-
-
-def sources(B=2, S=3):
-    return np.ones((B, S), dtype=np.int64), np.full(B, S, dtype=np.int64)
 
 
 # ------------------------------------------------------------------------------------------

@@ -22,18 +22,9 @@ from transformer_ext.data import (
     make_examples,
     split_numbers,
 )
-from transformer_ext.distributed import (
-    ENV_VARS,
-    DistEnv,
-    DistributedBatchSampler,
-    DistributedContext,
-    DistributedError,
-    read_env,
-    scale_loss,
-)
 from transformer_ext.model import Transformer
 from transformer_ext.tokenizer import CharTokenizer
-from transformer_ext.train import (
+from transformer_ext.training import (
     TrainOptions,
     build_config,
     make_optimizer,
@@ -41,6 +32,15 @@ from transformer_ext.train import (
     noam_lr,
     token_loss,
     train,
+)
+from transformer_ext.training.distributed import (
+    ENV_VARS,
+    DistEnv,
+    DistributedBatchSampler,
+    DistributedContext,
+    DistributedError,
+    read_env,
+    scale_loss,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def test_shards_are_distinct_equal_and_cover_the_epoch(world_size, epoch):
     per_rank = [s.batches(epoch) for s in shards]
     steps = len(everything) // world_size
     # every rank runs the same number of steps, which is its len()
-    assert all(len(s) == steps and len(b) == steps for s, b in zip(shards, per_rank))
+    assert all(len(s) == steps and len(b) == steps for s, b in zip(shards, per_rank, strict=True))
     # rank r's batch at step k is global batch k * world_size + r of the shared seeded order
     for r, batches in enumerate(per_rank):
         assert batches == [everything[k * world_size + r] for k in range(steps)]

@@ -1,7 +1,7 @@
 """transformer_ext.export_format: the one manifest reader, the generation config, the dtype table,
 the error classes; old export folders; the self-contained folder (export.onnx, export.tensorrt).
 
-Export folders come from test_export_onnx.py's session export (``exported_portable``) or from
+Export folders come from the session export (``exported_portable``, conftest.py) or from
 ``fast_export`` (the real exporter around copies of those graphs), so these tests take seconds.
 """
 
@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
+from fake_tensorrt import fake_tensorrt
+from helpers import make_model_dir
 from onnx import helper
-from test_export_onnx import exported_portable, fast_export, make_model_dir  # noqa: F401  (fixtures)
-from test_tensorrt import _fake_tensorrt
 
 import export
 from export import OutputFolderError, trt_readiness
@@ -96,7 +95,7 @@ def test_reading_an_export_folder_imports_no_numpy_torch_or_onnx():
 
 
 def test_what_runners_need_of_the_format_imports_nothing_of_export():
-    """Imports run one way (DESIGN.md section 1): export/ uses these modules, never the reverse."""
+    """Imports run one way (docs/DESIGN.md section 1): export/ uses these modules, never the reverse."""
     code = (
         "import sys, transformer_ext.export_format, transformer_ext.precision, transformer_ext.tensorrt_support, "
         "transformer_ext.demo; print(sorted(m for m in sys.modules if m == 'export' or m.startswith('export.')))"
@@ -426,7 +425,7 @@ def test_full_disk_while_writing_the_generation_config_keeps_the_old_export(
 def test_engine_folder_apart_from_the_export_holds_the_tokenizer_and_generation_config(
     exported_portable, tmp_path, monkeypatch
 ):
-    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt([]))
     export_dir = copy_export(exported_portable, tmp_path / "export")
     engines = tmp_path / "engines"
     trtb.build_engines(export_dir, trtb.BuildOptions(output_dir=engines))

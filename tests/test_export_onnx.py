@@ -1,4 +1,4 @@
-"""export.onnx: the graphs of DESIGN.md section 3, their validation, the atomic output folder, the CLI.
+"""export.onnx: the graphs of docs/DESIGN.md section 3, their validation, the atomic output folder, the CLI.
 
 Tiny random-weight models (``TransformerConfig.preset("tiny")``) are exported once per flavour
 per session (``exported``); tests that only need the export machinery around the tracing
@@ -9,81 +9,30 @@ from __future__ import annotations
 
 import json
 import os
-import string
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import DEMO_DIR, FLAVOURS, TOLERANCE, exported_dir, make_model_dir
 
 from export import ExportError, GraphContractError, ModelDirectoryError, ParityError
-from export import onnx as export_mod
 from export import validate as validation
 from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
 from export.onnx import IR_VERSION, export_onnx, main
-from transformer_ext.checkpoint import load_model, save_model
+from transformer_ext.checkpoint import load_model
 from transformer_ext.config import TransformerConfig
 from transformer_ext.model import Transformer
-from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
-
-FLAVOURS = ["portable", "tensorscatter"]
-TOLERANCE = 1e-4
-DEMO_DIR = Path(__file__).resolve().parents[1] / "transformer_ext" / "demo_model"
-
 
 # ------------------------------------------------------------------------------------------
-# fixtures (shared with test_ort_runner.py)
+# fixtures (exported_portable, fast_export: conftest.py)
 # ------------------------------------------------------------------------------------------
-
-
-def make_model_dir(directory: Path, seed: int = 0, **overrides) -> Path:
-    """A tiny random-weight model folder with a matching character tokenizer."""
-    torch.manual_seed(seed)
-    config = TransformerConfig.preset("tiny", dropout=0.0, **overrides)
-    save_model(Transformer(config).eval(), directory)
-    chars = string.ascii_lowercase + string.digits + " -.,'!?#$%&*+/:;<=>@"
-    source = list(SPECIAL_TOKENS) + list(chars[: config.src_vocab_size - len(SPECIAL_TOKENS)])
-    target = list(SPECIAL_TOKENS) + list(chars[: config.tgt_vocab_size - len(SPECIAL_TOKENS)])
-    CharTokenizer(source, target, lowercase=True).save(directory)
-    return directory
-
-
-def exported_dir(tmp_path_factory, flavour: str) -> Path:
-    """The tiny model exported (and validated) in ``flavour``, once per test session."""
-    base = tmp_path_factory.getbasetemp() / "shared_exports"
-    model_dir = base / "tiny_model"
-    out = base / f"tiny_{flavour}"
-    if not (out / MANIFEST_NAME).is_file():
-        if not model_dir.is_dir():
-            make_model_dir(model_dir)
-        export_onnx(model_dir, out, flavour=flavour, tolerance=TOLERANCE)
-    return out
 
 
 @pytest.fixture(scope="session", params=FLAVOURS)
 def exported(request, tmp_path_factory) -> Path:
     return exported_dir(tmp_path_factory, request.param)
-
-
-@pytest.fixture(scope="session")
-def exported_portable(tmp_path_factory) -> Path:
-    return exported_dir(tmp_path_factory, "portable")
-
-
-@pytest.fixture
-def fast_export(monkeypatch, exported_portable):
-    """Replace the tracing by a copy of the session's portable graphs (the rest runs for real)."""
-    calls = []
-
-    def fake_export_graph(module, args, spec, n_positional, opset, flavour, path, **kwargs):
-        proto = onnx.load(exported_portable / path.name)
-        onnx.save(proto, path)
-        calls.append(path.name)
-        return proto
-
-    monkeypatch.setattr(export_mod, "_export_graph", fake_export_graph)
-    return calls
 
 
 def load_graphs(directory: Path) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
@@ -581,8 +530,8 @@ def test_quantize_unknown_scheme_before_the_disk(tmp_path, fast_export):
     from export.quantize import QuantizationError
 
     model_dir = make_model_dir(tmp_path / "model")
-    with pytest.raises(QuantizationError, match="unknown quantization scheme 'int4'"):
-        export_onnx(model_dir, tmp_path / "out", quantize="int4")
+    with pytest.raises(QuantizationError, match="unknown quantization scheme 'int3'"):
+        export_onnx(model_dir, tmp_path / "out", quantize="int3")
     assert not (tmp_path / "out").exists() and fast_export == []  # nothing traced either
 
 

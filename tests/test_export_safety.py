@@ -15,7 +15,6 @@ line and wait on stdin) before the signal is sent, so no test waits on a clock.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -25,12 +24,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
-from test_export_onnx import exported_portable, fast_export, make_model_dir  # noqa: F401  (fixtures)
-from test_tensorrt import _fake_tensorrt
+import torch
+from fake_tensorrt import fake_tensorrt
+from helpers import make_model_dir
 
-from export import OutputFolderError
+from export import GraphContractError, OutputFolderError
 from export import onnx as export_mod
 from export import tensorrt as trtb
 from export import triton as triton_export
@@ -172,7 +173,7 @@ def test_empty_folder_is_used_and_a_file_is_refused(tmp_path, model_dir, fast_ex
 def test_tensorrt_lists_its_files_so_the_folder_stays_replaceable(
     tmp_path, model_dir, fast_export, monkeypatch
 ):
-    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt([]))
     out = tmp_path / "out"
     export_onnx(model_dir, out, validate=False)
     trtb.build_engines(out, trtb.BuildOptions(precision="fp16"))
@@ -193,7 +194,7 @@ def test_tensorrt_lists_its_files_so_the_folder_stays_replaceable(
 
 
 def test_tensorrt_writes_only_into_folders_of_ours(tmp_path, exported_portable, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt([]))
     export = tmp_path / "export"
     shutil.copytree(exported_portable, export)
     mine = tmp_path / "mine"
@@ -273,7 +274,9 @@ def test_triton_force_replaces_only_its_own_files(tmp_path, exported_portable):
 # Runs the real main() of a module in a subprocess, with one function wrapped so that the
 # process prints "READY" and waits on stdin at a known point inside the staged write.
 CHILD = r"""
-import importlib, os, sys
+import importlib, os, signal, sys
+# a test sends this process SIGINT: deliverable even when the test run was started with it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 module, attr, src = sys.argv[1], sys.argv[2], sys.argv[3]
 mod = importlib.import_module(module)
 real = getattr(mod, attr)
@@ -375,7 +378,7 @@ def test_export_triton_terminated_leaves_no_temporary(tmp_path, exported_portabl
 
 
 def test_tensorrt_interrupted_while_renaming_puts_the_folder_back(tmp_path, exported_portable, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt([]))
     folder = tmp_path / "e"
     shutil.copytree(exported_portable, folder)
     trtb.build_engines(folder, trtb.BuildOptions(precision="fp16"))
@@ -528,7 +531,7 @@ def test_export_triton_corrupt_graph_full_disk_and_read_only(
 
 
 def test_export_tensorrt_full_disk_and_read_only(tmp_path, exported_portable, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt([]))
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt([]))
     folder = tmp_path / "e"
     shutil.copytree(exported_portable, folder)
     assert trtb.main([str(folder), "--precision", "fp16"]) == 0
@@ -613,3 +616,76 @@ def test_triton_bad_gpu_list_is_an_option_error(tmp_path, exported_portable, cap
         )
     assert info.value.code == 2 and "comma-separated GPU ids" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# 5. exit codes, outputs inside the model folder, the tied projection found by tracing
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option, value, match",
+    [
+        ("--cache-len", "0", "cache_len must be >= 1"),
+        ("--tolerance", "-1", "tolerance must be a positive finite number"),
+        ("--opset", "30", "opset 30 is not supported"),
+    ],
+)
+def test_export_onnx_values_out_of_range_exit_2(
+    tmp_path, model_dir, fast_export, capsys, option, value, match
+):
+    out = tmp_path / "out"
+    code = export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out), option, value])
+    assert code == 2
+    one_error_line(capsys.readouterr().err, match)
+    assert not out.exists() and fast_export == []
+
+
+def test_export_onnx_output_inside_the_model_folder_is_refused(tmp_path, model_dir, fast_export, capsys):
+    before = snapshot(model_dir)
+    out = model_dir / "onnx"
+    assert export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out)]) == 1
+    one_error_line(capsys.readouterr().err, f"--output-dir {out} lies inside the model folder --model-dir")
+    assert snapshot(model_dir) == before and fast_export == []
+
+
+def _tied_model_dir(directory: Path) -> Path:
+    """A tiny tied model whose 64 x 32 embedding has the size of other weights (d_ff x d_model, max_len)."""
+    from transformer_ext.checkpoint import save_model
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.model import Transformer
+    from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
+
+    torch.manual_seed(0)
+    config = TransformerConfig.preset(
+        "tiny", dropout=0.0, src_vocab_size=64, tgt_vocab_size=64, shared_vocab=True
+    )
+    assert config.d_model == 32 and config.d_ff * config.d_model == 64 * 32 and config.max_len == 64
+    save_model(Transformer(config).eval(), directory)
+    vocab = list(SPECIAL_TOKENS) + [chr(0x100 + i) for i in range(64 - len(SPECIAL_TOKENS))]
+    CharTokenizer(vocab, shared=True).save(directory)
+    return directory
+
+
+def test_a_tied_model_with_other_weights_of_the_embeddings_size_exports(tmp_path):
+    from export import validate as validation
+
+    model = _tied_model_dir(tmp_path / "model")
+    result = export_onnx(model, tmp_path / "out", validate=False)
+    decoder = onnx.load(result.output_dir / DECODER_FILE)
+    size = 64 * 32
+    same_size = [t.name for t in decoder.graph.initializer if int(np.prod(t.dims)) == size]
+    assert len(same_size) > 1  # what the check by shape tripped over
+    validation._check_tied_projection(decoder.graph)
+    # a graph whose projection reads a copy of the table is refused, naming both initializers
+    gemm = next(n for n in decoder.graph.node if "logits" in n.output)
+    table = next(t for t in decoder.graph.initializer if t.name == gemm.input[1])
+    copy = onnx.TensorProto()
+    copy.CopyFrom(table)
+    copy.name = "projection_copy"
+    decoder.graph.initializer.append(copy)
+    gemm.input[1] = "projection_copy"
+    with pytest.raises(
+        GraphContractError, match=rf"embedding table is {table.name} but .* reads projection_copy"
+    ):
+        validation._check_tied_projection(decoder.graph)

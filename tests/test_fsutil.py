@@ -266,3 +266,96 @@ def test_a_value_out_of_range_exits_2_like_argparse(capsys):
         raise cli.UserError("a.txt: not UTF-8")
 
     assert cli.run_cli("prog", bad_file) == 1
+
+
+# ---------------------------------------------------------------------- folder swaps cut short
+_KILL_BETWEEN_RENAMES = """
+import os, signal, sys
+from pathlib import Path
+from transformer_ext import fsutil
+
+target = Path(sys.argv[1])
+fsutil.exchange_paths = lambda a, b: False  # the file system without an atomic exchange
+real_rename, calls = os.rename, []
+
+def rename(src, dst):
+    calls.append(src)
+    if len(calls) == 2:  # the target is at its backup name, the new folder not yet in
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_rename(src, dst)
+
+fsutil.os.rename = rename
+with fsutil.StagedDir(target) as stage:
+    (stage.path / "data.txt").write_text("new")
+    stage.commit()
+"""
+
+
+def _old_folder(tmp_path: Path) -> Path:
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "data.txt").write_text("old")
+    return target
+
+
+def test_a_kill_between_the_two_renames_leaves_the_old_folder_for_the_next_write(tmp_path):
+    target = _old_folder(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_RENAMES, str(target)])
+    assert proc.returncode == -signal.SIGKILL
+    assert not target.exists()  # the window the kill hit
+    backups = [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
+    assert len(backups) == 1 and (backups[0] / "data.txt").read_text() == "old"
+    # the next command writing the same output fails too: the old folder must survive it
+    with pytest.raises(RuntimeError):
+        with fsutil.StagedDir(target) as stage:
+            (stage.path / "data.txt").write_text("half")
+            raise RuntimeError("the next command fails before committing")
+    assert (target / "data.txt").read_text() == "old"
+    assert _names(tmp_path) == ["out"]
+    with fsutil.StagedDir(target) as stage:
+        (stage.path / "data.txt").write_text("newer")
+        stage.commit()
+    assert (target / "data.txt").read_text() == "newer" and _names(tmp_path) == ["out"]
+
+
+def test_replace_dir_exchanges_atomically_where_the_file_system_can(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "f").write_text("a")
+    (b / "f").write_text("b")
+    if not fsutil.exchange_paths(a, b):
+        pytest.skip("this file system has no renameat2(RENAME_EXCHANGE)")
+    assert (a / "f").read_text() == "b" and (b / "f").read_text() == "a"
+    target = _old_folder(tmp_path / "b")
+    renames = []
+    real_rename = os.rename
+
+    def rename(src, dst):  # the exchange needs no rename: a kill can never find the target missing
+        renames.append((src, dst))
+        real_rename(src, dst)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fsutil.os, "rename", rename)
+        with fsutil.StagedDir(target) as stage:
+            (stage.path / "data.txt").write_text("new")
+            stage.commit()
+    assert renames == []
+    assert (target / "data.txt").read_text() == "new" and _names(tmp_path / "b") == ["f", "out"]
+
+
+def test_nested_scratch_temporaries_are_removed_by_the_same_rule(tmp_path):
+    out = tmp_path / "out"
+    dead = _dead_pid()
+    host = fsutil._HOST
+    staged = tmp_path / f".out.tmp-{host}-{dead}-0123abcd"
+    scratch = tmp_path / f"..out.tmp-{host}-{dead}-0123abcd.quantize.tmp-{host}-{dead}-89abcdef"
+    other = tmp_path / f"..other.tmp-{host}-{dead}-0123abcd.quantize.tmp-{host}-{dead}-89abcdef"
+    for folder in (staged, scratch, other):
+        folder.mkdir()
+        (folder / "encoder.onnx").write_bytes(b"x")
+    info = fsutil.parse_temporary_name(scratch.name)
+    assert (info.root, info.target, info.kind, info.pid) == ("out", staged.name + ".quantize", "tmp", dead)
+    removed = fsutil.remove_stale_temporaries(out)
+    assert sorted(removed) == sorted([staged, scratch])
+    assert _names(tmp_path) == [other.name]  # another output's temporaries are its own business

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_batch, make_model
 from reference_model import ReferenceTransformer, sinusoid_table
 
 from transformer_ext import ops
 from transformer_ext.config import TransformerConfig
-from transformer_ext.model import Transformer
 
 NORM_FIRST = [False, True]
 VARIANTS = {
@@ -19,29 +19,6 @@ VARIANTS = {
     "no_bias": dict(bias=False),
 }
 ATOL = 1e-5
-
-
-def make_model(norm_first: bool, seed: int = 0, **overrides) -> Transformer:
-    """A tiny model with every parameter random (LayerNorm gains and biases included), eval mode."""
-    torch.manual_seed(seed)
-    model = Transformer(TransformerConfig.preset("tiny", norm_first=norm_first, **overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                base = 1.0 if name.endswith("norm.weight") else 0.0
-                p.copy_(base + 0.2 * torch.randn_like(p))
-    return model.eval()
-
-
-def make_batch(config: TransformerConfig, seed: int = 1, B: int = 3, S: int = 7, T: int = 6):
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(3, config.src_vocab_size, (B, S), generator=g)
-    lengths = torch.tensor([S, 4, 1][:B] + [S] * max(0, B - 3), dtype=torch.int64)
-    for b in range(B):
-        src[b, lengths[b] :] = config.pad_id
-    tgt = torch.randint(3, config.tgt_vocab_size, (B, T), generator=g)
-    tgt[:, 0] = config.bos_id
-    return src, lengths, tgt
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -1,4 +1,4 @@
-"""Safety contract of the compiled ops (DESIGN.md section 2), beyond their numerics.
+"""Safety contract of the compiled ops (docs/DESIGN.md section 2), beyond their numerics.
 
 * the in-place ops bump the version counter of what they write and refuse what autograd
   would refuse (a cache that requires grad in grad mode, an inference tensor outside
@@ -491,3 +491,47 @@ def test_error_flag_dtype_message_names_the_argument_and_int32(device):
     cache, update, positions = _cache_args(device)
     with pytest.raises(RuntimeError, match=r"error_flag must be .*int32.*, got .*float32"):
         ops.kv_cache_append_(cache, update, positions, torch.zeros(1, device=device))
+
+
+# --------------------------------------------------------------------------- inference-only ops
+def _linear_args(requires_grad):
+    g = _gen(5)
+    x = torch.randn(3, 4, generator=g).requires_grad_(requires_grad)
+    w = torch.randn(5, 4, generator=g).requires_grad_(requires_grad)
+    b = torch.randn(5, generator=g).requires_grad_(requires_grad)
+    return x, w, b
+
+
+def _decode_args(requires_grad):
+    g = _gen(6)
+    q = torch.randn(2, 2, 1, 8, generator=g).requires_grad_(requires_grad)
+    k = torch.randn(2, 2, 5, 8, generator=g).requires_grad_(requires_grad)
+    v = torch.randn(2, 2, 5, 8, generator=g).requires_grad_(requires_grad)
+    kn = torch.randn(2, 2, 1, 8, generator=g).requires_grad_(requires_grad)
+    vn = torch.randn(2, 2, 1, 8, generator=g).requires_grad_(requires_grad)
+    return q, k, v, torch.tensor([3, 5]), 0.35, kn, vn
+
+
+INFERENCE_OPS = [
+    ("linear", lambda a: ops.linear(*a), lambda a: torch.nn.functional.linear(*a), _linear_args),
+    (
+        "decode_attention",
+        lambda a: ops.decode_attention(*a),
+        lambda a: reference.decode_attention(*a),
+        _decode_args,
+    ),
+]
+
+
+@pytest.mark.parametrize("name, op, oracle, make", INFERENCE_OPS, ids=[c[0] for c in INFERENCE_OPS])
+def test_backward_through_an_inference_op_raises_instead_of_leaving_grads_none(name, op, oracle, make):
+    args = make(True)
+    out = op(args)
+    torch.testing.assert_close(out, oracle(args).detach())  # the forward is unchanged in grad mode
+    with pytest.raises(RuntimeError, match=rf"ops\.{name} is not differentiable"):
+        out.sum().backward()
+    assert all(a.grad is None for a in args if isinstance(a, torch.Tensor))
+    with torch.no_grad():  # where the package uses them: no autograd, no error
+        assert not op(args).requires_grad
+    plain = make(False)
+    assert not op(plain).requires_grad

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_export_onnx import FLAVOURS, exported_dir
+from helpers import FLAVOURS, exported_dir
 
 from export import InvalidGraphError, ManifestError
 from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
@@ -99,7 +99,7 @@ def test_caches_are_bound_buffers_written_in_place(exported):
     assert all(not c.any() for c in state.self_keys + state.self_values)  # zero-filled once
     buffers = [(id(c), c.ctypes.data) for c in state.self_keys + state.self_values]
     tokens = np.full(N, runner.info.bos_id)
-    for step in range(5):
+    for _ in range(5):
         runner.step(state, tokens)
         tokens = (tokens + 1) % runner.info.tgt_vocab_size
     assert [(id(c), c.ctypes.data) for c in state.self_keys + state.self_values] == buffers
@@ -310,12 +310,12 @@ def _device_runner(kind: str, export_dir: Path):
         from transformer_ext.runtimes import OrtCudaRunner
 
         return OrtCudaRunner(export_dir, device="cpu", intra_op_num_threads=1)
-    from test_tensorrt import _fake_engines
+    from fake_tensorrt import fake_engines
 
     from transformer_ext.runtimes import TensorRTRunner
 
     model = eager_model(export_dir)
-    enc, dec = _fake_engines(model, "portable", torch.device("cpu"), [])
+    enc, dec = fake_engines(model, "portable", torch.device("cpu"), [])
     return TensorRTRunner(
         enc, dec, max_positions=model.config.max_len, src_vocab_size=model.config.src_vocab_size, device="cpu"
     )

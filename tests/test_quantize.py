@@ -1,5 +1,7 @@
 """export.quantize / ``python -m export.onnx --quantize int8``: a complete int8 export folder, its
-manifest section, the quality gate, the runtimes that accept it, the ones that refuse it, bad input.
+manifest section, the quality gate, the runtimes that accept it, the ones that refuse it, bad input,
+an output inside the export it reads, a SIGKILL mid-way (the block-wise schemes int4 and int8-nbits:
+tests/test_quantize_nbits.py).
 
 The mechanics run on the tiny random-weight model (whose tokenizer cannot encode the demo task,
 so its gate cannot run: ``validate=False``); the quality gate runs once on the bundled demo model
@@ -10,20 +12,24 @@ held-out examples).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from test_export_onnx import DEMO_DIR, exported_dir
+from helpers import DEMO_DIR, exported_dir, make_model_dir
 
 from export import quantize as quant
 from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME
 from export.onnx import export_onnx, main
 from export.quantize import QualityGateError, QuantizationError, quantize_export
 from transformer_ext.export_format import ManifestError, manifest_quantization, read_manifest
+from transformer_ext.fsutil import parse_temporary_name
 
 FLOAT32_FILES = {ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "generation.json", "tokenizer.json"}
 
@@ -205,7 +211,7 @@ def test_already_quantized_folder_is_refused(tiny_int8, tmp_path):
     assert not (tmp_path / "twice").exists()
 
 
-@pytest.mark.parametrize("scheme", ["int4", "INT8", "", None])
+@pytest.mark.parametrize("scheme", ["int3", "INT8", "int4-nbits", "", None])
 def test_unknown_scheme_before_the_disk(tiny_float, tmp_path, scheme):
     with pytest.raises(QuantizationError, match="unknown quantization scheme"):
         quantize_export(tiny_float, tmp_path / "out", scheme, gate=False)
@@ -232,9 +238,9 @@ def test_unknown_scheme_in_a_manifest_is_refused_by_readers(tiny_int8, tmp_path)
 
 def test_cli_unknown_scheme_is_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["--quantize", "int4", "--output-dir", str(out)]) == 1
+    assert main(["--quantize", "int3", "--output-dir", str(out)]) == 2  # a usage error
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "int4" in err[0] and "int8" in err[0]
+    assert len(err) == 1 and "int3" in err[0] and "int8" in err[0] and "int4" in err[0]
     assert not out.exists()
 
 
@@ -322,7 +328,7 @@ def test_bad_gate_files_are_refused_naming_the_flag(tmp_path, case, fragment):
 def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path, capsys):
     src, ref = _parallel(tmp_path, ["a", "b"], ["a"])
     out = tmp_path / "out"
-    assert main(["--output-dir", str(out), "--gate-src", str(src), "--gate-ref", str(ref)]) == 1
+    assert main(["--output-dir", str(out), "--gate-src", str(src), "--gate-ref", str(ref)]) == 2
     assert "need --quantize int8" in capsys.readouterr().err
     assert (
         main(["--output-dir", str(out), "--quantize", "int8", "--gate-src", str(src), "--gate-ref", str(ref)])
@@ -331,9 +337,117 @@ def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has 2 lines but --gate-ref" in err[0]
     assert (
-        quant.main(["--export-dir", str(tiny_float), "--output-dir", str(out), "--gate-src", str(src)]) == 1
+        quant.main(["--export-dir", str(tiny_float), "--output-dir", str(out), "--gate-src", str(src)]) == 2
     )
     assert "--gate-src and --gate-ref go together" in capsys.readouterr().err
-    assert main(["--output-dir", str(out), "--quantize", "int8", "--max-bleu-drop", "-1"]) == 1
+    assert main(["--output-dir", str(out), "--quantize", "int8", "--max-bleu-drop", "-1"]) == 2
     assert "max_bleu_drop must be a finite number >= 0" in capsys.readouterr().err
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------
+# outputs that overlap the input; SIGKILL leftovers
+# ------------------------------------------------------------------------------------------
+
+
+def test_output_inside_the_export_folder_is_refused(tiny_float, tmp_path, capsys):
+    """``--output-dir E/int8`` inside ``--export-dir E`` (and a folder holding E): refused naming
+    both, before anything is written."""
+    export = tmp_path / "E"
+    shutil.copytree(tiny_float, export)
+    before = sorted(os.listdir(export))
+    with pytest.raises(ValueError, match=r"--output-dir .*E/int8 lies inside the export folder --export-dir"):
+        quantize_export(export, export / "int8", gate=False)
+    argv = ["--export-dir", str(export), "--output-dir", str(export / "int8"), "--no-validate"]
+    assert quant.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and "lies inside the export folder --export-dir" in err[0]
+        and "Is a directory" not in err[0]
+    )
+    with pytest.raises(ValueError, match="contains the export folder --export-dir"):
+        quantize_export(export, tmp_path, gate=False)
+    assert sorted(os.listdir(export)) == before and sorted(os.listdir(tmp_path)) == ["E"]
+
+
+# The real main() of a module in a subprocess; it prints READY and waits on stdin once the
+# quantized graphs are written into the quantizer's scratch folder (the export's tracing is a
+# copy of the session's graphs, as in tests/test_export_safety.py).
+KILL_CHILD = r"""
+import importlib, os, sys
+module, src = sys.argv[1], sys.argv[2]
+from export import onnx as export_mod, quantize as quant
+real = quant.quantize_graphs
+
+def fast_export_graph(module_, args, spec, n_positional, opset, flavour, path, **kwargs):
+    import onnx
+    proto = onnx.load(os.path.join(src, path.name))
+    onnx.save(proto, path)
+    return proto
+
+def stop_here(*args, **kwargs):
+    result = real(*args, **kwargs)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    return result
+
+export_mod._export_graph = fast_export_graph
+quant.quantize_graphs = stop_here
+sys.exit(importlib.import_module(module).main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["export.onnx", "export.quantize"])
+def test_sigkill_mid_quantize_leaves_temporaries_the_next_export_removes(
+    tiny_float, tmp_path, command, caplog
+):
+    root = Path(__file__).resolve().parents[1]
+    model_dir = make_model_dir(tmp_path / "model")
+    out = tmp_path / "out"
+    if command == "export.onnx":
+        argv = [
+            "--model-dir",
+            str(model_dir),
+            "--output-dir",
+            str(out),
+            "--quantize",
+            "int8",
+            "--no-validate",
+        ]
+    else:
+        argv = [
+            "--export-dir",
+            str(tiny_float),
+            "--output-dir",
+            str(out),
+            "--scheme",
+            "int4",
+            "--no-validate",
+        ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, command, str(tiny_float), *argv],
+        cwd=root,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    if line.strip() != "READY":
+        proc.kill()
+        pytest.fail(f"the child stopped before quantizing: {line!r}\n{proc.communicate()[1]}")
+    proc.kill()  # SIGKILL: nothing of the child's cleanup runs
+    proc.communicate(timeout=60)
+    left = sorted(n for n in os.listdir(tmp_path) if n not in ("model",))
+    assert len(left) == 2 and not out.exists(), left  # the staged export and the quantizer's scratch
+    scratch = [n for n in left if n.startswith("..out.tmp-") and ".quantize.tmp-" in n]
+    assert len(scratch) == 1 and f"-{proc.pid}-" in scratch[0]
+    assert parse_temporary_name(scratch[0]).root == "out"  # traced to the output by fsutil's one rule
+    with caplog.at_level(logging.WARNING, logger="transformer_ext.fsutil"):
+        quantize_export(tiny_float, out, "int8", gate=False)  # the next export of the same output
+    assert sorted(os.listdir(tmp_path)) == ["model", "out"]
+    removed = " ".join(r.getMessage() for r in caplog.records)
+    assert all(name in removed for name in left)

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_export_onnx import exported_dir
 
 import transformer_ext.runtimes as runtimes
 from export import trt_readiness
@@ -54,9 +53,9 @@ def _python(code: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> Path:
-    return exported_dir(tmp_path_factory, "portable")
+@pytest.fixture
+def exported(exported_portable) -> Path:
+    return exported_portable
 
 
 def _manifest(export_dir: Path) -> dict:
@@ -82,6 +81,7 @@ def test_every_runner_from_one_package():
     )
     assert runtimes.DeviceRunner.__module__ == "transformer_ext.runtimes.device"  # its own module
     assert set(RUNNERS) <= set(runtimes.__all__) and set(RUNNERS) <= set(dir(runtimes))
+    assert sorted(runtimes.__all__) == sorted(runtimes._EXPORTS)  # the literal list names every export
     for name in runtimes.__all__:
         assert getattr(runtimes, name) is not None
     assert Runner is not None
@@ -152,10 +152,10 @@ def _runner(kind: str, export_dir: Path):
         return runtimes.OrtRunner(export_dir, intra_op_num_threads=1)
     if kind == "ort_cuda":
         return runtimes.OrtCudaRunner(export_dir, device="cpu", intra_op_num_threads=1)
-    from test_tensorrt import _fake_engines
+    from fake_tensorrt import fake_engines
 
     model = _model(export_dir)
-    enc, dec = _fake_engines(
+    enc, dec = fake_engines(
         model, "portable", torch.device("cpu"), [], max_rows=12, max_src=20, cache=(2, 30)
     )
     config = _manifest(export_dir)["model_config"]

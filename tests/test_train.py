@@ -17,14 +17,17 @@ from safetensors.torch import load_file, save_file
 from transformer_ext import train as train_mod
 from transformer_ext.checkpoint import load_model
 from transformer_ext.tokenizer import CharTokenizer
-from transformer_ext.train import (
+from transformer_ext.training import (
     TrainingError,
     TrainOptions,
     make_optimizer,
     make_scheduler,
     noam_lr,
+    optim,
+    run_folder,
     token_loss,
     train,
+    validation,
 )
 
 # A tiny task: the numbers 0..99, the "tiny" model, a few dozen steps (seconds on 2 cores).
@@ -421,7 +424,7 @@ def test_debug_shows_the_traceback(run_copy):
 def test_overwrite_replaces_the_old_run_only_when_the_new_one_has_a_checkpoint(run_copy, monkeypatch):
     old_weights = (run_copy / "last" / "model.safetensors").read_bytes()
     seen = []
-    real = train_mod._save_checkpoint
+    real = run_folder.save_checkpoint
 
     def spy(run_dir, name, *args, **kwargs):
         seen.append(
@@ -429,7 +432,7 @@ def test_overwrite_replaces_the_old_run_only_when_the_new_one_has_a_checkpoint(r
         )
         return real(run_dir, name, *args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "_save_checkpoint", spy)
+    monkeypatch.setattr(run_folder, "save_checkpoint", spy)
     result = train(tiny(run_copy.parent, max_steps=4, eval_every=2, overwrite=True))
     assert result.step == 4 and result.first_step == 1
     # steps 2 (best + last, in the new run's temporary folder: the old run still in place), 4 (in --out)
@@ -646,13 +649,13 @@ def test_full_disk_at_a_later_checkpoint_keeps_the_previous_one(tmp_path, monkey
 )
 def test_signal_at_the_first_checkpoint_keeps_the_old_run(run_copy, monkeypatch, capsys, sig, code, word):
     before = snapshot(run_copy.parent)
-    real = train_mod._save_model_dir
+    real = run_folder.save_model_dir
 
     def save_then_signal(*args, **kwargs):
         real(*args, **kwargs)  # the new checkpoint's files are written, the folder is not in place yet
         os.kill(os.getpid(), sig)
 
-    monkeypatch.setattr(train_mod, "_save_model_dir", save_then_signal)
+    monkeypatch.setattr(run_folder, "save_model_dir", save_then_signal)
     assert train_mod.main(cli(run_copy, "--overwrite", steps=3)) == code
     err = capsys.readouterr().err
     assert err.endswith(f"\npython -m transformer_ext.train: {word}; resume with --resume\n"), err
@@ -663,13 +666,13 @@ def test_signal_at_the_first_checkpoint_keeps_the_old_run(run_copy, monkeypatch,
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_during_a_resumed_run_keeps_the_last_checkpoint(run_copy, monkeypatch, capsys, sig, code):
-    real = train_mod._save_model_dir
+    real = run_folder.save_model_dir
 
     def save_then_signal(*args, **kwargs):
         real(*args, **kwargs)
         os.kill(os.getpid(), sig)
 
-    monkeypatch.setattr(train_mod, "_save_model_dir", save_then_signal)
+    monkeypatch.setattr(run_folder, "save_model_dir", save_then_signal)
     assert train_mod.main(cli(run_copy, "--resume", "--eval-every", "1", steps=4)) == code
     assert "resume with --resume" in capsys.readouterr().err
     monkeypatch.undo()
@@ -716,7 +719,7 @@ def test_resume_after_a_kill_between_the_two_renames_of_a_checkpoint(tmp_path, r
 
 # ---------------------------------------------------------------------- parallel text (issue 12)
 def test_inverse_sqrt_lr_matches_fairseq():
-    from transformer_ext.train import inverse_sqrt_lr
+    from transformer_ext.training import inverse_sqrt_lr
 
     for step in (1, 50, 99, 100, 101, 400, 10000):
         expected = 5e-4 * step / 100 if step <= 100 else 5e-4 * (100 / step) ** 0.5
@@ -728,7 +731,7 @@ def test_update_freq_equals_one_larger_batch():
     from transformer_ext.config import TransformerConfig
     from transformer_ext.data import collate
     from transformer_ext.model import Transformer
-    from transformer_ext.train import accumulate_gradients_of
+    from transformer_ext.training.optim import accumulate_gradients
 
     torch.manual_seed(0)
     model = Transformer(TransformerConfig.preset("tiny", dropout=0.0))
@@ -744,7 +747,7 @@ def test_update_freq_equals_one_larger_batch():
 
     def grads(micro):
         model.zero_grad(set_to_none=True)
-        value, n = accumulate_gradients_of(model, micro, pad_id=0, label_smoothing=0.1)
+        value, n = accumulate_gradients(model, micro, pad_id=0, label_smoothing=0.1)
         return value, n, {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
     one_value, one_n, one = grads([collate(pairs, **ids)])
@@ -825,14 +828,15 @@ def test_text_training_with_char_tokenizer_and_keep_last(tmp_path):
     assert summary["best_metric"] == "chrf"
     assert summary["data"]["train"]["total"] == 30
     assert summary["data"]["train"]["ratio"] == sum(
-        max(len(a), len(b)) > 1.5 * min(len(a), len(b)) for a, b in zip(SENTS_EN * 3, SENTS_DE * 3)
+        max(len(a), len(b)) > 1.5 * min(len(a), len(b))
+        for a, b in zip(SENTS_EN * 3, SENTS_DE * 3, strict=True)
     )
     assert load_model(out / "best").config.max_len == 64
 
 
 def test_patience_stops_early(tmp_path, monkeypatch):
     # a metric that never improves after the first validation: the run stops after `patience` more
-    monkeypatch.setattr(train_mod, "_metric_key", lambda record, metric: (0.0,))
+    monkeypatch.setattr(validation, "metric_key", lambda record, metric: (0.0,))
     result = train(text_opts(tmp_path, patience=2, max_steps=12, eval_every=2))
     assert result.stop_reason == "patience"
     assert [h["step"] for h in result.history] == [2, 4, 6]
@@ -897,8 +901,10 @@ def test_text_bad_data_is_named(tmp_path, capsys):
 
 def test_text_tsv_and_impossible_vocab(tmp_path, capsys):
     pytest.importorskip("sentencepiece")
-    tsv = write_lines(tmp_path / "train.tsv", [f"{a}\t{b}" for a, b in zip(SENTS_EN, SENTS_DE)])
-    vtsv = write_lines(tmp_path / "valid.tsv", [f"{a}\t{b}" for a, b in zip(SENTS_EN[:2], SENTS_DE[:2])])
+    tsv = write_lines(tmp_path / "train.tsv", [f"{a}\t{b}" for a, b in zip(SENTS_EN, SENTS_DE, strict=True)])
+    vtsv = write_lines(
+        tmp_path / "valid.tsv", [f"{a}\t{b}" for a, b in zip(SENTS_EN[:2], SENTS_DE[:2], strict=True)]
+    )
     args = [
         "--out",
         str(tmp_path / "run"),
@@ -925,7 +931,7 @@ def test_text_tsv_and_impossible_vocab(tmp_path, capsys):
 
 def test_interrupted_run_keeps_its_numbers(tmp_path, monkeypatch):
     """summary.json is written at every validation, so a run killed later still has its curve."""
-    real = train_mod.accumulate_gradients_of
+    real = optim.accumulate_gradients
     calls = []
 
     def interrupt_at_step_5(*args, **kwargs):
@@ -934,7 +940,7 @@ def test_interrupted_run_keeps_its_numbers(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "accumulate_gradients_of", interrupt_at_step_5)
+    monkeypatch.setattr(optim, "accumulate_gradients", interrupt_at_step_5)
     with pytest.raises(KeyboardInterrupt):
         train(text_opts(tmp_path, max_steps=8, eval_every=3))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

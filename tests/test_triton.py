@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from test_export_onnx import make_model_dir
+from helpers import make_model_dir
 
 from export import ManifestError, OutputFolderError
 from export import triton as triton_export

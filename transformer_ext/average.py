@@ -15,7 +15,6 @@ an error or an interruption leaves nothing behind.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -38,7 +37,7 @@ class AverageError(UserError, ValueError):
 
 def last_checkpoints(run: Path, k: int) -> list[Path]:
     """The ``k`` newest ``step-N`` model folders of ``run/checkpoints`` (oldest first)."""
-    from .train import CHECKPOINTS_DIR, step_checkpoints
+    from .training.run_folder import CHECKPOINTS_DIR, step_checkpoints
 
     if not run.is_dir():
         raise AverageError(f"--last: {run} is not a folder (expected a training run folder)")

@@ -1,4 +1,4 @@
-"""Model directories: ``config.json`` + ``model.safetensors`` (DESIGN.md section 5).
+"""Model directories: ``config.json`` + ``model.safetensors`` (docs/DESIGN.md section 5).
 
 No pickle anywhere: weights are read with ``safetensors`` only. Tied weights (target
 embedding = output projection, and with ``shared_vocab`` the source embedding too) are stored

@@ -7,7 +7,7 @@ validated on construction: an inconsistent configuration raises ``ValueError`` (
 
 A config.json (and the ``model_config`` of an export manifest) is versioned: ``format_version``
 (:data:`CONFIG_FORMAT_VERSION`, now 1) and then every field, all of them required, because
-tensor shapes and the semantics depend on each (DESIGN.md section 5). A missing key, an unknown
+tensor shapes and the semantics depend on each (docs/DESIGN.md section 5). A missing key, an unknown
 key or a value of the wrong JSON type is a :class:`ConfigError` that names the key and the file;
 files without ``format_version`` (the form written before versioning) are migrated explicitly by
 :func:`migrate_config`, never completed with defaults. The dataclass defaults serve code that
@@ -45,7 +45,7 @@ CONFIG_FORMAT_VERSION = 1
 # Named starting points; ``TransformerConfig.preset(name, **overrides)`` builds one.
 PRESETS: dict[str, dict[str, Any]] = {
     # The paper's base model ("Attention Is All You Need", Table 3), with the 8000-token source
-    # and target vocabularies used by the decode benchmarks (DESIGN.md section 4).
+    # and target vocabularies used by the decode benchmarks (docs/DESIGN.md section 4).
     "base": dict(
         src_vocab_size=8000,
         tgt_vocab_size=8000,
@@ -66,6 +66,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_decoder_layers=3,
         d_ff=1024,
         dropout=0.1,
+    ),
+    # The bundled demo translator (python -m transformer_ext.train's default): Post-LN as in the
+    # paper, 3+3 layers, small enough to train on one CPU core in minutes. No dropout: the task is
+    # noise-free, every training example is exact, and on the CPU dropout's random numbers cost a
+    # quarter to a third of a training step.
+    "demo": dict(
+        src_vocab_size=8000,
+        tgt_vocab_size=8000,
+        d_model=64,
+        n_heads=4,
+        n_encoder_layers=3,
+        n_decoder_layers=3,
+        d_ff=256,
+        dropout=0.0,
+        max_len=64,
+        norm_first=False,
     ),
     # For tests: every code path, milliseconds per forward pass.
     "tiny": dict(

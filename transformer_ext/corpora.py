@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .cli import UserError, add_debug_flag, run_cli
-from .fsutil import StagedDir, atomic_write_json, atomic_write_text
+from .fsutil import StagedDir, atomic_write_json, atomic_write_text, check_output_path
+from .text import normalize_text
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +107,11 @@ def find_bible_db() -> Path:
 
 
 def normalize_verse(text: str, language: str) -> str:
-    """One line of text: whitespace collapsed; the English edition's backticks become apostrophes."""
+    """One line of text: whitespace normalised (:func:`~transformer_ext.text.normalize_text`, line breaks
+    inside a verse included); the English edition's backticks become apostrophes."""
     if language == "en":
         text = text.replace("`", "'")
-    return " ".join(text.split())
+    return normalize_text(text)
 
 
 def _connect(db: Path) -> sqlite3.Connection:
@@ -253,35 +255,38 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if not out.is_dir() or not any(out.iterdir()):
         return
     marker = out / PROVENANCE_FILE
-    ours = False
+    provenance = None
     if marker.is_file():
         import json
 
         try:
-            ours = json.loads(marker.read_text(encoding="utf-8")).get("format") == PROVENANCE_FORMAT
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            ours = False
-    if not ours:
+            provenance = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            provenance = None
+        if not isinstance(provenance, dict) or provenance.get("format") != PROVENANCE_FORMAT:
+            provenance = None
+    if provenance is None:
         raise CorpusError(
             f"--out {out} is not empty and holds no corpus written by this command; nothing in it is "
             "touched: choose a new or empty folder"
         )
     if not overwrite:
         raise CorpusError(f"--out {out} already holds a corpus; pass --overwrite to replace it")
-    extra = sorted(set(os.listdir(out)) - _corpus_files(out))
+    extra = sorted(set(os.listdir(out)) - _written_files(provenance))
     if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise CorpusError(
             f"--overwrite replaces the whole folder {out}, but it also holds files this command did not "
-            f"write ({', '.join(extra[:5])}); move them away or choose another --out"
+            f"write ({shown}; {PROVENANCE_FILE} lists what it wrote); move them away or choose another --out"
         )
 
 
-def _corpus_files(out: Path) -> set[str]:
+def _written_files(provenance: dict) -> set[str]:
+    """The names the provenance file lists as written by this command (and the provenance itself)."""
     names = {PROVENANCE_FILE}
-    for name in os.listdir(out):
-        stem, _, ext = name.partition(".")
-        if stem in _SPLITS and ext and "." not in ext:
-            names.add(name)
+    files = provenance.get("files")
+    if isinstance(files, dict):
+        names.update(str(name) for name in files)
     return names
 
 
@@ -309,7 +314,7 @@ def _book_numbers(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected book numbers separated by commas (e.g. 8,50), got {text!r}"
-        )
+        ) from None
     if not numbers or any(n < 1 for n in numbers):
         raise argparse.ArgumentTypeError(f"expected book numbers >= 1 separated by commas, got {text!r}")
     return numbers
@@ -386,8 +391,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f"--pair: no public-domain edition for {lang!r}; available: "
                     f"{', '.join(sorted(PUBLIC_DOMAIN_EDITIONS))}"
                 )
-        _check_out(out, args.overwrite)
         db = Path(args.db) if args.db else find_bible_db()
+        check_output_path(out, inputs=[("--db", db)], what="--out")
+        _check_out(out, args.overwrite)
         data, provenance = extract_bible(
             src_lang, tgt_lang, db, test_books=args.test_books, valid_books=args.valid_books
         )

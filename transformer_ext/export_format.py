@@ -1,4 +1,4 @@
-"""The export folder as its readers see it (DESIGN.md section 3): file names, axis names, format
+"""The export folder as its readers see it (docs/DESIGN.md section 3): file names, axis names, format
 marker, the one manifest reader, the one I/O comparator, the one dtype table, the generation config.
 
 Everything that reads an export folder uses this module: the runners in
@@ -119,10 +119,11 @@ FORMAT = "transformer_ext.onnx_export"
 FORMAT_VERSION = 3
 READABLE_FORMAT_VERSIONS = (1, 2, 3)
 FLAVOURS = ("portable", "tensorscatter")
-# Quantized exports (python -m export.onnx --quantize int8): same files, graph inputs and
+# Quantized exports (python -m export.onnx --quantize SCHEME): same files, graph inputs and
 # outputs as float32 ones; the manifest's optional "quantization" section says how (scheme,
-# per_channel, reduce_range, weight_type, op_types, per-graph node counts, the quality gate).
-QUANTIZATION_SCHEMES = ("int8",)
+# its settings, per-graph node counts, the quality gate). "int8": dynamic quantization
+# (MatMulInteger); "int4", "int8-nbits": block-wise weight-only MatMulNBits (com.microsoft).
+QUANTIZATION_SCHEMES = ("int8", "int4", "int8-nbits")
 
 # Named (dynamic) axes of the graphs.
 BATCH, SRC_LEN, CACHE_LEN = "batch", "src_len", "cache_len"

@@ -5,13 +5,16 @@ folders, engines) goes through this module, so the rules hold everywhere:
 
 * Nothing is written in place. A file is written to a temporary sibling and renamed over the
   target (``atomic_write_bytes`` / ``atomic_write_text`` / ``atomic_write_json``); a folder is
-  built in a temporary sibling (``StagedDir``) and swapped in by ``replace_dir``, which keeps the
-  old folder until the new one is in place.
+  built in a temporary sibling (``StagedDir``) and swapped in by ``replace_dir``: one atomic
+  exchange where the file system has it, else two renames with the old folder kept as a backup
+  until the new one is in place (and put back by the next write if the process dies between).
 * Temporaries are named ``.{target}.tmp-{host}-{pid}-{random}`` (backups ``.old-``), so a later
   run can tell whose they are. They are removed on any exception, on SIGINT, and on SIGTERM
   when the process runs under ``transformer_ext.cli.run_cli`` (which turns SIGTERM into an
   exception). After SIGKILL they stay; the next write to the same target removes those written
-  by this host whose process is gone (``remove_stale_temporaries``) and logs each removal. A
+  by this host whose process is gone (``remove_stale_temporaries``, one rule for every
+  temporary, those of temporaries included: ``parse_temporary_name``) and logs each removal;
+  a complete backup of a target that is missing is put back instead. A
   temporary of another host is never touched: run folders may sit on a file system shared by
   several machines under torchrun.
 * Permissions follow the umask, as for every other tool.
@@ -31,8 +34,9 @@ import re
 import secrets
 import shutil
 import socket
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Tuple, Union
+from typing import Any, Iterable, Optional, Tuple, Union
 
 from .cli import UserError
 
@@ -70,29 +74,92 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(target: PathLike) -> list[Path]:
-    """Remove temporaries of ``target`` left by killed processes of this host; return them.
+# ``.{target}.{kind}-{host}-{pid}-{token}``: what :func:`temporary_name` makes
+_TEMPORARY = re.compile(
+    r"^\.(?P<target>.+)\.(?P<kind>tmp|old)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-(?P<token>[0-9a-f]{8})$"
+)
+# a name derived from a temporary: ``.{target}.tmp-{host}-{pid}-{token}.{suffix}`` (a scratch folder
+# beside a staged folder is the target of temporaries of its own)
+_DERIVED = re.compile(r"^(?P<temporary>\..+\.(?:tmp|old)-[A-Za-z0-9_.]+-\d+-[0-9a-f]{8})\.[^/]+$")
 
-    Only names of the form :func:`temporary_name` makes are considered, only those whose host is
-    this host and whose process id is no longer running are removed, and each removal is logged.
+
+@dataclass(frozen=True)
+class TemporaryName:
+    """What a name made by :func:`temporary_name` says: whose temporary (``root``) it is and whose process."""
+
+    target: str  # the name it is a temporary of (itself maybe derived from a temporary)
+    root: str  # the output it ultimately belongs to: ``target`` with every temporary layer removed
+    kind: str  # "tmp" (being written) or "old" (a complete backup of the target)
+    host: str
+    pid: int
+
+
+def parse_temporary_name(name: str) -> Optional[TemporaryName]:
+    """The parts of a temporary's ``name``, or None when :func:`temporary_name` did not make it.
+
+    A temporary of a temporary (``..out.tmp-H-1-0123abcd.quantize.tmp-H-1-89abcdef``, the
+    quantizer's scratch folder beside a staged export) has the outermost output as its ``root``.
+    This is the one rule by which every temporary is found and cleaned up.
+    """
+    m = _TEMPORARY.match(name)
+    if m is None:
+        return None
+    target = m.group("target")
+    root = target
+    derived = _DERIVED.match(target)
+    if derived is not None:
+        inner = parse_temporary_name(derived.group("temporary"))
+        if inner is not None:
+            root = inner.root
+    return TemporaryName(target, root, m.group("kind"), m.group("host"), int(m.group("pid")))
+
+
+def is_temporary_name(name: str) -> bool:
+    return parse_temporary_name(name) is not None
+
+
+def remove_stale_temporaries(target: PathLike) -> list[Path]:
+    """Clean up the temporaries of ``target`` left by killed processes of this host; return them.
+
+    Only names of the form :func:`temporary_name` makes are considered (those of temporaries of
+    ``target``'s temporaries included, :func:`parse_temporary_name`), only those whose host is
+    this host and whose process id is no longer running are touched, and each one is logged.
+    When ``target`` itself is missing, a stale backup (``.old-``: the complete old folder or
+    file, which a process killed between the two renames of :func:`replace_dir` left) is put
+    back at ``target`` instead of deleted; the other stale temporaries are removed.
     """
     target = Path(target)
     parent = target.parent if str(target.parent) else Path(".")
-    pattern = re.compile(
-        r"^\." + re.escape(target.name) + r"\.(tmp|old)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$"
-    )
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(parent))
     except OSError:
         return removed
+    stale: list[tuple[os.DirEntry, TemporaryName]] = []
     for entry in entries:
-        m = pattern.match(entry.name)
-        if not m or m.group("host") != _HOST:
+        info = parse_temporary_name(entry.name)
+        if info is None or target.name not in (info.target, info.root) or info.host != _HOST:
             continue
-        pid = int(m.group("pid"))
-        if pid == os.getpid() or _pid_alive(pid):
+        if info.pid == os.getpid() or _pid_alive(info.pid):
             continue
+        stale.append((entry, info))
+    if not os.path.lexists(target):
+        backups = [(e, i) for e, i in stale if i.kind == "old" and i.target == target.name]
+        if backups:
+            entry, info = max(backups, key=lambda item: item[0].stat(follow_symlinks=False).st_ctime)
+            try:
+                os.rename(entry.path, target)
+            except OSError as exc:
+                logger.warning("could not put back %s (%s) at %s", entry.path, exc, target)
+            else:
+                logger.warning(
+                    "put back %s at %s: process %d of this host was interrupted while replacing it",
+                    entry.path,
+                    target,
+                    info.pid,
+                )
+                stale.remove((entry, info))
+    for entry, info in stale:
         path = Path(entry.path)
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(path, ignore_errors=True)
@@ -101,7 +168,9 @@ def remove_stale_temporaries(target: PathLike) -> list[Path]:
                 path.unlink()
             except OSError:
                 continue
-        logger.warning("removed %s, left behind by process %d of this host that was interrupted", path, pid)
+        logger.warning(
+            "removed %s, left behind by process %d of this host that was interrupted", path, info.pid
+        )
         removed.append(path)
     return removed
 
@@ -141,17 +210,74 @@ def atomic_write_json(path: PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2_function: Any = None
+
+
+def _renameat2():
+    """glibc's ``renameat2``, or None (not Linux, an old glibc)."""
+    global _renameat2_function
+    if _renameat2_function is None:
+        function = False
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            function = getattr(libc, "renameat2", False)
+            if function:
+                function.argtypes = [
+                    ctypes.c_int,
+                    ctypes.c_char_p,
+                    ctypes.c_int,
+                    ctypes.c_char_p,
+                    ctypes.c_uint,
+                ]
+                function.restype = ctypes.c_int
+        except (OSError, AttributeError, ImportError):
+            function = False
+        _renameat2_function = function
+    return _renameat2_function or None
+
+
+def exchange_paths(a: PathLike, b: PathLike) -> bool:
+    """Swap ``a`` and ``b`` in one atomic step (``renameat2(RENAME_EXCHANGE)``); False where unsupported.
+
+    Both must exist. Returns False, changing nothing, when the system or the file system has no
+    atomic exchange; any other failure raises ``OSError``.
+    """
+    function = _renameat2()
+    if function is None:
+        return False
+    import ctypes
+
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(b))
+
+
 def replace_dir(tmp_dir: PathLike, target: PathLike) -> None:
     """Move the finished ``tmp_dir`` (a sibling of ``target``) to ``target``.
 
-    An existing ``target`` is renamed to a backup until the move succeeded and put back if it
-    fails, so a reader never sees a half-written folder and a good folder is never lost. Whether
-    ``target`` may be replaced at all is the caller's decision, made before anything is written.
+    An existing ``target`` is exchanged with ``tmp_dir`` in one atomic step where the file system
+    can (``renameat2(RENAME_EXCHANGE)``: Linux ext4, xfs, btrfs, tmpfs ...), then the old folder,
+    now at the temporary name, is deleted. Elsewhere it is renamed to a backup
+    (``.NAME.old-...``) until the new folder is in; a failure puts it back, and a process killed
+    between the two renames leaves the complete backup, which the next write of ``target``
+    puts back (:func:`remove_stale_temporaries`). A reader never sees a half-written folder and
+    a good folder is never lost. Whether ``target`` may be replaced at all is the caller's
+    decision, made before anything is written.
     """
     tmp_dir, target = Path(tmp_dir), resolve_target(target)
     os.chmod(tmp_dir, 0o777 & ~_umask())
     if not target.exists():
         os.rename(tmp_dir, target)
+        return
+    if exchange_paths(tmp_dir, target):
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # the old folder; a stale temporary if this is cut short
         return
     backup = target.with_name(temporary_name(target, "old"))
     os.rename(target, backup)

@@ -16,7 +16,7 @@ Two paths through the decoder:
   per token): one new token per row, attention through the fused ``ops.decode_attention``
   over a preallocated self-attention cache and the cross-attention K/V computed once.
   ``decode_step`` is a pure function of its inputs and is what the ONNX exporter traces
-  (DESIGN.md section 3). It is written with functional ops over each layer's parameters (a
+  (docs/DESIGN.md section 3). It is written with functional ops over each layer's parameters (a
   batch-1 step is ~20 small ops per layer, where module calls cost a fifth of the step); in
   inference it projects Q/K/V with one fused matrix and runs the projections through
   ``ops.linear``, and when exporting it uses the standard ops only.

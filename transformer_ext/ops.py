@@ -91,7 +91,8 @@ def decode_attention(
     Returns:
         ``[B, H, 1, D]`` in the dtype of ``q``; zeros for a row with no key. A NaN in ``q``, in
         an attended key or in ``k_new`` makes the row NaN (as ``torch.softmax`` would); cache
-        entries at or past ``lengths[b]`` are never read.
+        entries at or past ``lengths[b]`` are never read. Not differentiable (decoding only):
+        with an input that requires grad, the backward pass raises.
     """
     return _ops.decode_attention(q, k_cache, v_cache, lengths, float(scale), k_new, v_new)
 
@@ -145,7 +146,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     On the CPU, float32 inputs with at most 4 rows (``x.numel() // in_features``) run a
     matrix-vector kernel (AVX-512F or AVX2+FMA) that avoids a BLAS call's fixed cost, which
     dominates the one-row projections of a batch-1 decoder step; everything else is
-    ``at::linear``. Not differentiable: the model uses it only where autograd is off.
+    ``at::linear``. Not differentiable: the model uses it only where autograd is off; with an
+    input that requires grad, the backward pass raises (no gradient is silently dropped).
 
     Args:
         x: ``[..., in_features]``.
@@ -260,6 +262,32 @@ torch.library.register_autograd(
     _masked_softmax_backward,
     setup_context=_masked_softmax_setup_context,
 )
+
+
+# ---------------------------------------------------------------------------------------
+# The inference-only ops: a backward through them raises (as PyTorch's ops without a
+# derivative do) instead of leaving the gradients of their inputs None.
+# ---------------------------------------------------------------------------------------
+
+_NOT_DIFFERENTIABLE = {
+    "linear": "torch.nn.functional.linear",
+    "decode_attention": "transformer_ext.ops.attention or transformer_ext.reference.decode_attention",
+}
+
+
+def _not_differentiable(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"transformer_ext.ops.{name} is not differentiable (an inference op): its inputs get no "
+            f"gradient; use {_NOT_DIFFERENTIABLE[name]} where a gradient is needed, or run the op "
+            "under torch.no_grad() / torch.inference_mode()"
+        )
+
+    return backward
+
+
+for _name in _NOT_DIFFERENTIABLE:
+    torch.library.register_autograd(f"transformer_ext::{_name}", _not_differentiable(_name))
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ not in the export folder). Needs onnx and numpy, not torch.
 Every float32 tensor becomes the low precision (weights, caches, activations), except the ops
 in :data:`FLOAT32_OPS` (softmax, normalizations, reductions, ``Exp``/``Log``/``Pow``/``Sqrt``),
 which compute in float32 behind explicit ``Cast`` nodes, and the outputs in
-:data:`FLOAT32_OUTPUTS` (``logits``, float32 in every precision, DESIGN.md section 3). The caches
+:data:`FLOAT32_OUTPUTS` (``logits``, float32 in every precision, docs/DESIGN.md section 3). The caches
 have the dtype :data:`CACHE_DTYPES` names.
 """
 
@@ -72,7 +72,7 @@ FLOAT32_OPS = frozenset(
         "CumSum",
     }
 )
-# Outputs that stay float32 in every precision (DESIGN.md section 3: logits are float32).
+# Outputs that stay float32 in every precision (docs/DESIGN.md section 3: logits are float32).
 FLOAT32_OUTPUTS = ("logits",)
 # Ops whose float inputs may have any float type (no cast needed in front of them).
 _TYPE_AGNOSTIC_INPUTS = frozenset({"Cast", "Shape", "Size"})

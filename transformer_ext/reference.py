@@ -1,4 +1,4 @@
-"""Pure-PyTorch twins of the compiled ops, with exactly the semantics of DESIGN.md section 2.
+"""Pure-PyTorch twins of the compiled ops, with exactly the semantics of docs/DESIGN.md section 2.
 
 These are the oracles the tests compare the kernels against, and they are written to be
 obviously right rather than fast: every computation is spelled out with standard tensor

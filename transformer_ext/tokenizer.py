@@ -9,7 +9,7 @@ names them and their positions): a character-level model cannot translate a lett
 never seen, and silently mapping it to ``<unk>`` would produce a confident wrong answer.
 ``unknown="unk"`` maps them to the ``<unk>`` id instead, for callers that prefer that.
 
-The tokenizer is stored as ``tokenizer.json`` in a model directory (DESIGN.md section 5),
+The tokenizer is stored as ``tokenizer.json`` in a model directory (docs/DESIGN.md section 5),
 next to ``config.json`` and ``model.safetensors``, and copied into every export folder.
 
 Every tokenizer kind implements :class:`Tokenizer` (what the translator, the training code and

@@ -1,5 +1,5 @@
 // CPU kernels of the attention family: masked_softmax, masked_softmax_backward and
-// decode_attention (DESIGN.md section 2). Math in float32, rows in parallel with
+// decode_attention (docs/DESIGN.md section 2). Math in float32, rows in parallel with
 // at::parallel_for, inner loops vectorized with at::vec::Vectorized<float>.
 //
 // ISA. torch compiles its own CPU kernels once per capability (AVX2, AVX512) and picks one at
@@ -72,7 +72,7 @@ inline float hsum(const Vec& v) {
 // max(a, b), NaN when either is NaN (as at::vec::maximum; std::max drops a NaN b).
 inline float max_nan(float a, float b) { return std::isnan(b) ? b : std::max(a, b); }
 
-// The NaN rule of DESIGN.md section 2: a row whose max over its allowed scores is NaN (some
+// The NaN rule of docs/DESIGN.md section 2: a row whose max over its allowed scores is NaN (some
 // score is NaN) or +inf (inf - inf is NaN in the softmax) is NaN as a whole, as in
 // torch.softmax. One test per row on the max, which propagates NaN.
 inline bool row_is_nan(float row_max) { return !(row_max < kPosInf) && row_max != kNegInf; }
@@ -497,7 +497,7 @@ at::Tensor masked_softmax_composite(const at::Tensor& scores, const at::Tensor& 
   if (allowed.defined()) x = x.masked_fill(at::logical_not(allowed), -INFINITY);
   // The max propagates NaN. A row without an allowed finite score (max -inf) is shifted by 0,
   // so exp gives exact zeros; a NaN or +inf max makes every exp, the sum and so the whole
-  // row NaN (DESIGN.md section 2).
+  // row NaN (docs/DESIGN.md section 2).
   at::Tensor row_max = std::get<0>(x.max(-1, /*keepdim=*/true));
   row_max = at::where(row_max == -INFINITY, at::zeros_like(row_max), row_max);
   const at::Tensor e = at::exp(x - row_max);

@@ -1,4 +1,4 @@
-// CPU kernels of the KV-cache family: kv_cache_append_ and kv_cache_reorder_ (DESIGN.md
+// CPU kernels of the KV-cache family: kv_cache_append_ and kv_cache_reorder_ (docs/DESIGN.md
 // section 2). Both move whole [T, D] / [length, D] blocks with memcpy, parallel over the
 // (batch, head) pairs; the dtype only matters through its element size.
 #include <algorithm>

@@ -1,5 +1,5 @@
 // CPU kernels of transformer_ext::attention, its backward and the dropout-mask debug op
-// (DESIGN.md section 2; the oracle is transformer_ext/reference.py).
+// (docs/DESIGN.md section 2; the oracle is transformer_ext/reference.py).
 //
 // The tile kernels live in fused_attention_kernels.h and are compiled twice here, for
 // AVX-512 (F, BW, VL, DQ) and for AVX2 + FMA + F16C, in target regions of their own (every

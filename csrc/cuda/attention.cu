@@ -1,4 +1,4 @@
-// CUDA kernels of the attention family (DESIGN.md section 2): masked_softmax, its
+// CUDA kernels of the attention family (docs/DESIGN.md section 2): masked_softmax, its
 // backward, and decode_attention. transformer_ext/reference.py is the oracle of each.
 //
 // masked_softmax / masked_softmax_backward, rows of K scores ([B, H, Q, K] contiguous):

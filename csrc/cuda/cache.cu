@@ -1,4 +1,4 @@
-// CUDA kernels of the KV-cache family (DESIGN.md section 2): kv_cache_append_ and
+// CUDA kernels of the KV-cache family (docs/DESIGN.md section 2): kv_cache_append_ and
 // kv_cache_reorder_. transformer_ext/reference.py is the oracle of each.
 //
 // kv_cache_append_ is one grid-stride copy over the B * H * T * D elements of the update,

@@ -1,4 +1,4 @@
-// CUDA kernels of transformer_ext::attention and its backward (DESIGN.md section 2; the
+// CUDA kernels of transformer_ext::attention and its backward (docs/DESIGN.md section 2; the
 // algorithm of csrc/cpu/fused_attention.cpp, the oracle transformer_ext/reference.py).
 //
 // forward: one 256-thread block per (8 query rows, b, h); warp w owns query row i. The block

@@ -84,7 +84,7 @@ __device__ __forceinline__ float block_allreduce_max(float v, float* s_red) {
 // The softmax shift: the row maximum, or 0 when it is -inf (a row without an allowed finite
 // score), exactly as reference.masked_softmax does, so exp(-inf - shift) is 0, not NaN. A +inf
 // maximum stays: exp(inf - inf) is NaN, which makes the sum and so the whole row NaN, as in
-// torch.softmax (the NaN rule of DESIGN.md section 2).
+// torch.softmax (the NaN rule of docs/DESIGN.md section 2).
 __device__ __forceinline__ float softmax_shift(float row_max) {
   return row_max == -INFINITY ? 0.f : row_max;
 }

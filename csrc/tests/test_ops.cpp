@@ -252,7 +252,7 @@ void test_linear() {
 }
 
 
-// The NaN rule of DESIGN.md section 2, on the kernels and (under ctest's fallback run) the
+// The NaN rule of docs/DESIGN.md section 2, on the kernels and (under ctest's fallback run) the
 // composites: a NaN allowed score makes its row NaN; a NaN in a masked position changes nothing.
 void test_nan_rule() {
   const auto softmax = op<at::Tensor(const at::Tensor&, const OptTensor&, double, bool)>(

@@ -65,7 +65,30 @@ _EXPORTS = {
     "CacheOverflowError": "kv_cache",
 }
 
-__all__ = sorted(_EXPORTS)
+# Literal, so linters and IDEs see the public names; equal to _EXPORTS's keys (tests/test_runtimes.py).
+__all__ = [
+    "BindingError",
+    "CacheOverflowError",
+    "CatCacheRunner",
+    "CatCacheState",
+    "CompileError",
+    "DeviceRunner",
+    "DeviceState",
+    "EagerRunner",
+    "EagerState",
+    "HostKVCache",
+    "KVCache",
+    "OrtCudaRunner",
+    "OrtRunner",
+    "OrtState",
+    "RUNTIMES",
+    "RunnerInfo",
+    "RuntimeNotAvailableError",
+    "RuntimeOptionError",
+    "TensorRTRunner",
+    "greedy_decode_uncached",
+    "open_export_dir",
+]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .baseline import CatCacheRunner, CatCacheState, greedy_decode_uncached

@@ -2,7 +2,7 @@
 
 :class:`DeviceRunner` is the base of :class:`~transformer_ext.runtimes.trt.TensorRTRunner` and
 :class:`~transformer_ext.runtimes.ort_cuda.OrtCudaRunner`; a subclass only runs the graphs.
-Data path of one decoding (DESIGN.md sections 1 and 3), everything on one CUDA stream:
+Data path of one decoding (docs/DESIGN.md sections 1 and 3), everything on one CUDA stream:
 
 * :meth:`DeviceRunner.encode`: every buffer is a torch CUDA tensor allocated once: token ids,
   source lengths, cross K/V, logits and the self-attention cache, a
@@ -21,7 +21,7 @@ Data path of one decoding (DESIGN.md sections 1 and 3), everything on one CUDA s
   the cache's ``error_flag`` (so the op never syncs to check positions on the host); the flag is
   copied back behind the appends and checked after that one sync, at no extra cost. Positions are
   checked on the host before the step (``0 <= position < min(cache capacity, max_len)``,
-  DESIGN.md section 3), so the flag only guards against a broken invariant.
+  docs/DESIGN.md section 3), so the flag only guards against a broken invariant.
 * :meth:`DeviceRunner.reorder`: one ``kv_cache_reorder_`` per buffer on the valid prefix, same stream.
 
 Needs torch (and this project's compiled ops for the cache writes).
@@ -105,7 +105,7 @@ def encoder_bindings(
     cross_keys: Sequence[torch.Tensor],
     cross_values: Sequence[torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """Tensor name -> buffer for one encoder call (DESIGN.md section 3 names)."""
+    """Tensor name -> buffer for one encoder call (docs/DESIGN.md section 3 names)."""
     b = {"input_ids": input_ids, "src_lengths": src_lengths, "encoder_out": encoder_out}
     for i, (k, v) in enumerate(zip(cross_keys, cross_values)):
         b[f"cross_key.{i}"] = k

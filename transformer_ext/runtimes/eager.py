@@ -1,6 +1,6 @@
 """The eager PyTorch runner of :mod:`transformer_ext.decoding`: the project's data path.
 
-:class:`EagerRunner` (DESIGN.md section 1): ``model.encode`` once, cross-attention K/V repeated
+:class:`EagerRunner` (docs/DESIGN.md section 1): ``model.encode`` once, cross-attention K/V repeated
 per beam once, zero-filled preallocated self-attention caches (one stacked
 :class:`~transformer_ext.runtimes.kv_cache.KVCache`), ``model.decode_step`` per token, new K/V
 written in place with ``ops.kv_cache_append_``, beams reordered in place with

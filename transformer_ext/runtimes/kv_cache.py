@@ -1,14 +1,14 @@
 """The self-attention KV cache of a decoding: one object for every runner that keeps one.
 
 A decoding of N rows (sources x beams) through a decoder of ``n_layers`` layers keeps, per layer,
-the keys and values of every token fed so far (DESIGN.md section 1). Both classes here hold them
+the keys and values of every token fed so far (docs/DESIGN.md section 1). Both classes here hold them
 the same way:
 
 * **Stacked buffers.** All layers' keys live in ONE zero-filled buffer ``keys
   [n_layers * N, H, L, d_k]`` (layer i = rows ``i*N .. (i+1)*N - 1``), the values in another;
   ``key_layers[i]`` / ``value_layers[i]`` are per-layer views ``[N, H, L, d_k]``, contiguous, so a
   graph input can be bound to them by pointer. Zero-filled once: a graph reads the whole buffer,
-  and the contract requires finite values past the prefix (DESIGN.md section 3).
+  and the contract requires finite values past the prefix (docs/DESIGN.md section 3).
 * **In-place append.** A step's new keys and values of every layer are written with one call
   each, at the cache's ``length`` (the same for every row): 2 writes per step instead of
   ``2 * n_layers``. Runners whose graph outputs the new K/V into bound buffers ask for staging

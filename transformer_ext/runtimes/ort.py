@@ -1,6 +1,6 @@
 """ONNX Runtime runner for an export folder: the runner protocol of :mod:`transformer_ext.decoding`.
 
-Needs only numpy and onnxruntime (DESIGN.md section 6): no torch import, cache writes by numpy
+Needs only numpy and onnxruntime (docs/DESIGN.md section 6): no torch import, cache writes by numpy
 indexing. Greedy and beam search are the project's own (:mod:`transformer_ext.decoding`, which
 imports only numpy); :meth:`OrtRunner.greedy` and :meth:`OrtRunner.beam_search` are thin
 conveniences over them.

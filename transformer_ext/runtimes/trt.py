@@ -124,7 +124,7 @@ class TensorRTRunner(DeviceRunner):
             if missing:
                 raise BindingError(
                     f"the {what} engine lacks the tensors {missing} (has {sorted(io)}); "
-                    "was it built from an export of DESIGN.md section 3?"
+                    "was it built from an export of docs/DESIGN.md section 3?"
                 )
         flavour = "tensorscatter" if "present_key.0" in dec else "portable"
         n_layers = sum(1 for n in dec if n.startswith("self_key."))

@@ -1,6 +1,6 @@
 """Multi-process training with ``torchrun``: process group, batch sharding, reductions.
 
-:func:`transformer_ext.train.train` runs unchanged in a single process. Started by
+:func:`transformer_ext.training.train` runs unchanged in a single process. Started by
 ``torchrun`` (which sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` for every worker), it trains with DistributedDataParallel; everything it
 needs for that lives here, behind one object, :class:`Context`, whose single-process form
@@ -43,7 +43,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .cli import UserError
+from ..cli import UserError
 
 logger = logging.getLogger(__name__)
 

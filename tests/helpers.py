@@ -1,0 +1,131 @@
+"""Helpers shared by several test modules (the shared pytest fixtures are in conftest.py).
+
+Test modules import from here, never from each other: tiny random models and batches, model
+folders and the session's exports, a numpy runner of the decoding protocol with known
+probabilities. The stand-in TensorRT module and engines are in fake_tensorrt.py.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from transformer_ext.checkpoint import save_model
+from transformer_ext.config import TransformerConfig
+from transformer_ext.export_format import MANIFEST_NAME
+from transformer_ext.model import Transformer
+from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
+
+# ------------------------------------------------------------------------------------------
+# models and batches
+# ------------------------------------------------------------------------------------------
+
+
+def make_model(norm_first: bool, seed: int = 0, **overrides) -> Transformer:
+    """A tiny model with every parameter random (LayerNorm gains and biases included), eval mode."""
+    torch.manual_seed(seed)
+    model = Transformer(TransformerConfig.preset("tiny", norm_first=norm_first, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                base = 1.0 if name.endswith("norm.weight") else 0.0
+                p.copy_(base + 0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def make_batch(config: TransformerConfig, seed: int = 1, B: int = 3, S: int = 7, T: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, config.src_vocab_size, (B, S), generator=g)
+    lengths = torch.tensor([S, 4, 1][:B] + [S] * max(0, B - 3), dtype=torch.int64)
+    for b in range(B):
+        src[b, lengths[b] :] = config.pad_id
+    tgt = torch.randint(3, config.tgt_vocab_size, (B, T), generator=g)
+    tgt[:, 0] = config.bos_id
+    return src, lengths, tgt
+
+
+# ------------------------------------------------------------------------------------------
+# model folders and exports
+# ------------------------------------------------------------------------------------------
+
+
+FLAVOURS = ["portable", "tensorscatter"]  # the two decoder graphs export.onnx writes
+TOLERANCE = 1e-4  # parity tolerance of the session's exports
+DEMO_DIR = Path(__file__).resolve().parents[1] / "transformer_ext" / "demo_model"
+
+
+def make_model_dir(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random-weight model folder with a matching character tokenizer."""
+    torch.manual_seed(seed)
+    config = TransformerConfig.preset("tiny", dropout=0.0, **overrides)
+    save_model(Transformer(config).eval(), directory)
+    chars = string.ascii_lowercase + string.digits + " -.,'!?#$%&*+/:;<=>@"
+    source = list(SPECIAL_TOKENS) + list(chars[: config.src_vocab_size - len(SPECIAL_TOKENS)])
+    target = list(SPECIAL_TOKENS) + list(chars[: config.tgt_vocab_size - len(SPECIAL_TOKENS)])
+    CharTokenizer(source, target, lowercase=True).save(directory)
+    return directory
+
+
+def exported_dir(tmp_path_factory, flavour: str) -> Path:
+    """The tiny model exported (and validated) in ``flavour``, once per test session."""
+    from export.onnx import export_onnx
+
+    base = tmp_path_factory.getbasetemp() / "shared_exports"
+    model_dir = base / "tiny_model"
+    out = base / f"tiny_{flavour}"
+    if not (out / MANIFEST_NAME).is_file():
+        if not model_dir.is_dir():
+            make_model_dir(model_dir)
+        export_onnx(model_dir, out, flavour=flavour, tolerance=TOLERANCE)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# a numpy runner of the decoding protocol
+# ------------------------------------------------------------------------------------------
+
+
+class FunctionRunner:
+    """A numpy runner whose log-probabilities are a function of (source row, generated prefix).
+
+    It keeps the fed tokens of every row, so a wrong ``reorder`` (or a missing one) gives a row
+    the distribution of the wrong prefix. It also checks the protocol: beams never cross
+    sources, the cache capacity is respected.
+    """
+
+    def __init__(self, vocab_size: int, fn):
+        self.V = vocab_size
+        self.fn = fn  # (source index, prefix tuple) -> log-probs [V]
+        self.steps = 0
+
+    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
+        B = input_ids.shape[0]
+        assert input_ids.dtype == np.int64 and src_lengths.dtype == np.int64
+        return {
+            "src": np.repeat(np.arange(B), num_beams),
+            "K": num_beams,
+            "fed": [[] for _ in range(B * num_beams)],
+            "cache_len": cache_len,
+        }
+
+    def step(self, state, tokens):
+        assert tokens.dtype == np.int64 and tokens.shape == (len(state["fed"]),)
+        self.steps += 1
+        out = np.empty((len(state["fed"]), self.V), dtype=np.float32)
+        for r, tok in enumerate(tokens.tolist()):
+            state["fed"][r].append(tok)
+            assert len(state["fed"][r]) <= state["cache_len"], "cache overflow"
+            out[r] = self.fn(int(state["src"][r]), tuple(state["fed"][r][1:]))
+        return out
+
+    def reorder(self, state, beam_index):
+        K = state["K"]
+        assert all(int(i) // K == r // K for r, i in enumerate(beam_index)), "beam crossed sources"
+        state["fed"] = [list(state["fed"][int(i)]) for i in beam_index]
+
+
+def sources(B=2, S=3):
+    return np.ones((B, S), dtype=np.int64), np.full(B, S, dtype=np.int64)
