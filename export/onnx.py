@@ -560,7 +560,8 @@ def export_onnx(
     elif quantize_options:
         raise UsageError(f"quantize_options {dict(quantize_options)} need --quantize int4 or int8-nbits")
     output_dir = Path(output_dir).absolute()
-    check_output_path(output_dir, inputs=[("the model folder --model-dir", model_dir)], what="--output-dir")
+    source_dir = demo_model_dir() if model_dir is None else model_dir
+    check_output_path(output_dir, inputs=[("the model folder --model-dir", source_dir)], what="--output-dir")
     check_replaceable(output_dir)
     model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
     config = model.config

@@ -1,7 +1,11 @@
 """The beam search as first written: a Python loop over sources per step, float64 log-softmax
 over ``[rows, vocab]``. Kept as an independent oracle for the vectorised search in
 ``transformer_ext.decoding`` (tests/test_beam_vectorised.py compares the two on random runners).
-It must stay a separate implementation: do not make it call the search it checks."""
+It must stay a separate implementation: do not make it call the search it checks.
+
+It also implements every option of the search in plain loops (:func:`row_log_probs`: the logit
+processors of one row, transformers' variant on log-probabilities, forced tokens), so the tests
+check them against it too."""
 
 from __future__ import annotations
 
@@ -10,6 +14,56 @@ import math
 import numpy as np
 
 from transformer_ext.decoding import Hypothesis, length_penalty_factor, log_softmax
+
+
+def row_log_probs(
+    logits,
+    sequence,
+    t,
+    *,
+    eos_id,
+    prefix=(),
+    max_new,
+    min_new=0,
+    banned_ids=(),
+    repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    force_eos_at_budget=False,
+    hf=False,
+    renormalize_logits=False,
+):
+    """The log-probabilities one row chooses from at step ``t`` (``sequence``: its fed tokens,
+    start token first), in float64, one token at a time."""
+    x = np.asarray(logits, dtype=np.float64).copy()
+    V = len(x)
+    forced = None
+    if t < len(prefix):
+        forced = int(prefix[t])
+    elif force_eos_at_budget and t == max_new - 1:
+        forced = eos_id
+    if forced is not None:
+        out = np.full(V, -np.inf)
+        out[forced] = 0.0 if hf else log_softmax(x)[forced]
+        return out
+    if hf:
+        x = log_softmax(x)
+    if repetition_penalty != 1.0:
+        for tok in set(sequence):
+            x[tok] = x[tok] * repetition_penalty if x[tok] < 0 else x[tok] / repetition_penalty
+    n = no_repeat_ngram_size
+    if n > 0:
+        seq = list(sequence)
+        tail = seq[len(seq) - n + 1 :] if n > 1 else []
+        for i in range(len(seq) - n + 1):
+            if seq[i : i + n - 1] == tail:
+                x[seq[i + n - 1]] = -np.inf
+    for tok in banned_ids:
+        x[tok] = -np.inf
+    if t < min_new:
+        x[eos_id] = -np.inf
+    if hf:
+        return log_softmax(x) if renormalize_logits else x
+    return log_softmax(x)
 
 
 def loop_beam_search(
@@ -26,16 +80,29 @@ def loop_beam_search(
     length_penalty: str = "gnmt",
     alpha: float = 0.6,
     cache_len=None,
+    decoder_start_id=None,
+    target_prefix=None,
+    banned_ids=(),
+    repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    force_eos_at_budget=False,
+    early_stopping=None,
+    renormalize_logits=False,
 ):
     # The tests call it with valid arguments only: no argument checks here.
     ids, lengths = np.asarray(input_ids, dtype=np.int64), np.asarray(src_lengths, dtype=np.int64)
     B, K = ids.shape[0], int(beam_size)
     max_new = np.broadcast_to(np.asarray(max_new_tokens, dtype=np.int64), (B,))
     min_new = np.broadcast_to(np.asarray(min_new_tokens, dtype=np.int64), (B,))
+    hf = length_penalty == "hf"
+    early_stopping = False if early_stopping is None else early_stopping
+    start = bos_id if decoder_start_id is None else decoder_start_id
+    prefixes = [[] for _ in range(B)] if target_prefix is None else [list(p) for p in target_prefix]
+    keep = K if hf else n_best
     steps = int(max_new.max())
     results = [[] for _ in range(B)]
     if steps == 0:
-        return [[Hypothesis([], 0.0, 0.0, False)] for _ in range(B)]
+        return [[Hypothesis([], 0.0, 0.0, False, [])] for _ in range(B)]
     cache_len = steps if cache_len is None else cache_len
 
     def penalty(length: int) -> float:
@@ -48,11 +115,12 @@ def loop_beam_search(
     beam_scores = np.full((B, K), -np.inf, dtype=np.float64)
     beam_scores[:, 0] = 0.0
     history = np.zeros((N, 0), dtype=np.int64)  # generated tokens of every open beam
+    history_lp = np.zeros((N, 0))  # and their log-probabilities
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     done = max_new == 0
     for b in np.flatnonzero(done):
-        results[b] = [Hypothesis([], 0.0, 0.0, False)]
-    tokens = np.full(N, bos_id, dtype=np.int64)
+        results[b] = [Hypothesis([], 0.0, 0.0, False, [])]
+    tokens = np.full(N, start, dtype=np.int64)
     identity = np.arange(N, dtype=np.int64)
 
     for t in range(steps):
@@ -60,18 +128,33 @@ def loop_beam_search(
         if logits.ndim != 2 or logits.shape[0] != N:
             raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
         V = logits.shape[1]
-        suppress = t < min_new  # [B]: EOS masked before the softmax, the rest renormalised
-        if suppress.any():
-            logits = np.array(logits, dtype=np.float32, copy=True).reshape(B, K, V)
-            logits[suppress, :, eos_id] = -np.inf
-            logits = logits.reshape(N, V)
-        logp = log_softmax(logits).reshape(B, K, V)
+        logp = np.stack(
+            [
+                row_log_probs(
+                    logits[r],
+                    [start] + history[r].tolist(),
+                    t,
+                    eos_id=eos_id,
+                    prefix=prefixes[r // K],
+                    max_new=int(max_new[r // K]),
+                    min_new=int(min_new[r // K]),
+                    banned_ids=banned_ids,
+                    repetition_penalty=repetition_penalty,
+                    no_repeat_ngram_size=no_repeat_ngram_size,
+                    force_eos_at_budget=force_eos_at_budget,
+                    hf=hf,
+                    renormalize_logits=renormalize_logits,
+                )
+                for r in range(N)
+            ]
+        ).reshape(B, K, V)
         cand = (beam_scores[:, :, None] + logp).reshape(B, K * V)  # [B, K*V]
         n_cand = min(2 * K, K * V)
         top = np.argpartition(-cand, n_cand - 1, axis=1)[:, :n_cand]  # [B, 2K], unordered
 
         beam_index = identity.copy()
         new_tokens = np.full(N, eos_id, dtype=np.int64)
+        new_lp = np.zeros(N)
         new_scores = np.full((B, K), -np.inf, dtype=np.float64)
         length = t + 1  # generated tokens after this step, the candidate included
         for b in range(B):
@@ -83,17 +166,23 @@ def loop_beam_search(
                 score = cand[b, flat]
                 beam, tok = divmod(int(flat), V)
                 row = b * K + beam
+                token_lp = float(logp[b, beam, tok])
                 if tok == eos_id:
                     if rank < K and np.isfinite(score):
                         finished[b].append(
                             Hypothesis(
-                                history[row].tolist(), float(score) / penalty(length), float(score), True
+                                history[row].tolist(),
+                                float(score) / penalty(length),
+                                float(score),
+                                True,
+                                history_lp[row].tolist() + [token_lp],
                             )
                         )
                     continue
                 if n_open < K:
                     beam_index[b * K + n_open] = row
                     new_tokens[b * K + n_open] = tok
+                    new_lp[b * K + n_open] = token_lp
                     new_scores[b, n_open] = score
                     n_open += 1
                 if n_open == K and rank >= K:
@@ -102,10 +191,18 @@ def loop_beam_search(
             at_budget = length >= max_new[b]
             finished[b].sort(key=lambda h: h.score, reverse=True)
             best_open = np.max(new_scores[b])
-            if not at_budget and len(finished[b]) >= n_best:
-                bound = best_open / penalty(int(max_new[b])) if np.isfinite(best_open) else -np.inf
-                if bound <= finished[b][n_best - 1].score:
+            if not at_budget and len(finished[b]) >= keep:
+                if hf and early_stopping is True:
                     done[b] = True
+                else:
+                    if hf:
+                        horizon = int(max_new[b]) if early_stopping == "never" and alpha > 0 else length
+                        divisor = float(horizon) ** alpha
+                    else:
+                        divisor = penalty(int(max_new[b]))
+                    bound = best_open / divisor if np.isfinite(best_open) else -np.inf
+                    if bound <= finished[b][keep - 1].score:
+                        done[b] = True
             if not np.isfinite(best_open) and finished[b]:
                 done[b] = True  # every continuation is impossible (-inf)
             if at_budget:
@@ -113,8 +210,9 @@ def loop_beam_search(
                     if np.isfinite(new_scores[b, k]):
                         row = beam_index[b * K + k]
                         toks = history[row].tolist() + [int(new_tokens[b * K + k])]
+                        lps = history_lp[row].tolist() + [float(new_lp[b * K + k])]
                         s = float(new_scores[b, k])
-                        finished[b].append(Hypothesis(toks, s / penalty(length), s, False))
+                        finished[b].append(Hypothesis(toks, s / penalty(length), s, False, lps))
                 done[b] = True
             if done[b]:
                 finished[b].sort(key=lambda h: h.score, reverse=True)
@@ -126,6 +224,7 @@ def loop_beam_search(
             break
         beam_scores = new_scores
         history = np.concatenate([history[beam_index], new_tokens[:, None]], axis=1)
+        history_lp = np.concatenate([history_lp[beam_index], new_lp[:, None]], axis=1)
         if not np.array_equal(beam_index, identity):
             runner.reorder(state, beam_index)
         tokens = new_tokens
@@ -133,5 +232,5 @@ def loop_beam_search(
     for b in range(B):
         if not results[b]:  # only reachable if every candidate was -inf throughout
             finished[b].sort(key=lambda h: h.score, reverse=True)
-            results[b] = finished[b][:n_best] or [Hypothesis([], -math.inf, -math.inf, False)]
+            results[b] = finished[b][:n_best] or [Hypothesis([], -math.inf, -math.inf, False, [])]
     return results

@@ -3,6 +3,8 @@ random runners, and its top-k helper against a full sort."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from beam_reference import loop_beam_search
@@ -39,13 +41,17 @@ def run_both(V, fn, B, **kwargs):
 
 def assert_same(got, want):
     assert len(got) == len(want)
-    for g_hyps, w_hyps in zip(got, want):
+    for g_hyps, w_hyps in zip(got, want, strict=True):
         assert [h.tokens for h in g_hyps] == [h.tokens for h in w_hyps]
         assert [h.finished for h in g_hyps] == [h.finished for h in w_hyps]
         np.testing.assert_allclose([h.score for h in g_hyps], [h.score for h in w_hyps], rtol=1e-6, atol=1e-9)
         np.testing.assert_allclose(
             [h.log_prob for h in g_hyps], [h.log_prob for h in w_hyps], rtol=1e-6, atol=1e-9
         )
+        for g, w in zip(g_hyps, w_hyps, strict=True):
+            np.testing.assert_allclose(g.token_log_probs, w.token_log_probs, rtol=1e-6, atol=1e-9)
+            if math.isfinite(g.log_prob):  # -inf: no possible hypothesis (the fallback has no tokens)
+                assert math.isclose(sum(g.token_log_probs), g.log_prob, rel_tol=1e-9, abs_tol=1e-9)
 
 
 @settings(max_examples=60, deadline=None)
@@ -64,6 +70,9 @@ def test_vectorised_beam_equals_loop_beam(V, B, K, data, seed, sharp, p_masked, 
     max_new = np.array(data.draw(st.lists(st.integers(0, 7), min_size=B, max_size=B)))
     min_new = np.array(data.draw(st.lists(st.integers(0, 4), min_size=B, max_size=B)))
     fn = masked_random_fn(V, seed, sharp, p_masked)
+    extra = {}
+    if kind == "hf":
+        extra["early_stopping"] = data.draw(st.sampled_from(decoding.EARLY_STOPPING))
     got, want, runners = run_both(
         V,
         fn,
@@ -74,9 +83,74 @@ def test_vectorised_beam_equals_loop_beam(V, B, K, data, seed, sharp, p_masked, 
         min_new_tokens=min_new,
         length_penalty=kind,
         alpha=0.7,
+        **extra,
     )
     assert_same(got, want)
     assert runners[0].steps == runners[1].steps  # the same early stops
+
+
+def draw_options(data, V, B, max_new, hf):
+    """Random processor options: a ragged prefix of non-EOS tokens, banned ids, a repetition
+    penalty, an n-gram size, a start token, the forced EOS (and transformers' rules)."""
+    tokens = [i for i in range(V) if i != 2]  # 2 is the EOS of these tests
+    prefix = [data.draw(st.lists(st.sampled_from(tokens), max_size=min(int(m), 3))) for m in max_new]
+    options = dict(
+        decoder_start_id=data.draw(st.sampled_from([None, 0, V - 1])),
+        target_prefix=data.draw(st.sampled_from([None, prefix])),
+        banned_ids=data.draw(st.lists(st.sampled_from(tokens), max_size=2, unique=True)),
+        repetition_penalty=data.draw(st.sampled_from([1.0, 0.7, 1.6])),
+        no_repeat_ngram_size=data.draw(st.sampled_from([0, 1, 2, 3])),
+        force_eos_at_budget=data.draw(st.booleans()),
+    )
+    if hf:
+        options["early_stopping"] = data.draw(st.sampled_from(decoding.EARLY_STOPPING))
+        options["renormalize_logits"] = data.draw(st.booleans())
+    return options
+
+
+def shifted(fn, offset):
+    """Logits with positive entries too (the repetition penalty divides those)."""
+    return lambda src, prefix: fn(src, prefix) + offset
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    V=st.sampled_from([4, 9, 40, 1100]),
+    B=st.integers(1, 3),
+    K=st.integers(1, 4),
+    data=st.data(),
+    seed=st.integers(0, 10_000),
+    p_masked=st.sampled_from([0.0, 0.3]),
+    kind=st.sampled_from(["gnmt", "average", "hf"]),
+)
+def test_vectorised_beam_with_processors_equals_loop_beam(V, B, K, data, seed, p_masked, kind):
+    n_best = data.draw(st.integers(1, K))
+    max_new = np.array(data.draw(st.lists(st.integers(0, 7), min_size=B, max_size=B)))
+    min_new = np.array(data.draw(st.lists(st.integers(0, 4), min_size=B, max_size=B)))
+    options = draw_options(data, V, B, max_new, kind == "hf")
+    fn = shifted(masked_random_fn(V, seed, 1.5, p_masked), 1.0)
+    alpha = data.draw(st.sampled_from([0.7, 1.0, -0.5])) if kind == "hf" else 0.7
+    got, want, runners = run_both(
+        V,
+        fn,
+        B,
+        beam_size=K,
+        n_best=n_best,
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        length_penalty=kind,
+        alpha=alpha,
+        **options,
+    )
+    assert_same(got, want)
+    assert runners[0].steps == runners[1].steps
+    prefix = options["target_prefix"]
+    for b, hyps in enumerate(got):
+        n_forced = 0 if prefix is None else len(prefix[b])
+        for h in hyps:
+            if n_forced and math.isfinite(h.log_prob):
+                assert h.tokens[:n_forced] == list(prefix[b])
+            assert not set(h.tokens[n_forced:]) & set(options["banned_ids"])  # a prefix may hold them
 
 
 @pytest.mark.parametrize("V", [1000, 1024, 1025, 1087, 8000])

@@ -16,8 +16,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
-from transformer_ext import ops
+from transformer_ext import cpu_features, ops, reference
+from transformer_ext import train as train_mod
+from transformer_ext.checkpoint import load_model
+from transformer_ext.training import TrainingError, TrainOptions, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,3 +93,153 @@ def test_linear_bfloat16_widening_kernel_without_the_dot_product_instruction():
     env = {**os.environ, "TRANSFORMER_EXT_CPU_BF16_DOT": "0", "PYTHONPATH": ROOT}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+# --------------------------------------------------------------------------- detection stand-ins
+NATIVE = cpu_features.bf16_support(
+    cpu_features.CpuFlags(
+        "x86", "AMD EPYC 9R14", frozenset({"avx2", "avx512f", "avx512_bf16"}), "/proc/cpuinfo"
+    )
+)
+NOT_NATIVE = cpu_features.bf16_support(
+    cpu_features.CpuFlags("x86", "AMD EPYC 7B12", frozenset({"avx2", "fma"}), "/proc/cpuinfo")
+)
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """bfloat16 counted as native whatever this CPU has (correct everywhere, slow where emulated)."""
+    monkeypatch.setattr(cpu_features, "bf16_support", lambda flags=None: NATIVE)
+
+
+@pytest.fixture
+def not_native(monkeypatch):
+    monkeypatch.setattr(cpu_features, "bf16_support", lambda flags=None: NOT_NATIVE)
+    monkeypatch.setattr(
+        cpu_features,
+        "matmul_rates",
+        lambda dtypes, **kw: {d: (171.0 if d == "float32" else 1.5) for d in dtypes},
+    )
+
+
+# --------------------------------------------------------------------------- attention under autocast
+def _qkv(B=2, H=2, Q=5, K=7, D=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, T, D, generator=g, dtype=torch.float64).to(dtype) for T in (Q, K, K)]
+
+
+def test_attention_under_autocast_runs_in_the_autocast_dtype():
+    q, k, v = _qkv()
+    lengths = torch.tensor([7, 4])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ops.attention(q, k, v, key_lengths=lengths, causal=True)
+    assert out.dtype == torch.bfloat16
+    # exactly the op on the cast inputs: the cast is the only thing autocast adds
+    same = ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), key_lengths=lengths, causal=True)
+    assert torch.equal(out, same)
+    # float64 is left alone by autocast, as torch's own autocast ops leave it
+    q64, k64, v64 = _qkv(dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ops.attention(q64, k64, v64).dtype == torch.float64
+
+
+def test_attention_backward_under_autocast_against_float64():
+    q, k, v = (t.requires_grad_() for t in _qkv(seed=1))
+    lengths = torch.tensor([7, 3])
+    g = torch.Generator().manual_seed(2)
+    grad = torch.randn(2, 2, 5, 16, generator=g, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ops.attention(q, k, v, key_lengths=lengths)
+    out.backward(grad.to(out.dtype))
+    assert q.grad.dtype == torch.float32  # gradients reach the float32 inputs in float32
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = reference.attention(*leaves, key_lengths=lengths)
+    want.backward(grad)
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    plain = reference.attention(*low, key_lengths=lengths)  # plain PyTorch in bfloat16
+    plain.backward(grad.bfloat16())
+    assert _max_err(out, want) <= 2 * _max_err(plain, want)
+    for ours_leaf, want_leaf, plain_leaf in zip((q, k, v), leaves, low):
+        assert _max_err(ours_leaf.grad, want_leaf.grad) <= 2 * _max_err(plain_leaf.grad, want_leaf.grad)
+
+
+# --------------------------------------------------------------------------- training --amp bf16
+TINY = dict(
+    preset="tiny",
+    range_low=0,
+    range_high=99,
+    max_tokens=400,
+    warmup=10,
+    lr_factor=2.0,
+    dropout=0.1,
+    max_steps=24,
+    eval_every=12,
+    eval_examples=4,
+    final_eval=False,
+    progress=False,
+    log_every=0,
+    threads=1,
+    oversample=(),
+)
+LOSS_RTOL = 0.03  # bfloat16 products vs float32 on the same batches: measured within 0.5% here
+
+
+def _tiny(tmp_path, name, **kw) -> TrainOptions:
+    return TrainOptions(out_dir=str(tmp_path / name), **{**TINY, **kw})
+
+
+@pytest.fixture(scope="module")
+def float32_run(tmp_path_factory):
+    """The tiny run in float32, uninterrupted: the oracle of the bfloat16 runs."""
+    return train(_tiny(tmp_path_factory.mktemp("f32"), "run"))
+
+
+def _float_dtypes(path) -> set:
+    return {t.dtype for t in load_file(str(path)).values() if t.is_floating_point()}
+
+
+def test_amp_bf16_on_a_cpu_without_native_bfloat16_is_refused_before_anything_is_written(
+    tmp_path, not_native
+):
+    with pytest.raises(TrainingError) as info:
+        train(_tiny(tmp_path, "run", amp="bf16"))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("--amp bf16 needs")
+    assert "avx512_bf16 or amx_bf16" in message and "AMD EPYC 7B12" in message
+    assert "1.5 GFLOP/s vs 171.0" in message and "114x slower" in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_amp_fp16_on_the_cpu_is_refused(tmp_path, native, capsys):
+    with pytest.raises(TrainingError, match=r"^--amp fp16 is CUDA only \(measured here: .* GFLOP/s"):
+        train(_tiny(tmp_path, "run", amp="fp16"))
+    assert not (tmp_path / "run").exists()
+    code = train_mod.main(
+        ["--out", str(tmp_path / "cli"), "--preset", "tiny", "--amp", "fp16", "--threads", "1"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "--amp fp16 is CUDA only" in err[0]
+    assert not (tmp_path / "cli").exists()
+
+
+def test_amp_bf16_trains_with_float32_weights_state_and_checkpoints(tmp_path, native, float32_run):
+    result = train(_tiny(tmp_path, "run", amp="bf16"))
+    assert len(result.losses) == len(float32_run.losses) == TINY["max_steps"]
+    for step, (low, full) in enumerate(zip(result.losses, float32_run.losses), start=1):
+        assert low == pytest.approx(full, rel=LOSS_RTOL), step
+    last = tmp_path / "run" / "last"
+    assert _float_dtypes(last / "model.safetensors") == {torch.float32}
+    assert _float_dtypes(last / "training_state.safetensors") == {torch.float32}  # Adam moments included
+    model = load_model(last)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("first, then", [(None, "bf16"), ("bf16", None)])
+def test_resume_across_precisions(tmp_path, native, float32_run, first, then):
+    half = TINY["max_steps"] // 2
+    train(_tiny(tmp_path, "run", amp=first, max_steps=half))
+    resumed = train(_tiny(tmp_path, "run", amp=then, resume=True))
+    assert resumed.first_step == half + 1 and resumed.step == TINY["max_steps"]
+    for low, full in zip(resumed.losses, float32_run.losses[half:]):
+        assert low == pytest.approx(full, rel=LOSS_RTOL)
+    assert _float_dtypes(tmp_path / "run" / "last" / "model.safetensors") == {torch.float32}

@@ -486,3 +486,38 @@ def test_quantize_cli_int4(tiny_float, tmp_path, capsys):
     q = manifest_quantization(read_manifest(out))
     assert (q["scheme"], q["block_size"], q["symmetric"]) == ("int4", 16, True)
     shutil.rmtree(out)
+
+
+def test_a_cpu_without_the_exporting_cpus_kernels_gets_a_warning(
+    tiny_float, tmp_path_factory, monkeypatch, caplog
+):
+    """Loaded on a CPU that lacks kernel-deciding flags the exporting CPU had (here: one with
+    AVX2 only), the runner says which and still runs (ONNX Runtime falls back itself); on the
+    exporting CPU, or for a float32 export, it says nothing."""
+    import logging
+
+    from transformer_ext import cpu_features
+    from transformer_ext.cpu_features import CpuFlags
+    from transformer_ext.export_format import quantization_cpu_warning
+    from transformer_ext.runtimes import OrtRunner
+
+    folder = _quantized(tiny_float, tmp_path_factory, "int4")
+    manifest = read_manifest(folder)
+    assert quantization_cpu_warning(manifest, folder) is None  # the CPU it was made on
+    assert quantization_cpu_warning(read_manifest(tiny_float)) is None
+    edited = dict(manifest, quantization=dict(manifest["quantization"]))
+    edited["quantization"]["cpu"] = dict(
+        edited["quantization"]["cpu"], isa=["avx2", "avx512f", "avx512_vnni"]
+    )
+    avx2_only = CpuFlags("x86", "an AVX2 CPU", frozenset({"avx2", "fma"}), "test")
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: avx2_only)
+    message = quantization_cpu_warning(edited, "E")
+    assert message.startswith(
+        "E: its int4 graphs were exported and gated on a CPU with avx512f, avx512_vnni,"
+    )
+    assert "an AVX2 CPU" in message and "float32 where no int8 kernel exists" in message
+    if "avx512f" in manifest["quantization"]["cpu"]["isa"]:  # this machine's export, read on the AVX2 CPU
+        with caplog.at_level(logging.WARNING, logger="transformer_ext.runtimes.ort"):
+            runner = OrtRunner(folder, intra_op_num_threads=1)
+        assert any("avx512f" in r.getMessage() and "lacks" in r.getMessage() for r in caplog.records)
+        assert runner.greedy(np.array([[5, 6, 7]]), np.array([3]), max_new_tokens=3)

@@ -1,24 +1,38 @@
-"""Greedy and beam search, written once against a small runner protocol.
+"""Greedy, sampling and beam search, written once against a small runner protocol.
 
 This module imports only numpy: the ONNX Runtime runner must work without torch. A backend
 (eager PyTorch, ONNX Runtime, TensorRT, a test double) implements :class:`Runner`; the search
-never knows which one it drives.
+never knows which one it drives. :func:`generate` is the one entry point for every setting
+(greedy, sampling, beam search; always :class:`Hypothesis` lists); :func:`greedy_decode` and
+:func:`beam_search` are the two searches behind it; :func:`score` is forced decoding (the
+log-probabilities of given targets).
 
 Conventions:
 
-* Every returned token list excludes BOS and EOS.
+* The decoder is fed the start token first: ``decoder_start_id``, which defaults to
+  ``bos_id`` (Marian starts with ``<pad>``, M2M100 / NLLB with ``</s>``). Every returned token
+  list excludes the start token and the EOS; it includes the ``target_prefix`` tokens.
 * ``max_new_tokens`` counts generated tokens, EOS included (a row that emits EOS as its
   ``max_new_tokens``-th token has ``max_new_tokens - 1`` tokens). It may be an int or one value
-  per source (e.g. from :func:`max_new_tokens_for`).
-* ``min_new_tokens``: EOS is suppressed while fewer tokens than that have been generated: its
-  logit is set to -inf before the softmax, so the other tokens' probabilities are renormalised
-  over the vocabulary without EOS (as CTranslate2's ``min_decoding_length`` does). Beam scores
-  and ``Hypothesis.log_prob`` are sums of these renormalised log-probabilities; greedy picks the
-  same token either way.
+  per source (e.g. from :func:`max_new_tokens_for`). Prefix tokens count as generated tokens.
+* Logit processors, applied at every step in this order to every search (the step's
+  distribution before the choice): ``repetition_penalty`` (the logit ``l`` of a token already
+  in the row's sequence, start token included, becomes ``l * p`` if ``l < 0``, else ``l / p``),
+  ``no_repeat_ngram_size`` n (a token that would complete an n-gram already in the sequence is
+  banned), ``banned_ids`` (never generated), ``min_new_tokens`` (EOS banned while fewer tokens
+  than that have been generated), then the forced tokens: ``target_prefix`` (row b's first
+  ``len(target_prefix[b])`` tokens are given), and with ``force_eos_at_budget`` the EOS as the
+  last token a row's budget allows. A banned token's logit is -inf *before* the softmax, so
+  the other tokens' probabilities are renormalised (as CTranslate2 does); a forced token keeps
+  the log-probability the model gives it (so that :func:`score` of a result gives its log-prob).
+  With ``length_penalty="hf"`` the beam search follows transformers' ``generate()`` instead
+  (the processors act on the log-probabilities, nothing is renormalised, a forced token scores
+  0: see :func:`beam_search`).
 * Length penalties (:func:`length_penalty_factor`) divide a hypothesis' log-probability by a
   function of its length, which counts the generated tokens with the EOS (when it has one).
-* The runner's self-attention cache must hold every fed token: the decoder feeds BOS and then
-  all generated tokens but the last, so ``cache_len`` defaults to ``max(max_new_tokens)``.
+* The runner's self-attention cache must hold every fed token: the decoder feeds the start
+  token and then all generated tokens but the last, so ``cache_len`` defaults to
+  ``max(max_new_tokens)``.
 
 The checks every runner makes on its arguments live here, once, so that every backend refuses
 the same input with the same message (naming the argument, and for ids the row and value):
@@ -42,9 +56,11 @@ __all__ = [
     "Runner",
     "SearchMethods",
     "Hypothesis",
+    "generate",
     "greedy_decode",
     "greedy_advance",
     "beam_search",
+    "score",
     "max_new_tokens_for",
     "length_penalty_factor",
     "log_softmax",
@@ -55,11 +71,14 @@ __all__ = [
     "check_beam_index",
     "as_int64",
     "LENGTH_PENALTIES",
+    "EARLY_STOPPING",
 ]
 
 IntOrArray = Union[int, Sequence[int], np.ndarray]
 
-LENGTH_PENALTIES = ("gnmt", "seed", "average", "none")
+LENGTH_PENALTIES = ("gnmt", "seed", "average", "none", "hf")
+# transformers' ``early_stopping`` values, for ``length_penalty="hf"`` (see :func:`beam_search`).
+EARLY_STOPPING = (False, True, "never")
 
 
 @runtime_checkable
@@ -170,21 +189,25 @@ def check_beam_index(beam_index: Any, num_rows: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Hypothesis:
-    """One beam search result.
+    """One search result.
 
-    ``tokens``: generated ids without BOS/EOS. ``log_prob``: sum of the log-probabilities of
-    every generated token, the EOS included when the hypothesis finished with one (at steps
-    before ``min_new_tokens``, of the distribution renormalised without EOS).
-    ``score``: ``log_prob / length_penalty_factor(...)``, what the n-best list is sorted by.
+    ``tokens``: generated ids without the start token and EOS (prefix tokens included).
+    ``log_prob``: sum of the log-probabilities of every generated token, the EOS included when
+    the hypothesis finished with one (of the distributions after the logit processors: see the
+    module docstring). ``score``: ``log_prob / length_penalty_factor(...)`` for beam search,
+    what the n-best list is sorted by; ``log_prob`` for greedy decoding and sampling.
     ``finished``: False for a hypothesis cut off at ``max_new_tokens`` without EOS.
-    Greedy decoding computes no probabilities: the translator's greedy hypotheses have
-    ``score`` and ``log_prob`` ``None``.
+    ``token_log_probs``: the log-probability of each token (the EOS's last, when finished), whose
+    sum is ``log_prob``. A greedy search run without ``return_scores`` computes no probabilities:
+    its hypotheses (as the translator builds them) have ``score``, ``log_prob`` and
+    ``token_log_probs`` ``None``.
     """
 
     tokens: list[int]
     score: Optional[float]
     log_prob: Optional[float]
     finished: bool = True
+    token_log_probs: Optional[list[float]] = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -216,12 +239,15 @@ def length_penalty_factor(length: int, kind: str = "gnmt", alpha: float = 0.6) -
     ``length_penalty`` is too when it runs with ``return_end_token=True`` (by default it
     leaves the EOS out of the length, so finished hypotheses there are divided by n ** alpha).
     ``"none"``: 1.
+    ``"hf"``: ``length ** alpha``, the divisor of transformers' beam search (its
+    ``length_penalty`` is ``alpha``, which may be negative there); the kind also selects
+    transformers' search rules in :func:`beam_search`.
     """
     if kind == "gnmt":
         return ((5.0 + length) / 6.0) ** alpha
     if kind == "seed":
         return ((5.0 + length + 1) / 5.0) ** alpha
-    if kind == "average":
+    if kind in ("average", "hf"):
         return float(length) ** alpha
     if kind == "none":
         return 1.0
@@ -350,7 +376,329 @@ def _check_cache_len(cache_len: int | None, steps: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------
-# greedy
+# search options and the logit processors every search applies
+# ------------------------------------------------------------------------------------------
+
+
+def _check_token_id(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a token id (an int >= 0), got {value!r}")
+    return int(value)
+
+
+def _check_real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def _check_int_list(name: str, value: Any) -> np.ndarray:
+    """``value`` (a list or 1-D array of ints >= 0, ``None`` or empty) as int64."""
+    if value is None:
+        return np.zeros(0, dtype=np.int64)
+    if isinstance(value, (str, bytes)) or isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a list of token ids, got {value!r}")
+    items = list(value)
+    if not items:
+        return np.zeros(0, dtype=np.int64)
+    for i, v in enumerate(items):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name}[{i}] must be a token id (an int), got {v!r}")
+        if v < 0:
+            raise ValueError(f"{name}[{i}] = {int(v)} is not a token id (ids are >= 0)")
+    return np.asarray(items, dtype=np.int64)
+
+
+def _check_in_vocab(name: str, ids: np.ndarray, vocab_size: int) -> None:
+    """Every entry of the 1-D ``ids`` (named ``name[i]`` in the error) is below ``vocab_size``."""
+    bad = np.flatnonzero(ids >= vocab_size)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"{name}[{i}] = {int(ids[i])} is not a target token id: the target vocabulary has ids "
+            f"0 .. {vocab_size - 1}"
+        )
+
+
+def _check_prefixes(target_prefix: Any, n_sources: int, max_new: np.ndarray, eos_id: int) -> list[np.ndarray]:
+    """One int64 array per source: the tokens forced first (empty without a prefix)."""
+    if target_prefix is None:
+        return [np.zeros(0, dtype=np.int64)] * n_sources
+    if isinstance(target_prefix, (str, bytes)) or not hasattr(target_prefix, "__len__"):
+        raise TypeError(
+            f"target_prefix must be a list holding one list of token ids per source, got {target_prefix!r}"
+        )
+    if len(target_prefix) != n_sources:
+        raise ValueError(
+            f"target_prefix must hold one token list per source ({n_sources}), got {len(target_prefix)}"
+        )
+    out = []
+    for b, prefix in enumerate(target_prefix):
+        arr = _check_int_list(f"target_prefix[{b}]", prefix)
+        at_eos = np.flatnonzero(arr == eos_id)
+        if at_eos.size:
+            raise ValueError(
+                f"target_prefix[{b}][{int(at_eos[0])}] is the EOS id {eos_id}: a prefix is what comes "
+                "before the end of the translation"
+            )
+        if len(arr) > max_new[b]:
+            raise ValueError(
+                f"target_prefix[{b}] has {len(arr)} tokens, more than the maximum length of that source "
+                f"({int(max_new[b])} generated tokens, max_new_tokens): shorten the prefix or allow longer outputs"
+            )
+        out.append(arr)
+    return out
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The checked logit-processor options of one search (see the module docstring)."""
+
+    start_id: int
+    banned: np.ndarray
+    repetition_penalty: float
+    no_repeat_ngram_size: int
+    force_eos_at_budget: bool
+
+
+def _check_options(
+    *,
+    bos_id: Any,
+    eos_id: Any,
+    decoder_start_id: Any,
+    banned_ids: Any,
+    repetition_penalty: Any,
+    no_repeat_ngram_size: Any,
+    force_eos_at_budget: Any,
+) -> _Options:
+    _check_token_id("bos_id", bos_id)
+    eos_id = _check_token_id("eos_id", eos_id)
+    start = bos_id if decoder_start_id is None else decoder_start_id
+    start = _check_token_id("decoder_start_id" if decoder_start_id is not None else "bos_id", start)
+    banned = np.unique(_check_int_list("banned_ids", banned_ids))
+    if (banned == eos_id).any():
+        raise ValueError(
+            f"banned_ids holds the EOS id {eos_id}: a search that may never end is not defined "
+            "(limit the length with max_new_tokens / min_new_tokens instead)"
+        )
+    penalty = _check_real("repetition_penalty", repetition_penalty)
+    if penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1 = no penalty), got {penalty}")
+    ngram = no_repeat_ngram_size
+    if isinstance(ngram, bool) or not isinstance(ngram, (int, np.integer)) or ngram < 0:
+        raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0 = off), got {ngram!r}")
+    if not isinstance(force_eos_at_budget, (bool, np.bool_)):
+        raise TypeError(f"force_eos_at_budget must be a bool, got {force_eos_at_budget!r}")
+    return _Options(start, banned, penalty, int(ngram), bool(force_eos_at_budget))
+
+
+class _Processors:
+    """The logit processors of one search over ``N = n_sources * rows_per_source`` rows (the
+    rows of a source are consecutive): what happens to a step's ``[N, V]`` scores before a
+    token is chosen. Everything is vectorised over the rows."""
+
+    def __init__(
+        self,
+        options: _Options,
+        *,
+        eos_id: int,
+        rows_per_source: int,
+        min_new: np.ndarray,
+        max_new: np.ndarray,
+        prefixes: list[np.ndarray],
+    ):
+        R = rows_per_source
+        self.o = options
+        self.eos_id = eos_id
+        self.min_new = np.repeat(min_new, R)
+        self.max_new = np.repeat(max_new, R)
+        plen = np.array([len(p) for p in prefixes], dtype=np.int64)
+        table = np.full((len(prefixes), max(1, int(plen.max(initial=0)))), -1, dtype=np.int64)
+        for b, p in enumerate(prefixes):
+            table[b, : len(p)] = p
+        self.prefix = np.repeat(table, R, axis=0)
+        self.prefix_len = np.repeat(plen, R)
+        self.prefixes = prefixes
+        self.needs_sequence = options.repetition_penalty != 1.0 or options.no_repeat_ngram_size > 0
+
+    def check_vocab(self, V: int) -> None:
+        """The ids the options name must be target token ids (known at the first step)."""
+        _check_in_vocab("banned_ids", self.o.banned, V)
+        for b, p in enumerate(self.prefixes):
+            _check_in_vocab(f"target_prefix[{b}]", p, V)
+        if self.o.start_id >= V:
+            raise ValueError(
+                f"the decoder start id {self.o.start_id} is not a target token id: the target vocabulary "
+                f"has ids 0 .. {V - 1}"
+            )
+
+    def forced(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, tokens)`` forced at step ``t``: prefix tokens, then the EOS at a row's budget."""
+        rows = np.flatnonzero(t < self.prefix_len)
+        tokens = self.prefix[rows, t] if rows.size else np.zeros(0, dtype=np.int64)
+        if self.o.force_eos_at_budget:
+            at_end = np.flatnonzero((t == self.max_new - 1) & (t >= self.prefix_len))
+            if at_end.size:
+                rows = np.concatenate([rows, at_end])
+                tokens = np.concatenate([tokens, np.full(at_end.size, self.eos_id, dtype=np.int64)])
+        return rows, tokens
+
+    def active(self, t: int) -> bool:
+        """Whether :meth:`apply` changes anything at step ``t``."""
+        o = self.o
+        return bool(
+            self.needs_sequence
+            or o.banned.size
+            or (t < self.min_new).any()
+            or (t < self.prefix_len).any()
+            or (o.force_eos_at_budget and (t == self.max_new - 1).any())
+        )
+
+    def apply(
+        self, y: np.ndarray, t: int, sequence: Optional[np.ndarray], raw: np.ndarray, *, log_probs: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The processors on ``y`` (float32 ``[N, V]``, modified in place) at step ``t``.
+
+        ``sequence``: int64 ``[N, t + 1]``, each row's fed tokens (start token first), needed by
+        the repetition penalty and the n-gram ban. A forced row keeps only its token, whose value
+        becomes 0 with ``log_probs`` (``y`` holds log-probabilities: transformers' rule), else the
+        row's raw logit from ``raw`` (the caller normalises it over the raw logits).
+        Returns the forced ``(rows, tokens)``.
+        """
+        o = self.o
+        N = y.shape[0]
+        if o.repetition_penalty != 1.0:
+            r = np.arange(N)[:, None]
+            seen = y[r, sequence]
+            y[r, sequence] = np.where(
+                seen < 0, seen * np.float32(o.repetition_penalty), seen / np.float32(o.repetition_penalty)
+            )
+        if o.no_repeat_ngram_size:
+            _ban_repeated_ngrams(y, sequence, o.no_repeat_ngram_size)
+        if o.banned.size:
+            y[:, o.banned] = -np.inf
+        suppress = t < self.min_new
+        if suppress.any():
+            y[suppress, self.eos_id] = -np.inf
+        rows, tokens = self.forced(t)
+        if rows.size:
+            keep = np.float32(0.0) if log_probs else raw[rows, tokens]
+            y[rows] = -np.inf
+            y[rows, tokens] = keep
+        return rows, tokens
+
+
+def _ban_repeated_ngrams(y: np.ndarray, sequence: np.ndarray, n: int) -> None:
+    """``y[r, tok] = -inf`` for every token that would complete an n-gram already in row r's
+    sequence (the last ``n - 1`` tokens followed by ``tok`` occurred before)."""
+    N, L = sequence.shape
+    if L < n:  # no complete n-gram yet
+        return
+    windows = np.lib.stride_tricks.sliding_window_view(sequence, n, axis=1)  # [N, L - n + 1, n]
+    last = sequence[:, L - n + 1 :]  # [N, n - 1]
+    match = (windows[:, :, :-1] == last[:, None, :]).all(axis=2)
+    r, i = np.nonzero(match)
+    y[r, windows[r, i, -1]] = -np.inf
+
+
+def _log_sum_exp(x: np.ndarray, row_max: np.ndarray) -> np.ndarray:
+    """``log(sum(exp(x)))`` per row of float32 ``x [N, V]``, with the exponentials in float32 and
+    their sum in float64; -inf for a row of only -inf."""
+    shift = np.where(np.isfinite(row_max), row_max, np.float32(0.0)).astype(np.float32)
+    scaled = np.subtract(x, shift[:, None])
+    np.exp(scaled, out=scaled)
+    sums = scaled.sum(axis=1, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        return shift.astype(np.float64) + np.log(sums)
+
+
+class _Sampler:
+    """Random sampling of one token per row: the ``topk`` most likely tokens (0: all), scaled by
+    ``1 / temperature``, then the smallest set of them, most likely first, whose probability
+    reaches ``topp``; one draw per row and step from a numpy Generator seeded once per search.
+
+    The draw is an inverse-CDF pick over the kept tokens in id order (the first token whose
+    cumulative probability exceeds ``u * total`` for ``u = rng.random()``), so the same seed and
+    the same logits give the same tokens on every runner.
+    """
+
+    def __init__(self, topk: int, topp: float, temperature: float, seed: Optional[int]):
+        self.topk, self.topp, self.temperature = topk, topp, temperature
+        self.rng = np.random.default_rng(seed)
+
+    def draw(self, y: np.ndarray, step: int) -> np.ndarray:
+        N, V = y.shape
+        u = self.rng.random(N)  # one draw per row and step, finished rows included
+        rows = np.arange(N)[:, None]
+        k = V if self.topk == 0 else min(self.topk, V)
+        if k < V:
+            cols, row_max = _row_top_k(y, k)
+            cols = np.sort(cols, axis=1)
+            z = y[rows, cols].astype(np.float64)
+        else:
+            cols = None
+            row_max = y.max(axis=1)
+            z = y.astype(np.float64)
+        _check_finite_logits(row_max, step)
+        m = np.where(np.isfinite(row_max), row_max, 0.0).astype(np.float64)
+        p = np.exp((z - m[:, None]) / self.temperature)
+        if self.topp < 1.0:
+            order = np.argsort(-p, axis=1, kind="stable")
+            ranked = np.take_along_axis(p, order, axis=1)
+            cum = np.cumsum(ranked, axis=1)
+            before = np.concatenate([np.zeros((N, 1)), cum[:, :-1]], axis=1)
+            keep_ranked = before < self.topp * cum[:, -1:]
+            keep = np.empty_like(keep_ranked)
+            np.put_along_axis(keep, order, keep_ranked, axis=1)
+            p = np.where(keep, p, 0.0)
+        cum = np.cumsum(p, axis=1)
+        pick = (cum <= (u * cum[:, -1])[:, None]).sum(axis=1)
+        last_positive = p.shape[1] - 1 - np.argmax(p[:, ::-1] > 0, axis=1)
+        pick = np.minimum(pick, last_positive)
+        chosen = cols[np.arange(N), pick] if cols is not None else pick
+        impossible = ~(cum[:, -1] > 0)  # every token banned: the first, as greedy decoding picks
+        if impossible.any():
+            chosen = np.where(impossible, np.argmax(y, axis=1), chosen)
+        return chosen.astype(np.int64)
+
+
+def _check_sampling(
+    sampling_topk: Any, sampling_topp: Any, sampling_temperature: Any, seed: Any
+) -> Optional[_Sampler]:
+    """The sampler the options ask for; ``None`` for plain greedy decoding (``sampling_topk=1``)."""
+    topk = sampling_topk
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 0:
+        raise ValueError(
+            f"sampling_topk must be an int >= 0 (1 = greedy, 0 = the whole vocabulary), got {topk!r}"
+        )
+    topp = _check_real("sampling_topp", sampling_topp)
+    if not 0.0 < topp <= 1.0:
+        raise ValueError(f"sampling_topp must be in (0, 1], got {topp}")
+    temperature = _check_real("sampling_temperature", sampling_temperature)
+    if temperature <= 0:
+        raise ValueError(f"sampling_temperature must be > 0, got {temperature}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
+    if topk == 1:
+        given = [
+            n
+            for n, v, d in (("sampling_topp", topp, 1.0), ("sampling_temperature", temperature, 1.0))
+            if v != d
+        ]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} apply to random sampling, which sampling_topk = 1 (greedy) turns off: "
+                "give sampling_topk = 0 (the whole vocabulary) or k > 1"
+            )
+        return None
+    return _Sampler(int(topk), topp, temperature, None if seed is None else int(seed))
+
+
+# ------------------------------------------------------------------------------------------
+# greedy decoding and sampling
 # ------------------------------------------------------------------------------------------
 
 
@@ -364,41 +712,135 @@ def greedy_decode(
     max_new_tokens: IntOrArray,
     min_new_tokens: IntOrArray = 0,
     cache_len: int | None = None,
-) -> list[list[int]]:
-    """Batched greedy decoding; each row stops at its EOS (not returned) or its budget.
-    A NaN or +inf logit is a RuntimeError naming the step and row.
+    decoder_start_id: Optional[int] = None,
+    target_prefix: Optional[Sequence[Sequence[int]]] = None,
+    banned_ids: Sequence[int] = (),
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
+    force_eos_at_budget: bool = False,
+    sampling_topk: int = 1,
+    sampling_topp: float = 1.0,
+    sampling_temperature: float = 1.0,
+    seed: Optional[int] = None,
+    num_hypotheses: int = 1,
+    return_scores: bool = False,
+) -> Union[list[list[int]], list[list[Hypothesis]]]:
+    """Batched greedy decoding (or random sampling); each row stops at its EOS or its budget.
 
-    Stops as soon as every row is finished. Rows that finished keep being fed EOS (their
-    outputs are ignored) so that every step is one batched call.
+    Returns the token ids of each source (``list[list[int]]``); with ``return_scores`` or
+    ``num_hypotheses > 1``, for each source a list of :class:`Hypothesis` (score = log_prob, the
+    sum of the token log-probabilities, and ``token_log_probs``), best score first.
+
+    Options (the module docstring describes the processors):
+
+    * ``decoder_start_id``: the first token fed (default ``bos_id``).
+    * ``target_prefix``: one list of token ids per source (ragged, possibly empty), forced as
+      the first generated tokens; no EOS in it, at most the source's ``max_new_tokens``.
+    * ``banned_ids``: tokens never generated (transformers' single-token ``bad_words_ids``).
+    * ``repetition_penalty`` (> 0, 1 = off), ``no_repeat_ngram_size`` (0 = off),
+      ``min_new_tokens``, ``force_eos_at_budget`` (transformers' ``forced_eos_token_id``).
+    * Sampling: ``sampling_topk`` (1: greedy, the default; 0: the whole vocabulary; k: the k
+      most likely tokens), ``sampling_topp`` in (0, 1], ``sampling_temperature`` > 0 and
+      ``seed`` (None: fresh entropy) as in :class:`_Sampler`; ``num_hypotheses`` independent
+      samples per source (several need sampling: greedy has one hypothesis). The scores are
+      log-probabilities of the processed distribution before temperature, top-k and top-p.
+
+    A NaN or +inf logit is a RuntimeError naming the step and row. Stops as soon as every row
+    is finished; finished rows keep being fed EOS (their outputs are ignored) so that every
+    step is one batched call.
     """
+    options = _check_options(
+        bos_id=bos_id,
+        eos_id=eos_id,
+        decoder_start_id=decoder_start_id,
+        banned_ids=banned_ids,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        force_eos_at_budget=force_eos_at_budget,
+    )
+    sampler = _check_sampling(sampling_topk, sampling_topp, sampling_temperature, seed)
+    n = _check_positive_int("num_hypotheses", num_hypotheses)
+    if n > 1 and sampler is None:
+        raise ValueError(
+            f"num_hypotheses = {n} needs random sampling (sampling_topk != 1) or beam search "
+            "(beam_size >= num_hypotheses): greedy decoding has a single hypothesis"
+        )
     ids, lengths = check_sources(input_ids, src_lengths)
     B = ids.shape[0]
     max_new = _per_row("max_new_tokens", max_new_tokens, B)
     min_new = _per_row("min_new_tokens", min_new_tokens, B)
+    prefixes = _check_prefixes(target_prefix, B, max_new, eos_id)
+    with_scores = bool(return_scores) or n > 1
     steps = int(max_new.max())
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    if steps == 0:
+    N = B * n
+    outputs: list[list[int]] = [[] for _ in range(N)]
+    log_probs: list[list[float]] = [[] for _ in range(N)]
+    row_budget = np.repeat(max_new, n)
+    if steps > 0:
+        cache_len = _check_cache_len(cache_len, steps)
+        procs = _Processors(
+            options, eos_id=eos_id, rows_per_source=n, min_new=min_new, max_new=max_new, prefixes=prefixes
+        )
+        state = runner.encode(ids, lengths, cache_len, n)
+        tokens = np.full(N, options.start_id, dtype=np.int64)
+        sequence = np.full((N, steps + 1), eos_id, dtype=np.int64)  # fed tokens, start token first
+        sequence[:, 0] = options.start_id
+        finished = row_budget == 0
+        rows = np.arange(N)
+        for t in range(steps):
+            logits = np.asarray(runner.step(state, tokens))
+            if logits.ndim != 2 or logits.shape[0] != N:
+                raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
+            if t == 0:
+                procs.check_vocab(logits.shape[1])
+            x = logits if logits.dtype == np.float32 else logits.astype(np.float32)
+            forced_rows = np.zeros(0, dtype=np.int64)
+            y = x
+            if procs.active(t):
+                y = np.array(x, copy=True)
+                forced_rows, forced_tokens = procs.apply(y, t, sequence[:, : t + 1], x, log_probs=False)
+            if sampler is None:
+                next_tokens = np.argmax(y, axis=-1).astype(np.int64)
+                _check_finite_logits(y[rows, next_tokens], t)  # argmax picks a NaN or +inf if there is one
+            else:
+                next_tokens = sampler.draw(y, t)
+            if forced_rows.size:  # the forced token even where the model gives it no probability
+                next_tokens[forced_rows] = forced_tokens
+            if with_scores:
+                lp = _chosen_log_probs(y, x, next_tokens, forced_rows)
+                for r in np.flatnonzero(~finished).tolist():
+                    log_probs[r].append(float(lp[r]))
+            tokens = greedy_advance(outputs, finished, next_tokens, eos_id=eos_id, max_new_tokens=row_budget)
+            sequence[:, t + 1] = tokens
+            if finished.all():
+                break
+    if not with_scores:
         return outputs
-    cache_len = _check_cache_len(cache_len, steps)
+    results = []
+    for b in range(B):
+        hyps = []
+        for r in range(b * n, (b + 1) * n):
+            total = float(sum(log_probs[r]))
+            done = len(outputs[r]) < int(row_budget[r])  # shorter than its budget: it stopped at an EOS
+            hyps.append(Hypothesis(outputs[r], total, total, done, log_probs[r]))
+        hyps.sort(key=lambda h: h.score, reverse=True)
+        results.append(hyps)
+    return results
 
-    state = runner.encode(ids, lengths, cache_len, 1)
-    tokens = np.full(B, bos_id, dtype=np.int64)
-    finished = max_new == 0
-    rows = np.arange(B)
-    for t in range(steps):
-        logits = np.asarray(runner.step(state, tokens))
-        if logits.shape[0] != B:
-            raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({B}, V)")
-        suppress = t < min_new
-        if suppress.any():
-            logits = np.array(logits, dtype=np.float32, copy=True)
-            logits[rows[suppress], eos_id] = -np.inf
-        next_tokens = np.argmax(logits, axis=-1).astype(np.int64)
-        _check_finite_logits(logits[rows, next_tokens], t)  # argmax picks a NaN or +inf if there is one
-        tokens = greedy_advance(outputs, finished, next_tokens, eos_id=eos_id, max_new_tokens=max_new)
-        if finished.all():
-            break
-    return outputs
+
+def _chosen_log_probs(
+    y: np.ndarray, raw: np.ndarray, chosen: np.ndarray, forced_rows: np.ndarray
+) -> np.ndarray:
+    """float64 log-probability of each row's chosen token under ``y``'s distribution; a forced
+    row's under the raw logits (its token kept its raw logit, see :meth:`_Processors.apply`)."""
+    rows = np.arange(y.shape[0])
+    log_z = _log_sum_exp(y, y.max(axis=1))
+    if forced_rows.size:
+        f = raw[forced_rows]
+        log_z[forced_rows] = _log_sum_exp(f, f.max(axis=1))
+    value = y[rows, chosen].astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isneginf(value), -np.inf, value - log_z)
 
 
 def greedy_advance(
@@ -486,6 +928,14 @@ def beam_search(
     length_penalty: str = "gnmt",
     alpha: float = 0.6,
     cache_len: int | None = None,
+    decoder_start_id: Optional[int] = None,
+    target_prefix: Optional[Sequence[Sequence[int]]] = None,
+    banned_ids: Sequence[int] = (),
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
+    force_eos_at_budget: bool = False,
+    early_stopping: Union[bool, str, None] = None,
+    renormalize_logits: bool = False,
 ) -> list[list[Hypothesis]]:
     """Batched beam search -> for every source its ``n_best`` hypotheses, best score first.
 
@@ -500,50 +950,100 @@ def beam_search(
     Candidates of equal score are ranked by beam, then token id.
 
     ``length_penalty``: one of :data:`LENGTH_PENALTIES` (see :func:`length_penalty_factor`),
-    with exponent ``alpha``. ``min_new_tokens``: EOS masked before the softmax (module docstring).
+    with exponent ``alpha``. The logit-processor options (``decoder_start_id``,
+    ``target_prefix``, ``banned_ids``, ``repetition_penalty``, ``no_repeat_ngram_size``,
+    ``min_new_tokens``, ``force_eos_at_budget``) are those of :func:`greedy_decode`.
+
+    ``length_penalty="hf"`` is transformers' ``generate()`` beam search (``num_beams``,
+    ``length_penalty`` = ``alpha``, ``early_stopping``), for imported models to give the tokens
+    transformers gives: the score is ``log_prob / length ** alpha`` (any finite ``alpha``); the
+    processors act on the float32 log-probabilities after the softmax (nothing renormalised
+    unless ``renormalize_logits``, transformers' option of that name; the repetition penalty
+    multiplies a seen token's log-probability; a forced token scores 0); the n-best come from
+    the best ``beam_size`` finished hypotheses, and a source stops by ``early_stopping``:
+    ``True`` once ``beam_size`` hypotheses finished; ``False`` (the default) once, in addition,
+    the best open beam's log-probability divided by ``L ** alpha`` is at most the
+    ``beam_size``-th finished score, ``L`` the number of tokens generated so far; ``"never"``
+    the same with ``L`` the maximum length when ``alpha > 0``. transformers' ``max_length``
+    counts the decoder start token (``max_new_tokens = max_length - 1``), as does its
+    ``min_length`` (``min_new_tokens = min_length - 1``); ``forced_bos_token_id`` is a
+    one-token ``target_prefix``; ``forced_eos_token_id`` is ``force_eos_at_budget``;
+    ``bad_words_ids`` of single tokens are ``banned_ids``.
 
     A step's host work is vectorised over all sources: the logits stay float32 ``[rows, V]``
     (each row's best ``2 * beam_size`` tokens found by block maxima, its log-sum-exp from one
-    float32 exponential pass summed in float64); only the ``rows x 2 * beam_size`` candidates are scored in float64. Python loops run
-    only over the hypotheses that finish. A NaN or +inf logit is a RuntimeError naming the step
-    and row (it has no log-probability).
+    float32 exponential pass summed in float64); only the ``rows x 2 * beam_size`` candidates
+    are scored in float64. Python loops run only over the hypotheses that finish. A NaN or +inf
+    logit is a RuntimeError naming the step and row (it has no log-probability).
     """
     if length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}")
+    hf = length_penalty == "hf"
     if not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
     if not isinstance(n_best, (int, np.integer)) or not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best!r}")
-    if alpha < 0 or not math.isfinite(alpha):
+    alpha = _check_real("alpha", alpha)
+    if alpha < 0 and not hf:
         raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+    if early_stopping is not None and not hf:
+        raise ValueError(
+            "early_stopping is transformers' beam-search rule: it applies with length_penalty='hf' only"
+        )
+    if early_stopping is None:
+        early_stopping = False
+    if not (early_stopping is True or early_stopping is False or early_stopping == "never"):
+        raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}")
+    if not isinstance(renormalize_logits, (bool, np.bool_)):
+        raise TypeError(f"renormalize_logits must be a bool, got {renormalize_logits!r}")
+    if renormalize_logits and not hf:
+        raise ValueError(
+            "renormalize_logits applies with length_penalty='hf' (the other kinds always renormalise)"
+        )
+    options = _check_options(
+        bos_id=bos_id,
+        eos_id=eos_id,
+        decoder_start_id=decoder_start_id,
+        banned_ids=banned_ids,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        force_eos_at_budget=force_eos_at_budget,
+    )
     ids, lengths = check_sources(input_ids, src_lengths)
     B, K = ids.shape[0], int(beam_size)
     max_new = _per_row("max_new_tokens", max_new_tokens, B)
     min_new = _per_row("min_new_tokens", min_new_tokens, B)
+    prefixes = _check_prefixes(target_prefix, B, max_new, eos_id)
     steps = int(max_new.max())
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     if steps == 0:
-        return [[Hypothesis([], 0.0, 0.0, False)] for _ in range(B)]
+        return [[Hypothesis([], 0.0, 0.0, False, [])] for _ in range(B)]
     cache_len = _check_cache_len(cache_len, steps)
 
     def penalty(length: int) -> float:
         return length_penalty_factor(length, length_penalty, alpha)
 
     N = B * K
+    procs = _Processors(
+        options, eos_id=eos_id, rows_per_source=K, min_new=min_new, max_new=max_new, prefixes=prefixes
+    )
     state = runner.encode(ids, lengths, cache_len, K)
     # Cumulative log-probabilities of the open beams; only beam 0 is live at the start (all
     # beams of a source are identical then, expanding them all would give K copies).
     beam_scores = np.full((B, K), -np.inf, dtype=np.float64)
     beam_scores[:, 0] = 0.0
     history = np.zeros((N, steps), dtype=np.int64)  # generated tokens of every open beam
+    history_lp = np.zeros((N, steps), dtype=np.float64)  # and their log-probabilities
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     n_finished = np.zeros(B, dtype=np.int64)
-    nth_best = np.full(B, -np.inf)  # score of each source's n_best-th finished hypothesis
+    keep = K if hf else n_best  # the stop rule compares the open beams with the keep-th finished score
+    kth_best = np.full(B, -np.inf)
     max_penalty = np.array([penalty(int(m)) for m in np.maximum(max_new, 1)])  # divisor at the budget
     done = max_new == 0
     for b in np.flatnonzero(done):
-        results[b] = [Hypothesis([], 0.0, 0.0, False)]
-    tokens = np.full(N, bos_id, dtype=np.int64)
+        results[b] = [Hypothesis([], 0.0, 0.0, False, [])]
+    tokens = np.full(N, options.start_id, dtype=np.int64)
+    start_column = np.full((N, 1), options.start_id, dtype=np.int64)
     identity = np.arange(N, dtype=np.int64)
     beam_of_row = identity % K
     row_ids = identity[:, None]
@@ -554,30 +1054,44 @@ def beam_search(
         if logits.ndim != 2 or logits.shape[0] != N:
             raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
         V = logits.shape[1]
+        if t == 0:
+            procs.check_vocab(V)
         x = logits if logits.dtype == np.float32 else logits.astype(np.float32)
-        suppress = t < min_new  # [B]: EOS masked before the softmax, the rest renormalised
-        if suppress.any():
-            x = np.array(x, copy=True).reshape(B, K, V)
-            x[suppress, :, eos_id] = -np.inf
-            x = x.reshape(N, V)
+        sequence = np.concatenate([start_column, history[:, :t]], axis=1) if procs.needs_sequence else None
         # Each row's best k2 tokens hold every candidate of the source's best 2K.
         k2 = min(2 * K, V)
-        cols, row_max = _row_top_k(x, k2)
-        _check_finite_logits(row_max, t)
-        shift = np.where(np.isfinite(row_max), row_max, np.float32(0.0))
-        scaled = np.subtract(x, shift[:, None])
-        np.exp(scaled, out=scaled)
-        sums = scaled.sum(axis=1, dtype=np.float64)
-        with np.errstate(divide="ignore"):
-            log_z = shift.astype(np.float64) + np.log(sums)  # -inf for a row of only -inf
-        values = x[row_ids, cols].astype(np.float64)
-        with np.errstate(invalid="ignore"):
-            logp = np.where(np.isneginf(values), -np.inf, values - log_z[:, None])
+        if hf:  # transformers: the processors act on the log-probabilities
+            raw_max = x.max(axis=1)
+            _check_finite_logits(raw_max, t)
+            log_z = _log_sum_exp(x, raw_max)
+            y = np.subtract(x, np.where(np.isfinite(log_z), log_z, 0.0).astype(np.float32)[:, None])
+            procs.apply(y, t, sequence, x, log_probs=True)
+            if renormalize_logits:
+                z = _log_sum_exp(y, y.max(axis=1))
+                y -= np.where(np.isfinite(z), z, 0.0).astype(np.float32)[:, None]
+            cols, _ = _row_top_k(y, k2)
+            logp = y[row_ids, cols].astype(np.float64)
+        else:  # the processors act on the logits, the softmax renormalises
+            y, forced_rows = x, np.zeros(0, dtype=np.int64)
+            if procs.active(t):
+                y = np.array(x, copy=True)
+                forced_rows, _ = procs.apply(y, t, sequence, x, log_probs=False)
+            cols, row_max = _row_top_k(y, k2)
+            _check_finite_logits(row_max, t)
+            log_z = _log_sum_exp(y, row_max)  # -inf for a row of only -inf
+            if forced_rows.size:  # a forced token keeps its log-probability under the raw logits
+                f = x[forced_rows]
+                log_z[forced_rows] = _log_sum_exp(f, f.max(axis=1))
+            values = y[row_ids, cols].astype(np.float64)
+            with np.errstate(invalid="ignore"):
+                logp = np.where(np.isneginf(values), -np.inf, values - log_z[:, None])
         cand = (beam_scores.reshape(N, 1) + logp).reshape(B, K * k2)
+        cand_lp = logp.reshape(B, K * k2)
         flat = (beam_of_row[:, None] * V + cols).reshape(B, K * k2)
         n_cand = min(2 * K, K * V)
         order = np.lexsort((flat, -cand), axis=1)[:, :n_cand]  # best first; ties by beam, token
         s_score = cand[source_ids, order]
+        s_lp = cand_lp[source_ids, order]
         s_flat = flat[source_ids, order]
         s_beam, s_tok = np.divmod(s_flat, V)
         live = ~done[:, None]
@@ -591,6 +1105,8 @@ def beam_search(
         beam_index[slot] = take_b * K + s_beam[take_b, take_c]
         new_tokens = np.full(N, eos_id, dtype=np.int64)
         new_tokens[slot] = s_tok[take_b, take_c]
+        new_lp = np.zeros(N)
+        new_lp[slot] = s_lp[take_b, take_c]
         new_scores = np.full(N, -np.inf)
         new_scores[slot] = s_score[take_b, take_c]
         new_scores = new_scores.reshape(B, K)
@@ -598,30 +1114,43 @@ def beam_search(
         # An EOS candidate within the best K finishes a hypothesis.
         length = t + 1  # generated tokens after this step, the candidate included
         fin_b, fin_c = np.nonzero(is_eos & (np.arange(n_cand) < K) & np.isfinite(s_score) & live)
-        for b, c in zip(fin_b.tolist(), fin_c.tolist()):
-            score = float(s_score[b, c])
+        for b, c in zip(fin_b.tolist(), fin_c.tolist(), strict=True):
+            total = float(s_score[b, c])
             row = b * K + int(s_beam[b, c])
-            finished[b].append(Hypothesis(history[row, :t].tolist(), score / penalty(length), score, True))
+            token_lps = history_lp[row, :t].tolist() + [float(s_lp[b, c])]
+            finished[b].append(
+                Hypothesis(history[row, :t].tolist(), total / penalty(length), total, True, token_lps)
+            )
         for b in set(fin_b.tolist()):
             finished[b].sort(key=lambda h: h.score, reverse=True)
             n_finished[b] = len(finished[b])
-            if n_finished[b] >= n_best:
-                nth_best[b] = finished[b][n_best - 1].score
+            if n_finished[b] >= keep:
+                kth_best[b] = finished[b][keep - 1].score
 
-        # Done? At this source's budget, or when no open beam can beat the n-th best even at
-        # its maximum length, or when every continuation is impossible (-inf).
+        # Done? At this source's budget, or when no open beam can win (the rule of the length
+        # penalty kind), or when every continuation is impossible (-inf).
         at_budget = ~done & (length >= max_new)
         best_open = new_scores.max(axis=1)
         open_finite = np.isfinite(best_open)
-        bound = np.where(open_finite, best_open / max_penalty, -np.inf)
-        stop = ~done & ~at_budget & (n_finished >= n_best) & (bound <= nth_best)
+        enough = ~done & ~at_budget & (n_finished >= keep)
+        if hf and early_stopping is True:
+            stop = enough
+        else:
+            if hf:  # transformers' heuristic: the best open beam at the current or maximum length
+                horizon = max_new if (early_stopping == "never" and alpha > 0) else np.full(B, length)
+                divisor = horizon.astype(np.float64) ** alpha
+            else:  # ours: an upper bound at the maximum length
+                divisor = max_penalty
+            bound = np.where(open_finite, best_open / divisor, -np.inf)
+            stop = enough & (bound <= kth_best)
         stop |= ~done & ~open_finite & (n_finished > 0)
         for b in np.flatnonzero(at_budget).tolist():
             for k in np.flatnonzero(np.isfinite(new_scores[b])).tolist():
                 r = b * K + k
                 toks = history[beam_index[r], :t].tolist() + [int(new_tokens[r])]
+                token_lps = history_lp[beam_index[r], :t].tolist() + [float(new_lp[r])]
                 s = float(new_scores[b, k])
-                finished[b].append(Hypothesis(toks, s / penalty(length), s, False))
+                finished[b].append(Hypothesis(toks, s / penalty(length), s, False, token_lps))
         for b in np.flatnonzero(stop | at_budget).tolist():
             finished[b].sort(key=lambda h: h.score, reverse=True)
             results[b] = finished[b][:n_best]
@@ -629,21 +1158,170 @@ def beam_search(
             new_scores[b, :] = -np.inf
             beam_index[rows] = identity[rows]
             new_tokens[rows] = eos_id
+            new_lp[rows] = 0.0
             done[b] = True
         if done.all():
             break
         beam_scores = new_scores
         if not np.array_equal(beam_index, identity):
             history[:, :t] = history[beam_index, :t]
+            history_lp[:, :t] = history_lp[beam_index, :t]
             runner.reorder(state, beam_index)
         history[:, t] = new_tokens
+        history_lp[:, t] = new_lp
         tokens = new_tokens
 
     for b in range(B):
         if not results[b]:  # only reachable if every candidate was -inf throughout
             finished[b].sort(key=lambda h: h.score, reverse=True)
-            results[b] = finished[b][:n_best] or [Hypothesis([], -math.inf, -math.inf, False)]
+            results[b] = finished[b][:n_best] or [Hypothesis([], -math.inf, -math.inf, False, [])]
     return results
+
+
+# ------------------------------------------------------------------------------------------
+# one entry point, and forced decoding
+# ------------------------------------------------------------------------------------------
+
+
+def generate(
+    runner: Runner,
+    input_ids: np.ndarray,
+    src_lengths: np.ndarray,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_new_tokens: IntOrArray,
+    beam_size: int = 1,
+    num_hypotheses: int = 1,
+    length_penalty: str = "gnmt",
+    alpha: float = 0.6,
+    early_stopping: Union[bool, str, None] = None,
+    renormalize_logits: bool = False,
+    sampling_topk: int = 1,
+    sampling_topp: float = 1.0,
+    sampling_temperature: float = 1.0,
+    seed: Optional[int] = None,
+    **options: Any,
+) -> list[list[Hypothesis]]:
+    """For every source its ``num_hypotheses`` hypotheses, best first, whatever the search:
+    beam search (:func:`beam_search` with ``n_best = num_hypotheses``) when ``beam_size > 1``,
+    else greedy decoding or sampling (:func:`greedy_decode` with ``return_scores``).
+
+    ``options``: the processor options both searches take (``min_new_tokens``, ``cache_len``,
+    ``decoder_start_id``, ``target_prefix``, ``banned_ids``, ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``force_eos_at_budget``). Sampling with ``beam_size > 1`` is an
+    error (beam sampling is not defined here). The beam-search options (``length_penalty``,
+    ``alpha``, ``early_stopping``, ``renormalize_logits``) do not apply to greedy decoding, whose
+    hypotheses have no length penalty (its tokens are transformers' greedy tokens either way).
+    """
+    if not isinstance(beam_size, (int, np.integer)) or isinstance(beam_size, bool) or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    sampling = sampling_topk != 1 or sampling_topp != 1.0 or sampling_temperature != 1.0
+    if beam_size > 1:
+        if sampling:
+            raise ValueError(
+                f"random sampling (sampling_topk / sampling_topp / sampling_temperature) needs beam_size = 1, "
+                f"got beam_size = {beam_size}"
+            )
+        if seed is not None:
+            raise ValueError("seed applies to random sampling, which needs beam_size = 1")
+        return beam_search(
+            runner,
+            input_ids,
+            src_lengths,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            beam_size=beam_size,
+            n_best=num_hypotheses,
+            max_new_tokens=max_new_tokens,
+            length_penalty=length_penalty,
+            alpha=alpha,
+            early_stopping=early_stopping,
+            renormalize_logits=renormalize_logits,
+            **options,
+        )
+    if length_penalty not in LENGTH_PENALTIES:
+        raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}")
+    _check_real("alpha", alpha)
+    return greedy_decode(
+        runner,
+        input_ids,
+        src_lengths,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        max_new_tokens=max_new_tokens,
+        num_hypotheses=num_hypotheses,
+        sampling_topk=sampling_topk,
+        sampling_topp=sampling_topp,
+        sampling_temperature=sampling_temperature,
+        seed=seed,
+        return_scores=True,
+        **options,
+    )
+
+
+def score(
+    runner: Runner,
+    input_ids: np.ndarray,
+    src_lengths: np.ndarray,
+    targets: Sequence[Sequence[int]],
+    *,
+    bos_id: int,
+    eos_id: int,
+    decoder_start_id: Optional[int] = None,
+    include_eos: bool = True,
+) -> list[Hypothesis]:
+    """Forced decoding: the log-probability the model gives each source's target.
+
+    ``targets``: one list of target token ids per source (ragged, without start token and EOS;
+    empty allowed). Returns one :class:`Hypothesis` per source: its ``tokens``, the
+    ``token_log_probs`` of each token under the model's raw distribution (no processors), then
+    the EOS's when ``include_eos``, and their sum as ``log_prob`` and ``score`` (CTranslate2's
+    ``score_batch``). One batched step per target position; rows whose target ended are fed EOS.
+    """
+    _check_token_id("bos_id", bos_id)
+    eos_id = _check_token_id("eos_id", eos_id)
+    start = _check_token_id(
+        "decoder_start_id" if decoder_start_id is not None else "bos_id",
+        bos_id if decoder_start_id is None else decoder_start_id,
+    )
+    ids, lengths = check_sources(input_ids, src_lengths)
+    B = ids.shape[0]
+    if isinstance(targets, (str, bytes)) or not hasattr(targets, "__len__"):
+        raise TypeError(f"targets must be a list holding one list of token ids per source, got {targets!r}")
+    if len(targets) != B:
+        raise ValueError(f"targets must hold one token list per source ({B}), got {len(targets)}")
+    rows = [_check_int_list(f"targets[{b}]", t) for b, t in enumerate(targets)]
+    n_tok = np.array([len(r) for r in rows], dtype=np.int64)
+    wanted = n_tok + (1 if include_eos else 0)  # scored positions per row
+    steps = int(wanted.max())
+    token_lps: list[list[float]] = [[] for _ in range(B)]
+    if steps > 0:
+        table = np.full((B, steps), eos_id, dtype=np.int64)  # the token scored at each step
+        for b, r in enumerate(rows):
+            table[b, : len(r)] = r
+        state = runner.encode(ids, lengths, steps, 1)
+        fed = np.full(B, start, dtype=np.int64)
+        all_rows = np.arange(B)
+        for t in range(steps):
+            logits = np.asarray(runner.step(state, fed))
+            if logits.ndim != 2 or logits.shape[0] != B:
+                raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({B}, V)")
+            if t == 0:
+                for b, r in enumerate(rows):
+                    _check_in_vocab(f"targets[{b}]", r, logits.shape[1])
+            x = logits if logits.dtype == np.float32 else logits.astype(np.float32)
+            row_max = x.max(axis=1)
+            _check_finite_logits(row_max, t)
+            lp = x[all_rows, table[:, t]].astype(np.float64) - _log_sum_exp(x, row_max)
+            for b in np.flatnonzero(t < wanted).tolist():
+                token_lps[b].append(float(lp[b]))
+            fed = table[:, t]
+    out = []
+    for b in range(B):
+        total = float(sum(token_lps[b]))
+        out.append(Hypothesis(rows[b].tolist(), total, total, True, token_lps[b]))
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -652,7 +1330,8 @@ def beam_search(
 
 
 class SearchMethods:
-    """``runner.greedy(...)`` and ``runner.beam_search(...)`` for any runner class that mixes this in.
+    """``runner.greedy(...)``, ``runner.beam_search(...)``, ``runner.generate(...)`` and
+    ``runner.score(...)`` for any runner class that mixes this in.
 
     ``bos_id`` / ``eos_id`` default to those of the runner's description record ``info``
     (:class:`transformer_ext.runtimes.info.RunnerInfo`; the ONNX Runtime runners read them from
@@ -668,7 +1347,7 @@ class SearchMethods:
                 kwargs[name] = int(value)
         return kwargs
 
-    def greedy(self, input_ids, src_lengths, *, max_new_tokens: IntOrArray, **kwargs) -> list[list[int]]:
+    def greedy(self, input_ids, src_lengths, *, max_new_tokens: IntOrArray, **kwargs):
         """:func:`greedy_decode` with this runner (keyword arguments as there)."""
         return greedy_decode(
             self, input_ids, src_lengths, max_new_tokens=max_new_tokens, **self._search_kwargs(kwargs)
@@ -686,3 +1365,15 @@ class SearchMethods:
             max_new_tokens=max_new_tokens,
             **self._search_kwargs(kwargs),
         )
+
+    def generate(
+        self, input_ids, src_lengths, *, max_new_tokens: IntOrArray, **kwargs
+    ) -> list[list[Hypothesis]]:
+        """:func:`generate` with this runner (keyword arguments as there)."""
+        return generate(
+            self, input_ids, src_lengths, max_new_tokens=max_new_tokens, **self._search_kwargs(kwargs)
+        )
+
+    def score(self, input_ids, src_lengths, targets, **kwargs) -> list[Hypothesis]:
+        """:func:`score` (forced decoding) with this runner (keyword arguments as there)."""
+        return score(self, input_ids, src_lengths, targets, **self._search_kwargs(kwargs))

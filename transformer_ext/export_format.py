@@ -73,6 +73,7 @@ __all__ = [
     "manifest_max_positions",
     "manifest_max_cache_len",
     "manifest_quantization",
+    "quantization_cpu_warning",
     # generation config
     "GENERATION_FORMAT",
     "GENERATION_FORMAT_VERSION",
@@ -458,6 +459,48 @@ def manifest_quantization(manifest: Mapping[str, Any]) -> Optional[dict]:
             f"{list(QUANTIZATION_SCHEMES)}, got {_show(section)}"
         )
     return dict(section)
+
+
+# The instruction-set extensions whose absence makes ONNX Runtime run other quantized kernels
+# (int8 dot products: VNNI, AVX-512, AMX on x86; dot product / int8 matrix multiply on ARM).
+QUANTIZED_KERNEL_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_int8",
+    "asimddp",
+    "i8mm",
+)
+
+
+def quantization_cpu_warning(manifest: Mapping[str, Any], folder: Any = "") -> Optional[str]:
+    """What differs between the CPU a quantized export was made (and gated) on and this one, as
+    a warning to log, or ``None``: the kernel-deciding flags of :data:`QUANTIZED_KERNEL_FLAGS` the
+    export's CPU had (the manifest's ``quantization.cpu.isa``) and this CPU lacks. ONNX Runtime
+    then runs other kernels (MatMulNBits without an int8 kernel: float32), so the speed differs
+    and the results may differ slightly from the gate's; the folder still runs."""
+    section = manifest_quantization(manifest)
+    cpu = section.get("cpu") if section else None
+    if not isinstance(cpu, Mapping) or not isinstance(cpu.get("isa"), list):
+        return None
+    from .cpu_features import cpu_flags
+
+    here = cpu_flags()
+    if not here.flags:  # nothing known about this CPU: nothing to compare
+        return None
+    missing = [f for f in QUANTIZED_KERNEL_FLAGS if f in cpu["isa"] and f not in here.flags]
+    if not missing:
+        return None
+    where = f"{folder}: " if folder else ""
+    fallback = " (MatMulNBits: float32 where no int8 kernel exists)" if "bits" in section else ""
+    return (
+        f"{where}its {section['scheme']} graphs were exported and gated on a CPU with {', '.join(missing)}, "
+        f"which this CPU ({here.model or here.arch}) lacks: ONNX Runtime runs other kernels here{fallback}, "
+        "so the speed differs and results may differ slightly from the gate's; to check, quantize the "
+        "float32 export again on this machine (python -m export.quantize), which reruns the gate"
+    )
 
 
 # ------------------------------------------------------------------------------------------

@@ -342,7 +342,8 @@ def attention(
             and the backward pass regenerates it.
 
     Returns:
-        ``[B, H, Q, D]`` in the dtype of ``q``, with the memory layout of ``[B, Q, H, D]`` (so
+        ``[B, H, Q, D]`` in the dtype of ``q`` (under ``torch.autocast``: q, k and v are cast to
+        the autocast dtype first, float64 excepted), with the memory layout of ``[B, Q, H, D]`` (so
         ``out.transpose(1, 2).reshape(B, Q, H * D)`` is a view). A row with no allowed key is
         zeros; a NaN score in an allowed position makes its row NaN.
     """
@@ -352,8 +353,20 @@ def attention(
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     seed_t = _seed_tensor(seed, q.device) if p > 0.0 else None
+    q, k, v = _autocast_inputs(q, k, v)
     out, _lse = _ops.attention(q, k, v, key_lengths, query_lengths, float(scale), bool(causal), p, seed_t)
     return out
+
+
+def _autocast_inputs(*tensors: torch.Tensor) -> tuple:
+    """Under ``torch.autocast`` (CPU or CUDA), floating tensors in the autocast dtype, as autocast
+    treats ``F.scaled_dot_product_attention``: the dispatcher hands a custom op its inputs as they
+    are, and the kernels need one dtype for q, k and v. Outside autocast: unchanged."""
+    device = tensors[0].device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return tensors
+    low = torch.get_autocast_dtype(device)
+    return tuple(t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
 def attention_dropout_mask(seed: int, B: int, H: int, Q: int, K: int, dropout_p: float) -> torch.Tensor:

@@ -265,9 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--amp",
         choices=AMP_DTYPES,
         default=None,
-        help="mixed precision on CUDA (fp16 with a gradient scaler). Not on the CPU: there training runs "
-        "float32, because bfloat16/float16 matrix products on CPUs without native bf16 instructions "
-        "are about 100x slower than float32",
+        help="mixed precision (autocast; float32 weights, optimiser state, loss and checkpoints): on CUDA "
+        "bf16 or fp16 (with a gradient scaler); on the CPU bf16 only, where the CPU has native bfloat16 "
+        "matrix products (AVX-512 BF16 or AMX: Intel Sapphire Rapids and newer, AMD Zen 4 and newer; "
+        "elsewhere they are about 100x slower than float32 and --amp is refused)",
     )
 
     g = p.add_argument_group("validation")

@@ -43,6 +43,7 @@ from transformer_ext.export_format import (
     dtype_from_ort,
     manifest_max_cache_len,
     manifest_quantization,
+    quantization_cpu_warning,
     read_manifest,
 )
 
@@ -124,6 +125,9 @@ class OrtRunner(decoding.SearchMethods):
     ):
         self.export_dir = os.fspath(export_dir)
         self.manifest = dict(read_manifest(self.export_dir) if manifest is None else manifest)
+        cpu_warning = quantization_cpu_warning(self.manifest, self.export_dir)
+        if cpu_warning:
+            logger.warning("%s", cpu_warning)
         quantization = manifest_quantization(self.manifest)
         self.info = RunnerInfo.from_config(
             self.manifest["model_config"],

@@ -93,7 +93,9 @@ class TrainOptions:
     lr_schedule: str = "noam"  # "noam" (the paper's, --lr-factor) or "inverse-sqrt" (fairseq's, peak --lr)
     lr: Optional[float] = None  # peak learning rate of inverse-sqrt (reached after --warmup steps)
     update_freq: int = 1  # batches whose gradients are accumulated into one optimiser step
-    amp: Optional[str] = None  # "bf16" or "fp16" autocast on CUDA (fp16 with a GradScaler); CPU: float32 only
+    amp: Optional[str] = (
+        None  # "bf16"/"fp16" autocast on CUDA (fp16 with a GradScaler); CPU: bf16 where native
+    )
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     # validation and logging
@@ -411,17 +413,36 @@ def check_text_options(opts: TrainOptions) -> None:
         if opts.amp not in AMP_DTYPES:
             raise TrainingError(f"--amp must be bf16 or fp16, got {opts.amp!r}")
         if not (isinstance(opts.device, str) and opts.device.startswith("cuda")):
-            raise TrainingError(
-                f"--amp {opts.amp} needs --device cuda: on the CPU training runs in float32, since "
-                "bfloat16/float16 matrix products on CPUs without native bf16 instructions are about "
-                "100x slower than float32"
-            )
+            _check_cpu_amp(opts.amp)
     if opts.best_metric is not None and opts.best_metric not in BEST_METRICS:
         raise TrainingError(
             f"--best-metric must be one of {', '.join(BEST_METRICS)}, got {opts.best_metric!r}"
         )
     _check_int(opts, "patience", 1, optional=True, note=" (validations without a new best before stopping)")
     _check_int(opts, "keep_last", 0)
+
+
+def _check_cpu_amp(amp: str) -> None:
+    """``--amp`` on the CPU: bf16 where the CPU has native bfloat16 matrix products
+    (:func:`transformer_ext.cpu_features.bf16_support`), never fp16; the one-line refusal names the
+    missing instructions and the rate measured on this machine."""
+    from .. import cpu_features
+
+    if amp == "fp16":
+        raise TrainingError(
+            str(
+                cpu_features.refuse_cpu_float16(
+                    "--amp fp16",
+                    "on the CPU use --amp bf16 where bfloat16 is native, else float32 (no --amp)",
+                )
+            )
+        )
+    try:
+        cpu_features.require_native_bf16(
+            "--amp bf16", "train in float32 (no --amp), or on CUDA (--device cuda)"
+        )
+    except cpu_features.NotNativeError as exc:
+        raise TrainingError(str(exc)) from None
 
 
 def parse_device(name: str) -> torch.device:

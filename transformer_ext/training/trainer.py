@@ -143,6 +143,10 @@ class Trainer:
         )
         self.scaler = torch.amp.GradScaler("cuda") if opts.amp == "fp16" else None
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(opts.amp or "")
+        if self.autocast_dtype is not None and self.device.type == "cpu" and ctx.is_main:
+            from ..cpu_features import bf16_support
+
+            logger.info("--amp %s on the CPU: %s", opts.amp, bf16_support().reason)
         self.state = TrainState()
         self.run_dir = self.out  # where checkpoints go: a new run's staged folder until its first one
         self.stage: Optional[StagedDir] = None
