@@ -15,11 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import rehash_export
 from num2words import num2words  # the independent oracle of the demo task
 
 from export import ManifestError
-from export.manifest import MANIFEST_NAME
 from transformer_ext.data import split_numbers
+from transformer_ext.export_format import MANIFEST_NAME
 from transformer_ext.runtimes import OrtRunner
 from transformer_ext.tokenizer import load_tokenizer
 from transformer_ext.translate import RuntimeNotAvailableError, TranslationError, Translator, main
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 HELDOUT_SAMPLE = 40  # held-out numbers (never seen in training) compared between the runtimes
 # What the deployment install needs of the repository (copied, so that the in-tree build writes
 # its build/ and egg-info folders into the copy, not into the working tree).
-INSTALL_FILES = ["setup.py", "README.md", "requirements"]
+INSTALL_FILES = ["pyproject.toml", "setup.py", "README.md", "requirements"]
 INSTALL_PACKAGES = ["transformer_ext", "export"]
 
 
@@ -164,6 +165,7 @@ def test_the_export_generation_config_sets_the_defaults(demo_export, tmp_path):
     config = json.loads(path.read_text())
     config.update(beam_size=3, max_new_tokens=4)
     path.write_text(json.dumps(config))
+    rehash_export(folder)  # an edit the manifest knows of (it records every file's SHA-256)
     translator = Translator.from_export_dir(folder)
     (one,) = translator.translate_detailed(["seven thousand, seven hundred and seventy-seven"])
     assert one.score is not None  # beam search, from the folder's config

@@ -16,9 +16,9 @@ import torch
 from helpers import FLAVOURS, exported_dir
 
 from export import InvalidGraphError, ManifestError
-from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
 from transformer_ext import decoding, reference
 from transformer_ext.checkpoint import load_model
+from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
 from transformer_ext.runtimes import EagerRunner, OrtRunner
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,11 +24,10 @@ from helpers import DEMO_DIR, exported_dir, make_model_dir
 from onnx import TensorProto, helper, numpy_helper
 
 from export import quantize as quant
-from export.manifest import DECODER_FILE, ENCODER_FILE
 from export.onnx import export_onnx
 from export.onnx import main as export_main
 from export.quantize import QuantizationError, quantize_export
-from transformer_ext.export_format import manifest_quantization, read_manifest
+from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, manifest_quantization, read_manifest
 
 SCHEMES = ["int4", "int8-nbits"]
 BITS = {"int4": 4, "int8-nbits": 8}
@@ -330,6 +329,17 @@ def test_ort_runner_and_translator_load_it(tiny_float, tmp_path_factory, scheme)
     assert not np.array_equal(a, b)
     assert np.abs(a - b).max() <= (0.15 if scheme == "int4" else 0.05) * (a.max() - a.min())
     assert len(Translator.from_export_dir(folder).translate(["abc", "de f"], beam_size=2)) == 2
+
+
+def test_triton_onnxruntime_repository_of_an_int4_export(tiny_float, tmp_path_factory, tmp_path):
+    pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    from export.triton import export_triton, validate_repository
+
+    folder = _quantized(tiny_float, tmp_path_factory, "int4")
+    result = export_triton(folder, tmp_path / "repo", backend="onnxruntime", instance_kind="cpu")
+    assert validate_repository(result.repo_dir, require_protobuf=True) is True
+    copied = list(Path(result.repo_dir).rglob("*.onnx"))
+    assert any(any(n.op_type == "MatMulNBits" for n in onnx.load(p).graph.node) for p in copied)
 
 
 def test_tensorrt_refuses_int4(tiny_float, tmp_path_factory):
