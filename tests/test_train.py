@@ -965,6 +965,9 @@ def test_resume_keeps_files_the_user_put_in_best_last_and_step_folders(tmp_path,
         run / "best" / "hyp.txt": b"my translations",
         run / "last" / "notes" / "todo.txt": b"look at step 2",
         run / "checkpoints" / "step-2" / "score.txt": b"BLEU 1.0",
+        # a model folder of the user's named like a later step: neither deleted nor counted as one
+        run / "checkpoints" / "step-9999" / "config.json": b"{}",
+        run / "checkpoints" / "step-9999" / "averaged.json": b"{}",
     }
     for path, data in mine.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -974,7 +977,7 @@ def test_resume_keeps_files_the_user_put_in_best_last_and_step_folders(tmp_path,
     for path, data in mine.items():
         assert path.read_bytes() == data, path
     # step-2 holds a file of the user's, so --keep-last 1 keeps it; step-3 (only the trainer's) is removed
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4", "step-9999"]
     assert "they are kept in the new checkpoint" in caplog.text
     assert "kept " + str(run / "checkpoints" / "step-2") in caplog.text
     assert not temporaries(tmp_path)
