@@ -321,14 +321,25 @@ def test_ort_runner_and_translator_load_it(tiny_float, tmp_path_factory, scheme)
     folder = _quantized(tiny_float, tmp_path_factory, scheme)
     f32, qnt = OrtRunner(tiny_float, intra_op_num_threads=1), OrtRunner(folder, intra_op_num_threads=1)
     rng = np.random.default_rng(0)
-    ids = rng.integers(4, f32.src_vocab_size, size=(3, 7))
+    ids = rng.integers(4, f32.info.src_vocab_size, size=(3, 7))
     lengths = np.array([7, 5, 2])
-    tokens = np.full(3, f32.bos_id)
+    tokens = np.full(3, f32.info.bos_id)
     a = np.asarray(f32.step(f32.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
     b = np.asarray(qnt.step(qnt.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
     assert not np.array_equal(a, b)
     assert np.abs(a - b).max() <= (0.15 if scheme == "int4" else 0.05) * (a.max() - a.min())
     assert len(Translator.from_export_dir(folder).translate(["abc", "de f"], beam_size=2)) == 2
+
+
+def test_triton_onnxruntime_repository_of_an_int4_export(tiny_float, tmp_path_factory, tmp_path):
+    pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    from export.triton import export_triton, validate_repository
+
+    folder = _quantized(tiny_float, tmp_path_factory, "int4")
+    result = export_triton(folder, tmp_path / "repo", backend="onnxruntime", instance_kind="cpu")
+    assert validate_repository(result.repo_dir, require_protobuf=True) is True
+    copied = list(Path(result.repo_dir).rglob("*.onnx"))
+    assert any(any(n.op_type == "MatMulNBits" for n in onnx.load(p).graph.node) for p in copied)
 
 
 def test_tensorrt_refuses_int4(tiny_float, tmp_path_factory):
