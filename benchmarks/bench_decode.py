@@ -24,7 +24,9 @@ inter_threads=1``; ONNX Runtime ``intra_op_num_threads=N``; torch ``set_num_thre
 
 Tokens first: every float32 engine's tokens are compared with the first float32 engine's
 before any time is recorded; one that disagrees is not timed (exit status 1). int8 engines are
-timed and their agreement with the float32 tokens and with each other is recorded.
+timed and their agreement with the float32 tokens and with each other is recorded, and so is
+``eager_bf16``'s (``EagerRunner(dtype="bfloat16")`` on the same weights, compared with our float32
+eager decode; left out, with the reason logged, where the CPU has no native bfloat16).
 
 The JSON records the machine (``lscpu``: CPU model, cores, L3; measured read and copy
 bandwidth with 1 and 2 threads), the load average before and after, and per model the batch-1
@@ -70,9 +72,14 @@ class Engine:
     description: str
     worker: str  # decode_worker.BUILDERS key
     artifact: str  # which prepared model folder it reads: "model", "onnx", "onnx_int8", "ct2", "ct2_int8"
-    dtype: str  # float32 / int8
+    dtype: str  # float32 / int8 / bfloat16 (the weights it decodes with)
     forbid_torch: bool
     compute_type: str = "float32"
+    weight_bytes: str = ""  # the key of its weight bytes per token, when not its artifact's
+
+    @property
+    def bytes_key(self) -> str:
+        return self.weight_bytes or self.artifact
 
 
 ENGINES: list[Engine] = [
@@ -85,6 +92,15 @@ ENGINES: list[Engine] = [
         True,
     ),
     Engine("eager", "EagerRunner: torch, compiled ops, in-place cache", "eager", "model", "float32", False),
+    Engine(
+        "eager_bf16",
+        "EagerRunner(dtype='bfloat16'): bfloat16 weights and caches, float32 accumulation (native bf16 CPUs)",
+        "eager",
+        "model",
+        "bfloat16",
+        False,
+        weight_bytes="model_bf16",
+    ),
 ]
 if importlib.util.find_spec("ctranslate2"):
     ENGINES.insert(
@@ -122,6 +138,9 @@ if importlib.util.find_spec("ctranslate2"):
         )
     )
 PEERS = ("ctranslate2", "ctranslate2_int8")
+# What each dtype's engines are compared with: CTranslate2 of the same dtype; bfloat16 (which
+# CTranslate2 does not run on CPUs) with our float32 eager decode of the same weights.
+PEER_OF_DTYPE = {"float32": "ctranslate2", "int8": "ctranslate2_int8", "bfloat16": "eager"}
 
 MODELS = {
     "base": dict(),  # the preset: 6+6 layers, d_model 512, 8 heads, d_ff 2048, 8000/8000 vocabularies
@@ -265,7 +284,7 @@ def _torch_decoder_bytes(model) -> int:
 
 
 PREPARED = "prepared.json"
-PREPARED_VERSION = 2  # bumped when what prepare() records changes
+PREPARED_VERSION = 3  # bumped when what prepare() records changes
 
 
 def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict, dict, dict]:
@@ -301,6 +320,7 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
             shutil.rmtree(os.path.join(scratch, name))
     save_model(model, paths["model"])
     nbytes["model"] = _torch_decoder_bytes(model)
+    nbytes["model_bf16"] = nbytes["model"] // 2  # every decoder weight at 2 bytes
     if needed & {"onnx", "onnx_int8"}:
         from export.onnx import export_onnx
         from export.quantize import quantize_export
@@ -349,6 +369,7 @@ class EngineProcess:
             "model": model_path,
             "threads": threads,
             "compute_type": engine.compute_type,
+            "dtype": engine.dtype,
             "forbid_torch": engine.forbid_torch,
             "bos": config["bos_id"],
             "eos": config["eos_id"],
@@ -438,11 +459,11 @@ def measure_case(
                 continue
         timed.append(e.name)
     for e in engines:
-        if e.dtype == "int8":
+        if e.dtype != "float32":
             entry = case["engines"][e.name]
             if reference is not None:
                 entry["rows_equal_to_float32"] = _agreement(tokens[e.name], tokens[reference])
-            others = [o.name for o in engines if o.dtype == "int8" and o.name != e.name]
+            others = [o.name for o in engines if o.dtype == e.dtype and o.name != e.name]
             for other in others:
                 entry[f"rows_equal_to_{other}"] = _agreement(tokens[e.name], tokens[other])
     case["reference_engine"] = reference
@@ -469,9 +490,9 @@ def _ratios(results: dict) -> list[dict]:
         cases = m["cases"]
         for c in cases:
             for name, e in c["engines"].items():
-                if name in PEERS or "tokens_per_second" not in e:
+                peer = PEER_OF_DTYPE.get(e["dtype"])
+                if name in PEERS or name == peer or "tokens_per_second" not in e:
                     continue
-                peer = "ctranslate2" if e["dtype"] == "float32" else "ctranslate2_int8"
                 p = c["engines"].get(peer, {})
                 if "tokens_per_second" not in p:
                     continue
@@ -503,7 +524,7 @@ def bandwidth_floors(cases: list, nbytes: dict, engines: list[Engine], machine: 
     out = {}
     read = machine.get("read_bandwidth_bytes_per_s", {})
     for e in engines:
-        b = nbytes.get(e.artifact)
+        b = nbytes.get(e.bytes_key)
         if b is None:
             continue
         entry = {"weight_bytes_per_token": b, "by_threads": {}}
@@ -613,6 +634,9 @@ def run(
         raise ValueError(f"unknown modes {bad_modes}; available: {list(MODES)}")
     engines = [e for e in ENGINES if engine_names is None or e.name in engine_names]
     machine = machine_info()
+    if not machine["bf16"]["native"] and any(e.dtype == "bfloat16" for e in engines):
+        logger.warning("bfloat16 engines left out: %s", machine["bf16"]["reason"])
+        engines = [e for e in engines if e.dtype != "bfloat16"]
     results: dict = {
         "machine": machine,
         "environment": environment(),
@@ -647,7 +671,7 @@ def run(
             continue
         entry = {
             "config": config,
-            "weight_bytes_per_token": {e.name: nbytes.get(e.artifact) for e in engines},
+            "weight_bytes_per_token": {e.name: nbytes.get(e.bytes_key) for e in engines},
             "workers": {},
             "cases": [],
         }
