@@ -336,3 +336,30 @@ def test_eager_bfloat16_refused_where_not_native(demo_model, not_native):
 def test_eager_bad_dtype_is_named(demo_model, dtype):
     with pytest.raises(ValueError, match=r"dtype must be one of float32, bfloat16, got"):
         EagerRunner(demo_model, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- the ONNX Runtime probe
+def test_probe_ort_lowp_reports_every_op_and_type():
+    pytest.importorskip("onnxruntime")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import probe_ort_lowp
+
+    support = probe_ort_lowp.probe_support(32, 16)
+    assert set(support) == {f"{op}/{t}" for op in probe_ort_lowp.OPS for t in probe_ort_lowp.TYPES}
+    for op in probe_ort_lowp.OPS:
+        assert support[f"{op}/float32"] == {"accepted": True, "error": None, "runs": True}
+    for entry in support.values():
+        assert entry["accepted"] or entry["error"]  # a refusal carries the provider's reason
+    (case,) = probe_ort_lowp.time_matmuls([(32, 16)], [3], [1], repeats=1)
+    assert case["relative_error_vs_float64"]["float32"] < 1e-5
+    assert all(np.isfinite(v) for v in case["relative_error_vs_float64"].values())
+    assert case["speedup_vs_float32"]["float32"] == 1.0
+
+
+def test_probe_rounds_to_bfloat16_like_torch():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import probe_ort_lowp
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 100
+    mine = probe_ort_lowp._rounded(x.numpy(), "bfloat16")
+    assert np.array_equal(mine, x.bfloat16().float().numpy())
