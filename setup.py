@@ -1,4 +1,5 @@
-"""Build transformer_ext and its compiled op library ``transformer_ext._C``.
+"""Build transformer_ext's compiled op library ``transformer_ext._C`` (the package metadata is in
+pyproject.toml).
 
 Build options (environment variables, read once here):
 
@@ -22,7 +23,7 @@ import os
 import subprocess
 import sys
 
-from setuptools import Command, find_packages, setup
+from setuptools import Command, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA_MODE = os.environ.get("TRANSFORMER_EXT_CUDA", "auto").strip().lower()
@@ -134,60 +135,18 @@ class develop(Command):
         subprocess.check_call(cmd)
 
 
-def _read(name: str) -> str:
-    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
-        return f.read()
-
-
 def _requirements(name: str) -> list[str]:
-    lines = _read(name).splitlines()
-    return [ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip() and not ln.startswith("-")]
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        lines = [ln.split("#")[0].strip() for ln in f]
+    return [ln for ln in lines if ln and not ln.startswith("-")]
 
 
+# The metadata (name, version, extras, console scripts) is in pyproject.toml; what is computed
+# here: the extension, the commands, and the run-time dependencies (none for the deployment).
 setup(
-    name="transformer_ext",
-    version="0.1.0",
-    description="Encoder-decoder Transformer on fused C++/CUDA ops, exportable to ONNX and TensorRT",
-    long_description=_read("README.md") if os.path.exists(os.path.join(ROOT, "README.md")) else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
-    packages=find_packages(include=["transformer_ext", "transformer_ext.*", "export", "export.*"]),
-    package_data={"transformer_ext": ["demo_model/*"]},
-    include_package_data=True,
     ext_modules=[] if DEPLOY else [_extension()],
     cmdclass={"develop": develop}
     if DEPLOY
     else {"build_ext": cpp_extension.BuildExtension, "develop": develop},
     install_requires=[] if DEPLOY else _requirements("requirements/runtime.txt"),
-    extras_require={
-        # The deployment extra: translate from an export folder with ONNX Runtime, no torch.
-        "deploy": _requirements("requirements/deploy.txt"),
-        "onnx": ["onnx>=1.17", "onnxscript>=0.2", "onnxruntime>=1.20"],
-        "onnx-gpu": ["onnx>=1.17", "onnxscript>=0.2", "onnxruntime-gpu>=1.20"],
-        "tensorrt": ["onnx>=1.17", "tensorrt>=10.15"],
-        "demo": ["num2words>=0.5.13"],
-        # the public-domain Bible corpus of recipes/ (python -m transformer_ext.corpora)
-        "corpus": _requirements("requirements/corpus.txt"),
-        # BLEU / chrF scores and SentencePiece (python -m transformer_ext.evaluate, train --train)
-        "eval": _requirements("requirements/eval.txt"),
-        "test": [
-            "pytest>=8",
-            "hypothesis>=6",
-            "num2words>=0.5.13",
-            "onnx>=1.17",
-            "onnxscript>=0.2",
-            "onnxruntime>=1.20",
-            "sentencepiece>=0.2.3",
-            "sacrebleu>=2.6",
-        ],
-    },
-    entry_points={
-        "console_scripts": [
-            "transformer-ext-train=transformer_ext.train:main",
-            "transformer-ext-translate=transformer_ext.translate:main",
-            "transformer-ext-export-onnx=export.onnx:main",
-            "transformer-ext-evaluate=transformer_ext.evaluate:main",
-            "transformer-ext-average=transformer_ext.average:main",
-        ]
-    },
 )

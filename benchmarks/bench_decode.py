@@ -8,9 +8,10 @@ Fairness. Every engine runs in a process of its own that loads only what it need
 (``decode_worker.py``): the CTranslate2 and ONNX Runtime workers import numpy and their engine,
 never torch (checked in the worker; recorded per engine in the JSON as ``torch_imported``), so
 no second OpenMP pool competes for the cores. The parent builds the models once, untimed:
-random weights (seed 0), saved; exported with ``export.onnx`` (float32, and int8 with
-``--quantize int8``: the quality gate needs a trained model, so it is skipped for these random
-weights and the int8 tokens are compared, not required, to match); converted once with
+random weights (seed 0), saved; exported with ``export.onnx`` (float32, and quantized with
+``export.quantize``: ``int8``, ``int4`` and ``int8-nbits``; the quality gate needs a trained model,
+so it is skipped for these random weights and the quantized tokens are compared, not required,
+to match); converted once with
 ``ctranslate2.specs`` from the same weights (our positional table assigned explicitly) and saved
 as float32 and int8 models. Only one engine decodes at any time; rounds are interleaved in a
 rotating order; medians of ``--repeats`` are reported.
@@ -23,10 +24,10 @@ batch 1 and 16, 1 and 2 threads for every engine (CTranslate2 ``intra_threads=N,
 inter_threads=1``; ONNX Runtime ``intra_op_num_threads=N``; torch ``set_num_threads(N)``).
 
 Tokens first: every float32 engine's tokens are compared with the first float32 engine's
-before any time is recorded; one that disagrees is not timed (exit status 1). int8 engines are
-timed and their agreement with the float32 tokens and with each other is recorded, and so is
-``eager_bf16``'s (``EagerRunner(dtype="bfloat16")`` on the same weights, compared with our float32
-eager decode; left out, with the reason logged, where the CPU has no native bfloat16).
+before any time is recorded; one that disagrees is not timed (exit status 1). Quantized engines
+(int8, int4) are timed and their agreement with the float32 tokens and with each other is recorded,
+and so is ``eager_bf16``'s (``EagerRunner(dtype="bfloat16")`` on the same weights, compared with our
+float32 eager decode; left out, with the reason logged, where the CPU has no native bfloat16).
 
 The JSON records the machine (``lscpu``: CPU model, cores, L3; measured read and copy
 bandwidth with 1 and 2 threads), the load average before and after, and per model the batch-1
@@ -71,8 +72,8 @@ class Engine:
     name: str
     description: str
     worker: str  # decode_worker.BUILDERS key
-    artifact: str  # which prepared model folder it reads: "model", "onnx", "onnx_int8", "ct2", "ct2_int8"
-    dtype: str  # float32 / int8 / bfloat16 (the weights it decodes with)
+    artifact: str  # the prepared model folder it reads: "model", "onnx", "onnx_int8", "onnx_int4", "ct2" ...
+    dtype: str  # float32 / int8 / int4 / bfloat16 (the weights it decodes with)
     forbid_torch: bool
     compute_type: str = "float32"
     weight_bytes: str = ""  # the key of its weight bytes per token, when not its artifact's
@@ -125,6 +126,19 @@ ENGINES.append(
         True,
     )
 )
+# Block-wise weight-only MatMulNBits (export.quantize --scheme int4 / int8-nbits; defaults: blocks
+# of 32, accuracy_level 4); compared with CTranslate2 int8, its nearest peer.
+for _scheme, _dtype in (("int4", "int4"), ("int8-nbits", "int8")):
+    ENGINES.append(
+        Engine(
+            f"onnxrt_{_scheme.replace('-', '_')}",
+            f"ONNX Runtime, python -m export.onnx --quantize {_scheme} (MatMulNBits, weight-only, blocks of 32)",
+            "onnxrt",
+            f"onnx_{_scheme.replace('-', '_')}",
+            _dtype,
+            True,
+        )
+    )
 if importlib.util.find_spec("ctranslate2"):
     ENGINES.append(
         Engine(
@@ -138,9 +152,15 @@ if importlib.util.find_spec("ctranslate2"):
         )
     )
 PEERS = ("ctranslate2", "ctranslate2_int8")
-# What each dtype's engines are compared with: CTranslate2 of the same dtype; bfloat16 (which
+# What each dtype's engines are compared with: CTranslate2 of the same dtype (int4: its int8, as it has
+# no 4-bit CPU path); bfloat16 (which
 # CTranslate2 does not run on CPUs) with our float32 eager decode of the same weights.
-PEER_OF_DTYPE = {"float32": "ctranslate2", "int8": "ctranslate2_int8", "bfloat16": "eager"}
+PEER_OF_DTYPE = {
+    "float32": "ctranslate2",
+    "int8": "ctranslate2_int8",
+    "int4": "ctranslate2_int8",
+    "bfloat16": "eager",
+}
 
 MODELS = {
     "base": dict(),  # the preset: 6+6 layers, d_model 512, 8 heads, d_ff 2048, 8000/8000 vocabularies
@@ -321,7 +341,7 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
     save_model(model, paths["model"])
     nbytes["model"] = _torch_decoder_bytes(model)
     nbytes["model_bf16"] = nbytes["model"] // 2  # every decoder weight at 2 bytes
-    if needed & {"onnx", "onnx_int8"}:
+    if needed & {"onnx", "onnx_int8", "onnx_int4", "onnx_int8_nbits"}:
         from export.onnx import export_onnx
         from export.quantize import quantize_export
 
@@ -333,6 +353,12 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
             paths["onnx_int8"] = os.path.join(scratch, "onnx_int8")
             quantize_export(paths["onnx"], paths["onnx_int8"], "int8", gate=False)  # random weights: no gate
             nbytes["onnx_int8"] = _onnx_decoder_bytes(os.path.join(paths["onnx_int8"], "decoder_step.onnx"))
+        for scheme in ("int4", "int8-nbits"):
+            artifact = f"onnx_{scheme.replace('-', '_')}"
+            if artifact in needed:
+                paths[artifact] = os.path.join(scratch, artifact)
+                quantize_export(paths["onnx"], paths[artifact], scheme, gate=False)  # random weights: no gate
+                nbytes[artifact] = _onnx_decoder_bytes(os.path.join(paths[artifact], "decoder_step.onnx"))
     for artifact, quantization in (("ct2", "float32"), ("ct2_int8", "int8")):
         if artifact in needed:
             spec = _ct2_spec(model)
@@ -459,11 +485,11 @@ def measure_case(
                 continue
         timed.append(e.name)
     for e in engines:
-        if e.dtype != "float32":
+        if e.dtype != "float32":  # quantized (int8, int4) or bfloat16
             entry = case["engines"][e.name]
             if reference is not None:
                 entry["rows_equal_to_float32"] = _agreement(tokens[e.name], tokens[reference])
-            others = [o.name for o in engines if o.dtype == e.dtype and o.name != e.name]
+            others = [o.name for o in engines if o.dtype != "float32" and o.name != e.name]
             for other in others:
                 entry[f"rows_equal_to_{other}"] = _agreement(tokens[e.name], tokens[other])
     case["reference_engine"] = reference

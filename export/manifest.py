@@ -3,8 +3,8 @@ replacing an export folder.
 
 What readers need of the format lives in :mod:`transformer_ext.export_format` (file names, axis
 names, format marker and version, :func:`graph_specs`, the one manifest reader
-:func:`read_manifest`, the one I/O comparator :func:`check_io`, :func:`tokenizer_files`); those
-names are re-exported here, so ``from export.manifest import read_manifest`` keeps working.
+:func:`read_manifest`, the one I/O comparator :func:`check_io`, :func:`tokenizer_files`) and is
+imported from there only; this module holds what only a writer needs.
 Imports only the standard library and ``transformer_ext``, never onnx or torch.
 
 Ownership. The manifest carries a format marker (``"format": "transformer_ext.onnx_export"``),
@@ -25,27 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from transformer_ext.export_format import (
-    BATCH,
-    CACHE_LEN,
-    DECODER_FILE,
-    ENCODER_FILE,
-    FLAVOURS,
-    FORMAT,
-    FORMAT_VERSION,
-    GENERATION_FILE,
-    MANIFEST_NAME,
-    READABLE_FORMAT_VERSIONS,
-    SRC_LEN,
-    TOKENIZER_FILE,
-    GenerationConfig,
-    check_io,
-    graph_specs,
-    io_problems,
-    read_generation_config,
-    read_manifest,
-    tokenizer_files,
-)
+from transformer_ext import export_format as ef
 from transformer_ext.fsutil import atomic_write_json
 
 from . import OutputFolderError
@@ -53,27 +33,6 @@ from . import OutputFolderError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    # re-exported from transformer_ext.export_format
-    "MANIFEST_NAME",
-    "ENCODER_FILE",
-    "DECODER_FILE",
-    "TOKENIZER_FILE",
-    "GENERATION_FILE",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "READABLE_FORMAT_VERSIONS",
-    "FLAVOURS",
-    "BATCH",
-    "SRC_LEN",
-    "CACHE_LEN",
-    "graph_specs",
-    "read_manifest",
-    "check_io",
-    "io_problems",
-    "tokenizer_files",
-    "GenerationConfig",
-    "read_generation_config",
-    # writing and replacing
     "write_manifest",
     "write_generation_config",
     "folder_files",
@@ -92,11 +51,11 @@ __all__ = [
 _V1_GRAPHS = ("encoder", "decoder_step")
 _V1_FILES = frozenset(
     {
-        ENCODER_FILE,
-        DECODER_FILE,
-        MANIFEST_NAME,
-        ENCODER_FILE + ".data",
-        DECODER_FILE + ".data",
+        ef.ENCODER_FILE,
+        ef.DECODER_FILE,
+        ef.MANIFEST_NAME,
+        ef.ENCODER_FILE + ".data",
+        ef.DECODER_FILE + ".data",
         "tensorrt.timing.cache",
     }
     | {f"{g}.{p}.engine" for g in _V1_GRAPHS for p in ("fp32", "fp16", "bf16")}
@@ -107,14 +66,22 @@ _SHOWN = 5  # unexpected files named in a refusal
 
 def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> str:
     """Write ``manifest.json`` into ``directory`` atomically (:func:`transformer_ext.fsutil.atomic_write_json`);
-    returns its path. NaN and infinities are refused (they are not JSON)."""
-    path = os.path.join(os.fspath(directory), MANIFEST_NAME)
-    atomic_write_json(path, dict(manifest))
+    returns its path. NaN and infinities are refused (they are not JSON).
+
+    The SHA-256 of every file of its ``files`` list that is in ``directory`` is recorded under
+    ``"sha256"`` (computed now, so write the manifest after the files), which readers check
+    (:func:`transformer_ext.export_format.verify_files`)."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, ef.MANIFEST_NAME)
+    manifest = dict(manifest)
+    if isinstance(manifest.get("files"), list):
+        manifest[ef.HASHES_KEY] = ef.file_hashes(directory, manifest["files"])
+    atomic_write_json(path, manifest)
     return path
 
 
 def write_generation_config(
-    directory: str | os.PathLike, config: GenerationConfig, name: str = GENERATION_FILE
+    directory: str | os.PathLike, config: ef.GenerationConfig, name: str = ef.GENERATION_FILE
 ) -> str:
     """Write ``config`` as ``directory/name`` (default ``generation.json``) atomically; returns its path."""
     path = os.path.join(os.fspath(directory), name)
@@ -130,7 +97,7 @@ def write_generation_config(
 def folder_files(directory: str | os.PathLike) -> list[str]:
     """The sorted names in ``directory`` plus ``manifest.json``: the ``files`` entry of a manifest
     about to be written there."""
-    return sorted(set(os.listdir(directory)) | {MANIFEST_NAME})
+    return sorted(set(os.listdir(directory)) | {ef.MANIFEST_NAME})
 
 
 def _plain_name(value: Any) -> Optional[str]:
@@ -142,7 +109,7 @@ def owned_files(manifest: Mapping[str, Any]) -> set[str]:
     version 2 on; for version 1 the exact names the version-1 tools wrote there."""
     if int(manifest.get("format_version", 0)) >= 2:
         return {f for f in manifest.get("files", []) if _plain_name(f)}
-    names = set(_V1_FILES) | {f for f in tokenizer_files(manifest) if _plain_name(f)}
+    names = set(_V1_FILES) | {f for f in ef.tokenizer_files(manifest) if _plain_name(f)}
     for section in ((manifest.get("tensorrt") or {}).get("engines") or {}).values():
         if not isinstance(section, Mapping):
             continue
@@ -157,23 +124,26 @@ def owned_files(manifest: Mapping[str, Any]) -> set[str]:
 
 def _load_own_manifest(directory: Path) -> tuple[Optional[dict], str]:
     """``(manifest, "")`` when ``directory/manifest.json`` is one of ours, else ``(None, why not)``."""
-    path = directory / MANIFEST_NAME
+    path = directory / ef.MANIFEST_NAME
     if not path.is_file():
-        return None, f"it has no {MANIFEST_NAME}"
+        return None, f"it has no {ef.MANIFEST_NAME}"
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
-        return None, f"its {MANIFEST_NAME} cannot be read ({exc})"
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return None, f'its {MANIFEST_NAME} was not written by this package (no "format": "{FORMAT}")'
+        return None, f"its {ef.MANIFEST_NAME} cannot be read ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("format") != ef.FORMAT:
+        return None, f'its {ef.MANIFEST_NAME} was not written by this package (no "format": "{ef.FORMAT}")'
     version = manifest.get("format_version")
-    if isinstance(version, bool) or version not in READABLE_FORMAT_VERSIONS:
-        return None, f"its {MANIFEST_NAME} has format_version {version!r}, which this version does not know"
+    if isinstance(version, bool) or version not in ef.READABLE_FORMAT_VERSIONS:
+        return (
+            None,
+            f"its {ef.MANIFEST_NAME} has format_version {version!r}, which this version does not know",
+        )
     if version >= 2 and not (
         isinstance(manifest.get("files"), list) and all(isinstance(f, str) for f in manifest["files"])
     ):
-        return None, f"its {MANIFEST_NAME} does not list the folder's files"
+        return None, f"its {ef.MANIFEST_NAME} does not list the folder's files"
     return manifest, ""
 
 

@@ -72,13 +72,17 @@ from transformer_ext.export_format import (
     CACHE_LEN,
     DECODER_FILE,
     ENCODER_FILE,
+    FORMAT_VERSION,
     GENERATION_FILE,
+    HASHES_KEY,
     MANIFEST_NAME,
     SRC_LEN,
     GenerationConfig,
     dtype_from_tensorrt,
+    file_sha256,
     read_generation_config,
     read_manifest,
+    tokenizer_files,
 )
 from transformer_ext.fsutil import StagedDir, atomic_write_bytes, remove_stale_temporaries, temporary_name
 from transformer_ext.precision import (
@@ -764,10 +768,15 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
     trt_version = getattr(trt, "__version__", "?")
     section = manifest_section(plan, engine_bytes, engine_io, trt_version)
     manifest = update_manifest(target.base_manifest, plan, section)
-    manifest["format_version"] = export_manifest.FORMAT_VERSION
-    manifest["tokenizer_files"] = export_manifest.tokenizer_files(target.base_manifest)
+    manifest["format_version"] = FORMAT_VERSION
+    manifest["tokenizer_files"] = tokenizer_files(target.base_manifest)
     manifest["generation_config"] = target.generation_config
     manifest["files"] = sorted(set(target.listed_files) | set(files) | {MANIFEST_NAME})
+    manifest[HASHES_KEY] = {
+        name: hashlib.sha256(files[name]).hexdigest() if name in files else file_sha256(out_dir / name)
+        for name in manifest["files"]
+        if name != MANIFEST_NAME and (name in files or (out_dir / name).is_file())
+    }
     files[MANIFEST_NAME] = (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     manifest_path = out_dir / MANIFEST_NAME
     made: list[Path] = []
@@ -817,7 +826,7 @@ def _deployment_files(
     """
     out: dict[str, bytes] = {}
     name = manifest.get("generation_config")
-    names = list(export_manifest.tokenizer_files(manifest))
+    names = list(tokenizer_files(manifest))
     if name is None:
         name = GENERATION_FILE
         default = GenerationConfig.defaults_for(manifest).to_dict()
@@ -845,7 +854,7 @@ def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
             manifest of ours, or a file the build would overwrite is not one this package wrote.
     """
     export_dir, out_dir = Path(plan.export_dir), Path(plan.output_dir)
-    export_meta = export_manifest.read_manifest(export_dir)
+    export_meta = read_manifest(export_dir)
     carried, generation_name = _deployment_files(export_dir, out_dir, export_meta)
     export_manifest.check_output_path(out_dir)
     timing = Path(plan.timing_cache)
@@ -857,7 +866,7 @@ def _check_output_folder(plan: "BuildPlan") -> _OutputFolder:
             base = export_meta
         else:
             try:
-                base = export_manifest.read_manifest(out_dir)
+                base = read_manifest(out_dir)
             except ExportError as exc:
                 raise OutputFolderError(
                     f"--output-dir {out_dir} is not empty and holds no engine manifest of this package ({exc}); "

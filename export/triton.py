@@ -64,19 +64,18 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from transformer_ext.cli import add_debug_flag, run_cli
-from transformer_ext.export_format import DTYPES, io_problems, read_generation_config
+from transformer_ext.export_format import (
+    DECODER_FILE,
+    DTYPES,
+    ENCODER_FILE,
+    io_problems,
+    read_generation_config,
+    read_manifest,
+)
 from transformer_ext.fsutil import StagedDir, atomic_write_json
 
 from . import ExportError, InvalidGraphError, ManifestError, OutputFolderError
-from .manifest import (
-    DECODER_FILE,
-    ENCODER_FILE,
-    check_output_path,
-    make_parents,
-    named_write_error,
-    read_manifest,
-    remove_made_parents,
-)
+from .manifest import check_output_path, make_parents, named_write_error, remove_made_parents
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,8 @@
 
 Test modules import from here, never from each other: tiny random models and batches, model
 folders and the session's exports, a numpy runner of the decoding protocol with known
-probabilities. The stand-in TensorRT module and engines are in fake_tensorrt.py.
+probabilities, random log-probability functions and search options for property tests. The
+stand-in TensorRT module and engines are in fake_tensorrt.py.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
+from transformer_ext import decoding
 from transformer_ext.checkpoint import save_model
 from transformer_ext.config import TransformerConfig
+from transformer_ext.decoding import log_softmax
 from transformer_ext.export_format import MANIFEST_NAME
 from transformer_ext.model import Transformer
 from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
@@ -69,6 +73,16 @@ def make_model_dir(directory: Path, seed: int = 0, **overrides) -> Path:
     return directory
 
 
+def rehash_export(folder: Path) -> None:
+    """Record the SHA-256 of ``folder``'s files in its manifest again: a test that edits a file of an
+    export on purpose (its generation.json) makes an edit the manifest knows of."""
+    import json
+
+    from export.manifest import write_manifest
+
+    write_manifest(folder, json.loads((folder / MANIFEST_NAME).read_text()))
+
+
 def exported_dir(tmp_path_factory, flavour: str) -> Path:
     """The tiny model exported (and validated) in ``flavour``, once per test session."""
     from export.onnx import export_onnx
@@ -84,7 +98,7 @@ def exported_dir(tmp_path_factory, flavour: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------------
-# a numpy runner of the decoding protocol
+# numpy runners of the decoding protocol, random log-probabilities, random search options
 # ------------------------------------------------------------------------------------------
 
 
@@ -129,3 +143,42 @@ class FunctionRunner:
 
 def sources(B=2, S=3):
     return np.ones((B, S), dtype=np.int64), np.full(B, S, dtype=np.int64)
+
+
+def masked_random_fn(V: int, seed: int, sharp: float, p_masked: float):
+    """Log-probabilities from a generator keyed by (seed, source, prefix); a fraction of the
+    tokens (never all) get -inf, so impossible candidates appear at every step."""
+
+    def fn(src, prefix):
+        rng = np.random.default_rng(abs(hash((seed, src) + prefix)) % (2**32))
+        logits = sharp * rng.standard_normal(V)
+        masked = rng.random(V) < p_masked
+        masked[rng.integers(V)] = False
+        logits[masked] = -np.inf
+        return log_softmax(logits)
+
+    return fn
+
+
+def draw_options(data, V, B, max_new, hf):
+    """Random processor options: a ragged prefix of non-EOS tokens, banned ids, a repetition
+    penalty, an n-gram size, a start token, the forced EOS (and transformers' rules)."""
+    tokens = [i for i in range(V) if i != 2]  # 2 is the EOS of these tests
+    prefix = [data.draw(st.lists(st.sampled_from(tokens), max_size=min(int(m), 3))) for m in max_new]
+    options = dict(
+        decoder_start_id=data.draw(st.sampled_from([None, 0, V - 1])),
+        target_prefix=data.draw(st.sampled_from([None, prefix])),
+        banned_ids=data.draw(st.lists(st.sampled_from(tokens), max_size=2, unique=True)),
+        repetition_penalty=data.draw(st.sampled_from([1.0, 0.7, 1.6])),
+        no_repeat_ngram_size=data.draw(st.sampled_from([0, 1, 2, 3])),
+        force_eos_at_budget=data.draw(st.booleans()),
+    )
+    if hf:
+        options["early_stopping"] = data.draw(st.sampled_from(decoding.EARLY_STOPPING))
+        options["renormalize_logits"] = data.draw(st.booleans())
+    return options
+
+
+def shifted(fn, offset):
+    """Logits with positive entries too (the repetition penalty divides those)."""
+    return lambda src, prefix: fn(src, prefix) + offset

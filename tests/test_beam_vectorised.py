@@ -8,27 +8,12 @@ import math
 import numpy as np
 import pytest
 from beam_reference import loop_beam_search
-from helpers import FunctionRunner, sources
+from helpers import FunctionRunner, draw_options, masked_random_fn, shifted, sources
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transformer_ext import decoding
-from transformer_ext.decoding import beam_search, greedy_decode, log_softmax
-
-
-def masked_random_fn(V: int, seed: int, sharp: float, p_masked: float):
-    """Log-probabilities from a generator keyed by (seed, source, prefix); a fraction of the
-    tokens (never all) get -inf, so impossible candidates appear at every step."""
-
-    def fn(src, prefix):
-        rng = np.random.default_rng(abs(hash((seed, src) + prefix)) % (2**32))
-        logits = sharp * rng.standard_normal(V)
-        masked = rng.random(V) < p_masked
-        masked[rng.integers(V)] = False
-        logits[masked] = -np.inf
-        return log_softmax(logits)
-
-    return fn
+from transformer_ext.decoding import beam_search, greedy_decode
 
 
 def run_both(V, fn, B, **kwargs):
@@ -39,17 +24,19 @@ def run_both(V, fn, B, **kwargs):
     return got, want, runners
 
 
-def assert_same(got, want):
+def assert_same(got, want, atol=1e-9):
+    """Equal hypotheses; ``atol``: 1e-6 for length_penalty="hf", whose log-probabilities are
+    float32 (transformers' precision) where the loop's are float64."""
     assert len(got) == len(want)
     for g_hyps, w_hyps in zip(got, want, strict=True):
         assert [h.tokens for h in g_hyps] == [h.tokens for h in w_hyps]
         assert [h.finished for h in g_hyps] == [h.finished for h in w_hyps]
-        np.testing.assert_allclose([h.score for h in g_hyps], [h.score for h in w_hyps], rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose([h.score for h in g_hyps], [h.score for h in w_hyps], rtol=1e-6, atol=atol)
         np.testing.assert_allclose(
-            [h.log_prob for h in g_hyps], [h.log_prob for h in w_hyps], rtol=1e-6, atol=1e-9
+            [h.log_prob for h in g_hyps], [h.log_prob for h in w_hyps], rtol=1e-6, atol=atol
         )
         for g, w in zip(g_hyps, w_hyps, strict=True):
-            np.testing.assert_allclose(g.token_log_probs, w.token_log_probs, rtol=1e-6, atol=1e-9)
+            np.testing.assert_allclose(g.token_log_probs, w.token_log_probs, rtol=1e-6, atol=atol)
             if math.isfinite(g.log_prob):  # -inf: no possible hypothesis (the fallback has no tokens)
                 assert math.isclose(sum(g.token_log_probs), g.log_prob, rel_tol=1e-9, abs_tol=1e-9)
 
@@ -85,32 +72,8 @@ def test_vectorised_beam_equals_loop_beam(V, B, K, data, seed, sharp, p_masked, 
         alpha=0.7,
         **extra,
     )
-    assert_same(got, want)
+    assert_same(got, want, atol=1e-6 if kind == "hf" else 1e-9)
     assert runners[0].steps == runners[1].steps  # the same early stops
-
-
-def draw_options(data, V, B, max_new, hf):
-    """Random processor options: a ragged prefix of non-EOS tokens, banned ids, a repetition
-    penalty, an n-gram size, a start token, the forced EOS (and transformers' rules)."""
-    tokens = [i for i in range(V) if i != 2]  # 2 is the EOS of these tests
-    prefix = [data.draw(st.lists(st.sampled_from(tokens), max_size=min(int(m), 3))) for m in max_new]
-    options = dict(
-        decoder_start_id=data.draw(st.sampled_from([None, 0, V - 1])),
-        target_prefix=data.draw(st.sampled_from([None, prefix])),
-        banned_ids=data.draw(st.lists(st.sampled_from(tokens), max_size=2, unique=True)),
-        repetition_penalty=data.draw(st.sampled_from([1.0, 0.7, 1.6])),
-        no_repeat_ngram_size=data.draw(st.sampled_from([0, 1, 2, 3])),
-        force_eos_at_budget=data.draw(st.booleans()),
-    )
-    if hf:
-        options["early_stopping"] = data.draw(st.sampled_from(decoding.EARLY_STOPPING))
-        options["renormalize_logits"] = data.draw(st.booleans())
-    return options
-
-
-def shifted(fn, offset):
-    """Logits with positive entries too (the repetition penalty divides those)."""
-    return lambda src, prefix: fn(src, prefix) + offset
 
 
 @settings(max_examples=80, deadline=None)
@@ -142,7 +105,7 @@ def test_vectorised_beam_with_processors_equals_loop_beam(V, B, K, data, seed, p
         alpha=alpha,
         **options,
     )
-    assert_same(got, want)
+    assert_same(got, want, atol=1e-6 if kind == "hf" else 1e-9)
     assert runners[0].steps == runners[1].steps
     prefix = options["target_prefix"]
     for b, hyps in enumerate(got):

@@ -99,6 +99,26 @@ def test_worker_that_must_not_import_torch_refuses_it(tmp_path):
         bench_decode.EngineProcess(engine, str(model_dir), 1, cfg)
 
 
+def test_bench_decode_runs_the_matmulnbits_engines_at_tiny_size(tmp_path):
+    """The int4 and int8-nbits engines (export.quantize, MatMulNBits) decode in their own
+    ONNX Runtime workers: no torch, exactly 48 tokens, their agreement with float32 recorded,
+    and their decoder steps read fewer weight bytes than float32's (int4 fewest)."""
+    engines = ["onnxrt", "onnxrt_int4", "onnxrt_int8_nbits"]
+    out = str(tmp_path / "decode.json")
+    results = bench_decode.run(["tiny"], engines, [1], modes=["greedy"], threads_list=[1], repeats=1, out=out)
+    model = results["models"]["tiny"]
+    (case,) = model["cases"]
+    assert set(case["engines"]) == set(engines)
+    for name in ("onnxrt_int4", "onnxrt_int8_nbits"):
+        assert 0.0 <= case["engines"][name]["rows_equal_to_float32"] <= 1.0
+        assert model["workers"][f"{name}/1"]["modules"] == ["onnxruntime"]
+    dtypes = {e["name"]: e["dtype"] for e in results["engines"]}
+    assert dtypes == {"onnxrt": "float32", "onnxrt_int4": "int4", "onnxrt_int8_nbits": "int8"}
+    floors = model["bandwidth_floor_batch1"]
+    nbytes = {name: floors[name]["weight_bytes_per_token"] for name in engines}
+    assert nbytes["onnxrt_int4"] < nbytes["onnxrt_int8_nbits"] < nbytes["onnxrt"]
+
+
 def test_bench_decode_unknown_engine_is_named(tmp_path):
     with pytest.raises(ValueError, match="no_such_engine"):
         bench_decode.run(["tiny"], ["no_such_engine"], [1], repeats=1, out=str(tmp_path / "x.json"))

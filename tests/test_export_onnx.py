@@ -19,10 +19,10 @@ from helpers import DEMO_DIR, FLAVOURS, TOLERANCE, exported_dir, make_model_dir
 
 from export import ExportError, GraphContractError, ModelDirectoryError, ParityError
 from export import validate as validation
-from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
 from export.onnx import IR_VERSION, export_onnx, main
 from transformer_ext.checkpoint import load_model
 from transformer_ext.config import TransformerConfig
+from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
 from transformer_ext.model import Transformer
 
 # ------------------------------------------------------------------------------------------

@@ -35,9 +35,9 @@ from export import GraphContractError, OutputFolderError
 from export import onnx as export_mod
 from export import tensorrt as trtb
 from export import triton as triton_export
-from export.manifest import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, read_manifest
 from export.onnx import export_onnx
 from export.triton import MARKER_FILE, export_triton
+from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, read_manifest
 from transformer_ext.tokenizer import TokenizerError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +93,7 @@ def v1_folder(export: Path, dst: Path) -> Path:
     manifest = json.loads((dst / MANIFEST_NAME).read_text())
     (dst / manifest.pop("generation_config")).unlink()  # version 1 had no generation config
     manifest["format_version"] = 1
+    manifest.pop("sha256")  # written since version 3
     manifest["files"] = {
         "encoder": ENCODER_FILE,
         "decoder_step": DECODER_FILE,

@@ -24,11 +24,10 @@ from helpers import DEMO_DIR, exported_dir, make_model_dir
 from onnx import TensorProto, helper, numpy_helper
 
 from export import quantize as quant
-from export.manifest import DECODER_FILE, ENCODER_FILE
 from export.onnx import export_onnx
 from export.onnx import main as export_main
 from export.quantize import QuantizationError, quantize_export
-from transformer_ext.export_format import manifest_quantization, read_manifest
+from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, manifest_quantization, read_manifest
 
 SCHEMES = ["int4", "int8-nbits"]
 BITS = {"int4": 4, "int8-nbits": 8}
@@ -322,14 +321,25 @@ def test_ort_runner_and_translator_load_it(tiny_float, tmp_path_factory, scheme)
     folder = _quantized(tiny_float, tmp_path_factory, scheme)
     f32, qnt = OrtRunner(tiny_float, intra_op_num_threads=1), OrtRunner(folder, intra_op_num_threads=1)
     rng = np.random.default_rng(0)
-    ids = rng.integers(4, f32.src_vocab_size, size=(3, 7))
+    ids = rng.integers(4, f32.info.src_vocab_size, size=(3, 7))
     lengths = np.array([7, 5, 2])
-    tokens = np.full(3, f32.bos_id)
+    tokens = np.full(3, f32.info.bos_id)
     a = np.asarray(f32.step(f32.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
     b = np.asarray(qnt.step(qnt.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
     assert not np.array_equal(a, b)
     assert np.abs(a - b).max() <= (0.15 if scheme == "int4" else 0.05) * (a.max() - a.min())
     assert len(Translator.from_export_dir(folder).translate(["abc", "de f"], beam_size=2)) == 2
+
+
+def test_triton_onnxruntime_repository_of_an_int4_export(tiny_float, tmp_path_factory, tmp_path):
+    pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    from export.triton import export_triton, validate_repository
+
+    folder = _quantized(tiny_float, tmp_path_factory, "int4")
+    result = export_triton(folder, tmp_path / "repo", backend="onnxruntime", instance_kind="cpu")
+    assert validate_repository(result.repo_dir, require_protobuf=True) is True
+    copied = list(Path(result.repo_dir).rglob("*.onnx"))
+    assert any(any(n.op_type == "MatMulNBits" for n in onnx.load(p).graph.node) for p in copied)
 
 
 def test_tensorrt_refuses_int4(tiny_float, tmp_path_factory):
@@ -486,3 +496,38 @@ def test_quantize_cli_int4(tiny_float, tmp_path, capsys):
     q = manifest_quantization(read_manifest(out))
     assert (q["scheme"], q["block_size"], q["symmetric"]) == ("int4", 16, True)
     shutil.rmtree(out)
+
+
+def test_a_cpu_without_the_exporting_cpus_kernels_gets_a_warning(
+    tiny_float, tmp_path_factory, monkeypatch, caplog
+):
+    """Loaded on a CPU that lacks kernel-deciding flags the exporting CPU had (here: one with
+    AVX2 only), the runner says which and still runs (ONNX Runtime falls back itself); on the
+    exporting CPU, or for a float32 export, it says nothing."""
+    import logging
+
+    from transformer_ext import cpu_features
+    from transformer_ext.cpu_features import CpuFlags
+    from transformer_ext.export_format import quantization_cpu_warning
+    from transformer_ext.runtimes import OrtRunner
+
+    folder = _quantized(tiny_float, tmp_path_factory, "int4")
+    manifest = read_manifest(folder)
+    assert quantization_cpu_warning(manifest, folder) is None  # the CPU it was made on
+    assert quantization_cpu_warning(read_manifest(tiny_float)) is None
+    edited = dict(manifest, quantization=dict(manifest["quantization"]))
+    edited["quantization"]["cpu"] = dict(
+        edited["quantization"]["cpu"], isa=["avx2", "avx512f", "avx512_vnni"]
+    )
+    avx2_only = CpuFlags("x86", "an AVX2 CPU", frozenset({"avx2", "fma"}), "test")
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: avx2_only)
+    message = quantization_cpu_warning(edited, "E")
+    assert message.startswith(
+        "E: its int4 graphs were exported and gated on a CPU with avx512f, avx512_vnni,"
+    )
+    assert "an AVX2 CPU" in message and "float32 where no int8 kernel exists" in message
+    if "avx512f" in manifest["quantization"]["cpu"]["isa"]:  # this machine's export, read on the AVX2 CPU
+        with caplog.at_level(logging.WARNING, logger="transformer_ext.runtimes.ort"):
+            runner = OrtRunner(folder, intra_op_num_threads=1)
+        assert any("avx512f" in r.getMessage() and "lacks" in r.getMessage() for r in caplog.records)
+        assert runner.greedy(np.array([[5, 6, 7]]), np.array([3]), max_new_tokens=3)

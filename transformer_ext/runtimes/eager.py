@@ -22,11 +22,12 @@ from transformer_ext import decoding
 from transformer_ext.cli import UserError
 from transformer_ext.model import Transformer
 
+from .info import PRECISION_NAMES, RunnerInfo
 from .kv_cache import CacheStateViews, KVCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompileError", "DTYPES", "EagerRunner", "EagerState", "check_dtype"]
+__all__ = ["CompileError", "DTYPES", "EagerRunner", "EagerState", "check_dtype", "model_info"]
 
 Device = Union[str, torch.device]
 
@@ -38,6 +39,15 @@ class CompileError(RuntimeError, UserError):
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A checked int64 numpy array (see :mod:`transformer_ext.decoding`'s checks) on ``device``."""
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+def model_info(model: Transformer) -> RunnerInfo:
+    """The description of a runner of ``model`` in PyTorch: its config, positions as the only
+    limit, the precision of its weights."""
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return RunnerInfo.from_config(
+        model.config.to_dict(), runtime="eager", precision=PRECISION_NAMES.get(dtype, dtype)
+    )
 
 
 def _encode_sources(
@@ -134,7 +144,10 @@ class EagerRunner:
         returned in float32; half the weight bytes per step. On a CPU only where bfloat16 is
         native (:func:`check_dtype` raises :class:`~transformer_ext.cpu_features.NotNativeError`
         otherwise). ``"float32"`` likewise converts a model of another dtype; None (default): the
-        model's own dtype."""
+        model's own dtype.
+
+        ``info`` (:class:`~transformer_ext.runtimes.info.RunnerInfo`) describes the model (its
+        config, positions, special ids, the precision of its weights)."""
         if device is None:
             device = next(model.parameters()).device
         self.device = torch.device(device)
@@ -143,7 +156,7 @@ class EagerRunner:
             model = copy.deepcopy(model).to(dtype=want)
         self.model = model.to(self.device).eval()
         self.dtype = next(self.model.parameters()).dtype
-        self.config = model.config
+        self.info = model_info(self.model)
         self.compiled = bool(compile)
         self._decode_step = (
             torch.compile(model.decode_step, fullgraph=True, dynamic=False)
@@ -168,7 +181,7 @@ class EagerRunner:
         lengths, cross_keys, cross_values, _, cache_len, _ = _encode_sources(
             self.model, self.device, input_ids, src_lengths, cache_len, num_beams
         )
-        c = self.config
+        c = self.model.config
         cache = KVCache.allocate(
             c.n_decoder_layers,
             int(lengths.shape[0]),
@@ -187,7 +200,7 @@ class EagerRunner:
         cache = state.cache
         ids = _to_device(
             decoding.check_step_tokens(
-                cache.length, cache.capacity, self.config.max_len, tokens, N, self.config.tgt_vocab_size
+                cache.length, cache.capacity, self.info.max_positions, tokens, N, self.info.tgt_vocab_size
             ),
             self.device,
         )

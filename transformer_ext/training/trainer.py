@@ -25,15 +25,24 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 from ..data import TokenBatchSampler, collate
-from ..fsutil import StagedDir, atomic_write_json
+from ..fsutil import StagedDir, atomic_write_json, check_output_path
 from . import distributed, optim, run_folder, validation
 from .errors import TrainingDiverged, TrainingError
-from .options import TrainOptions, check_options, merge_resume_options, options_dict, parse_device
+from .options import (
+    TrainOptions,
+    check_options,
+    given_fields,
+    merge_resume_options,
+    options_dict,
+    parse_device,
+    saved_options,
+)
+from .progress import Progress, TensorBoardLog, format_duration, have_tensorboard
 from .run_folder import OPTIONS_JSON, RUN_MARKER, STATE_JSON, SUMMARY_JSON, RunFolder
 from .tasks import Task, TrainingData, task_for
 
@@ -130,6 +139,8 @@ class Trainer:
         self.device = ctx.device
         self.out, self.folder, self.export_dir = folder.path, folder, export_dir
         self.best_metric = task.best_metric
+        # validation BLEU and chrF: what the metric needs, and a text task's report where sacrebleu is
+        self.scores_text = self.best_metric in ("bleu", "chrf") or (task.scores_text and have_sacrebleu())
         self.n_params = sum(p.numel() for p in model.parameters())
         # under torchrun: this rank's batches r, r+N, r+2N, ... of each epoch
         self.sampler = ctx.shard(TokenBatchSampler(data.costs, opts.max_tokens, seed=opts.seed))
@@ -155,6 +166,8 @@ class Trainer:
         self.last_eval_step = -1
         self.stop_reason = ""
         self.started = time.monotonic()
+        self.lock: Optional[run_folder.RunLock] = None  # held by train() around the session
+        self.tensorboard: Optional[TensorBoardLog] = None  # --tensorboard, on rank 0
 
     @property
     def total_steps(self) -> int:
@@ -183,6 +196,10 @@ class Trainer:
     # ------------------------------------------------------------------ the session
     def run(self) -> TrainResult:
         """Train until a budget is spent; returns the session's :class:`TrainResult`."""
+        with run_folder.disk_errors("--out", self.out):
+            return self._run()
+
+    def _run(self) -> TrainResult:
         self._open_stage()  # from here on the disk is written (by rank 0 only under torchrun)
         try:
             self._write_run_files()
@@ -202,12 +219,16 @@ class Trainer:
                 )
             raise
         finally:
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             if self.stage is not None:
                 self.stage.__exit__(None, None, None)  # removes the staged folder unless it was committed
 
     def _open_stage(self) -> None:
         if self.ctx.is_main and not self.opts.resume:
             self.out.absolute().parent.mkdir(parents=True, exist_ok=True)
+            if self.lock is not None:
+                self.lock.acquire()  # a no-op when train() could take it before (the parent existed)
             self.stage = StagedDir(self.out)
             self.stage.__enter__()
             self.run_dir = self.stage.path
@@ -217,17 +238,16 @@ class Trainer:
             return
         if self.stage is not None:
             atomic_write_json(self.run_dir / RUN_MARKER, run_folder.marker())
-            atomic_write_json(self.run_dir / OPTIONS_JSON, options_dict(self.opts))
         elif not self.folder.marked:  # resuming a run of the version before run.json
             atomic_write_json(self.out / RUN_MARKER, run_folder.marker())
+        # a resumed session records the options it continues with (those given again included)
+        atomic_write_json(self.run_dir / OPTIONS_JSON, options_dict(self.opts))
 
     def _log_start(self) -> None:
         logger.info("model: %s parameters, config %s", f"{self.n_params:,}", self.config.to_dict())
         self.task.describe(self.data, len(self.sampler), self.steps_per_epoch)
 
     def _train(self) -> None:
-        from tqdm.auto import tqdm
-
         opts, state = self.opts, self.state
         self.ctx.seed_rank_rng(opts.seed, state.step)  # ranks > 0: their own dropout masks
         self.model.train()
@@ -240,21 +260,17 @@ class Trainer:
         )
         self.window = _LogWindow()
         self.last_eval_step = state.history[-1]["step"] if state.history else -1
-        bar = tqdm(
-            total=self.total_steps,
-            initial=state.step,
-            disable=not opts.progress or not self.ctx.is_main,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            leave=False,
+        self.progress = Progress(
+            self.total_steps, state.step, opts.max_minutes, enabled=opts.progress and self.ctx.is_main
         )
+        if opts.tensorboard is not None and self.ctx.is_main:
+            self.tensorboard = TensorBoardLog(opts.tensorboard)
         try:
-            self._epochs(bar)
+            self._epochs()
         finally:
-            bar.close()
+            self.progress.close()
 
-    def _epochs(self, bar) -> None:
+    def _epochs(self) -> None:
         """Epoch after epoch, step after step, until :meth:`_should_stop` or the patience runs out."""
         opts, state = self.opts, self.state
         if state.step >= self.total_steps:
@@ -265,8 +281,7 @@ class Trainer:
                 if self._should_stop():
                     return
                 self.step(batches[state.batch_in_epoch : state.batch_in_epoch + opts.update_freq])
-                bar.update(1)
-                self._log_progress(bar)
+                self._log_progress()
                 if opts.eval_every and state.step % opts.eval_every == 0:
                     self.validate()
                     if opts.patience is not None and state.evals_since_best >= opts.patience:
@@ -322,21 +337,30 @@ class Trainer:
         self.window.loss += loss_value * n_tokens
         self.window.tokens += n_tokens
 
-    def _log_progress(self, bar) -> None:
-        if not (self.opts.log_every and self.state.step % self.opts.log_every == 0):
+    def _log_progress(self) -> None:
+        """The step's TensorBoard scalars, the log line every --log-every steps, the progress bar."""
+        step, loss, lr = self.state.step, self.losses[-1], self.learning_rates[-1]
+        if self.tensorboard is not None:
+            self.tensorboard.step(step, loss, lr)
+        if not (self.opts.log_every and step % self.opts.log_every == 0):
+            self.progress.update(step)
             return
-        window, lr = self.window, self.learning_rates[-1]
-        dt = time.monotonic() - window.start
+        window = self.window
+        tokens_per_s = window.tokens / max(time.monotonic() - window.start, 1e-9)
+        left, binding = self.progress.time_left(step)
         logger.info(
-            "step %d/%d epoch %d loss %.4f lr %.2e %.0f target tokens/s",
-            self.state.step,
+            "step %d/%d epoch %d loss %.4f lr %.2e %.0f target tokens/s%s",
+            step,
             self.total_steps,
             self.state.epoch + 1,
             window.loss / window.tokens,
             lr,
-            window.tokens / max(dt, 1e-9),
+            tokens_per_s,
+            "" if left is None else f", about {format_duration(left)} left ({binding} budget)",
         )
-        bar.set_postfix(loss=f"{window.loss / window.tokens:.3f}", lr=f"{lr:.1e}")
+        if self.tensorboard is not None:
+            self.tensorboard.throughput(step, tokens_per_s)
+        self.progress.update(step, loss=f"{window.loss / window.tokens:.3f}", lr=f"{lr:.1e}")
         self.window = _LogWindow()
 
     # ------------------------------------------------------------------ validation and checkpoints
@@ -368,7 +392,7 @@ class Trainer:
             label_smoothing=opts.label_smoothing,
             exact_examples=opts.eval_examples,
             pairs=self.data.valid_pairs,
-            bleu=self.task.scores_text or self.best_metric in ("bleu", "chrf"),
+            bleu=self.scores_text,
         )
         errors = metrics.pop("errors", [])
         signatures = {k: metrics.pop(k) for k in ("bleu_signature", "chrf_signature") if k in metrics}
@@ -390,6 +414,8 @@ class Trainer:
                 signatures.get("chrf_signature"),
             )
         validation.log_validation(record, improved, errors)
+        if self.tensorboard is not None:
+            self.tensorboard.validation(record)
         if improved:
             state.best = record
             state.evals_since_best = 0
@@ -492,7 +518,8 @@ class Trainer:
             summary = self._final_summary(result, session_s, session_cpu_s)
             atomic_write_json(self.out / SUMMARY_JSON, summary)
             if self.export_dir is not None:
-                run_folder.export_model(self.out / "best", self.export_dir, summary, self.tokenizer.files)
+                with run_folder.disk_errors("--export", self.export_dir):
+                    run_folder.export_model(self.out / "best", self.export_dir, summary, self.tokenizer.files)
         ctx.close()
         return result
 
@@ -526,25 +553,64 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- the entry point
-def _resumed_options(opts: TrainOptions, out: Path, last: Path) -> TrainOptions:
-    """``opts`` with the run-defining options of the run saved in ``out``."""
+def have_sacrebleu() -> bool:
+    try:
+        import sacrebleu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_metric_available(task: Task) -> None:
+    """Refuse, before anything is done, options whose packages are not installed (sacrebleu for
+    --best-metric bleu/chrf and --test, tensorboard for --tensorboard)."""
+    if task.opts.tensorboard is not None and not have_tensorboard():
+        raise TrainingError(
+            f"--tensorboard {task.opts.tensorboard} needs the tensorboard package, which is not installed: "
+            "pip install tensorboard (or the [tensorboard] extra)"
+        )
+    if task.opts.test_files is not None and not have_sacrebleu():
+        raise TrainingError(
+            "--test scores the best model with BLEU and chrF and needs the sacrebleu package, which is "
+            "not installed: pip install sacrebleu==2.6.0 (or the [eval] extra)"
+        )
+    metric = task.best_metric
+    if metric in ("bleu", "chrf") and not have_sacrebleu():
+        default = "" if task.opts.best_metric else f" (the default of a {task.name} run)"
+        raise TrainingError(
+            f"--best-metric {metric}{default} needs the sacrebleu package, which is not installed: "
+            "pip install sacrebleu==2.6.0 (or the [eval] extra), or choose --best-metric loss"
+        )
+
+
+def _resumed_options(opts: TrainOptions, out: Path, last: Path, given: frozenset) -> TrainOptions:
+    """``opts`` completed from the run saved in ``out`` (see :func:`.options.merge_resume_options`)."""
     if not (last / STATE_JSON).is_file():
         raise TrainingError(f"cannot resume: no saved checkpoint in {out} ({last / STATE_JSON} not found)")
-    saved = run_folder.read_json_file(out / OPTIONS_JSON, "the options of the run")
+    path = out / OPTIONS_JSON
+    saved = run_folder.read_json_file(path, "the options of the run")
     try:
         if not isinstance(saved, dict):
             raise TrainingError("not a JSON object")
-        opts = merge_resume_options(opts, saved)
-        check_options(opts)
+        run_opts, present = saved_options(saved)
     except (TrainingError, TypeError, ValueError) as exc:
-        raise TrainingError(
-            f"cannot resume: {out / OPTIONS_JSON} does not hold valid options: {exc}"
-        ) from None
+        raise TrainingError(f"cannot resume: {path} does not hold valid options: {exc}") from None
+    opts = merge_resume_options(opts, run_opts, present, given, out)
+    check_options(opts)
     return opts
 
 
-def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResult:
+def train(
+    options: Optional[TrainOptions] = None, *, given_options: Optional[Iterable[str]] = None, **overrides: Any
+) -> TrainResult:
     """Train (or resume) a model as described by ``options`` (plus keyword overrides).
+
+    Resuming (``resume=True``) continues the run as it was started: the options that are not
+    given for this session come from the run's ``train_options.json``; an option given again
+    replaces the run's (a run-defining one, such as the model size or the data, only with the
+    run's own value). ``given_options`` names the fields given (the command line's flags); when
+    None, a field counts as given when it differs from :class:`TrainOptions`' default, and every
+    keyword override counts as given.
 
     Returns a :class:`TrainResult`; writes ``<out>/best/``, ``<out>/last/``, ``<out>/run.json``,
     ``<out>/train_options.json`` and ``<out>/summary.json`` (and the export directory when
@@ -557,23 +623,86 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     program is resumed or replaced. Checkpoints are written atomically, so an interruption or a
     full disk leaves the previous checkpoint and no temporary files.
     """
-    from ..checkpoint import load_model
-    from ..spm_tokenizer import load_any_tokenizer
-
     opts = dataclasses.replace(options or TrainOptions(), **overrides)
+    given = frozenset(given_fields(opts) if given_options is None else given_options) | frozenset(overrides)
     check_options(opts)
     out = Path(opts.out_dir)
     folder = run_folder.inspect_out(out)
     run_folder.check_out(folder, resume=opts.resume, overwrite=opts.overwrite)
+    if opts.resume:
+        opts = _resumed_options(opts, out, run_folder.last_dir(out), given)
+    _check_outputs(opts, out)
     export_dir = run_folder.check_export_dir(opts.export_dir, out)
     # single process, or one rank of a torchrun job (nccl on cuda, gloo on cpu)
     ctx = distributed.setup(parse_device(opts.device))
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
-    last = run_folder.last_dir(out)
-    if opts.resume:
-        opts = _resumed_options(opts, out, last)
+    lock = _lock_run(out, ctx)
+    try:
+        trainer = _prepare(opts, ctx, folder, export_dir)
+        trainer.lock = lock
+        return trainer.run()
+    finally:
+        lock.release()
+
+
+def _check_outputs(opts: TrainOptions, out: Path) -> None:
+    """--out, --export and --tensorboard overlap no input, and lie in no training run's managed folders."""
+    inputs = [
+        (f"the {flag} file", path)
+        for flag, paths in (
+            ("--train", opts.train_files),
+            ("--valid", opts.valid_files),
+            ("--train-tsv", opts.train_tsv and (opts.train_tsv,)),
+            ("--valid-tsv", opts.valid_tsv and (opts.valid_tsv,)),
+            ("--test", opts.test_files),
+        )
+        for path in paths or ()
+    ]
+    check_output_path(
+        out, inputs=inputs, managed_dirs=run_folder.managed_dirs(out, include_self=False), what="--out"
+    )
+    own = [(f"the run folder's {name}/", out / name) for name in run_folder.MANAGED_DIRS]
+    for flag, path in (("--export", opts.export_dir), ("--tensorboard", opts.tensorboard)):
+        if path is not None:
+            check_output_path(
+                path, inputs=inputs, managed_dirs=own + run_folder.managed_dirs(path), what=flag
+            )
+    if (
+        opts.tensorboard is not None
+        and Path(opts.tensorboard).exists()
+        and not Path(opts.tensorboard).is_dir()
+    ):
+        raise TrainingError(f"--tensorboard {opts.tensorboard} is a file; give a folder for the event files")
+
+
+def _lock_run(out: Path, ctx: distributed.Context) -> run_folder.RunLock:
+    """Rank 0 locks the run folder (where its parent exists: else when it is created); every rank
+    raises when that fails."""
+    lock = run_folder.RunLock(out)
+    error: Optional[BaseException] = None
+    if ctx.is_main and out.absolute().parent.is_dir():
+        try:
+            with run_folder.disk_errors("--out", out):
+                lock.acquire()
+        except TrainingError as exc:
+            error = exc
+    message = ctx.broadcast(None if error is None else str(error))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise TrainingError(message)
+    return lock
+
+
+def _prepare(opts: TrainOptions, ctx: distributed.Context, folder: RunFolder, export_dir) -> Trainer:
+    """The task's data, the tokenizer and model (new, or the run's), checked: a Trainer ready to run."""
+    from ..checkpoint import load_model
+    from ..spm_tokenizer import load_any_tokenizer
+
+    last = run_folder.last_dir(folder.path)
     task = task_for(opts)
+    _check_metric_available(task)
     task.load_data(ctx)
     if opts.resume:
         tokenizer, model = load_any_tokenizer(last), load_model(last, ctx.device)
@@ -584,4 +713,4 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     trainer = Trainer(opts, task, ctx, model, tokenizer, data, folder, export_dir)
     if opts.resume:
         trainer.restore(last)
-    return trainer.run()
+    return trainer
