@@ -152,9 +152,9 @@ if importlib.util.find_spec("ctranslate2"):
         )
     )
 PEERS = ("ctranslate2", "ctranslate2_int8")
-# What each dtype's engines are compared with: CTranslate2 of the same dtype (int4: its int8, as it has
-# no 4-bit CPU path); bfloat16 (which
-# CTranslate2 does not run on CPUs) with our float32 eager decode of the same weights.
+# What each dtype's engines are compared with: CTranslate2 of the same dtype (int4: its int8, as it
+# has no 4-bit CPU path); bfloat16, which CTranslate2 does not run on CPUs, with our float32 eager
+# decode of the same weights.
 PEER_OF_DTYPE = {
     "float32": "ctranslate2",
     "int8": "ctranslate2_int8",

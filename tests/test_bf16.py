@@ -363,3 +363,54 @@ def test_probe_rounds_to_bfloat16_like_torch():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 100
     mine = probe_ort_lowp._rounded(x.numpy(), "bfloat16")
     assert np.array_equal(mine, x.bfloat16().float().numpy())
+
+
+# --------------------------------------------------------------------------- Translator and translate --dtype
+def _translate_cli(argv, capsys):
+    import io
+
+    from transformer_ext.translate import main
+
+    try:
+        code = main(argv, stdin=io.StringIO(""))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_translator_from_model_dir_in_bfloat16(native, one_thread):
+    from transformer_ext.translate import Translator
+
+    translator = Translator.from_model_dir(None, dtype="bfloat16")
+    assert {p.dtype for p in translator.runner.model.parameters()} == {torch.bfloat16}
+    assert translator.runner.info.precision == "bf16"
+    assert translator.translate(["forty-two", "three hundred and seven"]) == [
+        "zweiundvierzig",
+        "dreihundertsieben",
+    ]
+
+
+def test_translate_cli_dtype_bfloat16(native, capsys, one_thread):
+    code, out, _ = _translate_cli(["--dtype", "bfloat16", "forty-two", "one thousand and one"], capsys)
+    assert code == 0 and out == "zweiundvierzig\neintausendeins\n"
+
+
+def test_translate_cli_dtype_bfloat16_refused_where_not_native(not_native, capsys, tmp_path):
+    out_file = tmp_path / "out.txt"
+    code, out, err = _translate_cli(["--dtype", "bfloat16", "--output", str(out_file), "forty-two"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and out == "" and len(lines) == 1
+    assert "--dtype bfloat16 needs a CPU with native bfloat16" in lines[0] and "avx512_bf16" in lines[0]
+    assert not out_file.exists()
+    with pytest.raises(cpu_features.NotNativeError, match="dtype='bfloat16' needs"):
+        from transformer_ext.translate import Translator
+
+        Translator.from_model_dir(tmp_path / "never-read", dtype="bfloat16")  # refused before the folder
+
+
+def test_translate_cli_dtype_is_for_the_eager_runtime(capsys):
+    code, _, err = _translate_cli(["--dtype", "bfloat16", "--runtime", "onnxruntime", "forty-two"], capsys)
+    assert code == 2 and "--dtype applies to the eager runtime only" in err
+    code, _, err = _translate_cli(["--dtype", "float16", "forty-two"], capsys)
+    assert code == 2 and "--dtype" in err
