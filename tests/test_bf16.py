@@ -251,7 +251,7 @@ def test_resume_across_precisions(tmp_path, native, float32_run, first, then):
 # --------------------------------------------------------------------------- eager decode in bfloat16
 @pytest.fixture(scope="module")
 def demo_model():
-    from transformer_ext.translate import DEMO_MODEL_DIR
+    from transformer_ext.demo import DEMO_MODEL_DIR
 
     return load_model(DEMO_MODEL_DIR, "cpu")
 
