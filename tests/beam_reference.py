@@ -5,7 +5,8 @@ It must stay a separate implementation: do not make it call the search it checks
 
 It also implements every option of the search in plain loops (:func:`row_log_probs`: the logit
 processors of one row, transformers' variant on log-probabilities, forced tokens), so the tests
-check them against it too."""
+check them against it too, and greedy decoding, sampling and forced decoding one source and one
+token at a time (:func:`loop_greedy`, :func:`loop_sample`, :func:`loop_score`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import math
 import numpy as np
 
 from transformer_ext.decoding import Hypothesis, length_penalty_factor, log_softmax
+
+EOS = 2  # the special ids of the loops below (and of the tests' random runners)
+BOS = 1
 
 
 def row_log_probs(
@@ -234,3 +238,125 @@ def loop_beam_search(
             finished[b].sort(key=lambda h: h.score, reverse=True)
             results[b] = finished[b][:n_best] or [Hypothesis([], -math.inf, -math.inf, False, [])]
     return results
+
+
+# ------------------------------------------------------------------------------------------
+# greedy decoding, sampling and forced decoding as plain loops (over fn(source, prefix) -> logits)
+# ------------------------------------------------------------------------------------------
+
+
+def processor_kwargs(options, b, max_new, min_new):
+    prefix = options.get("target_prefix")
+    return dict(
+        eos_id=EOS,
+        prefix=() if prefix is None else prefix[b],
+        max_new=int(max_new[b]),
+        min_new=int(min_new[b]),
+        banned_ids=options.get("banned_ids", ()),
+        repetition_penalty=options.get("repetition_penalty", 1.0),
+        no_repeat_ngram_size=options.get("no_repeat_ngram_size", 0),
+        force_eos_at_budget=options.get("force_eos_at_budget", False),
+    )
+
+
+def forced_token(options, b, t, max_new):
+    prefix = options.get("target_prefix")
+    if prefix is not None and t < len(prefix[b]):
+        return int(prefix[b][t])
+    if options.get("force_eos_at_budget") and t == int(max_new[b]) - 1:
+        return EOS
+    return None
+
+
+def loop_greedy(fn, B, max_new, min_new, options):
+    """One source at a time, one token at a time: (tokens, token log-probs, finished)."""
+    start = options.get("decoder_start_id")
+    start = BOS if start is None else start
+    out = []
+    for b in range(B):
+        generated, lps, finished = [], [], False
+        for t in range(int(max_new[b])):
+            logits = np.float32(fn(b, tuple(generated)))
+            lp = row_log_probs(
+                logits, [start] + generated, t, **processor_kwargs(options, b, max_new, min_new)
+            )
+            tok = forced_token(options, b, t, max_new)
+            tok = int(np.argmax(lp)) if tok is None else tok
+            lps.append(float(lp[tok]))
+            if tok == EOS:
+                finished = True
+                break
+            generated.append(tok)
+        out.append((generated, lps, finished))
+    return out
+
+
+def loop_sample(fn, B, n, max_new, min_new, options, topk, topp, temperature, seed):
+    """Sampling as specified: every step one ``rng.random()`` per row (all rows, in order) while a
+    row is open; row r's token: the top-k tokens by processed logit, probabilities
+    ``exp((l - max) / T)``, top-p over them (most likely first), then the first token in id
+    order whose cumulative probability exceeds ``u * total``."""
+    rng = np.random.default_rng(seed)
+    start = options.get("decoder_start_id")
+    start = BOS if start is None else start
+    N = B * n
+    rows = [dict(gen=[], lps=[], open=int(max_new[r // n]) > 0) for r in range(N)]
+    t = 0
+    while any(row["open"] for row in rows):
+        u = rng.random(N)
+        for r, row in enumerate(rows):
+            if not row["open"]:
+                continue
+            b = r // n
+            logits = np.float32(fn(b, tuple(row["gen"])))
+            lp = row_log_probs(
+                logits, [start] + row["gen"], t, **processor_kwargs(options, b, max_new, min_new)
+            )
+            z = lp  # the processed logits up to a constant per row
+            V = len(z)
+            k = V if topk == 0 else min(topk, V)
+            cand = sorted(np.argsort(-z, kind="stable")[:k].tolist())
+            finite = [z[c] for c in cand if np.isfinite(z[c])]
+            m = max(finite) if finite else 0.0
+            p = {c: math.exp((z[c] - m) / temperature) if np.isfinite(z[c]) else 0.0 for c in cand}
+            if topp < 1.0:
+                ranked = sorted(cand, key=lambda c: -p[c])  # stable: ties by id
+                total = sum(p[c] for c in ranked)
+                kept, before = set(), 0.0
+                for c in ranked:
+                    if before < topp * total:
+                        kept.add(c)
+                    before += p[c]
+                p = {c: (p[c] if c in kept else 0.0) for c in cand}
+            total = sum(p[c] for c in cand)
+            acc, tok = 0.0, None
+            for c in cand:
+                acc += p[c]
+                if acc > u[r] * total:
+                    tok = c
+                    break
+            if tok is None:  # every probability is 0: the first token, as greedy decoding picks
+                tok = int(np.argmax(lp))
+            forced = forced_token(options, b, t, max_new)
+            tok = tok if forced is None else forced
+            row["lps"].append(float(lp[tok]))
+            if tok == EOS:
+                row["open"], row["finished"] = False, True
+                continue
+            row["gen"].append(tok)
+            if len(row["gen"]) >= int(max_new[b]):
+                row["open"], row["finished"] = False, False
+        t += 1
+    return rows
+
+
+def loop_score(fn, targets, include_eos=True):
+    out = []
+    for b, target in enumerate(targets):
+        wanted = list(target) + ([EOS] if include_eos else [])
+        lps = []
+        for t, tok in enumerate(wanted):
+            lp = log_softmax(np.float32(fn(b, tuple(target[:t]))))
+            lps.append(float(lp[tok]))
+        out.append(lps)
+    return out

@@ -1,5 +1,7 @@
 """Checkpoint averaging: the result is the mean of the parameters and a normal model folder."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -7,6 +9,7 @@ from safetensors.torch import load_file
 from transformer_ext.average import AverageError, average_checkpoints, main
 from transformer_ext.checkpoint import WEIGHTS_NAME, load_model, save_model
 from transformer_ext.config import TransformerConfig
+from transformer_ext.fsutil import OutputConflictError
 from transformer_ext.model import Transformer
 from transformer_ext.tokenizer import CharTokenizer
 
@@ -84,3 +87,39 @@ def test_too_few_checkpoints(tmp_path, capsys):
     make_folder(run / "checkpoints" / "step-10", seed=0)
     assert main(["--last", "3", str(run), "--out", str(tmp_path / "avg")]) == 1
     assert "holds only 1 checkpoints" in capsys.readouterr().err
+
+
+def make_run(path):
+    """A training run folder as train writes it: run.json (the format marker) and step checkpoints."""
+    (path / "checkpoints").mkdir(parents=True)
+    (path / "run.json").write_text(json.dumps({"format": "transformer_ext.train-run", "format_version": 1}))
+    for step in (100, 200):
+        make_folder(path / "checkpoints" / f"step-{step}", seed=step)
+    make_folder(path / "best", seed=1)
+    make_folder(path / "last", seed=2)
+    return path
+
+
+@pytest.mark.parametrize("inside", ["checkpoints/step-9999", "last/avg", "best/avg", "checkpoints", "."])
+def test_average_refuses_an_output_in_a_runs_managed_folders(tmp_path, capsys, inside):
+    run = make_run(tmp_path / "run")
+    out = run / inside
+    before = sorted(str(p) for p in run.rglob("*"))
+    assert main(["--last", "2", str(run), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err and "Traceback" not in err, err
+    assert sorted(str(p) for p in run.rglob("*")) == before  # nothing written
+    # the library refuses it too, for checkpoints named one by one
+    with pytest.raises(OutputConflictError, match=f"--out {out}"):
+        average_checkpoints([run / "checkpoints" / "step-100", run / "checkpoints" / "step-200"], out)
+
+
+def test_last_refuses_an_average_among_the_checkpoints(tmp_path, capsys):
+    run = make_run(tmp_path / "run")
+    assert (
+        main([str(run / "checkpoints" / "step-100"), str(run / "best"), "--out", str(tmp_path / "avg")]) == 0
+    )
+    (tmp_path / "avg").rename(run / "checkpoints" / "step-9999")  # put there by hand: not a training step
+    assert main(["--last", "2", str(run), "--out", str(tmp_path / "avg2")]) == 1
+    assert "step-9999 is an average of checkpoints" in capsys.readouterr().err
+    assert not (tmp_path / "avg2").exists()

@@ -331,6 +331,17 @@ def test_ort_runner_and_translator_load_it(tiny_float, tmp_path_factory, scheme)
     assert len(Translator.from_export_dir(folder).translate(["abc", "de f"], beam_size=2)) == 2
 
 
+def test_triton_onnxruntime_repository_of_an_int4_export(tiny_float, tmp_path_factory, tmp_path):
+    pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    from export.triton import export_triton, validate_repository
+
+    folder = _quantized(tiny_float, tmp_path_factory, "int4")
+    result = export_triton(folder, tmp_path / "repo", backend="onnxruntime", instance_kind="cpu")
+    assert validate_repository(result.repo_dir, require_protobuf=True) is True
+    copied = list(Path(result.repo_dir).rglob("*.onnx"))
+    assert any(any(n.op_type == "MatMulNBits" for n in onnx.load(p).graph.node) for p in copied)
+
+
 def test_tensorrt_refuses_int4(tiny_float, tmp_path_factory):
     from export.trt_readiness import TensorRTReadinessError, check_export_dir
 

@@ -3,6 +3,7 @@ the command does with bad options, foreign folders, corrupt files, a full disk a
 
 import errno
 import json
+import logging
 import math
 import os
 import re
@@ -52,6 +53,11 @@ TINY = dict(
 
 def tiny(tmp_path, name="run", **kw):
     return TrainOptions(out_dir=str(tmp_path / name), **{**TINY, **kw})
+
+
+def resume_of(out, **kw):
+    """Options that resume the run in ``out``: only ``kw`` (and quiet logging) given, the rest is the run's."""
+    return TrainOptions(out_dir=str(out), resume=True, progress=False, log_every=0, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -190,9 +196,13 @@ def test_resume_in_the_middle_of_an_epoch_and_off_the_eval_grid(tmp_path, refere
 
 def test_resume_keeps_the_saved_run_options(tmp_path, caplog):
     train(tiny(tmp_path, max_steps=2, eval_every=0))
-    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True, warmup=999))
-    assert resumed.step == 3
-    assert "ignoring warmup=999" in caplog.text
+    # run-defining options given again with the run's values are fine; another value is refused
+    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True, warmup=TINY["warmup"]))
+    assert resumed.step == 3 and resumed.learning_rates == [
+        paper_rate(3, 32, TINY["warmup"], TINY["lr_factor"])
+    ]
+    with pytest.raises(TrainingError, match=r"--warmup 999 \(the run has --warmup 10\)"):
+        train(tiny(tmp_path, max_steps=4, eval_every=0, resume=True, warmup=999))
 
 
 def test_epochs_limit(tmp_path):
@@ -305,7 +315,7 @@ def test_cli(tmp_path, capsys):
         train_mod.main(
             ["--out", str(tmp_path / "x"), "--preset", "tiny", "--d-model", "30", "--n-heads", "4"]
         )
-        == 1
+        == 2  # a usage error
     )
     assert "divisible" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
@@ -372,44 +382,45 @@ def state_step(out) -> int:
     return json.loads((Path(out) / "last" / "training_state.json").read_text())["step"]
 
 
-# (extra command-line options, a fragment of the one-line error): every one must leave the old run alone
+# (extra command-line options, a fragment of the one-line error, the exit code: 2 for a value out of
+# range or options that exclude each other, 1 for data that do not fit): each leaves the old run alone
 BAD_CLI = [
-    (["--d-model", "30"], "divisible"),
-    (["--n-heads", "0"], "--n-heads"),
-    (["--encoder-layers", "0", "--layers", "3"], "--encoder-layers"),
-    (["--max-len", "8"], "max_len=8"),
-    (["--range", "50", "10"], "--range LOW HIGH must satisfy 0 <= LOW <= HIGH, got 50 10"),
-    (["--range", "0", "9"], "--range 0 9 holds too few numbers"),
-    (["--lr-factor", "-1"], "--lr-factor (lr_factor) must be a finite number > 0, got -1.0"),
-    (["--lr-factor", "nan"], "--lr-factor"),
-    (["--clip-norm", "nan"], "--clip-norm (clip_norm) must be a finite number >= 0"),
-    (["--clip-norm", "-1"], "--clip-norm"),
-    (["--max-minutes", "nan"], "--max-minutes"),
-    (["--max-minutes", "0"], "--max-minutes"),
-    (["--final-beam", "-3"], "--final-beam (final_beam) must be an integer >= 0"),
-    (["--threads", "0"], "--threads (threads) must be an integer in [1, 1024]"),
-    (["--dropout", "1.0"], "--dropout (dropout) must be a number in [0, 1)"),
-    (["--dropout", "-0.5"], "--dropout"),
-    (["--dropout", "inf"], "--dropout"),
-    (["--label-smoothing", "1"], "--label-smoothing (label_smoothing) must be a number in [0, 1)"),
-    (["--label-smoothing", "-0.1"], "--label-smoothing"),
-    (["--warmup", "0"], "--warmup"),
-    (["--max-tokens", "0"], "--max-tokens"),
-    (["--eval-every", "-1"], "--eval-every"),
-    (["--eval-examples", "-1"], "--eval-examples"),
-    (["--log-every", "-1"], "--log-every"),
-    (["--seed", "-1"], "--seed"),
-    (["--split-seed", "-1"], "--split-seed"),
-    (["--epochs", "-2"], "--epochs"),
-    (["--device", "tpu"], "--device 'tpu' is not a device name; use cpu or cuda"),
-    (["--device", "meta"], "unsupported device 'meta'"),
+    (["--d-model", "30"], "divisible", 2),
+    (["--n-heads", "0"], "--n-heads", 2),
+    (["--encoder-layers", "0", "--layers", "3"], "--encoder-layers", 2),
+    (["--max-len", "8"], "max_len=8", 1),
+    (["--range", "50", "10"], "--range LOW HIGH must satisfy 0 <= LOW <= HIGH, got 50 10", 2),
+    (["--range", "0", "9"], "--range 0 9 holds too few numbers", 2),
+    (["--lr-factor", "-1"], "--lr-factor (lr_factor) must be a finite number > 0, got -1.0", 2),
+    (["--lr-factor", "nan"], "--lr-factor", 2),
+    (["--clip-norm", "nan"], "--clip-norm (clip_norm) must be a finite number >= 0", 2),
+    (["--clip-norm", "-1"], "--clip-norm", 2),
+    (["--max-minutes", "nan"], "--max-minutes", 2),
+    (["--max-minutes", "0"], "--max-minutes", 2),
+    (["--final-beam", "-3"], "--final-beam (final_beam) must be an integer in [0, 128]", 2),
+    (["--threads", "0"], "--threads (threads) must be an integer in [1, 1024]", 2),
+    (["--dropout", "1.0"], "--dropout (dropout) must be a number in [0, 1)", 2),
+    (["--dropout", "-0.5"], "--dropout", 2),
+    (["--dropout", "inf"], "--dropout", 2),
+    (["--label-smoothing", "1"], "--label-smoothing (label_smoothing) must be a number in [0, 1)", 2),
+    (["--label-smoothing", "-0.1"], "--label-smoothing", 2),
+    (["--warmup", "0"], "--warmup", 2),
+    (["--max-tokens", "0"], "--max-tokens", 2),
+    (["--eval-every", "-1"], "--eval-every", 2),
+    (["--eval-examples", "-1"], "--eval-examples", 2),
+    (["--log-every", "-1"], "--log-every", 2),
+    (["--seed", "-1"], "--seed", 2),
+    (["--split-seed", "-1"], "--split-seed", 2),
+    (["--epochs", "-2"], "--epochs", 2),
+    (["--device", "tpu"], "--device 'tpu' is not a device name; use cpu or cuda", 2),
+    (["--device", "meta"], "unsupported device 'meta'", 2),
 ]
 
 
-@pytest.mark.parametrize("extra, message", BAD_CLI, ids=[" ".join(e) for e, _ in BAD_CLI])
-def test_bad_options_leave_the_old_run_untouched(run_copy, capsys, extra, message):
+@pytest.mark.parametrize("extra, message, code", BAD_CLI, ids=[" ".join(e) for e, _, _ in BAD_CLI])
+def test_bad_options_leave_the_old_run_untouched(run_copy, capsys, extra, message, code):
     before = snapshot(run_copy.parent)
-    assert train_mod.main(cli(run_copy, "--overwrite", *extra)) == 1
+    assert train_mod.main(cli(run_copy, "--overwrite", *extra)) == code
     err = capsys.readouterr().err
     assert err.startswith("python -m transformer_ext.train: error: ") and message in err, err
     assert "Traceback" not in err and err.count("\n") == 1
@@ -460,15 +471,13 @@ def test_refuses_folders_it_did_not_create(tmp_path, run_copy):
     with pytest.raises(TrainingError, match=r"holds files this program did not write \(notes.txt\)"):
         train(tiny(tmp_path, overwrite=True))
     assert snapshot(run_copy) == before
-    resumed = train(
-        tiny(tmp_path, max_steps=3, eval_every=0, resume=True)
-    )  # resuming does not delete anything
+    resumed = train(resume_of(run_copy, max_steps=3, eval_every=0))  # resuming does not delete anything
     assert resumed.step == 3 and (run_copy / "notes.txt").read_text() == "mine"
 
 
 def test_run_of_the_version_before_run_json_is_recognised(tmp_path, run_copy):
     (run_copy / "run.json").unlink()  # what the previous version wrote: no marker
-    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True))
+    resumed = train(resume_of(run_copy, max_steps=3, eval_every=0))
     assert resumed.step == 3 and (run_copy / "run.json").is_file()
     (run_copy / "run.json").unlink()
     again = train(tiny(tmp_path, max_steps=1, eval_every=0, overwrite=True))
@@ -640,7 +649,7 @@ def test_full_disk_at_a_later_checkpoint_keeps_the_previous_one(tmp_path, monkey
     assert "no space left on the device" in capsys.readouterr().err
     monkeypatch.undo()
     assert state_step(out) == 1 and not temporaries(tmp_path)
-    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True))
+    resumed = train(resume_of(out, max_steps=3, eval_every=0))
     assert resumed.first_step == 2 and resumed.step == 3
 
 
@@ -712,7 +721,7 @@ def test_resume_after_a_kill_between_the_two_renames_of_a_checkpoint(tmp_path, r
 
     # fsutil.replace_dir renames last/ to a backup, then the new folder to last/: killed in between
     (run_copy / "last").rename(run_copy / f".last.old-{fsutil._HOST}-{_dead_pid()}-0123abcd")
-    resumed = train(tiny(tmp_path, max_steps=3, eval_every=0, resume=True))
+    resumed = train(resume_of(run_copy, max_steps=3, eval_every=0))
     assert resumed.first_step == 3 and resumed.step == 3
     assert state_step(run_copy) == 3 and not temporaries(run_copy)
 
@@ -944,3 +953,204 @@ def test_interrupted_run_keeps_its_numbers(tmp_path, monkeypatch):
     assert summary["running"] is True
     assert [h["step"] for h in summary["history"]] == [3]
     assert {"bleu", "chrf", "loss"} <= set(summary["history"][0])
+
+
+# ---------------------------------------------------------------------- run folders, resume, limits (issue 21)
+def test_resume_keeps_files_the_user_put_in_best_last_and_step_folders(tmp_path, caplog):
+    train(tiny(tmp_path, max_steps=2, eval_every=1, keep_last=1, dropout=0.0))
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
+    mine = {
+        run / "best" / "hyp.txt": b"my translations",
+        run / "last" / "notes" / "todo.txt": b"look at step 2",
+        run / "checkpoints" / "step-2" / "score.txt": b"BLEU 1.0",
+    }
+    for path, data in mine.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    resumed = train(tiny(tmp_path, max_steps=4, eval_every=1, keep_last=1, dropout=0.0, resume=True))
+    assert resumed.step == 4 and state_step(run) == 4
+    for path, data in mine.items():
+        assert path.read_bytes() == data, path
+    # step-2 holds a file of the user's, so --keep-last 1 keeps it; step-3 (only the trainer's) is removed
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert "they are kept in the new checkpoint" in caplog.text
+    assert "kept " + str(run / "checkpoints" / "step-2") in caplog.text
+    assert not temporaries(tmp_path)
+
+
+def _hold_lock(out):
+    """A process of this host that holds the run folder's lock, as a training session does."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from transformer_ext.training.run_folder import RunLock; "
+        f"lock = RunLock(Path({str(out)!r})); lock.acquire(); print('locked', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ)
+    )
+    assert proc.stdout.readline().strip() == b"locked"
+    return proc
+
+
+def test_a_second_session_on_a_run_in_use_is_refused(run_copy, capsys, caplog):
+    holder = _hold_lock(run_copy)
+    try:
+        before = snapshot(run_copy)
+        assert train_mod.main(cli(run_copy, "--resume", steps=4)) == 1
+        err = capsys.readouterr().err
+        assert f"--out {run_copy} is in use: process {holder.pid} on host" in err and "Traceback" not in err
+        assert snapshot(run_copy) == before and state_step(run_copy) == 2
+    finally:
+        holder.kill()  # SIGKILL: its lock file stays behind, naming a process that is gone
+        holder.wait()
+    lock_file = run_copy.parent / ".run.lock"
+    assert json.loads(lock_file.read_text())["pid"] == holder.pid
+    assert train_mod.main(cli(run_copy, "--resume", steps=4)) == 0
+    assert (
+        f"took over the lock {lock_file} of process {holder.pid} of this host, which is gone" in caplog.text
+    )
+    assert state_step(run_copy) == 4 and not lock_file.exists()
+
+
+def test_a_lock_of_another_host_is_never_taken_over(run_copy, capsys):
+    lock_file = run_copy.parent / ".run.lock"
+    lock_file.write_text(json.dumps(dict(host="otherhost", pid=_dead_pid())))
+    assert train_mod.main(cli(run_copy, "--resume", steps=4)) == 1
+    err = capsys.readouterr().err
+    assert "on host otherhost" in err and f"remove {lock_file}" in err
+    assert state_step(run_copy) == 2 and lock_file.is_file()
+
+
+# (flags, the bound the message must name): sizes no model or machine can hold are usage errors
+SIZE_LIMITS = [
+    (["--max-len", "1000000000000"], "--max-len (max_len) must be an integer in [1, 65536]"),
+    (["--d-model", "1000000000"], "--d-model (d_model) must be an integer in [1, 16384]"),
+    (["--d-ff", "1000000000"], "--d-ff (d_ff) must be an integer in [1, 65536]"),
+    (["--layers", "100000"], "--encoder-layers (n_encoder_layers) must be an integer in [1, 256]"),
+    (["--n-heads", "100000"], "--n-heads (n_heads) must be an integer in [1, 1024]"),
+    (["--max-tokens", "1000000000000"], "--max-tokens (max_tokens) must be an integer in [1, 4194304]"),
+    (["--vocab-size", "1000000000"], "--vocab-size (vocab_size) must be an integer in [8, 1048576]"),
+    (["--final-beam", "100000"], "--final-beam (final_beam) must be an integer in [0, 128]"),
+    (["--range", "0", "1000000000000"], "the demo task takes at most 1,000,000"),
+]
+
+
+@pytest.mark.parametrize("extra, message", SIZE_LIMITS, ids=[" ".join(e) for e, _ in SIZE_LIMITS])
+def test_size_options_are_bounded_with_the_bound_in_the_message(tmp_path, capsys, extra, message):
+    assert train_mod.main(cli(tmp_path / "run", *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_model_larger_than_the_memory_is_refused_before_it_is_built(tmp_path, capsys):
+    d_model, d_ff, layers = 16384, 65536, 64
+    # an independent lower bound: the attention and feed-forward weights of the layers, 16 bytes each in training
+    lower_bound = 2 * layers * (4 * d_model * d_model + 2 * d_model * d_ff) * 16
+    assert lower_bound > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    argv = cli(tmp_path / "run", "--d-model", str(d_model), "--d-ff", str(d_ff), "--layers", str(layers))
+    assert train_mod.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "GiB for its weights, gradients and Adam state, more than the" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_resume_with_run_defining_options_that_differ_names_them_and_both_values(run_copy, capsys):
+    before = snapshot(run_copy)
+    assert train_mod.main(cli(run_copy, "--resume", "--d-model", "64", "--seed", "5", steps=4)) == 2
+    err = capsys.readouterr().err
+    assert f"cannot resume {run_copy} with options that differ from the run's" in err, err
+    assert "--d-model 64 (the run has --d-model 32)" in err and "--seed 5 (the run has --seed 1)" in err
+    assert snapshot(run_copy) == before
+    # the run's own value, given again (here the tiny preset's d_model), is not a difference
+    assert train_mod.main(cli(run_copy, "--resume", "--d-model", "32", steps=3)) == 0
+    assert state_step(run_copy) == 3
+
+
+def test_best_metric_bleu_without_sacrebleu_is_refused_before_training(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sacrebleu", None)  # import sacrebleu raises ImportError
+    steps = []
+    real = optim.accumulate_gradients
+    monkeypatch.setattr(optim, "accumulate_gradients", lambda *a, **k: steps.append(1) or real(*a, **k))
+    for metric, shown in (
+        ("bleu", "--best-metric bleu "),
+        ("chrf", "--best-metric chrf "),
+        (None, "default"),
+    ):
+        with pytest.raises(TrainingError, match=f"{shown}.*needs the sacrebleu package"):
+            train(text_opts(tmp_path, best_metric=metric))
+        assert steps == [] and not (tmp_path / "run").exists()
+    # a metric without sacrebleu trains, and validation reports no BLEU
+    result = train(text_opts(tmp_path, best_metric="loss", max_steps=2, eval_every=2))
+    assert result.step == 2 and "bleu" not in result.history[-1]
+
+
+@pytest.mark.parametrize(
+    "err_no, problem",
+    [(errno.ENOSPC, "no space left on the device"), (errno.EROFS, "the file system is read-only")],
+)
+def test_a_failing_disk_names_the_output_the_user_gave(tmp_path, monkeypatch, capsys, err_no, problem):
+    out = tmp_path / "run"
+    real = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst).name == "model.safetensors":
+            raise OSError(err_no, os.strerror(err_no), str(dst))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert train_mod.main(cli(out, steps=1)) == 1
+    err = capsys.readouterr().err
+    assert f"error: --out {out}: {problem}" in err, err
+    assert f"(writing {out / 'best' / 'model.safetensors'})" in err and ".tmp-" not in err
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_read_only_parent_names_the_output_the_user_gave(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    real = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if Path(path).parent == tmp_path:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    assert train_mod.main(cli(out, steps=1)) == 1
+    err = capsys.readouterr().err
+    assert f"error: --out {out}: the file system is read-only" in err and ".tmp-" not in err, err
+
+
+def test_resume_takes_the_options_not_given_from_the_run(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "run"
+    real = optim.accumulate_gradients
+    calls = []
+
+    def interrupt_at_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optim, "accumulate_gradients", interrupt_at_step_3)
+    assert train_mod.main(cli(out, "--eval-every", "2", "--keep-last", "1", steps=4)) == 130
+    monkeypatch.undo()
+    assert state_step(out) == 2
+    # nothing but --out and --resume: the budget, validation interval and --keep-last are the run's
+    assert train_mod.main(["--out", str(out), "--resume", "--no-progress"]) == 0
+    state = json.loads((out / "last" / "training_state.json").read_text())
+    assert state["step"] == 4 and [h["step"] for h in state["history"]] == [2, 4]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4"]
+    assert f"resuming {out} with the run's options" in caplog.text
+    # an option given again overrides the run's, and the log says so
+    caplog.clear()
+    assert train_mod.main(["--out", str(out), "--resume", "--no-progress", "--max-steps", "6"]) == 0
+    assert state_step(out) == 6
+    assert "except these given again: --max-steps 6 (the run had --max-steps 4)" in caplog.text

@@ -42,6 +42,12 @@ def last_checkpoints(run: Path, k: int) -> list[Path]:
     if not run.is_dir():
         raise AverageError(f"--last: {run} is not a folder (expected a training run folder)")
     found = step_checkpoints(run / CHECKPOINTS_DIR)
+    for folder in found:
+        if (folder / AVERAGED_FILE).is_file():
+            raise AverageError(
+                f"--last: {folder} is an average of checkpoints ({AVERAGED_FILE}), not a checkpoint of "
+                "the training run; move it out of the run folder"
+            )
     if not found:
         raise AverageError(
             f"--last: {run / CHECKPOINTS_DIR} holds no step-N checkpoint (train with --keep-last K)"
@@ -52,6 +58,22 @@ def last_checkpoints(run: Path, k: int) -> list[Path]:
             f"({', '.join(p.name for p in found)})"
         )
     return found[-k:]
+
+
+def check_out(out: Path, folders: Sequence[Path], run: Optional[Path] = None) -> None:
+    """Refuse an ``--out`` that overlaps a checkpoint or lies in a training run's managed folders
+    (``best/``, ``last/``, ``checkpoints/``: the next ``train --resume`` would replace it, and
+    ``--last K`` would take an average in ``checkpoints/`` for a training step)."""
+    from .fsutil import check_output_path
+    from .training.run_folder import managed_dirs
+
+    check_output_path(
+        out,
+        inputs=[("the checkpoint", f) for f in folders]
+        + ([("the training run of --last", run)] if run else []),
+        managed_dirs=managed_dirs(out),
+        what="--out",
+    )
 
 
 def _tokenizer_files(folder: Path) -> list[str]:
@@ -70,6 +92,7 @@ def average_checkpoints(folders: Sequence[Path], out: Path) -> Path:
     if not folders:
         raise AverageError("no checkpoint to average")
     folders = [Path(f) for f in folders]
+    check_out(out, folders)
     if len({os.path.realpath(f) for f in folders}) != len(folders):
         raise AverageError("the same checkpoint is given more than once: " + ", ".join(map(str, folders)))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -153,6 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def work() -> int:
         out = Path(args.out)
+        check_out(out, [Path(c) for c in args.checkpoints], Path(args.last[1]) if args.last else None)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise AverageError(f"--out {out} exists and is not an empty folder; choose a new folder")
         folders = (

@@ -353,13 +353,31 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
     return TrainOptions(range_low=low, range_high=high, **values)
 
 
-def _run(args: argparse.Namespace, rank: int) -> int:
+# Flags whose destination is not a TrainOptions field, and the fields each one sets.
+_DEST_FIELDS = {
+    "number_range": ("range_low", "range_high"),
+    "layers": ("n_encoder_layers", "n_decoder_layers"),
+}
+
+
+def given_options(argv: Optional[Sequence[str]]) -> frozenset:
+    """The TrainOptions fields that ``argv`` gives explicitly (a resumed run takes the others from the run)."""
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    given = set()
+    for dest in vars(probe.parse_args(argv)):
+        given.update(_DEST_FIELDS.get(dest, (dest,)))
+    return frozenset(given)
+
+
+def _run(args: argparse.Namespace, given: frozenset, rank: int) -> int:
     """Train as the parsed ``args`` say and print the result (rank 0)."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     opts = options_from_args(args)
     with logging_redirect_tqdm():
-        result = train(opts)
+        result = train(opts, given_options=given)
     if rank > 0:
         return 0
     best = result.best or {}
@@ -393,6 +411,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    given = given_options(argv)
     rank = distributed.env_rank()  # under torchrun only rank 0 logs progress and prints the result
     logging.basicConfig(
         level=logging.WARNING if args.quiet or rank > 0 else logging.INFO,
@@ -401,7 +420,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
 
     return run_cli(
-        parser.prog, lambda: _run(args, rank), debug=args.debug, interrupted_hint="resume with --resume"
+        parser.prog,
+        lambda: _run(args, given, rank),
+        debug=args.debug,
+        interrupted_hint="resume with --resume",
     )
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..cli import UserError
+from ..cli import UsageError, UserError
 
-__all__ = ["TrainingError", "TrainingDiverged"]
+__all__ = ["TrainingError", "TrainingDiverged", "TrainingUsageError"]
 
 
 class TrainingError(UserError, ValueError):
@@ -14,3 +14,7 @@ class TrainingError(UserError, ValueError):
 
 class TrainingDiverged(TrainingError, FloatingPointError):
     """The training loss became NaN or infinite (the options, typically the learning rate, do not work)."""
+
+
+class TrainingUsageError(TrainingError, UsageError):
+    """An option value out of its range, or options that exclude each other (exit code 2 in the CLI)."""

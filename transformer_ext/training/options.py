@@ -20,7 +20,7 @@ import torch
 
 from ..config import PRESETS, TransformerConfig
 from ..data import DEMO_OVERSAMPLE, DEMO_RANGE, SPLIT_SEED
-from .errors import TrainingError
+from .errors import TrainingError, TrainingUsageError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ __all__ = [
     "is_text_run",
     "options_dict",
     "merge_resume_options",
+    "saved_options",
+    "given_fields",
     "build_config",
 ]
 
@@ -110,7 +112,7 @@ class TrainOptions:
     progress: bool = True  # tqdm progress bar
 
 
-# Options that define a run: on --resume they are taken from the saved run.
+# Options that define a run: a resumed run keeps them (given again with another value: an error).
 RUN_DEFINING = (
     "seed",
     "preset",
@@ -156,24 +158,94 @@ def options_dict(opts: TrainOptions) -> dict:
     return d
 
 
-def merge_resume_options(opts: TrainOptions, saved: dict) -> TrainOptions:
-    """Run-defining options from the saved run; the others (budget, logging, device) from ``opts``."""
+# What a session gives about itself, never taken from the saved run: where the run is, how it is opened.
+SESSION_FIELDS = ("out_dir", "resume", "overwrite")
+
+
+def _from_json(name: str, value: Any) -> Any:
+    """A value of train_options.json in the type of its TrainOptions field."""
+    if name in ("adam_betas", "train_files", "valid_files") and isinstance(value, list):
+        return tuple(value)
+    if name == "oversample" and isinstance(value, list):
+        return tuple(tuple(rule) if isinstance(rule, list) else rule for rule in value)
+    return value
+
+
+def saved_options(saved: dict) -> tuple[TrainOptions, frozenset]:
+    """The options stored in a run's train_options.json (checked), and the fields it holds."""
+    names = {f.name for f in dataclasses.fields(TrainOptions)} - set(SESSION_FIELDS)
+    present = frozenset(name for name in saved if name in names)
+    opts = TrainOptions(**{name: _from_json(name, saved[name]) for name in present})
+    check_options(opts)
+    return opts, present
+
+
+def given_fields(opts: TrainOptions) -> frozenset:
+    """The fields of ``opts`` that differ from TrainOptions' defaults (what a library caller gave)."""
+    defaults = TrainOptions()
+    return frozenset(
+        f.name
+        for f in dataclasses.fields(TrainOptions)
+        if f.name not in SESSION_FIELDS and getattr(opts, f.name) != getattr(defaults, f.name)
+    )
+
+
+def _effective(opts: TrainOptions, name: str) -> Any:
+    """The value an option has in effect: a model flag left unset is its preset's value."""
+    value = getattr(opts, name)
+    if value is None and name in MODEL_FLAGS and opts.preset in PRESETS:
+        default = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}[name]
+        return PRESETS[opts.preset].get(name, default)
+    return value
+
+
+def _show(name: str, value: Any) -> str:
+    flag = _FLAGS.get(name, name)
+    if isinstance(value, bool):
+        return f"{flag}={value}"
+    if isinstance(value, (tuple, list)):
+        return f"{flag} {' '.join(map(str, value)) if value else '(none)'}"
+    return f"{flag} {value}"
+
+
+def merge_resume_options(
+    opts: TrainOptions, run: TrainOptions, present: frozenset, given: frozenset, out
+) -> TrainOptions:
+    """The options of a resumed session: the run's (``run``, from its train_options.json), with the
+    options given again for this session (``given``: field names) taking the place of the run's.
+
+    A run-defining option (:data:`RUN_DEFINING`) given with a value other than the run's is an
+    error naming each such option with both values: the run cannot change what it is. Fields the
+    run does not record (``present``: those it does) keep the session's value. The log line says
+    which options were given again and what they replace.
+    """
     merged = dataclasses.replace(opts)
-    ignored = []
-    for name in RUN_DEFINING:
-        if name not in saved:
+    conflicts, overrides = [], []
+    for f in dataclasses.fields(TrainOptions):
+        name = f.name
+        if name in SESSION_FIELDS or name not in present:
             continue
-        value = saved[name]
-        if name in ("adam_betas", "train_files", "valid_files") and value is not None:
-            value = tuple(value)
-        elif name == "oversample":
-            value = tuple(tuple(rule) for rule in value)
-        current = getattr(opts, name)
-        if current != value and current != getattr(TrainOptions, name, None):
-            ignored.append(f"{name}={current!r} (saved run: {value!r})")
+        value, current = getattr(run, name), getattr(opts, name)
+        if name in given and _effective(opts, name) != _effective(run, name):
+            current, value = _effective(opts, name), _effective(run, name)
+            if name in RUN_DEFINING:
+                conflicts.append(f"{_show(name, current)} (the run has {_show(name, value)})")
+                continue
+            overrides.append(f"{_show(name, current)} (the run had {_show(name, value)})")
+            continue
         setattr(merged, name, value)
-    if ignored:
-        logger.warning("resuming: keeping the saved run's options, ignoring %s", ", ".join(ignored))
+    if conflicts:
+        raise TrainingUsageError(
+            f"cannot resume {out} with options that differ from the run's: {'; '.join(conflicts)}. A resumed "
+            "run keeps its model, data and schedule: leave these options out, or start a new run "
+            "(another --out, or --overwrite)"
+        )
+    if overrides:
+        logger.info(
+            "resuming %s with the run's options, except these given again: %s", out, "; ".join(overrides)
+        )
+    else:
+        logger.info("resuming %s with the run's options", out)
     return merged
 
 
@@ -231,6 +303,22 @@ _FLAGS = {
     "keep_last": "--keep-last",
 }
 _SEED_MAX = 2**63 - 1
+# The largest value of each size option: beyond these a model (or one batch) of this package does
+# not fit in the memory of any machine it runs on (the positional-encoding table alone is
+# max_len x d_model floats); a model within them is also checked against this machine's memory
+# before it is built (transformer_ext.training.tasks.check_model_memory).
+SIZE_LIMITS = dict(
+    d_model=16384,
+    n_heads=1024,
+    n_encoder_layers=256,
+    n_decoder_layers=256,
+    d_ff=65536,
+    max_len=65536,
+    max_tokens=1 << 22,
+    vocab_size=1 << 20,
+    final_beam=128,
+)
+MAX_RANGE_NUMBERS = 1_000_000  # numbers of the demo task's --range
 _THREADS_MAX = 1024
 
 
@@ -257,7 +345,7 @@ def _check_int(
         return
     if not _is_int(value) or value < low or (high is not None and value > high):
         allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-        raise TrainingError(f"{_option(name)} must be {allowed}{note}, got {value!r}")
+        raise TrainingUsageError(f"{_option(name)} must be {allowed}{note}, got {value!r}")
 
 
 def _check_float(
@@ -286,46 +374,55 @@ def _check_float(
             allowed = f"a finite number {'>' if low_open else '>='} {low:g}"
         else:
             allowed = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise TrainingError(f"{_option(name)} must be {allowed}{note}, got {value!r}")
+        raise TrainingUsageError(f"{_option(name)} must be {allowed}{note}, got {value!r}")
 
 
 def check_options(opts: TrainOptions) -> None:
     """Every option's type and range (the checks that need no data); the error names the option."""
     for name in ("resume", "overwrite", "shared_vocab", "final_eval", "progress"):
         if not isinstance(getattr(opts, name), bool):
-            raise TrainingError(f"{_option(name)} must be true or false, got {getattr(opts, name)!r}")
+            raise TrainingUsageError(f"{_option(name)} must be true or false, got {getattr(opts, name)!r}")
     if opts.norm_first is not None and not isinstance(opts.norm_first, bool):
-        raise TrainingError(f"{_option('norm_first')} must be true, false or None, got {opts.norm_first!r}")
+        raise TrainingUsageError(
+            f"{_option('norm_first')} must be true, false or None, got {opts.norm_first!r}"
+        )
     if opts.resume and opts.overwrite:
-        raise TrainingError("--resume and --overwrite exclude each other")
+        raise TrainingUsageError("--resume and --overwrite exclude each other")
     for name in ("out_dir", "export_dir"):
         value = getattr(opts, name)
         if name == "export_dir" and value is None:
             continue
         if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-            raise TrainingError(f"{_option(name)} must be a folder path, got {value!r}")
+            raise TrainingUsageError(f"{_option(name)} must be a folder path, got {value!r}")
     if not isinstance(opts.device, str):
-        raise TrainingError(
+        raise TrainingUsageError(
             f"{_option('device')} must be a device name such as cpu or cuda, got {opts.device!r}"
         )
     if opts.preset not in PRESETS:
-        raise TrainingError(f"unknown preset {opts.preset!r}; choose one of {sorted(PRESETS)}")
+        raise TrainingUsageError(f"unknown preset {opts.preset!r}; choose one of {sorted(PRESETS)}")
     _check_int(opts, "seed", 0, _SEED_MAX)
     _check_int(opts, "split_seed", 0, _SEED_MAX)
     _check_int(opts, "threads", 1, _THREADS_MAX, optional=True)
     for name in ("d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "max_len"):
-        _check_int(opts, name, 1, optional=True)
+        _check_int(opts, name, 1, SIZE_LIMITS[name], optional=True)
     _check_float(opts, "dropout", 0.0, 1.0, optional=True)
     _check_int(opts, "range_low", 0)
     _check_int(opts, "range_high", 0)
     if opts.range_high < opts.range_low:
-        raise TrainingError(
+        raise TrainingUsageError(
             f"--range LOW HIGH must satisfy 0 <= LOW <= HIGH, got {opts.range_low} {opts.range_high}"
         )
-    _check_int(opts, "max_tokens", 1)
+    if opts.range_high - opts.range_low + 1 > MAX_RANGE_NUMBERS:
+        raise TrainingUsageError(
+            f"--range {opts.range_low} {opts.range_high} holds {opts.range_high - opts.range_low + 1:,} "
+            f"numbers; the demo task takes at most {MAX_RANGE_NUMBERS:,} (every one is written out in words)"
+        )
+    _check_int(opts, "max_tokens", 1, SIZE_LIMITS["max_tokens"])
     rules = opts.oversample
     if not isinstance(rules, (tuple, list)):
-        raise TrainingError(f"{_option('oversample')} must be a list of (BELOW, TIMES) rules, got {rules!r}")
+        raise TrainingUsageError(
+            f"{_option('oversample')} must be a list of (BELOW, TIMES) rules, got {rules!r}"
+        )
     for rule in rules:
         if (
             not isinstance(rule, (tuple, list))
@@ -334,14 +431,14 @@ def check_options(opts: TrainOptions) -> None:
             or rule[0] < 0
             or rule[1] < 1
         ):
-            raise TrainingError(
+            raise TrainingUsageError(
                 f"{_option('oversample')} rules are BELOW=TIMES with integers BELOW >= 0 and "
                 f"TIMES >= 1, got {rule!r}"
             )
     _check_int(opts, "max_steps", 0, optional=True)
     _check_int(opts, "epochs", 0, optional=True)
     if opts.max_steps is None and opts.epochs is None:
-        raise TrainingError("give --max-steps or --epochs (or both: whichever comes first)")
+        raise TrainingUsageError("give --max-steps or --epochs (or both: whichever comes first)")
     _check_float(opts, "max_minutes", 0.0, low_open=True, optional=True)
     _check_float(opts, "lr_factor", 0.0, low_open=True)
     _check_int(opts, "warmup", 1)
@@ -353,12 +450,12 @@ def check_options(opts: TrainOptions) -> None:
         or len(betas) != 2
         or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)
     ):
-        raise TrainingError(f"adam_betas must be two numbers in [0, 1), got {betas!r}")
+        raise TrainingUsageError(f"adam_betas must be two numbers in [0, 1), got {betas!r}")
     _check_float(opts, "adam_eps", 0.0, low_open=True)
     _check_int(opts, "eval_every", 0, note=" (0: validate only at the end)")
     _check_int(opts, "eval_examples", 0)
     _check_int(opts, "log_every", 0)
-    _check_int(opts, "final_beam", 0, note=" (0 or 1: greedy only)")
+    _check_int(opts, "final_beam", 0, SIZE_LIMITS["final_beam"], note=" (0 or 1: greedy only)")
     check_text_options(opts)
 
 
@@ -371,51 +468,65 @@ def check_text_options(opts: TrainOptions) -> None:
             or len(value) != 2
             or not all(isinstance(v, (str, os.PathLike)) and os.fspath(v) for v in value)
         ):
-            raise TrainingError(
+            raise TrainingUsageError(
                 f"{_option(name)} takes two file paths, SOURCE_FILE TARGET_FILE, got {value!r}"
             )
     for name in ("train_tsv", "valid_tsv"):
         value = getattr(opts, name)
         if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
-            raise TrainingError(f"{_option(name)} must be a file path, got {value!r}")
+            raise TrainingUsageError(f"{_option(name)} must be a file path, got {value!r}")
     if opts.train_files is not None and opts.train_tsv is not None:
-        raise TrainingError("give the training data once: --train SRC TGT or --train-tsv FILE, not both")
+        raise TrainingUsageError("give the training data once: --train SRC TGT or --train-tsv FILE, not both")
     if opts.valid_files is not None and opts.valid_tsv is not None:
-        raise TrainingError("give the validation data once: --valid SRC TGT or --valid-tsv FILE, not both")
+        raise TrainingUsageError(
+            "give the validation data once: --valid SRC TGT or --valid-tsv FILE, not both"
+        )
     has_train = is_text_run(opts)
     has_valid = opts.valid_files is not None or opts.valid_tsv is not None
     if has_train and not has_valid:
-        raise TrainingError("--train needs a validation set: --valid SRC_FILE TGT_FILE or --valid-tsv FILE")
+        raise TrainingUsageError(
+            "--train needs a validation set: --valid SRC_FILE TGT_FILE or --valid-tsv FILE"
+        )
     if has_valid and not has_train:
-        raise TrainingError("--valid is given without --train (the demo task has its own validation split)")
+        raise TrainingUsageError(
+            "--valid is given without --train (the demo task has its own validation split)"
+        )
     if opts.tokenizer is not None and opts.tokenizer not in TOKENIZERS:
-        raise TrainingError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {opts.tokenizer!r}")
+        raise TrainingUsageError(
+            f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {opts.tokenizer!r}"
+        )
     if opts.tokenizer == "sentencepiece" and not has_train:
-        raise TrainingError(
+        raise TrainingUsageError(
             "--tokenizer sentencepiece needs parallel text (--train / --valid); the demo task uses "
             "the character tokenizer"
         )
-    _check_int(opts, "vocab_size", 8, note=" (SentencePiece pieces, the 4 special tokens included)")
+    _check_int(
+        opts,
+        "vocab_size",
+        8,
+        SIZE_LIMITS["vocab_size"],
+        note=" (SentencePiece pieces, the 4 special tokens included)",
+    )
     if opts.spm_model_type not in ("unigram", "bpe"):
-        raise TrainingError(f"--spm-model-type must be unigram or bpe, got {opts.spm_model_type!r}")
+        raise TrainingUsageError(f"--spm-model-type must be unigram or bpe, got {opts.spm_model_type!r}")
     _check_float(opts, "max_len_ratio", 1.0, optional=True, note=" (longer side / shorter side, in tokens)")
     if opts.lr_schedule not in ("noam", "inverse-sqrt"):
-        raise TrainingError(f"--lr-schedule must be noam or inverse-sqrt, got {opts.lr_schedule!r}")
+        raise TrainingUsageError(f"--lr-schedule must be noam or inverse-sqrt, got {opts.lr_schedule!r}")
     _check_float(opts, "lr", 0.0, low_open=True, optional=True)
     if opts.lr_schedule == "inverse-sqrt" and opts.lr is None:
-        raise TrainingError("--lr-schedule inverse-sqrt needs --lr (the peak learning rate, e.g. 5e-4)")
+        raise TrainingUsageError("--lr-schedule inverse-sqrt needs --lr (the peak learning rate, e.g. 5e-4)")
     if opts.lr_schedule == "noam" and opts.lr is not None:
-        raise TrainingError(
+        raise TrainingUsageError(
             "--lr is the peak of --lr-schedule inverse-sqrt; the noam schedule is scaled by --lr-factor"
         )
     _check_int(opts, "update_freq", 1, 4096)
     if opts.amp is not None:
         if opts.amp not in AMP_DTYPES:
-            raise TrainingError(f"--amp must be bf16 or fp16, got {opts.amp!r}")
+            raise TrainingUsageError(f"--amp must be bf16 or fp16, got {opts.amp!r}")
         if not (isinstance(opts.device, str) and opts.device.startswith("cuda")):
             _check_cpu_amp(opts.amp)
     if opts.best_metric is not None and opts.best_metric not in BEST_METRICS:
-        raise TrainingError(
+        raise TrainingUsageError(
             f"--best-metric must be one of {', '.join(BEST_METRICS)}, got {opts.best_metric!r}"
         )
     _check_int(opts, "patience", 1, optional=True, note=" (validations without a new best before stopping)")
@@ -449,11 +560,13 @@ def parse_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise TrainingError(f"--device {name!r} is not a device name; use cpu or cuda (or cuda:N)") from None
+        raise TrainingUsageError(
+            f"--device {name!r} is not a device name; use cpu or cuda (or cuda:N)"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainingError("device 'cuda' was requested but no CUDA GPU is available; use --device cpu")
     if device.type not in ("cpu", "cuda"):
-        raise TrainingError(f"unsupported device {name!r}: use cpu or cuda")
+        raise TrainingUsageError(f"unsupported device {name!r}: use cpu or cuda")
     return device
 
 
@@ -478,7 +591,7 @@ MODEL_FLAGS = (
 def build_config(opts: TrainOptions, tokenizer) -> TransformerConfig:
     """The model config of ``opts.preset`` with the flags' overrides and the tokenizer's vocabularies."""
     if opts.preset not in PRESETS:
-        raise TrainingError(f"unknown preset {opts.preset!r}; choose one of {sorted(PRESETS)}")
+        raise TrainingUsageError(f"unknown preset {opts.preset!r}; choose one of {sorted(PRESETS)}")
     overrides = {name: getattr(opts, name) for name in MODEL_FLAGS if getattr(opts, name) is not None}
     overrides.update(
         src_vocab_size=tokenizer.src_vocab_size,
@@ -492,4 +605,4 @@ def build_config(opts: TrainOptions, tokenizer) -> TransformerConfig:
     try:
         return TransformerConfig.preset(opts.preset, **overrides)
     except (TypeError, ValueError) as exc:
-        raise TrainingError(f"invalid model options: {exc}") from exc
+        raise TrainingUsageError(f"invalid model options: {exc}") from exc

@@ -14,6 +14,9 @@ anywhere. Every write is atomic (:mod:`transformer_ext.fsutil`).
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -21,12 +24,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from .. import __version__
-from ..fsutil import StagedDir, atomic_write_bytes, atomic_write_json
+from ..fsutil import _HOST, StagedDir, _pid_alive, atomic_write_bytes, atomic_write_json, parse_temporary_name
 from ..tokenizer import TOKENIZER_FILE
 from .errors import TrainingError
 
@@ -53,6 +56,10 @@ __all__ = [
     "read_json_file",
     "check_export_dir",
     "export_model",
+    "MANAGED_DIRS",
+    "managed_dirs",
+    "RunLock",
+    "disk_errors",
 ]
 
 STATE_JSON = "training_state.json"
@@ -76,8 +83,6 @@ _UNMARKED_RUN_ENTRIES = frozenset(
     | {f"{name}.{kind}" for name in ("best", "last") for kind in ("tmp", "old")}
     | {f"{name}.tmp" for name in (OPTIONS_JSON, SUMMARY_JSON)}
 )
-# A temporary or backup of transformer_ext.fsutil: `.{name}.tmp-{host}-{pid}-{hex}` / `.old-`.
-_FSUTIL_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(tmp|old)-[A-Za-z0-9_.]+-\d+-[0-9a-f]{8}$")
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,9 @@ class RunFolder:
 
 
 def _ours(name: str, known: frozenset) -> bool:
-    m = _FSUTIL_TEMPORARY.match(name)
-    return name in known or (m is not None and m.group("name") in known)
+    """``name`` is one of ``known``, or a temporary of one (transformer_ext.fsutil's one rule)."""
+    t = parse_temporary_name(name)
+    return name in known or (t is not None and t.root in known)
 
 
 def inspect_out(out: Path) -> RunFolder:
@@ -213,8 +219,18 @@ def save_step_checkpoint(
     """``<run_dir>/checkpoints/step-N/`` (a model folder), keeping the ``keep`` newest step folders."""
     folder = run_dir / CHECKPOINTS_DIR
     folder.mkdir(exist_ok=True)
-    save_checkpoint(folder, f"step-{step}", model, tokenizer, provenance=provenance)
+    new = save_checkpoint(folder, f"step-{step}", model, tokenizer, provenance=provenance)
+    ours = set(os.listdir(new))
     for old in step_checkpoints(folder)[:-keep]:
+        foreign = _foreign_entries(old, ours)
+        if foreign:
+            logger.warning(
+                "kept %s beyond --keep-last %d: it holds files the trainer did not write (%s)",
+                old,
+                keep,
+                ", ".join(foreign[:5]),
+            )
+            continue
         shutil.rmtree(old)
         logger.info("removed %s (--keep-last %d)", old, keep)
 
@@ -306,7 +322,37 @@ def save_checkpoint(
             save_file(tensors, str(stage.path / STATE_TENSORS))
             sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas" and _jsonable(v)}
             atomic_write_json(stage.path / STATE_JSON, dict(state, optimizer=opt_meta, scheduler=sched))
+        _keep_foreign_entries(stage.target, stage.path)
         return stage.commit()
+
+
+def _foreign_entries(folder: Path, ours: Iterable[str]) -> list[str]:
+    """The entries of ``folder`` that are neither in ``ours`` nor temporaries of them."""
+    known = frozenset(ours)
+    try:
+        entries = sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [e for e in entries if not _ours(e, known)]
+
+
+def _keep_foreign_entries(target: Path, staged: Path) -> None:
+    """Copy into the staged checkpoint what ``target`` holds besides a checkpoint's files (a file the
+    user put in best/, say), so replacing the checkpoint never deletes it. The originals stay in
+    ``target`` until the new folder has taken its place."""
+    foreign = _foreign_entries(target, os.listdir(staged))
+    for entry in foreign:
+        src, dst = target / entry, staged / entry
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dst, symlinks=True)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
+    if foreign:
+        logger.warning(
+            "%s holds files the trainer did not write (%s); they are kept in the new checkpoint",
+            target,
+            ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else ""),
+        )
 
 
 def last_dir(out: Path) -> Path:
@@ -317,7 +363,7 @@ def last_dir(out: Path) -> Path:
     if (out / "last.old").is_dir():  # the writer before fsutil, interrupted between two renames
         return out / "last.old"
     backups = sorted(
-        (p for p in out.glob(".last.old-*") if p.is_dir() and _FSUTIL_TEMPORARY.match(p.name)),
+        (p for p in out.glob(".last.old-*") if p.is_dir() and _is_backup_of(p.name, "last")),
         key=lambda p: p.stat().st_mtime,
     )
     if backups:
@@ -326,6 +372,11 @@ def last_dir(out: Path) -> Path:
         )
         return backups[-1]
     return last
+
+
+def _is_backup_of(name: str, target: str) -> bool:
+    t = parse_temporary_name(name)
+    return t is not None and t.kind == "old" and t.target == target
 
 
 def read_json_file(path: Path, what: str) -> Any:
@@ -448,3 +499,159 @@ def export_model(
         atomic_write_bytes(target / name, (best / name).read_bytes())
     atomic_write_json(target / "training_summary.json", summary)
     logger.info("exported the best model to %s", target)
+
+
+# ---------------------------------------------------------------------- what other commands must not write into
+MANAGED_DIRS = ("best", "last", CHECKPOINTS_DIR)  # the trainer replaces and deletes what is in them
+
+
+def _is_marked_run(folder: Path) -> bool:
+    try:
+        data = json.loads((folder / RUN_MARKER).read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and data.get("format") == RUN_FORMAT
+
+
+def managed_dirs(path, *, include_self: bool = True) -> list[tuple[str, Path]]:
+    """The folders of training runs around ``path`` that the trainer manages: ``best/``, ``last/`` and
+    ``checkpoints/`` of every run folder (one with this program's ``run.json``) that is ``path``
+    (unless ``include_self`` is False) or one of its parents.
+
+    Hand them to :func:`transformer_ext.fsutil.check_output_path` as ``managed_dirs``: an output of
+    another command there would be replaced or deleted by the next ``--resume``, or taken for a
+    training checkpoint.
+    """
+    real = Path(os.path.realpath(os.path.abspath(path)))
+    candidates = list(real.parents) if not include_self else [real, *real.parents]
+    return [
+        (f"the {name}/ folder of the training run", run / name)
+        for run in candidates
+        if _is_marked_run(run)
+        for name in MANAGED_DIRS
+    ]
+
+
+# ---------------------------------------------------------------------- the lock of a run folder
+class RunLock:
+    """An advisory lock on a run folder, held while a session trains it.
+
+    The lock file ``.NAME.lock`` beside the run folder (where its temporaries go too) is locked
+    with ``flock`` and names its holder (host and process id). A second session on the same folder
+    is refused, naming the holder. A lock file left by a process that is gone (killed) is taken
+    over with a warning when it was written on this host; one written on another host is never
+    taken over (its process may be alive there), the message says how to remove it. Where the file
+    system has no ``flock``, a holder of this host counts as gone when its process id no longer runs.
+    """
+
+    def __init__(self, out: Path):
+        real = Path(os.path.realpath(os.path.abspath(out)))
+        self.out = out
+        self.path = real.parent / f".{real.name}.lock"
+        self.fd: Optional[int] = None
+
+    def _holder(self, fd: int) -> dict:
+        try:
+            data = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _refuse(self, holder: dict, how: str) -> TrainingError:
+        who = f"process {holder.get('pid', '?')} on host {holder.get('host', '?')}"
+        return TrainingError(
+            f"--out {self.out} is in use: {who} {how} (lock file {self.path}); wait until that run has "
+            "finished, or stop it, then resume with --resume"
+            + (f"; if {who} is gone, remove {self.path}" if "another host" in how else "")
+        )
+
+    def _open_locked(self) -> tuple[int, bool]:
+        """The lock file, open and flock-ed (False: the file system has no flock)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                raise self._refuse(holder, "is training this run") from None
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    os.close(fd)
+                    raise
+                return fd, False
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:  # removed by its holder between our open and flock
+                same = False
+            if same:
+                return fd, True
+            os.close(fd)
+
+    def acquire(self) -> None:
+        if self.fd is not None:
+            return
+        fd, flocked = self._open_locked()
+        try:
+            holder = self._holder(fd)
+            pid = holder.get("pid")
+            if holder and (holder.get("host"), pid) != (_HOST, os.getpid()):
+                if holder.get("host") != _HOST:
+                    raise self._refuse(holder, "of another host holds its lock and may still be training it")
+                if not flocked and isinstance(pid, int) and _pid_alive(pid):
+                    raise self._refuse(holder, "is training this run")
+                logger.warning(
+                    "took over the lock %s of process %s of this host, which is gone (it was interrupted)",
+                    self.path,
+                    pid,
+                )
+            record = json.dumps(dict(host=_HOST, pid=os.getpid(), out=str(self.out))).encode("utf-8")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+# ---------------------------------------------------------------------- a failing disk
+_DISK_PROBLEMS = {
+    errno.ENOSPC: "no space left on the device; free some space and run the command again",
+    errno.EDQUOT: "disk quota exceeded; free some space and run the command again",
+    errno.EROFS: "the file system is read-only; choose a folder you can write to",
+    errno.EACCES: "permission denied; choose a folder you can write to",
+    errno.EPERM: "operation not permitted; choose a folder you can write to",
+}
+
+
+def _as_given(filename: str) -> str:
+    """``filename`` with the temporary folders of fsutil replaced by the outputs they become."""
+    parts = []
+    for part in Path(filename).parts:
+        t = parse_temporary_name(part)
+        parts.append(t.root if t is not None else part)
+    return str(Path(*parts))
+
+
+@contextlib.contextmanager
+def disk_errors(option: str, path: Path):
+    """Turn an OSError of a failing disk (full, read-only, no permission) into a TrainingError that
+    names the output the user gave (``option path``), what is wrong and the file being written."""
+    try:
+        yield
+    except OSError as exc:
+        problem = _DISK_PROBLEMS.get(exc.errno)
+        if problem is None:
+            raise
+        where = f" (writing {_as_given(str(exc.filename))})" if exc.filename else ""
+        raise TrainingError(f"{option} {path}: {problem}{where}") from exc

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from ..data import (
     split_numbers,
 )
 from ..tokenizer import CharTokenizer
-from .errors import TrainingError
+from .errors import TrainingError, TrainingUsageError
 from .options import TrainOptions, build_config
 from .run_folder import PROVENANCE_FILE
 from .validation import validate
@@ -91,6 +92,7 @@ class Task:
         from ..model import Transformer
 
         config = build_config(self.opts, tokenizer)
+        check_model_memory(config, device)
         torch.manual_seed(self.opts.seed)
         return Transformer(config).to(device)
 
@@ -104,6 +106,44 @@ class Task:
     def final_check(self, best_dir: Path, device: torch.device) -> Optional[dict]:
         """What the best model scores at the end (``summary.json``'s ``heldout``); None: nothing."""
         return None
+
+
+def _memory_bytes(device: torch.device) -> Optional[int]:
+    """The memory of ``device`` (a GPU's, or this machine's RAM); None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+# float32 weights, their gradients and Adam's two moments: the least a parameter takes in training
+TRAINING_BYTES_PER_PARAMETER = 16
+
+
+def check_model_memory(config, device: torch.device) -> None:
+    """Refuse a model whose weights, gradients and Adam state alone exceed the memory of ``device``.
+
+    The model is built on the meta device to count its parameters and buffers (nothing allocated).
+    """
+    from ..model import Transformer
+
+    with torch.device("meta"):
+        shape = Transformer(config)
+    n_params = sum(p.numel() for p in shape.parameters())
+    need = n_params * TRAINING_BYTES_PER_PARAMETER + sum(
+        b.numel() * b.element_size() for b in shape.buffers()
+    )
+    have = _memory_bytes(device)
+    if have is not None and need > have:
+        raise TrainingUsageError(
+            f"the model ({n_params:,} parameters, d_model {config.d_model}, d_ff {config.d_ff}, "
+            f"{config.n_encoder_layers}+{config.n_decoder_layers} layers, vocabularies "
+            f"{config.src_vocab_size}/{config.tgt_vocab_size}, max_len {config.max_len}) needs at least "
+            f"{need / 2**30:.1f} GiB for its weights, gradients and Adam state, more than the "
+            f"{have / 2**30:.1f} GiB of memory of {device.type}; choose a smaller model"
+        )
 
 
 # ---------------------------------------------------------------------- the demo task
@@ -123,9 +163,9 @@ class DemoTask(Task):
         try:
             self.splits = split_numbers(opts.range_low, opts.range_high, seed=opts.split_seed)
         except ValueError as exc:
-            raise TrainingError(f"--range {opts.range_low} {opts.range_high}: {exc}") from None
+            raise TrainingUsageError(f"--range {opts.range_low} {opts.range_high}: {exc}") from None
         if not self.splits.valid or not self.splits.heldout:
-            raise TrainingError(
+            raise TrainingUsageError(
                 f"--range {opts.range_low} {opts.range_high} holds too few numbers: its validation "
                 "and held-out splits (5% of the numbers each) are empty; widen the range"
             )

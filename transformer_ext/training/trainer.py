@@ -25,15 +25,23 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 from ..data import TokenBatchSampler, collate
-from ..fsutil import StagedDir, atomic_write_json
+from ..fsutil import StagedDir, atomic_write_json, check_output_path
 from . import distributed, optim, run_folder, validation
 from .errors import TrainingDiverged, TrainingError
-from .options import TrainOptions, check_options, merge_resume_options, options_dict, parse_device
+from .options import (
+    TrainOptions,
+    check_options,
+    given_fields,
+    merge_resume_options,
+    options_dict,
+    parse_device,
+    saved_options,
+)
 from .run_folder import OPTIONS_JSON, RUN_MARKER, STATE_JSON, SUMMARY_JSON, RunFolder
 from .tasks import Task, TrainingData, task_for
 
@@ -130,6 +138,8 @@ class Trainer:
         self.device = ctx.device
         self.out, self.folder, self.export_dir = folder.path, folder, export_dir
         self.best_metric = task.best_metric
+        # validation BLEU and chrF: what the metric needs, and what a text task reports when sacrebleu is there
+        self.scores_text = self.best_metric in ("bleu", "chrf") or (task.scores_text and have_sacrebleu())
         self.n_params = sum(p.numel() for p in model.parameters())
         # under torchrun: this rank's batches r, r+N, r+2N, ... of each epoch
         self.sampler = ctx.shard(TokenBatchSampler(data.costs, opts.max_tokens, seed=opts.seed))
@@ -155,6 +165,7 @@ class Trainer:
         self.last_eval_step = -1
         self.stop_reason = ""
         self.started = time.monotonic()
+        self.lock: Optional[run_folder.RunLock] = None  # held by train() around the session
 
     @property
     def total_steps(self) -> int:
@@ -183,6 +194,10 @@ class Trainer:
     # ------------------------------------------------------------------ the session
     def run(self) -> TrainResult:
         """Train until a budget is spent; returns the session's :class:`TrainResult`."""
+        with run_folder.disk_errors("--out", self.out):
+            return self._run()
+
+    def _run(self) -> TrainResult:
         self._open_stage()  # from here on the disk is written (by rank 0 only under torchrun)
         try:
             self._write_run_files()
@@ -208,6 +223,8 @@ class Trainer:
     def _open_stage(self) -> None:
         if self.ctx.is_main and not self.opts.resume:
             self.out.absolute().parent.mkdir(parents=True, exist_ok=True)
+            if self.lock is not None:
+                self.lock.acquire()  # a no-op when train() could take it before (the parent existed)
             self.stage = StagedDir(self.out)
             self.stage.__enter__()
             self.run_dir = self.stage.path
@@ -217,9 +234,10 @@ class Trainer:
             return
         if self.stage is not None:
             atomic_write_json(self.run_dir / RUN_MARKER, run_folder.marker())
-            atomic_write_json(self.run_dir / OPTIONS_JSON, options_dict(self.opts))
         elif not self.folder.marked:  # resuming a run of the version before run.json
             atomic_write_json(self.out / RUN_MARKER, run_folder.marker())
+        # a resumed session records the options it continues with (those given again included)
+        atomic_write_json(self.run_dir / OPTIONS_JSON, options_dict(self.opts))
 
     def _log_start(self) -> None:
         logger.info("model: %s parameters, config %s", f"{self.n_params:,}", self.config.to_dict())
@@ -368,7 +386,7 @@ class Trainer:
             label_smoothing=opts.label_smoothing,
             exact_examples=opts.eval_examples,
             pairs=self.data.valid_pairs,
-            bleu=self.task.scores_text or self.best_metric in ("bleu", "chrf"),
+            bleu=self.scores_text,
         )
         errors = metrics.pop("errors", [])
         signatures = {k: metrics.pop(k) for k in ("bleu_signature", "chrf_signature") if k in metrics}
@@ -492,7 +510,8 @@ class Trainer:
             summary = self._final_summary(result, session_s, session_cpu_s)
             atomic_write_json(self.out / SUMMARY_JSON, summary)
             if self.export_dir is not None:
-                run_folder.export_model(self.out / "best", self.export_dir, summary, self.tokenizer.files)
+                with run_folder.disk_errors("--export", self.export_dir):
+                    run_folder.export_model(self.out / "best", self.export_dir, summary, self.tokenizer.files)
         ctx.close()
         return result
 
@@ -526,25 +545,53 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- the entry point
-def _resumed_options(opts: TrainOptions, out: Path, last: Path) -> TrainOptions:
-    """``opts`` with the run-defining options of the run saved in ``out``."""
+def have_sacrebleu() -> bool:
+    try:
+        import sacrebleu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_metric_available(task: Task) -> None:
+    """Refuse, before anything is done, a --best-metric that needs sacrebleu when it is not installed."""
+    metric = task.best_metric
+    if metric in ("bleu", "chrf") and not have_sacrebleu():
+        default = "" if task.opts.best_metric else f" (the default of a {task.name} run)"
+        raise TrainingError(
+            f"--best-metric {metric}{default} needs the sacrebleu package, which is not installed: "
+            "pip install sacrebleu==2.6.0 (or the [eval] extra), or choose --best-metric loss"
+        )
+
+
+def _resumed_options(opts: TrainOptions, out: Path, last: Path, given: frozenset) -> TrainOptions:
+    """``opts`` completed from the run saved in ``out`` (see :func:`.options.merge_resume_options`)."""
     if not (last / STATE_JSON).is_file():
         raise TrainingError(f"cannot resume: no saved checkpoint in {out} ({last / STATE_JSON} not found)")
-    saved = run_folder.read_json_file(out / OPTIONS_JSON, "the options of the run")
+    path = out / OPTIONS_JSON
+    saved = run_folder.read_json_file(path, "the options of the run")
     try:
         if not isinstance(saved, dict):
             raise TrainingError("not a JSON object")
-        opts = merge_resume_options(opts, saved)
-        check_options(opts)
+        run_opts, present = saved_options(saved)
     except (TrainingError, TypeError, ValueError) as exc:
-        raise TrainingError(
-            f"cannot resume: {out / OPTIONS_JSON} does not hold valid options: {exc}"
-        ) from None
+        raise TrainingError(f"cannot resume: {path} does not hold valid options: {exc}") from None
+    opts = merge_resume_options(opts, run_opts, present, given, out)
+    check_options(opts)
     return opts
 
 
-def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResult:
+def train(
+    options: Optional[TrainOptions] = None, *, given_options: Optional[Iterable[str]] = None, **overrides: Any
+) -> TrainResult:
     """Train (or resume) a model as described by ``options`` (plus keyword overrides).
+
+    Resuming (``resume=True``) continues the run as it was started: the options that are not
+    given for this session come from the run's ``train_options.json``; an option given again
+    replaces the run's (a run-defining one, such as the model size or the data, only with the
+    run's own value). ``given_options`` names the fields given (the command line's flags); when
+    None, a field counts as given when it differs from :class:`TrainOptions`' default, and every
+    keyword override counts as given.
 
     Returns a :class:`TrainResult`; writes ``<out>/best/``, ``<out>/last/``, ``<out>/run.json``,
     ``<out>/train_options.json`` and ``<out>/summary.json`` (and the export directory when
@@ -557,23 +604,80 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     program is resumed or replaced. Checkpoints are written atomically, so an interruption or a
     full disk leaves the previous checkpoint and no temporary files.
     """
-    from ..checkpoint import load_model
-    from ..spm_tokenizer import load_any_tokenizer
-
     opts = dataclasses.replace(options or TrainOptions(), **overrides)
+    given = frozenset(given_fields(opts) if given_options is None else given_options) | frozenset(overrides)
     check_options(opts)
     out = Path(opts.out_dir)
     folder = run_folder.inspect_out(out)
     run_folder.check_out(folder, resume=opts.resume, overwrite=opts.overwrite)
+    if opts.resume:
+        opts = _resumed_options(opts, out, run_folder.last_dir(out), given)
+    _check_outputs(opts, out)
     export_dir = run_folder.check_export_dir(opts.export_dir, out)
     # single process, or one rank of a torchrun job (nccl on cuda, gloo on cpu)
     ctx = distributed.setup(parse_device(opts.device))
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
-    last = run_folder.last_dir(out)
-    if opts.resume:
-        opts = _resumed_options(opts, out, last)
+    lock = _lock_run(out, ctx)
+    try:
+        trainer = _prepare(opts, ctx, folder, export_dir)
+        trainer.lock = lock
+        return trainer.run()
+    finally:
+        lock.release()
+
+
+def _check_outputs(opts: TrainOptions, out: Path) -> None:
+    """--out and --export overlap no input and lie in no other training run's managed folders."""
+    inputs = [
+        (f"the {flag} file", path)
+        for flag, paths in (
+            ("--train", opts.train_files),
+            ("--valid", opts.valid_files),
+            ("--train-tsv", opts.train_tsv and (opts.train_tsv,)),
+            ("--valid-tsv", opts.valid_tsv and (opts.valid_tsv,)),
+        )
+        for path in paths or ()
+    ]
+    check_output_path(
+        out, inputs=inputs, managed_dirs=run_folder.managed_dirs(out, include_self=False), what="--out"
+    )
+    if opts.export_dir is not None:
+        check_output_path(
+            opts.export_dir,
+            inputs=inputs,
+            managed_dirs=run_folder.managed_dirs(opts.export_dir),
+            what="--export",
+        )
+
+
+def _lock_run(out: Path, ctx: distributed.Context) -> run_folder.RunLock:
+    """Rank 0 locks the run folder (where its parent exists: else when it is created); every rank
+    raises when that fails."""
+    lock = run_folder.RunLock(out)
+    error: Optional[BaseException] = None
+    if ctx.is_main and out.absolute().parent.is_dir():
+        try:
+            with run_folder.disk_errors("--out", out):
+                lock.acquire()
+        except TrainingError as exc:
+            error = exc
+    message = ctx.broadcast(None if error is None else str(error))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise TrainingError(message)
+    return lock
+
+
+def _prepare(opts: TrainOptions, ctx: distributed.Context, folder: RunFolder, export_dir) -> Trainer:
+    """The task's data, the tokenizer and model (new, or the run's), checked: a Trainer ready to run."""
+    from ..checkpoint import load_model
+    from ..spm_tokenizer import load_any_tokenizer
+
+    last = run_folder.last_dir(folder.path)
     task = task_for(opts)
+    _check_metric_available(task)
     task.load_data(ctx)
     if opts.resume:
         tokenizer, model = load_any_tokenizer(last), load_model(last, ctx.device)
@@ -584,4 +688,4 @@ def train(options: Optional[TrainOptions] = None, **overrides: Any) -> TrainResu
     trainer = Trainer(opts, task, ctx, model, tokenizer, data, folder, export_dir)
     if opts.resume:
         trainer.restore(last)
-    return trainer.run()
+    return trainer
