@@ -66,9 +66,17 @@ _SHOWN = 5  # unexpected files named in a refusal
 
 def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> str:
     """Write ``manifest.json`` into ``directory`` atomically (:func:`transformer_ext.fsutil.atomic_write_json`);
-    returns its path. NaN and infinities are refused (they are not JSON)."""
-    path = os.path.join(os.fspath(directory), ef.MANIFEST_NAME)
-    atomic_write_json(path, dict(manifest))
+    returns its path. NaN and infinities are refused (they are not JSON).
+
+    The SHA-256 of every file of its ``files`` list that is in ``directory`` is recorded under
+    ``"sha256"`` (computed now, so write the manifest after the files), which readers check
+    (:func:`transformer_ext.export_format.verify_files`)."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, ef.MANIFEST_NAME)
+    manifest = dict(manifest)
+    if isinstance(manifest.get("files"), list):
+        manifest[ef.HASHES_KEY] = ef.file_hashes(directory, manifest["files"])
+    atomic_write_json(path, manifest)
     return path
 
 

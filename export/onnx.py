@@ -193,9 +193,9 @@ class DecoderStepGraph(torch.nn.Module):
 
 def demo_model_dir() -> Path:
     """The bundled demo model folder (it may be absent in a source checkout without it)."""
-    from transformer_ext import translate
+    from transformer_ext.demo import DEMO_MODEL_DIR
 
-    return Path(translate.DEMO_MODEL_DIR)
+    return Path(DEMO_MODEL_DIR)
 
 
 def load_model_dir(model_dir: Optional[str | os.PathLike]):
@@ -563,7 +563,10 @@ def export_onnx(
     elif quantize_options:
         raise UsageError(f"quantize_options {dict(quantize_options)} need --quantize int4 or int8-nbits")
     output_dir = Path(output_dir).absolute()
-    check_output_path(output_dir, inputs=[("the model folder --model-dir", model_dir)], what="--output-dir")
+    if model_dir is not None:  # None: the bundled demo model
+        check_output_path(
+            output_dir, inputs=[("the model folder --model-dir", model_dir)], what="--output-dir"
+        )
     check_replaceable(output_dir)
     model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
     config = model.config

@@ -74,10 +74,12 @@ from transformer_ext.export_format import (
     ENCODER_FILE,
     FORMAT_VERSION,
     GENERATION_FILE,
+    HASHES_KEY,
     MANIFEST_NAME,
     SRC_LEN,
     GenerationConfig,
     dtype_from_tensorrt,
+    file_sha256,
     read_generation_config,
     read_manifest,
     tokenizer_files,
@@ -770,6 +772,11 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
     manifest["tokenizer_files"] = tokenizer_files(target.base_manifest)
     manifest["generation_config"] = target.generation_config
     manifest["files"] = sorted(set(target.listed_files) | set(files) | {MANIFEST_NAME})
+    manifest[HASHES_KEY] = {
+        name: hashlib.sha256(files[name]).hexdigest() if name in files else file_sha256(out_dir / name)
+        for name in manifest["files"]
+        if name != MANIFEST_NAME and (name in files or (out_dir / name).is_file())
+    }
     files[MANIFEST_NAME] = (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     manifest_path = out_dir / MANIFEST_NAME
     made: list[Path] = []

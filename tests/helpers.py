@@ -73,6 +73,16 @@ def make_model_dir(directory: Path, seed: int = 0, **overrides) -> Path:
     return directory
 
 
+def rehash_export(folder: Path) -> None:
+    """Record the SHA-256 of ``folder``'s files in its manifest again: a test that edits a file of an
+    export on purpose (its generation.json) makes an edit the manifest knows of."""
+    import json
+
+    from export.manifest import write_manifest
+
+    write_manifest(folder, json.loads((folder / MANIFEST_NAME).read_text()))
+
+
 def exported_dir(tmp_path_factory, flavour: str) -> Path:
     """The tiny model exported (and validated) in ``flavour``, once per test session."""
     from export.onnx import export_onnx

@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from fake_tensorrt import fake_tensorrt
-from helpers import make_model_dir
+from helpers import make_model_dir, rehash_export
 from onnx import helper
 
 import export
@@ -74,6 +74,7 @@ def as_version_2(export_dir: Path, dst: Path) -> Path:
         folder,
         format_version=2,
         generation_config=None,
+        sha256=None,  # the hashes came with version 3's writers
         files=[f for f in manifest["files"] if f != "generation.json"],
     )
     return folder
@@ -128,15 +129,6 @@ def test_export_errors_are_the_formats_and_every_tensorrt_error_is_an_export_err
     from transformer_ext.runtimes.device import BindingError  # the TensorRT runner's
 
     assert issubclass(BindingError, export.ExportError) and issubclass(BindingError, RuntimeError)
-
-
-def test_the_old_lenient_reader_is_a_deprecated_wrapper_of_the_strict_one(exported_portable, tmp_path):
-    with pytest.warns(DeprecationWarning, match="transformer_ext.export_format.read_manifest"):
-        assert trt_readiness.read_manifest(exported_portable) == read_manifest(exported_portable)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.warns(DeprecationWarning), pytest.raises(ManifestError, match="manifest.json not found"):
-        trt_readiness.read_manifest(empty)  # was {}: a missing manifest is an error now
 
 
 def test_the_format_names_have_one_import_path():
@@ -262,6 +254,7 @@ def test_version_2_folders_still_load_with_the_default_generation_config(
 def _write_generation(folder: Path, text: str) -> Path:
     path = folder / "generation.json"
     path.write_text(text)
+    rehash_export(folder)  # a config the manifest knows of: what is tested is its validation
     return path
 
 
@@ -274,7 +267,7 @@ def _write_generation(folder: Path, text: str) -> Path:
         (
             "length_penalty",
             "wu",
-            r"length_penalty must be one of \['gnmt', 'seed', 'average', 'none'\], got \"wu\"",
+            r"length_penalty must be one of \['gnmt', 'seed', 'average', 'none', 'hf'\], got \"wu\"",
         ),
         ("alpha", -0.5, "alpha must be a finite number >= 0, got -0.5"),
         ("alpha", "NaN", "alpha must be a finite number >= 0, got nan"),
@@ -438,3 +431,51 @@ def test_engine_folder_apart_from_the_export_holds_the_tokenizer_and_generation_
     assert read_manifest(old)["format_version"] == 3
     assert read_generation_config(old) == GenerationConfig.defaults_for(read_manifest(old))
     assert read_manifest(old)["files"] == sorted(os.listdir(old))
+
+
+# ------------------------------------------------------------------------------------------
+# file hashes
+# ------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_manifest_records_the_sha256_of_every_listed_file(exported_portable):
+    manifest = json.loads((exported_portable / "manifest.json").read_text())
+    expected = {
+        name: _sha256(exported_portable / name) for name in manifest["files"] if name != "manifest.json"
+    }
+    assert manifest["sha256"] == expected
+
+
+def test_a_permuted_tokenizer_of_the_same_sizes_is_refused_naming_the_file(exported_portable, tmp_path):
+    from transformer_ext.translate import Translator
+
+    folder = copy_export(exported_portable, tmp_path / "e")
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["target_vocab"]
+    vocab[4], vocab[5] = vocab[5], vocab[4]  # same sizes, same special ids: only the hash tells
+    path.write_text(json.dumps(data))
+    with pytest.raises(ef.ManifestError, match=rf"{path} is not the file this export was written with"):
+        read_manifest(folder)
+    with pytest.raises(UserError, match=r"tokenizer.json is not the file this export was written with"):
+        Translator.from_export_dir(folder)
+
+
+def test_a_changed_graph_is_found_on_request_and_old_folders_without_hashes_load(exported_portable, tmp_path):
+    folder = copy_export(exported_portable, tmp_path / "e")
+    graph = folder / "decoder_step.onnx"
+    graph.write_bytes(graph.read_bytes() + b"\0")
+    read_manifest(folder)  # graphs are hashed only on request: reading them all costs time
+    with pytest.raises(ef.ManifestError, match=rf"{graph} is not the file this export was written with"):
+        read_manifest(folder, verify=True)
+    graph.write_bytes(graph.read_bytes()[:-1])
+    assert read_manifest(folder, verify=True)["sha256"]["decoder_step.onnx"] == _sha256(graph)
+    (folder / "tokenizer.json").write_text((folder / "tokenizer.json").read_text() + " ")
+    rewrite(folder, sha256=None)  # as written before the hashes were recorded
+    assert "sha256" not in read_manifest(folder, verify=True)

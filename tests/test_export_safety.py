@@ -93,6 +93,7 @@ def v1_folder(export: Path, dst: Path) -> Path:
     manifest = json.loads((dst / MANIFEST_NAME).read_text())
     (dst / manifest.pop("generation_config")).unlink()  # version 1 had no generation config
     manifest["format_version"] = 1
+    manifest.pop("sha256")  # written since version 3
     manifest["files"] = {
         "encoder": ENCODER_FILE,
         "decoder_step": DECODER_FILE,

@@ -1,6 +1,7 @@
 """Training: the loss, the warmup schedule, determinism, checkpoints and exact resume, and what
 the command does with bad options, foreign folders, corrupt files, a full disk and signals."""
 
+import dataclasses
 import errno
 import json
 import logging
@@ -964,6 +965,9 @@ def test_resume_keeps_files_the_user_put_in_best_last_and_step_folders(tmp_path,
         run / "best" / "hyp.txt": b"my translations",
         run / "last" / "notes" / "todo.txt": b"look at step 2",
         run / "checkpoints" / "step-2" / "score.txt": b"BLEU 1.0",
+        # a model folder of the user's named like a later step: neither deleted nor counted as one
+        run / "checkpoints" / "step-9999" / "config.json": b"{}",
+        run / "checkpoints" / "step-9999" / "averaged.json": b"{}",
     }
     for path, data in mine.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -973,7 +977,7 @@ def test_resume_keeps_files_the_user_put_in_best_last_and_step_folders(tmp_path,
     for path, data in mine.items():
         assert path.read_bytes() == data, path
     # step-2 holds a file of the user's, so --keep-last 1 keeps it; step-3 (only the trainer's) is removed
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4", "step-9999"]
     assert "they are kept in the new checkpoint" in caplog.text
     assert "kept " + str(run / "checkpoints" / "step-2") in caplog.text
     assert not temporaries(tmp_path)
@@ -1154,3 +1158,146 @@ def test_resume_takes_the_options_not_given_from_the_run(tmp_path, monkeypatch, 
     assert train_mod.main(["--out", str(out), "--resume", "--no-progress", "--max-steps", "6"]) == 0
     assert state_step(out) == 6
     assert "except these given again: --max-steps 6 (the run had --max-steps 4)" in caplog.text
+
+
+# ---------------------------------------------------------------------- training output (issue 23)
+def test_time_left_is_measured_against_the_budget_that_binds():
+    from transformer_ext.training.progress import time_left
+
+    # 23 of 100000 steps in 111 s with a 12-minute budget: the minutes bind, 720 - 111 s are left
+    assert time_left(23, 1, 100_000, 111.0, 12.0) == (720.0 - 111.0, "minutes")
+    # 50 of 100 steps in 100 s, no time budget: 50 more steps at 2 s each
+    assert time_left(50, 1, 100, 100.0, None) == (100.0, "steps")
+    # the same with a generous time budget: the steps bind
+    assert time_left(50, 1, 100, 100.0, 60.0) == (100.0, "steps")
+    # a resumed session (first step 51) measures its own rate: 10 steps in 20 s, 40 left
+    assert time_left(60, 51, 100, 20.0, None) == (80.0, "steps")
+    # nothing done yet: only a time budget tells
+    assert time_left(0, 1, 100, 0.0, None) == (None, "steps")
+    assert time_left(0, 1, 100, 0.0, 2.0) == (120.0, "minutes")
+
+
+def test_the_progress_bar_is_as_long_as_the_time_budget_allows(monkeypatch, capsys):
+    from transformer_ext.training import progress
+
+    now = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    bar = progress.Progress(100_000, 0, 1.0, enabled=True, interactive=True)
+    for step in range(1, 11):
+        now[0] += 0.5
+        bar.update(step)
+    # 10 steps in 5 s, 55 s of the minute left: 110 more steps fit, the bar is 120 steps long
+    assert bar.bar.total == 10 + 55 * 10 // 5
+    bar.close()
+
+
+def test_progress_is_plain_log_lines_when_stderr_is_not_a_terminal(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO)
+    argv = [
+        a for a in cli(tmp_path / "run", "--log-every", "1", steps=3) if a not in ("--no-progress", "--quiet")
+    ]
+    assert train_mod.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "train:" not in err  # no bar frames
+    step_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(step_lines) == 3 and all("left (steps budget)" in line for line in step_lines), step_lines
+    # between the log lines, a plain progress line every interval_s seconds
+    from transformer_ext.training.progress import Progress
+
+    caplog.clear()
+    plain = Progress(10, 0, None, enabled=True, interactive=False, interval_s=0.0)
+    plain.update(1)
+    assert "progress: step 1/10 (10.0%)" in caplog.text and plain.bar is None
+
+
+def test_tensorboard_logs_losses_learning_rates_and_validations(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = train(tiny(tmp_path, max_steps=6, eval_every=3, tensorboard=str(tmp_path / "tb")))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    lr = events.Scalars("train/lr")
+    assert [e.step for e in lr] == list(range(1, 7))
+    expected = [paper_rate(s, 32, TINY["warmup"], TINY["lr_factor"]) for s in range(1, 7)]
+    assert [e.value for e in lr] == pytest.approx(expected, rel=1e-6)  # stored as float32
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(result.losses, rel=1e-6)
+    valid = events.Scalars("valid/loss")
+    assert [e.step for e in valid] == [3, 6]
+    assert [e.value for e in valid] == pytest.approx([h["loss"] for h in result.history], rel=1e-6)
+    assert [e.step for e in events.Scalars("valid/exact_match")] == [3, 6]
+
+
+def test_tensorboard_inside_a_managed_folder_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_mod.main(cli(out, "--tensorboard", str(out / "last" / "tb"))) == 1
+    assert (
+        f"--tensorboard {out / 'last' / 'tb'} lies inside the run folder's last/" in capsys.readouterr().err
+    )
+    assert os.listdir(tmp_path) == []
+
+
+def test_demo_only_options_have_their_own_group_and_text_runs_need_out(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_mod.main(["--help"])
+    help_text = capsys.readouterr().out
+    demo = help_text.index("the demo task (without --train")
+    following = help_text.index("\n\n", demo)
+    for flag in ("--range", "--split-seed", "--oversample"):
+        assert demo < help_text.index(f"  {flag} ") < following, flag
+    opts = text_opts(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        train_mod.main(["--train", *opts.train_files, "--valid", *opts.valid_files])
+    assert info.value.code == 2
+    assert "--out is required with --train" in capsys.readouterr().err
+
+
+def test_the_test_set_is_scored_with_the_best_checkpoint_as_evaluate_does(tmp_path, capsys):
+    from transformer_ext import evaluate
+
+    opts = text_opts(tmp_path, final_eval=True, final_beam=2)
+    test_src = write_lines(tmp_path / "test.en", SENTS_EN[3:6])
+    test_tgt = write_lines(tmp_path / "test.de", SENTS_DE[3:6])
+    result = train(dataclasses.replace(opts, test_files=(test_src, test_tgt)))
+    best = Path(result.out_dir) / "best"
+    for name, beam in (("greedy", 1), ("beam", 2)):
+        capsys.readouterr()
+        assert (
+            evaluate.main(
+                ["--model", str(best), "--src", test_src, "--ref", test_tgt, "--beam", str(beam), "--json"]
+            )
+            == 0
+        )
+        report = json.loads(capsys.readouterr().out)
+        assert (result.heldout[f"{name}_bleu"], result.heldout[f"{name}_chrf"]) == (
+            report["bleu"],
+            report["chrf"],
+        )
+    assert result.heldout["n"] == 3 and result.heldout["beam_size"] == 2
+    summary = json.loads((Path(result.out_dir) / "summary.json").read_text())
+    assert summary["heldout"] == result.heldout
+
+
+def test_a_bad_test_set_is_refused_before_training(tmp_path, capsys):
+    opts = text_opts(tmp_path)
+    short = write_lines(tmp_path / "test.de", SENTS_DE[:2])
+    argv = ["--out", str(tmp_path / "run"), "--preset", "tiny", "--tokenizer", "char", "--no-progress"]
+    argv += ["--train", *opts.train_files, "--valid", *opts.valid_files, "--test", opts.valid_files[0], short]
+    assert train_mod.main(argv) == 1
+    assert "--test: " in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert train_mod.main(cli(tmp_path / "demo", "--test", opts.valid_files[0], short)) == 2
+    assert "--test is given without --train" in capsys.readouterr().err
+
+
+def test_running_out_of_memory_in_a_step_is_one_line(tmp_path, monkeypatch, capsys):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 128000000000000 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+    monkeypatch.setattr(optim, "accumulate_gradients", no_memory)
+    assert train_mod.main(cli(tmp_path / "run", steps=2)) == 1
+    err = capsys.readouterr().err
+    assert "error: out of memory at step 1 (cpu) on a batch of --max-tokens 400 padded tokens" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

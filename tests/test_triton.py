@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from helpers import make_model_dir
+from helpers import make_model_dir, rehash_export
 
 from export import ManifestError, OutputFolderError
 from export import triton as triton_export
@@ -338,7 +338,7 @@ def settings_of(repo: Path) -> translator_module.Settings:
 
 
 def eager_decodes(eager: EagerRunner, ids, lengths, beam: int, max_new=MAX_NEW, min_new=0):
-    c = eager.config
+    c = eager.info
     common = dict(bos_id=c.bos_id, eos_id=c.eos_id, max_new_tokens=max_new, min_new_tokens=min_new)
     if beam == 1:
         return decoding.greedy_decode(eager, ids, lengths, **common), None
@@ -680,6 +680,7 @@ def test_generation_config_of_the_export_sets_the_translators_defaults(exports, 
         max_new_tokens=4,
     )
     (folder / "generation.json").write_text(json.dumps(generation))
+    rehash_export(folder)  # an edit the manifest knows of (it records every file's SHA-256)
     repo = export_triton(folder, tmp_path / "repo").repo_dir
     settings = settings_of(repo)
     assert (
@@ -696,7 +697,7 @@ def test_generation_config_of_the_export_sets_the_translators_defaults(exports, 
     out = translator_module.Translator(settings).translate(
         {"input_ids": ids, "src_lengths": lengths}, server.infer_many
     )
-    c = eager.config
+    c = eager.info
     hyps = decoding.beam_search(
         eager,
         ids,
@@ -713,6 +714,7 @@ def test_generation_config_of_the_export_sets_the_translators_defaults(exports, 
     assert unpack(out) == [h[0].tokens for h in hyps]  # min(floor(0 * n + 5), 4) = 4 tokens, beam 3
     np.testing.assert_allclose(out["scores"], [h[0].score for h in hyps], rtol=0, atol=1e-4)
     (folder / "generation.json").write_text(json.dumps({**generation, "beam_size": 0}))
+    rehash_export(folder)
     with pytest.raises(ManifestError, match=r"generation.json: beam_size must be >= 1, got 0"):
         export_triton(folder, tmp_path / "repo2")
     assert not (tmp_path / "repo2").exists()

@@ -28,9 +28,11 @@ Code that has ``onnx`` installed gets the names from ``onnx.helper`` (:mod:`expo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Iterable, Mapping, Optional
 
@@ -74,6 +76,10 @@ __all__ = [
     "manifest_max_cache_len",
     "manifest_quantization",
     "quantization_cpu_warning",
+    "HASHES_KEY",
+    "file_sha256",
+    "file_hashes",
+    "verify_files",
     # generation config
     "GENERATION_FORMAT",
     "GENERATION_FORMAT_VERSION",
@@ -328,13 +334,19 @@ def _plain_name(value: Any) -> bool:
     )
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
+def read_manifest(directory: str | os.PathLike, *, verify: bool = False) -> dict:
     """Read and check ``directory/manifest.json``: the format marker and a readable version, the
     keys every reader relies on, and graphs that follow from its model config and flavour.
 
+    The files whose SHA-256 the manifest records (``"sha256"``, written by every exporter of this
+    version) are checked against it (:func:`verify_files`): the small ones (tokenizer files,
+    generation config) always, the graphs and engines too with ``verify=True``. A folder
+    written before the hashes were recorded has none to check and loads as before.
+
     Raises:
         ManifestError: the folder or its manifest is missing, not JSON, of another tool or of an
-            unknown version, or inconsistent; the message names the file and what is wrong.
+            unknown version, or inconsistent, or a file differs from its recorded SHA-256; the
+            message names the file and what is wrong.
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
@@ -416,7 +428,66 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         manifest_quantization(manifest)
     except ManifestError as exc:
         raise ManifestError(f"{path}: {exc}") from None
+    verify_files(directory, manifest, graphs=verify)
     return manifest
+
+
+# ``"sha256": {file name: hex digest}`` for every listed file but the manifest itself.
+HASHES_KEY = "sha256"
+# Files checked only on request (large: hashing them costs a read of the whole file).
+_LARGE_SUFFIXES = (".onnx", ".data", ".engine", ".plan", ".cache")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, as lower-case hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_hashes(directory: str | os.PathLike, names: Iterable[str]) -> dict:
+    """``{name: SHA-256}`` of the files ``names`` in ``directory`` (the manifest itself excluded)."""
+    directory = os.fspath(directory)
+    return {
+        name: file_sha256(os.path.join(directory, name))
+        for name in sorted(set(names))
+        if name != MANIFEST_NAME and os.path.isfile(os.path.join(directory, name))
+    }
+
+
+def verify_files(directory: str | os.PathLike, manifest: Mapping[str, Any], *, graphs: bool = False) -> None:
+    """Check the files of ``directory`` against the SHA-256 the manifest records.
+
+    The small files always; graphs, external weights and engines (``.onnx``, ``.data``,
+    ``.engine``, ``.plan``, ``.cache``) only with ``graphs=True``. A manifest without hashes (a
+    folder of an earlier version) passes, and so does a missing file (its reader reports it).
+    Raises :class:`ManifestError` naming the file.
+    """
+    directory = os.fspath(directory)
+    path = os.path.join(directory, MANIFEST_NAME)
+    hashes = manifest.get(HASHES_KEY)
+    if hashes is None:
+        return
+    if not isinstance(hashes, dict) or not all(
+        _plain_name(k) and isinstance(v, str) and _HEX64.match(v) for k, v in hashes.items()
+    ):
+        raise ManifestError(f"{path}: {HASHES_KEY} must map file names to SHA-256 hex digests")
+    for name, expected in sorted(hashes.items()):
+        if not graphs and name.endswith(_LARGE_SUFFIXES):
+            continue
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            continue  # a missing file is reported by what needs it, with what to do
+        actual = file_sha256(file)
+        if actual != expected:
+            raise ManifestError(
+                f"{file} is not the file this export was written with: its SHA-256 is {actual}, "
+                f"{MANIFEST_NAME} records {expected} (the file was changed or replaced; export the model "
+                "again, or restore the file)"
+            )
 
 
 def tokenizer_files(manifest: Mapping[str, Any]) -> list[str]:

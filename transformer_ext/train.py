@@ -68,13 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("run")
     g.add_argument(
-        "--out", dest="out_dir", default=d.out_dir, help="output directory of the run (default: %(default)s)"
+        "--out",
+        dest="out_dir",
+        default=d.out_dir,
+        help="output directory of the run (default for the demo task: %(default)s; required with --train)",
     )
     g.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run saved in OUT/last/ exactly where it stopped (model, data, schedule "
-        "options are the saved run's; budgets such as --max-steps may be raised)",
+        help="continue the run saved in OUT/last/ exactly where it stopped: the options not given come "
+        "from the run, an option given again replaces the run's (budgets such as --max-steps); the model, "
+        "data and schedule options cannot change",
     )
     g.add_argument(
         "--overwrite",
@@ -98,7 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--device", default=d.device, help="cpu or cuda (default: %(default)s)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bar")
+    g.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress display (a bar on a terminal, else a log line a minute; its estimate is the "
+        "binding budget's: --max-steps/--epochs or --max-minutes)",
+    )
+    g.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="write TensorBoard scalars to DIR: training loss, learning rate, target tokens/s, validation "
+        "loss, BLEU, chrF, exact match (needs the tensorboard package: the [tensorboard] extra)",
+    )
     g.add_argument("--quiet", action="store_true", help="log warnings only")
     add_debug_flag(g)
 
@@ -149,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("SRC_FILE", "TGT_FILE"),
         help="validation pairs (loss, BLEU and chrF with sacrebleu, best-checkpoint selection)",
     )
+    g.add_argument(
+        "--test",
+        dest="test_files",
+        nargs=2,
+        metavar=("SRC_FILE", "TGT_FILE"),
+        help="a held-out test set: at the end the best model is scored on it, greedy and with --final-beam "
+        "(BLEU, chrF: the numbers of python -m transformer_ext.evaluate), into summary.json",
+    )
     g.add_argument("--train-tsv", metavar="FILE", help="training pairs as source<TAB>target lines")
     g.add_argument("--valid-tsv", metavar="FILE", help="validation pairs as source<TAB>target lines")
     g.add_argument(
@@ -180,7 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the counts are logged)",
     )
 
-    g = p.add_argument_group("data")
+    g = p.add_argument_group("batches")
+    g.add_argument(
+        "--max-tokens", type=int, default=d.max_tokens, help="padded tokens per batch (default: %(default)s)"
+    )
+
+    g = p.add_argument_group("the demo task (without --train: English to German number words)")
     g.add_argument(
         "--range",
         dest="number_range",
@@ -204,9 +234,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(d.oversample),
         help="repeat training numbers below BELOW TIMES per epoch, first matching rule wins; "
         "no value: no oversampling (default: " + " ".join(f"{b}={t}" for b, t in d.oversample) + ")",
-    )
-    g.add_argument(
-        "--max-tokens", type=int, default=d.max_tokens, help="padded tokens per batch (default: %(default)s)"
     )
 
     g = p.add_argument_group("optimisation")
@@ -288,13 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-final-eval",
         dest="final_eval",
         action="store_false",
-        help="skip the held-out evaluation of the best model at the end",
+        help="skip the final check of the best model (the demo's held-out numbers, or --test)",
     )
     g.add_argument(
         "--final-beam",
         type=int,
         default=d.final_beam,
-        help="beam size of the final held-out evaluation (1: greedy only) (default: %(default)s)",
+        help="beam size of the final check, besides greedy (1: greedy only) (default: %(default)s)",
     )
     g.add_argument(
         "--best-metric",
@@ -347,7 +374,7 @@ def options_from_args(args: argparse.Namespace) -> TrainOptions:
                 values[name] = layers
     if values.get("max_steps") is not None and values["max_steps"] <= 0:
         values["max_steps"] = None
-    for name in ("train_files", "valid_files"):
+    for name in ("train_files", "valid_files", "test_files"):
         if values.get(name) is not None:
             values[name] = tuple(values[name])
     return TrainOptions(range_low=low, range_high=high, **values)
@@ -391,11 +418,17 @@ def _run(args: argparse.Namespace, given: frozenset, rank: int) -> int:
             f"trained {result.step} steps in {result.total_elapsed_s:.0f} s ({result.stop_reason}); "
             f"best validation exact match {best.get('exact_match', float('nan')):.4f} at step {best.get('step')}"
         )
-    if result.heldout:
-        h = result.heldout
+    h = result.heldout or {}
+    if "greedy_exact_match" in h:
         line = f"held-out ({h['n']} numbers): greedy exact match {h['greedy_exact_match']:.4f}"
-        if "beam_exact_match" in result.heldout:
-            line += f", beam {result.heldout['beam_size']} {result.heldout['beam_exact_match']:.4f}"
+        if "beam_exact_match" in h:
+            line += f", beam {h['beam_size']} {h['beam_exact_match']:.4f}"
+        print(line)
+    elif "greedy_bleu" in h:
+        line = f"test {h['src']} ({h['n']} pairs): greedy BLEU {h['greedy_bleu']:.2f}"
+        line += f", chrF {h['greedy_chrf']:.2f}"
+        if "beam_bleu" in h:
+            line += f"; beam {h['beam_size']} BLEU {h['beam_bleu']:.2f}, chrF {h['beam_chrf']:.2f}"
         print(line)
     print(f"model directories: {Path(result.out_dir) / 'best'} and {Path(result.out_dir) / 'last'}")
     return 0
@@ -412,6 +445,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     given = given_options(argv)
+    if given & {"train_files", "train_tsv"} and "out_dir" not in given:
+        parser.error("--out is required with --train / --train-tsv (the default out/demo is the demo task's)")
     rank = distributed.env_rank()  # under torchrun only rank 0 logs progress and prints the result
     logging.basicConfig(
         level=logging.WARNING if args.quiet or rank > 0 else logging.INFO,

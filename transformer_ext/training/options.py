@@ -109,7 +109,10 @@ class TrainOptions:
     patience: Optional[int] = None  # stop after this many validations without a new best (None: never)
     keep_last: int = 0  # also keep the model of the last K validations in <out>/checkpoints/step-N/
     log_every: int = 100  # steps between log lines
-    progress: bool = True  # tqdm progress bar
+    progress: bool = True  # a progress bar on a terminal, a log line a minute otherwise
+    tensorboard: Optional[str] = None  # a folder for TensorBoard scalars (losses, lr, validation)
+    # parallel text: a held-out test set, scored with the best checkpoint at the end (as evaluate does)
+    test_files: Optional[tuple[str, str]] = None
 
 
 # Options that define a run: a resumed run keeps them (given again with another value: an error).
@@ -164,7 +167,7 @@ SESSION_FIELDS = ("out_dir", "resume", "overwrite")
 
 def _from_json(name: str, value: Any) -> Any:
     """A value of train_options.json in the type of its TrainOptions field."""
-    if name in ("adam_betas", "train_files", "valid_files") and isinstance(value, list):
+    if name in ("adam_betas", "train_files", "valid_files", "test_files") and isinstance(value, list):
         return tuple(value)
     if name == "oversample" and isinstance(value, list):
         return tuple(tuple(rule) if isinstance(rule, list) else rule for rule in value)
@@ -301,6 +304,8 @@ _FLAGS = {
     "best_metric": "--best-metric",
     "patience": "--patience",
     "keep_last": "--keep-last",
+    "tensorboard": "--tensorboard",
+    "test_files": "--test",
 }
 _SEED_MAX = 2**63 - 1
 # The largest value of each size option: beyond these a model (or one batch) of this package does
@@ -388,9 +393,9 @@ def check_options(opts: TrainOptions) -> None:
         )
     if opts.resume and opts.overwrite:
         raise TrainingUsageError("--resume and --overwrite exclude each other")
-    for name in ("out_dir", "export_dir"):
+    for name in ("out_dir", "export_dir", "tensorboard"):
         value = getattr(opts, name)
-        if name == "export_dir" and value is None:
+        if name != "out_dir" and value is None:
             continue
         if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
             raise TrainingUsageError(f"{_option(name)} must be a folder path, got {value!r}")
@@ -461,7 +466,7 @@ def check_options(opts: TrainOptions) -> None:
 
 def check_text_options(opts: TrainOptions) -> None:
     """The options of parallel-text training, mixed precision, schedules and checkpoint selection."""
-    for name in ("train_files", "valid_files"):
+    for name in ("train_files", "valid_files", "test_files"):
         value = getattr(opts, name)
         if value is not None and (
             not isinstance(value, (tuple, list))
@@ -486,6 +491,10 @@ def check_text_options(opts: TrainOptions) -> None:
     if has_train and not has_valid:
         raise TrainingUsageError(
             "--train needs a validation set: --valid SRC_FILE TGT_FILE or --valid-tsv FILE"
+        )
+    if opts.test_files is not None and not has_train:
+        raise TrainingUsageError(
+            "--test is given without --train (the demo task scores its own held-out split at the end)"
         )
     if has_valid and not has_train:
         raise TrainingUsageError(

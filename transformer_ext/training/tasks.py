@@ -300,6 +300,10 @@ class ParallelTextTask(Task):
             raise TrainingError(f"the validation set {self.valid_name} has no lines")
         if not self.train_src:
             raise TrainingError(f"the training set {self.train_name} has no lines")
+        if opts.test_files is not None:  # read now so that a bad test set fails before training
+            test_src, _ = _read_pairs(opts.test_files, None, "--test")
+            if not test_src:
+                raise TrainingError(f"the test set {_data_name(opts.test_files, None)} has no lines")
         self.provenance = find_provenance(opts)
 
     def build_tokenizer(self, ctx):
@@ -374,6 +378,42 @@ class ParallelTextTask(Task):
             valid_pairs=[valid_ids[i] for i in range(len(valid_ids))],
             report=report,
         )
+
+    def final_check(self, best_dir: Path, device: torch.device) -> Optional[dict]:
+        """BLEU and chrF of the best model on ``--test``, greedy and (``--final-beam``) beam: the
+        numbers of ``python -m transformer_ext.evaluate --model BEST --src SRC --ref TGT [--beam N]``."""
+        from ..evaluate import evaluate_files
+
+        if self.opts.test_files is None:
+            return None
+        src, ref = (Path(p) for p in self.opts.test_files)
+        report: dict[str, Any] = dict(src=str(src), ref=str(ref))
+        beams = [("greedy", 1)] + ([("beam", self.opts.final_beam)] if self.opts.final_beam > 1 else [])
+        for name, beam in beams:
+            scores = evaluate_files(
+                best_dir, src, ref, beam=beam, device=str(device), threads=self.opts.threads
+            )
+            report.update(
+                {
+                    "n": scores["n"],
+                    f"{name}_bleu": scores["bleu"],
+                    f"{name}_chrf": scores["chrf"],
+                    f"{name}_seconds": scores["seconds"],
+                    "bleu_signature": scores["bleu_signature"],
+                    "chrf_signature": scores["chrf_signature"],
+                }
+            )
+            if name == "beam":
+                report["beam_size"] = beam
+            logger.info(
+                "test %s (%d pairs), %s: BLEU %.2f, chrF %.2f",
+                src,
+                scores["n"],
+                "greedy" if beam == 1 else f"beam {beam}",
+                scores["bleu"],
+                scores["chrf"],
+            )
+        return report
 
     def describe(self, data: TrainingData, n_batches: int, steps_per_epoch: int) -> None:
         logger.info(

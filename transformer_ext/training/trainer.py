@@ -42,6 +42,7 @@ from .options import (
     parse_device,
     saved_options,
 )
+from .progress import Progress, TensorBoardLog, format_duration, have_tensorboard
 from .run_folder import OPTIONS_JSON, RUN_MARKER, STATE_JSON, SUMMARY_JSON, RunFolder
 from .tasks import Task, TrainingData, task_for
 
@@ -98,6 +99,12 @@ class _LogWindow:
     start: float = field(default_factory=time.monotonic)
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """A failed allocation of torch (CUDA's OutOfMemoryError, or the CPU allocator's error)."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or "can't allocate memory" in str(exc)
+
+
 def _load_average() -> Optional[list[float]]:
     """1/5/15-minute load averages (where the OS has them): how shared the CPU was."""
     try:
@@ -138,7 +145,7 @@ class Trainer:
         self.device = ctx.device
         self.out, self.folder, self.export_dir = folder.path, folder, export_dir
         self.best_metric = task.best_metric
-        # validation BLEU and chrF: what the metric needs, and what a text task reports when sacrebleu is there
+        # validation BLEU and chrF: what the metric needs, and a text task's report where sacrebleu is
         self.scores_text = self.best_metric in ("bleu", "chrf") or (task.scores_text and have_sacrebleu())
         self.n_params = sum(p.numel() for p in model.parameters())
         # under torchrun: this rank's batches r, r+N, r+2N, ... of each epoch
@@ -166,6 +173,7 @@ class Trainer:
         self.stop_reason = ""
         self.started = time.monotonic()
         self.lock: Optional[run_folder.RunLock] = None  # held by train() around the session
+        self.tensorboard: Optional[TensorBoardLog] = None  # --tensorboard, on rank 0
 
     @property
     def total_steps(self) -> int:
@@ -217,6 +225,8 @@ class Trainer:
                 )
             raise
         finally:
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             if self.stage is not None:
                 self.stage.__exit__(None, None, None)  # removes the staged folder unless it was committed
 
@@ -244,8 +254,6 @@ class Trainer:
         self.task.describe(self.data, len(self.sampler), self.steps_per_epoch)
 
     def _train(self) -> None:
-        from tqdm.auto import tqdm
-
         opts, state = self.opts, self.state
         self.ctx.seed_rank_rng(opts.seed, state.step)  # ranks > 0: their own dropout masks
         self.model.train()
@@ -258,21 +266,17 @@ class Trainer:
         )
         self.window = _LogWindow()
         self.last_eval_step = state.history[-1]["step"] if state.history else -1
-        bar = tqdm(
-            total=self.total_steps,
-            initial=state.step,
-            disable=not opts.progress or not self.ctx.is_main,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            leave=False,
+        self.progress = Progress(
+            self.total_steps, state.step, opts.max_minutes, enabled=opts.progress and self.ctx.is_main
         )
+        if opts.tensorboard is not None and self.ctx.is_main:
+            self.tensorboard = TensorBoardLog(opts.tensorboard)
         try:
-            self._epochs(bar)
+            self._epochs()
         finally:
-            bar.close()
+            self.progress.close()
 
-    def _epochs(self, bar) -> None:
+    def _epochs(self) -> None:
         """Epoch after epoch, step after step, until :meth:`_should_stop` or the patience runs out."""
         opts, state = self.opts, self.state
         if state.step >= self.total_steps:
@@ -283,8 +287,7 @@ class Trainer:
                 if self._should_stop():
                     return
                 self.step(batches[state.batch_in_epoch : state.batch_in_epoch + opts.update_freq])
-                bar.update(1)
-                self._log_progress(bar)
+                self._log_progress()
                 if opts.eval_every and state.step % opts.eval_every == 0:
                     self.validate()
                     if opts.patience is not None and state.evals_since_best >= opts.patience:
@@ -316,15 +319,25 @@ class Trainer:
         ]
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value, n_tokens = optim.accumulate_gradients(
-            self.train_model,
-            micro,
-            pad_id=tok.pad_id,
-            label_smoothing=self.opts.label_smoothing,
-            ctx=self.ctx,
-            scaler=self.scaler,
-            autocast_dtype=self.autocast_dtype,
-        )
+        try:
+            loss_value, n_tokens = optim.accumulate_gradients(
+                self.train_model,
+                micro,
+                pad_id=tok.pad_id,
+                label_smoothing=self.opts.label_smoothing,
+                ctx=self.ctx,
+                scaler=self.scaler,
+                autocast_dtype=self.autocast_dtype,
+            )
+        except RuntimeError as exc:  # torch.OutOfMemoryError (CUDA) is one too
+            if not _out_of_memory(exc):
+                raise
+            longest = max(int(b.tgt_in.shape[1]) for b in micro)
+            raise TrainingError(
+                f"out of memory at step {self.state.step + 1} ({self.device.type}) on a batch of "
+                f"--max-tokens {self.opts.max_tokens} padded tokens (targets up to {longest} tokens): lower "
+                "--max-tokens, --max-len or the model size (raise --update-freq to keep the batch)"
+            ) from None
         optim.optimizer_step(
             self.model, self.optimizer, self.scheduler, clip_norm=self.opts.clip_norm, scaler=self.scaler
         )
@@ -340,21 +353,30 @@ class Trainer:
         self.window.loss += loss_value * n_tokens
         self.window.tokens += n_tokens
 
-    def _log_progress(self, bar) -> None:
-        if not (self.opts.log_every and self.state.step % self.opts.log_every == 0):
+    def _log_progress(self) -> None:
+        """The step's TensorBoard scalars, the log line every --log-every steps, the progress bar."""
+        step, loss, lr = self.state.step, self.losses[-1], self.learning_rates[-1]
+        if self.tensorboard is not None:
+            self.tensorboard.step(step, loss, lr)
+        if not (self.opts.log_every and step % self.opts.log_every == 0):
+            self.progress.update(step)
             return
-        window, lr = self.window, self.learning_rates[-1]
-        dt = time.monotonic() - window.start
+        window = self.window
+        tokens_per_s = window.tokens / max(time.monotonic() - window.start, 1e-9)
+        left, binding = self.progress.time_left(step)
         logger.info(
-            "step %d/%d epoch %d loss %.4f lr %.2e %.0f target tokens/s",
-            self.state.step,
+            "step %d/%d epoch %d loss %.4f lr %.2e %.0f target tokens/s%s",
+            step,
             self.total_steps,
             self.state.epoch + 1,
             window.loss / window.tokens,
             lr,
-            window.tokens / max(dt, 1e-9),
+            tokens_per_s,
+            "" if left is None else f", about {format_duration(left)} left ({binding} budget)",
         )
-        bar.set_postfix(loss=f"{window.loss / window.tokens:.3f}", lr=f"{lr:.1e}")
+        if self.tensorboard is not None:
+            self.tensorboard.throughput(step, tokens_per_s)
+        self.progress.update(step, loss=f"{window.loss / window.tokens:.3f}", lr=f"{lr:.1e}")
         self.window = _LogWindow()
 
     # ------------------------------------------------------------------ validation and checkpoints
@@ -408,6 +430,8 @@ class Trainer:
                 signatures.get("chrf_signature"),
             )
         validation.log_validation(record, improved, errors)
+        if self.tensorboard is not None:
+            self.tensorboard.validation(record)
         if improved:
             state.best = record
             state.evals_since_best = 0
@@ -554,7 +578,18 @@ def have_sacrebleu() -> bool:
 
 
 def _check_metric_available(task: Task) -> None:
-    """Refuse, before anything is done, a --best-metric that needs sacrebleu when it is not installed."""
+    """Refuse, before anything is done, options whose packages are not installed (sacrebleu for
+    --best-metric bleu/chrf and --test, tensorboard for --tensorboard)."""
+    if task.opts.tensorboard is not None and not have_tensorboard():
+        raise TrainingError(
+            f"--tensorboard {task.opts.tensorboard} needs the tensorboard package, which is not installed: "
+            "pip install tensorboard (or the [tensorboard] extra)"
+        )
+    if task.opts.test_files is not None and not have_sacrebleu():
+        raise TrainingError(
+            "--test scores the best model with BLEU and chrF and needs the sacrebleu package, which is "
+            "not installed: pip install sacrebleu==2.6.0 (or the [eval] extra)"
+        )
     metric = task.best_metric
     if metric in ("bleu", "chrf") and not have_sacrebleu():
         default = "" if task.opts.best_metric else f" (the default of a {task.name} run)"
@@ -628,7 +663,7 @@ def train(
 
 
 def _check_outputs(opts: TrainOptions, out: Path) -> None:
-    """--out and --export overlap no input and lie in no other training run's managed folders."""
+    """--out, --export and --tensorboard overlap no input, and lie in no training run's managed folders."""
     inputs = [
         (f"the {flag} file", path)
         for flag, paths in (
@@ -636,19 +671,25 @@ def _check_outputs(opts: TrainOptions, out: Path) -> None:
             ("--valid", opts.valid_files),
             ("--train-tsv", opts.train_tsv and (opts.train_tsv,)),
             ("--valid-tsv", opts.valid_tsv and (opts.valid_tsv,)),
+            ("--test", opts.test_files),
         )
         for path in paths or ()
     ]
     check_output_path(
         out, inputs=inputs, managed_dirs=run_folder.managed_dirs(out, include_self=False), what="--out"
     )
-    if opts.export_dir is not None:
-        check_output_path(
-            opts.export_dir,
-            inputs=inputs,
-            managed_dirs=run_folder.managed_dirs(opts.export_dir),
-            what="--export",
-        )
+    own = [(f"the run folder's {name}/", out / name) for name in run_folder.MANAGED_DIRS]
+    for flag, path in (("--export", opts.export_dir), ("--tensorboard", opts.tensorboard)):
+        if path is not None:
+            check_output_path(
+                path, inputs=inputs, managed_dirs=own + run_folder.managed_dirs(path), what=flag
+            )
+    if (
+        opts.tensorboard is not None
+        and Path(opts.tensorboard).exists()
+        and not Path(opts.tensorboard).is_dir()
+    ):
+        raise TrainingError(f"--tensorboard {opts.tensorboard} is a file; give a folder for the event files")
 
 
 def _lock_run(out: Path, ctx: distributed.Context) -> run_folder.RunLock:

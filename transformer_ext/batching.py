@@ -1,0 +1,94 @@
+"""Streaming translation in token batches: read lazily, sort a window by length, batch by tokens,
+yield results in input order as soon as they are complete (CTranslate2's ``translate_iterable``
+with ``batch_type="tokens"``).
+
+This module imports no torch: it drives any :class:`~transformer_ext.translator.Translator`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "DEFAULT_WINDOW", "token_batches", "translate_iterable"]
+
+DEFAULT_MAX_BATCH_TOKENS = 2048  # padded source tokens per batch
+DEFAULT_WINDOW = 512  # lines read, sorted and batched together
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def token_batches(
+    lengths: Sequence[int], max_batch_tokens: int, max_batch_size: Optional[int] = None
+) -> list[list[int]]:
+    """Indices into ``lengths`` grouped into batches, shortest first: each batch is a run of the
+    sorted order whose padded size (rows times its longest length) is at most
+    ``max_batch_tokens`` and whose row count is at most ``max_batch_size``; a single longer
+    entry is a batch of its own."""
+    max_batch_tokens = _check_positive_int("max_batch_tokens", max_batch_tokens)
+    if max_batch_size is not None:
+        max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        n = max(1, int(lengths[i]))
+        width = max(longest, n)
+        full = max_batch_size is not None and len(current) >= max_batch_size
+        if current and (full or (len(current) + 1) * width > max_batch_tokens):
+            batches.append(current)
+            current, width = [], n
+        current.append(i)
+        longest = width
+    if current:
+        batches.append(current)
+    return batches
+
+
+def translate_iterable(
+    translate_batch: Callable[[list[str]], list[Any]],
+    lines: Iterable[str],
+    *,
+    length: Callable[[str], int],
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    max_batch_size: Optional[int] = None,
+    window: int = DEFAULT_WINDOW,
+) -> Iterator[Any]:
+    """Translate ``lines`` lazily and yield one result per line, in input order.
+
+    Reads ``window`` lines at a time, measures each (``length``: its number of source tokens),
+    groups the window into :func:`token_batches` and calls ``translate_batch`` (a list of lines
+    -> one result per line) on each batch, shortest first; a result is yielded as soon as every
+    line before it has its result, so the first lines come out while the rest of the window is
+    still being translated, and nothing of the input is read before it is needed.
+    """
+    window = _check_positive_int("window", window)
+    max_batch_tokens = _check_positive_int("max_batch_tokens", max_batch_tokens)
+    if isinstance(lines, (str, bytes)):
+        raise TypeError("translate_iterable() takes an iterable of lines, not one string")
+    it = iter(lines)
+    while True:
+        chunk: list[str] = []
+        for line in it:
+            chunk.append(line)
+            if len(chunk) >= window:
+                break
+        if not chunk:
+            return
+        results: dict[int, Any] = {}
+        next_out = 0
+        for batch in token_batches([length(x) for x in chunk], max_batch_tokens, max_batch_size):
+            for i, result in zip(batch, translate_batch([chunk[i] for i in batch]), strict=True):
+                results[i] = result
+            while next_out in results:
+                yield results.pop(next_out)
+                next_out += 1
+        if len(chunk) < window:
+            return
