@@ -73,7 +73,7 @@ def _decode(runner, mode, src, lengths, n_tokens):
     from transformer_ext.decoding import beam_search, greedy_decode
 
     inner = runner.runner if isinstance(runner, _Timed) else runner
-    bos, eos = inner.bos_id, inner.eos_id
+    bos, eos = inner.info.bos_id, inner.info.eos_id
     if mode == "greedy":
         return greedy_decode(
             runner, src, lengths, bos_id=bos, eos_id=eos, max_new_tokens=n_tokens, min_new_tokens=n_tokens
@@ -96,7 +96,7 @@ def split(export_dir, mode, batch, threads, n_tokens, repeats):
 
     runner = OrtRunner(export_dir, intra_op_num_threads=threads)
     rng = np.random.default_rng(0)
-    src = rng.integers(4, runner.src_vocab_size, size=(batch, SRC_LEN))
+    src = rng.integers(4, runner.info.src_vocab_size, size=(batch, SRC_LEN))
     lengths = np.full(batch, SRC_LEN)
     _decode(runner, mode, src, lengths, n_tokens)  # warm-up
     runs = []
@@ -129,7 +129,7 @@ def operators(export_dir, mode, batch, threads, n_tokens):
         so.profile_file_prefix = os.path.join(tmp, "ort")
         runner = OrtRunner(export_dir, session_options=so)
         rng = np.random.default_rng(0)
-        src = rng.integers(4, runner.src_vocab_size, size=(batch, SRC_LEN))
+        src = rng.integers(4, runner.info.src_vocab_size, size=(batch, SRC_LEN))
         _decode(runner, mode, src, np.full(batch, SRC_LEN), n_tokens)
         path = runner.decoder.end_profiling()
         runner.encoder.end_profiling()

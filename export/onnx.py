@@ -193,9 +193,9 @@ class DecoderStepGraph(torch.nn.Module):
 
 def demo_model_dir() -> Path:
     """The bundled demo model folder (it may be absent in a source checkout without it)."""
-    from transformer_ext import translate
+    from transformer_ext.demo import DEMO_MODEL_DIR
 
-    return Path(translate.DEMO_MODEL_DIR)
+    return Path(DEMO_MODEL_DIR)
 
 
 def load_model_dir(model_dir: Optional[str | os.PathLike]):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -710,18 +709,6 @@ def check_model(
 # ------------------------------------------------------------------------------------------
 # Export folders
 # ------------------------------------------------------------------------------------------
-
-
-def read_manifest(export_dir: Union[str, os.PathLike]) -> dict[str, Any]:
-    """Deprecated: :func:`transformer_ext.export_format.read_manifest` (strict; raises
-    :class:`~transformer_ext.export_format.ManifestError`), which this calls."""
-    warnings.warn(
-        "export.trt_readiness.read_manifest is deprecated: use transformer_ext.export_format.read_manifest "
-        "(it raises ManifestError for a missing or invalid manifest)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return _read_manifest(export_dir)
 
 
 def check_export_dir(

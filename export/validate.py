@@ -374,7 +374,7 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
                 [t[f"cross_key.{i}"] for i in range(n)],
                 [t[f"cross_value.{i}"] for i in range(n)],
             )
-            if runner.flavour == "portable":
+            if runner.info.flavour == "portable":
                 eager = [logits] + [x for kv in zip(new_keys, new_values) for x in kv]
             else:  # the caches after the eager runner's in-place append
                 for cache, new in zip(self_keys + self_values, new_keys + new_values):
@@ -490,7 +490,7 @@ def validate_export(
     """
     model.eval()
     runner = OrtRunner(export_dir, intra_op_num_threads=intra_op_num_threads)
-    max_cache_len = int(max_cache_len or runner.max_cache_len)
+    max_cache_len = int(max_cache_len or runner.info.max_cache_len)
     rng = np.random.default_rng(seed)
     report = ValidationReport(tolerance=float(tolerance))
     _check_encoder(report, runner, model, rng)

@@ -223,7 +223,8 @@ def cuda_provider_listed(monkeypatch):
     real = ort_module.OrtRunner
 
     def fake(kind):
-        def make(export_dir, **kwargs):
+        def make(export_dir, *, manifest, **kwargs):
+            assert manifest["model_config"], "the factory hands the runner the manifest it read"
             built.append((kind, kwargs))
             return real(export_dir)
 
@@ -238,9 +239,9 @@ def cuda_provider_listed(monkeypatch):
 def test_cuda_provider_selects_the_device_runner_when_torch_has_cuda(
     demo_export, cuda_provider_listed, monkeypatch, provider
 ):
-    from transformer_ext import translate
+    from transformer_ext.runtimes import factory
 
-    monkeypatch.setattr(translate, "_device_buffers_available", lambda: (True, ""))
+    monkeypatch.setattr(factory, "device_buffers_available", lambda: (True, ""))
     t = Translator.from_export_dir(demo_export, provider=provider, threads=2)
     assert cuda_provider_listed == [("OrtCudaRunner", {"device": "cuda", "intra_op_num_threads": 2})]
     assert t.translate(["one"]) == ["eins"]
@@ -249,10 +250,10 @@ def test_cuda_provider_selects_the_device_runner_when_torch_has_cuda(
 def test_cuda_provider_without_device_buffers_runs_ort_runner_on_cuda(
     demo_export, cuda_provider_listed, monkeypatch, caplog
 ):
-    from transformer_ext import translate
+    from transformer_ext.runtimes import factory
 
-    monkeypatch.setattr(translate, "_device_buffers_available", lambda: (False, "torch is not installed"))
-    with caplog.at_level("INFO", logger="transformer_ext.translate"):
+    monkeypatch.setattr(factory, "device_buffers_available", lambda: (False, "torch is not installed"))
+    with caplog.at_level("INFO", logger="transformer_ext.runtimes.factory"):
         Translator.from_export_dir(demo_export, provider="cuda")
     assert cuda_provider_listed == [
         (
@@ -273,7 +274,8 @@ def test_device_buffers_need_torch_a_gpu_and_the_cuda_kernels(monkeypatch):
 
     import torch
 
-    from transformer_ext import ops, translate
+    from transformer_ext import ops
+    from transformer_ext.runtimes import factory
 
     real_find_spec = importlib.util.find_spec
     with monkeypatch.context() as m:
@@ -282,14 +284,14 @@ def test_device_buffers_need_torch_a_gpu_and_the_cuda_kernels(monkeypatch):
             "find_spec",
             lambda name, *a: None if name == "torch" else real_find_spec(name, *a),
         )
-        assert translate._device_buffers_available() == (False, "torch is not installed")
+        assert factory.device_buffers_available() == (False, "torch is not installed")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert translate._device_buffers_available() == (False, "torch sees no CUDA GPU")
+    assert factory.device_buffers_available() == (False, "torch sees no CUDA GPU")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ops, "cuda_kernels_built", lambda: False)
-    assert translate._device_buffers_available() == (False, "this package was built without its CUDA kernels")
+    assert factory.device_buffers_available() == (False, "this package was built without its CUDA kernels")
     monkeypatch.setattr(ops, "cuda_kernels_built", lambda: True)
-    assert translate._device_buffers_available() == (True, "")
+    assert factory.device_buffers_available() == (True, "")
 
 
 # ------------------------------------------------------------------------------------------

@@ -131,15 +131,6 @@ def test_export_errors_are_the_formats_and_every_tensorrt_error_is_an_export_err
     assert issubclass(BindingError, export.ExportError) and issubclass(BindingError, RuntimeError)
 
 
-def test_the_old_lenient_reader_is_a_deprecated_wrapper_of_the_strict_one(exported_portable, tmp_path):
-    with pytest.warns(DeprecationWarning, match="transformer_ext.export_format.read_manifest"):
-        assert trt_readiness.read_manifest(exported_portable) == read_manifest(exported_portable)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.warns(DeprecationWarning), pytest.raises(ManifestError, match="manifest.json not found"):
-        trt_readiness.read_manifest(empty)  # was {}: a missing manifest is an error now
-
-
 def test_the_format_names_have_one_import_path():
     """The readers' names are imported from transformer_ext.export_format only: export.manifest holds
     the writer's functions, defined there, and passes on none of the format's names."""

@@ -36,12 +36,12 @@ def exported_portable(tmp_path_factory) -> Path:
 
 def sources(runner: OrtRunner, batch: int = 3, src_len: int = 7, seed: int = 0):
     rng = np.random.default_rng(seed)
-    ids = rng.integers(4, runner.config["src_vocab_size"], size=(batch, src_len)).astype(np.int64)
+    ids = rng.integers(4, runner.info.src_vocab_size, size=(batch, src_len)).astype(np.int64)
     lengths = np.array(
         [src_len] + [int(x) for x in rng.integers(1, src_len + 1, size=batch - 1)], dtype=np.int64
     )
     for row, n in enumerate(lengths):
-        ids[row, n:] = runner.pad_id
+        ids[row, n:] = runner.info.pad_id
     return ids, lengths
 
 
@@ -59,7 +59,7 @@ def test_greedy_and_beam_match_eager(exported):
     runner = OrtRunner(exported, intra_op_num_threads=1)
     eager = EagerRunner(eager_model(exported), "cpu")
     ids, lengths = sources(runner, batch=5)
-    common = dict(bos_id=runner.bos_id, eos_id=runner.eos_id, max_new_tokens=15)
+    common = dict(bos_id=runner.info.bos_id, eos_id=runner.info.eos_id, max_new_tokens=15)
     assert runner.greedy(ids, lengths, max_new_tokens=15) == decoding.greedy_decode(
         eager, ids, lengths, **common
     )
@@ -75,10 +75,10 @@ def test_step_logits_match_eager_with_min_new_tokens(exported):
     eager = EagerRunner(eager_model(exported), "cpu")
     ids, lengths = sources(runner, batch=2)
     s1, s2 = runner.encode(ids, lengths, cache_len=6), eager.encode(ids, lengths, 6)
-    tokens = np.array([runner.bos_id] * 2)
+    tokens = np.array([runner.info.bos_id] * 2)
     for _ in range(6):
         a, b = runner.step(s1, tokens), eager.step(s2, tokens)
-        assert a.dtype == np.float32 and a.shape == (2, runner.vocab_size)
+        assert a.dtype == np.float32 and a.shape == (2, runner.info.tgt_vocab_size)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
         tokens = a.argmax(-1)
     with pytest.raises(IndexError, match="position 6"):
@@ -95,13 +95,13 @@ def test_caches_are_bound_buffers_written_in_place(exported):
     ids, lengths = sources(runner, batch=4)
     state = runner.encode(ids, lengths, cache_len=40, num_beams=2)
     N, L = 8, 40
-    assert state.self_keys[0].shape == (N, runner.n_heads, L, runner.d_k)
+    assert state.self_keys[0].shape == (N, runner.info.n_heads, L, runner.info.d_k)
     assert all(not c.any() for c in state.self_keys + state.self_values)  # zero-filled once
     buffers = [(id(c), c.ctypes.data) for c in state.self_keys + state.self_values]
-    tokens = np.full(N, runner.bos_id)
+    tokens = np.full(N, runner.info.bos_id)
     for _ in range(5):
         runner.step(state, tokens)
-        tokens = (tokens + 1) % runner.vocab_size
+        tokens = (tokens + 1) % runner.info.tgt_vocab_size
     assert [(id(c), c.ctypes.data) for c in state.self_keys + state.self_values] == buffers
     for cache in state.self_keys + state.self_values:
         assert not cache[:, :, 5:].any()  # nothing written past the position
@@ -113,7 +113,7 @@ def test_step_allocates_nothing_cache_sized(exported):
     ids, lengths = sources(runner, batch=8)
     state = runner.encode(ids, lengths, cache_len=64)
     cache_bytes = state.self_keys[0].nbytes
-    tokens = np.full(8, runner.bos_id)
+    tokens = np.full(8, runner.info.bos_id)
     runner.step(state, tokens)  # first run: ORT's own arenas get allocated
     tracemalloc.start()
     try:
@@ -130,12 +130,12 @@ def test_tensorscatter_updates_the_bound_cache_in_place(tmp_path_factory, capfd)
     ids, lengths = sources(runner, batch=2)
     state = runner.encode(ids, lengths, cache_len=6)
     capfd.readouterr()
-    runner.step(state, np.array([runner.bos_id] * 2))
+    runner.step(state, np.array([runner.info.bos_id] * 2))
     assert "in-place optimization not activated" not in capfd.readouterr().err
     assert state.self_keys[0][:, :, 0].any() and not state.self_keys[0][:, :, 1:].any()
     # Control: the same graph without IO binding copies the cache, and ONNX Runtime says so.
     feeds = {"input_ids": state.input_ids, "positions": state.positions, "src_lengths": state.src_lengths}
-    for i in range(runner.n_layers):
+    for i in range(runner.info.n_layers):
         feeds.update(
             {
                 f"self_key.{i}": state.self_keys[i],
@@ -154,7 +154,7 @@ def test_reorder_moves_the_valid_prefix(exported_portable):
     state = runner.encode(ids, lengths, cache_len=8, num_beams=2)
     rng = np.random.default_rng(0)
     for _ in range(3):
-        runner.step(state, rng.integers(4, runner.vocab_size, size=4))
+        runner.step(state, rng.integers(4, runner.info.tgt_vocab_size, size=4))
     index = np.array([1, 1, 3, 2])
     expected = [torch.from_numpy(c.copy()) for c in state.self_keys]
     for e in expected:
@@ -199,11 +199,15 @@ def test_bad_encode_and_step_arguments(exported_portable):
     runner = OrtRunner(exported_portable)
     ids, lengths = sources(runner)
     with pytest.raises(ValueError, match="cache_len"):
-        runner.encode(ids, lengths, cache_len=runner.max_len + 1)
+        runner.encode(ids, lengths, cache_len=runner.info.max_positions + 1)
     with pytest.raises(ValueError, match="src_lengths"):
         runner.encode(ids, np.array([0, 1, 1]), cache_len=4)
     with pytest.raises(ValueError, match="max_len"):
-        runner.encode(np.full((1, runner.max_len + 1), 5), np.array([runner.max_len + 1]), cache_len=4)
+        runner.encode(
+            np.full((1, runner.info.max_positions + 1), 5),
+            np.array([runner.info.max_positions + 1]),
+            cache_len=4,
+        )
     with pytest.raises(ValueError, match="input_ids"):
         runner.encode(ids + 10_000, lengths, cache_len=4)
     with pytest.raises(TypeError):
@@ -348,7 +352,7 @@ def test_ort_runner_reorder_names_row_and_value(exported_portable):
     runner = OrtRunner(exported_portable)
     ids, lengths = sources(runner)
     state = runner.encode(ids, lengths, cache_len=4, num_beams=2)
-    runner.step(state, np.full(6, runner.bos_id, dtype=np.int64))
+    runner.step(state, np.full(6, runner.info.bos_id, dtype=np.int64))
     with pytest.raises(IndexError, match=r"^beam_index\[5\] = 6 is not a row"):
         runner.reorder(state, np.array([0, 1, 2, 3, 4, 6]))
 

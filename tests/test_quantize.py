@@ -112,9 +112,9 @@ def test_int8_decodes_close_to_float32(tiny_float, tiny_int8):
 
     f32, i8 = OrtRunner(tiny_float, intra_op_num_threads=1), OrtRunner(tiny_int8, intra_op_num_threads=1)
     rng = np.random.default_rng(0)
-    ids = rng.integers(4, f32.src_vocab_size, size=(3, 7))
+    ids = rng.integers(4, f32.info.src_vocab_size, size=(3, 7))
     lengths = np.array([7, 5, 2])
-    tokens = np.full(3, f32.bos_id)
+    tokens = np.full(3, f32.info.bos_id)
     a = f32.step(f32.encode(ids, lengths, cache_len=8, num_beams=1), tokens)
     b = i8.step(i8.encode(ids, lengths, cache_len=8, num_beams=1), tokens)
     a, b = np.asarray(a), np.asarray(b)

@@ -1,59 +1,49 @@
 """transformer_ext.runtimes: every runner in one package, torch loaded only by the runners that
-need it, and the old import paths as warning aliases of the same objects."""
+need it, one description record per runner (RunnerInfo) and one way to open an export folder
+(open_export_dir)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import transformer_ext.runtimes as runtimes
+from export import trt_readiness
+from transformer_ext.export_format import MANIFEST_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 
 RUNNERS = ["EagerRunner", "CatCacheRunner", "OrtRunner", "OrtCudaRunner", "TensorRTRunner"]
-# old module -> (new module, names that must be the very same objects)
-OLD_PATHS = {
-    "export.ort_runner": (
-        "transformer_ext.runtimes.ort",
-        ["OrtRunner", "OrtState", "GRAPH_OPTIMIZATION_LEVELS"],
-    ),
-    "export.ort_cuda_runner": (
-        "transformer_ext.runtimes.ort_cuda",
-        ["OrtCudaRunner", "session_io", "ORT_TYPES"],
-    ),
-    "export.trt_runner": ("transformer_ext.runtimes.trt", ["TensorRTRunner", "engine_io", "TRT_DTYPE_NAMES"]),
-    "transformer_ext.runner": (
-        "transformer_ext.runtimes.eager",
-        ["EagerRunner", "EagerState", "CompileError"],
-    ),
+# Import paths that were aliases of the runtime modules, removed.
+REMOVED_MODULES = [
+    "export.ort_runner",
+    "export.ort_cuda_runner",
+    "export.trt_runner",
+    "transformer_ext.runner",
+]
+# What every runner's info must give, from the model config the test reads itself.
+CONFIG_FIELDS = {
+    "n_layers": lambda c: c["n_decoder_layers"],
+    "n_heads": lambda c: c["n_heads"],
+    "d_k": lambda c: c["d_model"] // c["n_heads"],
+    "d_model": lambda c: c["d_model"],
+    "tgt_vocab_size": lambda c: c["tgt_vocab_size"],
+    "src_vocab_size": lambda c: c["src_vocab_size"],
+    "pad_id": lambda c: c["pad_id"],
+    "bos_id": lambda c: c["bos_id"],
+    "eos_id": lambda c: c["eos_id"],
+    "max_positions": lambda c: c["max_len"],
 }
-# names the old modules held that now live in a second new module
-OLD_EXTRA = {
-    "export.trt_runner": (
-        "transformer_ext.runtimes.device",
-        [
-            "DeviceRunner",
-            "DeviceState",
-            "BindingError",
-            "ModelDims",
-            "ProfileLimits",
-            "TORCH_DTYPES",
-            "decoder_bindings",
-            "encoder_bindings",
-            "_dtype_name",
-        ],
-    ),
-    "transformer_ext.runner": (
-        "transformer_ext.runtimes.baseline",
-        ["CatCacheRunner", "CatCacheState", "greedy_decode_uncached"],
-    ),
-}
-MOVED_MESSAGE = "is deprecated and will be removed: import from transformer_ext.runtimes"
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -61,6 +51,21 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.fixture
+def exported(exported_portable) -> Path:
+    return exported_portable
+
+
+def _manifest(export_dir: Path) -> dict:
+    return json.loads((export_dir / MANIFEST_NAME).read_text())
+
+
+def _model(export_dir: Path):
+    from transformer_ext.checkpoint import load_model
+
+    return load_model(_manifest(export_dir)["export"]["source_model_dir"])
 
 
 def test_every_runner_from_one_package():
@@ -85,13 +90,15 @@ def test_every_runner_from_one_package():
 
 
 def test_package_and_ort_runner_load_no_torch():
-    """The package loads nothing on import; OrtRunner loads onnxruntime and numpy, never torch
-    (an `import torch` anywhere on the way would fail here)."""
+    """The package loads nothing on import; OrtRunner and the factory load onnxruntime and numpy,
+    never torch (an `import torch` anywhere on the way would fail here)."""
     proc = _python(
         "import sys\n"
         "sys.modules['torch'] = None\n"
         "import transformer_ext.runtimes as r\n"
         "assert 'onnxruntime' not in sys.modules and 'numpy' not in sys.modules, sorted(sys.modules)\n"
+        "from transformer_ext.runtimes import RunnerInfo, open_export_dir\n"
+        "assert 'onnxruntime' not in sys.modules, 'the factory imports onnxruntime only to open a folder'\n"
         "from transformer_ext.runtimes import OrtRunner\n"
         "assert OrtRunner.__module__ == 'transformer_ext.runtimes.ort'\n"
         "try:\n"
@@ -103,48 +110,153 @@ def test_package_and_ort_runner_load_no_torch():
     assert proc.stdout.strip() == "eager needs torch"
 
 
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
-def test_old_path_warns_and_reexports_the_same_objects(old, monkeypatch):
-    new, names = OLD_PATHS[old]
-    new_module = importlib.import_module(new)
-    monkeypatch.delitem(sys.modules, old, raising=False)  # import it afresh (restored afterwards)
-    with pytest.warns(DeprecationWarning, match=rf"^{old} {MOVED_MESSAGE}") as record:
-        module = importlib.import_module(old)
-    assert all(Path(w.filename).name != "_moved.py" for w in record)  # attributed to the importer
-    for name in names:
-        assert getattr(module, name) is getattr(new_module, name), name
-    if old in OLD_EXTRA:
-        extra, extra_names = OLD_EXTRA[old]
-        extra_module = importlib.import_module(extra)
-        for name in extra_names:
-            assert getattr(module, name) is getattr(extra_module, name), name
-    assert set(names) <= set(module.__all__)
+@pytest.mark.parametrize("old", REMOVED_MODULES)
+def test_the_old_alias_modules_are_gone(old):
+    """(An editable install of another checkout may still map the name to its own file.)"""
+    spec = importlib.util.find_spec(old)
+    assert spec is None or not Path(spec.origin).resolve().is_relative_to(REPO), spec.origin
 
 
-def test_isinstance_across_old_and_new_paths(monkeypatch):
-    monkeypatch.delitem(sys.modules, "transformer_ext.runner", raising=False)
-    with pytest.warns(DeprecationWarning):
-        old = importlib.import_module("transformer_ext.runner")
-    from transformer_ext.config import TransformerConfig
-    from transformer_ext.model import Transformer
-
-    runner = old.EagerRunner(Transformer(TransformerConfig.preset("tiny", dropout=0.0)), "cpu")
-    assert isinstance(runner, runtimes.EagerRunner)
+def test_the_old_manifest_reader_alias_is_gone():
+    assert not hasattr(trt_readiness, "read_manifest")  # transformer_ext.export_format.read_manifest
 
 
-def test_new_paths_emit_no_deprecation_warning():
-    """Nothing in the runtime package or the translator goes through an old path."""
+def test_no_module_warns_on_import():
+    """Nothing in the runtime package or the translator warns when imported."""
     proc = _python(
         "import warnings\n"
-        "warnings.simplefilter('always')\n"
         "with warnings.catch_warnings(record=True) as seen:\n"
         "    warnings.simplefilter('always')\n"
         "    import transformer_ext.runtimes as r\n"
         "    for name in r.__all__:\n"
         "        getattr(r, name)\n"
-        "    import transformer_ext.translate, transformer_ext.tokenizer\n"
-        f"bad = [str(w.message) for w in seen if {MOVED_MESSAGE!r} in str(w.message)]\n"
+        "    import transformer_ext.translate, transformer_ext.translator, transformer_ext.tokenizer\n"
+        "bad = [str(w.message) for w in seen if 'transformer_ext' in str(w.filename)]\n"
         "assert not bad, bad\n"
         "print('ok')\n"
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# one description record per runner
+# ------------------------------------------------------------------------------------------
+
+
+def _runner(kind: str, export_dir: Path):
+    if kind == "eager":
+        return runtimes.EagerRunner(_model(export_dir), "cpu")
+    if kind == "catcache":
+        return runtimes.CatCacheRunner(_model(export_dir), "cpu")
+    if kind == "ort":
+        return runtimes.OrtRunner(export_dir, intra_op_num_threads=1)
+    if kind == "ort_cuda":
+        return runtimes.OrtCudaRunner(export_dir, device="cpu", intra_op_num_threads=1)
+    from fake_tensorrt import fake_engines
+
+    model = _model(export_dir)
+    enc, dec = fake_engines(
+        model, "portable", torch.device("cpu"), [], max_rows=12, max_src=20, cache=(2, 30)
+    )
+    config = _manifest(export_dir)["model_config"]
+    return runtimes.TensorRTRunner(enc, dec, config=config, device="cpu")
+
+
+@pytest.mark.parametrize("kind", ["eager", "catcache", "ort", "ort_cuda", "tensorrt"])
+def test_every_runner_describes_its_model_in_one_record(exported, kind):
+    runner = _runner(kind, exported)
+    info = runner.info
+    assert isinstance(info, runtimes.RunnerInfo)
+    config = _manifest(exported)["model_config"]  # read here, from the file
+    for name, expected in CONFIG_FIELDS.items():
+        assert getattr(info, name) == expected(config), (kind, name)
+    assert info.precision == "fp32"
+    assert info.runtime == {"eager": "eager", "catcache": "eager", "tensorrt": "tensorrt"}.get(
+        kind, "onnxruntime"
+    )
+    assert info.flavour == (None if kind in ("eager", "catcache") else "portable")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.max_positions = 1  # read-only
+    with pytest.raises(TypeError):
+        info.config["max_len"] = 1  # type: ignore[index]
+    for old in ("bos_id", "eos_id", "pad_id", "max_len", "vocab_size", "dims", "limits", "config", "flavour"):
+        assert not hasattr(runner, old), (kind, old)  # no second, ad-hoc description
+
+
+def test_export_runners_report_the_export_cache_capacity(exported):
+    manifest = _manifest(exported)
+    for kind in ("ort", "ort_cuda"):
+        info = _runner(kind, exported).info
+        assert info.max_cache_len == manifest["max_cache_len"]
+        assert info.config_file == str(exported / MANIFEST_NAME)
+        assert info.generation_limit == min(manifest["max_cache_len"], manifest["model_config"]["max_len"])
+
+
+def test_tensorrt_runner_reports_its_profile_limits(exported):
+    info = _runner("tensorrt", exported).info
+    assert (info.max_rows, info.max_sources) == (12, 12)  # the fake profiles' maximum batch
+    assert (info.min_src_len, info.max_src_len) == (1, 20)
+    assert (info.min_cache_len, info.max_cache_len, info.static_cache_len) == (2, 30, None)
+    max_len = _manifest(exported)["model_config"]["max_len"]
+    assert info.source_limit == min(20, max_len) and info.generation_limit == min(30, max_len)
+
+
+def test_eager_runner_precision_follows_the_weights(exported):
+    model = _model(exported).to(torch.float64)
+    assert runtimes.EagerRunner(model, "cpu").info.precision == "float64"  # named as torch names it
+    model = model.to(torch.bfloat16)
+    assert runtimes.EagerRunner(model, "cpu").info.precision == "bf16"
+
+
+def test_search_methods_take_the_special_ids_from_the_record(exported):
+    from transformer_ext import decoding
+
+    runner = runtimes.OrtRunner(exported, intra_op_num_threads=1)
+    config = _manifest(exported)["model_config"]
+    ids, lengths = np.array([[5, 6, 7]]), np.array([3])
+    assert runner.greedy(ids, lengths, max_new_tokens=5) == decoding.greedy_decode(
+        runner, ids, lengths, bos_id=config["bos_id"], eos_id=config["eos_id"], max_new_tokens=5
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# open_export_dir: one way to open an export folder
+# ------------------------------------------------------------------------------------------
+
+
+def test_open_export_dir_reads_the_manifest_once(exported, monkeypatch):
+    """The translator reads manifest.json and hands it to the factory, which hands it to the
+    runner: one read (it was three: translator, then the runner, each with its own reader)."""
+    from transformer_ext import export_format, translator
+    from transformer_ext.runtimes import factory, ort
+
+    reads = []
+    real = export_format.read_manifest
+
+    def counting(path):
+        reads.append(Path(path))
+        return real(path)
+
+    for module in (export_format, translator, factory, ort):
+        monkeypatch.setattr(module, "read_manifest", counting)
+    t = translator.Translator.from_export_dir(exported, threads=1)
+    assert reads == [exported] and isinstance(t.runner, runtimes.OrtRunner)
+    reads.clear()
+    runner = runtimes.open_export_dir(exported, threads=1)
+    assert reads == [exported] and isinstance(runner, runtimes.OrtRunner)
+    assert runner.info == t.runner.info
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(runtime="ctranslate2"), "RuntimeOptionError", "runtime must be one of"),
+        (dict(runtime="eager"), "RuntimeOptionError", "not PyTorch weights"),
+        (dict(threads=0), "RuntimeOptionError", "threads must be a positive integer, got 0"),
+        (dict(precision="fp16"), "RuntimeOptionError", "precision 'fp16' applies to the TensorRT runtime"),
+        (dict(provider="npu9"), "RuntimeNotAvailableError", r"provider 'npu9' \(npu9\) is not available"),
+    ],
+)
+def test_open_export_dir_refuses_options_that_do_not_fit(exported, kwargs, error, match):
+    with pytest.raises(getattr(runtimes, error), match=match):
+        runtimes.open_export_dir(exported, **kwargs)

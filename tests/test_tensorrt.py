@@ -838,7 +838,7 @@ def test_tensorrt_runner_decodes_like_eager_with_stand_in_engines(tiny_model, fl
         static = 32 if flavour == "tensorscatter" else None
         enc, dec = fake_engines(model, flavour, dev, [], static_cache=static)
         runner = TensorRTRunner(enc, dec, max_positions=model.config.max_len, device=dev)
-        assert runner.flavour == flavour and runner.limits.static_cache_len == static
+        assert runner.info.flavour == flavour and runner.info.static_cache_len == static
         ids, lengths = _sources()
         _assert_same_decodes(
             _decode_all(runner, ids, lengths), _decode_all(_eager(model, dev), ids, lengths), atol=1e-5
@@ -1092,7 +1092,7 @@ def test_ort_device_runner_binds_device_buffers_once(exports, flavour):
     by_name = {c[1]: c for c in binds}
     for c in binds:
         assert c[2:4] == ("cpu", 0)  # device_type, device_id (cuda on a GPU)
-    assert by_name["self_key.0"][5] == [4, runner.dims.n_heads, 6, runner.dims.d_k]
+    assert by_name["self_key.0"][5] == [4, runner.info.n_heads, 6, runner.info.d_k]
     assert by_name["self_key.0"][6] == state.self_keys[0].data_ptr()
     assert by_name["input_ids"][4] is np.int64 and by_name["logits"][0] == "bind_output"
     if flavour == "tensorscatter":

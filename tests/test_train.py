@@ -965,6 +965,9 @@ def test_resume_keeps_files_the_user_put_in_best_last_and_step_folders(tmp_path,
         run / "best" / "hyp.txt": b"my translations",
         run / "last" / "notes" / "todo.txt": b"look at step 2",
         run / "checkpoints" / "step-2" / "score.txt": b"BLEU 1.0",
+        # a model folder of the user's named like a later step: neither deleted nor counted as one
+        run / "checkpoints" / "step-9999" / "config.json": b"{}",
+        run / "checkpoints" / "step-9999" / "averaged.json": b"{}",
     }
     for path, data in mine.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -974,7 +977,7 @@ def test_resume_keeps_files_the_user_put_in_best_last_and_step_folders(tmp_path,
     for path, data in mine.items():
         assert path.read_bytes() == data, path
     # step-2 holds a file of the user's, so --keep-last 1 keeps it; step-3 (only the trainer's) is removed
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4", "step-9999"]
     assert "they are kept in the new checkpoint" in caplog.text
     assert "kept " + str(run / "checkpoints" / "step-2") in caplog.text
     assert not temporaries(tmp_path)
@@ -1284,3 +1287,17 @@ def test_a_bad_test_set_is_refused_before_training(tmp_path, capsys):
     assert "--test: " in capsys.readouterr().err and not (tmp_path / "run").exists()
     assert train_mod.main(cli(tmp_path / "demo", "--test", opts.valid_files[0], short)) == 2
     assert "--test is given without --train" in capsys.readouterr().err
+
+
+def test_running_out_of_memory_in_a_step_is_one_line(tmp_path, monkeypatch, capsys):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 128000000000000 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+    monkeypatch.setattr(optim, "accumulate_gradients", no_memory)
+    assert train_mod.main(cli(tmp_path / "run", steps=2)) == 1
+    err = capsys.readouterr().err
+    assert "error: out of memory at step 1 (cpu) on a batch of --max-tokens 400 padded tokens" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

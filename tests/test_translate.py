@@ -14,8 +14,9 @@ import pytest
 from num2words import num2words  # the independent oracle of the demo task
 
 from transformer_ext.data import split_numbers
+from transformer_ext.demo import DEMO_MODEL_DIR
 from transformer_ext.tokenizer import TokenizerError
-from transformer_ext.translate import DEMO_MODEL_DIR, TranslationError, Translator, main
+from transformer_ext.translate import TranslationError, Translator, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELDOUT_SAMPLE = 200  # fixed sample of the held-out numbers (never seen in training)
@@ -154,9 +155,9 @@ def test_huge_budget_is_capped_with_a_warning(translator, caplog):
     want = translator.translate(sources)
     for kwargs in (dict(max_len_a=1e30), dict(max_len_b=1e20), dict(max_len_a=2.0**70, max_len_b=1e300)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="transformer_ext.translate"):
+        with caplog.at_level(logging.WARNING, logger="transformer_ext.translator"):
             assert translator.translate(sources, **kwargs) == want
-        (record,) = [r for r in caplog.records if r.name == "transformer_ext.translate"]
+        (record,) = [r for r in caplog.records if r.name == "transformer_ext.translator"]
         assert "exceeds the model's max_len = 64" in record.getMessage()
         assert "capped at 64 tokens for 2 of 2 sources" in record.getMessage()
 
@@ -166,7 +167,7 @@ def test_default_budget_is_capped_silently(translator, caplog):
     with caplog.at_level(logging.WARNING):
         (t,) = translator.translate([long])
     assert t == "neuntausendneunhundertneunundneunzig"
-    assert not [r for r in caplog.records if r.name == "transformer_ext.translate"]
+    assert not [r for r in caplog.records if r.name == "transformer_ext.translator"]
 
 
 def test_progress_bar_only_for_many_batches(translator, monkeypatch):
@@ -349,7 +350,7 @@ def test_cli_option_errors_are_usage_errors(args, match, capsys):
 
 
 def test_cli_huge_budget_translates_with_a_capped_warning(capsys, caplog):
-    with caplog.at_level(logging.WARNING, logger="transformer_ext.translate"):
+    with caplog.at_level(logging.WARNING, logger="transformer_ext.translator"):
         code, out, _ = run_main(["forty-two", "--max-len-a", "1e30"], capsys=capsys)
     assert code == 0 and out == "zweiundvierzig\n"  # used to print one character
     assert any("capped at 64 tokens" in r.getMessage() for r in caplog.records)
@@ -546,3 +547,54 @@ def test_cli_output_interrupted_or_disk_full_leaves_the_old_file(tmp_path, capsy
     )
     assert out.read_text(encoding="utf-8") == "previous\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # the temporary is gone
+
+
+def test_the_tokenizer_is_checked_against_the_model_once(monkeypatch):
+    """One check of the tokenizer against the runner's description record (there were two: the
+    loader's, naming the files, then the constructor's)."""
+    from transformer_ext import translator as translator_module
+
+    calls = []
+    real = translator_module.check_model_config
+
+    def counting(tokenizer, config, **names):
+        calls.append(names)
+        return real(tokenizer, config, **names)
+
+    monkeypatch.setattr(translator_module, "check_model_config", counting)
+    loaded = Translator.from_model_dir()
+    assert calls == [
+        {
+            "tokenizer_file": os.fspath(DEMO_MODEL_DIR / "tokenizer.json"),
+            "config_file": os.fspath(DEMO_MODEL_DIR / "config.json"),
+        }
+    ]
+    calls.clear()
+    Translator(loaded.tokenizer, loaded.runner)
+    assert calls == [{"tokenizer_file": None, "config_file": None}]
+
+
+def test_translator_reads_its_limits_from_the_runner_record(translator):
+    """A runner whose record says fewer positions than the model has: the translator respects
+    the record (sources longer are refused, budgets capped), whatever the runner object holds."""
+    import dataclasses
+
+    from transformer_ext.runtimes import EagerRunner
+
+    short, long = "seven", "seven thousand and seven"
+    n_short = len(translator.tokenizer.encode_source(short))
+    n_long = len(translator.tokenizer.encode_source(long))
+    runner = EagerRunner(translator.model, "cpu")
+    runner.info = dataclasses.replace(runner.info, max_cache_len=3, max_src_len=n_short)
+    limited = Translator(translator.tokenizer, runner)
+    (one,) = limited.translate_detailed([short], max_len_b=50)
+    assert len(one.hypotheses[0].tokens) <= 3  # at most 3 fed tokens
+    with pytest.raises(
+        TranslationError, match=rf"source 0: {n_long} tokens, more than the model's max_len \({n_short}\)"
+    ):
+        limited.translate([long])
+    bare = type("Bare", (), {"encode": lambda *a: None, "step": lambda *a: None, "reorder": lambda *a: None})
+    with pytest.raises(
+        TypeError, match="runner must describe itself with a transformer_ext.runtimes.RunnerInfo"
+    ):
+        Translator(translator.tokenizer, bare())

@@ -338,7 +338,7 @@ def settings_of(repo: Path) -> translator_module.Settings:
 
 
 def eager_decodes(eager: EagerRunner, ids, lengths, beam: int, max_new=MAX_NEW, min_new=0):
-    c = eager.config
+    c = eager.info
     common = dict(bos_id=c.bos_id, eos_id=c.eos_id, max_new_tokens=max_new, min_new_tokens=min_new)
     if beam == 1:
         return decoding.greedy_decode(eager, ids, lengths, **common), None
@@ -697,7 +697,7 @@ def test_generation_config_of_the_export_sets_the_translators_defaults(exports, 
     out = translator_module.Translator(settings).translate(
         {"input_ids": ids, "src_lengths": lengths}, server.infer_many
     )
-    c = eager.config
+    c = eager.info
     hyps = decoding.beam_search(
         eager,
         ids,

@@ -1333,14 +1333,15 @@ class SearchMethods:
     """``runner.greedy(...)``, ``runner.beam_search(...)``, ``runner.generate(...)`` and
     ``runner.score(...)`` for any runner class that mixes this in.
 
-    ``bos_id`` / ``eos_id`` default to the runner's attributes of those names (the ONNX Runtime
-    runners read them from the export manifest); a runner without them needs them passed.
+    ``bos_id`` / ``eos_id`` default to those of the runner's description record ``info``
+    (:class:`transformer_ext.runtimes.info.RunnerInfo`; the ONNX Runtime runners read them from
+    the export manifest); a runner that does not know them needs them passed.
     """
 
     def _search_kwargs(self, kwargs: dict) -> dict:
         for name in ("bos_id", "eos_id"):
             if kwargs.get(name) is None:
-                value = getattr(self, name, None)
+                value = getattr(getattr(self, "info", None), name, None)
                 if value is None:
                     raise TypeError(f"{type(self).__name__} does not know the model's {name}: pass {name}=")
                 kwargs[name] = int(value)

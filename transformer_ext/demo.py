@@ -1,6 +1,8 @@
-"""Example sentences of the demo task (English number words to German, :mod:`transformer_ext.data`)
-for the commands that show a few translations (``python -m export.onnx`` prints some after an
-export).
+"""The demo: the bundled demo model folder (:data:`DEMO_MODEL_DIR`, English number words to
+German number words, what ``Translator.from_model_dir()`` and the commands load without
+``--model``), and example sentences of the demo task (:mod:`transformer_ext.data`) for the
+commands that show a few translations (``python -m export.onnx`` prints some after exporting
+the demo model).
 
 Held-out sources come from the demo split, which needs ``num2words`` (and torch, through
 :mod:`transformer_ext.data`); without them a short fixed list of sources, without references.
@@ -8,9 +10,13 @@ Held-out sources come from the demo split, which needs ``num2words`` (and torch,
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
-__all__ = ["FALLBACK_SOURCES", "heldout_examples"]
+__all__ = ["DEMO_MODEL_DIR", "FALLBACK_SOURCES", "heldout_examples"]
+
+# Installed as package data, produced by the project's own training command.
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
 
 # Shown when the demo split cannot be computed; the demo model translates them.
 FALLBACK_SOURCES = (

@@ -68,7 +68,7 @@ class EvaluationError(UserError, ValueError):
 
 def load_translator(model: Path, *, device: str = "cpu", threads: Optional[int] = None):
     """``(translator, runtime name)`` of a model folder (eager PyTorch) or an export folder (ONNX Runtime)."""
-    from .translate import Translator, is_export_dir
+    from .translator import Translator, is_export_dir
 
     if not model.is_dir():
         raise EvaluationError(
@@ -86,7 +86,7 @@ def load_translator(model: Path, *, device: str = "cpu", threads: Optional[int] 
         torch.set_num_threads(threads)
     tokenizer = load_any_tokenizer(model)
     runner = EagerRunner(load_model(model, device), device)
-    return Translator(tokenizer, runner), "eager"
+    return Translator(tokenizer, runner, source_dir=model), "eager"
 
 
 def evaluate_files(
@@ -132,8 +132,7 @@ def evaluate_files(
         max_len_b=max_len_b,
     )
     options = {k: v for k, v in options.items() if v is not None}
-    settings = translator._resolve(options)
-    settings.pop("explicit_budget", None)
+    settings = translator.resolve_options(**options)
     t0 = time.monotonic()
     texts = translator.translate([sources[i] for i in keep], progress=True, **options)
     seconds = time.monotonic() - t0

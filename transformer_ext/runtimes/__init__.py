@@ -11,6 +11,12 @@ runner                        backend                                     needs
 :class:`TensorRTRunner`       TensorRT engines (``export.tensorrt``)      torch, tensorrt
 ============================  ==========================================  ==========================
 
+Every runner describes itself with one record, ``runner.info`` (:class:`RunnerInfo`, module
+:mod:`.info`): the model's sizes and special ids, the runner's limits (positions, cache
+capacity, an engine profile's batch and source ranges), its precision and graph flavour.
+:func:`open_export_dir` (module :mod:`.factory`) is the one way to open an export folder: it
+picks the runner for a runtime and an execution provider, and reads the manifest once.
+
 Modules: :mod:`.eager`, :mod:`.baseline` (``CatCacheRunner``, ``greedy_decode_uncached``),
 :mod:`.ort`, :mod:`.device` (``DeviceRunner``: buffers, stream order and cache writes shared by
 the GPU runners), :mod:`.ort_cuda`, :mod:`.trt`, and :mod:`.kv_cache`: the self-attention cache
@@ -36,6 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 # Public name -> the submodule that defines it.
 _EXPORTS = {
+    "RunnerInfo": "info",
+    "open_export_dir": "factory",
+    "RUNTIMES": "factory",
+    "RuntimeNotAvailableError": "factory",
+    "RuntimeOptionError": "factory",
     "EagerRunner": "eager",
     "EagerState": "eager",
     "CompileError": "eager",
@@ -70,14 +81,21 @@ __all__ = [
     "OrtCudaRunner",
     "OrtRunner",
     "OrtState",
+    "RUNTIMES",
+    "RunnerInfo",
+    "RuntimeNotAvailableError",
+    "RuntimeOptionError",
     "TensorRTRunner",
     "greedy_decode_uncached",
+    "open_export_dir",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .baseline import CatCacheRunner, CatCacheState, greedy_decode_uncached
     from .device import BindingError, DeviceRunner, DeviceState
     from .eager import CompileError, EagerRunner, EagerState
+    from .factory import RUNTIMES, RuntimeNotAvailableError, RuntimeOptionError, open_export_dir
+    from .info import RunnerInfo
     from .kv_cache import CacheOverflowError, HostKVCache, KVCache
     from .ort import OrtRunner, OrtState
     from .ort_cuda import OrtCudaRunner

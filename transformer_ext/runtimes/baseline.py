@@ -19,7 +19,7 @@ import torch
 from transformer_ext import decoding
 from transformer_ext.model import Transformer, padding_mask
 
-from .eager import Device, _encode_sources, _to_device
+from .eager import Device, _encode_sources, _to_device, model_info
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class CatCacheRunner:
             device = next(model.parameters()).device
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
-        self.config = model.config
+        self.info = model_info(self.model)
 
     def encode(
         self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1
@@ -63,7 +63,7 @@ class CatCacheRunner:
         )
         with torch.inference_mode():
             src_mask = padding_mask(lengths, src_len)
-        n = self.config.n_decoder_layers
+        n = self.info.n_layers
         return CatCacheState(src_mask, cross_keys, cross_values, [None] * n, [None] * n, 0, cache_len)
 
     @staticmethod
@@ -79,7 +79,7 @@ class CatCacheRunner:
         N = state.src_mask.shape[0]
         ids = _to_device(
             decoding.check_step_tokens(
-                state.position, state.cache_len, self.config.max_len, tokens, N, self.config.tgt_vocab_size
+                state.position, state.cache_len, self.info.max_positions, tokens, N, self.info.tgt_vocab_size
             ),
             self.device,
         )

@@ -40,6 +40,7 @@ import torch
 from transformer_ext import decoding
 from transformer_ext.export_format import DTYPES, ExportError
 
+from .info import RunnerInfo
 from .kv_cache import CacheStateViews, KVCache
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "TORCH_DTYPES",
     "BindingError",
-    "ModelDims",
-    "ProfileLimits",
     "DeviceState",
     "DeviceRunner",
     "encoder_bindings",
@@ -66,32 +65,6 @@ class BindingError(ExportError, RuntimeError):
 
 def _dtype_name(t: torch.dtype) -> str:
     return str(t).replace("torch.", "")
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """What a runner needs to know of the model to size its buffers."""
-
-    n_layers: int
-    n_heads: int
-    d_k: int
-    d_model: int
-    vocab_size: int
-    max_positions: Optional[int] = None  # the model's max_len: positions must stay below it
-    src_vocab_size: Optional[int] = None  # source ids must be below it; None: not checked
-
-
-@dataclass(frozen=True)
-class ProfileLimits:
-    """Sizes the engines accept (their optimization profile); ``None`` = unbounded."""
-
-    max_rows: Optional[int] = None  # decoder batch (sources x beams)
-    max_sources: Optional[int] = None  # encoder batch
-    min_src_len: int = 1
-    max_src_len: Optional[int] = None
-    min_cache_len: int = 1
-    max_cache_len: Optional[int] = None
-    static_cache_len: Optional[int] = None  # tensorscatter: the engine's fixed capacity
 
 
 @dataclass
@@ -178,7 +151,8 @@ def decoder_bindings(state: DeviceState, flavour: str) -> dict[str, torch.Tensor
 class DeviceRunner(decoding.SearchMethods):
     """Buffers, stream order and cache writes of a device runner; subclasses run the graphs.
 
-    Subclasses set :attr:`dims`, :attr:`flavour`, :attr:`limits` and the dtypes, and implement
+    Subclasses set :attr:`info` (the model's sizes, the graph flavour and the engines' profile
+    limits: :class:`~transformer_ext.runtimes.info.RunnerInfo`) and the dtypes, and implement
     :meth:`_run_encoder` (run the encoder on the given bindings, enqueued on :attr:`stream`) and
     :meth:`_run_decoder` (one decoder step on ``decoder_bindings(state)``).
 
@@ -188,9 +162,7 @@ class DeviceRunner(decoding.SearchMethods):
             Runtime treats stream 0 as "no stream", and TensorRT syncs extra on it).
     """
 
-    dims: ModelDims
-    flavour: str
-    limits: ProfileLimits
+    info: RunnerInfo
     cache_dtype: torch.dtype
     encoder_out_dtype: torch.dtype
 
@@ -236,7 +208,7 @@ class DeviceRunner(decoding.SearchMethods):
 
     def _cache_capacity(self, cache_len: int) -> int:
         """The capacity to allocate for a checked ``cache_len`` under the engines' profile."""
-        lim = self.limits
+        lim = self.info
         if lim.static_cache_len is not None:
             if cache_len > lim.static_cache_len:
                 raise ValueError(
@@ -256,7 +228,7 @@ class DeviceRunner(decoding.SearchMethods):
     ) -> tuple[np.ndarray, np.ndarray, int, int]:
         """The checks every runner makes (:func:`transformer_ext.decoding.check_encode_args`),
         then the engines' profile limits."""
-        d = self.dims
+        d = self.info
         ids, lengths, cache_len, num_beams = decoding.check_encode_args(
             input_ids,
             src_lengths,
@@ -266,7 +238,7 @@ class DeviceRunner(decoding.SearchMethods):
             max_positions=d.max_positions,
         )
         B, S = ids.shape
-        lim = self.limits
+        lim = self.info
         if lim.max_src_len is not None and S > lim.max_src_len:
             raise ValueError(
                 f"source length {S} exceeds the engine profile's maximum {lim.max_src_len}; rebuild "
@@ -303,7 +275,7 @@ class DeviceRunner(decoding.SearchMethods):
         L = self._cache_capacity(cache_len)
         B, S = ids.shape
         N = B * K
-        d = self.dims
+        d = self.info
         dev = self.device
         with self._on_stream(), torch.inference_mode():
             ids_dev = torch.from_numpy(ids).to(dev)
@@ -331,7 +303,7 @@ class DeviceRunner(decoding.SearchMethods):
                 d.d_k,
                 dtype=self.cache_dtype,
                 device=dev,
-                staging=self.flavour == "portable",
+                staging=d.flavour == "portable",
                 append_op=self._kv_append,
                 reorder_op=self._kv_reorder,
             )
@@ -344,8 +316,8 @@ class DeviceRunner(decoding.SearchMethods):
                 cache=cache,
                 cross_keys=[k.contiguous() for k in cross_keys],
                 cross_values=[v.contiguous() for v in cross_values],
-                logits=torch.empty((N, d.vocab_size), dtype=torch.float32, device=dev),
-                logits_host=self._host((N, d.vocab_size), torch.float32),
+                logits=torch.empty((N, d.tgt_vocab_size), dtype=torch.float32, device=dev),
+                logits_host=self._host((N, d.tgt_vocab_size), torch.float32),
                 tokens_host=self._host((N,), torch.int64),
             )
         return state
@@ -355,16 +327,16 @@ class DeviceRunner(decoding.SearchMethods):
         float32 logits ``[N, V]`` on the host."""
         cache = state.cache
         N = state.num_rows
-        vocab = self.dims.vocab_size if self.dims.vocab_size > 0 else None
+        vocab = self.info.tgt_vocab_size if self.info.tgt_vocab_size > 0 else None
         tok = decoding.check_step_tokens(
-            cache.length, cache.capacity, self.dims.max_positions, tokens, N, vocab
+            cache.length, cache.capacity, self.info.max_positions, tokens, N, vocab
         )
         with self._on_stream(), torch.inference_mode():
             state.tokens_host.copy_(torch.from_numpy(np.ascontiguousarray(tok, dtype=np.int64)))
             state.input_ids.view(N).copy_(state.tokens_host, non_blocking=True)
             cache.begin_step()
             self._run_decoder(state)
-            if self.flavour == "portable":
+            if self.info.flavour == "portable":
                 cache.append_()  # from the staging buffers the graph wrote; the flag copy behind it
             state.logits_host.copy_(state.logits, non_blocking=True)
         self._synchronize()

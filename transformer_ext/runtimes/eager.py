@@ -21,11 +21,12 @@ from transformer_ext import decoding
 from transformer_ext.cli import UserError
 from transformer_ext.model import Transformer
 
+from .info import PRECISION_NAMES, RunnerInfo
 from .kv_cache import CacheStateViews, KVCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompileError", "EagerRunner", "EagerState"]
+__all__ = ["CompileError", "EagerRunner", "EagerState", "model_info"]
 
 Device = Union[str, torch.device]
 
@@ -37,6 +38,15 @@ class CompileError(RuntimeError, UserError):
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A checked int64 numpy array (see :mod:`transformer_ext.decoding`'s checks) on ``device``."""
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+def model_info(model: Transformer) -> RunnerInfo:
+    """The description of a runner of ``model`` in PyTorch: its config, positions as the only
+    limit, the precision of its weights."""
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return RunnerInfo.from_config(
+        model.config.to_dict(), runtime="eager", precision=PRECISION_NAMES.get(dtype, dtype)
+    )
 
 
 def _encode_sources(
@@ -93,12 +103,15 @@ class EagerRunner:
         shapes): the preallocated cache gives every step of a decode the same shapes, so one
         graph serves all of them, with the Python-level module overhead gone. The first step of
         each new shape (rows, cache length, source length) compiles (seconds; cached on disk by
-        Inductor); Inductor on CPU needs a C++ compiler."""
+        Inductor); Inductor on CPU needs a C++ compiler.
+
+        ``info`` (:class:`~transformer_ext.runtimes.info.RunnerInfo`) describes the model (its
+        config, positions, special ids, the precision of its weights)."""
         if device is None:
             device = next(model.parameters()).device
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
-        self.config = model.config
+        self.info = model_info(self.model)
         self.compiled = bool(compile)
         self._decode_step = (
             torch.compile(model.decode_step, fullgraph=True, dynamic=False)
@@ -123,7 +136,7 @@ class EagerRunner:
         lengths, cross_keys, cross_values, _, cache_len, _ = _encode_sources(
             self.model, self.device, input_ids, src_lengths, cache_len, num_beams
         )
-        c = self.config
+        c = self.model.config
         cache = KVCache.allocate(
             c.n_decoder_layers,
             int(lengths.shape[0]),
@@ -142,7 +155,7 @@ class EagerRunner:
         cache = state.cache
         ids = _to_device(
             decoding.check_step_tokens(
-                cache.length, cache.capacity, self.config.max_len, tokens, N, self.config.tgt_vocab_size
+                cache.length, cache.capacity, self.info.max_positions, tokens, N, self.info.tgt_vocab_size
             ),
             self.device,
         )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -37,13 +37,17 @@ from transformer_ext import decoding
 from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
+    MANIFEST_NAME,
     InvalidGraphError,
     check_io,
     dtype_from_ort,
+    manifest_max_cache_len,
+    manifest_quantization,
     quantization_cpu_warning,
     read_manifest,
 )
 
+from .info import RunnerInfo
 from .kv_cache import CacheStateViews, HostKVCache
 
 logger = logging.getLogger(__name__)
@@ -97,6 +101,11 @@ class OrtRunner(decoding.SearchMethods):
             on an idle machine) or sleep (far better when the cores are shared with other work);
             ``None`` keeps ONNX Runtime's default.
         session_options: a ready ``ort.SessionOptions``; overrides the three options above.
+        manifest: the folder's manifest, when the caller has read it already
+            (:func:`transformer_ext.runtimes.open_export_dir` does); else it is read here.
+
+    ``info`` (:class:`~transformer_ext.runtimes.info.RunnerInfo`) describes the model, the
+    export's cache capacity, its precision and flavour.
 
     Raises:
         ManifestError: the folder has no valid ``manifest.json``, or a graph does not match it.
@@ -112,23 +121,22 @@ class OrtRunner(decoding.SearchMethods):
         graph_optimization_level: str = "all",
         allow_spinning: Optional[bool] = None,
         session_options: Optional[ort.SessionOptions] = None,
+        manifest: Optional[Mapping[str, Any]] = None,
     ):
         self.export_dir = os.fspath(export_dir)
-        self.manifest = read_manifest(self.export_dir)
+        self.manifest = dict(read_manifest(self.export_dir) if manifest is None else manifest)
         cpu_warning = quantization_cpu_warning(self.manifest, self.export_dir)
         if cpu_warning:
             logger.warning("%s", cpu_warning)
-        cfg = self.manifest["model_config"]
-        self.config = cfg
-        self.flavour: str = self.manifest["flavour"]
-        self.n_layers = int(cfg["n_decoder_layers"])
-        self.n_heads = int(cfg["n_heads"])
-        self.d_k = int(cfg["d_model"]) // self.n_heads
-        self.vocab_size = int(cfg["tgt_vocab_size"])
-        self.src_vocab_size = int(cfg["src_vocab_size"])
-        self.max_len = int(cfg["max_len"])
-        self.max_cache_len = int(self.manifest.get("max_cache_len", self.max_len))
-        self.bos_id, self.eos_id, self.pad_id = int(cfg["bos_id"]), int(cfg["eos_id"]), int(cfg["pad_id"])
+        quantization = manifest_quantization(self.manifest)
+        self.info = RunnerInfo.from_config(
+            self.manifest["model_config"],
+            runtime="onnxruntime",
+            config_file=os.path.join(self.export_dir, MANIFEST_NAME),
+            max_cache_len=manifest_max_cache_len(self.manifest),
+            precision=quantization["scheme"] if quantization else "fp32",
+            flavour=self.manifest["flavour"],
+        )
 
         if session_options is None:
             session_options = ort.SessionOptions()
@@ -169,7 +177,7 @@ class OrtRunner(decoding.SearchMethods):
         logger.info(
             "ONNX Runtime runner on %s (%s flavour, providers %s)",
             self.export_dir,
-            self.flavour,
+            self.info.flavour,
             self.decoder.get_providers(),
         )
 
@@ -186,17 +194,18 @@ class OrtRunner(decoding.SearchMethods):
 
     def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, num_beams: int = 1) -> OrtState:
         """Encode ``input_ids [B, S]`` once; repeat each row ``num_beams`` times; allocate and bind."""
+        info = self.info
         ids, lengths, cache_len, K = decoding.check_encode_args(
             input_ids,
             src_lengths,
             cache_len,
             num_beams,
-            src_vocab_size=self.src_vocab_size,
-            max_positions=self.max_len,
+            src_vocab_size=info.src_vocab_size,
+            max_positions=info.max_positions,
         )
-        if cache_len > self.max_cache_len:
+        if info.max_cache_len is not None and cache_len > info.max_cache_len:
             raise ValueError(
-                f"cache_len = {cache_len} exceeds what this export supports (max_cache_len = {self.max_cache_len}, "
+                f"cache_len = {cache_len} exceeds what this export supports (max_cache_len = {info.max_cache_len}, "
                 "the largest cache capacity it was exported for); generate fewer tokens or export with a larger "
                 "--cache-len"
             )
@@ -213,8 +222,8 @@ class OrtRunner(decoding.SearchMethods):
         def rows(a: np.ndarray) -> np.ndarray:  # each source row repeated K times, contiguous
             return np.ascontiguousarray(np.repeat(a, K, axis=0) if K > 1 else a)
 
-        cross_keys = [rows(outs[f"cross_key.{i}"]) for i in range(self.n_layers)]
-        cross_values = [rows(outs[f"cross_value.{i}"]) for i in range(self.n_layers)]
+        cross_keys = [rows(outs[f"cross_key.{i}"]) for i in range(info.n_layers)]
+        cross_values = [rows(outs[f"cross_value.{i}"]) for i in range(info.n_layers)]
         state = OrtState(
             binding=self.decoder.io_binding(),
             input_ids=np.zeros((N, 1), dtype=np.int64),
@@ -223,15 +232,15 @@ class OrtRunner(decoding.SearchMethods):
             cross_keys=cross_keys,
             cross_values=cross_values,
             cache=HostKVCache(
-                self.n_layers,
+                info.n_layers,
                 N,
-                self.n_heads,
+                info.n_heads,
                 cache_len,
-                self.d_k,
+                info.d_k,
                 dtype=np.float32,
-                staging=self.flavour == "portable",
+                staging=info.flavour == "portable",
             ),
-            logits=np.zeros((N, self.vocab_size), dtype=np.float32),
+            logits=np.zeros((N, info.tgt_vocab_size), dtype=np.float32),
         )
         self._bind(state)
         return state
@@ -249,12 +258,13 @@ class OrtRunner(decoding.SearchMethods):
         bind_in("positions", state.positions)
         bind_in("src_lengths", state.src_lengths)
         bind_out("logits", state.logits)
-        for i in range(self.n_layers):
+        portable = self.info.flavour == "portable"
+        for i in range(self.info.n_layers):
             bind_in(f"self_key.{i}", state.self_keys[i])
             bind_in(f"self_value.{i}", state.self_values[i])
             bind_in(f"cross_key.{i}", state.cross_keys[i])
             bind_in(f"cross_value.{i}", state.cross_values[i])
-            if self.flavour == "portable":
+            if portable:
                 bind_out(f"new_key.{i}", state.new_keys[i])
                 bind_out(f"new_value.{i}", state.new_values[i])
             else:  # one buffer as input and output: TensorScatter updates it in place
@@ -266,12 +276,12 @@ class OrtRunner(decoding.SearchMethods):
         cache = state.cache
         p = cache.length
         tok = decoding.check_step_tokens(
-            p, cache.capacity, self.max_len, tokens, state.num_rows, self.vocab_size
+            p, cache.capacity, self.info.max_positions, tokens, state.num_rows, self.info.tgt_vocab_size
         )
         state.input_ids[:, 0] = tok
         state.positions.fill(p)
         self.decoder.run_with_iobinding(state.binding)
-        if self.flavour == "portable":
+        if self.info.flavour == "portable":
             cache.append_()  # every layer's new K/V at position p: one copy per buffer
         cache.end_step()
         return state.logits.copy()

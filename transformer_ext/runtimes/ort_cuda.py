@@ -40,10 +40,13 @@ from transformer_ext.export_format import (
     DECODER_FILE,
     DTYPES,
     ENCODER_FILE,
+    MANIFEST_NAME,
     InvalidGraphError,
     ManifestError,
     dtype_from_ort,
     io_problems,
+    manifest_max_cache_len,
+    manifest_quantization,
     read_manifest,
 )
 
@@ -52,11 +55,10 @@ from .device import (
     BindingError,
     DeviceRunner,
     DeviceState,
-    ModelDims,
-    ProfileLimits,
     _dtype_name,
     decoder_bindings,
 )
+from .info import RunnerInfo
 from .ort import GRAPH_OPTIMIZATION_LEVELS, _io
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,10 @@ class OrtCudaRunner(DeviceRunner):
         provider_options: extra options of the CUDA provider.
         session_factory: ``(model path or bytes, SessionOptions, providers) -> session``;
             default ``onnxruntime.InferenceSession`` (tests pass stand-ins that record calls).
+        manifest: the folder's manifest, when the caller has read it already; else it is read here.
+
+    ``info`` (:class:`~transformer_ext.runtimes.info.RunnerInfo`) describes the model, the
+    export's cache capacity, the precision run and the flavour.
     """
 
     def __init__(
@@ -129,27 +135,23 @@ class OrtCudaRunner(DeviceRunner):
         intra_op_num_threads: Optional[int] = None,
         provider_options: Optional[Mapping[str, Any]] = None,
         session_factory: Optional[Callable[..., Any]] = None,
+        manifest: Optional[Mapping[str, Any]] = None,
     ):
         super().__init__(device, stream)
         if precision not in ("fp32", "fp16", "bf16"):
             raise ValueError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
         self.export_dir = Path(export_dir)
-        self.manifest = read_manifest(self.export_dir)
-        cfg = self.manifest["model_config"]
-        self.flavour = self.manifest["flavour"]
-        self.precision = precision
-        heads = int(cfg["n_heads"])
-        self.dims = ModelDims(
-            n_layers=int(cfg["n_decoder_layers"]),
-            n_heads=heads,
-            d_k=int(cfg["d_model"]) // heads,
-            d_model=int(cfg["d_model"]),
-            vocab_size=int(cfg["tgt_vocab_size"]),
-            max_positions=int(cfg["max_len"]),
-            src_vocab_size=int(cfg["src_vocab_size"]),
+        self.manifest = dict(read_manifest(self.export_dir) if manifest is None else manifest)
+        self._graph_precision = precision  # which graphs run: encoder.onnx or encoder.<precision>.onnx
+        quantization = manifest_quantization(self.manifest)
+        self.info = RunnerInfo.from_config(
+            self.manifest["model_config"],
+            runtime="onnxruntime",
+            config_file=os.fspath(self.export_dir / MANIFEST_NAME),
+            max_cache_len=manifest_max_cache_len(self.manifest),
+            precision=quantization["scheme"] if quantization and precision == "fp32" else precision,
+            flavour=self.manifest["flavour"],
         )
-        self.limits = ProfileLimits(max_cache_len=int(self.manifest.get("max_cache_len", cfg["max_len"])))
-        self.bos_id, self.eos_id = int(cfg["bos_id"]), int(cfg["eos_id"])
 
         options = ort.SessionOptions()
         if graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
@@ -182,7 +184,7 @@ class OrtCudaRunner(DeviceRunner):
             "ONNX Runtime device runner on %s (%s, %s flavour, providers %s, cache %s)",
             self.export_dir,
             self.device,
-            self.flavour,
+            self.info.flavour,
             self.decoder.get_providers(),
             _dtype_name(self.cache_dtype),
         )
@@ -200,9 +202,13 @@ class OrtCudaRunner(DeviceRunner):
         if not path.is_file():
             raise InvalidGraphError(f"{path} not found (the export folder is incomplete; export it again)")
         try:
-            return factory(_graph_source(self.export_dir, filename, self.precision), options, self.providers)
+            return factory(
+                _graph_source(self.export_dir, filename, self._graph_precision), options, self.providers
+            )
         except Exception as exc:  # ORT raises its own Fail / InvalidGraph types
-            raise InvalidGraphError(f"ONNX Runtime cannot load {path} ({self.precision}): {exc}") from exc
+            raise InvalidGraphError(
+                f"ONNX Runtime cannot load {path} ({self._graph_precision}): {exc}"
+            ) from exc
 
     def _check_io(self) -> None:
         """Names, order and shapes against the manifest; dtypes too for fp32 (converted graphs
@@ -215,7 +221,7 @@ class OrtCudaRunner(DeviceRunner):
                     self.manifest["graphs"][graph],
                     _io(session.get_inputs()),
                     _io(session.get_outputs()),
-                    compare_dtypes=self.precision == "fp32",
+                    compare_dtypes=self._graph_precision == "fp32",
                 )
             ]
         if problems:
@@ -260,6 +266,6 @@ class OrtCudaRunner(DeviceRunner):
         binding = state.backend.get("ort_binding")
         if binding is None:  # bound once per decoding: every step reuses the same buffers
             binding = self.decoder.io_binding()
-            self._bind(binding, self.decoder_io, decoder_bindings(state, self.flavour), "decoder")
+            self._bind(binding, self.decoder_io, decoder_bindings(state, self.info.flavour), "decoder")
             state.backend["ort_binding"] = binding
         self.decoder.run_with_iobinding(binding)

@@ -31,11 +31,10 @@ from .device import (
     BindingError,
     DeviceRunner,
     DeviceState,
-    ModelDims,
-    ProfileLimits,
     _dtype_name,
     decoder_bindings,
 )
+from .info import PRECISION_NAMES, RunnerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +63,11 @@ def engine_io(engine: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _optional_id(config: Mapping[str, Any], key: str) -> Optional[int]:
+    value = config.get(key)
+    return None if value is None else int(value)
+
+
 def _profile_dim(engine: Any, name: str, axis: int) -> tuple[int, int]:
     """(min, max) of one axis of an input in profile 0."""
     lo, _opt, hi = engine.get_tensor_profile_shape(name, 0)
@@ -80,7 +84,16 @@ class TensorRTRunner(DeviceRunner):
             cache capacity is checked.
         src_vocab_size: the model's source vocabulary size (source ids must be below it; the
             engines do not record it); ``None``: source ids are not range-checked.
+        config: the model config the engines were built from (a manifest's ``model_config``):
+            special ids, and ``max_len`` / ``src_vocab_size`` when those two are not given.
+        config_file: where ``config`` was read from (named in messages).
+        precision: the engines' precision name (``fp32``, ``fp16``...); default: named after
+            the cache dtype.
         device, stream: see :class:`DeviceRunner`.
+
+    ``info`` (:class:`~transformer_ext.runtimes.info.RunnerInfo`) holds the model's sizes read
+    from the engines, the profile's limits (batch, source and cache ranges), the precision and
+    the flavour.
 
     Use :meth:`from_export_dir` to load the engines ``python -m export.tensorrt`` wrote.
     """
@@ -92,6 +105,9 @@ class TensorRTRunner(DeviceRunner):
         *,
         max_positions: Optional[int] = None,
         src_vocab_size: Optional[int] = None,
+        config: Optional[Mapping[str, Any]] = None,
+        config_file: Optional[str] = None,
+        precision: Optional[str] = None,
         device: Union[str, torch.device] = "cuda",
         stream: Optional[Any] = None,
     ):
@@ -110,18 +126,9 @@ class TensorRTRunner(DeviceRunner):
                     f"the {what} engine lacks the tensors {missing} (has {sorted(io)}); "
                     "was it built from an export of docs/DESIGN.md section 3?"
                 )
-        self.flavour = "tensorscatter" if "present_key.0" in dec else "portable"
+        flavour = "tensorscatter" if "present_key.0" in dec else "portable"
         n_layers = sum(1 for n in dec if n.startswith("self_key."))
         _, heads, cache_dim, d_k = dec["self_key.0"]["shape"]
-        self.dims = ModelDims(
-            n_layers=n_layers,
-            n_heads=heads,
-            d_k=d_k,
-            d_model=enc["encoder_out"]["shape"][-1],
-            vocab_size=dec["logits"]["shape"][-1],
-            max_positions=max_positions,
-            src_vocab_size=None if src_vocab_size is None else int(src_vocab_size),
-        )
         self.cache_dtype = TORCH_DTYPES[dec["self_key.0"]["dtype"]]
         self.encoder_out_dtype = TORCH_DTYPES[enc["encoder_out"]["dtype"]]
         if TORCH_DTYPES[enc["cross_key.0"]["dtype"]] != self.cache_dtype:
@@ -134,10 +141,25 @@ class TensorRTRunner(DeviceRunner):
         src = _profile_dim(encoder_engine, "input_ids", 1)
         cross_src = _profile_dim(decoder_engine, "cross_key.0", 2)
         cache = (cache_dim, cache_dim) if cache_dim > 0 else _profile_dim(decoder_engine, "self_key.0", 2)
-        static = (
-            cache[0] if cache[0] == cache[1] and (cache_dim > 0 or self.flavour == "tensorscatter") else None
-        )
-        self.limits = ProfileLimits(
+        static = cache[0] if cache[0] == cache[1] and (cache_dim > 0 or flavour == "tensorscatter") else None
+        config = dict(config or {})
+        if max_positions is None:
+            max_positions = config.get("max_len")
+        if src_vocab_size is None:
+            src_vocab_size = config.get("src_vocab_size")
+        cache_name = _dtype_name(self.cache_dtype)
+        self.info = RunnerInfo(
+            runtime="tensorrt",
+            n_layers=n_layers,
+            n_heads=heads,
+            d_k=d_k,
+            d_model=enc["encoder_out"]["shape"][-1],
+            tgt_vocab_size=dec["logits"]["shape"][-1],
+            src_vocab_size=None if src_vocab_size is None else int(src_vocab_size),
+            pad_id=_optional_id(config, "pad_id"),
+            bos_id=_optional_id(config, "bos_id"),
+            eos_id=_optional_id(config, "eos_id"),
+            max_positions=None if max_positions is None else int(max_positions),
             max_rows=rows[1],
             max_sources=sources[1],
             min_src_len=max(src[0], cross_src[0]),
@@ -145,6 +167,10 @@ class TensorRTRunner(DeviceRunner):
             min_cache_len=cache[0],
             max_cache_len=cache[1],
             static_cache_len=static,
+            precision=precision or PRECISION_NAMES.get(cache_name, cache_name),
+            flavour=flavour,
+            config=config or None,
+            config_file=config_file,
         )
         self.encoder_context = encoder_engine.create_execution_context()
         self.decoder_context = decoder_engine.create_execution_context()
@@ -152,11 +178,11 @@ class TensorRTRunner(DeviceRunner):
             raise RuntimeError("TensorRT could not create an execution context (out of device memory?)")
         self._bound_token: Optional[object] = None  # the decoding whose buffers the decoder context holds
         logger.info(
-            "TensorRT runner: %s flavour, %d layers, cache %s, limits %s",
-            self.flavour,
+            "TensorRT runner: %s flavour, %d layers, cache %s, %s",
+            flavour,
             n_layers,
-            _dtype_name(self.cache_dtype),
-            self.limits,
+            cache_name,
+            self.info,
         )
 
     # ---------------------------------------------------------------- loading
@@ -169,13 +195,15 @@ class TensorRTRunner(DeviceRunner):
         *,
         device: Union[str, torch.device] = "cuda",
         verify: bool = True,
+        manifest: Optional[Mapping[str, Any]] = None,
     ) -> "TensorRTRunner":
-        """Load ``<graph>.<precision>.engine`` as recorded in ``manifest.json`` by ``python -m export.tensorrt``."""
-        from transformer_ext.export_format import manifest_max_positions, read_manifest
+        """Load ``<graph>.<precision>.engine`` as recorded in ``manifest.json`` by ``python -m
+        export.tensorrt``; ``manifest``: the folder's manifest when the caller has read it."""
+        from transformer_ext.export_format import MANIFEST_NAME, manifest_max_positions, read_manifest
         from transformer_ext.tensorrt_support import TrtLogger, import_tensorrt
 
         export_dir = Path(export_dir)
-        manifest = read_manifest(export_dir)
+        manifest = read_manifest(export_dir) if manifest is None else manifest
         built = (manifest.get("tensorrt") or {}).get("engines") or {}
         if precision not in built:
             raise FileNotFoundError(
@@ -202,12 +230,15 @@ class TensorRTRunner(DeviceRunner):
                     f"this is TensorRT {trt.__version__}: engines are tied to both)"
                 )
             engines[graph] = engine
-        src_vocab = (manifest.get("model_config") or {}).get("src_vocab_size")
+        config = manifest.get("model_config") or {}
         runner = cls(
             engines["encoder"],
             engines["decoder_step"],
             max_positions=manifest_max_positions(manifest),
-            src_vocab_size=src_vocab,
+            src_vocab_size=config.get("src_vocab_size"),
+            config=config,
+            config_file=str(export_dir / MANIFEST_NAME),
+            precision=precision,
             device=device,
         )
         runner._runtime = runtime  # keep the runtime alive as long as its engines
@@ -264,7 +295,7 @@ class TensorRTRunner(DeviceRunner):
         token = state.backend.setdefault("tensorrt_token", object())
         if self._bound_token is not token:  # addresses and shapes are set once per decoding
             self._bind(
-                self.decoder_context, self.decoder_io, decoder_bindings(state, self.flavour), "decoder"
+                self.decoder_context, self.decoder_io, decoder_bindings(state, self.info.flavour), "decoder"
             )
             self._bound_token = token
         self._execute(self.decoder_context, "decoder step")

@@ -221,18 +221,23 @@ def save_step_checkpoint(
     folder.mkdir(exist_ok=True)
     new = save_checkpoint(folder, f"step-{step}", model, tokenizer, provenance=provenance)
     ours = set(os.listdir(new))
-    for old in step_checkpoints(folder)[:-keep]:
-        foreign = _foreign_entries(old, ours)
-        if foreign:
+    own, kept = [], []
+    for path in step_checkpoints(folder):
+        (kept if _foreign_entries(path, ours) else own).append(path)
+    for path in kept:  # never deleted, never counted among the --keep-last newest
+        if str(path) not in _warned_steps:
+            _warned_steps.add(str(path))
             logger.warning(
-                "kept %s beyond --keep-last %d: it holds files the trainer did not write (%s)",
-                old,
-                keep,
-                ", ".join(foreign[:5]),
+                "kept %s: it holds files the trainer did not write (%s), so --keep-last leaves it alone",
+                path,
+                ", ".join(_foreign_entries(path, ours)[:5]),
             )
-            continue
+    for old in own[:-keep]:
         shutil.rmtree(old)
         logger.info("removed %s (--keep-last %d)", old, keep)
+
+
+_warned_steps: set[str] = set()  # step folders already reported as kept (one warning per process)
 
 
 def step_checkpoints(folder: Path) -> list[Path]:
