@@ -10,7 +10,8 @@ import io
 from num2words import num2words
 
 from transformer_ext import evaluate
-from transformer_ext.translate import DEMO_MODEL_DIR, main
+from transformer_ext.demo import DEMO_MODEL_DIR
+from transformer_ext.translate import main
 
 
 class _Stdin(io.TextIOWrapper):

@@ -34,11 +34,12 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from .cli import add_debug_flag, run_cli
 from .export_format import MANIFEST_NAME
 from .fsutil import atomic_write_text
+from .text import check_argument_text, read_stream_lines
 from .translator import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_LEN_A,
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Without text and --input, lines are read from stdin when it is not a terminal.",
     )
     parser.add_argument("--input", "-i", metavar="FILE", help="read sources from FILE, one per line")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="an export folder: check the graphs (and engines) against the SHA-256 its manifest records "
+        "too; the tokenizer files and the generation config are always checked",
+    )
     parser.add_argument(
         "--output",
         "-o",
@@ -261,11 +268,12 @@ def _check_output(args) -> Optional[Path]:
     return out
 
 
-def _read_lines(stream: Iterable[str], name: str) -> list[tuple[str, str]]:
-    """``(line, "NAME line N")`` for every line; an empty line is an error naming it."""
+def _read_lines(stream, name: str) -> list[tuple[str, str]]:
+    """``(line, "NAME line N")`` for every line, read by the package's one text rule
+    (:func:`transformer_ext.text.read_stream_lines`: strict UTF-8, a leading BOM removed, ``\\n``
+    or ``\\r\\n`` line endings, a lone ``\\r`` an error); an empty line is an error naming it."""
     lines = []
-    for n, line in enumerate(stream, start=1):
-        line = line.rstrip("\r\n")
+    for n, line in enumerate(read_stream_lines(stream, name), start=1):
         if not line.strip():
             raise TranslationError(f"{name}, line {n}: empty source")
         lines.append((line, f"{name}, line {n}"))
@@ -279,19 +287,15 @@ def _gather_sources(args, stdin) -> tuple[list[str], list[str]]:
         if text == "-":
             entries.extend(_read_lines(stdin, "stdin"))
         else:
-            entries.append((text, f"argument {n}"))
+            entries.append((check_argument_text(text, f"argument {n}"), f"argument {n}"))
     if args.input is not None:
         try:
-            with open(args.input, encoding="utf-8") as f:
+            with open(args.input, "rb") as f:
                 entries.extend(_read_lines(f, args.input))
         except FileNotFoundError:
             raise TranslationError(f"input file not found: {args.input}") from None
         except IsADirectoryError:
             raise TranslationError(f"--input {args.input} is a directory, expected a text file") from None
-        except UnicodeDecodeError as exc:
-            raise TranslationError(
-                f"input file {args.input} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-            ) from None
     if not args.text and args.input is None:
         entries.extend(_read_lines(stdin, "stdin"))
     if not entries:
@@ -349,7 +353,7 @@ def _load_translator(args) -> Translator:
             "folder runs with --runtime eager"
         )
     return Translator.from_export_dir(
-        args.model, runtime=runtime, provider=args.provider, threads=args.threads
+        args.model, runtime=runtime, provider=args.provider, threads=args.threads, verify=args.verify
     )
 
 
