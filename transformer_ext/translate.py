@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         "every new batch shape compiles first (seconds); pays off on large inputs. On CPU it "
         "needs a C++ compiler",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="eager runtime: decode with the model's weights in this dtype; bfloat16 keeps weights and "
+        "caches in bfloat16 (half the bytes per step, float32 accumulation), on a GPU or on a CPU "
+        "with native bfloat16 (AVX-512 BF16 or AMX; refused elsewhere) (default: the folder's float32)",
+    )
     add_debug_flag(parser)
     return parser
 
@@ -236,6 +244,8 @@ def _runtime_conflicts(args, runtime: str) -> list[str]:
             problems.append("--device applies to the eager runtime only (ONNX Runtime: --provider)")
         if args.compile:
             problems.append("--compile applies to the eager runtime only")
+        if getattr(args, "dtype", None) is not None:
+            problems.append("--dtype applies to the eager runtime only")
     if runtime != "onnxruntime" and args.provider is not None:
         problems.append("--provider applies to the onnxruntime runtime only")
     if runtime == "tensorrt" and args.threads is not None:
@@ -336,7 +346,13 @@ def _load_translator(args) -> Translator:
             import torch
 
             torch.set_num_threads(args.threads)
-        return Translator.from_model_dir(args.model, device=device, compile=args.compile)
+        if args.dtype is not None:  # refused here, before the folder is read, naming the option
+            import torch
+
+            from .runtimes.eager import check_dtype
+
+            check_dtype(args.dtype, torch.device(device), what="--dtype")
+        return Translator.from_model_dir(args.model, device=device, compile=args.compile, dtype=args.dtype)
     if args.model is None:
         raise TranslationError(
             f"--runtime {runtime} needs --model EXPORT_DIR, a folder written by `python -m export.onnx`"

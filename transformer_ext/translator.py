@@ -308,27 +308,39 @@ class Translator:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_model_dir(
-        cls, path: Union[str, os.PathLike, None] = None, device=None, compile: bool = False, **options
+        cls,
+        path: Union[str, os.PathLike, None] = None,
+        device=None,
+        compile: bool = False,
+        dtype: Optional[str] = None,
+        **options,
     ) -> "Translator":
         """A model folder (``config.json`` + ``model.safetensors`` + tokenizer files) on eager PyTorch.
 
         ``path=None`` is the bundled demo model (English number words to German number words);
         ``device``: ``"cpu"`` (default) or ``"cuda"``; ``compile``: the decoder step through
         ``torch.compile`` (see :class:`transformer_ext.runtimes.EagerRunner`): faster per token
-        once compiled, at the cost of a compile (seconds) for every new batch shape.
+        once compiled, at the cost of a compile (seconds) for every new batch shape; ``dtype``:
+        ``"bfloat16"`` decodes with bfloat16 weights and caches (float32 accumulation; see
+        :class:`~transformer_ext.runtimes.EagerRunner`), checked before the folder is read.
         ``options``: generation options, as for the constructor.
 
         A folder without ``tokenizer.json`` loads (``tokenizer`` is then ``None``).
 
         Raises:
+            NotNativeError: ``dtype="bfloat16"`` on a CPU without native bfloat16 matrix products
+                (:mod:`transformer_ext.cpu_features`; the message names the missing instructions).
+            ValueError: ``dtype`` is not ``"float32"``, ``"bfloat16"`` or None.
             FileNotFoundError: the folder, its config or weights file is missing.
             TokenizerError: ``tokenizer.json`` is corrupt or not a tokenizer description (names the file).
             TranslationError: the tokenizer does not belong to the model (vocabulary sizes or special
                 ids differ; names both files and the id), or the folder is an export folder.
         """
         try:
+            import torch
+
             from .checkpoint import load_model
-            from .runtimes.eager import EagerRunner
+            from .runtimes.eager import EagerRunner, check_dtype
         except ImportError as exc:
             raise RuntimeNotAvailableError(
                 f"a model folder runs on PyTorch, which this installation lacks ({exc}): translate an export "
@@ -336,6 +348,8 @@ class Translator:
                 "EXPORT_DIR), or install transformer_ext with torch"
             ) from exc
 
+        device = "cpu" if device is None else device
+        check_dtype(dtype, torch.device(device))
         model_dir = Path(path) if path is not None else DEMO_MODEL_DIR
         if not model_dir.is_dir():
             raise FileNotFoundError(
@@ -348,8 +362,7 @@ class Translator:
                 "load it with Translator.from_export_dir (ONNX Runtime or TensorRT)"
             )
         tokenizer = _load_folder_tokenizer(model_dir)
-        device = "cpu" if device is None else device
-        runner = EagerRunner(load_model(model_dir, device), device, compile=compile)
+        runner = EagerRunner(load_model(model_dir, device), device, compile=compile, dtype=dtype)
         return cls(tokenizer, runner, source_dir=model_dir, **options)
 
     @classmethod
