@@ -34,13 +34,14 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from .cli import add_debug_flag, run_cli
 from .demo import DEMO_MODEL_DIR
 from .devices import DeviceUsageError, check_device_name, parse_device
 from .export_format import MANIFEST_NAME
 from .fsutil import atomic_write_text, check_output_path
+from .text import check_argument_text, read_stream_lines
 from .translator import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_LEN_A,
@@ -96,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Without text and --input, lines are read from stdin when it is not a terminal.",
     )
     parser.add_argument("--input", "-i", metavar="FILE", help="read sources from FILE, one per line")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="an export folder: check the graphs (and engines) against the SHA-256 its manifest records "
+        "too; the tokenizer files and the generation config are always checked",
+    )
     parser.add_argument(
         "--output",
         "-o",
@@ -187,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
         "every new batch shape compiles first (seconds); pays off on large inputs. On CPU it "
         "needs a C++ compiler",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="eager runtime: decode with the model's weights in this dtype; bfloat16 keeps weights and "
+        "caches in bfloat16 (half the bytes per step, float32 accumulation), on a GPU or on a CPU "
+        "with native bfloat16 (AVX-512 BF16 or AMX; refused elsewhere) (default: the folder's float32)",
+    )
     add_debug_flag(parser)
     return parser
 
@@ -236,6 +251,8 @@ def _runtime_conflicts(args, runtime: str) -> list[str]:
             problems.append("--device applies to the eager runtime only (ONNX Runtime: --provider)")
         if args.compile:
             problems.append("--compile applies to the eager runtime only")
+        if getattr(args, "dtype", None) is not None:
+            problems.append("--dtype applies to the eager runtime only")
     if runtime != "onnxruntime" and args.provider is not None:
         problems.append("--provider applies to the onnxruntime runtime only")
     if runtime == "tensorrt" and args.threads is not None:
@@ -275,11 +292,12 @@ def managed_dirs(path: Path) -> list:
     return run_managed_dirs(path)
 
 
-def _read_lines(stream: Iterable[str], name: str) -> list[tuple[str, str]]:
-    """``(line, "NAME line N")`` for every line; an empty line is an error naming it."""
+def _read_lines(stream, name: str) -> list[tuple[str, str]]:
+    """``(line, "NAME line N")`` for every line, read by the package's one text rule
+    (:func:`transformer_ext.text.read_stream_lines`: strict UTF-8, a leading BOM removed, ``\\n``
+    or ``\\r\\n`` line endings, a lone ``\\r`` an error); an empty line is an error naming it."""
     lines = []
-    for n, line in enumerate(stream, start=1):
-        line = line.rstrip("\r\n")
+    for n, line in enumerate(read_stream_lines(stream, name), start=1):
         if not line.strip():
             raise TranslationError(f"{name}, line {n}: empty source")
         lines.append((line, f"{name}, line {n}"))
@@ -293,19 +311,15 @@ def _gather_sources(args, stdin) -> tuple[list[str], list[str]]:
         if text == "-":
             entries.extend(_read_lines(stdin, "stdin"))
         else:
-            entries.append((text, f"argument {n}"))
+            entries.append((check_argument_text(text, f"argument {n}"), f"argument {n}"))
     if args.input is not None:
         try:
-            with open(args.input, encoding="utf-8") as f:
+            with open(args.input, "rb") as f:
                 entries.extend(_read_lines(f, args.input))
         except FileNotFoundError:
             raise TranslationError(f"input file not found: {args.input}") from None
         except IsADirectoryError:
             raise TranslationError(f"--input {args.input} is a directory, expected a text file") from None
-        except UnicodeDecodeError as exc:
-            raise TranslationError(
-                f"input file {args.input} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-            ) from None
     if not args.text and args.input is None:
         entries.extend(_read_lines(stdin, "stdin"))
     if not entries:
@@ -342,7 +356,13 @@ def _load_translator(args) -> Translator:
             import torch
 
             torch.set_num_threads(args.threads)
-        return Translator.from_model_dir(args.model, device=device, compile=args.compile)
+        if args.dtype is not None:  # refused here, before the folder is read, naming the option
+            import torch
+
+            from .runtimes.eager import check_dtype
+
+            check_dtype(args.dtype, torch.device(device), what="--dtype")
+        return Translator.from_model_dir(args.model, device=device, compile=args.compile, dtype=args.dtype)
     if args.model is None:
         raise TranslationError(
             f"--runtime {runtime} needs --model EXPORT_DIR, a folder written by `python -m export.onnx`"
@@ -359,7 +379,7 @@ def _load_translator(args) -> Translator:
             "folder runs with --runtime eager"
         )
     return Translator.from_export_dir(
-        args.model, runtime=runtime, provider=args.provider, threads=args.threads
+        args.model, runtime=runtime, provider=args.provider, threads=args.threads, verify=args.verify
     )
 
 
