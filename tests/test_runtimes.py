@@ -233,9 +233,9 @@ def test_open_export_dir_reads_the_manifest_once(exported, monkeypatch):
     reads = []
     real = export_format.read_manifest
 
-    def counting(path):
+    def counting(path, **kwargs):
         reads.append(Path(path))
-        return real(path)
+        return real(path, **kwargs)
 
     for module in (export_format, translator, factory, ort):
         monkeypatch.setattr(module, "read_manifest", counting)
