@@ -94,3 +94,15 @@ def test_evaluate_reads_sources_and_references_by_the_same_rule(tmp_path, capsys
     src.write_bytes(b"forty-two\rseven\n")
     assert evaluate.main(["--model", str(DEMO_MODEL_DIR), "--src", str(src), "--ref", str(ref)]) == 1
     assert f"{src}, line 1: a carriage return" in capsys.readouterr().err
+
+
+def test_the_translator_refuses_a_lone_surrogate_instead_of_calling_it_unknown():
+    import pytest
+
+    from transformer_ext.translator import TranslationError, Translator
+
+    translator = Translator.from_model_dir(DEMO_MODEL_DIR)
+    with pytest.raises(
+        TranslationError, match=r"source 1: not valid text: '\\udcff' at character 3 is a lone"
+    ):
+        translator.translate(["seven", b"for\xffty".decode("utf-8", "surrogateescape")])

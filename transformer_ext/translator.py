@@ -458,6 +458,14 @@ class Translator:
             if not text:
                 raise _source_error(i, "empty source")
             try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # e.g. bytes decoded with surrogateescape
+                raise _source_error(
+                    i,
+                    f"not valid text: {text[exc.start]!r} at character {exc.start} is a lone surrogate, not a "
+                    "character (decode the input as strict UTF-8)",
+                ) from None
+            try:
                 ids = tokenizer.encode_source(text)
             except UnknownCharacterError as exc:
                 raise _source_error(i, str(exc)) from None
