@@ -34,11 +34,14 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from .cli import add_debug_flag, run_cli
+from .demo import DEMO_MODEL_DIR
+from .devices import DeviceUsageError, check_device_name, parse_device
 from .export_format import MANIFEST_NAME
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_text, check_output_path
+from .text import check_argument_text, read_stream_lines
 from .translator import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_LEN_A,
@@ -52,6 +55,10 @@ from .translator import (
     Translator,
     is_export_dir,
 )
+
+# Exit code of a command whose output pipe was closed by the reader (128 + SIGPIPE), as a shell
+# reports a Unix tool killed by SIGPIPE.
+EXIT_SIGPIPE = 141
 
 __all__ = [
     # the library, re-exported from transformer_ext.translator
@@ -90,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Without text and --input, lines are read from stdin when it is not a terminal.",
     )
     parser.add_argument("--input", "-i", metavar="FILE", help="read sources from FILE, one per line")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="an export folder: check the graphs (and engines) against the SHA-256 its manifest records "
+        "too; the tokenizer files and the generation config are always checked",
+    )
     parser.add_argument(
         "--output",
         "-o",
@@ -217,9 +230,10 @@ def _check_options(parser: argparse.ArgumentParser, args, stdin) -> None:
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.device is not None:
-        device = args.device.strip().lower()
-        if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-            parser.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        try:
+            check_device_name(args.device)
+        except DeviceUsageError as exc:
+            parser.error(str(exc))
     if args.provider is not None and not args.provider.strip():
         parser.error("--provider must name an ONNX Runtime execution provider, e.g. cpu or cuda")
     if args.runtime is not None:
@@ -261,21 +275,29 @@ def _check_output(args) -> Optional[Path]:
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
         raise TranslationError(f"--output {out}: the folder {parent} {what}")
-    if (
-        args.input is not None
-        and out.exists()
-        and os.path.exists(args.input)
-        and os.path.samefile(out, args.input)
-    ):
-        raise TranslationError(f"--output {out} is the --input file; write the translations to another file")
+    inputs = [("the model folder --model", Path(args.model) if args.model is not None else DEMO_MODEL_DIR)]
+    if args.input is not None:
+        inputs.append(("the --input file", Path(args.input)))
+    check_output_path(out, inputs=inputs, managed_dirs=managed_dirs(out), what="--output")
     return out
 
 
-def _read_lines(stream: Iterable[str], name: str) -> list[tuple[str, str]]:
-    """``(line, "NAME line N")`` for every line; an empty line is an error naming it."""
+def managed_dirs(path: Path) -> list:
+    """The training runs' managed folders around ``path`` (``best/``, ``last/``, ``checkpoints/``);
+    none without torch (the run folder module needs it, and a deployment trains nothing)."""
+    try:
+        from .training.run_folder import managed_dirs as run_managed_dirs
+    except ImportError:
+        return []
+    return run_managed_dirs(path)
+
+
+def _read_lines(stream, name: str) -> list[tuple[str, str]]:
+    """``(line, "NAME line N")`` for every line, read by the package's one text rule
+    (:func:`transformer_ext.text.read_stream_lines`: strict UTF-8, a leading BOM removed, ``\\n``
+    or ``\\r\\n`` line endings, a lone ``\\r`` an error); an empty line is an error naming it."""
     lines = []
-    for n, line in enumerate(stream, start=1):
-        line = line.rstrip("\r\n")
+    for n, line in enumerate(read_stream_lines(stream, name), start=1):
         if not line.strip():
             raise TranslationError(f"{name}, line {n}: empty source")
         lines.append((line, f"{name}, line {n}"))
@@ -289,19 +311,15 @@ def _gather_sources(args, stdin) -> tuple[list[str], list[str]]:
         if text == "-":
             entries.extend(_read_lines(stdin, "stdin"))
         else:
-            entries.append((text, f"argument {n}"))
+            entries.append((check_argument_text(text, f"argument {n}"), f"argument {n}"))
     if args.input is not None:
         try:
-            with open(args.input, encoding="utf-8") as f:
+            with open(args.input, "rb") as f:
                 entries.extend(_read_lines(f, args.input))
         except FileNotFoundError:
             raise TranslationError(f"input file not found: {args.input}") from None
         except IsADirectoryError:
             raise TranslationError(f"--input {args.input} is a directory, expected a text file") from None
-        except UnicodeDecodeError as exc:
-            raise TranslationError(
-                f"input file {args.input} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-            ) from None
     if not args.text and args.input is None:
         entries.extend(_read_lines(stdin, "stdin"))
     if not entries:
@@ -330,14 +348,10 @@ def _load_translator(args) -> Translator:
                 "weights): --runtime eager needs a model folder; use --runtime onnxruntime "
                 "or tensorrt"
             )
-        device = args.device or "cpu"
-        if device.strip().lower().startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise TranslationError(
-                    f"--device {args.device}: torch sees no CUDA GPU on this machine; use --device cpu"
-                )
+        try:
+            device = parse_device(args.device or "cpu")
+        except ImportError:  # no torch: from_model_dir says what to install
+            device = args.device or "cpu"
         if args.threads is not None:
             import torch
 
@@ -365,7 +379,7 @@ def _load_translator(args) -> Translator:
             "folder runs with --runtime eager"
         )
     return Translator.from_export_dir(
-        args.model, runtime=runtime, provider=args.provider, threads=args.threads
+        args.model, runtime=runtime, provider=args.provider, threads=args.threads, verify=args.verify
     )
 
 
@@ -406,9 +420,27 @@ def _run(args, stdin, stdout) -> int:
                 raise
             raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), os.fspath(output)) from exc
     else:
-        stdout.write(text)
-        stdout.flush()
+        try:
+            stdout.write(text)
+            stdout.flush()
+        except BrokenPipeError:  # the reader went away (`translate ... | head -1`): stop quietly
+            _silence(stdout)
+            return EXIT_SIGPIPE
     return 0
+
+
+def _silence(stream) -> None:
+    """Point ``stream``'s file descriptor at /dev/null, so that the interpreter's final flush of
+    what is still buffered for a closed pipe raises nothing (a second "Broken pipe")."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a StringIO in a test)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def main(argv: Optional[Sequence[str]] = None, stdin=None, stdout=None) -> int:

@@ -50,6 +50,7 @@ from .runtimes.factory import (
     open_export_dir,
 )
 from .runtimes.info import RunnerInfo
+from .text import normalize_text
 from .tokenizer import (
     TOKENIZER_FILE,
     Tokenizer,
@@ -123,8 +124,8 @@ class Translation:
 
 
 def _normalize(text: str) -> str:
-    """Surrounding whitespace removed and inner runs of whitespace collapsed to one space."""
-    return " ".join(text.split())
+    """The package's one whitespace rule (:func:`transformer_ext.text.normalize_text`), as in training."""
+    return normalize_text(text)
 
 
 def _check_number(name: str, value, *, default: Optional[float] = None) -> float:
@@ -373,6 +374,7 @@ class Translator:
         threads: Optional[int] = None,
         *,
         precision: Optional[str] = None,
+        verify: bool = False,
         **options,
     ) -> "Translator":
         """An export folder (``python -m export.onnx``): ONNX Runtime by default (needs only
@@ -385,6 +387,8 @@ class Translator:
         ``threads``: ONNX Runtime's intra-op threads; ``precision``: the TensorRT engines to run
         (default ``fp32`` when built, else the only precision built). ``options``: generation
         options, as for the constructor; the folder's generation config sets their defaults.
+        ``verify``: check the graphs against the SHA-256 the manifest records, not only the
+        tokenizer files and generation config (always checked).
 
         Raises:
             ManifestError: no ``manifest.json``, one of another tool or of an unknown format version;
@@ -398,7 +402,7 @@ class Translator:
         export_dir = Path(path)
         try:
             check_open_options(export_dir, runtime, threads)  # before anything is read
-            manifest = read_manifest(export_dir)
+            manifest = read_manifest(export_dir, verify=verify)
             tokenizer = _load_export_tokenizer(export_dir, manifest)
             generation = read_generation_config(export_dir, manifest)  # defaults for folders without one
             runner = open_export_dir(
@@ -453,6 +457,14 @@ class Translator:
             text = _normalize(text)
             if not text:
                 raise _source_error(i, "empty source")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # e.g. bytes decoded with surrogateescape
+                raise _source_error(
+                    i,
+                    f"not valid text: {text[exc.start]!r} at character {exc.start} is a lone surrogate, not a "
+                    "character (decode the input as strict UTF-8)",
+                ) from None
             try:
                 ids = tokenizer.encode_source(text)
             except UnknownCharacterError as exc:
