@@ -66,17 +66,27 @@ class EvaluationError(UserError, ValueError):
     """Evaluation inputs that do not fit together (line counts, an empty source file, a bad --output)."""
 
 
-def load_translator(model: Path, *, device: str = "cpu", threads: Optional[int] = None):
+def load_translator(
+    model: Path,
+    *,
+    device: str = "cpu",
+    threads: Optional[int] = None,
+    source_lang: Optional[str] = None,
+    target_lang: Optional[str] = None,
+):
     """``(translator, runtime name)`` of a model folder (eager PyTorch) or an export folder (ONNX
-    Runtime; needs no torch)."""
-    from .translator import RuntimeNotAvailableError, Translator, is_export_dir
+    Runtime; needs no torch); ``source_lang`` / ``target_lang``: a multilingual model's languages
+    (see :class:`~transformer_ext.translator.Translator`)."""
+    from .translator import RuntimeNotAvailableError, Translator, _read_pretrained, is_export_dir
+
+    languages = dict(source_lang=source_lang, target_lang=target_lang)
 
     if not model.is_dir():
         raise EvaluationError(
             f"--model {model} is not a folder (expected a model folder or an export folder)"
         )
     if is_export_dir(model) and not (model / "config.json").exists():
-        return Translator.from_export_dir(model, threads=threads), "onnxruntime"
+        return Translator.from_export_dir(model, threads=threads, **languages), "onnxruntime"
     try:
         from .checkpoint import load_model
         from .devices import parse_device
@@ -96,7 +106,8 @@ def load_translator(model: Path, *, device: str = "cpu", threads: Optional[int] 
         torch.set_num_threads(threads)
     tokenizer = load_any_tokenizer(model)
     runner = EagerRunner(load_model(model, torch_device), torch_device)
-    return Translator(tokenizer, runner, source_dir=model), "eager"
+    pretrained = _read_pretrained(model)
+    return Translator(tokenizer, runner, source_dir=model, pretrained=pretrained, **languages), "eager"
 
 
 def evaluate_files(
@@ -113,6 +124,8 @@ def evaluate_files(
     alpha: Optional[float] = None,
     max_len_a: Optional[float] = None,
     max_len_b: Optional[float] = None,
+    source_lang: Optional[str] = None,
+    target_lang: Optional[str] = None,
 ) -> dict:
     """Translate ``src`` with ``model``, score against ``ref``; returns the report (see :func:`main`)."""
     from .fsutil import atomic_write_text
@@ -129,7 +142,9 @@ def evaluate_files(
         )
     if not sources:
         raise EvaluationError(f"--src {src} has no lines")
-    translator, runtime = load_translator(model, device=device, threads=threads)
+    translator, runtime = load_translator(
+        model, device=device, threads=threads, source_lang=source_lang, target_lang=target_lang
+    )
     keep = [i for i, s in enumerate(sources) if s.strip()]
     if len(keep) < len(sources):
         logger.warning("%d empty source lines get empty hypotheses", len(sources) - len(keep))
@@ -209,6 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=None, help="length penalty exponent (default: 0.6)")
     p.add_argument("--max-len-a", type=float, default=None, help="at most A * source length + B tokens")
     p.add_argument("--max-len-b", type=float, default=None, help="see --max-len-a")
+    p.add_argument(
+        "--source-lang",
+        default=None,
+        help="source language code of a multilingual M2M100 / NLLB model (e.g. en, eng_Latn)",
+    )
+    p.add_argument(
+        "--target-lang",
+        default=None,
+        help="target language code of a multilingual model (Marian's >>xx<< code, M2M100 / NLLB's forced "
+        "first token); an unknown or missing code is an error listing the model's codes",
+    )
     add_debug_flag(p)
     return p
 
@@ -249,6 +275,8 @@ def main(argv=None) -> int:
             alpha=args.alpha,
             max_len_a=args.max_len_a,
             max_len_b=args.max_len_b,
+            source_lang=args.source_lang,
+            target_lang=args.target_lang,
         )
         if args.json:
             print(json.dumps(report, indent=1))

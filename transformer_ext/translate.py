@@ -202,6 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
         "caches in bfloat16 (half the bytes per step, float32 accumulation), on a GPU or on a CPU "
         "with native bfloat16 (AVX-512 BF16 or AMX; refused elsewhere) (default: the folder's float32)",
     )
+    parser.add_argument(
+        "--source-lang",
+        default=None,
+        help="source language code of a multilingual M2M100 / NLLB model (e.g. en, eng_Latn)",
+    )
+    parser.add_argument(
+        "--target-lang",
+        default=None,
+        help="target language code of a multilingual model (Marian's >>xx<< code, M2M100 / NLLB's forced "
+        "first token); an unknown or missing code is an error listing the model's codes",
+    )
     add_debug_flag(parser)
     return parser
 
@@ -330,6 +341,7 @@ def _gather_sources(args, stdin) -> tuple[list[str], list[str]]:
 def _load_translator(args) -> Translator:
     """The translator ``--model`` / ``--runtime`` ask for (a model folder: eager; an export folder: ONNX Runtime)."""
     export = args.model is not None and is_export_dir(args.model)
+    languages = dict(source_lang=args.source_lang, target_lang=args.target_lang)
     runtime = args.runtime or ("onnxruntime" if export else "eager")
     problems = _runtime_conflicts(args, runtime)
     if (
@@ -362,7 +374,9 @@ def _load_translator(args) -> Translator:
             from .runtimes.eager import check_dtype
 
             check_dtype(args.dtype, torch.device(device), what="--dtype")
-        return Translator.from_model_dir(args.model, device=device, compile=args.compile, dtype=args.dtype)
+        return Translator.from_model_dir(
+            args.model, device=device, compile=args.compile, dtype=args.dtype, **languages
+        )
     if args.model is None:
         raise TranslationError(
             f"--runtime {runtime} needs --model EXPORT_DIR, a folder written by `python -m export.onnx`"
@@ -379,7 +393,12 @@ def _load_translator(args) -> Translator:
             "folder runs with --runtime eager"
         )
     return Translator.from_export_dir(
-        args.model, runtime=runtime, provider=args.provider, threads=args.threads, verify=args.verify
+        args.model,
+        runtime=runtime,
+        provider=args.provider,
+        threads=args.threads,
+        verify=args.verify,
+        **languages,
     )
 
 

@@ -222,6 +222,16 @@ class Translator:
         max_len: the model's maximum positions, for a runner that does not know them (a bare
             ``TensorRTRunner``); given, it replaces the runner's.
         source_dir: the folder tokenizer and runner were loaded from (named in messages).
+        source_lang, target_lang: the language codes of a multilingual model (the tokenizer's
+            ``with_languages``: Marian's ``>>xx<<`` target token, M2M100 / NLLB's source token and
+            forced target token); an unknown or missing code is a :class:`TranslationError`
+            listing the codes the model knows, and so is a code for a model without languages.
+        pretrained: the :class:`transformer_ext.convert.GenerationDefaults` of a model converted
+            from transformers (its ``generation_defaults.json``): every decode bans its banned
+            tokens, forces the target-language token first when it says so, and (unless
+            ``max_len_a`` / ``max_len_b`` are given) budgets ``max_length - 1`` new tokens per
+            source, as transformers' ``generate()``; a model folder without a generation config
+            also takes its beam size and length penalty ("hf").
 
     Most callers build one with :meth:`from_model_dir` or :meth:`from_export_dir`.
     """
@@ -241,6 +251,9 @@ class Translator:
         generation: Optional[Any] = None,
         max_len: Optional[int] = None,
         source_dir: Union[str, os.PathLike, None] = None,
+        source_lang: Optional[str] = None,
+        target_lang: Optional[str] = None,
+        pretrained: Optional[Any] = None,
     ):
         if isinstance(tokenizer, (str, os.PathLike)) or runner is None:
             raise TypeError(
@@ -257,14 +270,26 @@ class Translator:
                 f"runner must implement encode / step / reorder (transformer_ext.decoding.Runner), "
                 f"got {type(runner).__name__}"
             )
+        if source_lang is not None or target_lang is not None:
+            tokenizer = _with_languages(tokenizer, source_lang, target_lang, source_dir)
         self.tokenizer = tokenizer
         self.runner = runner
+        self.pretrained = pretrained
         self.info = _runner_info(runner, max_len)
         self.source_dir: Optional[Path] = None if source_dir is None else Path(source_dir)
         if tokenizer is not None:
             self._check_tokenizer(tokenizer)
+        if generation is None and pretrained is not None:
+            generation = _GenerationDefaults(
+                beam_size=pretrained.num_beams,
+                length_penalty="hf",
+                alpha=max(0.0, float(pretrained.length_penalty)),
+                max_new_tokens=pretrained.max_length - 1,
+            )
         self.generation = generation if generation is not None else _GenerationDefaults()
         _check_generation_ids(self.generation, tokenizer)
+        if pretrained is not None and tokenizer is not None:
+            _check_languages(tokenizer, pretrained)
         self.pad_id, self.bos_id, self.eos_id = self._special_ids()
         self._options = dict(
             beam_size=beam_size,
@@ -362,8 +387,9 @@ class Translator:
                 "load it with Translator.from_export_dir (ONNX Runtime or TensorRT)"
             )
         tokenizer = _load_folder_tokenizer(model_dir)
+        pretrained = _read_pretrained(model_dir)
         runner = EagerRunner(load_model(model_dir, device), device, compile=compile, dtype=dtype)
-        return cls(tokenizer, runner, source_dir=model_dir, **options)
+        return cls(tokenizer, runner, source_dir=model_dir, pretrained=pretrained, **options)
 
     @classmethod
     def from_export_dir(
@@ -405,12 +431,15 @@ class Translator:
             manifest = read_manifest(export_dir, verify=verify)
             tokenizer = _load_export_tokenizer(export_dir, manifest)
             generation = read_generation_config(export_dir, manifest)  # defaults for folders without one
+            pretrained = _read_pretrained(export_dir)
             runner = open_export_dir(
                 export_dir, runtime, provider, threads, precision=precision, manifest=manifest
             )
         except RuntimeOptionError as exc:
             raise TranslationError(str(exc)) from None
-        return cls(tokenizer, runner, generation=generation, source_dir=export_dir, **options)
+        return cls(
+            tokenizer, runner, generation=generation, source_dir=export_dir, pretrained=pretrained, **options
+        )
 
     @classmethod
     def from_model(cls, model, tokenizer: Optional[Tokenizer], device="cpu") -> "Translator":
@@ -661,9 +690,21 @@ class Translator:
         input_ids = np.full((len(encoded), int(lengths.max())), self.pad_id, dtype=np.int64)
         for r, ids in enumerate(encoded):
             input_ids[r, : lengths[r]] = ids
-        budget = self.max_new_tokens(lengths, opts["max_len_a"], opts["max_len_b"])
+        pretrained = self.pretrained
+        if pretrained is not None and not opts["explicit_budget"]:
+            # transformers' rule: max_length - 1 new tokens whatever the source length
+            budget = self.max_new_tokens(lengths, 0.0, float(pretrained.max_length - 1))
+        else:
+            budget = self.max_new_tokens(lengths, opts["max_len_a"], opts["max_len_b"])
         min_new = np.minimum(int(getattr(self.generation, "min_new_tokens", 0) or 0), budget)
         common = dict(bos_id=self.bos_id, eos_id=self.eos_id, max_new_tokens=budget, min_new_tokens=min_new)
+        if pretrained is not None:
+            common.update(
+                banned_ids=list(pretrained.banned_ids), force_eos_at_budget=pretrained.force_eos_at_max_length
+            )
+            prefix = tok.forced_target_prefix() if pretrained.force_target_language else []
+            if prefix:
+                common["target_prefix"] = [list(prefix)] * len(encoded)
         if opts["beam_size"] == 1:
             out = greedy_decode(self.runner, input_ids, lengths, **common)
             # a row shorter than its budget stopped at an EOS
@@ -672,6 +713,9 @@ class Translator:
                 for r, row in enumerate(out)
             ]
             return [Translation("", [tok.decode_target(h.tokens)], [h]) for h in hyps]
+        extra = {}
+        if pretrained is not None and opts["length_penalty"] == "hf":
+            extra["early_stopping"] = pretrained.early_stopping
         out = beam_search(
             self.runner,
             input_ids,
@@ -681,6 +725,7 @@ class Translator:
             length_penalty=opts["length_penalty"],
             alpha=opts["alpha"],
             **common,
+            **extra,
         )
         n_best = opts["n_best"]
         return [
@@ -694,6 +739,56 @@ class _DetailedTranslator(Translator):
 
     def translate(self, sources: Iterable[str], *, progress: bool = False, **options) -> list[Translation]:
         return self.translate_detailed(sources, progress=progress, **options)
+
+
+def _read_pretrained(folder: Path):
+    """The generation defaults of a model converted from transformers (``generation_defaults.json``
+    in its model folder, copied into its export folder), or None."""
+    from .convert.generation import read_generation_defaults
+
+    return read_generation_defaults(folder)
+
+
+def _with_languages(
+    tokenizer: Optional[Tokenizer],
+    source_lang: Optional[str],
+    target_lang: Optional[str],
+    source_dir: Union[str, os.PathLike, None],
+) -> Tokenizer:
+    """``tokenizer`` with these language codes; a one-line TranslationError for a model without
+    languages or a code the model does not know (the tokenizer's message lists the known ones)."""
+    given = ", ".join(
+        f"{flag} {value!r}"
+        for flag, value in (("--source-lang", source_lang), ("--target-lang", target_lang))
+        if value is not None
+    )
+    where = f"the model {source_dir}" if source_dir is not None else "this model"
+    if tokenizer is None or not callable(getattr(tokenizer, "with_languages", None)):
+        raise TranslationError(
+            f"{given}: {where} has no language codes (only models converted from a multilingual "
+            "transformers checkpoint, Marian >>xx<< or M2M100 / NLLB, take --source-lang / --target-lang)"
+        )
+    try:
+        return tokenizer.with_languages(source_lang, target_lang)
+    except TokenizerError as exc:
+        raise TranslationError(str(exc)) from None
+
+
+def _check_languages(tokenizer: Tokenizer, pretrained: Any) -> None:
+    """A multilingual model's languages are known before anything is decoded: the forced target
+    language, and M2M100 / NLLB's source language (a Marian source may carry its own >>xx<<)."""
+    try:
+        if pretrained.force_target_language:
+            tokenizer.forced_target_prefix()
+        if (
+            callable(getattr(tokenizer, "with_languages", None))
+            and getattr(tokenizer, "type", "") != "marian"
+        ):
+            tokenizer.encode_source("a")
+    except UnknownCharacterError:
+        pass
+    except TokenizerError as exc:
+        raise TranslationError(str(exc)) from None
 
 
 def _load_folder_tokenizer(model_dir: Path) -> Optional[Tokenizer]:
