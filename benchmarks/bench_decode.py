@@ -25,7 +25,9 @@ inter_threads=1``; ONNX Runtime ``intra_op_num_threads=N``; torch ``set_num_thre
 
 Tokens first: every float32 engine's tokens are compared with the first float32 engine's
 before any time is recorded; one that disagrees is not timed (exit status 1). Quantized engines
-(int8, int4) are timed and their agreement with the float32 tokens and with each other is recorded.
+(int8, int4) are timed and their agreement with the float32 tokens and with each other is recorded,
+and so is ``eager_bf16``'s (``EagerRunner(dtype="bfloat16")`` on the same weights, compared with our
+float32 eager decode; left out, with the reason logged, where the CPU has no native bfloat16).
 
 The JSON records the machine (``lscpu``: CPU model, cores, L3; measured read and copy
 bandwidth with 1 and 2 threads), the load average before and after, and per model the batch-1
@@ -71,9 +73,14 @@ class Engine:
     description: str
     worker: str  # decode_worker.BUILDERS key
     artifact: str  # the prepared model folder it reads: "model", "onnx", "onnx_int8", "onnx_int4", "ct2" ...
-    dtype: str  # float32 / int8 / int4
+    dtype: str  # float32 / int8 / int4 / bfloat16 (the weights it decodes with)
     forbid_torch: bool
     compute_type: str = "float32"
+    weight_bytes: str = ""  # the key of its weight bytes per token, when not its artifact's
+
+    @property
+    def bytes_key(self) -> str:
+        return self.weight_bytes or self.artifact
 
 
 ENGINES: list[Engine] = [
@@ -86,6 +93,15 @@ ENGINES: list[Engine] = [
         True,
     ),
     Engine("eager", "EagerRunner: torch, compiled ops, in-place cache", "eager", "model", "float32", False),
+    Engine(
+        "eager_bf16",
+        "EagerRunner(dtype='bfloat16'): bfloat16 weights and caches, float32 accumulation (native bf16 CPUs)",
+        "eager",
+        "model",
+        "bfloat16",
+        False,
+        weight_bytes="model_bf16",
+    ),
 ]
 if importlib.util.find_spec("ctranslate2"):
     ENGINES.insert(
@@ -136,6 +152,15 @@ if importlib.util.find_spec("ctranslate2"):
         )
     )
 PEERS = ("ctranslate2", "ctranslate2_int8")
+# What each dtype's engines are compared with: CTranslate2 of the same dtype (int4: its int8, as it
+# has no 4-bit CPU path); bfloat16, which CTranslate2 does not run on CPUs, with our float32 eager
+# decode of the same weights.
+PEER_OF_DTYPE = {
+    "float32": "ctranslate2",
+    "int8": "ctranslate2_int8",
+    "int4": "ctranslate2_int8",
+    "bfloat16": "eager",
+}
 
 MODELS = {
     "base": dict(),  # the preset: 6+6 layers, d_model 512, 8 heads, d_ff 2048, 8000/8000 vocabularies
@@ -279,7 +304,7 @@ def _torch_decoder_bytes(model) -> int:
 
 
 PREPARED = "prepared.json"
-PREPARED_VERSION = 2  # bumped when what prepare() records changes
+PREPARED_VERSION = 3  # bumped when what prepare() records changes
 
 
 def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict, dict, dict]:
@@ -315,6 +340,7 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
             shutil.rmtree(os.path.join(scratch, name))
     save_model(model, paths["model"])
     nbytes["model"] = _torch_decoder_bytes(model)
+    nbytes["model_bf16"] = nbytes["model"] // 2  # every decoder weight at 2 bytes
     if needed & {"onnx", "onnx_int8", "onnx_int4", "onnx_int8_nbits"}:
         from export.onnx import export_onnx
         from export.quantize import quantize_export
@@ -369,6 +395,7 @@ class EngineProcess:
             "model": model_path,
             "threads": threads,
             "compute_type": engine.compute_type,
+            "dtype": engine.dtype,
             "forbid_torch": engine.forbid_torch,
             "bos": config["bos_id"],
             "eos": config["eos_id"],
@@ -458,7 +485,7 @@ def measure_case(
                 continue
         timed.append(e.name)
     for e in engines:
-        if e.dtype != "float32":  # quantized: int8, int4
+        if e.dtype != "float32":  # quantized (int8, int4) or bfloat16
             entry = case["engines"][e.name]
             if reference is not None:
                 entry["rows_equal_to_float32"] = _agreement(tokens[e.name], tokens[reference])
@@ -489,9 +516,9 @@ def _ratios(results: dict) -> list[dict]:
         cases = m["cases"]
         for c in cases:
             for name, e in c["engines"].items():
-                if name in PEERS or "tokens_per_second" not in e:
+                peer = PEER_OF_DTYPE.get(e["dtype"])
+                if name in PEERS or name == peer or "tokens_per_second" not in e:
                     continue
-                peer = "ctranslate2" if e["dtype"] == "float32" else "ctranslate2_int8"
                 p = c["engines"].get(peer, {})
                 if "tokens_per_second" not in p:
                     continue
@@ -523,7 +550,7 @@ def bandwidth_floors(cases: list, nbytes: dict, engines: list[Engine], machine: 
     out = {}
     read = machine.get("read_bandwidth_bytes_per_s", {})
     for e in engines:
-        b = nbytes.get(e.artifact)
+        b = nbytes.get(e.bytes_key)
         if b is None:
             continue
         entry = {"weight_bytes_per_token": b, "by_threads": {}}
@@ -633,6 +660,9 @@ def run(
         raise ValueError(f"unknown modes {bad_modes}; available: {list(MODES)}")
     engines = [e for e in ENGINES if engine_names is None or e.name in engine_names]
     machine = machine_info()
+    if not machine["bf16"]["native"] and any(e.dtype == "bfloat16" for e in engines):
+        logger.warning("bfloat16 engines left out: %s", machine["bf16"]["reason"])
+        engines = [e for e in engines if e.dtype != "bfloat16"]
     results: dict = {
         "machine": machine,
         "environment": environment(),
@@ -667,7 +697,7 @@ def run(
             continue
         entry = {
             "config": config,
-            "weight_bytes_per_token": {e.name: nbytes.get(e.artifact) for e in engines},
+            "weight_bytes_per_token": {e.name: nbytes.get(e.bytes_key) for e in engines},
             "workers": {},
             "cases": [],
         }

@@ -4,7 +4,10 @@ plain-PyTorch ``nn.Transformer`` of the same dimensions (SDPA inside).
     python benchmarks/bench_train.py                 # CPU, 2 threads -> results/bench_train_cpu.json
     python benchmarks/bench_train.py --quick         # a smoke run
 
-One step = forward, label-smoothed (0.1) cross-entropy, backward, Adam. d_model 256, 8 heads,
+One step = forward, label-smoothed (0.1) cross-entropy, backward, Adam. ``ours_bf16`` is our model
+trained as ``--amp bf16`` trains it (``torch.autocast("cpu", torch.bfloat16)``, float32 weights,
+Adam state and loss); it runs only where the CPU has native bfloat16 matrix products
+(``transformer_ext.cpu_features``; the JSON records the flags either way). d_model 256, 8 heads,
 3 + 3 layers, d_ff 1024, 8,000-token vocabularies, B * T ~ 4096 target tokens, source lengths
 uniform in [T/2, T] (targets full length), T in {32, 128, 256}, dropout 0 and 0.1. Every
 measurement runs in its own process (no shared allocator or thread-pool state), the engines
@@ -33,7 +36,7 @@ from common import environment, write_json  # noqa: E402
 
 logger = logging.getLogger("bench_train")
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGINES = ("ours", "nn_transformer")
+ENGINES = ("ours", "nn_transformer", "ours_bf16")
 # Profiler event names (lower-cased substrings) that make up attention, forward and backward, in
 # each engine; "three_step" is our model with the fused op switched off (today's path before
 # ops.attention): its 4-D batched matmuls (aten::bmm) are the attention products, the projections
@@ -42,6 +45,7 @@ ENGINES = ("ours", "nn_transformer")
 # node), so the op's own name alone would leave its forward time out.
 ATTENTION_OPS = {
     "ours": ("transformer_ext::attention", "generatedbackwardfor_transformer_ext_attention"),
+    "ours_bf16": ("transformer_ext::attention", "generatedbackwardfor_transformer_ext_attention"),
     "three_step": (
         "transformer_ext::masked_softmax",
         "generatedbackwardfor_transformer_ext_masked_softmax",
@@ -82,6 +86,8 @@ class PlainTransformer(nn.Module):
 
 
 def build(engine: str, dropout: float, max_len: int) -> nn.Module:
+    if engine == "ours_bf16":  # the same model; the step runs under autocast
+        return build("ours", dropout, max_len)
     if engine == "three_step":
         from transformer_ext.model import MultiHeadAttention
 
@@ -125,9 +131,14 @@ def worker(engine: str, T: int, dropout: float, steps: int, threads: int, profil
     tgt = torch.randint(3, VOCAB, (B, T + 1), generator=g)
     tgt[:, 0] = 1
 
+    amp = engine.endswith("_bf16")
+
     def step():
-        logits = model(src, src_lengths, tgt[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tgt[:, 1:].reshape(-1), label_smoothing=0.1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            logits = model(src, src_lengths, tgt[:, :-1])
+        loss = F.cross_entropy(  # float32, as the trainer computes it
+            logits.float().reshape(-1, VOCAB), tgt[:, 1:].reshape(-1), label_smoothing=0.1
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -193,6 +204,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps per process (default: 5)")
     p.add_argument("--sizes", default="32,128,256", help="comma-separated target lengths T")
     p.add_argument("--quick", action="store_true", help="T = 32, 1 round, 2 steps: a smoke test")
+    p.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help="comma-separated engines (default: %(default)s; ours_bf16 is left out where bfloat16 is not "
+        "native)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/bench_train_cpu.json)")
     p.add_argument(
         "--attention-share",
@@ -218,11 +235,21 @@ def main(argv=None):
     rounds, steps = (1, 2) if args.quick else (args.rounds, args.steps)
     if args.quick:
         sizes = [32]
+    engines = [e for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or "ours" not in engines:
+        p.error(f"--engines must include ours and name only {', '.join(ENGINES)}, got {args.engines!r}")
+    from transformer_ext.cpu_features import bf16_support
+
+    support = bf16_support()
+    if "ours_bf16" in engines and not support.native:
+        logger.warning("ours_bf16 left out: %s", support.reason)
+        engines.remove("ours_bf16")
     out = args.out or os.path.join(HERE, "results", "bench_train_cpu.json")
     if args.attention_share:
         shares = {}
         for T in sizes:
-            for engine in ("ours", "three_step", "nn_transformer"):
+            for engine in ["ours", "three_step", "nn_transformer"] + [e for e in engines if e == "ours_bf16"]:
                 res = run_worker(engine, T, 0.0, 1, args.threads, profile=True)
                 shares.setdefault(str(T), {})[engine] = res["attention_share"]
                 logger.info(
@@ -241,7 +268,7 @@ def main(argv=None):
     for r in range(rounds):
         for T in sizes:
             for dropout in (0.0, 0.1):
-                order = ENGINES if r % 2 == 0 else ENGINES[::-1]
+                order = engines if r % 2 == 0 else engines[::-1]
                 for engine in order:
                     res = run_worker(engine, T, dropout, steps, args.threads)
                     samples.setdefault((T, dropout), {}).setdefault(engine, []).append(res["tokens_per_s"])
@@ -256,23 +283,27 @@ def main(argv=None):
     cases = []
     for (T, dropout), per in samples.items():
         med = {e: statistics.median(v) for e, v in per.items()}
-        cases.append(
-            {
-                "T": T,
-                "dropout": dropout,
-                "tokens_per_s": med,
-                "samples": per,
-                "speedup_vs_nn_transformer": med["ours"] / med["nn_transformer"],
-            }
-        )
-        logger.info(
-            "T=%3d p=%.1f ours %8.0f tokens/s, nn.Transformer %8.0f tokens/s: %.2fx",
-            T,
-            dropout,
-            med["ours"],
-            med["nn_transformer"],
-            cases[-1]["speedup_vs_nn_transformer"],
-        )
+        case = {"T": T, "dropout": dropout, "tokens_per_s": med, "samples": per}
+        if "nn_transformer" in med:
+            case["speedup_vs_nn_transformer"] = med["ours"] / med["nn_transformer"]
+            logger.info(
+                "T=%3d p=%.1f ours %8.0f tokens/s, nn.Transformer %8.0f tokens/s: %.2fx",
+                T,
+                dropout,
+                med["ours"],
+                med["nn_transformer"],
+                case["speedup_vs_nn_transformer"],
+            )
+        if "ours_bf16" in med:
+            case["speedup_bf16_vs_float32"] = med["ours_bf16"] / med["ours"]
+            logger.info(
+                "T=%3d p=%.1f ours --amp bf16 %8.0f tokens/s: %.2fx float32",
+                T,
+                dropout,
+                med["ours_bf16"],
+                case["speedup_bf16_vs_float32"],
+            )
+        cases.append(case)
     from bench_attention import cpu_description
 
     torch.set_num_threads(args.threads)
@@ -281,6 +312,7 @@ def main(argv=None):
         "rounds": rounds,
         "steps": steps,
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "engines": engines,
         "cases": cases,
         "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
     }

@@ -95,7 +95,8 @@ def _eager(spec):
 
     torch.set_num_threads(int(spec["threads"]))
     model = load_model(spec["model"], torch.device("cpu")).eval()
-    return _search(EagerRunner(model, torch.device("cpu")), spec)
+    dtype = spec.get("dtype", "float32")
+    return _search(EagerRunner(model, torch.device("cpu"), dtype=dtype), spec)
 
 
 BUILDERS = {"ctranslate2": _ctranslate2, "onnxrt": _onnxrt, "eager": _eager}

@@ -53,6 +53,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from transformer_ext.cli import UsageError, add_debug_flag, run_cli
+from transformer_ext.convert.generation import GENERATION_DEFAULTS_FILE
 from transformer_ext.decoding import LENGTH_PENALTIES
 from transformer_ext.export_format import (
     DECODER_FILE,
@@ -293,6 +294,23 @@ def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]
 # ------------------------------------------------------------------------------------------
 # Export of one graph
 # ------------------------------------------------------------------------------------------
+
+
+def imported_generation(model_path: Path, cache_len: int) -> dict:
+    """The export's generation-config defaults for a model converted from transformers (its
+    ``generation_defaults.json``): ``num_beams``, transformers' length penalty ("hf" with its
+    exponent) and ``max_length - 1`` new tokens (at most ``cache_len``); {} for other models."""
+    from transformer_ext.convert.generation import read_generation_defaults
+
+    defaults = read_generation_defaults(model_path)
+    if defaults is None:
+        return {}
+    return dict(
+        beam_size=defaults.num_beams,
+        length_penalty="hf",
+        alpha=max(0.0, defaults.length_penalty),
+        max_new_tokens=min(defaults.max_length - 1, cache_len),
+    )
 
 
 def _dummy_inputs(model, flavour: str):
@@ -582,7 +600,7 @@ def export_onnx(
         check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop, config.to_dict())
     generation_config = GenerationConfig.defaults_for(
         {"special_tokens": special_tokens, "max_cache_len": cache_len, "model_config": config.to_dict()},
-        **dict(generation or {}),
+        **{**imported_generation(model_path, cache_len), **dict(generation or {})},
     )
 
     from . import validate as validation
@@ -690,6 +708,10 @@ def _write_export(
     if provenance:
         shutil.copy2(model_path / provenance, tmp_dir / provenance)
     write_generation_config(tmp_dir, generation_config, GENERATION_FILE)
+    # An imported model's generation defaults (banned tokens, the forced target language, the
+    # forced EOS; transformer_ext.convert) travel with the export.
+    if (model_path / GENERATION_DEFAULTS_FILE).is_file():
+        shutil.copy2(model_path / GENERATION_DEFAULTS_FILE, tmp_dir / GENERATION_DEFAULTS_FILE)
 
     manifest = {
         "format": FORMAT,

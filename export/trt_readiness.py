@@ -99,6 +99,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "CastLike",
         "Concat",
         "Constant",
+        "Erf",  # the gelu activation (activation="gelu")
         "Gather",
         "GatherND",
         "Gemm",
@@ -111,6 +112,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "Relu",
         "Reshape",
         "Shape",
+        "Sigmoid",  # the swish activation (activation="swish"), Sigmoid * Mul
         "Slice",
         "Softmax",
         "Split",

@@ -19,10 +19,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
 
 import bench_decode  # noqa: E402
 
+from transformer_ext.cpu_features import bf16_support  # noqa: E402
+
 HAS_CT2 = importlib.util.find_spec("ctranslate2") is not None
 
 
-TINY_ENGINES = ["onnxrt", "eager", "onnxrt_int8"] + (["ctranslate2", "ctranslate2_int8"] if HAS_CT2 else [])
+TINY_ENGINES = (
+    ["onnxrt", "eager", "onnxrt_int8"]
+    + (["ctranslate2", "ctranslate2_int8"] if HAS_CT2 else [])
+    + (["eager_bf16"] if bf16_support().native else [])  # run() leaves it out elsewhere
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +67,8 @@ def test_bench_decode_tiny(tiny_run):
             < floors["ctranslate2"]["weight_bytes_per_token"]
         )
         assert {r["engine"] for r in results["ratios"]} >= {"onnxrt", "onnxrt_int8"}
+    if "eager_bf16" in TINY_ENGINES:  # compared with our float32 eager decode, never with CTranslate2
+        assert {r["peer"] for r in results["ratios"] if r["engine"] == "eager_bf16"} == {"eager"}
 
 
 def test_workers_of_ctranslate2_and_onnxruntime_import_no_torch(tiny_run):

@@ -9,10 +9,12 @@ so the suite runs (and tests correctness on tiny shapes) on any CPU.
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from safetensors.torch import load_file
 from transformer_ext import cpu_features, ops, reference
 from transformer_ext import train as train_mod
 from transformer_ext.checkpoint import load_model
+from transformer_ext.runtimes import CatCacheRunner, EagerRunner
 from transformer_ext.training import TrainingError, TrainOptions, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -243,3 +246,171 @@ def test_resume_across_precisions(tmp_path, native, float32_run, first, then):
     for low, full in zip(resumed.losses, float32_run.losses[half:]):
         assert low == pytest.approx(full, rel=LOSS_RTOL)
     assert _float_dtypes(tmp_path / "run" / "last" / "model.safetensors") == {torch.float32}
+
+
+# --------------------------------------------------------------------------- eager decode in bfloat16
+@pytest.fixture(scope="module")
+def demo_model():
+    from transformer_ext.demo import DEMO_MODEL_DIR
+
+    return load_model(DEMO_MODEL_DIR, "cpu")
+
+
+def _teacher_forced_logits(runner, src, lengths, tokens) -> np.ndarray:
+    """``[steps, rows, V]`` float64: the logits of every step with ``tokens`` fed (the same for
+    every runner, so each step's error is that of one step, not of a diverging decode)."""
+    state = runner.encode(src, lengths, tokens.shape[1])
+    return np.stack([runner.step(state, tokens[:, t]).astype(np.float64) for t in range(tokens.shape[1])])
+
+
+def test_eager_bfloat16_keeps_weights_and_caches_in_bfloat16(demo_model, native):
+    runner = EagerRunner(demo_model, dtype="bfloat16")
+    assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in demo_model.parameters()} == {torch.float32}  # the caller's model untouched
+    state = runner.encode(np.array([[5, 6, 7, 8]]), np.array([4]), 6)
+    assert state.cache.key_layers[0].dtype == torch.bfloat16 and state.cross_keys[0].dtype == torch.bfloat16
+    logits = runner.step(state, np.array([demo_model.config.bos_id]))
+    assert logits.dtype == np.float32 and np.isfinite(logits).all()
+    assert EagerRunner(demo_model, dtype=torch.float32).model is demo_model  # already float32: no copy
+
+
+def test_eager_bfloat16_logits_against_float64(demo_model, native, one_thread):
+    """Per step, teacher-forced on the float64 greedy tokens: our bfloat16 logits' error against
+    float64 is at most twice that of plain PyTorch in bfloat16 (CatCacheRunner on bfloat16 weights)."""
+    from transformer_ext.decoding import greedy_decode
+
+    src = np.array([[7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 5, 0, 0, 0], [20, 21, 22, 23, 24, 25, 0]])
+    lengths = np.array([7, 4, 6])
+    exact = EagerRunner(copy.deepcopy(demo_model).double())
+    c = demo_model.config
+    hyps = greedy_decode(
+        exact, src, lengths, bos_id=c.bos_id, eos_id=c.eos_id, max_new_tokens=8, min_new_tokens=8
+    )
+    tokens = np.array([[c.bos_id] + list(h[:-1]) for h in hyps])
+    want = _teacher_forced_logits(exact, src, lengths, tokens)
+    ours = _teacher_forced_logits(EagerRunner(demo_model, dtype="bfloat16"), src, lengths, tokens)
+    plain = _teacher_forced_logits(CatCacheRunner(copy.deepcopy(demo_model).bfloat16()), src, lengths, tokens)
+    err, plain_err = np.abs(ours - want).max(), np.abs(plain - want).max()
+    print(f"logits max error vs float64: bfloat16 {err:.3g}, plain bfloat16 {plain_err:.3g}")
+    assert 0 < plain_err and err <= 2 * plain_err, (err, plain_err)
+    # and float32 is far closer than either (the test would catch a bfloat16 path left in float32)
+    f32 = _teacher_forced_logits(EagerRunner(demo_model), src, lengths, tokens)
+    assert np.abs(f32 - want).max() < err / 10
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the demo model's products are too small to share, and a thread team
+    on a loaded machine waits for its slowest member at every op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_eager_bfloat16_tokens_equal_float32_on_the_demo_heldout_set(demo_model, native, one_thread):
+    """Greedy tokens of bfloat16 weights equal float32's on at least 99% of the demo's held-out numbers."""
+    from num2words import num2words
+
+    from transformer_ext.data import split_numbers
+    from transformer_ext.translate import Translator
+
+    sources = [num2words(n, lang="en") for n in split_numbers().heldout]
+    full = Translator.from_model_dir(None).translate(sources)
+    low = Translator(Translator.from_model_dir(None).tokenizer, EagerRunner(demo_model, dtype="bfloat16"))
+    half = low.translate(sources)
+    agree = sum(a == b for a, b in zip(full, half)) / len(sources)
+    print(f"bfloat16 greedy equal to float32 on {agree:.1%} of {len(sources)} held-out numbers")
+    assert len(sources) >= 400 and agree >= 0.99
+
+
+def test_eager_bfloat16_refused_where_not_native(demo_model, not_native):
+    with pytest.raises(cpu_features.NotNativeError) as info:
+        EagerRunner(demo_model, dtype="bfloat16")
+    message = str(info.value)
+    assert message.startswith("dtype='bfloat16' needs") and "avx512_bf16 or amx_bf16" in message
+    assert "114x slower" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bf16", torch.float16, 3])
+def test_eager_bad_dtype_is_named(demo_model, dtype):
+    with pytest.raises(ValueError, match=r"dtype must be one of float32, bfloat16, got"):
+        EagerRunner(demo_model, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- the ONNX Runtime probe
+def test_probe_ort_lowp_reports_every_op_and_type():
+    pytest.importorskip("onnxruntime")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import probe_ort_lowp
+
+    support = probe_ort_lowp.probe_support(32, 16)
+    assert set(support) == {f"{op}/{t}" for op in probe_ort_lowp.OPS for t in probe_ort_lowp.TYPES}
+    for op in probe_ort_lowp.OPS:
+        assert support[f"{op}/float32"] == {"accepted": True, "error": None, "runs": True}
+    for entry in support.values():
+        assert entry["accepted"] or entry["error"]  # a refusal carries the provider's reason
+    (case,) = probe_ort_lowp.time_matmuls([(32, 16)], [3], [1], repeats=1)
+    assert case["relative_error_vs_float64"]["float32"] < 1e-5
+    assert all(np.isfinite(v) for v in case["relative_error_vs_float64"].values())
+    assert case["speedup_vs_float32"]["float32"] == 1.0
+
+
+def test_probe_rounds_to_bfloat16_like_torch():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import probe_ort_lowp
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 100
+    mine = probe_ort_lowp._rounded(x.numpy(), "bfloat16")
+    assert np.array_equal(mine, x.bfloat16().float().numpy())
+
+
+# --------------------------------------------------------------------------- Translator and translate --dtype
+def _translate_cli(argv, capsys):
+    import io
+
+    from transformer_ext.translate import main
+
+    try:
+        code = main(argv, stdin=io.StringIO(""))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_translator_from_model_dir_in_bfloat16(native, one_thread):
+    from transformer_ext.translate import Translator
+
+    translator = Translator.from_model_dir(None, dtype="bfloat16")
+    assert {p.dtype for p in translator.runner.model.parameters()} == {torch.bfloat16}
+    assert translator.runner.info.precision == "bf16"
+    assert translator.translate(["forty-two", "three hundred and seven"]) == [
+        "zweiundvierzig",
+        "dreihundertsieben",
+    ]
+
+
+def test_translate_cli_dtype_bfloat16(native, capsys, one_thread):
+    code, out, _ = _translate_cli(["--dtype", "bfloat16", "forty-two", "one thousand and one"], capsys)
+    assert code == 0 and out == "zweiundvierzig\neintausendeins\n"
+
+
+def test_translate_cli_dtype_bfloat16_refused_where_not_native(not_native, capsys, tmp_path):
+    out_file = tmp_path / "out.txt"
+    code, out, err = _translate_cli(["--dtype", "bfloat16", "--output", str(out_file), "forty-two"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and out == "" and len(lines) == 1
+    assert "--dtype bfloat16 needs a CPU with native bfloat16" in lines[0] and "avx512_bf16" in lines[0]
+    assert not out_file.exists()
+    with pytest.raises(cpu_features.NotNativeError, match="dtype='bfloat16' needs"):
+        from transformer_ext.translate import Translator
+
+        Translator.from_model_dir(tmp_path / "never-read", dtype="bfloat16")  # refused before the folder
+
+
+def test_translate_cli_dtype_is_for_the_eager_runtime(capsys):
+    code, _, err = _translate_cli(["--dtype", "bfloat16", "--runtime", "onnxruntime", "forty-two"], capsys)
+    assert code == 2 and "--dtype applies to the eager runtime only" in err
+    code, _, err = _translate_cli(["--dtype", "float16", "forty-two"], capsys)
+    assert code == 2 and "--dtype" in err

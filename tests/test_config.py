@@ -11,6 +11,7 @@ from transformer_ext.config import (
     CONFIG_FORMAT_VERSION,
     PRESETS,
     V1_FIELDS,
+    V2_FIELDS,
     ConfigError,
     TransformerConfig,
     migrate_config,
@@ -35,8 +36,20 @@ INVALID = [
     (dict(bos_id=-1), ValueError, "bos_id"),
     (dict(pad_id=45, src_vocab_size=50, tgt_vocab_size=50, bos_id=1, eos_id=2), None, None),
     (dict(pad_id=45, src_vocab_size=40, tgt_vocab_size=50), ValueError, "source vocabulary"),
-    (dict(bos_id=2, eos_id=2), ValueError, "distinct"),
-    (dict(pad_id=1), ValueError, "distinct"),
+    (dict(pad_id=2), ValueError, "pad_id and eos_id must be distinct"),
+    # bos_id is the decoder start: Marian starts from <pad>, fairseq models from </s>
+    (dict(bos_id=2, eos_id=2), None, None),
+    (dict(pad_id=1), None, None),
+    (dict(activation="silu"), ValueError, "activation must be one of ['relu', 'gelu', 'swish']"),
+    (dict(activation=None), TypeError, "activation must be a string"),
+    (dict(pos_layout="split"), ValueError, "pos_layout must be one of ['interleaved', 'halves']"),
+    (dict(pos_frequency="t2t"), ValueError, "pos_frequency must be one of ['paper', 'fairseq']"),
+    (dict(pos_offset=-1), ValueError, "pos_offset must be >= 0"),
+    (dict(pos_offset=2.0), TypeError, "pos_offset must be an int"),
+    (dict(scale_embeddings=1), TypeError, "scale_embeddings must be a bool"),
+    (dict(output_bias=True, tie_target_embeddings=False), ValueError, "output_bias=True"),
+    (dict(output_bias=True), None, None),
+    (dict(pos_frequency="fairseq", d_model=2, n_heads=1), ValueError, "d_model >= 4"),
     (dict(shared_vocab=True), ValueError, "must equal tgt_vocab_size"),
     (
         dict(shared_vocab=True, src_vocab_size=40, tie_target_embeddings=False),
@@ -160,6 +173,16 @@ FIELDS_WRITTEN_BEFORE_VERSIONING = [
     "tgt_vocab_size",
     "tie_target_embeddings",
 ]
+# The fields format_version 2 added, and the values version 1 implied (today's behaviour),
+# written out by hand.
+FIELDS_ADDED_IN_V2 = {
+    "activation": "relu",
+    "scale_embeddings": True,
+    "pos_layout": "interleaved",
+    "pos_frequency": "paper",
+    "pos_offset": 0,
+    "output_bias": False,
+}
 # A config.json exactly as the writer before format_version wrote it (json.dump(sort_keys=True)).
 UNVERSIONED_TINY = {
     "bias": True,
@@ -182,20 +205,51 @@ UNVERSIONED_TINY = {
 }
 
 
-def test_version_1_lists_every_field():
-    assert CONFIG_FORMAT_VERSION == 1
+def test_versions_list_every_field():
+    assert CONFIG_FORMAT_VERSION == 2
     assert sorted(V1_FIELDS) == FIELDS_WRITTEN_BEFORE_VERSIONING
+    assert sorted(V2_FIELDS) == sorted(FIELDS_WRITTEN_BEFORE_VERSIONING + list(FIELDS_ADDED_IN_V2))
     # a field added to the dataclass without a new format version (and migration) fails here
-    assert sorted(f.name for f in dataclasses.fields(TransformerConfig)) == FIELDS_WRITTEN_BEFORE_VERSIONING
+    assert sorted(f.name for f in dataclasses.fields(TransformerConfig)) == sorted(V2_FIELDS)
     d = TransformerConfig.preset("tiny").to_dict()
-    assert list(d)[0] == "format_version" and d["format_version"] == 1
-    assert sorted(k for k in d if k != "format_version") == FIELDS_WRITTEN_BEFORE_VERSIONING
+    assert list(d)[0] == "format_version" and d["format_version"] == 2
+    assert sorted(k for k in d if k != "format_version") == sorted(V2_FIELDS)
 
 
 def test_migration_of_the_unversioned_form():
     migrated = migrate_config(dict(UNVERSIONED_TINY), "old.json")
-    assert migrated == {"format_version": 1, **UNVERSIONED_TINY}
+    assert migrated == {"format_version": 2, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2}
     assert TransformerConfig.from_dict(dict(UNVERSIONED_TINY)) == TransformerConfig.preset("tiny")
+
+
+def test_migration_of_version_1():
+    migrated = migrate_config({"format_version": 1, **UNVERSIONED_TINY}, "v1.json")
+    assert migrated == {"format_version": 2, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2}
+    # a version-1 file cannot hold a version-2 field
+    with pytest.raises(ConfigError, match=r"^v1.json: unknown key 'activation'"):
+        migrate_config({"format_version": 1, **UNVERSIONED_TINY, "activation": "gelu"}, "v1.json")
+
+
+@pytest.mark.parametrize("key", sorted(FIELDS_ADDED_IN_V2))
+def test_version_2_requires_its_new_fields(key):
+    d = {"format_version": 2, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2}
+    del d[key]
+    with pytest.raises(ConfigError, match=rf"^v2.json: missing key '{key}'; a config of format_version 2"):
+        TransformerConfig.from_dict(d, "v2.json")
+
+
+def test_version_2_round_trip_of_the_new_fields(tmp_path):
+    c = TransformerConfig.preset(
+        "tiny",
+        activation="swish",
+        scale_embeddings=False,
+        pos_layout="halves",
+        pos_frequency="fairseq",
+        pos_offset=2,
+        output_bias=True,
+    )
+    c.save_json(tmp_path / "config.json")
+    assert TransformerConfig.load_json(tmp_path / "config.json") == c
 
 
 @pytest.mark.parametrize("key", FIELDS_WRITTEN_BEFORE_VERSIONING)
@@ -208,6 +262,9 @@ def test_a_missing_key_is_an_error_in_both_forms(key):
     new = {"format_version": 1, **old}
     with pytest.raises(ConfigError, match=rf"^new.json: missing key '{key}'; a config of format_version 1"):
         TransformerConfig.from_dict(new, "new.json")
+    v2 = {"format_version": 2, **old, **FIELDS_ADDED_IN_V2}
+    with pytest.raises(ConfigError, match=rf"^v2.json: missing key '{key}'; a config of format_version 2"):
+        TransformerConfig.from_dict(v2, "v2.json")
 
 
 @pytest.mark.parametrize("form", ["unversioned", "v1"])
@@ -232,15 +289,21 @@ WRONG_TYPES = [
     ("layer_norm_eps", [1e-5], "a number"),
     ("norm_first", 0, "true or false"),
     ("bias", "true", "true or false"),
+    ("activation", 1, "a string"),
+    ("pos_offset", 2.0, "an integer"),
+    ("output_bias", 0, "true or false"),
 ]
 
 
 @pytest.mark.parametrize("key, value, expected", WRONG_TYPES)
 def test_wrong_json_types_name_the_key_and_the_file(key, value, expected):
-    for d in (
-        dict(UNVERSIONED_TINY, **{key: value}),
-        dict(UNVERSIONED_TINY, format_version=1, **{key: value}),
-    ):
+    forms = [{**UNVERSIONED_TINY, "format_version": 2, **FIELDS_ADDED_IN_V2, key: value}]
+    if key in UNVERSIONED_TINY:
+        forms += [
+            dict(UNVERSIONED_TINY, **{key: value}),
+            dict(UNVERSIONED_TINY, format_version=1, **{key: value}),
+        ]
+    for d in forms:
         with pytest.raises(ConfigError) as info:
             TransformerConfig.from_dict(d, "dir/config.json")
         assert str(info.value).startswith(f"dir/config.json: key '{key}' must be {expected}, got "), (
@@ -256,7 +319,7 @@ def test_an_integer_is_a_valid_float():
 @pytest.mark.parametrize(
     "version, match",
     [
-        (2, "format_version 2 was written by a newer transformer_ext"),
+        (3, "format_version 3 was written by a newer transformer_ext"),
         (0, "unsupported format_version 0"),
         ("1", "key 'format_version' must be an integer"),
         (True, "key 'format_version' must be an integer"),
@@ -275,11 +338,11 @@ def test_value_errors_name_the_source():
         TransformerConfig.from_dict([1, 2], "f.json")
 
 
-def test_save_json_writes_version_1(tmp_path):
+def test_save_json_writes_version_2(tmp_path):
     path = tmp_path / "config.json"
     TransformerConfig.preset("tiny").save_json(path)
     data = json.loads(path.read_text())
-    assert data == {"format_version": 1, **UNVERSIONED_TINY}
+    assert data == {"format_version": 2, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2}
 
 
 def test_load_json_file_errors(tmp_path):

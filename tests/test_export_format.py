@@ -479,3 +479,20 @@ def test_a_changed_graph_is_found_on_request_and_old_folders_without_hashes_load
     (folder / "tokenizer.json").write_text((folder / "tokenizer.json").read_text() + " ")
     rewrite(folder, sha256=None)  # as written before the hashes were recorded
     assert "sha256" not in read_manifest(folder, verify=True)
+
+
+def test_translate_verify_checks_the_graphs_too(exported_portable, tmp_path, capsys):
+    import io
+
+    from transformer_ext.translate import main as translate_main
+
+    folder = copy_export(exported_portable, tmp_path / "e")
+    graph = folder / "encoder.onnx"
+    proto = graph.read_bytes()
+    graph.write_bytes(proto + b"\0")
+    stdout = io.StringIO()
+    assert translate_main(["--model", str(folder), "--verify", "ab"], stdout=stdout) == 1
+    err = capsys.readouterr().err
+    assert f"{graph} is not the file this export was written with" in err and "Traceback" not in err
+    graph.write_bytes(proto)
+    assert translate_main(["--model", str(folder), "--verify", "ab"], stdout=stdout) == 0

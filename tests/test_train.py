@@ -1287,3 +1287,17 @@ def test_a_bad_test_set_is_refused_before_training(tmp_path, capsys):
     assert "--test: " in capsys.readouterr().err and not (tmp_path / "run").exists()
     assert train_mod.main(cli(tmp_path / "demo", "--test", opts.valid_files[0], short)) == 2
     assert "--test is given without --train" in capsys.readouterr().err
+
+
+def test_running_out_of_memory_in_a_step_is_one_line(tmp_path, monkeypatch, capsys):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 128000000000000 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+    monkeypatch.setattr(optim, "accumulate_gradients", no_memory)
+    assert train_mod.main(cli(tmp_path / "run", steps=2)) == 1
+    err = capsys.readouterr().err
+    assert "error: out of memory at step 1 (cpu) on a batch of --max-tokens 400 padded tokens" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -10,45 +10,45 @@ from transformer_ext import translate
 from transformer_ext.translate import main
 
 
-class Stdin:
-    """Lines on demand; records how many were read, optionally raises after some."""
+class Stdin(io.StringIO):
+    """Piped lines (not a terminal)."""
 
-    def __init__(self, lines, interrupt_after=None):
-        self.lines, self.read, self.interrupt_after = lines, 0, interrupt_after
+    def __init__(self, lines):
+        super().__init__("".join(line + "\n" for line in lines))
 
     def isatty(self):
         return False
 
-    def __iter__(self):
-        for line in self.lines:
-            if self.interrupt_after is not None and self.read >= self.interrupt_after:
-                raise KeyboardInterrupt
-            self.read += 1
-            yield line + "\n"
-
 
 class Stdout(io.StringIO):
-    """Records how many input lines had been read at the first write."""
+    """Records how many batches had been decoded at the first write."""
 
-    def __init__(self, stdin):
+    def __init__(self, batches):
         super().__init__()
-        self.stdin, self.read_at_first_write = stdin, None
+        self.batches, self.batches_at_first_write = batches, None
 
     def write(self, text):
-        if self.read_at_first_write is None:
-            self.read_at_first_write = self.stdin.read
+        if self.batches_at_first_write is None:
+            self.batches_at_first_write = len(self.batches)
         return super().write(text)
 
 
 LINES = ["seven", "forty-two", "one thousand and one", "three hundred", "nineteen", "five", "eighty", "two"]
 
 
-def test_first_line_is_printed_before_the_input_is_read(capsys):
-    stdin = Stdin(LINES)
-    stdout = Stdout(stdin)
-    assert main(["--window", "2"], stdin=stdin, stdout=stdout) == 0
+def test_first_line_is_printed_before_the_last_batch_is_decoded(monkeypatch):
+    batches = []
+    decode = translate.Translator._decode_batch
+
+    def counted(self, encoded, *args, **kwargs):
+        batches.append(len(encoded))
+        return decode(self, encoded, *args, **kwargs)
+
+    monkeypatch.setattr(translate.Translator, "_decode_batch", counted)
+    stdout = Stdout(batches)
+    assert main(["--window", "2"], stdin=Stdin(LINES), stdout=stdout) == 0
     assert stdout.getvalue().splitlines() == translate.Translator.from_model_dir(None).translate_text(LINES)
-    assert stdout.read_at_first_write <= 2 < len(LINES)
+    assert stdout.batches_at_first_write <= 2 < len(batches)
 
 
 def test_progress_lines_on_stderr_when_piped(monkeypatch, capsys):
@@ -81,11 +81,19 @@ def test_long_lines_error_or_truncate(capsys, caplog):
     assert any("truncated" in r.getMessage() for r in caplog.records)
 
 
-def test_interrupted_run_says_how_far_it_got_and_writes_no_output(tmp_path, capsys):
+def test_interrupted_run_says_how_far_it_got_and_writes_no_output(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out.txt"
-    code = main(
-        ["--output", str(out), "--window", "2"], stdin=Stdin(LINES, interrupt_after=5), stdout=io.StringIO()
-    )
+    decode = translate.Translator._decode_batch
+    calls = []
+
+    def interrupted(self, encoded, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return decode(self, encoded, *args, **kwargs)
+
+    monkeypatch.setattr(translate.Translator, "_decode_batch", interrupted)
+    code = main(["--output", str(out), "--window", "2"], stdin=Stdin(LINES), stdout=io.StringIO())
     assert code == 130
     assert not out.exists()
     assert "interrupted after 4 translated lines; nothing written to" in capsys.readouterr().err

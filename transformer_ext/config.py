@@ -35,11 +35,20 @@ __all__ = [
     "ConfigError",
     "CONFIG_FORMAT_VERSION",
     "V1_FIELDS",
+    "V2_FIELDS",
+    "ACTIVATIONS",
+    "POS_LAYOUTS",
+    "POS_FREQUENCIES",
     "migrate_config",
 ]
 
 # Version of the config.json form (and of a manifest's model_config); see migrate_config.
-CONFIG_FORMAT_VERSION = 1
+CONFIG_FORMAT_VERSION = 2
+
+# Values of the string-valued fields (checked strictly, like every field).
+ACTIVATIONS = ("relu", "gelu", "swish")  # FFN nonlinearity; gelu is the exact (erf) form
+POS_LAYOUTS = ("interleaved", "halves")  # sin/cos in alternating dimensions, or sin | cos halves
+POS_FREQUENCIES = ("paper", "fairseq")  # 10000^(-2i/d_model), or exp(-i * ln(10000) / (d_model/2 - 1))
 
 
 # Named starting points; ``TransformerConfig.preset(name, **overrides)`` builds one.
@@ -117,8 +126,14 @@ class TransformerConfig:
     tie_target_embeddings: bool = True  # output projection weight = target embedding (paper 3.4)
     shared_vocab: bool = False  # one vocabulary: source emb, target emb and projection all tied
     pad_id: int = 0  # padding token of sources and targets (ignored by the loss)
-    bos_id: int = 1  # first decoder input of every target ("shifted right")
+    bos_id: int = 1  # first decoder input of every target ("shifted right"): the decoder start id
     eos_id: int = 2  # ends a target; decoding stops when it is generated
+    activation: str = "relu"  # FFN nonlinearity (ACTIVATIONS): relu (paper), gelu, swish (opus-mt)
+    scale_embeddings: bool = True  # token embeddings times sqrt(d_model) (paper 3.4)
+    pos_layout: str = "interleaved"  # POS_LAYOUTS: interleaved (paper) or halves (Marian, fairseq)
+    pos_frequency: str = "paper"  # POS_FREQUENCIES: the paper's (and Marian's) or fairseq's (M2M100)
+    pos_offset: int = 0  # positional-table row of position 0 (fairseq: 2, its padding offset)
+    output_bias: bool = False  # a bias on the logits of a tied projection (Marian's final_logits_bias)
 
     _INT_FIELDS: ClassVar[tuple[str, ...]] = (
         "src_vocab_size",
@@ -132,6 +147,7 @@ class TransformerConfig:
         "pad_id",
         "bos_id",
         "eos_id",
+        "pos_offset",
     )
     _FLOAT_FIELDS: ClassVar[tuple[str, ...]] = ("dropout", "layer_norm_eps")
     _BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -139,7 +155,15 @@ class TransformerConfig:
         "bias",
         "tie_target_embeddings",
         "shared_vocab",
+        "scale_embeddings",
+        "output_bias",
     )
+    # field -> its allowed values
+    _STR_FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "activation": ACTIVATIONS,
+        "pos_layout": POS_LAYOUTS,
+        "pos_frequency": POS_FREQUENCIES,
+    }
 
     def __post_init__(self) -> None:
         self.validate()
@@ -168,6 +192,23 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"TransformerConfig.{name} must be a bool, got {value!r}")
+        for name, allowed in self._STR_FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"TransformerConfig.{name} must be a string, got {value!r}")
+            if value not in allowed:
+                raise ValueError(f"TransformerConfig.{name} must be one of {list(allowed)}, got {value!r}")
+        if self.pos_offset < 0:
+            raise ValueError(f"pos_offset must be >= 0, got {self.pos_offset}")
+        if self.pos_frequency == "fairseq" and self.d_model < 4:
+            raise ValueError(
+                f"pos_frequency 'fairseq' divides by d_model/2 - 1: it needs d_model >= 4, got {self.d_model}"
+            )
+        if self.output_bias and not self.tie_target_embeddings:
+            raise ValueError(
+                "output_bias=True adds a bias to the tied output projection; an untied projection has "
+                "its own bias (the 'bias' field): set tie_target_embeddings=True or output_bias=False"
+            )
 
         for name in (
             "src_vocab_size",
@@ -206,9 +247,11 @@ class TransformerConfig:
                 f"pad_id = {self.pad_id} is outside the source vocabulary [0, {self.src_vocab_size}) "
                 "(sources are right-padded with it)"
             )
-        if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
+        # bos_id is the decoder's first input. It may be the padding token (Marian starts from
+        # <pad>) or the end token (fairseq models start from </s>), but pad and eos must differ.
+        if self.pad_id == self.eos_id:
             raise ValueError(
-                "pad_id, bos_id and eos_id must be distinct, got "
+                "pad_id and eos_id must be distinct, got "
                 f"pad_id={self.pad_id}, bos_id={self.bos_id}, eos_id={self.eos_id}"
             )
         if self.shared_vocab:
@@ -333,11 +376,22 @@ V1_FIELDS: tuple[str, ...] = (
     "bos_id",
     "eos_id",
 )
+# format_version 2 adds what imported model families need (docs/DESIGN.md section 7). A version-1 file
+# was written when each of them was fixed at the value V1_IMPLIED lists: migration sets exactly that.
+V1_IMPLIED: dict[str, Any] = {
+    "activation": "relu",
+    "scale_embeddings": True,
+    "pos_layout": "interleaved",
+    "pos_frequency": "paper",
+    "pos_offset": 0,
+    "output_bias": False,
+}
+V2_FIELDS: tuple[str, ...] = V1_FIELDS + tuple(V1_IMPLIED)
 # What the writer before format_version always wrote (dataclasses.asdict of the config of that
 # time): the same seventeen fields, without the version key.
 UNVERSIONED_FIELDS: tuple[str, ...] = V1_FIELDS
 
-_JSON_TYPES = {int: "an integer", float: "a number", bool: "true or false"}
+_JSON_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def _field_type(name: str) -> type:
@@ -345,6 +399,8 @@ def _field_type(name: str) -> type:
         return int
     if name in TransformerConfig._FLOAT_FIELDS:
         return float
+    if name in TransformerConfig._STR_FIELDS:
+        return str
     return bool
 
 
@@ -365,10 +421,12 @@ def _check_keys(data: dict, required: tuple[str, ...], source: str, form: str) -
         )
 
 
-def _check_types(data: dict, source: str) -> None:
-    for name in V1_FIELDS:
+def _check_types(data: dict, names: tuple[str, ...], source: str) -> None:
+    for name in names:
         value, kind = data[name], _field_type(name)
-        if kind is bool:
+        if kind is str:
+            ok = isinstance(value, str)
+        elif kind is bool:
             ok = isinstance(value, bool)
         elif kind is int:
             ok = isinstance(value, int) and not isinstance(value, bool)
@@ -384,14 +442,15 @@ def _check_types(data: dict, source: str) -> None:
 def migrate_config(data: Any, source: str = "the model config") -> dict[str, Any]:
     """``data`` (a config dict of any supported version) in the current form, checked.
 
-    * ``format_version`` 1 (the current one): every field of :data:`V1_FIELDS` required, no
+    * ``format_version`` 2 (the current one): every field of :data:`V2_FIELDS` required, no
       other key, integers as JSON integers (``true`` or ``32.0`` is not an integer), floats as
-      JSON numbers, booleans as ``true``/``false``.
+      JSON numbers, booleans as ``true``/``false``, strings as strings.
+    * ``format_version`` 1: the fields of :data:`V1_FIELDS`, checked the same way; the fields
+      version 2 added get the values version 1 implied (:data:`V1_IMPLIED`).
     * No ``format_version``: the form written before versioning (config.json files, and the
       ``model_config`` of export manifests, of earlier transformer_ext versions). That writer
       always wrote every field of :data:`UNVERSIONED_FIELDS`, so the same fields are required
-      (a missing one is an error, not a default); the result is that dict with
-      ``format_version: 1``.
+      (a missing one is an error, not a default); it is then read as version 1.
     * Any other version: an error (a newer version says to upgrade transformer_ext).
 
     Errors are :class:`ConfigError` naming the key and ``source``. Only keys and types are
@@ -416,9 +475,14 @@ def migrate_config(data: Any, source: str = "the model config") -> dict[str, Any
         raise ConfigError(
             f"{source}: unsupported format_version {version} (supported: 1..{CONFIG_FORMAT_VERSION})"
         )
-    _check_keys(data, V1_FIELDS, source, "a config of format_version 1")
-    _check_types(data, source)
-    return {"format_version": 1, **{k: data[k] for k in V1_FIELDS}}
+    if version == 1:
+        _check_keys(data, V1_FIELDS, source, "a config of format_version 1")
+        _check_types(data, V1_FIELDS, source)
+        data = {**{k: data[k] for k in V1_FIELDS}, **V1_IMPLIED}
+    else:
+        _check_keys(data, V2_FIELDS, source, "a config of format_version 2")
+        _check_types(data, V2_FIELDS, source)
+    return {"format_version": CONFIG_FORMAT_VERSION, **{k: data[k] for k in V2_FIELDS}}
 
 
 def _divisor_hint(d_model: int, n_heads: int) -> int:

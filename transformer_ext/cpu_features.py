@@ -56,7 +56,7 @@ __all__ = [
 # Either of these makes bfloat16 products native on x86; both are named when both are missing.
 X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 ARM_BF16_FLAGS = ("bf16",)
-# What emulated bfloat16 costs, as measured where it was found (README "Mixed precision").
+# What emulated bfloat16 costs, as measured where it was found (README "bfloat16 on CPUs that have it").
 NON_NATIVE_SLOWDOWN = "about 100x slower than float32 on a 2-core AVX2-only AMD EPYC"
 
 _CPUINFO = "/proc/cpuinfo"

@@ -93,31 +93,35 @@ def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
 
 
 class Embeddings(nn.Module):
-    """Token embedding multiplied by sqrt(d_model) (paper section 3.4)."""
+    """Token embedding multiplied by sqrt(d_model) (paper section 3.4), or unscaled (``scale=False``)."""
 
-    def __init__(self, vocab_size: int, d_model: int):
+    def __init__(self, vocab_size: int, d_model: int, scale: bool = True):
         super().__init__()
         self.lut = nn.Embedding(vocab_size, d_model)
-        self.scale = math.sqrt(d_model)
+        self.scale = math.sqrt(d_model) if scale else 1.0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lut(ids) * self.scale  # [B, T] -> [B, T, d_model]
+        x = self.lut(ids)  # [B, T] -> [B, T, d_model]
+        return x * self.scale if self.scale != 1.0 else x
 
 
-class PositionalEncoding(nn.Module):
-    """Sinusoidal positions (paper section 3.5), added to the embeddings, then dropout.
+def sinusoid_table(
+    d_model: int, max_len: int, layout: str = "interleaved", frequency: str = "paper", offset: int = 0
+) -> torch.Tensor:
+    """The positional-encoding table ``[max_len, d_model]`` float32: row ``t`` encodes position
+    ``t + offset``.
 
-    ``PE(pos, 2i) = sin(pos / 10000^(2i/d_model))``, ``PE(pos, 2i+1) = cos(...)``, interleaved,
-    ``pos`` from 0. The table has ``max_len`` rows and is a non-persistent buffer: it is rebuilt
-    from the config, never saved in a checkpoint.
+    * ``frequency="paper"``: ``w_i = 10000^(-2i/d_model)``; ``"fairseq"``: ``w_i =
+      exp(-i * ln(10000) / (d_model/2 - 1))`` (tensor2tensor's, used by fairseq and M2M100/NLLB).
+    * ``layout="interleaved"``: ``PE[p, 2i] = sin(p w_i)``, ``PE[p, 2i+1] = cos(p w_i)`` (the
+      paper); ``"halves"``: ``PE[p, i] = sin(p w_i)``, ``PE[p, d/2 + i] = cos(p w_i)`` (Marian,
+      fairseq).
+
+    Each family's table is computed the way its reference implementation computes it: ours and
+    fairseq's in float32, Marian's (halves with the paper's frequencies) in float64, then rounded.
     """
-
-    pe: torch.Tensor
-
-    def __init__(self, d_model: int, max_len: int, dropout: float):
-        super().__init__()
-        self.dropout = nn.Dropout(dropout)
-        self.max_len = max_len
+    half = d_model // 2
+    if layout == "interleaved" and frequency == "paper" and offset == 0:  # the paper's, as always built
         pe = torch.zeros(max_len, d_model)
         position = torch.arange(0, max_len, dtype=torch.float32).unsqueeze(1)  # [max_len, 1]
         div_term = torch.exp(
@@ -125,6 +129,49 @@ class PositionalEncoding(nn.Module):
         )  # [d_model / 2]
         pe[:, 0::2] = torch.sin(position * div_term)
         pe[:, 1::2] = torch.cos(position * div_term)
+        return pe
+    if frequency == "fairseq":
+        step = math.log(10000) / (half - 1)
+        freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -step)  # [half] float32
+        angle = torch.arange(offset, offset + max_len, dtype=torch.int64).float().unsqueeze(1) * freq
+        sin, cos = torch.sin(angle), torch.cos(angle)  # [max_len, half] float32
+    else:
+        i = torch.arange(half, dtype=torch.float64)
+        pos = torch.arange(offset, offset + max_len, dtype=torch.float64).unsqueeze(1)
+        angle = pos / torch.pow(torch.tensor(10000.0, dtype=torch.float64), 2 * i / d_model)
+        sin, cos = torch.sin(angle), torch.cos(angle)  # [max_len, half] float64
+    if layout == "halves":
+        pe = torch.cat([sin, cos], dim=1)
+    else:
+        pe = torch.stack([sin, cos], dim=2).reshape(max_len, d_model)
+    return pe.to(torch.float32).contiguous()
+
+
+class PositionalEncoding(nn.Module):
+    """Sinusoidal positions (paper section 3.5), added to the embeddings, then dropout.
+
+    By default ``PE(pos, 2i) = sin(pos / 10000^(2i/d_model))``, ``PE(pos, 2i+1) = cos(...)``,
+    interleaved, ``pos`` from 0; the layout, the frequencies and the offset of the first
+    position are options (:func:`sinusoid_table`), for imported model families. The table has
+    ``max_len`` rows (row ``t``: the ``t``-th token) and is a non-persistent buffer: it is
+    rebuilt from the config, never saved in a checkpoint.
+    """
+
+    pe: torch.Tensor
+
+    def __init__(
+        self,
+        d_model: int,
+        max_len: int,
+        dropout: float,
+        layout: str = "interleaved",
+        frequency: str = "paper",
+        offset: int = 0,
+    ):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.max_len = max_len
+        pe = sinusoid_table(d_model, max_len, layout, frequency, offset)
         self.register_buffer("pe", pe, persistent=False)  # [max_len, d_model]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,17 +271,34 @@ class MultiHeadAttention(nn.Module):
         return self.W_O(self.merge_heads(torch.matmul(p_attn, v)))  # [B, Tq, d_model]
 
 
-class PositionwiseFeedForward(nn.Module):
-    """``FFN(x) = max(0, x W_1 + b_1) W_2 + b_2`` (paper section 3.3)."""
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """The FFN nonlinearity ``activation`` (:data:`~transformer_ext.config.ACTIVATIONS`).
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float, bias: bool = True):
+    ``relu``: ``max(0, x)``; ``gelu``: ``x * Phi(x)`` in its exact (erf) form; ``swish``:
+    ``x * sigmoid(x)`` (SiLU). While exporting, gelu and swish are written out in the standard
+    ops every opset has (``Erf``, ``Sigmoid``, ``Mul``), so the portable graphs need no newer opset.
+    """
+    if activation == "relu":
+        return F.relu(x)
+    if activation == "swish":
+        return x * torch.sigmoid(x) if _is_exporting() else F.silu(x)
+    if activation == "gelu":
+        return x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476)) if _is_exporting() else F.gelu(x)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+class PositionwiseFeedForward(nn.Module):
+    """``FFN(x) = max(0, x W_1 + b_1) W_2 + b_2`` (paper section 3.3); the nonlinearity is an option."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float, bias: bool = True, activation: str = "relu"):
         super().__init__()
         self.w_1 = nn.Linear(d_model, d_ff, bias=bias)
         self.w_2 = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.w_1(x))
+        h = activate(self.w_1(x), self.activation)
         return self.w_2(self.dropout(h) if self.training else h)
 
 
@@ -279,7 +343,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         c = config
         self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias)
-        self.feed_forward = PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.bias)
+        self.feed_forward = PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.bias, c.activation)
         self.sublayer = nn.ModuleList(
             [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(2)]
         )
@@ -301,7 +365,7 @@ class DecoderLayer(nn.Module):
         c = config
         self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias)
         self.src_attn = MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias)
-        self.feed_forward = PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.bias)
+        self.feed_forward = PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.bias, c.activation)
         self.sublayer = nn.ModuleList(
             [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(3)]
         )
@@ -387,6 +451,7 @@ class DecoderLayer(nn.Module):
         first = self._modules["sublayer"]._modules["0"]
         norm, pre = first._modules["norm"], first.norm_first
         shape, eps = norm.normalized_shape, norm.eps
+        act = self._modules["feed_forward"].activation
 
         def sublayer(x: torch.Tensor, fn, gamma, beta) -> torch.Tensor:
             if pre:  # Pre-LN: x + f(LN(x))
@@ -417,7 +482,7 @@ class DecoderLayer(nn.Module):
             return linear(out.reshape(B, 1, D), w.cross_o_weight, w.cross_o_bias)
 
         def feed_forward(h: torch.Tensor) -> torch.Tensor:
-            return linear(F.relu(linear(h, w.ff1_weight, w.ff1_bias)), w.ff2_weight, w.ff2_bias)
+            return linear(activate(linear(h, w.ff1_weight, w.ff1_bias), act), w.ff2_weight, w.ff2_bias)
 
         x = sublayer(x, self_attention, w.norm0_weight, w.norm0_bias)
         x = sublayer(x, cross_attention, w.norm1_weight, w.norm1_bias)
@@ -514,7 +579,8 @@ class Transformer(nn.Module):
     """Encoder-decoder Transformer; see the module docstring for the two decoding paths.
 
     Weight tying: with ``tie_target_embeddings`` the output projection *is* the target embedding
-    matrix (no projection bias); with ``shared_vocab`` the source embedding is that same matrix.
+    matrix (no projection bias, unless ``output_bias`` adds one: Marian's ``final_logits_bias``);
+    with ``shared_vocab`` the source embedding is that same matrix.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -524,13 +590,16 @@ class Transformer(nn.Module):
         config.validate()
         self.config = config
         c = config
-        self.src_embed = Embeddings(c.src_vocab_size, c.d_model)
-        self.tgt_embed = Embeddings(c.tgt_vocab_size, c.d_model)
-        self.src_pe = PositionalEncoding(c.d_model, c.max_len, c.dropout)
-        self.tgt_pe = PositionalEncoding(c.d_model, c.max_len, c.dropout)
+        self.src_embed = Embeddings(c.src_vocab_size, c.d_model, c.scale_embeddings)
+        self.tgt_embed = Embeddings(c.tgt_vocab_size, c.d_model, c.scale_embeddings)
+        pe = (c.d_model, c.max_len, c.dropout, c.pos_layout, c.pos_frequency, c.pos_offset)
+        self.src_pe = PositionalEncoding(*pe)
+        self.tgt_pe = PositionalEncoding(*pe)
         self.encoder = Encoder(c)
         self.decoder = Decoder(c)
-        self.generator = Generator(c.d_model, c.tgt_vocab_size, bias=c.bias and not c.tie_target_embeddings)
+        self.generator = Generator(
+            c.d_model, c.tgt_vocab_size, bias=(c.bias and not c.tie_target_embeddings) or c.output_bias
+        )
         self.tie_weights()
         self._init_weights()
 
@@ -548,6 +617,8 @@ class Transformer(nn.Module):
         for p in self.parameters():  # tied parameters are listed (and initialised) once
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
+        if self.config.output_bias:  # a logits bias next to tied weights starts at zero
+            nn.init.zeros_(self.generator.proj.bias)
 
     # ---------------------------------------------------------------- input validation
 

@@ -400,11 +400,14 @@ def _train_one(
 
 
 def load_any_tokenizer(directory: str | os.PathLike):
-    """The tokenizer of a model folder, character or SentencePiece, by the ``type`` of its tokenizer.json."""
-    from .tokenizer import CharTokenizer
+    """The tokenizer of a model folder, of any kind, by the ``type`` of its tokenizer.json (a file
+    without a known type is read as a character tokenizer, whose loader names what is wrong)."""
+    from .tokenizer import TOKENIZER_TYPES, CharTokenizer, load_tokenizer
 
     path, data = _read_description(directory)
     kind = data.get("type") if isinstance(data, dict) else None
     if kind == SentencePieceTokenizer.type:
         return SentencePieceTokenizer.load(path)
+    if isinstance(kind, str) and kind in TOKENIZER_TYPES and kind != CharTokenizer.type:
+        return load_tokenizer(path)
     return CharTokenizer.load(path)

@@ -446,6 +446,9 @@ def _read_description(directory: str | os.PathLike) -> tuple[str, Any]:
 TOKENIZER_TYPES: dict[str, Union[type, str]] = {
     "char": CharTokenizer,
     "sentencepiece": "transformer_ext.spm_tokenizer:SentencePieceTokenizer",
+    # imported model families (transformer_ext.convert)
+    "marian": "transformer_ext.pretrained_tokenizers:MarianTokenizer",
+    "fairseq": "transformer_ext.pretrained_tokenizers:FairseqTokenizer",
 }
 
 

@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         "provenance.json next to SRC_FILE is copied into every model folder",
     )
     g.add_argument(
+        "--init-from",
+        metavar="MODEL_DIR",
+        help="fine-tune the model in MODEL_DIR (its weights, architecture and tokenizer; e.g. a checkpoint "
+        "converted with python -m transformer_ext.convert) on --train / --valid; architecture and "
+        "tokenizer options are then errors",
+    )
+    g.add_argument(
         "--valid",
         dest="valid_files",
         nargs=2,

@@ -24,9 +24,9 @@ unwritable ``--output`` and a full disk print one line
 ``python -m transformer_ext.translate: error: ...`` (exit code 1, ``--debug`` shows the
 traceback); Ctrl-C exits with 130, SIGTERM with 143.
 
-Input is read lazily and translated in token batches (``--max-batch-tokens``, a window of
-``--window`` lines sorted by length, :meth:`Translator.translate_iterable`); each translation is
-printed as soon as it and every line before it are done, and a progress line goes to stderr
+Input is translated in token batches (``--max-batch-tokens``, a window of ``--window`` lines
+sorted by length, :meth:`Translator.translate_iterable`); each translation is printed as soon
+as it and every line before it are done, and a progress line goes to stderr
 every few seconds (also when it is not a terminal). With ``--output FILE`` the file is written
 atomically at the end; an interrupted run writes none and says how many lines were done. An
 empty line gives an empty translation and characters outside the vocabulary the unknown token
@@ -43,12 +43,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from .batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW
 from .cli import add_debug_flag, run_cli
 from .export_format import MANIFEST_NAME
 from .fsutil import atomic_write_text
+from .text import check_argument_text, read_stream_lines
 from .translator import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_LEN_A,
@@ -100,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Without text and --input, lines are read from stdin when it is not a terminal.",
     )
     parser.add_argument("--input", "-i", metavar="FILE", help="read sources from FILE, one per line")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="an export folder: check the graphs (and engines) against the SHA-256 its manifest records "
+        "too; the tokenizer files and the generation config are always checked",
+    )
     parser.add_argument(
         "--output",
         "-o",
@@ -273,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
         "every new batch shape compiles first (seconds); pays off on large inputs. On CPU it "
         "needs a C++ compiler",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="eager runtime: decode with the model's weights in this dtype; bfloat16 keeps weights and "
+        "caches in bfloat16 (half the bytes per step, float32 accumulation), on a GPU or on a CPU "
+        "with native bfloat16 (AVX-512 BF16 or AMX; refused elsewhere) (default: the folder's float32)",
+    )
     add_debug_flag(parser)
     return parser
 
@@ -358,6 +373,8 @@ def _runtime_conflicts(args, runtime: str) -> list[str]:
             problems.append("--device applies to the eager runtime only (ONNX Runtime: --provider)")
         if args.compile:
             problems.append("--compile applies to the eager runtime only")
+        if getattr(args, "dtype", None) is not None:
+            problems.append("--dtype applies to the eager runtime only")
     if runtime != "onnxruntime" and args.provider is not None:
         problems.append("--provider applies to the onnxruntime runtime only")
     if runtime == "tensorrt" and args.threads is not None:
@@ -390,38 +407,36 @@ def _check_output(args) -> Optional[Path]:
     return out
 
 
-def _lines(stream: Iterable[str], name: str):
-    """``(line, "NAME, line N")`` for every line of ``stream``, read lazily."""
-    n = 0
-    try:
-        for n, line in enumerate(stream, start=1):
-            yield line.rstrip("\r\n"), f"{name}, line {n}"
-    except UnicodeDecodeError as exc:
-        raise TranslationError(f"{name}, line {n + 1}: not UTF-8 text ({exc.reason})") from None
+def _read_lines(stream, name: str) -> list[tuple[str, str]]:
+    """``(line, "NAME, line N")`` for every line, read by the package's one text rule
+    (:func:`transformer_ext.text.read_stream_lines`: strict UTF-8, a leading BOM removed, ``\\n``
+    or ``\\r\\n`` line endings, a lone ``\\r`` an error). Empty lines are kept (an empty
+    translation, or an error naming the line with ``--strict``)."""
+    return [(line, f"{name}, line {n}") for n, line in enumerate(read_stream_lines(stream, name), start=1)]
 
 
-def _file_lines(path: str):
+def _file_lines(path: str) -> list[tuple[str, str]]:
     try:
-        f = open(path, encoding="utf-8")
+        with open(path, "rb") as f:
+            return _read_lines(f, path)
     except FileNotFoundError:
         raise TranslationError(f"input file not found: {path}") from None
     except IsADirectoryError:
         raise TranslationError(f"--input {path} is a directory, expected a text file") from None
-    with f:
-        yield from _lines(f, path)
 
 
 def _iter_sources(args, stdin):
-    """The sources in input order with where each came from (for error messages), read lazily."""
+    """The sources in input order with where each came from (for error messages); each input
+    is read whole (by the text rules), then translated in streamed batches."""
     for n, text in enumerate(args.text, start=1):
         if text == "-":
-            yield from _lines(stdin, "stdin")
+            yield from _read_lines(stdin, "stdin")
         else:
-            yield text, f"argument {n}"
+            yield check_argument_text(text, f"argument {n}"), f"argument {n}"
     if args.input is not None:
         yield from _file_lines(args.input)
     if not args.text and args.input is None:
-        yield from _lines(stdin, "stdin")
+        yield from _read_lines(stdin, "stdin")
 
 
 def _load_translator(args) -> Translator:
@@ -457,7 +472,13 @@ def _load_translator(args) -> Translator:
             import torch
 
             torch.set_num_threads(args.threads)
-        return Translator.from_model_dir(args.model, device=device, compile=args.compile)
+        if args.dtype is not None:  # refused here, before the folder is read, naming the option
+            import torch
+
+            from .runtimes.eager import check_dtype
+
+            check_dtype(args.dtype, torch.device(device), what="--dtype")
+        return Translator.from_model_dir(args.model, device=device, compile=args.compile, dtype=args.dtype)
     if args.model is None:
         raise TranslationError(
             f"--runtime {runtime} needs --model EXPORT_DIR, a folder written by `python -m export.onnx`"
@@ -474,7 +495,7 @@ def _load_translator(args) -> Translator:
             "folder runs with --runtime eager"
         )
     return Translator.from_export_dir(
-        args.model, runtime=runtime, provider=args.provider, threads=args.threads
+        args.model, runtime=runtime, provider=args.provider, threads=args.threads, verify=args.verify
     )
 
 

@@ -52,6 +52,7 @@ from .runtimes.factory import (
     open_export_dir,
 )
 from .runtimes.info import RunnerInfo
+from .text import normalize_text
 from .tokenizer import (
     TOKENIZER_FILE,
     Tokenizer,
@@ -217,8 +218,8 @@ OPTION_NAMES = (
 
 
 def _normalize(text: str) -> str:
-    """Surrounding whitespace removed and inner runs of whitespace collapsed to one space."""
-    return " ".join(text.split())
+    """The package's one whitespace rule (:func:`transformer_ext.text.normalize_text`), as in training."""
+    return normalize_text(text)
 
 
 def _check_number(name: str, value, *, default: Optional[float] = None) -> float:
@@ -413,27 +414,39 @@ class Translator:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_model_dir(
-        cls, path: Union[str, os.PathLike, None] = None, device=None, compile: bool = False, **options
+        cls,
+        path: Union[str, os.PathLike, None] = None,
+        device=None,
+        compile: bool = False,
+        dtype: Optional[str] = None,
+        **options,
     ) -> "Translator":
         """A model folder (``config.json`` + ``model.safetensors`` + tokenizer files) on eager PyTorch.
 
         ``path=None`` is the bundled demo model (English number words to German number words);
         ``device``: ``"cpu"`` (default) or ``"cuda"``; ``compile``: the decoder step through
         ``torch.compile`` (see :class:`transformer_ext.runtimes.EagerRunner`): faster per token
-        once compiled, at the cost of a compile (seconds) for every new batch shape.
+        once compiled, at the cost of a compile (seconds) for every new batch shape; ``dtype``:
+        ``"bfloat16"`` decodes with bfloat16 weights and caches (float32 accumulation; see
+        :class:`~transformer_ext.runtimes.EagerRunner`), checked before the folder is read.
         ``options``: generation options, as for the constructor.
 
         A folder without ``tokenizer.json`` loads (``tokenizer`` is then ``None``).
 
         Raises:
+            NotNativeError: ``dtype="bfloat16"`` on a CPU without native bfloat16 matrix products
+                (:mod:`transformer_ext.cpu_features`; the message names the missing instructions).
+            ValueError: ``dtype`` is not ``"float32"``, ``"bfloat16"`` or None.
             FileNotFoundError: the folder, its config or weights file is missing.
             TokenizerError: ``tokenizer.json`` is corrupt or not a tokenizer description (names the file).
             TranslationError: the tokenizer does not belong to the model (vocabulary sizes or special
                 ids differ; names both files and the id), or the folder is an export folder.
         """
         try:
+            import torch
+
             from .checkpoint import load_model
-            from .runtimes.eager import EagerRunner
+            from .runtimes.eager import EagerRunner, check_dtype
         except ImportError as exc:
             raise RuntimeNotAvailableError(
                 f"a model folder runs on PyTorch, which this installation lacks ({exc}): translate an export "
@@ -441,6 +454,8 @@ class Translator:
                 "EXPORT_DIR), or install transformer_ext with torch"
             ) from exc
 
+        device = "cpu" if device is None else device
+        check_dtype(dtype, torch.device(device))
         model_dir = Path(path) if path is not None else DEMO_MODEL_DIR
         if not model_dir.is_dir():
             raise FileNotFoundError(
@@ -453,8 +468,7 @@ class Translator:
                 "load it with Translator.from_export_dir (ONNX Runtime or TensorRT)"
             )
         tokenizer = _load_folder_tokenizer(model_dir)
-        device = "cpu" if device is None else device
-        runner = EagerRunner(load_model(model_dir, device), device, compile=compile)
+        runner = EagerRunner(load_model(model_dir, device), device, compile=compile, dtype=dtype)
         return cls(tokenizer, runner, source_dir=model_dir, **options)
 
     @classmethod
@@ -466,6 +480,7 @@ class Translator:
         threads: Optional[int] = None,
         *,
         precision: Optional[str] = None,
+        verify: bool = False,
         **options,
     ) -> "Translator":
         """An export folder (``python -m export.onnx``): ONNX Runtime by default (needs only
@@ -478,6 +493,8 @@ class Translator:
         ``threads``: ONNX Runtime's intra-op threads; ``precision``: the TensorRT engines to run
         (default ``fp32`` when built, else the only precision built). ``options``: generation
         options, as for the constructor; the folder's generation config sets their defaults.
+        ``verify``: check the graphs against the SHA-256 the manifest records, not only the
+        tokenizer files and generation config (always checked).
 
         Raises:
             ManifestError: no ``manifest.json``, one of another tool or of an unknown format version;
@@ -491,7 +508,7 @@ class Translator:
         export_dir = Path(path)
         try:
             check_open_options(export_dir, runtime, threads)  # before anything is read
-            manifest = read_manifest(export_dir)
+            manifest = read_manifest(export_dir, verify=verify)
             tokenizer = _load_export_tokenizer(export_dir, manifest)
             generation = read_generation_config(export_dir, manifest)  # defaults for folders without one
             runner = open_export_dir(
@@ -564,6 +581,14 @@ class Translator:
                     raise _source_error(i, "empty source")
                 encoded.append([])
                 continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # e.g. bytes decoded with surrogateescape
+                raise _source_error(
+                    i,
+                    f"not valid text: {text[exc.start]!r} at character {exc.start} is a lone surrogate, not a "
+                    "character (decode the input as strict UTF-8)",
+                ) from None
             try:
                 ids = tokenizer.encode_source(text)
             except UnknownCharacterError as exc:

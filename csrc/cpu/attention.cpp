@@ -1,654 +1,657 @@
-// CPU kernels of the attention family: masked_softmax, masked_softmax_backward and
-// decode_attention (docs/DESIGN.md section 2). Math in float32, rows in parallel with
-// at::parallel_for, inner loops vectorized with at::vec::Vectorized<float>.
+// CPU kernels of transformer_ext::attention, its backward and the dropout-mask debug op
+// (docs/DESIGN.md section 2; the oracle is transformer_ext/reference.py).
 //
-// ISA. torch compiles its own CPU kernels once per capability (AVX2, AVX512) and picks one at
-// run time; an extension is compiled once, for baseline x86-64, where Vectorized<float> falls
-// back to scalar loops and a scalar exp (2-3x slower here). So on x86-64 with GCC the kernel
-// section below is compiled for AVX2+FMA+F16C by a target pragma: the at::vec headers are
-// included inside it with CPU_CAPABILITY=AVX2, which puts them in their own inline namespace
-// (at::vec::AVX2), and every other header they need is included before the pragma, so no
-// inline function shared with another translation unit is compiled for AVX2. The host
-// functions run these kernels only on a CPU with AVX2, FMA and F16C, and otherwise (or when
-// TRANSFORMER_EXT_CPU_FALLBACK=1) an ATen composite with the same semantics. Other
-// architectures and compilers build the same kernels for their baseline.
+// The tile kernels live in attention_kernels.h and are compiled twice here, for
+// AVX-512 (F, BW, VL, DQ) and for AVX2 + FMA + F16C, in target regions of their own (every
+// header they use is included before the regions, so no inline function shared with other
+// translation units is compiled for a wider ISA). The host functions pick one at run time;
+// float64 (accepted so that gradcheck can run on the op), CPUs without AVX2 and
+// TRANSFORMER_EXT_CPU_FALLBACK=1 run an ATen composite with the same semantics, the same
+// dropout generator included.
+//
+// Work distribution: the forward pass splits into (b, h, block of 64 query rows) tasks, the
+// backward pass into (b, h) tasks (each owns dq of its rows and dk, dv of its keys, so nothing
+// is shared and nothing is reduced across threads). Tasks are ordered by their cost (the number
+// of (query, key) pairs they visit, which varies with the lengths and the causal diagonal) and
+// handed out through an atomic counter, so ragged batches balance across the threads. Results
+// do not depend on the thread count: every task computes the same numbers wherever it runs.
 #include <algorithm>
-#include <cfloat>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/AccumulateType.h>
-#include <ATen/NumericUtils.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/Math.h>
-#include <ATen/native/cpu/zmath.h>
-#include <ATen/native/quantized/AffineQuantizerBase.h>
-#include <c10/util/BFloat16-math.h>
-#include <c10/util/copysign.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define TE_FA_X86 1
+#endif
 
 #include "checks.h"
 #include "ops.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(CPU_CAPABILITY)
-#define TE_CPU_AVX2 1
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"  // lambdas in vec256_bfloat16.h, not called here
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-// In C++ the pragma does not define __AVX__/__AVX2__, and sleef.h declares its 256-bit
-// functions (which Vectorized<float> wraps) only under them.
-#define __AVX__ 1
-#define __AVX2__ 1
-#include <sleef.h>
-#undef __AVX__
-#undef __AVX2__
-#endif
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-
-// ======================= kernel section (AVX2 on x86-64, see above) =======================
 namespace transformer_ext {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kVec = Vec::size();
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kPosInf = std::numeric_limits<float>::infinity();
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr int64_t kBlockM = 64;  // query rows per forward task / backward block
+constexpr int64_t kBlockN = 64;  // keys per tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
-inline float hsum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Keys row i may see: [0, lim). Lengths mask, they do not move the causal diagonal.
+inline int64_t row_key_limit(int64_t i, int64_t klen, int64_t Q, int64_t K, bool causal) {
+  if (!causal) return klen;
+  return std::clamp<int64_t>(i + (K - Q) + 1, 0, klen);
 }
 
-// max(a, b), NaN when either is NaN (as at::vec::maximum; std::max drops a NaN b).
-inline float max_nan(float a, float b) { return std::isnan(b) ? b : std::max(a, b); }
-
-// The NaN rule of docs/DESIGN.md section 2: a row whose max over its allowed scores is NaN (some
-// score is NaN) or +inf (inf - inf is NaN in the softmax) is NaN as a whole, as in
-// torch.softmax. One test per row on the max, which propagates NaN.
-inline bool row_is_nan(float row_max) { return !(row_max < kPosInf) && row_max != kNegInf; }
-
-// Lane maxima reduced with at::vec::maximum, which propagates NaN.
-inline float hmax(const Vec& v) {
-  return at::vec::vec_reduce_all<float>(
-      [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, v);
+// ---- the dropout generator ----------------------------------------------------------------
+// A keep decision for (seed, b, h, i, j), with 32-bit integer mixing only (so the same
+// function runs in SIMD lanes, in CUDA threads and in the reference's int64 tensor ops):
+//   per (b, h): two chains s = mix(s + x) over (seed_lo, seed_hi, b, h) from two constants;
+//   per row i:  r1 = mix(s1 + i), r2 = mix(s2 + i);
+//   per key j:  u = mix(mix(j + r1) ^ r2); kept iff u >= threshold = floor(p * 2^32).
+// mix is a bijective xor-shift-multiply finalizer, so distinct (row, j) pairs collide only
+// when both 32-bit row keys do.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
 }
 
-// kVec elements of a float32 / float16 / bfloat16 row as float32.
+inline void dropout_bh_keys(int64_t seed, int64_t b, int64_t h, uint32_t* k1, uint32_t* k2) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  const uint32_t lo = static_cast<uint32_t>(s), hi = static_cast<uint32_t>(s >> 32);
+  uint32_t a = 0x243f6a88u, c = 0x85a308d3u;
+  for (uint32_t x : {lo, hi, static_cast<uint32_t>(b), static_cast<uint32_t>(h)}) {
+    a = mix32(a + x);
+    c = mix32(c + x);
+  }
+  *k1 = a;
+  *k2 = c;
+}
+
+inline void dropout_row_keys(uint32_t k1, uint32_t k2, int64_t i, uint32_t* r1, uint32_t* r2) {
+  *r1 = mix32(k1 + static_cast<uint32_t>(i));
+  *r2 = mix32(k2 + static_cast<uint32_t>(i));
+}
+
+inline bool dropout_keep(uint32_t r1, uint32_t r2, int64_t j, uint32_t threshold) {
+  return mix32(mix32(static_cast<uint32_t>(j) + r1) ^ r2) >= threshold;
+}
+
+inline uint32_t dropout_threshold(double p) {
+  if (!(p > 0.0)) return 0;
+  return static_cast<uint32_t>(std::min(std::floor(p * 4294967296.0), 4294967295.0));
+}
+
+// ---- kernel arguments ---------------------------------------------------------------------
+
 template <typename T>
-inline Vec load_vec(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-#if defined(CPU_CAPABILITY_AVX2)
-    if constexpr (c10::is_reduced_floating_point_v<T>) {
-      Vec out;
-      at::vec::load_to_float(p, out);
-      return out;
-    }
-#endif
-    float tmp[kVec];  // float64 is instantiated by the dispatch macro but runs the composites
-    for (int64_t k = 0; k < kVec; ++k) tmp[k] = static_cast<float>(p[k]);
-    return Vec::loadu(tmp);
-  }
-}
-
-// ---- row primitives ------------------------------------------------------------------------
-
-// dst[j] = scale * src[j] for j < n.
-template <typename T>
-inline void scale_row(const T* src, float* dst, int64_t n, float scale) {
-  const Vec vscale(scale);
-  int64_t j = 0;
-  for (; j + kVec <= n; j += kVec) (load_vec(src + j) * vscale).store(dst + j);
-  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]) * scale;
-}
-
-// max over x[0, n); -inf for n == 0, NaN when some x[j] is NaN.
-inline float max_row(const float* x, int64_t n) {
-  Vec vmax(kNegInf);
-  int64_t j = 0;
-  for (; j + kVec <= n; j += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(x + j));
-  float m = hmax(vmax);
-  for (; j < n; ++j) m = max_nan(m, x[j]);
-  return m;
-}
-
-// kVec mask flags (one byte each) as a blend mask: all bits set where the flag is true.
-inline Vec load_mask(const bool* m) {
-#if defined(CPU_CAPABILITY_AVX2)
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m));
-  const __m256i ints = _mm256_cvtepu8_epi32(bytes);
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(ints, _mm256_setzero_si256()));
-#else
-  int32_t bits[kVec];
-  for (int64_t k = 0; k < kVec; ++k) bits[k] = m[k] ? -1 : 0;
-  Vec out;
-  std::memcpy(&out, bits, sizeof(bits));
-  return out;
-#endif
-}
-
-// dst[j] = scale * src[j] for j < n, or -inf where the key is masked (mask[j * mstride] is
-// false; mask == nullptr: none is); returns the max (-inf when no key is allowed, NaN when an
-// allowed score is NaN). Masked scores are loaded in whole vectors but never used.
-template <typename T>
-inline float scale_mask_row_max(const T* src, float* dst, int64_t n, float scale,
-                                const bool* mask, int64_t mstride) {
-  const Vec vscale(scale), vneg(kNegInf);
-  Vec vmax(kNegInf);
-  int64_t j = 0;
-  if (mask == nullptr) {
-    for (; j + kVec <= n; j += kVec) {
-      const Vec x = load_vec(src + j) * vscale;
-      x.store(dst + j);
-      vmax = at::vec::maximum(vmax, x);
-    }
-  } else if (mstride == 1) {
-    for (; j + kVec <= n; j += kVec) {
-      const Vec x = Vec::blendv(vneg, load_vec(src + j) * vscale, load_mask(mask + j));
-      x.store(dst + j);
-      vmax = at::vec::maximum(vmax, x);
-    }
-  }
-  float m = hmax(vmax);
-  for (; j < n; ++j) {  // tail, and masks with a key stride other than 0 or 1
-    const bool allowed = mask == nullptr || mask[j * mstride];
-    dst[j] = allowed ? static_cast<float>(src[j]) * scale : kNegInf;
-    m = max_nan(m, dst[j]);
-  }
-  return m;
-}
-
-// x[j] = exp(x[j] - max) in place for j < n (masked -inf entries become 0); returns the sum.
-inline float exp_row_sum(float* x, int64_t n, float max) {
-  const Vec vmax(max);
-  Vec vsum(0.f);
-  int64_t j = 0;
-  for (; j + kVec <= n; j += kVec) {
-    const Vec e = (Vec::loadu(x + j) - vmax).exp_u20();
-    e.store(x + j);
-    vsum = vsum + e;
-  }
-  if (j < n) {
-    const int64_t rest = n - j;
-    const Vec e = Vec::set(Vec(0.f), (Vec::loadu(x + j, rest) - vmax).exp_u20(), rest);
-    e.store(x + j, rest);
-    vsum = vsum + e;
-  }
-  return hsum(vsum);
-}
-
-// dst[j] = f * x[j], converted to the storage type.
-template <typename T>
-inline void store_scaled_row(float* x, T* dst, int64_t n, float f) {
-  const Vec vf(f);
-  int64_t j = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    for (; j + kVec <= n; j += kVec) (Vec::loadu(x + j) * vf).store(dst + j);
-    for (; j < n; ++j) dst[j] = x[j] * f;
-  } else {
-    for (; j + kVec <= n; j += kVec) (Vec::loadu(x + j) * vf).store(x + j);
-    for (; j < n; ++j) x[j] *= f;
-    at::vec::convert(x, dst, n);
-  }
-}
-
-// ---- masked_softmax ------------------------------------------------------------------------
-
-struct SoftmaxParams {
-  int64_t H, Q, K;
-  const bool* mask;                // expanded [B, H, Q, K] view, or nullptr
-  int64_t ms0, ms1, ms2, ms3;      // its strides (elements)
+struct FwdArgs {
+  const T *q, *k, *v;
+  T* out;
+  float* lse;                       // [B, H, Q] contiguous
+  int64_t H, Q, K, D;
+  int64_t qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2;
+  const int64_t* klen;              // [B]
+  float scale;
   bool causal;
-  float scale;
+  bool dropout;
+  uint32_t threshold;
+  float keep_scale;                 // 1 / (1 - p)
+  const uint32_t *bh_key1, *bh_key2;  // [B * H] dropout chains
 };
 
-// One row (query q of batch b, head h) of length K. `buf` holds K floats: the float32 working
-// row for float16/bfloat16 (float32 works in the output row itself).
 template <typename T>
-inline void masked_softmax_row(const T* src, T* dst, const SoftmaxParams& s, int64_t b,
-                               int64_t h, int64_t q, float* buf) {
-  const int64_t K = s.K;
-  // Causal: query q sees keys j <= q + (K - Q); nothing past kend is read.
-  const int64_t kend = s.causal ? std::clamp<int64_t>(q + (K - s.Q) + 1, 0, K) : K;
-  const bool* mrow = nullptr;
-  int64_t mstride = 0;
-  bool visible = kend > 0;
-  if (s.mask != nullptr) {
-    mrow = s.mask + b * s.ms0 + h * s.ms1 + q * s.ms2;
-    mstride = s.ms3;
-    if (mstride == 0) {  // the mask is broadcast over keys: one flag for the row
-      visible = visible && mrow[0];
-      mrow = nullptr;
-    }
-  }
-  float* x = nullptr;
-  if constexpr (std::is_same_v<T, float>) {
-    x = dst;
-  } else {
-    x = buf;
-  }
-  const float m = visible ? scale_mask_row_max(src, x, kend, s.scale, mrow, mstride) : kNegInf;
-  if (m == kNegInf) {  // no allowed key (or only -inf scores): zeros, never NaN
-    std::fill(dst, dst + K, T(0));
-    return;
-  }
-  if (row_is_nan(m)) {  // a NaN (or +inf) allowed score: the whole row is NaN
-    std::fill(dst, dst + K, static_cast<T>(kNaN));
-    return;
-  }
-  // Allowed scaled scores minus their max are <= 0: exp cannot overflow, even for fp16 1e4.
-  const float sum = exp_row_sum(x, kend, m);
-  store_scaled_row(x, dst, kend, 1.f / sum);
-  std::fill(dst + kend, dst + K, T(0));
-}
-
-// Rows [begin, end) of a contiguous [B*H*Q, K] matrix.
-template <typename T>
-void masked_softmax_rows(const T* scores, T* out, const SoftmaxParams& s, int64_t begin,
-                         int64_t end, float* buf) {
-  // (b, h, q) of row `begin`, then stepped without divisions.
-  int64_t q = begin % s.Q, h = (begin / s.Q) % s.H, b = begin / (s.Q * s.H);
-  for (int64_t r = begin; r < end; ++r) {
-    masked_softmax_row(scores + r * s.K, out + r * s.K, s, b, h, q, buf);
-    if (++q == s.Q) {
-      q = 0;
-      if (++h == s.H) {
-        h = 0;
-        ++b;
-      }
-    }
-  }
-}
-
-// ---- masked_softmax_backward ---------------------------------------------------------------
-
-// grad_scores = scale * p * (g - sum(g * p)) for rows [begin, end) of [rows, K] matrices.
-// `obuf` holds K floats (float16/bfloat16 only).
-template <typename T>
-void masked_softmax_backward_rows(const T* grad, const T* probs, T* out, int64_t K, float scale,
-                                  int64_t begin, int64_t end, float* obuf) {
-  for (int64_t r = begin; r < end; ++r) {
-    const T* g = grad + r * K;
-    const T* p = probs + r * K;
-    Vec vacc(0.f);
-    int64_t j = 0;
-    for (; j + kVec <= K; j += kVec) vacc = at::vec::fmadd(load_vec(g + j), load_vec(p + j), vacc);
-    float dot = hsum(vacc);
-    for (; j < K; ++j) dot += static_cast<float>(g[j]) * static_cast<float>(p[j]);
-
-    float* o = nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-      o = out + r * K;
-    } else {
-      o = obuf;
-    }
-    const Vec vdot(dot), vscale(scale);
-    j = 0;
-    for (; j + kVec <= K; j += kVec) {
-      (vscale * load_vec(p + j) * (load_vec(g + j) - vdot)).store(o + j);
-    }
-    for (; j < K; ++j) {
-      o[j] = scale * static_cast<float>(p[j]) * (static_cast<float>(g[j]) - dot);
-    }
-    if constexpr (!std::is_same_v<T, float>) at::vec::convert(obuf, out + r * K, K);
-  }
-}
-
-// ---- decode_attention ----------------------------------------------------------------------
-
-struct DecodeParams {
-  int64_t H, D;
-  int64_t ks0, ks1, ks2;  // k_cache strides (elements); stride(3) == 1
-  int64_t vs0, vs1, vs2;  // v_cache strides
-  const int64_t* lengths;
+struct BwdArgs {
+  const T *q, *k, *v, *out, *dout;
+  T *dq, *dk, *dv;
+  const float* lse;
+  int64_t H, Q, K, D;
+  int64_t qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2, os0, os1, os2, gs0, gs1, gs2;
+  int64_t dqs0, dqs1, dqs2, dks0, dks1, dks2, dvs0, dvs1, dvs2;
+  const int64_t *klen, *qlen;       // [B]
   float scale;
+  bool causal;
+  bool dropout;
+  uint32_t threshold;
+  float keep_scale;
+  const uint32_t *bh_key1, *bh_key2;
 };
 
-// scores[i] = qf . k_i for four keys at once (qf is float32, D elements).
-template <typename T>
-inline void dot4(const float* qf, const T* k0, const T* k1, const T* k2, const T* k3, int64_t D,
-                 float* out) {
-  Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-  int64_t d = 0;
-  for (; d + kVec <= D; d += kVec) {
-    const Vec qv = Vec::loadu(qf + d);
-    a0 = at::vec::fmadd(qv, load_vec(k0 + d), a0);
-    a1 = at::vec::fmadd(qv, load_vec(k1 + d), a1);
-    a2 = at::vec::fmadd(qv, load_vec(k2 + d), a2);
-    a3 = at::vec::fmadd(qv, load_vec(k3 + d), a3);
-  }
-  float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-  for (; d < D; ++d) {
-    s0 += qf[d] * static_cast<float>(k0[d]);
-    s1 += qf[d] * static_cast<float>(k1[d]);
-    s2 += qf[d] * static_cast<float>(k2[d]);
-    s3 += qf[d] * static_cast<float>(k3[d]);
-  }
-  out[0] = s0;
-  out[1] = s1;
-  out[2] = s2;
-  out[3] = s3;
+inline int64_t forward_workspace_floats(int64_t D, int64_t W) {
+  const int64_t Dp = round_up(D, W);
+  return D * kBlockM + kBlockN * D + kBlockN * Dp + kBlockN * kBlockM + kBlockM * Dp +
+         3 * kBlockM + Dp + 64;
 }
 
-template <typename T>
-inline float dot1(const float* qf, const T* k, int64_t D) {
-  Vec a(0.f);
-  int64_t d = 0;
-  for (; d + kVec <= D; d += kVec) a = at::vec::fmadd(Vec::loadu(qf + d), load_vec(k + d), a);
-  float s = hsum(a);
-  for (; d < D; ++d) s += qf[d] * static_cast<float>(k[d]);
-  return s;
-}
-
-// acc += w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3 (acc is float32, D elements).
-template <typename T>
-inline void axpy4(float* acc, const float* w, const T* v0, const T* v1, const T* v2,
-                  const T* v3, int64_t D) {
-  const Vec w0(w[0]), w1(w[1]), w2(w[2]), w3(w[3]);
-  int64_t d = 0;
-  for (; d + kVec <= D; d += kVec) {
-    Vec a = Vec::loadu(acc + d);
-    a = at::vec::fmadd(w0, load_vec(v0 + d), a);
-    a = at::vec::fmadd(w1, load_vec(v1 + d), a);
-    a = at::vec::fmadd(w2, load_vec(v2 + d), a);
-    a = at::vec::fmadd(w3, load_vec(v3 + d), a);
-    a.store(acc + d);
-  }
-  for (; d < D; ++d) {
-    acc[d] += w[0] * static_cast<float>(v0[d]) + w[1] * static_cast<float>(v1[d]) +
-              w[2] * static_cast<float>(v2[d]) + w[3] * static_cast<float>(v3[d]);
-  }
-}
-
-template <typename T>
-inline void axpy1(float* acc, float w, const T* v, int64_t D) {
-  const Vec vw(w);
-  int64_t d = 0;
-  for (; d + kVec <= D; d += kVec) {
-    at::vec::fmadd(vw, load_vec(v + d), Vec::loadu(acc + d)).store(acc + d);
-  }
-  for (; d < D; ++d) acc[d] += w * static_cast<float>(v[d]);
-}
-
-// One fused pass per (b, h) pair in [begin, end): scores over the cache prefix (and the new
-// key), softmax, weighted sum of the values. q, k_new, v_new, out are contiguous [B*H, D].
-// Buffers: scores >= max(lengths) + 1 floats, qf and acc D floats each.
-template <typename T>
-void decode_attention_rows(const T* q, const T* k, const T* v, const T* k_new, const T* v_new,
-                           T* out, const DecodeParams& s, int64_t begin, int64_t end,
-                           float* scores, float* qf, float* acc) {
-  const int64_t D = s.D;
-  for (int64_t bh = begin; bh < end; ++bh) {
-    const int64_t b = bh / s.H, h = bh % s.H;
-    const int64_t n_cache = s.lengths[b];
-    const int64_t n = n_cache + (k_new != nullptr ? 1 : 0);
-    T* o = out + bh * D;
-    if (n == 0) {  // no key at all
-      std::fill(o, o + D, T(0));
-      continue;
-    }
-    scale_row(q + bh * D, qf, D, s.scale);  // scores = (scale * q) . k
-    const T* kb = k + b * s.ks0 + h * s.ks1;
-    const T* vb = v + b * s.vs0 + h * s.vs1;
-    const int64_t ks = s.ks2, vs = s.vs2;
-
-    // 1. scores of keys 0 .. lengths[b]-1 (never past) and of the new key
-    int64_t j = 0;
-    for (; j + 4 <= n_cache; j += 4) {
-      const T* kj = kb + j * ks;
-      dot4(qf, kj, kj + ks, kj + 2 * ks, kj + 3 * ks, D, scores + j);
-    }
-    for (; j < n_cache; ++j) scores[j] = dot1(qf, kb + j * ks, D);
-    if (k_new != nullptr) scores[n_cache] = dot1(qf, k_new + bh * D, D);
-
-    // 2. softmax weights (normalised at the end); the same rules as masked_softmax for a
-    // row whose scores are all -inf (zeros) or include a NaN or +inf (NaN)
-    const float m = max_row(scores, n);
-    if (m == kNegInf || row_is_nan(m)) {
-      std::fill(o, o + D, m == kNegInf ? T(0) : static_cast<T>(kNaN));
-      continue;
-    }
-    const float sum = exp_row_sum(scores, n, m);
-
-    // 3. weighted sum of the values
-    std::fill(acc, acc + D, 0.f);
-    j = 0;
-    for (; j + 4 <= n_cache; j += 4) {
-      const T* vj = vb + j * vs;
-      axpy4(acc, scores + j, vj, vj + vs, vj + 2 * vs, vj + 3 * vs, D);
-    }
-    for (; j < n_cache; ++j) axpy1(acc, scores[j], vb + j * vs, D);
-    if (v_new != nullptr) axpy1(acc, scores[n_cache], v_new + bh * D, D);
-    store_scaled_row(acc, o, D, sum > 0.f ? 1.f / sum : 0.f);
-  }
+inline int64_t backward_workspace_floats(int64_t Q, int64_t D, int64_t W) {
+  const int64_t Dp = round_up(D, W);
+  return 3 * Q * Dp + 2 * D * kBlockN + 3 * kBlockN * Dp + 2 * kBlockM * kBlockN + 2 * Q + Dp + 64;
 }
 
 }  // namespace
 }  // namespace transformer_ext
 
-#ifdef TE_CPU_AVX2
-#pragma GCC diagnostic pop
+// ============================ kernel sections, one per ISA ============================
+#ifdef TE_FA_X86
+#pragma GCC push_options
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+namespace transformer_ext {
+namespace {
+#define TE_FA_NS fa_avx512
+#define TE_FA_W 16
+#include "attention_kernels.h"
+#undef TE_FA_NS
+#undef TE_FA_W
+}  // namespace
+}  // namespace transformer_ext
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace transformer_ext {
+namespace {
+#define TE_FA_NS fa_avx2
+#define TE_FA_W 8
+#include "attention_kernels.h"
+#undef TE_FA_NS
+#undef TE_FA_W
+}  // namespace
+}  // namespace transformer_ext
+#pragma GCC pop_options
+#pragma GCC diagnostic pop
 #endif
 // ===================================== end of kernels =====================================
 
 namespace transformer_ext {
 namespace {
 
-// Elements of work below which a parallel_for chunk is not worth a thread.
-constexpr int64_t kMinElemsPerTask = 32 * 1024;
+enum class Isa { kNone, kAvx2, kAvx512 };
 
-inline int64_t grain_for(int64_t elems_per_item) {
-  return std::max<int64_t>(1, kMinElemsPerTask / std::max<int64_t>(1, elems_per_item));
-}
-
-// True when the vectorized kernels above may run on this CPU (decided once).
-bool cpu_kernels_enabled() {
-  static const bool enabled = [] {
+Isa detect_isa() {
+  static const Isa isa = [] {
     const char* env = std::getenv("TRANSFORMER_EXT_CPU_FALLBACK");
-    if (env != nullptr && std::strcmp(env, "1") == 0) return false;
-#ifdef TE_CPU_AVX2
+    if (env != nullptr && std::strcmp(env, "1") == 0) return Isa::kNone;
+#ifdef TE_FA_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-#else
-    return true;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+      return Isa::kAvx512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      return Isa::kAvx2;
+    }
 #endif
+    return Isa::kNone;
   }();
-  return enabled;
+  return isa;
 }
 
-// float32 / float16 / bfloat16 run the kernels; float64 (accepted so that gradcheck can run
-// on the ops) and CPUs without the kernels' instructions run the composites below.
-bool use_kernels(const at::Tensor& t) {
-  return t.scalar_type() != at::kDouble && cpu_kernels_enabled();
+// Runs fn(task, thread_workspace) for every task, most expensive first, handing tasks out
+// through an atomic counter (dynamic balance); `ws_floats` floats of workspace per thread.
+template <typename F>
+void run_tasks(const std::vector<int64_t>& cost, int64_t ws_floats, int64_t ws_ints, const F& fn) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  if (n == 0) return;
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> ws(ws_floats);
+    std::vector<int64_t> wi(ws_ints);
+    for (;;) {
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= n) break;
+      fn(order[t], ws.data(), wi.data());
+    }
+  });
 }
 
-// The math dtype: float32, or float64 for float64 inputs.
-at::ScalarType math_type(const at::Tensor& t) {
-  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+// ---- argument checks ------------------------------------------------------------------------
+
+void check_lengths_arg(const std::optional<at::Tensor>& len, const char* name, const at::Tensor& q,
+                       int64_t B) {
+  if (!len.has_value() || !len->defined()) return;
+  const at::Tensor& t = *len;
+  TORCH_CHECK(t.device() == q.device(), name, " must be on ", q.device(), " (the device of q), got ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == B, name, " must have shape [", B,
+              "] (one length per batch row of q), got ", t.sizes());
 }
 
-// ---- ATen composites with the semantics of transformer_ext/reference.py.
-
-at::Tensor masked_softmax_composite(const at::Tensor& scores, const at::Tensor& mask_e,
-                                    double scale, bool causal) {
-  const int64_t Q = scores.size(2), K = scores.size(3);
-  const at::ScalarType acc = math_type(scores);
-  at::Tensor x = scores.to(acc) * scale;
-  at::Tensor allowed = mask_e;
-  if (causal) {
-    const auto opts = scores.options().dtype(at::kLong);
-    const at::Tensor c =
-        at::arange(K, opts).unsqueeze(0) <= at::arange(Q, opts).unsqueeze(1) + (K - Q);
-    allowed = allowed.defined() ? at::logical_and(allowed, c) : c;
+void check_lengths_range(const at::Tensor& len_cpu, const char* name, int64_t limit,
+                         const char* what) {
+  const int64_t* p = len_cpu.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < len_cpu.numel(); ++b) {
+    TORCH_CHECK(p[b] >= 0 && p[b] <= limit, name, "[", b, "] = ", p[b], " is out of range [0, ",
+                limit, "] (", what, ")");
   }
-  if (allowed.defined()) x = x.masked_fill(at::logical_not(allowed), -INFINITY);
-  // The max propagates NaN. A row without an allowed finite score (max -inf) is shifted by 0,
-  // so exp gives exact zeros; a NaN or +inf max makes every exp, the sum and so the whole
-  // row NaN (docs/DESIGN.md section 2).
-  at::Tensor row_max = std::get<0>(x.max(-1, /*keepdim=*/true));
-  row_max = at::where(row_max == -INFINITY, at::zeros_like(row_max), row_max);
-  const at::Tensor e = at::exp(x - row_max);
-  const at::Tensor denom = e.sum(-1, /*keepdim=*/true);
-  const double tiny = acc == at::kDouble ? DBL_MIN : FLT_MIN;
-  return at::where(denom == 0, at::zeros_like(e), e / denom.clamp_min(tiny))
-      .to(scores.scalar_type());
-}
-
-at::Tensor masked_softmax_backward_composite(const at::Tensor& grad, const at::Tensor& probs,
-                                             double scale) {
-  const at::ScalarType acc = math_type(probs);
-  const at::Tensor g = grad.to(acc), p = probs.to(acc);
-  const at::Tensor dot = (g * p).sum(-1, /*keepdim=*/true);
-  return (p * (g - dot) * scale).to(probs.scalar_type());
-}
-
-at::Tensor decode_attention_composite(const at::Tensor& q, const at::Tensor& k_cache,
-                                      const at::Tensor& v_cache, const at::Tensor& lengths,
-                                      double scale, const at::Tensor& k_new,
-                                      const at::Tensor& v_new) {
-  const int64_t L = k_cache.size(2);
-  const at::ScalarType acc = math_type(q);
-  const at::Tensor qf = q.to(acc);
-  at::Tensor scores = at::matmul(qf, k_cache.to(acc).transpose(-2, -1));  // [B,H,1,L]
-  at::Tensor allowed =
-      (at::arange(L, lengths.options()).view({1, 1, 1, L}) < lengths.view({-1, 1, 1, 1}))
-          .expand(scores.sizes());
-  at::Tensor vf = v_cache.to(acc);
-  if (k_new.defined()) {
-    scores = at::cat({scores, at::matmul(qf, k_new.to(acc).transpose(-2, -1))}, -1);
-    allowed = at::cat({allowed, at::ones({q.size(0), q.size(1), 1, 1}, allowed.options())}, -1);
-    vf = at::cat({vf, v_new.to(acc)}, 2);
-  }
-  if (scores.size(-1) == 0) return at::zeros_like(q, at::MemoryFormat::Contiguous);  // L = 0
-  const at::Tensor probs = masked_softmax_composite(scores, allowed, scale, false);
-  vf = vf.masked_fill(at::logical_not(allowed.transpose(-2, -1)), 0.0);  // no NaN past lengths
-  return at::matmul(probs, vf).to(q.scalar_type()).contiguous();
 }
 
 }  // namespace
 
-at::Tensor masked_softmax(const at::Tensor& scores,               // [B, H, Q, K]
-                          const std::optional<at::Tensor>& mask,  // bool, broadcastable
-                          double scale, bool causal) {
-  const at::Tensor mask_e = check_masked_softmax_args(scores, mask);  // [B, H, Q, K] view
-  const at::Tensor x = scores.contiguous();
-  if (!use_kernels(x)) return masked_softmax_composite(x, mask_e, scale, causal);
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  const int64_t B = x.size(0), H = x.size(1), Q = x.size(2), K = x.size(3);
-  const int64_t rows = B * H * Q;
-  if (rows == 0) return out;
-
-  SoftmaxParams s{H, Q, K, nullptr, 0, 0, 0, 0, causal, static_cast<float>(scale)};
-  if (mask_e.defined()) {
-    s.mask = mask_e.const_data_ptr<bool>();
-    s.ms0 = mask_e.stride(0);
-    s.ms1 = mask_e.stride(1);
-    s.ms2 = mask_e.stride(2);
-    s.ms3 = mask_e.stride(3);
+// Checks attention's arguments (shared with the CUDA host function through ops.h).
+void check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& key_lengths,
+                          const std::optional<at::Tensor>& query_lengths, double scale,
+                          double dropout_p, const std::optional<at::Tensor>& seed) {
+  TORCH_CHECK(q.dim() == 4, "q must have 4 dimensions [B, H, Q, D], got shape ", q.sizes());
+  TORCH_CHECK(k.dim() == 4, "k must have 4 dimensions [B, H, K, D], got shape ", k.sizes());
+  TORCH_CHECK(v.dim() == 4, "v must have 4 dimensions [B, H, K, D], got shape ", v.sizes());
+  CHECK_FLOATING(q);
+  CHECK_DEVICE(k, q);
+  CHECK_DEVICE(v, q);
+  CHECK_SAME_DTYPE(k, q);
+  CHECK_SAME_DTYPE(v, q);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
+  TORCH_CHECK(D >= 1, "q must have a head dimension of at least 1, got shape ", q.sizes());
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, "k must have shape [", B, ", ",
+              H, ", K, ", D, "] to match q ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes(), "v must have the shape of k ", k.sizes(), ", got ",
+              v.sizes());
+  check_lengths_arg(key_lengths, "key_lengths", q, B);
+  check_lengths_arg(query_lengths, "query_lengths", q, B);
+  TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ", dropout_p);
+  const bool has_seed = seed.has_value() && seed->defined();
+  if (has_seed) {
+    TORCH_CHECK(seed->device() == q.device(), "seed must be on ", q.device(),
+                " (the device of q), got ", seed->device());
+    TORCH_CHECK(seed->scalar_type() == at::kLong && seed->numel() == 1,
+                "seed must be an int64 tensor with one element, got ", seed->scalar_type(),
+                " of shape ", seed->sizes());
   }
-  TE_DISPATCH_FLOATING(x.scalar_type(), "masked_softmax_cpu", [&] {
-    const scalar_t* in = x.const_data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_for(K), [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(std::is_same_v<scalar_t, float> ? 0 : K);
-      masked_softmax_rows<scalar_t>(in, o, s, begin, end, buf.data());
-    });
-  });
-  return out;
+  TORCH_CHECK(dropout_p == 0.0 || has_seed, "seed is required when dropout_p > 0 (got dropout_p = ",
+              dropout_p, " and no seed)");
 }
 
-at::Tensor masked_softmax_backward(const at::Tensor& grad_probs,  // [B, H, Q, K]
-                                   const at::Tensor& probs,       // [B, H, Q, K]
-                                   double scale) {
-  check_masked_softmax_backward_args(grad_probs, probs);
-  const at::Tensor g = grad_probs.contiguous();
-  const at::Tensor p = probs.contiguous();
-  if (!use_kernels(p)) return masked_softmax_backward_composite(g, p, scale);
-  at::Tensor out = at::empty(p.sizes(), p.options());
-  const int64_t K = p.size(3);
-  const int64_t rows = K == 0 ? 0 : p.numel() / K;
-  if (rows == 0) return out;
-  TE_DISPATCH_FLOATING(p.scalar_type(), "masked_softmax_backward_cpu", [&] {
-    const scalar_t* gp = g.const_data_ptr<scalar_t>();
-    const scalar_t* pp = p.const_data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_for(K), [&](int64_t begin, int64_t end) {
-      std::vector<float> obuf(std::is_same_v<scalar_t, float> ? 0 : K);
-      masked_softmax_backward_rows<scalar_t>(gp, pp, o, K, static_cast<float>(scale), begin, end,
-                                             obuf.data());
-    });
-  });
-  return out;
+namespace {
+
+// The last dimension dense (any other strides are fine).
+at::Tensor dense_rows(const at::Tensor& t) {
+  return t.size(3) <= 1 || t.stride(3) == 1 ? t : t.contiguous();
 }
 
-at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1, D]
-                            const at::Tensor& k_cache,               // [B, H, L, D]
-                            const at::Tensor& v_cache,               // [B, H, L, D]
-                            const at::Tensor& lengths,               // [B] int64
-                            double scale,
-                            const std::optional<at::Tensor>& k_new,  // [B, H, 1, D]
-                            const std::optional<at::Tensor>& v_new) {
-  check_decode_attention_args(q, k_cache, v_cache, lengths, k_new, v_new);
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), L = k_cache.size(2);
-  const at::Tensor len = lengths.contiguous();
-  check_lengths_in_range(len, L);
-  const bool has_new = k_new.has_value() && k_new->defined();
-  const at::Tensor kn = has_new ? k_new->contiguous() : at::Tensor();
-  const at::Tensor vn = has_new ? v_new->contiguous() : at::Tensor();
-  if (!use_kernels(q)) {
-    return decode_attention_composite(q, k_cache, v_cache, len, scale, kn, vn);
-  }
+// [B, H, T, D] with the memory layout of [B, T, H, D]: what merge_heads views without a copy.
+at::Tensor empty_bthd(int64_t B, int64_t H, int64_t T, int64_t D, const at::TensorOptions& opts) {
+  return at::empty({B, T, H, D}, opts).transpose(1, 2);
+}
 
-  const at::Tensor qc = q.contiguous();
-  // Any strides in B, H, L are fine; only the head dim must be dense.
-  const at::Tensor kc = k_cache.stride(3) == 1 ? k_cache : k_cache.contiguous();
-  const at::Tensor vc = v_cache.stride(3) == 1 ? v_cache : v_cache.contiguous();
-  at::Tensor out = at::empty({B, H, 1, D}, qc.options());
-  if (B * H == 0) return out;
+at::Tensor lengths_or_full(const std::optional<at::Tensor>& len, int64_t B, int64_t full) {
+  if (len.has_value() && len->defined()) return len->to(at::kCPU).contiguous();
+  return at::full({B}, full, at::TensorOptions().dtype(at::kLong));
+}
 
-  const int64_t* lp = len.const_data_ptr<int64_t>();
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
-  const DecodeParams s{H, D,
-                       kc.stride(0), kc.stride(1), kc.stride(2),
-                       vc.stride(0), vc.stride(1), vc.stride(2),
-                       lp, static_cast<float>(scale)};
+int64_t seed_value(const std::optional<at::Tensor>& seed) {
+  if (!seed.has_value() || !seed->defined()) return 0;
+  return seed->to(at::kCPU).reshape({-1}).const_data_ptr<int64_t>()[0];
+}
 
-  TE_DISPATCH_FLOATING(qc.scalar_type(), "decode_attention_cpu", [&] {
-    const scalar_t* qp = qc.const_data_ptr<scalar_t>();
-    const scalar_t* kp = kc.const_data_ptr<scalar_t>();
-    const scalar_t* vp = vc.const_data_ptr<scalar_t>();
-    const scalar_t* knp = has_new ? kn.const_data_ptr<scalar_t>() : nullptr;
-    const scalar_t* vnp = has_new ? vn.const_data_ptr<scalar_t>() : nullptr;
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * H, grain_for(2 * (max_len + 1) * D), [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(max_len + 1 + 2 * D);  // scores, scaled q, accumulator
-      float* scores = buf.data();
-      float* qf = scores + max_len + 1;
-      decode_attention_rows<scalar_t>(qp, kp, vp, knp, vnp, o, s, begin, end, scores, qf,
-                                      qf + D);
-    });
+void bh_keys(int64_t seed, int64_t B, int64_t H, std::vector<uint32_t>& k1,
+             std::vector<uint32_t>& k2) {
+  k1.resize(B * H);
+  k2.resize(B * H);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) dropout_bh_keys(seed, b, h, &k1[b * H + h], &k2[b * H + h]);
+}
+
+// Bool [B, H, Q, K], true where the generator keeps (seed, b, h, i, j).
+at::Tensor dropout_keep_mask(int64_t seed, int64_t B, int64_t H, int64_t Q, int64_t K, double p) {
+  at::Tensor mask = at::empty({B, H, Q, K}, at::TensorOptions().dtype(at::kBool));
+  bool* m = mask.data_ptr<bool>();
+  const uint32_t thr = dropout_threshold(p);
+  at::parallel_for(0, B * H * Q, 1024 / std::max<int64_t>(1, K) + 1, [&](int64_t r0, int64_t r1e) {
+    for (int64_t r = r0; r < r1e; ++r) {
+      const int64_t i = r % Q, bh = r / Q, h = bh % H, b = bh / H;
+      uint32_t k1, k2, a1, a2;
+      dropout_bh_keys(seed, b, h, &k1, &k2);
+      dropout_row_keys(k1, k2, i, &a1, &a2);
+      for (int64_t j = 0; j < K; ++j) m[r * K + j] = dropout_keep(a1, a2, j, thr);
+    }
   });
-  return out;
+  return mask;
+}
+
+// ---- ATen composites (float64, CPUs without AVX2) ---------------------------------------------
+
+struct Probs {
+  at::Tensor p;        // [B, H, Q, K] softmax over allowed keys, zeros elsewhere
+  at::Tensor allowed;  // [B, H?, Q, K] bool
+  at::Tensor lse;      // [B, H, Q]
+};
+
+Probs composite_probs(const at::Tensor& qf, const at::Tensor& kf, const at::Tensor& klen,
+                      const at::Tensor& qlen, double scale, bool causal) {
+  const int64_t Q = qf.size(2), K = kf.size(2);
+  const auto lo = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor j = at::arange(K, lo).view({1, 1, 1, K});
+  const at::Tensor i = at::arange(Q, lo).view({1, 1, Q, 1});
+  at::Tensor allowed = (j < klen.view({-1, 1, 1, 1})).logical_and(i < qlen.view({-1, 1, 1, 1}));
+  if (causal) allowed = allowed.logical_and(j <= i + (K - Q));
+  const at::Tensor x = at::matmul(qf, kf.transpose(-2, -1)).mul(scale).masked_fill(
+      allowed.logical_not(), -INFINITY);
+  at::Tensor mx = std::get<0>(x.max(-1, true));
+  const at::Tensor empty = allowed.any(-1, true).logical_not();
+  mx = mx.masked_fill(empty, 0.0);
+  const at::Tensor e = at::exp(x - mx).masked_fill(allowed.logical_not(), 0.0);
+  const at::Tensor l = e.sum(-1, true);
+  const at::Tensor p = (e / l.masked_fill(empty, 1.0)).masked_fill(empty, 0.0);
+  const at::Tensor lse = (mx + at::log(l)).masked_fill(empty, -INFINITY).squeeze(-1);
+  return {p, allowed, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_composite(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& klen,
+    const at::Tensor& qlen, double scale, bool causal, double dropout_p, int64_t seed) {
+  const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  if (B * H * Q == 0 || K == 0) {  // no key or no query at all: zeros
+    at::Tensor out = empty_bthd(B, H, Q, D, q.options());
+    out.zero_();
+    return {out, at::full({B, H, Q}, -INFINITY, q.options().dtype(at::kFloat))};
+  }
+  const at::Tensor qf = q.to(acc), kf = k.to(acc);
+  // Values past the key lengths are never used: zeroed so that a NaN there cannot leak.
+  const at::Tensor keys = at::arange(K, at::TensorOptions().dtype(at::kLong)).view({1, 1, K, 1});
+  const at::Tensor vf = v.to(acc).masked_fill((keys >= klen.view({-1, 1, 1, 1})), 0.0);
+  Probs pr = composite_probs(qf, kf, klen, qlen, scale, causal);
+  at::Tensor p = pr.p;
+  if (dropout_p > 0.0) {
+    p = p * dropout_keep_mask(seed, B, H, Q, K, dropout_p).to(acc) / (1.0 - dropout_p);
+  }
+  at::Tensor out = empty_bthd(B, H, Q, D, q.options());
+  out.copy_(at::matmul(p, vf));
+  return {out, pr.lse.to(at::kFloat).contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_composite(
+    const at::Tensor& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& klen, const at::Tensor& qlen, double scale,
+    bool causal, double dropout_p, int64_t seed) {
+  const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  if (B * H * Q == 0 || K == 0) {
+    at::Tensor dq = empty_bthd(B, H, Q, D, q.options()), dk = empty_bthd(B, H, K, D, q.options());
+    at::Tensor dv = empty_bthd(B, H, K, D, q.options());
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  // Rows past the lengths are never used: zeroed so that a NaN there cannot leak through a
+  // zero probability (0 * NaN) into the products below.
+  const auto lo = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor past_k = at::arange(K, lo).view({1, 1, K, 1}) >= klen.view({-1, 1, 1, 1});
+  const at::Tensor past_q = at::arange(Q, lo).view({1, 1, Q, 1}) >= qlen.view({-1, 1, 1, 1});
+  const at::Tensor qf = q.to(acc).masked_fill(past_q, 0.0), gf = g.to(acc).masked_fill(past_q, 0.0);
+  const at::Tensor kf = k.to(acc).masked_fill(past_k, 0.0), vf = v.to(acc).masked_fill(past_k, 0.0);
+  Probs pr = composite_probs(qf, kf, klen, qlen, scale, causal);
+  at::Tensor keep_scaled;
+  at::Tensor pd = pr.p;
+  at::Tensor dp = at::matmul(gf, vf.transpose(-2, -1));
+  if (dropout_p > 0.0) {
+    keep_scaled = dropout_keep_mask(seed, B, H, Q, K, dropout_p).to(acc) / (1.0 - dropout_p);
+    pd = pd * keep_scaled;
+    dp = dp * keep_scaled;
+  }
+  const at::Tensor delta = (gf * out.to(acc).masked_fill(past_q, 0.0)).sum(-1, true);
+  const at::Tensor ds = (pr.p * (dp - delta)).masked_fill(pr.allowed.logical_not(), 0.0);
+  at::Tensor dq = empty_bthd(B, H, Q, D, q.options());
+  at::Tensor dk = empty_bthd(B, H, K, D, q.options());
+  at::Tensor dv = empty_bthd(B, H, K, D, q.options());
+  dq.copy_(at::matmul(ds, kf) * scale);
+  dk.copy_(at::matmul(ds.transpose(-2, -1), qf) * scale);
+  dv.copy_(at::matmul(pd.transpose(-2, -1), gf));
+  return {dq, dk, dv};
+}
+
+// ---- kernel launches ----------------------------------------------------------------------
+
+template <typename T, typename Fwd>
+void launch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    at::Tensor& out, at::Tensor& lse, const at::Tensor& klen,
+                    const at::Tensor& qlen, double scale, bool causal, double dropout_p,
+                    int64_t seed, int64_t W, const Fwd& block_fn) {
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  FwdArgs<T> a;
+  a.q = q.const_data_ptr<T>();
+  a.k = k.const_data_ptr<T>();
+  a.v = v.const_data_ptr<T>();
+  a.out = out.data_ptr<T>();
+  a.lse = lse.data_ptr<float>();
+  a.H = H;
+  a.Q = Q;
+  a.K = K;
+  a.D = D;
+  a.qs0 = q.stride(0); a.qs1 = q.stride(1); a.qs2 = q.stride(2);
+  a.ks0 = k.stride(0); a.ks1 = k.stride(1); a.ks2 = k.stride(2);
+  a.vs0 = v.stride(0); a.vs1 = v.stride(1); a.vs2 = v.stride(2);
+  a.os0 = out.stride(0); a.os1 = out.stride(1); a.os2 = out.stride(2);
+  a.klen = klen.const_data_ptr<int64_t>();
+  a.scale = static_cast<float>(scale);
+  a.causal = causal;
+  a.dropout = dropout_p > 0.0;
+  a.threshold = dropout_threshold(dropout_p);
+  a.keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+  std::vector<uint32_t> k1, k2;
+  if (a.dropout) bh_keys(seed, B, H, k1, k2);
+  a.bh_key1 = k1.data();
+  a.bh_key2 = k2.data();
+  const int64_t* ql = qlen.const_data_ptr<int64_t>();
+
+  const int64_t blocks = (Q + kBlockM - 1) / kBlockM;
+  std::vector<int64_t> cost(B * H * blocks);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t i0 = blk * kBlockM, i1 = std::min(std::min(Q, i0 + kBlockM), ql[b]);
+      int64_t c = 1;
+      for (int64_t i = i0; i < i1; ++i) c += row_key_limit(i, a.klen[b], Q, K, causal) + 1;
+      for (int64_t h = 0; h < H; ++h) cost[(b * H + h) * blocks + blk] = c;
+    }
+  }
+  run_tasks(cost, forward_workspace_floats(D, W), 0, [&](int64_t t, float* ws, int64_t*) {
+    const int64_t blk = t % blocks, bh = t / blocks, h = bh % H, b = bh / H;
+    const int64_t i0 = blk * kBlockM, iend = std::min(Q, i0 + kBlockM);
+    const int64_t i1 = std::clamp<int64_t>(ql[b], i0, iend);  // rows [i1, iend) are padding
+    if (i1 > i0) block_fn(a, b, h, i0, i1, ws);
+    T* ob = a.out + b * a.os0 + h * a.os1;
+    float* lrow = a.lse + (b * H + h) * Q;
+    for (int64_t i = i1; i < iend; ++i) {
+      std::fill(ob + i * a.os2, ob + i * a.os2 + D, T(0));
+      lrow[i] = -std::numeric_limits<float>::infinity();
+    }
+  });
+}
+
+template <typename T, typename Bwd>
+void launch_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                     at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& klen,
+                     const at::Tensor& qlen, double scale, bool causal, double dropout_p,
+                     int64_t seed, int64_t W, const Bwd& head_fn) {
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  BwdArgs<T> a;
+  a.q = q.const_data_ptr<T>();
+  a.k = k.const_data_ptr<T>();
+  a.v = v.const_data_ptr<T>();
+  a.out = out.const_data_ptr<T>();
+  a.dout = g.const_data_ptr<T>();
+  a.dq = dq.data_ptr<T>();
+  a.dk = dk.data_ptr<T>();
+  a.dv = dv.data_ptr<T>();
+  a.lse = lse.const_data_ptr<float>();
+  a.H = H;
+  a.Q = Q;
+  a.K = K;
+  a.D = D;
+  a.qs0 = q.stride(0); a.qs1 = q.stride(1); a.qs2 = q.stride(2);
+  a.ks0 = k.stride(0); a.ks1 = k.stride(1); a.ks2 = k.stride(2);
+  a.vs0 = v.stride(0); a.vs1 = v.stride(1); a.vs2 = v.stride(2);
+  a.os0 = out.stride(0); a.os1 = out.stride(1); a.os2 = out.stride(2);
+  a.gs0 = g.stride(0); a.gs1 = g.stride(1); a.gs2 = g.stride(2);
+  a.dqs0 = dq.stride(0); a.dqs1 = dq.stride(1); a.dqs2 = dq.stride(2);
+  a.dks0 = dk.stride(0); a.dks1 = dk.stride(1); a.dks2 = dk.stride(2);
+  a.dvs0 = dv.stride(0); a.dvs1 = dv.stride(1); a.dvs2 = dv.stride(2);
+  a.klen = klen.const_data_ptr<int64_t>();
+  a.qlen = qlen.const_data_ptr<int64_t>();
+  a.scale = static_cast<float>(scale);
+  a.causal = causal;
+  a.dropout = dropout_p > 0.0;
+  a.threshold = dropout_threshold(dropout_p);
+  a.keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+  std::vector<uint32_t> k1, k2;
+  if (a.dropout) bh_keys(seed, B, H, k1, k2);
+  a.bh_key1 = k1.data();
+  a.bh_key2 = k2.data();
+
+  std::vector<int64_t> cost(B * H);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t c = 1;
+    for (int64_t i = 0; i < a.qlen[b]; ++i) c += row_key_limit(i, a.klen[b], Q, K, causal) + 1;
+    for (int64_t h = 0; h < H; ++h) cost[b * H + h] = c;
+  }
+  run_tasks(cost, backward_workspace_floats(Q, D, W), Q, [&](int64_t t, float* ws, int64_t* wi) {
+    head_fn(a, t / H, t % H, ws, wi);
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, D]
+                                             const at::Tensor& k,  // [B, H, K, D]
+                                             const at::Tensor& v,  // [B, H, K, D]
+                                             const std::optional<at::Tensor>& key_lengths,
+                                             const std::optional<at::Tensor>& query_lengths,
+                                             double scale, bool causal, double dropout_p,
+                                             const std::optional<at::Tensor>& seed) {
+  check_attention_args(q, k, v, key_lengths, query_lengths, scale, dropout_p, seed);
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  const at::Tensor klen = lengths_or_full(key_lengths, B, K);
+  const at::Tensor qlen = lengths_or_full(query_lengths, B, Q);
+  check_lengths_range(klen, "key_lengths", K, "the key length K of k");
+  check_lengths_range(qlen, "query_lengths", Q, "the query length Q of q");
+  const int64_t s = dropout_p > 0.0 ? seed_value(seed) : 0;
+  const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
+  const Isa isa = detect_isa();
+  if (isa == Isa::kNone || q.scalar_type() == at::kDouble) {
+    return attention_composite(qd, kd, vd, klen, qlen, scale, causal, dropout_p, s);
+  }
+  at::Tensor out = empty_bthd(B, H, Q, D, q.options());
+  at::Tensor lse = at::empty({B, H, Q}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) {
+    lse.fill_(-INFINITY);
+    return {out, lse};
+  }
+#ifdef TE_FA_X86
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_cpu", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (isa == Isa::kAvx512) {
+        launch_forward<scalar_t>(qd, kd, vd, out, lse, klen, qlen, scale, causal, dropout_p, s, 16,
+                                 fa_avx512::forward_block<scalar_t>);
+      } else {
+        launch_forward<scalar_t>(qd, kd, vd, out, lse, klen, qlen, scale, causal, dropout_p, s, 8,
+                                 fa_avx2::forward_block<scalar_t>);
+      }
+    }
+  });
+#endif
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out,  // [B, H, Q, D]
+    const at::Tensor& q,         // [B, H, Q, D]
+    const at::Tensor& k,         // [B, H, K, D]
+    const at::Tensor& v,         // [B, H, K, D]
+    const at::Tensor& out,       // [B, H, Q, D] the forward output
+    const at::Tensor& lse,       // [B, H, Q] float32, from the forward pass
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& query_lengths,
+    double scale, bool causal, double dropout_p, const std::optional<at::Tensor>& seed) {
+  check_attention_args(q, k, v, key_lengths, query_lengths, scale, dropout_p, seed);
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  for (const at::Tensor* t : {&grad_out, &out}) {
+    const char* name = t == &grad_out ? "grad_out" : "out";
+    TORCH_CHECK(t->sizes() == q.sizes(), name, " must have the shape of q ", q.sizes(), ", got ",
+                t->sizes());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have the dtype of q (",
+                q.scalar_type(), "), got ", t->scalar_type());
+    TORCH_CHECK(t->device() == q.device(), name, " must be on ", q.device(), ", got ", t->device());
+  }
+  CHECK_DEVICE(lse, q);
+  CHECK_DTYPE(lse, at::kFloat);
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Q,
+              "lse must have shape [", B, ", ", H, ", ", Q, "], got ", lse.sizes());
+  const at::Tensor klen = lengths_or_full(key_lengths, B, K);
+  const at::Tensor qlen = lengths_or_full(query_lengths, B, Q);
+  check_lengths_range(klen, "key_lengths", K, "the key length K of k");
+  check_lengths_range(qlen, "query_lengths", Q, "the query length Q of q");
+  const int64_t s = dropout_p > 0.0 ? seed_value(seed) : 0;
+  const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
+  const at::Tensor gd = dense_rows(grad_out), od = dense_rows(out);
+  const Isa isa = detect_isa();
+  if (isa == Isa::kNone || q.scalar_type() == at::kDouble) {
+    return attention_backward_composite(gd, qd, kd, vd, od, klen, qlen, scale, causal, dropout_p, s);
+  }
+  at::Tensor dq = empty_bthd(B, H, Q, D, q.options());
+  at::Tensor dk = empty_bthd(B, H, K, D, q.options());
+  at::Tensor dv = empty_bthd(B, H, K, D, q.options());
+  if (B * H == 0) return {dq, dk, dv};
+  const at::Tensor lc = lse.contiguous();
+#ifdef TE_FA_X86
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward_cpu", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (isa == Isa::kAvx512) {
+        launch_backward<scalar_t>(gd, qd, kd, vd, od, lc, dq, dk, dv, klen, qlen, scale, causal,
+                                  dropout_p, s, 16, fa_avx512::backward_head<scalar_t>);
+      } else {
+        launch_backward<scalar_t>(gd, qd, kd, vd, od, lc, dq, dk, dv, klen, qlen, scale, causal,
+                                  dropout_p, s, 8, fa_avx2::backward_head<scalar_t>);
+      }
+    }
+  });
+#endif
+  return {dq, dk, dv};
+}
+
+at::Tensor attention_dropout_mask(const at::Tensor& seed, int64_t B, int64_t H, int64_t Q,
+                                  int64_t K, double dropout_p) {
+  TORCH_CHECK(seed.scalar_type() == at::kLong && seed.numel() == 1,
+              "seed must be an int64 tensor with one element, got ", seed.scalar_type(),
+              " of shape ", seed.sizes());
+  TORCH_CHECK(B >= 0 && H >= 0 && Q >= 0 && K >= 0, "B, H, Q, K must be >= 0, got ", B, ", ", H,
+              ", ", Q, ", ", K);
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ", dropout_p);
+  return dropout_keep_mask(seed_value(seed), B, H, Q, K, dropout_p).to(seed.device());
 }
 
 }  // namespace transformer_ext
 
 TORCH_LIBRARY_IMPL(transformer_ext, CPU, m) {
-  m.impl("masked_softmax", &transformer_ext::masked_softmax);
-  m.impl("masked_softmax_backward", &transformer_ext::masked_softmax_backward);
-  m.impl("decode_attention", &transformer_ext::decode_attention);
+  m.impl("attention", &transformer_ext::attention);
+  m.impl("attention_backward", &transformer_ext::attention_backward);
+  m.impl("attention_dropout_mask", &transformer_ext::attention_dropout_mask);
 }

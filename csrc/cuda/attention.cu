@@ -1,695 +1,558 @@
-// CUDA kernels of the attention family (docs/DESIGN.md section 2): masked_softmax, its
-// backward, and decode_attention. transformer_ext/reference.py is the oracle of each.
+// CUDA kernels of transformer_ext::attention and its backward (docs/DESIGN.md section 2; the
+// algorithm of csrc/cpu/attention.cpp, the oracle transformer_ext/reference.py).
 //
-// masked_softmax / masked_softmax_backward, rows of K scores ([B, H, Q, K] contiguous):
-//   K <= 1024  one warp per row, each lane holds its K/32 elements in registers
-//              (8 rows per 256-thread block, grid-stride loop over rows);
-//   K >  1024  one 512-thread block per row (grid-stride loop over rows); the forward pass
-//              keeps the row's scaled scores in shared memory up to K = 8192 and re-reads
-//              global memory beyond that, so any K works.
-// decode_attention: one 256-thread block per (b, h) pair (grid-stride loop). Each of the 8
-//   warps takes a strided share of the keys, computes q.k with lane-strided loads and a warp
-//   reduction, and keeps its own online softmax (running max, running sum, weighted V sum in
-//   registers); the 8 partial states are merged through shared memory at the end. Nothing
-//   grows with L, so any cache length works. The head dim is processed in tiles of 32 * R
-//   (R in {1, 2, 4, 8} chosen from D), so any D >= 1 works; for D > 256 the scores are
-//   recomputed once per 256-wide tile of the output.
-//   When B * H is below the SM count and the cache holds >= 512 keys, each row's keys are
-//   split into ranges of >= 256 keys handled by separate blocks (flash-decoding), whose
-//   float32 softmax states a second small kernel merges; otherwise it is one launch.
-#include <algorithm>
+// forward: one 256-thread block per (8 query rows, b, h); warp w owns query row i. The block
+//   walks tiles of 32 keys up to the last key any of its rows may see (never past
+//   key_lengths[b]); K and V tiles are staged in shared memory (rows padded by one element
+//   against bank conflicts). Lane l scores key j0 + l against its warp's row, the warp keeps an
+//   online softmax (running max, running sum, the output rescaled by exp(m_old - m_new)) with
+//   dropout from the counter-based generator of the CPU kernel, and each lane accumulates
+//   D / 32 output dimensions in float32 (float64 for float64 inputs). Saved: lse per row.
+// backward: (1) the same layout over query rows recomputes P from lse, dP = dO V^T, applies the
+//   dropout mask, and accumulates dq = scale * dS K; it also stores delta = rowsum(dO o O).
+//   (2) one warp per key row over tiles of 32 query rows (q scaled, dO, lse, delta in shared
+//   memory) accumulates dv = Pd^T dO and dk = dS^T (scale q). No atomics; every output element
+//   is written by one warp.
+// Head dims up to 128 (4 per lane); dtypes float32, float16, bfloat16, float64. Lengths are
+// clamped to [0, K] / [0, Q] on the device (checking them on the host would force a sync).
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
-#include <utility>
+#include <tuple>
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include "checks.h"
+#include "ops.h"
 #include "utils.cuh"
 
 namespace transformer_ext {
 namespace {
 
-constexpr int kSoftmaxWarpThreads = 256;     // warp-per-row kernels: 8 rows per block
-constexpr int64_t kSoftmaxWarpMaxK = 1024;   // longest row kept in registers (32 per lane)
-constexpr int kSoftmaxBlockThreads = 512;    // block-per-row kernels
-constexpr int64_t kSoftmaxSmemMaxK = 8192;   // block forward caches rows this long (32 KiB)
-constexpr int kDecodeWarps = 8;
-constexpr int kDecodeThreads = kDecodeWarps * 32;
-constexpr int kDecodeCombineThreads = 128;
-constexpr int64_t kDecodeMinKeysPerSplit = 256;  // split a row only into ranges this long
-constexpr int64_t kDecodeMaxSplits = 64;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTile = 32;     // keys (forward, dq) or query rows (dk, dv) per shared-memory tile
+constexpr int kMaxD = 128;
+constexpr int kPerLane = kMaxD / 32;
 
-// ---------------------------------------------------------------------------------------
-// masked_softmax
-// ---------------------------------------------------------------------------------------
+// ---- the dropout generator (the function of csrc/cpu/attention.cpp) ---------------------
 
-// The bool mask expanded to [B, H, Q, K] (stride 0 on broadcast dims), read as bytes.
-struct MaskView {
-  const uint8_t* ptr;  // nullptr: no mask
-  int64_t s0, s1, s2, s3;
-};
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+__device__ __forceinline__ void bh_keys(int64_t seed, int64_t b, int64_t h, uint32_t* k1,
+                                        uint32_t* k2) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  const uint32_t xs[4] = {static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32),
+                          static_cast<uint32_t>(b), static_cast<uint32_t>(h)};
+  uint32_t a = 0x243f6a88u, c = 0x85a308d3u;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    a = mix32(a + xs[t]);
+    c = mix32(c + xs[t]);
+  }
+  *k1 = a;
+  *k2 = c;
+}
+
+__device__ __forceinline__ bool keep(uint32_t k1, uint32_t k2, int64_t i, int64_t j,
+                                     uint32_t threshold) {
+  const uint32_t r1 = mix32(k1 + static_cast<uint32_t>(i));
+  const uint32_t r2 = mix32(k2 + static_cast<uint32_t>(i));
+  return mix32(mix32(static_cast<uint32_t>(j) + r1) ^ r2) >= threshold;
+}
+
+__device__ __forceinline__ int64_t row_limit(int64_t i, int64_t klen, int64_t Q, int64_t K,
+                                             bool causal) {
+  if (!causal) return klen;
+  const int64_t lim = i + (K - Q) + 1;
+  return lim < 0 ? 0 : (lim > klen ? klen : lim);
+}
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+// Kernels whose dynamic shared memory passes the default 48 KiB (float64 tiles) opt in once.
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullWarpMask, v, o);
+  return v;
+}
+
+// max that ignores NaN (NaN reaches the row through the exponentials and the sums).
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const T w = __shfl_xor_sync(kFullWarpMask, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
 
 template <typename scalar_t>
-struct SoftmaxForwardParams {
-  const scalar_t* scores;  // [rows, K] contiguous, rows = B * H * Q
-  scalar_t* probs;         // [rows, K] contiguous
-  MaskView mask;
-  int64_t rows, H, Q, K;
+struct Params {
+  const scalar_t *q, *k, *v, *out, *dout;
+  scalar_t *o, *dq, *dk, *dv;
+  float* lse;          // forward: written; backward: read
+  float* delta;        // backward: [B, H, Q]
+  const int64_t *klen, *qlen, *seed;
+  int64_t H, Q, K, D;
+  int64_t qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2;
+  int64_t os0, os1, os2;     // out / o
+  int64_t gs0, gs1, gs2;     // dout
+  int64_t dqs0, dqs1, dqs2, dks0, dks1, dks2, dvs0, dvs1, dvs2;
   float scale;
   bool causal;
-};
-
-// Per-row constants of the forward pass: where the row's mask starts and the last key it
-// may see (the causal limit folded with K - 1; negative when the row sees no key at all).
-struct RowInfo {
-  const uint8_t* mask_row;  // nullptr: no mask
-  int64_t last_key;
+  bool dropout;
+  uint32_t threshold;
+  float keep_scale;
 };
 
 template <typename scalar_t>
-__device__ __forceinline__ RowInfo row_info(const SoftmaxForwardParams<scalar_t>& p, int64_t row) {
-  const int64_t i = row % p.Q;
-  const int64_t bh = row / p.Q;
-  const int64_t h = bh % p.H;
-  const int64_t b = bh / p.H;
-  RowInfo info;
-  info.mask_row =
-      p.mask.ptr != nullptr ? p.mask.ptr + b * p.mask.s0 + h * p.mask.s1 + i * p.mask.s2 : nullptr;
-  // causal: query i sees key j iff j <= i + (K - Q), aligned bottom-right.
-  const int64_t causal_last = i + (p.K - p.Q);
-  info.last_key = (p.causal && causal_last < p.K - 1) ? causal_last : p.K - 1;
-  return info;
+__device__ __forceinline__ void lengths_of(const Params<scalar_t>& p, int64_t b, int64_t* klen,
+                                           int64_t* qlen) {
+  int64_t kl = p.klen != nullptr ? p.klen[b] : p.K;
+  int64_t ql = p.qlen != nullptr ? p.qlen[b] : p.Q;
+  *klen = kl < 0 ? 0 : (kl > p.K ? p.K : kl);
+  *qlen = ql < 0 ? 0 : (ql > p.Q ? p.Q : ql);
 }
 
-// scale * score in float32 for an allowed key, -inf otherwise (k >= K included, since
-// last_key <= K - 1), so nothing past the row is ever read.
-template <typename scalar_t>
-__device__ __forceinline__ float scaled_score(const scalar_t* row, const RowInfo& info,
-                                              int64_t mask_s3, int64_t k, float scale) {
-  if (k > info.last_key) return -INFINITY;
-  if (info.mask_row != nullptr && info.mask_row[k * mask_s3] == 0) return -INFINITY;
-  return static_cast<float>(row[k]) * scale;
-}
-
-// One warp per row; lane l holds keys l, l + 32, ..., l + 32 * (kElems - 1).
-template <typename scalar_t, int kElems>
-__global__ void __launch_bounds__(kSoftmaxWarpThreads)
-    masked_softmax_warp_kernel(const SoftmaxForwardParams<scalar_t> p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps_per_block = blockDim.x >> 5;
-  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * warps_per_block + (threadIdx.x >> 5);
-  const int64_t row_step = static_cast<int64_t>(gridDim.x) * warps_per_block;
-  // The row loop is uniform within a warp, so every lane reaches every shuffle.
-  for (int64_t row = first_row; row < p.rows; row += row_step) {
-    const RowInfo info = row_info(p, row);
-    const scalar_t* in = p.scores + row * p.K;
-    float x[kElems];
-    float row_max = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) {
-      x[e] = scaled_score(in, info, p.mask.s3, lane + 32 * e, p.scale);
-      row_max = fmaxf(row_max, x[e]);
-    }
-    const float shift = softmax_shift(warp_allreduce_max(row_max));
-    float sum = 0.f;
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) {
-      x[e] = expf(x[e] - shift);  // masked: exp(-inf) = 0
-      sum += x[e];
-    }
-    sum = warp_allreduce_sum(sum);
-    scalar_t* out = p.probs + row * p.K;
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) {
-      const int64_t k = lane + 32 * e;
-      if (k < p.K) out[k] = static_cast<scalar_t>(softmax_normalize(x[e], sum));
-    }
+// Stages rows [r0, r0 + kTile) (those below `rend`) of a [rows, D] matrix into shared memory
+// as acc_t with row stride D + 1, multiplied by `mul`; rows at or past `rend` are zeros.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void stage_tile(const scalar_t* base, int64_t row_stride, int64_t r0,
+                                           int64_t rend, int64_t D, acc_t mul, acc_t* dst) {
+  for (int64_t idx = threadIdx.x; idx < kTile * D; idx += blockDim.x) {
+    const int64_t c = idx / D, d = idx % D, r = r0 + c;
+    dst[c * (D + 1) + d] = r < rend ? static_cast<acc_t>(base[r * row_stride + d]) * mul : acc_t(0);
   }
 }
 
-// One block per row, any K. With kCacheRow the scaled scores, then their exponentials, live
-// in dynamic shared memory (K floats); otherwise each pass re-reads global memory. Thread t
-// only ever touches keys t, t + blockDim.x, ... of s_row, so s_row needs no barrier; s_red
-// is protected by the barriers inside the block reductions.
-template <typename scalar_t, bool kCacheRow>
-__global__ void __launch_bounds__(kSoftmaxBlockThreads)
-    masked_softmax_block_kernel(const SoftmaxForwardParams<scalar_t> p) {
-  extern __shared__ float s_row[];
-  __shared__ float s_red[32];
-  const int64_t tid = threadIdx.x;
-  const int64_t nthreads = blockDim.x;
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {  // uniform in the block
-    const RowInfo info = row_info(p, row);
-    const scalar_t* in = p.scores + row * p.K;
-    float row_max = -INFINITY;
-    for (int64_t k = tid; k < p.K; k += nthreads) {
-      const float x = scaled_score(in, info, p.mask.s3, k, p.scale);
-      if constexpr (kCacheRow) s_row[k] = x;
-      row_max = fmaxf(row_max, x);
+// ---- forward ---------------------------------------------------------------------------------
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Params<scalar_t> p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  extern __shared__ unsigned char smem_raw[];
+  acc_t* Ks = reinterpret_cast<acc_t*>(smem_raw);  // [kTile, D + 1]
+  acc_t* Vs = Ks + kTile * (p.D + 1);               // [kTile, D + 1]
+  acc_t* Qs = Vs + kTile * (p.D + 1);               // [kWarps, D]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H, D = p.D;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  int64_t klen, qlen;
+  lengths_of(p, b, &klen, &qlen);
+  const int64_t lim = i < qlen ? row_limit(i, klen, p.Q, p.K, p.causal) : 0;
+  const int64_t i_last = std::min<int64_t>(static_cast<int64_t>(blockIdx.x) * kWarps + kWarps, qlen) - 1;
+  const int64_t kend = i_last >= static_cast<int64_t>(blockIdx.x) * kWarps
+                           ? row_limit(i_last, klen, p.Q, p.K, p.causal) : 0;
+  const scalar_t* qrow = p.q + b * p.qs0 + h * p.qs1 + i * p.qs2;
+  for (int64_t d = lane; d < D; d += 32) {
+    Qs[warp * D + d] = lim > 0 ? static_cast<acc_t>(qrow[d]) * static_cast<acc_t>(p.scale) : acc_t(0);
+  }
+  uint32_t k1 = 0, k2 = 0;
+  if (p.dropout) bh_keys(p.seed[0], b, h, &k1, &k2);
+  const scalar_t* kb = p.k + b * p.ks0 + h * p.ks1;
+  const scalar_t* vb = p.v + b * p.vs0 + h * p.vs1;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  acc_t m = neg_inf, l = 0;
+  acc_t acc[kPerLane];
+#pragma unroll
+  for (int c = 0; c < kPerLane; ++c) acc[c] = 0;
+
+  for (int64_t j0 = 0; j0 < kend; j0 += kTile) {
+    __syncthreads();
+    stage_tile(kb, p.ks2, j0, kend, D, acc_t(1), Ks);
+    stage_tile(vb, p.vs2, j0, kend, D, acc_t(1), Vs);
+    __syncthreads();
+    if (lim <= j0) continue;  // warp-uniform: this row sees no key of the tile
+    const int64_t j = j0 + lane;
+    acc_t s = neg_inf;
+    if (j < lim) {
+      s = 0;
+      for (int64_t d = 0; d < D; ++d) s += Qs[warp * D + d] * Ks[lane * (D + 1) + d];
     }
-    const float shift = softmax_shift(block_allreduce_max(row_max, s_red));
-    float sum = 0.f;
-    for (int64_t k = tid; k < p.K; k += nthreads) {
-      float x;
-      if constexpr (kCacheRow) {
-        x = s_row[k];
-      } else {
-        x = scaled_score(in, info, p.mask.s3, k, p.scale);
+    const acc_t mnew = std::max(m, warp_max(s));
+    const acc_t alpha = m == neg_inf ? acc_t(0) : exp_acc(m - mnew);
+    acc_t pj = j < lim ? exp_acc(s - mnew) : acc_t(0);
+    l = l * alpha + warp_sum(pj);
+    if (p.dropout && j < lim && !keep(k1, k2, i, j, p.threshold)) pj = 0;
+#pragma unroll
+    for (int c = 0; c < kPerLane; ++c) acc[c] *= alpha;
+    const int64_t n = std::min<int64_t>(kTile, lim - j0);
+    for (int jj = 0; jj < n; ++jj) {
+      const acc_t w = __shfl_sync(kFullWarpMask, pj, jj);
+#pragma unroll
+      for (int c = 0; c < kPerLane; ++c) {
+        const int64_t d = lane + 32 * c;
+        if (d < D) acc[c] += w * Vs[jj * (D + 1) + d];
       }
-      const float e = expf(x - shift);
-      if constexpr (kCacheRow) s_row[k] = e;
-      sum += e;
     }
-    sum = block_allreduce_sum(sum, s_red);
-    scalar_t* out = p.probs + row * p.K;
-    for (int64_t k = tid; k < p.K; k += nthreads) {
-      float e;
-      if constexpr (kCacheRow) {
-        e = s_row[k];
-      } else {
-        e = expf(scaled_score(in, info, p.mask.s3, k, p.scale) - shift);
+    m = mnew;
+  }
+  if (i >= p.Q) return;
+  scalar_t* orow = p.o + b * p.os0 + h * p.os1 + i * p.os2;
+  const bool empty = !(l != acc_t(0));  // no allowed key (NaN: a NaN score, kept)
+  const acc_t inv = empty ? acc_t(0) : static_cast<acc_t>(p.keep_scale) / l;
+#pragma unroll
+  for (int c = 0; c < kPerLane; ++c) {
+    const int64_t d = lane + 32 * c;
+    if (d < D) orow[d] = static_cast<scalar_t>(empty ? acc_t(0) : acc[c] * inv);
+  }
+  if (lane == 0) {
+    p.lse[bh * p.Q + i] = empty ? -std::numeric_limits<float>::infinity()
+                                : static_cast<float>(m + log_acc(l));
+  }
+}
+
+// ---- backward (1): dq and delta ------------------------------------------------------------
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Params<scalar_t> p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  extern __shared__ unsigned char smem_raw[];
+  acc_t* Ks = reinterpret_cast<acc_t*>(smem_raw);  // [kTile, D + 1]
+  acc_t* Vs = Ks + kTile * (p.D + 1);
+  acc_t* Qs = Vs + kTile * (p.D + 1);               // [kWarps, D] scale * q
+  acc_t* Gs = Qs + kWarps * p.D;                    // [kWarps, D] dout
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H, D = p.D;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  int64_t klen, qlen;
+  lengths_of(p, b, &klen, &qlen);
+  const int64_t lim = i < qlen ? row_limit(i, klen, p.Q, p.K, p.causal) : 0;
+  const int64_t i_last = std::min<int64_t>(static_cast<int64_t>(blockIdx.x) * kWarps + kWarps, qlen) - 1;
+  const int64_t kend = i_last >= static_cast<int64_t>(blockIdx.x) * kWarps
+                           ? row_limit(i_last, klen, p.Q, p.K, p.causal) : 0;
+  const scalar_t* qrow = p.q + b * p.qs0 + h * p.qs1 + i * p.qs2;
+  const scalar_t* grow = p.dout + b * p.gs0 + h * p.gs1 + i * p.gs2;
+  const scalar_t* orow = p.out + b * p.os0 + h * p.os1 + i * p.os2;
+  acc_t dpart = 0;
+  for (int64_t d = lane; d < D; d += 32) {
+    const bool on = lim > 0;
+    Qs[warp * D + d] = on ? static_cast<acc_t>(qrow[d]) * static_cast<acc_t>(p.scale) : acc_t(0);
+    const acc_t g = on ? static_cast<acc_t>(grow[d]) : acc_t(0);
+    Gs[warp * D + d] = g;
+    if (on) dpart += g * static_cast<acc_t>(orow[d]);
+  }
+  const acc_t delta = warp_sum(dpart);
+  const acc_t lse = lim > 0 ? static_cast<acc_t>(p.lse[bh * p.Q + i]) : acc_t(0);
+  uint32_t k1 = 0, k2 = 0;
+  if (p.dropout) bh_keys(p.seed[0], b, h, &k1, &k2);
+  const acc_t rp = static_cast<acc_t>(p.keep_scale);
+  const scalar_t* kb = p.k + b * p.ks0 + h * p.ks1;
+  const scalar_t* vb = p.v + b * p.vs0 + h * p.vs1;
+  acc_t acc[kPerLane];
+#pragma unroll
+  for (int c = 0; c < kPerLane; ++c) acc[c] = 0;
+  for (int64_t j0 = 0; j0 < kend; j0 += kTile) {
+    __syncthreads();
+    stage_tile(kb, p.ks2, j0, kend, D, acc_t(1), Ks);
+    stage_tile(vb, p.vs2, j0, kend, D, acc_t(1), Vs);
+    __syncthreads();
+    if (lim <= j0) continue;
+    const int64_t j = j0 + lane;
+    acc_t ds = 0;
+    if (j < lim) {
+      acc_t s = 0, dp = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        s += Qs[warp * D + d] * Ks[lane * (D + 1) + d];
+        dp += Gs[warp * D + d] * Vs[lane * (D + 1) + d];
       }
-      out[k] = static_cast<scalar_t>(softmax_normalize(e, sum));
+      const acc_t pr = exp_acc(s - lse);
+      if (p.dropout) dp = keep(k1, k2, i, j, p.threshold) ? dp * rp : acc_t(0);
+      ds = pr * (dp - delta);
     }
-  }
-}
-
-template <typename scalar_t, int kElems>
-void launch_softmax_warp(const SoftmaxForwardParams<scalar_t>& p, cudaStream_t stream) {
-  const unsigned grid = grid_size_for(p.rows, kSoftmaxWarpThreads / 32, 32);
-  masked_softmax_warp_kernel<scalar_t, kElems><<<grid, kSoftmaxWarpThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename scalar_t>
-void launch_masked_softmax(const SoftmaxForwardParams<scalar_t>& p, cudaStream_t stream) {
-  if (p.K <= 32) {
-    launch_softmax_warp<scalar_t, 1>(p, stream);
-  } else if (p.K <= 64) {
-    launch_softmax_warp<scalar_t, 2>(p, stream);
-  } else if (p.K <= 128) {
-    launch_softmax_warp<scalar_t, 4>(p, stream);
-  } else if (p.K <= 256) {
-    launch_softmax_warp<scalar_t, 8>(p, stream);
-  } else if (p.K <= 512) {
-    launch_softmax_warp<scalar_t, 16>(p, stream);
-  } else if (p.K <= kSoftmaxWarpMaxK) {
-    launch_softmax_warp<scalar_t, 32>(p, stream);
-  } else if (p.K <= kSoftmaxSmemMaxK) {
-    const unsigned grid = grid_size_for(p.rows, 1, 8);
-    const size_t smem = static_cast<size_t>(p.K) * sizeof(float);  // <= 32 KiB
-    masked_softmax_block_kernel<scalar_t, true><<<grid, kSoftmaxBlockThreads, smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  } else {
-    const unsigned grid = grid_size_for(p.rows, 1, 8);
-    masked_softmax_block_kernel<scalar_t, false><<<grid, kSoftmaxBlockThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// masked_softmax_backward: d scores = scale * p * (g - sum_k g * p)
-// ---------------------------------------------------------------------------------------
-
-template <typename scalar_t>
-struct SoftmaxBackwardParams {
-  const scalar_t* grad_probs;  // [rows, K] contiguous
-  const scalar_t* probs;       // [rows, K] contiguous
-  scalar_t* grad_scores;       // [rows, K] contiguous
-  int64_t rows, K;
-  float scale;
-};
-
-template <typename scalar_t, int kElems>
-__global__ void __launch_bounds__(kSoftmaxWarpThreads)
-    masked_softmax_backward_warp_kernel(const SoftmaxBackwardParams<scalar_t> p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps_per_block = blockDim.x >> 5;
-  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * warps_per_block + (threadIdx.x >> 5);
-  const int64_t row_step = static_cast<int64_t>(gridDim.x) * warps_per_block;
-  for (int64_t row = first_row; row < p.rows; row += row_step) {  // uniform within a warp
-    const scalar_t* g_row = p.grad_probs + row * p.K;
-    const scalar_t* p_row = p.probs + row * p.K;
-    float g[kElems], pr[kElems];
-    float dot = 0.f;
+    const int64_t n = std::min<int64_t>(kTile, lim - j0);
+    for (int jj = 0; jj < n; ++jj) {
+      const acc_t w = __shfl_sync(kFullWarpMask, ds, jj);
 #pragma unroll
-    for (int e = 0; e < kElems; ++e) {
-      const int64_t k = lane + 32 * e;
-      g[e] = 0.f;
-      pr[e] = 0.f;
-      if (k < p.K) {
-        g[e] = static_cast<float>(g_row[k]);
-        pr[e] = static_cast<float>(p_row[k]);
+      for (int c = 0; c < kPerLane; ++c) {
+        const int64_t d = lane + 32 * c;
+        if (d < D) acc[c] += w * Ks[jj * (D + 1) + d];
       }
-      dot += g[e] * pr[e];
-    }
-    dot = warp_allreduce_sum(dot);
-    scalar_t* out = p.grad_scores + row * p.K;
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) {
-      const int64_t k = lane + 32 * e;
-      if (k < p.K) out[k] = static_cast<scalar_t>(p.scale * pr[e] * (g[e] - dot));
     }
   }
-}
-
-template <typename scalar_t>
-__global__ void __launch_bounds__(kSoftmaxBlockThreads)
-    masked_softmax_backward_block_kernel(const SoftmaxBackwardParams<scalar_t> p) {
-  __shared__ float s_red[32];
-  const int64_t tid = threadIdx.x;
-  const int64_t nthreads = blockDim.x;
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {  // uniform in the block
-    const scalar_t* g_row = p.grad_probs + row * p.K;
-    const scalar_t* p_row = p.probs + row * p.K;
-    float dot = 0.f;
-    for (int64_t k = tid; k < p.K; k += nthreads) {
-      dot += static_cast<float>(g_row[k]) * static_cast<float>(p_row[k]);
-    }
-    dot = block_allreduce_sum(dot, s_red);
-    scalar_t* out = p.grad_scores + row * p.K;
-    for (int64_t k = tid; k < p.K; k += nthreads) {
-      const float g = static_cast<float>(g_row[k]);
-      const float pr = static_cast<float>(p_row[k]);
-      out[k] = static_cast<scalar_t>(p.scale * pr * (g - dot));
-    }
+  if (i >= p.Q) return;
+  scalar_t* dqrow = p.dq + b * p.dqs0 + h * p.dqs1 + i * p.dqs2;
+#pragma unroll
+  for (int c = 0; c < kPerLane; ++c) {
+    const int64_t d = lane + 32 * c;
+    if (d < D) dqrow[d] = static_cast<scalar_t>(acc[c] * static_cast<acc_t>(p.scale));
   }
+  if (lane == 0) p.delta[bh * p.Q + i] = static_cast<float>(delta);
 }
 
-template <typename scalar_t, int kElems>
-void launch_softmax_backward_warp(const SoftmaxBackwardParams<scalar_t>& p, cudaStream_t stream) {
-  const unsigned grid = grid_size_for(p.rows, kSoftmaxWarpThreads / 32, 32);
-  masked_softmax_backward_warp_kernel<scalar_t, kElems>
-      <<<grid, kSoftmaxWarpThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
+// ---- backward (2): dk and dv ----------------------------------------------------------------
 
 template <typename scalar_t>
-void launch_masked_softmax_backward(const SoftmaxBackwardParams<scalar_t>& p,
-                                    cudaStream_t stream) {
-  if (p.K <= 32) {
-    launch_softmax_backward_warp<scalar_t, 1>(p, stream);
-  } else if (p.K <= 64) {
-    launch_softmax_backward_warp<scalar_t, 2>(p, stream);
-  } else if (p.K <= 128) {
-    launch_softmax_backward_warp<scalar_t, 4>(p, stream);
-  } else if (p.K <= 256) {
-    launch_softmax_backward_warp<scalar_t, 8>(p, stream);
-  } else if (p.K <= 512) {
-    launch_softmax_backward_warp<scalar_t, 16>(p, stream);
-  } else if (p.K <= kSoftmaxWarpMaxK) {
-    launch_softmax_backward_warp<scalar_t, 32>(p, stream);
-  } else {
-    const unsigned grid = grid_size_for(p.rows, 1, 8);
-    masked_softmax_backward_block_kernel<scalar_t><<<grid, kSoftmaxBlockThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+__global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Params<scalar_t> p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  extern __shared__ unsigned char smem_raw[];
+  acc_t* Qs = reinterpret_cast<acc_t*>(smem_raw);  // [kTile, D + 1] scale * q
+  acc_t* Gs = Qs + kTile * (p.D + 1);               // [kTile, D + 1] dout
+  acc_t* Ks = Gs + kTile * (p.D + 1);               // [kWarps, D]
+  acc_t* Vs = Ks + kWarps * p.D;                    // [kWarps, D]
+  acc_t* Ls = Vs + kWarps * p.D;                    // [kTile] lse
+  acc_t* Ds = Ls + kTile;                           // [kTile] delta
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H, D = p.D;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  int64_t klen, qlen;
+  lengths_of(p, b, &klen, &qlen);
+  const bool live = j < klen;
+  // The first query row that sees the block's first key (lim is non-decreasing in i).
+  const int64_t j_first = static_cast<int64_t>(blockIdx.x) * kWarps;
+  int64_t istart = p.causal ? j_first - (p.K - p.Q) : 0;
+  istart = istart < 0 ? 0 : istart;
+  const scalar_t* krow = p.k + b * p.ks0 + h * p.ks1 + j * p.ks2;
+  const scalar_t* vrow = p.v + b * p.vs0 + h * p.vs1 + j * p.vs2;
+  for (int64_t d = lane; d < D; d += 32) {
+    Ks[warp * D + d] = live ? static_cast<acc_t>(krow[d]) : acc_t(0);
+    Vs[warp * D + d] = live ? static_cast<acc_t>(vrow[d]) : acc_t(0);
   }
-}
-
-// ---------------------------------------------------------------------------------------
-// decode_attention
-// ---------------------------------------------------------------------------------------
-
-template <typename scalar_t>
-struct DecodeParams {
-  const scalar_t* q;        // [B, H, 1, D] contiguous
-  const scalar_t* k_cache;  // [B, H, L, D], strides k_sb, k_sh, k_sl, unit stride over D
-  const scalar_t* v_cache;  // [B, H, L, D], strides v_sb, v_sh, v_sl, unit stride over D
-  const int64_t* lengths;   // [B] contiguous
-  const scalar_t* k_new;    // [B, H, 1, D] contiguous, or nullptr
-  const scalar_t* v_new;    // [B, H, 1, D] contiguous, or nullptr (given with k_new)
-  scalar_t* out;            // [B, H, 1, D] contiguous; written when splits == 1
-  float* partial;           // [B * H, splits, 2 + D] float32 when splits > 1, else nullptr
-  int64_t BH, H, L, D;
-  int64_t k_sb, k_sh, k_sl;
-  int64_t v_sb, v_sh, v_sl;
-  int64_t splits;           // key ranges per (b, h); 1 = one block does the whole row
-  int64_t keys_per_split;   // split s covers keys [s * keys_per_split, (s + 1) * keys_per_split)
-  float scale;
-};
-
-// One block per work item (b, h, split) (grid-stride loop). kR head-dim elements per lane
-// per tile (tile = 32 * kR dims of the output); each warp step handles kKeys = 16 / kR keys,
-// i.e. 16 K loads and 16 V loads in flight per lane.
-//
-// The softmax state of a key range is (m, l, acc[d]): m the largest score (-inf if none),
-// l = sum_j exp(s_j - shift), acc[d] = sum_j exp(s_j - shift) v_j[d], shift = softmax_shift(m).
-// A range without keys is (-inf, 0, 0), and merging with factors exp(m - shift') gives it
-// weight exp(-inf) = 0, never NaN.
-template <typename scalar_t, int kR>
-__global__ void __launch_bounds__(kDecodeThreads)
-    decode_attention_kernel(const DecodeParams<scalar_t> p) {
-  constexpr int kTile = 32 * kR;
-  constexpr int kKeys = 16 / kR;
-  // Only the widest variant is launched with D > kTile (launch_decode_attention).
-  constexpr bool kMultiTile = kR == 8;
-  static_assert(kKeys >= 1 && kTile <= kDecodeThreads, "one thread per output dim of a tile");
-  __shared__ float s_max[kDecodeWarps];
-  __shared__ float s_sum[kDecodeWarps];
-  __shared__ float s_acc[kDecodeWarps][kTile];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  constexpr int64_t kWarpStride = static_cast<int64_t>(kDecodeWarps) * kKeys;
-  const int64_t items = p.BH * p.splits;
-
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {  // uniform in the block
-    const int64_t bh = item / p.splits;
-    const int64_t split = item % p.splits;
-    const int64_t b = bh / p.H;
-    const int64_t h = bh % p.H;
-    // Clamp on the device: checking on the host would cost a sync per step (ops.py says so).
-    int64_t len = p.lengths[b];
-    len = len < 0 ? 0 : (len > p.L ? p.L : len);
-    const int64_t n = len + (p.k_new != nullptr ? 1 : 0);  // keys: cache[0, len) + new
-    // This block's keys [j_begin, j_end); empty when the row is shorter than the split start.
-    const int64_t j_begin = split * p.keys_per_split;
-    const int64_t j_end = n < j_begin + p.keys_per_split ? n : j_begin + p.keys_per_split;
-    const scalar_t* q_row = p.q + bh * p.D;
-    const scalar_t* k_base = p.k_cache + b * p.k_sb + h * p.k_sh;
-    const scalar_t* v_base = p.v_cache + b * p.v_sb + h * p.v_sh;
-    const scalar_t* k_extra = p.k_new != nullptr ? p.k_new + bh * p.D : nullptr;
-    const scalar_t* v_extra = p.v_new != nullptr ? p.v_new + bh * p.D : nullptr;
-
-    // q dims lane + 32 i of the first tile in registers; dims past it (D > 256) re-read q.
-    float q_reg[kR];
+  uint32_t k1 = 0, k2 = 0;
+  if (p.dropout) bh_keys(p.seed[0], b, h, &k1, &k2);
+  const acc_t rp = static_cast<acc_t>(p.keep_scale);
+  const scalar_t* qb = p.q + b * p.qs0 + h * p.qs1;
+  const scalar_t* gb = p.dout + b * p.gs0 + h * p.gs1;
+  acc_t dk[kPerLane], dv[kPerLane];
 #pragma unroll
-    for (int i = 0; i < kR; ++i) {
-      const int64_t d = lane + 32 * i;
-      q_reg[i] = d < p.D ? static_cast<float>(q_row[d]) : 0.f;
+  for (int c = 0; c < kPerLane; ++c) dk[c] = dv[c] = 0;
+  const bool block_live = j_first < klen;
+  for (int64_t i0 = block_live ? istart : qlen; i0 < qlen; i0 += kTile) {
+    __syncthreads();
+    stage_tile(qb, p.qs2, i0, qlen, D, static_cast<acc_t>(p.scale), Qs);
+    stage_tile(gb, p.gs2, i0, qlen, D, acc_t(1), Gs);
+    if (threadIdx.x < kTile) {
+      const int64_t i = i0 + threadIdx.x;
+      Ls[threadIdx.x] = i < qlen ? static_cast<acc_t>(p.lse[bh * p.Q + i]) : acc_t(0);
+      Ds[threadIdx.x] = i < qlen ? static_cast<acc_t>(p.delta[bh * p.Q + i]) : acc_t(0);
     }
-
-    for (int64_t d0 = 0; d0 < p.D; d0 += kTile) {  // one pass for D <= 256
-      // This warp's state; acc[i] is output dim d0 + lane + 32 i.
-      float run_max = -INFINITY;
-      float run_sum = 0.f;
-      float acc[kR];
-#pragma unroll
-      for (int i = 0; i < kR; ++i) acc[i] = 0.f;
-
-      // The key loop is uniform within a warp (j0 depends on the warp only): every lane
-      // reaches every shuffle. Key j < len is cache row j, key j == len the new key.
-      for (int64_t j0 = j_begin + static_cast<int64_t>(warp) * kKeys; j0 < j_end;
-           j0 += kWarpStride) {
-        float score[kKeys];
-        float val[kKeys][kR];
-#pragma unroll
-        for (int u = 0; u < kKeys; ++u) {
-          const int64_t j = j0 + u;
-          score[u] = 0.f;
-#pragma unroll
-          for (int i = 0; i < kR; ++i) val[u][i] = 0.f;
-          if (j < j_end) {
-            const scalar_t* k_row = j < len ? k_base + j * p.k_sl : k_extra;
-            const scalar_t* v_row = j < len ? v_base + j * p.v_sl : v_extra;
-#pragma unroll
-            for (int i = 0; i < kR; ++i) {
-              const int64_t d = lane + 32 * i;
-              if (d < p.D) score[u] += q_reg[i] * static_cast<float>(k_row[d]);
-            }
-            if constexpr (kMultiTile) {
-              for (int64_t d = kTile + lane; d < p.D; d += 32) {
-                score[u] += static_cast<float>(q_row[d]) * static_cast<float>(k_row[d]);
-              }
-            }
-#pragma unroll
-            for (int i = 0; i < kR; ++i) {
-              const int64_t d = d0 + lane + 32 * i;
-              if (d < p.D) val[u][i] = static_cast<float>(v_row[d]);
-            }
-          }
-        }
-        float step_max = run_max;
-#pragma unroll
-        for (int u = 0; u < kKeys; ++u) {
-          const float dot = warp_allreduce_sum(score[u]);
-          score[u] = j0 + u < j_end ? dot * p.scale : -INFINITY;  // reference: scale * (q.k)
-          step_max = fmaxf(step_max, score[u]);
-        }
-        const float shift = softmax_shift(step_max);
-        const float alpha = expf(run_max - shift);  // 0 while run_max is -inf
-        run_sum *= alpha;
-#pragma unroll
-        for (int i = 0; i < kR; ++i) acc[i] *= alpha;
-#pragma unroll
-        for (int u = 0; u < kKeys; ++u) {
-          const float w = expf(score[u] - shift);  // 0 for keys past j_end
-          run_sum += w;
-#pragma unroll
-          for (int i = 0; i < kR; ++i) acc[i] += w * val[u][i];
-        }
-        run_max = step_max;
+    __syncthreads();
+    if (!live) continue;
+    const int64_t i = i0 + lane;
+    const bool visible = i < qlen && j < row_limit(i, klen, p.Q, p.K, p.causal);
+    acc_t pd = 0, ds = 0;
+    if (visible) {
+      acc_t s = 0, dp = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        s += Qs[lane * (D + 1) + d] * Ks[warp * D + d];
+        dp += Gs[lane * (D + 1) + d] * Vs[warp * D + d];
       }
-
-      // Merge the warps' states: num = sum_w acc_w e^(m_w - shift), den likewise with l_w.
-      if (lane == 0) {
-        s_max[warp] = run_max;
-        s_sum[warp] = run_sum;
-      }
+      const acc_t pr = exp_acc(s - Ls[lane]);
+      const bool kept = !p.dropout || keep(k1, k2, i, j, p.threshold);
+      pd = kept ? pr * rp : acc_t(0);
+      ds = pr * ((kept ? dp * rp : acc_t(0)) - Ds[lane]);
+    }
+    for (int ii = 0; ii < kTile; ++ii) {
+      const acc_t wv = __shfl_sync(kFullWarpMask, pd, ii);
+      const acc_t wk = __shfl_sync(kFullWarpMask, ds, ii);
 #pragma unroll
-      for (int i = 0; i < kR; ++i) s_acc[warp][lane + 32 * i] = acc[i];
-      __syncthreads();
-      const int64_t d = d0 + threadIdx.x;
-      if (threadIdx.x < kTile && d < p.D) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kDecodeWarps; ++w) m = fmaxf(m, s_max[w]);
-        const float shift = softmax_shift(m);
-        float num = 0.f;
-        float den = 0.f;
-#pragma unroll
-        for (int w = 0; w < kDecodeWarps; ++w) {
-          const float f = expf(s_max[w] - shift);  // 0 for a warp without keys
-          den += s_sum[w] * f;
-          num += s_acc[w][threadIdx.x] * f;
-        }
-        if (p.splits == 1) {
-          p.out[bh * p.D + d] = static_cast<scalar_t>(softmax_normalize(num, den));
-        } else {
-          // This split's merged state, relative to softmax_shift(m); combined by
-          // decode_attention_combine_kernel.
-          float* state = p.partial + item * (p.D + 2);
-          if (d == 0) {
-            state[0] = m;
-            state[1] = den;
-          }
-          state[2 + d] = num;
+      for (int c = 0; c < kPerLane; ++c) {
+        const int64_t d = lane + 32 * c;
+        if (d < D) {
+          dv[c] += wv * Gs[ii * (D + 1) + d];
+          dk[c] += wk * Qs[ii * (D + 1) + d];
         }
       }
-      __syncthreads();  // s_max / s_sum / s_acc are rewritten by the next tile or item
+    }
+  }
+  if (j >= p.K) return;
+  scalar_t* dkrow = p.dk + b * p.dks0 + h * p.dks1 + j * p.dks2;
+  scalar_t* dvrow = p.dv + b * p.dvs0 + h * p.dvs1 + j * p.dvs2;
+#pragma unroll
+  for (int c = 0; c < kPerLane; ++c) {
+    const int64_t d = lane + 32 * c;
+    if (d < D) {
+      dkrow[d] = static_cast<scalar_t>(live ? dk[c] : acc_t(0));
+      dvrow[d] = static_cast<scalar_t>(live ? dv[c] : acc_t(0));
     }
   }
 }
 
-// Merges the split states of each (b, h): out[d] = sum_s acc_s[d] e^(m_s - shift) /
-// sum_s l_s e^(m_s - shift), shift = softmax_shift(max_s m_s); zeros when no split had a key.
-template <typename scalar_t>
-__global__ void __launch_bounds__(kDecodeCombineThreads)
-    decode_attention_combine_kernel(const float* __restrict__ partial,  // [BH, splits, 2 + D]
-                                    scalar_t* __restrict__ out,         // [BH, D]
-                                    int64_t BH, int64_t splits, int64_t D) {
-  for (int64_t bh = blockIdx.x; bh < BH; bh += gridDim.x) {
-    const float* states = partial + bh * splits * (D + 2);
-    float m = -INFINITY;
-    for (int64_t s = 0; s < splits; ++s) m = fmaxf(m, states[s * (D + 2)]);
-    const float shift = softmax_shift(m);
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-      float num = 0.f;
-      float den = 0.f;
-      for (int64_t s = 0; s < splits; ++s) {
-        const float* state = states + s * (D + 2);
-        const float f = expf(state[0] - shift);  // 0 for a split without keys
-        den += state[1] * f;
-        num += state[2 + d] * f;
-      }
-      out[bh * D + d] = static_cast<scalar_t>(softmax_normalize(num, den));
-    }
-  }
-}
-
-template <typename scalar_t, int kR>
-void launch_decode(const DecodeParams<scalar_t>& p, cudaStream_t stream) {
-  const unsigned grid = grid_size_for(p.BH * p.splits, 1, 16);
-  decode_attention_kernel<scalar_t, kR><<<grid, kDecodeThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// kR = 1, 2, 4 cover D <= 32 kR in one tile; kR = 8 tiles any larger D.
-template <typename scalar_t>
-void launch_decode_attention(const DecodeParams<scalar_t>& p, cudaStream_t stream) {
-  if (p.D <= 32) {
-    launch_decode<scalar_t, 1>(p, stream);
-  } else if (p.D <= 64) {
-    launch_decode<scalar_t, 2>(p, stream);
-  } else if (p.D <= 128) {
-    launch_decode<scalar_t, 4>(p, stream);
-  } else {
-    launch_decode<scalar_t, 8>(p, stream);
-  }
-  if (p.splits > 1) {
-    const unsigned grid = grid_size_for(p.BH, 1, 16);
-    decode_attention_combine_kernel<scalar_t>
-        <<<grid, kDecodeCombineThreads, 0, stream>>>(p.partial, p.out, p.BH, p.splits, p.D);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-}
-
-// How many blocks share one (b, h) row: 1 unless B * H blocks would leave most of the GPU
-// idle and the cache is long, then enough splits of >= kDecodeMinKeysPerSplit keys to give
-// every SM about two blocks. Returns {splits, keys_per_split}; keys_per_split >= 1.
-std::pair<int64_t, int64_t> decode_splits(int64_t BH, int64_t max_keys) {
-  const int64_t sms = num_sms();
-  int64_t splits = 1;
-  if (BH < sms && max_keys >= 2 * kDecodeMinKeysPerSplit) {
-    splits = std::min({ceil_div(2 * sms, BH), max_keys / kDecodeMinKeysPerSplit,
-                       kDecodeMaxSplits});
-  }
-  if (splits <= 1) return {1, std::max<int64_t>(max_keys, 1)};
-  const int64_t keys_per_split = ceil_div(max_keys, splits);
-  return {ceil_div(max_keys, keys_per_split), keys_per_split};  // no empty trailing split
-}
-
-// Rows of D elements must be dense for the kernel's unit-stride loads; a cache whose last
-// dim is strided is copied (it is only read here).
-at::Tensor with_dense_rows(const at::Tensor& t) {
+at::Tensor dense_rows(const at::Tensor& t) {
   return t.size(3) <= 1 || t.stride(3) == 1 ? t : t.contiguous();
+}
+
+at::Tensor empty_bthd(int64_t B, int64_t H, int64_t T, int64_t D, const at::TensorOptions& opts) {
+  return at::empty({B, T, H, D}, opts).transpose(1, 2);
+}
+
+uint32_t threshold_of(double p) {
+  if (!(p > 0.0)) return 0;
+  return static_cast<uint32_t>(std::min(std::floor(p * 4294967296.0), 4294967295.0));
+}
+
+template <typename scalar_t>
+void fill_common(Params<scalar_t>& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const std::optional<at::Tensor>& key_lengths,
+                 const std::optional<at::Tensor>& query_lengths, const std::optional<at::Tensor>& seed,
+                 double scale, bool causal, double dropout_p) {
+  p.q = q.const_data_ptr<scalar_t>();
+  p.k = k.const_data_ptr<scalar_t>();
+  p.v = v.const_data_ptr<scalar_t>();
+  p.H = q.size(1);
+  p.Q = q.size(2);
+  p.K = k.size(2);
+  p.D = q.size(3);
+  p.qs0 = q.stride(0); p.qs1 = q.stride(1); p.qs2 = q.stride(2);
+  p.ks0 = k.stride(0); p.ks1 = k.stride(1); p.ks2 = k.stride(2);
+  p.vs0 = v.stride(0); p.vs1 = v.stride(1); p.vs2 = v.stride(2);
+  p.klen = key_lengths.has_value() && key_lengths->defined() ? key_lengths->const_data_ptr<int64_t>() : nullptr;
+  p.qlen = query_lengths.has_value() && query_lengths->defined() ? query_lengths->const_data_ptr<int64_t>() : nullptr;
+  p.seed = dropout_p > 0.0 ? seed->const_data_ptr<int64_t>() : nullptr;
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  p.dropout = dropout_p > 0.0;
+  p.threshold = threshold_of(dropout_p);
+  p.keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+}
+
+std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
+  if (!t.has_value() || !t->defined()) return std::nullopt;
+  return t->contiguous();
+}
+
+void check_cuda_attention(const at::Tensor& q) {
+  CHECK_CUDA(q);
+  TORCH_CHECK(q.size(3) <= kMaxD, "q: the CUDA attention kernel supports head dims up to ", kMaxD,
+              ", got ", q.size(3));
 }
 
 }  // namespace
 
 namespace cuda_impl {
 
-// The CUDA implementations are registered under the schemas of torch_bindings.cpp; they live
-// in their own namespace so that they do not collide with the CPU host functions of ops.h.
-
-at::Tensor masked_softmax(const at::Tensor& scores,               // [B, H, Q, K]
-                          const std::optional<at::Tensor>& mask,  // bool, broadcastable
-                          double scale, bool causal) {
-  const at::Tensor mask_view = check_masked_softmax_args(scores, mask);  // expanded, no copy
-  CHECK_CUDA(scores);
-  const c10::cuda::OptionalCUDAGuard device_guard(scores.device());
-  const at::Tensor x = scores.contiguous();
-  at::Tensor probs = at::empty(x.sizes(), x.options());  // contiguous, input dtype
-  if (probs.numel() == 0) return probs;
-
-  MaskView mv{nullptr, 0, 0, 0, 0};
-  if (mask_view.defined()) {
-    mv.ptr = reinterpret_cast<const uint8_t*>(mask_view.const_data_ptr<bool>());
-    mv.s0 = mask_view.stride(0);
-    mv.s1 = mask_view.stride(1);
-    mv.s2 = mask_view.stride(2);
-    mv.s3 = mask_view.stride(3);
-  }
-  const int64_t B = x.size(0), H = x.size(1), Q = x.size(2), K = x.size(3);
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  TE_DISPATCH_FLOATING(x.scalar_type(), "masked_softmax_cuda", [&] {
-    SoftmaxForwardParams<scalar_t> p;
-    p.scores = x.const_data_ptr<scalar_t>();
-    p.probs = probs.data_ptr<scalar_t>();
-    p.mask = mv;
-    p.rows = B * H * Q;
-    p.H = H;
-    p.Q = Q;
-    p.K = K;
-    p.scale = static_cast<float>(scale);
-    p.causal = causal;
-    launch_masked_softmax<scalar_t>(p, stream);
-  });
-  return probs;
-}
-
-at::Tensor masked_softmax_backward(const at::Tensor& grad_probs,  // [B, H, Q, K]
-                                   const at::Tensor& probs,       // [B, H, Q, K]
-                                   double scale) {
-  check_masked_softmax_backward_args(grad_probs, probs);
-  CHECK_CUDA(probs);
-  const c10::cuda::OptionalCUDAGuard device_guard(probs.device());
-  const at::Tensor g = grad_probs.contiguous();
-  const at::Tensor pr = probs.contiguous();
-  at::Tensor grad_scores = at::empty(pr.sizes(), pr.options());
-  if (grad_scores.numel() == 0) return grad_scores;
-
-  const int64_t K = pr.size(3);
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  TE_DISPATCH_FLOATING(pr.scalar_type(), "masked_softmax_backward_cuda", [&] {
-    SoftmaxBackwardParams<scalar_t> p;
-    p.grad_probs = g.const_data_ptr<scalar_t>();
-    p.probs = pr.const_data_ptr<scalar_t>();
-    p.grad_scores = grad_scores.data_ptr<scalar_t>();
-    p.rows = pr.numel() / K;
-    p.K = K;
-    p.scale = static_cast<float>(scale);
-    launch_masked_softmax_backward<scalar_t>(p, stream);
-  });
-  return grad_scores;
-}
-
-at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1, D]
-                            const at::Tensor& k_cache,               // [B, H, L, D]
-                            const at::Tensor& v_cache,               // [B, H, L, D]
-                            const at::Tensor& lengths,               // [B] int64
-                            double scale,
-                            const std::optional<at::Tensor>& k_new,  // [B, H, 1, D]
-                            const std::optional<at::Tensor>& v_new) {
-  check_decode_attention_args(q, k_cache, v_cache, lengths, k_new, v_new);
-  CHECK_CUDA(q);
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, D]
+                                             const at::Tensor& k,  // [B, H, K, D]
+                                             const at::Tensor& v,  // [B, H, K, D]
+                                             const std::optional<at::Tensor>& key_lengths,
+                                             const std::optional<at::Tensor>& query_lengths,
+                                             double scale, bool causal, double dropout_p,
+                                             const std::optional<at::Tensor>& seed) {
+  check_attention_args(q, k, v, key_lengths, query_lengths, scale, dropout_p, seed);
+  check_cuda_attention(q);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
-  const int64_t B = q.size(0), H = q.size(1), L = k_cache.size(2), D = q.size(3);
-  at::Tensor out = at::empty({B, H, 1, D}, q.options());  // contiguous
-  if (out.numel() == 0) return out;
-
-  const at::Tensor qc = q.contiguous();
-  const at::Tensor kc = with_dense_rows(k_cache);
-  const at::Tensor vc = with_dense_rows(v_cache);
-  const at::Tensor len = lengths.contiguous();
-  const bool has_new = k_new.has_value() && k_new->defined();  // v_new too (checked)
-  const at::Tensor kn = has_new ? k_new->contiguous() : at::Tensor();
-  const at::Tensor vn = has_new ? v_new->contiguous() : at::Tensor();
-
-  const int64_t BH = B * H;
-  const std::pair<int64_t, int64_t> plan = decode_splits(BH, L + (has_new ? 1 : 0));
-  const int64_t splits = plan.first, keys_per_split = plan.second;
-  at::Tensor partial;  // per-split softmax states, only when rows are split
-  if (splits > 1) partial = at::empty({BH, splits, D + 2}, q.options().dtype(at::kFloat));
-
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
+  const auto kl = contiguous_opt(key_lengths), ql = contiguous_opt(query_lengths);
+  at::Tensor out = empty_bthd(B, H, Q, D, q.options());
+  at::Tensor lse = at::empty({B, H, Q}, q.options().dtype(at::kFloat));
+  if (B * H * Q == 0) return {out, lse};
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  TE_DISPATCH_FLOATING(q.scalar_type(), "decode_attention_cuda", [&] {
-    DecodeParams<scalar_t> p;
-    p.q = qc.const_data_ptr<scalar_t>();
-    p.k_cache = kc.const_data_ptr<scalar_t>();  // may be null when L == 0; never read then
-    p.v_cache = vc.const_data_ptr<scalar_t>();
-    p.lengths = len.const_data_ptr<int64_t>();
-    p.k_new = has_new ? kn.const_data_ptr<scalar_t>() : nullptr;
-    p.v_new = has_new ? vn.const_data_ptr<scalar_t>() : nullptr;
-    p.out = out.data_ptr<scalar_t>();
-    p.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
-    p.BH = BH;
-    p.H = H;
-    p.L = L;
-    p.D = D;
-    p.k_sb = kc.stride(0);
-    p.k_sh = kc.stride(1);
-    p.k_sl = kc.stride(2);
-    p.v_sb = vc.stride(0);
-    p.v_sh = vc.stride(1);
-    p.v_sl = vc.stride(2);
-    p.splits = splits;
-    p.keys_per_split = keys_per_split;
-    p.scale = static_cast<float>(scale);
-    launch_decode_attention<scalar_t>(p, stream);
+  TE_DISPATCH_FLOATING(q.scalar_type(), "attention_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    Params<scalar_t> p{};
+    fill_common(p, qd, kd, vd, kl, ql, seed, scale, causal, dropout_p);
+    p.o = out.data_ptr<scalar_t>();
+    p.os0 = out.stride(0); p.os1 = out.stride(1); p.os2 = out.stride(2);
+    p.lse = lse.data_ptr<float>();
+    const size_t smem = sizeof(acc_t) * (2 * kTile * (D + 1) + kWarps * D);
+    const dim3 grid(static_cast<unsigned>(ceil_div(Q, kWarps)), static_cast<unsigned>(B * H));
+    allow_smem(attention_fwd_kernel<scalar_t>, smem);
+    attention_fwd_kernel<scalar_t><<<grid, kThreads, smem, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return out;
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& query_lengths, double scale, bool causal, double dropout_p,
+    const std::optional<at::Tensor>& seed) {
+  check_attention_args(q, k, v, key_lengths, query_lengths, scale, dropout_p, seed);
+  check_cuda_attention(q);
+  for (const at::Tensor* t : {&grad_out, &out}) {
+    const char* name = t == &grad_out ? "grad_out" : "out";
+    TORCH_CHECK(t->sizes() == q.sizes(), name, " must have the shape of q ", q.sizes(), ", got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have the dtype of q");
+    TORCH_CHECK(t->device() == q.device(), name, " must be on ", q.device(), ", got ", t->device());
+  }
+  CHECK_DEVICE(lse, q);
+  CHECK_DTYPE(lse, at::kFloat);
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Q,
+              "lse must have shape [", B, ", ", H, ", ", Q, "], got ", lse.sizes());
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
+  const at::Tensor gd = dense_rows(grad_out), od = dense_rows(out), lc = lse.contiguous();
+  const auto kl = contiguous_opt(key_lengths), ql = contiguous_opt(query_lengths);
+  at::Tensor dq = empty_bthd(B, H, Q, D, q.options());
+  at::Tensor dk = empty_bthd(B, H, K, D, q.options());
+  at::Tensor dv = empty_bthd(B, H, K, D, q.options());
+  if (B * H == 0) return {dq, dk, dv};
+  at::Tensor delta = at::zeros({B, H, Q}, q.options().dtype(at::kFloat));
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  TE_DISPATCH_FLOATING(q.scalar_type(), "attention_backward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    Params<scalar_t> p{};
+    fill_common(p, qd, kd, vd, kl, ql, seed, scale, causal, dropout_p);
+    p.out = od.const_data_ptr<scalar_t>();
+    p.os0 = od.stride(0); p.os1 = od.stride(1); p.os2 = od.stride(2);
+    p.dout = gd.const_data_ptr<scalar_t>();
+    p.gs0 = gd.stride(0); p.gs1 = gd.stride(1); p.gs2 = gd.stride(2);
+    p.dq = dq.data_ptr<scalar_t>();
+    p.dqs0 = dq.stride(0); p.dqs1 = dq.stride(1); p.dqs2 = dq.stride(2);
+    p.dk = dk.data_ptr<scalar_t>();
+    p.dks0 = dk.stride(0); p.dks1 = dk.stride(1); p.dks2 = dk.stride(2);
+    p.dv = dv.data_ptr<scalar_t>();
+    p.dvs0 = dv.stride(0); p.dvs1 = dv.stride(1); p.dvs2 = dv.stride(2);
+    p.lse = lc.data_ptr<float>();
+    p.delta = delta.data_ptr<float>();
+    if (Q > 0) {
+      const size_t smem = sizeof(acc_t) * (2 * kTile * (D + 1) + 2 * kWarps * D);
+      const dim3 grid(static_cast<unsigned>(ceil_div(Q, kWarps)), static_cast<unsigned>(B * H));
+      allow_smem(attention_bwd_dq_kernel<scalar_t>, smem);
+      attention_bwd_dq_kernel<scalar_t><<<grid, kThreads, smem, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (K > 0) {
+      const size_t smem = sizeof(acc_t) * (2 * kTile * (D + 1) + 2 * kWarps * D + 2 * kTile);
+      const dim3 grid(static_cast<unsigned>(ceil_div(K, kWarps)), static_cast<unsigned>(B * H));
+      allow_smem(attention_bwd_dkv_kernel<scalar_t>, smem);
+      attention_bwd_dkv_kernel<scalar_t><<<grid, kThreads, smem, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {dq, dk, dv};
+}
+
+at::Tensor attention_dropout_mask(const at::Tensor& seed, int64_t B, int64_t H, int64_t Q, int64_t K,
+                                  double dropout_p) {
+  return transformer_ext::attention_dropout_mask(seed.cpu(), B, H, Q, K, dropout_p).to(seed.device());
 }
 
 }  // namespace cuda_impl
 }  // namespace transformer_ext
 
 TORCH_LIBRARY_IMPL(transformer_ext, CUDA, m) {
-  m.impl("masked_softmax", &transformer_ext::cuda_impl::masked_softmax);
-  m.impl("masked_softmax_backward", &transformer_ext::cuda_impl::masked_softmax_backward);
-  m.impl("decode_attention", &transformer_ext::cuda_impl::decode_attention);
+  m.impl("attention", &transformer_ext::cuda_impl::attention);
+  m.impl("attention_backward", &transformer_ext::cuda_impl::attention_backward);
+  m.impl("attention_dropout_mask", &transformer_ext::cuda_impl::attention_dropout_mask);
 }

@@ -10,6 +10,7 @@ written in place with ``ops.kv_cache_append_``, beams reordered in place with
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -26,7 +27,7 @@ from .kv_cache import CacheStateViews, KVCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompileError", "EagerRunner", "EagerState", "model_info"]
+__all__ = ["CompileError", "DTYPES", "EagerRunner", "EagerState", "check_dtype", "model_info"]
 
 Device = Union[str, torch.device]
 
@@ -95,22 +96,66 @@ class EagerState(CacheStateViews):
     fused_qkv: Optional[list] = None
 
 
+# The weight dtypes a runner decodes with: name -> torch dtype.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_dtype(dtype, device: torch.device, what: str = "dtype") -> Optional[torch.dtype]:
+    """``dtype`` (a name of :data:`DTYPES`, a torch dtype or None) as a torch dtype, checked for
+    ``device``: bfloat16 on a CPU only where it is native
+    (:func:`transformer_ext.cpu_features.require_native_bf16`, whose one-line error names the
+    missing instructions). ``what`` names the argument in messages (``"--dtype"`` for the CLI)."""
+    if dtype is None:
+        return None
+    names = {v: k for k, v in DTYPES.items()}
+    if isinstance(dtype, torch.dtype) and dtype in names:
+        dtype = names[dtype]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"{what} must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "bfloat16" and device.type == "cpu":
+        from transformer_ext import cpu_features
+
+        cpu_features.require_native_bf16(
+            f"{what} bfloat16" if what.startswith("--") else f"{what}='bfloat16'",
+            "decode in float32, or on CUDA",
+        )
+    return DTYPES[dtype]
+
+
 class EagerRunner:
     """Runs a :class:`Transformer` through ``encode`` / ``decode_step`` and the in-place cache ops."""
 
-    def __init__(self, model: Transformer, device: Optional[Device] = None, compile: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        device: Optional[Device] = None,
+        compile: bool = False,
+        dtype: Union[str, torch.dtype, None] = None,
+    ):
         """``compile=True`` runs ``model.decode_step`` through ``torch.compile`` (fullgraph, static
         shapes): the preallocated cache gives every step of a decode the same shapes, so one
         graph serves all of them, with the Python-level module overhead gone. The first step of
         each new shape (rows, cache length, source length) compiles (seconds; cached on disk by
         Inductor); Inductor on CPU needs a C++ compiler.
 
+        ``dtype``: ``"bfloat16"`` decodes with a bfloat16 copy of the model (``model`` itself is
+        left as it is): weights, caches and activations in bfloat16, every kernel accumulating in
+        float32 (the products, the softmax of the attention ops, LayerNorm's statistics), logits
+        returned in float32; half the weight bytes per step. On a CPU only where bfloat16 is
+        native (:func:`check_dtype` raises :class:`~transformer_ext.cpu_features.NotNativeError`
+        otherwise). ``"float32"`` likewise converts a model of another dtype; None (default): the
+        model's own dtype.
+
         ``info`` (:class:`~transformer_ext.runtimes.info.RunnerInfo`) describes the model (its
         config, positions, special ids, the precision of its weights)."""
         if device is None:
             device = next(model.parameters()).device
         self.device = torch.device(device)
+        want = check_dtype(dtype, self.device)
+        if want is not None and next(model.parameters()).dtype != want:
+            model = copy.deepcopy(model).to(dtype=want)
         self.model = model.to(self.device).eval()
+        self.dtype = next(self.model.parameters()).dtype
         self.info = model_info(self.model)
         self.compiled = bool(compile)
         self._decode_step = (

@@ -10,6 +10,9 @@ One concern per module:
 * :mod:`.run_folder`: the run folder ``--out`` (marker, staged first checkpoint, best/last/step-N,
   resume state, the ``--export`` copy).
 * :mod:`.trainer`: :func:`train` and the :class:`~.trainer.Trainer` that runs a session.
+* :mod:`.progress`: the progress display (against the budget that binds) and ``--tensorboard``.
+* :mod:`.errors`: :class:`TrainingError` (exit 1 in the CLI), :class:`~.errors.TrainingUsageError`
+  (an option out of range or options that exclude each other: exit 2).
 * :mod:`.distributed`: multi-process training under ``torchrun`` (DistributedDataParallel).
 """
 

@@ -67,6 +67,9 @@ class TrainOptions:
     max_len: Optional[int] = None
     norm_first: Optional[bool] = None
     shared_vocab: bool = False  # one character vocabulary for source and target, all embeddings tied
+    # fine-tuning: start from this model folder (weights, architecture and tokenizer; e.g. a
+    # checkpoint converted by python -m transformer_ext.convert); needs parallel text
+    init_from: Optional[str] = None
     # data: the demo task (default), or parallel text (train_files / train_tsv with a validation set)
     train_files: Optional[tuple[str, str]] = None  # (source file, target file), line-aligned UTF-8
     valid_files: Optional[tuple[str, str]] = None
@@ -151,6 +154,7 @@ RUN_DEFINING = (
     "lr",
     "update_freq",
     "best_metric",
+    "init_from",
 )
 
 
@@ -269,6 +273,7 @@ _FLAGS = {
     "max_len": "--max-len",
     "norm_first": "--pre-ln",
     "shared_vocab": "--shared-vocab",
+    "init_from": "--init-from",
     "range_low": "--range LOW",
     "range_high": "--range HIGH",
     "split_seed": "--split-seed",
@@ -540,6 +545,32 @@ def check_text_options(opts: TrainOptions) -> None:
         )
     _check_int(opts, "patience", 1, optional=True, note=" (validations without a new best before stopping)")
     _check_int(opts, "keep_last", 0)
+    check_init_from(opts)
+
+
+# What --init-from takes from its model folder: these options may not be given with it.
+_INIT_FROM_DEFINES = ("preset", "shared_vocab", "tokenizer", "vocab_size", "spm_model_type")
+
+
+def check_init_from(opts: TrainOptions) -> None:
+    """``--init-from MODEL_DIR``: a model folder, parallel text, and no architecture or tokenizer
+    option (the model folder defines them; each one given is named)."""
+    if opts.init_from is None:
+        return
+    if not isinstance(opts.init_from, (str, os.PathLike)) or not os.fspath(opts.init_from):
+        raise TrainingError(f"--init-from must be a model folder, got {opts.init_from!r}")
+    if not is_text_run(opts):
+        raise TrainingError(
+            "--init-from fine-tunes on parallel text: give --train SRC TGT and --valid SRC TGT"
+        )
+    defaults = TrainOptions()
+    given = [name for name in MODEL_FLAGS if getattr(opts, name) is not None]
+    given += [name for name in _INIT_FROM_DEFINES if getattr(opts, name) != getattr(defaults, name)]
+    if given:
+        raise TrainingError(
+            f"--init-from {opts.init_from} takes the architecture and tokenizer from that model folder; "
+            f"drop {', '.join(_option(n) for n in given)}"
+        )
 
 
 def _check_cpu_amp(amp: str) -> None:

@@ -45,7 +45,16 @@ from .validation import validate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainingData", "Task", "DemoTask", "ParallelTextTask", "TASKS", "register_task", "task_for"]
+__all__ = [
+    "TrainingData",
+    "Task",
+    "DemoTask",
+    "ParallelTextTask",
+    "FineTuneTask",
+    "TASKS",
+    "register_task",
+    "task_for",
+]
 
 
 @dataclass
@@ -430,7 +439,45 @@ class ParallelTextTask(Task):
 
 
 # The task classes, most specific first: task_for() takes the first whose matches() accepts the options.
-TASKS: list[type[Task]] = [ParallelTextTask, DemoTask]
+class FineTuneTask(ParallelTextTask):
+    """Parallel text from a trained model (``--init-from MODEL_DIR``): its weights, architecture and
+    tokenizer, e.g. a Hugging Face checkpoint converted by :mod:`transformer_ext.convert`."""
+
+    name = "fine-tune"
+
+    @classmethod
+    def matches(cls, opts: TrainOptions) -> bool:
+        return opts.init_from is not None and super().matches(opts)
+
+    def load_data(self, ctx) -> None:
+        from ..checkpoint import load_model
+        from ..spm_tokenizer import load_any_tokenizer
+        from ..tokenizer import check_model_config
+
+        folder = Path(self.opts.init_from)
+        if not folder.is_dir():
+            raise TrainingError(f"--init-from {folder}: model folder not found")
+        try:
+            self.initial = load_model(folder, "cpu")
+            self.initial_tokenizer = load_any_tokenizer(folder)
+            check_model_config(self.initial_tokenizer, self.initial.config)
+        except (OSError, ValueError) as exc:
+            raise TrainingError(f"--init-from {folder}: {exc}") from None
+        super().load_data(ctx)
+        if self.provenance is None and (folder / PROVENANCE_FILE).is_file():
+            self.provenance = (folder / PROVENANCE_FILE).read_bytes()  # e.g. the converted checkpoint's
+
+    def build_tokenizer(self, ctx):
+        return self.initial_tokenizer
+
+    def build_model(self, tokenizer, device: torch.device):
+        model = self.initial.to(device)
+        model.train()
+        logger.info("fine-tuning %s (%s)", self.opts.init_from, model.config.to_dict())
+        return model
+
+
+TASKS: list[type[Task]] = [FineTuneTask, ParallelTextTask, DemoTask]
 
 
 def register_task(cls: type[Task]) -> type[Task]:

@@ -99,6 +99,12 @@ class _LogWindow:
     start: float = field(default_factory=time.monotonic)
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """A failed allocation of torch (CUDA's OutOfMemoryError, or the CPU allocator's error)."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or "can't allocate memory" in str(exc)
+
+
 def _load_average() -> Optional[list[float]]:
     """1/5/15-minute load averages (where the OS has them): how shared the CPU was."""
     try:
@@ -313,15 +319,25 @@ class Trainer:
         ]
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value, n_tokens = optim.accumulate_gradients(
-            self.train_model,
-            micro,
-            pad_id=tok.pad_id,
-            label_smoothing=self.opts.label_smoothing,
-            ctx=self.ctx,
-            scaler=self.scaler,
-            autocast_dtype=self.autocast_dtype,
-        )
+        try:
+            loss_value, n_tokens = optim.accumulate_gradients(
+                self.train_model,
+                micro,
+                pad_id=tok.pad_id,
+                label_smoothing=self.opts.label_smoothing,
+                ctx=self.ctx,
+                scaler=self.scaler,
+                autocast_dtype=self.autocast_dtype,
+            )
+        except RuntimeError as exc:  # torch.OutOfMemoryError (CUDA) is one too
+            if not _out_of_memory(exc):
+                raise
+            longest = max(int(b.tgt_in.shape[1]) for b in micro)
+            raise TrainingError(
+                f"out of memory at step {self.state.step + 1} ({self.device.type}) on a batch of "
+                f"--max-tokens {self.opts.max_tokens} padded tokens (targets up to {longest} tokens): lower "
+                "--max-tokens, --max-len or the model size (raise --update-freq to keep the batch)"
+            ) from None
         optim.optimizer_step(
             self.model, self.optimizer, self.scheduler, clip_norm=self.opts.clip_norm, scaler=self.scaler
         )

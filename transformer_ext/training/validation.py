@@ -89,7 +89,7 @@ def _losses(model, tokenizer, pairs, device, max_tokens: int, label_smoothing: f
 
 def _decoded_scores(model, tokenizer, subset: Sequence[Example], device, beam_size: int, bleu: bool) -> dict:
     """Exact match (and BLEU, chrF) of the model's translations of ``subset``, with the first errors."""
-    from ..translate import Translator
+    from ..translator import Translator
 
     translator = Translator.from_model(model, tokenizer, device)
     outputs = translator.translate([ex.source for ex in subset], beam_size=beam_size, n_best=1)

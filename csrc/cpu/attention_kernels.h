@@ -1,5 +1,5 @@
 // Tile kernels of transformer_ext::attention (forward and backward), written once with GCC
-// vector extensions and compiled once per instruction set: csrc/cpu/fused_attention.cpp
+// vector extensions and compiled once per instruction set: csrc/cpu/attention.cpp
 // includes this file inside `#pragma GCC target(...)` regions with TE_FA_NS (the namespace)
 // and TE_FA_W (floats per vector: 16 for AVX-512, 8 for AVX2) defined. Every function here
 // gets the target of its region, so one source gives an AVX-512 and an AVX2 kernel, chosen at

@@ -1,0 +1,281 @@
+"""Checkpoint folders written by transformers itself, for the parity tests of transformer_ext.convert.
+
+Each builder trains small SentencePiece models on sample text, writes the tokenizer files the way
+transformers' tokenizers (or the real checkpoints) lay them out, builds a model from a config with
+the real checkpoints' field values (scaled down) and random weights (``init_std`` 0.5 so that greedy
+outputs vary), and calls ``save_pretrained``. Nothing here uses transformer_ext.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+
+WORDS = (
+    "the a house river cat dog number seven twelve green blue light night day über straße café "
+    "naïve façade ünïcödé Ελλάδα мир 東京 año niño crème brûlée déjà vu 42 1999 3.14 -7 x2 "
+    "hello world translation model small test sentence piece token"
+).split()
+
+
+def sample_lines(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        k = rng.randint(1, 10)
+        words = [rng.choice(WORDS) for _ in range(k)]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 10000)))
+        if rng.random() < 0.2:
+            words.append(rng.choice(".,!?"))
+        lines.append(" ".join(words))
+    return lines
+
+
+def train_spm(lines: list[str], vocab_size: int, model_type: str = "unigram", **kwargs) -> bytes:
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=out,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=1.0,
+        minloglevel=2,
+        **kwargs,
+    )
+    return out.getvalue()
+
+
+def _pieces(model: bytes) -> list[str]:
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(model)
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def marian_vocab(model: bytes, languages: tuple[str, ...] = ()) -> dict[str, int]:
+    """A Marian vocabulary: </s> 0, <unk> 1, language codes, the pieces, <pad> last."""
+    vocab = {"</s>": 0, "<unk>": 1}
+    for code in languages:
+        vocab[f">>{code}<<"] = len(vocab)
+    for p in _pieces(model):
+        if p not in vocab and p not in ("<s>", "</s>", "<unk>"):
+            vocab[p] = len(vocab)
+    vocab["<pad>"] = len(vocab)
+    return vocab
+
+
+def _random_weights(model: torch.nn.Module, seed: int, std: float, gain: float = 1.0) -> None:
+    """Embeddings and biases drawn at ``std``, weight matrices at ``gain/sqrt(fan_in)`` (activations
+    of order one in every layer: the float32 rounding of the oracle itself stays far below the
+    tests' 1e-4), LayerNorm gains around 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_positions" in name:  # the sinusoid table, never trained
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if "layer_norm" in name:
+                p.copy_(1.0 + 0.2 * noise if name.endswith("weight") else 0.2 * noise)
+            elif p.dim() == 2 and "embed" not in name and "shared" not in name:
+                p.copy_(gain * noise / p.shape[1] ** 0.5)
+            else:
+                p.copy_(std * noise)
+
+
+def write_marian(
+    folder: Path,
+    *,
+    separate: bool = False,
+    languages: tuple[str, ...] = (),
+    d_model: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    d_ff: int = 64,
+    max_positions: int = 64,
+    vocab_size: int = 120,
+    seed: int = 0,
+    std: float = 0.3,
+    dtype: torch.dtype = torch.float32,
+    num_beams: int = 4,
+    max_length: int = 16,
+    weights: str = "safetensors",
+    gain: float = 2.0,
+) -> Path:
+    from transformers import GenerationConfig, MarianConfig, MarianMTModel
+
+    folder.mkdir(parents=True, exist_ok=True)
+    src_lines, tgt_lines = sample_lines(400, seed), sample_lines(400, seed + 1)
+    src_spm = train_spm(src_lines, vocab_size)
+    tgt_spm = train_spm(tgt_lines, vocab_size - 20) if separate else src_spm
+    (folder / "source.spm").write_bytes(src_spm)
+    (folder / "target.spm").write_bytes(tgt_spm)
+    src_vocab = marian_vocab(src_spm, languages)
+    if separate:
+        tgt_vocab = marian_vocab(tgt_spm)
+        assert len(tgt_vocab) < len(src_vocab)
+        (folder / "target_vocab.json").write_text(json.dumps(tgt_vocab, ensure_ascii=False, indent=2))
+    else:
+        tgt_vocab = src_vocab
+    (folder / "vocab.json").write_text(json.dumps(src_vocab, ensure_ascii=False, indent=2))
+    pad = tgt_vocab["<pad>"]
+    tok_cfg = {
+        "tokenizer_class": "MarianTokenizer",
+        "separate_vocabs": separate,
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "model_max_length": 512,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    config = MarianConfig(
+        vocab_size=len(src_vocab),
+        decoder_vocab_size=len(tgt_vocab),
+        share_encoder_decoder_embeddings=not separate,
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=d_ff,
+        decoder_ffn_dim=d_ff,
+        max_position_embeddings=max_positions,
+        activation_function="swish",
+        scale_embedding=True,
+        pad_token_id=pad,
+        decoder_start_token_id=pad,
+        eos_token_id=0,
+        forced_eos_token_id=0,
+        dropout=0.1,
+        attention_dropout=0.0,
+        init_std=std,
+    )
+    torch.manual_seed(seed)
+    model = MarianMTModel(config)
+    _random_weights(model, seed, std, gain)
+    with torch.no_grad():
+        model.final_logits_bias.copy_(0.5 * torch.randn(model.final_logits_bias.shape))
+        model.get_input_embeddings().weight[pad].zero_()
+        if separate:
+            model.model.decoder.embed_tokens.weight[pad].zero_()
+    model.tie_weights()
+    model.generation_config = GenerationConfig(
+        bad_words_ids=[[pad]],
+        num_beams=num_beams,
+        max_length=max_length,
+        decoder_start_token_id=pad,
+        pad_token_id=pad,
+        eos_token_id=0,
+        forced_eos_token_id=0,
+        bos_token_id=None,
+    )
+    model = model.to(dtype)
+    model.save_pretrained(folder)
+    if weights == "bin":  # the layout of older checkpoints: a torch pickle of the state dict
+        (folder / "model.safetensors").unlink()
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+def fairseq_vocab(model: bytes) -> dict[str, int]:
+    """M2M100's vocab.json: fairseq's <s> 0, <pad> 1, </s> 2, <unk> 3, then the pieces."""
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for p in _pieces(model):
+        if p not in vocab:
+            vocab[p] = len(vocab)
+    return vocab
+
+
+NLLB_TEST_CODES = ("eng_Latn", "fra_Latn", "deu_Latn", "spa_Latn", "zho_Hans", "rus_Cyrl")
+
+
+def write_m2m100(
+    folder: Path,
+    *,
+    nllb: bool = False,
+    legacy: bool = False,
+    d_model: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    d_ff: int = 64,
+    max_positions: int = 64,
+    spm_size: int = 100,
+    seed: int = 0,
+    std: float = 0.2,
+    num_beams: int = 4,
+    max_length: int = 16,
+    gain: float = 3.0,
+) -> Path:
+    """An M2M100 (``nllb=False``: vocab.json + the 100 m2m100 language codes) or NLLB
+    (SentencePiece id + 1, a few FLORES codes listed in tokenizer_config.json) checkpoint."""
+    from transformers import GenerationConfig, M2M100Config, M2M100ForConditionalGeneration
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = sample_lines(500, seed)
+    model_bytes = train_spm(lines, spm_size, model_type="bpe" if nllb else "unigram")
+    (folder / "sentencepiece.bpe.model").write_bytes(model_bytes)
+    if nllb:
+        n_pieces = len(_pieces(model_bytes))
+        codes = list(NLLB_TEST_CODES)
+        vocab_size = n_pieces + 1 + len(codes) + 1 + 3  # pieces, languages, <mask>, padding rows
+        tok_cfg = {
+            "tokenizer_class": "NllbTokenizer",
+            "src_lang": "eng_Latn",
+            "tgt_lang": "fra_Latn",
+            "legacy_behaviour": legacy,
+            "additional_special_tokens": codes,
+        }
+    else:
+        vocab = fairseq_vocab(model_bytes)
+        (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=2))
+        vocab_size = len(vocab) + 100 + 8  # + the m2m100 languages + 8 made-up words
+        tok_cfg = {
+            "tokenizer_class": "M2M100Tokenizer",
+            "src_lang": "en",
+            "tgt_lang": "de",
+            "language_codes": "m2m100",
+            "num_madeup_words": 8,
+        }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    config = M2M100Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=d_ff,
+        decoder_ffn_dim=d_ff,
+        max_position_embeddings=max_positions,
+        activation_function="relu",
+        scale_embedding=True,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        dropout=0.1,
+        attention_dropout=0.1,
+        encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0,
+        init_std=std,
+    )
+    torch.manual_seed(seed)
+    model = M2M100ForConditionalGeneration(config)
+    _random_weights(model, seed, std, gain)
+    with torch.no_grad():
+        model.model.shared.weight[1].zero_()
+    model.tie_weights()
+    model.generation_config = GenerationConfig(
+        num_beams=num_beams,
+        max_length=max_length,
+        decoder_start_token_id=2,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    model.save_pretrained(folder)
+    return folder

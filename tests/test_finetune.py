@@ -1,0 +1,83 @@
+"""Fine-tuning a converted checkpoint: ``python -m transformer_ext.train --init-from MODEL_DIR``
+(transformer_ext.training.tasks.FineTuneTask)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("sentencepiece")
+
+from hf_checkpoints import sample_lines, write_marian  # noqa: E402
+
+from transformer_ext.checkpoint import load_model  # noqa: E402
+from transformer_ext.convert import convert_transformers  # noqa: E402
+from transformer_ext.tokenizer import load_tokenizer  # noqa: E402
+from transformer_ext.training.errors import TrainingError  # noqa: E402
+from transformer_ext.training.trainer import train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    hf = write_marian(root / "hf", layers=1, seed=9)
+    return convert_transformers(hf, root / "model")
+
+
+def _parallel(tmp_path, n: int, seed: int, name: str):
+    src = sample_lines(n, seed)
+    tgt = [" ".join(reversed(line.split())) for line in src]  # a task the model can learn
+    s, t = tmp_path / f"{name}.src", tmp_path / f"{name}.tgt"
+    s.write_text("\n".join(src) + "\n", encoding="utf-8")
+    t.write_text("\n".join(tgt) + "\n", encoding="utf-8")
+    return str(s), str(t)
+
+
+def test_fine_tuning_lowers_the_loss_and_keeps_the_architecture(converted, tmp_path):
+    result = train(
+        out_dir=str(tmp_path / "run"),
+        init_from=str(converted),
+        train_files=_parallel(tmp_path, 200, 1, "train"),
+        valid_files=_parallel(tmp_path, 20, 2, "valid"),
+        max_steps=40,
+        eval_every=0,
+        warmup=10,
+        lr_factor=1.0,
+        max_tokens=1500,
+        best_metric="loss",
+        progress=False,
+        seed=3,
+    )
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    assert last < 0.8 * first, result.losses
+    best = load_model(tmp_path / "run" / "best")
+    assert best.config == load_model(converted).config  # architecture and special ids unchanged
+    assert load_tokenizer(tmp_path / "run" / "best").to_dict() == load_tokenizer(converted).to_dict()
+
+
+@pytest.mark.parametrize(
+    "extra, flags",
+    [
+        (dict(d_model=64), "--d-model (d_model)"),
+        (
+            dict(tokenizer="sentencepiece", vocab_size=100),
+            "--tokenizer (tokenizer), --vocab-size (vocab_size)",
+        ),
+    ],
+)
+def test_architecture_options_with_init_from_are_errors(converted, tmp_path, extra, flags):
+    message = f"takes the architecture and tokenizer from that model folder; drop {flags}"
+    with pytest.raises(TrainingError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        train(
+            out_dir=str(tmp_path / "run"),
+            init_from=str(converted),
+            train_files=_parallel(tmp_path, 10, 1, "train"),
+            valid_files=_parallel(tmp_path, 5, 2, "valid"),
+            **extra,
+        )
+    assert not (tmp_path / "run").exists()
+
+
+def test_init_from_needs_parallel_text(converted, tmp_path):
+    with pytest.raises(TrainingError, match="--init-from fine-tunes on parallel text"):
+        train(out_dir=str(tmp_path / "run"), init_from=str(converted))

@@ -1,0 +1,115 @@
+"""Convert pretrained checkpoints of other tools into model folders of this package.
+
+``python -m transformer_ext.convert transformers HF_DIR --out MODEL_DIR`` (console script
+``transformer-ext-convert``) reads a local Hugging Face checkpoint folder of a MarianMT (opus-mt)
+or M2M100 / NLLB-200 model without importing transformers (:mod:`transformer_ext.convert.hf`)
+and writes an ordinary model folder (docs/DESIGN.md sections 5 and 7): ``config.json``, float32
+``model.safetensors``, the tokenizer (``tokenizer.json`` and the original tokenizer files),
+``generation_defaults.json`` and ``provenance.json`` (source folder, model type, SHA-256 of every
+file read, the dtype the weights were upcast from). Everything is read and checked before anything
+is written, and the folder appears atomically: on any error nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from .. import __version__
+from ..fsutil import StagedDir, atomic_write_json
+from .generation import GENERATION_DEFAULTS_FILE, GenerationDefaults, read_generation_defaults
+from .hf import SUPPORTED_MODEL_TYPES, Checkpoint, ConversionError, read_checkpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "convert_transformers",
+    "ConversionError",
+    "SUPPORTED_MODEL_TYPES",
+    "PROVENANCE_FILE",
+    "GENERATION_DEFAULTS_FILE",
+    "GenerationDefaults",
+    "read_generation_defaults",
+    "build_model",
+]
+
+PROVENANCE_FILE = "provenance.json"
+PROVENANCE_FORMAT = "transformer_ext.provenance"
+
+
+def build_model(checkpoint: Checkpoint):
+    """Our :class:`~transformer_ext.model.Transformer` holding the checkpoint's weights (eval mode)."""
+    import torch
+
+    from ..checkpoint import canonical_state_dict, check_finite
+    from ..model import Transformer
+
+    model = Transformer(checkpoint.config)
+    expected, _ = canonical_state_dict(model)
+    missing = sorted(set(expected) - set(checkpoint.tensors))
+    unexpected = sorted(set(checkpoint.tensors) - set(expected))
+    if missing or unexpected:  # a bug of the name map, not of the input
+        raise RuntimeError(f"weight map incomplete: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    misshaped = [
+        f"{name}: checkpoint {tuple(checkpoint.tensors[name].shape)} vs config {tuple(t.shape)}"
+        for name, t in expected.items()
+        if tuple(checkpoint.tensors[name].shape) != tuple(t.shape)
+    ]
+    if misshaped:
+        raise ConversionError(
+            f"{checkpoint.source}: tensors disagree with config.json (a vocabulary or dimension mismatch): "
+            + "; ".join(misshaped[:5])
+        )
+    check_finite(checkpoint.tensors, str(checkpoint.source))
+    with torch.no_grad():
+        for name, param in expected.items():
+            param.copy_(checkpoint.tensors[name])
+    model.eval()
+    return model
+
+
+def _provenance(checkpoint: Checkpoint) -> dict:
+    return {
+        "format": PROVENANCE_FORMAT,
+        "format_version": 1,
+        "converter": f"transformer_ext {__version__}",
+        "importer": "transformers",
+        "source": str(checkpoint.source),
+        "model_type": checkpoint.model_type,
+        "architecture": checkpoint.architecture,
+        "weights_dtype": checkpoint.upcast_from or "float32",
+        "upcast_to_float32": checkpoint.upcast_from is not None,
+        "files": dict(sorted(checkpoint.files.items())),
+        "notes": list(checkpoint.notes),
+    }
+
+
+def convert_transformers(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Convert the transformers checkpoint folder ``hf_dir`` into the new model folder ``out_dir``.
+
+    ``out_dir`` must not exist (nothing is ever overwritten). Raises :class:`ConversionError`
+    (one line naming the file, field or tensor) for input that cannot be converted.
+    """
+    from ..checkpoint import save_model
+
+    out = Path(os.path.abspath(os.fspath(out_dir)))
+    if out.exists() or out.is_symlink():
+        raise ConversionError(f"--out {out} already exists; choose a new folder (nothing is overwritten)")
+    if Path(os.path.abspath(os.fspath(hf_dir))) == out:
+        raise ConversionError("--out must differ from the checkpoint folder")
+    checkpoint = read_checkpoint(hf_dir)
+    model = build_model(checkpoint)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with StagedDir(out) as stage:
+        save_model(model, stage.path)
+        checkpoint.tokenizer.save(stage.path)
+        checkpoint.generation.save(stage.path)
+        atomic_write_json(os.path.join(stage.path, PROVENANCE_FILE), _provenance(checkpoint))
+        stage.commit()
+    if checkpoint.upcast_from:
+        logger.info("weights upcast from %s to float32", checkpoint.upcast_from)
+    for note in checkpoint.notes:
+        logger.warning("%s", note)
+    logger.info("converted %s (%s) into %s", checkpoint.source, checkpoint.model_type, out)
+    return out
