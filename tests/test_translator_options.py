@@ -106,7 +106,8 @@ def test_target_prefix_is_forced(translator):
     out = translator.translate(SOURCES[:2], target_prefix=["dreihundert", "zwei"], beam_size=3)
     assert out[0].startswith("dreihundert") and out[1].startswith("zwei")
     with pytest.raises(
-        TranslationError, match=r"source 1: the target prefix has 30 tokens, more than the 23 this source may generate"
+        TranslationError,
+        match=r"source 1: the target prefix has 30 tokens, more than the 23 this source may generate",
     ):
         translator.translate(SOURCES[:2], target_prefix=["e", "e" * 30])
     with pytest.raises(
