@@ -123,3 +123,100 @@ def test_output_kept_when_translation_fails(tmp_path, capsys):
     assert main(["--model", str(DEMO_DIR), "--src", str(src), "--ref", str(ref), "--output", str(hyp)]) == 1
     assert "error" in capsys.readouterr().err
     assert hyp.read_text() == "previous\n"  # written only once everything succeeded
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("target", ["model.safetensors", "config.json", "new.txt"])
+def test_output_inside_the_model_folder_is_refused(tmp_path, capsys, target):
+    """issue 21.1: --output M/model.safetensors used to overwrite the model's weights."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(DEMO_DIR, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    src = write(tmp_path / "src", ["one"])
+    ref = write(tmp_path / "ref", ["eins"])
+    out = model / target
+    assert main(["--model", str(model), "--src", str(src), "--ref", str(ref), "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"--output {out} lies inside the model folder --model {model}" in err and len(err.splitlines()) == 1
+    )
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before  # nothing written
+
+
+def test_output_that_is_the_reference_file_is_refused(tmp_path, capsys):
+    src = write(tmp_path / "src", ["one"])
+    ref = write(tmp_path / "ref", ["eins"])
+    assert main(["--model", str(DEMO_DIR), "--src", str(src), "--ref", str(ref), "--output", str(ref)]) == 1
+    assert f"--output {ref} is the --ref file" in capsys.readouterr().err
+    assert ref.read_text() == "eins\n"
+
+
+@pytest.mark.parametrize(
+    "device, code, match",
+    [
+        ("foo", 2, "--device 'foo' is not a device name; use cpu or cuda (or cuda:N)"),
+        ("meta", 2, "unsupported device 'meta'"),
+        ("cuda:99", 1, "cuda"),
+    ],
+)
+def test_bad_device_is_one_line_not_a_torch_error(tmp_path, capsys, device, code, match):
+    """issue 21.10: `evaluate --device foo` / `--device cuda` without a GPU were raw torch
+    RuntimeErrors; the same parser as train's now (usage error 2, or 1 for a missing GPU)."""
+    src = write(tmp_path / "src", ["one"])
+    ref = write(tmp_path / "ref", ["eins"])
+    argv = ["--model", str(DEMO_DIR), "--src", str(src), "--ref", str(ref), "--device", device]
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == code and match in err and "Traceback" not in err, err
+
+
+def test_evaluate_an_export_folder_without_torch(tmp_path, exported_demo):
+    """issue 21.15: the torch-free install evaluates an export folder (it failed with
+    `No module named 'torch'`); a model folder there says what to install."""
+    src = write(tmp_path / "src", ["forty-two", "seven"])
+    ref = write(tmp_path / "ref", ["zweiundvierzig", "sieben"])
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from transformer_ext.evaluate import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
+        "sys.exit(rc)\n"
+    )
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    run = lambda model: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code, "--model", str(model), "--src", str(src), "--ref", str(ref), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    ok = run(exported_demo)
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(ok.stdout)
+    assert report["runtime"] == "onnxruntime" and report["n"] == 2
+    assert report["bleu"] == pytest.approx(
+        score_texts(["zweiundvierzig", "sieben"], ["zweiundvierzig", "sieben"])["bleu"]
+    )
+    folder = run(DEMO_DIR)
+    assert folder.returncode == 1 and "Traceback" not in folder.stderr
+    assert "runs on PyTorch" in folder.stderr and "install transformer_ext with torch" in folder.stderr
+
+
+@pytest.fixture(scope="module")
+def exported_demo(tmp_path_factory) -> Path:
+    from export.onnx import export_onnx
+
+    out = tmp_path_factory.getbasetemp() / "shared_exports" / "demo_export"
+    if not (out / "manifest.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        export_onnx(None, out, validate=False)
+    return out

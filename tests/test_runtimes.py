@@ -233,9 +233,9 @@ def test_open_export_dir_reads_the_manifest_once(exported, monkeypatch):
     reads = []
     real = export_format.read_manifest
 
-    def counting(path):
+    def counting(path, **kwargs):
         reads.append(Path(path))
-        return real(path)
+        return real(path, **kwargs)
 
     for module in (export_format, translator, factory, ort):
         monkeypatch.setattr(module, "read_manifest", counting)
@@ -260,3 +260,18 @@ def test_open_export_dir_reads_the_manifest_once(exported, monkeypatch):
 def test_open_export_dir_refuses_options_that_do_not_fit(exported, kwargs, error, match):
     with pytest.raises(getattr(runtimes, error), match=match):
         runtimes.open_export_dir(exported, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["eager", "catcache", "ort", "ort_cuda", "tensorrt"])
+def test_token_checks_name_a_uint64_value_as_given(exported, kind):
+    """issue 21.23: uint64 max was reported as -1 (wrapped to int64 before the check)."""
+    runner = _runner(kind, exported)
+    big = int(np.iinfo(np.uint64).max)
+    state = runner.encode(np.array([[5, 6, 7]]), np.array([3]), 4, 2)
+    with pytest.raises(ValueError, match=rf"^tokens\[1\] = {big} \(row 1\) is not a target token id"):
+        runner.step(state, np.array([1, big], dtype=np.uint64))
+    with pytest.raises(ValueError, match=rf"^input_ids\[0, 2\] = {big} \(row 0\) is not a source token id"):
+        runner.encode(np.array([[5, 6, big]], dtype=np.uint64), np.array([3]), 4, 1)
+    runner.step(state, np.array([1, 1], dtype=np.uint64))  # in range: fed as int64
+    with pytest.raises(ValueError, match=rf"^beam_index\[1\] = {big} is out of the int64 range"):
+        runner.reorder(state, np.array([0, big], dtype=np.uint64))

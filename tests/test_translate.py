@@ -340,7 +340,7 @@ def test_cli_names_the_file_and_line_of_a_bad_source(tmp_path, capsys):
         (["one", "--beam", "2", "--n-best", "3"], "--n-best must be between 1 and --beam (2), got 3"),
         (["one", "--beam", "0"], "--beam must be >= 1"),
         (["one", "--batch-size", "0"], "--batch-size must be >= 1"),
-        (["one", "--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+        (["one", "--device", "tpu"], "--device 'tpu' is not a device name; use cpu or cuda (or cuda:N)"),
         (["one", "--length-penalty", "wu"], "invalid choice"),
         ([], "nothing to translate"),
     ],
@@ -617,3 +617,91 @@ def test_translator_reads_its_limits_from_the_runner_record(translator):
         TypeError, match="runner must describe itself with a transformer_ext.runtimes.RunnerInfo"
     ):
         Translator(translator.tokenizer, bare())
+
+
+# ---------------------------------------------------------------------- issue 21: outputs, pipes, signals
+@pytest.mark.parametrize("target", ["encoder.onnx", "manifest.json", "new.txt"])
+def test_output_inside_the_export_folder_in_use_is_refused(exported_portable, tmp_path, capsys, target):
+    """issue 21.1: `--model EXP --output EXP/encoder.onnx` used to overwrite the export's encoder."""
+    export = tmp_path / "export"
+    shutil.copytree(exported_portable, export)
+    before = {p.name: p.read_bytes() for p in export.iterdir()}
+    out = export / target
+    code, stdout, err = run_main(["--model", str(export), "--output", str(out), "one"], capsys=capsys)
+    assert code == 1 and stdout == ""
+    assert (
+        f"--output {out} lies inside the model folder --model {export}" in err and len(err.splitlines()) == 1
+    )
+    assert {p.name: p.read_bytes() for p in export.iterdir()} == before
+
+
+def test_output_inside_the_bundled_demo_model_is_refused(capsys):
+    out = DEMO_MODEL_DIR / "hyp.txt"
+    code, _, err = run_main(["--output", str(out), "one"], capsys=capsys)
+    assert code == 1 and "lies inside the model folder --model" in err and not out.exists()
+
+
+def test_output_in_a_training_runs_managed_folder_is_refused(tmp_path, capsys):
+    from transformer_ext.training.run_folder import RUN_FORMAT, RUN_MARKER
+
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    (run / RUN_MARKER).write_text(json.dumps({"format": RUN_FORMAT}))
+    out = run / "best" / "hyp.txt"
+    code, _, err = run_main(["--output", str(out), "one"], capsys=capsys)
+    assert code == 1 and "which the program manages" in err and not out.exists()
+
+
+ROOT_ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def test_a_reader_that_goes_away_stops_translate_quietly(tmp_path):
+    """issue 21.16: `translate ... | head -1` printed `error: Broken pipe` and exited 1; now it
+    stops like a Unix tool: no message, exit 0 or 141. The reader here closes its end before
+    anything is written, so the write fails whatever the size of the pipe's buffer."""
+    src = tmp_path / "in.txt"
+    src.write_text("".join(f"{w}\n" for w in ["forty-two", "seven", "one"] * 20), encoding="utf-8")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_ext.translate", "--input", str(src)],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ROOT_ENV,
+        cwd=ROOT,
+        timeout=300,
+    )
+    os.close(write_end)
+    assert proc.returncode in (0, 141) and proc.stderr == "", (proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("when", ["first batch", "last batch"])
+def test_sigterm_during_translate_output_exits_143_and_keeps_the_old_file(tmp_path, when):
+    """issue 21.17: SIGTERM while `translate --input MANY --output O --beam 4` runs: exit 143, the
+    old O kept, no temporary left. The child sends SIGTERM to itself from inside a beam search."""
+    src = tmp_path / "in.txt"
+    src.write_text("".join(f"{w}\n" for w in ["forty-two", "seven thousand and seven", "one"] * 4), "utf-8")
+    out = tmp_path / "out.txt"
+    out.write_text("old\n", encoding="utf-8")
+    kill_at = 1 if when == "first batch" else 6  # 12 sources, batches of 2
+    code = (
+        "import os, signal, sys\n"
+        "from transformer_ext import decoding\n"
+        "from transformer_ext.translate import main\n"
+        "real, calls = decoding.beam_search, []\n"
+        "def beam_search(*a, **k):\n"
+        "    calls.append(1)\n"
+        f"    if len(calls) == {kill_at}:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(*a, **k)\n"
+        "decoding.beam_search = beam_search\n"
+        f"sys.exit(main(['--input', {str(src)!r}, '--output', {str(out)!r}, '--beam', '4', '--batch-size', '2']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ROOT_ENV, cwd=ROOT, timeout=300
+    )
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr.strip() == "python -m transformer_ext.translate: terminated"
+    assert out.read_text(encoding="utf-8") == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]

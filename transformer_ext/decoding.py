@@ -119,20 +119,21 @@ def check_token_ids(name: str, ids: Any, vocab_size: int | None, *, side: str = 
     Raises TypeError for non-integer ids and ValueError naming the first offending entry
     (``tokens[2] = -1``) and the vocabulary range otherwise. ``vocab_size=None`` checks the dtype only.
     """
-    arr = as_int64(name, ids)
-    if vocab_size is None or arr.size == 0:
-        return arr
-    bad = (arr < 0) | (arr >= int(vocab_size))
+    raw = np.asarray(ids)
+    if vocab_size is None or raw.size == 0 or not np.issubdtype(raw.dtype, np.integer):
+        return as_int64(name, raw)
+    # Compared in the caller's dtype, so that a value is named as given (uint64 max, not -1).
+    bad = (raw < 0) | (raw >= int(vocab_size))
     if bad.any():
         where = np.argwhere(bad)
         first = tuple(where[0])
         more = f" ({len(where) - 1} more ids out of range)" if len(where) > 1 else ""
-        row = f" (row {int(first[0])})" if arr.ndim >= 1 else ""
+        row = f" (row {int(first[0])})" if raw.ndim >= 1 else ""
         raise ValueError(
-            f"{name}[{_format_index(first)}] = {int(arr[first])}{row} is not a {side} token id: the {side} "
+            f"{name}[{_format_index(first)}] = {int(raw[first])}{row} is not a {side} token id: the {side} "
             f"vocabulary has ids 0 .. {int(vocab_size) - 1}{more}"
         )
-    return arr
+    return as_int64(name, raw)
 
 
 def check_step_tokens(
@@ -161,10 +162,16 @@ def check_step_tokens(
 
 
 def as_int64(name: str, array: Any) -> np.ndarray:
-    """``array`` as a contiguous int64 numpy array; a TypeError naming ``name`` if it holds no integers."""
+    """``array`` as a contiguous int64 numpy array; a TypeError naming ``name`` if it holds no
+    integers, a ValueError naming the first value (as given) that int64 cannot hold (a uint64
+    above 2**63 - 1 would wrap to a negative number)."""
     arr = np.asarray(array)
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        first = tuple(np.argwhere(arr > np.iinfo(np.int64).max)[0])
+        where = f"[{_format_index(first)}]" if arr.ndim else ""
+        raise ValueError(f"{name}{where} = {int(arr[first])} is out of the int64 range")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 

@@ -53,13 +53,13 @@ def score_texts(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
 # ---------------------------------------------------------------------- command line
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
 from .cli import UserError, add_debug_flag, run_cli  # noqa: E402
+from .devices import DeviceUsageError, check_device_name  # noqa: E402
 
 
 class EvaluationError(UserError, ValueError):
@@ -67,8 +67,9 @@ class EvaluationError(UserError, ValueError):
 
 
 def load_translator(model: Path, *, device: str = "cpu", threads: Optional[int] = None):
-    """``(translator, runtime name)`` of a model folder (eager PyTorch) or an export folder (ONNX Runtime)."""
-    from .translator import Translator, is_export_dir
+    """``(translator, runtime name)`` of a model folder (eager PyTorch) or an export folder (ONNX
+    Runtime; needs no torch)."""
+    from .translator import RuntimeNotAvailableError, Translator, is_export_dir
 
     if not model.is_dir():
         raise EvaluationError(
@@ -76,16 +77,25 @@ def load_translator(model: Path, *, device: str = "cpu", threads: Optional[int] 
         )
     if is_export_dir(model) and not (model / "config.json").exists():
         return Translator.from_export_dir(model, threads=threads), "onnxruntime"
-    from .checkpoint import load_model
-    from .runtimes.eager import EagerRunner
-    from .spm_tokenizer import load_any_tokenizer
+    try:
+        from .checkpoint import load_model
+        from .devices import parse_device
+        from .runtimes.eager import EagerRunner
+        from .spm_tokenizer import load_any_tokenizer
+    except ImportError as exc:
+        raise RuntimeNotAvailableError(
+            f"--model {model} is a model folder, which runs on PyTorch, and this installation lacks it "
+            f"({exc}): evaluate an export folder instead (python -m export.onnx writes one), or install "
+            "transformer_ext with torch"
+        ) from exc
 
+    torch_device = parse_device(device)
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     tokenizer = load_any_tokenizer(model)
-    runner = EagerRunner(load_model(model, device), device)
+    runner = EagerRunner(load_model(model, torch_device), torch_device)
     return Translator(tokenizer, runner, source_dir=model), "eager"
 
 
@@ -105,8 +115,8 @@ def evaluate_files(
     max_len_b: Optional[float] = None,
 ) -> dict:
     """Translate ``src`` with ``model``, score against ``ref``; returns the report (see :func:`main`)."""
-    from .data import DataError, read_lines
     from .fsutil import atomic_write_text
+    from .text import DataError, read_lines
 
     try:
         sources, references = read_lines(src), read_lines(ref)
@@ -159,15 +169,19 @@ def evaluate_files(
     )
 
 
-def _check_output(path: Path, src: Path, ref: Path) -> None:
+def _check_output(path: Path, src: Path, ref: Path, model: Path) -> None:
+    """``--output``: a file path in an existing folder that is neither an input (``--src``,
+    ``--ref``) nor inside the model or export folder in use or a training run's managed folders."""
+    from .fsutil import check_output_path
+    from .translate import managed_dirs
+
     if path.is_dir():
         raise EvaluationError(f"--output {path} is a folder; give a file path for the hypotheses")
     parent = path.absolute().parent
     if not parent.is_dir():
         raise EvaluationError(f"--output {path}: the folder {parent} does not exist")
-    for other, flag in ((src, "--src"), (ref, "--ref")):
-        if other.exists() and path.exists() and os.path.samefile(path, other):
-            raise EvaluationError(f"--output {path} is the {flag} file; it would be overwritten")
+    inputs = [("the --src file", src), ("the --ref file", ref), ("the model folder --model", model)]
+    check_output_path(path, inputs=inputs, managed_dirs=managed_dirs(path), what="--output")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beam", type=int, default=1, help="beam size (1: greedy, the default)")
     p.add_argument("--output", help="write the hypotheses here (atomically), one per line")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--device", default="cpu", help="cpu or cuda, for a model folder (default: cpu)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for a model folder (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch or ONNX Runtime)")
     p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (default: 64)")
     p.add_argument(
@@ -208,6 +222,10 @@ def main(argv=None) -> int:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    try:
+        check_device_name(args.device)
+    except DeviceUsageError as exc:
+        parser.error(str(exc))
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
@@ -216,7 +234,7 @@ def main(argv=None) -> int:
         src, ref = Path(args.src), Path(args.ref)
         output = Path(args.output) if args.output else None
         if output is not None:
-            _check_output(output, src, ref)
+            _check_output(output, src, ref, Path(args.model))
         _sacrebleu()
         report = evaluate_files(
             Path(args.model),

@@ -47,8 +47,10 @@ from typing import Optional, Sequence
 
 from .batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW
 from .cli import add_debug_flag, run_cli
+from .demo import DEMO_MODEL_DIR
+from .devices import DeviceUsageError, check_device_name, parse_device
 from .export_format import MANIFEST_NAME
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_text, check_output_path
 from .text import check_argument_text, read_stream_lines
 from .translator import (
     DEFAULT_BATCH_SIZE,
@@ -63,6 +65,10 @@ from .translator import (
     Translator,
     is_export_dir,
 )
+
+# Exit code of a command whose output pipe was closed by the reader (128 + SIGPIPE), as a shell
+# reports a Unix tool killed by SIGPIPE.
+EXIT_SIGPIPE = 141
 
 __all__ = [
     # the library, re-exported from transformer_ext.translator
@@ -353,9 +359,10 @@ def _check_options(parser: argparse.ArgumentParser, args, stdin) -> None:
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.device is not None:
-        device = args.device.strip().lower()
-        if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-            parser.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        try:
+            check_device_name(args.device)
+        except DeviceUsageError as exc:
+            parser.error(str(exc))
     if args.provider is not None and not args.provider.strip():
         parser.error("--provider must name an ONNX Runtime execution provider, e.g. cpu or cuda")
     if args.runtime is not None:
@@ -397,14 +404,21 @@ def _check_output(args) -> Optional[Path]:
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
         raise TranslationError(f"--output {out}: the folder {parent} {what}")
-    if (
-        args.input is not None
-        and out.exists()
-        and os.path.exists(args.input)
-        and os.path.samefile(out, args.input)
-    ):
-        raise TranslationError(f"--output {out} is the --input file; write the translations to another file")
+    inputs = [("the model folder --model", Path(args.model) if args.model is not None else DEMO_MODEL_DIR)]
+    if args.input is not None:
+        inputs.append(("the --input file", Path(args.input)))
+    check_output_path(out, inputs=inputs, managed_dirs=managed_dirs(out), what="--output")
     return out
+
+
+def managed_dirs(path: Path) -> list:
+    """The training runs' managed folders around ``path`` (``best/``, ``last/``, ``checkpoints/``);
+    none without torch (the run folder module needs it, and a deployment trains nothing)."""
+    try:
+        from .training.run_folder import managed_dirs as run_managed_dirs
+    except ImportError:
+        return []
+    return run_managed_dirs(path)
 
 
 def _read_lines(stream, name: str) -> list[tuple[str, str]]:
@@ -460,14 +474,10 @@ def _load_translator(args) -> Translator:
                 "weights): --runtime eager needs a model folder; use --runtime onnxruntime "
                 "or tensorrt"
             )
-        device = args.device or "cpu"
-        if device.strip().lower().startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise TranslationError(
-                    f"--device {args.device}: torch sees no CUDA GPU on this machine; use --device cpu"
-                )
+        try:
+            device = parse_device(args.device or "cpu")
+        except ImportError:  # no torch: from_model_dir says what to install
+            device = args.device or "cpu"
         if args.threads is not None:
             import torch
 
@@ -588,8 +598,12 @@ def _run(args, stdin, stdout, stderr=None) -> int:
             if output is not None:
                 collected.extend(lines)
             else:
-                stdout.write("".join(line + "\n" for line in lines))
-                stdout.flush()
+                try:
+                    stdout.write("".join(line + "\n" for line in lines))
+                    stdout.flush()
+                except BrokenPipeError:  # the reader went away (`translate ... | head -1`): stop quietly
+                    _silence(stdout)
+                    return EXIT_SIGPIPE
             done += 1
             progress.update()
     except KeyboardInterrupt:
@@ -607,6 +621,20 @@ def _run(args, stdin, stdout, stderr=None) -> int:
                 raise
             raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), os.fspath(output)) from exc
     return 0
+
+
+def _silence(stream) -> None:
+    """Point ``stream``'s file descriptor at /dev/null, so that the interpreter's final flush of
+    what is still buffered for a closed pipe raises nothing (a second "Broken pipe")."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a StringIO in a test)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def main(argv: Optional[Sequence[str]] = None, stdin=None, stdout=None) -> int:

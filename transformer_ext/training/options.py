@@ -597,17 +597,10 @@ def _check_cpu_amp(amp: str) -> None:
 
 
 def parse_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise TrainingUsageError(
-            f"--device {name!r} is not a device name; use cpu or cuda (or cuda:N)"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("device 'cuda' was requested but no CUDA GPU is available; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise TrainingUsageError(f"unsupported device {name!r}: use cpu or cuda")
-    return device
+    """``--device``: the package's one device parser (:func:`transformer_ext.devices.parse_device`)."""
+    from ..devices import parse_device as _parse_device
+
+    return _parse_device(name, "--device")
 
 
 def is_text_run(opts: TrainOptions) -> bool:
