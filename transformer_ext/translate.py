@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW
-from .cli import add_debug_flag, run_cli
+from .cli import Terminated, add_debug_flag, run_cli
 from .demo import DEMO_MODEL_DIR
 from .devices import DeviceUsageError, check_device_name, parse_device
 from .export_format import MANIFEST_NAME
@@ -606,10 +606,11 @@ def _run(args, stdin, stdout, stderr=None) -> int:
                     return EXIT_SIGPIPE
             done += 1
             progress.update()
-    except KeyboardInterrupt:
-        where = f"; nothing written to {output}" if output is not None else ""
-        stderr.write(f"interrupted after {done} translated lines{where}\n")
-        stderr.flush()
+    except KeyboardInterrupt as exc:
+        if not isinstance(exc, Terminated):  # Ctrl-C: say how far it got (SIGTERM: run_cli's one line)
+            where = f"; nothing written to {output}" if output is not None else ""
+            stderr.write(f"interrupted after {done} translated lines{where}\n")
+            stderr.flush()
         raise
     if count["read"] == 0:
         raise TranslationError("nothing to translate: the input is empty")
