@@ -621,3 +621,37 @@ def test_torch_free_translation_equals_transformers(folders, exports, name, src,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout) == expected
+
+
+@pytest.mark.parametrize("activation, op", [("gelu", "Erf"), ("swish", "Sigmoid")])
+def test_activations_export_as_standard_ops(tmp_path, activation, op):
+    """gelu and swish in the portable graphs: Erf / Sigmoid with Mul (no Gelu, no contrib op), and
+    ONNX Runtime's step logits equal to the eager model's (torch's F.gelu / F.silu)."""
+    import onnx
+
+    from export.onnx import export_onnx
+    from transformer_ext.checkpoint import save_model
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.model import Transformer
+    from transformer_ext.runtimes import OrtRunner
+
+    config = TransformerConfig.preset(
+        "tiny", activation=activation, dropout=0.0, pos_layout="halves", pos_frequency="fairseq", pos_offset=2
+    )
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    save_model(model, tmp_path / "model")
+    out = export_onnx(tmp_path / "model", tmp_path / "onnx", validate=False).output_dir
+    for name in ("encoder.onnx", "decoder_step.onnx"):
+        ops = {n.op_type for n in onnx.load(out / name).graph.node}
+        assert "Gelu" not in ops and all(
+            n.domain in ("", "ai.onnx") for n in onnx.load(out / name).graph.node
+        )
+    assert op in {n.op_type for n in onnx.load(out / "decoder_step.onnx").graph.node}
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, config.src_vocab_size, (2, 7), generator=g)
+    lengths = torch.tensor([7, 4])
+    tgt = torch.randint(4, config.tgt_vocab_size, (2, 9), generator=g)
+    eager = _step_logits(EagerRunner(model), ids, lengths, tgt)
+    ort_logits = _step_logits(OrtRunner(out), ids, lengths, tgt)
+    assert np.abs(eager - ort_logits).max() <= 1e-5
