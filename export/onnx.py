@@ -52,7 +52,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from transformer_ext.cli import UsageError, add_debug_flag, run_cli
+from transformer_ext.cli import DefaultsHelpFormatter, UsageError, add_debug_flag, run_cli
 from transformer_ext.convert.generation import GENERATION_DEFAULTS_FILE
 from transformer_ext.decoding import LENGTH_PENALTIES
 from transformer_ext.export_format import (
@@ -764,7 +764,7 @@ def _parser() -> argparse.ArgumentParser:
             "validate it in ONNX Runtime against eager PyTorch, print a parity table and a few translations "
             "decoded by ONNX Runtime. With no arguments: the bundled demo model into ./onnx_export/."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--model-dir",

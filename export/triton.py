@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.cli import DefaultsHelpFormatter, add_debug_flag, run_cli
 from transformer_ext.export_format import (
     DECODER_FILE,
     DTYPES,
@@ -1279,7 +1279,7 @@ def _parser() -> argparse.ArgumentParser:
             "step for the tensorscatter flavour, and a Python-backend translator running greedy/beam "
             "search) from an export folder of `python -m export.onnx` (and `python -m export.tensorrt`)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--export-dir",

@@ -129,3 +129,23 @@ def run_cli(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` with an option's default appended as ``(default: X)`` only where it says
+    something: not for a default of ``None`` (the option is simply off or taken from elsewhere,
+    which its help says), not for flags (``store_true`` / ``store_false``), not for
+    suppressed defaults, and not when the help text already names its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            action.default is None
+            or action.default is argparse.SUPPRESS
+            or isinstance(action.default, bool)
+            or action.nargs == 0
+            or "default" in text
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
