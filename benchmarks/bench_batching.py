@@ -2,8 +2,8 @@
 
 Translates the same lines twice with one translator: ``Translator.translate(lines,
 batch_size=N)`` (sentence batches, every result at the end) and the streaming path
-(:func:`transformer_ext.batching.translate_iterable`: windows sorted by length, batches of at
-most ``--max-batch-tokens`` padded source tokens, results in input order as they complete),
+(``Translator.translate_iterable``: windows sorted by length, batches of at most
+``--max-batch-tokens`` padded source tokens, results in input order as they complete),
 interleaved over ``--repeats`` rounds. Reports lines per second, the time to the first result
 and the agreement of the two outputs, with the machine, as JSON.
 
@@ -30,8 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import lscpu, write_json  # noqa: E402
-
-from transformer_ext.batching import translate_iterable  # noqa: E402
 
 
 def demo_lines(n: int, seed: int) -> list[str]:
@@ -61,18 +59,13 @@ def sentence_batches(translator, lines, batch_size, beam):
 
 
 def token_batches(translator, lines, max_batch_tokens, window, beam):
-    def translate_batch(batch):
-        return translator.translate(batch, batch_size=len(batch), beam_size=beam)
-
-    def length(line):
-        return len(translator.encode([line])[0])
-
     t0 = time.perf_counter()
     first = None
     out = []
-    for result in translate_iterable(
-        translate_batch, lines, length=length, max_batch_tokens=max_batch_tokens, window=window
-    ):
+    stream = translator.translate_iterable(
+        lines, max_batch_tokens=max_batch_tokens, window=window, beam_size=beam, batch_size=max_batch_tokens
+    )
+    for result in stream:
         if first is None:
             first = time.perf_counter() - t0
         out.append(result)

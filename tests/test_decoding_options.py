@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 
 import numpy as np
 import pytest
@@ -230,7 +231,7 @@ def test_generate_dispatches_to_the_searches():
 
 def test_search_methods_pass_the_options():
     class Runner(FunctionRunner, decoding.SearchMethods):
-        bos_id, eos_id = BOS, EOS
+        info = types.SimpleNamespace(bos_id=BOS, eos_id=EOS)  # the special ids SearchMethods reads
 
     V = 40
     fn = masked_random_fn(V, 2, 1.5, 0.0)

@@ -103,9 +103,12 @@ def test_export_translates_like_eager(demo_export, eager, heldout):
     some = heldout_sources[:8]
     ours = ort.translate(some, beam_size=3, n_best=2)
     theirs = eager.translate(some, beam_size=3, n_best=2)
-    assert [[t for t, _ in row] for row in ours] == [[t for t, _ in row] for row in theirs]
+    assert [t.texts for t in ours] == [t.texts for t in theirs]
     np.testing.assert_allclose(
-        [[s for _, s in row] for row in ours], [[s for _, s in row] for row in theirs], rtol=0, atol=1e-4
+        [[h.score for h in t.hypotheses] for t in ours],
+        [[h.score for h in t.hypotheses] for t in theirs],
+        rtol=0,
+        atol=1e-4,
     )
 
 

@@ -16,7 +16,7 @@ from num2words import num2words  # the independent oracle of the demo task
 from transformer_ext.data import split_numbers
 from transformer_ext.demo import DEMO_MODEL_DIR
 from transformer_ext.tokenizer import TokenizerError
-from transformer_ext.translate import TranslationError, Translator, main
+from transformer_ext.translate import Translation, TranslationError, Translator, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELDOUT_SAMPLE = 200  # fixed sample of the held-out numbers (never seen in training)
@@ -53,7 +53,9 @@ def test_examples(translator):
     sources = ["three hundred and forty-two", "forty-two", "  One   Thousand and one "]
     out = translator.translate(sources)
     assert out == ["dreihundertzweiundvierzig", "zweiundvierzig", "eintausendeins"]
-    assert all(type(t) is str for t in out)  # plain strings, one per source
+    assert all(isinstance(t, Translation) and isinstance(t, str) for t in out)  # one result type, a str
+    plain = translator.translate_text(sources)
+    assert plain == out and all(type(t) is str for t in plain)  # the plain-string convenience
     detailed = translator.translate_detailed(sources)
     assert [t.text for t in detailed] == out and detailed[0].source == "three hundred and forty-two"
     assert detailed[0].score is None and detailed[0].hypotheses[0].log_prob is None  # greedy: no beam score
@@ -61,16 +63,14 @@ def test_examples(translator):
 
 
 def test_beam_n_best(translator):
-    (pairs,) = translator.translate(["seven thousand and seventeen"], beam_size=4, n_best=3)
-    assert len(pairs) == 3 and all(
-        isinstance(text, str) and isinstance(score, float) for text, score in pairs
-    )
-    scores = [score for _, score in pairs]
+    (one,) = translator.translate(["seven thousand and seventeen"], beam_size=4, n_best=3)
+    assert one == "siebentausendsiebzehn" == one.texts[0]  # the best text, with the n-best behind it
+    scores = [h.score for h in one.hypotheses]
+    assert len(one.texts) == 3 and all(isinstance(s, float) for s in scores)
     assert scores == sorted(scores, reverse=True)
-    assert len({text for text, _ in pairs}) == 3
-    assert pairs[0][0] == "siebentausendsiebzehn"
-    (one,) = translator.translate_detailed(["seven thousand and seventeen"], beam_size=4, n_best=3)
-    assert one.texts == [text for text, _ in pairs] and [h.score for h in one.hypotheses] == scores
+    assert len(set(one.texts)) == 3
+    (detailed,) = translator.translate_detailed(["seven thousand and seventeen"], beam_size=4, n_best=3)
+    assert detailed.texts == one.texts and [h.score for h in detailed.hypotheses] == scores
     assert all(h.log_prob <= 0 for h in one.hypotheses)
     assert [translator.tokenizer.decode_target(h.tokens) for h in one.hypotheses] == one.texts
 
@@ -302,10 +302,14 @@ def test_cli_compile_translates_like_eager(capsys):
 @pytest.mark.parametrize(
     "args, stdin_text, match",
     [
-        ([""], None, "argument 1: empty source"),
-        (["one", "forty-two?"], None, "argument 2: the source text (10 characters) has 1 character outside"),
+        (["--strict", ""], None, "argument 1: empty source"),
+        (
+            ["--strict", "one", "forty-two?"],
+            None,
+            "argument 2: the source text (10 characters) has 1 character outside",
+        ),
         (["one " * 40], None, "max_len"),
-        ([], "one\n\ntwo\n", "stdin, line 2: empty"),
+        (["--strict"], "one\n\ntwo\n", "stdin, line 2: empty"),
         (["--input", "/nonexistent/file.txt"], None, "input file not found"),
         (["one", "--model", "/nonexistent/model"], None, "model directory not found"),
     ],
@@ -321,7 +325,7 @@ def test_cli_input_errors_exit_1_without_traceback(args, stdin_text, match, caps
 def test_cli_names_the_file_and_line_of_a_bad_source(tmp_path, capsys):
     f = tmp_path / "in.txt"
     f.write_text("one\ntwo!\n", encoding="utf-8")
-    code, _, err = run_main(["--input", str(f)], capsys=capsys)
+    code, _, err = run_main(["--strict", "--input", str(f)], capsys=capsys)
     assert code == 1 and f"{f}, line 2: the source text" in err and "'!' at 3" in err
 
 
@@ -368,7 +372,7 @@ def test_cli_average_length_penalty(capsys):
 
 def test_cli_debug_shows_the_traceback(capsys):
     with pytest.raises(TranslationError, match="'!'"):
-        main(["forty-two!", "--debug"], stdin=_Tty())
+        main(["forty-two!", "--strict", "--debug"], stdin=_Tty())
 
 
 def test_cli_interrupt_exits_130_and_prints_nothing(monkeypatch, capsys):
@@ -377,19 +381,25 @@ def test_cli_interrupt_exits_130_and_prints_nothing(monkeypatch, capsys):
 
     monkeypatch.setattr(Translator, "translate_detailed", interrupted)
     code, out, err = run_main(["one"], capsys=capsys)
-    assert code == 130 and out == "" and err == "python -m transformer_ext.translate: interrupted\n"
+    assert code == 130 and out == ""
+    assert err == "interrupted after 0 translated lines\npython -m transformer_ext.translate: interrupted\n"
 
 
-def test_cli_progress_bar_on_a_terminal(monkeypatch):
-    err = _Tty()
-    monkeypatch.setattr(sys, "stderr", err)
-    out = io.StringIO()
-    assert main(["one", "two", "three", "four", "--batch-size", "1"], stdin=_Tty(), stdout=out) == 0
-    assert out.getvalue() == "eins\nzwei\ndrei\nvier\n" and "translating" in err.getvalue()
-    plain = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", plain)
-    assert main(["one", "two", "three", "four", "--batch-size", "1"], stdin=_Tty(), stdout=io.StringIO()) == 0
-    assert plain.getvalue() == ""  # not a terminal: no bar
+def test_cli_progress_lines_on_stderr(monkeypatch):
+    """A progress line every PROGRESS_SECONDS, on a terminal and when piped alike."""
+    from transformer_ext import translate
+
+    for err in (_Tty(), io.StringIO()):
+        monkeypatch.setattr(sys, "stderr", err)
+        monkeypatch.setattr(translate, "PROGRESS_SECONDS", 0.0)
+        out = io.StringIO()
+        assert main(["one", "two", "three", "four", "--batch-size", "1"], stdin=_Tty(), stdout=out) == 0
+        assert out.getvalue() == "eins\nzwei\ndrei\nvier\n" and "translated 4 lines" in err.getvalue()
+    quiet = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    monkeypatch.setattr(translate, "PROGRESS_SECONDS", 3600.0)
+    assert main(["one", "two"], stdin=_Tty(), stdout=io.StringIO()) == 0
+    assert quiet.getvalue() == ""  # a short run: no progress line
 
 
 def test_cli_missing_tokenizer_exit_1(tmp_path, capsys):
@@ -411,8 +421,17 @@ def test_cli_subprocess():
         timeout=120,
     )
     assert ok.returncode == 0 and ok.stdout == "dreihundertzweiundvierzig\n", ok.stderr
-    bad = subprocess.run(
+    unknown = subprocess.run(  # a character outside the vocabulary: the unknown token and a warning
         [sys.executable, "-m", "transformer_ext.translate", "forty-two!"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert unknown.returncode == 0 and "'!'" in unknown.stderr and unknown.stdout.count("\n") == 1
+    bad = subprocess.run(
+        [sys.executable, "-m", "transformer_ext.translate", "--strict", "forty-two!"],
         capture_output=True,
         text=True,
         env=env,
@@ -683,6 +702,8 @@ def test_sigterm_during_translate_output_exits_143_and_keeps_the_old_file(tmp_pa
         [sys.executable, "-c", code], capture_output=True, text=True, env=ROOT_ENV, cwd=ROOT, timeout=300
     )
     assert proc.returncode == 143, proc.stderr
-    assert proc.stderr.strip() == "python -m transformer_ext.translate: terminated"
+    *progress, last = proc.stderr.strip().splitlines()  # progress lines may come first (slow machine)
+    assert last == "python -m transformer_ext.translate: terminated"
+    assert all(line.startswith("translated ") for line in progress)
     assert out.read_text(encoding="utf-8") == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]

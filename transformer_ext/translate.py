@@ -22,8 +22,16 @@ options of another runtime...) are usage errors (exit code 2, argparse's message
 text or files, a bad model or export folder, a runtime or provider that is not installed, an
 unwritable ``--output`` and a full disk print one line
 ``python -m transformer_ext.translate: error: ...`` (exit code 1, ``--debug`` shows the
-traceback); Ctrl-C exits with 130, SIGTERM with 143. Translations are printed (or written to
-``--output``, atomically) only once every source is translated, so an interrupted run writes none.
+traceback); Ctrl-C exits with 130, SIGTERM with 143.
+
+Input is translated in token batches (``--max-batch-tokens``, a window of ``--window`` lines
+sorted by length, :meth:`Translator.translate_iterable`); each translation is printed as soon
+as it and every line before it are done, and a progress line goes to stderr
+every few seconds (also when it is not a terminal). With ``--output FILE`` the file is written
+atomically at the end; an interrupted run writes none and says how many lines were done. An
+empty line gives an empty translation and characters outside the vocabulary the unknown token
+(one warning for the input); ``--strict`` makes both an error naming the line. A line longer
+than the model's positions is an error unless ``--long-lines truncate``.
 """
 
 from __future__ import annotations
@@ -33,10 +41,12 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli import add_debug_flag, run_cli
+from .batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW
+from .cli import Terminated, add_debug_flag, run_cli
 from .demo import DEMO_MODEL_DIR
 from .devices import DeviceUsageError, check_device_name, parse_device
 from .export_format import MANIFEST_NAME
@@ -176,7 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LENGTH_PENALTIES,
         default=None,
         help="beam length penalty, len = generated tokens with the EOS: gnmt ((5+len)/6)^alpha "
-        "(default), seed ((5+len+1)/5)^alpha, average len^alpha (fairseq's), none",
+        "(default), seed ((5+len+1)/5)^alpha, average len^alpha (fairseq's), none, hf "
+        "(transformers' generate(): len^alpha, its --early-stopping rule)",
+    )
+    parser.add_argument(
+        "--early-stopping",
+        choices=("true", "false", "never"),
+        default=None,
+        help="with --length-penalty hf: transformers' early_stopping (default false)",
     )
     parser.add_argument(
         "--alpha", type=float, default=None, help="length-penalty exponent (default 0.6); finite, >= 0"
@@ -186,6 +203,81 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_BATCH_SIZE,
         help=f"sources decoded together (default {DEFAULT_BATCH_SIZE})",
+    )
+    search = parser.add_argument_group("decoding controls")
+    search.add_argument(
+        "--sampling-topk",
+        type=int,
+        default=None,
+        metavar="K",
+        help="random sampling from the K most likely tokens (0: the whole vocabulary; 1, the default: greedy)",
+    )
+    search.add_argument(
+        "--sampling-topp",
+        type=float,
+        default=None,
+        metavar="P",
+        help="sample from the top-p mass, P in (0, 1]",
+    )
+    search.add_argument(
+        "--sampling-temperature", type=float, default=None, metavar="T", help="sampling temperature, > 0"
+    )
+    search.add_argument(
+        "--seed", type=int, default=None, help="seed of the sampling (same seed, same tokens)"
+    )
+    search.add_argument(
+        "--target-prefix",
+        default=None,
+        metavar="TEXT",
+        help="every translation starts with TEXT (its tokens are forced first)",
+    )
+    search.add_argument(
+        "--repetition-penalty", type=float, default=None, metavar="P", help="penalise repeated tokens, P > 0"
+    )
+    search.add_argument(
+        "--no-repeat-ngram-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="never repeat an n-gram of N tokens",
+    )
+    search.add_argument(
+        "--min-length", type=int, default=None, metavar="N", help="generate at least N tokens (EOS included)"
+    )
+    search.add_argument(
+        "--max-length", type=int, default=None, metavar="N", help="generate at most N tokens (EOS included)"
+    )
+    search.add_argument(
+        "--scores",
+        action="store_true",
+        help="print 'score<TAB>text' (the sum of the token log-probabilities; with --n-best: the n-best score)",
+    )
+    inputs = parser.add_argument_group("input and batching")
+    inputs.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        metavar="N",
+        help=f"padded source tokens per batch (default {DEFAULT_MAX_BATCH_TOKENS}); --batch-size caps the rows",
+    )
+    inputs.add_argument(
+        "--window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        metavar="N",
+        help=f"lines read and sorted by length together (default {DEFAULT_WINDOW})",
+    )
+    inputs.add_argument(
+        "--strict",
+        action="store_true",
+        help="an empty line or a character outside the vocabulary is an error (default: an empty "
+        "translation, the unknown token, one warning)",
+    )
+    inputs.add_argument(
+        "--long-lines",
+        choices=("error", "truncate"),
+        default="error",
+        help="a line longer than the model's positions: an error (default) or truncated with a warning",
     )
     parser.add_argument(
         "--compile",
@@ -223,10 +315,47 @@ def _check_options(parser: argparse.ArgumentParser, args, stdin) -> None:
         parser.error(f"--beam must be >= 1, got {args.beam}")
     if args.n_best is not None and args.n_best < 1:
         parser.error(f"--n-best must be >= 1, got {args.n_best}")
-    if args.n_best is not None and args.beam is not None and args.n_best > args.beam:
+    if (
+        args.n_best is not None
+        and args.beam is not None
+        and args.n_best > args.beam
+        and args.sampling_topk in (None, 1)
+    ):
         parser.error(f"--n-best must be between 1 and --beam ({args.beam}), got {args.n_best}")
     if args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    for option, value, low in (
+        ("--max-batch-tokens", args.max_batch_tokens, 1),
+        ("--window", args.window, 1),
+        ("--sampling-topk", args.sampling_topk, 0),
+        ("--seed", args.seed, 0),
+        ("--no-repeat-ngram-size", args.no_repeat_ngram_size, 0),
+        ("--min-length", args.min_length, 0),
+        ("--max-length", args.max_length, 1),
+    ):
+        if value is not None and value < low:
+            parser.error(f"{option} must be >= {low}, got {value}")
+    if args.sampling_topp is not None and not 0 < args.sampling_topp <= 1:
+        parser.error(f"--sampling-topp must be in (0, 1], got {args.sampling_topp}")
+    for option, value in (
+        ("--sampling-temperature", args.sampling_temperature),
+        ("--repetition-penalty", args.repetition_penalty),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"{option} must be a finite number > 0, got {value}")
+    sampling = args.sampling_topk not in (None, 1)
+    if not sampling:
+        for option, value in (
+            ("--sampling-topp", args.sampling_topp),
+            ("--sampling-temperature", args.sampling_temperature),
+            ("--seed", args.seed),
+        ):
+            if value is not None:
+                parser.error(f"{option} applies to random sampling: give --sampling-topk 0 (or K > 1)")
+    if sampling and args.beam is not None and args.beam > 1:
+        parser.error(f"random sampling (--sampling-topk) needs --beam 1, got --beam {args.beam}")
+    if args.early_stopping is not None and args.length_penalty != "hf":
+        parser.error("--early-stopping applies with --length-penalty hf (transformers' beam search)")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.device is not None:
@@ -293,38 +422,35 @@ def managed_dirs(path: Path) -> list:
 
 
 def _read_lines(stream, name: str) -> list[tuple[str, str]]:
-    """``(line, "NAME line N")`` for every line, read by the package's one text rule
+    """``(line, "NAME, line N")`` for every line, read by the package's one text rule
     (:func:`transformer_ext.text.read_stream_lines`: strict UTF-8, a leading BOM removed, ``\\n``
-    or ``\\r\\n`` line endings, a lone ``\\r`` an error); an empty line is an error naming it."""
-    lines = []
-    for n, line in enumerate(read_stream_lines(stream, name), start=1):
-        if not line.strip():
-            raise TranslationError(f"{name}, line {n}: empty source")
-        lines.append((line, f"{name}, line {n}"))
-    return lines
+    or ``\\r\\n`` line endings, a lone ``\\r`` an error). Empty lines are kept (an empty
+    translation, or an error naming the line with ``--strict``)."""
+    return [(line, f"{name}, line {n}") for n, line in enumerate(read_stream_lines(stream, name), start=1)]
 
 
-def _gather_sources(args, stdin) -> tuple[list[str], list[str]]:
-    """The sources in input order, and for each where it came from (for error messages)."""
-    entries: list[tuple[str, str]] = []
+def _file_lines(path: str) -> list[tuple[str, str]]:
+    try:
+        with open(path, "rb") as f:
+            return _read_lines(f, path)
+    except FileNotFoundError:
+        raise TranslationError(f"input file not found: {path}") from None
+    except IsADirectoryError:
+        raise TranslationError(f"--input {path} is a directory, expected a text file") from None
+
+
+def _iter_sources(args, stdin):
+    """The sources in input order with where each came from (for error messages); each input
+    is read whole (by the text rules), then translated in streamed batches."""
     for n, text in enumerate(args.text, start=1):
         if text == "-":
-            entries.extend(_read_lines(stdin, "stdin"))
+            yield from _read_lines(stdin, "stdin")
         else:
-            entries.append((check_argument_text(text, f"argument {n}"), f"argument {n}"))
+            yield check_argument_text(text, f"argument {n}"), f"argument {n}"
     if args.input is not None:
-        try:
-            with open(args.input, "rb") as f:
-                entries.extend(_read_lines(f, args.input))
-        except FileNotFoundError:
-            raise TranslationError(f"input file not found: {args.input}") from None
-        except IsADirectoryError:
-            raise TranslationError(f"--input {args.input} is a directory, expected a text file") from None
+        yield from _file_lines(args.input)
     if not args.text and args.input is None:
-        entries.extend(_read_lines(stdin, "stdin"))
-    if not entries:
-        raise TranslationError("nothing to translate: the input is empty")
-    return [text for text, _ in entries], [origin for _, origin in entries]
+        yield from _read_lines(stdin, "stdin")
 
 
 def _load_translator(args) -> Translator:
@@ -383,49 +509,118 @@ def _load_translator(args) -> Translator:
     )
 
 
-def _run(args, stdin, stdout) -> int:
-    output = _check_output(args)
-    sources, origins = _gather_sources(args, stdin)
-    translator = _load_translator(args)
-    try:
-        translations = translator.translate_detailed(
-            sources,
-            beam_size=args.beam,
-            n_best=args.n_best,
-            max_len_a=args.max_len_a,
-            max_len_b=args.max_len_b,
-            length_penalty=args.length_penalty,
-            alpha=args.alpha,
-            batch_size=args.batch_size,
-            progress=sys.stderr.isatty(),
-        )
-    except TranslationError as exc:
-        if exc.index is None:
-            raise
-        raise TranslationError(f"{origins[exc.index]}: {exc.detail}") from None
+PROGRESS_SECONDS = 5.0  # a progress line on stderr at most this often
+
+
+class _Progress:
+    """A line on stderr every :data:`PROGRESS_SECONDS` (lines done, lines per second), also
+    when stderr is not a terminal."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.start = self.last = time.monotonic()
+        self.done = 0
+
+    def update(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_SECONDS:
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            self.stream.write(f"translated {self.done} lines ({rate:.1f} lines/s)\n")
+            self.stream.flush()
+
+
+def _format(index: int, translation, args) -> list[str]:
+    if args.n_best is None:
+        if args.scores:
+            score = translation.score
+            return [f"{'-' if score is None else f'{score:.4f}'}\t{translation.text}"]
+        return [translation.text]
     lines = []
-    for index, translation in enumerate(translations):
-        if args.n_best is None:
-            lines.append(translation.text)
-        else:
-            for text, hyp in zip(translation.texts, translation.hypotheses):
-                score = "-" if hyp.score is None else f"{hyp.score:.4f}"
-                lines.append(f"{index}\t{score}\t{text}")
-    text = "".join(line + "\n" for line in lines)
+    for text, hyp in zip(translation.texts, translation.hypotheses):
+        score = "-" if hyp.score is None else f"{hyp.score:.4f}"
+        lines.append(f"{index}\t{score}\t{text}")
+    return lines
+
+
+def _run(args, stdin, stdout, stderr=None) -> int:
+    stderr = sys.stderr if stderr is None else stderr
+    output = _check_output(args)
+    translator = _load_translator(args)
+    early = {"true": True, "false": False, "never": "never"}.get(args.early_stopping)
+    options = dict(
+        beam_size=args.beam,
+        n_best=args.n_best,
+        max_len_a=args.max_len_a,
+        max_len_b=args.max_len_b,
+        length_penalty=args.length_penalty,
+        alpha=args.alpha,
+        early_stopping=early,
+        batch_size=args.batch_size,
+        sampling_topk=args.sampling_topk,
+        sampling_topp=args.sampling_topp,
+        sampling_temperature=args.sampling_temperature,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        min_length=args.min_length,
+        max_length=args.max_length,
+        return_scores=True if args.scores else None,
+        strict=args.strict,
+        long_lines=args.long_lines,
+    )
+    translator.resolve_options(**options)  # every option checked before any line is read
+    count = {"read": 0}
+
+    def sources():
+        for text, origin in _iter_sources(args, stdin):
+            count["read"] += 1
+            try:  # an input error names its line (the batches do not know lines)
+                translator.encode([text], strict=args.strict, long_lines=args.long_lines)
+            except TranslationError as exc:
+                raise TranslationError(f"{origin}: {exc.detail}") from None
+            yield text
+
+    progress = _Progress(stderr)
+    collected: list[str] = []
+    done = 0
+    try:
+        stream = translator.translate_iterable(
+            sources(),
+            max_batch_tokens=args.max_batch_tokens,
+            window=args.window,
+            target_prefix=args.target_prefix,
+            **options,
+        )
+        for index, translation in enumerate(stream):
+            lines = _format(index, translation, args)
+            if output is not None:
+                collected.extend(lines)
+            else:
+                try:
+                    stdout.write("".join(line + "\n" for line in lines))
+                    stdout.flush()
+                except BrokenPipeError:  # the reader went away (`translate ... | head -1`): stop quietly
+                    _silence(stdout)
+                    return EXIT_SIGPIPE
+            done += 1
+            progress.update()
+    except KeyboardInterrupt as exc:
+        if not isinstance(exc, Terminated):  # Ctrl-C: say how far it got (SIGTERM: run_cli's one line)
+            where = f"; nothing written to {output}" if output is not None else ""
+            stderr.write(f"interrupted after {done} translated lines{where}\n")
+            stderr.flush()
+        raise
+    if count["read"] == 0:
+        raise TranslationError("nothing to translate: the input is empty")
     if output is not None:
         try:
-            atomic_write_text(output, text)
+            atomic_write_text(output, "".join(line + "\n" for line in collected))
         except OSError as exc:  # name the file asked for, not the temporary it was written to
             if exc.errno is None:
                 raise
             raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), os.fspath(output)) from exc
-    else:
-        try:
-            stdout.write(text)
-            stdout.flush()
-        except BrokenPipeError:  # the reader went away (`translate ... | head -1`): stop quietly
-            _silence(stdout)
-            return EXIT_SIGPIPE
     return 0
 
 

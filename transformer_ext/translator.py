@@ -32,12 +32,14 @@ import logging
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
+from . import decoding
+from .batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW
 from .cli import UserError
 from .decoding import LENGTH_PENALTIES, Hypothesis, Runner
 from .demo import DEMO_MODEL_DIR
@@ -72,6 +74,8 @@ __all__ = [
     "RuntimeNotAvailableError",
     "Hypothesis",
     "Translation",
+    "TargetScore",
+    "LONG_LINES",
     "Translator",
     "is_export_dir",
 ]
@@ -101,26 +105,116 @@ def _source_error(index: int, detail: str) -> TranslationError:
     return TranslationError(f"source {index}: {detail}", index=index, detail=detail)
 
 
-@dataclass(frozen=True)
-class Translation:
-    """The translation of one source.
+class Translation(str):
+    """The translation of one source, the one result type of every setting: a ``str`` (the best
+    text, so code that wants plain strings uses it as one) that also holds the n-best.
 
-    ``texts``: the n-best translations, best first; ``hypotheses``: the search results behind
-    them (:class:`transformer_ext.decoding.Hypothesis`: tokens, score, log-probability; greedy
-    decoding gives no score, so both are ``None`` there).
+    ``source``: the source text; ``texts``: the n-best translations, best first;
+    ``hypotheses``: the search results behind them (:class:`transformer_ext.decoding.Hypothesis`:
+    tokens, score, log-probability, per-token log-probabilities; greedy decoding computes them
+    with ``return_scores`` or sampling, else they are ``None``). An empty source (with
+    ``strict=False``) has the empty translation with one hypothesis of no tokens.
     """
 
     source: str
-    texts: list[str] = field(default_factory=list)
-    hypotheses: list[Hypothesis] = field(default_factory=list)
+    texts: list[str]
+    hypotheses: list[Hypothesis]
+
+    def __new__(cls, source: str = "", texts: Sequence[str] = (), hypotheses: Sequence[Hypothesis] = ()):
+        texts = [str(t) for t in texts]
+        self = super().__new__(cls, texts[0] if texts else "")
+        self.source = source
+        self.texts = texts
+        self.hypotheses = list(hypotheses)
+        return self
+
+    def __reduce__(self):
+        return (Translation, (self.source, self.texts, self.hypotheses))
+
+    def with_source(self, source: str) -> "Translation":
+        return Translation(source, self.texts, self.hypotheses)
 
     @property
     def text(self) -> str:
         return self.texts[0]
 
     @property
+    def tokens(self) -> list[int]:
+        return self.hypotheses[0].tokens
+
+    @property
     def score(self) -> Optional[float]:
         return self.hypotheses[0].score
+
+
+@dataclass(frozen=True)
+class TargetScore:
+    """:meth:`Translator.score` of one ``(source, target)`` pair: the target's token ids, the
+    log-probability the model gives each of them and the EOS (``token_log_probs``), and their
+    sum ``log_prob``."""
+
+    source: str
+    target: str
+    tokens: list[int]
+    token_log_probs: list[float]
+    log_prob: float
+
+
+class _InputReport:
+    """What non-strict encoding changed (unknown characters, truncated sources): one warning for
+    a whole input, with a count and the first examples."""
+
+    SHOWN = 3
+
+    def __init__(self):
+        self.unknown: list[tuple[int, str]] = []
+        self.truncated: list[tuple[int, int]] = []
+
+    def warn(self, what: str = "input") -> None:
+        if self.unknown:
+            shown = "; ".join(f"source {i}: {detail}" for i, detail in self.unknown[: self.SHOWN])
+            logger.warning(
+                "%d %s lines hold characters or pieces outside the vocabulary, translated as the unknown "
+                "token (strict=True / --strict makes this an error): %s",
+                len(self.unknown),
+                what,
+                shown,
+            )
+        if self.truncated:
+            shown = ", ".join(f"source {i} ({n} tokens)" for i, n in self.truncated[: self.SHOWN])
+            logger.warning(
+                "%d %s lines are longer than the model's positions and were truncated: %s",
+                len(self.truncated),
+                what,
+                shown,
+            )
+        self.unknown, self.truncated = [], []
+
+
+LONG_LINES = ("error", "truncate")
+
+# Every generation option of Translator, translate(), translate_detailed() and translate_iterable().
+OPTION_NAMES = (
+    "beam_size",
+    "n_best",
+    "max_len_a",
+    "max_len_b",
+    "length_penalty",
+    "alpha",
+    "batch_size",
+    "early_stopping",
+    "sampling_topk",
+    "sampling_topp",
+    "sampling_temperature",
+    "seed",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "min_length",
+    "max_length",
+    "return_scores",
+    "strict",
+    "long_lines",
+)
 
 
 def _normalize(text: str) -> str:
@@ -136,6 +230,15 @@ def _check_number(name: str, value, *, default: Optional[float] = None) -> float
         raise TranslationError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(float(value)) or value < 0:
         raise TranslationError(f"{name} must be a finite number >= 0, got {value}")
+    return float(value)
+
+
+def _check_real(name: str, value) -> float:
+    """``value`` as a finite float (any sign); TranslationError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TranslationError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(float(value)):
+        raise TranslationError(f"{name} must be a finite number, got {value}")
     return float(value)
 
 
@@ -241,6 +344,7 @@ class Translator:
         generation: Optional[Any] = None,
         max_len: Optional[int] = None,
         source_dir: Union[str, os.PathLike, None] = None,
+        **search_options: Any,
     ):
         if isinstance(tokenizer, (str, os.PathLike)) or runner is None:
             raise TypeError(
@@ -266,7 +370,8 @@ class Translator:
         self.generation = generation if generation is not None else _GenerationDefaults()
         _check_generation_ids(self.generation, tokenizer)
         self.pad_id, self.bos_id, self.eos_id = self._special_ids()
-        self._options = dict(
+        self._options = dict.fromkeys(OPTION_NAMES)
+        self._options.update(
             beam_size=beam_size,
             n_best=n_best,
             max_len_a=max_len_a,
@@ -275,6 +380,7 @@ class Translator:
             alpha=alpha,
             batch_size=batch_size,
         )
+        self._options.update(self._known_options(search_options))
         self._resolve({})  # every option checked now, not at the first translate()
 
     def _check_tokenizer(self, tokenizer: Tokenizer) -> None:
@@ -444,19 +550,37 @@ class Translator:
             )
         return self.tokenizer
 
-    def encode(self, sources: Iterable[str]) -> list[list[int]]:
-        """Token ids of each source, with every bad input reported as a :class:`TranslationError`."""
+    def encode(
+        self,
+        sources: Iterable[str],
+        *,
+        strict: bool = True,
+        long_lines: str = "error",
+        report: Optional[_InputReport] = None,
+    ) -> list[list[int]]:
+        """Token ids of each source, with every bad input reported as a :class:`TranslationError`.
+
+        ``strict=False``: an empty source gets no ids (its translation is empty), characters or
+        pieces outside the vocabulary become the unknown token (noted in ``report``: one warning
+        for the input). ``long_lines="truncate"``: a source longer than the model's positions is
+        cut to them (noted in ``report``) instead of an error.
+        """
         if isinstance(sources, (str, bytes)):
             raise TypeError("translate() takes a list (or any iterable) of source strings, not one string")
         tokenizer = self._require_tokenizer()
         encoded = []
         limit = self.info.source_limit
+        report = _InputReport() if report is None else report
+        unk = getattr(tokenizer, "unk_id", None)
         for i, text in enumerate(sources):
             if not isinstance(text, str):
                 raise TypeError(f"source {i} is a {type(text).__name__}, expected str")
             text = _normalize(text)
             if not text:
-                raise _source_error(i, "empty source")
+                if strict:
+                    raise _source_error(i, "empty source")
+                encoded.append([])
+                continue
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as exc:  # e.g. bytes decoded with surrogateescape
@@ -468,13 +592,38 @@ class Translator:
             try:
                 ids = tokenizer.encode_source(text)
             except UnknownCharacterError as exc:
-                raise _source_error(i, str(exc)) from None
+                if strict:
+                    raise _source_error(i, str(exc)) from None
+                ids = tokenizer.encode_source(text, unknown="unk")
+                report.unknown.append((i, str(exc)))
+            else:
+                if not strict and unk is not None and unk in ids:
+                    report.unknown.append((i, f"{ids.count(unk)} unknown pieces"))
             if len(ids) > limit:
-                raise _source_error(
-                    i, f"{len(ids)} tokens, more than the model's max_len ({limit}); split the source"
-                )
+                if long_lines != "truncate":
+                    raise _source_error(
+                        i,
+                        f"{len(ids)} tokens, more than the model's max_len ({limit}); split the source "
+                        "(or truncate it: long_lines='truncate', --long-lines truncate)",
+                    )
+                report.truncated.append((i, len(ids)))
+                ids = ids[:limit]
             encoded.append(ids)
         return encoded
+
+    def encode_targets(self, targets: Sequence[str], what: str = "target") -> list[list[int]]:
+        """Target token ids of each text (for :meth:`score` and target prefixes); characters
+        outside the target vocabulary are a :class:`TranslationError` naming the target."""
+        tokenizer = self._require_tokenizer()
+        out = []
+        for i, text in enumerate(targets):
+            if not isinstance(text, str):
+                raise TypeError(f"{what} {i} is a {type(text).__name__}, expected str")
+            try:
+                out.append(list(tokenizer.encode_target(_normalize(text))))
+            except UnknownCharacterError as exc:
+                raise TranslationError(f"{what} {i}: {exc}", index=i, detail=str(exc)) from None
+        return out
 
     def max_new_tokens(self, src_lengths: np.ndarray, max_len_a: float, max_len_b: float) -> np.ndarray:
         """Per-row budget ``floor(a * src_len + b)`` (EOS included), at least 1, at most what the
@@ -515,39 +664,123 @@ class Translator:
         settings.pop("explicit_budget")
         return settings
 
+    @staticmethod
+    def _known_options(options: dict) -> dict:
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"unknown generation option(s) {unknown}; the options are {list(OPTION_NAMES)}")
+        return options
+
     def _resolve(self, overrides: dict) -> dict:
         """The generation options of one call: the call's, else the translator's, else the
         generation config's; each checked (TranslationError naming it)."""
+        self._known_options(overrides)
         given = {
             k: (overrides.get(k) if overrides.get(k) is not None else self._options[k]) for k in self._options
         }
         g = self.generation
+
+        def pick(name: str, default: Any = None) -> Any:
+            """The call's or translator's value, else the generation config's, else ``default``."""
+            if given.get(name) is not None:
+                return given[name]
+            value = getattr(g, name, None)
+            return default if value is None else value
+
         beam_size = _check_positive_int(
             "beam size", given["beam_size"] if given["beam_size"] is not None else g.beam_size
         )
         n_best = _check_positive_int("n_best", given["n_best"] if given["n_best"] is not None else 1)
-        if n_best > beam_size:
-            raise TranslationError(f"n_best ({n_best}) cannot exceed the beam size ({beam_size})")
+        sampling = dict(
+            sampling_topk=pick("sampling_topk", 1),
+            sampling_topp=pick("sampling_topp", 1.0),
+            sampling_temperature=pick("sampling_temperature", 1.0),
+            seed=given["seed"],
+        )
+        try:
+            sampler = decoding._check_sampling(**sampling)
+        except (TypeError, ValueError) as exc:
+            raise TranslationError(str(exc)) from None
+        if sampler is not None and beam_size > 1:
+            raise TranslationError(
+                f"random sampling (sampling_topk / sampling_topp / sampling_temperature) needs beam size 1, "
+                f"got {beam_size}"
+            )
+        if sampler is None and given["seed"] is not None:
+            raise TranslationError("seed applies to random sampling (sampling_topk != 1)")
+        if n_best > beam_size and sampler is None:
+            raise TranslationError(
+                f"n_best ({n_best}) cannot exceed the beam size ({beam_size}) (greedy decoding has one "
+                "hypothesis; random sampling may return several)"
+            )
         length_penalty = given["length_penalty"] if given["length_penalty"] is not None else g.length_penalty
         if length_penalty not in LENGTH_PENALTIES:
             raise TranslationError(
                 f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
             )
-        alpha = _check_number("alpha", given["alpha"] if given["alpha"] is not None else g.alpha)
+        raw_alpha = given["alpha"] if given["alpha"] is not None else g.alpha
+        if length_penalty == "hf":  # transformers' length_penalty may be negative
+            alpha = _check_real("alpha", raw_alpha)
+        else:
+            alpha = _check_number("alpha", raw_alpha)
+        early_stopping = pick("early_stopping")
+        if early_stopping is not None and length_penalty != "hf":
+            if given.get("early_stopping") is not None:
+                raise TranslationError(
+                    "early_stopping is transformers' beam-search rule: it applies with length_penalty='hf'"
+                )
+            early_stopping = None
+        if early_stopping is not None and not (
+            early_stopping is True or early_stopping is False or early_stopping == "never"
+        ):
+            raise TranslationError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
         a = _check_number("max_len_a", given["max_len_a"], default=g.max_len_a)
         b = _check_number("max_len_b", given["max_len_b"], default=g.max_len_b)
         batch_size = _check_positive_int(
             "batch_size", given["batch_size"] if given["batch_size"] is not None else DEFAULT_BATCH_SIZE
         )
+        min_length = pick("min_length", getattr(g, "min_new_tokens", 0) or 0)
+        if isinstance(min_length, bool) or not isinstance(min_length, (int, np.integer)) or min_length < 0:
+            raise TranslationError(f"min_length must be an int >= 0, got {min_length!r}")
+        max_length = given["max_length"]
+        if max_length is not None:
+            max_length = _check_positive_int("max_length", max_length)
+        search = dict(
+            decoder_start_id=getattr(g, "decoder_start_id", None),
+            banned_ids=list(getattr(g, "banned_ids", None) or ()),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            no_repeat_ngram_size=pick("no_repeat_ngram_size", 0),
+            force_eos_at_budget=bool(getattr(g, "force_eos_at_budget", False) or False),
+        )
+        try:
+            decoding._check_options(bos_id=self.bos_id, eos_id=self.eos_id, **search)
+        except (TypeError, ValueError) as exc:
+            raise TranslationError(str(exc)) from None
+        for name in ("return_scores", "strict"):
+            if given[name] is not None and not isinstance(given[name], bool):
+                raise TranslationError(f"{name} must be True or False, got {given[name]!r}")
+        long_lines = given["long_lines"] if given["long_lines"] is not None else "error"
+        if long_lines not in LONG_LINES:
+            raise TranslationError(f"long_lines must be one of {LONG_LINES}, got {long_lines!r}")
         explicit_budget = given["max_len_a"] is not None or given["max_len_b"] is not None
         return dict(
             beam_size=beam_size,
             n_best=n_best,
             length_penalty=length_penalty,
             alpha=alpha,
+            early_stopping=early_stopping,
+            renormalize_logits=bool(getattr(g, "renormalize_logits", False) or False),
             max_len_a=a,
             max_len_b=b,
             batch_size=batch_size,
+            min_length=int(min_length),
+            max_length=max_length,
+            sampling=sampling if sampler is not None else None,
+            search=search,
+            forced_prefix=list(getattr(g, "forced_prefix", None) or ()),
+            return_scores=bool(given["return_scores"]),
+            strict=True if given["strict"] is None else given["strict"],
+            long_lines=long_lines,
             explicit_budget=explicit_budget,
         )
 
@@ -567,72 +800,81 @@ class Translator:
 
     # ------------------------------------------------------------------ translate
     def translate(
-        self, sources: Iterable[str], *, progress: bool = False, **options
-    ) -> Union[list[str], list[list[tuple[str, Optional[float]]]]]:
-        """Translate each source: one string per source, in input order; with ``n_best > 1`` a
-        list of ``(text, score)`` pairs per source, best first.
+        self,
+        sources: Iterable[str],
+        *,
+        progress: bool = False,
+        target_prefix: Union[str, Sequence[str], None] = None,
+        **options,
+    ) -> list[Translation]:
+        """Translate each source: one :class:`Translation` per source, in input order, for every
+        setting (a ``str`` subclass: the best text; ``.texts`` and ``.hypotheses`` hold the
+        n-best with tokens and scores).
 
         ``sources``: a list or any iterable of strings (a generator is read once, up front).
+        ``target_prefix``: a text every translation starts with, or one per source (forced
+        decoding of its tokens first; a prefix longer than the source's budget is an error).
         ``options`` override the translator's generation options for this call:
 
-        * ``beam_size``: 1 is greedy decoding (no scores), more is beam search;
-        * ``n_best``: hypotheses per source, at most ``beam_size``;
+        * ``beam_size``: 1 is greedy decoding or sampling, more is beam search;
+        * ``n_best``: hypotheses per source, at most ``beam_size`` (or samples with sampling);
         * ``length_penalty``, ``alpha``: "gnmt" ((5+len)/6)^alpha (default), "seed"
-          ((5+len+1)/5)^alpha, "average" len^alpha (fairseq's), "none"; len counts the
-          generated tokens with the EOS (:func:`transformer_ext.decoding.length_penalty_factor`);
+          ((5+len+1)/5)^alpha, "average" len^alpha (fairseq's), "none", "hf" (transformers'
+          beam search, with ``early_stopping``); len counts the generated tokens with the EOS
+          (:func:`transformer_ext.decoding.length_penalty_factor`);
         * ``max_len_a``, ``max_len_b``: at most ``a * n + b`` generated tokens for a source of n
           tokens (defaults :data:`DEFAULT_MAX_LEN_A` and :data:`DEFAULT_MAX_LEN_B`); finite and
           >= 0; capped by the model's ``max_len``, with a warning when a value given explicitly
-          asks for more;
+          asks for more; ``max_length``: a cap on that budget; ``min_length``: EOS suppressed
+          before that many tokens (both count generated tokens, the EOS included);
+        * ``sampling_topk`` (1 greedy, 0 the whole vocabulary), ``sampling_topp``,
+          ``sampling_temperature``, ``seed``: random sampling (beam size 1);
+        * ``repetition_penalty``, ``no_repeat_ngram_size``: see :mod:`transformer_ext.decoding`;
+        * ``return_scores``: greedy hypotheses with scores (beam search and sampling always have them);
+        * ``strict`` (True): an empty source or one with characters outside the vocabulary is an
+          error; False translates it (empty, or with the unknown token; one warning);
+          ``long_lines``: "error" (default) or "truncate" for sources longer than the model's positions;
         * ``batch_size``: sources decoded together (64); sources are sorted by length into batches.
 
         ``progress``: a progress bar (tqdm, on stderr) for inputs of at least
         :data:`PROGRESS_MIN_BATCHES` batches. Sources are normalised (whitespace collapsed,
         lower-cased for the demo tokenizer) before encoding.
         """
-        results = self.translate_detailed(sources, progress=progress, **options)
-        n_best = self._resolve(options)["n_best"]
-        if n_best == 1:
-            return [t.text for t in results]
-        return [[(text, h.score) for text, h in zip(t.texts, t.hypotheses)] for t in results]
+        return self.translate_detailed(sources, progress=progress, target_prefix=target_prefix, **options)
+
+    def translate_text(self, sources: Iterable[str], **options) -> list[str]:
+        """:meth:`translate` as plain strings (the best translation of each source)."""
+        return [str(t) for t in self.translate(sources, **options)]
 
     def translate_detailed(
         self,
         sources: Iterable[str],
         *,
         progress: bool = False,
-        beam_size: Optional[int] = None,
-        n_best: Optional[int] = None,
-        max_len_a: Optional[float] = None,
-        max_len_b: Optional[float] = None,
-        length_penalty: Optional[str] = None,
-        alpha: Optional[float] = None,
-        batch_size: Optional[int] = None,
+        target_prefix: Union[str, Sequence[str], None] = None,
+        _report: Optional[_InputReport] = None,
+        **options,
     ) -> list[Translation]:
-        """:meth:`translate`, returning a :class:`Translation` per source (texts, token ids,
-        scores and log-probabilities of the n-best hypotheses)."""
-        opts = self._resolve(
-            dict(
-                beam_size=beam_size,
-                n_best=n_best,
-                max_len_a=max_len_a,
-                max_len_b=max_len_b,
-                length_penalty=length_penalty,
-                alpha=alpha,
-                batch_size=batch_size,
-            )
-        )
+        """:meth:`translate` (the same :class:`Translation` objects)."""
+        opts = self._resolve(options)
         if isinstance(sources, (str, bytes)):
             raise TypeError("translate() takes a list (or any iterable) of source strings, not one string")
         sources = list(sources)  # a generator is consumed once; results refer back to it by index
-
-        encoded = self.encode(sources)
+        report = _InputReport() if _report is None else _report
+        encoded = self.encode(sources, strict=opts["strict"], long_lines=opts["long_lines"], report=report)
+        if _report is None:
+            report.warn()
+        prefixes = self._prefixes(target_prefix, len(sources), opts)
         self._require_tokenizer()
         if opts["explicit_budget"] and encoded:
             self._warn_if_capped([len(x) for x in encoded], opts["max_len_a"], opts["max_len_b"])
         size = self._batch_size(opts["batch_size"], opts["beam_size"])
         results: list[Optional[Translation]] = [None] * len(encoded)
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths together
+        for i, ids in enumerate(encoded):
+            if not ids:  # an empty source (strict=False): the empty translation
+                results[i] = Translation(sources[i], [""], [Hypothesis([], None, None, True)])
+        todo = [i for i in range(len(encoded)) if encoded[i]]
+        order = sorted(todo, key=lambda i: len(encoded[i]))  # similar lengths together
         batches = [order[start : start + size] for start in range(0, len(order), size)]
         bar = _progress_bar(len(encoded)) if progress and len(batches) >= PROGRESS_MIN_BATCHES else None
         model = self.model
@@ -641,8 +883,13 @@ class Translator:
             model.eval()
         try:
             for rows in batches:
-                for i, translation in zip(rows, self._decode_batch([encoded[i] for i in rows], opts)):
-                    results[i] = dataclasses.replace(translation, source=sources[i])
+                try:
+                    out = self._decode_batch([encoded[i] for i in rows], opts, [prefixes[i] for i in rows])
+                except _PrefixError as exc:
+                    i = rows[exc.row]
+                    raise _source_error(i, exc.detail) from None
+                for i, translation in zip(rows, out):
+                    results[i] = translation.with_source(sources[i])
                 if bar is not None:
                     bar.update(len(rows))
         finally:
@@ -652,41 +899,187 @@ class Translator:
                 model.train()
         return results  # type: ignore[return-value]
 
-    def _decode_batch(self, encoded: list[list[int]], opts: dict) -> list[Translation]:
-        """One batch of encoded sources through greedy or beam search (``source`` left empty)."""
-        from .decoding import beam_search, greedy_decode
+    def _prefixes(self, target_prefix, n: int, opts: dict) -> list[list[int]]:
+        """The forced first target tokens of each of ``n`` sources: the generation config's
+        (``forced_prefix``, e.g. a target-language token), then ``target_prefix``'s."""
+        if target_prefix is None:
+            texts = [None] * n
+        elif isinstance(target_prefix, str):
+            texts = [target_prefix] * n
+        else:
+            texts = list(target_prefix)
+            if len(texts) != n:
+                raise TranslationError(
+                    f"target_prefix must be one text or one per source ({n}), got {len(texts)}"
+                )
+        given = [t for t in texts if t is not None]
+        encoded = iter(self.encode_targets(given, "target prefix")) if given else iter(())
+        forced = opts["forced_prefix"]
+        return [forced + (next(encoded) if t is not None else []) for t in texts]
 
+    def _decode_batch(
+        self, encoded: list[list[int]], opts: dict, prefixes: Optional[list[list[int]]] = None
+    ) -> list[Translation]:
+        """One batch of encoded sources through greedy decoding, sampling or beam search
+        (``source`` left empty)."""
         tok = self._require_tokenizer()
         lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
         input_ids = np.full((len(encoded), int(lengths.max())), self.pad_id, dtype=np.int64)
         for r, ids in enumerate(encoded):
             input_ids[r, : lengths[r]] = ids
         budget = self.max_new_tokens(lengths, opts["max_len_a"], opts["max_len_b"])
-        min_new = np.minimum(int(getattr(self.generation, "min_new_tokens", 0) or 0), budget)
-        common = dict(bos_id=self.bos_id, eos_id=self.eos_id, max_new_tokens=budget, min_new_tokens=min_new)
-        if opts["beam_size"] == 1:
-            out = greedy_decode(self.runner, input_ids, lengths, **common)
+        if opts["max_length"] is not None:
+            budget = np.minimum(budget, opts["max_length"])
+        min_new = np.minimum(opts["min_length"], budget)
+        prefix = None if prefixes is None or not any(prefixes) else prefixes
+        if prefix is not None:
+            for r, p in enumerate(prefix):
+                if len(p) > int(budget[r]):
+                    raise _PrefixError(
+                        r,
+                        f"the target prefix has {len(p)} tokens, more than the {int(budget[r])} this source may "
+                        "generate (max_len_a, max_len_b, max_length)",
+                    )
+        common = dict(
+            bos_id=self.bos_id,
+            eos_id=self.eos_id,
+            max_new_tokens=budget,
+            min_new_tokens=min_new,
+            target_prefix=prefix,
+            **opts["search"],
+        )
+        n_best = opts["n_best"]
+        if opts["beam_size"] == 1 and opts["sampling"] is None and not opts["return_scores"]:
+            out = decoding.greedy_decode(self.runner, input_ids, lengths, **common)
             # a row shorter than its budget stopped at an EOS
             hyps = [
                 Hypothesis([int(t) for t in row], None, None, len(row) < int(budget[r]))
                 for r, row in enumerate(out)
             ]
             return [Translation("", [tok.decode_target(h.tokens)], [h]) for h in hyps]
-        out = beam_search(
+        extra = {}
+        if opts["beam_size"] > 1:
+            extra = dict(
+                length_penalty=opts["length_penalty"],
+                alpha=opts["alpha"],
+                early_stopping=opts["early_stopping"],
+                renormalize_logits=opts["renormalize_logits"] and opts["length_penalty"] == "hf",
+            )
+        out = decoding.generate(
             self.runner,
             input_ids,
             lengths,
             beam_size=opts["beam_size"],
-            n_best=opts["n_best"],
-            length_penalty=opts["length_penalty"],
-            alpha=opts["alpha"],
+            num_hypotheses=n_best,
+            **(opts["sampling"] or {}),
+            **extra,
             **common,
         )
-        n_best = opts["n_best"]
         return [
             Translation("", [tok.decode_target(h.tokens) for h in row[:n_best]], list(row[:n_best]))
             for row in out
         ]
+
+    # ------------------------------------------------------------------ streaming and scoring
+    def translate_iterable(
+        self,
+        lines: Iterable[str],
+        *,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        window: int = DEFAULT_WINDOW,
+        target_prefix: Optional[str] = None,
+        **options,
+    ):
+        """Translate ``lines`` lazily: read ``window`` lines at a time, sort them by length, decode
+        batches of at most ``max_batch_tokens`` padded source tokens, and yield one
+        :class:`Translation` per line in input order as soon as it and every line before it are
+        done (:func:`transformer_ext.batching.translate_iterable`). ``options`` as for
+        :meth:`translate` (``batch_size`` caps the rows of a batch); one warning for the whole
+        input when ``strict=False`` or ``long_lines="truncate"`` changed lines.
+        """
+        from .batching import translate_iterable
+
+        opts = self._resolve(options)
+        report = _InputReport()  # what non-strict encoding changed, by index in the whole input
+        quiet = _InputReport()
+        seen = {"n": 0}
+
+        def length(line: str) -> int:  # called once per line, in input order
+            one = _InputReport()
+            ids = self.encode([line], strict=False, long_lines="truncate", report=one)[0]
+            i = seen["n"]
+            seen["n"] += 1
+            if not opts["strict"]:
+                report.unknown += [(i, detail) for _, detail in one.unknown]
+            if opts["long_lines"] == "truncate":
+                report.truncated += [(i, n) for _, n in one.truncated]
+            return len(ids)
+
+        def translate_batch(batch: list[str]) -> list[Translation]:
+            return self.translate_detailed(
+                batch, target_prefix=target_prefix, _report=quiet, **{**options, "batch_size": len(batch)}
+            )
+
+        size = self._batch_size(opts["batch_size"], opts["beam_size"])
+        try:
+            yield from translate_iterable(
+                translate_batch,
+                lines,
+                length=length,
+                max_batch_tokens=max_batch_tokens,
+                max_batch_size=size,
+                window=window,
+            )
+        finally:
+            report.warn()
+
+    def score(self, sources: Sequence[str], targets: Sequence[str], **options) -> list[TargetScore]:
+        """Forced decoding: the log-probability the model gives each target as the translation
+        of its source (per token and summed; the EOS included), in batches sorted by length
+        (``batch_size``). A target with characters outside the target vocabulary is a
+        :class:`TranslationError` naming it, as a source is."""
+        opts = self._resolve(options)
+        sources, targets = list(sources), list(targets)
+        if len(sources) != len(targets):
+            raise TranslationError(
+                f"score() needs one target per source: {len(sources)} sources, {len(targets)} targets"
+            )
+        encoded = self.encode(sources, strict=True, long_lines=opts["long_lines"])
+        wanted = self.encode_targets(targets)
+        cap = self.info.generation_limit
+        for i, ids in enumerate(wanted):
+            if len(ids) + 1 > cap:
+                raise TranslationError(
+                    f"target {i}: {len(ids)} tokens and the EOS, more than the {cap} the model can score"
+                )
+        size = self._batch_size(opts["batch_size"], 1)
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        results: list[Optional[TargetScore]] = [None] * len(encoded)
+        start_id = opts["search"]["decoder_start_id"]
+        for begin in range(0, len(order), size):
+            rows = order[begin : begin + size]
+            lengths = np.array([len(encoded[i]) for i in rows], dtype=np.int64)
+            input_ids = np.full((len(rows), int(lengths.max())), self.pad_id, dtype=np.int64)
+            for r, i in enumerate(rows):
+                input_ids[r, : lengths[r]] = encoded[i]
+            scored = decoding.score(
+                self.runner,
+                input_ids,
+                lengths,
+                [wanted[i] for i in rows],
+                bos_id=self.bos_id,
+                eos_id=self.eos_id,
+                decoder_start_id=start_id,
+            )
+            for i, h in zip(rows, scored):
+                results[i] = TargetScore(sources[i], targets[i], h.tokens, h.token_log_probs, h.log_prob)
+        return results  # type: ignore[return-value]
+
+
+class _PrefixError(Exception):
+    def __init__(self, row: int, detail: str):
+        super().__init__(detail)
+        self.row, self.detail = row, detail
 
 
 class _DetailedTranslator(Translator):

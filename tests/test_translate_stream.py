@@ -1,0 +1,140 @@
+"""The translate command's streaming, robust input and decoding controls, on the bundled demo model."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from transformer_ext import translate
+from transformer_ext.translate import main
+
+
+class Stdin(io.StringIO):
+    """Piped lines (not a terminal)."""
+
+    def __init__(self, lines):
+        super().__init__("".join(line + "\n" for line in lines))
+
+    def isatty(self):
+        return False
+
+
+class Stdout(io.StringIO):
+    """Records how many batches had been decoded at the first write."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches, self.batches_at_first_write = batches, None
+
+    def write(self, text):
+        if self.batches_at_first_write is None:
+            self.batches_at_first_write = len(self.batches)
+        return super().write(text)
+
+
+LINES = ["seven", "forty-two", "one thousand and one", "three hundred", "nineteen", "five", "eighty", "two"]
+
+
+def test_first_line_is_printed_before_the_last_batch_is_decoded(monkeypatch):
+    batches = []
+    decode = translate.Translator._decode_batch
+
+    def counted(self, encoded, *args, **kwargs):
+        batches.append(len(encoded))
+        return decode(self, encoded, *args, **kwargs)
+
+    monkeypatch.setattr(translate.Translator, "_decode_batch", counted)
+    stdout = Stdout(batches)
+    assert main(["--window", "2"], stdin=Stdin(LINES), stdout=stdout) == 0
+    assert stdout.getvalue().splitlines() == translate.Translator.from_model_dir(None).translate_text(LINES)
+    assert stdout.batches_at_first_write <= 2 < len(batches)
+
+
+def test_progress_lines_on_stderr_when_piped(monkeypatch, capsys):
+    monkeypatch.setattr(translate, "PROGRESS_SECONDS", 0.0)
+    stdin = Stdin(LINES[:3])
+    assert main([], stdin=stdin, stdout=io.StringIO()) == 0
+    err = capsys.readouterr().err
+    assert "translated 3 lines" in err
+
+
+def test_empty_line_and_unknown_characters(capsys, caplog):
+    stdout = io.StringIO()
+    assert main([], stdin=Stdin(["one", "", "seven€"]), stdout=stdout) == 0
+    assert stdout.getvalue().splitlines() == ["eins", "", "sieben"]
+    (warning,) = [r.getMessage() for r in caplog.records if "outside the vocabulary" in r.getMessage()]
+    assert "source 2:" in warning  # the line's index in the whole input
+    assert main(["--strict"], stdin=Stdin(["one", "", "two"]), stdout=io.StringIO()) == 1
+    assert "stdin, line 2: empty source" in capsys.readouterr().err
+    assert main(["--strict"], stdin=Stdin(["one", "seven€"]), stdout=io.StringIO()) == 1
+    assert "stdin, line 2: the source text" in capsys.readouterr().err
+
+
+def test_long_lines_error_or_truncate(capsys, caplog):
+    long = " ".join(["seven"] * 20)
+    assert main([], stdin=Stdin(["one", long]), stdout=io.StringIO()) == 1
+    assert "stdin, line 2: " in capsys.readouterr().err
+    stdout = io.StringIO()
+    assert main(["--long-lines", "truncate"], stdin=Stdin(["one", long]), stdout=stdout) == 0
+    assert len(stdout.getvalue().splitlines()) == 2
+    assert any("truncated" in r.getMessage() for r in caplog.records)
+
+
+def test_interrupted_run_says_how_far_it_got_and_writes_no_output(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out.txt"
+    decode = translate.Translator._decode_batch
+    calls = []
+
+    def interrupted(self, encoded, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return decode(self, encoded, *args, **kwargs)
+
+    monkeypatch.setattr(translate.Translator, "_decode_batch", interrupted)
+    code = main(["--output", str(out), "--window", "2"], stdin=Stdin(LINES), stdout=io.StringIO())
+    assert code == 130
+    assert not out.exists()
+    assert "interrupted after 4 translated lines; nothing written to" in capsys.readouterr().err
+
+
+def test_output_file_is_written_at_the_end(tmp_path):
+    out = tmp_path / "out.txt"
+    assert main(["--output", str(out)], stdin=Stdin(LINES[:3]), stdout=io.StringIO()) == 0
+    assert out.read_text().splitlines() == ["sieben", "zweiundvierzig", "eintausendeins"]
+
+
+def test_decoding_controls_on_the_command_line(capsys):
+    def run(*args):
+        stdout = io.StringIO()
+        assert main(list(args) + ["forty-two", "seven"], stdout=stdout) == 0
+        return stdout.getvalue().splitlines()
+
+    sampled = run("--sampling-topk", "0", "--sampling-temperature", "2.0", "--seed", "5")
+    assert sampled == run("--sampling-topk", "0", "--sampling-temperature", "2.0", "--seed", "5")
+    assert all(line.startswith("zwei") for line in run("--target-prefix", "zwei"))
+    scored = run("--scores", "--no-repeat-ngram-size", "3", "--repetition-penalty", "1.2")
+    assert all(float(line.split("\t")[0]) <= 0 for line in scored)
+    assert (
+        len(run("--beam", "3", "--length-penalty", "hf", "--alpha", "1.0", "--early-stopping", "true")) == 2
+    )
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--sampling-topp", "0.5"], "--sampling-topp applies to random sampling"),
+        (["--sampling-topk", "0", "--sampling-topp", "0"], "--sampling-topp must be in (0, 1]"),
+        (["--sampling-topk", "0", "--beam", "2"], "random sampling (--sampling-topk) needs --beam 1"),
+        (["--early-stopping", "true"], "--early-stopping applies with --length-penalty hf"),
+        (["--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
+        (["--max-batch-tokens", "0"], "--max-batch-tokens must be >= 1"),
+        (["--min-length", "-1"], "--min-length must be >= 0"),
+    ],
+)
+def test_conflicting_options_are_usage_errors(args, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(args + ["one"], stdout=io.StringIO())
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
