@@ -42,6 +42,7 @@ import logging
 import math
 import operator
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -85,6 +86,7 @@ from .manifest import (
 PROVENANCE_FILE = "provenance.json"  # written by transformer_ext.corpora, copied by train into model folders
 
 logger = logging.getLogger(__name__)
+TOKENIZER_NAME = "tokenizer.json"
 
 __all__ = [
     "DEFAULT_OUTPUT_DIR",
@@ -861,7 +863,8 @@ def _parser() -> argparse.ArgumentParser:
         "--examples",
         type=int,
         default=TRANSLATION_EXAMPLES,
-        help="held-out sources to translate with ONNX Runtime at the end (0: none)",
+        help="example sources to translate with ONNX Runtime at the end: the BLEU gate's parallel text, "
+        "or the demo task's held-out numbers for the bundled demo model; other models record none (0: none)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
     add_debug_flag(p)
@@ -1002,22 +1005,70 @@ def _run(args) -> int:
 
         print(quantization_summary(result.manifest))
     gate_pairs = None if gate_data is None else list(zip(gate_data.sources, gate_data.references))
-    examples = translate_examples(result, args.examples, gate_pairs)
-    if examples:
-        beam = read_generation_config(result.output_dir, result.manifest).beam_size
-        print()
-        print(
-            f"translations decoded by ONNX Runtime ({'greedy' if beam == 1 else f'beam {beam}'}, "
-            f"as {GENERATION_FILE} says):"
-        )
-        for source, text, reference in examples:
-            mark = (
-                ""
-                if reference is None
-                else ("  (correct)" if text == reference else f"  (reference: {reference})")
-            )
-            print(f"  {source!r} -> {text!r}{mark}")
+    print()
+    print(examples_text(result, args.examples, gate_pairs))
+    print()
+    print(verdict_text(result))
     return 0
+
+
+def examples_text(
+    result: ExportResult, n: int, gate_pairs: Optional[Sequence[tuple[str, str]]] = None
+) -> str:
+    """The example translations, labelled with where their sources come from: the BLEU gate's
+    parallel text, the demo task's held-out numbers (only for the bundled demo model), or none
+    (a model folder records no example pairs of its own)."""
+    if n <= 0:
+        return "example translations: none (--examples 0)"
+    if gate_pairs is not None:
+        what = "BLEU gate's parallel text (--gate-src / --gate-ref)"
+    elif _is_demo_export(result):
+        what = "held-out numbers of the demo task (never trained on)"
+    else:
+        return (
+            "example translations: none (the model folder records no example pairs; "
+            "translate some with the command below)"
+        )
+    examples = translate_examples(result, n, gate_pairs)
+    if not examples:
+        return f"example translations: none (the tokenizer encodes none of the {what})"
+    beam = read_generation_config(result.output_dir, result.manifest).beam_size
+    lines = [
+        f"translations decoded by ONNX Runtime ({'greedy' if beam == 1 else f'beam {beam}'}, "
+        f"as {GENERATION_FILE} says), of the {what}:"
+    ]
+    for source, text, reference in examples:
+        mark = (
+            ""
+            if reference is None
+            else ("  (correct)" if text == reference else f"  (reference: {reference})")
+        )
+        lines.append(f"  {source!r} -> {text!r}{mark}")
+    return "\n".join(lines)
+
+
+def _is_demo_export(result: ExportResult) -> bool:
+    """Whether the export is a model of the demo task: its tokenizer is the bundled demo model's
+    (the English and German number-word characters)."""
+    ours, demo = result.output_dir / TOKENIZER_NAME, demo_model_dir() / TOKENIZER_NAME
+    try:
+        return ours.read_bytes() == demo.read_bytes()
+    except OSError:
+        return False
+
+
+def verdict_text(result: ExportResult) -> str:
+    """The last lines of the command's output: the verdict, and the command to run next."""
+    validation = result.validation
+    if validation is None:
+        verdict = "exported, not validated (--no-validate): run without it to check parity with PyTorch"
+    else:
+        verdict = (
+            f"export OK: every output within {validation.tolerance:.0e} of PyTorch "
+            f"(worst {validation.worst:.1e}), greedy and beam tokens identical"
+        )
+    out = shlex.quote(str(result.output_dir))
+    return f'{verdict}\nnext: python -m transformer_ext.translate --model {out} "SOURCE TEXT"'
 
 
 if __name__ == "__main__":

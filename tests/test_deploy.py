@@ -482,3 +482,44 @@ def test_deployment_install_translates_without_torch(demo_export, tmp_path):
         timeout=120,
     )
     assert eager.returncode == 1 and "Traceback" not in eager.stderr and "torch" in eager.stderr, eager.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# export.onnx's closing lines (issue 23.5)
+# ------------------------------------------------------------------------------------------
+
+
+def test_export_of_another_model_shows_no_demo_examples_and_ends_with_the_verdict(tmp_path, capsys):
+    """A model that is not the demo gets no number-word examples (they looked like a broken
+    export); the output ends with the verdict and the next command."""
+    from helpers import make_model_dir
+
+    from export.onnx import main as export_main
+
+    model = make_model_dir(tmp_path / "model")
+    out = tmp_path / "out"
+    assert export_main(["--model-dir", str(model), "--output-dir", str(out), "--no-validate"]) == 0
+    text = capsys.readouterr().out
+    assert "forty" not in text and "reference:" not in text
+    assert "example translations: none (the model folder records no example pairs" in text
+    last = text.strip().splitlines()[-2:]
+    assert last[0].startswith("exported, not validated (--no-validate)")
+    assert last[1] == f'next: python -m transformer_ext.translate --model {out} "SOURCE TEXT"'
+
+
+def test_demo_export_labels_its_examples_and_ends_with_the_verdict(tmp_path, capsys):
+    from export.onnx import main as export_main
+
+    out = tmp_path / "demo"
+    assert export_main(["--output-dir", str(out), "--examples", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    (header,) = [i for i, line in enumerate(lines) if line.startswith("translations decoded by ONNX Runtime")]
+    assert "held-out numbers of the demo task" in lines[header]
+    examples = lines[header + 1 : header + 4]
+    assert all(" -> " in line for line in examples)
+    for line in examples:  # each checked against num2words, the independent oracle
+        source, text = (part.strip().strip("'") for part in line.split(" -> "))
+        number = next(n for n in range(10000) if num2words(n, lang="en") == source)
+        assert text.split("  (")[0].strip("'") == num2words(number, lang="de")
+    assert lines[-2].startswith("export OK: every output within")
+    assert lines[-1] == f'next: python -m transformer_ext.translate --model {out} "SOURCE TEXT"'

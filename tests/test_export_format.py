@@ -354,9 +354,17 @@ def test_exporter_writes_the_generation_options_it_is_given(tmp_path, model_dir,
         == 0
     )
     printed = capsys.readouterr().out
-    assert "translations decoded by ONNX Runtime (beam 2, as generation.json says)" in printed
+    assert "example translations: none (the model folder records no example pairs" in printed  # not the demo
     config = read_generation_config(out)
     assert (config.beam_size, config.max_len_a, config.max_len_b, config.max_new_tokens) == (2, 0.0, 3.0, 64)
+    # given sources (as the BLEU gate's), the translations are decoded as the file says
+    from types import SimpleNamespace
+
+    from export.onnx import examples_text
+
+    exported = SimpleNamespace(manifest=json.loads((out / "manifest.json").read_text()), output_dir=out)
+    printed = examples_text(exported, 2, [("abc", "x"), ("hello", "y")])
+    assert printed.startswith("translations decoded by ONNX Runtime (beam 2, as generation.json says)")
     lines = [line for line in printed.splitlines() if line.startswith("  '") and " -> " in line]
     texts = [ast.literal_eval(line.split(" -> ")[1].split("  (")[0]) for line in lines]
     assert len(texts) == 2 and all(len(t) <= 3 for t in texts)  # a character tokenizer: at most 3 tokens
