@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
@@ -766,20 +766,13 @@ def greedy_decode(
         force_eos_at_budget=force_eos_at_budget,
     )
     sampler = _check_sampling(sampling_topk, sampling_topp, sampling_temperature, seed)
-    n = _check_positive_int("num_hypotheses", num_hypotheses)
-    if n > 1 and sampler is None:
-        raise ValueError(
-            f"num_hypotheses = {n} needs random sampling (sampling_topk != 1) or beam search "
-            "(beam_size >= num_hypotheses): greedy decoding has a single hypothesis"
-        )
-    ids, lengths = check_sources(input_ids, src_lengths)
-    B = ids.shape[0]
-    max_new = _per_row("max_new_tokens", max_new_tokens, B)
-    min_new = _per_row("min_new_tokens", min_new_tokens, B)
-    prefixes = _check_prefixes(target_prefix, B, max_new, eos_id)
+    n = _check_num_hypotheses(num_hypotheses, sampler)
+    ids, lengths, max_new, min_new, prefixes = _check_search_inputs(
+        input_ids, src_lengths, max_new_tokens, min_new_tokens, target_prefix, eos_id
+    )
     with_scores = bool(return_scores) or n > 1
     steps = int(max_new.max())
-    N = B * n
+    N = ids.shape[0] * n
     outputs: list[list[int]] = [[] for _ in range(N)]
     log_probs: list[list[float]] = [[] for _ in range(N)]
     row_budget = np.repeat(max_new, n)
@@ -789,42 +782,126 @@ def greedy_decode(
             options, eos_id=eos_id, rows_per_source=n, min_new=min_new, max_new=max_new, prefixes=prefixes
         )
         state = runner.encode(ids, lengths, cache_len, n)
-        tokens = np.full(N, options.start_id, dtype=np.int64)
-        sequence = np.full((N, steps + 1), eos_id, dtype=np.int64)  # fed tokens, start token first
-        sequence[:, 0] = options.start_id
-        finished = row_budget == 0
-        rows = np.arange(N)
-        for t in range(steps):
-            logits = np.asarray(runner.step(state, tokens))
-            if logits.ndim != 2 or logits.shape[0] != N:
-                raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
-            if t == 0:
-                procs.check_vocab(logits.shape[1])
-            x = logits if logits.dtype == np.float32 else logits.astype(np.float32)
-            forced_rows = np.zeros(0, dtype=np.int64)
-            y = x
-            if procs.active(t):
-                y = np.array(x, copy=True)
-                forced_rows, forced_tokens = procs.apply(y, t, sequence[:, : t + 1], x, log_probs=False)
-            if sampler is None:
-                next_tokens = np.argmax(y, axis=-1).astype(np.int64)
-                _check_finite_logits(y[rows, next_tokens], t)  # argmax picks a NaN or +inf if there is one
-            else:
-                next_tokens = sampler.draw(y, t)
-            if forced_rows.size:  # the forced token even where the model gives it no probability
-                next_tokens[forced_rows] = forced_tokens
-            if with_scores:
-                lp = _chosen_log_probs(y, x, next_tokens, forced_rows)
-                for r in np.flatnonzero(~finished).tolist():
-                    log_probs[r].append(float(lp[r]))
-            tokens = greedy_advance(outputs, finished, next_tokens, eos_id=eos_id, max_new_tokens=row_budget)
-            sequence[:, t + 1] = tokens
-            if finished.all():
-                break
+        _greedy_steps(
+            runner,
+            state,
+            procs,
+            sampler,
+            outputs,
+            log_probs if with_scores else None,
+            row_budget,
+            start_id=options.start_id,
+            eos_id=eos_id,
+            steps=steps,
+        )
     if not with_scores:
         return outputs
+    return _greedy_results(outputs, log_probs, row_budget, n)
+
+
+def _check_num_hypotheses(num_hypotheses: Any, sampler: Optional[_Sampler]) -> int:
+    n = _check_positive_int("num_hypotheses", num_hypotheses)
+    if n > 1 and sampler is None:
+        raise ValueError(
+            f"num_hypotheses = {n} needs random sampling (sampling_topk != 1) or beam search "
+            "(beam_size >= num_hypotheses): greedy decoding has a single hypothesis"
+        )
+    return n
+
+
+def _check_search_inputs(
+    input_ids: Any,
+    src_lengths: Any,
+    max_new_tokens: IntOrArray,
+    min_new_tokens: IntOrArray,
+    target_prefix: Any,
+    eos_id: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """``(ids, lengths, max_new, min_new, prefixes)``: the checked sources and per-source budgets."""
+    ids, lengths = check_sources(input_ids, src_lengths)
+    B = ids.shape[0]
+    max_new = _per_row("max_new_tokens", max_new_tokens, B)
+    min_new = _per_row("min_new_tokens", min_new_tokens, B)
+    prefixes = _check_prefixes(target_prefix, B, max_new, eos_id)
+    return ids, lengths, max_new, min_new, prefixes
+
+
+def _step_logits(runner: Runner, state: Any, tokens: np.ndarray, t: int, procs: _Processors) -> np.ndarray:
+    """One ``runner.step`` -> float32 logits ``[N, V]`` (checked; the vocabulary checked at step 0)."""
+    N = tokens.shape[0]
+    logits = np.asarray(runner.step(state, tokens))
+    if logits.ndim != 2 or logits.shape[0] != N:
+        raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
+    if t == 0:
+        procs.check_vocab(logits.shape[1])
+    return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+
+
+def _greedy_steps(
+    runner: Runner,
+    state: Any,
+    procs: _Processors,
+    sampler: Optional[_Sampler],
+    outputs: list[list[int]],
+    log_probs: Optional[list[list[float]]],
+    row_budget: np.ndarray,
+    *,
+    start_id: int,
+    eos_id: int,
+    steps: int,
+) -> None:
+    """The decoding steps of :func:`greedy_decode`: fills ``outputs`` (and ``log_probs``, the
+    chosen tokens' log-probabilities, unless None) in place until every row is finished."""
+    N = len(outputs)
+    tokens = np.full(N, start_id, dtype=np.int64)
+    sequence = np.full((N, steps + 1), eos_id, dtype=np.int64)  # fed tokens, start token first
+    sequence[:, 0] = start_id
+    finished = row_budget == 0
+    rows = np.arange(N)
+    for t in range(steps):
+        x = _step_logits(runner, state, tokens, t, procs)
+        y, next_tokens, forced_rows = _greedy_choose(procs, sampler, x, t, sequence[:, : t + 1], rows)
+        if log_probs is not None:
+            lp = _chosen_log_probs(y, x, next_tokens, forced_rows)
+            for r in np.flatnonzero(~finished).tolist():
+                log_probs[r].append(float(lp[r]))
+        tokens = greedy_advance(outputs, finished, next_tokens, eos_id=eos_id, max_new_tokens=row_budget)
+        sequence[:, t + 1] = tokens
+        if finished.all():
+            break
+
+
+def _greedy_choose(
+    procs: _Processors,
+    sampler: Optional[_Sampler],
+    x: np.ndarray,
+    t: int,
+    sequence: np.ndarray,
+    rows: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One step's choice from the float32 logits ``x``: ``(y, next_tokens, forced_rows)``, ``y``
+    the processed scores (``x`` itself when no processor is active)."""
+    forced_rows = np.zeros(0, dtype=np.int64)
+    y = x
+    if procs.active(t):
+        y = np.array(x, copy=True)
+        forced_rows, forced_tokens = procs.apply(y, t, sequence, x, log_probs=False)
+    if sampler is None:
+        next_tokens = np.argmax(y, axis=-1).astype(np.int64)
+        _check_finite_logits(y[rows, next_tokens], t)  # argmax picks a NaN or +inf if there is one
+    else:
+        next_tokens = sampler.draw(y, t)
+    if forced_rows.size:  # the forced token even where the model gives it no probability
+        next_tokens[forced_rows] = forced_tokens
+    return y, next_tokens, forced_rows
+
+
+def _greedy_results(
+    outputs: list[list[int]], log_probs: list[list[float]], row_budget: np.ndarray, n: int
+) -> list[list[Hypothesis]]:
+    """For each source its ``n`` rows as hypotheses, best score first."""
     results = []
-    for b in range(B):
+    for b in range(len(outputs) // n):
         hyps = []
         for r in range(b * n, (b + 1) * n):
             total = float(sum(log_probs[r]))
@@ -983,6 +1060,54 @@ def beam_search(
     are scored in float64. Python loops run only over the hypotheses that finish. A NaN or +inf
     logit is a RuntimeError naming the step and row (it has no log-probability).
     """
+    alpha, early_stopping = _check_beam_options(
+        length_penalty, beam_size, n_best, alpha, early_stopping, renormalize_logits
+    )
+    options = _check_options(
+        bos_id=bos_id,
+        eos_id=eos_id,
+        decoder_start_id=decoder_start_id,
+        banned_ids=banned_ids,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        force_eos_at_budget=force_eos_at_budget,
+    )
+    ids, lengths, max_new, min_new, prefixes = _check_search_inputs(
+        input_ids, src_lengths, max_new_tokens, min_new_tokens, target_prefix, eos_id
+    )
+    B, K = ids.shape[0], int(beam_size)
+    steps = int(max_new.max())
+    if steps == 0:
+        return [[Hypothesis([], 0.0, 0.0, False, [])] for _ in range(B)]
+    cache_len = _check_cache_len(cache_len, steps)
+    procs = _Processors(
+        options, eos_id=eos_id, rows_per_source=K, min_new=min_new, max_new=max_new, prefixes=prefixes
+    )
+    state = runner.encode(ids, lengths, cache_len, K)
+    s = _BeamState.start(
+        K=K,
+        n_best=int(n_best),
+        eos_id=eos_id,
+        start_id=options.start_id,
+        length_penalty=length_penalty,
+        alpha=alpha,
+        early_stopping=early_stopping,
+        renormalize=bool(renormalize_logits),
+        max_new=max_new,
+        steps=steps,
+    )
+    return s.run(runner, state, procs, start_id=options.start_id, steps=steps)
+
+
+def _check_beam_options(
+    length_penalty: Any,
+    beam_size: Any,
+    n_best: Any,
+    alpha: Any,
+    early_stopping: Any,
+    renormalize_logits: Any,
+) -> tuple[float, Union[bool, str]]:
+    """``(alpha, early_stopping)``: the checked beam-search options of :func:`beam_search`."""
     if length_penalty not in LENGTH_PENALTIES:
         raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}")
     hf = length_penalty == "hf"
@@ -1007,182 +1132,273 @@ def beam_search(
         raise ValueError(
             "renormalize_logits applies with length_penalty='hf' (the other kinds always renormalise)"
         )
-    options = _check_options(
-        bos_id=bos_id,
-        eos_id=eos_id,
-        decoder_start_id=decoder_start_id,
-        banned_ids=banned_ids,
-        repetition_penalty=repetition_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-        force_eos_at_budget=force_eos_at_budget,
-    )
-    ids, lengths = check_sources(input_ids, src_lengths)
-    B, K = ids.shape[0], int(beam_size)
-    max_new = _per_row("max_new_tokens", max_new_tokens, B)
-    min_new = _per_row("min_new_tokens", min_new_tokens, B)
-    prefixes = _check_prefixes(target_prefix, B, max_new, eos_id)
-    steps = int(max_new.max())
-    results: list[list[Hypothesis]] = [[] for _ in range(B)]
-    if steps == 0:
-        return [[Hypothesis([], 0.0, 0.0, False, [])] for _ in range(B)]
-    cache_len = _check_cache_len(cache_len, steps)
+    return alpha, early_stopping
 
-    def penalty(length: int) -> float:
-        return length_penalty_factor(length, length_penalty, alpha)
 
-    N = B * K
-    procs = _Processors(
-        options, eos_id=eos_id, rows_per_source=K, min_new=min_new, max_new=max_new, prefixes=prefixes
-    )
-    state = runner.encode(ids, lengths, cache_len, K)
-    # Cumulative log-probabilities of the open beams; only beam 0 is live at the start (all
-    # beams of a source are identical then, expanding them all would give K copies).
-    beam_scores = np.full((B, K), -np.inf, dtype=np.float64)
-    beam_scores[:, 0] = 0.0
-    history = np.zeros((N, steps), dtype=np.int64)  # generated tokens of every open beam
-    history_lp = np.zeros((N, steps), dtype=np.float64)  # and their log-probabilities
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    n_finished = np.zeros(B, dtype=np.int64)
-    keep = K if hf else n_best  # the stop rule compares the open beams with the keep-th finished score
-    kth_best = np.full(B, -np.inf)
-    max_penalty = np.array([penalty(int(m)) for m in np.maximum(max_new, 1)])  # divisor at the budget
-    done = max_new == 0
-    for b in np.flatnonzero(done):
-        results[b] = [Hypothesis([], 0.0, 0.0, False, [])]
-    tokens = np.full(N, options.start_id, dtype=np.int64)
-    start_column = np.full((N, 1), options.start_id, dtype=np.int64)
-    identity = np.arange(N, dtype=np.int64)
-    beam_of_row = identity % K
-    row_ids = identity[:, None]
-    source_ids = np.arange(B)[:, None]
+class _Ranked(NamedTuple):
+    """A step's best ``n_cand`` candidates of every source, ``[B, n_cand]``, best first."""
 
-    for t in range(steps):
-        logits = np.asarray(runner.step(state, tokens))
-        if logits.ndim != 2 or logits.shape[0] != N:
-            raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
-        V = logits.shape[1]
-        if t == 0:
-            procs.check_vocab(V)
-        x = logits if logits.dtype == np.float32 else logits.astype(np.float32)
-        sequence = np.concatenate([start_column, history[:, :t]], axis=1) if procs.needs_sequence else None
-        # Each row's best k2 tokens hold every candidate of the source's best 2K.
-        k2 = min(2 * K, V)
-        if hf:  # transformers: the processors act on the log-probabilities
+    score: np.ndarray  # cumulative log-probability
+    lp: np.ndarray  # the candidate token's log-probability
+    beam: np.ndarray  # the beam it extends
+    tok: np.ndarray  # its token
+    is_eos: np.ndarray
+
+
+class _NextBeams(NamedTuple):
+    """The open beams after a step, ``[N]`` per row (``scores`` ``[B, K]``)."""
+
+    index: np.ndarray  # the row each new beam extends (the argument of ``runner.reorder``)
+    tokens: np.ndarray
+    lp: np.ndarray
+    scores: np.ndarray
+
+
+@dataclass
+class _BeamState:
+    """The state of one :func:`beam_search` over ``B`` sources of ``K`` beams (``N = B * K``
+    rows, a source's rows consecutive), and the parts of one step."""
+
+    K: int
+    n_best: int
+    eos_id: int
+    length_penalty: str
+    alpha: float
+    early_stopping: Union[bool, str]
+    renormalize: bool
+    max_new: np.ndarray  # [B] budgets
+    max_penalty: np.ndarray  # [B] penalty divisor at the budget
+    beam_scores: np.ndarray  # [B, K] cumulative log-probabilities of the open beams
+    history: np.ndarray  # [N, steps] generated tokens of every open beam
+    history_lp: np.ndarray  # [N, steps] and their log-probabilities
+    finished: list[list[Hypothesis]]  # per source, its finished hypotheses
+    n_finished: np.ndarray  # [B]
+    kth_best: np.ndarray  # [B] the keep-th finished score (-inf while fewer finished)
+    done: np.ndarray  # [B] bool
+    results: list[list[Hypothesis]]
+    start_column: np.ndarray  # [N, 1] the start token
+    identity: np.ndarray  # [N] arange
+    beam_of_row: np.ndarray  # [N] identity % K
+    row_ids: np.ndarray  # [N, 1] identity
+    source_ids: np.ndarray  # [B, 1] arange
+
+    @classmethod
+    def start(cls, *, K: int, max_new: np.ndarray, steps: int, start_id: int, **options) -> _BeamState:
+        B = max_new.shape[0]
+        N = B * K
+        # Only beam 0 is live at the start (all beams of a source are identical then, expanding
+        # them all would give K copies).
+        beam_scores = np.full((B, K), -np.inf, dtype=np.float64)
+        beam_scores[:, 0] = 0.0
+        identity = np.arange(N, dtype=np.int64)
+        s = cls(
+            K=K,
+            max_new=max_new,
+            max_penalty=np.zeros(B),
+            beam_scores=beam_scores,
+            history=np.zeros((N, steps), dtype=np.int64),
+            history_lp=np.zeros((N, steps), dtype=np.float64),
+            finished=[[] for _ in range(B)],
+            n_finished=np.zeros(B, dtype=np.int64),
+            kth_best=np.full(B, -np.inf),
+            done=max_new == 0,
+            results=[[] for _ in range(B)],
+            start_column=np.full((N, 1), start_id, dtype=np.int64),
+            identity=identity,
+            beam_of_row=identity % K,
+            row_ids=identity[:, None],
+            source_ids=np.arange(B)[:, None],
+            **options,
+        )
+        s.max_penalty = np.array([s.penalty(int(m)) for m in np.maximum(max_new, 1)])
+        for b in np.flatnonzero(s.done):
+            s.results[b] = [Hypothesis([], 0.0, 0.0, False, [])]
+        return s
+
+    def run(
+        self, runner: Runner, state: Any, procs: _Processors, *, start_id: int, steps: int
+    ) -> list[list[Hypothesis]]:
+        """The search steps (at most ``steps``) -> for every source its ``n_best`` hypotheses."""
+        tokens = np.full(self.identity.shape[0], start_id, dtype=np.int64)
+        for t in range(steps):
+            x = _step_logits(runner, state, tokens, t, procs)
+            cols, logp = self.log_probs(procs, x, t)
+            ranked = self.rank(cols, logp, x.shape[1])
+            beams = self.next_beams(ranked)
+            self.finish_eos(ranked, t)
+            stop, at_budget = self.stop_test(beams.scores, t + 1)
+            self.close(beams, stop, at_budget, t)
+            if self.done.all():
+                break
+            self.advance(beams, runner, state, t)
+            tokens = beams.tokens
+        return self.final_results()
+
+    @property
+    def hf(self) -> bool:
+        return self.length_penalty == "hf"
+
+    @property
+    def keep(self) -> int:
+        """The stop rule compares the open beams with the keep-th finished score."""
+        return self.K if self.hf else self.n_best
+
+    def penalty(self, length: int) -> float:
+        return length_penalty_factor(length, self.length_penalty, self.alpha)
+
+    def log_probs(self, procs: _Processors, x: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(cols, logp)`` ``[N, k2]``: each row's best ``k2 = min(2K, V)`` tokens (they hold
+        every candidate of the source's best 2K) and their float64 log-probabilities."""
+        sequence = None
+        if procs.needs_sequence:
+            sequence = np.concatenate([self.start_column, self.history[:, :t]], axis=1)
+        row_ids = self.row_ids
+        k2 = min(2 * self.K, x.shape[1])
+        if self.hf:  # transformers: the processors act on the log-probabilities
             raw_max = x.max(axis=1)
             _check_finite_logits(raw_max, t)
             log_z = _log_sum_exp(x, raw_max)
             y = np.subtract(x, np.where(np.isfinite(log_z), log_z, 0.0).astype(np.float32)[:, None])
             procs.apply(y, t, sequence, x, log_probs=True)
-            if renormalize_logits:
+            if self.renormalize:
                 z = _log_sum_exp(y, y.max(axis=1))
                 y -= np.where(np.isfinite(z), z, 0.0).astype(np.float32)[:, None]
             cols, _ = _row_top_k(y, k2)
-            logp = y[row_ids, cols].astype(np.float64)
-        else:  # the processors act on the logits, the softmax renormalises
-            y, forced_rows = x, np.zeros(0, dtype=np.int64)
-            if procs.active(t):
-                y = np.array(x, copy=True)
-                forced_rows, _ = procs.apply(y, t, sequence, x, log_probs=False)
-            cols, row_max = _row_top_k(y, k2)
-            _check_finite_logits(row_max, t)
-            log_z = _log_sum_exp(y, row_max)  # -inf for a row of only -inf
-            if forced_rows.size:  # a forced token keeps its log-probability under the raw logits
-                f = x[forced_rows]
-                log_z[forced_rows] = _log_sum_exp(f, f.max(axis=1))
-            values = y[row_ids, cols].astype(np.float64)
-            with np.errstate(invalid="ignore"):
-                logp = np.where(np.isneginf(values), -np.inf, values - log_z[:, None])
-        cand = (beam_scores.reshape(N, 1) + logp).reshape(B, K * k2)
+            return cols, y[row_ids, cols].astype(np.float64)
+        # the processors act on the logits, the softmax renormalises
+        y, forced_rows = x, np.zeros(0, dtype=np.int64)
+        if procs.active(t):
+            y = np.array(x, copy=True)
+            forced_rows, _ = procs.apply(y, t, sequence, x, log_probs=False)
+        cols, row_max = _row_top_k(y, k2)
+        _check_finite_logits(row_max, t)
+        log_z = _log_sum_exp(y, row_max)  # -inf for a row of only -inf
+        if forced_rows.size:  # a forced token keeps its log-probability under the raw logits
+            f = x[forced_rows]
+            log_z[forced_rows] = _log_sum_exp(f, f.max(axis=1))
+        values = y[row_ids, cols].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            return cols, np.where(np.isneginf(values), -np.inf, values - log_z[:, None])
+
+    def rank(self, cols: np.ndarray, logp: np.ndarray, V: int) -> _Ranked:
+        """Each source's best ``min(2K, K * V)`` candidates; ties by beam, then token id."""
+        B, K = self.beam_scores.shape
+        N = B * K
+        k2 = cols.shape[1]
+        cand = (self.beam_scores.reshape(N, 1) + logp).reshape(B, K * k2)
         cand_lp = logp.reshape(B, K * k2)
-        flat = (beam_of_row[:, None] * V + cols).reshape(B, K * k2)
+        flat = (self.beam_of_row[:, None] * V + cols).reshape(B, K * k2)
         n_cand = min(2 * K, K * V)
         order = np.lexsort((flat, -cand), axis=1)[:, :n_cand]  # best first; ties by beam, token
-        s_score = cand[source_ids, order]
-        s_lp = cand_lp[source_ids, order]
-        s_flat = flat[source_ids, order]
-        s_beam, s_tok = np.divmod(s_flat, V)
-        live = ~done[:, None]
+        source_ids = self.source_ids
+        s_beam, s_tok = np.divmod(flat[source_ids, order], V)
+        return _Ranked(
+            cand[source_ids, order], cand_lp[source_ids, order], s_beam, s_tok, s_tok == self.eos_id
+        )
 
-        # The best K non-EOS candidates are the next open beams.
-        is_eos = s_tok == eos_id
-        open_rank = np.cumsum(~is_eos, axis=1) - 1
-        take_b, take_c = np.nonzero(~is_eos & (open_rank < K) & live)
+    def next_beams(self, ranked: _Ranked) -> _NextBeams:
+        """The best K non-EOS candidates of every open source become its next open beams."""
+        K, N = self.K, self.identity.shape[0]
+        open_rank = np.cumsum(~ranked.is_eos, axis=1) - 1
+        take_b, take_c = np.nonzero(~ranked.is_eos & (open_rank < K) & ~self.done[:, None])
         slot = take_b * K + open_rank[take_b, take_c]
-        beam_index = identity.copy()
-        beam_index[slot] = take_b * K + s_beam[take_b, take_c]
-        new_tokens = np.full(N, eos_id, dtype=np.int64)
-        new_tokens[slot] = s_tok[take_b, take_c]
+        beam_index = self.identity.copy()
+        beam_index[slot] = take_b * K + ranked.beam[take_b, take_c]
+        new_tokens = np.full(N, self.eos_id, dtype=np.int64)
+        new_tokens[slot] = ranked.tok[take_b, take_c]
         new_lp = np.zeros(N)
-        new_lp[slot] = s_lp[take_b, take_c]
+        new_lp[slot] = ranked.lp[take_b, take_c]
         new_scores = np.full(N, -np.inf)
-        new_scores[slot] = s_score[take_b, take_c]
-        new_scores = new_scores.reshape(B, K)
+        new_scores[slot] = ranked.score[take_b, take_c]
+        return _NextBeams(beam_index, new_tokens, new_lp, new_scores.reshape(-1, K))
 
-        # An EOS candidate within the best K finishes a hypothesis.
+    def finish_eos(self, ranked: _Ranked, t: int) -> None:
+        """An EOS candidate within the best K finishes a hypothesis."""
+        K = self.K
         length = t + 1  # generated tokens after this step, the candidate included
-        fin_b, fin_c = np.nonzero(is_eos & (np.arange(n_cand) < K) & np.isfinite(s_score) & live)
+        within = np.arange(ranked.score.shape[1]) < K
+        live = ~self.done[:, None]
+        fin_b, fin_c = np.nonzero(ranked.is_eos & within & np.isfinite(ranked.score) & live)
         for b, c in zip(fin_b.tolist(), fin_c.tolist(), strict=True):
-            total = float(s_score[b, c])
-            row = b * K + int(s_beam[b, c])
-            token_lps = history_lp[row, :t].tolist() + [float(s_lp[b, c])]
-            finished[b].append(
-                Hypothesis(history[row, :t].tolist(), total / penalty(length), total, True, token_lps)
+            total = float(ranked.score[b, c])
+            row = b * K + int(ranked.beam[b, c])
+            token_lps = self.history_lp[row, :t].tolist() + [float(ranked.lp[b, c])]
+            self.finished[b].append(
+                Hypothesis(
+                    self.history[row, :t].tolist(), total / self.penalty(length), total, True, token_lps
+                )
             )
+        keep = self.keep
         for b in set(fin_b.tolist()):
-            finished[b].sort(key=lambda h: h.score, reverse=True)
-            n_finished[b] = len(finished[b])
-            if n_finished[b] >= keep:
-                kth_best[b] = finished[b][keep - 1].score
+            self.finished[b].sort(key=lambda h: h.score, reverse=True)
+            self.n_finished[b] = len(self.finished[b])
+            if self.n_finished[b] >= keep:
+                self.kth_best[b] = self.finished[b][keep - 1].score
 
-        # Done? At this source's budget, or when no open beam can win (the rule of the length
-        # penalty kind), or when every continuation is impossible (-inf).
-        at_budget = ~done & (length >= max_new)
+    def stop_test(self, new_scores: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(stop, at_budget)`` per source: at its budget, or no open beam can win (the rule of
+        the length penalty kind), or every continuation is impossible (-inf)."""
+        done, alpha = self.done, self.alpha
+        at_budget = ~done & (length >= self.max_new)
         best_open = new_scores.max(axis=1)
         open_finite = np.isfinite(best_open)
-        enough = ~done & ~at_budget & (n_finished >= keep)
-        if hf and early_stopping is True:
+        enough = ~done & ~at_budget & (self.n_finished >= self.keep)
+        if self.hf and self.early_stopping is True:
             stop = enough
         else:
-            if hf:  # transformers' heuristic: the best open beam at the current or maximum length
-                horizon = max_new if (early_stopping == "never" and alpha > 0) else np.full(B, length)
+            if self.hf:  # transformers' heuristic: the best open beam at the current or maximum length
+                if self.early_stopping == "never" and alpha > 0:
+                    horizon = self.max_new
+                else:
+                    horizon = np.full(done.shape[0], length)
                 divisor = horizon.astype(np.float64) ** alpha
             else:  # ours: an upper bound at the maximum length
-                divisor = max_penalty
+                divisor = self.max_penalty
             bound = np.where(open_finite, best_open / divisor, -np.inf)
-            stop = enough & (bound <= kth_best)
-        stop |= ~done & ~open_finite & (n_finished > 0)
-        for b in np.flatnonzero(at_budget).tolist():
-            for k in np.flatnonzero(np.isfinite(new_scores[b])).tolist():
-                r = b * K + k
-                toks = history[beam_index[r], :t].tolist() + [int(new_tokens[r])]
-                token_lps = history_lp[beam_index[r], :t].tolist() + [float(new_lp[r])]
-                s = float(new_scores[b, k])
-                finished[b].append(Hypothesis(toks, s / penalty(length), s, False, token_lps))
-        for b in np.flatnonzero(stop | at_budget).tolist():
-            finished[b].sort(key=lambda h: h.score, reverse=True)
-            results[b] = finished[b][:n_best]
-            rows = slice(b * K, (b + 1) * K)
-            new_scores[b, :] = -np.inf
-            beam_index[rows] = identity[rows]
-            new_tokens[rows] = eos_id
-            new_lp[rows] = 0.0
-            done[b] = True
-        if done.all():
-            break
-        beam_scores = new_scores
-        if not np.array_equal(beam_index, identity):
-            history[:, :t] = history[beam_index, :t]
-            history_lp[:, :t] = history_lp[beam_index, :t]
-            runner.reorder(state, beam_index)
-        history[:, t] = new_tokens
-        history_lp[:, t] = new_lp
-        tokens = new_tokens
+            stop = enough & (bound <= self.kth_best)
+        stop |= ~done & ~open_finite & (self.n_finished > 0)
+        return stop, at_budget
 
-    for b in range(B):
-        if not results[b]:  # only reachable if every candidate was -inf throughout
-            finished[b].sort(key=lambda h: h.score, reverse=True)
-            results[b] = finished[b][:n_best] or [Hypothesis([], -math.inf, -math.inf, False, [])]
-    return results
+    def close(self, beams: _NextBeams, stop: np.ndarray, at_budget: np.ndarray, t: int) -> None:
+        """Ends the sources that stop: at the budget their open beams join the candidates as
+        unfinished hypotheses; their results are set and their rows emptied (in ``beams``)."""
+        K, length = self.K, t + 1
+        history, history_lp = self.history, self.history_lp
+        for b in np.flatnonzero(at_budget).tolist():
+            for k in np.flatnonzero(np.isfinite(beams.scores[b])).tolist():
+                r = b * K + k
+                toks = history[beams.index[r], :t].tolist() + [int(beams.tokens[r])]
+                token_lps = history_lp[beams.index[r], :t].tolist() + [float(beams.lp[r])]
+                s = float(beams.scores[b, k])
+                self.finished[b].append(Hypothesis(toks, s / self.penalty(length), s, False, token_lps))
+        for b in np.flatnonzero(stop | at_budget).tolist():
+            self.finished[b].sort(key=lambda h: h.score, reverse=True)
+            self.results[b] = self.finished[b][: self.n_best]
+            rows = slice(b * K, (b + 1) * K)
+            beams.scores[b, :] = -np.inf
+            beams.index[rows] = self.identity[rows]
+            beams.tokens[rows] = self.eos_id
+            beams.lp[rows] = 0.0
+            self.done[b] = True
+
+    def advance(self, beams: _NextBeams, runner: Runner, state: Any, t: int) -> None:
+        """The open beams become ``beams``: histories (and the runner's state) reordered."""
+        self.beam_scores = beams.scores
+        if not np.array_equal(beams.index, self.identity):
+            self.history[:, :t] = self.history[beams.index, :t]
+            self.history_lp[:, :t] = self.history_lp[beams.index, :t]
+            runner.reorder(state, beams.index)
+        self.history[:, t] = beams.tokens
+        self.history_lp[:, t] = beams.lp
+
+    def final_results(self) -> list[list[Hypothesis]]:
+        for b in range(len(self.results)):
+            if not self.results[b]:  # only reachable if every candidate was -inf throughout
+                self.finished[b].sort(key=lambda h: h.score, reverse=True)
+                self.results[b] = self.finished[b][: self.n_best] or [
+                    Hypothesis([], -math.inf, -math.inf, False, [])
+                ]
+        return self.results
 
 
 # ------------------------------------------------------------------------------------------
