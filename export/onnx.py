@@ -71,6 +71,7 @@ from transformer_ext.export_format import (
     tokenizer_files,
 )
 from transformer_ext.fsutil import StagedDir, check_output_path
+from transformer_ext.training.run_folder import managed_dirs
 
 from . import ExportError, GraphContractError, ModelDirectoryError
 from .manifest import (
@@ -583,10 +584,9 @@ def export_onnx(
     elif quantize_options:
         raise UsageError(f"quantize_options {dict(quantize_options)} need --quantize int4 or int8-nbits")
     output_dir = Path(output_dir).absolute()
-    if model_dir is not None:  # None: the bundled demo model
-        check_output_path(
-            output_dir, inputs=[("the model folder --model-dir", model_dir)], what="--output-dir"
-        )
+    # None: the bundled demo model. A training run's best/, last/ and checkpoints/ are the trainer's.
+    inputs = [] if model_dir is None else [("the model folder --model-dir", model_dir)]
+    check_output_path(output_dir, inputs=inputs, managed_dirs=managed_dirs(output_dir), what="--output-dir")
     check_replaceable(output_dir)
     model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
     config = model.config

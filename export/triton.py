@@ -672,23 +672,8 @@ def _translator_config(
 # ------------------------------------------------------------------------------------------
 
 
-def _plan(
-    export_dir: Path,
-    manifest: dict,
-    *,
-    backend: str,
-    precision: Optional[str],
-    instance_kind: str,
-    max_batch_size: int,
-    stateful: Optional[bool],
-    state_cache_len: Optional[int],
-) -> _Plan:
-    flavour = manifest["flavour"]
-    cfg = manifest["model_config"]
-    max_positions = int(manifest.get("max_positions", cfg["max_len"]))
-    max_cache_len = min(int(manifest.get("max_cache_len", max_positions)), max_positions)
-    onnx_dir = (export_dir / manifest["onnx_dir"]).resolve() if manifest.get("onnx_dir") else export_dir
-
+def _resolve_backend(manifest: dict, backend: str, precision: Optional[str], instance_kind: str) -> str:
+    """``auto`` becomes TensorRT when the manifest lists engines and the instances may run on GPUs."""
     if backend == "auto":
         backend = (
             "tensorrt"
@@ -699,75 +684,123 @@ def _plan(
         raise TritonExportError(
             "--precision selects TensorRT engines; it has no meaning with --backend onnxruntime"
         )
+    return backend
 
+
+def _engine_files(export_dir: Path, precision: str, entries: Mapping[str, Any]) -> dict[str, Path]:
+    """The encoder and decoder_step engines the manifest lists, each present and matching its sha256."""
+    files = {}
+    for graph in ("encoder", "decoder_step"):
+        if graph not in entries:
+            raise TritonExportError(f"the manifest's {precision} engines lack the {graph} engine")
+        path = export_dir / entries[graph]["file"]
+        if not path.is_file():
+            raise TritonExportError(f"{path} is listed in the manifest but missing; rebuild the engines")
+        want = entries[graph].get("sha256")
+        if want and _sha256(path) != want:
+            raise TritonExportError(f"{path} does not match the sha256 in the manifest (rebuilt or corrupt?)")
+        files[graph] = path
+    return files
+
+
+def _tensorrt_models(
+    export_dir: Path,
+    manifest: dict,
+    precision: Optional[str],
+    instance_kind: str,
+    max_batch_size: int,
+    max_positions: int,
+    max_cache_len: int,
+) -> dict:
+    """The :class:`_Plan` fields of the manifest's TensorRT engines: graphs, files, and the limits
+    their optimization profiles set."""
+    if instance_kind == "cpu":
+        raise TritonExportError(
+            "TensorRT plans run on GPUs only: use --instance-kind gpu (or auto) with --backend tensorrt"
+        )
+    precision, section = _tensorrt_section(manifest, precision)
+    if section.get("cache_dtype") == "bfloat16":
+        raise TritonExportError(
+            "bf16 engines cannot be driven by the Python-backend translator (numpy has no bfloat16 "
+            "for the caches it holds); build fp32 or fp16 engines"
+        )
+    entries = section["engines"]
+    files = _engine_files(export_dir, precision, entries)
     specs = manifest["graphs"]
-    if backend == "tensorrt":
-        if instance_kind == "cpu":
-            raise TritonExportError(
-                "TensorRT plans run on GPUs only: use --instance-kind gpu (or auto) with --backend tensorrt"
+    pinned = {k: int(v) for k, v in (entries["decoder_step"].get("pinned_axes") or {}).items()}
+    encoder = _graph_from_engine(specs["encoder"], entries["encoder"], {})
+    decoder = _graph_from_engine(specs["decoder_step"], entries["decoder_step"], pinned)
+
+    def profile_max(graph: str, tensor: str, axis: int, default: int) -> int:
+        prof = (entries[graph].get("profile") or {}).get(tensor)
+        return int(prof["max"][axis]) if prof else default
+
+    def profile_min(graph: str, tensor: str, axis: int) -> int:
+        prof = (entries[graph].get("profile") or {}).get(tensor)
+        return int(prof["min"][axis]) if prof else 1
+
+    enc_batch = min(max_batch_size, profile_max("encoder", "input_ids", 0, max_batch_size))
+    dec_batch = min(max_batch_size, profile_max("decoder_step", "input_ids", 0, max_batch_size))
+    for graph in ("encoder", "decoder_step"):
+        if profile_min(graph, "input_ids", 0) > 1:
+            logger.warning(
+                "the %s engine's profile starts at batch %d: smaller batches will fail",
+                graph,
+                profile_min(graph, "input_ids", 0),
             )
-        instance_kind = "gpu"
-        precision, section = _tensorrt_section(manifest, precision)
-        if section.get("cache_dtype") == "bfloat16":
-            raise TritonExportError(
-                "bf16 engines cannot be driven by the Python-backend translator (numpy has no bfloat16 "
-                "for the caches it holds); build fp32 or fp16 engines"
-            )
-        entries = section["engines"]
-        files = {}
-        for graph in ("encoder", "decoder_step"):
-            if graph not in entries:
-                raise TritonExportError(f"the manifest's {precision} engines lack the {graph} engine")
-            path = export_dir / entries[graph]["file"]
-            if not path.is_file():
-                raise TritonExportError(f"{path} is listed in the manifest but missing; rebuild the engines")
-            want = entries[graph].get("sha256")
-            if want and _sha256(path) != want:
-                raise TritonExportError(
-                    f"{path} does not match the sha256 in the manifest (rebuilt or corrupt?)"
-                )
-            files[graph] = path
-        pinned = {k: int(v) for k, v in (entries["decoder_step"].get("pinned_axes") or {}).items()}
-        encoder = _graph_from_engine(specs["encoder"], entries["encoder"], {})
-        decoder = _graph_from_engine(specs["decoder_step"], entries["decoder_step"], pinned)
+    if (enc_batch, dec_batch) != (max_batch_size, max_batch_size):
+        logger.info(
+            "max_batch_size capped by the engines' profiles: encoder %d, decoder %d", enc_batch, dec_batch
+        )
+    return dict(
+        instance_kind="gpu",
+        precision=precision,
+        encoder=encoder,
+        decoder=decoder,
+        encoder_file=files["encoder"],
+        decoder_file=files["decoder_step"],
+        encoder_max_batch=enc_batch,
+        decoder_max_batch=dec_batch,
+        max_src_len=min(max_positions, profile_max("encoder", "input_ids", 1, max_positions)),
+        max_cache_len=min(max_cache_len, profile_max("decoder_step", "self_key.0", 2, max_cache_len)),
+        fixed_cache_len=int(pinned.get("cache_len", 0)),
+        cache_dtype=decoder.input("self_key.0").dtype,
+    )
 
-        def profile_max(graph: str, tensor: str, axis: int, default: int) -> int:
-            prof = (entries[graph].get("profile") or {}).get(tensor)
-            return int(prof["max"][axis]) if prof else default
 
-        def profile_min(graph: str, tensor: str, axis: int) -> int:
-            prof = (entries[graph].get("profile") or {}).get(tensor)
-            return int(prof["min"][axis]) if prof else 1
+def _onnx_models(export_dir: Path, manifest: dict, max_batch_size: int, max_positions: int) -> dict:
+    """The :class:`_Plan` fields of the export's ONNX graphs (each file present and the graph the
+    manifest lists)."""
+    specs = manifest["graphs"]
+    onnx_dir = (export_dir / manifest["onnx_dir"]).resolve() if manifest.get("onnx_dir") else export_dir
+    encoder = _graph_from_spec(specs["encoder"])
+    decoder = _graph_from_spec(specs["decoder_step"])
+    encoder_file, decoder_file = onnx_dir / ENCODER_FILE, onnx_dir / DECODER_FILE
+    for path, spec in ((encoder_file, specs["encoder"]), (decoder_file, specs["decoder_step"])):
+        if not path.is_file():
+            raise ManifestError(f"{path} not found (the export folder is incomplete; export it again)")
+        _check_onnx_file(path, spec)
+    return dict(
+        encoder=encoder,
+        decoder=decoder,
+        encoder_file=encoder_file,
+        decoder_file=decoder_file,
+        encoder_max_batch=max_batch_size,
+        decoder_max_batch=max_batch_size,
+        max_src_len=max_positions,
+        fixed_cache_len=0,
+        cache_dtype="float32",
+    )
 
-        enc_batch = min(max_batch_size, profile_max("encoder", "input_ids", 0, max_batch_size))
-        dec_batch = min(max_batch_size, profile_max("decoder_step", "input_ids", 0, max_batch_size))
-        for graph in ("encoder", "decoder_step"):
-            if profile_min(graph, "input_ids", 0) > 1:
-                logger.warning(
-                    "the %s engine's profile starts at batch %d: smaller batches will fail",
-                    graph,
-                    profile_min(graph, "input_ids", 0),
-                )
-        if (enc_batch, dec_batch) != (max_batch_size, max_batch_size):
-            logger.info(
-                "max_batch_size capped by the engines' profiles: encoder %d, decoder %d", enc_batch, dec_batch
-            )
-        max_src_len = min(max_positions, profile_max("encoder", "input_ids", 1, max_positions))
-        max_cache_len = min(max_cache_len, profile_max("decoder_step", "self_key.0", 2, max_cache_len))
-        fixed_cache_len = int(pinned.get("cache_len", 0))
-        cache_dtype = decoder.input("self_key.0").dtype
-        encoder_file, decoder_file = files["encoder"], files["decoder_step"]
-    else:
-        encoder = _graph_from_spec(specs["encoder"])
-        decoder = _graph_from_spec(specs["decoder_step"])
-        enc_batch = dec_batch = max_batch_size
-        max_src_len, fixed_cache_len, cache_dtype = max_positions, 0, "float32"
-        encoder_file, decoder_file = onnx_dir / ENCODER_FILE, onnx_dir / DECODER_FILE
-        for path, spec in ((encoder_file, specs["encoder"]), (decoder_file, specs["decoder_step"])):
-            if not path.is_file():
-                raise ManifestError(f"{path} not found (the export folder is incomplete; export it again)")
-            _check_onnx_file(path, spec)
 
+def _resolve_state(
+    flavour: str,
+    stateful: Optional[bool],
+    state_cache_len: Optional[int],
+    fixed_cache_len: int,
+    max_cache_len: int,
+) -> tuple[bool, int]:
+    """Whether to write the stateful decoder, and the cache capacity of each of its sequences."""
     if stateful is None:
         stateful = flavour == "tensorscatter"
     if stateful and flavour != "tensorscatter":
@@ -790,25 +823,53 @@ def _plan(
         raise TritonExportError(
             f"--state-cache-len must be in [1, {max_cache_len}] for this export, got {state_cache_len}"
         )
+    return bool(stateful), state_cache_len
 
+
+def _plan(
+    export_dir: Path,
+    manifest: dict,
+    *,
+    backend: str,
+    precision: Optional[str],
+    instance_kind: str,
+    max_batch_size: int,
+    stateful: Optional[bool],
+    state_cache_len: Optional[int],
+) -> _Plan:
+    flavour = manifest["flavour"]
+    cfg = manifest["model_config"]
+    max_positions = int(manifest.get("max_positions", cfg["max_len"]))
+    max_cache_len = min(int(manifest.get("max_cache_len", max_positions)), max_positions)
+    backend = _resolve_backend(manifest, backend, precision, instance_kind)
+    if backend == "tensorrt":
+        models = _tensorrt_models(
+            export_dir, manifest, precision, instance_kind, max_batch_size, max_positions, max_cache_len
+        )
+    else:
+        models = _onnx_models(export_dir, manifest, max_batch_size, max_positions)
+        models.update(instance_kind=instance_kind, precision=None, max_cache_len=max_cache_len)
+    stateful, state_cache_len = _resolve_state(
+        flavour, stateful, state_cache_len, models["fixed_cache_len"], models["max_cache_len"]
+    )
     return _Plan(
         manifest=manifest,
         flavour=flavour,
         backend=backend,
-        precision=precision if backend == "tensorrt" else None,
-        encoder=encoder,
-        decoder=decoder,
-        encoder_file=encoder_file,
-        decoder_file=decoder_file,
-        instance_kind=instance_kind,
-        encoder_max_batch=int(enc_batch),
-        decoder_max_batch=int(dec_batch),
-        max_src_len=int(max_src_len),
+        precision=models["precision"],
+        encoder=models["encoder"],
+        decoder=models["decoder"],
+        encoder_file=models["encoder_file"],
+        decoder_file=models["decoder_file"],
+        instance_kind=models["instance_kind"],
+        encoder_max_batch=int(models["encoder_max_batch"]),
+        decoder_max_batch=int(models["decoder_max_batch"]),
+        max_src_len=int(models["max_src_len"]),
         max_positions=int(max_positions),
-        max_cache_len=int(max_cache_len),
-        fixed_cache_len=fixed_cache_len,
-        cache_dtype=cache_dtype,
-        stateful=bool(stateful),
+        max_cache_len=int(models["max_cache_len"]),
+        fixed_cache_len=models["fixed_cache_len"],
+        cache_dtype=models["cache_dtype"],
+        stateful=stateful,
         state_cache_len=state_cache_len,
     )
 
@@ -847,6 +908,191 @@ def _write_translator(model_dir: Path) -> None:
     )
     for module in VENDORED_MODULES:
         shutil.copy2(_module_file(module), model_dir / _vendored_path(module))
+
+
+def _check_options(
+    *,
+    backend: str,
+    instance_kind: str,
+    max_batch_size: int,
+    instances: int,
+    translator_instances: int,
+    max_queue_delay_us: int,
+    ort_threads: Optional[int],
+    state_cache_len: Optional[int],
+    gpus: Optional[Sequence[int]],
+) -> None:
+    """A ValueError naming the first bad option of :func:`export_triton`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if instance_kind not in INSTANCE_KINDS:
+        raise ValueError(f"instance_kind must be one of {INSTANCE_KINDS}, got {instance_kind!r}")
+    for name, value, low in (
+        ("max_batch_size", max_batch_size, 1),
+        ("instances", instances, 1),
+        ("translator_instances", translator_instances, 1),
+        ("max_queue_delay_us", max_queue_delay_us, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if ort_threads is not None and (
+        isinstance(ort_threads, bool) or not isinstance(ort_threads, int) or ort_threads < 1
+    ):
+        raise ValueError(f"ort_threads must be a positive int, got {ort_threads!r}")
+    if state_cache_len is not None and (
+        isinstance(state_cache_len, bool) or not isinstance(state_cache_len, int)
+    ):
+        raise ValueError(f"state_cache_len must be an int, got {state_cache_len!r}")
+    if gpus is not None and any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
+        raise ValueError(f"gpus must be GPU ids (ints >= 0), got {list(gpus)!r}")
+
+
+def _model_configs(
+    plan: _Plan,
+    export_dir: Path,
+    common: Mapping[str, Any],
+    *,
+    translator: bool,
+    translator_instances: int,
+) -> dict[str, dict]:
+    """The configuration of every model of the repository, by model name. ``common`` holds the
+    instance and batching options of the encoder and decoder models."""
+    instances = common["instances"]
+    configs: dict[str, dict] = {
+        ENCODER_MODEL: _model_config(ENCODER_MODEL, plan, plan.encoder, plan.encoder_max_batch, **common),
+        DECODER_MODEL: _model_config(DECODER_MODEL, plan, plan.decoder, plan.decoder_max_batch, **common),
+    }
+    if plan.stateful:
+        configs[STATEFUL_DECODER_MODEL] = _stateful_config(plan, **common)
+        if translator and plan.decoder_max_batch * instances < translator_instances:
+            raise TritonExportError(
+                f"{translator_instances} translator instances cannot share {plan.decoder_max_batch * instances} "
+                "stateful sequence slots (max_batch_size x instances): every translator needs at least one, "
+                "or its steps would wait for a slot forever; raise --max-batch-size or lower --translator-instances"
+            )
+    if translator:
+        configs[TRANSLATOR_MODEL] = _translator_config(
+            plan,
+            read_generation_config(export_dir, plan.manifest),
+            instances=translator_instances,
+            decoder_instances=instances,
+            stateful_model=STATEFUL_DECODER_MODEL if plan.stateful else None,
+        )
+    return configs
+
+
+def _fill_repository(
+    tmp_dir: Path,
+    export_dir: Path,
+    plan: _Plan,
+    configs: Mapping[str, dict],
+    texts: Mapping[str, str],
+    *,
+    translator: bool,
+    validate: bool,
+) -> bool:
+    """Write the models' folders, then (when ``validate``) check them, then the marker file, into
+    the staging folder ``tmp_dir``; whether tritonclient's protobuf parser checked the configs."""
+    model_file = "model.plan" if plan.backend == "tensorrt" else "model.onnx"
+    protobuf_checked = False
+    for name, text in texts.items():
+        (tmp_dir / name).mkdir()
+        (tmp_dir / name / "config.pbtxt").write_text(text, encoding="utf-8")
+    enc_data, dec_data = plan.encoder_file.name + ".data", plan.decoder_file.name + ".data"
+    _copy_model_file(plan.encoder_file, tmp_dir / ENCODER_MODEL / "1", model_file, data_name=enc_data)
+    _copy_model_file(plan.decoder_file, tmp_dir / DECODER_MODEL / "1", model_file, data_name=dec_data)
+    if plan.stateful:  # the same graph under the sequence batcher
+        _copy_model_file(
+            tmp_dir / DECODER_MODEL / "1" / model_file,
+            tmp_dir / STATEFUL_DECODER_MODEL / "1",
+            model_file,
+            data_name=dec_data,
+            link=True,
+        )
+    if translator:
+        _write_translator(tmp_dir / TRANSLATOR_MODEL)
+    if validate:
+        engines = (
+            {
+                ENCODER_MODEL: plan.encoder,
+                DECODER_MODEL: plan.decoder,
+                STATEFUL_DECODER_MODEL: plan.decoder,
+            }
+            if plan.backend == "tensorrt"
+            else None
+        )
+        protobuf_checked = validate_repository(tmp_dir, engine_graphs=engines, configs=configs)
+    atomic_write_json(
+        tmp_dir / MARKER_FILE,
+        {
+            "format": REPOSITORY_FORMAT,
+            "format_version": REPOSITORY_FORMAT_VERSION,
+            "export_dir": os.fspath(export_dir),
+            "files": sorted(set(_repository_files(tmp_dir)) | {MARKER_FILE}),
+        },
+    )
+    return protobuf_checked
+
+
+def _write_repository(
+    repo_dir: Path,
+    force: bool,
+    export_dir: Path,
+    plan: _Plan,
+    configs: Mapping[str, dict],
+    texts: Mapping[str, str],
+    *,
+    translator: bool,
+    validate: bool,
+) -> bool:
+    """Fill a staging folder (:func:`_fill_repository`) and move it to ``repo_dir`` in one step;
+    on failure nothing is left behind (an OSError names ``repo_dir``)."""
+    made: list[Path] = []
+    try:
+        make_parents(repo_dir, made)
+        with StagedDir(repo_dir) as stage:
+            protobuf_checked = _fill_repository(
+                stage.path, export_dir, plan, configs, texts, translator=translator, validate=validate
+            )
+            _check_target(repo_dir, force)  # nothing of someone else's appeared there meanwhile
+            stage.commit()
+    except BaseException as exc:
+        remove_made_parents(made)
+        named = named_write_error(exc, repo_dir)
+        if named is not None:
+            raise named from exc
+        raise
+    return protobuf_checked
+
+
+def _export_result(
+    repo_dir: Path, plan: _Plan, texts: dict[str, str], protobuf_checked: bool
+) -> TritonExportResult:
+    cfg = plan.manifest["model_config"]
+    dtype_bytes = TRITON_DTYPES[plan.cache_dtype][1]
+    rows, length = 1, plan.state_cache_len
+    result = TritonExportResult(
+        repo_dir=repo_dir,
+        backend=plan.backend,
+        precision=plan.precision,
+        flavour=plan.flavour,
+        models={name: repo_dir / name for name in texts},
+        configs=texts,
+        protobuf_checked=protobuf_checked,
+        cache_bytes={
+            "rows": rows,
+            "cache_len": length,
+            "self_cache": cache_bytes_per_step(cfg, rows, length, dtype_bytes),
+        },
+    )
+    logger.info(
+        "wrote the Triton model repository %s (%s, %s flavour): %s",
+        repo_dir,
+        plan.backend,
+        plan.flavour,
+        ", ".join(texts),
+    )
+    return result
 
 
 def export_triton(
@@ -907,29 +1153,17 @@ def export_triton(
         TritonConfigError: a generated configuration does not match its graph.
         OSError: the repository cannot be written (full disk, read-only file system), naming ``repo_dir``.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if instance_kind not in INSTANCE_KINDS:
-        raise ValueError(f"instance_kind must be one of {INSTANCE_KINDS}, got {instance_kind!r}")
-    for name, value, low in (
-        ("max_batch_size", max_batch_size, 1),
-        ("instances", instances, 1),
-        ("translator_instances", translator_instances, 1),
-        ("max_queue_delay_us", max_queue_delay_us, 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if ort_threads is not None and (
-        isinstance(ort_threads, bool) or not isinstance(ort_threads, int) or ort_threads < 1
-    ):
-        raise ValueError(f"ort_threads must be a positive int, got {ort_threads!r}")
-    if state_cache_len is not None and (
-        isinstance(state_cache_len, bool) or not isinstance(state_cache_len, int)
-    ):
-        raise ValueError(f"state_cache_len must be an int, got {state_cache_len!r}")
-    if gpus is not None and any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
-        raise ValueError(f"gpus must be GPU ids (ints >= 0), got {list(gpus)!r}")
-
+    _check_options(
+        backend=backend,
+        instance_kind=instance_kind,
+        max_batch_size=max_batch_size,
+        instances=instances,
+        translator_instances=translator_instances,
+        max_queue_delay_us=max_queue_delay_us,
+        ort_threads=ort_threads,
+        state_cache_len=state_cache_len,
+        gpus=gpus,
+    )
     export_dir = Path(export_dir).absolute()
     repo_dir = Path(repo_dir).absolute()
     manifest = read_manifest(export_dir)  # ManifestError with a clear message when absent
@@ -947,105 +1181,14 @@ def export_triton(
         state_cache_len=state_cache_len,
     )
     common = dict(instances=instances, gpus=gpus, queue_delay_us=max_queue_delay_us, ort_threads=ort_threads)
-    configs: dict[str, dict] = {
-        ENCODER_MODEL: _model_config(ENCODER_MODEL, plan, plan.encoder, plan.encoder_max_batch, **common),
-        DECODER_MODEL: _model_config(DECODER_MODEL, plan, plan.decoder, plan.decoder_max_batch, **common),
-    }
-    if plan.stateful:
-        configs[STATEFUL_DECODER_MODEL] = _stateful_config(plan, **common)
-        if translator and plan.decoder_max_batch * instances < translator_instances:
-            raise TritonExportError(
-                f"{translator_instances} translator instances cannot share {plan.decoder_max_batch * instances} "
-                "stateful sequence slots (max_batch_size x instances): every translator needs at least one, "
-                "or its steps would wait for a slot forever; raise --max-batch-size or lower --translator-instances"
-            )
-    if translator:
-        configs[TRANSLATOR_MODEL] = _translator_config(
-            plan,
-            read_generation_config(export_dir, manifest),
-            instances=translator_instances,
-            decoder_instances=instances,
-            stateful_model=STATEFUL_DECODER_MODEL if plan.stateful else None,
-        )
+    configs = _model_configs(
+        plan, export_dir, common, translator=translator, translator_instances=translator_instances
+    )
     texts = {name: render_pbtxt(cfg) for name, cfg in configs.items()}
-    model_file = "model.plan" if plan.backend == "tensorrt" else "model.onnx"
-
-    protobuf_checked = False
-    made: list[Path] = []
-    try:
-        make_parents(repo_dir, made)
-        with StagedDir(repo_dir) as stage:
-            tmp_dir = stage.path
-            for name, text in texts.items():
-                (tmp_dir / name).mkdir()
-                (tmp_dir / name / "config.pbtxt").write_text(text, encoding="utf-8")
-            enc_data, dec_data = plan.encoder_file.name + ".data", plan.decoder_file.name + ".data"
-            _copy_model_file(plan.encoder_file, tmp_dir / ENCODER_MODEL / "1", model_file, data_name=enc_data)
-            _copy_model_file(plan.decoder_file, tmp_dir / DECODER_MODEL / "1", model_file, data_name=dec_data)
-            if plan.stateful:  # the same graph under the sequence batcher
-                _copy_model_file(
-                    tmp_dir / DECODER_MODEL / "1" / model_file,
-                    tmp_dir / STATEFUL_DECODER_MODEL / "1",
-                    model_file,
-                    data_name=dec_data,
-                    link=True,
-                )
-            if translator:
-                _write_translator(tmp_dir / TRANSLATOR_MODEL)
-            if validate:
-                engines = (
-                    {
-                        ENCODER_MODEL: plan.encoder,
-                        DECODER_MODEL: plan.decoder,
-                        STATEFUL_DECODER_MODEL: plan.decoder,
-                    }
-                    if plan.backend == "tensorrt"
-                    else None
-                )
-                protobuf_checked = validate_repository(tmp_dir, engine_graphs=engines, configs=configs)
-            atomic_write_json(
-                tmp_dir / MARKER_FILE,
-                {
-                    "format": REPOSITORY_FORMAT,
-                    "format_version": REPOSITORY_FORMAT_VERSION,
-                    "export_dir": os.fspath(export_dir),
-                    "files": sorted(set(_repository_files(tmp_dir)) | {MARKER_FILE}),
-                },
-            )
-            _check_target(repo_dir, force)  # nothing of someone else's appeared there meanwhile
-            stage.commit()
-    except BaseException as exc:
-        remove_made_parents(made)
-        named = named_write_error(exc, repo_dir)
-        if named is not None:
-            raise named from exc
-        raise
-
-    cfg = manifest["model_config"]
-    dtype_bytes = TRITON_DTYPES[plan.cache_dtype][1]
-    rows, length = 1, plan.state_cache_len
-    result = TritonExportResult(
-        repo_dir=repo_dir,
-        backend=plan.backend,
-        precision=plan.precision,
-        flavour=plan.flavour,
-        models={name: repo_dir / name for name in texts},
-        configs=texts,
-        protobuf_checked=protobuf_checked,
-        cache_bytes={
-            "rows": rows,
-            "cache_len": length,
-            "self_cache": cache_bytes_per_step(cfg, rows, length, dtype_bytes),
-        },
+    protobuf_checked = _write_repository(
+        repo_dir, force, export_dir, plan, configs, texts, translator=translator, validate=validate
     )
-    logger.info(
-        "wrote the Triton model repository %s (%s, %s flavour): %s",
-        repo_dir,
-        plan.backend,
-        plan.flavour,
-        ", ".join(texts),
-    )
-    return result
+    return _export_result(repo_dir, plan, texts, protobuf_checked)
 
 
 # ------------------------------------------------------------------------------------------

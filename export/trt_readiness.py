@@ -489,6 +489,230 @@ def _default_opset(model: onnx.ModelProto) -> Optional[int]:
     return None
 
 
+class _Collector:
+    """Appends the problems and warnings of one graph to its :class:`GraphReadiness`."""
+
+    def __init__(self, report: GraphReadiness):
+        self.report = report
+
+    def problem(self, kind: str, message: str, node: Optional[str] = None) -> None:
+        self.report.problems.append(Problem(self.report.name, kind, message, node))
+
+    def warning(self, kind: str, message: str, node: Optional[str] = None) -> None:
+        self.report.warnings.append(Problem(self.report.name, kind, message, node))
+
+
+def _check_opsets(model: onnx.ModelProto, out: _Collector) -> None:
+    """The default-domain opset is in TensorRT's range; other domains are warned about."""
+    opset = out.report.opset
+    if opset is None:
+        out.problem("opset", "the model imports no default-domain ('ai.onnx') opset")
+    elif not MIN_OPSET <= opset <= MAX_OPSET:
+        out.problem(
+            "opset",
+            f"opset {opset} is outside the range TensorRT {TRT_TARGET_VERSION} parses "
+            f"({MIN_OPSET}..{MAX_OPSET}); re-export with --opset {min(max(opset, MIN_OPSET), MAX_OPSET)}",
+        )
+    for imp in model.opset_import:
+        if imp.domain not in ("", "ai.onnx"):
+            out.warning("custom_domain", f"imports opset domain {imp.domain!r} v{imp.version}")
+
+
+def _infer_shapes(model: onnx.ModelProto, out: _Collector) -> onnx.ModelProto:
+    """The model with inferred types and shapes of intermediate tensors (the model itself, with a
+    warning, when inference fails)."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except Exception as exc:  # noqa: BLE001
+        out.warning("dtype", f"ONNX shape inference failed ({exc}); intermediate types are not checked")
+        return model
+
+
+def _check_node(node: onnx.NodeProto, label: str, g: GraphIndex, out: _Collector) -> None:
+    """The restrictions of one emitted default-domain node: attributes, dtypes, empty constants."""
+    for severity, message in _restrictions(node, g):
+        (out.problem if severity == "problem" else out.warning)(
+            "op_restriction", f"{node.op_type}: {message}", label
+        )
+    if node.op_type in FLOAT_ONLY_OPS and node.input and node.input[0] in g.types:
+        dtype = onnx_dtype_name(g.types[node.input[0]])
+        if dtype not in FLOAT_DTYPES:
+            out.problem(
+                "dtype",
+                f"{node.op_type} on {dtype} tensor {node.input[0]!r}: TensorRT {TRT_TARGET_VERSION} "
+                f"runs it on {_ranges_text(FLOAT_DTYPES)} only",
+                label,
+            )
+    if node.op_type == "Constant":
+        for a in node.attribute:
+            if a.name == "value" and any(int(d) == 0 for d in a.t.dims):
+                out.problem(
+                    "zero_dim",
+                    f"constant {node.output[0]!r} has a zero-length dimension {list(a.t.dims)}",
+                    label,
+                )
+
+
+def _check_nodes(model: onnx.ModelProto, g: GraphIndex, out: _Collector) -> None:
+    """Counts the op types (into ``report.op_counts``) and checks every node: emitted ops only, their
+    restrictions, no int8 quantization (reported once per graph)."""
+    report = out.report
+    counts: Counter[str] = Counter()
+    int8_nodes: Counter[str] = Counter()
+    for idx, node in enumerate(model.graph.node):
+        label = node.name or f"#{idx} {node.op_type}"
+        default_domain = node.domain in ("", "ai.onnx")
+        counts[node.op_type if default_domain else f"{node.domain}::{node.op_type}"] += 1
+        if not default_domain or any(p.node == label for p in report.problems if p.kind == "control_flow"):
+            continue  # reported by the contract check
+        if node.op_type in INT8_OP_TYPES:
+            int8_nodes[node.op_type] += 1  # reported once per graph below
+            continue
+        if node.op_type not in EMITTED_OPS:
+            out.problem(
+                "unsupported_op",
+                f"{node.op_type} is not an op python -m export.onnx emits; TensorRT "
+                f"{TRT_TARGET_VERSION} engines are built from {_ranges_text(EMITTED_OPS)} only",
+                label,
+            )
+            continue
+        _check_node(node, label, g, out)
+    report.op_counts = dict(sorted(counts.items()))
+    if int8_nodes:
+        out.problem(
+            "int8",
+            "an int8-quantized graph ("
+            + ", ".join(f"{n} {op}" for op, n in sorted(int8_nodes.items()))
+            + "; python -m export.onnx --quantize): int8 exports are for ONNX Runtime, build TensorRT engines "
+            "from a float32 export",
+        )
+
+
+def _check_io(model: onnx.ModelProto, out: _Collector) -> None:
+    """Records the inputs and outputs (into the report) and checks their dtypes."""
+    report = out.report
+    for kind, specs in (("input", input_specs(model)), ("output", output_specs(model))):
+        for s in specs:
+            (report.inputs if kind == "input" else report.outputs)[s.name] = {
+                "dtype": s.dtype,
+                "shape": list(s.dims) if s.dims is not None else None,
+            }
+            if s.dtype not in IO_DTYPES:
+                out.problem(
+                    "dtype",
+                    f"{kind} {s.name!r} is {s.dtype}; TensorRT engines bind {_ranges_text(IO_DTYPES)}"
+                    + (" (float64 is clamped to float32)" if s.dtype == "float64" else ""),
+                )
+
+
+def _check_tensors(model: onnx.ModelProto, inferred: onnx.ModelProto, g: GraphIndex, out: _Collector) -> None:
+    """Dtypes and zero-length dimensions of the initializers and the inferred intermediate tensors."""
+    for t in g.initializers.values():
+        dtype = onnx_dtype_name(t.data_type)
+        if dtype not in TENSOR_DTYPES:
+            out.problem(
+                "dtype",
+                f"initializer {t.name!r} is {dtype}"
+                + (
+                    " (TensorRT casts float64 down to float32, clamping to +-FLT_MAX)"
+                    if dtype == "float64"
+                    else f"; TensorRT supports {_ranges_text(TENSOR_DTYPES)}"
+                ),
+            )
+        if any(int(d) == 0 for d in t.dims):
+            out.problem("zero_dim", f"initializer {t.name!r} has a zero-length dimension {list(t.dims)}")
+    io_names = {vi.name for vi in list(model.graph.input) + list(model.graph.output)}
+    for vi in inferred.graph.value_info:
+        if vi.name in io_names or vi.name in g.initializers:
+            continue
+        dims = g.shapes.get(vi.name)
+        if dims and any(d == 0 for d in dims):
+            out.problem(
+                "zero_dim",
+                f"tensor {vi.name!r} has a zero-length dimension {list(dims)} (TensorRT and the "
+                "contract forbid empty tensors: no zero-length past, no empty first step)",
+            )
+        dtype = onnx_dtype_name(vi.type.tensor_type.elem_type)
+        if vi.type.tensor_type.elem_type and dtype not in TENSOR_DTYPES:
+            out.problem(
+                "dtype", f"tensor {vi.name!r} is {dtype}; TensorRT supports {_ranges_text(TENSOR_DTYPES)}"
+            )
+
+
+def _check_input_axes(specs: list, ranges: Optional[dict[str, AxisRange]], out: _Collector) -> None:
+    """Every input has a rank, and every dynamic axis is named and (with a profile) bounded."""
+    for spec_ in specs:
+        if spec_.dims is None:
+            out.problem(
+                "unbounded_axis", f"input {spec_.name!r} has no shape (rank unknown): TensorRT needs the rank"
+            )
+            continue
+        for i, d in enumerate(spec_.dims):
+            if isinstance(d, int):
+                continue
+            if d is None:
+                out.problem(
+                    "unbounded_axis",
+                    f"input {spec_.name!r} axis {i} is dynamic without a name: no profile can "
+                    "bound it (the exporter must name every dynamic axis)",
+                )
+                continue
+            if ranges is not None and d not in ranges:
+                out.problem(
+                    "unbounded_axis",
+                    f"input {spec_.name!r} axis {i} ({d!r}) is not bounded by the optimization "
+                    f"profile (profile axes: {sorted(ranges)}); pass --axis {d}=MIN:OPT:MAX",
+                )
+
+
+def _check_profile(
+    model: onnx.ModelProto,
+    g: GraphIndex,
+    axis_ranges: Optional[Mapping[str, AxisRange]],
+    max_positions: Optional[int],
+    out: _Collector,
+) -> None:
+    """The optimization profile: valid ranges, every dynamic axis bounded, a static cache length for
+    TensorScatter caches, and ranges within the model's positional-encoding rows."""
+    ranges = dict(axis_ranges) if axis_ranges is not None else None
+    if ranges is not None:
+        for axis, r in ranges.items():
+            for msg in r.problems(axis):
+                out.problem("profile", msg)
+    specs = input_specs(model)
+    static_cache_axes: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        if node.op_type == "TensorScatter" and _input(node, 0) in g.graph_inputs:
+            dims = next((s.dims for s in specs if s.name == _input(node, 0)), None)
+            if dims and len(dims) >= 2:
+                static_cache_axes.setdefault(str(dims[-2]), set()).add(_input(node, 0))
+    _check_input_axes(specs, ranges, out)
+    for axis, names in static_cache_axes.items():
+        if axis.lstrip("-").isdigit():
+            continue
+        if ranges is not None and axis in ranges and not ranges[axis].static:
+            out.problem(
+                "cache_aliasing",
+                f"TensorScatter caches {sorted(names)}: TensorRT's KV-cache update layer needs a "
+                f"static cache length, but axis {axis!r} ranges {ranges[axis]}; pass "
+                f"--cache-len N (the builder then fixes {axis} = N)",
+            )
+    if ranges is None or max_positions is None:
+        return
+    if SRC_LEN in ranges and ranges[SRC_LEN].max > max_positions:
+        out.problem(
+            "profile",
+            f"src_len max {ranges[SRC_LEN].max} > the model's max_len {max_positions} "
+            "(positional-encoding rows; docs/DESIGN.md section 3)",
+        )
+    if CACHE_LEN in ranges and ranges[CACHE_LEN].max > max_positions:
+        out.warning(
+            "profile",
+            f"cache_len max {ranges[CACHE_LEN].max} > max_len {max_positions}: positions beyond "
+            "max_len are never written, the extra capacity is wasted",
+        )
+
+
 def check_model(
     model_or_path: Union[onnx.ModelProto, str, os.PathLike],
     name: Optional[str] = None,
@@ -509,202 +733,18 @@ def check_model(
         return r
     gname = name or (os.path.basename(path) if path else model.graph.name or "graph")
     report = GraphReadiness(gname, path, _default_opset(model), int(model.ir_version))
-
-    def problem(kind, message, node=None):
-        report.problems.append(Problem(gname, kind, message, node))
-
-    def warning(kind, message, node=None):
-        report.warnings.append(Problem(gname, kind, message, node))
-
-    # ---- opsets and domains
-    if report.opset is None:
-        problem("opset", "the model imports no default-domain ('ai.onnx') opset")
-    elif not MIN_OPSET <= report.opset <= MAX_OPSET:
-        problem(
-            "opset",
-            f"opset {report.opset} is outside the range TensorRT {TRT_TARGET_VERSION} parses "
-            f"({MIN_OPSET}..{MAX_OPSET}); re-export with --opset {min(max(report.opset, MIN_OPSET), MAX_OPSET)}",
-        )
-    for imp in model.opset_import:
-        if imp.domain not in ("", "ai.onnx"):
-            warning("custom_domain", f"imports opset domain {imp.domain!r} v{imp.version}")
-
-    # ---- shape/type inference (types and shapes of intermediate tensors)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(
-            model, check_type=False, strict_mode=False, data_prop=True
-        )
-    except Exception as exc:  # noqa: BLE001
-        warning("dtype", f"ONNX shape inference failed ({exc}); intermediate types are not checked")
-        inferred = model
+    out = _Collector(report)
+    _check_opsets(model, out)
+    inferred = _infer_shapes(model, out)
     g = GraphIndex(model, inferred)
-
-    # ---- the export contract (shared with export.validate)
+    # The export contract (shared with export.validate) comes before the node checks, which skip
+    # the nodes it reported.
     for p in contract_problems(model, spec, index=g):
-        problem("manifest" if p.kind == "io" else p.kind, p.message, p.node)
-
-    # ---- nodes: emitted op types and their restrictions
-    counts: Counter[str] = Counter()
-    int8_nodes: Counter[str] = Counter()
-    for idx, node in enumerate(model.graph.node):
-        label = node.name or f"#{idx} {node.op_type}"
-        default_domain = node.domain in ("", "ai.onnx")
-        counts[node.op_type if default_domain else f"{node.domain}::{node.op_type}"] += 1
-        if not default_domain or any(p.node == label for p in report.problems if p.kind == "control_flow"):
-            continue  # reported by the contract check
-        if node.op_type in INT8_OP_TYPES:
-            int8_nodes[node.op_type] += 1  # reported once per graph below
-            continue
-        if node.op_type not in EMITTED_OPS:
-            problem(
-                "unsupported_op",
-                f"{node.op_type} is not an op python -m export.onnx emits; TensorRT "
-                f"{TRT_TARGET_VERSION} engines are built from {_ranges_text(EMITTED_OPS)} only",
-                label,
-            )
-            continue
-        for severity, message in _restrictions(node, g):
-            (problem if severity == "problem" else warning)(
-                "op_restriction", f"{node.op_type}: {message}", label
-            )
-        if node.op_type in FLOAT_ONLY_OPS and node.input and node.input[0] in g.types:
-            dtype = onnx_dtype_name(g.types[node.input[0]])
-            if dtype not in FLOAT_DTYPES:
-                problem(
-                    "dtype",
-                    f"{node.op_type} on {dtype} tensor {node.input[0]!r}: TensorRT {TRT_TARGET_VERSION} "
-                    f"runs it on {_ranges_text(FLOAT_DTYPES)} only",
-                    label,
-                )
-        if node.op_type == "Constant":
-            for a in node.attribute:
-                if a.name == "value" and any(int(d) == 0 for d in a.t.dims):
-                    problem(
-                        "zero_dim",
-                        f"constant {node.output[0]!r} has a zero-length dimension {list(a.t.dims)}",
-                        label,
-                    )
-    report.op_counts = dict(sorted(counts.items()))
-    if int8_nodes:
-        problem(
-            "int8",
-            "an int8-quantized graph ("
-            + ", ".join(f"{n} {op}" for op, n in sorted(int8_nodes.items()))
-            + "; python -m export.onnx --quantize): int8 exports are for ONNX Runtime, build TensorRT engines "
-            "from a float32 export",
-        )
-
-    # ---- dtypes and zero-length dims of inputs, outputs, initializers, inferred tensors
-    for kind, specs in (("input", input_specs(model)), ("output", output_specs(model))):
-        for s in specs:
-            (report.inputs if kind == "input" else report.outputs)[s.name] = {
-                "dtype": s.dtype,
-                "shape": list(s.dims) if s.dims is not None else None,
-            }
-            if s.dtype not in IO_DTYPES:
-                problem(
-                    "dtype",
-                    f"{kind} {s.name!r} is {s.dtype}; TensorRT engines bind {_ranges_text(IO_DTYPES)}"
-                    + (" (float64 is clamped to float32)" if s.dtype == "float64" else ""),
-                )
-    for t in g.initializers.values():
-        dtype = onnx_dtype_name(t.data_type)
-        if dtype not in TENSOR_DTYPES:
-            problem(
-                "dtype",
-                f"initializer {t.name!r} is {dtype}"
-                + (
-                    " (TensorRT casts float64 down to float32, clamping to +-FLT_MAX)"
-                    if dtype == "float64"
-                    else f"; TensorRT supports {_ranges_text(TENSOR_DTYPES)}"
-                ),
-            )
-        if any(int(d) == 0 for d in t.dims):
-            problem("zero_dim", f"initializer {t.name!r} has a zero-length dimension {list(t.dims)}")
-    io_names = {vi.name for vi in list(model.graph.input) + list(model.graph.output)}
-    for vi in inferred.graph.value_info:
-        if vi.name in io_names or vi.name in g.initializers:
-            continue
-        dims = g.shapes.get(vi.name)
-        if dims and any(d == 0 for d in dims):
-            problem(
-                "zero_dim",
-                f"tensor {vi.name!r} has a zero-length dimension {list(dims)} (TensorRT and the "
-                "contract forbid empty tensors: no zero-length past, no empty first step)",
-            )
-        dtype = onnx_dtype_name(vi.type.tensor_type.elem_type)
-        if vi.type.tensor_type.elem_type and dtype not in TENSOR_DTYPES:
-            problem(
-                "dtype", f"tensor {vi.name!r} is {dtype}; TensorRT supports {_ranges_text(TENSOR_DTYPES)}"
-            )
-
-    # ---- profile: every dynamic axis named and bounded
-    ranges = dict(axis_ranges) if axis_ranges is not None else None
-    if ranges is not None:
-        for axis, r in ranges.items():
-            for msg in r.problems(axis):
-                problem("profile", msg)
-    specs = input_specs(model)
-    static_cache_axes: dict[str, set[str]] = {}
-    for node in model.graph.node:
-        if node.op_type == "TensorScatter" and _input(node, 0) in g.graph_inputs:
-            dims = next((s.dims for s in specs if s.name == _input(node, 0)), None)
-            if dims and len(dims) >= 2:
-                static_cache_axes.setdefault(str(dims[-2]), set()).add(_input(node, 0))
-    for spec_ in specs:
-        if spec_.dims is None:
-            problem(
-                "unbounded_axis", f"input {spec_.name!r} has no shape (rank unknown): TensorRT needs the rank"
-            )
-            continue
-        for i, d in enumerate(spec_.dims):
-            if isinstance(d, int):
-                continue
-            if d is None:
-                problem(
-                    "unbounded_axis",
-                    f"input {spec_.name!r} axis {i} is dynamic without a name: no profile can "
-                    "bound it (the exporter must name every dynamic axis)",
-                )
-                continue
-            if ranges is not None and d not in ranges:
-                problem(
-                    "unbounded_axis",
-                    f"input {spec_.name!r} axis {i} ({d!r}) is not bounded by the optimization "
-                    f"profile (profile axes: {sorted(ranges)}); pass --axis {d}=MIN:OPT:MAX",
-                )
-    for axis, names in static_cache_axes.items():
-        if axis.lstrip("-").isdigit():
-            continue
-        if ranges is not None and axis in ranges and not ranges[axis].static:
-            problem(
-                "cache_aliasing",
-                f"TensorScatter caches {sorted(names)}: TensorRT's KV-cache update layer needs a "
-                f"static cache length, but axis {axis!r} ranges {ranges[axis]}; pass "
-                f"--cache-len N (the builder then fixes {axis} = N)",
-            )
-    if (
-        ranges is not None
-        and max_positions is not None
-        and SRC_LEN in ranges
-        and ranges[SRC_LEN].max > max_positions
-    ):
-        problem(
-            "profile",
-            f"src_len max {ranges[SRC_LEN].max} > the model's max_len {max_positions} "
-            "(positional-encoding rows; docs/DESIGN.md section 3)",
-        )
-    if (
-        ranges is not None
-        and max_positions is not None
-        and CACHE_LEN in ranges
-        and ranges[CACHE_LEN].max > max_positions
-    ):
-        warning(
-            "profile",
-            f"cache_len max {ranges[CACHE_LEN].max} > max_len {max_positions}: positions beyond "
-            "max_len are never written, the extra capacity is wasted",
-        )
+        out.problem("manifest" if p.kind == "io" else p.kind, p.message, p.node)
+    _check_nodes(model, g, out)
+    _check_io(model, out)
+    _check_tensors(model, inferred, g, out)
+    _check_profile(model, g, axis_ranges, max_positions, out)
     return report
 
 

@@ -650,6 +650,21 @@ def test_export_onnx_output_inside_the_model_folder_is_refused(tmp_path, model_d
     assert snapshot(model_dir) == before and fast_export == []
 
 
+@pytest.mark.parametrize("managed", ["best", "last", "checkpoints/step-40"])
+def test_export_onnx_output_inside_a_training_runs_managed_folders_is_refused(
+    tmp_path, model_dir, fast_export, capsys, managed
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    # the marker a training run folder carries (written by hand here: only its format field matters)
+    (run / "run.json").write_text(json.dumps({"format": "transformer_ext.train-run", "version": 1}))
+    out = run / managed / "onnx"
+    assert export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out)]) == 1
+    top = managed.split("/")[0]
+    one_error_line(capsys.readouterr().err, f"the {top}/ folder of the training run")
+    assert not out.exists() and fast_export == []
+
+
 def _tied_model_dir(directory: Path) -> Path:
     """A tiny tied model whose 64 x 32 embedding has the size of other weights (d_ff x d_model, max_len)."""
     from transformer_ext.checkpoint import save_model
