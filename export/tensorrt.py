@@ -326,29 +326,20 @@ def _load_full(path: Path) -> onnx.ModelProto:
         raise ValueError(f"cannot load {path}: {exc}") from exc
 
 
-def plan_build(
-    export_dir: Union[str, os.PathLike], options: Optional[BuildOptions] = None
-) -> tuple[BuildPlan, dict[str, onnx.ModelProto]]:
-    """Decide everything about a build without TensorRT: readiness, axis ranges, graph rewrites,
-    profile shapes, flags, file names. Returns the plan and the graphs to parse.
-
-    Raises:
-        FileNotFoundError: no export folder.
-        TensorRTReadinessError: the (rewritten) graphs would not build; lists every problem.
-    """
-    options = options or BuildOptions()
-    options.validate()
+def _checked_export_dir(export_dir: Union[str, os.PathLike]) -> Path:
+    """The resolved export folder; refuses a missing folder."""
     export_dir = Path(export_dir).resolve()
     if not export_dir.is_dir():
         raise FileNotFoundError(
             f"export folder not found: {export_dir} (write one with `python -m export.onnx`)"
         )
-    output_dir = Path(options.output_dir).resolve() if options.output_dir else export_dir
-    manifest = read_manifest(export_dir)
-    if manifest.get("quantization"):
-        raise ExportError(INT8_REFUSAL.format(folder=export_dir))
+    return export_dir
 
-    user_ranges = dict(options.axis_ranges)
+
+def _static_cache_ranges(export_dir: Path, axis_ranges: Mapping[str, AxisRange]) -> dict[str, AxisRange]:
+    """The user's axis ranges, with a dynamic cache_len fixed to its max when the decoder is of the
+    tensorscatter flavour (TensorRT's KV-cache update layer needs a static cache length)."""
+    user_ranges = dict(axis_ranges)
     if (
         CACHE_LEN in user_ranges
         and not user_ranges[CACHE_LEN].static
@@ -361,7 +352,7 @@ def plan_build(
                     os.fspath(export_dir / DECODER_FILE), load_external_data=False
                 ).graph.output
             ]
-        except Exception:  # noqa: BLE001 - the readiness check below reports a corrupt graph
+        except Exception:  # noqa: BLE001 - the readiness check reports a corrupt graph
             dec_outputs = []
         if decoder_flavour(dec_outputs) == "tensorscatter":
             n = user_ranges[CACHE_LEN].max
@@ -374,6 +365,58 @@ def plan_build(
                 n,
             )
             user_ranges[CACHE_LEN] = AxisRange(n, n, n)
+    return user_ranges
+
+
+def _engine_plans(
+    export_dir: Path,
+    options: BuildOptions,
+    graphs: Mapping[str, onnx.ModelProto],
+    originals: Mapping[str, onnx.ModelProto],
+    ranges: Mapping[str, AxisRange],
+    pinned: Mapping[str, int],
+) -> list[EnginePlan]:
+    """One :class:`EnginePlan` per graph TensorRT will parse: file names, profile shapes, dtypes."""
+    suffix = options.precision
+    engines = []
+    for key, m in graphs.items():
+        engines.append(
+            EnginePlan(
+                graph=key,
+                onnx_path=os.fspath(export_dir / f"{key}.onnx"),
+                engine_file=f"{key}.{suffix}.engine",
+                converted_onnx_file=f"{key}.{suffix}.onnx"
+                if (options.keep_onnx and m is not originals[key] and options.precision != "fp32")
+                else None,
+                shapes=profile_shapes(input_specs(m), ranges),
+                io_dtypes=_io_dtypes(m)
+                if options.typing == "strong"
+                else _weak_io_dtypes(m, options.precision),
+                pinned_axes=dict(pinned) if key == "decoder_step" else {},
+            )
+        )
+    return engines
+
+
+def plan_build(
+    export_dir: Union[str, os.PathLike], options: Optional[BuildOptions] = None
+) -> tuple[BuildPlan, dict[str, onnx.ModelProto]]:
+    """Decide everything about a build without TensorRT: readiness, axis ranges, graph rewrites,
+    profile shapes, flags, file names. Returns the plan and the graphs to parse.
+
+    Raises:
+        FileNotFoundError: no export folder.
+        TensorRTReadinessError: the (rewritten) graphs would not build; lists every problem.
+    """
+    options = options or BuildOptions()
+    options.validate()
+    export_dir = _checked_export_dir(export_dir)
+    output_dir = Path(options.output_dir).resolve() if options.output_dir else export_dir
+    manifest = read_manifest(export_dir)
+    if manifest.get("quantization"):
+        raise ExportError(INT8_REFUSAL.format(folder=export_dir))
+
+    user_ranges = _static_cache_ranges(export_dir, options.axis_ranges)
     # The original graphs are checked first (manifest included): problems there are the exporter's.
     readiness_original = check_export_dir(export_dir, user_ranges or None, raise_on_error=True)
     flavour = readiness_original.flavour or "portable"
@@ -399,25 +442,7 @@ def plan_build(
     readiness = check_export_dir(
         export_dir, ranges, raise_on_error=True, graphs=graphs, compare_manifest=False
     )
-
-    suffix = options.precision
-    engines = []
-    for key, m in graphs.items():
-        engines.append(
-            EnginePlan(
-                graph=key,
-                onnx_path=os.fspath(export_dir / f"{key}.onnx"),
-                engine_file=f"{key}.{suffix}.engine",
-                converted_onnx_file=f"{key}.{suffix}.onnx"
-                if (options.keep_onnx and m is not originals[key] and options.precision != "fp32")
-                else None,
-                shapes=profile_shapes(input_specs(m), ranges),
-                io_dtypes=_io_dtypes(m)
-                if options.typing == "strong"
-                else _weak_io_dtypes(m, options.precision),
-                pinned_axes=dict(pinned) if key == "decoder_step" else {},
-            )
-        )
+    engines = _engine_plans(export_dir, options, graphs, originals, ranges, pinned)
     timing_cache = (
         Path(options.timing_cache).resolve() if options.timing_cache else output_dir / "tensorrt.timing.cache"
     )

@@ -108,6 +108,161 @@ def _to_low(array: np.ndarray, low: int) -> onnx.TensorProto:
     return numpy_helper.from_array(np.asarray(array, dtype=np.float32).astype(np_dtype))
 
 
+def _copied_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Copies of the graph's nodes (protobuf wrappers have no stable identity, so the conversion
+    works on copies addressed by index); refuses custom ops and subgraphs."""
+    nodes: list[onnx.NodeProto] = []
+    for n in graph.node:
+        clone = onnx.NodeProto()
+        clone.CopyFrom(n)
+        nodes.append(clone)
+    for n in nodes:
+        if n.domain not in ("", "ai.onnx"):
+            raise PrecisionConversionError(f"cannot convert custom op {n.domain}::{n.op_type}")
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            raise PrecisionConversionError(f"cannot convert {n.op_type}: subgraphs are not supported")
+    return nodes
+
+
+def _float32_only_names(nodes: Sequence[onnx.NodeProto], keep: set[int], graph_outputs: set[str]) -> set[str]:
+    """The tensors that only kept (float32) nodes read and that are no graph output."""
+    consumers: dict[str, list[int]] = {}
+    for k, n in enumerate(nodes):
+        for i in n.input:
+            if i:
+                consumers.setdefault(i, []).append(k)
+    return {
+        name for name, cons in consumers.items() if all(c in keep for c in cons) and name not in graph_outputs
+    }
+
+
+def _convert_initializers(
+    graph: onnx.GraphProto, low: int, float32_only: set[str], new_type: dict[str, int]
+) -> None:
+    """float32 initializers become ``low`` except those only float32 nodes read."""
+    for t in graph.initializer:
+        if t.data_type != TensorProto.FLOAT:
+            continue
+        if t.name in float32_only:
+            new_type[t.name] = TensorProto.FLOAT
+            continue
+        conv = _to_low(numpy_helper.to_array(t), low)
+        conv.name = t.name
+        t.CopyFrom(conv)
+        new_type[t.name] = low
+
+
+def _convert_constant_nodes(
+    nodes: Sequence[onnx.NodeProto],
+    low: int,
+    float_names: set[str],
+    float32_only: set[str],
+    float32_outputs: Sequence[str],
+    graph_outputs: set[str],
+    new_type: dict[str, int],
+) -> None:
+    """float32 ``Constant`` / ``ConstantOfShape`` values and ``Cast(to=FLOAT)`` targets become ``low``
+    (except constants only float32 nodes read and the final float32 output casts)."""
+    FLOAT = TensorProto.FLOAT
+    for n in nodes:
+        if n.op_type == "Constant" and n.output[0] in float_names:
+            if n.output[0] in float32_only:
+                new_type[n.output[0]] = FLOAT
+                continue
+            value = None
+            for a in n.attribute:
+                if a.name == "value":
+                    value = numpy_helper.to_array(a.t)
+                elif a.name == "value_float":
+                    value = np.array(a.f, dtype=np.float32)
+                elif a.name == "value_floats":
+                    value = np.array(list(a.floats), dtype=np.float32)
+            if value is not None:
+                del n.attribute[:]
+                n.attribute.append(helper.make_attribute("value", _to_low(value, low)))
+        elif n.op_type == "ConstantOfShape" and n.output[0] in float_names:
+            for a in n.attribute:
+                if a.name == "value":
+                    a.t.CopyFrom(_to_low(numpy_helper.to_array(a.t), low))
+            if not any(a.name == "value" for a in n.attribute):  # default value: float32 zero
+                n.attribute.append(helper.make_attribute("value", _to_low(np.zeros(1, np.float32), low)))
+        elif n.op_type == "Cast" and any(a.name == "to" and a.i == FLOAT for a in n.attribute):
+            if n.output[0] in float32_outputs and n.output[0] in graph_outputs:
+                new_type[n.output[0]] = FLOAT  # already the float32 output cast
+                continue
+            for a in n.attribute:
+                if a.name == "to":
+                    a.i = low
+
+
+def _with_input_casts(
+    nodes: Sequence[onnx.NodeProto], keep: set[int], new_type: dict[str, int], low: int, precision: str
+) -> list[onnx.NodeProto]:
+    """The nodes with a ``Cast`` inserted in front of each input that has the other precision (one
+    cast per tensor and target type, shared by its readers)."""
+    FLOAT = TensorProto.FLOAT
+    cast_cache: dict[tuple[str, int], str] = {}
+    rebuilt: list[onnx.NodeProto] = []
+    for k, n in enumerate(nodes):
+        kept = k in keep
+        for idx, i in enumerate(n.input):
+            if not i or i not in new_type:
+                continue
+            want = None
+            if kept and new_type[i] == low:
+                want = FLOAT
+            elif not kept and new_type[i] == FLOAT and n.op_type not in _TYPE_AGNOSTIC_INPUTS:
+                want = low
+            if want is None:
+                continue
+            key = (i, want)
+            if key not in cast_cache:
+                cast_cache[key] = f"{i}__{'fp32' if want == FLOAT else precision}"
+                rebuilt.append(
+                    helper.make_node(
+                        "Cast", [i], [cast_cache[key]], to=want, name=f"precision_cast_{len(cast_cache)}"
+                    )
+                )
+            n.input[idx] = cast_cache[key]
+        rebuilt.append(n)
+    return rebuilt
+
+
+def _output_casts(
+    graph: onnx.GraphProto,
+    rebuilt: Sequence[onnx.NodeProto],
+    new_type: dict[str, int],
+    float32_outputs: Sequence[str],
+    low: int,
+    precision: str,
+) -> list[onnx.NodeProto]:
+    """Sets the graph outputs' types (float32 for ``float32_outputs``, else ``low``) and returns the
+    final ``Cast`` nodes for those computed in the other precision (renaming their producers)."""
+    FLOAT = TensorProto.FLOAT
+    tail: list[onnx.NodeProto] = []
+    renames: dict[str, str] = {}
+    for o in graph.output:
+        if o.name not in new_type:
+            continue
+        want = FLOAT if o.name in float32_outputs else low
+        if new_type[o.name] != want:
+            inner = f"{o.name}__{'fp32' if new_type[o.name] == FLOAT else precision}_value"
+            renames[o.name] = inner
+            tail.append(
+                helper.make_node("Cast", [inner], [o.name], to=want, name=f"precision_output_cast_{o.name}")
+            )
+        o.type.tensor_type.elem_type = want
+    if renames:
+        for n in rebuilt:
+            for idx, o in enumerate(n.output):
+                if o in renames:
+                    n.output[idx] = renames[o]
+            for idx, i in enumerate(n.input):
+                if i in renames:
+                    n.input[idx] = renames[i]
+    return tail
+
+
 def convert_precision(
     model: onnx.ModelProto,
     precision: str,
@@ -138,25 +293,11 @@ def convert_precision(
     FLOAT = TensorProto.FLOAT
     g = out.graph
     types = _tensor_types(out)
-    # Work on copies addressed by index (protobuf wrappers have no stable identity).
-    nodes: list[onnx.NodeProto] = []
-    for n in g.node:
-        clone = onnx.NodeProto()
-        clone.CopyFrom(n)
-        nodes.append(clone)
-    for n in nodes:
-        if n.domain not in ("", "ai.onnx"):
-            raise PrecisionConversionError(f"cannot convert custom op {n.domain}::{n.op_type}")
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
-            raise PrecisionConversionError(f"cannot convert {n.op_type}: subgraphs are not supported")
+    nodes = _copied_nodes(g)
     float_names = {name for name, t in types.items() if t == FLOAT}
     keep = {k for k, n in enumerate(nodes) if n.op_type in float32_ops}
-    consumers: dict[str, list[int]] = {}
-    for k, n in enumerate(nodes):
-        for i in n.input:
-            if i:
-                consumers.setdefault(i, []).append(k)
     graph_outputs = {o.name for o in g.output}
+    float32_only = _float32_only_names(nodes, keep, graph_outputs)
 
     # New type of every float32 tensor: FLOAT when computed by a kept node (or a float32-only
     # constant), else the low precision.
@@ -165,100 +306,10 @@ def convert_precision(
         for o in nodes[k].output:
             if o in float_names:
                 new_type[o] = FLOAT
-
-    def only_kept_consumers(name: str) -> bool:
-        cons = consumers.get(name, [])
-        return bool(cons) and all(c in keep for c in cons) and name not in graph_outputs
-
-    # Initializers and constant-producing nodes.
-    for t in g.initializer:
-        if t.data_type != FLOAT:
-            continue
-        if only_kept_consumers(t.name):
-            new_type[t.name] = FLOAT
-            continue
-        conv = _to_low(numpy_helper.to_array(t), low)
-        conv.name = t.name
-        t.CopyFrom(conv)
-        new_type[t.name] = low
-    for n in nodes:
-        if n.op_type == "Constant" and n.output[0] in float_names:
-            if only_kept_consumers(n.output[0]):
-                new_type[n.output[0]] = FLOAT
-                continue
-            value = None
-            for a in n.attribute:
-                if a.name == "value":
-                    value = numpy_helper.to_array(a.t)
-                elif a.name == "value_float":
-                    value = np.array(a.f, dtype=np.float32)
-                elif a.name == "value_floats":
-                    value = np.array(list(a.floats), dtype=np.float32)
-            if value is not None:
-                del n.attribute[:]
-                n.attribute.append(helper.make_attribute("value", _to_low(value, low)))
-        elif n.op_type == "ConstantOfShape" and n.output[0] in float_names:
-            for a in n.attribute:
-                if a.name == "value":
-                    a.t.CopyFrom(_to_low(numpy_helper.to_array(a.t), low))
-            if not any(a.name == "value" for a in n.attribute):  # default value: float32 zero
-                n.attribute.append(helper.make_attribute("value", _to_low(np.zeros(1, np.float32), low)))
-        elif n.op_type == "Cast" and any(a.name == "to" and a.i == FLOAT for a in n.attribute):
-            if n.output[0] in float32_outputs and n.output[0] in graph_outputs:
-                new_type[n.output[0]] = FLOAT  # already the float32 output cast
-                continue
-            for a in n.attribute:
-                if a.name == "to":
-                    a.i = low
-
-    # Cast insertion in front of nodes whose inputs have the other precision.
-    cast_cache: dict[tuple[str, int], str] = {}
-    rebuilt: list[onnx.NodeProto] = []
-    for k, n in enumerate(nodes):
-        kept = k in keep
-        for idx, i in enumerate(n.input):
-            if not i or i not in new_type:
-                continue
-            want = None
-            if kept and new_type[i] == low:
-                want = FLOAT
-            elif not kept and new_type[i] == FLOAT and n.op_type not in _TYPE_AGNOSTIC_INPUTS:
-                want = low
-            if want is None:
-                continue
-            key = (i, want)
-            if key not in cast_cache:
-                cast_cache[key] = f"{i}__{'fp32' if want == FLOAT else precision}"
-                rebuilt.append(
-                    helper.make_node(
-                        "Cast", [i], [cast_cache[key]], to=want, name=f"precision_cast_{len(cast_cache)}"
-                    )
-                )
-            n.input[idx] = cast_cache[key]
-        rebuilt.append(n)
-
-    # Graph outputs: float32 ones end in a Cast up, the others must be low precision.
-    tail: list[onnx.NodeProto] = []
-    renames: dict[str, str] = {}
-    for o in g.output:
-        if o.name not in new_type:
-            continue
-        want = FLOAT if o.name in float32_outputs else low
-        if new_type[o.name] != want:
-            inner = f"{o.name}__{'fp32' if new_type[o.name] == FLOAT else precision}_value"
-            renames[o.name] = inner
-            tail.append(
-                helper.make_node("Cast", [inner], [o.name], to=want, name=f"precision_output_cast_{o.name}")
-            )
-        o.type.tensor_type.elem_type = want
-    if renames:
-        for n in rebuilt:
-            for idx, o in enumerate(n.output):
-                if o in renames:
-                    n.output[idx] = renames[o]
-            for idx, i in enumerate(n.input):
-                if i in renames:
-                    n.input[idx] = renames[i]
+    _convert_initializers(g, low, float32_only, new_type)
+    _convert_constant_nodes(nodes, low, float_names, float32_only, float32_outputs, graph_outputs, new_type)
+    rebuilt = _with_input_casts(nodes, keep, new_type, low, precision)
+    tail = _output_casts(g, rebuilt, new_type, float32_outputs, low, precision)
     del g.node[:]
     g.node.extend(rebuilt + tail)
     for vi in g.input:
