@@ -34,7 +34,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -714,60 +714,9 @@ class Translator:
             "beam size", given["beam_size"] if given["beam_size"] is not None else g.beam_size
         )
         n_best = _check_positive_int("n_best", given["n_best"] if given["n_best"] is not None else 1)
-        sampling = dict(
-            sampling_topk=pick("sampling_topk", 1),
-            sampling_topp=pick("sampling_topp", 1.0),
-            sampling_temperature=pick("sampling_temperature", 1.0),
-            seed=given["seed"],
-        )
-        try:
-            sampler = decoding._check_sampling(**sampling)
-        except (TypeError, ValueError) as exc:
-            raise TranslationError(str(exc)) from None
-        if sampler is not None and beam_size > 1:
-            raise TranslationError(
-                f"random sampling (sampling_topk / sampling_topp / sampling_temperature) needs beam size 1, "
-                f"got {beam_size}"
-            )
-        if sampler is None and given["seed"] is not None:
-            raise TranslationError("seed applies to random sampling (sampling_topk != 1)")
-        if n_best > beam_size and sampler is None:
-            raise TranslationError(
-                f"n_best ({n_best}) cannot exceed the beam size ({beam_size}) (greedy decoding has one "
-                "hypothesis; random sampling may return several)"
-            )
-        length_penalty = given["length_penalty"] if given["length_penalty"] is not None else g.length_penalty
-        if length_penalty not in LENGTH_PENALTIES:
-            raise TranslationError(
-                f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
-            )
-        raw_alpha = given["alpha"] if given["alpha"] is not None else g.alpha
-        if length_penalty == "hf":  # transformers' length_penalty may be negative
-            alpha = _check_real("alpha", raw_alpha)
-        else:
-            alpha = _check_number("alpha", raw_alpha)
-        early_stopping = pick("early_stopping")
-        if early_stopping is not None and length_penalty != "hf":
-            if given.get("early_stopping") is not None:
-                raise TranslationError(
-                    "early_stopping is transformers' beam-search rule: it applies with length_penalty='hf'"
-                )
-            early_stopping = None
-        if early_stopping is not None and not (
-            early_stopping is True or early_stopping is False or early_stopping == "never"
-        ):
-            raise TranslationError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-        a = _check_number("max_len_a", given["max_len_a"], default=g.max_len_a)
-        b = _check_number("max_len_b", given["max_len_b"], default=g.max_len_b)
-        batch_size = _check_positive_int(
-            "batch_size", given["batch_size"] if given["batch_size"] is not None else DEFAULT_BATCH_SIZE
-        )
-        min_length = pick("min_length", getattr(g, "min_new_tokens", 0) or 0)
-        if isinstance(min_length, bool) or not isinstance(min_length, (int, np.integer)) or min_length < 0:
-            raise TranslationError(f"min_length must be an int >= 0, got {min_length!r}")
-        max_length = given["max_length"]
-        if max_length is not None:
-            max_length = _check_positive_int("max_length", max_length)
+        sampling = self._resolve_sampling(given, pick, beam_size, n_best)
+        length_penalty, alpha, early_stopping = self._resolve_scoring(given, g, pick)
+        limits = self._resolve_limits(given, g, pick)
         search = dict(
             decoder_start_id=getattr(g, "decoder_start_id", None),
             banned_ids=list(getattr(g, "banned_ids", None) or ()),
@@ -793,18 +742,89 @@ class Translator:
             alpha=alpha,
             early_stopping=early_stopping,
             renormalize_logits=bool(getattr(g, "renormalize_logits", False) or False),
-            max_len_a=a,
-            max_len_b=b,
-            batch_size=batch_size,
-            min_length=int(min_length),
-            max_length=max_length,
-            sampling=sampling if sampler is not None else None,
+            **limits,
+            sampling=sampling,
             search=search,
             forced_prefix=list(getattr(g, "forced_prefix", None) or ()),
             return_scores=bool(given["return_scores"]),
             strict=True if given["strict"] is None else given["strict"],
             long_lines=long_lines,
             explicit_budget=explicit_budget,
+        )
+
+    @staticmethod
+    def _resolve_sampling(
+        given: dict, pick: Callable[..., Any], beam_size: int, n_best: int
+    ) -> Optional[dict]:
+        """The random-sampling options of one call (None for beam search / greedy decoding),
+        checked against the beam size and ``n_best``."""
+        sampling = dict(
+            sampling_topk=pick("sampling_topk", 1),
+            sampling_topp=pick("sampling_topp", 1.0),
+            sampling_temperature=pick("sampling_temperature", 1.0),
+            seed=given["seed"],
+        )
+        try:
+            sampler = decoding._check_sampling(**sampling)
+        except (TypeError, ValueError) as exc:
+            raise TranslationError(str(exc)) from None
+        if sampler is not None and beam_size > 1:
+            raise TranslationError(
+                f"random sampling (sampling_topk / sampling_topp / sampling_temperature) needs beam size 1, "
+                f"got {beam_size}"
+            )
+        if sampler is None and given["seed"] is not None:
+            raise TranslationError("seed applies to random sampling (sampling_topk != 1)")
+        if n_best > beam_size and sampler is None:
+            raise TranslationError(
+                f"n_best ({n_best}) cannot exceed the beam size ({beam_size}) (greedy decoding has one "
+                "hypothesis; random sampling may return several)"
+            )
+        return sampling if sampler is not None else None
+
+    @staticmethod
+    def _resolve_scoring(given: dict, g: Any, pick: Callable[..., Any]) -> tuple[str, float, Any]:
+        """``length_penalty``, ``alpha`` and ``early_stopping`` of one call, checked."""
+        length_penalty = given["length_penalty"] if given["length_penalty"] is not None else g.length_penalty
+        if length_penalty not in LENGTH_PENALTIES:
+            raise TranslationError(
+                f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
+            )
+        raw_alpha = given["alpha"] if given["alpha"] is not None else g.alpha
+        if length_penalty == "hf":  # transformers' length_penalty may be negative
+            alpha = _check_real("alpha", raw_alpha)
+        else:
+            alpha = _check_number("alpha", raw_alpha)
+        early_stopping = pick("early_stopping")
+        if early_stopping is not None and length_penalty != "hf":
+            if given.get("early_stopping") is not None:
+                raise TranslationError(
+                    "early_stopping is transformers' beam-search rule: it applies with length_penalty='hf'"
+                )
+            early_stopping = None
+        if early_stopping is not None and not (
+            early_stopping is True or early_stopping is False or early_stopping == "never"
+        ):
+            raise TranslationError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+        return length_penalty, alpha, early_stopping
+
+    @staticmethod
+    def _resolve_limits(given: dict, g: Any, pick: Callable[..., Any]) -> dict:
+        """The length budget and batch size of one call, checked: ``max_len_a``, ``max_len_b``,
+        ``batch_size``, ``min_length``, ``max_length``."""
+        a = _check_number("max_len_a", given["max_len_a"], default=g.max_len_a)
+        b = _check_number("max_len_b", given["max_len_b"], default=g.max_len_b)
+        batch_size = _check_positive_int(
+            "batch_size", given["batch_size"] if given["batch_size"] is not None else DEFAULT_BATCH_SIZE
+        )
+        min_length = pick("min_length", getattr(g, "min_new_tokens", 0) or 0)
+        if isinstance(min_length, bool) or not isinstance(min_length, (int, np.integer)) or min_length < 0:
+            raise TranslationError(f"min_length must be an int >= 0, got {min_length!r}")
+        max_length = given["max_length"]
+        if max_length is not None:
+            max_length = _check_positive_int("max_length", max_length)
+        return dict(
+            max_len_a=a, max_len_b=b, batch_size=batch_size, min_length=int(min_length), max_length=max_length
         )
 
     def _batch_size(self, batch_size: int, beam_size: int) -> int:
