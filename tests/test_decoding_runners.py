@@ -27,14 +27,14 @@ def runners(tmp_path_factory):
     manifest = json.loads((export / MANIFEST_NAME).read_text())
     ort = OrtRunner(export, intra_op_num_threads=1)
     eager = EagerRunner(load_model(manifest["export"]["source_model_dir"]), "cpu")
-    assert (ort.bos_id, ort.eos_id) == (BOS, EOS)  # the ids the plain loops use
+    assert (ort.info.bos_id, ort.info.eos_id) == (BOS, EOS)  # the ids the plain loops use
     return eager, ort
 
 
 @pytest.fixture(scope="module")
 def batch(runners):
     rng = np.random.default_rng(3)
-    vocab = runners[1].config["src_vocab_size"]
+    vocab = runners[1].info.src_vocab_size
     lengths = np.array([7, 3, 5, 6], dtype=np.int64)
     ids = np.zeros((B, 7), dtype=np.int64)
     for b, n in enumerate(lengths):
