@@ -597,10 +597,17 @@ def _check_cpu_amp(amp: str) -> None:
 
 
 def parse_device(name: str) -> torch.device:
-    """``--device``: the package's one device parser (:func:`transformer_ext.devices.parse_device`)."""
+    """``--device``: the package's one device parser (:func:`transformer_ext.devices.parse_device`),
+    its errors raised as the training errors they are (a bad name is a usage error, exit 2)."""
+    from ..cli import UsageError
+    from ..devices import DeviceError
     from ..devices import parse_device as _parse_device
 
-    return _parse_device(name, "--device")
+    try:
+        return _parse_device(name, "--device")
+    except DeviceError as exc:
+        kind = TrainingUsageError if isinstance(exc, UsageError) else TrainingError
+        raise kind(str(exc)) from None
 
 
 def is_text_run(opts: TrainOptions) -> bool:
