@@ -41,6 +41,7 @@ import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .fsutil import atomic_write_bytes, atomic_write_text
+from .spm_tokenizer import _processor
 from .tokenizer import TOKENIZER_FILE, TokenizerError, _read_description, check_description
 
 logger = logging.getLogger(__name__)
@@ -57,25 +58,6 @@ M2M100_LANGUAGE_CODES = tuple(
     "zh zu".split()
 )
 WMT21_LANGUAGE_CODES = ("en", "ha", "is", "ja", "cs", "ru", "zh", "de")
-
-
-def _spm():
-    try:
-        import sentencepiece
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise TokenizerError(
-            "this tokenizer needs the sentencepiece package: pip install sentencepiece==0.2.3"
-        ) from exc
-    return sentencepiece
-
-
-def _processor(model_bytes: bytes, name: str):
-    sp = _spm().SentencePieceProcessor()
-    try:
-        sp.LoadFromSerializedProto(model_bytes)
-    except (RuntimeError, OSError, TypeError) as exc:
-        raise TokenizerError(f"{name} is not a SentencePiece model: {exc}") from None
-    return sp
 
 
 def _sha256(data: bytes) -> str:
