@@ -130,7 +130,19 @@ _MARIAN_FIELDS = {
 }
 
 
-class MarianTokenizer:
+class _FolderLoader:
+    """``load(directory)``: the tokenizer described by the folder's ``tokenizer.json``."""
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike):
+        path, data = _read_description(directory)
+        try:
+            return cls.from_dict(data, os.path.dirname(path))
+        except TokenizerError as exc:
+            raise TokenizerError(f"invalid tokenizer file {path}: {exc}") from exc
+
+
+class MarianTokenizer(_FolderLoader):
     """The MarianMT (opus-mt) tokenizer: see the module docstring.
 
     Args:
@@ -338,14 +350,6 @@ class MarianTokenizer:
         _check_same(tok.to_dict(), data)
         return tok
 
-    @classmethod
-    def load(cls, directory: str | os.PathLike) -> "MarianTokenizer":
-        path, data = _read_description(directory)
-        try:
-            return cls.from_dict(data, os.path.dirname(path))
-        except TokenizerError as exc:
-            raise TokenizerError(f"invalid tokenizer file {path}: {exc}") from exc
-
     def __repr__(self) -> str:
         return (
             f"MarianTokenizer(src_vocab_size={self.src_vocab_size}, tgt_vocab_size={self.tgt_vocab_size}, "
@@ -393,7 +397,7 @@ _FAIRSEQ_FIELDS = {
 }
 
 
-class FairseqTokenizer:
+class FairseqTokenizer(_FolderLoader):
     """The M2M100 / NLLB-200 tokenizer: see the module docstring.
 
     Args:
@@ -609,14 +613,6 @@ class FairseqTokenizer:
         )
         _check_same(tok.to_dict(), data)
         return tok
-
-    @classmethod
-    def load(cls, directory: str | os.PathLike) -> "FairseqTokenizer":
-        path, data = _read_description(directory)
-        try:
-            return cls.from_dict(data, os.path.dirname(path))
-        except TokenizerError as exc:
-            raise TokenizerError(f"invalid tokenizer file {path}: {exc}") from exc
 
     def __repr__(self) -> str:
         return (
