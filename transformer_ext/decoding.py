@@ -652,11 +652,34 @@ def _ban_repeated_ngrams(y: np.ndarray, sequence: np.ndarray, n: int) -> None:
     y[r, windows[r, i, -1]] = -np.inf
 
 
-def _log_sum_exp(x: np.ndarray, row_max: np.ndarray) -> np.ndarray:
+class _Scratch:
+    """Float32 work buffers of one search, reused at every step instead of a new ``[rows, V]``
+    temporary per step; ``get(name, shape)`` is a C-contiguous view of the first rows of one
+    (so that a search whose rows shrink keeps its buffers)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, int]) -> np.ndarray:
+        N, V = shape
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[1] != V or buf.shape[0] < N:
+            buf = self._buffers[name] = np.empty((N, V), dtype=np.float32)
+        return buf[:N]
+
+    def copy(self, name: str, x: np.ndarray) -> np.ndarray:
+        """``x`` copied into the buffer ``name``."""
+        out = self.get(name, x.shape)
+        np.copyto(out, x)
+        return out
+
+
+def _log_sum_exp(x: np.ndarray, row_max: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
     """``log(sum(exp(x)))`` per row of float32 ``x [N, V]``, with the exponentials in float32 and
-    their sum in float64; -inf for a row of only -inf."""
+    their sum in float64; -inf for a row of only -inf. ``out``: a float32 buffer of ``x``'s shape
+    for the exponentials (default: a new one)."""
     shift = np.where(np.isfinite(row_max), row_max, np.float32(0.0)).astype(np.float32)
-    scaled = np.subtract(x, shift[:, None])
+    scaled = np.subtract(x, shift[:, None], out=out)
     np.exp(scaled, out=scaled)
     sums = scaled.sum(axis=1, dtype=np.float64)
     with np.errstate(divide="ignore"):
@@ -914,13 +937,14 @@ def _greedy_steps(
     finished = row_budget == 0
     active = np.arange(N)
     outs, lps, budget = outputs, log_probs, row_budget
+    scratch = _Scratch()
     for t in range(steps):
         x = _step_logits(runner, state, tokens, t, procs)
         y, next_tokens, forced_rows = _greedy_choose(
-            procs, sampler, x, t, sequence[:, : t + 1], None if len(outs) == N else (active, N)
+            procs, sampler, x, t, sequence[:, : t + 1], None if len(outs) == N else (active, N), scratch
         )
         if lps is not None:
-            lp = _chosen_log_probs(y, x, next_tokens, forced_rows)
+            lp = _chosen_log_probs(y, x, next_tokens, forced_rows, scratch)
             for r in np.flatnonzero(~finished).tolist():
                 lps[r].append(float(lp[r]))
         tokens = greedy_advance(outs, finished, next_tokens, eos_id=eos_id, max_new_tokens=budget)
@@ -944,14 +968,16 @@ def _greedy_choose(
     t: int,
     sequence: np.ndarray,
     dropped: Optional[tuple[np.ndarray, int]] = None,
+    scratch: Optional[_Scratch] = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One step's choice from the float32 logits ``x``: ``(y, next_tokens, forced_rows)``, ``y``
-    the processed scores (``x`` itself when no processor is active). ``dropped``: ``(active,
-    total)`` when finished rows were dropped (the sampler draws for all ``total`` rows)."""
+    the processed scores (``x`` itself when no processor is active; else a copy, in the
+    ``scratch`` buffer ``"y"`` when given). ``dropped``: ``(active, total)`` when finished rows
+    were dropped (the sampler draws for all ``total`` rows)."""
     forced_rows = np.zeros(0, dtype=np.int64)
     y = x
     if procs.active(t):
-        y = np.array(x, copy=True)
+        y = np.array(x, copy=True) if scratch is None else scratch.copy("y", x)
         forced_rows, forced_tokens = procs.apply(y, t, sequence, x, log_probs=False)
     if sampler is None:
         next_tokens = np.argmax(y, axis=-1).astype(np.int64)
@@ -982,12 +1008,17 @@ def _greedy_results(
 
 
 def _chosen_log_probs(
-    y: np.ndarray, raw: np.ndarray, chosen: np.ndarray, forced_rows: np.ndarray
+    y: np.ndarray,
+    raw: np.ndarray,
+    chosen: np.ndarray,
+    forced_rows: np.ndarray,
+    scratch: Optional[_Scratch] = None,
 ) -> np.ndarray:
     """float64 log-probability of each row's chosen token under ``y``'s distribution; a forced
-    row's under the raw logits (its token kept its raw logit, see :meth:`_Processors.apply`)."""
+    row's under the raw logits (its token kept its raw logit, see :meth:`_Processors.apply`).
+    ``scratch``: its buffer ``"exp"`` holds the exponentials."""
     rows = np.arange(y.shape[0])
-    log_z = _log_sum_exp(y, y.max(axis=1))
+    log_z = _log_sum_exp(y, y.max(axis=1), None if scratch is None else scratch.get("exp", y.shape))
     if forced_rows.size:
         f = raw[forced_rows]
         log_z[forced_rows] = _log_sum_exp(f, f.max(axis=1))
@@ -1267,6 +1298,7 @@ class _BeamState:
     beam_of_row: np.ndarray  # [N] identity % K
     row_ids: np.ndarray  # [N, 1] identity
     source_ids: np.ndarray  # [B, 1] arange
+    scratch: _Scratch  # [N, V] work buffers of the steps
 
     @classmethod
     def start(cls, *, K: int, max_new: np.ndarray, steps: int, start_id: int, **options) -> _BeamState:
@@ -1295,6 +1327,7 @@ class _BeamState:
             beam_of_row=identity % K,
             row_ids=identity[:, None],
             source_ids=np.arange(B)[:, None],
+            scratch=_Scratch(),
             **options,
         )
         s.max_penalty = np.array([s.penalty(int(m)) for m in np.maximum(max_new, 1)])
@@ -1347,25 +1380,30 @@ class _BeamState:
             sequence = np.concatenate([self.start_column, self.history[:, :t]], axis=1)
         row_ids = self.row_ids
         k2 = min(2 * self.K, x.shape[1])
+        exp_buf = self.scratch.get("exp", x.shape)
         if self.hf:  # transformers: the processors act on the log-probabilities
             raw_max = x.max(axis=1)
             _check_finite_logits(raw_max, t)
-            log_z = _log_sum_exp(x, raw_max)
-            y = np.subtract(x, np.where(np.isfinite(log_z), log_z, 0.0).astype(np.float32)[:, None])
+            log_z = _log_sum_exp(x, raw_max, exp_buf)
+            y = np.subtract(
+                x,
+                np.where(np.isfinite(log_z), log_z, 0.0).astype(np.float32)[:, None],
+                out=self.scratch.get("y", x.shape),
+            )
             procs.apply(y, t, sequence, x, log_probs=True)
             if self.renormalize:
-                z = _log_sum_exp(y, y.max(axis=1))
+                z = _log_sum_exp(y, y.max(axis=1), exp_buf)
                 y -= np.where(np.isfinite(z), z, 0.0).astype(np.float32)[:, None]
             cols, _ = _row_top_k(y, k2)
             return cols, y[row_ids, cols].astype(np.float64)
         # the processors act on the logits, the softmax renormalises
         y, forced_rows = x, np.zeros(0, dtype=np.int64)
         if procs.active(t):
-            y = np.array(x, copy=True)
+            y = self.scratch.copy("y", x)
             forced_rows, _ = procs.apply(y, t, sequence, x, log_probs=False)
         cols, row_max = _row_top_k(y, k2)
         _check_finite_logits(row_max, t)
-        log_z = _log_sum_exp(y, row_max)  # -inf for a row of only -inf
+        log_z = _log_sum_exp(y, row_max, exp_buf)  # -inf for a row of only -inf
         if forced_rows.size:  # a forced token keeps its log-probability under the raw logits
             f = x[forced_rows]
             log_z[forced_rows] = _log_sum_exp(f, f.max(axis=1))
