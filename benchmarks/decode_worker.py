@@ -6,12 +6,20 @@ torch: the check is made after the engine is built and reported to the parent), 
 decode requests until told to stop. Requests and answers are pickled over the process's stdin
 and the original stdout; anything the engine prints goes to stderr.
 
-Spec: ``{"engine": "ctranslate2" | "onnxrt" | "eager", "model": <folder>, "threads": N,
-"compute_type": "float32" | "int8" (CTranslate2), "forbid_torch": bool, "bos": id, "eos": id}``.
+Spec: ``{"engine": "ctranslate2" | "onnxrt" | "eager" | "transformers" | "optimum", "model":
+<folder>, "threads": N, "compute_type": "float32" | "int8" (CTranslate2), "forbid_torch": bool,
+"bos": id, "eos": id}``, and optionally ``"banned_ids": [id, ...]`` (never generated: our
+``banned_ids``, transformers' ``bad_words_ids``) and ``"vocabulary": <a JSON list of token
+strings>`` (CTranslate2: token ``i`` is id ``i``, as in a converted Hugging Face model's
+``shared_vocabulary.json``; without it the tokens are ``s<id>`` / ``t<id>`` with our four specials).
 Request: ``("decode", mode, input_ids, src_lengths, n_tokens)`` with mode ``"greedy"`` or
 ``"beam4"``: exactly ``n_tokens`` tokens per sequence (EOS suppressed until then), beam search
 without length penalty; answer ``("done", (tokens, seconds))``, ``tokens`` the best hypothesis per
 source, ``seconds`` the decode's wall time measured here.
+
+The ``transformers`` (PyTorch ``generate``) and ``optimum`` (``ORTModelForSeq2SeqLM.generate``)
+workers read a Hugging Face folder; the parent may start them with another environment's python
+(benchmarks/bench_pretrained.py): this file imports nothing of the package at module level.
 """
 
 from __future__ import annotations
@@ -36,11 +44,29 @@ def _ctranslate2(spec):
         intra_threads=int(spec["threads"]),
         inter_threads=1,
     )
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    target_ids = {tok: i for i, tok in enumerate(specials)}
+    if spec.get("vocabulary"):
+        with open(spec["vocabulary"], encoding="utf-8") as f:
+            pieces = json.load(f)
+        target_ids = {tok: i for i, tok in enumerate(pieces)}
+
+        def source(t):
+            return pieces[int(t)]
+
+        def target(t):
+            return target_ids[t]
+
+    else:
+        specials = ["<pad>", "<s>", "</s>", "<unk>"]
+        target_ids = {tok: i for i, tok in enumerate(specials)}
+
+        def source(t):
+            return f"s{int(t)}"
+
+        def target(t):
+            return target_ids[t] if t in target_ids else int(t[1:])
 
     def decode(mode, src, lengths, n):
-        batch = [[f"s{int(t)}" for t in row[:length]] for row, length in zip(src, lengths)]
+        batch = [[source(t) for t in row[:length]] for row, length in zip(src, lengths)]
         beam = 1 if mode == "greedy" else BEAM
         results = translator.translate_batch(
             batch,
@@ -50,20 +76,28 @@ def _ctranslate2(spec):
             max_decoding_length=n,
             min_decoding_length=n,
         )
-        return [[target_ids[t] if t in target_ids else int(t[1:]) for t in r.hypotheses[0]] for r in results]
+        return [[target(t) for t in r.hypotheses[0]] for r in results]
 
     return decode
 
 
 def _search(runner, spec):
     bos, eos = int(spec["bos"]), int(spec["eos"])
+    banned = [int(t) for t in spec.get("banned_ids", ())]
 
     def decode(mode, src, lengths, n):
         from transformer_ext.decoding import beam_search, greedy_decode
 
         if mode == "greedy":
             return greedy_decode(
-                runner, src, lengths, bos_id=bos, eos_id=eos, max_new_tokens=n, min_new_tokens=n
+                runner,
+                src,
+                lengths,
+                bos_id=bos,
+                eos_id=eos,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                banned_ids=banned,
             )
         hyps = beam_search(
             runner,
@@ -71,6 +105,7 @@ def _search(runner, spec):
             lengths,
             bos_id=bos,
             eos_id=eos,
+            banned_ids=banned,
             beam_size=BEAM,
             max_new_tokens=n,
             min_new_tokens=n,
@@ -99,7 +134,70 @@ def _eager(spec):
     return _search(EagerRunner(model, torch.device("cpu"), dtype=dtype), spec)
 
 
-BUILDERS = {"ctranslate2": _ctranslate2, "onnxrt": _onnxrt, "eager": _eager}
+def _generate(model, spec):
+    """Decoding with a Hugging Face model's ``generate`` (transformers' PyTorch model or Optimum's
+    ``ORTModelForSeq2SeqLM``): the checkpoint's generation config with exactly ``n`` new tokens
+    (``min_new_tokens = max_new_tokens``, no forced EOS at the end), ``bad_words_ids`` the banned
+    tokens, greedy or beam 4; the best sequence per source without its decoder start token."""
+    import numpy as np
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # not one max_length warning per call
+    torch.set_num_threads(int(spec["threads"]))
+    banned = [[int(t)] for t in spec.get("banned_ids", ())]
+    model.generation_config.forced_eos_token_id = None  # exactly n tokens: no EOS forced at the end
+
+    def decode(mode, src, lengths, n):
+        ids = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64))
+        mask = (torch.arange(ids.shape[1])[None, :] < torch.from_numpy(np.asarray(lengths))[:, None]).long()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                num_beams=1 if mode == "greedy" else BEAM,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                bad_words_ids=banned or None,
+            )
+        return [row[1:] for row in out.tolist()]
+
+    return decode
+
+
+def _transformers(spec):
+    import torch
+    from transformers import AutoModelForSeq2SeqLM
+
+    torch.set_num_threads(int(spec["threads"]))
+    model = AutoModelForSeq2SeqLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    return _generate(model, spec)
+
+
+def _optimum(spec):
+    """Optimum's ``ORTModelForSeq2SeqLM`` at its best CPU settings: the export with past key
+    values (the merged decoder where the export has one), its own io-binding choice (off on CPU),
+    ONNX Runtime's CPU provider with ``intra_op_num_threads`` = the thread count."""
+    import onnxruntime
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = int(spec["threads"])
+    options.inter_op_num_threads = 1
+    model = ORTModelForSeq2SeqLM.from_pretrained(
+        spec["model"], provider="CPUExecutionProvider", session_options=options, use_cache=True
+    )
+    return _generate(model, spec)
+
+
+BUILDERS = {
+    "ctranslate2": _ctranslate2,
+    "onnxrt": _onnxrt,
+    "eager": _eager,
+    "transformers": _transformers,
+    "optimum": _optimum,
+}
 
 
 def main() -> int:
@@ -125,7 +223,11 @@ def main() -> int:
                 {
                     "torch_imported": torch_imported,
                     "pid": os.getpid(),
-                    "modules": sorted(m for m in ("torch", "ctranslate2", "onnxruntime") if m in sys.modules),
+                    "modules": sorted(
+                        m
+                        for m in ("torch", "ctranslate2", "onnxruntime", "transformers", "optimum")
+                        if m in sys.modules
+                    ),
                 },
             )
         )

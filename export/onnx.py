@@ -35,6 +35,11 @@ an export of this package holding nothing but the files its manifest lists
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: one line, not a traceback, where they are missing
+    from transformer_ext.commands import require
+
+    require("export.onnx")
+
 import argparse
 import contextlib
 import io

@@ -51,6 +51,11 @@ Files. :func:`quantize_export` converts an existing float32 export folder into a
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: one line, not a traceback, where they are missing
+    from transformer_ext.commands import require
+
+    require("export.quantize")
+
 import argparse
 import logging
 import os

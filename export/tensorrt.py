@@ -52,6 +52,11 @@ TensorRT itself is imported only when building (:func:`transformer_ext.tensorrt_
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: one line, not a traceback, where they are missing
+    from transformer_ext.commands import require
+
+    require("export.tensorrt")
+
 import argparse
 import copy
 import datetime as _dt

@@ -10,6 +10,7 @@ so the suite runs (and tests correctness on tiny shapes) on any CPU.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from transformer_ext import cpu_features, ops, reference
 from transformer_ext import train as train_mod
 from transformer_ext.checkpoint import load_model
+from transformer_ext.demo import DEMO_MODEL_DIR as DEMO_DIR
 from transformer_ext.runtimes import CatCacheRunner, EagerRunner
 from transformer_ext.training import TrainingError, TrainOptions, train
 
@@ -414,3 +416,52 @@ def test_translate_cli_dtype_is_for_the_eager_runtime(capsys):
     assert code == 2 and "--dtype applies to the eager runtime only" in err
     code, _, err = _translate_cli(["--dtype", "float16", "forty-two"], capsys)
     assert code == 2 and "--dtype" in err
+
+
+def _evaluate_cli(argv, capsys):
+    from transformer_ext.evaluate import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_evaluate_cli_dtype_bfloat16_scores_the_bfloat16_translations(native, capsys, tmp_path, one_thread):
+    pytest.importorskip("sacrebleu")
+    from transformer_ext.evaluate import score_texts
+    from transformer_ext.translate import Translator
+
+    sources = ["forty-two", "one thousand and one", "seven hundred and six", "ninety"]
+    src, ref, hyp = tmp_path / "src", tmp_path / "ref", tmp_path / "hyp"
+    src.write_text("".join(s + "\n" for s in sources))
+    ref.write_text("zweiundvierzig\neintausendeins\nsiebenhundertsechs\nneunzig\n")
+    argv = ["--model", str(DEMO_DIR), "--src", str(src), "--ref", str(ref), "--output", str(hyp), "--json"]
+    code, out, _ = _evaluate_cli(argv + ["--dtype", "bfloat16"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["runtime"] == "eager bfloat16"
+    # the hypotheses are a bfloat16 translator's, and the score is sacrebleu's on them
+    expected = Translator.from_model_dir(DEMO_DIR, dtype="bfloat16").translate(sources)
+    assert hyp.read_text().splitlines() == expected
+    assert report["bleu"] == pytest.approx(
+        score_texts(expected, ref.read_text().splitlines())["bleu"], abs=0.005
+    )
+
+
+def test_evaluate_cli_dtype_bfloat16_refused_where_not_native_or_on_an_export(
+    not_native, capsys, tmp_path, exported_portable
+):
+    src, ref, hyp = tmp_path / "src", tmp_path / "ref", tmp_path / "hyp"
+    src.write_text("forty-two\n")
+    ref.write_text("zweiundvierzig\n")
+    base = ["--src", str(src), "--ref", str(ref), "--output", str(hyp), "--dtype", "bfloat16"]
+    code, out, err = _evaluate_cli(["--model", str(DEMO_DIR)] + base, capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and out == "" and len(lines) == 1, err
+    assert "--dtype bfloat16 needs a CPU with native bfloat16" in lines[0]
+    code, out, err = _evaluate_cli(["--model", str(exported_portable)] + base, capsys)
+    assert code == 1 and "--dtype applies to a model folder" in err and "Traceback" not in err, err
+    assert not hyp.exists()

@@ -27,12 +27,15 @@ REPO = Path(__file__).resolve().parents[1]
 METADATA_FILES = ["pyproject.toml", "setup.py", "README.md", "requirements", "transformer_ext/__init__.py"]
 # Extras that mirror a requirement file (pip install -r FILE installs the same).
 EXTRA_FILES = {"deploy": "deploy.txt", "corpus": "corpus.txt", "eval": "eval.txt"}
+# Each console script goes through transformer_ext.commands (what the command needs is checked
+# before it is imported) to the main() of its python -m module.
 SCRIPTS = {
-    "transformer-ext-train": "transformer_ext.train:main",
-    "transformer-ext-translate": "transformer_ext.translate:main",
-    "transformer-ext-export-onnx": "export.onnx:main",
-    "transformer-ext-evaluate": "transformer_ext.evaluate:main",
-    "transformer-ext-average": "transformer_ext.average:main",
+    "transformer-ext-train": "transformer_ext.commands:train",
+    "transformer-ext-translate": "transformer_ext.commands:translate",
+    "transformer-ext-export-onnx": "transformer_ext.commands:export_onnx",
+    "transformer-ext-evaluate": "transformer_ext.commands:evaluate",
+    "transformer-ext-average": "transformer_ext.commands:average",
+    "transformer-ext-convert": "transformer_ext.commands:convert",
 }
 
 
@@ -117,4 +120,4 @@ def test_metadata_of_the_deployment_install_needs_no_torch(tmp_path):
     assert meta["Name"] == "transformer_ext" and meta["Version"] == transformer_ext.__version__
     assert _requires(meta) == []  # nothing, torch least of all
     assert _requires(meta, "deploy") == _requirement_lines("deploy.txt")
-    assert "transformer-ext-translate = transformer_ext.translate:main" in entry_points
+    assert "transformer-ext-translate = transformer_ext.commands:translate" in entry_points

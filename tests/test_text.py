@@ -7,6 +7,7 @@ import pytest
 from transformer_ext.text import (
     DataError,
     check_argument_text,
+    iter_stream_lines,
     normalize_text,
     read_lines,
     read_stream_lines,
@@ -142,3 +143,41 @@ def test_missing_file_and_folder_are_named(tmp_path):
         read_lines(tmp_path / "missing.txt")
     with pytest.raises(DataError, match="is a folder"):
         read_lines(tmp_path)
+
+
+class _OneLineAtATime(io.RawIOBase):
+    """A pipe: hands out one line per read and records how many it handed out."""
+
+    def __init__(self, lines):
+        self.lines, self.handed = list(lines), 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        if self.handed == len(self.lines):
+            return 0
+        data = self.lines[self.handed]
+        self.handed += 1
+        b[: len(data)] = data
+        return len(data)
+
+
+def test_stream_lines_are_read_one_at_a_time():
+    pipe = _OneLineAtATime([b"one\n", b"two\r\n", b"thr\xffee\n"])
+    lines = iter_stream_lines(io.BufferedReader(pipe), "stdin")
+    assert next(lines) == "one" and pipe.handed == 1
+    assert next(lines) == "two" and pipe.handed == 2
+    with pytest.raises(DataError, match=r"stdin, line 3: not UTF-8 text \(byte 0xff\) at byte offset 12"):
+        next(lines)
+
+
+@pytest.mark.parametrize("raw", CASES)
+def test_stream_lines_in_any_pieces_agree_with_a_plain_loop(raw):
+    """The same lines however the stream cuts them (pieces of 1, 2 and 3 bytes, or of text)."""
+    expected = _plain_lines(raw)
+    for size in (1, 2, 3):
+        pieces = [raw[i : i + size] for i in range(0, len(raw), size)]
+        assert list(iter_stream_lines(pieces, "stdin")) == expected
+    text = raw.decode("utf-8")
+    assert list(iter_stream_lines([text[i : i + 2] for i in range(0, len(text), 2)], "stdin")) == expected

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import io
+import os
+import selectors
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +37,8 @@ class Stdout(io.StringIO):
             self.batches_at_first_write = len(self.batches)
         return super().write(text)
 
+
+REPO = Path(__file__).resolve().parents[1]
 
 LINES = ["seven", "forty-two", "one thousand and one", "three hundred", "nineteen", "five", "eighty", "two"]
 
@@ -138,3 +145,53 @@ def test_conflicting_options_are_usage_errors(args, fragment, capsys):
         main(args + ["one"], stdout=io.StringIO())
     assert exc.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def _read_lines(stream, n: int, timeout: float) -> list[str]:
+    """At least the first ``n`` lines of a pipe, read from its file descriptor (no buffer hides what has
+    arrived), or a failure after ``timeout`` seconds without new output (never a hang)."""
+    data = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        while data.count(b"\n") < n:
+            if not sel.select(timeout):
+                pytest.fail(f"no output within {timeout} s (so far: {data!r})")
+            chunk = os.read(stream.fileno(), 65536)
+            if not chunk:
+                pytest.fail(f"the output ended after {data!r}")
+            data += chunk
+    return data.decode("utf-8").splitlines()
+
+
+def test_an_open_pipe_gets_its_first_translations_before_the_writer_closes_it():
+    """stdin is read lazily: with --window 2 the first window is translated and printed while
+    the writer still holds the pipe open (the old reader waited for the end of the input)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transformer_ext.translate", "--window", "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        proc.stdin.write(b"seven\nforty-two\nnineteen\n")  # a whole window and one more line
+        proc.stdin.flush()
+        first = _read_lines(proc.stdout, 2, timeout=300)
+        assert proc.poll() is None  # still running: the pipe is open
+        proc.stdin.write(b"five\n")
+        proc.stdin.close()
+        rest = proc.stdout.read().decode("utf-8")
+        assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
+    expected = translate.Translator.from_model_dir(None).translate_text(
+        ["seven", "forty-two", "nineteen", "five"]
+    )
+    assert first[:2] == expected[:2]
+    assert first + rest.splitlines() == expected

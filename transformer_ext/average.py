@@ -14,6 +14,11 @@ an error or an interruption leaves nothing behind.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: one line, not a traceback, where they are missing
+    from transformer_ext.commands import require
+
+    require("transformer_ext.average")
+
 import argparse
 import logging
 import os

@@ -73,10 +73,12 @@ def load_translator(
     threads: Optional[int] = None,
     source_lang: Optional[str] = None,
     target_lang: Optional[str] = None,
+    dtype: Optional[str] = None,
 ):
     """``(translator, runtime name)`` of a model folder (eager PyTorch) or an export folder (ONNX
     Runtime; needs no torch); ``source_lang`` / ``target_lang``: a multilingual model's languages
-    (see :class:`~transformer_ext.translator.Translator`)."""
+    (see :class:`~transformer_ext.translator.Translator`); ``dtype``: a model folder's decode dtype
+    (``"bfloat16"``: see :class:`~transformer_ext.runtimes.eager.EagerRunner`)."""
     from .translator import RuntimeNotAvailableError, Translator, _read_pretrained, is_export_dir
 
     languages = dict(source_lang=source_lang, target_lang=target_lang)
@@ -86,11 +88,15 @@ def load_translator(
             f"--model {model} is not a folder (expected a model folder or an export folder)"
         )
     if is_export_dir(model) and not (model / "config.json").exists():
+        if dtype is not None:
+            raise EvaluationError(
+                f"--dtype applies to a model folder (eager PyTorch); --model {model} is an export folder"
+            )
         return Translator.from_export_dir(model, threads=threads, **languages), "onnxruntime"
     try:
         from .checkpoint import load_model
         from .devices import parse_device
-        from .runtimes.eager import EagerRunner
+        from .runtimes.eager import EagerRunner, check_dtype
         from .spm_tokenizer import load_any_tokenizer
     except ImportError as exc:
         raise RuntimeNotAvailableError(
@@ -100,14 +106,16 @@ def load_translator(
         ) from exc
 
     torch_device = parse_device(device)
+    check_dtype(dtype, torch_device, what="--dtype")  # before the folder is read
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     tokenizer = load_any_tokenizer(model)
-    runner = EagerRunner(load_model(model, torch_device), torch_device)
+    runner = EagerRunner(load_model(model, torch_device), torch_device, dtype=dtype)
     pretrained = _read_pretrained(model)
-    return Translator(tokenizer, runner, source_dir=model, pretrained=pretrained, **languages), "eager"
+    runtime = "eager" if dtype is None else f"eager {dtype}"
+    return Translator(tokenizer, runner, source_dir=model, pretrained=pretrained, **languages), runtime
 
 
 def evaluate_files(
@@ -126,6 +134,7 @@ def evaluate_files(
     max_len_b: Optional[float] = None,
     source_lang: Optional[str] = None,
     target_lang: Optional[str] = None,
+    dtype: Optional[str] = None,
 ) -> dict:
     """Translate ``src`` with ``model``, score against ``ref``; returns the report (see :func:`main`)."""
     from .fsutil import atomic_write_text
@@ -143,7 +152,7 @@ def evaluate_files(
     if not sources:
         raise EvaluationError(f"--src {src} has no lines")
     translator, runtime = load_translator(
-        model, device=device, threads=threads, source_lang=source_lang, target_lang=target_lang
+        model, device=device, threads=threads, source_lang=source_lang, target_lang=target_lang, dtype=dtype
     )
     keep = [i for i, s in enumerate(sources) if s.strip()]
     if len(keep) < len(sources):
@@ -216,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch or ONNX Runtime)")
     p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (default: 64)")
     p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="a model folder's decode dtype: bfloat16 keeps weights and caches in bfloat16 (float32 "
+        "accumulation), on a GPU or a CPU with native bfloat16 only (default: the folder's float32)",
+    )
+    p.add_argument(
         "--length-penalty",
         choices=("gnmt", "seed", "average", "none"),
         default=None,
@@ -277,6 +293,7 @@ def main(argv=None) -> int:
             max_len_b=args.max_len_b,
             source_lang=args.source_lang,
             target_lang=args.target_lang,
+            dtype=args.dtype,
         )
         if args.json:
             print(json.dumps(report, indent=1))

@@ -26,7 +26,7 @@ The rules:
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional, Union
+from typing import Iterable, Iterator, Union
 
 from .cli import UserError
 
@@ -37,6 +37,7 @@ __all__ = [
     "split_lines",
     "read_lines",
     "read_stream_lines",
+    "iter_stream_lines",
     "check_argument_text",
 ]
 
@@ -111,20 +112,116 @@ def read_lines(path: Union[str, os.PathLike], *, normalize: bool = False) -> lis
     return [normalize_text(line) for line in lines] if normalize else lines
 
 
-def _stream_bytes(stream) -> Optional[bytes]:
-    """The rest of ``stream`` as bytes when it has them (a binary stream, or a text stream's buffer)."""
+def _stream_chunks(stream) -> Iterator[Union[bytes, str]]:
+    """The pieces of ``stream`` as it delivers them, without reading ahead: bytes for a binary
+    stream (a text stream's ``buffer``, ``sys.stdin`` included, so that the decoding is this
+    module's strict UTF-8 whatever the locale), ``str`` for a text stream without a buffer or an
+    iterable of strings. A pipe's line is returned as soon as it is complete."""
     buffer = getattr(stream, "buffer", None)
     if buffer is not None:
-        return buffer.read()
-    if isinstance(stream, (bytes, bytearray)):
-        return bytes(stream)
+        stream = buffer
+    if isinstance(stream, (bytes, bytearray, str)):
+        yield bytes(stream) if not isinstance(stream, str) else stream
+        return
+    readline = getattr(stream, "readline", None)
+    if callable(readline):
+        while True:
+            piece = readline()
+            if not piece:
+                return
+            yield piece
+    else:
+        yield from stream  # an iterable of lines
+
+
+def _line_bytes(line: Union[bytes, str]) -> int:
+    return len(line) if isinstance(line, bytes) else len(line.encode("utf-8", "surrogateescape"))
+
+
+def _decode_line(line: Union[bytes, str], name: str, number: int, offset: int) -> str:
+    """One line (its ending removed) as text; an error names ``name``, the line and the byte
+    offset in the whole stream (``offset``: where the line starts)."""
+    if isinstance(line, str):
+        try:
+            line.encode("utf-8")
+            return line
+        except UnicodeEncodeError:
+            try:  # bytes that arrived as surrogates (surrogateescape): name the original byte
+                line = line.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError as exc:
+                raise DataError(
+                    f"{name}, line {number}: not valid text (a lone surrogate {line[exc.start]!r})"
+                ) from None
     try:
-        data = stream.read()
-    except AttributeError:
-        data = "".join(stream)  # an iterable of lines
-    if isinstance(data, (bytes, bytearray)):
-        return bytes(data)
-    return data  # type: ignore[return-value]  # already text
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{name}, line {number}: not UTF-8 text (byte 0x{line[exc.start]:02x}) at byte "
+            f"offset {offset + exc.start}; the text must be UTF-8"
+        ) from None
+
+
+def iter_stream_lines(
+    stream: Union[Iterable[str], "object"], name: str, *, normalize: bool = False
+) -> Iterator[str]:
+    """The lines of a stream (``sys.stdin``, a binary or text file object, an iterable of
+    strings) by the module's rules, one at a time as the stream delivers them: nothing is read
+    before the caller asks for the next line, so an endless pipe is translated as it comes. An
+    error (not UTF-8, a lone carriage return) is raised when its line is reached, naming the
+    line and the byte offset in the stream."""
+    number, offset, pending = 0, 0, None
+    chunks = _stream_chunks(stream)
+
+    def lines_of(piece):
+        nonlocal pending
+        newline = b"\n" if isinstance(piece, bytes) else "\n"
+        text = piece if pending is None else pending + piece
+        parts = text.split(newline)
+        pending = parts.pop()  # what follows the last line ending: the start of the next line
+        return parts
+
+    def finish(raw) -> str:
+        nonlocal number, offset
+        number += 1
+        start, skip = offset, 0
+        offset += _line_bytes(raw) + 1
+        bom = b"\xef\xbb\xbf" if isinstance(raw, bytes) else BOM
+        if number == 1 and raw.startswith(bom):
+            raw, skip = raw[len(bom) :], 3
+        line = _decode_line(raw, name, number, start + skip)
+        if line.endswith("\r"):
+            line = line[:-1]
+        if "\r" in line:
+            at = start + skip + len(line[: line.index("\r")].encode("utf-8", "surrogatepass"))
+            raise DataError(
+                f"{name}, line {number}: a carriage return (\\r) not followed by a line feed at byte offset "
+                f"{at}; lines must end with \\n or \\r\\n (convert old Mac line endings, e.g. with "
+                "tr '\\r' '\\n')"
+            )
+        return normalize_text(line) if normalize else line
+
+    for piece in chunks:
+        if isinstance(piece, (bytearray, memoryview)):
+            piece = bytes(piece)
+        if pending is not None and type(piece) is not type(pending):
+            raise TypeError(f"{name}: a stream of mixed bytes and text")
+        for raw in lines_of(piece):
+            yield finish(raw)
+    if pending:  # the last line needs no line ending
+        yield finish(pending)
+
+
+def read_stream_lines(
+    stream: Union[Iterable[str], "object"], name: str, *, normalize: bool = False
+) -> list[str]:
+    """The lines of a stream (``sys.stdin``, a binary or text file object) by the module's rules
+    (all of them: :func:`iter_stream_lines` reads one at a time).
+
+    A text stream with a ``buffer`` (``sys.stdin``) is read as bytes, so the decoding is this
+    module's strict UTF-8 whatever the locale; a stream of ``str`` is checked for undecodable bytes
+    that arrived as surrogates.
+    """
+    return list(iter_stream_lines(stream, name, normalize=normalize))
 
 
 def _text_from_str(text: str, name: str) -> str:
@@ -138,24 +235,6 @@ def _text_from_str(text: str, name: str) -> str:
             raise DataError(f"{name}: not valid text (a lone surrogate {text[exc.start]!r})") from None
         return decode_text(raw, name)  # raises, naming the original byte
     return text[1:] if text.startswith(BOM) else text
-
-
-def read_stream_lines(
-    stream: Union[Iterable[str], "object"], name: str, *, normalize: bool = False
-) -> list[str]:
-    """The lines of a stream (``sys.stdin``, a binary or text file object) by the module's rules.
-
-    A text stream with a ``buffer`` (``sys.stdin``) is read as bytes, so the decoding is this
-    module's strict UTF-8 whatever the locale; a stream of ``str`` is checked for undecodable bytes
-    that arrived as surrogates.
-    """
-    data = _stream_bytes(stream)
-    if isinstance(data, bytes):
-        lines = split_lines(decode_text(data, name), name, offset_base=_bom_bytes(data))
-    else:
-        text = _text_from_str(data, name)
-        lines = split_lines(text, name, offset_base=len(BOM.encode("utf-8")) if data.startswith(BOM) else 0)
-    return [normalize_text(line) for line in lines] if normalize else lines
 
 
 def check_argument_text(text: str, name: str) -> str:

@@ -8,6 +8,11 @@ What a run does and writes is described in :mod:`transformer_ext.training`.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: one line, not a traceback, where they are missing
+    from transformer_ext.commands import require
+
+    require("transformer_ext.train")
+
 import argparse
 import logging
 import sys

@@ -24,8 +24,10 @@ unwritable ``--output`` and a full disk print one line
 ``python -m transformer_ext.translate: error: ...`` (exit code 1, ``--debug`` shows the
 traceback); Ctrl-C exits with 130, SIGTERM with 143.
 
-Input is translated in token batches (``--max-batch-tokens``, a window of ``--window`` lines
-sorted by length, :meth:`Translator.translate_iterable`); each translation is printed as soon
+Input is read lazily, a window of ``--window`` lines at a time (a large file or an endless pipe
+gives its first translations after the first window), and translated in token batches
+(``--max-batch-tokens``, the window sorted by length, :meth:`Translator.translate_iterable`);
+each translation is printed as soon
 as it and every line before it are done, and a progress line goes to stderr
 every few seconds (also when it is not a terminal). With ``--output FILE`` the file is written
 atomically at the end; an interrupted run writes none and says how many lines were done. An
@@ -43,7 +45,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from .batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW
 from .cli import Terminated, add_debug_flag, run_cli
@@ -51,7 +53,7 @@ from .demo import DEMO_MODEL_DIR
 from .devices import DeviceUsageError, check_device_name, parse_device
 from .export_format import MANIFEST_NAME
 from .fsutil import atomic_write_text, check_output_path
-from .text import check_argument_text, read_stream_lines
+from .text import check_argument_text, iter_stream_lines
 from .translator import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_LEN_A,
@@ -432,27 +434,29 @@ def managed_dirs(path: Path) -> list:
     return run_managed_dirs(path)
 
 
-def _read_lines(stream, name: str) -> list[tuple[str, str]]:
-    """``(line, "NAME, line N")`` for every line, read by the package's one text rule
-    (:func:`transformer_ext.text.read_stream_lines`: strict UTF-8, a leading BOM removed, ``\\n``
-    or ``\\r\\n`` line endings, a lone ``\\r`` an error). Empty lines are kept (an empty
-    translation, or an error naming the line with ``--strict``)."""
-    return [(line, f"{name}, line {n}") for n, line in enumerate(read_stream_lines(stream, name), start=1)]
+def _read_lines(stream, name: str) -> Iterator[tuple[str, str]]:
+    """``(line, "NAME, line N")`` for every line, read lazily (one line at a time, as a pipe
+    delivers them) by the package's one text rule (:func:`transformer_ext.text.iter_stream_lines`:
+    strict UTF-8, a leading BOM removed, ``\\n`` or ``\\r\\n`` line endings, a lone ``\\r`` an
+    error). Empty lines are kept (an empty translation, or an error naming the line with ``--strict``)."""
+    for n, line in enumerate(iter_stream_lines(stream, name), start=1):
+        yield line, f"{name}, line {n}"
 
 
-def _file_lines(path: str) -> list[tuple[str, str]]:
+def _file_lines(path: str) -> Iterator[tuple[str, str]]:
     try:
-        with open(path, "rb") as f:
-            return _read_lines(f, path)
+        f = open(path, "rb")
     except FileNotFoundError:
         raise TranslationError(f"input file not found: {path}") from None
     except IsADirectoryError:
         raise TranslationError(f"--input {path} is a directory, expected a text file") from None
+    with f:
+        yield from _read_lines(f, path)
 
 
 def _iter_sources(args, stdin):
-    """The sources in input order with where each came from (for error messages); each input
-    is read whole (by the text rules), then translated in streamed batches."""
+    """The sources in input order with where each came from (for error messages), read lazily:
+    a line is read when the translator asks for it (a window at a time)."""
     for n, text in enumerate(args.text, start=1):
         if text == "-":
             yield from _read_lines(stdin, "stdin")

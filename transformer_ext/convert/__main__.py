@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports: one line, not a traceback, where they are missing
+    from transformer_ext.commands import require
+
+    require("transformer_ext.convert")
+
 import argparse
 import logging
 import sys
