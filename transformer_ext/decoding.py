@@ -576,7 +576,8 @@ class _Processors:
         """The ids the options name must be target token ids (known at the first step)."""
         _check_in_vocab("banned_ids", self.o.banned, V)
         for b, p in enumerate(self.prefixes):
-            _check_in_vocab(f"target_prefix[{b}]", p, V)
+            if p.size:
+                _check_in_vocab(f"target_prefix[{b}]", p, V)
         if self.o.start_id >= V:
             raise ValueError(
                 f"the decoder start id {self.o.start_id} is not a target token id: the target vocabulary "
@@ -927,38 +928,52 @@ def _greedy_steps(
     """The decoding steps of :func:`greedy_decode`: fills ``outputs`` (and ``log_probs``, the
     chosen tokens' log-probabilities, unless None) in place until every row is finished.
 
+    A step's bookkeeping is vectorised over the rows (:func:`greedy_advance`'s rules): an open
+    row at step ``t`` holds ``t`` tokens, so its token goes to column ``t`` of ``generated``
+    and its log-probability to column ``t`` of ``chosen_lp``; the lists are filled at the end.
     With ``select`` (the runner's), the rows that finish are dropped from the runner's state
     after the step they finish at: ``active`` maps the open rows to the search's rows, and
-    ``outs`` / ``lps`` / ``budget`` / ``sequence`` / ``procs`` hold the open rows only."""
+    ``open_budget`` / ``sequence`` / ``procs`` hold the open rows only."""
     N = len(outputs)
     tokens = np.full(N, start_id, dtype=np.int64)
     sequence = np.full((N, steps + 1), eos_id, dtype=np.int64)  # fed tokens, start token first
     sequence[:, 0] = start_id
+    generated = np.zeros((N, steps), dtype=np.int64)
+    n_tokens = np.zeros(N, dtype=np.int64)  # tokens of each row
+    n_scored = np.zeros(N, dtype=np.int64)  # log-probabilities of each row (its EOS's included)
+    chosen_lp = np.zeros((N, steps)) if log_probs is not None else None
     finished = row_budget == 0
     active = np.arange(N)
-    outs, lps, budget = outputs, log_probs, row_budget
+    open_budget = row_budget
     scratch = _Scratch()
     for t in range(steps):
         x = _step_logits(runner, state, tokens, t, procs)
         y, next_tokens, forced_rows = _greedy_choose(
-            procs, sampler, x, t, sequence[:, : t + 1], None if len(outs) == N else (active, N), scratch
+            procs, sampler, x, t, sequence[:, : t + 1], None if active.shape[0] == N else (active, N), scratch
         )
-        if lps is not None:
+        is_open = ~finished
+        rows = active[is_open]
+        if chosen_lp is not None:
             lp = _chosen_log_probs(y, x, next_tokens, forced_rows, scratch)
-            for r in np.flatnonzero(~finished).tolist():
-                lps[r].append(float(lp[r]))
-        tokens = greedy_advance(outs, finished, next_tokens, eos_id=eos_id, max_new_tokens=budget)
+            chosen_lp[rows, t] = lp[is_open]
+            n_scored[rows] = t + 1
+        appended = is_open & (next_tokens != eos_id)
+        generated[active[appended], t] = next_tokens[appended]
+        n_tokens[active[appended]] = t + 1
+        finished = finished | (is_open & ~appended) | (appended & (t + 1 >= open_budget))
+        tokens = np.where(finished, eos_id, next_tokens).astype(np.int64)
         sequence[:, t + 1] = tokens
         if finished.all():
             break
         if select is not None and finished.any():
             keep = np.flatnonzero(~finished)
             select(state, keep)
-            active, finished, budget = active[keep], finished[keep], budget[keep]
+            active, finished, open_budget = active[keep], finished[keep], open_budget[keep]
             tokens, sequence, procs = tokens[keep], sequence[keep], procs.select(keep)
-            outs = [outs[r] for r in keep.tolist()]  # the same lists: appends reach ``outputs``
-            if lps is not None:
-                lps = [lps[r] for r in keep.tolist()]
+    for r in range(N):
+        outputs[r].extend(generated[r, : n_tokens[r]].tolist())
+        if log_probs is not None:
+            log_probs[r].extend(chosen_lp[r, : n_scored[r]].tolist())
 
 
 def _greedy_choose(
