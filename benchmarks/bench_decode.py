@@ -541,6 +541,8 @@ def measure_case(
             for other in others:
                 entry[f"rows_equal_to_{other}"] = _agreement(tokens[e.name], tokens[other])
     case["reference_engine"] = reference
+    if reference is not None:  # how varied the compared tokens are (a constant output proves little)
+        case["reference_distinct_tokens"] = len({t for row in tokens[reference] for t in row})
     case["float32_tokens_agree"] = all(
         e.get("tokens_match", True) for e in case["engines"].values() if e["dtype"] == "float32"
     )

@@ -477,7 +477,8 @@ def run(
         "threads": list(threads_list),
         "rounds": rounds,
         "decoding": (
-            f"exactly {size['new_tokens']} new tokens per sequence (EOS suppressed until then, no forced EOS), "
+            f"exactly {size['new_tokens']} new tokens per sequence (EOS suppressed until then, "
+            "no forced EOS), "
             "<pad> banned, beam 4 best hypothesis (equal lengths: length penalties rank alike), "
             "tokens compared before timing"
         ),
