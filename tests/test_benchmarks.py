@@ -212,3 +212,33 @@ def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_
         assert "MatMul" in case["operators"]["ops"] and case["operators"]["nodes_per_step"] > 0
     with pytest.raises(SystemExit):
         profile_decode.main(["--export", str(tmp_path), "--out", str(out)])  # not an export folder
+
+
+def test_count_step_calls_counts_per_step_and_per_function(tmp_path, tmp_path_factory):
+    """count_step_calls on the tiny export: every case counted, the runner's step among the
+    functions called once per step."""
+    import count_step_calls
+    from helpers import exported_dir
+
+    export = exported_dir(tmp_path_factory, "portable")
+    out = tmp_path / "count.json"
+    argv = [
+        "--export",
+        str(export),
+        "--batch-sizes",
+        "1,3",
+        "--new-tokens",
+        "4",
+        "--top",
+        "200",
+        "--out",
+        str(out),
+    ]
+    assert count_step_calls.main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert [(c["mode"], c["batch"]) for c in saved["cases"]] == [
+        (m, b) for m in ("greedy", "beam4") for b in (1, 3)
+    ]
+    for case in saved["cases"]:
+        assert case["steps"] == 4 and case["calls_per_step"] > case["python_calls_per_step"] > 0
+        assert case["top"]["ort.py:step"] == 1.0  # one runner step per decoding step

@@ -576,7 +576,8 @@ class _Processors:
         """The ids the options name must be target token ids (known at the first step)."""
         _check_in_vocab("banned_ids", self.o.banned, V)
         for b, p in enumerate(self.prefixes):
-            _check_in_vocab(f"target_prefix[{b}]", p, V)
+            if p.size:
+                _check_in_vocab(f"target_prefix[{b}]", p, V)
         if self.o.start_id >= V:
             raise ValueError(
                 f"the decoder start id {self.o.start_id} is not a target token id: the target vocabulary "
@@ -717,7 +718,7 @@ class _Sampler:
             cols = None
             row_max = y.max(axis=1)
             z = y.astype(np.float64)
-        _check_finite_logits(row_max, step)
+        _check_finite_logits(row_max, step, rows)
         m = np.where(np.isfinite(row_max), row_max, 0.0).astype(np.float64)
         p = np.exp((z - m[:, None]) / self.temperature)
         if self.topp < 1.0:
@@ -927,38 +928,52 @@ def _greedy_steps(
     """The decoding steps of :func:`greedy_decode`: fills ``outputs`` (and ``log_probs``, the
     chosen tokens' log-probabilities, unless None) in place until every row is finished.
 
+    A step's bookkeeping is vectorised over the rows (:func:`greedy_advance`'s rules): an open
+    row at step ``t`` holds ``t`` tokens, so its token goes to column ``t`` of ``generated``
+    and its log-probability to column ``t`` of ``chosen_lp``; the lists are filled at the end.
     With ``select`` (the runner's), the rows that finish are dropped from the runner's state
     after the step they finish at: ``active`` maps the open rows to the search's rows, and
-    ``outs`` / ``lps`` / ``budget`` / ``sequence`` / ``procs`` hold the open rows only."""
+    ``open_budget`` / ``sequence`` / ``procs`` hold the open rows only."""
     N = len(outputs)
     tokens = np.full(N, start_id, dtype=np.int64)
     sequence = np.full((N, steps + 1), eos_id, dtype=np.int64)  # fed tokens, start token first
     sequence[:, 0] = start_id
+    generated = np.zeros((N, steps), dtype=np.int64)
+    n_tokens = np.zeros(N, dtype=np.int64)  # tokens of each row
+    n_scored = np.zeros(N, dtype=np.int64)  # log-probabilities of each row (its EOS's included)
+    chosen_lp = np.zeros((N, steps)) if log_probs is not None else None
     finished = row_budget == 0
     active = np.arange(N)
-    outs, lps, budget = outputs, log_probs, row_budget
+    open_budget = row_budget
     scratch = _Scratch()
     for t in range(steps):
         x = _step_logits(runner, state, tokens, t, procs)
         y, next_tokens, forced_rows = _greedy_choose(
-            procs, sampler, x, t, sequence[:, : t + 1], None if len(outs) == N else (active, N), scratch
+            procs, sampler, x, t, sequence[:, : t + 1], None if active.shape[0] == N else (active, N), scratch
         )
-        if lps is not None:
+        is_open = ~finished
+        rows = active[is_open]
+        if chosen_lp is not None:
             lp = _chosen_log_probs(y, x, next_tokens, forced_rows, scratch)
-            for r in np.flatnonzero(~finished).tolist():
-                lps[r].append(float(lp[r]))
-        tokens = greedy_advance(outs, finished, next_tokens, eos_id=eos_id, max_new_tokens=budget)
+            chosen_lp[rows, t] = lp[is_open]
+            n_scored[rows] = t + 1
+        appended = is_open & (next_tokens != eos_id)
+        generated[active[appended], t] = next_tokens[appended]
+        n_tokens[active[appended]] = t + 1
+        finished = finished | (is_open & ~appended) | (appended & (t + 1 >= open_budget))
+        tokens = np.where(finished, eos_id, next_tokens).astype(np.int64)
         sequence[:, t + 1] = tokens
         if finished.all():
             break
         if select is not None and finished.any():
             keep = np.flatnonzero(~finished)
             select(state, keep)
-            active, finished, budget = active[keep], finished[keep], budget[keep]
+            active, finished, open_budget = active[keep], finished[keep], open_budget[keep]
             tokens, sequence, procs = tokens[keep], sequence[keep], procs.select(keep)
-            outs = [outs[r] for r in keep.tolist()]  # the same lists: appends reach ``outputs``
-            if lps is not None:
-                lps = [lps[r] for r in keep.tolist()]
+    for r in range(N):
+        outputs[r].extend(generated[r, : n_tokens[r]].tolist())
+        if log_probs is not None:
+            log_probs[r].extend(chosen_lp[r, : n_scored[r]].tolist())
 
 
 def _greedy_choose(
@@ -981,7 +996,9 @@ def _greedy_choose(
         forced_rows, forced_tokens = procs.apply(y, t, sequence, x, log_probs=False)
     if sampler is None:
         next_tokens = np.argmax(y, axis=-1).astype(np.int64)
-        _check_finite_logits(y[np.arange(y.shape[0]), next_tokens], t)  # argmax picks a NaN or +inf
+        _check_finite_logits(  # argmax picks a NaN or +inf if there is one
+            y[np.arange(y.shape[0]), next_tokens], t, None if dropped is None else dropped[0]
+        )
     elif dropped is None:
         next_tokens = sampler.draw(y, t)
     else:
@@ -1089,11 +1106,14 @@ def _row_top_k(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return cols[rows, pick], values.max(axis=1)
 
 
-def _check_finite_logits(row_max: np.ndarray, step: int) -> None:
+def _check_finite_logits(row_max: np.ndarray, step: int, rows: Optional[np.ndarray] = None) -> None:
+    """A RuntimeError naming the step and the first row whose ``row_max`` is NaN or +inf;
+    ``rows``: the search's row of each entry (when finished rows were dropped from the state)."""
     bad = np.flatnonzero(~(row_max < np.inf))  # NaN or +inf somewhere in the row
     if bad.size:
+        first = int(bad[0]) if rows is None else int(rows[bad[0]])
         raise RuntimeError(
-            f"runner.step returned a NaN or +inf logit at step {step} (row {int(bad[0])}"
+            f"runner.step returned a NaN or +inf logit at step {step} (row {first}"
             f"{f' and {bad.size - 1} more rows' if bad.size > 1 else ''}); logits must be finite or -inf"
         )
 
@@ -1299,6 +1319,7 @@ class _BeamState:
     row_ids: np.ndarray  # [N, 1] identity
     source_ids: np.ndarray  # [B, 1] arange
     scratch: _Scratch  # [N, V] work buffers of the steps
+    search_rows: Optional[np.ndarray] = None  # [N] the search's row of each row (None: identity)
 
     @classmethod
     def start(cls, *, K: int, max_new: np.ndarray, steps: int, start_id: int, **options) -> _BeamState:
@@ -1383,7 +1404,7 @@ class _BeamState:
         exp_buf = self.scratch.get("exp", x.shape)
         if self.hf:  # transformers: the processors act on the log-probabilities
             raw_max = x.max(axis=1)
-            _check_finite_logits(raw_max, t)
+            _check_finite_logits(raw_max, t, self.search_rows)
             log_z = _log_sum_exp(x, raw_max, exp_buf)
             y = np.subtract(
                 x,
@@ -1402,7 +1423,7 @@ class _BeamState:
             y = self.scratch.copy("y", x)
             forced_rows, _ = procs.apply(y, t, sequence, x, log_probs=False)
         cols, row_max = _row_top_k(y, k2)
-        _check_finite_logits(row_max, t)
+        _check_finite_logits(row_max, t, self.search_rows)
         log_z = _log_sum_exp(y, row_max, exp_buf)  # -inf for a row of only -inf
         if forced_rows.size:  # a forced token keeps its log-probability under the raw logits
             f = x[forced_rows]
@@ -1540,6 +1561,7 @@ class _BeamState:
         for name in ("max_new", "max_penalty", "n_finished", "kth_best", "done", "source_of"):
             setattr(self, name, getattr(self, name)[keep])
         self.finished = [self.finished[b] for b in keep.tolist()]
+        self.search_rows = rows if self.search_rows is None else self.search_rows[rows]
         N = rows.shape[0]
         self.identity = np.arange(N, dtype=np.int64)
         self.beam_of_row = self.identity % K
