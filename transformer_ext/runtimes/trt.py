@@ -295,7 +295,10 @@ class TensorRTRunner(DeviceRunner):
         token = state.backend.setdefault("tensorrt_token", object())
         if self._bound_token is not token:  # addresses and shapes are set once per decoding
             self._bind(
-                self.decoder_context, self.decoder_io, decoder_bindings(state, self.info.flavour), "decoder"
+                self.decoder_context,
+                self.decoder_io,
+                decoder_bindings(state, self.info.flavour, self.decoder_io),
+                "decoder",
             )
             self._bound_token = token
         self._execute(self.decoder_context, "decoder step")
