@@ -20,7 +20,7 @@ Settings: source length 24, exactly 48 generated tokens per sequence (EOS suppre
 our ``min_new_tokens = max_new_tokens = 48``, CTranslate2's ``min_decoding_length =
 max_decoding_length = 48``), greedy and beam 4 (no length penalty on either side: our
 ``length_penalty="none"``, CTranslate2's ``length_penalty=0``; best hypothesis compared),
-batch 1 and 16, 1 and 2 threads for every engine (CTranslate2 ``intra_threads=N,
+batch 1, 16 and 64, 1 and 2 threads for every engine (CTranslate2 ``intra_threads=N,
 inter_threads=1``; ONNX Runtime ``intra_op_num_threads=N``; torch ``set_num_threads(N)``).
 
 Tokens first: every float32 engine's tokens are compared with the first float32 engine's
@@ -28,6 +28,13 @@ before any time is recorded; one that disagrees is not timed (exit status 1). Qu
 (int8, int4) are timed and their agreement with the float32 tokens and with each other is recorded,
 and so is ``eager_bf16``'s (``EagerRunner(dtype="bfloat16")`` on the same weights, compared with our
 float32 eager decode; left out, with the reason logged, where the CPU has no native bfloat16).
+
+Besides tokens/s per case, the JSON and the printed table give each engine's faster thread count
+per mode and batch (``best_threads``: its tokens/s there and at every thread count) and the
+speed-up of every quantized engine over the float32 engine of its runtime, per cell and with
+each at its faster thread count (``quantized_speedups``: ours ``onnxrt_int8`` / ``onnxrt_int8_nbits``
+/ ``onnxrt_int4`` over ``onnxrt``, CTranslate2's ``ctranslate2_int8`` over ``ctranslate2``); the
+plot has those speed-ups in a second panel.
 
 The JSON records the machine (``lscpu``: CPU model, cores, L3; measured read and copy
 bandwidth with 1 and 2 threads), the load average before and after, and per model the batch-1
@@ -77,6 +84,7 @@ class Engine:
     forbid_torch: bool
     compute_type: str = "float32"
     weight_bytes: str = ""  # the key of its weight bytes per token, when not its artifact's
+    float32_engine: str = ""  # a quantized engine: the float32 engine of the same runtime (its speed-up)
 
     @property
     def bytes_key(self) -> str:
@@ -124,6 +132,7 @@ ENGINES.append(
         "onnx_int8",
         "int8",
         True,
+        float32_engine="onnxrt",
     )
 )
 # Block-wise weight-only MatMulNBits (export.quantize --scheme int4 / int8-nbits; defaults: blocks
@@ -137,6 +146,7 @@ for _scheme, _dtype in (("int4", "int4"), ("int8-nbits", "int8")):
             f"onnx_{_scheme.replace('-', '_')}",
             _dtype,
             True,
+            float32_engine="onnxrt",
         )
     )
 if importlib.util.find_spec("ctranslate2"):
@@ -149,6 +159,7 @@ if importlib.util.find_spec("ctranslate2"):
             "int8",
             True,
             "int8",
+            float32_engine="ctranslate2",
         )
     )
 PEERS = ("ctranslate2", "ctranslate2_int8")
@@ -530,6 +541,8 @@ def measure_case(
             for other in others:
                 entry[f"rows_equal_to_{other}"] = _agreement(tokens[e.name], tokens[other])
     case["reference_engine"] = reference
+    if reference is not None:  # how varied the compared tokens are (a constant output proves little)
+        case["reference_distinct_tokens"] = len({t for row in tokens[reference] for t in row})
     case["float32_tokens_agree"] = all(
         e.get("tokens_match", True) for e in case["engines"].values() if e["dtype"] == "float32"
     )
@@ -585,6 +598,86 @@ def _ratios(results: dict) -> list[dict]:
     return rows
 
 
+def _cells(results: dict):
+    """``(model, case)`` for every measured case."""
+    for model_name, m in results["models"].items():
+        for c in m["cases"]:
+            yield model_name, c
+
+
+def _tps(case: dict, name: str):
+    return case["engines"].get(name, {}).get("tokens_per_second")
+
+
+def _best_threads(results: dict) -> list[dict]:
+    """Each engine's faster thread count per model, mode and batch (its tokens/s there, and at
+    every thread count measured)."""
+    by_cell: dict = {}
+    for model_name, c in _cells(results):
+        for name in c["engines"]:
+            tps = _tps(c, name)
+            if tps is not None:
+                key = (model_name, name, c["mode"], c["batch"])
+                by_cell.setdefault(key, {})[c["threads"]] = tps
+    rows = []
+    for (model_name, name, mode, batch), by_threads in by_cell.items():
+        threads = max(by_threads, key=lambda t: (by_threads[t], -t))
+        rows.append(
+            {
+                "model": model_name,
+                "engine": name,
+                "mode": mode,
+                "batch": batch,
+                "best_threads": threads,
+                "tokens_per_second": by_threads[threads],
+                "tokens_per_second_by_threads": {str(t): v for t, v in sorted(by_threads.items())},
+            }
+        )
+    return rows
+
+
+def _quantized_speedups(results: dict, engines: list[Engine]) -> list[dict]:
+    """Per cell (model, mode, batch, threads) the speed-up of every quantized engine over the
+    float32 engine of its runtime (ours: ``onnxrt``; CTranslate2: ``ctranslate2``), and the
+    same with each at its faster thread count (``threads: "best"``)."""
+    pairs = [(e.name, e.float32_engine) for e in engines if e.float32_engine]
+    rows = []
+    for model_name, c in _cells(results):
+        for name, base in pairs:
+            q, f = _tps(c, name), _tps(c, base)
+            if q is not None and f is not None:
+                rows.append(
+                    {
+                        "model": model_name,
+                        "engine": name,
+                        "float32_engine": base,
+                        "mode": c["mode"],
+                        "batch": c["batch"],
+                        "threads": c["threads"],
+                        "speedup": q / f,
+                    }
+                )
+    best = {(r["model"], r["engine"], r["mode"], r["batch"]): r for r in _best_threads(results)}
+    for (model_name, name, mode, batch), r in best.items():
+        base = dict(pairs).get(name)
+        f = best.get((model_name, base, mode, batch))
+        if base and f:
+            rows.append(
+                {
+                    "model": model_name,
+                    "engine": name,
+                    "float32_engine": base,
+                    "mode": mode,
+                    "batch": batch,
+                    "threads": "best",
+                    "engine_threads": r["best_threads"],
+                    "float32_threads": f["best_threads"],
+                    "speedup": r["tokens_per_second"] / f["tokens_per_second"],
+                }
+            )
+    return rows
+
+
 def bandwidth_floors(cases: list, nbytes: dict, engines: list[Engine], machine: dict) -> dict:
     """Batch-1 floor (ms per generated token) per engine and thread count, and the fraction reached."""
     out = {}
@@ -624,6 +717,35 @@ def summary_table(results: dict) -> str:
                 e = c["engines"].get(n, {})
                 cells.append(f"{e['tokens_per_second']:18.1f}" if "tokens_per_second" in e else f"{'-':>18}")
             lines.append(f"{row:<18}" + "".join(cells))
+    best = {(r["model"], r["engine"], r["mode"], r["batch"]): r for r in results.get("best_threads", [])}
+    for model_name, m in results["models"].items():
+        names = [e["name"] for e in results["engines"]]
+        cells = sorted({(c["mode"], c["batch"]) for c in m["cases"]}, key=lambda x: (MODES.index(x[0]), x[1]))
+        lines.append("")
+        lines.append(f"{model_name}: each engine at its faster thread count (tokens/s @ threads)")
+        lines.append(f"{'case':<18}" + "".join(f"{n:>18}" for n in names))
+        for mode, batch in cells:
+            row = []
+            for n in names:
+                r = best.get((model_name, n, mode, batch))
+                row.append(f"{r['tokens_per_second']:13.1f} @{r['best_threads']}t" if r else f"{'-':>18}")
+            lines.append(f"{f'{mode} b{batch} best':<18}" + "".join(row))
+    speedups = results.get("quantized_speedups", [])
+    if speedups:
+        lines.append("")
+        lines.append(
+            "quantized over float32 of the same runtime (speed-up per cell; best = each at its faster threads)"
+        )
+        for r in speedups:
+            threads = (
+                f"best ({r['engine_threads']}t vs {r['float32_threads']}t)"
+                if r["threads"] == "best"
+                else f"{r['threads']}t"
+            )
+            lines.append(
+                f"  {r['engine']:<18} / {r['float32_engine']:<12} {r['mode']:<6} b{r['batch']:<3} {threads}: "
+                f"{r['speedup']:.2f}x"
+            )
     lines.append("")
     lines.append("ratios (ours / peer of the same dtype): same threads | vs the peer's better thread count")
     for r in results.get("ratios", []):
@@ -650,7 +772,11 @@ def plot(results: dict, path: str) -> None:
 
     cases = [(m, c) for m, r in results["models"].items() for c in r["cases"]]
     engines = [e["name"] for e in results["engines"]]
-    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(cases)), 5))
+    speedups = [r for r in results.get("quantized_speedups", []) if r["threads"] != "best"]
+    if speedups:
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(cases)), 9))
+    else:
+        fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(cases)), 5))
     width = 0.8 / max(1, len(engines))
     for i, name in enumerate(engines):
         xs, ys = [], []
@@ -672,6 +798,27 @@ def plot(results: dict, path: str) -> None:
         f"{results.get('src_len', SRC_LEN)}, one process per engine\n{cpu}",
     )
     ax.legend(fontsize=7)
+    if speedups:
+        quantized = list(dict.fromkeys(r["engine"] for r in speedups))
+        index = {(m, c["mode"], c["batch"], c["threads"]): j for j, (m, c) in enumerate(cases)}
+        width2 = 0.8 / len(quantized)
+        for i, name in enumerate(quantized):
+            rows = [r for r in speedups if r["engine"] == name]
+            xs = [
+                index[(r["model"], r["mode"], r["batch"], r["threads"])]
+                + (i - (len(quantized) - 1) / 2) * width2
+                for r in rows
+            ]
+            bars = ax2.bar(
+                xs, [r["speedup"] for r in rows], width2, label=f"{name} / {rows[0]['float32_engine']}"
+            )
+            ax2.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90)
+        ax2.axhline(1.0, color="grey", linewidth=0.8)
+        ax2.set_xticks(
+            range(len(cases)), [f"{c['mode']}\nb{c['batch']} {c['threads']}t" for _, c in cases], fontsize=8
+        )
+        ax2.set(ylabel="speed-up over float32 (same runtime)")
+        ax2.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -679,7 +826,7 @@ def plot(results: dict, path: str) -> None:
 def run(
     models: list[str],
     engine_names: list[str] | None = None,
-    batch_sizes=(1, 16),
+    batch_sizes=(1, 16, 64),
     modes=MODES,
     threads_list=(1, 2),
     repeats: int = 5,
@@ -771,6 +918,8 @@ def run(
     if prepare_only:
         return results
     results["ratios"] = _ratios(results)
+    results["best_threads"] = _best_threads(results)
+    results["quantized_speedups"] = _quantized_speedups(results, engines)
     results["load_average_end"] = os.getloadavg()
     results["complete"] = True
     out = out or os.path.join(HERE, "results", "bench_decode.json")
@@ -788,7 +937,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=None, help="comma-separated presets (default: base; --quick: tiny)")
     p.add_argument("--engines", default=None, help=f"comma-separated subset of {[e.name for e in ENGINES]}")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of greedy,beam4")
-    p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
+    p.add_argument(
+        "--batch-sizes", default="1,16,64", help="comma-separated batch sizes, every mode (default: 1,16,64)"
+    )
     p.add_argument(
         "--threads", default="1,2", help="comma-separated thread counts, every engine (default: 1,2)"
     )

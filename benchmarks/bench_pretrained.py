@@ -189,8 +189,9 @@ ENV_MODULES = {"optimum": "optimum.onnxruntime, onnxruntime", "ct2": "ctranslate
 
 
 def write_checkpoint(folder: Path, size: dict) -> None:
-    """A Marian checkpoint of ``size`` written by transformers (random weights, a dummy SentencePiece
-    vocabulary of the right size, opus-mt-en-de's generation config)."""
+    """A Marian checkpoint of ``size`` written by transformers (random weights, biases and LayerNorm
+    parameters perturbed, a dummy SentencePiece vocabulary of the right size, opus-mt-en-de's
+    generation config)."""
     import torch
     from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
@@ -228,6 +229,10 @@ def write_checkpoint(folder: Path, size: dict) -> None:
     )
     torch.manual_seed(0)
     model = MarianMTModel(config)
+    with torch.no_grad():  # biases and LayerNorms as a trained model's: not all zeros / ones alike
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p), alpha=0.02)
     model.generation_config = GenerationConfig(
         bad_words_ids=[[pad]],
         num_beams=4,
@@ -472,7 +477,8 @@ def run(
         "threads": list(threads_list),
         "rounds": rounds,
         "decoding": (
-            f"exactly {size['new_tokens']} new tokens per sequence (EOS suppressed until then, no forced EOS), "
+            f"exactly {size['new_tokens']} new tokens per sequence (EOS suppressed until then, "
+            "no forced EOS), "
             "<pad> banned, beam 4 best hypothesis (equal lengths: length penalties rank alike), "
             "tokens compared before timing"
         ),

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from transformer_ext.cli import DefaultsHelpFormatter, add_debug_flag, run_cli
+from transformer_ext.convert.generation import read_generation_defaults
 from transformer_ext.export_format import (
     DECODER_FILE,
     DTYPES,
@@ -603,10 +604,35 @@ def _stateful_config(plan: _Plan, **kwargs: Any) -> dict:
     return ordered
 
 
+def _pretrained_parameters(pretrained) -> dict:
+    """The translator's parameters from an imported model's generation defaults
+    (``generation_defaults.json``, :mod:`transformer_ext.convert`), as the Python translator lays
+    them over the generation config: banned tokens, EOS forced at the budget, the early-stopping
+    rule, the forced target language (sent by the client as ``target_prefix``) and ``max_length -
+    1`` new tokens per source whatever its length; {} for a model of ours."""
+    if pretrained is None:
+        return {}
+    return {
+        "banned_ids": ",".join(str(int(t)) for t in pretrained.banned_ids),
+        "force_eos_at_budget": int(pretrained.force_eos_at_max_length),
+        "early_stopping": str(pretrained.early_stopping).lower(),
+        "forced_target_prefix": int(pretrained.force_target_language),
+        "max_len_a": 0.0,
+        "max_len_b": float(pretrained.max_length - 1),
+    }
+
+
 def _translator_config(
-    plan: _Plan, generation, *, instances: int, decoder_instances: int, stateful_model: Optional[str]
+    plan: _Plan,
+    generation,
+    *,
+    instances: int,
+    decoder_instances: int,
+    stateful_model: Optional[str],
+    pretrained=None,
 ) -> dict:
-    """The translator's config; its decoding defaults are the export's generation config."""
+    """The translator's config; its decoding defaults are the export's generation config and,
+    for a model converted from transformers, its generation defaults (``pretrained``)."""
     cfg = plan.manifest["model_config"]
     heads = int(cfg["n_heads"])
     stateful_rows = 0
@@ -644,6 +670,7 @@ def _translator_config(
         "max_beam_size": max(MAX_BEAM_SIZE, generation.beam_size),
         "length_penalty": generation.length_penalty,
         "alpha": generation.alpha,
+        **_pretrained_parameters(pretrained),
     }
     i64, f32 = "int64", "float32"
     return {
@@ -656,6 +683,7 @@ def _translator_config(
             _tensor_config("max_new_tokens", i64, [1], optional=True),
             _tensor_config("min_new_tokens", i64, [1], optional=True),
             _tensor_config("beam_size", i64, [1], optional=True),
+            _tensor_config("target_prefix", i64, [-1, -1], optional=True),
         ],
         "output": [
             _tensor_config("output_ids", i64, [-1, -1]),
@@ -977,6 +1005,7 @@ def _model_configs(
             instances=translator_instances,
             decoder_instances=instances,
             stateful_model=STATEFUL_DECODER_MODEL if plan.stateful else None,
+            pretrained=read_generation_defaults(export_dir),
         )
     return configs
 

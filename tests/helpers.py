@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from transformer_ext import decoding
 from transformer_ext.checkpoint import save_model
 from transformer_ext.config import TransformerConfig
-from transformer_ext.decoding import log_softmax
+from transformer_ext.decoding import check_select_index, log_softmax
 from transformer_ext.export_format import MANIFEST_NAME
 from transformer_ext.model import Transformer
 from transformer_ext.tokenizer import SPECIAL_TOKENS, CharTokenizer
@@ -136,9 +136,15 @@ class FunctionRunner:
         return out
 
     def reorder(self, state, beam_index):
-        K = state["K"]
-        assert all(int(i) // K == r // K for r, i in enumerate(beam_index)), "beam crossed sources"
+        src = state["src"]
+        assert all(src[int(i)] == src[r] for r, i in enumerate(beam_index)), "beam crossed sources"
         state["fed"] = [list(state["fed"][int(i)]) for i in beam_index]
+
+    def select(self, state, index):
+        """Keep the rows ``index`` (a search dropping finished rows): row r becomes old row index[r]."""
+        index = check_select_index(index, len(state["fed"]))
+        state["src"] = state["src"][index]
+        state["fed"] = [list(state["fed"][int(i)]) for i in index]
 
 
 def sources(B=2, S=3):

@@ -71,6 +71,44 @@ def test_bench_decode_tiny(tiny_run):
         assert {r["peer"] for r in results["ratios"] if r["engine"] == "eager_bf16"} == {"eager"}
 
 
+def test_bench_decode_reports_best_threads_and_int8_speedups(tiny_run):
+    """Each engine's faster thread count and the quantized-over-float32 speed-ups of both
+    runtimes, recomputed here from the saved per-case tokens/s."""
+    out, _ = tiny_run
+    with open(out) as f:
+        saved = json.load(f)
+    tps = {
+        (c["mode"], c["batch"], c["threads"], name): e["tokens_per_second"]
+        for c in saved["models"]["tiny"]["cases"]
+        for name, e in c["engines"].items()
+    }
+    best = {(r["engine"], r["mode"], r["batch"]): r for r in saved["best_threads"]}
+    assert len(best) == len(saved["best_threads"]) == len(TINY_ENGINES) * 2 * 2
+    for (name, mode, batch), r in best.items():
+        by_threads = {t: tps[(mode, batch, t, name)] for t in (1, 2)}
+        assert r["tokens_per_second"] == max(by_threads.values())
+        assert by_threads[r["best_threads"]] == r["tokens_per_second"]
+    pairs = {("onnxrt_int8", "onnxrt")} | ({("ctranslate2_int8", "ctranslate2")} if HAS_CT2 else set())
+    rows = saved["quantized_speedups"]
+    assert {(r["engine"], r["float32_engine"]) for r in rows} == pairs
+    for r in rows:
+        key = (r["engine"], r["mode"], r["batch"])
+        if r["threads"] == "best":
+            want = (
+                best[key]["tokens_per_second"]
+                / best[(r["float32_engine"], r["mode"], r["batch"])]["tokens_per_second"]
+            )
+        else:
+            want = (
+                tps[(r["mode"], r["batch"], r["threads"], r["engine"])]
+                / tps[(r["mode"], r["batch"], r["threads"], r["float32_engine"])]
+            )
+        assert r["speedup"] == pytest.approx(want, rel=1e-12)
+    assert len(rows) == len(pairs) * 2 * 2 * 3  # 2 modes x 2 batches x (1, 2 threads and best)
+    table = bench_decode.summary_table(saved)
+    assert "faster thread count" in table and "quantized over float32" in table
+
+
 def test_workers_of_ctranslate2_and_onnxruntime_import_no_torch(tiny_run):
     """The fairness rule: only the eager worker loads torch (checked in the worker and recorded)."""
     workers = tiny_run[1]["models"]["tiny"]["workers"]
@@ -174,3 +212,33 @@ def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_
         assert "MatMul" in case["operators"]["ops"] and case["operators"]["nodes_per_step"] > 0
     with pytest.raises(SystemExit):
         profile_decode.main(["--export", str(tmp_path), "--out", str(out)])  # not an export folder
+
+
+def test_count_step_calls_counts_per_step_and_per_function(tmp_path, tmp_path_factory):
+    """count_step_calls on the tiny export: every case counted, the runner's step among the
+    functions called once per step."""
+    import count_step_calls
+    from helpers import exported_dir
+
+    export = exported_dir(tmp_path_factory, "portable")
+    out = tmp_path / "count.json"
+    argv = [
+        "--export",
+        str(export),
+        "--batch-sizes",
+        "1,3",
+        "--new-tokens",
+        "4",
+        "--top",
+        "200",
+        "--out",
+        str(out),
+    ]
+    assert count_step_calls.main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert [(c["mode"], c["batch"]) for c in saved["cases"]] == [
+        (m, b) for m in ("greedy", "beam4") for b in (1, 3)
+    ]
+    for case in saved["cases"]:
+        assert case["steps"] == 4 and case["calls_per_step"] > case["python_calls_per_step"] > 0
+        assert case["top"]["ort.py:step"] == 1.0  # one runner step per decoding step

@@ -178,3 +178,17 @@ def test_score_equal_on_eager_and_onnx_runtime_and_the_loop(runners, batch):
     for x, y, w in zip(a, b, want, strict=True):
         np.testing.assert_allclose(x.token_log_probs, w, rtol=0, atol=1e-5)
         np.testing.assert_allclose(y.token_log_probs, w, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("sampling", [dict(sampling_topk=0), dict(sampling_topk=4, sampling_topp=0.9)])
+def test_sampling_draws_the_same_tokens_when_finished_rows_leave(runners, batch, sampling):
+    """Dropping finished rows (the default) leaves the random stream as it is: one draw per row
+    of the search and step, so the same seed samples the same tokens as feeding them to the end."""
+    ids, lengths = batch
+    kw = dict(bos_id=BOS, eos_id=EOS, max_new_tokens=MAX_NEW, num_hypotheses=3, seed=11, **sampling)
+    for runner in runners:
+        a = generate(runner, ids, lengths, remove_finished=True, **kw)
+        b = generate(runner, ids, lengths, remove_finished=False, **kw)
+        assert [[h.tokens for h in row] for row in a] == [[h.tokens for h in row] for row in b]
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose([h.log_prob for h in x], [h.log_prob for h in y], rtol=0, atol=1e-5)

@@ -81,3 +81,62 @@ def test_architecture_options_with_init_from_are_errors(converted, tmp_path, ext
 def test_init_from_needs_parallel_text(converted, tmp_path):
     with pytest.raises(TrainingError, match="--init-from fine-tunes on parallel text"):
         train(out_dir=str(tmp_path / "run"), init_from=str(converted))
+
+
+def test_fine_tuned_folders_carry_the_generation_defaults_and_the_init_model(converted, tmp_path):
+    """best/, last/, checkpoints/step-N/, the --export copy and an average of the step folders hold
+    the converted model's generation_defaults.json byte for byte and a provenance naming the init
+    model (its folder, the SHA-256 of its config and weights, its own provenance.json), so that the
+    translator decodes the fine-tuned model as the checkpoint's generate() does."""
+    import hashlib
+    import json
+
+    from transformer_ext.average import average_checkpoints
+    from transformer_ext.translator import Translator
+
+    run, export = tmp_path / "run", tmp_path / "exported"
+    train(
+        out_dir=str(run),
+        init_from=str(converted),
+        train_files=_parallel(tmp_path, 40, 1, "train"),
+        valid_files=_parallel(tmp_path, 8, 2, "valid"),
+        max_steps=4,
+        eval_every=2,
+        keep_last=2,
+        warmup=1,
+        max_tokens=800,
+        best_metric="loss",
+        export_dir=str(export),
+        progress=False,
+        seed=3,
+    )
+    steps = sorted((run / "checkpoints").iterdir())
+    assert len(steps) == 2
+    average = average_checkpoints(steps, tmp_path / "average")
+    defaults = (converted / "generation_defaults.json").read_bytes()
+    own = json.loads((converted / "provenance.json").read_text())
+    sha = {
+        n: hashlib.sha256((converted / n).read_bytes()).hexdigest()
+        for n in ("config.json", "model.safetensors")
+    }
+    for folder in [run / "best", run / "last", *steps, export, average]:
+        assert (folder / "generation_defaults.json").read_bytes() == defaults, folder
+        init = json.loads((folder / "provenance.json").read_text())["init_from"]
+        assert init == {"model_dir": str(converted.resolve()), "files": sha, "provenance": own}, folder
+    translator = Translator.from_model_dir(run / "best")
+    banned = json.loads(defaults)["banned_ids"]
+    assert banned and translator.pretrained.banned_ids == tuple(banned)
+
+
+def test_average_refuses_checkpoints_with_different_generation_defaults(converted, tmp_path):
+    import shutil
+
+    from transformer_ext.average import AverageError, average_checkpoints
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(converted, a)
+    shutil.copytree(converted, b)
+    (b / "generation_defaults.json").unlink()
+    with pytest.raises(AverageError, match="generation_defaults.json .*differ"):
+        average_checkpoints([a, b], tmp_path / "avg")
+    assert not (tmp_path / "avg").exists()

@@ -338,3 +338,81 @@ def tiny_model_and_batch():
     )
     model = Transformer(cfg).eval()
     return model, np.array([[3, 4, 5], [6, 7, 0]], np.int64), np.array([3, 2], np.int64)
+
+
+def _select(cache, backend, index):
+    if backend == "torch":
+        with torch.inference_mode():
+            cache.select_(index)
+    else:
+        cache.select_(index)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_select_keeps_rows_like_plain_indexing(backend):
+    """Appends, then selects of fewer rows (reordered, repeated), then appends again: after every
+    operation equal to per-layer arrays indexed by plain numpy; the layer views stay
+    contiguous slices of the stacked buffers, and past the valid prefix everything is zero."""
+    n_layers, N, H, L, D = 3, 6, 2, 7, 4
+    rng = np.random.default_rng(5)
+    cache = _make(backend, n_layers, N, H, L, D)
+    oracle_k = [np.zeros((N, H, L, D), np.float32) for _ in range(n_layers)]
+    oracle_v = [np.zeros((N, H, L, D), np.float32) for _ in range(n_layers)]
+    selects = {1: np.array([5, 0, 2, 2]), 3: np.array([3, 1, 0]), 4: np.array([2]), 5: np.array([0])}
+    for p in range(L):
+        rows = oracle_k[0].shape[0]
+        new_k = [rng.standard_normal((rows, H, 1, D)).astype(np.float32) for _ in range(n_layers)]
+        new_v = [rng.standard_normal((rows, H, 1, D)).astype(np.float32) for _ in range(n_layers)]
+        _append(cache, backend, new_k, new_v)
+        for i in range(n_layers):
+            oracle_k[i][:, :, p] = new_k[i][:, :, 0]
+            oracle_v[i][:, :, p] = new_v[i][:, :, 0]
+        if p in selects:
+            index = selects[p]
+            _select(cache, backend, index)
+            oracle_k = [k[index] for k in oracle_k]
+            oracle_v = [v[index] for v in oracle_v]
+        M = oracle_k[0].shape[0]
+        assert cache.rows == M and len(cache.key_layers) == n_layers
+        assert tuple(cache.keys.shape) == (n_layers * M, H, L, D)
+        assert tuple(cache.new_keys.shape) == (n_layers * M, H, 1, D)
+        for i in range(n_layers):
+            np.testing.assert_array_equal(_np(cache.key_layers[i]), oracle_k[i])
+            np.testing.assert_array_equal(_np(cache.value_layers[i]), oracle_v[i])
+        np.testing.assert_array_equal(_np(cache.keys), np.concatenate(oracle_k))
+        view = cache.key_layers[-1]
+        if backend == "torch":
+            assert (
+                view.is_contiguous()
+                and view.data_ptr() == cache.keys.data_ptr() + (n_layers - 1) * view.nbytes
+            )
+            assert tuple(cache.step_positions.shape) == (M,)
+        else:
+            assert (
+                view.flags.c_contiguous
+                and view.ctypes.data == cache.keys.ctypes.data + (n_layers - 1) * view.nbytes
+            )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_select_index_names_its_position_and_moves_nothing(backend):
+    cache = _make(backend, 2, 3, 1, 4, 2)
+    rng = np.random.default_rng(4)
+    _append(
+        cache,
+        backend,
+        [rng.standard_normal((3, 1, 1, 2)).astype(np.float32) for _ in range(2)],
+        [rng.standard_normal((3, 1, 1, 2)).astype(np.float32) for _ in range(2)],
+    )
+    before = _np(cache.keys).copy()
+    with pytest.raises(
+        IndexError, match=r"^index\[1\] = 3 is not a row of the decoding state: rows are 0 \.\. 2$"
+    ):
+        _select(cache, backend, np.array([0, 3]))
+    for bad in (np.array([], dtype=np.int64), np.array([0, 1, 2, 0]), np.zeros((1, 1), dtype=np.int64)):
+        with pytest.raises(ValueError, match=r"index must have shape \(M,\) with 1 <= M <= 3"):
+            _select(cache, backend, bad)
+    with pytest.raises(TypeError, match="index must hold integers"):
+        _select(cache, backend, np.array([0.0]))
+    assert cache.rows == 3
+    np.testing.assert_array_equal(_np(cache.keys), before)

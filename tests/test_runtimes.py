@@ -275,3 +275,90 @@ def test_token_checks_name_a_uint64_value_as_given(exported, kind):
     runner.step(state, np.array([1, 1], dtype=np.uint64))  # in range: fed as int64
     with pytest.raises(ValueError, match=rf"^beam_index\[1\] = {big} is out of the int64 range"):
         runner.reorder(state, np.array([0, big], dtype=np.uint64))
+
+
+# ------------------------------------------------------------------------------------------
+# finished sources leave the batch (runner.select)
+# ------------------------------------------------------------------------------------------
+
+# Budgets that end the sources at very different steps (1 and 13 new tokens).
+RAGGED_BUDGETS = np.array([1, 13, 4])
+
+
+class _RowCounter:
+    """Forwards the runner protocol and records the rows of every step."""
+
+    def __init__(self, runner):
+        self.runner, self.rows = runner, []
+        if getattr(runner, "select", None) is not None:
+            self.select = runner.select
+
+    def encode(self, *args):
+        return self.runner.encode(*args)
+
+    def step(self, state, tokens):
+        self.rows.append(len(tokens))
+        return self.runner.step(state, tokens)
+
+    def reorder(self, state, index):
+        return self.runner.reorder(state, index)
+
+
+def _ragged_sources(runner):
+    rng = np.random.default_rng(11)
+    lengths = np.array([5, 2, 7], dtype=np.int64)
+    ids = np.zeros((3, 7), dtype=np.int64)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = rng.integers(4, runner.info.src_vocab_size, size=n)
+    return ids, lengths
+
+
+def _assert_same_hyps(got, want, atol=1e-5):
+    assert [[h.tokens for h in row] for row in got] == [[h.tokens for h in row] for row in want]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose([h.score for h in g], [h.score for h in w], rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("search", ["beam", "greedy"])
+@pytest.mark.parametrize("kind", ["eager", "catcache", "ort", "ort_cuda", "tensorrt"])
+def test_finished_sources_leave_the_batch_with_the_same_results(exported, kind, search):
+    """Every runner's ``select``: the search that drops finished sources gives the tokens and
+    scores of the search that feeds them to the end, and of each source decoded alone (batch
+    of 1, an independent oracle), while its later steps run on fewer rows."""
+    runner = _runner(kind, exported)
+    assert callable(runner.select)
+    ids, lengths = _ragged_sources(runner)
+    kw = dict(max_new_tokens=RAGGED_BUDGETS, min_new_tokens=np.array([0, 6, 2]))
+    if search == "beam":
+        kw.update(beam_size=4, num_hypotheses=2, length_penalty="average", alpha=1.0)
+    counted = _RowCounter(runner)
+    dropped = _generate(counted, runner, ids, lengths, kw, remove_finished=True)
+    kept = _generate(runner, runner, ids, lengths, kw, remove_finished=False)
+    alone = [
+        _generate(
+            runner,
+            runner,
+            ids[b : b + 1],
+            lengths[b : b + 1],
+            dict(
+                kw, max_new_tokens=RAGGED_BUDGETS[b : b + 1], min_new_tokens=kw["min_new_tokens"][b : b + 1]
+            ),
+            remove_finished=False,
+        )[0]
+        for b in range(3)
+    ]
+    _assert_same_hyps(dropped, kept)
+    _assert_same_hyps(dropped, alone)
+    K = kw.get("beam_size", 1)
+    assert counted.rows[0] == 3 * K and counted.rows[-1] < 3 * K  # the batch shrank
+    assert counted.rows == sorted(counted.rows, reverse=True)
+    assert len(counted.rows) > 1
+
+
+def _generate(driven, runner, ids, lengths, kw, *, remove_finished):
+    from transformer_ext.decoding import generate
+
+    info = runner.info
+    return generate(
+        driven, ids, lengths, bos_id=info.bos_id, eos_id=info.eos_id, remove_finished=remove_finished, **kw
+    )

@@ -1021,3 +1021,85 @@ def test_bad_options(exports, tmp_path):
         TritonExportError, match="3 translator instances cannot share 2 stateful sequence slots"
     ):
         export_triton(exports["tensorscatter"], tmp_path / "g", max_batch_size=2, translator_instances=3)
+
+
+# ------------------------------------------------------------------------------------------
+# models converted from transformers: their generation defaults reach the translator
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["marian", "m2m100"])
+def test_translator_of_an_imported_model_decodes_as_generate(tmp_path, family):
+    """A checkpoint written by transformers, converted, exported and put in a repository: the
+    translator bans Marian's <pad>, forces M2M100's target language (sent as target_prefix),
+    forces EOS at max_length and gives every source max_length - 1 new tokens, so that its greedy
+    and beam tokens (the checkpoint's num_beams, transformers' length penalty and early stopping)
+    equal transformers' generate() on the same source ids. Without the prefix an M2M100 request
+    is refused."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("sentencepiece")
+    import torch
+    from hf_checkpoints import sample_lines, write_m2m100, write_marian
+
+    from export.onnx import export_onnx
+    from transformer_ext.convert import convert_transformers
+    from transformer_ext.tokenizer import load_tokenizer
+
+    if family == "marian":
+        hf = write_marian(tmp_path / "hf", seed=2)
+    else:
+        hf = write_m2m100(tmp_path / "hf", seed=3)
+    ours = convert_transformers(hf, tmp_path / "ours")
+    export = export_onnx(ours, tmp_path / "export", cache_len=64, validate=False).output_dir
+    repo = export_triton(export, tmp_path / "repo").repo_dir
+    settings = settings_of(repo)
+    tok = load_tokenizer(ours)
+    if family == "m2m100":
+        tok = tok.with_languages("fr", "es")
+    rows = [tok.encode_source(t) for t in sample_lines(12, seed=31)]
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    ids = np.full((len(rows), int(lengths.max())), settings.pad_id, dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    request = {"input_ids": ids, "src_lengths": lengths}
+    hf_options = {}
+    if family == "m2m100":
+        prefix = list(tok.forced_target_prefix())
+        request["target_prefix"] = np.array([prefix], dtype=np.int64)
+        hf_options["forced_bos_token_id"] = prefix[0]
+    else:
+        assert settings.banned == [settings.pad_id]  # Marian's <pad> is banned
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(hf).eval()
+    mask = torch.from_numpy(np.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    server = FakeTriton(repo)
+    translator = translator_module.Translator(settings)
+    for beam in (settings.beam_size, 1):
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=torch.from_numpy(ids), attention_mask=mask, num_beams=beam, **hf_options
+            )
+        eos, pad = model.config.eos_token_id, model.config.pad_token_id
+        want = []
+        for row in out[:, 1:].tolist():
+            row = row[: row.index(eos)] if eos in row else row
+            want.append([t for t in row if t != pad])
+        got = unpack(translator.translate({**request, "beam_size": np.array([beam])}, server.infer_many))
+        assert got == want, (family, beam)
+    assert (
+        settings.beam_size == 4 and len({tuple(w) for w in want}) > 1
+    )  # the checkpoint's beams; outputs vary
+    if family == "m2m100":
+        del request["target_prefix"]
+        with pytest.raises(translator_module.TranslationRequestError, match="send target_prefix"):
+            translator.translate(request, server.infer_many)
+
+
+def test_settings_of_a_repository_without_the_imported_model_parameters(repos):
+    """A translator config.pbtxt written before the generation-defaults parameters existed still
+    loads: nothing banned or forced."""
+    params = parse(repos["portable"] / TRANSLATOR_MODEL / "config.pbtxt")["parameters"]
+    for name in ("banned_ids", "force_eos_at_budget", "early_stopping", "forced_target_prefix"):
+        params.pop(name, None)
+    settings = translator_module.Settings.from_parameters(params)
+    assert (settings.banned, settings.force_eos_at_budget, settings.early_stopping_rule) == ([], 0, None)
+    assert settings.forced_target_prefix == 0

@@ -4,9 +4,10 @@
 ``RUN/checkpoints/step-N/`` folders that ``python -m transformer_ext.train --keep-last K`` left).
 Every checkpoint must have the same config.json and the same tokenizer files (they are one
 model at different steps); the output is a normal model folder (config.json, model.safetensors,
-the tokenizer files, the provenance when there is one, and ``averaged.json`` naming the
-inputs) that loads, translates, evaluates and exports like any other. The mean is taken in
-float64 and stored in each tensor's dtype.
+the tokenizer files, the provenance and the generation defaults (``generation_defaults.json``,
+equal in every checkpoint) when they have them, and ``averaged.json`` naming the inputs) that
+loads, translates, evaluates and exports like any other. The mean is taken in float64 and stored
+in each tensor's dtype.
 
 ``--out`` must be new or empty; it is built in a temporary sibling and renamed into place, so
 an error or an interruption leaves nothing behind.
@@ -34,6 +35,7 @@ __all__ = ["AverageError", "average_checkpoints", "last_checkpoints", "main"]
 
 AVERAGED_FILE = "averaged.json"
 PROVENANCE_FILE = "provenance.json"
+GENERATION_DEFAULTS_FILE = "generation_defaults.json"  # an imported model's (transformer_ext.convert)
 
 
 class AverageError(UserError, ValueError):
@@ -87,6 +89,10 @@ def _tokenizer_files(folder: Path) -> list[str]:
     return list(load_any_tokenizer(folder).files)
 
 
+def _read_or_none(path: Path) -> Optional[bytes]:
+    return path.read_bytes() if path.is_file() else None
+
+
 def average_checkpoints(folders: Sequence[Path], out: Path) -> Path:
     """Write the parameter mean of the model folders ``folders`` as a new model folder ``out``."""
     import torch
@@ -123,6 +129,13 @@ def average_checkpoints(folders: Sequence[Path], out: Path) -> Path:
                 raise AverageError(
                     f"{folder / name} differs from {first / name}: the checkpoints have different tokenizers"
                 )
+        if _read_or_none(folder / GENERATION_DEFAULTS_FILE) != _read_or_none(
+            first / GENERATION_DEFAULTS_FILE
+        ):
+            raise AverageError(
+                f"{folder / GENERATION_DEFAULTS_FILE} and {first / GENERATION_DEFAULTS_FILE} differ (or only "
+                "one exists): the checkpoints decode differently"
+            )
         for name, t in canonical_state_dict(other)[0].items():
             sums[name] += t.detach().to(torch.float64)
         del other
@@ -133,7 +146,9 @@ def average_checkpoints(folders: Sequence[Path], out: Path) -> Path:
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
     with StagedDir(out) as stage:
         save_model(model, stage.path)
-        extra = list(tok_files) + ([PROVENANCE_FILE] if (first / PROVENANCE_FILE).is_file() else [])
+        extra = list(tok_files) + [
+            n for n in (PROVENANCE_FILE, GENERATION_DEFAULTS_FILE) if (first / n).is_file()
+        ]
         for name in extra:
             atomic_write_bytes(stage.path / name, (first / name).read_bytes())
         atomic_write_json(

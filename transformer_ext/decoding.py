@@ -43,6 +43,7 @@ checks limits of its own (an export's, an engine profile's) after them.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ __all__ = [
     "check_token_ids",
     "check_step_tokens",
     "check_beam_index",
+    "check_select_index",
     "as_int64",
     "LENGTH_PENALTIES",
     "EARLY_STOPPING",
@@ -107,6 +109,14 @@ class Runner(Protocol):
         """Row ``r`` of the self-attention caches becomes old row ``beam_index[r]`` (int64 ``[N]``),
         over the valid prefix; cross K/V are untouched."""
         ...
+
+
+# A runner may also implement ``select(state, index)`` (int64 ``[M]``, ``1 <= M <= N``, checked
+# by :func:`check_select_index`): the state keeps M rows, row ``r`` becoming old row
+# ``index[r]`` in every per-row buffer (the self-attention caches over the valid prefix, the
+# cross-attention K/V, the source lengths), so that later steps run on M rows. Both searches
+# use it to drop the rows of finished sources (``remove_finished=True``, the default); a runner
+# without it (or whose ``select`` is None) keeps feeding finished rows.
 
 
 def _format_index(index: tuple) -> str:
@@ -193,6 +203,29 @@ def check_beam_index(beam_index: Any, num_rows: int) -> np.ndarray:
             f"beam_index[{r}] = {int(index[r])} is not a row of the decoding state: rows are 0 .. {num_rows - 1}{more}"
         )
     return index
+
+
+def check_select_index(index: Any, num_rows: int) -> np.ndarray:
+    """The checks every runner makes on the ``index`` of a ``select`` (the rows a state keeps);
+    returns it as int64. ``index`` is 1-D with 1 to ``num_rows`` entries, each a current row;
+    an out-of-range value is an IndexError naming its position and value."""
+    index = as_int64("index", index)
+    if index.ndim != 1 or not 1 <= index.shape[0] <= num_rows:
+        raise ValueError(f"index must have shape (M,) with 1 <= M <= {num_rows}, got {index.shape}")
+    bad = np.flatnonzero((index < 0) | (index >= num_rows))
+    if bad.size:
+        r = int(bad[0])
+        raise IndexError(
+            f"index[{r}] = {int(index[r])} is not a row of the decoding state: rows are 0 .. {num_rows - 1}"
+        )
+    return index
+
+
+def _selector(runner: Any, remove_finished: Any) -> Any:
+    """The runner's ``select`` when finished rows are to be removed and it has one, else None."""
+    if not isinstance(remove_finished, (bool, np.bool_)):
+        raise TypeError(f"remove_finished must be a bool, got {remove_finished!r}")
+    return getattr(runner, "select", None) if remove_finished else None
 
 
 @dataclass(frozen=True)
@@ -537,11 +570,20 @@ class _Processors:
         self.prefixes = prefixes
         self.needs_sequence = options.repetition_penalty != 1.0 or options.no_repeat_ngram_size > 0
 
+    def select(self, rows: np.ndarray) -> _Processors:
+        """The processors of the rows ``rows`` (int64 indices of the current rows), in that order:
+        what a search uses after dropping finished rows."""
+        new = copy.copy(self)
+        new.min_new, new.max_new = self.min_new[rows], self.max_new[rows]
+        new.prefix, new.prefix_len = self.prefix[rows], self.prefix_len[rows]
+        return new
+
     def check_vocab(self, V: int) -> None:
         """The ids the options name must be target token ids (known at the first step)."""
         _check_in_vocab("banned_ids", self.o.banned, V)
         for b, p in enumerate(self.prefixes):
-            _check_in_vocab(f"target_prefix[{b}]", p, V)
+            if p.size:
+                _check_in_vocab(f"target_prefix[{b}]", p, V)
         if self.o.start_id >= V:
             raise ValueError(
                 f"the decoder start id {self.o.start_id} is not a target token id: the target vocabulary "
@@ -617,11 +659,34 @@ def _ban_repeated_ngrams(y: np.ndarray, sequence: np.ndarray, n: int) -> None:
     y[r, windows[r, i, -1]] = -np.inf
 
 
-def _log_sum_exp(x: np.ndarray, row_max: np.ndarray) -> np.ndarray:
+class _Scratch:
+    """Float32 work buffers of one search, reused at every step instead of a new ``[rows, V]``
+    temporary per step; ``get(name, shape)`` is a C-contiguous view of the first rows of one
+    (so that a search whose rows shrink keeps its buffers)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, int]) -> np.ndarray:
+        N, V = shape
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[1] != V or buf.shape[0] < N:
+            buf = self._buffers[name] = np.empty((N, V), dtype=np.float32)
+        return buf[:N]
+
+    def copy(self, name: str, x: np.ndarray) -> np.ndarray:
+        """``x`` copied into the buffer ``name``."""
+        out = self.get(name, x.shape)
+        np.copyto(out, x)
+        return out
+
+
+def _log_sum_exp(x: np.ndarray, row_max: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
     """``log(sum(exp(x)))`` per row of float32 ``x [N, V]``, with the exponentials in float32 and
-    their sum in float64; -inf for a row of only -inf."""
+    their sum in float64; -inf for a row of only -inf. ``out``: a float32 buffer of ``x``'s shape
+    for the exponentials (default: a new one)."""
     shift = np.where(np.isfinite(row_max), row_max, np.float32(0.0)).astype(np.float32)
-    scaled = np.subtract(x, shift[:, None])
+    scaled = np.subtract(x, shift[:, None], out=out)
     np.exp(scaled, out=scaled)
     sums = scaled.sum(axis=1, dtype=np.float64)
     with np.errstate(divide="ignore"):
@@ -642,9 +707,13 @@ class _Sampler:
         self.topk, self.topp, self.temperature = topk, topp, temperature
         self.rng = np.random.default_rng(seed)
 
-    def draw(self, y: np.ndarray, step: int) -> np.ndarray:
+    def draw(self, y: np.ndarray, step: int, rows: Optional[np.ndarray] = None, total: int = 0) -> np.ndarray:
+        """One token per row of ``y``; ``rows`` (with ``total``, the search's number of rows):
+        the search's row of each row of ``y``, when finished rows were dropped."""
         N, V = y.shape
-        u = self.rng.random(N)  # one draw per row and step, finished rows included
+        u = self.rng.random(N if rows is None else total)  # one draw per row and step, finished included
+        if rows is not None:
+            u = u[rows]
         rows = np.arange(N)[:, None]
         k = V if self.topk == 0 else min(self.topk, V)
         if k < V:
@@ -737,6 +806,7 @@ def greedy_decode(
     seed: Optional[int] = None,
     num_hypotheses: int = 1,
     return_scores: bool = False,
+    remove_finished: bool = True,
     return_attention: bool = False,
 ) -> Union[list[list[int]], list[list[Hypothesis]]]:
     """Batched greedy decoding (or random sampling); each row stops at its EOS or its budget.
@@ -762,9 +832,12 @@ def greedy_decode(
       cross-attention (the runner must have ``step_with_attention``: :func:`check_attention_runner`).
 
     A NaN or +inf logit is a RuntimeError naming the step and row. Stops as soon as every row
-    is finished; finished rows keep being fed EOS (their outputs are ignored) so that every
-    step is one batched call.
+    is finished. Every step is one batched call: with ``remove_finished`` (the default) and a
+    runner that has ``select`` (see :class:`Runner`) the rows that finished are dropped from the
+    runner's state, so later steps run on the open rows only; otherwise finished rows keep
+    being fed EOS (their outputs are ignored). The results are the same either way.
     """
+    select = _selector(runner, remove_finished)
     options = _check_options(
         bos_id=bos_id,
         eos_id=eos_id,
@@ -807,6 +880,7 @@ def greedy_decode(
             start_id=options.start_id,
             eos_id=eos_id,
             steps=steps,
+            select=select,
             attention=attention,
         )
     if not with_scores:
@@ -898,31 +972,67 @@ def _greedy_steps(
     start_id: int,
     eos_id: int,
     steps: int,
+    select: Any = None,
     attention: Optional[list[list[np.ndarray]]] = None,
 ) -> None:
     """The decoding steps of :func:`greedy_decode`: fills ``outputs`` (and ``log_probs``, the
-    chosen tokens' log-probabilities, and ``attention``, each step's cross-attention, unless
-    None) in place until every row is finished."""
+    chosen tokens' log-probabilities, and ``attention``, each step's cross-attention rows, unless
+    None) in place until every row is finished.
+
+    A step's bookkeeping is vectorised over the rows (:func:`greedy_advance`'s rules): an open
+    row at step ``t`` holds ``t`` tokens, so its token goes to column ``t`` of ``generated``
+    and its log-probability to column ``t`` of ``chosen_lp`` (its attention to ``attn_table``);
+    the lists are filled at the end.
+    With ``select`` (the runner's), the rows that finish are dropped from the runner's state
+    after the step they finish at: ``active`` maps the open rows to the search's rows, and
+    ``open_budget`` / ``sequence`` / ``procs`` hold the open rows only."""
     N = len(outputs)
     tokens = np.full(N, start_id, dtype=np.int64)
     sequence = np.full((N, steps + 1), eos_id, dtype=np.int64)  # fed tokens, start token first
     sequence[:, 0] = start_id
+    generated = np.zeros((N, steps), dtype=np.int64)
+    n_tokens = np.zeros(N, dtype=np.int64)  # tokens of each row
+    n_scored = np.zeros(N, dtype=np.int64)  # log-probabilities of each row (its EOS's included)
+    chosen_lp = np.zeros((N, steps)) if log_probs is not None else None
+    attn_table: Optional[np.ndarray] = None  # [N, steps, S] with ``attention``
     finished = row_budget == 0
-    rows = np.arange(N)
+    active = np.arange(N)
+    open_budget = row_budget
+    scratch = _Scratch()
     for t in range(steps):
         x, attn = _step_attention(runner, state, tokens, t, procs, attention is not None)
-        y, next_tokens, forced_rows = _greedy_choose(procs, sampler, x, t, sequence[:, : t + 1], rows)
-        if log_probs is not None:
-            lp = _chosen_log_probs(y, x, next_tokens, forced_rows)
-            for r in np.flatnonzero(~finished).tolist():
-                log_probs[r].append(float(lp[r]))
-        if attention is not None:
-            for r in np.flatnonzero(~finished).tolist():
-                attention[r].append(attn[r])
-        tokens = greedy_advance(outputs, finished, next_tokens, eos_id=eos_id, max_new_tokens=row_budget)
+        y, next_tokens, forced_rows = _greedy_choose(
+            procs, sampler, x, t, sequence[:, : t + 1], None if active.shape[0] == N else (active, N), scratch
+        )
+        is_open = ~finished
+        rows = active[is_open]
+        if chosen_lp is not None:
+            lp = _chosen_log_probs(y, x, next_tokens, forced_rows, scratch)
+            chosen_lp[rows, t] = lp[is_open]
+            n_scored[rows] = t + 1
+        if attn is not None:
+            if attn_table is None:  # the source length is known at the first step
+                attn_table = np.zeros((N, steps, attn.shape[1]), dtype=np.float32)
+            attn_table[rows, t] = attn[is_open]
+        appended = is_open & (next_tokens != eos_id)
+        generated[active[appended], t] = next_tokens[appended]
+        n_tokens[active[appended]] = t + 1
+        finished = finished | (is_open & ~appended) | (appended & (t + 1 >= open_budget))
+        tokens = np.where(finished, eos_id, next_tokens).astype(np.int64)
         sequence[:, t + 1] = tokens
         if finished.all():
             break
+        if select is not None and finished.any():
+            keep = np.flatnonzero(~finished)
+            select(state, keep)
+            active, finished, open_budget = active[keep], finished[keep], open_budget[keep]
+            tokens, sequence, procs = tokens[keep], sequence[keep], procs.select(keep)
+    for r in range(N):
+        outputs[r].extend(generated[r, : n_tokens[r]].tolist())
+        if log_probs is not None:
+            log_probs[r].extend(chosen_lp[r, : n_scored[r]].tolist())
+        if attention is not None and attn_table is not None:
+            attention[r].extend(attn_table[r, : n_tokens[r]])
 
 
 def _greedy_choose(
@@ -931,20 +1041,25 @@ def _greedy_choose(
     x: np.ndarray,
     t: int,
     sequence: np.ndarray,
-    rows: np.ndarray,
+    dropped: Optional[tuple[np.ndarray, int]] = None,
+    scratch: Optional[_Scratch] = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One step's choice from the float32 logits ``x``: ``(y, next_tokens, forced_rows)``, ``y``
-    the processed scores (``x`` itself when no processor is active)."""
+    the processed scores (``x`` itself when no processor is active; else a copy, in the
+    ``scratch`` buffer ``"y"`` when given). ``dropped``: ``(active, total)`` when finished rows
+    were dropped (the sampler draws for all ``total`` rows)."""
     forced_rows = np.zeros(0, dtype=np.int64)
     y = x
     if procs.active(t):
-        y = np.array(x, copy=True)
+        y = np.array(x, copy=True) if scratch is None else scratch.copy("y", x)
         forced_rows, forced_tokens = procs.apply(y, t, sequence, x, log_probs=False)
     if sampler is None:
         next_tokens = np.argmax(y, axis=-1).astype(np.int64)
-        _check_finite_logits(y[rows, next_tokens], t)  # argmax picks a NaN or +inf if there is one
-    else:
+        _check_finite_logits(y[np.arange(y.shape[0]), next_tokens], t)  # argmax picks a NaN or +inf
+    elif dropped is None:
         next_tokens = sampler.draw(y, t)
+    else:
+        next_tokens = sampler.draw(y, t, *dropped)
     if forced_rows.size:  # the forced token even where the model gives it no probability
         next_tokens[forced_rows] = forced_tokens
     return y, next_tokens, forced_rows
@@ -980,12 +1095,17 @@ def _greedy_results(
 
 
 def _chosen_log_probs(
-    y: np.ndarray, raw: np.ndarray, chosen: np.ndarray, forced_rows: np.ndarray
+    y: np.ndarray,
+    raw: np.ndarray,
+    chosen: np.ndarray,
+    forced_rows: np.ndarray,
+    scratch: Optional[_Scratch] = None,
 ) -> np.ndarray:
     """float64 log-probability of each row's chosen token under ``y``'s distribution; a forced
-    row's under the raw logits (its token kept its raw logit, see :meth:`_Processors.apply`)."""
+    row's under the raw logits (its token kept its raw logit, see :meth:`_Processors.apply`).
+    ``scratch``: its buffer ``"exp"`` holds the exponentials."""
     rows = np.arange(y.shape[0])
-    log_z = _log_sum_exp(y, y.max(axis=1))
+    log_z = _log_sum_exp(y, y.max(axis=1), None if scratch is None else scratch.get("exp", y.shape))
     if forced_rows.size:
         f = raw[forced_rows]
         log_z[forced_rows] = _log_sum_exp(f, f.max(axis=1))
@@ -1087,6 +1207,7 @@ def beam_search(
     force_eos_at_budget: bool = False,
     early_stopping: Union[bool, str, None] = None,
     renormalize_logits: bool = False,
+    remove_finished: bool = True,
     return_attention: bool = False,
 ) -> list[list[Hypothesis]]:
     """Batched beam search -> for every source its ``n_best`` hypotheses, best score first.
@@ -1129,7 +1250,13 @@ def beam_search(
     float32 exponential pass summed in float64); only the ``rows x 2 * beam_size`` candidates
     are scored in float64. Python loops run only over the hypotheses that finish. A NaN or +inf
     logit is a RuntimeError naming the step and row (it has no log-probability).
+
+    ``remove_finished`` (default True): when the runner has ``select`` (see :class:`Runner`),
+    the rows of the sources that stopped are dropped from the runner's state (with the beam
+    reorder of the same step: one gather), so later steps run on the open sources only;
+    otherwise they are fed EOS to the end. The results are the same either way.
     """
+    select = _selector(runner, remove_finished)
     alpha, early_stopping = _check_beam_options(
         length_penalty, beam_size, n_best, alpha, early_stopping, renormalize_logits
     )
@@ -1171,7 +1298,7 @@ def beam_search(
     )
     if return_attention:
         s.src_len = np.repeat(lengths, K)
-    return s.run(runner, state, procs, start_id=options.start_id, steps=steps)
+    return s.run(runner, state, procs, start_id=options.start_id, steps=steps, select=select)
 
 
 def _check_beam_options(
@@ -1210,6 +1337,11 @@ def _check_beam_options(
     return alpha, early_stopping
 
 
+def _no_hypothesis() -> Hypothesis:
+    """The result of a source none of whose candidates was possible (every one -inf)."""
+    return Hypothesis([], -math.inf, -math.inf, False, [])
+
+
 class _Ranked(NamedTuple):
     """A step's best ``n_cand`` candidates of every source, ``[B, n_cand]``, best first."""
 
@@ -1232,7 +1364,11 @@ class _NextBeams(NamedTuple):
 @dataclass
 class _BeamState:
     """The state of one :func:`beam_search` over ``B`` sources of ``K`` beams (``N = B * K``
-    rows, a source's rows consecutive), and the parts of one step."""
+    rows, a source's rows consecutive), and the parts of one step.
+
+    The per-source arrays and lists cover the sources still in the runner's state: when the
+    sources that stopped are dropped (:meth:`drop_done`) they are sliced, and ``source_of``
+    maps them to the search's sources (whose ``results`` are kept)."""
 
     K: int
     n_best: int
@@ -1250,12 +1386,14 @@ class _BeamState:
     n_finished: np.ndarray  # [B]
     kth_best: np.ndarray  # [B] the keep-th finished score (-inf while fewer finished)
     done: np.ndarray  # [B] bool
-    results: list[list[Hypothesis]]
+    results: list[list[Hypothesis]]  # per source of the search (indexed by ``source_of``)
+    source_of: np.ndarray  # [B] the search's source of each source here (arange until one is dropped)
     start_column: np.ndarray  # [N, 1] the start token
     identity: np.ndarray  # [N] arange
     beam_of_row: np.ndarray  # [N] identity % K
     row_ids: np.ndarray  # [N, 1] identity
     source_ids: np.ndarray  # [B, 1] arange
+    scratch: _Scratch  # [N, V] work buffers of the steps
     # return_attention: each row's source length [N]; history_attn [N, steps, S] the attention
     # rows of every open beam's tokens (allocated at the first step, reordered with the beams)
     src_len: Optional[np.ndarray] = None
@@ -1282,11 +1420,13 @@ class _BeamState:
             kth_best=np.full(B, -np.inf),
             done=max_new == 0,
             results=[[] for _ in range(B)],
+            source_of=np.arange(B),
             start_column=np.full((N, 1), start_id, dtype=np.int64),
             identity=identity,
             beam_of_row=identity % K,
             row_ids=identity[:, None],
             source_ids=np.arange(B)[:, None],
+            scratch=_Scratch(),
             **options,
         )
         s.max_penalty = np.array([s.penalty(int(m)) for m in np.maximum(max_new, 1)])
@@ -1295,9 +1435,10 @@ class _BeamState:
         return s
 
     def run(
-        self, runner: Runner, state: Any, procs: _Processors, *, start_id: int, steps: int
+        self, runner: Runner, state: Any, procs: _Processors, *, start_id: int, steps: int, select: Any = None
     ) -> list[list[Hypothesis]]:
-        """The search steps (at most ``steps``) -> for every source its ``n_best`` hypotheses."""
+        """The search steps (at most ``steps``) -> for every source its ``n_best`` hypotheses.
+        With ``select`` (the runner's) the sources that stopped leave the runner's state."""
         tokens = np.full(self.identity.shape[0], start_id, dtype=np.int64)
         for t in range(steps):
             x, attn = _step_attention(runner, state, tokens, t, procs, self.src_len is not None)
@@ -1311,8 +1452,13 @@ class _BeamState:
             self.close(beams, stop, at_budget, t, attn)
             if self.done.all():
                 break
-            self.advance(beams, runner, state, t, attn)
-            tokens = beams.tokens
+            if select is not None and self.done.any():
+                rows = self.drop_done(beams, select, state, t, attn)
+                procs = procs.select(rows)
+                tokens = beams.tokens[rows]
+            else:
+                self.advance(beams, runner, state, t, attn)
+                tokens = beams.tokens
         return self.final_results()
 
     @property
@@ -1335,25 +1481,30 @@ class _BeamState:
             sequence = np.concatenate([self.start_column, self.history[:, :t]], axis=1)
         row_ids = self.row_ids
         k2 = min(2 * self.K, x.shape[1])
+        exp_buf = self.scratch.get("exp", x.shape)
         if self.hf:  # transformers: the processors act on the log-probabilities
             raw_max = x.max(axis=1)
             _check_finite_logits(raw_max, t)
-            log_z = _log_sum_exp(x, raw_max)
-            y = np.subtract(x, np.where(np.isfinite(log_z), log_z, 0.0).astype(np.float32)[:, None])
+            log_z = _log_sum_exp(x, raw_max, exp_buf)
+            y = np.subtract(
+                x,
+                np.where(np.isfinite(log_z), log_z, 0.0).astype(np.float32)[:, None],
+                out=self.scratch.get("y", x.shape),
+            )
             procs.apply(y, t, sequence, x, log_probs=True)
             if self.renormalize:
-                z = _log_sum_exp(y, y.max(axis=1))
+                z = _log_sum_exp(y, y.max(axis=1), exp_buf)
                 y -= np.where(np.isfinite(z), z, 0.0).astype(np.float32)[:, None]
             cols, _ = _row_top_k(y, k2)
             return cols, y[row_ids, cols].astype(np.float64)
         # the processors act on the logits, the softmax renormalises
         y, forced_rows = x, np.zeros(0, dtype=np.int64)
         if procs.active(t):
-            y = np.array(x, copy=True)
+            y = self.scratch.copy("y", x)
             forced_rows, _ = procs.apply(y, t, sequence, x, log_probs=False)
         cols, row_max = _row_top_k(y, k2)
         _check_finite_logits(row_max, t)
-        log_z = _log_sum_exp(y, row_max)  # -inf for a row of only -inf
+        log_z = _log_sum_exp(y, row_max, exp_buf)  # -inf for a row of only -inf
         if forced_rows.size:  # a forced token keeps its log-probability under the raw logits
             f = x[forced_rows]
             log_z[forced_rows] = _log_sum_exp(f, f.max(axis=1))
@@ -1476,7 +1627,8 @@ class _BeamState:
                 )
         for b in np.flatnonzero(stop | at_budget).tolist():
             self.finished[b].sort(key=lambda h: h.score, reverse=True)
-            self.results[b] = self.finished[b][: self.n_best]
+            # no hypothesis at all: only reachable if every candidate was -inf throughout
+            self.results[int(self.source_of[b])] = self.finished[b][: self.n_best] or [_no_hypothesis()]
             rows = slice(b * K, (b + 1) * K)
             beams.scores[b, :] = -np.inf
             beams.index[rows] = self.identity[rows]
@@ -1500,13 +1652,42 @@ class _BeamState:
         if attn is not None:  # each new token's row: the step's attention of the beam it extends
             self.history_attn[:, t] = attn[beams.index]
 
+    def drop_done(
+        self, beams: _NextBeams, select: Any, state: Any, t: int, attn: Optional[np.ndarray] = None
+    ) -> np.ndarray:
+        """:meth:`advance` for the sources that are not done, whose rows alone stay in the
+        runner's state: one ``select`` moves the open beams (the beam reorder) and drops the
+        rows of the sources that are done. Returns the rows of ``beams`` that stay."""
+        K = self.K
+        keep = np.flatnonzero(~self.done)
+        rows = (keep[:, None] * K + np.arange(K)).reshape(-1)
+        index = beams.index[rows]
+        select(state, index)
+        self.history = self.history[index]
+        self.history_lp = self.history_lp[index]
+        self.history[:, t] = beams.tokens[rows]
+        self.history_lp[:, t] = beams.lp[rows]
+        if attn is not None:  # as in advance, for the rows that stay
+            self.history_attn = self.history_attn[index]
+            self.history_attn[:, t] = attn[index]
+            self.src_len = self.src_len[index]
+        self.beam_scores = beams.scores[keep]
+        for name in ("max_new", "max_penalty", "n_finished", "kth_best", "done", "source_of"):
+            setattr(self, name, getattr(self, name)[keep])
+        self.finished = [self.finished[b] for b in keep.tolist()]
+        N = rows.shape[0]
+        self.identity = np.arange(N, dtype=np.int64)
+        self.beam_of_row = self.identity % K
+        self.row_ids = self.identity[:, None]
+        self.start_column = self.start_column[:N]
+        self.source_ids = np.arange(keep.shape[0])[:, None]
+        return rows
+
     def final_results(self) -> list[list[Hypothesis]]:
-        for b in range(len(self.results)):
-            if not self.results[b]:  # only reachable if every candidate was -inf throughout
+        for b, g in enumerate(self.source_of.tolist()):
+            if not self.results[g]:  # only reachable if every candidate was -inf throughout
                 self.finished[b].sort(key=lambda h: h.score, reverse=True)
-                self.results[b] = self.finished[b][: self.n_best] or [
-                    Hypothesis([], -math.inf, -math.inf, False, [])
-                ]
+                self.results[g] = self.finished[b][: self.n_best] or [_no_hypothesis()]
         return self.results
 
 

@@ -120,6 +120,18 @@ class CatCacheRunner:
                     state.self_keys[i] = state.self_keys[i].index_select(0, index)
                     state.self_values[i] = state.self_values[i].index_select(0, index)
 
+    def select(self, state: CatCacheState, index: np.ndarray) -> None:
+        """Keep the rows ``index`` (row ``r`` becomes old row ``index[r]``): caches, cross K/V, mask."""
+        rows = _to_device(decoding.check_select_index(index, int(state.src_mask.shape[0])), self.device)
+        with torch.inference_mode():
+            for name in ("self_keys", "self_values", "cross_keys", "cross_values"):
+                setattr(
+                    state,
+                    name,
+                    [None if t is None else t.index_select(0, rows) for t in getattr(state, name)],
+                )
+            state.src_mask = state.src_mask.index_select(0, rows)
+
 
 # ------------------------------------------------------------------------------------------
 # The seed's uncached greedy loop

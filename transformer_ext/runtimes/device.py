@@ -357,3 +357,22 @@ class DeviceRunner(decoding.SearchMethods):
         prefix, in place on the runner's stream; cross K/V are untouched."""
         with self._on_stream(), torch.inference_mode():
             state.cache.reorder_(beam_index)
+
+    def select(self, state: DeviceState, index: Any) -> None:
+        """Keep the rows ``index`` (row ``r`` becomes old row ``index[r]``; see
+        :class:`transformer_ext.decoding.Runner`), on the runner's stream: the caches in place
+        (:meth:`KVCache.select_`), the cross K/V and source lengths gathered into smaller
+        tensors, the step's buffers as views of their first rows; the graph's buffers are bound
+        again at the next step."""
+        index = decoding.check_select_index(index, state.num_rows)
+        M = int(index.shape[0])
+        with self._on_stream(), torch.inference_mode():
+            rows = torch.from_numpy(index).to(self.device)
+            state.cache.select_(index)
+            state.src_lengths = state.src_lengths.index_select(0, rows)
+            state.cross_keys = [k.index_select(0, rows) for k in state.cross_keys]
+            state.cross_values = [v.index_select(0, rows) for v in state.cross_values]
+            state.input_ids = state.input_ids[:M]
+            state.logits = state.logits[:M]
+            state.logits_host, state.tokens_host = state.logits_host[:M], state.tokens_host[:M]
+        state.backend.clear()  # the backend binds the new buffers at the next step

@@ -235,3 +235,22 @@ class EagerRunner:
     def reorder(self, state: EagerState, beam_index: np.ndarray) -> None:
         with torch.inference_mode():
             state.cache.reorder_(beam_index)  # errors name the caller's row and value
+
+    @property
+    def select(self):
+        """The runner's ``select(state, index)`` (see :class:`transformer_ext.decoding.Runner`):
+        None with ``compile=True``, whose static-shape step graph would compile again for every
+        new number of rows (the searches then feed finished rows instead of dropping them)."""
+        return None if self.compiled else self._select
+
+    def _select(self, state: EagerState, index: np.ndarray) -> None:
+        """Keep the rows ``index``: row ``r`` becomes old row ``index[r]`` in the self-attention
+        cache (in place, :meth:`KVCache.select_`), the cross-attention K/V and source lengths
+        (gathered once into smaller tensors)."""
+        index = decoding.check_select_index(index, state.num_rows)
+        rows = _to_device(index, self.device)
+        with torch.inference_mode():
+            state.cache.select_(index)
+            state.src_lengths = state.src_lengths.index_select(0, rows)
+            state.cross_keys = [k.index_select(0, rows) for k in state.cross_keys]
+            state.cross_values = [v.index_select(0, rows) for v in state.cross_values]

@@ -18,6 +18,12 @@ the same way:
   buffer; :class:`HostKVCache`: the rows that change only): the caller's
   ``beam_index`` (checked by :func:`transformer_ext.decoding.check_beam_index`, so an error names
   the caller's row and value) is turned into the stacked index on the host.
+* **Fewer rows.** ``select_(index)`` keeps ``len(index)`` rows, row ``r`` becoming old row
+  ``index[r]`` (a search dropping finished sources, with the beam reorder of the same step):
+  the gather is done in place, every layer's kept rows moved to the front of the same buffers
+  (one ``kv_cache_reorder_`` per stacked buffer, or one gather per buffer on the host; only the
+  rows that move), and the cache's arrays become views of those first rows. Nothing is
+  allocated; a runner binds the views again.
 * A step is ``begin_step()`` (write positions), the graph or model, ``append_(...)``, the
   caller's synchronisation (it needs the logits on the host anyway), ``end_step()`` (advance).
 
@@ -122,6 +128,18 @@ def _views(buffer: Any, rows: int, n_layers: int) -> list:
     return [buffer[i * rows : (i + 1) * rows] for i in range(n_layers)]
 
 
+def _stacked_select_index(index: np.ndarray, rows: int, n_layers: int) -> np.ndarray:
+    """The stacked-row gather of a ``select_(index)`` over ``n_layers * rows`` stacked rows:
+    entry ``j`` is the old stacked row that new stacked row ``j`` copies (layer ``i``'s row
+    ``r`` of the kept ``M`` rows is new stacked row ``i * M + r``, old stacked row
+    ``i * rows + index[r]``); the rows past ``n_layers * M`` keep themselves."""
+    M = index.shape[0]
+    full = np.arange(n_layers * rows, dtype=np.int64)
+    offsets = (np.arange(n_layers, dtype=np.int64) * rows).reshape(-1, 1)
+    full[: n_layers * M] = (index.reshape(1, -1) + offsets).reshape(-1)
+    return full
+
+
 class KVCache(_Layout):
     """Stacked self-attention caches in torch tensors, written by the compiled in-place ops.
 
@@ -174,17 +192,27 @@ class KVCache(_Layout):
             reorder_op = reorder_op or ops.kv_cache_reorder_
         self._torch = torch
         self.keys, self.values = keys, values
-        self.key_layers = _views(keys, self.rows, self.n_layers)
-        self.value_layers = _views(values, self.rows, self.n_layers)
         self.positions = positions
-        self.step_positions = positions[: self.rows]
         self.new_keys, self.new_values = new_keys, new_values
-        self.new_key_layers = [] if new_keys is None else _views(new_keys, self.rows, self.n_layers)
-        self.new_value_layers = [] if new_values is None else _views(new_values, self.rows, self.n_layers)
         self.error_flag, self.error_flag_host = error_flag, error_flag_host
         self._append, self._reorder = append_op, reorder_op
+        self._set_rows(self.rows)
+
+    def _set_rows(self, rows: int) -> None:
+        """The cache over the first ``n_layers * rows`` stacked rows of its buffers (views)."""
+        n = self.n_layers * rows
+        self.rows = rows
+        self.keys, self.values, self.positions = self.keys[:n], self.values[:n], self.positions[:n]
+        self.key_layers = _views(self.keys, rows, self.n_layers)
+        self.value_layers = _views(self.values, rows, self.n_layers)
+        self.step_positions = self.positions[:rows]
+        self.new_key_layers, self.new_value_layers = [], []
+        if self.new_keys is not None:
+            self.new_keys, self.new_values = self.new_keys[:n], self.new_values[:n]
+            self.new_key_layers = _views(self.new_keys, rows, self.n_layers)
+            self.new_value_layers = _views(self.new_values, rows, self.n_layers)
         # Row offsets of the layers in the stacked buffers, for the stacked beam index.
-        self._layer_offsets = (np.arange(self.n_layers, dtype=np.int64) * self.rows).reshape(-1, 1)
+        self._layer_offsets = (np.arange(self.n_layers, dtype=np.int64) * rows).reshape(-1, 1)
 
     @classmethod
     def allocate(
@@ -318,6 +346,21 @@ class KVCache(_Layout):
         self._reorder(self.keys, stacked, self.length)
         self._reorder(self.values, stacked, self.length)
 
+    def select_(self, index: Any) -> None:
+        """Keep ``len(index)`` rows: row ``r`` of every layer becomes old row ``index[r]`` over
+        the valid prefix (:func:`transformer_ext.decoding.check_select_index`: errors name the
+        caller's position and value, and nothing is moved). In place: one ``kv_cache_reorder_``
+        per stacked buffer moves the kept rows of every layer to the front (only rows that
+        move are copied), and every attribute becomes a view of those rows."""
+        index = decoding.check_select_index(index, self.rows)
+        if self.length > 0:
+            stacked = _stacked_select_index(index, self.rows, self.n_layers)
+            if not np.array_equal(stacked, np.arange(stacked.shape[0])):
+                stacked_t = self._torch.from_numpy(stacked).to(self.keys.device)
+                self._reorder(self.keys, stacked_t, self.length)
+                self._reorder(self.values, stacked_t, self.length)
+        self._set_rows(int(index.shape[0]))
+
 
 class HostKVCache(_Layout):
     """Stacked self-attention caches in numpy arrays, written by indexing (no torch).
@@ -350,22 +393,33 @@ class HostKVCache(_Layout):
             self.capacity,
             _positive_int("d_k", d_k),
         )
-        self._keys5 = np.zeros(shape5, dtype=dtype)  # [n_layers, N, H, L, d_k]
-        self._values5 = np.zeros(shape5, dtype=dtype)
-        self.keys = self._keys5.reshape(-1, *shape5[2:])  # views, [n_layers * N, H, L, d_k]
-        self.values = self._values5.reshape(-1, *shape5[2:])
+        stacked = (self.n_layers * self.rows, *shape5[2:])
+        self.keys = np.zeros(stacked, dtype=dtype)  # [n_layers * N, H, L, d_k]
+        self.values = np.zeros(stacked, dtype=dtype)
+        self.new_keys = self.new_values = None
+        if staging:
+            self.new_keys = np.zeros((stacked[0], stacked[1], 1, stacked[3]), dtype=dtype)
+            self.new_values = np.zeros_like(self.new_keys)
+        self._set_rows(self.rows)
+
+    def _set_rows(self, rows: int) -> None:
+        """The cache over the first ``n_layers * rows`` stacked rows of its buffers (views):
+        ``_keys5`` / ``_values5`` ``[n_layers, N, H, L, d_k]`` and the per-layer views."""
+        nl = self.n_layers
+        n = nl * rows
+        self.rows = rows
+        self.keys, self.values = self.keys[:n], self.values[:n]
+        self._keys5 = self.keys.reshape(nl, rows, *self.keys.shape[1:])
+        self._values5 = self.values.reshape(nl, rows, *self.values.shape[1:])
         self.key_layers = list(self._keys5)
         self.value_layers = list(self._values5)
         self._new_keys5 = self._new_values5 = None
-        self.new_keys = self.new_values = None
         self.new_key_layers: list[np.ndarray] = []
         self.new_value_layers: list[np.ndarray] = []
-        if staging:
-            new5 = (*shape5[:3], 1, shape5[4])
-            self._new_keys5 = np.zeros(new5, dtype=dtype)
-            self._new_values5 = np.zeros(new5, dtype=dtype)
-            self.new_keys = self._new_keys5.reshape(-1, *new5[2:])
-            self.new_values = self._new_values5.reshape(-1, *new5[2:])
+        if self.new_keys is not None:
+            self.new_keys, self.new_values = self.new_keys[:n], self.new_values[:n]
+            self._new_keys5 = self.new_keys.reshape(nl, rows, *self.new_keys.shape[1:])
+            self._new_values5 = self.new_values.reshape(nl, rows, *self.new_values.shape[1:])
             self.new_key_layers = list(self._new_keys5)
             self.new_value_layers = list(self._new_values5)
 
@@ -417,3 +471,20 @@ class HostKVCache(_Layout):
             for layer, layer_buf in enumerate(buf5):
                 for r, old, j in pairs:
                     layer_buf[r, :, :p] = layer_buf[old, :, :p] if j is None else saved[layer, j]
+
+    def select_(self, index: Any) -> None:
+        """Keep ``len(index)`` rows: row ``r`` of every layer becomes old row ``index[r]`` over
+        the valid prefix; errors as :class:`KVCache`'s (nothing is moved). In place: one
+        gather per buffer moves the kept rows of every layer to the front (only the rows that
+        move; numpy gathers into a temporary first), and every attribute becomes a view of
+        those rows."""
+        index = decoding.check_select_index(index, self.rows)
+        p = self.length
+        if p > 0:
+            stacked = _stacked_select_index(index, self.rows, self.n_layers)
+            moved = np.flatnonzero(stacked != np.arange(stacked.shape[0]))
+            if moved.size:
+                sources = stacked[moved]
+                for buf in (self.keys, self.values):
+                    buf[moved, :, :p] = buf[sources, :, :p]
+        self._set_rows(int(index.shape[0]))

@@ -316,3 +316,21 @@ class OrtRunner(decoding.SearchMethods):
     def reorder(self, state: OrtState, beam_index: Any) -> None:
         """Row ``r`` of every self-attention cache becomes old row ``beam_index[r]`` (valid prefix only)."""
         state.cache.reorder_(beam_index)
+
+    def select(self, state: OrtState, index: Any) -> None:
+        """Keep the rows ``index`` (row ``r`` becomes old row ``index[r]``; see
+        :class:`transformer_ext.decoding.Runner`): the caches in place
+        (:meth:`HostKVCache.select_`), the cross K/V and source lengths gathered into smaller
+        arrays, the step's buffers as views of their first rows, all bound again."""
+        index = decoding.check_select_index(index, state.num_rows)
+        M = int(index.shape[0])
+        state.cache.select_(index)
+        state.src_lengths = np.ascontiguousarray(state.src_lengths[index])
+        state.cross_keys = [np.ascontiguousarray(k[index]) for k in state.cross_keys]
+        state.cross_values = [np.ascontiguousarray(v[index]) for v in state.cross_values]
+        state.input_ids, state.positions = state.input_ids[:M], state.positions[:M]
+        state.logits = state.logits[:M]
+        if state.attention is not None:
+            state.attention = state.attention[:M]
+        state.binding = self.decoder.io_binding()
+        self._bind(state)

@@ -24,11 +24,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from .. import __version__
+from ..convert.generation import GENERATION_DEFAULTS_FILE
 from ..fsutil import _HOST, StagedDir, _pid_alive, atomic_write_bytes, atomic_write_json, parse_temporary_name
 from ..tokenizer import TOKENIZER_FILE
 from .errors import TrainingError
@@ -68,6 +69,9 @@ OPTIONS_JSON = "train_options.json"
 SUMMARY_JSON = "summary.json"
 MODEL_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE)
 PROVENANCE_FILE = "provenance.json"  # where the corpus came from (corpus, editions, licence, split)
+# Copied with a model folder when it has them (GENERATION_DEFAULTS_FILE: how a model imported by
+# transformer_ext.convert decodes; the folders of a run fine-tuning it carry it).
+OPTIONAL_MODEL_FILES = (PROVENANCE_FILE, GENERATION_DEFAULTS_FILE)
 CHECKPOINTS_DIR = "checkpoints"  # <out>/checkpoints/step-N/: the models of the last --keep-last validations
 
 # <out>/run.json marks a folder as a training run of this program: only such a folder (or one
@@ -204,22 +208,40 @@ def commit_run(stage: StagedDir, folder: RunFolder) -> None:
 
 
 # ---------------------------------------------------------------------- checkpoints and state
-def save_model_dir(model, tokenizer, directory: Path, provenance: Optional[bytes] = None) -> None:
+def save_model_dir(
+    model,
+    tokenizer,
+    directory: Path,
+    provenance: Optional[bytes] = None,
+    extra_files: Optional[Mapping[str, bytes]] = None,
+) -> None:
+    """A model folder: config, weights, tokenizer, ``provenance.json`` when given, and
+    ``extra_files`` (name -> content, e.g. a fine-tuned model's ``generation_defaults.json``)."""
     from ..checkpoint import save_model
 
     save_model(model, directory)
     tokenizer.save(directory)
     if provenance is not None:
         atomic_write_bytes(directory / PROVENANCE_FILE, provenance)
+    for name, content in (extra_files or {}).items():
+        atomic_write_bytes(directory / name, content)
 
 
 def save_step_checkpoint(
-    run_dir: Path, step: int, model, tokenizer, keep: int, provenance: Optional[bytes] = None
+    run_dir: Path,
+    step: int,
+    model,
+    tokenizer,
+    keep: int,
+    provenance: Optional[bytes] = None,
+    extra_files: Optional[Mapping[str, bytes]] = None,
 ) -> None:
     """``<run_dir>/checkpoints/step-N/`` (a model folder), keeping the ``keep`` newest step folders."""
     folder = run_dir / CHECKPOINTS_DIR
     folder.mkdir(exist_ok=True)
-    new = save_checkpoint(folder, f"step-{step}", model, tokenizer, provenance=provenance)
+    new = save_checkpoint(
+        folder, f"step-{step}", model, tokenizer, provenance=provenance, extra_files=extra_files
+    )
     ours = set(os.listdir(new))
     own, kept = [], []
     for path in step_checkpoints(folder):
@@ -307,6 +329,7 @@ def save_checkpoint(
     scheduler=None,
     state: Optional[dict] = None,
     provenance: Optional[bytes] = None,
+    extra_files: Optional[Mapping[str, bytes]] = None,
 ) -> Path:
     """Write ``<run_dir>/<name>/`` (model directory, plus the training state when given).
 
@@ -317,7 +340,7 @@ def save_checkpoint(
     from safetensors.torch import save_file
 
     with StagedDir(run_dir / name) as stage:
-        save_model_dir(model, tokenizer, stage.path, provenance)
+        save_model_dir(model, tokenizer, stage.path, provenance, extra_files)
         if state is not None:
             tensors, opt_meta = _optimizer_to_flat(optimizer)
             tensors["rng.torch"] = torch.get_rng_state()
@@ -491,15 +514,15 @@ def check_export_dir(export_dir, out: Path) -> Optional[Path]:
 def export_model(
     best: Path, target: Path, summary: dict, tokenizer_files: Sequence[str] = (TOKENIZER_FILE,)
 ) -> None:
-    """Copy the model directory ``best`` (config, weights, tokenizer) to ``target`` with a summary.
+    """Copy the model directory ``best`` (config, weights, tokenizer, provenance and generation
+    defaults when it has them) to ``target`` with a summary.
 
     ``target`` was checked before training (:func:`check_export_dir`); each file is replaced
     atomically, other files in ``target`` are kept.
     """
     target.mkdir(parents=True, exist_ok=True)
     names = list(MODEL_FILES[:2]) + list(tokenizer_files)
-    if (best / PROVENANCE_FILE).is_file():
-        names.append(PROVENANCE_FILE)
+    names += [name for name in OPTIONAL_MODEL_FILES if (best / name).is_file()]
     for name in names:
         atomic_write_bytes(target / name, (best / name).read_bytes())
     atomic_write_json(target / "training_summary.json", summary)

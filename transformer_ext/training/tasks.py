@@ -78,6 +78,7 @@ class Task:
     def __init__(self, opts: TrainOptions):
         self.opts = opts
         self.provenance: Optional[bytes] = None  # provenance.json copied into every model folder
+        self.model_files: dict[str, bytes] = {}  # more files of every model folder (name -> content)
 
     @classmethod
     def matches(cls, opts: TrainOptions) -> bool:
@@ -464,8 +465,8 @@ class FineTuneTask(ParallelTextTask):
         except (OSError, ValueError) as exc:
             raise TrainingError(f"--init-from {folder}: {exc}") from None
         super().load_data(ctx)
-        if self.provenance is None and (folder / PROVENANCE_FILE).is_file():
-            self.provenance = (folder / PROVENANCE_FILE).read_bytes()  # e.g. the converted checkpoint's
+        self.model_files.update(_generation_defaults_file(folder))
+        self.provenance = _fine_tune_provenance(folder, self.provenance)
 
     def build_tokenizer(self, ctx):
         return self.initial_tokenizer
@@ -475,6 +476,52 @@ class FineTuneTask(ParallelTextTask):
         model.train()
         logger.info("fine-tuning %s (%s)", self.opts.init_from, model.config.to_dict())
         return model
+
+
+def _generation_defaults_file(folder: Path) -> dict[str, bytes]:
+    """``{generation_defaults.json: content}`` of the model folder ``folder`` (checked: a model
+    converted from transformers decodes with it), {} when it has none (a model of ours)."""
+    from ..convert.generation import GENERATION_DEFAULTS_FILE, read_generation_defaults
+
+    try:
+        if read_generation_defaults(folder) is None:
+            return {}
+    except ValueError as exc:
+        raise TrainingError(f"--init-from {folder}: {exc}") from None
+    return {GENERATION_DEFAULTS_FILE: (folder / GENERATION_DEFAULTS_FILE).read_bytes()}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fine_tune_provenance(folder: Path, corpus: Optional[bytes]) -> bytes:
+    """The provenance.json of a fine-tuned model: the corpus's (its fields, when the training
+    data has one) and ``init_from``: the model folder it started from, the SHA-256 of its config
+    and weights, and that folder's own provenance (e.g. the converted checkpoint's), if any."""
+    body: dict = {}
+    if corpus is not None:
+        body = json.loads(corpus.decode("utf-8"))  # checked by find_provenance
+        if not isinstance(body, dict):
+            body = {"corpus_provenance": body}
+    own = None
+    if (folder / PROVENANCE_FILE).is_file():
+        try:
+            own = json.loads((folder / PROVENANCE_FILE).read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise TrainingError(f"--init-from {folder / PROVENANCE_FILE}: not UTF-8 JSON ({exc})") from None
+    body["init_from"] = {
+        "model_dir": str(folder.resolve()),
+        "files": {name: _sha256(folder / name) for name in ("config.json", "model.safetensors")},
+        "provenance": own,
+    }
+    return (json.dumps(body, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 TASKS: list[type[Task]] = [FineTuneTask, ParallelTextTask, DemoTask]

@@ -441,14 +441,20 @@ class Trainer:
 
     def _save_checkpoints(self, improved: bool) -> None:
         """best/ (when ``improved``), checkpoints/step-N/ (``--keep-last``), last/, then summary.json."""
-        state, provenance = self.state, self.task.provenance
+        state, provenance, extra = self.state, self.task.provenance, self.task.model_files
         if improved:
             run_folder.save_checkpoint(
-                self.run_dir, "best", self.model, self.tokenizer, provenance=provenance
+                self.run_dir, "best", self.model, self.tokenizer, provenance=provenance, extra_files=extra
             )
         if self.opts.keep_last:
             run_folder.save_step_checkpoint(
-                self.run_dir, state.step, self.model, self.tokenizer, self.opts.keep_last, provenance
+                self.run_dir,
+                state.step,
+                self.model,
+                self.tokenizer,
+                self.opts.keep_last,
+                provenance,
+                extra_files=extra,
             )
         snapshot = dict(
             dataclasses.asdict(state),
@@ -465,6 +471,7 @@ class Trainer:
             self.scheduler,
             snapshot,
             provenance=provenance,
+            extra_files=extra,
         )
         if self.stage is not None and not self.stage.committed:  # a new run's first checkpoint: --out now
             run_folder.commit_run(self.stage, self.folder)

@@ -24,8 +24,12 @@ the thin adapter that implements ``infer`` with ``pb_utils.InferenceRequest(...)
 Request (all int64): ``input_ids [batch, src_len]`` (right-padded with pad_id), optional
 ``src_lengths [batch]`` (default: up to the last non-pad token), ``max_new_tokens [1]`` (default
 ``floor(max_len_a * src_len + max_len_b)`` per source, capped by the generation config's
-``max_new_tokens`` and the cache capacity), ``min_new_tokens [1]``, ``beam_size [1]`` (1: greedy);
-the defaults are the export folder's generation config (``generation.json``), which
+``max_new_tokens`` and the cache capacity), ``min_new_tokens [1]``, ``beam_size [1]`` (1: greedy),
+``target_prefix [batch or 1, P]`` (tokens forced first, rows right-padded with pad_id; required by a
+model that forces its target language, M2M100 / NLLB); the defaults are the export folder's
+generation config (``generation.json``) and, for a model converted from transformers, its
+``generation_defaults.json`` (banned tokens such as Marian's ``<pad>``, the forced target language,
+EOS forced at the budget, the early-stopping rule, ``max_length - 1`` new tokens per source), which
 ``python -m export.triton`` writes into the translator's parameters. Response: ``output_ids [batch, max_len]`` (pad-filled, no BOS/EOS),
 ``output_lengths [batch]``, ``scores [batch]`` float32 (beam: the length-penalised score of the
 best hypothesis; greedy: NaN).
@@ -39,7 +43,7 @@ import logging
 import os
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -115,6 +119,12 @@ class Settings:
     max_beam_size: int
     length_penalty: str
     alpha: float
+    # A model converted from transformers (its generation_defaults.json; repositories written
+    # before these parameters existed lack them and get the defaults):
+    banned_ids: str = ""  # comma-separated ids never generated (Marian's <pad>)
+    force_eos_at_budget: int = 0  # 1: EOS is the token at the budget (forced_eos_token_id)
+    early_stopping: str = ""  # beam search's rule: "true", "false", "never"; "": the search's default
+    forced_target_prefix: int = 0  # 1: every request must send target_prefix (M2M100 / NLLB language)
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> "Settings":
@@ -122,12 +132,25 @@ class Settings:
         values = {}
         for f in cls.__dataclass_fields__.values():
             if f.name not in params:
+                if f.default is not MISSING:
+                    continue
                 raise ValueError(f"the translator's config.pbtxt lacks the parameter {f.name!r}")
             raw = params[f.name]
             raw = raw.get("string_value", "") if isinstance(raw, Mapping) else raw
             kind = f.type if isinstance(f.type, str) else f.type.__name__
             values[f.name] = int(raw) if kind == "int" else float(raw) if kind == "float" else str(raw)
         return cls(**values)
+
+    @property
+    def banned(self) -> list[int]:
+        return [int(t) for t in self.banned_ids.split(",") if t.strip()]
+
+    @property
+    def early_stopping_rule(self) -> Any:
+        rules = {"": None, "true": True, "false": False, "never": "never"}
+        if self.early_stopping not in rules:
+            raise ValueError(f"early_stopping must be one of {sorted(rules)}, got {self.early_stopping!r}")
+        return rules[self.early_stopping]
 
     @property
     def np_cache_dtype(self):
@@ -378,11 +401,34 @@ class Translator:
             )
         return ids, lengths
 
+    def _target_prefix(self, arrays: Mapping[str, Any], batch: int) -> Optional[list[list[int]]]:
+        """The request's ``target_prefix`` ([batch, P] or [1, P] for every source, rows right-padded
+        with pad_id) as one list per source; required when the model forces its first tokens (the
+        target language of M2M100 / NLLB)."""
+        value = arrays.get("target_prefix")
+        if value is None:
+            if self.s.forced_target_prefix:
+                raise TranslationRequestError(
+                    "this model forces the target-language token first: send target_prefix "
+                    "([batch, P] int64, e.g. the id of __de__)"
+                )
+            return None
+        arr = np.asarray(value)
+        if arr.ndim != 2 or arr.shape[0] not in (1, batch) or not np.issubdtype(arr.dtype, np.integer):
+            raise TranslationRequestError(
+                f"target_prefix must be int64 [{batch}, P] or [1, P], got {arr.dtype} {list(arr.shape)}"
+            )
+        rows = [[int(t) for t in row if int(t) != self.s.pad_id] for row in arr]
+        return rows * batch if len(rows) == 1 and batch != 1 else rows
+
     def translate(
         self, arrays: Mapping[str, Any], infer: Infer, new_correlation_id: Optional[Callable[[], int]] = None
     ) -> dict[str, np.ndarray]:
         ids, lengths = self._sources(arrays)
         B = ids.shape[0]
+        prefix = self._target_prefix(arrays, B)
+        # what every search takes from the model's generation defaults (and the request's prefix)
+        search = dict(banned_ids=self.s.banned, force_eos_at_budget=bool(self.s.force_eos_at_budget))
         beam = _scalar(arrays, "beam_size", self.s.beam_size, 1)
         if beam > self.s.max_beam_size:
             raise TranslationRequestError(f"beam_size must be at most {self.s.max_beam_size}, got {beam}")
@@ -420,6 +466,8 @@ class Translator:
                     eos_id=self.s.eos_id,
                     max_new_tokens=max_new[sl],
                     min_new_tokens=min_new,
+                    target_prefix=None if prefix is None else prefix[sl],
+                    **search,
                 )
         else:
             hyps = _run(
@@ -435,6 +483,9 @@ class Translator:
                 min_new_tokens=min_new,
                 length_penalty=self.s.length_penalty,
                 alpha=self.s.alpha,
+                early_stopping=self.s.early_stopping_rule,
+                target_prefix=prefix,
+                **search,
             )
             tokens = [h[0].tokens for h in hyps]
             scores = np.array([h[0].score for h in hyps], dtype=np.float32)
@@ -496,7 +547,7 @@ def _run(runner, search, *args, **kwargs):
 # Triton adapter
 # ------------------------------------------------------------------------------------------
 
-_INPUTS = ("input_ids", "src_lengths", "max_new_tokens", "min_new_tokens", "beam_size")
+_INPUTS = ("input_ids", "src_lengths", "max_new_tokens", "min_new_tokens", "beam_size", "target_prefix")
 
 
 class TritonPythonModel:
