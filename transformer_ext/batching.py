@@ -4,16 +4,18 @@ with ``batch_type="tokens"``).
 
 The defaults are chosen by the work a decode does, counted on benchmarks/bench_batching.py's
 5,000 demo lines (greedy; the counts do not depend on the machine): a decode costs one runner
-call per step of each batch (the batch's longest output) and ``rows x steps`` row-steps
-(finished rows keep stepping until their batch ends). Sentence batches of 64 over the whole
-input sorted by length take 79 batches, 2,915 runner calls and 184,152 row-steps. Token batches
-of 2,048 tokens in windows of 512 lines took 104 batches, 3,941 calls and 186,041 row-steps: the
-demo's lines are long (38 tokens on average, at most 47), so 2,048 tokens held about 45 rows, and
-a window of 512 lines sorts (and ends in a part batch) every 512 lines. With windows of
+call per step of each batch (the batch's longest output) and ``rows x steps`` row-steps. Sentence
+batches of 64 over the whole input sorted by length take 79 batches and 2,915 runner calls;
+token batches of 2,048 tokens in windows of 512 lines took 104 batches and 3,941 calls: the
+demo's lines are long (38 tokens on average, at most 47), so 2,048 tokens held about 45 rows,
+and a window of 512 lines sorts (and ends in a part batch) every 512 lines. With windows of
 :data:`DEFAULT_WINDOW` lines and :data:`DEFAULT_MAX_BATCH_TOKENS` tokens (no row cap): 76
-batches, 2,863 calls, 183,750 row-steps, no more of either than sentence batches. A window's
-batches are decoded in input order (the batch holding the window's first line first), so the
-first results come after one batch however large the window.
+batches and 2,863 calls. Row-steps: a runner with ``select`` drops finished rows, so every
+batching costs each row its own steps (165,217 here); without it the rows of a batch all step
+until its longest output ends: 184,152 for the sentence batches, 186,041 for the old token
+batches, 183,750 with these defaults. A window's batches are decoded in input order (the batch
+holding the window's first line first), so the first results come after one batch however
+large the window.
 
 This module imports no torch: it drives any :class:`~transformer_ext.translator.Translator`.
 """
