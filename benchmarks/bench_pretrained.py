@@ -77,7 +77,16 @@ logger = logging.getLogger("bench_pretrained")
 
 SIZES = {
     "tiny": dict(
-        d_model=32, layers=2, heads=4, d_ff=64, vocab_size=120, max_positions=64, src_len=12, new_tokens=8
+        d_model=32,
+        layers=2,
+        heads=4,
+        d_ff=64,
+        vocab_size=120,
+        max_positions=64,
+        src_len=12,
+        new_tokens=8,
+        embed_std=0.3,
+        gain=2.0,
     ),
     "opus-mt-en-de": dict(
         d_model=512,
@@ -88,6 +97,8 @@ SIZES = {
         max_positions=512,
         src_len=24,
         new_tokens=48,
+        embed_std=0.005,
+        gain=0.7,
     ),
 }
 MODES = ("greedy", "beam4")
@@ -189,14 +200,14 @@ ENV_MODULES = {"optimum": "optimum.onnxruntime, onnxruntime", "ct2": "ctranslate
 
 
 def write_checkpoint(folder: Path, size: dict) -> None:
-    """A Marian checkpoint of ``size`` written by transformers (random weights, biases and LayerNorm
-    parameters perturbed, a dummy SentencePiece vocabulary of the right size, opus-mt-en-de's
-    generation config)."""
+    """A Marian checkpoint of ``size`` written by transformers (random weights as in the tests'
+    checkpoints, a dummy SentencePiece vocabulary of the right size, opus-mt-en-de's generation
+    config)."""
     import torch
     from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
     sys.path.insert(0, str(REPO / "tests"))
-    from hf_checkpoints import marian_vocab, sample_lines, train_spm
+    from hf_checkpoints import _random_weights, marian_vocab, sample_lines, train_spm
 
     folder.mkdir(parents=True, exist_ok=True)
     spm = train_spm(sample_lines(400, 0), 100)
@@ -229,10 +240,16 @@ def write_checkpoint(folder: Path, size: dict) -> None:
     )
     torch.manual_seed(0)
     model = MarianMTModel(config)
-    with torch.no_grad():  # biases and LayerNorms as a trained model's: not all zeros / ones alike
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p), alpha=0.02)
+    # Random weights drawn as the tests' checkpoints draw them (biases and LayerNorms not all
+    # alike, which the export contract would take for one weight stored twice), at the size's
+    # embedding std and matrix gain: tiny, the parity tests' (0.3, 2); opus-mt-en-de, small
+    # embeddings (0.005, 0.7), with which the tied projection does not merely repeat the last
+    # token (random weights of this size still give only a few distinct tokens per sequence: each
+    # cell records how many). <pad>'s embedding row stays zero, as in Marian checkpoints.
+    _random_weights(model, 0, std=size["embed_std"], gain=size["gain"])
+    with torch.no_grad():
+        model.get_input_embeddings().weight[pad].zero_()
+    model.tie_weights()
     model.generation_config = GenerationConfig(
         bad_words_ids=[[pad]],
         num_beams=4,

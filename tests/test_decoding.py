@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import subprocess
 import sys
 
@@ -804,3 +805,35 @@ def test_shared_source_and_encode_checks():
             check_encode_args(
                 np.ones((2, 3), np.int64), np.array([3, 1]), cache_len, num_beams, max_positions=5
             )
+
+
+def _nan_at(src_row: int, step: int, V: int = 6):
+    """Log-probabilities that favour token 3 (never EOS), NaN for source ``src_row`` at ``step``."""
+
+    def fn(src, prefix):
+        out = np.log(np.full(V, 0.5 / (V - 1)))
+        out[3] = np.log(0.5)
+        if src == src_row and len(prefix) == step:
+            out[4] = np.nan
+        return out
+
+    return fn
+
+
+@pytest.mark.parametrize("remove_finished", [True, False])
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_a_nan_logit_names_the_searchs_row_after_rows_left(search, remove_finished):
+    """Source 0 stops after one token, so its rows leave the state (remove_finished); a NaN of
+    source 2 at step 3 is still named by the search's row (2 greedy, 4 = 2 * beam_size with
+    two beams), not by its row in the smaller state."""
+    src, lengths = sources(3)
+    runner = FunctionRunner(6, _nan_at(2, 3))
+    kw = dict(bos_id=1, eos_id=2, max_new_tokens=np.array([1, 6, 6]), remove_finished=remove_finished)
+    row = 2
+    with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 3 \(row \d+") as err:
+        if search == "greedy":
+            greedy_decode(runner, src, lengths, **kw)
+        else:
+            row = 4
+            beam_search(runner, src, lengths, beam_size=2, **kw)
+    assert re.search(rf"\(row {row}\b", str(err.value)), str(err.value)

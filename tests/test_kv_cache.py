@@ -57,6 +57,7 @@ def test_append_and_reorder_match_plain_indexing(backend, shape, monkeypatch):
     ``host-row-copies``: the host cache's copy-per-row path (taken for large moves)."""
     if backend == "host-row-copies":
         monkeypatch.setattr(HostKVCache, "_SMALL_MOVE_BYTES", 0)
+        monkeypatch.setattr(HostKVCache, "_SMALL_SLICE_BYTES", 0)
         backend = "host"
     n_layers, N, H, L, D = shape
     rng = np.random.default_rng(0)

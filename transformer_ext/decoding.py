@@ -724,7 +724,7 @@ class _Sampler:
             cols = None
             row_max = y.max(axis=1)
             z = y.astype(np.float64)
-        _check_finite_logits(row_max, step)
+        _check_finite_logits(row_max, step, rows)
         m = np.where(np.isfinite(row_max), row_max, 0.0).astype(np.float64)
         p = np.exp((z - m[:, None]) / self.temperature)
         if self.topp < 1.0:
@@ -1055,7 +1055,9 @@ def _greedy_choose(
         forced_rows, forced_tokens = procs.apply(y, t, sequence, x, log_probs=False)
     if sampler is None:
         next_tokens = np.argmax(y, axis=-1).astype(np.int64)
-        _check_finite_logits(y[np.arange(y.shape[0]), next_tokens], t)  # argmax picks a NaN or +inf
+        _check_finite_logits(  # argmax picks a NaN or +inf if there is one
+            y[np.arange(y.shape[0]), next_tokens], t, None if dropped is None else dropped[0]
+        )
     elif dropped is None:
         next_tokens = sampler.draw(y, t)
     else:
@@ -1176,11 +1178,14 @@ def _row_top_k(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return cols[rows, pick], values.max(axis=1)
 
 
-def _check_finite_logits(row_max: np.ndarray, step: int) -> None:
+def _check_finite_logits(row_max: np.ndarray, step: int, rows: Optional[np.ndarray] = None) -> None:
+    """A RuntimeError naming the step and the first row whose ``row_max`` is NaN or +inf;
+    ``rows``: the search's row of each entry (when finished rows were dropped from the state)."""
     bad = np.flatnonzero(~(row_max < np.inf))  # NaN or +inf somewhere in the row
     if bad.size:
+        first = int(bad[0]) if rows is None else int(rows[bad[0]])
         raise RuntimeError(
-            f"runner.step returned a NaN or +inf logit at step {step} (row {int(bad[0])}"
+            f"runner.step returned a NaN or +inf logit at step {step} (row {first}"
             f"{f' and {bad.size - 1} more rows' if bad.size > 1 else ''}); logits must be finite or -inf"
         )
 
@@ -1394,6 +1399,7 @@ class _BeamState:
     row_ids: np.ndarray  # [N, 1] identity
     source_ids: np.ndarray  # [B, 1] arange
     scratch: _Scratch  # [N, V] work buffers of the steps
+    search_rows: Optional[np.ndarray] = None  # [N] the search's row of each row (None: identity)
     # return_attention: each row's source length [N]; history_attn [N, steps, S] the attention
     # rows of every open beam's tokens (allocated at the first step, reordered with the beams)
     src_len: Optional[np.ndarray] = None
@@ -1484,7 +1490,7 @@ class _BeamState:
         exp_buf = self.scratch.get("exp", x.shape)
         if self.hf:  # transformers: the processors act on the log-probabilities
             raw_max = x.max(axis=1)
-            _check_finite_logits(raw_max, t)
+            _check_finite_logits(raw_max, t, self.search_rows)
             log_z = _log_sum_exp(x, raw_max, exp_buf)
             y = np.subtract(
                 x,
@@ -1503,7 +1509,7 @@ class _BeamState:
             y = self.scratch.copy("y", x)
             forced_rows, _ = procs.apply(y, t, sequence, x, log_probs=False)
         cols, row_max = _row_top_k(y, k2)
-        _check_finite_logits(row_max, t)
+        _check_finite_logits(row_max, t, self.search_rows)
         log_z = _log_sum_exp(y, row_max, exp_buf)  # -inf for a row of only -inf
         if forced_rows.size:  # a forced token keeps its log-probability under the raw logits
             f = x[forced_rows]
@@ -1675,6 +1681,7 @@ class _BeamState:
         for name in ("max_new", "max_penalty", "n_finished", "kth_best", "done", "source_of"):
             setattr(self, name, getattr(self, name)[keep])
         self.finished = [self.finished[b] for b in keep.tolist()]
+        self.search_rows = rows if self.search_rows is None else self.search_rows[rows]
         N = rows.shape[0]
         self.identity = np.arange(N, dtype=np.int64)
         self.beam_of_row = self.identity % K

@@ -373,6 +373,10 @@ class HostKVCache(_Layout):
     # Below this many bytes moved per buffer a reorder is one fancy-indexed copy per buffer
     # (its Python overhead is lower than that of a copy per row and layer).
     _SMALL_MOVE_BYTES = 1 << 18
+    # Below this many bytes per row and layer (a small model, a short prefix) it is one
+    # fancy-indexed copy per buffer at any size: a copy per row and layer costs about a
+    # microsecond of Python, more than moving such a slice twice (about 10 kB per microsecond).
+    _SMALL_SLICE_BYTES = 1 << 14
 
     def __init__(
         self,
@@ -443,7 +447,8 @@ class HostKVCache(_Layout):
         place; errors as :class:`KVCache`'s (nothing is moved).
 
         Only the rows that change are written (in beam search most beams keep their own row).
-        A small move is one gather-and-scatter per buffer (numpy gathers into a temporary, so a
+        A small move, or one of small slices (a row of one layer under ``_SMALL_SLICE_BYTES``),
+        is one gather-and-scatter per buffer (numpy gathers into a temporary, so a
         source that is itself overwritten is read before it is). A large one is one slice copy
         per row, layer and buffer, which numpy makes directly because the slices do not
         overlap: it reads and writes the moved rows once instead of twice; sources that are
@@ -459,7 +464,8 @@ class HostKVCache(_Layout):
             return
         sources = index[moved]
         row_bytes = self._keys5[:, 0, :, :p].nbytes
-        if moved.size * row_bytes <= self._SMALL_MOVE_BYTES:
+        slice_bytes = row_bytes // self.n_layers
+        if moved.size * row_bytes <= self._SMALL_MOVE_BYTES or slice_bytes < self._SMALL_SLICE_BYTES:
             for buf5 in (self._keys5, self._values5):
                 buf5[:, moved, :, :p] = buf5[:, sources, :, :p]
             return
