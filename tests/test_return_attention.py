@@ -143,3 +143,13 @@ def test_a_runner_without_attention_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"the StepOnly runner cannot return attention weights") as exc:
         decoding.check_attention_runner(StepOnly())
     assert "\n" not in str(exc.value)
+
+
+def test_translate_iterable_carries_the_attention_too(model_dir):
+    eager = Translator.from_model_dir(model_dir)
+    opts = dict(max_len_a=0.0, max_len_b=5.0, return_attention=True)
+    streamed = list(eager.translate_iterable(iter(SOURCES), max_batch_tokens=16, window=3, **opts))
+    whole = eager.translate(SOURCES, **opts)
+    for a, b in zip(streamed, whole, strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(np.array(a.attention), np.array(b.attention), atol=1e-6)
