@@ -7,8 +7,16 @@ batch_size=N)`` (sentence batches, every result at the end) and the streaming pa
 interleaved over ``--repeats`` rounds. Reports lines per second, the time to the first result
 and the agreement of the two outputs, with the machine, as JSON.
 
+Before the timed rounds, one untimed pass of each path counts its work through a counting
+runner (the numbers depend on the batching and the model's outputs, not on the machine):
+``batches`` (encoder calls), ``runner_calls`` (decoder steps: each batch runs until its longest
+output ends), ``rows_x_steps`` (the rows of each step summed: finished rows keep stepping),
+``padded_source_tokens``, and the distribution of rows and steps per batch. ``--work-only``
+records only these (no timing: for a loaded machine).
+
     python benchmarks/bench_batching.py --lines 5000 --out benchmarks/results/bench_batching.json
     python benchmarks/bench_batching.py --model onnx_export --lines 5000   # ONNX Runtime
+    python benchmarks/bench_batching.py --lines 5000 --work-only           # the work counts only
     python benchmarks/bench_batching.py --lines 40 --repeats 1             # a smoke run
 
 Without ``--input`` the lines are demo sources (English number words, ``num2words``) of random
@@ -30,6 +38,61 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import lscpu, write_json  # noqa: E402
+
+from transformer_ext.batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW  # noqa: E402
+
+
+class CountingRunner:
+    """A runner that forwards to another and counts the work of a decode (see the module docstring)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.info = runner.info
+        self.batches: list[dict] = []  # per encode: rows (sources x beams), source length, steps
+
+    def __getattr__(self, name):  # model, step_with_attention ...: the wrapped runner's
+        return getattr(self.runner, name)
+
+    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
+        B, S = input_ids.shape
+        self.batches.append({"rows": B * num_beams, "src_len": S, "sources": B, "steps": 0, "row_steps": 0})
+        return self.runner.encode(input_ids, src_lengths, cache_len, num_beams)
+
+    def step(self, state, tokens):
+        self.batches[-1]["steps"] += 1
+        self.batches[-1]["row_steps"] += len(tokens)
+        return self.runner.step(state, tokens)
+
+    def reorder(self, state, beam_index):
+        return self.runner.reorder(state, beam_index)
+
+    def summary(self) -> dict:
+        b = self.batches
+        rows = [x["rows"] for x in b]
+        steps = [x["steps"] for x in b]
+        return {
+            "batches": len(b),
+            "runner_calls": sum(steps),
+            "rows_x_steps": sum(x["row_steps"] for x in b),
+            "padded_source_tokens": sum(x["sources"] * x["src_len"] for x in b),
+            "rows_per_batch": {"min": min(rows), "mean": sum(rows) / len(rows), "max": max(rows)}
+            if b
+            else None,
+            "steps_per_batch": {"min": min(steps), "mean": sum(steps) / len(steps), "max": max(steps)}
+            if b
+            else None,
+        }
+
+
+def count_work(translator, run) -> tuple[list, dict]:
+    """``run(translator)`` with the translator's runner counted: ``(its output, the work)``."""
+    counting = CountingRunner(translator.runner)
+    translator.runner = counting
+    try:
+        out = run(translator)
+    finally:
+        translator.runner = counting.runner
+    return out, counting.summary()
 
 
 def demo_lines(n: int, seed: int) -> list[str]:
@@ -63,7 +126,7 @@ def token_batches(translator, lines, max_batch_tokens, window, beam):
     first = None
     out = []
     stream = translator.translate_iterable(
-        lines, max_batch_tokens=max_batch_tokens, window=window, beam_size=beam, batch_size=max_batch_tokens
+        lines, max_batch_tokens=max_batch_tokens, window=window, beam_size=beam
     )
     for result in stream:
         if first is None:
@@ -79,9 +142,15 @@ def main(argv=None) -> dict:
     p.add_argument("--lines", type=int, default=5000, help="lines translated (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="sentence batch size (default: %(default)s)")
     p.add_argument(
-        "--max-batch-tokens", type=int, default=2048, help="token batch budget (default: %(default)s)"
+        "--max-batch-tokens",
+        type=int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help="token batch budget (default: %(default)s, the translator's)",
     )
-    p.add_argument("--window", type=int, default=512, help="lines sorted together (default: %(default)s)")
+    p.add_argument(
+        "--window", type=int, default=DEFAULT_WINDOW, help="lines sorted together (default: %(default)s)"
+    )
+    p.add_argument("--work-only", action="store_true", help="count the work of both paths, time nothing")
     p.add_argument("--beam", type=int, default=1, help="beam size (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the runtime's)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default: %(default)s)")
@@ -97,9 +166,15 @@ def main(argv=None) -> dict:
     else:
         lines = demo_lines(args.lines, args.seed)
     translator = load_translator(args.model, args.threads)
+    paths = {
+        "sentence_batches": lambda t: sentence_batches(t, lines, args.batch_size, args.beam)[0],
+        "token_batches": lambda t: token_batches(t, lines, args.max_batch_tokens, args.window, args.beam)[0],
+    }
+    work, outputs = {}, {}
+    for name, run in paths.items():  # untimed: the work counts (and a warm-up)
+        outputs[name], work[name] = count_work(translator, run)
     runs = {"sentence_batches": [], "token_batches": []}
-    outputs = {}
-    for _ in range(args.repeats):
+    for _ in range(0 if args.work_only else args.repeats):
         out, total, first = sentence_batches(translator, lines, args.batch_size, args.beam)
         runs["sentence_batches"].append((total, first))
         outputs["sentence_batches"] = out
@@ -108,13 +183,16 @@ def main(argv=None) -> dict:
         outputs["token_batches"] = out
     results = {}
     for name, samples in runs.items():
+        results[name] = {"work": work[name]}
+        if not samples:
+            continue
         total = statistics.median(s[0] for s in samples)
-        results[name] = {
-            "seconds": total,
-            "lines_per_second": len(lines) / total,
-            "first_result_seconds": statistics.median(s[1] for s in samples),
-            "samples": [{"seconds": s[0], "first_result_seconds": s[1]} for s in samples],
-        }
+        results[name].update(
+            seconds=total,
+            lines_per_second=len(lines) / total,
+            first_result_seconds=statistics.median(s[1] for s in samples),
+            samples=[{"seconds": s[0], "first_result_seconds": s[1]} for s in samples],
+        )
     a, b = outputs["sentence_batches"], outputs["token_batches"]
     payload = {
         "benchmark": "bench_batching",
@@ -123,14 +201,26 @@ def main(argv=None) -> dict:
         "lines": len(lines),
         "machine": {"lscpu": lscpu(), "cpu_count": os.cpu_count()},
         "results": results,
-        "token_over_sentence_throughput": results["token_batches"]["lines_per_second"]
-        / results["sentence_batches"]["lines_per_second"],
+        "token_over_sentence_throughput": None
+        if args.work_only
+        else results["token_batches"]["lines_per_second"] / results["sentence_batches"]["lines_per_second"],
+        "token_over_sentence_work": {
+            k: work["token_batches"][k] / work["sentence_batches"][k]
+            for k in ("runner_calls", "rows_x_steps")
+        },
         "outputs_equal": sum(x == y for x, y in zip(a, b, strict=True)),
     }
     write_json(args.out, payload)
     for name, r in results.items():
+        w = r["work"]
+        timing = (
+            f"{r['lines_per_second']:9.1f} lines/s  first result after {r['first_result_seconds']:.3f} s  "
+            if "seconds" in r
+            else ""
+        )
         print(
-            f"{name:17s} {r['lines_per_second']:9.1f} lines/s  first result after {r['first_result_seconds']:.3f} s"
+            f"{name:17s} {timing}{w['batches']} batches, {w['runner_calls']} runner calls, "
+            f"{w['rows_x_steps']} rows x steps"
         )
     print(f"outputs equal: {payload['outputs_equal']} of {len(lines)}; written {args.out}")
     return payload

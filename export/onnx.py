@@ -62,6 +62,7 @@ from transformer_ext.cli import DefaultsHelpFormatter, UsageError, add_debug_fla
 from transformer_ext.convert.generation import GENERATION_DEFAULTS_FILE
 from transformer_ext.decoding import LENGTH_PENALTIES
 from transformer_ext.export_format import (
+    ATTENTION_OUTPUT,
     DECODER_FILE,
     ENCODER_FILE,
     FLAVOURS,
@@ -158,31 +159,41 @@ class DecoderStepGraph(torch.nn.Module):
     ..., cross_key.0, cross_value.0, ...``. Portable flavour: returns ``(logits, new_key.0,
     new_value.0, ...)``. ``tensorscatter``: traces the same ``decode_step`` under
     :func:`export.lowering.in_graph_cache_update` and returns ``(logits, present_key.0,
-    present_value.0, ...)``.
+    present_value.0, ...)``. ``attention``: the step's head-averaged cross-attention of the last
+    decoder layer (``decode_step(return_attention=True)``) as one more output, last.
     """
 
-    def __init__(self, model, flavour: str = "portable"):
+    def __init__(self, model, flavour: str = "portable", attention: bool = False):
         super().__init__()
         if flavour not in FLAVOURS:
             raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
         self.model = model
         self.flavour = flavour
+        self.attention = bool(attention)
         self.n_layers = model.config.n_decoder_layers
 
     def forward(self, input_ids, positions, src_lengths, *kv):
         n = self.n_layers
         self_keys, self_values = list(kv[0 : 2 * n : 2]), list(kv[1 : 2 * n : 2])
         cross_keys, cross_values = list(kv[2 * n :: 2]), list(kv[2 * n + 1 :: 2])
+        extra = {"return_attention": True} if self.attention else {}
         if self.flavour == "portable":
-            logits, new_keys, new_values = self.model.decode_step(
-                input_ids, positions, src_lengths, self_keys, self_values, cross_keys, cross_values
+            logits, new_keys, new_values, *attention = self.model.decode_step(
+                input_ids, positions, src_lengths, self_keys, self_values, cross_keys, cross_values, **extra
             )
         else:
             from . import lowering
 
             with lowering.in_graph_cache_update() as (new_keys, new_values):
-                logits, _, _ = self.model.decode_step(
-                    input_ids, positions, src_lengths, self_keys, self_values, cross_keys, cross_values
+                logits, _, _, *attention = self.model.decode_step(
+                    input_ids,
+                    positions,
+                    src_lengths,
+                    self_keys,
+                    self_values,
+                    cross_keys,
+                    cross_values,
+                    **extra,
                 )
             if len(new_keys) != n:
                 raise GraphContractError(
@@ -192,7 +203,7 @@ class DecoderStepGraph(torch.nn.Module):
         outputs = [logits]
         for k, v in zip(new_keys, new_values):
             outputs += [k, v]
-        return tuple(outputs)
+        return tuple(outputs + attention)
 
 
 # ------------------------------------------------------------------------------------------
@@ -518,6 +529,7 @@ def export_onnx(
     gate_data: Any = None,
     max_bleu_drop: Optional[float] = None,
     quantize_options: Optional[Mapping[str, Any]] = None,
+    attention: bool = False,
 ) -> ExportResult:
     """Export ``model_dir`` to ``encoder.onnx`` + ``decoder_step.onnx`` + ``manifest.json`` +
     tokenizer files + ``generation.json`` in ``output_dir``.
@@ -556,6 +568,10 @@ def export_onnx(
         quantize_options: with ``quantize`` ``"int4"`` / ``"int8-nbits"``: ``block_size``,
             ``accuracy_level``, ``symmetric`` (:func:`export.quantize.resolve_settings`), checked
             against the model's dimensions before anything is traced.
+        attention: the decoder step also outputs ``attention`` ``[batch, src_len]``, the last
+            decoder layer's cross-attention averaged over its heads (validated like the other
+            outputs; recorded as ``"attention": true`` in the manifest), which ONNX Runtime
+            translators need for ``return_attention``.
 
     Raises:
         ValueError: a bad option (flavour, opset, cache_len, tolerance, seed).
@@ -612,7 +628,9 @@ def export_onnx(
 
     from . import validate as validation
 
-    specs = graph_specs(config.to_dict(), flavour)
+    if not isinstance(attention, bool):
+        raise UsageError(f"attention must be True or False, got {attention!r}")
+    specs = graph_specs(config.to_dict(), flavour, attention)
     made: list[Path] = []
     try:
         make_parents(output_dir, made)
@@ -686,6 +704,7 @@ def _write_export(
 ) -> tuple[dict, Any]:
     """Write and validate the export in the (temporary) folder ``tmp_dir``; ``(manifest, report)``."""
     config = model.config
+    attention = specs["decoder_step"]["outputs"][-1]["name"] == ATTENTION_OUTPUT
     encoder_args, decoder_args, dummy = _dummy_inputs(model, flavour)
     encoder_proto = _export_graph(
         EncoderGraph(model),
@@ -698,7 +717,7 @@ def _write_export(
         fuse_matmuls=fuse_matmuls,
     )
     decoder_proto = _export_graph(
-        DecoderStepGraph(model, flavour),
+        DecoderStepGraph(model, flavour, attention=attention),
         decoder_args,
         specs["decoder_step"],
         3,
@@ -724,6 +743,7 @@ def _write_export(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "flavour": flavour,
+        "attention": attention,
         "opset": opset,
         "ir_version": int(decoder_proto.ir_version),
         "files": folder_files(tmp_dir),
@@ -797,6 +817,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="ONNX opset (default: 18 for portable, allowed 17..21; 24 for tensorscatter)",
+    )
+    p.add_argument(
+        "--attention",
+        action="store_true",
+        help="the decoder step also outputs 'attention' [batch, src_len] (the last decoder layer's "
+        "cross-attention averaged over its heads), for translations with return_attention on ONNX Runtime",
     )
     p.add_argument(
         "--cache-len",
@@ -998,6 +1024,7 @@ def _run(args) -> int:
         validate=args.validate,
         seed=args.seed,
         fuse_matmuls=args.fuse_matmuls,
+        attention=args.attention,
         generation=generation,
         quantize=args.quantize,
         gate_data=gate_data,

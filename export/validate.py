@@ -32,7 +32,7 @@ import onnxruntime as ort
 import torch
 
 from transformer_ext import decoding, ops
-from transformer_ext.export_format import graph_specs
+from transformer_ext.export_format import ATTENTION_OUTPUT, graph_specs
 from transformer_ext.runtimes import EagerRunner, OrtRunner
 
 from . import GraphContractError, ParityError, contract
@@ -364,8 +364,9 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
         t = {k: torch.from_numpy(v.copy()) for k, v in feeds.items()}
         self_keys = [t[f"self_key.{i}"] for i in range(n)]
         self_values = [t[f"self_value.{i}"] for i in range(n)]
+        attention = out_names[-1] == ATTENTION_OUTPUT  # an export made with --attention
         with torch.inference_mode():
-            logits, new_keys, new_values = model.decode_step(
+            logits, new_keys, new_values, *weights = model.decode_step(
                 t["input_ids"],
                 t["positions"],
                 t["src_lengths"],
@@ -373,6 +374,7 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
                 self_values,
                 [t[f"cross_key.{i}"] for i in range(n)],
                 [t[f"cross_value.{i}"] for i in range(n)],
+                return_attention=attention,
             )
             if runner.info.flavour == "portable":
                 eager = [logits] + [x for kv in zip(new_keys, new_values) for x in kv]
@@ -380,6 +382,11 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
                 for cache, new in zip(self_keys + self_values, new_keys + new_values):
                     ops.kv_cache_append_(cache, new, t["positions"])
                 eager = [logits] + [x for kv in zip(self_keys, self_values) for x in kv]
+            eager += weights
+        if len(eager) != len(out_names):
+            raise GraphContractError(
+                f"decoder_step has outputs {out_names}, eager decode_step gives {len(eager)}"
+            )
         for name, a, b in zip(out_names, onnx_out, eager):
             _record(report, "decoder_step", name, a, b.numpy(), case)
         report.cases.append(

@@ -338,8 +338,10 @@ def fake_engines(
     cache=(1, 64),
     static_cache=None,
     cache_dtype="float32",
+    min_rows=1,
 ):
-    """Encoder + decoder stand-ins for ``model``, with the I/O of docs/DESIGN.md section 3."""
+    """Encoder + decoder stand-ins for ``model``, with the I/O of docs/DESIGN.md section 3;
+    ``min_rows``: the decoder profile's minimum batch."""
     c = model.config
     H, D, n = c.n_heads, c.d_k, c.n_decoder_layers
     L = static_cache or -1
@@ -369,16 +371,16 @@ def fake_engines(
     }
     lo, hi = (static_cache, static_cache) if static_cache else cache
     dec_profile = {
-        "input_ids": ((1, 1), (4, 1), (max_rows, 1)),
-        "positions": ((1,), (4,), (max_rows,)),
-        "src_lengths": ((1,), (4,), (max_rows,)),
+        "input_ids": ((min_rows, 1), (4, 1), (max_rows, 1)),
+        "positions": ((min_rows,), (4,), (max_rows,)),
+        "src_lengths": ((min_rows,), (4,), (max_rows,)),
     }
     for i in range(n):
         for kind in ("key", "value"):
             dec_io[f"self_{kind}.{i}"] = ("INPUT", f, [-1, H, L, D])
-            dec_profile[f"self_{kind}.{i}"] = ((1, H, lo, D), (4, H, hi, D), (max_rows, H, hi, D))
+            dec_profile[f"self_{kind}.{i}"] = ((min_rows, H, lo, D), (4, H, hi, D), (max_rows, H, hi, D))
             dec_io[f"cross_{kind}.{i}"] = ("INPUT", f, [-1, H, -1, D])
-            dec_profile[f"cross_{kind}.{i}"] = ((1, H, 1, D), (4, H, 8, D), (max_rows, H, max_src, D))
+            dec_profile[f"cross_{kind}.{i}"] = ((min_rows, H, 1, D), (4, H, 8, D), (max_rows, H, max_src, D))
     dec_io["logits"] = (
         "OUTPUT",
         "float32",

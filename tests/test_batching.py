@@ -85,3 +85,30 @@ def test_translate_iterable_first_result_before_the_window_is_done():
 def test_translate_iterable_rejects_a_string():
     with pytest.raises(TypeError, match="not one string"):
         list(translate_iterable(lambda b: b, "abc", length=len))
+
+
+@pytest.mark.parametrize("window", [3, 5, 100])
+def test_translate_iterable_decodes_the_batch_of_the_next_line_first(window):
+    """Each batch decoded holds the first line (in input order) still without a result, so the
+    first result comes after one batch however large the window."""
+    words = [("x" * n) for n in [9, 1, 2, 8, 1, 7, 3, 9, 2, 1, 6]]
+    done: set[int] = set()
+    calls = []
+
+    def translate_batch(batch):
+        calls.append(list(batch))
+        return list(batch)
+
+    indexed = [f"{w}:{i}" for i, w in enumerate(words)]  # each line names its index
+    stream = translate_iterable(
+        translate_batch, indexed, length=lambda s: s.index(":"), max_batch_tokens=9, window=window
+    )
+    assert next(stream) == indexed[0] and len(calls) == 1
+    rest = list(stream)
+    assert [indexed[0]] + rest == indexed
+    for batch in calls:
+        ids = [int(s.split(":")[1]) for s in batch]
+        start = min(ids) // window * window  # the batch's window
+        pending = [i for i in range(start, min(start + window, len(words))) if i not in done]
+        assert pending[0] in ids  # the first line of the window still without a result
+        done.update(ids)

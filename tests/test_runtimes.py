@@ -367,3 +367,24 @@ def _generate(driven, runner, ids, lengths, kw, *, remove_finished):
     return generate(
         driven, ids, lengths, bos_id=info.bos_id, eos_id=info.eos_id, remove_finished=remove_finished, **kw
     )
+
+
+def test_tensorrt_profile_with_a_minimum_batch_keeps_finished_rows(exported):
+    """A decoder profile whose minimum batch is above one row takes no smaller state: the runner
+    offers no ``select``, and the search feeds finished rows instead, with the same results."""
+    from fake_tensorrt import fake_engines
+
+    model = _model(exported)
+    config = _manifest(exported)["model_config"]
+    enc, dec = fake_engines(
+        model, "portable", torch.device("cpu"), [], max_rows=12, max_src=20, cache=(2, 30), min_rows=4
+    )
+    runner = runtimes.TensorRTRunner(enc, dec, config=config, device="cpu")
+    assert runner.select is None and callable(_runner("tensorrt", exported).select)
+    ids, lengths = _ragged_sources(runner)
+    kw = dict(max_new_tokens=RAGGED_BUDGETS, beam_size=4, num_hypotheses=2, length_penalty="average")
+    counted = _RowCounter(runner)
+    got = _generate(counted, runner, ids, lengths, kw, remove_finished=True)
+    assert set(counted.rows) == {12}  # every step on all rows
+    want = _generate(_runner("tensorrt", exported), runner, ids, lengths, kw, remove_finished=True)
+    _assert_same_hyps(got, want)

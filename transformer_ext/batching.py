@@ -2,6 +2,21 @@
 yield results in input order as soon as they are complete (CTranslate2's ``translate_iterable``
 with ``batch_type="tokens"``).
 
+The defaults are chosen by the work a decode does, counted on benchmarks/bench_batching.py's
+5,000 demo lines (greedy; the counts do not depend on the machine): a decode costs one runner
+call per step of each batch (the batch's longest output) and ``rows x steps`` row-steps. Sentence
+batches of 64 over the whole input sorted by length take 79 batches and 2,915 runner calls;
+token batches of 2,048 tokens in windows of 512 lines took 104 batches and 3,941 calls: the
+demo's lines are long (38 tokens on average, at most 47), so 2,048 tokens held about 45 rows,
+and a window of 512 lines sorts (and ends in a part batch) every 512 lines. With windows of
+:data:`DEFAULT_WINDOW` lines and :data:`DEFAULT_MAX_BATCH_TOKENS` tokens (no row cap): 76
+batches and 2,863 calls. Row-steps: a runner with ``select`` drops finished rows, so every
+batching costs each row its own steps (165,217 here); without it the rows of a batch all step
+until its longest output ends: 184,152 for the sentence batches, 186,041 for the old token
+batches, 183,750 with these defaults. A window's batches are decoded in input order (the batch
+holding the window's first line first), so the first results come after one batch however
+large the window.
+
 This module imports no torch: it drives any :class:`~transformer_ext.translator.Translator`.
 """
 
@@ -14,8 +29,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "DEFAULT_WINDOW", "token_batches", "translate_iterable"]
 
-DEFAULT_MAX_BATCH_TOKENS = 2048  # padded source tokens per batch
-DEFAULT_WINDOW = 512  # lines read, sorted and batched together
+DEFAULT_MAX_BATCH_TOKENS = 2560  # padded source tokens per batch (the module docstring says why)
+DEFAULT_WINDOW = 8192  # lines read, sorted and batched together
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -65,9 +80,11 @@ def translate_iterable(
 
     Reads ``window`` lines at a time, measures each (``length``: its number of source tokens),
     groups the window into :func:`token_batches` and calls ``translate_batch`` (a list of lines
-    -> one result per line) on each batch, shortest first; a result is yielded as soon as every
-    line before it has its result, so the first lines come out while the rest of the window is
-    still being translated, and nothing of the input is read before it is needed.
+    -> one result per line) on each batch, in input order (first the batch that holds the
+    window's first line, then the one holding the first line still without a result...); a
+    result is yielded as soon as every line before it has its result, so the first lines come
+    out after one batch while the rest of the window is still being translated, and nothing of
+    the input is read before it is needed.
     """
     window = _check_positive_int("window", window)
     max_batch_tokens = _check_positive_int("max_batch_tokens", max_batch_tokens)
@@ -84,7 +101,8 @@ def translate_iterable(
             return
         results: dict[int, Any] = {}
         next_out = 0
-        for batch in token_batches([length(x) for x in chunk], max_batch_tokens, max_batch_size):
+        batches = token_batches([length(x) for x in chunk], max_batch_tokens, max_batch_size)
+        for batch in sorted(batches, key=min):  # the batch of the next line to yield first
             for i, result in zip(batch, translate_batch([chunk[i] for i in batch]), strict=True):
                 results[i] = result
             while next_out in results:

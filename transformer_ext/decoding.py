@@ -61,6 +61,7 @@ __all__ = [
     "greedy_decode",
     "greedy_advance",
     "beam_search",
+    "check_attention_runner",
     "score",
     "max_new_tokens_for",
     "length_penalty_factor",
@@ -241,6 +242,10 @@ class Hypothesis:
     sum is ``log_prob``. A greedy search run without ``return_scores`` computes no probabilities:
     its hypotheses (as the translator builds them) have ``score``, ``log_prob`` and
     ``token_log_probs`` ``None``.
+    ``attention`` (``return_attention``, else None): one row per token of ``tokens``, the
+    cross-attention of the step that chose it over the source's positions (``src_lengths[b]``
+    values): the last decoder layer's probabilities averaged over its heads, each row summing to 1
+    (see :func:`check_attention_runner`).
     """
 
     tokens: list[int]
@@ -248,6 +253,7 @@ class Hypothesis:
     log_prob: Optional[float]
     finished: bool = True
     token_log_probs: Optional[list[float]] = None
+    attention: Optional[list[list[float]]] = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -801,6 +807,7 @@ def greedy_decode(
     num_hypotheses: int = 1,
     return_scores: bool = False,
     remove_finished: bool = True,
+    return_attention: bool = False,
 ) -> Union[list[list[int]], list[list[Hypothesis]]]:
     """Batched greedy decoding (or random sampling); each row stops at its EOS or its budget.
 
@@ -821,6 +828,8 @@ def greedy_decode(
       ``seed`` (None: fresh entropy) as in :class:`_Sampler`; ``num_hypotheses`` independent
       samples per source (several need sampling: greedy has one hypothesis). The scores are
       log-probabilities of the processed distribution before temperature, top-k and top-p.
+    * ``return_attention``: :class:`Hypothesis` lists whose ``attention`` holds each token's
+      cross-attention (the runner must have ``step_with_attention``: :func:`check_attention_runner`).
 
     A NaN or +inf logit is a RuntimeError naming the step and row. Stops as soon as every row
     is finished. Every step is one batched call: with ``remove_finished`` (the default) and a
@@ -843,7 +852,12 @@ def greedy_decode(
     ids, lengths, max_new, min_new, prefixes = _check_search_inputs(
         input_ids, src_lengths, max_new_tokens, min_new_tokens, target_prefix, eos_id
     )
-    with_scores = bool(return_scores) or n > 1
+    if return_attention:
+        check_attention_runner(runner)
+    attention: Optional[list[list[np.ndarray]]] = (
+        [[] for _ in range(ids.shape[0] * n)] if return_attention else None
+    )
+    with_scores = bool(return_scores) or n > 1 or bool(return_attention)
     steps = int(max_new.max())
     N = ids.shape[0] * n
     outputs: list[list[int]] = [[] for _ in range(N)]
@@ -867,10 +881,11 @@ def greedy_decode(
             eos_id=eos_id,
             steps=steps,
             select=select,
+            attention=attention,
         )
     if not with_scores:
         return outputs
-    return _greedy_results(outputs, log_probs, row_budget, n)
+    return _greedy_results(outputs, log_probs, row_budget, n, attention, np.repeat(lengths, n))
 
 
 def _check_num_hypotheses(num_hypotheses: Any, sampler: Optional[_Sampler]) -> int:
@@ -881,6 +896,21 @@ def _check_num_hypotheses(num_hypotheses: Any, sampler: Optional[_Sampler]) -> i
             "(beam_size >= num_hypotheses): greedy decoding has a single hypothesis"
         )
     return n
+
+
+def check_attention_runner(runner: Any) -> None:
+    """Whether ``runner`` can give the cross-attention of each step (``return_attention``): it
+    has ``step_with_attention(state, tokens) -> (logits [N, V], attention [N, S])``, and no
+    ``attention_unavailable`` reason (an ONNX export without the attention output says which
+    flag exports one). A ValueError in one line otherwise."""
+    if not callable(getattr(runner, "step_with_attention", None)):
+        raise ValueError(
+            f"return_attention: the {type(runner).__name__} runner cannot return attention weights (the eager "
+            "runner and ONNX Runtime on an export made with `python -m export.onnx --attention` can)"
+        )
+    reason = getattr(runner, "attention_unavailable", None)
+    if reason:
+        raise ValueError(f"return_attention: {reason}")
 
 
 def _check_search_inputs(
@@ -902,13 +932,32 @@ def _check_search_inputs(
 
 def _step_logits(runner: Runner, state: Any, tokens: np.ndarray, t: int, procs: _Processors) -> np.ndarray:
     """One ``runner.step`` -> float32 logits ``[N, V]`` (checked; the vocabulary checked at step 0)."""
-    N = tokens.shape[0]
-    logits = np.asarray(runner.step(state, tokens))
+    return _checked_logits(np.asarray(runner.step(state, tokens)), tokens.shape[0], t, procs)
+
+
+def _checked_logits(logits: np.ndarray, N: int, t: int, procs: _Processors) -> np.ndarray:
     if logits.ndim != 2 or logits.shape[0] != N:
         raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({N}, V)")
     if t == 0:
         procs.check_vocab(logits.shape[1])
     return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+
+
+def _step_attention(
+    runner: Runner, state: Any, tokens: np.ndarray, t: int, procs: _Processors, want: bool
+) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """``(logits, attention)``: one step; with ``want`` through ``runner.step_with_attention``
+    (attention float32 ``[N, S]``), else ``runner.step`` (attention None)."""
+    if not want:
+        return _step_logits(runner, state, tokens, t, procs), None
+    logits, attention = runner.step_with_attention(state, tokens)
+    N = tokens.shape[0]
+    attention = np.asarray(attention, dtype=np.float32)
+    if attention.ndim != 2 or attention.shape[0] != N:
+        raise RuntimeError(
+            f"runner.step_with_attention returned attention of shape {attention.shape}, expected ({N}, S)"
+        )
+    return _checked_logits(np.asarray(logits), N, t, procs), attention
 
 
 def _greedy_steps(
@@ -924,13 +973,16 @@ def _greedy_steps(
     eos_id: int,
     steps: int,
     select: Any = None,
+    attention: Optional[list[list[np.ndarray]]] = None,
 ) -> None:
     """The decoding steps of :func:`greedy_decode`: fills ``outputs`` (and ``log_probs``, the
-    chosen tokens' log-probabilities, unless None) in place until every row is finished.
+    chosen tokens' log-probabilities, and ``attention``, each step's cross-attention rows, unless
+    None) in place until every row is finished.
 
     A step's bookkeeping is vectorised over the rows (:func:`greedy_advance`'s rules): an open
     row at step ``t`` holds ``t`` tokens, so its token goes to column ``t`` of ``generated``
-    and its log-probability to column ``t`` of ``chosen_lp``; the lists are filled at the end.
+    and its log-probability to column ``t`` of ``chosen_lp`` (its attention to ``attn_table``);
+    the lists are filled at the end.
     With ``select`` (the runner's), the rows that finish are dropped from the runner's state
     after the step they finish at: ``active`` maps the open rows to the search's rows, and
     ``open_budget`` / ``sequence`` / ``procs`` hold the open rows only."""
@@ -942,12 +994,13 @@ def _greedy_steps(
     n_tokens = np.zeros(N, dtype=np.int64)  # tokens of each row
     n_scored = np.zeros(N, dtype=np.int64)  # log-probabilities of each row (its EOS's included)
     chosen_lp = np.zeros((N, steps)) if log_probs is not None else None
+    attn_table: Optional[np.ndarray] = None  # [N, steps, S] with ``attention``
     finished = row_budget == 0
     active = np.arange(N)
     open_budget = row_budget
     scratch = _Scratch()
     for t in range(steps):
-        x = _step_logits(runner, state, tokens, t, procs)
+        x, attn = _step_attention(runner, state, tokens, t, procs, attention is not None)
         y, next_tokens, forced_rows = _greedy_choose(
             procs, sampler, x, t, sequence[:, : t + 1], None if active.shape[0] == N else (active, N), scratch
         )
@@ -957,6 +1010,10 @@ def _greedy_steps(
             lp = _chosen_log_probs(y, x, next_tokens, forced_rows, scratch)
             chosen_lp[rows, t] = lp[is_open]
             n_scored[rows] = t + 1
+        if attn is not None:
+            if attn_table is None:  # the source length is known at the first step
+                attn_table = np.zeros((N, steps, attn.shape[1]), dtype=np.float32)
+            attn_table[rows, t] = attn[is_open]
         appended = is_open & (next_tokens != eos_id)
         generated[active[appended], t] = next_tokens[appended]
         n_tokens[active[appended]] = t + 1
@@ -974,6 +1031,8 @@ def _greedy_steps(
         outputs[r].extend(generated[r, : n_tokens[r]].tolist())
         if log_probs is not None:
             log_probs[r].extend(chosen_lp[r, : n_scored[r]].tolist())
+        if attention is not None and attn_table is not None:
+            attention[r].extend(attn_table[r, : n_tokens[r]])
 
 
 def _greedy_choose(
@@ -1008,17 +1067,30 @@ def _greedy_choose(
     return y, next_tokens, forced_rows
 
 
+def _attention_rows(rows: Sequence[np.ndarray], tokens: Sequence[int], src_len: int) -> list[list[float]]:
+    """The attention of ``tokens`` (one row each, the EOS's step left out) over the source's
+    ``src_len`` positions, as lists of floats."""
+    return [[float(v) for v in row[: int(src_len)]] for row in rows[: len(tokens)]]
+
+
 def _greedy_results(
-    outputs: list[list[int]], log_probs: list[list[float]], row_budget: np.ndarray, n: int
+    outputs: list[list[int]],
+    log_probs: list[list[float]],
+    row_budget: np.ndarray,
+    n: int,
+    attention: Optional[list[list[np.ndarray]]] = None,
+    src_len: Optional[np.ndarray] = None,
 ) -> list[list[Hypothesis]]:
-    """For each source its ``n`` rows as hypotheses, best score first."""
+    """For each source its ``n`` rows as hypotheses, best score first (with their attention
+    over the ``src_len`` source positions of each row, when ``attention`` is given)."""
     results = []
     for b in range(len(outputs) // n):
         hyps = []
         for r in range(b * n, (b + 1) * n):
             total = float(sum(log_probs[r]))
             done = len(outputs[r]) < int(row_budget[r])  # shorter than its budget: it stopped at an EOS
-            hyps.append(Hypothesis(outputs[r], total, total, done, log_probs[r]))
+            weights = None if attention is None else _attention_rows(attention[r], outputs[r], src_len[r])
+            hyps.append(Hypothesis(outputs[r], total, total, done, log_probs[r], weights))
         hyps.sort(key=lambda h: h.score, reverse=True)
         results.append(hyps)
     return results
@@ -1141,6 +1213,7 @@ def beam_search(
     early_stopping: Union[bool, str, None] = None,
     renormalize_logits: bool = False,
     remove_finished: bool = True,
+    return_attention: bool = False,
 ) -> list[list[Hypothesis]]:
     """Batched beam search -> for every source its ``n_best`` hypotheses, best score first.
 
@@ -1158,6 +1231,8 @@ def beam_search(
     with exponent ``alpha``. The logit-processor options (``decoder_start_id``,
     ``target_prefix``, ``banned_ids``, ``repetition_penalty``, ``no_repeat_ngram_size``,
     ``min_new_tokens``, ``force_eos_at_budget``) are those of :func:`greedy_decode`.
+    ``return_attention``: each hypothesis carries the cross-attention of its tokens
+    (:class:`Hypothesis`), reordered with the beams.
 
     ``length_penalty="hf"`` is transformers' ``generate()`` beam search (``num_beams``,
     ``length_penalty`` = ``alpha``, ``early_stopping``), for imported models to give the tokens
@@ -1202,10 +1277,13 @@ def beam_search(
     ids, lengths, max_new, min_new, prefixes = _check_search_inputs(
         input_ids, src_lengths, max_new_tokens, min_new_tokens, target_prefix, eos_id
     )
+    if return_attention:
+        check_attention_runner(runner)
     B, K = ids.shape[0], int(beam_size)
     steps = int(max_new.max())
     if steps == 0:
-        return [[Hypothesis([], 0.0, 0.0, False, [])] for _ in range(B)]
+        empty = [] if return_attention else None
+        return [[Hypothesis([], 0.0, 0.0, False, [], empty)] for _ in range(B)]
     cache_len = _check_cache_len(cache_len, steps)
     procs = _Processors(
         options, eos_id=eos_id, rows_per_source=K, min_new=min_new, max_new=max_new, prefixes=prefixes
@@ -1223,6 +1301,8 @@ def beam_search(
         max_new=max_new,
         steps=steps,
     )
+    if return_attention:
+        s.src_len = np.repeat(lengths, K)
     return s.run(runner, state, procs, start_id=options.start_id, steps=steps, select=select)
 
 
@@ -1320,6 +1400,10 @@ class _BeamState:
     source_ids: np.ndarray  # [B, 1] arange
     scratch: _Scratch  # [N, V] work buffers of the steps
     search_rows: Optional[np.ndarray] = None  # [N] the search's row of each row (None: identity)
+    # return_attention: each row's source length [N]; history_attn [N, steps, S] the attention
+    # rows of every open beam's tokens (allocated at the first step, reordered with the beams)
+    src_len: Optional[np.ndarray] = None
+    history_attn: Optional[np.ndarray] = None
 
     @classmethod
     def start(cls, *, K: int, max_new: np.ndarray, steps: int, start_id: int, **options) -> _BeamState:
@@ -1363,21 +1447,23 @@ class _BeamState:
         With ``select`` (the runner's) the sources that stopped leave the runner's state."""
         tokens = np.full(self.identity.shape[0], start_id, dtype=np.int64)
         for t in range(steps):
-            x = _step_logits(runner, state, tokens, t, procs)
+            x, attn = _step_attention(runner, state, tokens, t, procs, self.src_len is not None)
+            if attn is not None and self.history_attn is None:
+                self.history_attn = np.zeros((attn.shape[0], steps, attn.shape[1]), dtype=np.float32)
             cols, logp = self.log_probs(procs, x, t)
             ranked = self.rank(cols, logp, x.shape[1])
             beams = self.next_beams(ranked)
             self.finish_eos(ranked, t)
             stop, at_budget = self.stop_test(beams.scores, t + 1)
-            self.close(beams, stop, at_budget, t)
+            self.close(beams, stop, at_budget, t, attn)
             if self.done.all():
                 break
             if select is not None and self.done.any():
-                rows = self.drop_done(beams, select, state, t)
+                rows = self.drop_done(beams, select, state, t, attn)
                 procs = procs.select(rows)
                 tokens = beams.tokens[rows]
             else:
-                self.advance(beams, runner, state, t)
+                self.advance(beams, runner, state, t, attn)
                 tokens = beams.tokens
         return self.final_results()
 
@@ -1475,9 +1561,17 @@ class _BeamState:
             total = float(ranked.score[b, c])
             row = b * K + int(ranked.beam[b, c])
             token_lps = self.history_lp[row, :t].tolist() + [float(ranked.lp[b, c])]
+            weights = None
+            if self.history_attn is not None:  # the EOS's step has no token, so no row
+                weights = self.history_attn[row, :t, : self.src_len[row]].tolist()
             self.finished[b].append(
                 Hypothesis(
-                    self.history[row, :t].tolist(), total / self.penalty(length), total, True, token_lps
+                    self.history[row, :t].tolist(),
+                    total / self.penalty(length),
+                    total,
+                    True,
+                    token_lps,
+                    weights,
                 )
             )
         keep = self.keep
@@ -1511,7 +1605,14 @@ class _BeamState:
         stop |= ~done & ~open_finite & (self.n_finished > 0)
         return stop, at_budget
 
-    def close(self, beams: _NextBeams, stop: np.ndarray, at_budget: np.ndarray, t: int) -> None:
+    def close(
+        self,
+        beams: _NextBeams,
+        stop: np.ndarray,
+        at_budget: np.ndarray,
+        t: int,
+        attn: Optional[np.ndarray] = None,
+    ) -> None:
         """Ends the sources that stop: at the budget their open beams join the candidates as
         unfinished hypotheses; their results are set and their rows emptied (in ``beams``)."""
         K, length = self.K, t + 1
@@ -1522,7 +1623,14 @@ class _BeamState:
                 toks = history[beams.index[r], :t].tolist() + [int(beams.tokens[r])]
                 token_lps = history_lp[beams.index[r], :t].tolist() + [float(beams.lp[r])]
                 s = float(beams.scores[b, k])
-                self.finished[b].append(Hypothesis(toks, s / self.penalty(length), s, False, token_lps))
+                weights = None
+                if attn is not None:  # the new token's row: this step's, of the beam it extends
+                    src = self.src_len[r]
+                    weights = self.history_attn[beams.index[r], :t, :src].tolist()
+                    weights.append(attn[beams.index[r], :src].tolist())
+                self.finished[b].append(
+                    Hypothesis(toks, s / self.penalty(length), s, False, token_lps, weights)
+                )
         for b in np.flatnonzero(stop | at_budget).tolist():
             self.finished[b].sort(key=lambda h: h.score, reverse=True)
             # no hypothesis at all: only reachable if every candidate was -inf throughout
@@ -1534,17 +1642,25 @@ class _BeamState:
             beams.lp[rows] = 0.0
             self.done[b] = True
 
-    def advance(self, beams: _NextBeams, runner: Runner, state: Any, t: int) -> None:
+    def advance(
+        self, beams: _NextBeams, runner: Runner, state: Any, t: int, attn: Optional[np.ndarray] = None
+    ) -> None:
         """The open beams become ``beams``: histories (and the runner's state) reordered."""
         self.beam_scores = beams.scores
         if not np.array_equal(beams.index, self.identity):
             self.history[:, :t] = self.history[beams.index, :t]
             self.history_lp[:, :t] = self.history_lp[beams.index, :t]
+            if attn is not None:
+                self.history_attn[:, :t] = self.history_attn[beams.index, :t]
             runner.reorder(state, beams.index)
         self.history[:, t] = beams.tokens
         self.history_lp[:, t] = beams.lp
+        if attn is not None:  # each new token's row: the step's attention of the beam it extends
+            self.history_attn[:, t] = attn[beams.index]
 
-    def drop_done(self, beams: _NextBeams, select: Any, state: Any, t: int) -> np.ndarray:
+    def drop_done(
+        self, beams: _NextBeams, select: Any, state: Any, t: int, attn: Optional[np.ndarray] = None
+    ) -> np.ndarray:
         """:meth:`advance` for the sources that are not done, whose rows alone stay in the
         runner's state: one ``select`` moves the open beams (the beam reorder) and drops the
         rows of the sources that are done. Returns the rows of ``beams`` that stay."""
@@ -1557,6 +1673,10 @@ class _BeamState:
         self.history_lp = self.history_lp[index]
         self.history[:, t] = beams.tokens[rows]
         self.history_lp[:, t] = beams.lp[rows]
+        if attn is not None:  # as in advance, for the rows that stay
+            self.history_attn = self.history_attn[index]
+            self.history_attn[:, t] = attn[index]
+            self.src_len = self.src_len[index]
         self.beam_scores = beams.scores[keep]
         for name in ("max_new", "max_penalty", "n_finished", "kth_best", "done", "source_of"):
             setattr(self, name, getattr(self, name)[keep])
@@ -1601,6 +1721,7 @@ def generate(
     sampling_topp: float = 1.0,
     sampling_temperature: float = 1.0,
     seed: Optional[int] = None,
+    return_attention: bool = False,
     **options: Any,
 ) -> list[list[Hypothesis]]:
     """For every source its ``num_hypotheses`` hypotheses, best first, whatever the search:
@@ -1638,6 +1759,7 @@ def generate(
             alpha=alpha,
             early_stopping=early_stopping,
             renormalize_logits=renormalize_logits,
+            return_attention=return_attention,
             **options,
         )
     if length_penalty not in LENGTH_PENALTIES:
@@ -1656,6 +1778,7 @@ def generate(
         sampling_temperature=sampling_temperature,
         seed=seed,
         return_scores=True,
+        return_attention=return_attention,
         **options,
     )
 

@@ -60,6 +60,7 @@ __all__ = [
     "BATCH",
     "SRC_LEN",
     "CACHE_LEN",
+    "ATTENTION_OUTPUT",
     # dtypes
     "DType",
     "DTYPES",
@@ -68,6 +69,7 @@ __all__ = [
     "dtype_from_tensorrt",
     # manifest
     "graph_specs",
+    "manifest_attention",
     "read_manifest",
     "io_problems",
     "check_io",
@@ -219,14 +221,29 @@ def _tensor(name: str, dtype: str, shape: Iterable[Any]) -> dict:
     return {"name": name, "dtype": dtype, "shape": list(shape)}
 
 
-def graph_specs(config: Mapping[str, Any], flavour: str = "portable") -> dict:
+# The decoder step's optional output (python -m export.onnx --attention): the last decoder
+# layer's cross-attention averaged over its heads, [batch, src_len] float32.
+ATTENTION_OUTPUT = "attention"
+
+
+def manifest_attention(manifest: Mapping[str, Any]) -> bool:
+    """Whether the export's decoder step has the :data:`ATTENTION_OUTPUT` (the manifest's
+    ``"attention"``; absent in exports made without it and before it existed)."""
+    value = manifest.get("attention", False)
+    if not isinstance(value, bool):
+        raise ManifestError(f"attention must be true or false, got {value!r}")
+    return value
+
+
+def graph_specs(config: Mapping[str, Any], flavour: str = "portable", attention: bool = False) -> dict:
     """Every input and output of both graphs: ``{"encoder": {"inputs": [...], "outputs": [...]},
     "decoder_step": {...}}``, each tensor ``{"name", "dtype", "shape"}`` where a shape entry is an
     int (static) or an axis name (``batch``, ``src_len``, ``cache_len``).
 
     ``config`` is a model config as a dict (``TransformerConfig.to_dict()``). The exporter names
     the graphs from it, validation checks them against it, and the runners check the loaded
-    sessions against the copy in the manifest.
+    sessions against the copy in the manifest. ``attention``: the decoder step also outputs
+    :data:`ATTENTION_OUTPUT` ``[batch, src_len]``, last.
     """
     if flavour not in FLAVOURS:
         raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
@@ -267,6 +284,8 @@ def graph_specs(config: Mapping[str, Any], flavour: str = "portable") -> dict:
             for i in range(layers)
             for kind in ("key", "value")
         ]
+    if attention:
+        outputs.append(_tensor(ATTENTION_OUTPUT, "float32", [BATCH, SRC_LEN]))
     return {"encoder": encoder, "decoder_step": {"inputs": inputs, "outputs": outputs}}
 
 
@@ -416,7 +435,11 @@ def read_manifest(directory: str | os.PathLike, *, verify: bool = False) -> dict
         ):
             raise ManifestError(f"{path}: graphs.{graph} must list its inputs and outputs")
     try:
-        expected = graph_specs(config, manifest["flavour"])
+        attention = manifest_attention(manifest)
+    except ManifestError as exc:
+        raise ManifestError(f"{path}: {exc}") from None
+    try:
+        expected = graph_specs(config, manifest["flavour"], attention)
     except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise ManifestError(f"{path}: model_config is invalid ({exc})") from exc
     if graphs != expected:

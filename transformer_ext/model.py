@@ -437,8 +437,12 @@ class DecoderLayer(nn.Module):
         cross_value: torch.Tensor,  # [B, H, S, d_k]
         fused_qkv: Optional[tuple] = None,  # (W_QKV, b_QKV): one GEMM for Q/K/V (inference only)
         kernel_linear: bool = False,  # ops.linear instead of F.linear (inference only)
+        attention: Optional[list] = None,  # given: the head-averaged cross-attention is appended
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoding step -> ``(x [B, 1, d_model], new_key, new_value [B, H, 1, d_k])``.
+
+        ``attention``: a list, to which the step appends its cross-attention probabilities
+        averaged over the heads, float32 ``[B, S]`` (zero at padded source positions).
 
         The same computation as :meth:`forward` for one new token (eval mode: no dropout),
         written with functional ops over :meth:`step_weights`: a decoder step is ~40 small ops
@@ -478,6 +482,12 @@ class DecoderLayer(nn.Module):
 
         def cross_attention(h: torch.Tensor) -> torch.Tensor:
             q = linear(h, w.cross_q_weight, w.cross_q_bias).view(B, H, 1, d_k)
+            if attention is not None:  # the probabilities decode_attention uses, made visible
+                S = cross_key.shape[2]
+                keep = torch.arange(S, device=src_lengths.device)[None, :] < src_lengths[:, None]  # [B, S]
+                scores = torch.matmul(q, cross_key.transpose(-2, -1))  # [B, H, 1, S]
+                probs = ops.masked_softmax(scores, keep[:, None, None, :], scale, False)
+                attention.append(probs.float().mean(dim=1)[:, 0])  # [B, S]
             out = ops.decode_attention(q, cross_key, cross_value, src_lengths, scale)
             return linear(out.reshape(B, 1, D), w.cross_o_weight, w.cross_o_bias)
 
@@ -730,7 +740,8 @@ class Transformer(nn.Module):
         cross_keys: list[torch.Tensor],  # per layer [B, H, S, d_k]
         cross_values: list[torch.Tensor],  # per layer [B, H, S, d_k]
         fused_qkv: Optional[list[tuple]] = None,  # from fused_qkv(): one Q/K/V GEMM per layer
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        return_attention: bool = False,
+    ) -> tuple:
         """One decoder step for one new token per row; a pure function (writes nothing).
 
         The token at ``positions[b]`` attends to self-attention cache entries
@@ -746,6 +757,11 @@ class Transformer(nn.Module):
         ``fused_qkv`` (the output of :meth:`fused_qkv`, made after the last parameter update) lets
         inference project Q/K/V with one GEMM per layer; it is ignored with autograd on, in
         training mode and when exporting, where the separate projections run.
+
+        ``return_attention``: a fourth result, the cross-attention probabilities of the last
+        decoder layer averaged over its heads, float32 ``[B, S]`` (each row sums to 1 over the
+        source's ``src_lengths[b]`` positions, zeros after), as CTranslate2's
+        ``return_attention``.
         """
         x = self.tgt_embed(input_ids) + self.tgt_pe.at(positions).unsqueeze(1).to(
             self.tgt_embed.lut.weight.dtype
@@ -755,6 +771,8 @@ class Transformer(nn.Module):
         kernel_linear = inference_kernels(self)
         if not kernel_linear:
             fused_qkv = None
+        attention: list[torch.Tensor] = []
+        last = len(self.decoder.layers) - 1
         for i, layer in enumerate(self.decoder.layers):
             x, k_new, v_new = layer.step(
                 x,
@@ -766,6 +784,7 @@ class Transformer(nn.Module):
                 cross_values[i],
                 None if fused_qkv is None else fused_qkv[i],
                 kernel_linear,
+                attention if return_attention and i == last else None,
             )
             new_keys.append(k_new)
             new_values.append(v_new)
@@ -775,4 +794,6 @@ class Transformer(nn.Module):
             logits = ops.linear(x[:, 0], proj.weight, proj.bias).float()  # [B, V]
         else:
             logits = self.generator(x[:, 0]).float()  # [B, V]
+        if return_attention:
+            return logits, new_keys, new_values, attention[0]
         return logits, new_keys, new_values

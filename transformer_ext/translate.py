@@ -55,7 +55,6 @@ from .export_format import MANIFEST_NAME
 from .fsutil import atomic_write_text, check_output_path
 from .text import check_argument_text, iter_stream_lines
 from .translator import (
-    DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_LEN_A,
     DEFAULT_MAX_LEN_B,
     LENGTH_PENALTIES,
@@ -203,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=DEFAULT_BATCH_SIZE,
-        help=f"sources decoded together (default {DEFAULT_BATCH_SIZE})",
+        default=None,
+        metavar="N",
+        help="at most N sources decoded together (default: as many as --max-batch-tokens holds)",
     )
     search = parser.add_argument_group("decoding controls")
     search.add_argument(
@@ -260,14 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_BATCH_TOKENS,
         metavar="N",
-        help=f"padded source tokens per batch (default {DEFAULT_MAX_BATCH_TOKENS}); --batch-size caps the rows",
+        help=f"padded source tokens per batch (default {DEFAULT_MAX_BATCH_TOKENS}); --batch-size also caps "
+        "the sources",
     )
     inputs.add_argument(
         "--window",
         type=int,
         default=DEFAULT_WINDOW,
         metavar="N",
-        help=f"lines read and sorted by length together (default {DEFAULT_WINDOW})",
+        help=f"lines read and sorted by length together (default {DEFAULT_WINDOW}; a window's batches are "
+        "decoded in input order, so output starts after one batch; from an interactive pipe, --window 1 "
+        "translates each line as it arrives)",
     )
     inputs.add_argument(
         "--strict",
@@ -335,7 +338,7 @@ def _check_options(parser: argparse.ArgumentParser, args, stdin) -> None:
         and args.sampling_topk in (None, 1)
     ):
         parser.error(f"--n-best must be between 1 and --beam ({args.beam}), got {args.n_best}")
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     for option, value, low in (
         ("--max-batch-tokens", args.max_batch_tokens, 1),

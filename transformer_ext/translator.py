@@ -146,6 +146,11 @@ class Translation(str):
     def score(self) -> Optional[float]:
         return self.hypotheses[0].score
 
+    @property
+    def attention(self) -> Optional[list[list[float]]]:
+        """The best hypothesis' attention (``return_attention``), else None."""
+        return self.hypotheses[0].attention
+
 
 @dataclass(frozen=True)
 class TargetScore:
@@ -212,6 +217,7 @@ OPTION_NAMES = (
     "min_length",
     "max_length",
     "return_scores",
+    "return_attention",
     "strict",
     "long_lines",
 )
@@ -728,9 +734,14 @@ class Translator:
             decoding._check_options(bos_id=self.bos_id, eos_id=self.eos_id, **search)
         except (TypeError, ValueError) as exc:
             raise TranslationError(str(exc)) from None
-        for name in ("return_scores", "strict"):
+        for name in ("return_scores", "return_attention", "strict"):
             if given[name] is not None and not isinstance(given[name], bool):
                 raise TranslationError(f"{name} must be True or False, got {given[name]!r}")
+        if given["return_attention"]:
+            try:
+                decoding.check_attention_runner(self.runner)
+            except ValueError as exc:
+                raise TranslationError(str(exc)) from None
         long_lines = given["long_lines"] if given["long_lines"] is not None else "error"
         if long_lines not in LONG_LINES:
             raise TranslationError(f"long_lines must be one of {LONG_LINES}, got {long_lines!r}")
@@ -747,6 +758,7 @@ class Translator:
             search=search,
             forced_prefix=list(getattr(g, "forced_prefix", None) or ()),
             return_scores=bool(given["return_scores"]),
+            return_attention=bool(given["return_attention"]),
             strict=True if given["strict"] is None else given["strict"],
             long_lines=long_lines,
             explicit_budget=explicit_budget,
@@ -874,6 +886,10 @@ class Translator:
           ``sampling_temperature``, ``seed``: random sampling (beam size 1);
         * ``repetition_penalty``, ``no_repeat_ngram_size``: see :mod:`transformer_ext.decoding`;
         * ``return_scores``: greedy hypotheses with scores (beam search and sampling always have them);
+        * ``return_attention``: each hypothesis' ``attention``, one row per token over the encoded
+          source (the last decoder layer's cross-attention averaged over its heads, as
+          CTranslate2's): the eager runner, and ONNX Runtime on an export made with
+          ``python -m export.onnx --attention``; other runners refuse it (:class:`TranslationError`);
         * ``strict`` (True): an empty source or one with characters outside the vocabulary is an
           error; False translates it (empty, or with the unknown token; one warning);
           ``long_lines``: "error" (default) or "truncate" for sources longer than the model's positions;
@@ -915,7 +931,10 @@ class Translator:
         results: list[Optional[Translation]] = [None] * len(encoded)
         for i, ids in enumerate(encoded):
             if not ids:  # an empty source (strict=False): the empty translation
-                results[i] = Translation(sources[i], [""], [Hypothesis([], None, None, True)])
+                attention = [] if opts["return_attention"] else None
+                results[i] = Translation(
+                    sources[i], [""], [Hypothesis([], None, None, True, None, attention)]
+                )
         todo = [i for i in range(len(encoded)) if encoded[i]]
         order = sorted(todo, key=lambda i: len(encoded[i]))  # similar lengths together
         batches = [order[start : start + size] for start in range(0, len(order), size)]
@@ -992,7 +1011,12 @@ class Translator:
             **opts["search"],
         )
         n_best = opts["n_best"]
-        if opts["beam_size"] == 1 and opts["sampling"] is None and not opts["return_scores"]:
+        if (
+            opts["beam_size"] == 1
+            and opts["sampling"] is None
+            and not opts["return_scores"]
+            and not opts["return_attention"]
+        ):
             out = decoding.greedy_decode(self.runner, input_ids, lengths, **common)
             # a row shorter than its budget stopped at an EOS
             hyps = [
@@ -1017,6 +1041,7 @@ class Translator:
             **(opts["sampling"] or {}),
             **extra,
             **common,
+            return_attention=opts["return_attention"],
         )
         return [
             Translation("", [tok.decode_target(h.tokens) for h in row[:n_best]], list(row[:n_best]))
@@ -1037,8 +1062,10 @@ class Translator:
         batches of at most ``max_batch_tokens`` padded source tokens, and yield one
         :class:`Translation` per line in input order as soon as it and every line before it are
         done (:func:`transformer_ext.batching.translate_iterable`). ``options`` as for
-        :meth:`translate` (``batch_size`` caps the rows of a batch); one warning for the whole
-        input when ``strict=False`` or ``long_lines="truncate"`` changed lines.
+        :meth:`translate`; ``batch_size`` (given here or to the translator) caps the sources of a
+        batch, which are otherwise bounded only by ``max_batch_tokens`` and the runner's limits;
+        one warning for the whole input when ``strict=False`` or ``long_lines="truncate"``
+        changed lines.
         """
         from .batching import translate_iterable
 
@@ -1063,14 +1090,15 @@ class Translator:
                 batch, target_prefix=target_prefix, _report=quiet, **{**options, "batch_size": len(batch)}
             )
 
-        size = self._batch_size(opts["batch_size"], opts["beam_size"])
+        capped = options.get("batch_size") is not None or self._options["batch_size"] is not None
+        size = self._batch_size(opts["batch_size"] if capped else sys.maxsize, opts["beam_size"])
         try:
             yield from translate_iterable(
                 translate_batch,
                 lines,
                 length=length,
                 max_batch_tokens=max_batch_tokens,
-                max_batch_size=size,
+                max_batch_size=size if size < sys.maxsize else None,
                 window=window,
             )
         finally:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from transformer_ext import decoding
-from transformer_ext.export_format import DTYPES, ExportError
+from transformer_ext.export_format import ATTENTION_OUTPUT, DTYPES, ExportError
 
 from .info import RunnerInfo
 from .kv_cache import CacheStateViews, KVCache
@@ -113,13 +113,17 @@ def encoder_bindings(
     return b
 
 
-def decoder_bindings(state: DeviceState, flavour: str) -> dict[str, torch.Tensor]:
+def decoder_bindings(
+    state: DeviceState, flavour: str, io: Optional[Mapping[str, Any]] = None
+) -> dict[str, torch.Tensor]:
     """Tensor name -> buffer for every decoder step of ``state``.
 
     ``portable``: the new token's K/V go to ``new_key.{i}`` / ``new_value.{i}`` buffers that the
     runner appends to the caches. ``tensorscatter``: ``present_key.{i}`` is bound to the very
     buffer bound as ``self_key.{i}`` (TensorRT's KV-cache update layer and ONNX Runtime's
-    in-place ``TensorScatter`` require one buffer for both).
+    in-place ``TensorScatter`` require one buffer for both). ``io``: the graph's tensors; when it
+    has the optional ``attention`` output (an export made with ``--attention``), a scratch buffer
+    ``[N, S]`` receives it (these runners do not return attention).
     """
     if flavour not in ("portable", "tensorscatter"):
         raise ValueError(f"flavour must be 'portable' or 'tensorscatter', got {flavour!r}")
@@ -140,6 +144,11 @@ def decoder_bindings(state: DeviceState, flavour: str) -> dict[str, torch.Tensor
         else:
             b[f"present_key.{i}"] = state.self_keys[i]
             b[f"present_value.{i}"] = state.self_values[i]
+    if io is not None and ATTENTION_OUTPUT in io:
+        N, _, S, _ = state.cross_keys[0].shape
+        b[ATTENTION_OUTPUT] = state.backend.setdefault(
+            ATTENTION_OUTPUT, torch.zeros(N, S, dtype=torch.float32, device=state.logits.device)
+        )
     return b
 
 

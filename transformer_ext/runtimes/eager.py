@@ -196,6 +196,14 @@ class EagerRunner:
         return EagerState(lengths, cross_keys, cross_values, cache, fused_qkv)
 
     def step(self, state: EagerState, tokens: np.ndarray) -> np.ndarray:
+        return self._step(state, tokens, False)[0]
+
+    def step_with_attention(self, state: EagerState, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`step` that also returns the step's cross-attention, float32 ``[N, S]``: the
+        last decoder layer's probabilities averaged over its heads (``return_attention``)."""
+        return self._step(state, tokens, True)
+
+    def _step(self, state: EagerState, tokens: np.ndarray, attention: bool):
         N = state.num_rows
         cache = state.cache
         ids = _to_device(
@@ -206,7 +214,7 @@ class EagerRunner:
         )
         with torch.inference_mode():
             positions = cache.begin_step()  # every row (and layer) at the same position
-            logits, new_keys, new_values = self._run_decode_step(
+            outputs = self._run_decode_step(
                 ids.view(N, 1),
                 positions,
                 state.src_lengths,
@@ -215,11 +223,14 @@ class EagerRunner:
                 state.cross_keys,
                 state.cross_values,
                 state.fused_qkv,
+                *((True,) if attention else ()),
             )
+            logits, new_keys, new_values = outputs[:3]
             cache.append_(new_keys, new_values)
             out = logits.cpu().numpy()  # synchronises: the cache's error flag is then on the host
+            weights = outputs[3].cpu().numpy() if attention else None
         cache.end_step()
-        return out
+        return out, weights
 
     def reorder(self, state: EagerState, beam_index: np.ndarray) -> None:
         with torch.inference_mode():

@@ -35,6 +35,7 @@ import onnxruntime as ort
 
 from transformer_ext import decoding
 from transformer_ext.export_format import (
+    ATTENTION_OUTPUT,
     DECODER_FILE,
     ENCODER_FILE,
     MANIFEST_NAME,
@@ -76,6 +77,7 @@ class OrtState(CacheStateViews):
     # stacked buffers the portable graph writes the new K/V into.
     cache: HostKVCache
     logits: np.ndarray  # [N, V] float32, written by every step
+    attention: Optional[np.ndarray] = None  # [N, S] float32, an export with the attention output
 
 
 def _io(values) -> list[dict]:
@@ -168,6 +170,8 @@ class OrtRunner(decoding.SearchMethods):
             _io(self.decoder.get_outputs()),
         )
         self._encoder_outputs = [o["name"] for o in graphs["encoder"]["outputs"]]
+        # An export made with --attention: the decoder step's optional output "attention"
+        self.has_attention = any(o["name"] == ATTENTION_OUTPUT for o in graphs["decoder_step"]["outputs"])
         if any(p != "CPUExecutionProvider" for p in self.decoder.get_providers()):
             logger.warning(
                 "providers %s: the runner's buffers live in host memory, so ONNX Runtime copies them "
@@ -241,6 +245,7 @@ class OrtRunner(decoding.SearchMethods):
                 staging=info.flavour == "portable",
             ),
             logits=np.zeros((N, info.tgt_vocab_size), dtype=np.float32),
+            attention=np.zeros((N, S), dtype=np.float32) if self.has_attention else None,
         )
         self._bind(state)
         return state
@@ -258,6 +263,8 @@ class OrtRunner(decoding.SearchMethods):
         bind_in("positions", state.positions)
         bind_in("src_lengths", state.src_lengths)
         bind_out("logits", state.logits)
+        if state.attention is not None:
+            bind_out(ATTENTION_OUTPUT, state.attention)
         portable = self.info.flavour == "portable"
         for i in range(self.info.n_layers):
             bind_in(f"self_key.{i}", state.self_keys[i])
@@ -286,6 +293,26 @@ class OrtRunner(decoding.SearchMethods):
         cache.end_step()
         return state.logits.copy()
 
+    @property
+    def attention_unavailable(self) -> Optional[str]:
+        """Why :meth:`step_with_attention` cannot run (an export without the attention output), or None."""
+        if self.has_attention:
+            return None
+        return (
+            f"the export {self.export_dir} has no attention output: export it with "
+            "`python -m export.onnx --attention` (export_onnx(..., attention=True))"
+        )
+
+    def step_with_attention(self, state: OrtState, tokens: Any) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`step` that also returns the graph's ``attention`` output ``[N, S]`` (the last
+        decoder layer's cross-attention averaged over its heads); an export without it is a
+        ValueError naming the flag that adds it."""
+        reason = self.attention_unavailable
+        if reason:
+            raise ValueError(reason)
+        logits = self.step(state, tokens)
+        return logits, state.attention.copy()
+
     def reorder(self, state: OrtState, beam_index: Any) -> None:
         """Row ``r`` of every self-attention cache becomes old row ``beam_index[r]`` (valid prefix only)."""
         state.cache.reorder_(beam_index)
@@ -303,5 +330,7 @@ class OrtRunner(decoding.SearchMethods):
         state.cross_values = [np.ascontiguousarray(v[index]) for v in state.cross_values]
         state.input_ids, state.positions = state.input_ids[:M], state.positions[:M]
         state.logits = state.logits[:M]
+        if state.attention is not None:
+            state.attention = state.attention[:M]
         state.binding = self.decoder.io_binding()
         self._bind(state)

@@ -266,6 +266,11 @@ class OrtCudaRunner(DeviceRunner):
         binding = state.backend.get("ort_binding")
         if binding is None:  # bound once per decoding: every step reuses the same buffers
             binding = self.decoder.io_binding()
-            self._bind(binding, self.decoder_io, decoder_bindings(state, self.info.flavour), "decoder")
+            self._bind(
+                binding,
+                self.decoder_io,
+                decoder_bindings(state, self.info.flavour, self.decoder_io),
+                "decoder",
+            )
             state.backend["ort_binding"] = binding
         self.decoder.run_with_iobinding(binding)

@@ -137,6 +137,7 @@ class TensorRTRunner(DeviceRunner):
                 f"{dec['self_key.0']['dtype']}: engines of different precisions?"
             )
         rows = _profile_dim(decoder_engine, "input_ids", 0)
+        self._min_rows = rows[0]  # the decoder profile's minimum batch
         sources = _profile_dim(encoder_engine, "input_ids", 0)
         src = _profile_dim(encoder_engine, "input_ids", 1)
         cross_src = _profile_dim(decoder_engine, "cross_key.0", 2)
@@ -244,6 +245,12 @@ class TensorRTRunner(DeviceRunner):
         runner._runtime = runtime  # keep the runtime alive as long as its engines
         return runner
 
+    @property
+    def select(self):
+        """:meth:`DeviceRunner.select`, or None when the decoder profile's minimum batch exceeds
+        one row (a state of fewer rows would not fit it: the searches then feed finished rows)."""
+        return None if self._min_rows > 1 else super().select
+
     # ---------------------------------------------------------------- binding
 
     def _bind(
@@ -295,7 +302,10 @@ class TensorRTRunner(DeviceRunner):
         token = state.backend.setdefault("tensorrt_token", object())
         if self._bound_token is not token:  # addresses and shapes are set once per decoding
             self._bind(
-                self.decoder_context, self.decoder_io, decoder_bindings(state, self.info.flavour), "decoder"
+                self.decoder_context,
+                self.decoder_io,
+                decoder_bindings(state, self.info.flavour, self.decoder_io),
+                "decoder",
             )
             self._bound_token = token
         self._execute(self.decoder_context, "decoder step")
