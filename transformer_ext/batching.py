@@ -4,18 +4,20 @@ with ``batch_type="tokens"``).
 
 The defaults are chosen by the work a decode does, counted on benchmarks/bench_batching.py's
 5,000 demo lines (greedy; the counts do not depend on the machine): a decode costs one runner
-call per step of each batch (the batch's longest output) and ``rows x steps`` row-steps. Sentence
-batches of 64 over the whole input sorted by length take 79 batches and 2,915 runner calls;
-token batches of 2,048 tokens in windows of 512 lines took 104 batches and 3,941 calls: the
-demo's lines are long (38 tokens on average, at most 47), so 2,048 tokens held about 45 rows,
-and a window of 512 lines sorts (and ends in a part batch) every 512 lines. With windows of
-:data:`DEFAULT_WINDOW` lines and :data:`DEFAULT_MAX_BATCH_TOKENS` tokens (no row cap): 76
-batches and 2,863 calls. Row-steps: a runner with ``select`` drops finished rows, so every
-batching costs each row its own steps (165,217 here); without it the rows of a batch all step
-until its longest output ends: 184,152 for the sentence batches, 186,041 for the old token
-batches, 183,750 with these defaults. A window's batches are decoded in input order (the batch
-holding the window's first line first), so the first results come after one batch however
-large the window.
+call per step of each batch (the batch's longest output) and ``rows x steps`` row-steps.
+Sentence batches of 64 over the whole input sorted by length take 79 batches and 2,915 runner
+calls; token batches of 2,048 tokens in windows of 512 lines took 104 batches and 3,941 calls:
+the demo's lines are long (38 tokens on average, at most 47), so 2,048 tokens held about 45
+rows, and a window of 512 lines sorts (and ends in a part batch) every 512 lines. With windows
+of :data:`DEFAULT_WINDOW` lines and :data:`DEFAULT_MAX_BATCH_TOKENS` tokens (no row cap): 48
+batches and 1,826 calls (2,560 tokens: 76 and 2,863). Row-steps: a runner with ``select`` drops
+finished rows, so every batching costs each row its own steps (165,217 here); without it the
+rows of a batch all step until its longest output ends (184,152 for the sentence batches). Timed
+on a quiet 2-core Xeon (benchmarks/results/bench_batching*.json), 4,096-token batches translate
+those lines 1.32x faster than sentence batches of 64 on the eager runner and 1.09x through ONNX
+Runtime (2,560 tokens: 0.98x eager), so fewer, larger batches win on the CPU. A window's batches
+are decoded in input order (the batch holding the window's first line first), so the first
+results come after one batch however large the window.
 
 This module imports no torch: it drives any :class:`~transformer_ext.translator.Translator`.
 """
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "DEFAULT_WINDOW", "token_batches", "translate_iterable"]
 
-DEFAULT_MAX_BATCH_TOKENS = 2560  # padded source tokens per batch (the module docstring says why)
+DEFAULT_MAX_BATCH_TOKENS = 4096  # padded source tokens per batch (the module docstring says why)
 DEFAULT_WINDOW = 8192  # lines read, sorted and batched together
 
 
