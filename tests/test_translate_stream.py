@@ -58,6 +58,35 @@ def test_first_line_is_printed_before_the_last_batch_is_decoded(monkeypatch):
     assert stdout.batches_at_first_write <= 2 < len(batches)
 
 
+def test_a_5000_line_input_prints_after_its_first_batch_with_the_default_settings(monkeypatch):
+    """Issue 23's target: with the CLI's defaults (one window holding the whole input, token
+    batches), the first line is written after one decoded batch of many."""
+    import random
+
+    from transformer_ext import data
+
+    rng = random.Random(0)
+    lines = [data.source_text(rng.randint(0, 9_999)) for _ in range(5000)]
+    batches = []
+    decode = translate.Translator._decode_batch
+
+    def counted(self, encoded, *args, **kwargs):
+        batches.append(len(encoded))
+        return decode(self, encoded, *args, **kwargs)
+
+    monkeypatch.setattr(translate.Translator, "_decode_batch", counted)
+    stdout = Stdout(batches)
+    assert main([], stdin=Stdin(lines), stdout=stdout) == 0
+    out = stdout.getvalue().splitlines()
+    assert len(out) == 5000 and sum(batches) == 5000
+    assert stdout.batches_at_first_write == 1 < len(batches), (stdout.batches_at_first_write, len(batches))
+    # spot-check lines against a translator decoding them on their own
+    picks = [0, 1, 2499, 4999]
+    assert [out[i] for i in picks] == translate.Translator.from_model_dir(None).translate_text(
+        [lines[i] for i in picks]
+    )
+
+
 def test_progress_lines_on_stderr_when_piped(monkeypatch, capsys):
     monkeypatch.setattr(translate, "PROGRESS_SECONDS", 0.0)
     stdin = Stdin(LINES[:3])
