@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 LINES = ["seven", "forty-two", "one thousand and one", "three hundred", "nineteen", "five", "eighty", "two"]
 
 
-def test_first_line_is_printed_before_the_last_batch_is_decoded(monkeypatch):
+def _count_batches(monkeypatch) -> list:
+    """The sizes of the batches the translator decodes, appended as each is decoded."""
     batches = []
     decode = translate.Translator._decode_batch
 
@@ -52,6 +53,11 @@ def test_first_line_is_printed_before_the_last_batch_is_decoded(monkeypatch):
         return decode(self, encoded, *args, **kwargs)
 
     monkeypatch.setattr(translate.Translator, "_decode_batch", counted)
+    return batches
+
+
+def test_first_line_is_printed_before_the_last_batch_is_decoded(monkeypatch):
+    batches = _count_batches(monkeypatch)
     stdout = Stdout(batches)
     assert main(["--window", "2"], stdin=Stdin(LINES), stdout=stdout) == 0
     assert stdout.getvalue().splitlines() == translate.Translator.from_model_dir(None).translate_text(LINES)
@@ -67,14 +73,7 @@ def test_a_5000_line_input_prints_after_its_first_batch_with_the_default_setting
 
     rng = random.Random(0)
     lines = [data.source_text(rng.randint(0, 9_999)) for _ in range(5000)]
-    batches = []
-    decode = translate.Translator._decode_batch
-
-    def counted(self, encoded, *args, **kwargs):
-        batches.append(len(encoded))
-        return decode(self, encoded, *args, **kwargs)
-
-    monkeypatch.setattr(translate.Translator, "_decode_batch", counted)
+    batches = _count_batches(monkeypatch)
     stdout = Stdout(batches)
     assert main([], stdin=Stdin(lines), stdout=stdout) == 0
     out = stdout.getvalue().splitlines()
