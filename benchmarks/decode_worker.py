@@ -17,6 +17,16 @@ Request: ``("decode", mode, input_ids, src_lengths, n_tokens)`` with mode ``"gre
 without length penalty; answer ``("done", (tokens, seconds))``, ``tokens`` the best hypothesis per
 source, ``seconds`` the decode's wall time measured here.
 
+Spec ``"task": "lines"`` (``ctranslate2`` and ``onnxrt`` only; benchmarks/bench_small_model.py):
+the worker translates text instead. Request ``("translate", lines, options)``; answer ``("done",
+(outputs, cpu_seconds, wall_seconds))``, ``outputs`` one ``(token ids, text)`` per line, the
+seconds the process's CPU time and the wall time of the whole call (tokenization included). The
+``onnxrt`` worker runs ``Translator.from_export_dir(model).translate_iterable`` (the translate
+CLI's path) with ``options["max_batch_tokens"]``; the ``ctranslate2`` one tokenizes with the
+tokenizer in ``spec["tokenizer"]`` (a folder holding ours), runs ``translate_iterable`` in token
+batches of ``options["max_batch_tokens"]``, greedy, ``max_decoding_length`` =
+``options["max_decoding_length"]``, and detokenizes with the same tokenizer.
+
 The ``transformers`` (PyTorch ``generate``) and ``optimum`` (``ORTModelForSeq2SeqLM.generate``)
 workers read a Hugging Face folder; the parent may start them with another environment's python
 (benchmarks/bench_pretrained.py): this file imports nothing of the package at module level.
@@ -191,6 +201,55 @@ def _optimum(spec):
     return _generate(model, spec)
 
 
+def _ct2_lines(spec):
+    """Text in, text out through CTranslate2 (``"task": "lines"``): our tokenizer both ways."""
+    import ctranslate2
+
+    from transformer_ext.text import normalize_text
+    from transformer_ext.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(spec["tokenizer"])
+    translator = ctranslate2.Translator(
+        spec["model"], device="cpu", compute_type=spec["compute_type"], intra_threads=int(spec["threads"])
+    )
+    specials = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}  # the conversion's (bench_decode._ct2_spec)
+
+    def target(t):
+        return specials[t] if t in specials else int(t[1:])
+
+    def translate(lines, options):
+        source = ([f"s{i}" for i in tokenizer.encode_source(normalize_text(line))] for line in lines)
+        results = translator.translate_iterable(
+            source,
+            max_batch_size=int(options["max_batch_tokens"]),
+            batch_type="tokens",
+            beam_size=1,
+            max_decoding_length=int(options["max_decoding_length"]),
+        )
+        out = []
+        for r in results:
+            ids = [target(t) for t in r.hypotheses[0]]
+            out.append((ids, tokenizer.decode_target(ids)))
+        return out
+
+    return translate
+
+
+def _onnxrt_lines(spec):
+    """Text in, text out through our Translator on an export folder (``"task": "lines"``)."""
+    from transformer_ext.translator import Translator
+
+    translator = Translator.from_export_dir(spec["model"], threads=int(spec["threads"]))
+
+    def translate(lines, options):
+        stream = translator.translate_iterable(lines, max_batch_tokens=int(options["max_batch_tokens"]))
+        return [(t.tokens, str(t)) for t in stream]
+
+    return translate
+
+
+LINE_BUILDERS = {"ctranslate2": _ct2_lines, "onnxrt": _onnxrt_lines}
+
 BUILDERS = {
     "ctranslate2": _ctranslate2,
     "onnxrt": _onnxrt,
@@ -213,7 +272,8 @@ def main() -> int:
     try:
         spec = json.loads(sys.argv[1])
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-        decode = BUILDERS[spec["engine"]](spec)
+        lines_task = spec.get("task") == "lines"
+        decode = (LINE_BUILDERS if lines_task else BUILDERS)[spec["engine"]](spec)
         torch_imported = "torch" in sys.modules
         if spec.get("forbid_torch") and torch_imported:
             raise RuntimeError(f"the {spec['engine']} worker imported torch; it must load only its engine")
@@ -235,6 +295,11 @@ def main() -> int:
             msg = pickle.load(proto_in)
             if msg[0] == "stop":
                 return 0
+            if msg[0] == "translate":
+                c0, t0 = time.process_time(), time.perf_counter()
+                outputs = decode(msg[1], msg[2])
+                send(("done", (outputs, time.process_time() - c0, time.perf_counter() - t0)))
+                continue
             _, mode, src, lengths, n = msg
             t0 = time.perf_counter()
             tokens = decode(mode, src, lengths, n)

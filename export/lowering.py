@@ -6,10 +6,11 @@ the exported graphs run on ONNX Runtime (CPU/CUDA) and TensorRT without plugins.
 
 * :func:`masked_softmax` -> ``Where`` / ``Softmax`` / ``Where`` (bool mask and/or a causal mask
   built from ``Range`` + ``LessOrEqual``; fully masked rows become zeros, never NaN).
-* :func:`decode_attention` -> one ``MatMul`` per score block: the scores over the cache
-  (``q . K_cache^T``) and the score of the new token (``q . k_new^T``) are concatenated, never the
-  cache tensors; cache entries at or beyond ``lengths[b]`` are masked with a bool comparison
-  (``Range(L) < lengths``), then ``Softmax`` and two ``MatMul``s weight the values.
+* :func:`decode_attention` -> a ``MatMul`` for the scores over the cache (``q . K_cache^T``)
+  and ``Mul`` + ``ReduceSum`` for the new token's own score (``q . k_new``), concatenated (the
+  cache tensors never are); cache entries at or beyond ``lengths[b]`` get an additive ``-inf``
+  bias built from one bool comparison (``Range(L) < lengths``), then ``Softmax``, a ``MatMul``
+  over the cached values and a ``Mul`` for the new value.
 * :func:`kv_cache_update` (the functional twin of ``kv_cache_append_``, registered here as the
   custom op ``transformer_ext_export::kv_cache_update``) -> opset-24 ``TensorScatter`` with
   the literal ``axis=-2``, for the ``tensorscatter`` flavour.
@@ -128,16 +129,22 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float, k_new=None, v_n
     Scores and weights are float32; the output has the dtype of ``q``.
     """
     scale_c = _scalar(scale)
-    # [B, H, 1, L]: the scores over the cache, masked by position with one bool comparison.
+    # [B, H, 1, L]: the scores over the cache, masked by position with one bool comparison turned
+    # into an additive bias [B, 1, 1, L]. The mask and the bias depend only on the cache length and
+    # ``lengths``, so every layer's are the same subgraph and ONNX Runtime computes them once per
+    # step; adding a broadcast bias costs less than a ``Where`` over the scores.
     scores = op.Mul(_to_float(op.MatMul(q, op.Transpose(k_cache, perm=[0, 1, 3, 2]))), scale_c)
     allowed = op.Less(_key_positions(k_cache), op.Reshape(lengths, op.Constant(value_ints=[-1, 1, 1, 1])))
-    scores = op.Where(allowed, scores, _scalar(_NEG_INF))  # allowed: [B, 1, 1, L]
+    scores = op.Add(scores, op.Where(allowed, _scalar(0.0), _scalar(_NEG_INF)))
     if k_new is None:
         # Cross-attention (or any prefix-only call): a row with no key is all zeros.
         probs = op.Where(allowed, op.Softmax(scores, axis=-1), _scalar(0.0))
         return op.MatMul(_like(probs, q), v_cache)
-    # [B, H, 1, 1]: the new token's own score, appended to the scores (not to the cache).
-    s_new = op.Mul(_to_float(op.MatMul(q, op.Transpose(k_new, perm=[0, 1, 3, 2]))), scale_c)
+    # [B, H, 1, 1]: the new token's own score, appended to the scores (not to the cache). An
+    # elementwise product summed over D: as a MatMul it would be B * H one-by-one products, which
+    # cost ONNX Runtime several times more at batch size.
+    s_new = op.ReduceSum(op.Mul(_to_float(q), _to_float(k_new)), op.Constant(value_ints=[-1]), keepdims=1)
+    s_new = op.Mul(s_new, scale_c)  # [B, H, 1, 1]
     probs = op.Softmax(op.Concat(scores, s_new, axis=-1), axis=-1)  # [B, H, 1, L + 1]
     axis = op.Constant(value_ints=[3])
     p_cache = op.Slice(probs, op.Constant(value_ints=[0]), _dim(k_cache, 2), axis)  # [B, H, 1, L]

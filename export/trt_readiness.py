@@ -109,6 +109,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "MatMul",
         "Mul",
         "Range",
+        "ReduceSum",  # the new token's attention score (export.lowering.decode_attention)
         "Relu",
         "Reshape",
         "Shape",
