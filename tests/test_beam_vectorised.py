@@ -116,22 +116,32 @@ def test_vectorised_beam_with_processors_equals_loop_beam(V, B, K, data, seed, p
             assert not set(h.tokens[n_forced:]) & set(options["banned_ids"])  # a prefix may hold them
 
 
-@pytest.mark.parametrize("V", [1000, 1024, 1025, 1087, 8000])
+@pytest.mark.parametrize("V", [100, 1000, 1024, 1025, 1087, 8000, 58101])
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_row_top_k_holds_the_largest_entries(V, k):
     rng = np.random.default_rng(V * 10 + k)
-    x = rng.standard_normal((7, V)).astype(np.float32)
+    x = rng.standard_normal((8, V)).astype(np.float32)
     x[1, :] = -np.inf  # a row of only -inf
     x[2, rng.random(V) < 0.9] = -np.inf
-    x[3, -3:] += 10.0  # the largest entries in the tail after the last whole block
+    x[3, -3:] += 10.0  # the largest entries in the tail after the last whole group
     x[4, :5] = 10.0  # ties among the largest
+    groups = V // decoding._TOPK_GROUP
+    x[5, 3 : groups * decoding._TOPK_GROUP : groups] += 10.0  # the largest entries all in one group
+    x[6, 7::13] += 5.0  # many large entries spread over the groups
     idx, row_max = decoding._row_top_k(x, k)
-    assert idx.shape == (7, k)
+    assert idx.shape == (8, k)
     np.testing.assert_array_equal(row_max, x.max(axis=1))
-    for r in range(7):
+    for r in range(8):
         assert len(set(idx[r].tolist())) == k  # no entry twice
         want = np.sort(x[r])[::-1][:k]
         np.testing.assert_array_equal(np.sort(x[r, idx[r]])[::-1], want)
+
+
+def test_row_top_k_row_max_is_nan_for_a_row_with_a_nan():
+    x = np.random.default_rng(0).standard_normal((3, 8000)).astype(np.float32)
+    x[1, 4321] = np.nan
+    _, row_max = decoding._row_top_k(x, 8)
+    assert np.isnan(row_max[1]) and np.isfinite(row_max[[0, 2]]).all()
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])

@@ -91,7 +91,7 @@ def test_step_logits_match_eager_with_min_new_tokens(exported):
 
 
 def test_caches_are_bound_buffers_written_in_place(exported):
-    runner = OrtRunner(exported)
+    runner = OrtRunner(exported, grow_cache=False)
     ids, lengths = sources(runner, batch=4)
     state = runner.encode(ids, lengths, cache_len=40, num_beams=2)
     N, L = 8, 40
@@ -109,7 +109,7 @@ def test_caches_are_bound_buffers_written_in_place(exported):
 
 
 def test_step_allocates_nothing_cache_sized(exported):
-    runner = OrtRunner(exported, intra_op_num_threads=1)
+    runner = OrtRunner(exported, intra_op_num_threads=1, grow_cache=False)
     ids, lengths = sources(runner, batch=8)
     state = runner.encode(ids, lengths, cache_len=64)
     cache_bytes = state.self_keys[0].nbytes
@@ -123,6 +123,45 @@ def test_step_allocates_nothing_cache_sized(exported):
     finally:
         tracemalloc.stop()
     assert peak < cache_bytes / 4, (peak, cache_bytes)  # the logits copy and small arrays only
+
+
+@pytest.mark.parametrize("cache_len", [37, 32])
+def test_growing_caches_give_the_logits_of_a_full_size_cache(exported, cache_len):
+    """A growing cache (the default) against one allocated at cache_len (the oracle): the same
+    logits bit for bit at every step, through growths, a beam reorder and a select; its
+    capacity is always cache_len - 16k, and it is full at cache_len as the other is."""
+    grow, fixed = OrtRunner(exported, intra_op_num_threads=1), OrtRunner(exported, grow_cache=False)
+    ids, lengths = sources(grow, batch=4, src_len=9, seed=3)
+    states = [r.encode(ids, lengths, cache_len=cache_len, num_beams=2) for r in (grow, fixed)]
+    assert states[0].cache.capacity == cache_len - 16 * ((cache_len - 1) // 16)
+    assert states[1].cache.capacity == cache_len == states[0].cache_len == states[1].cache_len
+    rng = np.random.default_rng(cache_len)
+    capacities = set()
+    for p in range(cache_len):
+        if p == 10:
+            index = rng.integers(0, 8, size=8)
+            for r, s in zip((grow, fixed), states):
+                r.reorder(s, index)
+        if p == 20:
+            for r, s in zip((grow, fixed), states):
+                r.select(s, np.array([0, 3, 6, 7]))
+        tokens = rng.integers(3, grow.info.tgt_vocab_size, size=states[0].num_rows)
+        got, want = grow.step(states[0], tokens), fixed.step(states[1], tokens)
+        np.testing.assert_array_equal(got, want)
+        capacities.add(states[0].cache.capacity)
+        assert (cache_len - states[0].cache.capacity) % 16 == 0 and states[0].cache.capacity > p
+        valid = [c[:, :, : p + 1] for c in states[0].self_keys + states[0].self_values]
+        for a, b in zip(valid, [c[:, :, : p + 1] for c in states[1].self_keys + states[1].self_values]):
+            np.testing.assert_array_equal(a, b)
+    assert len(capacities) == len(range(cache_len - 16 * ((cache_len - 1) // 16), cache_len + 1, 16))
+    for r, s in zip((grow, fixed), states):
+        with pytest.raises(IndexError, match=f"holds {cache_len} positions"):
+            r.step(s, np.full(s.num_rows, r.info.bos_id))
+
+
+def test_grow_cache_must_be_a_bool(exported_portable):
+    with pytest.raises(TypeError, match="grow_cache must be a bool"):
+        OrtRunner(exported_portable, grow_cache=1)
 
 
 def test_tensorscatter_updates_the_bound_cache_in_place(tmp_path_factory, capfd):
