@@ -4,7 +4,8 @@ plain-PyTorch ``nn.Transformer`` of the same dimensions (SDPA inside).
     python benchmarks/bench_train.py                 # CPU, 2 threads -> results/bench_train_cpu.json
     python benchmarks/bench_train.py --quick         # a smoke run
 
-One step = forward, label-smoothed (0.1) cross-entropy, backward, Adam. ``ours_bf16`` is our model
+One step = forward, label-smoothed (0.1) cross-entropy (ours: the trainer's ``token_loss``;
+``nn_transformer``: ``F.cross_entropy`` on the float32 logits), backward, Adam. ``ours_bf16`` is our model
 trained as ``--amp bf16`` trains it (``torch.autocast("cpu", torch.bfloat16)``, float32 weights,
 Adam state and loss); it runs only where the CPU has native bfloat16 matrix products
 (``transformer_ext.cpu_features``; the JSON records the flags either way). d_model 256, 8 heads,
@@ -132,13 +133,17 @@ def worker(engine: str, T: int, dropout: float, steps: int, threads: int, profil
     tgt[:, 0] = 1
 
     amp = engine.endswith("_bf16")
+    from transformer_ext.training.optim import token_loss
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             logits = model(src, src_lengths, tgt[:, :-1])
-        loss = F.cross_entropy(  # float32, as the trainer computes it
-            logits.float().reshape(-1, VOCAB), tgt[:, 1:].reshape(-1), label_smoothing=0.1
-        )
+        if engine == "nn_transformer":  # plain PyTorch
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, VOCAB), tgt[:, 1:].reshape(-1), label_smoothing=0.1
+            )
+        else:  # float32, as the trainer computes it (no target is the pad id 0)
+            loss = token_loss(logits, tgt[:, 1:], 0, 0.1)[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -44,6 +44,9 @@ __all__ = [
     "kv_cache_update_op",
     "translation_table",
     "in_graph_cache_update",
+    "share_shape_reads",
+    "fuse_shared_input_matmuls",
+    "flatten_step_rows",
 ]
 
 # TensorScatter exists from opset 24 on; onnxscript ships no opset24 module.
@@ -340,6 +343,208 @@ def fuse_shared_input_matmuls(model) -> int:
     g.initializer.extend(kept + new_inits)
     logger.debug("fused %d groups of MatMuls sharing an input", len(replace))
     return len(replace)
+
+
+# Ops that act on each row of a [batch, 1, F] tensor alone (with rank <= 1 constants), so they give
+# the same values on [batch, F]: what flatten_step_rows moves to two dimensions.
+_ROW_OPS = frozenset(
+    {
+        "MatMul",
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Relu",
+        "Sigmoid",
+        "Erf",
+        "Tanh",
+        "LayerNormalization",
+        "Split",
+        "Cast",
+    }
+)
+
+
+def flatten_step_rows(model) -> int:
+    """Graph pass: the decoder step's per-row part runs on ``[batch, F]`` instead of ``[batch, 1, F]``.
+
+    With one token per row, the hidden states, projections and feed-forward values of a step are
+    ``[batch, 1, F]``; every op between the embedding and the logits that treats each row alone
+    (``_ROW_OPS`` with constant weights, biases and norms) gets the same values on ``[batch, F]``.
+    On two dimensions ONNX Runtime fuses each ``MatMul`` + bias ``Add`` into one ``Gemm`` (and the
+    ``Relu`` after it into that ``Gemm``), and leaves the residual ``Add`` + ``LayerNormalization``
+    unfused (its ``SkipLayerNormalization`` CPU kernel is the slower one, see
+    ``transformer_ext.runtimes.ort.DISABLED_OPTIMIZERS``). Where a 3-D value enters, a ``Reshape``
+    with a constant target now targets ``[-1, F]`` (or one is added); where a 2-D value leaves, a
+    ``Reshape`` with a constant target reads it as it is, the ``Gather`` of row 0 on axis 1 (the
+    ``x[:, 0]`` before the output projection) is dropped, and any other reader gets the 3-D value
+    back through a ``Reshape``. Graph inputs and outputs keep their names and shapes. Needs
+    ``onnx.shape_inference`` to know the shapes (values it cannot type are left alone). Works in
+    place on an ``onnx.ModelProto``; returns the number of nodes moved to two dimensions.
+    """
+    import numpy as np
+    from onnx import helper, numpy_helper, shape_inference
+
+    g = model.graph
+    inferred = shape_inference.infer_shapes(model, data_prop=True)
+    shapes: dict[str, list] = {}
+    for vi in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            shapes[vi.name] = [
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
+            ]
+    if not g.input or not shapes.get(g.input[0].name) or not isinstance(shapes[g.input[0].name][0], str):
+        return 0
+    batch = shapes[g.input[0].name][0]  # the named batch axis of the first input
+    inits = {t.name: t for t in g.initializer}
+    graph_outputs = {o.name for o in g.output}
+
+    def row3(name: str) -> bool:
+        s = shapes.get(name)
+        return (
+            s is not None
+            and len(s) == 3
+            and s[0] == batch
+            and s[1] == 1
+            and isinstance(s[2], int)
+            and s[2] > 0
+        )
+
+    def small_constant(name: str) -> bool:
+        t = inits.get(name)
+        return t is not None and len(t.dims) <= 1
+
+    def constant_value(name: str):
+        return numpy_helper.to_array(inits[name]) if name in inits else None
+
+    def last_axis(node) -> bool:
+        axis = [a for a in node.attribute if a.name == "axis"]
+        return not axis or axis[0].i in (-1, 2)
+
+    def moves(node) -> bool:
+        if node.op_type not in _ROW_OPS or node.domain not in ("", "ai.onnx") or not node.output:
+            return False
+        if not all(row3(o) and o not in graph_outputs for o in node.output):
+            return False
+        first, rest = node.input[0], [i for i in node.input[1:] if i]
+        if node.op_type == "MatMul":
+            w = inits.get(node.input[1])
+            return row3(first) and w is not None and len(w.dims) == 2
+        if node.op_type in ("LayerNormalization", "Split"):
+            return row3(first) and last_axis(node) and all(small_constant(i) for i in rest)
+        return all(row3(i) or small_constant(i) for i in node.input if i)
+
+    moved = [n for n in g.node if moves(n)]
+    if not moved:
+        return 0
+    moved_ids = {id(n) for n in moved}
+    moved_values = {o for n in moved for o in n.output}
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
+    new_inits = []
+
+    def shape_constant(name: str, dims: list[int]) -> str:
+        new_inits.append(numpy_helper.from_array(np.array(dims, np.int64), name))
+        return name
+
+    unread: set[str] = set()  # initializers this pass may leave without a reader
+    flat: dict[str, str] = {o: f"{o}.rows" for o in moved_values}  # 3-D name -> 2-D name
+    after: dict[int, list] = {}  # id(node) -> nodes to insert after it (0: before everything)
+    for n in moved:
+        for name in n.input:
+            if not name or name in flat or not row3(name):
+                continue
+            width = shapes[name][2]
+            p = producer.get(name)
+            if (
+                p is not None
+                and p.op_type == "Reshape"
+                and p.input[1] in inits
+                and name not in graph_outputs
+                and all(id(r) in moved_ids for r in readers[name])
+            ):  # its only readers move: reshape straight to [-1, F]
+                unread.add(p.input[1])
+                p.input[1] = shape_constant(f"{name}.rows_shape", [-1, width])
+                p.output[0] = flat[name] = f"{name}.rows"
+            elif (
+                p is not None
+                and p.op_type == "Unsqueeze"
+                and len(p.input) == 2
+                and constant_value(p.input[1]) is not None
+                and constant_value(p.input[1]).tolist() in (1, [1])
+                and shapes.get(p.input[0]) == [batch, width]
+            ):  # x.unsqueeze(1) of a [batch, F] value: read that value
+                flat[name] = p.input[0]
+            else:
+                flat[name] = f"{name}.rows"
+                reshape = helper.make_node(
+                    "Reshape",
+                    [name, shape_constant(f"{name}.rows_shape", [-1, width])],
+                    [flat[name]],
+                    name=f"{name}_rows",
+                )
+                after.setdefault(id(p) if p is not None else 0, []).append(reshape)
+    for n in moved:
+        n.input[:] = [flat[i] if i in flat and row3(i) else i for i in n.input]
+        n.output[:] = [flat[o] for o in n.output]
+        for a in n.attribute:
+            if a.name == "axis":
+                a.i = -1
+    restored: set[str] = set()
+    dropped: set[int] = set()
+    for n in list(g.node):
+        if id(n) in moved_ids:
+            continue
+        for k, name in enumerate(n.input):
+            if name not in moved_values:
+                continue
+            index = constant_value(n.input[1]) if n.op_type == "Gather" and len(n.input) > 1 else None
+            target = constant_value(n.input[1]) if n.op_type == "Reshape" and k == 0 else None
+            if target is not None and not (target == 0).any():
+                n.input[0] = flat[name]  # a constant target without 0 (copy a dim) reads [batch, F] as well
+            elif (
+                n.op_type == "Gather"
+                and k == 0
+                and [a.i for a in n.attribute if a.name == "axis"] == [1]
+                and index is not None
+                and index.ndim == 0
+                and int(index) == 0
+                and n.output[0] not in graph_outputs
+            ):  # x[:, 0] of [batch, 1, F] is the [batch, F] value itself
+                for r in readers.get(n.output[0], []):
+                    r.input[:] = [flat[name] if i == n.output[0] else i for i in r.input]
+                dropped.add(id(n))
+                unread.add(n.input[1])
+            elif name not in restored:
+                restored.add(name)
+    for name in sorted(restored | (moved_values & graph_outputs)):
+        back = helper.make_node(
+            "Reshape",
+            [flat[name], shape_constant(f"{name}.back_shape", [-1, 1, shapes[name][2]])],
+            [name],
+            name=f"{name}_back",
+        )
+        after.setdefault(id(producer[name]), []).append(back)
+    nodes = list(after.get(0, []))
+    for n in g.node:
+        if id(n) not in dropped:
+            nodes.append(n)
+        nodes += after.get(id(n), [])
+    del g.node[:]
+    g.node.extend(nodes)
+    still_read = {i for n in g.node for i in n.input} | graph_outputs
+    initializers = [t for t in g.initializer if t.name not in unread or t.name in still_read] + new_inits
+    del g.initializer[:]
+    g.initializer.extend(initializers)
+    kept = [vi for vi in g.value_info if vi.name not in moved_values or vi.name in restored]
+    del g.value_info[:]
+    g.value_info.extend(kept)
+    logger.debug("flatten_step_rows: %d nodes on [batch, F]", len(moved))
+    return len(moved)
 
 
 @contextlib.contextmanager

@@ -402,11 +402,13 @@ def _export_graph(
     flavour: str,
     path: Path,
     fuse_matmuls: bool = True,
+    flatten_rows: bool = False,
 ):
     """Trace ``module`` with the dynamo exporter, fix the IR version, optionally merge the MatMuls
     that share an input (:func:`export.lowering.fuse_shared_input_matmuls`), make the per-layer
     shape reads of equally declared inputs share one (:func:`export.lowering.share_shape_reads`),
-    check, save ``path``."""
+    with ``flatten_rows`` (the decoder step) run its per-row ops on ``[batch, F]``
+    (:func:`export.lowering.flatten_step_rows`), check, save ``path``."""
     import onnx
 
     from . import lowering
@@ -430,6 +432,8 @@ def _export_graph(
     if fuse_matmuls:
         lowering.fuse_shared_input_matmuls(proto)
     lowering.share_shape_reads(proto)
+    if flatten_rows:
+        lowering.flatten_step_rows(proto)
     if proto.ir_version > IR_VERSION:
         proto.ir_version = IR_VERSION
     proto.producer_name = "transformer_ext export.onnx"
@@ -725,6 +729,7 @@ def _write_export(
         flavour,
         tmp_dir / DECODER_FILE,
         fuse_matmuls=fuse_matmuls,
+        flatten_rows=True,
     )
     structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
     for name in tokenizer_names:
@@ -760,7 +765,8 @@ def _write_export(
             "source_model_dir": str(model_path),
             "exporter": "torch.onnx.export(dynamo=True)",
             "dummy_shapes": dummy,
-            "graph_passes": (["fuse_shared_input_matmuls"] if fuse_matmuls else []) + ["share_shape_reads"],
+            "graph_passes": (["fuse_shared_input_matmuls"] if fuse_matmuls else [])
+            + ["share_shape_reads", "flatten_step_rows"],
             "structure": structure,
         },
         "validation": None,

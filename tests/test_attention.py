@@ -611,3 +611,86 @@ def test_bench_attention_memory_only_needs_an_existing_result(tmp_path, capsys):
         bench_attention.main(["--memory-only", "--out", str(tmp_path / "missing.json")])
     assert exc.value.code == 2 and "run without it first" in capsys.readouterr().err
     assert not (tmp_path / "missing.json").exists()
+
+
+# --------------------------------------------------------------------------- bfloat16 kernels
+# bfloat16 runs one of two CPU kernels: brgemm products (AMX, where ATen's ukernel runs) or the
+# float32-widening tile kernels (TRANSFORMER_EXT_CPU_AMX=0, and every CPU without AMX). Both are
+# checked against a float64 oracle written here, dropout through the op's debug mask; the
+# tolerance is the suite's rule (at most twice the error of the same computation in bfloat16).
+BF16_KERNELS = ["brgemm", "widening"]
+# (B, H, Q, K, D): several query blocks, key counts off the 32-key padding, odd head dims
+BF16_SHAPES = [(3, 2, 70, 130, 24), (2, 3, 130, 65, 17), (1, 1, 5, 5, 3), (2, 1, 64, 64, 33)]
+
+
+def _oracle_attention(q, k, v, kl, ql, causal, keep, p):
+    """Softmax attention over the allowed keys, dropout by `keep` [B, H, Q, K] (or None), rows
+    past the query lengths zero, in the dtype of q."""
+    B, H, Q, D = q.shape
+    K = k.shape[2]
+    j = torch.arange(K).view(1, 1, 1, K)
+    i = torch.arange(Q).view(1, 1, Q, 1)
+    allowed = (j < kl.view(B, 1, 1, 1)) & (i < ql.view(B, 1, 1, 1))
+    if causal:
+        allowed = allowed & (j <= i + (K - Q))
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    probs = s.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+    if keep is not None:
+        probs = probs * keep.to(probs.dtype) / (1 - p)
+    return probs @ v
+
+
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+@pytest.mark.parametrize("shape", BF16_SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_attention_bfloat16_kernels_forward_and_backward_against_float64(
+    monkeypatch, kernel, shape, causal, dropout_p
+):
+    monkeypatch.setenv("TRANSFORMER_EXT_CPU_AMX", "1" if kernel == "brgemm" else "0")
+    B, H, Q, K, D = shape
+    q, k, v = _inputs(B, H, Q, K, D, dtype=torch.float64, seed=21)
+    g = _gen(22)
+    grad = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64)
+    kl = torch.randint(1, K + 1, (B,), generator=g)
+    ql = torch.randint(1, Q + 1, (B,), generator=g)
+    kl[0], ql[0] = K, Q
+    if B > 2:
+        kl[-1] = 0  # a batch row with no key at all
+    seed = 1234
+    keep = ops.attention_dropout_mask(seed, B, H, Q, K, dropout_p) if dropout_p > 0 else None
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    out = ops.attention(*low, key_lengths=kl, query_lengths=ql, causal=causal, dropout_p=dropout_p, seed=seed)
+    out.backward(grad.bfloat16())
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in low)
+    # the oracle sees the same bfloat16 inputs, in float64
+    want_leaves = [t.detach().double().requires_grad_() for t in low]
+    want = _oracle_attention(*want_leaves, kl, ql, causal, keep, dropout_p)
+    want.backward(grad.bfloat16().double())
+    plain_leaves = [t.detach().clone().requires_grad_() for t in low]
+    plain = _oracle_attention(*plain_leaves, kl, ql, causal, keep, dropout_p)
+    plain.backward(grad.bfloat16())
+
+    def err(a, b):
+        return (a.double() - b).abs().max().item()
+
+    assert err(out, want.detach()) <= 2 * err(plain, want.detach()) + 1e-3
+    for name, a, w, p in zip("qkv", low, want_leaves, plain_leaves):
+        # the backward takes the bfloat16-rounded output (rowsum(dO * O)): a few bfloat16 steps of
+        # the gradient's size on top of the rule (the 5 x 5 x 3 case: 0.010 where plain has 0.004)
+        e, pe, size = err(a.grad, w.grad), err(p.grad, w.grad), w.grad.abs().max().item()
+        assert e <= 2 * pe + 1e-2 * max(1.0, size), f"d{name}: error {e:.3g}, plain bfloat16 {pe:.3g}"
+    rows = torch.arange(Q).view(1, Q) >= ql.view(B, 1)
+    assert (out.detach().transpose(1, 2)[rows] == 0).all(), "rows past query_lengths must be zeros"
+    assert (low[0].grad.transpose(1, 2)[rows] == 0).all()
+    past = torch.arange(K).view(1, K) >= kl.view(B, 1)
+    assert (low[1].grad.transpose(1, 2)[past] == 0).all() and (low[2].grad.transpose(1, 2)[past] == 0).all()
+
+
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+def test_attention_bfloat16_kernels_never_read_past_lengths(monkeypatch, kernel):
+    monkeypatch.setenv("TRANSFORMER_EXT_CPU_AMX", "1" if kernel == "brgemm" else "0")
+    clean, dirty = _poisoned_backward_grads("cpu", torch.bfloat16)
+    for c, d in zip(clean, dirty):
+        assert torch.isfinite(d).all()
+        assert torch.equal(c, d)

@@ -237,11 +237,91 @@ def test_fuse_shared_input_matmuls_keeps_values(exported_portable):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     # in the real export: one Q/K/V product per decoder layer
     manifest = json.loads((exported_portable / MANIFEST_NAME).read_text())
-    assert manifest["export"]["graph_passes"] == ["fuse_shared_input_matmuls", "share_shape_reads"]
+    assert manifest["export"]["graph_passes"] == [
+        "fuse_shared_input_matmuls",
+        "share_shape_reads",
+        "flatten_step_rows",
+    ]
     decoder = onnx.load(exported_portable / DECODER_FILE)
     assert [n.op_type for n in decoder.graph.node].count("Split") == manifest["model_config"][
         "n_decoder_layers"
     ]
+
+
+def test_flatten_step_rows_keeps_values(exported_portable):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.lowering import flatten_step_rows
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 12)).astype(np.float32)
+    b = rng.standard_normal(12).astype(np.float32)
+    gamma = rng.standard_normal(4).astype(np.float32)
+    beta = rng.standard_normal(4).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(b, "b"),
+        numpy_helper.from_array(gamma, "gamma"),
+        numpy_helper.from_array(beta, "beta"),
+        numpy_helper.from_array(np.array([4, 4, 4], np.int64), "sizes"),
+        numpy_helper.from_array(np.array([-1, 2, 1, 2], np.int64), "heads"),
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("Split", ["r", "sizes"], ["s0", "s1", "s2"], axis=2),
+        helper.make_node("Add", ["s0", "s1"], ["t"]),
+        helper.make_node("LayerNormalization", ["t", "gamma", "beta"], ["n"], axis=-1),
+        helper.make_node("Reshape", ["n", "heads"], ["by_head"]),  # a constant target: reads 2-D
+        helper.make_node("Gather", ["n", "zero"], ["row"], axis=1),  # x[:, 0]: dropped
+        helper.make_node("Softmax", ["row"], ["row_soft"], axis=-1),
+        helper.make_node("Softmax", ["s2"], ["soft"], axis=-1),  # any other reader: 3-D again
+    ]
+
+    def info(name, dims):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
+
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [info("x", ["batch", 1, 8])],
+        [info("by_head", ["batch", 2, 1, 2]), info("row_soft", ["batch", 4]), info("soft", ["batch", 1, 4])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
+    assert flatten_step_rows(model) == 6  # MatMul, Add, Relu, Split, Add, LayerNormalization
+    onnx.checker.check_model(model, full_check=True)
+    assert "Gather" not in [n.op_type for n in model.graph.node]
+    assert "zero" not in {t.name for t in model.graph.initializer}  # the Gather's index: no reader left
+    x = rng.standard_normal((3, 1, 8)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    # the oracle: the same computation in float64 numpy
+    r = np.maximum(x.astype(np.float64) @ w + b, 0)
+    t = r[..., 0:4] + r[..., 4:8]
+    n = (t - t.mean(-1, keepdims=True)) / np.sqrt(t.var(-1, keepdims=True) + 1e-5) * gamma + beta
+    e = np.exp(r[..., 8:] - r[..., 8:].max(-1, keepdims=True))
+    row = np.exp(n[:, 0] - n[:, 0].max(-1, keepdims=True))
+    want = [n.reshape(3, 2, 1, 2), row / row.sum(-1, keepdims=True), e / e.sum(-1, keepdims=True)]
+    for a, b_ in zip(got, want):
+        assert a.shape == b_.shape
+        np.testing.assert_allclose(a, b_, rtol=1e-4, atol=1e-4)
+    # in the real export: every weight product of the step reads a 2-D value
+    decoder = onnx.load(exported_portable / DECODER_FILE)
+    inferred = onnx.shape_inference.infer_shapes(decoder)
+    ranks = {
+        vi.name: len(vi.type.tensor_type.shape.dim)
+        for vi in [*inferred.graph.value_info, *inferred.graph.input]
+        if vi.type.tensor_type.HasField("shape")
+    }
+    weights = {t.name for t in decoder.graph.initializer}
+    products = [n for n in decoder.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
+    assert products and all(ranks.get(n.input[0]) == 2 for n in products)
 
 
 def test_share_shape_reads_rewires_only_equally_declared_inputs(exported_portable):

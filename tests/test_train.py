@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from transformer_ext import train as train_mod
@@ -31,6 +32,7 @@ from transformer_ext.training import (
     train,
     validation,
 )
+from transformer_ext.training import loss as loss_mod
 
 # A tiny task: the numbers 0..99, the "tiny" model, a few dozen steps (seconds on 2 cores).
 TINY = dict(
@@ -133,6 +135,38 @@ def test_token_loss_label_smoothing():
     nll = -logp[torch.arange(3), target[0, :3]]
     uniform = -logp.mean(-1)
     assert loss.item() == pytest.approx(((1 - eps) * nll + eps * uniform).mean().item(), rel=1e-6)
+
+
+# V = 1001: blocks of 261 rows, so 600 rows make three blocks, the last one short
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_smoothed_cross_entropy_value_and_gradient_against_float64(dtype, eps):
+    g = torch.Generator().manual_seed(7)
+    N, V = 600, 1001
+    logits = (3 * torch.randn(N, V, generator=g, dtype=torch.float64)).to(dtype)
+    target = torch.randint(0, V, (N,), generator=g)
+    target[::5] = 0  # the pad id: ignored rows
+    ours = logits.clone().requires_grad_()
+    loss = loss_mod.smoothed_cross_entropy(ours, target, ignore_index=0, label_smoothing=eps)
+    want_leaf = logits.double().requires_grad_()  # the same (rounded) logits, in float64
+    want = F.cross_entropy(want_leaf, target, ignore_index=0, label_smoothing=eps, reduction="sum")
+    (0.3 * loss).backward()
+    (0.3 * want).backward()
+    assert loss.dtype == torch.float32 and ours.grad.dtype == dtype
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    # float32: float32 rounding; bfloat16: the gradient rounded to bfloat16 (about 2^-9 relative)
+    tol = 1e-6 if dtype == torch.float32 else 4e-3 * want_leaf.grad.abs().max().item()
+    assert (ours.grad.double() - want_leaf.grad).abs().max().item() <= tol
+    assert (ours.grad[::5] == 0).all()
+
+
+def test_smoothed_cross_entropy_bad_input_is_named():
+    with pytest.raises(ValueError, match="logits must be"):
+        loss_mod.smoothed_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        loss_mod.smoothed_cross_entropy(
+            torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), label_smoothing=2.0
+        )
 
 
 # ---------------------------------------------------------------------- training

@@ -5,6 +5,9 @@
 // AVX-512 (F, BW, VL, DQ) and for AVX2 + FMA + F16C, in target regions of their own (every
 // header they use is included before the regions, so no inline function shared with other
 // translation units is compiled for a wider ISA). The host functions pick one at run time;
+// bfloat16 on CPUs where ATen's brgemm ukernel runs (AMX BF16: at::native::cpublas::could_pack)
+// takes the kernels whose products are brgemm calls (forward_block_mm, backward_head_mm, float32
+// softmax and accumulators; TRANSFORMER_EXT_CPU_AMX=0 turns them off, for tests and comparison);
 // float64 (accepted so that gradcheck can run on the op), CPUs without AVX2 and
 // TRANSFORMER_EXT_CPU_FALLBACK=1 run an ATen composite with the same semantics, the same
 // dropout generator included.
@@ -28,6 +31,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -205,6 +209,15 @@ Isa detect_isa() {
     return Isa::kNone;
   }();
   return isa;
+}
+
+// bfloat16 products on brgemm (AMX): where ATen's ukernel runs, unless TRANSFORMER_EXT_CPU_AMX=0
+// (read at every call).
+bool use_brgemm_bf16() {
+  const char* env = std::getenv("TRANSFORMER_EXT_CPU_AMX");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  static const bool ok = at::native::cpublas::could_pack(at::kBFloat16);
+  return ok;
 }
 
 // Runs fn(task, thread_workspace) for every task, most expensive first, handing tasks out
@@ -435,7 +448,7 @@ template <typename T, typename Fwd>
 void launch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     at::Tensor& out, at::Tensor& lse, const at::Tensor& klen,
                     const at::Tensor& qlen, double scale, bool causal, double dropout_p,
-                    int64_t seed, int64_t W, const Fwd& block_fn) {
+                    int64_t seed, int64_t W, const Fwd& block_fn, int64_t ws_floats = -1) {
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
   FwdArgs<T> a;
   a.q = q.const_data_ptr<T>();
@@ -473,7 +486,8 @@ void launch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       for (int64_t h = 0; h < H; ++h) cost[(b * H + h) * blocks + blk] = c;
     }
   }
-  run_tasks(cost, forward_workspace_floats(D, W), 0, [&](int64_t t, float* ws, int64_t*) {
+  if (ws_floats < 0) ws_floats = forward_workspace_floats(D, W);
+  run_tasks(cost, ws_floats, 0, [&](int64_t t, float* ws, int64_t*) {
     const int64_t blk = t % blocks, bh = t / blocks, h = bh % H, b = bh / H;
     const int64_t i0 = blk * kBlockM, iend = std::min(Q, i0 + kBlockM);
     const int64_t i1 = std::clamp<int64_t>(ql[b], i0, iend);  // rows [i1, iend) are padding
@@ -492,7 +506,7 @@ void launch_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor&
                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                      at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& klen,
                      const at::Tensor& qlen, double scale, bool causal, double dropout_p,
-                     int64_t seed, int64_t W, const Bwd& head_fn) {
+                     int64_t seed, int64_t W, const Bwd& head_fn, int64_t ws_floats = -1) {
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
   BwdArgs<T> a;
   a.q = q.const_data_ptr<T>();
@@ -534,7 +548,8 @@ void launch_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor&
     for (int64_t i = 0; i < a.qlen[b]; ++i) c += row_key_limit(i, a.klen[b], Q, K, causal) + 1;
     for (int64_t h = 0; h < H; ++h) cost[b * H + h] = c;
   }
-  run_tasks(cost, backward_workspace_floats(Q, D, W), Q, [&](int64_t t, float* ws, int64_t* wi) {
+  if (ws_floats < 0) ws_floats = backward_workspace_floats(Q, D, W);
+  run_tasks(cost, ws_floats, Q, [&](int64_t t, float* ws, int64_t* wi) {
     head_fn(a, t / H, t % H, ws, wi);
   });
 }
@@ -567,6 +582,16 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, 
     return {out, lse};
   }
 #ifdef TE_FA_X86
+  if (q.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 && use_brgemm_bf16()) {
+    launch_forward<c10::BFloat16>(
+        qd, kd, vd, out, lse, klen, qlen, scale, causal, dropout_p, s, 16,
+        [](const FwdArgs<c10::BFloat16>& a, int64_t b, int64_t h, int64_t i0, int64_t i1, float* ws) {
+          fa_avx512::forward_block_mm(a, b, h, i0, i1, ws);
+          at::native::cpublas::brgemm_release(true);
+        },
+        fa_avx512::mm_forward_workspace_floats(K, D));
+    return {out, lse};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_cpu", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
       if (isa == Isa::kAvx512) {
@@ -622,6 +647,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   if (B * H == 0) return {dq, dk, dv};
   const at::Tensor lc = lse.contiguous();
 #ifdef TE_FA_X86
+  if (q.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 && use_brgemm_bf16()) {
+    launch_backward<c10::BFloat16>(
+        gd, qd, kd, vd, od, lc, dq, dk, dv, klen, qlen, scale, causal, dropout_p, s, 16,
+        [](const BwdArgs<c10::BFloat16>& a, int64_t b, int64_t h, float* ws, int64_t* wi) {
+          fa_avx512::backward_head_mm(a, b, h, ws, wi);
+          at::native::cpublas::brgemm_release(true);
+        },
+        fa_avx512::mm_backward_workspace_floats(K, D));
+    return {dq, dk, dv};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward_cpu", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
       if (isa == Isa::kAvx512) {

@@ -612,4 +612,340 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
   }
 }
 
+// ---- bfloat16 with the products on oneDNN's brgemm (AMX) ---------------------------------
+//
+// For bfloat16 on CPUs where ATen's brgemm ukernel runs (at::native::cpublas::could_pack, AMX
+// BF16): the same semantics as forward_block / backward_head, with every matrix product a
+// bfloat16 x bfloat16 -> float32 brgemm call and the softmax, the masks, dropout and every
+// accumulator in float32. The probabilities (forward) and P, dS (backward) are rounded to
+// bfloat16 for the products that take them, as in every bfloat16 flash-attention kernel.
+// A block's scores are materialised whole ([rows, keys] float32), so the softmax is not online.
+// brgemm's B operand is "VNNI" packed: element (k, n) of a [K, N] matrix at (k / 2) * 2N +
+// 2n + k % 2, K rounded up to even with a zero row. Keys at or past key_lengths[b] and rows at
+// or past query_lengths[b] are never read; a masked key enters a row's products with an exact 0
+// probability (so a NaN in the value of a key that a row may not see reaches it, unlike the
+// float32 kernels; past the lengths nothing is read at all).
+
+typedef uint16_t bf16_t;
+
+inline int64_t even(int64_t x) { return (x + 1) / 2 * 2; }
+
+inline vh to_bf16(vf x) {  // round to nearest even, NaN kept
+  const vu bits = reinterpret_cast<vu>(x);
+  vu r = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  r = x != x ? splat_u(0x7fc0u) : r;
+  return __builtin_convertvector(r, vh);
+}
+
+// dst[c] = bfloat16(mul * src[c]) for c < n (round to nearest even, NaN kept), zeros [n, npad).
+inline void store_bf16_row(const float* src, bf16_t* dst, int64_t n, int64_t npad, float mul) {
+  const vf vm = splat(mul);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) *reinterpret_cast<vh*>(dst + c) = to_bf16(load(src + c) * vm);
+  for (; c < n; ++c) dst[c] = c10::BFloat16(src[c] * mul).x;
+  for (; c < npad; ++c) dst[c] = 0;
+}
+
+// out = VNNI packing of X [R, N] (row r at X + r * ldx), R rounded up to Rp (even) with zeros.
+inline void pack_rows(const bf16_t* X, int64_t ldx, int64_t R, int64_t Rp, int64_t N, bf16_t* out) {
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  for (int64_t k = 0; k < Rp; k += 2) {
+    uint32_t* ok = o + k / 2 * N;
+    const bf16_t* x0 = X + k * ldx;
+    if (k + 1 < R) {
+      const bf16_t* x1 = x0 + ldx;
+      for (int64_t n = 0; n < N; ++n) ok[n] = x0[n] | (static_cast<uint32_t>(x1[n]) << 16);
+    } else if (k < R) {
+      for (int64_t n = 0; n < N; ++n) ok[n] = x0[n];
+    } else {
+      std::fill(ok, ok + N, 0u);
+    }
+  }
+}
+
+// out = VNNI packing of X^T [C, Np], X [N, C] (row n at X + n * ldx), columns [N, Np) zero.
+inline void pack_transposed(const bf16_t* X, int64_t ldx, int64_t N, int64_t Np, int64_t C,
+                            bf16_t* out) {
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  const int64_t C2 = C / 2;
+  for (int64_t n = 0; n < N; ++n) {
+    const bf16_t* x = X + n * ldx;
+    for (int64_t k = 0; k < C2; ++k) o[k * Np + n] = x[2 * k] | (static_cast<uint32_t>(x[2 * k + 1]) << 16);
+    if (C2 * 2 < C) o[C2 * Np + n] = x[C - 1];
+  }
+  for (int64_t k = 0; k < (C + 1) / 2; ++k) std::fill(o + k * Np + N, o + k * Np + Np, 0u);
+}
+
+// dst[:n] = src[:n], dst[n:npad) = 0 (bfloat16 rows; an inline copy, rows are short).
+inline void copy_bf16_row(const bf16_t* src, bf16_t* dst, int64_t n, int64_t npad) {
+  int64_t c = 0;
+  for (; c + W <= n; c += W) *reinterpret_cast<vh*>(dst + c) = *reinterpret_cast<const vh*>(src + c);
+  for (; c < n; ++c) dst[c] = src[c];
+  for (; c < npad; ++c) dst[c] = 0;
+}
+
+// brgemm C [M, N] (ldc) = (add ? C : 0) + A [M, K] (lda) . B (VNNI packed [K, N]); K even.
+inline void mm_bf16(int64_t M, int64_t N, int64_t K, const bf16_t* A, int64_t lda, const bf16_t* B,
+                    float* C, int64_t ldc, bool add) {
+  at::native::cpublas::brgemm(M, N, K, lda, N, ldc, add, reinterpret_cast<const at::BFloat16*>(A),
+                              reinterpret_cast<const at::BFloat16*>(B), C, true);
+}
+
+// A 64-byte aligned carve-out of `n` elements of type U from a float workspace.
+template <typename U>
+inline U* carve(float*& p, int64_t n) {
+  U* r = reinterpret_cast<U*>(p);
+  p += round_up((n * static_cast<int64_t>(sizeof(U)) + 3) / 4, 16);
+  return r;
+}
+
+// Keys are padded to multiples of kKeyPad (zero keys, masked) and query blocks to kBlockM rows
+// (zero rows, no key), so brgemm sees few distinct shapes (each is compiled once, then cached).
+constexpr int64_t kKeyPad = 32;
+
+inline int64_t mm_forward_workspace_floats(int64_t K, int64_t D) {
+  const int64_t Dp = even(D), Np = round_up(K, kKeyPad), BM = kBlockM;
+  return (BM * Dp + Dp * Np + Np * D + BM * Np) / 2 + BM * Np + BM * D + 8 * 16;
+}
+
+// forward_block for bfloat16 with brgemm products (one block of query rows [i0, i1)).
+inline void forward_block_mm(const FwdArgs<c10::BFloat16>& a, int64_t b, int64_t h, int64_t i0,
+                             int64_t i1, float* ws) {
+  const int64_t D = a.D, Dp = even(D), BM = kBlockM, M = i1 - i0;
+  const int64_t klen = a.klen[b];
+  int64_t lim[kBlockM];
+  int64_t kend = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    lim[r] = row_key_limit(i0 + r, klen, a.Q, a.K, a.causal);
+    kend = std::max(kend, lim[r]);
+  }
+  bf16_t* ob = reinterpret_cast<bf16_t*>(a.out + b * a.os0 + h * a.os1);
+  float* lse = a.lse + (b * a.H + h) * a.Q;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (kend == 0) {
+    for (int64_t r = 0; r < M; ++r) {
+      std::fill(ob + (i0 + r) * a.os2, ob + (i0 + r) * a.os2 + D, bf16_t(0));
+      lse[i0 + r] = neg_inf;
+    }
+    return;
+  }
+  const int64_t Np = round_up(kend, kKeyPad);
+  float* w = ws;
+  bf16_t* Qb = carve<bf16_t>(w, BM * Dp);    // [BM, Dp] q rows, zero rows past M
+  bf16_t* KT = carve<bf16_t>(w, Dp * Np);    // K^T [Dp, Np], packed
+  bf16_t* Vv = carve<bf16_t>(w, Np * D);     // V [Np, D], packed
+  bf16_t* Pb = carve<bf16_t>(w, BM * Np);    // [BM, Np] unnormalised probabilities
+  float* S = carve<float>(w, BM * Np);       // [BM, Np] scores
+  float* O = carve<float>(w, BM * D);        // [BM, D]
+  const bf16_t* qb = reinterpret_cast<const bf16_t*>(a.q + b * a.qs0 + h * a.qs1);
+  const bf16_t* kb = reinterpret_cast<const bf16_t*>(a.k + b * a.ks0 + h * a.ks1);
+  const bf16_t* vb = reinterpret_cast<const bf16_t*>(a.v + b * a.vs0 + h * a.vs1);
+  for (int64_t r = 0; r < M; ++r) {
+    copy_bf16_row(qb + (i0 + r) * a.qs2, Qb + r * Dp, D, Dp);
+  }
+  std::fill(Qb + M * Dp, Qb + BM * Dp, bf16_t(0));
+  pack_transposed(kb, a.ks2, kend, Np, D, KT);
+  pack_rows(vb, a.vs2, kend, Np, D, Vv);
+  mm_bf16(BM, Np, Dp, Qb, Dp, KT, S, Np, false);
+  const float qmul = a.scale * kLog2e;
+  const vf vq = splat(qmul);
+  float l[kBlockM];
+  for (int64_t r = 0; r < BM; ++r) {
+    bf16_t* pr = Pb + r * Np;
+    const int64_t n = r < M ? lim[r] : 0;
+    if (n == 0) {
+      std::fill(pr, pr + Np, bf16_t(0));
+      l[r] = 0.f;
+      continue;
+    }
+    const float* s = S + r * Np;
+    const vi lane = iota();
+    vf vmx = splat(neg_inf);
+    for (int64_t c = 0; c < n; c += W) {
+      const vf x = load(s + c) * vq;
+      vmx = vmax(vmx, lane < static_cast<int32_t>(n - c) ? x : splat(neg_inf));
+    }
+    const float mx = hmax(vmx);
+    const vf vm = splat(mx);
+    uint32_t r1 = 0, r2 = 0;
+    if (a.dropout) dropout_row_keys(a.bh_key1[b * a.H + h], a.bh_key2[b * a.H + h], i0 + r, &r1, &r2);
+    vf sum = splat(0.f);
+    for (int64_t c = 0; c < Np; c += W) {
+      vf e = splat(0.f);
+      if (c < n) {
+        e = exp2v(fmadd(load(s + c), vq, -vm));
+        e = lane < static_cast<int32_t>(n - c) ? e : splat(0.f);
+        sum += e;
+        if (a.dropout) {
+          const vu j = reinterpret_cast<vu>(lane) + static_cast<uint32_t>(c);
+          e = mix32v(mix32v(j + r1) ^ r2) >= a.threshold ? e : splat(0.f);
+        }
+      }
+      *reinterpret_cast<vh*>(pr + c) = to_bf16(e);
+    }
+    l[r] = hsum(sum);
+    // l >= 1 for finite scores (the max term is 1); NaN when a score was NaN (the row is NaN).
+    lse[i0 + r] = (mx + std::log2(l[r])) * kLn2;
+  }
+  mm_bf16(BM, D, Np, Pb, Np, Vv, O, D, false);
+  for (int64_t r = 0; r < M; ++r) {
+    bf16_t* orow = ob + (i0 + r) * a.os2;
+    if (lim[r] == 0) {
+      std::fill(orow, orow + D, bf16_t(0));
+      lse[i0 + r] = neg_inf;
+    } else {
+      store_bf16_row(O + r * D, orow, D, D, a.keep_scale / l[r]);
+    }
+  }
+}
+
+inline int64_t mm_backward_workspace_floats(int64_t K, int64_t D) {
+  const int64_t Dp = even(D), Np = round_up(K, kKeyPad), BM = kBlockM;
+  return (2 * Np * Dp + D * Np + 2 * Dp * BM + 2 * BM * D + 3 * Np * BM) / 2 + 2 * Np * BM +
+         2 * Np * D + D * BM + D + 2 * BM + 32 * 16;
+}
+
+// backward_head for bfloat16 with brgemm products: dq, dk, dv of one (b, h) pair. Scores are
+// computed transposed (keys x query rows, S^T = K Q^T) so that dS^T and Pd^T, the A operands of
+// dK and dV, come out in row order, and dQ^T = K^T dS^T.
+inline void backward_head_mm(const BwdArgs<c10::BFloat16>& a, int64_t b, int64_t h, float* ws,
+                             int64_t* lim) {
+  const int64_t D = a.D, Dp = even(D), BM = kBlockM, Q = a.Q;
+  const int64_t klen = a.klen[b], qlen = a.qlen[b];
+  int64_t kend = 0, qstart = 0;
+  for (int64_t i = 0; i < qlen; ++i) {
+    lim[i] = row_key_limit(i, klen, a.Q, a.K, a.causal);
+    kend = std::max(kend, lim[i]);
+    if (lim[i] == 0) qstart = i + 1;
+  }
+  bf16_t* dkb = reinterpret_cast<bf16_t*>(a.dk + b * a.dks0 + h * a.dks1);
+  bf16_t* dvb = reinterpret_cast<bf16_t*>(a.dv + b * a.dvs0 + h * a.dvs1);
+  bf16_t* dqb = reinterpret_cast<bf16_t*>(a.dq + b * a.dqs0 + h * a.dqs1);
+  const bool none = kend == 0 || qstart >= qlen;
+  for (int64_t j = none ? 0 : kend; j < a.K; ++j) {  // keys no query sees (and past the length)
+    std::fill(dkb + j * a.dks2, dkb + j * a.dks2 + D, bf16_t(0));
+    std::fill(dvb + j * a.dvs2, dvb + j * a.dvs2 + D, bf16_t(0));
+  }
+  for (int64_t i = 0; i < Q; ++i) {
+    if (none || i < qstart || i >= qlen) std::fill(dqb + i * a.dqs2, dqb + i * a.dqs2 + D, bf16_t(0));
+  }
+  if (none) return;
+  const int64_t Np = round_up(kend, kKeyPad);
+  float* w = ws;
+  bf16_t* Kb = carve<bf16_t>(w, Np * Dp);    // K [Np, Dp]
+  bf16_t* Vb = carve<bf16_t>(w, Np * Dp);    // V [Np, Dp]
+  bf16_t* KTr = carve<bf16_t>(w, D * Np);    // K^T [D, Np] (A of dQ^T)
+  bf16_t* QT = carve<bf16_t>(w, Dp * BM);    // the block's q^T [Dp, BM], packed
+  bf16_t* GT = carve<bf16_t>(w, Dp * BM);    // the block's grad_out^T, packed
+  bf16_t* Qv = carve<bf16_t>(w, BM * D);     // the block's q [BM, D], packed
+  bf16_t* Gv = carve<bf16_t>(w, BM * D);     // the block's grad_out [BM, D], packed
+  bf16_t* dST = carve<bf16_t>(w, Np * BM);   // dS^T [Np, BM]
+  bf16_t* PdT = carve<bf16_t>(w, Np * BM);   // dropped P^T [Np, BM]
+  bf16_t* dSv = carve<bf16_t>(w, Np * BM);   // dS^T packed (B of dQ^T)
+  float* ST = carve<float>(w, Np * BM);      // S^T
+  float* dPT = carve<float>(w, Np * BM);     // dP^T
+  float* dK = carve<float>(w, Np * D);
+  float* dV = carve<float>(w, Np * D);
+  float* dQT = carve<float>(w, D * BM + D);
+  float* delta = carve<float>(w, BM);
+  float* lse2 = carve<float>(w, BM);
+  alignas(64) int32_t limr[kBlockM];
+  alignas(64) uint32_t r1[kBlockM], r2[kBlockM];
+
+  const bf16_t* qb = reinterpret_cast<const bf16_t*>(a.q + b * a.qs0 + h * a.qs1);
+  const bf16_t* kb = reinterpret_cast<const bf16_t*>(a.k + b * a.ks0 + h * a.ks1);
+  const bf16_t* vb = reinterpret_cast<const bf16_t*>(a.v + b * a.vs0 + h * a.vs1);
+  const c10::BFloat16* ob = a.out + b * a.os0 + h * a.os1;
+  const bf16_t* gb = reinterpret_cast<const bf16_t*>(a.dout + b * a.gs0 + h * a.gs1);
+  const float* lseb = a.lse + (b * a.H + h) * Q;
+  const float qmul = a.scale * kLog2e;
+  for (int64_t j = 0; j < Np; ++j) {
+    bf16_t* kr = Kb + j * Dp;
+    bf16_t* vr = Vb + j * Dp;
+    if (j < kend) {
+      copy_bf16_row(kb + j * a.ks2, kr, D, Dp);
+      copy_bf16_row(vb + j * a.vs2, vr, D, Dp);
+      for (int64_t d = 0; d < D; ++d) KTr[d * Np + j] = kr[d];
+    } else {
+      std::fill(kr, kr + Dp, bf16_t(0));
+      std::fill(vr, vr + Dp, bf16_t(0));
+      for (int64_t d = 0; d < D; ++d) KTr[d * Np + j] = 0;
+    }
+  }
+  std::fill(dK, dK + Np * D, 0.f);
+  std::fill(dV, dV + Np * D, 0.f);
+  const vf vq = splat(qmul), vrp = splat(a.keep_scale);
+  for (int64_t i0 = qstart; i0 < qlen; i0 += BM) {
+    const int64_t M = std::min(BM, qlen - i0);
+    const bf16_t* qr = qb + i0 * a.qs2;
+    const bf16_t* gr = gb + i0 * a.gs2;
+    pack_transposed(qr, a.qs2, M, BM, D, QT);
+    pack_transposed(gr, a.gs2, M, BM, D, GT);
+    pack_rows(qr, a.qs2, M, BM, D, Qv);
+    pack_rows(gr, a.gs2, M, BM, D, Gv);
+    int64_t kmax = 0;
+    for (int64_t r = 0; r < BM; ++r) {
+      if (r >= M) {
+        limr[r] = 0;
+        lse2[r] = delta[r] = 0.f;
+        r1[r] = r2[r] = 0;
+        continue;
+      }
+      const int64_t i = i0 + r;
+      limr[r] = static_cast<int32_t>(lim[i]);
+      kmax = std::max(kmax, lim[i]);
+      float dot = 0.f;
+      const c10::BFloat16* orow = ob + i * a.os2;
+      for (int64_t d = 0; d < D; ++d) {
+        dot += static_cast<float>(c10::BFloat16(gr[r * a.gs2 + d], c10::BFloat16::from_bits())) *
+               static_cast<float>(orow[d]);
+      }
+      delta[r] = dot;
+      lse2[r] = lseb[i] * kLog2e;
+      r1[r] = r2[r] = 0;
+      if (a.dropout) dropout_row_keys(a.bh_key1[b * a.H + h], a.bh_key2[b * a.H + h], i, &r1[r], &r2[r]);
+    }
+    const int64_t nk = round_up(kmax, kKeyPad);  // keys this block sees, padded (<= Np)
+    mm_bf16(nk, BM, Dp, Kb, Dp, QT, ST, BM, false);
+    mm_bf16(nk, BM, Dp, Vb, Dp, GT, dPT, BM, false);
+    for (int64_t rv = 0; rv < BM; rv += W) {
+      const vi vlim = *reinterpret_cast<const viu*>(limr + rv);
+      const vf vl2 = load(lse2 + rv), vd = load(delta + rv);
+      const vu k1 = *reinterpret_cast<const vuu*>(r1 + rv);
+      const vu k2 = *reinterpret_cast<const vuu*>(r2 + rv);
+      for (int64_t c = 0; c < nk; ++c) {
+        const int64_t o = c * BM + rv;
+        vf p = exp2v(fmadd(load(ST + o), vq, -vl2));
+        p = vlim > static_cast<int32_t>(c) ? p : splat(0.f);
+        const vf dp = load(dPT + o);
+        vf pd = p, dpk = dp;
+        if (a.dropout) {
+          const vi keep = reinterpret_cast<vi>(
+              mix32v(mix32v(splat_u(static_cast<uint32_t>(c)) + k1) ^ k2) >= a.threshold);
+          dpk = keep ? dp * vrp : splat(0.f);
+          pd = keep ? p * vrp : splat(0.f);
+        }
+        vf ds = p * (dpk - vd);
+        ds = p == 0.f ? splat(0.f) : ds;  // masked keys: exactly zero
+        *reinterpret_cast<vh*>(dST + o) = to_bf16(ds);
+        *reinterpret_cast<vh*>(PdT + o) = to_bf16(pd);
+      }
+    }
+    // dV += Pd^T dO;  dK += dS^T Q;  dQ^T = K^T dS^T
+    mm_bf16(nk, D, BM, PdT, BM, Gv, dV, D, true);
+    mm_bf16(nk, D, BM, dST, BM, Qv, dK, D, true);
+    pack_rows(dST, BM, nk, nk, BM, dSv);
+    mm_bf16(D, BM, nk, KTr, Np, dSv, dQT, BM, false);
+    for (int64_t r = 0; r < M; ++r) {
+      float* t = dQT + D * BM;  // one row of dQ (the workspace holds D more floats)
+      for (int64_t d = 0; d < D; ++d) t[d] = dQT[d * BM + r];
+      store_bf16_row(t, dqb + (i0 + r) * a.dqs2, D, D, a.scale);
+    }
+  }
+  for (int64_t j = 0; j < kend; ++j) {
+    store_bf16_row(dK + j * D, dkb + j * a.dks2, D, D, a.scale);
+    store_bf16_row(dV + j * D, dvb + j * a.dvs2, D, D, 1.f);
+  }
+}
+
 }  // namespace TE_FA_NS

@@ -16,10 +16,10 @@ import math
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from . import distributed
 from .errors import TrainingError
+from .loss import smoothed_cross_entropy
 
 __all__ = [
     "noam_lr",
@@ -113,14 +113,11 @@ def accumulate_gradients(
 
 
 def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, pad_id: int, label_smoothing: float):
-    """(loss per non-pad target token, number of non-pad target tokens)."""
+    """(loss per non-pad target token, number of non-pad target tokens), in float32 whatever the dtype
+    of ``logits`` (:func:`.loss.smoothed_cross_entropy`: blocks of rows on the CPU)."""
     V = logits.shape[-1]
-    total = F.cross_entropy(
-        logits.reshape(-1, V).float(),
-        tgt_out.reshape(-1),
-        ignore_index=pad_id,
-        label_smoothing=label_smoothing,
-        reduction="sum",
+    total = smoothed_cross_entropy(
+        logits.reshape(-1, V), tgt_out.reshape(-1), ignore_index=pad_id, label_smoothing=label_smoothing
     )
     n_tokens = int((tgt_out != pad_id).sum())
     return total / max(n_tokens, 1), n_tokens
