@@ -36,6 +36,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -45,8 +46,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common import environment, machine_info, write_json  # noqa: E402
-
-logger = logging.getLogger("profile_ctranslate2")
 
 SRC_LEN = 24
 BEAM = 4
@@ -164,7 +163,6 @@ class _Worker:
         env.pop("MKL_VERBOSE", None)
         if verbose:
             env["MKL_VERBOSE"] = "1"
-        self.stderr_path = None
         self.proc = subprocess.Popen(
             [sys.executable, WORKER, json.dumps(spec)],
             stdin=subprocess.PIPE,
@@ -174,8 +172,6 @@ class _Worker:
         )
         self._reader = None
         if verbose:
-            import threading
-
             self.lines: list[str] = []
             self._reader = threading.Thread(target=self._read_stderr, daemon=True)
             self._reader.start()
