@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, if not installed
-from common import environment, write_json  # noqa: E402
+from common import environment, machine_info, write_json  # noqa: E402
 
 logger = logging.getLogger("bench_train")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -314,6 +314,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     results = {
         "environment": {**environment(), **cpu_description()},
+        # ISA flags, caches and the measured memory bandwidth, taken after the timed rounds
+        "machine": machine_info((args.threads,)),
         "rounds": rounds,
         "steps": steps,
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
