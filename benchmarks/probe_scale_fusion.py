@@ -38,24 +38,11 @@ CASES = [("greedy", 1), ("beam4", 1), ("beam4", 16), ("beam4", 64)]
 
 
 def decode(runner, mode, src, lengths, n):
-    from transformer_ext.decoding import beam_search, greedy_decode
+    """The best hypothesis' tokens per source: profile_decode's decode (exactly ``n`` new tokens)."""
+    from profile_decode import _decode
 
-    bos, eos = runner.info.bos_id, runner.info.eos_id
-    if mode == "greedy":
-        rows = greedy_decode(runner, src, lengths, bos_id=bos, eos_id=eos, max_new_tokens=n, min_new_tokens=n)
-        return [list(r) for r in rows]
-    hyps = beam_search(
-        runner,
-        src,
-        lengths,
-        bos_id=bos,
-        eos_id=eos,
-        beam_size=4,
-        max_new_tokens=n,
-        min_new_tokens=n,
-        length_penalty="none",
-    )
-    return [list(h[0].tokens) for h in hyps]
+    rows = _decode(runner, mode, src, lengths, n)
+    return [list(r) for r in rows] if mode == "greedy" else [list(h[0].tokens) for h in rows]
 
 
 def open_runners(export_dir, threads):

@@ -10,9 +10,13 @@ different speed compare.
 """
 
 import argparse
+import io
 import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from transformer_ext.fsutil import atomic_write_bytes  # noqa: E402
 
 
 def parse_args(argv):
@@ -88,13 +92,13 @@ def main(argv):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = args.out + ".tmp.png"  # written whole, then renamed over the output
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     try:
-        fig.savefig(tmp)
-        os.replace(tmp, args.out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        atomic_write_bytes(args.out, buf.getvalue())  # a reader sees the old PNG or the new one
+    except OSError as exc:
+        print(f"{args.out}: cannot write the plot ({exc})", file=sys.stderr)
+        return 1
     print(f"wrote {args.out} ({', '.join(f'{label}: {len(h)} validations' for label, _, h in runs)})")
     return 0
 

@@ -76,3 +76,11 @@ def test_a_summary_without_bleu_is_one_line_and_exit_1(tmp_path):
     assert res.returncode == 1
     assert res.stderr.strip().endswith("no validation with BLEU yet")
     assert not (tmp_path / "out.png").exists()
+
+
+def test_an_unwritable_output_is_one_line_and_exit_1(tmp_path):
+    summary = write_summary(tmp_path / "run", [1.0, 2.0])
+    res = run(summary, str(tmp_path / "missing-folder" / "out.png"))
+    assert res.returncode == 1
+    assert len(res.stderr.strip().splitlines()) == 1 and "cannot write the plot" in res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["run"]
