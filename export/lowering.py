@@ -79,6 +79,13 @@ def _scalar(value: float):
     return op.Constant(value_float=float(value))
 
 
+def _scaled(x, scale: float):
+    """``x * scale``; ``x`` itself for scale 1 (an export whose queries carry the scale,
+    :func:`export.onnx.folded_query_scale`), so no ``Mul`` is left for ONNX Runtime to fuse into a
+    ``FusedMatMul`` alpha."""
+    return x if scale == 1.0 else op.Mul(x, _scalar(scale))
+
+
 def _dim(x, axis: int):
     """``x.shape[axis]`` as a 1-D int64 tensor of one element."""
     return op.Shape(x, start=axis, end=axis + 1)
@@ -101,7 +108,7 @@ def masked_softmax(scores, mask=None, scale: float = 1.0, causal: bool = False):
     Softmax of ``scale * scores`` over the allowed keys, in float32, returned in the input dtype;
     a row with no allowed key is zeros (``Where`` after the ``Softmax`` replaces its NaNs).
     """
-    x = op.Mul(_to_float(scores), _scalar(scale))
+    x = _scaled(_to_float(scores), scale)
     allowed = mask
     if causal:
         q_len = _dim(scores, 2)
@@ -131,12 +138,11 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float, k_new=None, v_n
     ``lengths[b]`` get zero weight (the caller keeps them finite: 0 * NaN is NaN).
     Scores and weights are float32; the output has the dtype of ``q``.
     """
-    scale_c = _scalar(scale)
     # [B, H, 1, L]: the scores over the cache, masked by position with one bool comparison turned
     # into an additive bias [B, 1, 1, L]. The mask and the bias depend only on the cache length and
     # ``lengths``, so every layer's are the same subgraph and ONNX Runtime computes them once per
     # step; adding a broadcast bias costs less than a ``Where`` over the scores.
-    scores = op.Mul(_to_float(op.MatMul(q, op.Transpose(k_cache, perm=[0, 1, 3, 2]))), scale_c)
+    scores = _scaled(_to_float(op.MatMul(q, op.Transpose(k_cache, perm=[0, 1, 3, 2]))), scale)
     allowed = op.Less(_key_positions(k_cache), op.Reshape(lengths, op.Constant(value_ints=[-1, 1, 1, 1])))
     scores = op.Add(scores, op.Where(allowed, _scalar(0.0), _scalar(_NEG_INF)))
     if k_new is None:
@@ -147,7 +153,7 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float, k_new=None, v_n
     # elementwise product summed over D: as a MatMul it would be B * H one-by-one products, which
     # cost ONNX Runtime several times more at batch size.
     s_new = op.ReduceSum(op.Mul(_to_float(q), _to_float(k_new)), op.Constant(value_ints=[-1]), keepdims=1)
-    s_new = op.Mul(s_new, scale_c)  # [B, H, 1, 1]
+    s_new = _scaled(s_new, scale)  # [B, H, 1, 1]
     probs = op.Softmax(op.Concat(scores, s_new, axis=-1), axis=-1)  # [B, H, 1, L + 1]
     axis = op.Constant(value_ints=[3])
     p_cache = op.Slice(probs, op.Constant(value_ints=[0]), _dim(k_cache, 2), axis)  # [B, H, 1, L]

@@ -206,6 +206,43 @@ class DecoderStepGraph(torch.nn.Module):
         return tuple(outputs + attention)
 
 
+@contextlib.contextmanager
+def folded_query_scale(model):
+    """While inside, every decoder layer's query projections (self- and cross-attention) are
+    multiplied by the attention scale ``1/sqrt(d_k)`` and the layers attend with scale 1.
+
+    The same function: ``(x W_Q + b_Q) k * s == (x (s W_Q) + s b_Q) k``. Traced this way, the
+    decoder step has no score ``Mul`` and ONNX Runtime's ``MatMulScaleFusion`` has nothing to fold
+    into a ``FusedMatMul`` alpha, so the one-row ``q kT`` products keep MLAS's no-packing path
+    (taken only with alpha 1). Where ``d_k`` is a power of 4 the scale is a power of two and the
+    products are bit-identical; otherwise they differ by float rounding. The parameters are new
+    tensors swapped in for the trace: the model's own are put back untouched on exit, and the
+    encoder (its cross-attention keys and values) does not read the query projections.
+    """
+    saved = []
+    try:
+        with torch.no_grad():
+            for layer in model.decoder.layers:
+                for attn in (layer.self_attn, layer.src_attn):
+                    proj = attn.W_Q
+                    had_scale = "scale" in attn.__dict__
+                    saved.append((attn, had_scale, attn.scale, proj, proj.weight, proj.bias))
+                    proj.weight = torch.nn.Parameter(proj.weight * attn.scale, requires_grad=False)
+                    if proj.bias is not None:
+                        proj.bias = torch.nn.Parameter(proj.bias * attn.scale, requires_grad=False)
+                    attn.scale = 1.0
+        yield model
+    finally:
+        for attn, had_scale, scale, proj, weight, bias in reversed(saved):
+            proj.weight = weight
+            if bias is not None:
+                proj.bias = bias
+            if had_scale:
+                attn.scale = scale
+            else:
+                del attn.scale
+
+
 # ------------------------------------------------------------------------------------------
 # Loading the model folder
 # ------------------------------------------------------------------------------------------
@@ -528,6 +565,7 @@ def export_onnx(
     validate: bool = True,
     seed: int = 0,
     fuse_matmuls: bool = True,
+    fold_query_scale: bool = True,
     generation: Optional[Mapping[str, Any]] = None,
     quantize: Optional[str] = None,
     gate_data: Any = None,
@@ -556,6 +594,8 @@ def export_onnx(
         fuse_matmuls: merge the matrix products that read the same input (each layer's Q/K/V
             projections; in the encoder, every decoder layer's cross-attention K/V projections)
             into one ``MatMul`` + ``Split`` after tracing. Validation runs on the final graphs.
+        fold_query_scale: trace the decoder step with the attention scale folded into the query
+            projections (:func:`folded_query_scale`): no score ``Mul`` in the step graph.
         generation: fields of the generation config to set (``beam_size``, ``length_penalty``,
             ``alpha``, ``max_len_a``, ``max_len_b``, ``min_new_tokens``, ``max_new_tokens``); the
             others keep their defaults (:meth:`GenerationConfig.defaults_for`: the special ids of
@@ -654,6 +694,7 @@ def export_onnx(
                 validate=validate,
                 seed=seed,
                 fuse_matmuls=fuse_matmuls,
+                fold_query_scale=fold_query_scale,
                 validation=validation,
             )
             if quantize is not None:
@@ -704,6 +745,7 @@ def _write_export(
     validate: bool,
     seed: int,
     fuse_matmuls: bool,
+    fold_query_scale: bool,
     validation,
 ) -> tuple[dict, Any]:
     """Write and validate the export in the (temporary) folder ``tmp_dir``; ``(manifest, report)``."""
@@ -720,17 +762,18 @@ def _write_export(
         tmp_dir / ENCODER_FILE,
         fuse_matmuls=fuse_matmuls,
     )
-    decoder_proto = _export_graph(
-        DecoderStepGraph(model, flavour, attention=attention),
-        decoder_args,
-        specs["decoder_step"],
-        3,
-        opset,
-        flavour,
-        tmp_dir / DECODER_FILE,
-        fuse_matmuls=fuse_matmuls,
-        flatten_rows=True,
-    )
+    with folded_query_scale(model) if fold_query_scale else contextlib.nullcontext():
+        decoder_proto = _export_graph(
+            DecoderStepGraph(model, flavour, attention=attention),
+            decoder_args,
+            specs["decoder_step"],
+            3,
+            opset,
+            flavour,
+            tmp_dir / DECODER_FILE,
+            fuse_matmuls=fuse_matmuls,
+            flatten_rows=True,
+        )
     structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
     for name in tokenizer_names:
         shutil.copy2(model_path / name, tmp_dir / name)
@@ -765,7 +808,8 @@ def _write_export(
             "source_model_dir": str(model_path),
             "exporter": "torch.onnx.export(dynamo=True)",
             "dummy_shapes": dummy,
-            "graph_passes": (["fuse_shared_input_matmuls"] if fuse_matmuls else [])
+            "graph_passes": (["folded_query_scale"] if fold_query_scale else [])
+            + (["fuse_shared_input_matmuls"] if fuse_matmuls else [])
             + ["share_shape_reads", "flatten_step_rows"],
             "structure": structure,
         },
@@ -855,6 +899,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="keep the traced graphs as they are instead of merging the matrix products that read the "
         "same input (Q/K/V projections) into one MatMul + Split",
+    )
+    p.add_argument(
+        "--no-fold-query-scale",
+        dest="fold_query_scale",
+        action="store_false",
+        help="keep the attention scale 1/sqrt(d_k) as a Mul on the decoder step's scores instead of "
+        "folding it into the query projections' weights",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random validation inputs")
     p.add_argument(
@@ -1030,6 +1081,7 @@ def _run(args) -> int:
         validate=args.validate,
         seed=args.seed,
         fuse_matmuls=args.fuse_matmuls,
+        fold_query_scale=args.fold_query_scale,
         attention=args.attention,
         generation=generation,
         quantize=args.quantize,

