@@ -1,9 +1,11 @@
-"""A/B of export folders of the same model through ``OrtRunner``: which graph decodes faster.
+"""A/B of export folders of the same model, or of ``OrtRunner`` options, through ``OrtRunner``.
 
     python benchmarks/ab_exports.py --variant scaled=A/base/onnx_unfolded --variant folded=A/base/onnx
+    python benchmarks/ab_exports.py --variant fresh=A/base/onnx_int8:reuse_buffers=0 --variant pooled=A/base/onnx_int8
 
-Each ``--variant LABEL=DIR`` is an export folder (two or more; the first is the baseline). Every
-folder gets an ``OrtRunner`` in this one process, with the same threads; each case is timed in
+Each ``--variant LABEL=DIR[:OPTION=0|1...]`` is an export folder and boolean ``OrtRunner``
+options (``grow_cache``, ``reuse_buffers``); two or more, the first is the baseline. Every
+variant gets an ``OrtRunner`` in this one process, with the same threads; each case is timed in
 rounds interleaved in alternating order, medians: greedy at batch 1 and beam 4 (no length penalty)
 at batch 1, 16 and 64, exactly ``--new-tokens`` tokens from random sources of length 24. Each
 variant's ratio is the baseline's median time over its own (above 1: faster than the baseline),
@@ -41,17 +43,30 @@ def decode(runner, mode, src, lengths, n):
     return [list(r) for r in rows] if mode == "greedy" else [list(h[0].tokens) for h in rows]
 
 
-def parse_variants(p: argparse.ArgumentParser, values: list[str]) -> dict[str, str]:
-    variants: dict[str, str] = {}
+RUNNER_OPTIONS = ("grow_cache", "reuse_buffers")
+
+
+def parse_variants(p: argparse.ArgumentParser, values: list[str]) -> dict[str, dict]:
+    """``{label: {"export": DIR, "options": {name: bool}}}`` from ``LABEL=DIR[:OPTION=0|1...]``."""
+    variants: dict[str, dict] = {}
     for v in values:
-        label, sep, folder = v.partition("=")
+        label, sep, rest = v.partition("=")
+        folder, *opts = rest.split(":")
         if not sep or not label or not folder:
-            p.error(f"--variant: expected LABEL=DIR, got {v!r}")
+            p.error(f"--variant: expected LABEL=DIR[:OPTION=0|1...], got {v!r}")
         if label in variants:
             p.error(f"--variant: the label {label!r} is given twice")
         if not os.path.isfile(os.path.join(folder, "manifest.json")):
             p.error(f"--variant {label}: {folder} is not an export folder (no manifest.json)")
-        variants[label] = folder
+        options = {}
+        for o in opts:
+            name, _, value = o.partition("=")
+            if name not in RUNNER_OPTIONS or value not in ("0", "1"):
+                p.error(
+                    f"--variant {label}: expected OPTION=0 or OPTION=1 with OPTION one of {RUNNER_OPTIONS}, got {o!r}"
+                )
+            options[name] = value == "1"
+        variants[label] = {"export": folder, "options": options}
     if len(variants) < 2:
         p.error("--variant: give at least two (LABEL=DIR), the first is the baseline")
     return variants
@@ -89,7 +104,8 @@ def main(argv=None) -> int:
     from transformer_ext.runtimes.ort import OrtRunner
 
     runners = {
-        label: OrtRunner(folder, intra_op_num_threads=args.threads) for label, folder in variants.items()
+        label: OrtRunner(v["export"], intra_op_num_threads=args.threads, **v["options"])
+        for label, v in variants.items()
     }
     labels = list(runners)
     base = labels[0]

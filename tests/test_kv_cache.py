@@ -417,3 +417,53 @@ def test_bad_select_index_names_its_position_and_moves_nothing(backend):
         _select(cache, backend, np.array([0.0]))
     assert cache.rows == 3
     np.testing.assert_array_equal(_np(cache.keys), before)
+
+
+# ------------------------------------------------------------------------------------------
+# HostBufferPool
+# ------------------------------------------------------------------------------------------
+
+
+def test_buffer_pool_never_hands_out_memory_a_live_array_uses():
+    """Random takes and drops: every array the pool hands out is disjoint from every live one,
+    and a dropped array's memory is reused (the pool stops growing)."""
+    from transformer_ext.runtimes.kv_cache import HostBufferPool
+
+    pool = HostBufferPool(max_buffers=4)
+    rng = np.random.default_rng(0)
+    live: list[np.ndarray] = []
+    for i in range(400):
+        if live and rng.random() < 0.5:
+            live.pop(int(rng.integers(len(live))))
+        shape = tuple(int(d) for d in rng.integers(1, 9, size=int(rng.integers(1, 4))))
+        dtype = [np.float32, np.int64, np.uint8][i % 3]
+        a = pool.empty(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+        assert not any(np.shares_memory(a, b) for b in live)
+        if rng.random() < 0.3:  # a view outlives its array: the buffer stays taken
+            a = a.reshape(-1)[1:] if a.size > 1 else a
+        live.append(a)
+    before = pool.nbytes
+    live.clear()
+    for _ in range(20):
+        pool.zeros((8, 8), np.float32)
+    assert pool.nbytes <= before
+
+
+def test_buffer_pool_zeros_reused_memory_and_bounds_what_it_keeps():
+    from transformer_ext.runtimes.kv_cache import HostBufferPool
+
+    pool = HostBufferPool(max_buffers=2)
+    a = pool.empty((4, 4), np.float32)
+    a.fill(7)
+    del a
+    z = pool.zeros((4, 4), np.float32)
+    assert not z.any() and pool.nbytes == 64  # the same buffer, zeroed
+    del z
+    small = [pool.empty((k,), np.uint8) for k in (1, 2, 3)]
+    del small
+    big = pool.empty((1000,), np.uint8)  # the free buffers too small for it are dropped
+    assert pool.nbytes == 1000
+    del big
+    with pytest.raises(ValueError, match="max_buffers"):
+        HostBufferPool(max_buffers=0)

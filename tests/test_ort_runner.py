@@ -160,9 +160,51 @@ def test_growing_caches_give_the_logits_of_a_full_size_cache(exported, cache_len
             r.step(s, np.full(s.num_rows, r.info.bos_id))
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_reused_buffers_give_the_same_logits_and_live_states_never_share_memory(tmp_path_factory, flavour):
+    """reuse_buffers (the default) against fresh allocations: bit-identical logits through growths,
+    a reorder and a select, for two states of one runner stepped in turn (their buffers must be
+    disjoint), and later decodes take the memory the finished ones left instead of new."""
+    exported = exported_dir(tmp_path_factory, flavour)
+    pooled = OrtRunner(exported, intra_op_num_threads=1)
+    fresh = OrtRunner(exported, intra_op_num_threads=1, reuse_buffers=False)
+    assert fresh._pool is None
+    rng = np.random.default_rng(5)
+
+    def arrays(state):
+        return state.self_keys + state.self_values + state.cross_keys + state.cross_values
+
+    def run_pair(steps):
+        inputs = [sources(pooled, batch=4, src_len=9, seed=s) for s in (1, 2)]
+        ours = [pooled.encode(i, n, cache_len=steps, num_beams=2) for i, n in inputs]
+        theirs = [fresh.encode(i, n, cache_len=steps, num_beams=2) for i, n in inputs]
+        for p in range(steps):
+            for a, b in zip(ours, theirs):
+                if p == 5:
+                    index = rng.integers(0, a.num_rows, size=a.num_rows)
+                    pooled.reorder(a, index)
+                    fresh.reorder(b, index)
+                if p == 19:
+                    keep = np.array([0, 2, 3, 7][: a.num_rows])
+                    pooled.select(a, keep)
+                    fresh.select(b, keep)
+                tokens = rng.integers(3, pooled.info.tgt_vocab_size, size=a.num_rows)
+                np.testing.assert_array_equal(pooled.step(a, tokens), fresh.step(b, tokens))
+            for x in arrays(ours[0]):
+                assert not any(np.shares_memory(x, y) for y in arrays(ours[1]))
+
+    held = []
+    for _ in range(4):
+        run_pair(37)
+        held.append(pooled._pool.nbytes)
+    assert held[2] == held[3]  # after a few decodes of these sizes, none needs new memory
+
+
 def test_grow_cache_must_be_a_bool(exported_portable):
     with pytest.raises(TypeError, match="grow_cache must be a bool"):
         OrtRunner(exported_portable, grow_cache=1)
+    with pytest.raises(TypeError, match="reuse_buffers must be a bool"):
+        OrtRunner(exported_portable, reuse_buffers="yes")
 
 
 def test_tensorscatter_updates_the_bound_cache_in_place(tmp_path_factory, capfd):

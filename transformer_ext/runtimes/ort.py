@@ -61,7 +61,7 @@ from transformer_ext.export_format import (
 )
 
 from .info import RunnerInfo
-from .kv_cache import CacheStateViews, HostKVCache
+from .kv_cache import CacheStateViews, HostBufferPool, HostKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,12 @@ class OrtRunner(decoding.SearchMethods):
             ``None`` keeps ONNX Runtime's default.
         session_options: a ready ``ort.SessionOptions``; overrides the three options above.
         grow_cache: start the self-attention caches small and grow them as tokens arrive
-            (default; same logits, see the module docstring), or allocate ``cache_len``
-            positions once at encode (False).
+            (default; the same logits up to rounding, see the module docstring), or allocate
+            ``cache_len`` positions once at encode (False).
+        reuse_buffers: take the caches and the per-beam cross-attention K/V from a pool of
+            buffers kept across decodes (default: no new pages, and no page faults, once the
+            first decode of a size has run; the runner then holds about the largest decode's
+            memory until it is closed), or allocate them afresh for every decode (False).
         manifest: the folder's manifest, when the caller has read it already
             (:func:`transformer_ext.runtimes.open_export_dir` does); else it is read here.
 
@@ -157,10 +161,14 @@ class OrtRunner(decoding.SearchMethods):
         session_options: Optional[ort.SessionOptions] = None,
         manifest: Optional[Mapping[str, Any]] = None,
         grow_cache: bool = True,
+        reuse_buffers: bool = True,
     ):
-        if not isinstance(grow_cache, (bool, np.bool_)):
-            raise TypeError(f"grow_cache must be a bool, got {grow_cache!r}")
+        for name, value in (("grow_cache", grow_cache), ("reuse_buffers", reuse_buffers)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
         self.grow_cache = bool(grow_cache)
+        # The caches and the per-beam cross K/V of every decode (HostBufferPool says why).
+        self._pool = HostBufferPool() if reuse_buffers else None
         self.export_dir = os.fspath(export_dir)
         self.manifest = dict(read_manifest(self.export_dir) if manifest is None else manifest)
         cpu_warning = quantization_cpu_warning(self.manifest, self.export_dir)
@@ -270,7 +278,11 @@ class OrtRunner(decoding.SearchMethods):
         N = B * K
 
         def rows(a: np.ndarray) -> np.ndarray:  # each source row repeated K times, contiguous
-            return np.ascontiguousarray(np.repeat(a, K, axis=0) if K > 1 else a)
+            if K == 1:
+                return np.ascontiguousarray(a)
+            out = self._empty((a.shape[0] * K, *a.shape[1:]), a.dtype)
+            out.reshape(a.shape[0], K, *a.shape[1:])[...] = a[:, None]
+            return out
 
         cross_keys = [rows(outs[f"cross_key.{i}"]) for i in range(info.n_layers)]
         cross_values = [rows(outs[f"cross_value.{i}"]) for i in range(info.n_layers)]
@@ -291,6 +303,7 @@ class OrtRunner(decoding.SearchMethods):
                 info.d_k,
                 dtype=np.float32,
                 staging=info.flavour == "portable",
+                pool=self._pool,
             ),
             logits=np.zeros((N, info.tgt_vocab_size), dtype=np.float32),
             attention=np.zeros((N, S), dtype=np.float32) if self.has_attention else None,
@@ -357,6 +370,7 @@ class OrtRunner(decoding.SearchMethods):
             self.info.d_k,
             dtype=old.dtype,
             staging=old.new_keys is not None,
+            pool=self._pool,
         )
         cache.keys[:, :, :p] = old.keys[:, :, :p]
         cache.values[:, :, :p] = old.values[:, :, :p]
@@ -386,6 +400,15 @@ class OrtRunner(decoding.SearchMethods):
         logits = self.step(state, tokens)
         return logits, state.attention.copy()
 
+    def _empty(self, shape, dtype) -> np.ndarray:
+        return np.empty(shape, dtype) if self._pool is None else self._pool.empty(shape, dtype)
+
+    def _gather_rows(self, a: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """``a[index]`` into a pooled array."""
+        out = self._empty((index.shape[0], *a.shape[1:]), a.dtype)
+        np.take(a, index, axis=0, out=out)
+        return out
+
     def reorder(self, state: OrtState, beam_index: Any) -> None:
         """Row ``r`` of every self-attention cache becomes old row ``beam_index[r]`` (valid prefix only)."""
         state.cache.reorder_(beam_index)
@@ -399,8 +422,8 @@ class OrtRunner(decoding.SearchMethods):
         M = int(index.shape[0])
         state.cache.select_(index)
         state.src_lengths = np.ascontiguousarray(state.src_lengths[index])
-        state.cross_keys = [np.ascontiguousarray(k[index]) for k in state.cross_keys]
-        state.cross_values = [np.ascontiguousarray(v[index]) for v in state.cross_values]
+        state.cross_keys = [self._gather_rows(k, index) for k in state.cross_keys]
+        state.cross_values = [self._gather_rows(v, index) for v in state.cross_values]
         state.input_ids, state.positions = state.input_ids[:M], state.positions[:M]
         state.logits = state.logits[:M]
         if state.attention is not None:
