@@ -185,6 +185,7 @@ def run(
     export: str | None = None,
     out: str = "benchmarks/results/bench_small_model.json",
     plot_png: bool = True,
+    max_new_tokens: int | None = None,
 ) -> dict:
     from transformer_ext.batching import DEFAULT_MAX_BATCH_TOKENS
 
@@ -207,10 +208,13 @@ def run(
         paths = prepare(scratch, engines, export)
         tokenizer = paths["onnx"]  # the export holds the demo model's tokenizer
         options = {"onnxrt": {"max_batch_tokens": max_batch_tokens}}
+        if max_new_tokens is not None:
+            options["onnxrt"]["max_length"] = max_new_tokens
         if "ctranslate2" in engines:
+            cap = budget_cap(lines, paths["onnx"])
             options["ctranslate2"] = {
                 "max_batch_tokens": ct2_max_batch_tokens,
-                "max_decoding_length": budget_cap(lines, paths["onnx"]),
+                "max_decoding_length": cap if max_new_tokens is None else min(cap, max_new_tokens),
             }
         artifact = {"onnxrt": "onnx", "ctranslate2": "ct2"}
         workers = {n: LinesWorker(n, paths[artifact[n]], threads, tokenizer) for n in engines}
@@ -247,6 +251,7 @@ def run(
             "repeats": repeats,
             "max_batch_tokens": max_batch_tokens,
             "ct2_max_batch_tokens": ct2_max_batch_tokens,
+            "max_new_tokens": max_new_tokens,
             "export": export,
         },
         "lines": len(lines),
@@ -288,11 +293,18 @@ def main(argv=None) -> int:
         default=None,
         help="CTranslate2's max_batch_size in tokens (default: --max-batch-tokens)",
     )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="stop every translation after this many tokens, both engines (default: the model's budget); "
+        "1 times the encoder plus one step, so a full run minus it is the decoder's share",
+    )
     p.add_argument("--engines", default=",".join(ENGINE_NAMES), help="comma-separated (default: %(default)s)")
     p.add_argument("--export", default=None, help="an export folder of the demo model (default: export one)")
     p.add_argument("--out", default="benchmarks/results/bench_small_model.json", help="JSON result file")
     args = p.parse_args(argv)
-    for name in ("lines", "threads", "repeats", "max_batch_tokens", "ct2_max_batch_tokens"):
+    for name in ("lines", "threads", "repeats", "max_batch_tokens", "ct2_max_batch_tokens", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -315,6 +327,7 @@ def main(argv=None) -> int:
         engines=engines,
         export=args.export,
         out=args.out,
+        max_new_tokens=args.max_new_tokens,
     )
     load = payload["load_average"]
     for name, r in payload["results"].items():

@@ -22,7 +22,8 @@ the worker translates text instead. Request ``("translate", lines, options)``; a
 (outputs, cpu_seconds, wall_seconds))``, ``outputs`` one ``(token ids, text)`` per line, the
 seconds the process's CPU time and the wall time of the whole call (tokenization included). The
 ``onnxrt`` worker runs ``Translator.from_export_dir(model).translate_iterable`` (the translate
-CLI's path) with ``options["max_batch_tokens"]``; the ``ctranslate2`` one tokenizes with the
+CLI's path) with ``options["max_batch_tokens"]`` (and ``options["max_length"]``, new tokens at
+most, where given); the ``ctranslate2`` one tokenizes with the
 tokenizer in ``spec["tokenizer"]`` (a folder holding ours), runs ``translate_iterable`` in token
 batches of ``options["max_batch_tokens"]``, greedy, ``max_decoding_length`` =
 ``options["max_decoding_length"]``, and detokenizes with the same tokenizer.
@@ -242,7 +243,10 @@ def _onnxrt_lines(spec):
     translator = Translator.from_export_dir(spec["model"], threads=int(spec["threads"]))
 
     def translate(lines, options):
-        stream = translator.translate_iterable(lines, max_batch_tokens=int(options["max_batch_tokens"]))
+        extra = {"max_length": int(options["max_length"])} if options.get("max_length") is not None else {}
+        stream = translator.translate_iterable(
+            lines, max_batch_tokens=int(options["max_batch_tokens"]), **extra
+        )
         return [(t.tokens, str(t)) for t in stream]
 
     return translate

@@ -73,6 +73,33 @@ def test_bench_small_model_ctranslate2_agrees(tmp_path, demo_export):
     assert payload["onnxrt_over_ctranslate2_cpu"] > 0
 
 
+def test_bench_small_model_max_new_tokens_caps_both_engines(tmp_path, demo_export):
+    """--max-new-tokens 1: the encoder and one step per line; ours stops where an in-process
+    Translator with max_length=1 stops, and CTranslate2 (where installed) agrees."""
+    engines = ["onnxrt", "ctranslate2"] if HAS_CT2 else ["onnxrt"]
+    payload = bench_small_model.run(
+        lines_n=6,
+        repeats=1,
+        engines=engines,
+        export=str(demo_export),
+        out=str(tmp_path / "small.json"),
+        plot_png=False,
+        max_new_tokens=1,
+    )
+    assert payload["settings"]["max_new_tokens"] == 1
+    ours = payload["outputs"]["onnxrt"]
+    assert all(len(t) <= 1 for t, _ in ours) and any(len(t) == 1 for t, _ in ours)
+    want = Translator.from_export_dir(demo_export, threads=1).translate(
+        bench_small_model.demo_lines(6, 0), max_length=1
+    )
+    assert [list(t) for t, _ in ours] == [w.tokens for w in want]
+    if HAS_CT2:
+        assert payload["results"]["ctranslate2"]["options"]["max_decoding_length"] == 1
+        assert payload["agreement"]["lines_equal"] == 6
+    with pytest.raises(SystemExit):
+        bench_small_model.main(["--max-new-tokens", "0", "--out", str(tmp_path / "x.json")])
+
+
 def test_bench_small_model_rejects_bad_arguments(tmp_path):
     with pytest.raises(SystemExit):
         bench_small_model.main(["--export", str(tmp_path), "--out", str(tmp_path / "x.json")])
