@@ -404,9 +404,10 @@ class OrtRunner(decoding.SearchMethods):
         return np.empty(shape, dtype) if self._pool is None else self._pool.empty(shape, dtype)
 
     def _gather_rows(self, a: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """``a[index]`` into a pooled array."""
+        """``a[index]`` into a pooled array (``index`` already checked: ``mode="clip"`` lets numpy
+        write into ``out`` directly instead of through a temporary)."""
         out = self._empty((index.shape[0], *a.shape[1:]), a.dtype)
-        np.take(a, index, axis=0, out=out)
+        np.take(a, index, axis=0, out=out, mode="clip")
         return out
 
     def reorder(self, state: OrtState, beam_index: Any) -> None:
