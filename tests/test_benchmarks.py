@@ -242,3 +242,57 @@ def test_count_step_calls_counts_per_step_and_per_function(tmp_path, tmp_path_fa
     for case in saved["cases"]:
         assert case["steps"] == 4 and case["calls_per_step"] > case["python_calls_per_step"] > 0
         assert case["top"]["ort.py:step"] == 1.0  # one runner step per decoding step
+
+
+def test_ab_exports_times_folders_and_runner_options(tmp_path, tmp_path_factory):
+    """ab_exports on the tiny export: a runner option as one variant, every case timed for each,
+    the baseline at 1.0x, the tokens of equal graphs equal; bad variants are refused."""
+    import ab_exports
+    from helpers import exported_dir
+
+    export = str(exported_dir(tmp_path_factory, "portable"))
+    out = tmp_path / "ab.json"
+    argv = ["--variant", f"fresh={export}:reuse_buffers=0", "--variant", f"pooled={export}"]
+    argv += ["--rounds", "1", "--new-tokens", "3", "--cases", "greedy:1,beam4:2", "--out", str(out)]
+    assert ab_exports.main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["variants"]["fresh"]["options"] == {"reuse_buffers": False}
+    assert [(r["mode"], r["batch"]) for r in saved["results"]] == [("greedy", 1), ("beam4", 2)]
+    for r in saved["results"]:
+        assert r["speedup_vs_baseline"]["fresh"] == 1.0 and r["seconds"]["pooled"] > 0
+        assert r["same_tokens_as_baseline"]["pooled"] == f"{r['batch']}/{r['batch']}"
+    for bad in (
+        [f"only={export}"],
+        [f"a={export}:no_such=1", f"b={export}"],
+        [f"a={tmp_path}", f"b={export}"],
+        [f"a={export}", f"a={export}"],
+    ):
+        with pytest.raises(SystemExit):
+            ab_exports.main([x for v in bad for x in ("--variant", v)] + ["--out", str(out)])
+
+
+def test_probe_score_products_agree_and_are_timed(tmp_path):
+    import probe_score_products
+
+    out = tmp_path / "scores.json"
+    assert probe_score_products.main(["--threads", "1", "--runs", "2", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert len(saved["results"]) == len(probe_score_products.SHAPES)
+    assert all(
+        r["microseconds"]["matmul"] > 0 and r["mul_reducesum_over_matmul"] > 0 for r in saved["results"]
+    )
+
+
+def test_probe_cross_sharing_layouts_agree_and_are_timed(tmp_path):
+    """The per-source graph gives the per-beam graph's outputs (checked inside), both are timed."""
+    import probe_cross_sharing
+
+    out = tmp_path / "cross.json"
+    argv = ["--batch-sizes", "1,3", "--layers", "2", "--heads", "2", "--src-len", "5", "--head-size", "8"]
+    argv += ["--threads", "1", "--runs", "2", "--out", str(out)]
+    assert probe_cross_sharing.main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert [r["rows"] for r in saved["results"]] == [4, 12]
+    assert all(set(r["milliseconds"]) == {"per_beam", "per_source"} for r in saved["results"])
+    with pytest.raises(SystemExit):
+        probe_cross_sharing.main(["--beams", "0", "--out", str(out)])
