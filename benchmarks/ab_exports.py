@@ -6,8 +6,8 @@
 Each ``--variant LABEL=DIR[:OPTION=0|1...]`` is an export folder and boolean ``OrtRunner``
 options (``grow_cache``, ``reuse_buffers``); two or more, the first is the baseline. Every
 variant gets an ``OrtRunner`` in this one process, with the same threads; each case is timed in
-rounds interleaved in alternating order, medians: greedy at batch 1 and beam 4 (no length penalty)
-at batch 1, 16 and 64, exactly ``--new-tokens`` tokens from random sources of length 24. Each
+rounds interleaved in rotating order after a warm-up (``common.time_side_by_side``), medians:
+greedy at batch 1 and beam 4 (no length penalty) at batch 1, 16 and 64, exactly ``--new-tokens`` tokens from random sources of length 24. Each
 variant's ratio is the baseline's median time over its own (above 1: faster than the baseline),
 and the sources whose best tokens equal the baseline's are counted. JSON at ``--out``.
 
@@ -19,10 +19,9 @@ export) against the scale as a ``Mul`` on the scores (``python -m export.onnx
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -30,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repository, if not installed
 
-from common import lscpu, write_json  # noqa: E402
+from common import lscpu, time_side_by_side, write_json  # noqa: E402
 
 CASES = [("greedy", 1), ("beam4", 1), ("beam4", 16), ("beam4", 64)]
 
@@ -44,6 +43,21 @@ def decode(runner, mode, src, lengths, n):
 
 
 RUNNER_OPTIONS = ("grow_cache", "reuse_buffers")
+
+
+def timed_decodes(runners: dict, mode, src, lengths, n: int, rounds: int) -> tuple[dict, dict, dict]:
+    """Whole decodes through every runner, ``rounds`` interleaved after a warm-up
+    (``common.time_side_by_side``): ``(median seconds, every sample, best tokens)`` per runner.
+    Every call keeps its tokens (the same each time: a fixed decode), so none is decoded extra."""
+    tokens: dict = {}
+    samples: dict = {}
+
+    def run(k):
+        tokens[k] = decode(runners[k], mode, src, lengths, n)
+
+    fns = {k: functools.partial(run, k) for k in runners}
+    med = time_side_by_side(fns, "cpu", repeats=rounds, min_time=0.0, samples=samples)
+    return med, samples, tokens
 
 
 def parse_variants(p: argparse.ArgumentParser, values: list[str]) -> dict[str, dict]:
@@ -123,14 +137,7 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         src = rng.integers(4, runners[base].info.src_vocab_size, size=(batch, 24))
         lengths = np.full(batch, 24)
-        tokens = {k: decode(r, mode, src, lengths, args.new_tokens) for k, r in runners.items()}  # warm-up
-        samples = {k: [] for k in labels}
-        for i in range(args.rounds):
-            for k in labels if i % 2 == 0 else labels[::-1]:
-                t0 = time.perf_counter()
-                decode(runners[k], mode, src, lengths, args.new_tokens)
-                samples[k].append(time.perf_counter() - t0)
-        med = {k: statistics.median(v) for k, v in samples.items()}
+        med, samples, tokens = timed_decodes(runners, mode, src, lengths, args.new_tokens, args.rounds)
         rec = {
             "mode": mode,
             "batch": batch,

@@ -8,7 +8,7 @@ import statistics
 import subprocess
 import threading
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -24,13 +24,19 @@ def sync(device: str) -> None:
 
 
 def time_side_by_side(
-    fns: Dict[str, Callable[[], object]], device: str, repeats: int = 7, min_time: float = 0.02
+    fns: Dict[str, Callable[[], object]],
+    device: str,
+    repeats: int = 7,
+    min_time: float = 0.02,
+    samples: Optional[Dict[str, list]] = None,
 ) -> Dict[str, float]:
     """Median seconds per call of every function, measured interleaved in one run.
 
     Each repeat times every function once (in a rotating order) over a number of calls
-    calibrated so that one timing lasts at least ``min_time``; the medians over repeats are
-    returned. Interleaving keeps machine drift from favouring one engine.
+    calibrated so that one timing lasts at least ``min_time`` (``min_time`` 0: one call, no
+    calibration; for calls that take long anyway); the medians over repeats are returned.
+    Interleaving keeps machine drift from favouring one engine. ``samples``: a dict that receives
+    every function's list of per-call seconds.
     """
     names = list(fns)
     calls = {}
@@ -38,7 +44,7 @@ def time_side_by_side(
         fns[name]()
         sync(device)
         n, elapsed = 1, 0.0
-        while True:
+        while min_time > 0:
             t0 = time.perf_counter()
             for _ in range(n):
                 fns[name]()
@@ -48,7 +54,9 @@ def time_side_by_side(
                 break
             n *= 2
         calls[name] = n
-    samples: Dict[str, list] = {name: [] for name in names}
+    if samples is None:
+        samples = {}
+    samples.update({name: [] for name in names})
     for r in range(repeats):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
@@ -59,7 +67,7 @@ def time_side_by_side(
                 fns[name]()
             sync(device)
             samples[name].append((time.perf_counter() - t0) / n)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return {name: statistics.median(samples[name]) for name in names}
 
 
 def environment() -> dict:

@@ -11,7 +11,7 @@ values repeated for each of its beams, so a step reads them K times. Kept once p
 ``[B, H, K, D]``, ``MatMul`` with ``k^T`` -> ``[B, H, K, S]``, softmax, ``MatMul`` with ``v``,
 back to ``[R, H, 1, D]``. This builds one graph of ``--layers`` such blocks for each layout, every
 layer with keys and values of its own (so the data of a step, not one layer's, meets the caches),
-runs both on the same values (``--runs`` timed runs after a warm-up, medians), checks that they
+runs both on the same values (``--runs`` interleaved timed runs after a warm-up, medians), checks that they
 agree, and prints the time of each and their ratio per batch size and thread count. It measures
 what an export-contract change would buy before making it. JSON at ``--out``.
 """
@@ -19,17 +19,16 @@ what an export-contract change would buy before making it. JSON at ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import lscpu, write_json  # noqa: E402
+from common import lscpu, time_side_by_side, write_json  # noqa: E402
 
 
 def graph(shared: bool, layers: int, B: int, K: int, H: int, S: int, D: int) -> bytes:
@@ -134,16 +133,13 @@ def main(argv=None) -> int:
             results = {shared: s.run(None, feeds[shared]) for shared, s in sessions.items()}
             for a, b in zip(results[False], results[True]):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-            ms = {}
-            for shared, s in sessions.items():
-                for _ in range(3):
-                    s.run(None, feeds[shared])
-                samples = []
-                for _ in range(args.runs):
-                    t0 = time.perf_counter()
-                    s.run(None, feeds[shared])
-                    samples.append(time.perf_counter() - t0)
-                ms["per_source" if shared else "per_beam"] = statistics.median(samples) * 1e3
+            fns = {
+                ("per_source" if shared else "per_beam"): functools.partial(s.run, None, feeds[shared])
+                for shared, s in sessions.items()
+            }
+            ms = {
+                k: t * 1e3 for k, t in time_side_by_side(fns, "cpu", repeats=args.runs, min_time=0.0).items()
+            }
             rec = {"batch": B, "rows": R, "threads": n, "milliseconds": ms}
             rec["per_beam_over_per_source"] = ms["per_beam"] / ms["per_source"]
             rec["bytes_read_per_beam"] = 2 * L * R * H * S * D * 4

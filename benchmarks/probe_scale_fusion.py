@@ -9,7 +9,7 @@ only when ``alpha == 1`` (``MlasSgemmOperation``'s M == 1 path), so with the fus
 ``q k^T`` of a decoder step (one query row per beam and head) packs its key block first; without
 it the scale is a separate ``Mul`` over the scores. This times both on the same export folders
 (``bench_decode.py --artifacts A --prepare-only`` builds ``A/base/onnx`` and ``A/base/onnx_int8``),
-in one process, rounds interleaved in alternating order, medians: greedy at batch 1 and beam 4
+in one process, rounds interleaved after a warm-up (``common.time_side_by_side``), medians: greedy at batch 1 and beam 4
 (no length penalty) at batch 1, 16 and 64, exactly ``--new-tokens`` tokens from random sources of
 length 24, and counts the sources whose tokens agree between the two. JSON at ``--out``.
 """
@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -28,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repository, if not installed
 
+from ab_exports import timed_decodes  # noqa: E402
 from common import lscpu, write_json  # noqa: E402
 
 VARIANTS = {
@@ -35,14 +34,6 @@ VARIANTS = {
     "no_scale_fusion": ("SkipLayerNormFusion", "MatMulScaleFusion"),
 }
 CASES = [("greedy", 1), ("beam4", 1), ("beam4", 16), ("beam4", 64)]
-
-
-def decode(runner, mode, src, lengths, n):
-    """The best hypothesis' tokens per source: profile_decode's decode (exactly ``n`` new tokens)."""
-    from profile_decode import _decode
-
-    rows = _decode(runner, mode, src, lengths, n)
-    return [list(r) for r in rows] if mode == "greedy" else [list(h[0].tokens) for h in rows]
 
 
 def open_runners(export_dir, threads):
@@ -88,17 +79,8 @@ def main(argv=None) -> int:
             rng = np.random.default_rng(0)
             src = rng.integers(4, runners["today"].info.src_vocab_size, size=(batch, 24))
             lengths = np.full(batch, 24)
-            tokens = {
-                k: decode(r, mode, src, lengths, args.new_tokens) for k, r in runners.items()
-            }  # warm-up
+            med, samples, tokens = timed_decodes(runners, mode, src, lengths, args.new_tokens, args.rounds)
             same = sum(a == b for a, b in zip(tokens["today"], tokens["no_scale_fusion"]))
-            samples = {k: [] for k in runners}
-            for i in range(args.rounds):
-                for k in list(runners) if i % 2 == 0 else list(runners)[::-1]:
-                    t0 = time.perf_counter()
-                    decode(runners[k], mode, src, lengths, args.new_tokens)
-                    samples[k].append(time.perf_counter() - t0)
-            med = {k: statistics.median(v) for k, v in samples.items()}
             rec = {
                 "export": export_dir,
                 "mode": mode,

@@ -7,7 +7,7 @@ beam and head. The export writes them as ``MatMul(q, Transpose(k))`` (ONNX Runti
 transpose: one small GEMM per row and head). The alternative without a GEMM is
 ``ReduceSum(Mul(q, k), axis=-1)``, a broadcast product and a reduction, which the step graph
 already uses for the new token's own score. This builds a two-node graph of each, runs both on
-the same random inputs (``--runs`` timed runs after a warm-up, medians, microseconds) for each
+the same random inputs (``--runs`` interleaved timed runs after a warm-up, medians, microseconds) for each
 shape (rows R, heads H, cache L, head size D: the demo model's ~100-row batches and ``base`` at
 64 and 256 rows) and thread count, and checks that they agree. JSON at ``--out``.
 """
@@ -15,17 +15,16 @@ shape (rows R, heads H, cache L, head size D: the demo model's ~100-row batches 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import lscpu, write_json  # noqa: E402
+from common import lscpu, time_side_by_side, write_json  # noqa: E402
 
 SHAPES = [(104, 4, 32, 16), (64, 8, 32, 64), (256, 8, 32, 64)]  # (rows, heads, cache, head size)
 
@@ -89,16 +88,10 @@ def main(argv=None) -> int:
             np.testing.assert_allclose(
                 got["matmul"].reshape(R, H, L), got["mul_reducesum"].reshape(R, H, L), rtol=1e-4, atol=1e-4
             )
-            us = {}
-            for kind, s in sessions.items():
-                for _ in range(20):
-                    s.run(None, {"q": q, "k": k})
-                samples = []
-                for _ in range(args.runs):
-                    t0 = time.perf_counter()
-                    s.run(None, {"q": q, "k": k})
-                    samples.append(time.perf_counter() - t0)
-                us[kind] = statistics.median(samples) * 1e6
+            feed = {"q": q, "k": k}
+            fns = {kind: functools.partial(s.run, None, feed) for kind, s in sessions.items()}
+            seconds = time_side_by_side(fns, "cpu", repeats=args.runs, min_time=0.0)
+            us = {kind: t * 1e6 for kind, t in seconds.items()}
             rec = {"rows": R, "heads": H, "cache": L, "head_size": D, "threads": n, "microseconds": us}
             rec["mul_reducesum_over_matmul"] = us["mul_reducesum"] / us["matmul"]
             out["results"].append(rec)

@@ -225,22 +225,18 @@ def folded_query_scale(model):
             for layer in model.decoder.layers:
                 for attn in (layer.self_attn, layer.src_attn):
                     proj = attn.W_Q
-                    had_scale = "scale" in attn.__dict__
-                    saved.append((attn, had_scale, attn.scale, proj, proj.weight, proj.bias))
+                    saved.append((attn, attn.scale, proj, proj.weight, proj.bias))
                     proj.weight = torch.nn.Parameter(proj.weight * attn.scale, requires_grad=False)
                     if proj.bias is not None:
                         proj.bias = torch.nn.Parameter(proj.bias * attn.scale, requires_grad=False)
                     attn.scale = 1.0
         yield model
     finally:
-        for attn, had_scale, scale, proj, weight, bias in reversed(saved):
+        for attn, scale, proj, weight, bias in reversed(saved):
             proj.weight = weight
             if bias is not None:
                 proj.bias = bias
-            if had_scale:
-                attn.scale = scale
-            else:
-                del attn.scale
+            attn.scale = scale
 
 
 # ------------------------------------------------------------------------------------------
@@ -674,6 +670,8 @@ def export_onnx(
 
     if not isinstance(attention, bool):
         raise UsageError(f"attention must be True or False, got {attention!r}")
+    if not isinstance(fold_query_scale, bool):
+        raise UsageError(f"fold_query_scale must be True or False, got {fold_query_scale!r}")
     specs = graph_specs(config.to_dict(), flavour, attention)
     made: list[Path] = []
     try:

@@ -370,10 +370,9 @@ class HostBufferPool:
     from memory an earlier decode already touched instead of new pages.
 
     A fresh large numpy allocation is new pages from the kernel, and the first write to each
-    page is a page fault; in a virtual machine those can cost 10-40x the copy itself (on the
-    2-core VM this was written on, one growth of ``base``'s caches at 256 rows took 150-660 ms
-    instead of the copy's 16 ms; benchmarks/ab_exports.py measures whole decodes with and
-    without the pool, ``OrtRunner(reuse_buffers=False)``). The pool keeps
+    page is a page fault, which in a virtual machine can cost far more than the copy itself
+    (benchmarks/ab_exports.py measures whole decodes with and without the pool,
+    ``OrtRunner(reuse_buffers=False)``). The pool keeps
     every flat buffer it made; an array it hands out is a view of one, and numpy makes every view
     hold a reference to its flat buffer, so a buffer is free again exactly when no array of its
     memory is alive (its reference count is back to the pool's own). :meth:`empty` takes the
