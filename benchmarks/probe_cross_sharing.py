@@ -1,12 +1,12 @@
-"""A decoder step's cross-attention with its keys and values once per beam (today's export
-contract) or once per source, in standard ONNX ops, timed in ONNX Runtime at the size of a whole
-step.
+"""A decoder step's cross-attention with its keys and values once per beam (the export format
+before version 4) or once per source (version 4 on), in standard ONNX ops, timed in ONNX Runtime
+at the size of a whole step.
 
     python benchmarks/probe_cross_sharing.py                    # base: 6 layers, 8 heads, S 24, d_k 64
 
-Beam search decodes ``R = B * K`` rows (``B`` sources, ``K`` beams). Today the step graph's
-``cross_key.i`` / ``cross_value.i`` inputs are ``[R, H, S, D]``: each source's encoder keys and
-values repeated for each of its beams, so a step reads them K times. Kept once per source
+Beam search decodes ``R = B * K`` rows (``B`` sources, ``K`` beams). Taken once per beam, the
+step graph's ``cross_key.i`` / ``cross_value.i`` inputs are ``[R, H, S, D]``: each source's encoder
+keys and values repeated for each of its beams, so a step reads them K times. Kept once per source
 (``[B, H, S, D]``), a source's beams become the query rows of one product: ``q [R, H, 1, D]`` ->
 ``[B, H, K, D]``, ``MatMul`` with ``k^T`` -> ``[B, H, K, S]``, softmax, ``MatMul`` with ``v``,
 back to ``[R, H, 1, D]``. This builds one graph of ``--layers`` such blocks for each layout, every

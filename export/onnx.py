@@ -176,7 +176,9 @@ class DecoderStepGraph(torch.nn.Module):
         n = self.n_layers
         self_keys, self_values = list(kv[0 : 2 * n : 2]), list(kv[1 : 2 * n : 2])
         cross_keys, cross_values = list(kv[2 * n :: 2]), list(kv[2 * n + 1 :: 2])
-        extra = {"return_attention": True} if self.attention else {}
+        extra = {"cross_per_source": True}
+        if self.attention:
+            extra["return_attention"] = True
         if self.flavour == "portable":
             logits, new_keys, new_values, *attention = self.model.decode_step(
                 input_ids, positions, src_lengths, self_keys, self_values, cross_keys, cross_values, **extra
@@ -366,7 +368,9 @@ def imported_generation(model_path: Path, cache_len: int) -> dict:
 
 
 def _dummy_inputs(model, flavour: str):
-    """Example inputs for tracing: batch 2, source length 5, cache length 7 (capped by max_len)."""
+    """Example inputs for tracing: 2 sources of length 5 (capped by max_len); the decoder step
+    with 2 rows per source (4 rows: ``batch`` and ``sources`` differ, so neither is specialised)
+    and cache length 7 (capped by max_len)."""
     c = model.config
     gen = torch.Generator().manual_seed(0)
     B = DUMMY_BATCH
@@ -377,17 +381,18 @@ def _dummy_inputs(model, flavour: str):
     src = torch.randint(4 if c.src_vocab_size > 4 else 0, c.src_vocab_size, (B, S), generator=gen)
     src_lengths = torch.tensor([S, max(1, S - 2)], dtype=torch.int64)
     encoder_args = (src, src_lengths)
-    shape_self = (B, c.n_heads, L, c.d_k)
+    rows = 2 * B  # each source's K/V serves two rows (beams)
+    shape_self = (rows, c.n_heads, L, c.d_k)
     shape_cross = (B, c.n_heads, S, c.d_k)
     kv = [torch.randn(shape_self, generator=gen) for _ in range(2 * c.n_decoder_layers)]
     kv += [torch.randn(shape_cross, generator=gen) for _ in range(2 * c.n_decoder_layers)]
     decoder_args = (
-        torch.tensor([[c.bos_id], [c.bos_id]], dtype=torch.int64),
-        torch.tensor([L - 1, 1], dtype=torch.int64),
-        src_lengths.clone(),
+        torch.full((rows, 1), c.bos_id, dtype=torch.int64),
+        torch.tensor([L - 1, 1, L - 2, 2], dtype=torch.int64),
+        src_lengths.repeat_interleave(2),
         *kv,
     )
-    return encoder_args, decoder_args, {"batch": B, "src_len": S, "cache_len": L}
+    return encoder_args, decoder_args, {"batch": B, "decoder_rows": rows, "src_len": S, "cache_len": L}
 
 
 def _dynamic_shapes(spec: dict, n_positional: int):

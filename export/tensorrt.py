@@ -75,6 +75,7 @@ from transformer_ext.cli import add_debug_flag, run_cli
 from transformer_ext.export_format import (
     BATCH,
     CACHE_LEN,
+    CROSS_PER_SOURCE_VERSION,
     DECODER_FILE,
     ENCODER_FILE,
     FORMAT_VERSION,
@@ -83,6 +84,7 @@ from transformer_ext.export_format import (
     MANIFEST_NAME,
     SRC_LEN,
     GenerationConfig,
+    cross_per_source,
     dtype_from_tensorrt,
     file_sha256,
     read_generation_config,
@@ -798,7 +800,10 @@ def build_engines(export_dir: Union[str, os.PathLike], options: Optional[BuildOp
     trt_version = getattr(trt, "__version__", "?")
     section = manifest_section(plan, engine_bytes, engine_io, trt_version)
     manifest = update_manifest(target.base_manifest, plan, section)
-    manifest["format_version"] = FORMAT_VERSION
+    # An older folder keeps the version its graphs follow (one cross-attention row per row).
+    manifest["format_version"] = (
+        FORMAT_VERSION if cross_per_source(manifest["graphs"]) else CROSS_PER_SOURCE_VERSION - 1
+    )
     manifest["tokenizer_files"] = tokenizer_files(target.base_manifest)
     manifest["generation_config"] = target.generation_config
     manifest["files"] = sorted(set(target.listed_files) | set(files) | {MANIFEST_NAME})

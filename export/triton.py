@@ -69,6 +69,7 @@ from transformer_ext.export_format import (
     DECODER_FILE,
     DTYPES,
     ENCODER_FILE,
+    SOURCES,
     io_problems,
     read_generation_config,
     read_manifest,
@@ -268,8 +269,15 @@ class _Graph:
 
 
 def _graph_from_spec(spec: Mapping[str, Any], pinned: Mapping[str, int] | None = None) -> _Graph:
+    """The graph as Triton sees it. The decoder step's cross-attention K/V, whose leading axis is
+    ``sources`` (one row per source, shared by its beams), are batched like every other input:
+    the translator sends one cross-attention row per decoder row (the step's ``K = 1`` case), so
+    the rows of concurrent requests stay aligned when Triton merges them."""
+
     def conv(t):
         shape = [pinned.get(d, d) if (pinned and isinstance(d, str)) else d for d in t["shape"]]
+        if shape and shape[0] == SOURCES:
+            shape[0] = "batch"
         return _Tensor(t["name"], t["dtype"], shape)
 
     graph = _Graph([conv(t) for t in spec["inputs"]], [conv(t) for t in spec["outputs"]])

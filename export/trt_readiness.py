@@ -44,6 +44,7 @@ from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
     MANIFEST_NAME,
+    SOURCES,
     SRC_LEN,
     manifest_max_cache_len,
     manifest_max_positions,
@@ -200,8 +201,8 @@ def default_axis_ranges(
     *,
     static_cache_len: Optional[int] = None,
 ) -> dict[str, AxisRange]:
-    """The default profile: batch 1..64 (16 typical: 16 sources, or 4 sources x 4 beams),
-    sources up to ``max_positions`` (the model's ``max_len``), caches up to ``max_cache_len``
+    """The default profile: batch 1..64 (16 typical: 16 sources, or 4 sources x 4 beams), the
+    decoder step's cross-attention rows (``sources``) as ``batch``, source lengths up to ``max_positions`` (the model's ``max_len``), caches up to ``max_cache_len``
     (the export's largest cache capacity, itself at most ``max_len``).
 
     ``static_cache_len``: pin ``cache_len`` (the ``tensorscatter`` flavour needs a static one).
@@ -210,6 +211,9 @@ def default_axis_ranges(
     mc = min(int(max_cache_len), mp) if max_cache_len else mp
     ranges = {
         BATCH: AxisRange(1, 16, 64),
+        # The decoder step's cross-attention rows: one per source, or one per row (K = 1), so
+        # the range of ``batch``.
+        SOURCES: AxisRange(1, 16, 64),
         SRC_LEN: AxisRange(1, min(32, mp), mp),
         CACHE_LEN: AxisRange(1, min(64, mc), mc),
     }
@@ -824,6 +828,8 @@ def check_export_dir(
         )
     if axis_ranges:
         ranges.update(axis_ranges)
+        if BATCH in axis_ranges and SOURCES not in axis_ranges:
+            ranges[SOURCES] = ranges[BATCH]  # runners may feed one cross-attention row per row
     for key, model in loaded.items():
         gname = f"{key}.onnx"
         spec = (manifest.get("graphs") or {}).get(key) if compare_manifest else None

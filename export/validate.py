@@ -32,7 +32,7 @@ import onnxruntime as ort
 import torch
 
 from transformer_ext import decoding, ops
-from transformer_ext.export_format import ATTENTION_OUTPUT, graph_specs
+from transformer_ext.export_format import ATTENTION_OUTPUT, cross_per_source, graph_specs
 from transformer_ext.runtimes import EagerRunner, OrtRunner
 
 from . import GraphContractError, ParityError, contract
@@ -308,12 +308,18 @@ def _encoder_cases(config) -> list[tuple[int, int]]:
     return [(1, 1), (3, max_len), (8, mid), (1, max_len)]
 
 
-def _decoder_cases(config, max_cache_len: int) -> list[tuple[int, int, int]]:
-    """(batch, padded source length, cache length)."""
+def _decoder_cases(config, max_cache_len: int) -> list[tuple[int, int, int, int]]:
+    """(rows, sources, padded source length, cache length): one row per source, and a source's
+    K/V serving 4 rows (beams) at 2 sources and at 1."""
     max_len = config.max_len
     mid_src = max(1, min(max_len, 9))
     mid_cache = max(1, min(max_cache_len, 13))
-    return [(1, 1, 1), (3, max_len, max_cache_len), (8, mid_src, mid_cache), (1, mid_src, max_cache_len)]
+    return [
+        (1, 1, 1, 1),
+        (3, 3, max_len, max_cache_len),
+        (8, 2, mid_src, mid_cache),
+        (4, 1, mid_src, max_cache_len),
+    ]
 
 
 def _check_encoder(report, runner: OrtRunner, model, rng) -> None:
@@ -338,8 +344,13 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
     spec = runner.manifest["graphs"]["decoder_step"]
     in_names = [t["name"] for t in spec["inputs"]]
     out_names = [t["name"] for t in spec["outputs"]]
-    for batch, src_len, cache_len in _decoder_cases(config, max_cache_len):
-        lengths = _ragged_lengths(rng, batch, src_len)
+    per_source = cross_per_source(runner.manifest["graphs"])
+    for batch, sources, src_len, cache_len in _decoder_cases(config, max_cache_len):
+        if not per_source:
+            sources = batch
+        beams = batch // sources
+        source_lengths = _ragged_lengths(rng, sources, src_len)
+        lengths = np.repeat(source_lengths, beams)  # the rows of a source share its length
         # Ragged positions: the first row at the last slot, the last row at 0, the rest random.
         positions = rng.integers(0, min(cache_len, config.max_len), size=batch).astype(np.int64)
         positions[0] = min(cache_len, config.max_len) - 1
@@ -347,13 +358,13 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
             positions[-1] = 0
         ids = rng.integers(0, config.tgt_vocab_size, size=(batch, 1)).astype(np.int64)
         self_shape = (batch, config.n_heads, cache_len, config.d_k)
-        cross_shape = (batch, config.n_heads, src_len, config.d_k)
+        cross_shape = (sources, config.n_heads, src_len, config.d_k)
         # Random finite values everywhere, past the prefix too: those must get zero weight.
         caches = [rng.standard_normal(self_shape, dtype=np.float32) for _ in range(2 * n)]
         cross = [rng.standard_normal(cross_shape, dtype=np.float32) for _ in range(2 * n)]
         feeds = dict(zip(in_names, [ids, positions, lengths, *caches, *cross]))
         case = (
-            f"decoder_step batch {batch} src_len {src_len} cache_len {cache_len} "
+            f"decoder_step batch {batch} ({sources} sources) src_len {src_len} cache_len {cache_len} "
             f"positions {_short(positions)} src_lengths {_short(lengths)}"
         )
         # Without IO binding the tensorscatter graph copies each cache (ORT warns): expected here.
@@ -362,6 +373,10 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
         onnx_out = runner.decoder.run(out_names, feeds, quiet)
 
         t = {k: torch.from_numpy(v.copy()) for k, v in feeds.items()}
+        # The eager reference: the fused decode_attention over the cross K/V repeated per row.
+        for i in range(n):
+            for kind in ("key", "value"):
+                t[f"cross_{kind}.{i}"] = t[f"cross_{kind}.{i}"].repeat_interleave(beams, dim=0)
         self_keys = [t[f"self_key.{i}"] for i in range(n)]
         self_values = [t[f"self_value.{i}"] for i in range(n)]
         attention = out_names[-1] == ATTENTION_OUTPUT  # an export made with --attention
@@ -393,6 +408,7 @@ def _check_decoder(report, runner: OrtRunner, model, rng, max_cache_len: int) ->
             {
                 "graph": "decoder_step",
                 "batch": batch,
+                "sources": sources,
                 "src_len": src_len,
                 "cache_len": cache_len,
                 "case": case,

@@ -97,6 +97,43 @@ def exported_dir(tmp_path_factory, flavour: str) -> Path:
     return out
 
 
+def with_cross_per_row(folder: Path) -> Path:
+    """Rewrite an export folder (in place) as format versions 1-3 declared their decoder step:
+    the cross-attention K/V on the ``batch`` axis, one row per decoder row, format version 3.
+
+    Only the declared axis changes: the step graph computes one cross-attention row per source
+    with ``batch / sources`` rows each, so with as many K/V rows as decoder rows it is the
+    per-row step those versions exported."""
+    import json
+
+    import onnx
+
+    from transformer_ext.export_format import (
+        BATCH,
+        DECODER_FILE,
+        HASHES_KEY,
+        file_sha256,
+        graph_specs,
+        manifest_attention,
+    )
+
+    path = folder / DECODER_FILE
+    graph = onnx.load(path)
+    for value in graph.graph.input:
+        if value.name.startswith("cross_"):
+            value.type.tensor_type.shape.dim[0].dim_param = BATCH
+    onnx.save(graph, path)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    manifest["format_version"] = 3
+    manifest["graphs"] = graph_specs(
+        manifest["model_config"], manifest["flavour"], manifest_attention(manifest), cross_per_source=False
+    )
+    if HASHES_KEY in manifest:
+        manifest[HASHES_KEY][DECODER_FILE] = file_sha256(path)
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return folder
+
+
 # ------------------------------------------------------------------------------------------
 # numpy runners of the decoding protocol, random log-probabilities, random search options
 # ------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from fake_tensorrt import fake_tensorrt
-from helpers import make_model_dir, rehash_export
+from helpers import make_model_dir, rehash_export, with_cross_per_row
 from onnx import helper
 
 import export
@@ -66,8 +66,9 @@ def rewrite(folder: Path, **changes) -> dict:
 
 
 def as_version_2(export_dir: Path, dst: Path) -> Path:
-    """``export_dir`` as the version-2 exporter wrote it: the same, without a generation config."""
-    folder = copy_export(export_dir, dst)
+    """``export_dir`` as the version-2 exporter wrote it: without a generation config, the
+    decoder step declaring one cross-attention row per row."""
+    folder = with_cross_per_row(copy_export(export_dir, dst))
     (folder / "generation.json").unlink()
     manifest = json.loads((folder / "manifest.json").read_text())
     rewrite(
@@ -198,7 +199,7 @@ def test_io_comparator_names_every_difference():
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (dict(format_version=4), r"version=4\); it was written by a newer transformer_ext: upgrade it"),
+        (dict(format_version=5), r"version=5\); it was written by a newer transformer_ext: upgrade it"),
         (dict(format_version=True), "version=True"),
         (dict(format="someone.else"), "is not a transformer_ext.onnx_export manifest"),
         (dict(generation_config=None), "generation_config must name the generation config file"),
@@ -242,8 +243,8 @@ def test_version_2_folders_still_load_with_the_default_generation_config(
     with pytest.raises(OutputFolderError, match="did not write there: generation.json"):
         export_onnx(model_dir, old, validate=False)
     (old / "generation.json").unlink()
-    export_onnx(model_dir, old, validate=False)  # only its own files: replaced by a version-3 folder
-    assert read_manifest(old)["format_version"] == 3 and read_generation_config(old).max_new_tokens == 64
+    export_onnx(model_dir, old, validate=False)  # only its own files: replaced by a version-4 folder
+    assert read_manifest(old)["format_version"] == 4 and read_generation_config(old).max_new_tokens == 64
 
 
 # ------------------------------------------------------------------------------------------

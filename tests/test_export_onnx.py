@@ -61,7 +61,7 @@ def test_folder_and_manifest(exported):
     assert manifest["opset"] == {"portable": 18, "tensorscatter": 24}[flavour]
     assert manifest["ir_version"] == IR_VERSION
     assert manifest["special_tokens"] == {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
-    assert (manifest["format"], manifest["format_version"]) == ("transformer_ext.onnx_export", 3)
+    assert (manifest["format"], manifest["format_version"]) == ("transformer_ext.onnx_export", 4)
     assert manifest["files"] == sorted(os.listdir(exported))  # every file of the folder, the manifest too
     assert manifest["tokenizer_files"] == ["tokenizer.json"]
     assert manifest["generation_config"] == "generation.json"
@@ -110,7 +110,7 @@ def test_io_names_dtypes_and_named_axes(exported):
     assert dec_in["input_ids"] == ["batch", 1]
     assert dec_in["positions"] == dec_in["src_lengths"] == ["batch"]
     assert dec_in["self_key.1"] == ["batch", H, "cache_len", dk]
-    assert dec_in["cross_value.0"] == ["batch", H, "src_len", dk]
+    assert dec_in["cross_value.0"] == ["sources", H, "src_len", dk]  # once per source
     assert len(decoder.graph.input) == 3 + 4 * n  # a fixed number of inputs
     out = {v.name: axes(v) for v in decoder.graph.output}
     assert out["logits"] == ["batch", c["tgt_vocab_size"]]

@@ -29,7 +29,7 @@ import onnx
 import pytest
 import torch
 from fake_tensorrt import fake_tensorrt
-from helpers import make_model_dir
+from helpers import make_model_dir, with_cross_per_row
 
 from export import GraphContractError, OutputFolderError
 from export import onnx as export_mod
@@ -90,6 +90,7 @@ def v1_folder(export: Path, dst: Path) -> Path:
     """``export`` rewritten as a version-1 folder (no file list) with the files the version-1
     TensorRT builder added."""
     shutil.copytree(export, dst)
+    with_cross_per_row(dst)
     manifest = json.loads((dst / MANIFEST_NAME).read_text())
     (dst / manifest.pop("generation_config")).unlink()  # version 1 had no generation config
     manifest["format_version"] = 1
@@ -148,7 +149,7 @@ def test_version_1_folders_are_recognised_by_their_file_set(
 ):
     old = v1_folder(exported_portable, tmp_path / "old")
     export_onnx(model_dir, old, validate=False)
-    assert read_manifest(old)["format_version"] == 3
+    assert read_manifest(old)["format_version"] == 4
     assert not (old / "encoder.fp16.engine").exists()  # the old engines were the old export's
     other = v1_folder(exported_portable, tmp_path / "other")
     (other / "encoder.fp16.engine.backup").write_text("not a name the old tools wrote")

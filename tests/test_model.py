@@ -166,6 +166,46 @@ def test_decode_step_ragged_positions_ignore_cache_past_position(norm_first):
     assert all(k.shape == (3, model.config.n_heads, 1, model.config.d_k) for k in nk + nv)
 
 
+@pytest.mark.parametrize("norm_first", NORM_FIRST)
+def test_decode_step_with_cross_kv_once_per_source(norm_first):
+    """cross_per_source: 3 sources' K/V serve 2 rows each (each row its own target prefix);
+    every step's logits against the teacher-forcing forward of the repeated sources, and the
+    attention probabilities against those of the per-row step."""
+    model = make_model(norm_first)
+    c = model.config
+    src, lengths, _ = make_batch(c)
+    K, T, L = 2, 6, 9
+    rows_src, rows_len = src.repeat_interleave(K, 0), lengths.repeat_interleave(K)
+    _, _, tgt = make_batch(c, seed=4, B=3 * K, T=T)
+    with torch.no_grad():
+        want = model(rows_src, rows_len, tgt)
+        _, ck, cv = model.encode(src, lengths)
+        sk = [torch.zeros(3 * K, c.n_heads, L, c.d_k) for _ in range(c.n_decoder_layers)]
+        sv = [torch.zeros(3 * K, c.n_heads, L, c.d_k) for _ in range(c.n_decoder_layers)]
+        for t in range(T):
+            pos = torch.full((3 * K,), t, dtype=torch.int64)
+            ids = tgt[:, t : t + 1]
+            logits, nk, nv, probs = model.decode_step(
+                ids, pos, rows_len, sk, sv, ck, cv, return_attention=True, cross_per_source=True
+            )
+            per_row = model.decode_step(
+                ids,
+                pos,
+                rows_len,
+                sk,
+                sv,
+                [k.repeat_interleave(K, 0) for k in ck],
+                [v.repeat_interleave(K, 0) for v in cv],
+                return_attention=True,
+            )
+            torch.testing.assert_close(logits, want[:, t], atol=ATOL, rtol=0)
+            torch.testing.assert_close(probs, per_row[3], atol=1e-6, rtol=0)
+            assert probs.shape == (3 * K, src.shape[1]) and not probs[rows_len.argmin(), 1:].any()
+            for i in range(c.n_decoder_layers):
+                ops.kv_cache_append_(sk[i], nk[i], pos)
+                ops.kv_cache_append_(sv[i], nv[i], pos)
+
+
 def test_fused_qkv_is_a_snapshot_ignored_where_gradients_must_flow():
     model = make_model(False, dropout=0.0)  # training mode below must not add randomness
     src, lengths, tgt = make_batch(model.config)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FLAVOURS, exported_dir
+from helpers import FLAVOURS, exported_dir, with_cross_per_row
 
 from export import InvalidGraphError, ManifestError
 from transformer_ext import decoding, reference
@@ -43,6 +43,11 @@ def sources(runner: OrtRunner, batch: int = 3, src_len: int = 7, seed: int = 0):
     for row, n in enumerate(lengths):
         ids[row, n:] = runner.info.pad_id
     return ids, lengths
+
+
+def copy_folder(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
 
 
 def eager_model(export_dir: Path):
@@ -250,13 +255,56 @@ def test_reorder_moves_the_valid_prefix(exported_portable):
         runner.reorder(state, np.array([0, 1]))
 
 
-def test_num_beams_repeats_rows_row_major(exported_portable):
+def test_num_beams_repeats_rows_row_major(exported_portable, tmp_path):
     runner = OrtRunner(exported_portable)
     ids, lengths = sources(runner, batch=2)
     state = runner.encode(ids, lengths, cache_len=4, num_beams=3)
     np.testing.assert_array_equal(state.src_lengths, np.repeat(lengths, 3))
-    np.testing.assert_array_equal(state.cross_keys[0][0], state.cross_keys[0][2])
-    np.testing.assert_array_equal(state.cross_keys[0][3], state.cross_keys[0][5])
+    # the step takes the cross-attention K/V once per source: the encoder's, not repeated
+    assert runner.cross_per_source and state.beams == 3
+    enc = runner.encoder.run(["cross_key.0"], {"input_ids": ids, "src_lengths": lengths})[0]
+    np.testing.assert_array_equal(state.cross_keys[0], enc)
+    # an export of format version 3 takes them once per row: repeated per beam
+    old = OrtRunner(with_cross_per_row(copy_folder(exported_portable, tmp_path / "v3")))
+    state = old.encode(ids, lengths, cache_len=4, num_beams=3)
+    assert not old.cross_per_source and state.beams == 1
+    np.testing.assert_array_equal(state.cross_keys[0], np.repeat(enc, 3, axis=0))
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_cross_kv_once_per_source_gives_the_logits_of_one_per_row(tmp_path_factory, tmp_path, flavour):
+    """The step fed one cross-attention row per source (its beams as the rows of one product)
+    against the same graph fed one per row (a version-3 folder): the same logits through beam
+    reorders within sources, a select of whole sources (which keeps them per source) and a
+    select that splits a source (after which every row gets its own)."""
+    exported = exported_dir(tmp_path_factory, flavour)
+    shared = OrtRunner(exported, intra_op_num_threads=1)
+    per_row = OrtRunner(with_cross_per_row(copy_folder(exported, tmp_path / "v3")), intra_op_num_threads=1)
+    K = 3
+    ids, lengths = sources(shared, batch=4, src_len=9, seed=3)
+    a = shared.encode(ids, lengths, cache_len=20, num_beams=K)
+    b = per_row.encode(ids, lengths, cache_len=20, num_beams=K)
+    assert a.cross_keys[0].shape[0] == 4 and b.cross_keys[0].shape[0] == 12
+    rng = np.random.default_rng(7)
+    for p in range(20):
+        if p in (3, 9):  # beams move within their source only
+            index = (np.arange(a.num_rows) // K) * K + rng.integers(0, K, size=a.num_rows)
+            shared.reorder(a, index)
+            per_row.reorder(b, index)
+        if p == 6:  # sources 0 and 2 finished: sources 1 and 3 kept, beams reordered
+            keep = np.array([5, 3, 4, 9, 9, 11])
+            shared.select(a, keep)
+            per_row.select(b, keep)
+            assert a.beams == K and a.cross_keys[0].shape[0] == 2
+            np.testing.assert_array_equal(np.repeat(a.cross_keys[1], K, axis=0), b.cross_keys[1])
+        if p == 12:  # rows of one source split: from now on one cross-attention row per row
+            keep = np.array([0, 1, 4, 3])
+            shared.select(a, keep)
+            per_row.select(b, keep)
+            assert a.beams == 1 and a.cross_keys[0].shape[0] == 4
+            np.testing.assert_array_equal(a.cross_values[0], b.cross_values[0])
+        tokens = rng.integers(3, shared.info.tgt_vocab_size, size=a.num_rows)
+        np.testing.assert_allclose(shared.step(a, tokens), per_row.step(b, tokens), rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------

@@ -466,11 +466,14 @@ def test_default_ranges_follow_the_manifest(exports):
 def test_profile_shapes_of_the_decoder(exports):
     dec = onnx.load(exports["portable"] / "decoder_step.onnx", load_external_data=False)
     ranges = {"batch": AxisRange(1, 4, 8), "src_len": AxisRange(2, 5, 9), "cache_len": AxisRange(3, 6, 12)}
+    ranges["sources"] = AxisRange(1, 2, 8)
     shapes = rd.profile_shapes(rd.input_specs(dec), ranges)
     assert shapes["input_ids"] == ((1, 1), (4, 1), (8, 1))
     assert shapes["positions"] == ((1,), (4,), (8,))
     assert shapes["self_key.0"] == ((1, 4, 3, 8), (4, 4, 6, 8), (8, 4, 12, 8))  # tiny: 4 heads, d_k 8
-    assert shapes["cross_value.1"] == ((1, 4, 2, 8), (4, 4, 5, 8), (8, 4, 9, 8))
+    assert shapes["cross_value.1"] == ((1, 4, 2, 8), (2, 4, 5, 8), (8, 4, 9, 8))  # one row per source
+    with pytest.raises(ValueError, match="'sources'.*--axis sources=MIN:OPT:MAX"):
+        rd.profile_shapes(rd.input_specs(dec), {k: v for k, v in ranges.items() if k != "sources"})
     with pytest.raises(ValueError, match="cache_len"):
         rd.profile_shapes(rd.input_specs(dec), {"batch": AxisRange(1, 1, 1), "src_len": AxisRange(1, 1, 1)})
 

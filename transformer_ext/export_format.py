@@ -58,6 +58,7 @@ __all__ = [
     "FLAVOURS",
     "QUANTIZATION_SCHEMES",
     "BATCH",
+    "SOURCES",
     "SRC_LEN",
     "CACHE_LEN",
     "ATTENTION_OUTPUT",
@@ -70,6 +71,8 @@ __all__ = [
     # manifest
     "graph_specs",
     "manifest_attention",
+    "cross_per_source",
+    "CROSS_PER_SOURCE_VERSION",
     "read_manifest",
     "io_problems",
     "check_io",
@@ -125,8 +128,8 @@ FORMAT = "transformer_ext.onnx_export"
 # 3: "generation_config" names the generation config file (generation.json).
 # 2: "files" lists every file of the folder, "tokenizer_files" names the tokenizer's.
 # 1: "files" was {"encoder", "decoder_step", "tokenizer"}.
-FORMAT_VERSION = 3
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 FLAVOURS = ("portable", "tensorscatter")
 # Quantized exports (python -m export.onnx --quantize SCHEME): same files, graph inputs and
 # outputs as float32 ones; the manifest's optional "quantization" section says how (scheme,
@@ -136,6 +139,11 @@ QUANTIZATION_SCHEMES = ("int8", "int4", "int8-nbits")
 
 # Named (dynamic) axes of the graphs.
 BATCH, SRC_LEN, CACHE_LEN = "batch", "src_len", "cache_len"
+# The decoder step's cross-attention K/V come once per source (format version 4 on): ``batch`` is
+# a multiple of ``sources``, a source's rows consecutive (docs/DESIGN.md section 3.1).
+SOURCES = "sources"
+# The first format version whose decoder step takes its cross-attention K/V once per source.
+CROSS_PER_SOURCE_VERSION = 4
 
 _REQUIRED_KEYS = (
     "format",
@@ -226,6 +234,15 @@ def _tensor(name: str, dtype: str, shape: Iterable[Any]) -> dict:
 ATTENTION_OUTPUT = "attention"
 
 
+def cross_per_source(graphs: Mapping[str, Any]) -> bool:
+    """Whether a decoder step (the manifest's ``graphs``) takes its cross-attention K/V once per
+    source (axis :data:`SOURCES`) rather than once per row."""
+    for t in graphs["decoder_step"]["inputs"]:
+        if t["name"] == "cross_key.0":
+            return t["shape"][0] == SOURCES
+    return False
+
+
 def manifest_attention(manifest: Mapping[str, Any]) -> bool:
     """Whether the export's decoder step has the :data:`ATTENTION_OUTPUT` (the manifest's
     ``"attention"``; absent in exports made without it and before it existed)."""
@@ -235,10 +252,19 @@ def manifest_attention(manifest: Mapping[str, Any]) -> bool:
     return value
 
 
-def graph_specs(config: Mapping[str, Any], flavour: str = "portable", attention: bool = False) -> dict:
+def graph_specs(
+    config: Mapping[str, Any],
+    flavour: str = "portable",
+    attention: bool = False,
+    cross_per_source: bool = True,
+) -> dict:
     """Every input and output of both graphs: ``{"encoder": {"inputs": [...], "outputs": [...]},
     "decoder_step": {...}}``, each tensor ``{"name", "dtype", "shape"}`` where a shape entry is an
-    int (static) or an axis name (``batch``, ``src_len``, ``cache_len``).
+    int (static) or an axis name (``batch``, ``sources``, ``src_len``, ``cache_len``).
+
+    ``cross_per_source`` (exports of format version 4 on): the decoder step's ``cross_key.{i}`` /
+    ``cross_value.{i}`` are ``[sources, heads, src_len, d_k]``, one row per source, ``batch`` a
+    multiple of ``sources``; False: ``[batch, ...]``, one per row (versions 1-3).
 
     ``config`` is a model config as a dict (``TransformerConfig.to_dict()``). The exporter names
     the graphs from it, validation checks them against it, and the runners check the loaded
@@ -251,6 +277,7 @@ def graph_specs(config: Mapping[str, Any], flavour: str = "portable", attention:
     d_k = d_model // heads
     layers, vocab = int(config["n_decoder_layers"]), int(config["tgt_vocab_size"])
     cross = [BATCH, heads, SRC_LEN, d_k]
+    step_cross = [SOURCES if cross_per_source else BATCH, heads, SRC_LEN, d_k]
     cache = [BATCH, heads, CACHE_LEN, d_k]
 
     encoder = {
@@ -269,7 +296,9 @@ def graph_specs(config: Mapping[str, Any], flavour: str = "portable", attention:
         _tensor(f"self_{kind}.{i}", "float32", cache) for i in range(layers) for kind in ("key", "value")
     ]
     inputs += [
-        _tensor(f"cross_{kind}.{i}", "float32", cross) for i in range(layers) for kind in ("key", "value")
+        _tensor(f"cross_{kind}.{i}", "float32", step_cross)
+        for i in range(layers)
+        for kind in ("key", "value")
     ]
     outputs = [_tensor("logits", "float32", [BATCH, vocab])]
     if flavour == "portable":
@@ -439,7 +468,9 @@ def read_manifest(directory: str | os.PathLike, *, verify: bool = False) -> dict
     except ManifestError as exc:
         raise ManifestError(f"{path}: {exc}") from None
     try:
-        expected = graph_specs(config, manifest["flavour"], attention)
+        expected = graph_specs(
+            config, manifest["flavour"], attention, cross_per_source=version >= CROSS_PER_SOURCE_VERSION
+        )
     except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise ManifestError(f"{path}: model_config is invalid ({exc})") from exc
     if graphs != expected:

@@ -438,11 +438,18 @@ class DecoderLayer(nn.Module):
         fused_qkv: Optional[tuple] = None,  # (W_QKV, b_QKV): one GEMM for Q/K/V (inference only)
         kernel_linear: bool = False,  # ops.linear instead of F.linear (inference only)
         attention: Optional[list] = None,  # given: the head-averaged cross-attention is appended
+        cross_bias: Optional[torch.Tensor] = None,  # [B_src, 1, K, S]: cross K/V once per source
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoding step -> ``(x [B, 1, d_model], new_key, new_value [B, H, 1, d_k])``.
 
         ``attention``: a list, to which the step appends its cross-attention probabilities
         averaged over the heads, float32 ``[B, S]`` (zero at padded source positions).
+
+        ``cross_bias``: given, ``cross_key`` / ``cross_value`` hold one row per source
+        (``[B_src, H, S, d_k]``, ``B = B_src * K``, the ``K`` rows of a source consecutive) and
+        ``cross_bias`` is the additive source mask (0 or -inf) ``[B_src, 1, K, S]``: a source's
+        rows are the query rows of one product with its keys, so the keys and values are read
+        once per source instead of once per row. Otherwise they hold one row per row.
 
         The same computation as :meth:`forward` for one new token (eval mode: no dropout),
         written with functional ops over :meth:`step_weights`: a decoder step is ~40 small ops
@@ -480,8 +487,23 @@ class DecoderLayer(nn.Module):
             out = ops.decode_attention(q, self_key, self_value, positions, scale, k, v)
             return linear(out.reshape(B, 1, D), w.o_weight, w.o_bias)
 
+        def cross_attention_per_source(q: torch.Tensor) -> torch.Tensor:
+            # q [B, H, 1, d_k] is laid out as [B_src, K, H, d_k]: a source's rows become the
+            # query rows of one product over its keys.
+            q = q.view(cross_key.shape[0], -1, H, d_k).transpose(1, 2)  # [B_src, H, K, d_k]
+            scores = torch.matmul(q, cross_key.transpose(-2, -1)).float()  # [B_src, H, K, S]
+            if scale != 1.0:
+                scores = scores * scale
+            probs = torch.softmax(scores + cross_bias, dim=-1)
+            if attention is not None:
+                attention.append(probs.mean(dim=1).reshape(B, cross_key.shape[2]))  # [B, S]
+            out = torch.matmul(probs.to(q.dtype), cross_value)  # [B_src, H, K, d_k]
+            return out.transpose(1, 2).reshape(B, 1, D)
+
         def cross_attention(h: torch.Tensor) -> torch.Tensor:
             q = linear(h, w.cross_q_weight, w.cross_q_bias).view(B, H, 1, d_k)
+            if cross_bias is not None:
+                return linear(cross_attention_per_source(q), w.cross_o_weight, w.cross_o_bias)
             if attention is not None:  # the probabilities decode_attention uses, made visible
                 S = cross_key.shape[2]
                 keep = torch.arange(S, device=src_lengths.device)[None, :] < src_lengths[:, None]  # [B, S]
@@ -741,6 +763,7 @@ class Transformer(nn.Module):
         cross_values: list[torch.Tensor],  # per layer [B, H, S, d_k]
         fused_qkv: Optional[list[tuple]] = None,  # from fused_qkv(): one Q/K/V GEMM per layer
         return_attention: bool = False,
+        cross_per_source: bool = False,
     ) -> tuple:
         """One decoder step for one new token per row; a pure function (writes nothing).
 
@@ -762,6 +785,14 @@ class Transformer(nn.Module):
         decoder layer averaged over its heads, float32 ``[B, S]`` (each row sums to 1 over the
         source's ``src_lengths[b]`` positions, zeros after), as CTranslate2's
         ``return_attention``.
+
+        ``cross_per_source``: ``cross_keys`` / ``cross_values`` hold one row per source,
+        ``[B_src, H, S, d_k]`` with ``B`` a multiple of ``B_src``: rows ``j*K .. (j+1)*K - 1``
+        (``K = B / B_src``, a source's beams) all attend to source ``j``, whose keys and values
+        are then read once for its ``K`` rows (plain ``matmul`` / ``softmax``, the form the ONNX
+        export traces; ``K = 1`` is one row per row). The rows of a source must have equal
+        ``src_lengths``. Otherwise (default) they hold one row per row and the fused
+        ``decode_attention`` runs.
         """
         x = self.tgt_embed(input_ids) + self.tgt_pe.at(positions).unsqueeze(1).to(
             self.tgt_embed.lut.weight.dtype
@@ -772,6 +803,12 @@ class Transformer(nn.Module):
         if not kernel_linear:
             fused_qkv = None
         attention: list[torch.Tensor] = []
+        cross_bias = None
+        if cross_per_source:  # the source mask as an additive bias [B_src, 1, K, S], shared by every layer
+            S = cross_keys[0].shape[2]
+            keep = torch.arange(S, device=src_lengths.device)[None, :] < src_lengths[:, None]  # [B, S]
+            bias = torch.where(keep, 0.0, float("-inf"))  # float32: one Where in the exported graph
+            cross_bias = bias.view(cross_keys[0].shape[0], 1, -1, S)
         last = len(self.decoder.layers) - 1
         for i, layer in enumerate(self.decoder.layers):
             x, k_new, v_new = layer.step(
@@ -785,6 +822,7 @@ class Transformer(nn.Module):
                 None if fused_qkv is None else fused_qkv[i],
                 kernel_linear,
                 attention if return_attention and i == last else None,
+                cross_bias,
             )
             new_keys.append(k_new)
             new_values.append(v_new)

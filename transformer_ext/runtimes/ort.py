@@ -53,6 +53,7 @@ from transformer_ext.export_format import (
     MANIFEST_NAME,
     InvalidGraphError,
     check_io,
+    cross_per_source,
     dtype_from_ort,
     manifest_max_cache_len,
     manifest_quantization,
@@ -92,7 +93,9 @@ class OrtState(CacheStateViews):
     input_ids: np.ndarray  # [N, 1] int64, refilled every step
     positions: np.ndarray  # [N] int64, refilled every step
     src_lengths: np.ndarray  # [N] int64
-    cross_keys: list[np.ndarray]  # per layer [N, H, S, d_k]
+    # Per layer [N / beams, H, S, d_k]: one row per source, serving its ``beams`` consecutive
+    # rows (an export whose step takes them so), else one per row (``beams`` 1).
+    cross_keys: list[np.ndarray]
     cross_values: list[np.ndarray]
     # The self-attention caches, stacked over layers and zero-filled at allocation, with the
     # stacked buffers the portable graph writes the new K/V into.
@@ -102,6 +105,7 @@ class OrtState(CacheStateViews):
     # encode's cache_len: the positions the state holds; a growing cache (``cache``) holds
     # ``max_cache_len - CACHE_GROWTH * k`` of them at a time (the module docstring)
     max_cache_len: int = 0
+    beams: int = 1  # rows per cross-attention row
 
     @property
     def cache_len(self) -> int:
@@ -214,6 +218,8 @@ class OrtRunner(decoding.SearchMethods):
             _io(self.decoder.get_outputs()),
         )
         self._encoder_outputs = [o["name"] for o in graphs["encoder"]["outputs"]]
+        # The step takes the cross-attention K/V once per source (format version 4 on)
+        self.cross_per_source = cross_per_source(graphs)
         # An export made with --attention: the decoder step's optional output "attention"
         self.has_attention = any(o["name"] == ATTENTION_OUTPUT for o in graphs["decoder_step"]["outputs"])
         if any(p != "CPUExecutionProvider" for p in self.decoder.get_providers()):
@@ -284,8 +290,10 @@ class OrtRunner(decoding.SearchMethods):
             out.reshape(a.shape[0], K, *a.shape[1:])[...] = a[:, None]
             return out
 
-        cross_keys = [rows(outs[f"cross_key.{i}"]) for i in range(info.n_layers)]
-        cross_values = [rows(outs[f"cross_value.{i}"]) for i in range(info.n_layers)]
+        # Once per source when the step takes them so (its beams read them as one product)
+        cross = (lambda a: np.ascontiguousarray(a)) if self.cross_per_source else rows
+        cross_keys = [cross(outs[f"cross_key.{i}"]) for i in range(info.n_layers)]
+        cross_values = [cross(outs[f"cross_value.{i}"]) for i in range(info.n_layers)]
         state = OrtState(
             binding=self.decoder.io_binding(),
             input_ids=np.zeros((N, 1), dtype=np.int64),
@@ -308,6 +316,7 @@ class OrtRunner(decoding.SearchMethods):
             logits=np.zeros((N, info.tgt_vocab_size), dtype=np.float32),
             attention=np.zeros((N, S), dtype=np.float32) if self.has_attention else None,
             max_cache_len=cache_len,
+            beams=K if self.cross_per_source else 1,
         )
         self._bind(state)
         return state
@@ -418,13 +427,24 @@ class OrtRunner(decoding.SearchMethods):
         """Keep the rows ``index`` (row ``r`` becomes old row ``index[r]``; see
         :class:`transformer_ext.decoding.Runner`): the caches in place
         (:meth:`HostKVCache.select_`), the cross K/V and source lengths gathered into smaller
-        arrays, the step's buffers as views of their first rows, all bound again."""
+        arrays, the step's buffers as views of their first rows, all bound again.
+
+        Cross K/V kept once per source stay so when ``index`` keeps whole sources (each run of
+        ``beams`` consecutive new rows comes from one old source, as a beam search's does): the
+        kept sources' rows are gathered. Any other selection gets one cross-attention row per
+        row from then on (``beams`` 1), which the step graph takes as well."""
         index = decoding.check_select_index(index, state.num_rows)
         M = int(index.shape[0])
         state.cache.select_(index)
         state.src_lengths = np.ascontiguousarray(state.src_lengths[index])
-        state.cross_keys = [self._gather_rows(k, index) for k in state.cross_keys]
-        state.cross_values = [self._gather_rows(v, index) for v in state.cross_values]
+        K = state.beams
+        sources = index // K  # the cross-attention row of every kept row
+        if K > 1 and (M % K or np.any(sources.reshape(-1, K) != sources[::K, None])):
+            K = 1  # not whole sources: one cross-attention row per row
+        state.beams = K
+        cross_index = sources if K == 1 else sources[::K]
+        state.cross_keys = [self._gather_rows(k, cross_index) for k in state.cross_keys]
+        state.cross_values = [self._gather_rows(v, cross_index) for v in state.cross_values]
         state.input_ids, state.positions = state.input_ids[:M], state.positions[:M]
         state.logits = state.logits[:M]
         if state.attention is not None:
