@@ -21,7 +21,11 @@ our ``min_new_tokens = max_new_tokens = 48``, CTranslate2's ``min_decoding_lengt
 max_decoding_length = 48``), greedy and beam 4 (no length penalty on either side: our
 ``length_penalty="none"``, CTranslate2's ``length_penalty=0``; best hypothesis compared),
 batch 1, 16 and 64, 1 and 2 threads for every engine (CTranslate2 ``intra_threads=N,
-inter_threads=1``; ONNX Runtime ``intra_op_num_threads=N``; torch ``set_num_threads(N)``).
+inter_threads=1``; ONNX Runtime ``intra_op_num_threads=N``; torch ``set_num_threads(N)``). A
+setting ``WxT`` (``--threads 1,2,2x1``) splits each batch over W workers of T threads for the
+engines that can (CTranslate2 ``inter_threads=W, intra_threads=T`` with ``max_batch_size`` a
+W-th of the batch; ours W ``OrtRunner`` s under ``runtimes.pool.SourceParallel``); the best
+setting of each engine may be one of these.
 
 Tokens first: every float32 engine's tokens are compared with the first float32 engine's
 before any time is recorded; one that disagrees is not timed (exit status 1). Quantized engines
@@ -425,7 +429,8 @@ class EngineProcess:
         }
         import json
 
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        per_worker = str(threads // int(spec.get("workers", 1)))  # each worker's own pool
+        env = dict(os.environ, OMP_NUM_THREADS=per_worker, MKL_NUM_THREADS=per_worker)
         self.proc = subprocess.Popen(
             [python or sys.executable, WORKER, json.dumps(spec)],
             stdin=subprocess.PIPE,
@@ -562,6 +567,43 @@ def measure_case(
     return case
 
 
+# Engines whose worker splits a batch over several workers (decode_worker.py "workers")
+SPLITTABLE = ("onnxrt", "ctranslate2")
+
+
+def parse_setting(text: str):
+    """A thread setting: ``"N"`` -> N (one worker on N threads), ``"WxT"`` -> ``"WxT"`` (the batch
+    split over W workers of T threads each, W >= 2). ValueError otherwise."""
+    text = text.strip()
+    workers, sep, per = text.partition("x")
+    if not sep:
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"a thread count must be >= 1, got {text!r}")
+        return n
+    w, t = int(workers), int(per)
+    if w < 2 or t < 1:
+        raise ValueError(f"a split setting is WxT with W >= 2 workers of T >= 1 threads, got {text!r}")
+    return f"{w}x{t}"
+
+
+def setting_threads(setting) -> int:
+    """The threads a setting uses in all."""
+    if isinstance(setting, int):
+        return setting
+    w, t = setting.split("x")
+    return int(w) * int(t)
+
+
+def setting_workers(setting) -> int:
+    return 1 if isinstance(setting, int) else int(setting.split("x")[0])
+
+
+def _setting_order(setting) -> tuple:
+    """Ties go to fewer threads, then to one worker."""
+    return (-setting_threads(setting), -setting_workers(setting))
+
+
 def _ratios(results: dict) -> list[dict]:
     """Ours vs the peer of the same dtype, at equal threads, and vs the peer's better thread count."""
     rows = []
@@ -576,11 +618,14 @@ def _ratios(results: dict) -> list[dict]:
                 if "tokens_per_second" not in p:
                     continue
                 best = max(
-                    (x["engines"][peer]["tokens_per_second"], x["threads"])
-                    for x in cases
-                    if x["mode"] == c["mode"]
-                    and x["batch"] == c["batch"]
-                    and "tokens_per_second" in x["engines"].get(peer, {})
+                    (
+                        (x["engines"][peer]["tokens_per_second"], x["threads"])
+                        for x in cases
+                        if x["mode"] == c["mode"]
+                        and x["batch"] == c["batch"]
+                        and "tokens_per_second" in x["engines"].get(peer, {})
+                    ),
+                    key=lambda v: (v[0], _setting_order(v[1])),
                 )
                 rows.append(
                     {
@@ -621,7 +666,7 @@ def _best_threads(results: dict) -> list[dict]:
                 by_cell.setdefault(key, {})[c["threads"]] = tps
     rows = []
     for (model_name, name, mode, batch), by_threads in by_cell.items():
-        threads = max(by_threads, key=lambda t: (by_threads[t], -t))
+        threads = max(by_threads, key=lambda t: (by_threads[t], _setting_order(t)))
         rows.append(
             {
                 "model": model_name,
@@ -630,7 +675,9 @@ def _best_threads(results: dict) -> list[dict]:
                 "batch": batch,
                 "best_threads": threads,
                 "tokens_per_second": by_threads[threads],
-                "tokens_per_second_by_threads": {str(t): v for t, v in sorted(by_threads.items())},
+                "tokens_per_second_by_threads": {
+                    str(t): v for t, v in sorted(by_threads.items(), key=lambda kv: str(kv[0]))
+                },
             }
         )
     return rows
@@ -690,7 +737,7 @@ def bandwidth_floors(cases: list, nbytes: dict, engines: list[Engine], machine: 
         for c in cases:
             if c["batch"] != 1 or c["mode"] != "greedy" or "ms_per_step" not in c["engines"].get(e.name, {}):
                 continue
-            bw = read.get(str(c["threads"]))
+            bw = read.get(str(setting_threads(c["threads"])))
             if not bw:
                 continue
             floor_ms = 1e3 * b / bw
@@ -891,14 +938,22 @@ def run(
         }
         for threads in threads_list:
             workers: dict = {}
+            n_workers = setting_workers(threads)
+            # a split setting runs the engines that can split a batch
+            setting_engines = [e for e in engines if n_workers == 1 or e.worker in SPLITTABLE]
             try:
-                for e in engines:
-                    workers[e.name] = EngineProcess(e, paths[e.artifact], threads, config)
+                for e in setting_engines:
+                    extra = {"workers": n_workers} if n_workers > 1 else None
+                    workers[e.name] = EngineProcess(
+                        e, paths[e.artifact], setting_threads(threads), config, extra=extra
+                    )
                     entry["workers"][f"{e.name}/{threads}"] = workers[e.name].info
                 for mode in modes:
                     for batch in batch_sizes:
-                        logger.info("%s %s batch %d, %d thread(s) ...", model_name, mode, batch, threads)
-                        case = measure_case(workers, engines, mode, batch, config, repeats)
+                        if batch < n_workers:
+                            continue  # nothing to split
+                        logger.info("%s %s batch %d, %s thread(s) ...", model_name, mode, batch, threads)
+                        case = measure_case(workers, setting_engines, mode, batch, config, repeats)
                         case["threads"] = threads
                         for name, e in case["engines"].items():
                             if "tokens_per_second" in e:
@@ -941,7 +996,12 @@ def main(argv=None) -> int:
         "--batch-sizes", default="1,16,64", help="comma-separated batch sizes, every mode (default: 1,16,64)"
     )
     p.add_argument(
-        "--threads", default="1,2", help="comma-separated thread counts, every engine (default: 1,2)"
+        "--threads",
+        default="1,2",
+        help="comma-separated thread settings, every engine (default: 1,2): N threads, or WxT, the "
+        "batch split over W workers of T threads each (ours: W OrtRunners under "
+        "runtimes.pool.SourceParallel; CTranslate2: inter_threads=W, intra_threads=T, max_batch_size "
+        "a W-th of the batch; other engines skip it)",
     )
     p.add_argument(
         "--repeats", type=int, default=5, help="timed rounds per case; medians reported (default: 5)"
@@ -967,11 +1027,11 @@ def main(argv=None) -> int:
     models = args.models.split(",") if args.models else (["tiny"] if args.quick else ["base"])
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-        threads = [int(t) for t in args.threads.split(",")]
+        threads = [parse_setting(t) for t in args.threads.split(",")]
     except ValueError as exc:
-        p.error(f"--batch-sizes and --threads take comma-separated integers ({exc})")
-    if args.repeats < 1 or min(batch_sizes) < 1 or min(threads) < 1:
-        p.error("--repeats, --batch-sizes and --threads must be >= 1")
+        p.error(f"--batch-sizes takes comma-separated integers and --threads N or WxT settings ({exc})")
+    if args.repeats < 1 or min(batch_sizes) < 1:
+        p.error("--repeats and --batch-sizes must be >= 1")
     out = args.out or (os.path.join(HERE, "results", "bench_decode_quick.json") if args.quick else None)
     if args.prepare_only and not args.artifacts:
         p.error("--prepare-only needs --artifacts")

@@ -8,7 +8,10 @@ and the original stdout; anything the engine prints goes to stderr.
 
 Spec: ``{"engine": "ctranslate2" | "onnxrt" | "eager" | "transformers" | "optimum", "model":
 <folder>, "threads": N, "compute_type": "float32" | "int8" (CTranslate2), "forbid_torch": bool,
-"bos": id, "eos": id}``, and optionally ``"banned_ids": [id, ...]`` (never generated: our
+"bos": id, "eos": id}``, optionally ``"workers": W`` (``ctranslate2`` and ``onnxrt``, W dividing N:
+the batch split into W parts decoded at once, each on N / W threads: CTranslate2's
+``inter_threads=W, intra_threads=N/W`` with ``max_batch_size`` = a W-th of the batch, ours W
+``OrtRunner`` s under ``runtimes.pool.SourceParallel``), and optionally ``"banned_ids": [id, ...]`` (never generated: our
 ``banned_ids``, transformers' ``bad_words_ids``) and ``"vocabulary": <a JSON list of token
 strings>`` (CTranslate2: token ``i`` is id ``i``, as in a converted Hugging Face model's
 ``shared_vocabulary.json``; without it the tokens are ``s<id>`` / ``t<id>`` with our four specials).
@@ -48,12 +51,13 @@ BEAM = 4
 def _ctranslate2(spec):
     import ctranslate2
 
+    workers = int(spec.get("workers", 1))
     translator = ctranslate2.Translator(
         spec["model"],
         device="cpu",
         compute_type=spec["compute_type"],
-        intra_threads=int(spec["threads"]),
-        inter_threads=1,
+        intra_threads=int(spec["threads"]) // workers,
+        inter_threads=workers,
     )
     if spec.get("vocabulary"):
         with open(spec["vocabulary"], encoding="utf-8") as f:
@@ -83,7 +87,8 @@ def _ctranslate2(spec):
             batch,
             beam_size=beam,
             length_penalty=0.0,
-            max_batch_size=len(batch),
+            # with several workers the batch is split into as many sub-batches, decoded at once
+            max_batch_size=-(-len(batch) // workers),
             max_decoding_length=n,
             min_decoding_length=n,
         )
@@ -92,11 +97,16 @@ def _ctranslate2(spec):
     return decode
 
 
-def _search(runner, spec):
+def _search(runner, spec, parallel=None):
     bos, eos = int(spec["bos"]), int(spec["eos"])
     banned = [int(t) for t in spec.get("banned_ids", ())]
 
     def decode(mode, src, lengths, n):
+        if parallel is not None:  # the parts of the batch on several runners at once
+            return parallel.run(lambda r, s, ln: search(r, mode, s, ln, n), src, lengths)
+        return search(runner, mode, src, lengths, n)
+
+    def search(runner, mode, src, lengths, n):
         from transformer_ext.decoding import beam_search, greedy_decode
 
         if mode == "greedy":
@@ -130,7 +140,14 @@ def _search(runner, spec):
 def _onnxrt(spec):
     from transformer_ext.runtimes.ort import OrtRunner
 
-    return _search(OrtRunner(spec["model"], intra_op_num_threads=int(spec["threads"])), spec)
+    workers = int(spec.get("workers", 1))
+    threads = int(spec["threads"]) // workers
+    if workers == 1:
+        return _search(OrtRunner(spec["model"], intra_op_num_threads=threads), spec)
+    from transformer_ext.runtimes.pool import SourceParallel
+
+    runners = [OrtRunner(spec["model"], intra_op_num_threads=threads) for _ in range(workers)]
+    return _search(None, spec, SourceParallel(runners))
 
 
 def _eager(spec):

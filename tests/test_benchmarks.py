@@ -296,3 +296,29 @@ def test_probe_cross_sharing_layouts_agree_and_are_timed(tmp_path):
     assert all(set(r["milliseconds"]) == {"per_beam", "per_source"} for r in saved["results"])
     with pytest.raises(SystemExit):
         probe_cross_sharing.main(["--beams", "0", "--out", str(out)])
+
+
+def test_bench_decode_split_settings(tmp_path):
+    """``WxT``: the engines that can split a batch run it over W workers (ours under
+    SourceParallel, CTranslate2 with inter_threads), with tokens still equal to the float32
+    reference; the others, and batches smaller than W, are skipped; best settings may be split."""
+    assert bench_decode.parse_setting("2") == 2 and bench_decode.parse_setting(" 2x1") == "2x1"
+    for bad in ("0", "1x2", "2x0", "x", "two"):
+        with pytest.raises(ValueError):
+            bench_decode.parse_setting(bad)
+    assert bench_decode.setting_threads("2x2") == 4 and bench_decode.setting_workers("2x2") == 2
+    engines = ["onnxrt", "eager"] + (["ctranslate2"] if HAS_CT2 else [])
+    out = str(tmp_path / "split.json")
+    results = bench_decode.run(
+        ["tiny"], engines, [1, 2], modes=["greedy"], threads_list=[1, "2x1"], repeats=1, out=out
+    )
+    cases = {(c["batch"], c["threads"]): c for c in results["models"]["tiny"]["cases"]}
+    assert set(cases) == {(1, 1), (2, 1), (2, "2x1")}
+    assert set(cases[(2, "2x1")]["engines"]) == set(engines) - {"eager"}
+    assert all(e["tokens_match"] for e in cases[(2, "2x1")]["engines"].values())
+    best = {(r["engine"], r["batch"]): r for r in results["best_threads"]}
+    assert best[("onnxrt", 2)]["best_threads"] in (1, "2x1")
+    assert set(best[("onnxrt", 2)]["tokens_per_second_by_threads"]) == {"1", "2x1"}
+    assert set(best[("eager", 2)]["tokens_per_second_by_threads"]) == {"1"}
+    with open(out) as f:
+        assert json.load(f)["complete"] is True

@@ -22,7 +22,8 @@ Modules: :mod:`.eager`, :mod:`.baseline` (``CatCacheRunner``, ``greedy_decode_un
 the GPU runners), :mod:`.ort_cuda`, :mod:`.trt`, and :mod:`.kv_cache`: the self-attention cache
 every cached runner keeps (``KVCache`` on torch for the eager and GPU runners, ``HostKVCache`` on
 numpy for ``OrtRunner``: every layer stacked in one buffer per K / V, in-place append and
-reorder, the CUDA error flag read without a per-step sync).
+reorder, the CUDA error flag read without a per-step sync). :mod:`.pool`'s ``SourceParallel``
+decodes the parts of a batch on several runners at once (data parallelism over sources).
 
 What every runner checks is written once in :mod:`transformer_ext.decoding`
 (``check_encode_args`` / ``check_sources`` at encode, ``check_step_tokens`` at a step,
@@ -63,6 +64,8 @@ _EXPORTS = {
     "KVCache": "kv_cache",
     "HostKVCache": "kv_cache",
     "CacheOverflowError": "kv_cache",
+    "SourceParallel": "pool",
+    "split_sources": "pool",
 }
 
 # Literal, so linters and IDEs see the public names; equal to _EXPORTS's keys (tests/test_runtimes.py).
@@ -85,9 +88,11 @@ __all__ = [
     "RunnerInfo",
     "RuntimeNotAvailableError",
     "RuntimeOptionError",
+    "SourceParallel",
     "TensorRTRunner",
     "greedy_decode_uncached",
     "open_export_dir",
+    "split_sources",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -99,6 +104,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .kv_cache import CacheOverflowError, HostKVCache, KVCache
     from .ort import OrtRunner, OrtState
     from .ort_cuda import OrtCudaRunner
+    from .pool import SourceParallel, split_sources
     from .trt import TensorRTRunner
 
 

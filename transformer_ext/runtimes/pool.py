@@ -1,0 +1,140 @@
+"""Data parallelism over sources: several runners decode disjoint parts of one batch at once.
+
+A batch of sources is split into contiguous parts, one per runner, and each part is searched on
+its own runner in a thread of its own (ONNX Runtime releases the GIL while it runs a graph, and
+so does numpy in the search's array work); the results are put back in source order. Each
+runner should own its threads, for example ``OrtRunner(export_dir, intra_op_num_threads=1)``
+twice on a 2-core machine instead of one runner with 2 threads.
+
+Why: a decoder step at batch size is two kinds of work. The weight products are large GEMMs that
+one runner spreads well over its threads; the attention products are thousands of tiny GEMMs
+(one per row and head) that ONNX Runtime's thread pool spreads badly: on the 2-core machines
+measured here they took about twice as long with 2 threads as with 1
+(``benchmarks/probe_contrib_attention.py``), and beam search at 16-64 sources spends a third of
+its step there. Two 1-thread runners on half the sources each keep every attention product on
+one thread and still use both cores. ``benchmarks/bench_decode.py --workers 1,2`` measures it,
+with CTranslate2 given the same split (``inter_threads``).
+
+The search of a part is the one a single runner would make for those sources alone: float32
+tokens equal those of one runner on the whole batch (padding and product shapes differ, so
+logits may differ in the last bits). Sampling is refused: the parts would draw from one seed
+each, not the whole batch's stream.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from transformer_ext import decoding
+
+__all__ = ["SourceParallel", "split_sources", "PER_SOURCE_OPTIONS"]
+
+# Search options that may hold one value per source (sliced with the sources); the others are
+# passed to every part as they are.
+PER_SOURCE_OPTIONS = ("max_new_tokens", "min_new_tokens", "target_prefix")
+
+
+def split_sources(n: int, parts: int) -> list[slice]:
+    """``n`` sources in at most ``parts`` contiguous, non-empty slices whose sizes differ by at most one."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
+        raise ValueError(f"parts must be a positive int, got {parts!r}")
+    parts = min(int(parts), int(n))
+    size, extra = divmod(int(n), parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + size + (1 if i < extra else 0))
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class SourceParallel:
+    """Runs a search (:func:`transformer_ext.decoding.generate`, ``greedy_decode`` or
+    ``beam_search``) over a batch with several runners at once, each on a contiguous part of the
+    sources.
+
+    Args:
+        runners: one runner per part, each of the same model (their ``info`` must be equal);
+            at least one. A runner's state is only ever touched by the thread running its part.
+
+    Use as a context manager, or call :meth:`close` to stop the threads.
+    """
+
+    def __init__(self, runners: Sequence[Any]):
+        self.runners = list(runners)
+        if not self.runners:
+            raise ValueError("SourceParallel needs at least one runner")
+        infos = [getattr(r, "info", None) for r in self.runners]
+        if any(info != infos[0] for info in infos[1:]):
+            raise ValueError("every runner of a SourceParallel must run the same model (their info differs)")
+        self.info = infos[0]
+        self._threads = ThreadPoolExecutor(len(self.runners), thread_name_prefix="source-parallel")
+
+    def __enter__(self) -> "SourceParallel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)
+
+    def run(self, search: Callable[..., list], input_ids: Any, src_lengths: Any, **options: Any) -> list:
+        """``search(runner, input_ids, src_lengths, **options)`` on every part at once -> one
+        result per source, in source order (the concatenation of the parts' lists).
+
+        ``options`` named in :data:`PER_SOURCE_OPTIONS` are sliced with the sources when they
+        hold one value per source; sampling (``sampling_topk``, ``sampling_topp``,
+        ``sampling_temperature`` other than greedy) is a ValueError when the batch is split.
+        """
+        ids = np.asarray(input_ids)
+        lengths = np.asarray(src_lengths)
+        if ids.ndim != 2 or lengths.ndim != 1 or lengths.shape[0] != ids.shape[0] or ids.shape[0] == 0:
+            raise ValueError(
+                f"input_ids must be [batch, src_len] and src_lengths [batch] with batch >= 1, got "
+                f"{ids.shape} and {lengths.shape}"
+            )
+        parts = split_sources(ids.shape[0], len(self.runners))
+        if len(parts) == 1:
+            return search(self.runners[0], ids, lengths, **options)
+        sampling = (
+            options.get("sampling_topk", 1) != 1
+            or options.get("sampling_topp", 1.0) != 1.0
+            or options.get("sampling_temperature", 1.0) != 1.0
+        )
+        if sampling:
+            raise ValueError(
+                "sampling cannot be split over several runners (each part would draw its own random "
+                "stream): decode with one runner"
+            )
+        n = ids.shape[0]
+
+        def part_options(sl: slice) -> dict:
+            out = dict(options)
+            for name in PER_SOURCE_OPTIONS:
+                value = options.get(name)
+                if value is None or np.isscalar(value):
+                    continue
+                if len(value) != n:
+                    raise ValueError(f"{name} holds {len(value)} values for {n} sources")
+                out[name] = value[sl]
+            return out
+
+        futures = [
+            self._threads.submit(search, runner, ids[sl], lengths[sl], **part_options(sl))
+            for runner, sl in zip(self.runners, parts)
+        ]
+        results: list = []
+        for sl, future in zip(parts, futures):
+            part = future.result()
+            if not isinstance(part, list) or len(part) != sl.stop - sl.start:
+                raise TypeError(f"{search!r} must return a list with one entry per source")
+            results.extend(part)
+        return results
+
+    def generate(self, input_ids: Any, src_lengths: Any, **options: Any) -> list[list[decoding.Hypothesis]]:
+        """:func:`transformer_ext.decoding.generate` over the parts."""
+        return self.run(decoding.generate, input_ids, src_lengths, **options)
