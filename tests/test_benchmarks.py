@@ -298,6 +298,27 @@ def test_probe_cross_sharing_layouts_agree_and_are_timed(tmp_path):
         probe_cross_sharing.main(["--beams", "0", "--out", str(out)])
 
 
+def test_probe_contrib_attention_forms_agree_and_are_timed(tmp_path):
+    """The contrib operators give the portable ops' outputs (checked inside: GroupQueryAttention
+    with its cache bound in place, MultiHeadAttention with the beams as the query sequence)."""
+    import probe_contrib_attention
+
+    out = tmp_path / "contrib.json"
+    argv = ["--rows", "1,4", "--layers", "2", "--heads", "2", "--head-size", "8", "--cache-len", "6"]
+    argv += ["--position", "3", "--src-len", "5", "--beams", "2", "--threads", "1", "--runs", "2"]
+    assert probe_contrib_attention.main([*argv, "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert [(r["block"], r["rows"]) for r in saved["results"]] == [
+        ("self", 1),
+        ("cross", 2),
+        ("self", 4),
+        ("cross", 4),
+    ]
+    assert all(r["ops_over_contrib"] > 0 for r in saved["results"])
+    with pytest.raises(SystemExit):
+        probe_contrib_attention.main(["--position", "6", "--cache-len", "6", "--out", str(out)])
+
+
 def test_bench_decode_split_settings(tmp_path):
     """``WxT``: the engines that can split a batch run it over W workers (ours under
     SourceParallel, CTranslate2 with inter_threads), with tokens still equal to the float32

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from helpers import exported_dir
@@ -59,15 +57,15 @@ def test_parts_decode_as_each_part_alone_and_as_the_whole_batch(runners, beam_si
         beam_size=beam_size,
         num_hypotheses=min(beam_size, 2),
     )
-    seen = set()
+    used = []
 
     def search(runner, src, ln, **kw):
-        seen.add(threading.get_ident())
+        used.append(runner)
         return decoding.generate(runner, src, ln, **kw)
 
     with SourceParallel(runners) as parallel:
         got = parallel.run(search, ids, lengths, **options)
-    assert len(seen) == 3  # each part in a thread of its own
+    assert sorted(map(id, used)) == sorted(map(id, runners))  # each part on a runner of its own
     want = []
     for runner, sl in zip(runners, split_sources(7, 3)):
         part = {**options, "max_new_tokens": budgets[sl]}

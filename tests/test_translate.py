@@ -340,6 +340,11 @@ def test_cli_names_the_file_and_line_of_a_bad_source(tmp_path, capsys):
         (["one", "--beam", "2", "--n-best", "3"], "--n-best must be between 1 and --beam (2), got 3"),
         (["one", "--beam", "0"], "--beam must be >= 1"),
         (["one", "--batch-size", "0"], "--batch-size must be >= 1"),
+        (["one", "--workers", "0"], "--workers must be >= 1, got 0"),
+        (
+            ["one", "--workers", "2", "--runtime", "eager"],
+            "--workers applies to the onnxruntime runtime only",
+        ),
         (["one", "--device", "tpu"], "--device 'tpu' is not a device name; use cpu or cuda (or cuda:N)"),
         (["one", "--length-penalty", "wu"], "invalid choice"),
         ([], "nothing to translate"),
@@ -620,6 +625,17 @@ def test_translator_reads_its_limits_from_the_runner_record(translator):
 
 
 # ---------------------------------------------------------------------- issue 21: outputs, pipes, signals
+def test_cli_workers_translate_like_one_runner(exported_portable, capsys):
+    lines = ["one", "two", "three", "four"]
+    code, one, _ = run_main(["--model", str(exported_portable), "--beam", "2", *lines], capsys=capsys)
+    assert code == 0
+    code, split, _ = run_main(
+        ["--model", str(exported_portable), "--beam", "2", "--workers", "2", "--threads", "1", *lines],
+        capsys=capsys,
+    )
+    assert code == 0 and split == one and len(one.splitlines()) == 4
+
+
 @pytest.mark.parametrize("target", ["encoder.onnx", "manifest.json", "new.txt"])
 def test_output_inside_the_export_folder_in_use_is_refused(exported_portable, tmp_path, capsys, target):
     """issue 21.1: `--model EXP --output EXP/encoder.onnx` used to overwrite the export's encoder."""

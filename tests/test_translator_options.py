@@ -212,3 +212,29 @@ def test_eager_and_onnx_runtime_translators_give_equal_tokens(pair, options):
     sb = ort.score(sources, [t.text for t in a])
     for x, y in zip(sa, sb, strict=True):
         np.testing.assert_allclose(x.token_log_probs, y.token_log_probs, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(beam_size=3, n_best=2, length_penalty="hf", alpha=1.0),
+        dict(target_prefix="ab", min_length=5, return_scores=True),
+        dict(sampling_topk=0, seed=11),
+    ],
+    ids=lambda o: ",".join(o) or "greedy",
+)
+def test_workers_split_a_batch_and_translate_as_one_runner(pair, tmp_path_factory, options):
+    """from_export_dir(workers=3): every batch decoded in 3 parts at once gives the tokens of one
+    runner (sampling runs on one runner: its seeded stream is the whole batch's)."""
+    _, ort = pair
+    export = exported_dir(tmp_path_factory, "portable")
+    split = Translator.from_export_dir(export, threads=1, workers=3)
+    assert split._parallel is not None and len(split._parallel.runners) == 3
+    sources = ["abc", "hello world", "a", "zz top", "q", "the end"]
+    a = ort.translate(sources, **options)
+    b = split.translate(sources, **options)
+    assert [[h.tokens for h in t.hypotheses] for t in a] == [[h.tokens for h in t.hypotheses] for t in b]
+    for bad in (0, 1.5, True):
+        with pytest.raises(TranslationError, match="workers must be a positive integer"):
+            Translator.from_export_dir(export, workers=bad)

@@ -385,6 +385,7 @@ class Translator:
             tokenizer = _with_languages(tokenizer, source_lang, target_lang, source_dir)
         self.tokenizer = tokenizer
         self.runner = runner
+        self._parallel = None  # a SourceParallel over several runners (from_export_dir(workers=N))
         self.info = _runner_info(runner, max_len)
         self.source_dir: Optional[Path] = None if source_dir is None else Path(source_dir)
         if tokenizer is not None:
@@ -507,6 +508,7 @@ class Translator:
         *,
         precision: Optional[str] = None,
         verify: bool = False,
+        workers: int = 1,
         **options,
     ) -> "Translator":
         """An export folder (``python -m export.onnx``): ONNX Runtime by default (needs only
@@ -520,7 +522,11 @@ class Translator:
         (default ``fp32`` when built, else the only precision built). ``options``: generation
         options, as for the constructor; the folder's generation config sets their defaults.
         ``verify``: check the graphs against the SHA-256 the manifest records, not only the
-        tokenizer files and generation config (always checked).
+        tokenizer files and generation config (always checked). ``workers``: decode each batch
+        in that many parts at once, each part on a runner of its own with ``threads`` threads
+        (default 1: one runner; :class:`transformer_ext.runtimes.SourceParallel` says when
+        several pay: beam search at batch size on ONNX Runtime's CPU provider, with
+        ``threads=1`` each); sampling decodes on one of them.
 
         Raises:
             ManifestError: no ``manifest.json``, one of another tool or of an unknown format version;
@@ -534,18 +540,40 @@ class Translator:
         export_dir = Path(path)
         try:
             check_open_options(export_dir, runtime, threads)  # before anything is read
+            if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+                raise RuntimeOptionError(f"workers must be a positive integer, got {workers!r}")
             manifest = read_manifest(export_dir, verify=verify)
             tokenizer = _load_export_tokenizer(export_dir, manifest)
             generation = read_generation_config(export_dir, manifest)  # defaults for folders without one
             pretrained = _read_pretrained(export_dir)
-            runner = open_export_dir(
-                export_dir, runtime, provider, threads, precision=precision, manifest=manifest
-            )
+            runners = [
+                open_export_dir(
+                    export_dir, runtime, provider, threads, precision=precision, manifest=manifest
+                )
+                for _ in range(workers)
+            ]
         except RuntimeOptionError as exc:
             raise TranslationError(str(exc)) from None
-        return cls(
-            tokenizer, runner, generation=generation, source_dir=export_dir, pretrained=pretrained, **options
+        translator = cls(
+            tokenizer,
+            runners[0],
+            generation=generation,
+            source_dir=export_dir,
+            pretrained=pretrained,
+            **options,
         )
+        if workers > 1:
+            from .runtimes.pool import SourceParallel
+
+            translator._parallel = SourceParallel(runners)
+        return translator
+
+    def _search(self, search, input_ids: np.ndarray, lengths: np.ndarray, **options) -> list:
+        """``search(runner, input_ids, lengths, **options)`` on this translator's runner, or on
+        its several runners at once, each on a part of the sources (``workers``)."""
+        if self._parallel is None:
+            return search(self.runner, input_ids, lengths, **options)
+        return self._parallel.run(search, input_ids, lengths, **options)
 
     @classmethod
     def from_model(cls, model, tokenizer: Optional[Tokenizer], device="cpu") -> "Translator":
@@ -1017,7 +1045,7 @@ class Translator:
             and not opts["return_scores"]
             and not opts["return_attention"]
         ):
-            out = decoding.greedy_decode(self.runner, input_ids, lengths, **common)
+            out = self._search(decoding.greedy_decode, input_ids, lengths, **common)
             # a row shorter than its budget stopped at an EOS
             hyps = [
                 Hypothesis([int(t) for t in row], None, None, len(row) < int(budget[r]))
@@ -1032,10 +1060,7 @@ class Translator:
                 early_stopping=opts["early_stopping"],
                 renormalize_logits=opts["renormalize_logits"] and opts["length_penalty"] == "hf",
             )
-        out = decoding.generate(
-            self.runner,
-            input_ids,
-            lengths,
+        kwargs = dict(
             beam_size=opts["beam_size"],
             num_hypotheses=n_best,
             **(opts["sampling"] or {}),
@@ -1043,6 +1068,10 @@ class Translator:
             **common,
             return_attention=opts["return_attention"],
         )
+        if opts["sampling"] is None:
+            out = self._search(decoding.generate, input_ids, lengths, **kwargs)
+        else:  # one random stream for the whole batch: one runner
+            out = decoding.generate(self.runner, input_ids, lengths, **kwargs)
         return [
             Translation("", [tok.decode_target(h.tokens) for h in row[:n_best]], list(row[:n_best]))
             for row in out
