@@ -22,7 +22,8 @@ the ONNX Runtime and CTranslate2 workers import no torch, checked there and reco
   environment of its own: ``--optimum-python``), the export with past key values (its merged
   decoder), its io-binding default (off on CPU), ``SessionOptions.intra_op_num_threads = N``;
 * ``ctranslate2`` / ``ctranslate2_int8``: CTranslate2 ``translate_batch`` (``--ct2-python``; its
-  converter needs torch and transformers < 4.58), ``intra_threads=N, inter_threads=1``. Its
+  converter needs torch and transformers < 4.58), ``intra_threads=N, inter_threads=1`` (split
+  settings: ``inter_threads=W``, ``intra_threads=T``). Its
   Marian converter drops ``<pad>`` from the vocabulary (the decoder starts from a zero embedding),
   so ``<pad>`` cannot be generated, as the generation config's ``bad_words_ids`` asks;
 * ``eager``, ``onnxrt``, ``onnxrt_int8``: ours (EagerRunner, OrtRunner on the float32 and the
@@ -43,7 +44,14 @@ in the cell says ``tokens_match: false`` (and how many rows agree), the cell say
 ``float32_tokens_agree: false``, and the exit status is 1; it is still timed. The int8 engines
 record their agreement with the float32 tokens and with each other.
 
-Timing: one worker per engine and thread count; per cell, ``--rounds`` rounds, every engine once
+Thread settings (``--threads``): ``N`` runs every engine on N threads; ``WxT`` (for example
+``2x1``) splits each batch over W workers of T threads for the engines that can (ours: W
+OrtRunners under ``runtimes.pool.SourceParallel``; CTranslate2: ``inter_threads=W``), as
+``bench_decode.py`` does; transformers and Optimum have no such setting and sit it out, so in a
+split cell the tokens are compared against CTranslate2 float32's. Each engine's "best" is its
+fastest setting over all of them.
+
+Timing: one worker per engine and thread setting; per cell, ``--rounds`` rounds, every engine once
 per round in a rotating order, medians reported (docs/DESIGN.md section 4). The JSON records the
 machine (benchmarks/common.py: lscpu model, ISA flags, L3, measured read and copy bandwidth per
 thread count; the load average before and after) and the ratios side by side: ours ONNX Runtime
@@ -70,7 +78,16 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(REPO))  # the repository, if not installed
-from bench_decode import Engine, EngineProcess, measure_case, plot  # noqa: E402
+from bench_decode import (  # noqa: E402
+    SPLITTABLE,
+    Engine,
+    EngineProcess,
+    measure_case,
+    parse_setting,
+    plot,
+    setting_threads,
+    setting_workers,
+)
 from common import environment, machine_info, write_json  # noqa: E402
 
 logger = logging.getLogger("bench_pretrained")
@@ -505,7 +522,7 @@ def run(
             for e in engines
         ],
         "skipped_engines": skipped,
-        "machine": machine_info(tuple(threads_list)),
+        "machine": machine_info(tuple(sorted({setting_threads(t) for t in threads_list}))),
         "environment": environment(),
         "load_average_start": os.getloadavg(),
         "models": {},
@@ -516,15 +533,20 @@ def run(
         entry: dict = {"artifacts": sorted(paths), "workers": {}, "cases": []}
         for threads in threads_list:
             workers: dict = {}
+            n_workers = setting_workers(threads)
+            # a split setting runs the engines whose worker can split a batch
+            setting_engines = [e for e in engines if n_workers == 1 or e.worker in SPLITTABLE]
             try:
-                for e in engines:
+                for e in setting_engines:
                     more = dict(extra)
                     if e.worker == "ctranslate2":
                         more["vocabulary"] = os.path.join(paths[e.artifact], "shared_vocabulary.json")
+                    if n_workers > 1:
+                        more["workers"] = n_workers
                     workers[e.name] = EngineProcess(
                         e,
                         paths[e.artifact],
-                        threads,
+                        setting_threads(threads),
                         {"bos_id": pad, "eos_id": EOS},
                         python=pythons[envs[e.name]],
                         extra=more,
@@ -532,10 +554,12 @@ def run(
                     entry["workers"][f"{e.name}/{threads}"] = workers[e.name].info
                 for mode in modes:
                     for batch in batch_sizes:
-                        logger.info("%s %s batch %d, %d thread(s) ...", size_name, mode, batch, threads)
+                        if batch < n_workers:
+                            continue  # nothing to split
+                        logger.info("%s %s batch %d, %s thread(s) ...", size_name, mode, batch, threads)
                         case = measure_case(
                             workers,
-                            engines,
+                            setting_engines,
                             mode,
                             batch,
                             {},
@@ -550,7 +574,7 @@ def run(
                                 "  %-17s %8.1f tokens/s%s",
                                 name,
                                 e["tokens_per_second"],
-                                "" if e.get("tokens_match", True) else "  TOKENS DIFFER from transformers",
+                                "" if e.get("tokens_match", True) else f"  TOKENS DIFFER from {case['reference_engine']}",
                             )
                         entry["cases"].append(case)
             finally:
@@ -576,6 +600,13 @@ def _ints(text: str, flag: str, parser) -> list[int]:
     return values
 
 
+def _settings(text: str, parser) -> list:
+    try:
+        return [parse_setting(t) for t in text.split(",")]
+    except ValueError as exc:
+        parser.error(f"--threads takes comma-separated settings N or WxT ({exc})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="opus-mt-en-de")
@@ -583,7 +614,10 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of greedy,beam4")
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
     p.add_argument(
-        "--threads", default="1,2", help="comma-separated thread counts, every engine (default: 1,2)"
+        "--threads",
+        default="1,2",
+        help="comma-separated thread settings: N threads, or WxT (the batch split over W workers of "
+        "T threads; ours and CTranslate2 only), for example 1,2,2x1 (default: 1,2)",
     )
     p.add_argument("--rounds", "--repeats", type=int, default=5, help="timed rounds per cell (default: 5)")
     p.add_argument(
@@ -615,7 +649,7 @@ def main(argv=None) -> int:
             engine_names=args.engines.split(",") if args.engines else None,
             modes=args.modes.split(","),
             batch_sizes=_ints(args.batch_sizes, "--batch-sizes", p),
-            threads_list=_ints(args.threads, "--threads", p),
+            threads_list=_settings(args.threads, p),
             rounds=args.rounds,
             optimum_python=args.optimum_python,
             ct2_python=args.ct2_python,

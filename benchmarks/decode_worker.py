@@ -304,6 +304,7 @@ def main() -> int:
                 {
                     "torch_imported": torch_imported,
                     "pid": os.getpid(),
+                    "workers": int(spec.get("workers", 1)),
                     "modules": sorted(
                         m
                         for m in ("torch", "ctranslate2", "onnxruntime", "transformers", "optimum")

@@ -64,6 +64,44 @@ def test_bench_pretrained_tiny_with_this_environments_engines(tmp_path):
     assert results["float32_tokens_agree"] is True
 
 
+def test_split_setting_runs_the_splittable_engines_with_the_same_tokens(tmp_path):
+    """``2x1``: only ours (OrtRunners under SourceParallel) runs, on batches it can split; the
+    split decode gives transformers' tokens of the one-worker cell, and the best-vs-best ratio
+    may pick the split setting."""
+    out = str(tmp_path / "split.json")
+    results = bench_pretrained.run(
+        "tiny",
+        out,
+        engine_names=["transformers", "onnxrt", "onnxrt_int8"],
+        modes=("greedy",),
+        batch_sizes=(1, 3),
+        threads_list=(1, "2x1"),
+        rounds=1,
+        scratch=str(tmp_path),
+    )
+    cases = {(c["batch"], c["threads"]): c for c in results["models"]["tiny"]["cases"]}
+    assert set(cases) == {(1, 1), (3, 1), (3, "2x1")}  # batch 1 has nothing to split
+    split = cases[(3, "2x1")]
+    assert set(split["engines"]) == {"onnxrt", "onnxrt_int8"} and split["reference_engine"] == "onnxrt"
+    assert results["models"]["tiny"]["workers"]["onnxrt/2x1"]["workers"] == 2
+    assert results["float32_tokens_agree"] is True
+    # the split decode gave transformers' tokens of the same sources (the one-worker cell)
+    assert cases[(3, 1)]["reference_engine"] == "transformers"
+    assert split["reference_tokens_sha1"] == cases[(3, 1)]["reference_tokens_sha1"]
+    assert cases[(1, 1)]["reference_tokens_sha1"] != split["reference_tokens_sha1"]
+    with open(out) as f:
+        saved = json.load(f)
+    assert saved["threads"] == [1, "2x1"] and saved["machine"]["read_bandwidth_bytes_per_s"].keys() == {"1", "2"}
+    best = [r for r in saved["ratios"] if r["threads"] == "best" and r["batch"] == 3]
+    assert best and all(r["ours_threads"] in (1, "2x1") for r in best)
+
+
+def test_cli_names_a_bad_thread_setting(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_pretrained.main(["--size", "tiny", "--threads", "1,2x0"])
+    assert exc.value.code == 2 and "--threads" in capsys.readouterr().err
+
+
 def test_ratios_at_equal_and_at_best_threads():
     """The ratio rows against a plain computation: equal threads per cell, and each engine at its own
     best thread count per (mode, batch); a disagreeing engine's rows say so."""
