@@ -550,7 +550,9 @@ def measure_case(
     if reference is not None:  # how varied the compared tokens are (a constant output proves little)
         case["reference_distinct_tokens"] = len({t for row in tokens[reference] for t in row})
         # cells of other thread settings decode the same sources: equal digests, equal tokens
-        case["reference_tokens_sha1"] = hashlib.sha1(np.asarray(tokens[reference], dtype=np.int64).tobytes()).hexdigest()
+        case["reference_tokens_sha1"] = hashlib.sha1(
+            np.asarray(tokens[reference], dtype=np.int64).tobytes()
+        ).hexdigest()
     case["float32_tokens_agree"] = all(
         e.get("tokens_match", True) for e in case["engines"].values() if e["dtype"] == "float32"
     )

@@ -574,7 +574,9 @@ def run(
                                 "  %-17s %8.1f tokens/s%s",
                                 name,
                                 e["tokens_per_second"],
-                                "" if e.get("tokens_match", True) else f"  TOKENS DIFFER from {case['reference_engine']}",
+                                ""
+                                if e.get("tokens_match", True)
+                                else f"  TOKENS DIFFER from {case['reference_engine']}",
                             )
                         entry["cases"].append(case)
             finally:

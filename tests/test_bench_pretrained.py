@@ -91,7 +91,10 @@ def test_split_setting_runs_the_splittable_engines_with_the_same_tokens(tmp_path
     assert cases[(1, 1)]["reference_tokens_sha1"] != split["reference_tokens_sha1"]
     with open(out) as f:
         saved = json.load(f)
-    assert saved["threads"] == [1, "2x1"] and saved["machine"]["read_bandwidth_bytes_per_s"].keys() == {"1", "2"}
+    assert saved["threads"] == [1, "2x1"] and saved["machine"]["read_bandwidth_bytes_per_s"].keys() == {
+        "1",
+        "2",
+    }
     best = [r for r in saved["ratios"] if r["threads"] == "best" and r["batch"] == 3]
     assert best and all(r["ours_threads"] in (1, "2x1") for r in best)
 
