@@ -146,7 +146,7 @@ for _scheme, _dtype in (("int4", "int4"), ("int8-nbits", "int8")):
     ENGINES.append(
         Engine(
             f"onnxrt_{_scheme.replace('-', '_')}",
-            f"ONNX Runtime, python -m export.onnx --quantize {_scheme} (MatMulNBits, weight-only, blocks of 32)",
+            f"ONNX Runtime, python -m export.onnx --quantize {_scheme} (MatMulNBits, weight-only, default blocks: int4 128, int8-nbits 32)",
             "onnxrt",
             f"onnx_{_scheme.replace('-', '_')}",
             _dtype,

@@ -114,6 +114,8 @@ __all__ = [
     "ISA_FLAGS",
     "default_max_drops",
     "resolve_settings",
+    "default_block_size",
+    "NARROW_BLOCK_SIZE",
     "check_block_dimensions",
     "check_quantize_arguments",
     "quantize_blocks",
@@ -131,6 +133,10 @@ __all__ = [
 # AMD EPYC without VNNI; float32 99.8%): per-channel int8 with reduce_range 99.8% (every decode
 # equal to float32's), full-range int8 or uint8 weights 99.6% (one decode differs). reduce_range
 # keeps the u8 x s8 kernels from saturating.
+# int4 blocks of 128 (benchmarks/results/ab_int4_blocks_t{1,2}.json, `base`, greedy batch 1, a
+# 2-core Zen 4): 1.50x / 1.18x our dynamic int8 at 1 / 2 threads, where blocks of 32 gave 1.16x /
+# 1.07x (fewer scales and zero points per weight read); the Bible recipe's BLEU gate
+# (recipes/bible-en-de/gates/int4_blocks.txt) lost 0.12 points at 128 and 0.22 at 32.
 _NBITS_METHOD = (
     "MatMulNBits (ONNX Runtime contrib operator, com.microsoft), weight-only, written by export.quantize"
 )
@@ -148,7 +154,7 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "int4": {
         "method": _NBITS_METHOD,
         "bits": 4,
-        "block_size": 32,
+        "block_size": 128,  # or the largest size below that fits the model (default_block_size)
         "accuracy_level": 4,
         "symmetric": False,
         "activations": _NBITS_ACTIVATIONS,
@@ -328,15 +334,20 @@ def _quantize_one(src: Path, dst: Path, settings: dict) -> dict:
 
 
 def quantize_graphs(
-    src_dir: Path, dst_dir: Path, scheme: str, options: Optional[Mapping[str, Any]] = None
+    src_dir: Path,
+    dst_dir: Path,
+    scheme: str,
+    options: Optional[Mapping[str, Any]] = None,
+    model_config: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Quantize ``src_dir``'s two graphs into ``dst_dir`` (same file names); the manifest section:
-    the scheme's settings (``options`` applied, :func:`resolve_settings`), the ONNX Runtime
+    the scheme's settings (``options`` applied for the model of ``model_config``,
+    :func:`resolve_settings`), the ONNX Runtime
     version, the CPU (:func:`cpu_description`) and, for MatMulNBits, what its kernel computes in
     on this CPU (``"kernel_compute"``, :func:`kernel_compute`), the per-graph counts."""
     import onnxruntime
 
-    settings = resolve_settings(scheme, options)
+    settings = resolve_settings(scheme, options, model_config)
     graphs = {}
     for key, name in (("encoder", ENCODER_FILE), ("decoder_step", DECODER_FILE)):
         if "bits" in settings:
@@ -357,9 +368,31 @@ def quantize_graphs(
 # ------------------------------------------------------------------------------------------
 
 
-def resolve_settings(scheme: str, options: Optional[Mapping[str, Any]] = None) -> dict:
+# The block size of a model that the scheme's default block size does not fit: on the demo model
+# (d_model 64) int4 blocks of 32 keep every held-out greedy decode equal to float32's, blocks of
+# 64 lose one of 500 (tests/test_quantize_nbits.py).
+NARROW_BLOCK_SIZE = 32
+
+
+def default_block_size(model_config: Mapping[str, Any], preferred: int) -> int:
+    """The block size a MatMulNBits scheme takes when none is given: ``preferred`` (the scheme's
+    default) where it divides ``d_model`` and ``d_ff``, else the largest of :data:`BLOCK_SIZES`
+    up to :data:`NARROW_BLOCK_SIZE` that does (``preferred`` itself when none does:
+    :func:`check_block_dimensions` then names the matrices)."""
+    dims = (int(model_config["d_model"]), int(model_config["d_ff"]))
+    if all(d % preferred == 0 for d in dims):
+        return preferred
+    cap = min(preferred, NARROW_BLOCK_SIZE)
+    fits = [b for b in BLOCK_SIZES if b <= cap and all(d % b == 0 for d in dims)]
+    return max(fits) if fits else preferred
+
+
+def resolve_settings(
+    scheme: str, options: Optional[Mapping[str, Any]] = None, model_config: Optional[Mapping[str, Any]] = None
+) -> dict:
     """The settings of ``scheme`` with ``options`` (``block_size``, ``accuracy_level``,
-    ``symmetric``; ``None`` values keep the scheme's default) applied and checked.
+    ``symmetric``; ``None`` values keep the scheme's default) applied and checked. With
+    ``model_config`` and no ``block_size`` given, the block size is :func:`default_block_size`.
 
     Raises :class:`QuantizationError` naming the option and its allowed values, or saying that
     the scheme has no such option (``int8`` is dynamic quantization: no blocks).
@@ -387,6 +420,8 @@ def resolve_settings(scheme: str, options: Optional[Mapping[str, Any]] = None) -
                 f"sizes ONNX Runtime's MatMulNBits kernels take), got {value!r}"
             )
         settings["block_size"] = value
+    elif model_config is not None:
+        settings["block_size"] = default_block_size(model_config, settings["block_size"])
     if "accuracy_level" in given:
         value = given["accuracy_level"]
         if isinstance(value, bool) or not isinstance(value, int) or value not in ACCURACY_LEVELS:
@@ -882,7 +917,7 @@ def check_quantize_arguments(
     """Every quantization argument checked, before anything is written: ``(settings, max_em_drop,
     max_bleu_drop)`` with the scheme's defaults (:data:`DEFAULT_MAX_DROPS`) for ``None``; with
     ``model_config``, the block size against the model's dimensions (:func:`check_block_dimensions`)."""
-    settings = resolve_settings(scheme, options)
+    settings = resolve_settings(scheme, options, model_config)
     em_default, bleu_default = default_max_drops(scheme)
     max_em_drop = _check_max_drop(em_default if max_em_drop is None else max_em_drop)
     max_bleu_drop = _check_max_drop(bleu_default if max_bleu_drop is None else max_bleu_drop, "max_bleu_drop")
@@ -930,7 +965,7 @@ def quantize_folder(
         tmp_dir = scratch.path
         for name in folder_files(folder):
             shutil.copy2(folder / name, tmp_dir / name)
-        section = quantize_graphs(folder, tmp_dir, scheme, options)
+        section = quantize_graphs(folder, tmp_dir, scheme, options, manifest["model_config"])
         quantized_manifest = dict(manifest, quantization=section)
         quantized_manifest["files"] = folder_files(tmp_dir)
         write_manifest(tmp_dir, quantized_manifest)
@@ -1074,7 +1109,9 @@ def add_nbits_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help=f"int4 / int8-nbits: weights per quantization block along the input dimension, one of "
-        f"{list(BLOCK_SIZES)}; it must divide d_model and d_ff (default {d['block_size']})",
+        f"{list(BLOCK_SIZES)}; it must divide d_model and d_ff (default: int4 {d['block_size']}, int8-nbits "
+        f"{SCHEMES['int8-nbits']['block_size']}; where that does not divide both, the largest size up to "
+        f"{NARROW_BLOCK_SIZE} that does)",
     )
     p.add_argument(
         NBITS_OPTIONS["accuracy_level"],

@@ -432,6 +432,52 @@ def test_block_options_with_dynamic_int8_are_refused(tiny_float, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "d_model, d_ff, preferred, expected",
+    [
+        (512, 2048, 128, 128),  # base, opus-mt
+        (1024, 4096, 128, 128),  # NLLB-600M
+        (64, 256, 128, 32),  # the demo model: 64 would fit, the narrow size is 32
+        (32, 64, 128, 32),  # the tiny test model
+        (96, 384, 128, 32),
+        (48, 96, 128, 16),
+        (512, 2048, 32, 32),  # the preferred size when it fits
+        (40, 160, 128, 128),  # nothing fits: check_block_dimensions names the matrices
+    ],
+)
+def test_default_block_size_is_the_preferred_or_a_narrow_one(d_model, d_ff, preferred, expected):
+    config = {"d_model": d_model, "d_ff": d_ff}
+    assert quant.default_block_size(config, preferred) == expected
+
+
+def test_a_given_block_size_is_kept_and_a_default_one_fits_the_model():
+    config = {"d_model": 64, "d_ff": 256}
+    default = quant.SCHEMES["int4"]["block_size"]
+    assert quant.resolve_settings("int4", {}, config)["block_size"] == quant.NARROW_BLOCK_SIZE
+    assert quant.resolve_settings("int4", {"block_size": 16}, config)["block_size"] == 16
+    assert quant.resolve_settings("int4", {})["block_size"] == default  # no model: the scheme's size
+    with pytest.raises(QuantizationError, match="128 does not divide d_model = 64"):
+        quant.check_quantize_arguments("int4", {"block_size": 128}, model_config=config)
+
+
+def test_int4_export_of_a_model_wide_enough_takes_blocks_of_128(tmp_path):
+    """The scheme's default block size reaches the graphs: every MatMulNBits of a d_model 128
+    model has block_size 128, and the manifest says so."""
+    model_dir = make_model_dir(tmp_path / "model", d_model=128, d_ff=256)
+    export_onnx(model_dir, tmp_path / "out", quantize="int4", validate=False)
+    q = manifest_quantization(read_manifest(tmp_path / "out"))
+    assert q["block_size"] == 128 and "blocks of 128 weights" in q["weights"]
+    sizes = {
+        helper.get_attribute_value(a)
+        for name in GRAPHS
+        for n in onnx.load(tmp_path / "out" / name).graph.node
+        if n.op_type == "MatMulNBits"
+        for a in n.attribute
+        if a.name == "block_size"
+    }
+    assert sizes == {128}
+
+
 def test_block_size_that_does_not_divide_d_model_names_the_matrices(tiny_float, tmp_path):
     # the tiny model: d_model 32
     with pytest.raises(
@@ -449,7 +495,7 @@ def test_export_refuses_a_block_size_that_does_not_divide_d_ff_before_tracing(tm
     model_dir = make_model_dir(tmp_path / "model", d_ff=48)  # d_model 32, d_ff 48
     monkeypatch.setattr(export_mod, "_write_export", lambda *a, **k: pytest.fail("traced"))
     with pytest.raises(QuantizationError, match=r"32 does not divide d_ff = 48.*second feed-forward matrix"):
-        export_onnx(model_dir, tmp_path / "out", quantize="int4")
+        export_onnx(model_dir, tmp_path / "out", quantize="int4", quantize_options={"block_size": 32})
     with pytest.raises(QuantizationError, match=r"block sizes that fit this model: \[16\]"):
         export_onnx(model_dir, tmp_path / "out", quantize="int8-nbits", quantize_options={"block_size": 32})
     assert sorted(os.listdir(tmp_path)) == ["model"]
