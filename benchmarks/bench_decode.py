@@ -320,7 +320,7 @@ def _torch_decoder_bytes(model) -> int:
 
 
 PREPARED = "prepared.json"
-PREPARED_VERSION = 5  # bumped when what prepare() records, or an export it makes, changes
+PREPARED_VERSION = 6  # bumped when what prepare() records, or an export it makes, changes
 
 
 def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict, dict, dict]:
