@@ -54,6 +54,7 @@ import argparse
 import atexit
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import pickle
@@ -63,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -576,6 +578,28 @@ def measure_case(
 SPLITTABLE = ("onnxrt", "ctranslate2")
 
 
+QUANTIZATION_KEYS = (
+    "scheme",
+    "bits",
+    "block_size",
+    "symmetric",
+    "accuracy_level",
+    "kernel_compute",
+    "weights",
+)
+
+
+def export_quantization(path: str) -> Optional[dict]:
+    """What an export folder's manifest says of its quantization (scheme, block size, ...);
+    None for a float32 export or an artifact that is not an export folder."""
+    manifest = os.path.join(path, "manifest.json")
+    if not os.path.isfile(manifest):
+        return None
+    with open(manifest, encoding="utf-8") as f:
+        q = json.load(f).get("quantization")
+    return {k: q[k] for k in QUANTIZATION_KEYS if k in q} if q else None
+
+
 def parse_setting(text: str):
     """A thread setting: ``"N"`` -> N (one worker on N threads), ``"WxT"`` -> ``"WxT"`` (the batch
     split over W workers of T threads each, W >= 2). ValueError otherwise."""
@@ -938,6 +962,7 @@ def run(
         entry = {
             "config": config,
             "weight_bytes_per_token": {e.name: nbytes.get(e.bytes_key) for e in engines},
+            "quantization": {e.name: export_quantization(paths[e.artifact]) for e in engines},
             "workers": {},
             "cases": [],
         }

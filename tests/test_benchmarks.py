@@ -58,6 +58,9 @@ def test_bench_decode_tiny(tiny_run):
             else:
                 assert 0.0 <= entry["rows_equal_to_float32"] <= 1.0
             assert len(entry["samples"]) == 1 and entry["tokens_per_second"] > 0
+    # each engine's quantization, as its export's manifest says
+    assert model["quantization"]["onnxrt"] is None and model["quantization"]["eager"] is None
+    assert model["quantization"]["onnxrt_int8"]["scheme"] == "int8"
     floors = model["bandwidth_floor_batch1"]
     # int8 weights occupy fewer bytes than float32 ones (the output projection included)
     assert floors["onnxrt_int8"]["weight_bytes_per_token"] < floors["onnxrt"]["weight_bytes_per_token"]
