@@ -67,6 +67,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -472,12 +473,23 @@ def run(
     optimum_python: Optional[str] = None,
     ct2_python: Optional[str] = None,
     scratch: Optional[str] = None,
+    keep_artifacts: Optional[str] = None,
+    prepare_only: bool = False,
 ) -> dict:
-    """Run the benchmark, write ``out`` (JSON) and the PNG beside it; returns the results."""
+    """Run the benchmark, write ``out`` (JSON) and the PNG beside it; returns the results.
+
+    ``keep_artifacts``: a new folder to build the models in and leave there (for
+    ``profile_decode.py --export DIR/onnx_int8``, say) instead of a temporary one;
+    ``prepare_only``: build them and return ``{"artifacts": {name: folder}}``, nothing timed or
+    written besides."""
     import tempfile
 
     if size_name not in SIZES:
         raise ValueError(f"unknown size {size_name!r}; available: {sorted(SIZES)}")
+    if keep_artifacts is not None and os.path.lexists(keep_artifacts):
+        raise ValueError(f"--keep-artifacts {keep_artifacts}: it exists; give a folder to create")
+    if prepare_only and keep_artifacts is None:
+        raise ValueError("--prepare-only needs --keep-artifacts DIR (where the models are left)")
     if engine_names is not None:
         unknown = sorted(set(engine_names) - set(ENGINE_NAMES))
         if unknown:
@@ -527,8 +539,20 @@ def run(
         "load_average_start": os.getloadavg(),
         "models": {},
     }
+    if keep_artifacts is not None:
+        folder = Path(keep_artifacts)
+        folder.mkdir(parents=True)
+        try:
+            paths = prepare(size, engines, pythons, folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # made by this call: nothing half-built is left
+            raise
+        if prepare_only:
+            logger.info("models in %s: %s", folder, ", ".join(sorted(paths)))
+            return {"artifacts": paths}
     with tempfile.TemporaryDirectory(prefix="bench_pretrained_", dir=scratch) as tmp:
-        paths = prepare(size, engines, pythons, Path(tmp))
+        if keep_artifacts is None:
+            paths = prepare(size, engines, pythons, Path(tmp))
         extra = {"banned_ids": [pad]}
         entry: dict = {"artifacts": sorted(paths), "workers": {}, "cases": []}
         for threads in threads_list:
@@ -638,6 +662,16 @@ def main(argv=None) -> int:
         default=None,
         help="JSON path (default: benchmarks/results/bench_pretrained[_tiny].json); the PNG goes beside it",
     )
+    p.add_argument(
+        "--keep-artifacts",
+        default=None,
+        metavar="DIR",
+        help="build the models in DIR (a new folder) and leave them there, e.g. for "
+        "profile_decode.py --export DIR/onnx_int8",
+    )
+    p.add_argument(
+        "--prepare-only", action="store_true", help="with --keep-artifacts: build the models, time nothing"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.rounds < 1:
@@ -656,9 +690,13 @@ def main(argv=None) -> int:
             optimum_python=args.optimum_python,
             ct2_python=args.ct2_python,
             scratch=args.scratch,
+            keep_artifacts=args.keep_artifacts,
+            prepare_only=args.prepare_only,
         )
     except ValueError as exc:
         p.error(str(exc))
+    if args.prepare_only:
+        return 0
     print(summary_table(results))
     if not results["float32_tokens_agree"]:
         logger.error("float32 engines disagree with transformers' tokens in some cells (marked '!')")

@@ -99,6 +99,32 @@ def test_split_setting_runs_the_splittable_engines_with_the_same_tokens(tmp_path
     assert best and all(r["ours_threads"] in (1, "2x1") for r in best)
 
 
+def test_keep_artifacts_prepare_only_builds_the_models_and_times_nothing(tmp_path, monkeypatch):
+    """--keep-artifacts DIR --prepare-only: the engines' models in a new folder, left there; an
+    existing folder, or --prepare-only alone, is refused before anything is built; a failed
+    build leaves nothing."""
+    out = tmp_path / "x.json"
+    arts = tmp_path / "arts"
+    result = bench_pretrained.run(
+        "tiny", str(out), engine_names=["onnxrt_int8"], keep_artifacts=str(arts), prepare_only=True
+    )
+    assert set(result["artifacts"]) == {"hf", "model", "onnx", "onnx_int8"}
+    q = json.loads((arts / "onnx_int8" / "manifest.json").read_text())["quantization"]
+    assert q["scheme"] == "int8" and not out.exists()
+    with pytest.raises(ValueError, match="it exists"):
+        bench_pretrained.run("tiny", str(out), keep_artifacts=str(arts), prepare_only=True)
+    with pytest.raises(ValueError, match="--prepare-only needs --keep-artifacts"):
+        bench_pretrained.run("tiny", str(out), prepare_only=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("conversion failed")
+
+    monkeypatch.setattr(bench_pretrained, "prepare", broken)
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        bench_pretrained.run("tiny", str(out), keep_artifacts=str(tmp_path / "new"), prepare_only=True)
+    assert not (tmp_path / "new").exists()
+
+
 def test_cli_names_a_bad_thread_setting(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_pretrained.main(["--size", "tiny", "--threads", "1,2x0"])
