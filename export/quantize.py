@@ -133,9 +133,9 @@ __all__ = [
 # AMD EPYC without VNNI; float32 99.8%): per-channel int8 with reduce_range 99.8% (every decode
 # equal to float32's), full-range int8 or uint8 weights 99.6% (one decode differs). reduce_range
 # keeps the u8 x s8 kernels from saturating.
-# int4 blocks of 128 (benchmarks/results/ab_int4_blocks_t{1,2}.json, `base`, greedy batch 1, a
-# 2-core Zen 4): 1.50x / 1.18x our dynamic int8 at 1 / 2 threads, where blocks of 32 gave 1.16x /
-# 1.07x (fewer scales and zero points per weight read); the Bible recipe's BLEU gate
+# int4 blocks of 128 (`base`, greedy batch 1, a 2-core Zen 4): 1.30x / 1.11x as fast as blocks of
+# 32 at 1 / 2 threads, side by side in one process (benchmarks/results/ab_int4_b32_vs_b128_t1.json,
+# _t2.json), fewer scales and zero points read per weight; the Bible recipe's BLEU gate
 # (recipes/bible-en-de/gates/int4_blocks.txt) lost 0.12 points at 128 and 0.22 at 32.
 _NBITS_METHOD = (
     "MatMulNBits (ONNX Runtime contrib operator, com.microsoft), weight-only, written by export.quantize"
