@@ -54,7 +54,6 @@ import argparse
 import atexit
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import pickle
@@ -592,11 +591,11 @@ QUANTIZATION_KEYS = (
 def export_quantization(path: str) -> Optional[dict]:
     """What an export folder's manifest says of its quantization (scheme, block size, ...);
     None for a float32 export or an artifact that is not an export folder."""
-    manifest = os.path.join(path, "manifest.json")
-    if not os.path.isfile(manifest):
+    from transformer_ext.export_format import MANIFEST_NAME, manifest_quantization, read_manifest
+
+    if not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
         return None
-    with open(manifest, encoding="utf-8") as f:
-        q = json.load(f).get("quantization")
+    q = manifest_quantization(read_manifest(path))
     return {k: q[k] for k in QUANTIZATION_KEYS if k in q} if q else None
 
 

@@ -344,6 +344,25 @@ def prepare(size: dict, engines: list[Engine], pythons: dict, scratch: Path) -> 
     return {k: str(v) for k, v in paths.items()}
 
 
+def _prepare_kept(size: dict, engines: list[Engine], pythons: dict, folder: Path) -> dict:
+    """:func:`prepare` into ``folder``, a new folder left in place; on any failure or interruption
+    the folder and the parents made for it are removed (nothing half-built is left)."""
+    from export.manifest import make_parents, remove_made_parents
+
+    made: list[Path] = []
+    try:
+        make_parents(folder, made)
+        folder.mkdir()
+        try:
+            return prepare(size, engines, pythons, folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+    except BaseException:
+        remove_made_parents(made)
+        raise
+
+
 def check_python(env: str, python: Optional[str]) -> Optional[str]:
     """Why the engines of ``env`` cannot run with ``python`` (None: they can)."""
     if env == "main":
@@ -512,6 +531,11 @@ def run(
         envs[engine.name] = env
     if not engines:
         raise ValueError("no engine left to run")
+    if keep_artifacts is not None:
+        paths = _prepare_kept(size, engines, pythons, Path(keep_artifacts))
+        if prepare_only:
+            logger.info("models in %s: %s", keep_artifacts, ", ".join(sorted(paths)))
+            return {"artifacts": paths}
     pad = size["vocab_size"] - 1
     results: dict = {
         "size": size_name,
@@ -539,17 +563,6 @@ def run(
         "load_average_start": os.getloadavg(),
         "models": {},
     }
-    if keep_artifacts is not None:
-        folder = Path(keep_artifacts)
-        folder.mkdir(parents=True)
-        try:
-            paths = prepare(size, engines, pythons, folder)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)  # made by this call: nothing half-built is left
-            raise
-        if prepare_only:
-            logger.info("models in %s: %s", folder, ", ".join(sorted(paths)))
-            return {"artifacts": paths}
     with tempfile.TemporaryDirectory(prefix="bench_pretrained_", dir=scratch) as tmp:
         if keep_artifacts is None:
             paths = prepare(size, engines, pythons, Path(tmp))

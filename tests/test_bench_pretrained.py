@@ -121,8 +121,8 @@ def test_keep_artifacts_prepare_only_builds_the_models_and_times_nothing(tmp_pat
 
     monkeypatch.setattr(bench_pretrained, "prepare", broken)
     with pytest.raises(RuntimeError, match="conversion failed"):
-        bench_pretrained.run("tiny", str(out), keep_artifacts=str(tmp_path / "new"), prepare_only=True)
-    assert not (tmp_path / "new").exists()
+        bench_pretrained.run("tiny", str(out), keep_artifacts=str(tmp_path / "a" / "new"), prepare_only=True)
+    assert not (tmp_path / "a").exists()
 
 
 def test_cli_names_a_bad_thread_setting(capsys):

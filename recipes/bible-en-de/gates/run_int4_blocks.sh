@@ -12,6 +12,7 @@ F=$WORK/gate-fp32/checkpoints/step-1800
 [ -d "$F" ] || { echo "train the model first (run_gates.sh's float32 training): $F is missing" >&2; exit 2; }
 [ -d "$WORK/gate-fp32-onnx" ] || python -m export.onnx --model-dir "$F" --output-dir "$WORK/gate-fp32-onnx" || exit 1
 OUT=$HERE/int4_blocks.txt
+trap 'rm -f "$OUT.tmp"' EXIT
 : > "$OUT.tmp"
 for v in "b32:--quant-block-size 32" "b64:--quant-block-size 64" "b128:--quant-block-size 128" \
          "b128-symmetric:--quant-block-size 128 --quant-symmetric"; do
