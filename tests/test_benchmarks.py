@@ -244,7 +244,7 @@ def test_count_step_calls_counts_per_step_and_per_function(tmp_path, tmp_path_fa
     ]
     for case in saved["cases"]:
         assert case["steps"] == 4 and case["calls_per_step"] > case["python_calls_per_step"] > 0
-        assert case["top"]["ort.py:step"] == 1.0  # one runner step per decoding step
+        assert case["top"]["ort.py:_run_step"] == 1.0  # one decoder run per decoding step
 
 
 def test_ab_exports_times_folders_and_runner_options(tmp_path, tmp_path_factory):

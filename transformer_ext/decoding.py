@@ -111,6 +111,17 @@ class Runner(Protocol):
         ...
 
 
+# A runner may also implement ``step_top_k(state, tokens, k, columns)``: :meth:`Runner.step`
+# (the same token feed and cache update) that returns, instead of the logits alone,
+# ``(top_log_probs, top_ids, column_log_probs, logits)``: float32 ``[N, min(k, V)]`` each row's
+# best log-probabilities under the softmax of its logits, best first, int64 their token ids,
+# float32 ``[N, M]`` the log-probabilities at the int64 ``columns [N, M]`` (ids below V), and the
+# float32 logits ``[N, V]`` themselves (possibly the runner's own buffer: read before the next
+# step, never written). A row holding a NaN or +inf logit must have a NaN in its first top value.
+# :func:`beam_search` uses it, when the logit processors only mask or force tokens, to read
+# ``N x (2 * beam_size + a few)`` numbers from the runner instead of ``N x V``
+# (transformer_ext/runtimes/search_head.py computes them in ONNX Runtime).
+#
 # A runner may also implement ``select(state, index)`` (int64 ``[M]``, ``1 <= M <= N``, checked
 # by :func:`check_select_index`): the state keeps M rows, row ``r`` becoming old row
 # ``index[r]`` in every per-row buffer (the self-attention caches over the valid prefix, the
@@ -960,6 +971,77 @@ def _step_attention(
     return _checked_logits(np.asarray(logits), N, t, procs), attention
 
 
+def _head_request(
+    procs: _Processors, t: int, N: int, eos_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(columns, forced_rows, forced_tokens)`` of a step through ``runner.step_top_k``: the
+    int64 ``columns [N, nb + 2]`` whose log-probabilities the search reads, the ``nb`` banned
+    ids, the EOS (masked below a row's minimum length), then the row's forced token (or the EOS)."""
+    banned = procs.o.banned
+    nb = banned.shape[0]
+    forced_rows, forced_tokens = procs.forced(t)
+    columns = np.empty((N, nb + 2), dtype=np.int64)
+    columns[:, :nb] = banned
+    columns[:, nb:] = eos_id
+    columns[forced_rows, nb + 1] = forced_tokens
+    return columns, forced_rows, forced_tokens
+
+
+def _head_masked(ids: np.ndarray, procs: _Processors, t: int, eos_id: int) -> np.ndarray:
+    """bool, ``ids``' shape: the token ids a masking processor removes at step ``t`` (banned
+    ids; the EOS of a row below its minimum length)."""
+    masked = ids == eos_id
+    masked &= (t < procs.min_new)[:, None]
+    if procs.o.banned.size:
+        masked |= np.isin(ids, procs.o.banned)
+    return masked
+
+
+def _masked_mass(picked: np.ndarray, procs: _Processors, t: int) -> np.ndarray:
+    """float64 ``[N]``: each row's probability (under the unprocessed softmax) of the tokens
+    :func:`_head_masked` removes, from the column log-probabilities of :func:`_head_request`."""
+    nb = procs.o.banned.shape[0]
+    p = np.exp(picked[:, : nb + 1].astype(np.float64))
+    return p[:, :nb].sum(axis=1) + np.where(t < procs.min_new, p[:, nb], 0.0)
+
+
+def _greedy_head(
+    step_top_k: Any, state: Any, tokens: np.ndarray, procs: _Processors, t: int, eos_id: int, with_lp: bool
+) -> tuple[Optional[np.ndarray], Optional[np.ndarray], np.ndarray]:
+    """One greedy step through ``runner.step_top_k`` (processors that mask or force only):
+    ``(next_tokens, chosen log-probabilities or None, logits)``. Each row's token is its best
+    one not masked (ties: the lowest id, as ``argmax``), a forced row's its forced token; its
+    log-probability renormalised over what is not masked (``-log(1 - q)``, as
+    :meth:`_BeamState.head_log_probs`). ``(None, None, logits)`` when the step is to be
+    computed on the host from its logits: a NaN or +inf logit, a vocabulary too small, a best
+    token of probability 0, or (``with_lp``) a row whose masked tokens hold more than half the
+    probability."""
+    N = tokens.shape[0]
+    columns, forced_rows, forced_tokens = _head_request(procs, t, N, eos_id)
+    k = columns.shape[1]
+    top, ids, picked, logits = step_top_k(state, tokens, k, columns)
+    logits = _checked_logits(np.asarray(logits), N, t, procs)
+    if top.shape[1] < k or not np.isfinite(top[:, 0]).all():
+        return None, None, logits
+    first = np.argmin(_head_masked(ids, procs, t, eos_id), axis=1)  # the first not masked
+    rows = np.arange(N)
+    value = top[rows, first]
+    is_forced = np.zeros(N, dtype=bool)
+    is_forced[forced_rows] = True
+    if not np.isfinite(value[~is_forced]).all():
+        return None, None, logits
+    next_tokens = ids[rows, first]
+    next_tokens[forced_rows] = forced_tokens
+    lp = None
+    if with_lp:
+        q = _masked_mass(picked, procs, t)
+        if (q[~is_forced] > 0.5).any():
+            return None, None, logits
+        lp = value.astype(np.float64) - np.log1p(-np.minimum(q, 0.5))
+        lp[forced_rows] = picked[forced_rows, -1]
+    return next_tokens, lp, logits
+
+
 def _greedy_steps(
     runner: Runner,
     state: Any,
@@ -999,15 +1081,33 @@ def _greedy_steps(
     active = np.arange(N)
     open_budget = row_budget
     scratch = _Scratch()
+    step_top_k = None
+    if sampler is None and attention is None and not procs.needs_sequence:
+        step_top_k = getattr(runner, "step_top_k", None)
     for t in range(steps):
-        x, attn = _step_attention(runner, state, tokens, t, procs, attention is not None)
-        y, next_tokens, forced_rows = _greedy_choose(
-            procs, sampler, x, t, sequence[:, : t + 1], None if active.shape[0] == N else (active, N), scratch
-        )
+        attn, lp = None, None
+        if step_top_k is not None and t > 0:  # step 0 checks the ids against the vocabulary
+            next_tokens, lp, x = _greedy_head(
+                step_top_k, state, tokens, procs, t, eos_id, chosen_lp is not None
+            )
+        else:
+            x, attn = _step_attention(runner, state, tokens, t, procs, attention is not None)
+            next_tokens = None
+        if next_tokens is None:  # the host search on the logits
+            y, next_tokens, forced_rows = _greedy_choose(
+                procs,
+                sampler,
+                x,
+                t,
+                sequence[:, : t + 1],
+                None if active.shape[0] == N else (active, N),
+                scratch,
+            )
+            if chosen_lp is not None:
+                lp = _chosen_log_probs(y, x, next_tokens, forced_rows, scratch)
         is_open = ~finished
         rows = active[is_open]
         if chosen_lp is not None:
-            lp = _chosen_log_probs(y, x, next_tokens, forced_rows, scratch)
             chosen_lp[rows, t] = lp[is_open]
             n_scored[rows] = t + 1
         if attn is not None:
@@ -1402,6 +1502,7 @@ class _BeamState:
     source_ids: np.ndarray  # [B, 1] arange
     scratch: _Scratch  # [N, V] work buffers of the steps
     search_rows: Optional[np.ndarray] = None  # [N] the search's row of each row (None: identity)
+    vocab_size: int = 0  # V, known after the first step (which runs through runner.step)
     # return_attention: each row's source length [N]; history_attn [N, steps, S] the attention
     # rows of every open beam's tokens (allocated at the first step, reordered with the beams)
     src_len: Optional[np.ndarray] = None
@@ -1448,12 +1549,18 @@ class _BeamState:
         """The search steps (at most ``steps``) -> for every source its ``n_best`` hypotheses.
         With ``select`` (the runner's) the sources that stopped leave the runner's state."""
         tokens = np.full(self.identity.shape[0], start_id, dtype=np.int64)
+        step_top_k = getattr(runner, "step_top_k", None) if self.src_len is None else None
         for t in range(steps):
-            x, attn = _step_attention(runner, state, tokens, t, procs, self.src_len is not None)
-            if attn is not None and self.history_attn is None:
-                self.history_attn = np.zeros((attn.shape[0], steps, attn.shape[1]), dtype=np.float32)
-            cols, logp = self.log_probs(procs, x, t)
-            ranked = self.rank(cols, logp, x.shape[1])
+            if step_top_k is not None and self.head_usable(procs):
+                cols, logp, V = self.head_log_probs(step_top_k, state, tokens, procs, t)
+                attn = None
+            else:
+                x, attn = _step_attention(runner, state, tokens, t, procs, self.src_len is not None)
+                if attn is not None and self.history_attn is None:
+                    self.history_attn = np.zeros((attn.shape[0], steps, attn.shape[1]), dtype=np.float32)
+                cols, logp = self.log_probs(procs, x, t)
+                V = self.vocab_size = x.shape[1]
+            ranked = self.rank(cols, logp, V)
             beams = self.next_beams(ranked)
             self.finish_eos(ranked, t)
             stop, at_budget = self.stop_test(beams.scores, t + 1)
@@ -1481,18 +1588,25 @@ class _BeamState:
     def penalty(self, length: int) -> float:
         return length_penalty_factor(length, self.length_penalty, self.alpha)
 
-    def log_probs(self, procs: _Processors, x: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
+    def log_probs(
+        self, procs: _Processors, x: np.ndarray, t: int, rows: Optional[np.ndarray] = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``(cols, logp)`` ``[N, k2]``: each row's best ``k2 = min(2K, V)`` tokens (they hold
-        every candidate of the source's best 2K) and their float64 log-probabilities."""
+        every candidate of the source's best 2K) and their float64 log-probabilities, computed
+        on the host from the float32 logits ``x [N, V]``. ``rows``: those of the rows only
+        (``[len(rows), k2]``; not with the processors that read the sequence)."""
         sequence = None
-        if procs.needs_sequence:
+        row_ids, search_rows = self.row_ids, self.search_rows
+        if rows is not None:
+            x, procs, row_ids = x[rows], procs.select(rows), np.arange(rows.shape[0])[:, None]
+            search_rows = rows if search_rows is None else search_rows[rows]
+        elif procs.needs_sequence:
             sequence = np.concatenate([self.start_column, self.history[:, :t]], axis=1)
-        row_ids = self.row_ids
         k2 = min(2 * self.K, x.shape[1])
         exp_buf = self.scratch.get("exp", x.shape)
         if self.hf:  # transformers: the processors act on the log-probabilities
             raw_max = x.max(axis=1)
-            _check_finite_logits(raw_max, t, self.search_rows)
+            _check_finite_logits(raw_max, t, search_rows)
             log_z = _log_sum_exp(x, raw_max, exp_buf)
             y = np.subtract(
                 x,
@@ -1511,7 +1625,7 @@ class _BeamState:
             y = self.scratch.copy("y", x)
             forced_rows, _ = procs.apply(y, t, sequence, x, log_probs=False)
         cols, row_max = _row_top_k(y, k2)
-        _check_finite_logits(row_max, t, self.search_rows)
+        _check_finite_logits(row_max, t, search_rows)
         log_z = _log_sum_exp(y, row_max, exp_buf)  # -inf for a row of only -inf
         if forced_rows.size:  # a forced token keeps its log-probability under the raw logits
             f = x[forced_rows]
@@ -1519,6 +1633,58 @@ class _BeamState:
         values = y[row_ids, cols].astype(np.float64)
         with np.errstate(invalid="ignore"):
             return cols, np.where(np.isneginf(values), -np.inf, values - log_z[:, None])
+
+    def head_usable(self, procs: _Processors) -> bool:
+        """Whether the processors allow :meth:`head_log_probs` (they mask or force tokens only,
+        and nothing is renormalised after them)."""
+        return self.vocab_size > 0 and not procs.needs_sequence and not (self.hf and self.renormalize)
+
+    def head_log_probs(
+        self, step_top_k: Any, state: Any, tokens: np.ndarray, procs: _Processors, t: int
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(cols, logp, V)`` of :meth:`log_probs` from one ``runner.step_top_k`` (see
+        :class:`Runner`), which returns each row's best log-probabilities under the unprocessed
+        softmax and those of the columns the processors touch: the banned ids, the EOS (masked
+        while a row is below its minimum length) and a forced token.
+
+        The masked tokens are dropped from a row's candidates (``2 * beam_size`` + the number of
+        banned ids + 1 are asked for, so at least ``2 * beam_size`` stay). Where the softmax
+        renormalises after masking (all but ``length_penalty="hf"``), a row's log-probabilities
+        are shifted by ``-log(1 - q)``, ``q`` the masked probability, summed in float64; a row
+        with ``q > 1/2`` (where the float32 inputs of ``1 - q`` would lose digits) is computed
+        on the host from its logits instead. A forced row's only candidate is its token, with
+        its log-probability under the raw logits (``hf``: 0), as in :meth:`log_probs`. A step
+        with a NaN or +inf logit, or a vocabulary too small for the request, is computed on the
+        host (which names the bad row)."""
+        K, V = self.K, self.vocab_size
+        N = tokens.shape[0]
+        k2 = min(2 * K, V)
+        columns, forced_rows, forced_tokens = _head_request(procs, t, N, self.eos_id)
+        nb = columns.shape[1] - 2
+        top, ids, picked, logits = step_top_k(state, tokens, k2 + nb + 1, columns)
+        logits = _checked_logits(np.asarray(logits), N, t, procs)
+        if top.shape[1] < k2 + nb + 1 or not np.isfinite(top[:, 0]).all():
+            cols, logp = self.log_probs(procs, logits, t)
+            return cols, logp, logits.shape[1]
+        masked = _head_masked(ids, procs, t, self.eos_id)
+        order = np.argsort(masked, axis=1, kind="stable")[:, :k2]  # the best k2 not masked
+        cols = np.take_along_axis(ids, order, axis=1)
+        logp = np.take_along_axis(top, order, axis=1).astype(np.float64)
+        exact = np.zeros(0, dtype=np.int64)
+        if not self.hf:  # the softmax renormalises over what is not masked
+            q = _masked_mass(picked, procs, t)
+            with np.errstate(divide="ignore"):
+                logp -= np.log1p(-np.minimum(q, 0.5))[:, None]
+            is_forced = np.zeros(N, dtype=bool)
+            is_forced[forced_rows] = True
+            exact = np.flatnonzero((q > 0.5) & ~is_forced)
+        if forced_rows.size:
+            cols[forced_rows, 0] = forced_tokens
+            logp[forced_rows, 0] = 0.0 if self.hf else picked[forced_rows, nb + 1]
+            logp[forced_rows, 1:] = -np.inf
+        if exact.size:
+            cols[exact], logp[exact] = self.log_probs(procs, logits, t, rows=exact)
+        return cols, logp, V
 
     def rank(self, cols: np.ndarray, logp: np.ndarray, V: int) -> _Ranked:
         """Each source's best ``min(2K, K * V)`` candidates; ties by beam, then token id."""

@@ -63,6 +63,7 @@ from transformer_ext.export_format import (
 
 from .info import RunnerInfo
 from .kv_cache import CacheStateViews, HostBufferPool, HostKVCache
+from .search_head import SearchHead
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ class OrtRunner(decoding.SearchMethods):
                 session_options.add_session_config_entry(
                     "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
                 )
+        self._head: Optional[SearchHead] = None  # the search head's session, made at first use
         self.providers = list(providers) if providers else ["CPUExecutionProvider"]
         self.encoder = self._session(ENCODER_FILE, session_options)
         self.decoder = self._session(DECODER_FILE, session_options)
@@ -351,6 +353,39 @@ class OrtRunner(decoding.SearchMethods):
 
     def step(self, state: OrtState, tokens: Any) -> np.ndarray:
         """Feed one token per row at the current position; returns float32 logits ``[N, V]``."""
+        self._run_step(state, tokens)
+        return state.logits.copy()
+
+    def step_top_k(
+        self, state: OrtState, tokens: Any, k: int, columns: Any
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`step`, then the search head (:mod:`~transformer_ext.runtimes.search_head`) on its
+        logits: ``(top_log_probs [N, min(k, V)], top_ids, column_log_probs [N, M], logits)``, the
+        log-probabilities of each row's best ``k`` tokens and of the int64 ``columns [N, M]`` (token
+        ids), and the logits ``[N, V]`` (the state's buffer: valid until the next step). The
+        runner protocol's optional method (:class:`transformer_ext.decoding.Runner`)."""
+        V = self.info.tgt_vocab_size
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        cols = (
+            np.ascontiguousarray(columns, dtype=np.int64) if not isinstance(columns, np.ndarray) else columns
+        )
+        if cols.dtype != np.int64 or cols.ndim != 2 or cols.shape[0] != state.num_rows or cols.shape[1] < 1:
+            raise ValueError(
+                f"columns must be int64 [{state.num_rows}, M >= 1] token ids, got {cols.dtype} {list(cols.shape)}"
+            )
+        if cols.size and (cols.min() < 0 or cols.max() >= V):
+            raise ValueError(
+                f"columns must hold target token ids 0 .. {V - 1}, got {int(cols.min())} .. {int(cols.max())}"
+            )
+        self._run_step(state, tokens)
+        if self._head is None:
+            self._head = SearchHead()
+        top, ids, picked = self._head(state.logits, min(int(k), V), np.ascontiguousarray(cols))
+        return top, ids, picked, state.logits
+
+    def _run_step(self, state: OrtState, tokens: Any) -> None:
+        """The decoder step into ``state``'s buffers (logits, caches)."""
         cache = state.cache
         p = cache.length
         tok = decoding.check_step_tokens(
@@ -364,7 +399,6 @@ class OrtRunner(decoding.SearchMethods):
         if self.info.flavour == "portable":
             cache.append_()  # every layer's new K/V at position p: one copy per buffer
         cache.end_step()
-        return state.logits.copy()
 
     def _grow(self, state: OrtState) -> HostKVCache:
         """``state``'s caches with :data:`CACHE_GROWTH` more positions (at most its
