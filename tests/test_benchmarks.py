@@ -247,6 +247,31 @@ def test_count_step_calls_counts_per_step_and_per_function(tmp_path, tmp_path_fa
         assert case["top"]["ort.py:_run_step"] == 1.0  # one decoder run per decoding step
 
 
+def test_bench_search_head_times_both_searches(tmp_path):
+    """bench_search_head on two small cells: both searches timed per cell, the JSON and plot
+    written, the thresholds put back."""
+    import bench_search_head
+
+    from transformer_ext import decoding
+
+    before = dict(decoding.HEAD_MIN_ENTRIES)
+    out = tmp_path / "head.json"
+    argv = ["--vocab", "30,900", "--batch-sizes", "2", "--steps", "3", "--repeats", "1", "--out", str(out)]
+    assert bench_search_head.main(argv) == 0
+    assert decoding.HEAD_MIN_ENTRIES == before
+    saved = json.loads(out.read_text())
+    assert [(c["mode"], c["vocab"], c["rows"]) for c in saved["cells"]] == [
+        ("beam4", 30, 8),
+        ("beam4", 900, 8),
+        ("greedy", 30, 2),
+        ("greedy", 900, 2),
+    ]
+    for cell in saved["cells"]:
+        assert cell["host_us_per_step"] > 0 and cell["head_us_per_step"] > 0
+    assert (tmp_path / "head.png").is_file()
+    assert bench_search_head.main(["--modes", "sampling", "--out", str(out)]) == 2
+
+
 def test_ab_exports_times_folders_and_runner_options(tmp_path, tmp_path_factory):
     """ab_exports on the tiny export: a runner option as one variant, every case timed for each,
     the baseline at 1.0x, the tokens of equal graphs equal; bad variants are refused."""

@@ -118,6 +118,14 @@ def test_a_row_without_log_probabilities_is_nan_first(bad):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def every_step_through_the_head(monkeypatch):
+    """The searches take the head at any size here (by default only where it pays,
+    ``decoding.HEAD_MIN_ENTRIES``; test_thresholds checks those)."""
+    monkeypatch.setitem(decoding.HEAD_MIN_ENTRIES, "beam", 0)
+    monkeypatch.setitem(decoding.HEAD_MIN_ENTRIES, "greedy_scores", 0)
+
+
 class HeadRunner(FunctionRunner):
     """FunctionRunner with ``step_top_k``: the search head over the logits of ``step``."""
 
@@ -227,6 +235,29 @@ def test_rows_whose_masked_tokens_hold_most_probability(kind, hot, monkeypatch):
         assert not exact_rows
 
 
+@pytest.mark.parametrize(
+    "mode,V,batch,through_head",
+    [
+        ("beam", 8000, 1, False),
+        ("beam", 8192, 1, True),
+        ("greedy", 58101, 2, False),
+        ("greedy", 58101, 3, True),
+    ],
+)
+def test_thresholds(monkeypatch, mode, V, batch, through_head):
+    """At the default HEAD_MIN_ENTRIES: beam search from 2**15 rows x V (4 rows of 8,192, not
+    of 8,000), greedy with scores from 2**17 (3 rows of 58,101 but not 2)."""
+    monkeypatch.undo()  # the module's own thresholds, not the fixture's zeros
+    runner = HeadRunner(V, masked_random_fn(V, 0, 1.5, 0.0))
+    src, lengths = sources(batch)
+    kwargs = dict(bos_id=1, eos_id=2, max_new_tokens=3, min_new_tokens=3)
+    if mode == "beam":
+        decoding.beam_search(runner, src, lengths, beam_size=4, **kwargs)
+    else:
+        decoding.greedy_decode(runner, src, lengths, return_scores=True, **kwargs)
+    assert runner.head_steps == (2 if through_head else 0)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nan_or_inf_logit_is_an_error_naming_step_and_row(bad):
     V = 1100
@@ -274,15 +305,14 @@ def test_head_greedy_equals_host_greedy(V, B, data, seed, p_masked, mask_only, h
     src, lengths = sources(B)
     head, host = HeadRunner(V, fn), FunctionRunner(V, fn)
     kwargs = dict(bos_id=1, eos_id=2, max_new_tokens=max_new, min_new_tokens=min_new, **options)
-    for scores in (False, True):
-        got = decoding.greedy_decode(head, src, lengths, return_scores=scores, **kwargs)
-        want = decoding.greedy_decode(host, src, lengths, return_scores=scores, **kwargs)
-        if not scores:
-            assert got == want
-            continue
-        for g, w in zip(got, want, strict=True):
-            assert g[0].tokens == w[0].tokens and g[0].finished == w[0].finished
-            np.testing.assert_allclose(g[0].token_log_probs, w[0].token_log_probs, rtol=1e-5, atol=1e-5)
+    got = decoding.greedy_decode(head, src, lengths, **kwargs)
+    assert got == decoding.greedy_decode(host, src, lengths, **kwargs)
+    assert head.head_steps == 0  # without scores an argmax on the host is all it takes
+    got = decoding.greedy_decode(head, src, lengths, return_scores=True, **kwargs)
+    want = decoding.greedy_decode(host, src, lengths, return_scores=True, **kwargs)
+    for g, w in zip(got, want, strict=True):
+        assert g[0].tokens == w[0].tokens and g[0].finished == w[0].finished
+        np.testing.assert_allclose(g[0].token_log_probs, w[0].token_log_probs, rtol=1e-5, atol=1e-5)
     if mask_only and V > 9 and max_new.max() > 1 and not hot:
         assert head.head_steps > 0
 

@@ -971,6 +971,17 @@ def _step_attention(
     return _checked_logits(np.asarray(logits), N, t, procs), attention
 
 
+# The smallest ``rows x V`` a step goes through ``runner.step_top_k`` at: below it the host
+# search is as fast or faster (the search head's run costs about 50 us, and numpy's argmax, all
+# that greedy search without scores needs, is one pass over the logits where the head makes
+# three). Measured with benchmarks/bench_search_head.py, the search alone over fixed logits
+# (benchmarks/results/bench_search_head_epyc.json, a 2-core EPYC): host time / head time for
+# beam 4 0.5-0.8 at V 25, 0.94-1.02 at 16-32 thousand entries, 1.1-1.3 at 64-128 thousand,
+# 1.5-2.1 at 16-256 rows of V 58,101; for greedy with scores 0.5-0.98 up to 64 thousand
+# entries, 1.05-1.09 at 128-232 thousand, 1.3-1.7 from 512 thousand.
+HEAD_MIN_ENTRIES = {"beam": 1 << 15, "greedy_scores": 1 << 17}
+
+
 def _head_request(
     procs: _Processors, t: int, N: int, eos_id: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -1006,16 +1017,15 @@ def _masked_mass(picked: np.ndarray, procs: _Processors, t: int) -> np.ndarray:
 
 
 def _greedy_head(
-    step_top_k: Any, state: Any, tokens: np.ndarray, procs: _Processors, t: int, eos_id: int, with_lp: bool
+    step_top_k: Any, state: Any, tokens: np.ndarray, procs: _Processors, t: int, eos_id: int
 ) -> tuple[Optional[np.ndarray], Optional[np.ndarray], np.ndarray]:
     """One greedy step through ``runner.step_top_k`` (processors that mask or force only):
-    ``(next_tokens, chosen log-probabilities or None, logits)``. Each row's token is its best
-    one not masked (ties: the lowest id, as ``argmax``), a forced row's its forced token; its
+    ``(next_tokens, their float64 log-probabilities, logits)``. Each row's token is its best one
+    not masked (ties: the lowest id, as ``argmax``), a forced row's its forced token; its
     log-probability renormalised over what is not masked (``-log(1 - q)``, as
     :meth:`_BeamState.head_log_probs`). ``(None, None, logits)`` when the step is to be
     computed on the host from its logits: a NaN or +inf logit, a vocabulary too small, a best
-    token of probability 0, or (``with_lp``) a row whose masked tokens hold more than half the
-    probability."""
+    token of probability 0, or a row whose masked tokens hold more than half the probability."""
     N = tokens.shape[0]
     columns, forced_rows, forced_tokens = _head_request(procs, t, N, eos_id)
     k = columns.shape[1]
@@ -1028,17 +1038,13 @@ def _greedy_head(
     value = top[rows, first]
     is_forced = np.zeros(N, dtype=bool)
     is_forced[forced_rows] = True
-    if not np.isfinite(value[~is_forced]).all():
+    q = _masked_mass(picked, procs, t)
+    if not np.isfinite(value[~is_forced]).all() or (q[~is_forced] > 0.5).any():
         return None, None, logits
     next_tokens = ids[rows, first]
     next_tokens[forced_rows] = forced_tokens
-    lp = None
-    if with_lp:
-        q = _masked_mass(picked, procs, t)
-        if (q[~is_forced] > 0.5).any():
-            return None, None, logits
-        lp = value.astype(np.float64) - np.log1p(-np.minimum(q, 0.5))
-        lp[forced_rows] = picked[forced_rows, -1]
+    lp = value.astype(np.float64) - np.log1p(-np.minimum(q, 0.5))
+    lp[forced_rows] = picked[forced_rows, -1]
     return next_tokens, lp, logits
 
 
@@ -1081,18 +1087,18 @@ def _greedy_steps(
     active = np.arange(N)
     open_budget = row_budget
     scratch = _Scratch()
-    step_top_k = None
-    if sampler is None and attention is None and not procs.needs_sequence:
+    step_top_k, V = None, 0
+    if sampler is None and attention is None and chosen_lp is not None and not procs.needs_sequence:
         step_top_k = getattr(runner, "step_top_k", None)
     for t in range(steps):
         attn, lp = None, None
-        if step_top_k is not None and t > 0:  # step 0 checks the ids against the vocabulary
-            next_tokens, lp, x = _greedy_head(
-                step_top_k, state, tokens, procs, t, eos_id, chosen_lp is not None
-            )
+        # step 0 runs on the host: it checks the ids against the vocabulary, and learns V
+        if step_top_k is not None and tokens.shape[0] * V >= HEAD_MIN_ENTRIES["greedy_scores"]:
+            next_tokens, lp, x = _greedy_head(step_top_k, state, tokens, procs, t, eos_id)
         else:
             x, attn = _step_attention(runner, state, tokens, t, procs, attention is not None)
             next_tokens = None
+        V = x.shape[1]
         if next_tokens is None:  # the host search on the logits
             y, next_tokens, forced_rows = _greedy_choose(
                 procs,
@@ -1551,7 +1557,7 @@ class _BeamState:
         tokens = np.full(self.identity.shape[0], start_id, dtype=np.int64)
         step_top_k = getattr(runner, "step_top_k", None) if self.src_len is None else None
         for t in range(steps):
-            if step_top_k is not None and self.head_usable(procs):
+            if step_top_k is not None and self.head_usable(procs, tokens.shape[0]):
                 cols, logp, V = self.head_log_probs(step_top_k, state, tokens, procs, t)
                 attn = None
             else:
@@ -1634,10 +1640,16 @@ class _BeamState:
         with np.errstate(invalid="ignore"):
             return cols, np.where(np.isneginf(values), -np.inf, values - log_z[:, None])
 
-    def head_usable(self, procs: _Processors) -> bool:
-        """Whether the processors allow :meth:`head_log_probs` (they mask or force tokens only,
-        and nothing is renormalised after them)."""
-        return self.vocab_size > 0 and not procs.needs_sequence and not (self.hf and self.renormalize)
+    def head_usable(self, procs: _Processors, rows: int) -> bool:
+        """Whether to use :meth:`head_log_probs`: the processors allow it (they mask or force
+        tokens only, and nothing is renormalised after them) and the step is large enough
+        (:data:`HEAD_MIN_ENTRIES`; V is known after the first step)."""
+        return (
+            self.vocab_size > 0
+            and rows * self.vocab_size >= HEAD_MIN_ENTRIES["beam"]
+            and not procs.needs_sequence
+            and not (self.hf and self.renormalize)
+        )
 
     def head_log_probs(
         self, step_top_k: Any, state: Any, tokens: np.ndarray, procs: _Processors, t: int
