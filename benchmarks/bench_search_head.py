@@ -6,7 +6,8 @@
 
 No model: a numpy runner returns the same random float32 logits ``[rows, V]`` at every step (a
 copy, as ``OrtRunner.step`` returns), and its twin adds ``step_top_k``, the search head
-(``runtimes/search_head.py``, its one-thread ONNX Runtime session) over those logits in place.
+(``runtimes/search_head.py``, an ONNX Runtime session of ``--threads`` threads, default 1) over those
+logits in place.
 Both run the same search, ``--steps`` steps (EOS suppressed until then, one banned id, as
 bench_decode and bench_pretrained decode): beam 4 (``length_penalty="none"``) and greedy with
 scores (as the translator asks). The thresholds are set to 0 for the head runner, so every step
@@ -64,11 +65,11 @@ class FixedLogits:
 class FixedLogitsHead(FixedLogits):
     """:class:`FixedLogits` with ``step_top_k`` through the search head."""
 
-    def __init__(self, vocab: int, seed: int = 0):
+    def __init__(self, vocab: int, seed: int = 0, threads: int = 1):
         super().__init__(vocab, seed)
         from transformer_ext.runtimes.search_head import SearchHead
 
-        self.head = SearchHead()
+        self.head = SearchHead(threads)
 
     def step_top_k(self, state, tokens, k, columns):
         logits = self.logits[: tokens.shape[0]]
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="beam4,greedy", help="comma-separated subset of beam4,greedy")
     p.add_argument("--steps", type=int, default=32, help="steps per decode (default 32)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved decodes per cell (default 5)")
+    p.add_argument("--threads", type=int, default=1, help="the search head's threads (default 1)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench_search_head.json"))
     return p
 
@@ -131,8 +133,8 @@ def main(argv=None) -> int:
     if bad or not modes:
         print(f"error: --modes must name beam4 and/or greedy, got {args.modes!r}", file=sys.stderr)
         return 2
-    if args.steps < 2 or args.repeats < 1:
-        print("error: --steps must be >= 2 and --repeats >= 1", file=sys.stderr)
+    if args.steps < 2 or args.repeats < 1 or args.threads < 1:
+        print("error: --steps must be >= 2, --repeats and --threads >= 1", file=sys.stderr)
         return 2
     from transformer_ext import decoding
 
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
         for mode in modes:
             for V in args.vocab:
                 for batch in args.batch_sizes:
-                    runners = {"host": FixedLogits(V), "head": FixedLogitsHead(V)}
+                    runners = {"host": FixedLogits(V), "head": FixedLogitsHead(V, threads=args.threads)}
                     samples: dict[str, list[float]] = {name: [] for name in runners}
                     for runner in runners.values():  # warm-up
                         _decode(runner, mode, batch, args.steps)
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
         environment=environment(),
         steps=args.steps,
         repeats=args.repeats,
+        head_threads=args.threads,
         thresholds=saved,
         load_average_start=load_start,
         cells=cells,

@@ -11,8 +11,10 @@ the benchmark's in ``A/base/onnx``). The decode is the benchmark's: random sourc
 Two passes per case, in this process (ONNX Runtime only, no torch):
 
 * **split** (no profiler): wall time of whole decodes (median of ``--repeats``) divided into the
-  encoder run, the decoder steps (``runner.step``: the graph run plus the cache append), the
-  beam reorders and the rest (the search's host work);
+  encoder run, the decoder steps (the graph run plus the cache append, through ``runner.step``
+  or ``runner.step_top_k``), the search head (the rest of ``step_top_k``: the log-softmax and
+  top-k graph, where the search takes it), the beam reorders and the rest (the search's host
+  work);
 * **operators**: one decode with ONNX Runtime's profiler on; the kernel time of every node,
   summed per operator type and divided by the steps. The profiler adds a fixed cost per node,
   so its total is larger than the split's step time: compare operator types with each other
@@ -52,10 +54,19 @@ class _Timed:
     def __init__(self, runner):
         self.runner = runner
         self.seconds = collections.Counter()
+        run_step = runner._run_step
 
-    def _timed(self, name, *args):
+        def timed_run_step(*args):  # the graph run inside step_top_k, counted as "step"
+            t0 = time.perf_counter()
+            run_step(*args)
+            self.seconds["step"] += time.perf_counter() - t0
+            self.seconds["head"] -= time.perf_counter() - t0  # (step_top_k's total counts as "head")
+
+        self._timed_run_step = timed_run_step
+
+    def _timed(self, name, *args, method=None):
         t0 = time.perf_counter()
-        out = getattr(self.runner, name)(*args)
+        out = getattr(self.runner, method or name)(*args)
         self.seconds[name] += time.perf_counter() - t0
         return out
 
@@ -64,6 +75,14 @@ class _Timed:
 
     def step(self, *args):
         return self._timed("step", *args)
+
+    def step_top_k(self, *args):
+        """The runner's step_top_k: its graph run counted as "step", the search head as "head"."""
+        self.runner._run_step = self._timed_run_step
+        try:
+            return self._timed("head", *args, method="step_top_k")
+        finally:
+            del self.runner._run_step
 
     def reorder(self, *args):
         return self._timed("reorder", *args)
@@ -108,7 +127,7 @@ def split(export_dir, mode, batch, threads, n_tokens, repeats):
         t0 = time.perf_counter()
         _decode(timed, mode, src, lengths, n_tokens)
         total = time.perf_counter() - t0
-        parts = {k: timed.seconds[k] for k in ("encode", "step", "reorder", "select")}
+        parts = {k: timed.seconds[k] for k in ("encode", "step", "head", "reorder", "select")}
         runs.append({"total": total, **parts, "search": total - sum(parts.values())})
     runs.sort(key=lambda r: r["total"])
     med = runs[len(runs) // 2]
@@ -205,8 +224,8 @@ def main(argv=None) -> int:
             results["cases"].append(case)
             s, o = case["split_ms"], case["operators"]
             logger.info(
-                "%s batch %d, %d threads: total %.1f ms = encode %.1f + steps %.1f (%.2f/step) + reorder %.1f "
-                "+ search %.1f",
+                "%s batch %d, %d threads: total %.1f ms = encode %.1f + steps %.1f (%.2f/step) + search head "
+                "%.1f + reorder %.1f + search %.1f",
                 mode,
                 batch,
                 args.threads,
@@ -214,6 +233,7 @@ def main(argv=None) -> int:
                 s["encode"],
                 s["step"],
                 s["step_ms_per_step"],
+                s["head"],
                 s["reorder"],
                 s["search"],
             )

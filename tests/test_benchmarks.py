@@ -183,11 +183,15 @@ def test_bench_linear_quick(tmp_path):
     assert len(results["shape"]) == len(set(bench_linear.decoder_step_shapes(128, 512, 2, 1000)))
 
 
-def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_factory):
-    """profile_decode on the tiny export: the split adds up to the total, the profiler saw MatMuls."""
+def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_factory, monkeypatch):
+    """profile_decode on the tiny export: the split adds up to the total (beam search through
+    the search head, whose time is a part of its own), the profiler saw MatMuls."""
     import profile_decode
     from helpers import exported_dir
 
+    from transformer_ext import decoding
+
+    monkeypatch.setitem(decoding.HEAD_MIN_ENTRIES, "beam", 0)
     export = exported_dir(tmp_path_factory, "portable")
     out = tmp_path / "profile.json"
     assert (
@@ -211,7 +215,9 @@ def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_
     assert [(c["mode"], c["batch"]) for c in results["cases"]] == [("greedy", 2), ("beam4", 2)]
     for case in results["cases"]:
         s = case["split_ms"]
-        assert s["total"] == pytest.approx(s["encode"] + s["step"] + s["reorder"] + s["search"], abs=0.01)
+        parts = s["encode"] + s["step"] + s["head"] + s["reorder"] + s["search"]
+        assert s["total"] == pytest.approx(parts, abs=0.01)
+        assert (s["head"] > 0) == (case["mode"] == "beam4") and s["step"] > 0
         assert "MatMul" in case["operators"]["ops"] and case["operators"]["nodes_per_step"] > 0
     with pytest.raises(SystemExit):
         profile_decode.main(["--export", str(tmp_path), "--out", str(out)])  # not an export folder

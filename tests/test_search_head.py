@@ -395,3 +395,6 @@ def test_step_top_k_arguments(runner):
     np.testing.assert_allclose(top, np.sort(want, axis=1)[:, ::-1], atol=2e-6)
     np.testing.assert_allclose(picked[:, 0], [want[0, 0], want[1, V - 1]], atol=2e-6)
     assert state.cache.length == 1 and math.isfinite(float(top[0, 0]))
+    options = runner._head.session.get_session_options()  # the decoder's threads, not spinning
+    assert options.intra_op_num_threads == 1
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"

@@ -205,6 +205,7 @@ class OrtRunner(decoding.SearchMethods):
                 session_options.add_session_config_entry(
                     "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
                 )
+        self._session_options = session_options
         self._head: Optional[SearchHead] = None  # the search head's session, made at first use
         self.providers = list(providers) if providers else ["CPUExecutionProvider"]
         self.encoder = self._session(ENCODER_FILE, session_options)
@@ -380,7 +381,7 @@ class OrtRunner(decoding.SearchMethods):
             )
         self._run_step(state, tokens)
         if self._head is None:
-            self._head = SearchHead()
+            self._head = SearchHead(self._session_options.intra_op_num_threads)
         top, ids, picked = self._head(state.logits, min(int(k), V), np.ascontiguousarray(cols))
         return top, ids, picked, state.logits
 

@@ -27,7 +27,7 @@ NaN, which the search detects in ``top_log_probs`` (and then reads the logits th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -121,22 +121,28 @@ def search_head_model() -> bytes:
 
 
 class SearchHead:
-    """The search head graph in an ONNX Runtime CPU session of one thread.
+    """The search head graph in an ONNX Runtime CPU session whose idle threads sleep.
 
-    One thread, the caller's: the decoder's session has a thread pool of its own whose threads
-    spin for a while after each step (ONNX Runtime's default), and a second pool would compete
-    with them for the cores. Measured on a 2-core EPYC (opus-mt dimensions, int8, beam 4, batch
-    16, decoder on 2 threads): 20.5 ms a step with this head on one thread, 35.0 ms with a head
-    of 2 threads, 26.9 ms with the search on the host.
+    Args:
+        threads: the session's intra-op threads (the decoder's; None or 0: ONNX Runtime's default).
+
+    The decoder's session has a thread pool of its own whose threads spin for a while after each
+    step (ONNX Runtime's default), and the head's threads, spinning too, would compete with them
+    for the cores: the head's do not spin. Measured on a 2-core EPYC (opus-mt dimensions, int8,
+    beam 4, batch 16, decoder on 2 threads, milliseconds a step over two runs): a head of 2
+    threads that do not spin 21.4 and 23.5, of one thread 23.3 and 24.8, of 2 spinning threads
+    36.1 and 36.8; at batch 1 and 4 the first two are equal.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, threads: Optional[int] = None) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
+        if threads:
+            options.intra_op_num_threads = int(threads)
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(
             search_head_model(), sess_options=options, providers=["CPUExecutionProvider"]
         )
