@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
-from helpers import exported_dir
+from helpers import FunctionRunner, exported_dir
 
 from transformer_ext import decoding
 from transformer_ext.runtimes import OrtRunner, SourceParallel, split_sources
@@ -60,7 +65,7 @@ def test_parts_decode_as_each_part_alone_and_as_the_whole_batch(runners, beam_si
     used = []
 
     def search(runner, src, ln, **kw):
-        used.append(runner)
+        used.append(runner._runner)  # (each part sees its runner through a stoppable view)
         return decoding.generate(runner, src, ln, **kw)
 
     with SourceParallel(runners) as parallel:
@@ -105,3 +110,67 @@ def test_bad_uses_are_refused(runners, tmp_path_factory):
             parallel.generate(ids[0], lengths, **common)
         with pytest.raises(TypeError, match="one entry per source"):
             parallel.run(lambda r, s, ln: [], ids, lengths)
+
+
+class SlowRunner(FunctionRunner):
+    """A FunctionRunner whose steps take ``delay`` seconds; ``fail_at``: the step that raises ``error``."""
+
+    def __init__(self, delay: float, fail_at: int = -1, error: type = RuntimeError):
+        super().__init__(50, lambda src, prefix: np.zeros(50))
+        self.info = "same model"
+        self.delay, self.fail_at, self.error = delay, fail_at, error
+
+    def step(self, state, tokens):
+        if self.steps == self.fail_at:
+            raise self.error("stopped by the test")
+        time.sleep(self.delay)
+        return super().step(state, tokens)
+
+
+def _greedy(runner, src, ln):
+    return decoding.greedy_decode(runner, src, ln, bos_id=1, eos_id=2, max_new_tokens=400, min_new_tokens=400)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failing_part_stops_the_others_within_a_step(error):
+    """One part fails at its 3rd step: the others stop at their next step (not after 400 steps
+    of 10 ms), and run() raises that part's error once every part has stopped."""
+    runners = [SlowRunner(0.01, fail_at=3, error=error), SlowRunner(0.01), SlowRunner(0.01)]
+    src, lengths = np.ones((6, 3), dtype=np.int64), np.full(6, 3, dtype=np.int64)
+    with SourceParallel(runners) as parallel:
+        with pytest.raises(error, match="stopped by the test"):
+            parallel.run(_greedy, src, lengths)
+        counts = [r.steps for r in runners]
+        assert max(counts) < 100, counts
+        time.sleep(0.1)
+        assert [r.steps for r in runners] == counts  # nothing runs on after run() returned
+
+
+def test_ctrl_c_while_the_parts_run_stops_them():
+    """SIGINT to the process while run() waits (whichever thread the OS gives it to): the main
+    thread raises KeyboardInterrupt within a poll, the parts stop at their next step."""
+    runners = [SlowRunner(0.01), SlowRunner(0.01)]
+    src, lengths = np.ones((4, 3), dtype=np.int64), np.full(4, 3, dtype=np.int64)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background shell ignores it)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        with SourceParallel(runners) as parallel:
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                parallel.run(_greedy, src, lengths)
+            counts = [r.steps for r in runners]
+            assert max(counts) < 200, counts
+            time.sleep(0.1)
+            assert [r.steps for r in runners] == counts
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_part_sees_its_runners_methods_only():
+    """The view a part's search gets has the runner's optional methods exactly when the runner has them."""
+    from transformer_ext.runtimes.pool import _StoppableRunner
+
+    plain = _StoppableRunner(FunctionRunner(5, lambda s, p: np.zeros(5)), threading.Event())
+    assert getattr(plain, "step_top_k", None) is None and getattr(plain, "step_with_attention", None) is None
+    assert callable(plain.select) and callable(plain.step) and plain.V == 5

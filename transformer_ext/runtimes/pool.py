@@ -19,22 +19,62 @@ The search of a part is the one a single runner would make for those sources alo
 tokens equal those of one runner on the whole batch (padding and product shapes differ, so
 logits may differ in the last bits). Sampling is refused: the parts would draw from one seed
 each, not the whole batch's stream.
+
+When one part fails, or the caller is interrupted while the parts run (Ctrl-C raises
+KeyboardInterrupt in the waiting thread), the other parts stop at their next decoder step
+(raising :class:`PartCancelled` inside their threads) and :meth:`SourceParallel.run` re-raises the
+first error once every part has stopped: an interrupted batch ends within one step.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from transformer_ext import decoding
 
-__all__ = ["SourceParallel", "split_sources", "PER_SOURCE_OPTIONS"]
+__all__ = ["SourceParallel", "PartCancelled", "split_sources", "PER_SOURCE_OPTIONS"]
 
 # Search options that may hold one value per source (sliced with the sources); the others are
 # passed to every part as they are.
 PER_SOURCE_OPTIONS = ("max_new_tokens", "min_new_tokens", "target_prefix")
+POLL_SECONDS = 0.1  # the longest wait for the parts between two looks at pending signals
+
+
+class PartCancelled(Exception):
+    """Raised inside a part's search when another part failed or the caller was interrupted."""
+
+
+class _StoppableRunner:
+    """A runner as one part's search sees it: every step first checks the batch's stop event
+    (set when another part fails or the caller is interrupted, Ctrl-C included), so a part ends
+    within one step instead of decoding to its end. Every other attribute is the runner's."""
+
+    _STEPS = ("step", "step_top_k", "step_with_attention")
+
+    def __init__(self, runner: Any, stop: threading.Event):
+        self._runner = runner
+        for name in self._STEPS:
+            method = getattr(runner, name, None)
+            if method is not None:
+                setattr(self, name, self._checked(method, stop))
+
+    @staticmethod
+    def _checked(method: Callable[..., Any], stop: threading.Event) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if stop.is_set():
+                raise PartCancelled("another part of the batch failed, or the decode was interrupted")
+            return method(*args, **kwargs)
+
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._STEPS:  # not set in __init__: the runner has no such method
+            raise AttributeError(name)
+        return getattr(self._runner, name)
 
 
 def split_sources(n: int, parts: int) -> list[slice]:
@@ -123,16 +163,32 @@ class SourceParallel:
                 out[name] = value[sl]
             return out
 
+        stop = threading.Event()
         futures = [
-            self._threads.submit(search, runner, ids[sl], lengths[sl], **part_options(sl))
+            self._threads.submit(
+                search, _StoppableRunner(runner, stop), ids[sl], lengths[sl], **part_options(sl)
+            )
             for runner, sl in zip(self.runners, parts)
         ]
         results: list = []
-        for sl, future in zip(parts, futures):
-            part = future.result()
-            if not isinstance(part, list) or len(part) != sl.stop - sl.start:
-                raise TypeError(f"{search!r} must return a list with one entry per source")
-            results.extend(part)
+        try:
+            # Waits of at most POLL_SECONDS: between them this thread runs its signal handlers,
+            # so Ctrl-C is seen within one even when the OS delivered it to a worker thread.
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=POLL_SECONDS, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    if future.exception() is not None:
+                        raise future.exception()
+            for sl, future in zip(parts, futures):
+                part = future.result()
+                if not isinstance(part, list) or len(part) != sl.stop - sl.start:
+                    raise TypeError(f"{search!r} must return a list with one entry per source")
+                results.extend(part)
+        except BaseException:  # a part failed, or the caller was interrupted (KeyboardInterrupt)
+            stop.set()  # the other parts stop at their next step
+            wait(futures)
+            raise
         return results
 
     def generate(self, input_ids: Any, src_lengths: Any, **options: Any) -> list[list[decoding.Hypothesis]]:
