@@ -1362,7 +1362,10 @@ def beam_search(
     (each row's best ``2 * beam_size`` tokens found by block maxima, its log-sum-exp from one
     float32 exponential pass summed in float64); only the ``rows x 2 * beam_size`` candidates
     are scored in float64. Python loops run only over the hypotheses that finish. A NaN or +inf
-    logit is a RuntimeError naming the step and row (it has no log-probability).
+    logit is a RuntimeError naming the step and row (it has no log-probability). A runner with
+    ``step_top_k`` (see :class:`Runner`) hands over those best tokens' float32 log-probabilities
+    instead, where the processors only mask or force tokens and the step has at least
+    ``HEAD_MIN_ENTRIES["beam"]`` logits (:meth:`_BeamState.head_log_probs`).
 
     ``remove_finished`` (default True): when the runner has ``select`` (see :class:`Runner`),
     the rows of the sources that stopped are dropped from the runner's state (with the beam
