@@ -11,7 +11,15 @@ import onnx
 import pytest
 import torch
 from beam_reference import loop_beam_search
-from helpers import FunctionRunner, draw_options, exported_dir, masked_random_fn, shifted, sources
+from helpers import (
+    FunctionRunner,
+    bad_logit_fn,
+    draw_options,
+    exported_dir,
+    masked_random_fn,
+    shifted,
+    sources,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
@@ -261,15 +269,8 @@ def test_thresholds(monkeypatch, mode, V, batch, through_head):
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nan_or_inf_logit_is_an_error_naming_step_and_row(bad):
     V = 1100
-
-    def fn(src, prefix):
-        out = np.full(V, -7.0)
-        if len(prefix) == 2 and src == 1:
-            out[5] = bad
-        return out
-
     src, lengths = sources(2)
-    runner = HeadRunner(V, fn)
+    runner = HeadRunner(V, bad_logit_fn(V, bad))
     with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 2 \(row 2"):
         decoding.beam_search(
             runner, src, lengths, bos_id=1, eos_id=2, beam_size=2, max_new_tokens=5, min_new_tokens=5
@@ -383,6 +384,7 @@ def test_step_top_k_arguments(runner):
         np.zeros((3, 1), dtype=np.int64),
         np.zeros((2, 0), dtype=np.int64),
         np.zeros(2, dtype=np.int64),
+        [[1.5], [2.0]],  # floats are not token ids (never truncated)
     ):
         with pytest.raises(ValueError, match=r"columns must be int64 \[2, M >= 1\]"):
             runner.step_top_k(state, tokens, 4, columns)

@@ -368,9 +368,7 @@ class OrtRunner(decoding.SearchMethods):
         V = self.info.tgt_vocab_size
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
-        cols = (
-            np.ascontiguousarray(columns, dtype=np.int64) if not isinstance(columns, np.ndarray) else columns
-        )
+        cols = np.ascontiguousarray(columns)
         if cols.dtype != np.int64 or cols.ndim != 2 or cols.shape[0] != state.num_rows or cols.shape[1] < 1:
             raise ValueError(
                 f"columns must be int64 [{state.num_rows}, M >= 1] token ids, got {cols.dtype} {list(cols.shape)}"
@@ -382,7 +380,7 @@ class OrtRunner(decoding.SearchMethods):
         self._run_step(state, tokens)
         if self._head is None:
             self._head = SearchHead(self._session_options.intra_op_num_threads)
-        top, ids, picked = self._head(state.logits, min(int(k), V), np.ascontiguousarray(cols))
+        top, ids, picked = self._head(state.logits, min(int(k), V), cols)
         return top, ids, picked, state.logits
 
     def _run_step(self, state: OrtState, tokens: Any) -> None:
