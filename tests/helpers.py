@@ -222,6 +222,19 @@ def draw_options(data, V, B, max_new, hf):
     return options
 
 
+def bad_logit_fn(V: int, bad: float):
+    """Logits of -7 everywhere, but ``bad`` (NaN or +inf) at token 5 for source 1 once it has
+    generated two tokens: step 2, its first row."""
+
+    def fn(src, prefix):
+        out = np.full(V, -7.0)
+        if len(prefix) == 2 and src == 1:
+            out[5] = bad
+        return out
+
+    return fn
+
+
 def shifted(fn, offset):
     """Logits with positive entries too (the repetition penalty divides those)."""
     return lambda src, prefix: fn(src, prefix) + offset

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 from beam_reference import loop_beam_search
-from helpers import FunctionRunner, draw_options, masked_random_fn, shifted, sources
+from helpers import FunctionRunner, bad_logit_fn, draw_options, masked_random_fn, shifted, sources
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,13 +147,7 @@ def test_row_top_k_row_max_is_nan_for_a_row_with_a_nan():
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nan_or_inf_logits_are_an_error_naming_step_and_row(bad):
     V = 1100
-
-    def fn(src, prefix):
-        out = np.full(V, -7.0)
-        if len(prefix) == 2 and src == 1:
-            out[5] = bad
-        return out
-
+    fn = bad_logit_fn(V, bad)
     src, lengths = sources(2)
     with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 2 \(row 2"):
         beam_search(

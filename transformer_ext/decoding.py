@@ -975,10 +975,11 @@ def _step_attention(
 # search is as fast or faster (the search head's run costs about 50 us, and numpy's argmax, all
 # that greedy search without scores needs, is one pass over the logits where the head makes
 # three). Measured with benchmarks/bench_search_head.py, the search alone over fixed logits
-# (benchmarks/results/bench_search_head_epyc.json, a 2-core EPYC): host time / head time for
-# beam 4 0.5-0.8 at V 25, 0.94-1.02 at 16-32 thousand entries, 1.1-1.3 at 64-128 thousand,
-# 1.5-2.1 at 16-256 rows of V 58,101; for greedy with scores 0.5-0.98 up to 64 thousand
-# entries, 1.05-1.09 at 128-232 thousand, 1.3-1.7 from 512 thousand.
+# (benchmarks/results/bench_search_head_epyc.json, a 2-core EPYC), host time / head time: beam 4
+# 0.5-0.6 at V 25, 0.8-1.3 from 4 to 232 thousand entries at 4 rows, 1.1-1.2 at 64-128 thousand
+# from 16 rows on, 1.2-2.0 above; greedy with scores 0.4-0.96 up to 64 thousand entries, 0.9-1.1
+# from 58 to 232 thousand, 1.2-1.7 from 512 thousand. Cells of a few hundred microseconds vary by
+# up to 0.4 between runs (4 rows of V 58,101 gave 1.20 in a run before the committed one).
 HEAD_MIN_ENTRIES = {"beam": 1 << 15, "greedy_scores": 1 << 17}
 
 
