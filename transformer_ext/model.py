@@ -265,6 +265,14 @@ class MultiHeadAttention(nn.Module):
                 out.transpose(1, 2).reshape(B, Tq, self.d_model)
             )  # a view: out is [B, Tq, H, d_k] in memory
         scores = torch.matmul(q, k.transpose(-2, -1))  # [B, H, Tq, Tk]
+        if key_lengths is not None and mask is not None and not causal and _is_exporting():
+            # The exported encoder: key_lengths >= 1 is the graphs' contract (docs/DESIGN.md 3.3),
+            # so every row has a key and no masked_softmax zeroing is needed. The padding becomes
+            # an additive bias [B, 1, 1, Tk], the same subgraph in every layer (ONNX Runtime
+            # computes it once per run), added to the scores instead of a Where over them.
+            bias = torch.where(mask, 0.0, float("-inf"))
+            p_attn = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(scores.dtype)
+            return self.W_O(self.merge_heads(torch.matmul(p_attn, v)))
         p_attn = ops.masked_softmax(scores, mask, self.scale, causal)
         if self.training:
             p_attn = self.dropout(p_attn)
