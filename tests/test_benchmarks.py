@@ -377,3 +377,24 @@ def test_bench_decode_split_settings(tmp_path):
     assert set(best[("eager", 2)]["tokens_per_second_by_threads"]) == {"1"}
     with open(out) as f:
         assert json.load(f)["complete"] is True
+
+
+def test_ab_drop_finished_times_each_divisor_and_restores_the_default(tmp_path):
+    """ab_drop_finished on 40 demo lines, one round: every divisor timed, the first at 1.0x, the
+    module's divisor restored; bad arguments are refused before any work."""
+    import ab_drop_finished
+
+    from transformer_ext import decoding
+
+    out = tmp_path / "drop.json"
+    default = decoding.GREEDY_DROP_DIVISOR
+    argv = ["--lines", "40", "--divisors", "1000,4", "--rounds", "1", "--out", str(out)]
+    assert ab_drop_finished.main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["speedup_over_first"]["1000"] == 1.0
+    assert len(saved["cpu_seconds"]["4"]["samples"]) == 1 and saved["cpu_seconds"]["4"]["median"] > 0
+    assert decoding.GREEDY_DROP_DIVISOR == default
+    for bad in (["--divisors", "0,4"], ["--divisors", "a"], ["--rounds", "0"], ["--export", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            ab_drop_finished.main(bad + ["--out", str(tmp_path / "bad.json")])
+    assert not (tmp_path / "bad.json").exists()

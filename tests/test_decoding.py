@@ -837,3 +837,42 @@ def test_a_nan_logit_names_the_searchs_row_after_rows_left(search, remove_finish
             row = 4
             beam_search(runner, src, lengths, beam_size=2, **kw)
     assert re.search(rf"\(row {row}\b", str(err.value)), str(err.value)
+
+
+class _SelectSpy(FunctionRunner):
+    """A FunctionRunner that records how many rows each ``select`` keeps."""
+
+    def __init__(self, vocab_size, fn):
+        super().__init__(vocab_size, fn)
+        self.kept: list[int] = []
+
+    def select(self, state, index):
+        super().select(state, index)
+        self.kept.append(len(index))
+
+
+def _no_eos(src, prefix):
+    out = np.full(6, -5.0)
+    out[3 + (src + len(prefix)) % 3] = -0.1  # never EOS (2): each row runs to its budget
+    return out
+
+
+@pytest.mark.parametrize(("divisor", "kept"), [(4, [6, 4, 3, 2, 1]), (1_000_000, [7, 6, 5, 4, 3, 2, 1])])
+def test_greedy_drops_finished_rows_once_they_are_a_quarter(monkeypatch, divisor, kept):
+    """Eight rows whose budgets are 1..8 finish one per step. With the default divisor 4 the
+    finished rows leave once they are at least a quarter of the rows held (2 of 8, 2 of 6, then
+    1 of 4 or fewer); with a divisor above the batch size at every finish. The tokens are those
+    of a search that keeps every row."""
+    monkeypatch.setattr(decoding, "GREEDY_DROP_DIVISOR", divisor)
+    src, lengths = sources(8)
+    kw = dict(bos_id=1, eos_id=2, max_new_tokens=np.arange(1, 9))
+    spy = _SelectSpy(6, _no_eos)
+    got = greedy_decode(spy, src, lengths, **kw)
+    want = greedy_decode(FunctionRunner(6, _no_eos), src, lengths, remove_finished=False, **kw)
+    assert spy.kept == kept
+    assert got == want
+    assert [len(t) for t in got] == list(range(1, 9))
+
+
+def test_greedy_drop_divisor_default():
+    assert decoding.GREEDY_DROP_DIVISOR == 4
