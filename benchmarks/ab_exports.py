@@ -4,7 +4,7 @@
     python benchmarks/ab_exports.py --variant fresh=A/base/onnx_int8:reuse_buffers=0 --variant pooled=A/base/onnx_int8
 
 Each ``--variant LABEL=DIR[:OPTION=0|1...]`` is an export folder and boolean ``OrtRunner``
-options (``grow_cache``, ``reuse_buffers``); two or more, the first is the baseline. Every
+options (``grow_cache``, ``reuse_buffers``, ``flush_denormals``); two or more, the first is the baseline. Every
 variant gets an ``OrtRunner`` in this one process, with the same threads; each case is timed in
 rounds interleaved in rotating order after a warm-up (``common.time_side_by_side``), medians:
 greedy at batch 1 and beam 4 (no length penalty) at batch 1, 16 and 64, exactly ``--new-tokens`` tokens from random sources of length 24. Each
@@ -42,7 +42,7 @@ def decode(runner, mode, src, lengths, n):
     return [list(r) for r in rows] if mode == "greedy" else [list(h[0].tokens) for h in rows]
 
 
-RUNNER_OPTIONS = ("grow_cache", "reuse_buffers")
+RUNNER_OPTIONS = ("grow_cache", "reuse_buffers", "flush_denormals")
 
 
 def timed_decodes(runners: dict, mode, src, lengths, n: int, rounds: int) -> tuple[dict, dict, dict]:

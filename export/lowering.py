@@ -46,7 +46,7 @@ __all__ = [
     "in_graph_cache_update",
     "share_shape_reads",
     "fuse_shared_input_matmuls",
-    "flatten_step_rows",
+    "flatten_rows",
 ]
 
 # TensorScatter exists from opset 24 on; onnxscript ships no opset24 module.
@@ -351,8 +351,8 @@ def fuse_shared_input_matmuls(model) -> int:
     return len(replace)
 
 
-# Ops that act on each row of a [batch, 1, F] tensor alone (with rank <= 1 constants), so they give
-# the same values on [batch, F]: what flatten_step_rows moves to two dimensions.
+# Ops that act on each row of a [batch, T, F] tensor alone (with rank <= 1 constants), so they give
+# the same values on [batch * T, F]: what flatten_rows moves to two dimensions.
 _ROW_OPS = frozenset(
     {
         "MatMul",
@@ -371,22 +371,26 @@ _ROW_OPS = frozenset(
 )
 
 
-def flatten_step_rows(model) -> int:
-    """Graph pass: the decoder step's per-row part runs on ``[batch, F]`` instead of ``[batch, 1, F]``.
+def flatten_rows(model) -> int:
+    """Graph pass: the per-row part of a graph runs on ``[rows, F]`` instead of ``[batch, T, F]``.
 
-    With one token per row, the hidden states, projections and feed-forward values of a step are
-    ``[batch, 1, F]``; every op between the embedding and the logits that treats each row alone
-    (``_ROW_OPS`` with constant weights, biases and norms) gets the same values on ``[batch, F]``.
-    On two dimensions ONNX Runtime fuses each ``MatMul`` + bias ``Add`` into one ``Gemm`` (and the
-    ``Relu`` after it into that ``Gemm``), and leaves the residual ``Add`` + ``LayerNormalization``
-    unfused (its ``SkipLayerNormalization`` CPU kernel is the slower one, see
-    ``transformer_ext.runtimes.ort.DISABLED_OPTIMIZERS``). Where a 3-D value enters, a ``Reshape``
-    with a constant target now targets ``[-1, F]`` (or one is added); where a 2-D value leaves, a
-    ``Reshape`` with a constant target reads it as it is, the ``Gather`` of row 0 on axis 1 (the
-    ``x[:, 0]`` before the output projection) is dropped, and any other reader gets the 3-D value
-    back through a ``Reshape``. Graph inputs and outputs keep their names and shapes. Needs
-    ``onnx.shape_inference`` to know the shapes (values it cannot type are left alone). Works in
-    place on an ``onnx.ModelProto``; returns the number of nodes moved to two dimensions.
+    The rows are those of the graph's first input, ``[batch, T]`` token ids: in the decoder step
+    ``T`` is 1 (one token per row), in the encoder it is the named source axis. Every op that
+    treats each row alone (``_ROW_OPS`` with constant weights, biases and norms: the projections,
+    feed-forward, residuals and layer norms) gives the same values on ``[batch * T, F]``, since
+    that is the same memory read in the same order. On two dimensions ONNX Runtime fuses each
+    ``MatMul`` + bias ``Add`` into one ``Gemm`` (and the ``Relu`` after it into that ``Gemm``), and
+    leaves the residual ``Add`` + ``LayerNormalization`` unfused (its ``SkipLayerNormalization``
+    CPU kernel is the slower one, see ``transformer_ext.runtimes.ort.DISABLED_OPTIMIZERS``).
+    Where a 3-D value enters, a ``Reshape`` with a constant target now targets ``[-1, F]`` (or one
+    is added); where a 2-D value leaves, a ``Reshape`` with a constant target reads it as it is;
+    in the decoder step the ``Gather`` of row 0 on axis 1 (the ``x[:, 0]`` before the output
+    projection) is dropped; any other reader gets the 3-D value back through a ``Reshape`` (to
+    ``[-1, 1, F]``, or in the encoder to the first input's shape followed by ``F``). The
+    attention itself (scores over ``T``) stays as it is. Graph inputs and outputs keep their
+    names and shapes. Needs ``onnx.shape_inference`` to know the shapes (values it cannot type
+    are left alone). Works in place on an ``onnx.ModelProto``; returns the number of nodes moved
+    to two dimensions.
     """
     import numpy as np
     from onnx import helper, numpy_helper, shape_inference
@@ -400,9 +404,13 @@ def flatten_step_rows(model) -> int:
             shapes[vi.name] = [
                 d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
             ]
-    if not g.input or not shapes.get(g.input[0].name) or not isinstance(shapes[g.input[0].name][0], str):
+    first_input = shapes.get(g.input[0].name) if g.input else None
+    if not first_input or len(first_input) < 2 or not isinstance(first_input[0], str):
         return 0
-    batch = shapes[g.input[0].name][0]  # the named batch axis of the first input
+    batch, steps = first_input[:2]  # the named batch axis of the first input, then 1 or a named axis
+    one_step = steps == 1
+    if not one_step and not (isinstance(steps, str) and len(first_input) == 2):
+        return 0  # (the way back to 3-D reads the first input's shape: it must be [batch, T])
     inits = {t.name: t for t in g.initializer}
     graph_outputs = {o.name for o in g.output}
 
@@ -412,7 +420,7 @@ def flatten_step_rows(model) -> int:
             s is not None
             and len(s) == 3
             and s[0] == batch
-            and s[1] == 1
+            and s[1] == steps
             and isinstance(s[2], int)
             and s[2] > 0
         )
@@ -477,7 +485,8 @@ def flatten_step_rows(model) -> int:
                 p.input[1] = shape_constant(f"{name}.rows_shape", [-1, width])
                 p.output[0] = flat[name] = f"{name}.rows"
             elif (
-                p is not None
+                one_step
+                and p is not None
                 and p.op_type == "Unsqueeze"
                 and len(p.input) == 2
                 and constant_value(p.input[1]) is not None
@@ -513,7 +522,8 @@ def flatten_step_rows(model) -> int:
             if target is not None and not (target == 0).any():
                 n.input[0] = flat[name]  # a constant target without 0 (copy a dim) reads [batch, F] as well
             elif (
-                n.op_type == "Gather"
+                one_step
+                and n.op_type == "Gather"
                 and k == 0
                 and [a.i for a in n.attribute if a.name == "axis"] == [1]
                 and index is not None
@@ -527,13 +537,31 @@ def flatten_step_rows(model) -> int:
                 unread.add(n.input[1])
             elif name not in restored:
                 restored.add(name)
+    back_shapes: dict[int, str] = {}  # F -> the name of [batch, T, F] (a graph with a T axis)
+
+    def back_shape(name: str) -> str:
+        width = shapes[name][2]
+        if one_step:
+            return shape_constant(f"{name}.back_shape", [-1, 1, width])
+        if width not in back_shapes:
+            rows = f"rows_shape.{width}"
+            after.setdefault(0, []).extend(
+                [
+                    helper.make_node("Shape", [g.input[0].name], [f"{rows}.rows"], name=f"{rows}_Shape"),
+                    helper.make_node(
+                        "Concat",
+                        [f"{rows}.rows", shape_constant(f"{rows}.width", [width])],
+                        [rows],
+                        axis=0,
+                        name=f"{rows}_Concat",
+                    ),
+                ]
+            )
+            back_shapes[width] = rows
+        return back_shapes[width]
+
     for name in sorted(restored | (moved_values & graph_outputs)):
-        back = helper.make_node(
-            "Reshape",
-            [flat[name], shape_constant(f"{name}.back_shape", [-1, 1, shapes[name][2]])],
-            [name],
-            name=f"{name}_back",
-        )
+        back = helper.make_node("Reshape", [flat[name], back_shape(name)], [name], name=f"{name}_back")
         after.setdefault(id(producer[name]), []).append(back)
     nodes = list(after.get(0, []))
     for n in g.node:
@@ -549,7 +577,7 @@ def flatten_step_rows(model) -> int:
     kept = [vi for vi in g.value_info if vi.name not in moved_values or vi.name in restored]
     del g.value_info[:]
     g.value_info.extend(kept)
-    logger.debug("flatten_step_rows: %d nodes on [batch, F]", len(moved))
+    logger.debug("flatten_rows: %d nodes on [rows, F]", len(moved))
     return len(moved)
 
 

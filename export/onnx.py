@@ -445,8 +445,8 @@ def _export_graph(
     """Trace ``module`` with the dynamo exporter, fix the IR version, optionally merge the MatMuls
     that share an input (:func:`export.lowering.fuse_shared_input_matmuls`), make the per-layer
     shape reads of equally declared inputs share one (:func:`export.lowering.share_shape_reads`),
-    with ``flatten_rows`` (the decoder step) run its per-row ops on ``[batch, F]``
-    (:func:`export.lowering.flatten_step_rows`), check, save ``path``."""
+    with ``flatten_rows`` run its per-row ops on ``[rows, F]`` (:func:`export.lowering.flatten_rows`),
+    check, save ``path``."""
     import onnx
 
     from . import lowering
@@ -471,7 +471,7 @@ def _export_graph(
         lowering.fuse_shared_input_matmuls(proto)
     lowering.share_shape_reads(proto)
     if flatten_rows:
-        lowering.flatten_step_rows(proto)
+        lowering.flatten_rows(proto)
     if proto.ir_version > IR_VERSION:
         proto.ir_version = IR_VERSION
     proto.producer_name = "transformer_ext export.onnx"
@@ -567,6 +567,7 @@ def export_onnx(
     seed: int = 0,
     fuse_matmuls: bool = True,
     fold_query_scale: bool = True,
+    flatten_rows: bool = True,
     generation: Optional[Mapping[str, Any]] = None,
     quantize: Optional[str] = None,
     gate_data: Any = None,
@@ -597,6 +598,9 @@ def export_onnx(
             into one ``MatMul`` + ``Split`` after tracing. Validation runs on the final graphs.
         fold_query_scale: trace the decoder step with the attention scale folded into the query
             projections (:func:`folded_query_scale`): no score ``Mul`` in the step graph.
+        flatten_rows: run both graphs' per-row ops (projections, feed-forward, residuals, layer
+            norms) on ``[rows, d_model]`` (:func:`export.lowering.flatten_rows`), so that ONNX
+            Runtime fuses each projection and its bias into one ``Gemm``.
         generation: fields of the generation config to set (``beam_size``, ``length_penalty``,
             ``alpha``, ``max_len_a``, ``max_len_b``, ``min_new_tokens``, ``max_new_tokens``); the
             others keep their defaults (:meth:`GenerationConfig.defaults_for`: the special ids of
@@ -677,6 +681,8 @@ def export_onnx(
         raise UsageError(f"attention must be True or False, got {attention!r}")
     if not isinstance(fold_query_scale, bool):
         raise UsageError(f"fold_query_scale must be True or False, got {fold_query_scale!r}")
+    if not isinstance(flatten_rows, bool):
+        raise UsageError(f"flatten_rows must be True or False, got {flatten_rows!r}")
     specs = graph_specs(config.to_dict(), flavour, attention)
     made: list[Path] = []
     try:
@@ -698,6 +704,7 @@ def export_onnx(
                 seed=seed,
                 fuse_matmuls=fuse_matmuls,
                 fold_query_scale=fold_query_scale,
+                flatten_rows=flatten_rows,
                 validation=validation,
             )
             if quantize is not None:
@@ -749,6 +756,7 @@ def _write_export(
     seed: int,
     fuse_matmuls: bool,
     fold_query_scale: bool,
+    flatten_rows: bool,
     validation,
 ) -> tuple[dict, Any]:
     """Write and validate the export in the (temporary) folder ``tmp_dir``; ``(manifest, report)``."""
@@ -764,6 +772,7 @@ def _write_export(
         flavour,
         tmp_dir / ENCODER_FILE,
         fuse_matmuls=fuse_matmuls,
+        flatten_rows=flatten_rows,
     )
     with folded_query_scale(model) if fold_query_scale else contextlib.nullcontext():
         decoder_proto = _export_graph(
@@ -775,7 +784,7 @@ def _write_export(
             flavour,
             tmp_dir / DECODER_FILE,
             fuse_matmuls=fuse_matmuls,
-            flatten_rows=True,
+            flatten_rows=flatten_rows,
         )
     structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
     for name in tokenizer_names:
@@ -813,7 +822,8 @@ def _write_export(
             "dummy_shapes": dummy,
             "graph_passes": (["folded_query_scale"] if fold_query_scale else [])
             + (["fuse_shared_input_matmuls"] if fuse_matmuls else [])
-            + ["share_shape_reads", "flatten_step_rows"],
+            + ["share_shape_reads"]
+            + (["flatten_rows"] if flatten_rows else []),
             "structure": structure,
         },
         "validation": None,
@@ -909,6 +919,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="keep the attention scale 1/sqrt(d_k) as a Mul on the decoder step's scores instead of "
         "folding it into the query projections' weights",
+    )
+    p.add_argument(
+        "--no-flatten-rows",
+        dest="flatten_rows",
+        action="store_false",
+        help="keep the per-row ops (projections, feed-forward, layer norms) on [batch, length, d_model] "
+        "instead of [rows, d_model], where ONNX Runtime fuses each projection and its bias into a Gemm",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random validation inputs")
     p.add_argument(
@@ -1085,6 +1102,7 @@ def _run(args) -> int:
         seed=args.seed,
         fuse_matmuls=args.fuse_matmuls,
         fold_query_scale=args.fold_query_scale,
+        flatten_rows=args.flatten_rows,
         attention=args.attention,
         generation=generation,
         quantize=args.quantize,

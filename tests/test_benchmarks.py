@@ -398,3 +398,63 @@ def test_ab_drop_finished_times_each_divisor_and_restores_the_default(tmp_path):
         with pytest.raises(SystemExit):
             ab_drop_finished.main(bad + ["--out", str(tmp_path / "bad.json")])
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_ab_file_translation_times_each_variant_and_refuses_bad_ones(tmp_path):
+    """ab_file_translation on 20 demo lines, one round: the demo export with a runner option off
+    and on, both timed, the first at 1.0x, the translations equal (checked inside)."""
+    import ab_file_translation
+
+    out = tmp_path / "ft.json"
+    argv = ["--variant", "plain=demo:flush_denormals=0", "--variant", "flushed=demo"]
+    argv += ["--lines", "20", "--rounds", "1", "--out", str(out)]
+    assert ab_file_translation.main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["settings"]["variants"]["plain"]["options"] == {"flush_denormals": False}
+    assert saved["speedup_over_first"]["plain"] == 1.0
+    assert len(saved["cpu_seconds"]["flushed"]["samples"]) == 1
+    for bad in (
+        ["only=demo"],
+        ["a=demo:nope=1", "b=demo"],
+        [f"a={tmp_path}", "b=demo"],
+        ["a=demo", "a=demo"],
+    ):
+        with pytest.raises(SystemExit):
+            ab_file_translation.main(
+                [x for v in bad for x in ("--variant", v)] + ["--out", str(tmp_path / "b.json")]
+            )
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_ab_encoder_times_each_variant_on_a_padded_batch(tmp_path, tmp_path_factory):
+    import ab_encoder
+    from helpers import exported_dir
+
+    export = str(exported_dir(tmp_path_factory, "portable"))
+    out = tmp_path / "enc.json"
+    argv = ["--variant", f"plain={export}:flush_denormals=0", "--variant", f"flushed={export}"]
+    argv += ["--batch", "5", "--src-len", "7", "--repeats", "2", "--out", str(out)]
+    assert ab_encoder.main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["speedup_over_first"]["plain"] == 1.0 and saved["milliseconds"]["flushed"] > 0
+    assert saved["settings"]["lengths"]["min"] < saved["settings"]["lengths"]["max"] == 7  # padded rows
+    assert saved["max_abs_difference_from_first"]["flushed"] < 1e-6
+
+
+def test_probe_denormals_times_the_softmax_variants(tmp_path):
+    import probe_denormals
+
+    from transformer_ext.runtimes import denormals
+
+    out = tmp_path / "den.json"
+    argv = ["--batch", "2", "--heads", "2", "--src-len", "8", "--repeats", "2", "--out", str(out)]
+    if not denormals.AVAILABLE:
+        assert probe_denormals.main(argv) == 1
+        return
+    assert probe_denormals.main(argv) == 0
+    saved = json.loads(out.read_text())["softmax"]
+    assert set(saved["milliseconds"]) == {"random", "random_flushed", "padded", "padded_flushed"}
+    assert saved["max_abs_difference_flushed"]["random"] == 0.0
+    assert saved["max_abs_difference_flushed"]["padded"] < 1e-30  # only denormal values can differ
+    with pytest.raises(SystemExit):
+        probe_denormals.main(["--padded", "1.5", "--out", str(tmp_path / "bad.json")])

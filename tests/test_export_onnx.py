@@ -241,7 +241,7 @@ def test_fuse_shared_input_matmuls_keeps_values(exported_portable):
         "folded_query_scale",
         "fuse_shared_input_matmuls",
         "share_shape_reads",
-        "flatten_step_rows",
+        "flatten_rows",
     ]
     decoder = onnx.load(exported_portable / DECODER_FILE)
     assert [n.op_type for n in decoder.graph.node].count("Split") == manifest["model_config"][
@@ -249,11 +249,11 @@ def test_fuse_shared_input_matmuls_keeps_values(exported_portable):
     ]
 
 
-def test_flatten_step_rows_keeps_values(exported_portable):
+def test_flatten_rows_keeps_the_step_values(exported_portable):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from export.lowering import flatten_step_rows
+    from export.lowering import flatten_rows
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((8, 12)).astype(np.float32)
@@ -294,7 +294,7 @@ def test_flatten_step_rows_keeps_values(exported_portable):
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = IR_VERSION
-    assert flatten_step_rows(model) == 6  # MatMul, Add, Relu, Split, Add, LayerNormalization
+    assert flatten_rows(model) == 6  # MatMul, Add, Relu, Split, Add, LayerNormalization
     onnx.checker.check_model(model, full_check=True)
     assert "Gather" not in [n.op_type for n in model.graph.node]
     assert "zero" not in {t.name for t in model.graph.initializer}  # the Gather's index: no reader left
@@ -323,6 +323,106 @@ def test_flatten_step_rows_keeps_values(exported_portable):
     weights = {t.name for t in decoder.graph.initializer}
     products = [n for n in decoder.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
     assert products and all(ranks.get(n.input[0]) == 2 for n in products)
+
+
+def test_flatten_rows_keeps_the_encoder_values(exported_portable):
+    """The encoder's rows are [batch, src_len, F]: the same pass with the source axis named."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.lowering import flatten_rows
+
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((11, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 12)).astype(np.float32)
+    b = rng.standard_normal(12).astype(np.float32)
+    gamma = rng.standard_normal(4).astype(np.float32)
+    beta = rng.standard_normal(4).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(table, "table"),
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(b, "b"),
+        numpy_helper.from_array(gamma, "gamma"),
+        numpy_helper.from_array(beta, "beta"),
+        numpy_helper.from_array(np.array([4, 4, 4], np.int64), "sizes"),
+        numpy_helper.from_array(np.array([-1, 2, 2], np.int64), "halves"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["x"], axis=0),  # [batch, src_len, 8]
+        helper.make_node("MatMul", ["x", "w"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("Split", ["r", "sizes"], ["s0", "s1", "s2"], axis=-1),
+        helper.make_node("Add", ["s0", "s1"], ["t"]),
+        helper.make_node("LayerNormalization", ["t", "gamma", "beta"], ["n"], axis=-1),
+        helper.make_node("Reshape", ["n", "halves"], ["by_half"]),  # a constant target: reads 2-D
+        helper.make_node("Softmax", ["s2"], ["over_source"], axis=1),  # across rows: 3-D again
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "encoder_like",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "src_len"])],
+        [
+            helper.make_tensor_value_info("by_half", TensorProto.FLOAT, [None, 2, 2]),
+            helper.make_tensor_value_info("over_source", TensorProto.FLOAT, ["batch", "src_len", 4]),
+            helper.make_tensor_value_info("n", TensorProto.FLOAT, ["batch", "src_len", 4]),  # an output
+        ],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
+    # MatMul, Add, Relu, Split, Add; the LayerNormalization writes a graph output, so it stays
+    # 3-D and reads its input through a Reshape back to the shape of `ids` followed by F
+    assert flatten_rows(model) == 5
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for shape in [(3, 5), (1, 1), (2, 7)]:
+        ids = rng.integers(0, 11, size=shape).astype(np.int64)
+        got = dict(zip(["by_half", "over_source", "n"], session.run(None, {"ids": ids})))
+        # the oracle: the same computation in float64 numpy
+        x = table.astype(np.float64)[ids]
+        r = np.maximum(x @ w + b, 0)
+        t = r[..., 0:4] + r[..., 4:8]
+        n = (t - t.mean(-1, keepdims=True)) / np.sqrt(t.var(-1, keepdims=True) + 1e-5) * gamma + beta
+        e = np.exp(r[..., 8:] - r[..., 8:].max(1, keepdims=True))
+        want = {"by_half": n.reshape(-1, 2, 2), "over_source": e / e.sum(1, keepdims=True), "n": n}
+        for name, value in want.items():
+            assert got[name].shape == value.shape, name
+            np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-4, err_msg=name)
+    # in the real export: every weight product of the encoder reads a 2-D value
+    encoder = onnx.load(exported_portable / ENCODER_FILE)
+    inferred = onnx.shape_inference.infer_shapes(encoder)
+    ranks = {
+        vi.name: len(vi.type.tensor_type.shape.dim)
+        for vi in [*inferred.graph.value_info, *inferred.graph.input]
+        if vi.type.tensor_type.HasField("shape")
+    }
+    weights = {t.name for t in encoder.graph.initializer}
+    products = [n for n in encoder.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
+    assert products and all(ranks.get(n.input[0]) == 2 for n in products)
+
+
+def test_no_flatten_rows_keeps_the_traced_rows(exported_portable, tmp_path):
+    """``flatten_rows=False`` (``--no-flatten-rows``): the weight products read the traced 3-D
+    values, and the export validates against the same eager model."""
+    model_dir = exported_portable.parent / "tiny_model"
+    result = export_onnx(model_dir, tmp_path / "rows3d", flatten_rows=False, tolerance=TOLERANCE)
+    assert result.validation.worst <= TOLERANCE
+    assert "flatten_rows" not in result.manifest["export"]["graph_passes"]
+    for name in (ENCODER_FILE, DECODER_FILE):
+        graph = onnx.load(tmp_path / "rows3d" / name)
+        inferred = onnx.shape_inference.infer_shapes(graph)
+        ranks = {
+            vi.name: len(vi.type.tensor_type.shape.dim)
+            for vi in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
+            if vi.type.tensor_type.HasField("shape")
+        }
+        weights = {t.name for t in graph.graph.initializer}
+        products = [n for n in graph.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+        assert products and all(ranks.get(n.input[0]) == 3 for n in products), name
+    with pytest.raises(ValueError, match="flatten_rows must be True or False"):
+        export_onnx(model_dir, tmp_path / "bad", flatten_rows="no")
+    assert not (tmp_path / "bad").exists()
 
 
 def _scalar_mul_constants(model: onnx.ModelProto) -> list[float]:

@@ -560,3 +560,46 @@ def test_every_runner_makes_the_same_source_checks(exported_portable, kind):
         assert str(info.value) == message, (kind, args[2:])
     state = runner.encode(ids, lengths, 4, 2)  # and good arguments still work
     assert runner.step(state, np.ones(6, np.int64)).shape[0] == 6
+
+
+# ------------------------------------------------------------------------------------------
+# denormals flushed to zero while the graphs run
+# ------------------------------------------------------------------------------------------
+
+
+def test_flush_denormals_is_a_bool_and_sets_the_sessions_pool(exported_portable):
+    with pytest.raises(TypeError, match="flush_denormals must be a bool"):
+        OrtRunner(exported_portable, flush_denormals=1)
+    flushed = OrtRunner(exported_portable, intra_op_num_threads=1)
+    assert flushed.flush_denormals is True
+    # ONNX Runtime sets FTZ on the thread that makes such a session: the runner gives it back
+    assert np.float32(1e-30) * np.float32(1e-10) > 0
+    for session in (flushed.encoder, flushed.decoder):
+        assert session.get_session_options().get_session_config_entry("session.set_denormal_as_zero") == "1"
+    plain = OrtRunner(exported_portable, intra_op_num_threads=1, flush_denormals=False)
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        plain.encoder.get_session_options().get_session_config_entry("session.set_denormal_as_zero")
+
+
+def test_flushed_runs_give_the_logits_and_tokens_of_plain_ones_on_padded_batches(exported_portable):
+    from transformer_ext.runtimes import denormals
+
+    runners = [OrtRunner(exported_portable, intra_op_num_threads=1, flush_denormals=f) for f in (False, True)]
+    ids, lengths = sources(runners[0], batch=6, src_len=11, seed=3)  # ragged: padded rows
+    assert lengths.min() < lengths.max()
+    logits = []
+    for runner in runners:
+        state = runner.encode(ids, lengths, cache_len=8)
+        tokens = np.full(len(ids), runner.info.bos_id, dtype=np.int64)
+        steps = []
+        for _ in range(4):
+            out = runner.step(state, tokens)
+            steps.append(out)
+            tokens = out.argmax(-1)
+        logits.append(np.stack(steps))
+    # a flushed value is below 1.2e-38: the logits agree far below the export tolerance
+    np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-6)
+    plain, flushed = (r.beam_search(ids, lengths, beam_size=3, max_new_tokens=6) for r in runners)
+    assert [[h.tokens for h in x] for x in plain] == [[h.tokens for h in x] for x in flushed]
+    if denormals.AVAILABLE:  # the caller's thread is as it was
+        assert (np.float32(1e-30) * np.float32(1e-10)) > 0

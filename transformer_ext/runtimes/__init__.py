@@ -24,6 +24,8 @@ every cached runner keeps (``KVCache`` on torch for the eager and GPU runners, `
 numpy for ``OrtRunner``: every layer stacked in one buffer per K / V, in-place append and
 reorder, the CUDA error flag read without a per-step sync). :mod:`.pool`'s ``SourceParallel``
 decodes the parts of a batch on several runners at once (data parallelism over sources).
+:mod:`.denormals` runs a call with denormal floats flushed to zero on the calling thread
+(``OrtRunner`` runs its graphs so: the padding's ``-inf`` otherwise slows every padded softmax).
 
 What every runner checks is written once in :mod:`transformer_ext.decoding`
 (``check_encode_args`` / ``check_sources`` at encode, ``check_step_tokens`` at a step,

@@ -61,6 +61,7 @@ from transformer_ext.export_format import (
     read_manifest,
 )
 
+from . import denormals
 from .info import RunnerInfo
 from .kv_cache import CacheStateViews, HostBufferPool, HostKVCache
 from .search_head import SearchHead
@@ -70,6 +71,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["OrtRunner", "OrtState", "GRAPH_OPTIMIZATION_LEVELS", "DISABLED_OPTIMIZERS", "CACHE_GROWTH"]
 
 CACHE_GROWTH = 16  # positions a growing cache gains at a time (the module docstring says why 16)
+
+
+def _call(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``: a runner's graph call without :func:`denormals.call`."""
+    return fn(*args, **kwargs)
+
 
 GRAPH_OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -144,6 +151,11 @@ class OrtRunner(decoding.SearchMethods):
             buffers kept across decodes (default: no new pages, and no page faults, once the
             first decode of a size has run; the runner then holds about the largest decode's
             memory until it is closed), or allocate them afresh for every decode (False).
+        flush_denormals: run every graph with denormal floats flushed to zero (default), on the
+            calling thread for the duration of the run and on the session's pool threads
+            (:mod:`~transformer_ext.runtimes.denormals`: the padding's ``-inf`` otherwise makes
+            every padded softmax several times slower); False leaves the CPU's setting alone.
+            Ignored on platforms where the module does not apply (``denormals.AVAILABLE``).
         manifest: the folder's manifest, when the caller has read it already
             (:func:`transformer_ext.runtimes.open_export_dir` does); else it is read here.
 
@@ -167,11 +179,20 @@ class OrtRunner(decoding.SearchMethods):
         manifest: Optional[Mapping[str, Any]] = None,
         grow_cache: bool = True,
         reuse_buffers: bool = True,
+        flush_denormals: bool = True,
     ):
-        for name, value in (("grow_cache", grow_cache), ("reuse_buffers", reuse_buffers)):
+        for name, value in (
+            ("grow_cache", grow_cache),
+            ("reuse_buffers", reuse_buffers),
+            ("flush_denormals", flush_denormals),
+        ):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         self.grow_cache = bool(grow_cache)
+        # Graph runs with denormals flushed to zero (runtimes.denormals: the padding's -inf made
+        # every padded softmax several times slower), on this thread and on the session's pool.
+        self.flush_denormals = bool(flush_denormals)
+        self._call = denormals.call if self.flush_denormals else _call
         # The caches and the per-beam cross K/V of every decode (HostBufferPool says why).
         self._pool = HostBufferPool() if reuse_buffers else None
         self.export_dir = os.fspath(export_dir)
@@ -205,11 +226,17 @@ class OrtRunner(decoding.SearchMethods):
                 session_options.add_session_config_entry(
                     "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
                 )
+            if self.flush_denormals:
+                for key, value in denormals.session_config().items():
+                    session_options.add_session_config_entry(key, value)
         self._session_options = session_options
         self._head: Optional[SearchHead] = None  # the search head's session, made at first use
         self.providers = list(providers) if providers else ["CPUExecutionProvider"]
-        self.encoder = self._session(ENCODER_FILE, session_options)
-        self.decoder = self._session(DECODER_FILE, session_options)
+        # Made inside self._call: ONNX Runtime sets FTZ / DAZ on the thread that makes a session
+        # with "session.set_denormal_as_zero" (as well as on the session's pool threads), and
+        # denormals.call gives this thread its own setting back.
+        self.encoder = self._call(self._session, ENCODER_FILE, session_options)
+        self.decoder = self._call(self._session, DECODER_FILE, session_options)
         graphs = self.manifest["graphs"]
         check_io(
             ENCODER_FILE, graphs["encoder"], _io(self.encoder.get_inputs()), _io(self.encoder.get_outputs())
@@ -281,7 +308,9 @@ class OrtRunner(decoding.SearchMethods):
         outs = dict(
             zip(
                 self._encoder_outputs,
-                self.encoder.run(self._encoder_outputs, {"input_ids": ids, "src_lengths": lengths}),
+                self._call(
+                    self.encoder.run, self._encoder_outputs, {"input_ids": ids, "src_lengths": lengths}
+                ),
             )
         )
         N = B * K
@@ -379,8 +408,10 @@ class OrtRunner(decoding.SearchMethods):
             )
         self._run_step(state, tokens)
         if self._head is None:
-            self._head = SearchHead(self._session_options.intra_op_num_threads)
-        top, ids, picked = self._head(state.logits, min(int(k), V), cols)
+            self._head = self._call(
+                SearchHead, self._session_options.intra_op_num_threads, self.flush_denormals
+            )
+        top, ids, picked = self._call(self._head, state.logits, min(int(k), V), cols)
         return top, ids, picked, state.logits
 
     def _run_step(self, state: OrtState, tokens: Any) -> None:
@@ -394,7 +425,7 @@ class OrtRunner(decoding.SearchMethods):
             cache = self._grow(state)
         state.input_ids[:, 0] = tok
         state.positions.fill(p)
-        self.decoder.run_with_iobinding(state.binding)
+        self._call(self.decoder.run_with_iobinding, state.binding)
         if self.info.flavour == "portable":
             cache.append_()  # every layer's new K/V at position p: one copy per buffer
         cache.end_step()

@@ -125,6 +125,8 @@ class SearchHead:
 
     Args:
         threads: the session's intra-op threads (the decoder's; None or 0: ONNX Runtime's default).
+        flush_denormals: set FTZ / DAZ on the session's pool threads (:mod:`.denormals`); ONNX
+            Runtime sets them on the creating thread too, so make it inside ``denormals.call``.
 
     The decoder's session has a thread pool of its own whose threads spin for a while after each
     step (ONNX Runtime's default), and the head's threads, spinning too, would compete with them
@@ -134,8 +136,10 @@ class SearchHead:
     36.1 and 36.8; at batch 1 and 4 the first two are equal.
     """
 
-    def __init__(self, threads: Optional[int] = None) -> None:
+    def __init__(self, threads: Optional[int] = None, flush_denormals: bool = False) -> None:
         import onnxruntime as ort
+
+        from .denormals import session_config
 
         options = ort.SessionOptions()
         if threads:
@@ -143,6 +147,9 @@ class SearchHead:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if flush_denormals:  # on its pool threads; the caller sets its own (OrtRunner.step_top_k)
+            for key, value in session_config().items():
+                options.add_session_config_entry(key, value)
         self.session = ort.InferenceSession(
             search_head_model(), sess_options=options, providers=["CPUExecutionProvider"]
         )
