@@ -155,7 +155,9 @@ class OrtRunner(decoding.SearchMethods):
             calling thread for the duration of the run and on the session's pool threads
             (:mod:`~transformer_ext.runtimes.denormals`: the padding's ``-inf`` otherwise makes
             every padded softmax several times slower); False leaves the CPU's setting alone.
-            Ignored on platforms where the module does not apply (``denormals.AVAILABLE``).
+            With ``session_options`` given, the pool threads keep what those options say
+            (``session.set_denormal_as_zero``). Ignored on platforms where the module does not
+            apply (``denormals.AVAILABLE``).
         manifest: the folder's manifest, when the caller has read it already
             (:func:`transformer_ext.runtimes.open_export_dir` does); else it is read here.
 
