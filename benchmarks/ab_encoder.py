@@ -32,20 +32,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repository, if not installed
 
-from ab_file_translation import parse_variants  # noqa: E402
+from ab_drop_finished import _positive  # noqa: E402
+from ab_exports import parse_variants  # noqa: E402
+from ab_file_translation import variant_folders  # noqa: E402
 from common import lscpu, time_side_by_side, write_json  # noqa: E402
 
 logger = logging.getLogger("ab_encoder")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def run(variants: dict, batch: int, src_len: int, threads: int, repeats: int) -> dict:
@@ -53,20 +45,10 @@ def run(variants: dict, batch: int, src_len: int, threads: int, repeats: int) ->
 
     labels = list(variants)
     with tempfile.TemporaryDirectory() as scratch:
-        demo_export = None
-        runners = {}
-        for label in labels:
-            folder = variants[label]["export"]
-            if folder == "demo":
-                if demo_export is None:
-                    from export.onnx import export_onnx
-                    from transformer_ext.demo import DEMO_MODEL_DIR
-
-                    demo_export = os.path.join(scratch, "onnx")
-                    logger.info("exporting the demo model to ONNX (untimed) ...")
-                    export_onnx(str(DEMO_MODEL_DIR), demo_export, validate=False)
-                folder = demo_export
-            runners[label] = OrtRunner(folder, intra_op_num_threads=threads, **variants[label]["options"])
+        runners = {
+            label: OrtRunner(folder, intra_op_num_threads=threads, **variants[label]["options"])
+            for label, folder in variant_folders(variants, scratch).items()
+        }
         info = runners[labels[0]].info
         if src_len > info.max_positions:
             raise SystemExit(f"--src-len {src_len} exceeds the model's {info.max_positions} positions")
@@ -86,7 +68,7 @@ def run(variants: dict, batch: int, src_len: int, threads: int, repeats: int) ->
         for label in labels:
             s = states[label]
             differences[label] = max(
-                float(np.abs(a[:, :, : lengths.max()] - b[:, :, : lengths.max()]).max())
+                float(np.abs(a - b).max())
                 for a, b in zip(s.cross_keys + s.cross_values, base.cross_keys + base.cross_values)
             )
         del states, base
@@ -136,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=_positive, default=15, help="interleaved timings (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/ab_encoder.json", help="JSON result file")
     args = p.parse_args(argv)
-    variants = parse_variants(p, args.variant)
+    variants = parse_variants(p, args.variant, names=("demo",))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     payload = run(variants, args.batch, args.src_len, args.threads, args.repeats)
     write_json(args.out, payload)

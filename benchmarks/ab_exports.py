@@ -60,8 +60,9 @@ def timed_decodes(runners: dict, mode, src, lengths, n: int, rounds: int) -> tup
     return med, samples, tokens
 
 
-def parse_variants(p: argparse.ArgumentParser, values: list[str]) -> dict[str, dict]:
-    """``{label: {"export": DIR, "options": {name: bool}}}`` from ``LABEL=DIR[:OPTION=0|1...]``."""
+def parse_variants(p: argparse.ArgumentParser, values: list[str], names: tuple = ()) -> dict[str, dict]:
+    """``{label: {"export": DIR, "options": {name: bool}}}`` from ``LABEL=DIR[:OPTION=0|1...]``;
+    a ``DIR`` in ``names`` (such as ``demo``) is taken as it is, for the caller to resolve."""
     variants: dict[str, dict] = {}
     for v in values:
         label, sep, rest = v.partition("=")
@@ -70,7 +71,7 @@ def parse_variants(p: argparse.ArgumentParser, values: list[str]) -> dict[str, d
             p.error(f"--variant: expected LABEL=DIR[:OPTION=0|1...], got {v!r}")
         if label in variants:
             p.error(f"--variant: the label {label!r} is given twice")
-        if not os.path.isfile(os.path.join(folder, "manifest.json")):
+        if folder not in names and not os.path.isfile(os.path.join(folder, "manifest.json")):
             p.error(f"--variant {label}: {folder} is not an export folder (no manifest.json)")
         options = {}
         for o in opts:

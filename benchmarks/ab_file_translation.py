@@ -29,46 +29,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repository, if not installed
 
-from ab_exports import RUNNER_OPTIONS  # noqa: E402
+from ab_drop_finished import _positive  # noqa: E402
+from ab_exports import parse_variants  # noqa: E402
 from common import lscpu, write_json  # noqa: E402
 
 logger = logging.getLogger("ab_file_translation")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+def variant_folders(variants: dict, scratch: str) -> dict[str, str]:
+    """Each variant's export folder; ``demo`` becomes the bundled demo model, exported (untimed,
+    once, without validation) into ``scratch``."""
+    folders = {}
+    for label, variant in variants.items():
+        folder = variant["export"]
+        if folder == "demo":
+            folder = os.path.join(scratch, "onnx")
+            if not os.path.isdir(folder):
+                from export.onnx import export_onnx
+                from transformer_ext.demo import DEMO_MODEL_DIR
 
-
-def parse_variants(p: argparse.ArgumentParser, values: list[str]) -> dict[str, dict]:
-    """``{label: {"export": DIR, "options": {name: bool}}}`` from ``LABEL=DIR[:OPTION=0|1...]``."""
-    variants: dict[str, dict] = {}
-    for v in values:
-        label, sep, rest = v.partition("=")
-        folder, *opts = rest.split(":")
-        if not sep or not label or not folder:
-            p.error(f"--variant: expected LABEL=DIR[:OPTION=0|1...], got {v!r}")
-        if label in variants:
-            p.error(f"--variant: the label {label!r} is given twice")
-        if folder != "demo" and not os.path.isfile(os.path.join(folder, "manifest.json")):
-            p.error(f"--variant {label}: {folder} is not an export folder (no manifest.json)")
-        options = {}
-        for o in opts:
-            name, _, value = o.partition("=")
-            if name not in RUNNER_OPTIONS or value not in ("0", "1"):
-                p.error(
-                    f"--variant {label}: expected OPTION=0 or OPTION=1 with OPTION one of {RUNNER_OPTIONS}, got {o!r}"
-                )
-            options[name] = value == "1"
-        variants[label] = {"export": folder, "options": options}
-    if len(variants) < 2:
-        p.error("give at least two --variant (the first is the baseline)")
-    return variants
+                logger.info("exporting the demo model to ONNX (untimed) ...")
+                export_onnx(str(DEMO_MODEL_DIR), folder, validate=False)
+        folders[label] = folder
+    return folders
 
 
 def run(variants: dict, lines: int, rounds: int, threads: int, max_batch_tokens: int) -> dict:
@@ -80,19 +63,8 @@ def run(variants: dict, lines: int, rounds: int, threads: int, max_batch_tokens:
     sources = demo_lines(lines, 0)
     labels = list(variants)
     with tempfile.TemporaryDirectory() as scratch:
-        demo_export = None
         translators = {}
-        for label in labels:
-            folder = variants[label]["export"]
-            if folder == "demo":
-                if demo_export is None:
-                    from export.onnx import export_onnx
-                    from transformer_ext.demo import DEMO_MODEL_DIR
-
-                    demo_export = os.path.join(scratch, "onnx")
-                    logger.info("exporting the demo model to ONNX (untimed) ...")
-                    export_onnx(str(DEMO_MODEL_DIR), demo_export, validate=False)
-                folder = demo_export
+        for label, folder in variant_folders(variants, scratch).items():
             translator = Translator.from_export_dir(folder, threads=threads)
             translator.runner = OrtRunner(folder, intra_op_num_threads=threads, **variants[label]["options"])
             translators[label] = translator
@@ -154,7 +126,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", default="benchmarks/results/ab_file_translation.json", help="JSON result file")
     args = p.parse_args(argv)
-    variants = parse_variants(p, args.variant)
+    variants = parse_variants(p, args.variant, names=("demo",))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     payload = run(variants, args.lines, args.rounds, args.threads, args.max_batch_tokens)
     write_json(args.out, payload)
