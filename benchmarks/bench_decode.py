@@ -155,6 +155,29 @@ for _scheme, _dtype in (("int4", "int4"), ("int8-nbits", "int8")):
             float32_engine="onnxrt",
         )
     )
+# The ort flavour (python -m export.onnx --flavour ort): each decoder self-attention one ONNX
+# Runtime GroupQueryAttention; float32 and int8.
+ENGINES.append(
+    Engine(
+        "onnxrt_gqa",
+        "ONNX Runtime, python -m export.onnx --flavour ort (GroupQueryAttention self-attention), OrtRunner",
+        "onnxrt",
+        "onnx_gqa",
+        "float32",
+        True,
+    )
+)
+ENGINES.append(
+    Engine(
+        "onnxrt_gqa_int8",
+        "ONNX Runtime, python -m export.onnx --flavour ort --quantize int8",
+        "onnxrt",
+        "onnx_gqa_int8",
+        "int8",
+        True,
+        float32_engine="onnxrt_gqa",
+    )
+)
 if importlib.util.find_spec("ctranslate2"):
     ENGINES.append(
         Engine(
@@ -321,7 +344,7 @@ def _torch_decoder_bytes(model) -> int:
 
 
 PREPARED = "prepared.json"
-PREPARED_VERSION = 6  # bumped when what prepare() records, or an export it makes, changes
+PREPARED_VERSION = 7  # bumped when what prepare() records, or an export it makes, changes
 
 
 def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict, dict, dict]:
@@ -358,7 +381,7 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
     save_model(model, paths["model"])
     nbytes["model"] = _torch_decoder_bytes(model)
     nbytes["model_bf16"] = nbytes["model"] // 2  # every decoder weight at 2 bytes
-    if needed & {"onnx", "onnx_int8", "onnx_int4", "onnx_int8_nbits"}:
+    if needed & {"onnx", "onnx_int8", "onnx_int4", "onnx_int8_nbits", "onnx_gqa", "onnx_gqa_int8"}:
         from export.onnx import export_onnx
         from export.quantize import quantize_export
 
@@ -376,6 +399,23 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
                 paths[artifact] = os.path.join(scratch, artifact)
                 quantize_export(paths["onnx"], paths[artifact], scheme, gate=False)  # random weights: no gate
                 nbytes[artifact] = _onnx_decoder_bytes(os.path.join(paths[artifact], "decoder_step.onnx"))
+        if needed & {"onnx_gqa", "onnx_gqa_int8"}:
+            paths["onnx_gqa"] = os.path.join(scratch, "onnx_gqa")
+            logger.info("exporting %s to ONNX, ort flavour (untimed) ...", model_name)
+            export_onnx(
+                paths["model"],
+                paths["onnx_gqa"],
+                validate=False,
+                cache_len=min(config.max_len, 64),
+                flavour="ort",
+            )
+            nbytes["onnx_gqa"] = _onnx_decoder_bytes(os.path.join(paths["onnx_gqa"], "decoder_step.onnx"))
+            if "onnx_gqa_int8" in needed:
+                paths["onnx_gqa_int8"] = os.path.join(scratch, "onnx_gqa_int8")
+                quantize_export(paths["onnx_gqa"], paths["onnx_gqa_int8"], "int8", gate=False)
+                nbytes["onnx_gqa_int8"] = _onnx_decoder_bytes(
+                    os.path.join(paths["onnx_gqa_int8"], "decoder_step.onnx")
+                )
     for artifact, quantization in (("ct2", "float32"), ("ct2_int8", "int8")):
         if artifact in needed:
             spec = _ct2_spec(model)

@@ -9,13 +9,16 @@ readiness report). The rules:
   order, dtypes, named axes), no zero-length dimension;
 * one graph for every step: no control flow (``If``, ``Loop``, ``Scan``), no sequence ops, no
   graph-valued attribute, no model-local function, only default-domain ONNX ops (a custom op
-  would need a TensorRT plugin);
+  would need a TensorRT plugin), except in the ``ort`` flavour ONNX Runtime's
+  ``com.microsoft.GroupQueryAttention``;
 * every ``TensorScatter`` writes a 4-D cache that is a graph input read by no other node, in
   ``linear`` mode, with the literal ``axis=-2`` (the only spelling TensorRT's parser accepts),
   into a graph output;
 * the self-attention caches (``self_key.{i}``, ``self_value.{i}``) are read only by that
-  ``TensorScatter`` in the ``tensorscatter`` flavour, and in the portable flavour only by
-  ``MatMul`` (keys through a ``Transpose``) or ``Shape``, never copied (``Concat``).
+  ``TensorScatter`` in the ``tensorscatter`` flavour, only by one ``GroupQueryAttention`` (as its
+  past key / value, its present key / value a graph output) in the ``ort`` flavour, and in the
+  portable flavour only by ``MatMul`` (keys through a ``Transpose``) or ``Shape``, never copied
+  (``Concat``).
 
 Also here: dtype names of ONNX element types (from ``onnx.helper``) and a graph's inputs and
 outputs in the manifest's ``{"name", "dtype", "shape"}`` form.
@@ -41,6 +44,8 @@ __all__ = [
     "graph_io",
     "tensor_scatter_problems",
     "contract_problems",
+    "graph_flavour",
+    "is_gqa",
 ]
 
 FORBIDDEN_OPS = frozenset(
@@ -59,6 +64,13 @@ FORBIDDEN_OPS = frozenset(
     }
 )
 DEFAULT_DOMAINS = ("", "ai.onnx")
+# The ort flavour's one contrib operator (export.lowering.GQA_OP).
+GQA_DOMAIN, GQA_OP_TYPE = "com.microsoft", "GroupQueryAttention"
+
+
+def is_gqa(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is ONNX Runtime's ``com.microsoft.GroupQueryAttention``."""
+    return node.domain == GQA_DOMAIN and node.op_type == GQA_OP_TYPE
 
 
 def onnx_dtype_name(elem_type: int) -> str:
@@ -233,6 +245,35 @@ def tensor_scatter_problems(node: onnx.NodeProto, g: GraphIndex) -> list[str]:
 
 def _cache_problems(name: str, g: GraphIndex, flavour: str) -> list[ContractProblem]:
     users = g.consumers.get(name, [])
+    if flavour == "ort":
+        if len(users) != 1 or not is_gqa(users[0]):
+            return [
+                ContractProblem(
+                    "cache_aliasing",
+                    f"{name} must be read by exactly one GroupQueryAttention node "
+                    f"(found {[u.op_type for u in users]})",
+                )
+            ]
+        node = users[0]
+        slot = list(node.input).index(name)
+        if slot not in (3, 4):
+            return [
+                ContractProblem(
+                    "cache_aliasing",
+                    f"{name} is GroupQueryAttention input {slot}, expected past_key (3) or past_value (4)",
+                    node.name or None,
+                )
+            ]
+        present = node.output[slot - 2] if len(node.output) > slot - 2 else ""
+        if present not in g.graph_outputs:
+            return [
+                ContractProblem(
+                    "cache_aliasing",
+                    f"the updated cache of {name} ({present!r}) must be a graph output (it aliases the input buffer)",
+                    node.name or None,
+                )
+            ]
+        return []
     if flavour == "tensorscatter":
         if len(users) != 1 or users[0].op_type != "TensorScatter":
             return [
@@ -266,6 +307,16 @@ def _cache_problems(name: str, g: GraphIndex, flavour: str) -> list[ContractProb
     return problems
 
 
+def graph_flavour(model: onnx.ModelProto, outputs: Optional[list[dict]] = None) -> str:
+    """The flavour a decoder step graph was exported in, read off the graph: ``"ort"`` when it
+    holds a ``GroupQueryAttention``, ``"tensorscatter"`` when it returns ``present_*`` caches,
+    else ``"portable"`` (an encoder reads as ``"portable"``)."""
+    if any(is_gqa(n) for n in model.graph.node):
+        return "ort"
+    names = [o["name"] for o in outputs] if outputs is not None else [o.name for o in model.graph.output]
+    return "tensorscatter" if any(n.startswith("present_") for n in names) else "portable"
+
+
 def contract_problems(
     model: onnx.ModelProto,
     spec: Optional[Mapping[str, Any]] = None,
@@ -278,8 +329,8 @@ def contract_problems(
 
     ``spec``: the graph's entry of :func:`graph_specs` (inputs and outputs are compared with it
     when given; ``compare_dtypes=False`` for graphs converted to another precision). ``flavour``:
-    which cache rule applies to the ``self_*`` inputs (default: ``tensorscatter`` when the graph
-    returns ``present_*`` caches). ``index``: a :class:`GraphIndex` of ``model`` if one exists.
+    which cache rule applies to the ``self_*`` inputs (default: ``ort`` when the graph holds a
+    ``GroupQueryAttention``, else ``tensorscatter`` when it returns ``present_*`` caches). ``index``: a :class:`GraphIndex` of ``model`` if one exists.
     """
     g = index or GraphIndex(model)
     problems: list[ContractProblem] = []
@@ -308,7 +359,9 @@ def contract_problems(
         )
     for i, node in enumerate(model.graph.node):
         label = _label(node, i)
-        if node.domain not in DEFAULT_DOMAINS:
+        if is_gqa(node) and flavour == "ort":
+            pass
+        elif node.domain not in DEFAULT_DOMAINS:
             problems.append(
                 ContractProblem(
                     "custom_domain",
@@ -334,7 +387,7 @@ def contract_problems(
                 for m in tensor_scatter_problems(node, g)
             ]
     if flavour is None:
-        flavour = "tensorscatter" if any(o["name"].startswith("present_") for o in outputs) else "portable"
+        flavour = graph_flavour(model, outputs)
     for t in inputs:
         if t["name"].startswith(("self_key.", "self_value.")):
             problems += _cache_problems(t["name"], g, flavour)

@@ -18,8 +18,10 @@ the exported graphs run on ONNX Runtime (CPU/CUDA) and TensorRT without plugins.
 :func:`in_graph_cache_update` is the context manager the ``tensorscatter`` export traces under:
 it routes the decoder self-attention's ``decode_attention(q, cache, cache, positions, scale,
 k_new, v_new)`` call through ``kv_cache_update`` so that the attention reads the updated cache
-(``positions[b]`` inclusive), and collects the updated caches as graph outputs. The model code
-traced is the same ``Transformer.decode_step`` that eager decoding runs.
+(``positions[b]`` inclusive), and collects the updated caches as graph outputs.
+:func:`in_graph_gqa` is the ``ort`` flavour's: the same call becomes one
+``com.microsoft.GroupQueryAttention`` node, which appends the new K/V to the caches and attends
+over them. The model code traced is the same ``Transformer.decode_step`` that eager decoding runs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ __all__ = [
     "kv_cache_update_op",
     "translation_table",
     "in_graph_cache_update",
+    "in_graph_gqa",
+    "GQA_OP",
     "share_shape_reads",
     "fuse_shared_input_matmuls",
     "flatten_rows",
@@ -51,6 +55,9 @@ __all__ = [
 
 # TensorScatter exists from opset 24 on; onnxscript ships no opset24 module.
 op24 = onnxscript.values.Opset("", 24)
+
+# The ort flavour's one contrib operator: (domain, op_type).
+GQA_OP = ("com.microsoft", "GroupQueryAttention")
 
 _NEG_INF = float("-inf")
 _INT64_MAX = 2**63 - 1
@@ -611,6 +618,65 @@ def in_graph_cache_update() -> Iterator[tuple[list[torch.Tensor], list[torch.Ten
         return original(q, present_k, present_v, lengths + 1, scale)
 
     ops.decode_attention = decode_attention_in_graph
+    try:
+        yield present_keys, present_values
+    finally:
+        ops.decode_attention = original
+
+
+@contextlib.contextmanager
+def in_graph_gqa() -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Trace ``decode_step`` with each self-attention as one ONNX Runtime ``GroupQueryAttention``.
+
+    Inside the context, ``ops.decode_attention(q, k_cache, v_cache, positions, scale, k_new,
+    v_new)`` (the self-attention form, with the new token; ``q`` ``[B, H, 1, d_k]``, caches
+    ``[B, H, L, d_k]``) is traced as::
+
+        out, present_k, present_v = com.microsoft.GroupQueryAttention(
+            q as [B, 1, H*d_k], k_new as [B, 1, H*d_k], v_new as [B, 1, H*d_k], k_cache, v_cache,
+            seqlens_k = int32(positions), total_sequence_length = int32(max(positions) + 1),
+            num_heads = kv_num_heads = H, scale = scale)
+
+    ONNX Runtime's CPU kernel writes row ``b``'s new K/V at position ``positions[b]`` and attends
+    causally over positions ``0 .. positions[b]``: the same attention as the portable graph's
+    (prefix plus the new token). When ``present_k`` is bound to the very buffer of ``k_cache``
+    (the runner does), the kernel appends in place, and the whole layer's attention is one node
+    instead of the portable graph's dozen. Yields ``(present_keys, present_values)``, filled in
+    call order (= layer order) while tracing. Calls without ``k_new`` (cross-attention) are
+    unchanged. Outside ``torch.onnx.export`` the call runs the eager op: the symbolic node only
+    exists in a trace.
+    """
+    original = ops.decode_attention
+    present_keys: list[torch.Tensor] = []
+    present_values: list[torch.Tensor] = []
+
+    def decode_attention_gqa(q, k_cache, v_cache, lengths, scale, k_new=None, v_new=None):
+        if k_new is None or not torch.onnx.is_in_onnx_export():
+            return original(q, k_cache, v_cache, lengths, scale, k_new, v_new)
+        B, H, _, d_k = q.shape
+        flat = (B, 1, H * d_k)  # [B, H, 1, d_k] is [B, H * d_k] in memory: a reshape, no transpose
+        total = (lengths.max() + 1).to(torch.int32)
+        out, present_k, present_v = torch.onnx.ops.symbolic_multi_out(
+            "::".join(GQA_OP),
+            [
+                q.reshape(flat),
+                k_new.reshape(flat),
+                v_new.reshape(flat),
+                k_cache,
+                v_cache,
+                lengths.to(torch.int32),
+                total,
+            ],
+            {"num_heads": int(H), "kv_num_heads": int(H), "scale": float(scale)},
+            dtypes=[q.dtype, k_cache.dtype, v_cache.dtype],
+            shapes=[list(flat), list(k_cache.shape), list(v_cache.shape)],
+            version=1,
+        )
+        present_keys.append(present_k)
+        present_values.append(present_v)
+        return out.reshape(B, H, 1, d_k)
+
+    ops.decode_attention = decode_attention_gqa
     try:
         yield present_keys, present_values
     finally:

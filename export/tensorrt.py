@@ -112,6 +112,7 @@ from . import ExportError, ManifestError, OutputFolderError
 from . import manifest as export_manifest
 from .trt_readiness import (
     INT8_REFUSAL,
+    ORT_FLAVOUR_REFUSAL,
     TRT_TARGET_VERSION,
     AxisRange,
     ReadinessReport,
@@ -422,6 +423,8 @@ def plan_build(
     manifest = read_manifest(export_dir)
     if manifest.get("quantization"):
         raise ExportError(INT8_REFUSAL.format(folder=export_dir))
+    if manifest.get("flavour") == "ort":
+        raise ExportError(ORT_FLAVOUR_REFUSAL.format(folder=export_dir))
 
     user_ranges = _static_cache_ranges(export_dir, options.axis_ranges)
     # The original graphs are checked first (manifest included): problems there are the exporter's.

@@ -874,6 +874,12 @@ def _plan(
     state_cache_len: Optional[int],
 ) -> _Plan:
     flavour = manifest["flavour"]
+    if flavour == "ort":
+        raise TritonExportError(
+            f"{export_dir} is an export of the ort flavour (ONNX Runtime's CPU contrib operator "
+            "GroupQueryAttention, bound in place by OrtRunner): the repository's models need the portable "
+            "or tensorscatter flavour; export with `python -m export.onnx --flavour portable` (or tensorscatter)"
+        )
     cfg = manifest["model_config"]
     max_positions = int(manifest.get("max_positions", cfg["max_len"]))
     max_cache_len = min(int(manifest.get("max_cache_len", max_positions)), max_positions)

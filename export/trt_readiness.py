@@ -439,6 +439,13 @@ INT8_REFUSAL = (
 )
 
 
+ORT_FLAVOUR_REFUSAL = (
+    "{folder} is an export of the ort flavour: its decoder step uses ONNX Runtime's contrib operator "
+    "com.microsoft.GroupQueryAttention, which TensorRT does not parse; build TensorRT engines from a "
+    "portable or tensorscatter export (python -m export.onnx --flavour portable)"
+)
+
+
 def decoder_flavour(decoder: Union[onnx.ModelProto, Iterable[str]]) -> str:
     """``"tensorscatter"`` when the decoder step returns ``present_key.*`` caches, else ``"portable"``."""
     names = [o.name for o in decoder.graph.output] if isinstance(decoder, onnx.ModelProto) else list(decoder)
@@ -795,6 +802,8 @@ def check_export_dir(
         extra.append(Problem(MANIFEST_NAME, "manifest", str(exc)))
     if manifest.get("quantization"):
         extra.append(Problem(MANIFEST_NAME, "int8", INT8_REFUSAL.format(folder=export_dir)))
+    if manifest.get("flavour") == "ort":
+        extra.append(Problem(MANIFEST_NAME, "flavour", ORT_FLAVOUR_REFUSAL.format(folder=export_dir)))
     max_positions = manifest_max_positions(manifest)
     max_cache_len = manifest_max_cache_len(manifest)
     sources = {"encoder": export_dir / ENCODER_FILE, "decoder_step": export_dir / DECODER_FILE}

@@ -56,7 +56,7 @@ def make_batch(config: TransformerConfig, seed: int = 1, B: int = 3, S: int = 7,
 # ------------------------------------------------------------------------------------------
 
 
-FLAVOURS = ["portable", "tensorscatter"]  # the two decoder graphs export.onnx writes
+FLAVOURS = ["portable", "tensorscatter", "ort"]  # the decoder graphs export.onnx writes
 TOLERANCE = 1e-4  # parity tolerance of the session's exports
 DEMO_DIR = Path(__file__).resolve().parents[1] / "transformer_ext" / "demo_model"
 

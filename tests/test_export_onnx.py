@@ -58,7 +58,7 @@ def test_folder_and_manifest(exported):
     assert not [p for p in exported.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     config = TransformerConfig.from_dict(manifest["model_config"])
     assert config == TransformerConfig.preset("tiny", dropout=0.0)
-    assert manifest["opset"] == {"portable": 18, "tensorscatter": 24}[flavour]
+    assert manifest["opset"] == {"portable": 18, "tensorscatter": 24, "ort": 18}[flavour]
     assert manifest["ir_version"] == IR_VERSION
     assert manifest["special_tokens"] == {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
     assert (manifest["format"], manifest["format_version"]) == ("transformer_ext.onnx_export", 4)
@@ -90,10 +90,13 @@ def test_folder_and_manifest(exported):
     assert {1, 3, 8} <= batches and 2 not in batches  # unlike the export dummies (batch 2)
     for proto in (encoder, decoder):
         assert proto.ir_version == IR_VERSION
+        contrib = {"com.microsoft": 1} if flavour == "ort" and proto is decoder else {}
         assert {o.domain or "ai.onnx": o.version for o in proto.opset_import} == {
-            "ai.onnx": manifest["opset"]
+            "ai.onnx": manifest["opset"],
+            **contrib,
         }
-        onnx.checker.check_model(proto, full_check=True)
+        if not contrib:  # onnx's checker knows no contrib operator schemas
+            onnx.checker.check_model(proto, full_check=True)
 
 
 def test_io_names_dtypes_and_named_axes(exported):
@@ -122,10 +125,18 @@ def test_io_names_dtypes_and_named_axes(exported):
 
 
 def test_one_step_graph_without_control_flow(exported):
-    for proto in load_graphs(exported)[:2]:
+    encoder, decoder, manifest = load_graphs(exported)
+    for proto in (encoder, decoder):
         ops = {n.op_type for n in proto.graph.node}
         assert not ops & {"If", "Loop", "Scan"}
-        assert {n.domain for n in proto.graph.node} <= {""}  # standard ops only, no plugin
+        contrib = [(n.domain, n.op_type) for n in proto.graph.node if n.domain]
+        if manifest["flavour"] == "ort" and proto is decoder:  # one GroupQueryAttention per layer
+            assert (
+                contrib
+                == [("com.microsoft", "GroupQueryAttention")] * manifest["model_config"]["n_decoder_layers"]
+            )
+        else:
+            assert contrib == []  # standard ops only, no plugin
         assert len(proto.functions) == 0
         for v in list(proto.graph.input) + list(proto.graph.output):
             assert 0 not in axes(v)
@@ -143,6 +154,11 @@ def test_cache_is_read_by_matmul_or_tensorscatter_only(exported):
             if manifest["flavour"] == "tensorscatter":
                 assert [r.op_type for r in readers] == ["TensorScatter"]
                 assert [a.i for a in readers[0].attribute if a.name == "axis"] == [-2]
+            elif manifest["flavour"] == "ort":  # past key (3) / value (4), its present a graph output
+                assert [r.op_type for r in readers] == ["GroupQueryAttention"]
+                slot = list(readers[0].input).index(f"self_{kind}.{i}")
+                assert slot == {"key": 3, "value": 4}[kind]
+                assert readers[0].output[slot - 2] == f"present_{kind}.{i}"
             else:
                 assert {r.op_type for r in readers} <= {"MatMul", "Transpose", "Shape"}
                 assert "Concat" not in {

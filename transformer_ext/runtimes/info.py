@@ -56,7 +56,7 @@ class RunnerInfo:
     max_sources: Optional[int] = None  # sources per encode call (encoder profile's batch)
     max_rows: Optional[int] = None  # sources x beams per step (decoder profile's batch)
     precision: str = "fp32"  # fp32, fp16, bf16, or int8 (a quantized export)
-    flavour: Optional[str] = None  # an export's graph flavour: "portable" or "tensorscatter"
+    flavour: Optional[str] = None  # an export's graph flavour: "portable", "tensorscatter" or "ort"
     # The model config as recorded (a model folder's config.json, a manifest's "model_config"),
     # read-only; None for a runner built without one. Where it was read from, for messages.
     config: Optional[Mapping[str, Any]] = field(default=None, compare=False, repr=False)

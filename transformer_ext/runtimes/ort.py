@@ -16,8 +16,10 @@ allocates and copies no cache-sized tensor (but for the growth of a growing cach
   Caches and those buffers are a :class:`~transformer_ext.runtimes.kv_cache.HostKVCache`: every
   layer's K in one stacked array (V in another), bound per layer through views, so the write is
   one assignment per buffer for all layers.
-* ``tensorscatter`` flavour: each cache buffer is bound both as the input ``self_key.{i}`` and
-  as the output ``present_key.{i}``; the graph's ``TensorScatter`` writes the new row in place.
+* ``tensorscatter`` and ``ort`` flavours: each cache buffer is bound both as the input
+  ``self_key.{i}`` and as the output ``present_key.{i}``; the graph's ``TensorScatter`` (or
+  ``ort``: ``GroupQueryAttention``) writes the new row in place. The ``ort`` flavour runs on the
+  CPU provider only (the runner refuses others).
 
 Caches are zero-filled at allocation (the contract requires finite values past the prefix).
 The zero-copy property holds for the CPU execution provider; other providers receive host
@@ -234,6 +236,12 @@ class OrtRunner(decoding.SearchMethods):
         self._session_options = session_options
         self._head: Optional[SearchHead] = None  # the search head's session, made at first use
         self.providers = list(providers) if providers else ["CPUExecutionProvider"]
+        if self.info.flavour == "ort" and not self._cpu_only():
+            raise ValueError(
+                f"{self.export_dir} is an export of the ort flavour (ONNX Runtime's CPU contrib operator "
+                f"GroupQueryAttention, float32), which runs on the CPUExecutionProvider only, not on "
+                f"{self.providers}; export with --flavour portable or tensorscatter for other providers"
+            )
         # Made inside self._call: ONNX Runtime sets FTZ / DAZ on the thread that makes a session
         # with "session.set_denormal_as_zero" (as well as on the session's pool threads), and
         # denormals.call gives this thread its own setting back.

@@ -65,6 +65,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OrtCudaRunner", "ORT_TYPES", "ort_element_type", "session_io"]
 
+ORT_FLAVOUR_DEVICE_REFUSAL = (
+    "{folder} is an export of the ort flavour (ONNX Runtime's CPU contrib operator GroupQueryAttention, "
+    "float32), which runs on the CPU only: use OrtRunner, or export with --flavour portable or tensorscatter "
+    "for the device runner"
+)
+
 # ONNX Runtime type strings -> our dtype names (a view of export_format.DTYPES).
 ORT_TYPES = {d.ort: d.name for d in DTYPES.values()}
 
@@ -143,6 +149,8 @@ class OrtCudaRunner(DeviceRunner):
         self.export_dir = Path(export_dir)
         self.manifest = dict(read_manifest(self.export_dir) if manifest is None else manifest)
         self._graph_precision = precision  # which graphs run: encoder.onnx or encoder.<precision>.onnx
+        if self.manifest.get("flavour") == "ort":
+            raise ValueError(ORT_FLAVOUR_DEVICE_REFUSAL.format(folder=self.export_dir))
         quantization = manifest_quantization(self.manifest)
         self.info = RunnerInfo.from_config(
             self.manifest["model_config"],
