@@ -3,6 +3,7 @@
     python benchmarks/bench_small_model.py                        # 5,000 demo lines, 1 thread, 5 rounds
     python benchmarks/bench_small_model.py --lines 200 --repeats 1  # a smoke run
     python benchmarks/bench_small_model.py --engines onnxrt         # ours only
+    python benchmarks/bench_small_model.py --engines onnxrt,onnxrt_gqa,ctranslate2   # both flavours
 
 Translates the bundled demo model's ``--lines`` demo sources (the lines benchmarks/bench_batching.py
 uses: English number words of random numbers, seed ``--seed``) greedy with ``--threads`` threads,
@@ -12,6 +13,9 @@ loads only its engine (benchmarks/decode_worker.py, ``"task": "lines"``; neither
 * ``onnxrt``: ours, the demo model exported with ``python -m export.onnx`` (untimed, once; or
   ``--export DIR``), ``Translator.from_export_dir(DIR, threads=N).translate_iterable`` (the
   translate CLI's path: windows sorted by length, token batches of ``--max-batch-tokens``);
+* ``onnxrt_gqa`` (not in the default set): the same with the demo model exported in the ``ort``
+  flavour (``python -m export.onnx --flavour ort``: each decoder self-attention one ONNX Runtime
+  ``GroupQueryAttention``; or ``--export-gqa DIR``);
 * ``ctranslate2``: the same weights converted with ``ctranslate2.specs`` (bench_decode's
   conversion, float32), ``translate_iterable`` in token batches (``batch_type="tokens"``,
   ``--ct2-max-batch-tokens``), ``intra_threads=N``; our tokenizer turns the lines into tokens and
@@ -46,7 +50,10 @@ from common import lscpu, save_figure, write_json  # noqa: E402
 
 logger = logging.getLogger("bench_small_model")
 
-ENGINE_NAMES = ("onnxrt", "ctranslate2")
+ENGINE_NAMES = ("onnxrt", "ctranslate2")  # the default set
+ALL_ENGINES = ("onnxrt", "onnxrt_gqa", "ctranslate2")
+OURS = ("onnxrt", "onnxrt_gqa")
+ARTIFACT = {"onnxrt": "onnx", "onnxrt_gqa": "onnx_gqa", "ctranslate2": "ct2"}
 CT2_MISSING = "ctranslate2 is not installed (pip install -r requirements/bench.txt): timing ours only"
 MISMATCHES_KEPT = 10
 
@@ -62,8 +69,10 @@ def has_ctranslate2() -> bool:
     return importlib.util.find_spec("ctranslate2") is not None
 
 
-def prepare(scratch: str, engines: list[str], export: str | None) -> dict:
-    """The artifacts the engines read, built once (untimed): ``{"onnx": DIR, "ct2": DIR}``."""
+def prepare(scratch: str, engines: list[str], export: str | None, export_gqa: str | None = None) -> dict:
+    """The artifacts the engines read, built once (untimed): ``{"onnx": DIR, "onnx_gqa": DIR,
+    "ct2": DIR}`` (those the engines need; ``onnx`` always: the tokenizer and CTranslate2's budget
+    are read from it)."""
     from transformer_ext.demo import DEMO_MODEL_DIR
 
     paths = {}
@@ -75,6 +84,14 @@ def prepare(scratch: str, engines: list[str], export: str | None) -> dict:
             logger.info("exporting the demo model to ONNX (untimed) ...")
             export_onnx(str(DEMO_MODEL_DIR), export, validate=False)
         paths["onnx"] = export
+    if "onnxrt_gqa" in engines:
+        if export_gqa is None:
+            from export.onnx import export_onnx
+
+            export_gqa = os.path.join(scratch, "onnx_gqa")
+            logger.info("exporting the demo model to ONNX, ort flavour (untimed) ...")
+            export_onnx(str(DEMO_MODEL_DIR), export_gqa, validate=False, flavour="ort")
+        paths["onnx_gqa"] = export_gqa
     if "ctranslate2" in engines:
         import torch
         from bench_decode import _ct2_spec
@@ -183,6 +200,7 @@ def run(
     ct2_max_batch_tokens: int | None = None,
     engines: list[str] | None = None,
     export: str | None = None,
+    export_gqa: str | None = None,
     out: str = "benchmarks/results/bench_small_model.json",
     plot_png: bool = True,
     max_new_tokens: int | None = None,
@@ -190,9 +208,9 @@ def run(
     from transformer_ext.batching import DEFAULT_MAX_BATCH_TOKENS
 
     engines = list(engines or ENGINE_NAMES)
-    unknown = sorted(set(engines) - set(ENGINE_NAMES))
+    unknown = sorted(set(engines) - set(ALL_ENGINES))
     if unknown:
-        raise ValueError(f"unknown engine(s) {unknown}: choose from {list(ENGINE_NAMES)}")
+        raise ValueError(f"unknown engine(s) {unknown}: choose from {list(ALL_ENGINES)}")
     missing = None
     if "ctranslate2" in engines and not has_ctranslate2():
         missing = CT2_MISSING
@@ -205,19 +223,20 @@ def run(
     lines = demo_lines(lines_n, seed)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_small_model_") as scratch:
-        paths = prepare(scratch, engines, export)
+        paths = prepare(scratch, engines, export, export_gqa)
         tokenizer = paths["onnx"]  # the export holds the demo model's tokenizer
-        options = {"onnxrt": {"max_batch_tokens": max_batch_tokens}}
-        if max_new_tokens is not None:
-            options["onnxrt"]["max_length"] = max_new_tokens
+        options = {}
+        for n in OURS:
+            options[n] = {"max_batch_tokens": max_batch_tokens}
+            if max_new_tokens is not None:
+                options[n]["max_length"] = max_new_tokens
         if "ctranslate2" in engines:
             cap = budget_cap(lines, paths["onnx"])
             options["ctranslate2"] = {
                 "max_batch_tokens": ct2_max_batch_tokens,
                 "max_decoding_length": cap if max_new_tokens is None else min(cap, max_new_tokens),
             }
-        artifact = {"onnxrt": "onnx", "ctranslate2": "ct2"}
-        workers = {n: LinesWorker(n, paths[artifact[n]], threads, tokenizer) for n in engines}
+        workers = {n: LinesWorker(n, paths[ARTIFACT[n]], threads, tokenizer) for n in engines}
         try:
             outputs, samples = {}, {n: [] for n in engines}
             for n in engines:  # untimed: a warm-up and the outputs
@@ -253,6 +272,7 @@ def run(
             "ct2_max_batch_tokens": ct2_max_batch_tokens,
             "max_new_tokens": max_new_tokens,
             "export": export,
+            "export_gqa": export_gqa,
         },
         "lines": len(lines),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -267,6 +287,17 @@ def run(
         / results["ctranslate2"]["cpu_seconds"]
         if {"onnxrt", "ctranslate2"} <= set(engines)
         else None,
+        # every engine of ours against CTranslate2: CPU time ratio and token agreement
+        "over_ctranslate2_cpu": {
+            n: results[n]["cpu_seconds"] / results["ctranslate2"]["cpu_seconds"]
+            for n in engines
+            if n in OURS and "ctranslate2" in engines
+        },
+        "agreement_by_engine": {
+            n: compare(lines, outputs[n], outputs["ctranslate2"])
+            for n in engines
+            if n in OURS and "ctranslate2" in engines
+        },
     }
     write_json(out, payload)
     if plot_png:
@@ -300,20 +331,30 @@ def main(argv=None) -> int:
         help="stop every translation after this many tokens, both engines (default: the model's budget); "
         "1 times the encoder plus one step, so a full run minus it is the decoder's share",
     )
-    p.add_argument("--engines", default=",".join(ENGINE_NAMES), help="comma-separated (default: %(default)s)")
+    p.add_argument(
+        "--engines",
+        default=",".join(ENGINE_NAMES),
+        help=f"comma-separated subset of {','.join(ALL_ENGINES)} (default: %(default)s)",
+    )
     p.add_argument("--export", default=None, help="an export folder of the demo model (default: export one)")
+    p.add_argument(
+        "--export-gqa",
+        default=None,
+        help="an export folder of the demo model in the ort flavour, for onnxrt_gqa (default: export one)",
+    )
     p.add_argument("--out", default="benchmarks/results/bench_small_model.json", help="JSON result file")
     args = p.parse_args(argv)
     for name in ("lines", "threads", "repeats", "max_batch_tokens", "ct2_max_batch_tokens", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.export is not None and not os.path.isfile(os.path.join(args.export, "manifest.json")):
-        p.error(f"--export {args.export}: not an export folder (no manifest.json)")
+    for flag, folder in (("--export", args.export), ("--export-gqa", args.export_gqa)):
+        if folder is not None and not os.path.isfile(os.path.join(folder, "manifest.json")):
+            p.error(f"{flag} {folder}: not an export folder (no manifest.json)")
     engines = [e for e in args.engines.split(",") if e]
-    bad = sorted(set(engines) - set(ENGINE_NAMES))
+    bad = sorted(set(engines) - set(ALL_ENGINES))
     if bad:
-        p.error(f"--engines: unknown {bad}; choose from {list(ENGINE_NAMES)}")
+        p.error(f"--engines: unknown {bad}; choose from {list(ALL_ENGINES)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if "ctranslate2" in engines and not has_ctranslate2():
         print(CT2_MISSING, file=sys.stderr)
@@ -326,6 +367,7 @@ def main(argv=None) -> int:
         ct2_max_batch_tokens=args.ct2_max_batch_tokens,
         engines=engines,
         export=args.export,
+        export_gqa=args.export_gqa,
         out=args.out,
         max_new_tokens=args.max_new_tokens,
     )
@@ -334,6 +376,12 @@ def main(argv=None) -> int:
         print(
             f"{name:12s} {r['cpu_seconds']:8.3f} CPU s  {r['wall_seconds']:8.3f} s  (medians of {args.repeats})"
         )
+    for name, ratio in payload["over_ctranslate2_cpu"].items():
+        if name != "onnxrt":
+            a = payload["agreement_by_engine"][name]
+            print(
+                f"{name} / ctranslate2 CPU time: {ratio:.3f}; tokens equal on {a['lines_equal']} of {a['lines']} lines"
+            )
     if payload["onnxrt_over_ctranslate2_cpu"] is not None:
         a = payload["agreement"]
         print(

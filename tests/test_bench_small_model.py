@@ -108,3 +108,18 @@ def test_bench_small_model_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="no_such"):
         bench_small_model.run(lines_n=1, engines=["no_such"], out=str(tmp_path / "x.json"))
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_small_model_ort_flavour_engine(tmp_path, demo_export):
+    """``onnxrt_gqa``: the demo model exported in the ort flavour by the benchmark itself; its
+    translations equal the portable export's, translated in this process (an independent path)."""
+    payload = bench_small_model.run(
+        lines_n=6, repeats=1, engines=["onnxrt_gqa"], out=str(tmp_path / "small.json"), plot_png=False
+    )
+    assert set(payload["results"]) == {"onnxrt_gqa"}
+    assert payload["results"]["onnxrt_gqa"]["worker"]["modules"] == ["onnxruntime"]
+    assert payload["over_ctranslate2_cpu"] == {} and payload["onnxrt_over_ctranslate2_cpu"] is None
+    want = Translator.from_export_dir(demo_export, threads=1).translate(bench_small_model.demo_lines(6, 0))
+    assert [(list(t), s) for t, s in payload["outputs"]["onnxrt_gqa"]] == [(w.tokens, str(w)) for w in want]
+    with pytest.raises(SystemExit):
+        bench_small_model.main(["--export-gqa", str(tmp_path), "--out", str(tmp_path / "x.json")])
