@@ -11,7 +11,8 @@ no second OpenMP pool competes for the cores. The parent builds the models once,
 random weights (seed 0), saved; exported with ``export.onnx`` (float32, and quantized with
 ``export.quantize``: ``int8``, ``int4`` and ``int8-nbits``; the quality gate needs a trained model,
 so it is skipped for these random weights and the quantized tokens are compared, not required,
-to match); converted once with
+to match), and in the ``ort`` flavour for the engines ``onnxrt_gqa`` / ``onnxrt_gqa_int8`` (each
+decoder self-attention one ONNX Runtime ``GroupQueryAttention``); converted once with
 ``ctranslate2.specs`` from the same weights (our positional table assigned explicitly) and saved
 as float32 and int8 models. Only one engine decodes at any time; rounds are interleaved in a
 rotating order; medians of ``--repeats`` are reported.
