@@ -329,8 +329,10 @@ def contract_problems(
 
     ``spec``: the graph's entry of :func:`graph_specs` (inputs and outputs are compared with it
     when given; ``compare_dtypes=False`` for graphs converted to another precision). ``flavour``:
-    which cache rule applies to the ``self_*`` inputs (default: ``ort`` when the graph holds a
-    ``GroupQueryAttention``, else ``tensorscatter`` when it returns ``present_*`` caches). ``index``: a :class:`GraphIndex` of ``model`` if one exists.
+    which cache rule applies to the ``self_*`` inputs, and whether ``GroupQueryAttention`` is
+    allowed (``"ort"``); default: :func:`graph_flavour` for the cache rule, and no contrib
+    operator allowed (what TensorRT's readiness check needs). ``index``: a :class:`GraphIndex` of
+    ``model`` if one exists.
     """
     g = index or GraphIndex(model)
     problems: list[ContractProblem] = []
@@ -359,9 +361,9 @@ def contract_problems(
         )
     for i, node in enumerate(model.graph.node):
         label = _label(node, i)
-        if is_gqa(node) and flavour == "ort":
-            pass
-        elif node.domain not in DEFAULT_DOMAINS:
+        if node.domain not in DEFAULT_DOMAINS:
+            if flavour == "ort" and is_gqa(node):
+                continue  # the ort flavour's one contrib operator
             problems.append(
                 ContractProblem(
                     "custom_domain",

@@ -347,8 +347,7 @@ def _run_in_place(session, feeds: dict, out_names: list[str]) -> list[np.ndarray
     binding = session.io_binding()
     arrays = {}
     for name, value in feeds.items():
-        arrays[name] = np.ascontiguousarray(value).copy()
-        a = arrays[name]
+        a = arrays[name] = np.array(value, order="C", copy=True)
         binding.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
     for name in out_names:
         if name.startswith("present_"):
