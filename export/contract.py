@@ -64,7 +64,7 @@ FORBIDDEN_OPS = frozenset(
     }
 )
 DEFAULT_DOMAINS = ("", "ai.onnx")
-# The ort flavour's one contrib operator (export.lowering.GQA_OP).
+# The ort flavour's one contrib operator (export.lowering traces it).
 GQA_DOMAIN, GQA_OP_TYPE = "com.microsoft", "GroupQueryAttention"
 
 

@@ -37,6 +37,8 @@ from onnxscript import opset18 as op
 
 from transformer_ext import ops
 
+from . import contract
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -57,7 +59,7 @@ __all__ = [
 op24 = onnxscript.values.Opset("", 24)
 
 # The ort flavour's one contrib operator: (domain, op_type).
-GQA_OP = ("com.microsoft", "GroupQueryAttention")
+GQA_OP = (contract.GQA_DOMAIN, contract.GQA_OP_TYPE)
 
 _NEG_INF = float("-inf")
 _INT64_MAX = 2**63 - 1

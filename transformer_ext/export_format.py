@@ -56,7 +56,6 @@ __all__ = [
     "FORMAT_VERSION",
     "READABLE_FORMAT_VERSIONS",
     "FLAVOURS",
-    "IN_GRAPH_CACHE_FLAVOURS",
     "QUANTIZATION_SCHEMES",
     "BATCH",
     "SOURCES",
@@ -137,8 +136,6 @@ READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 # self-attention, which appends to the bound caches in place and attends over them in one node;
 # same inputs and outputs as "tensorscatter"; ONNX Runtime only (no TensorRT, no Triton).
 FLAVOURS = ("portable", "tensorscatter", "ort")
-# Flavours whose decoder step updates the self-attention caches itself (present_* outputs).
-IN_GRAPH_CACHE_FLAVOURS = ("tensorscatter", "ort")
 # Quantized exports (python -m export.onnx --quantize SCHEME): same files, graph inputs and
 # outputs as float32 ones; the manifest's optional "quantization" section says how (scheme,
 # its settings, per-graph node counts, the quality gate). "int8": dynamic quantization
