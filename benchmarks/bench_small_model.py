@@ -28,6 +28,15 @@ the JSON (``--out``, a PNG beside it) holds the medians, every sample, the load 
 and after, the machine (``lscpu``) and the outputs' agreement: the number of lines whose tokens
 are equal, and the first mismatches (source and both texts). Without CTranslate2 installed
 (``pip install -r requirements/bench.txt``) the benchmark says so and times ours only.
+
+Where the time goes: ``--split`` also times our workers' two graph sessions per call (process
+CPU time around each ``run``), so each of our samples splits into the encoder graph, the
+decoder step graph and the host (the rest); ``--max-new-tokens 1`` times the encoder and one
+step per line for every engine, CTranslate2 included, so a full run minus it is the rest of
+the decode.
+
+    python benchmarks/bench_small_model.py --engines onnxrt_gqa,ctranslate2 --split
+    python benchmarks/bench_small_model.py --engines onnxrt_gqa,ctranslate2 --split --max-new-tokens 1
 """
 
 from __future__ import annotations
@@ -128,28 +137,41 @@ def budget_cap(lines: list[str], export: str) -> int:
 class LinesWorker:
     """One engine's worker process (bench_decode's :class:`EngineProcess`) translating lines."""
 
-    def __init__(self, name: str, model: str, threads: int, tokenizer: str):
+    def __init__(self, name: str, model: str, threads: int, tokenizer: str, split: bool = False):
         from bench_decode import ENGINES, EngineProcess
 
         engine = next(e for e in ENGINES if e.name == name)
         self.name = name
-        self.process = EngineProcess(
-            engine,
-            model,
-            threads,
-            {"bos_id": 1, "eos_id": 2},
-            extra={"task": "lines", "tokenizer": tokenizer},
-        )
+        extra = {"task": "lines", "tokenizer": tokenizer}
+        if split:
+            extra["split"] = True
+        self.process = EngineProcess(engine, model, threads, {"bos_id": 1, "eos_id": 2}, extra=extra)
         self.info = self.process.info
 
     def __call__(self, lines: list[str], options: dict):
+        """``(outputs, cpu seconds, wall seconds, split)``: ``split`` the graphs' CPU seconds
+        and calls (decode_worker's ``_onnxrt_lines``) for one of ours started with ``split``, else None."""
         proc = self.process.proc
         pickle.dump(("translate", lines, options), proc.stdin)
         proc.stdin.flush()
-        return self.process._reply()  # (outputs, cpu seconds, wall seconds)
+        reply = self.process._reply()
+        return tuple(reply) if len(reply) == 4 else (*reply, None)
 
     def close(self) -> None:
         self.process.close()
+
+
+def split_of(cpu_seconds: float, parts: dict) -> dict:
+    """One translation's CPU seconds split into the encoder graph, the decoder step graph and the
+    host (the rest: tokenization, batching, the search, the caches), with the graphs' calls."""
+    encoder, step = parts["encoder_cpu_seconds"], parts["step_cpu_seconds"]
+    return {
+        "encoder_graph_cpu_seconds": encoder,
+        "step_graph_cpu_seconds": step,
+        "host_cpu_seconds": cpu_seconds - encoder - step,
+        "encoder_calls": parts["encoder_calls"],
+        "step_calls": parts["step_calls"],
+    }
 
 
 def compare(lines: list[str], ours: list, theirs: list) -> dict:
@@ -204,6 +226,7 @@ def run(
     out: str = "benchmarks/results/bench_small_model.json",
     plot_png: bool = True,
     max_new_tokens: int | None = None,
+    split: bool = False,
 ) -> dict:
     from transformer_ext.batching import DEFAULT_MAX_BATCH_TOKENS
 
@@ -236,7 +259,10 @@ def run(
                 "max_batch_tokens": ct2_max_batch_tokens,
                 "max_decoding_length": cap if max_new_tokens is None else min(cap, max_new_tokens),
             }
-        workers = {n: LinesWorker(n, paths[ARTIFACT[n]], threads, tokenizer) for n in engines}
+        workers = {
+            n: LinesWorker(n, paths[ARTIFACT[n]], threads, tokenizer, split=split and n in OURS)
+            for n in engines
+        }
         try:
             outputs, samples = {}, {n: [] for n in engines}
             for n in engines:  # untimed: a warm-up and the outputs
@@ -244,10 +270,11 @@ def run(
             for r in range(repeats):
                 order = engines[r % len(engines) :] + engines[: r % len(engines)]
                 for n in order:
-                    _, cpu, wall = workers[n](lines, options[n])
-                    samples[n].append(
-                        {"cpu_seconds": cpu, "wall_seconds": wall, "load_1min": os.getloadavg()[0]}
-                    )
+                    _, cpu, wall, parts = workers[n](lines, options[n])
+                    sample = {"cpu_seconds": cpu, "wall_seconds": wall, "load_1min": os.getloadavg()[0]}
+                    if parts is not None:
+                        sample["split"] = split_of(cpu, parts)
+                    samples[n].append(sample)
                     logger.info("round %d %s: %.3f CPU s, %.3f s", r, n, cpu, wall)
         finally:
             for w in workers.values():
@@ -261,6 +288,10 @@ def run(
             "worker": workers[n].info,
             "samples": samples[n],
         }
+        if samples[n] and "split" in samples[n][0]:
+            results[n]["split"] = {
+                k: statistics.median(s["split"][k] for s in samples[n]) for k in samples[n][0]["split"]
+            }
     payload = {
         "benchmark": "bench_small_model",
         "settings": {
@@ -273,6 +304,7 @@ def run(
             "max_new_tokens": max_new_tokens,
             "export": export,
             "export_gqa": export_gqa,
+            "split": split,
         },
         "lines": len(lines),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -342,6 +374,12 @@ def main(argv=None) -> int:
         default=None,
         help="an export folder of the demo model in the ort flavour, for onnxrt_gqa (default: export one)",
     )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="also time our engines' encoder and decoder step graphs per call: each translation's CPU "
+        "time split into encoder graph, step graph and host (the rest)",
+    )
     p.add_argument("--out", default="benchmarks/results/bench_small_model.json", help="JSON result file")
     args = p.parse_args(argv)
     for name in ("lines", "threads", "repeats", "max_batch_tokens", "ct2_max_batch_tokens", "max_new_tokens"):
@@ -370,12 +408,20 @@ def main(argv=None) -> int:
         export_gqa=args.export_gqa,
         out=args.out,
         max_new_tokens=args.max_new_tokens,
+        split=args.split,
     )
     load = payload["load_average"]
     for name, r in payload["results"].items():
         print(
             f"{name:12s} {r['cpu_seconds']:8.3f} CPU s  {r['wall_seconds']:8.3f} s  (medians of {args.repeats})"
         )
+        if "split" in r:
+            sp = r["split"]
+            print(
+                f"{'':12s} encoder graph {sp['encoder_graph_cpu_seconds']:.3f} s ({sp['encoder_calls']} calls), "
+                f"step graph {sp['step_graph_cpu_seconds']:.3f} s ({sp['step_calls']} calls), "
+                f"host {sp['host_cpu_seconds']:.3f} s"
+            )
     for name, ratio in payload["over_ctranslate2_cpu"].items():
         if name != "onnxrt":
             a = payload["agreement_by_engine"][name]

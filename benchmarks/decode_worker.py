@@ -26,7 +26,8 @@ the worker translates text instead. Request ``("translate", lines, options)``; a
 seconds the process's CPU time and the wall time of the whole call (tokenization included). The
 ``onnxrt`` worker runs ``Translator.from_export_dir(model).translate_iterable`` (the translate
 CLI's path) with ``options["max_batch_tokens"]`` (and ``options["max_length"]``, new tokens at
-most, where given); the ``ctranslate2`` one tokenizes with the
+most, where given; with ``spec["split"]`` the answer holds a fourth item, the CPU seconds and
+calls of its encoder and decoder step graphs); the ``ctranslate2`` one tokenizes with the
 tokenizer in ``spec["tokenizer"]`` (a folder holding ours), runs ``translate_iterable`` in token
 batches of ``options["max_batch_tokens"]``, greedy, ``max_decoding_length`` =
 ``options["max_decoding_length"]``, and detokenizes with the same tokenizer.
@@ -253,19 +254,48 @@ def _ct2_lines(spec):
     return translate
 
 
+def _timed_calls(obj, method: str, totals: dict, key: str) -> None:
+    """``obj.method`` counted in ``totals[key + "_calls"]`` and its process CPU time (every
+    thread's: ONNX Runtime's pool included) added to ``totals[key + "_cpu_seconds"]``."""
+    inner = getattr(obj, method)
+
+    def timed(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[key + "_cpu_seconds"] += time.process_time() - start
+            totals[key + "_calls"] += 1
+
+    setattr(obj, method, timed)
+
+
 def _onnxrt_lines(spec):
-    """Text in, text out through our Translator on an export folder (``"task": "lines"``)."""
+    """Text in, text out through our Translator on an export folder (``"task": "lines"``).
+
+    With ``spec["split"]`` the runner's two graph sessions are timed per call, and after each
+    translation ``translate.split`` holds the CPU seconds and calls of the encoder graph
+    (``encoder_*``) and of the decoder step graph (``step_*``); the rest of a translation's CPU
+    time is the host's (tokenization, batching, the search, the caches)."""
     from transformer_ext.translator import Translator
 
     translator = Translator.from_export_dir(spec["model"], threads=int(spec["threads"]))
+    totals = dict.fromkeys(("encoder_cpu_seconds", "encoder_calls", "step_cpu_seconds", "step_calls"), 0)
+    if spec.get("split"):
+        _timed_calls(translator.runner.encoder, "run", totals, "encoder")
+        _timed_calls(translator.runner.decoder, "run_with_iobinding", totals, "step")
 
     def translate(lines, options):
         extra = {"max_length": int(options["max_length"])} if options.get("max_length") is not None else {}
+        totals.update(dict.fromkeys(totals, 0))
         stream = translator.translate_iterable(
             lines, max_batch_tokens=int(options["max_batch_tokens"]), **extra
         )
-        return [(t.tokens, str(t)) for t in stream]
+        outputs = [(t.tokens, str(t)) for t in stream]
+        translate.split = dict(totals) if spec.get("split") else None
+        return outputs
 
+    translate.split = None
     return translate
 
 
@@ -320,7 +350,9 @@ def main() -> int:
             if msg[0] == "translate":
                 c0, t0 = time.process_time(), time.perf_counter()
                 outputs = decode(msg[1], msg[2])
-                send(("done", (outputs, time.process_time() - c0, time.perf_counter() - t0)))
+                reply = (outputs, time.process_time() - c0, time.perf_counter() - t0)
+                split = getattr(decode, "split", None)  # the onnxrt worker's, with spec["split"]
+                send(("done", reply + (split,) if split is not None else reply))
                 continue
             _, mode, src, lengths, n = msg
             t0 = time.perf_counter()

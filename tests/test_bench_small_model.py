@@ -123,3 +123,33 @@ def test_bench_small_model_ort_flavour_engine(tmp_path, demo_export):
     assert [(list(t), s) for t, s in payload["outputs"]["onnxrt_gqa"]] == [(w.tokens, str(w)) for w in want]
     with pytest.raises(SystemExit):
         bench_small_model.main(["--export-gqa", str(tmp_path), "--out", str(tmp_path / "x.json")])
+
+
+def test_bench_small_model_split_counts_the_graph_calls(tmp_path, demo_export):
+    """``split``: each of our samples splits into encoder graph, step graph and host CPU time; the
+    calls it counts are the decode's own: 6 short lines are one token batch (one encoder call),
+    and greedy search steps until its longest output's EOS (or its budget)."""
+    payload = bench_small_model.run(
+        lines_n=6,
+        repeats=2,
+        engines=["onnxrt"],
+        export=str(demo_export),
+        out=str(tmp_path / "s.json"),
+        split=True,
+    )
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert saved["settings"]["split"] is True
+    r = saved["results"]["onnxrt"]
+    assert len(r["samples"]) == 2 and all("split" in s for s in r["samples"])
+    sp = r["split"]
+    assert sp["encoder_calls"] == 1
+    longest = max(len(t) for t, _ in payload["outputs"]["onnxrt"])
+    assert sp["step_calls"] in (longest, longest + 1)
+    assert sp["encoder_graph_cpu_seconds"] > 0 and sp["step_graph_cpu_seconds"] > 0
+    assert sp["host_cpu_seconds"] > 0
+    for s in r["samples"]:  # the three parts are the whole
+        parts = s["split"]
+        total = (
+            parts["encoder_graph_cpu_seconds"] + parts["step_graph_cpu_seconds"] + parts["host_cpu_seconds"]
+        )
+        assert total == pytest.approx(s["cpu_seconds"])
