@@ -42,7 +42,7 @@ def decode(runner, mode, src, lengths, n):
     return [list(r) for r in rows] if mode == "greedy" else [list(h[0].tokens) for h in rows]
 
 
-RUNNER_OPTIONS = ("grow_cache", "reuse_buffers", "flush_denormals")
+RUNNER_OPTIONS = ("grow_cache", "reuse_buffers", "flush_denormals", "stop_spinning_after_run")
 
 
 def timed_decodes(runners: dict, mode, src, lengths, n: int, rounds: int) -> tuple[dict, dict, dict]:

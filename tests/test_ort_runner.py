@@ -581,6 +581,29 @@ def test_flush_denormals_is_a_bool_and_sets_the_sessions_pool(exported_portable)
         plain.encoder.get_session_options().get_session_config_entry("session.set_denormal_as_zero")
 
 
+def test_spinning_stops_after_each_run_unless_asked_not_to(exported_portable):
+    """``stop_spinning_after_run`` (default True) sets ONNX Runtime's ``session.force_spinning_stop``
+    on both sessions; False leaves the entry out (ONNX Runtime's own behaviour); not a bool: a
+    TypeError naming it. The decodes are the same either way."""
+    from transformer_ext.runtimes.ort import FORCE_SPINNING_STOP
+
+    with pytest.raises(TypeError, match="stop_spinning_after_run must be a bool"):
+        OrtRunner(exported_portable, stop_spinning_after_run="no")
+    stopping = OrtRunner(exported_portable, intra_op_num_threads=2)
+    spinning = OrtRunner(exported_portable, intra_op_num_threads=2, stop_spinning_after_run=False)
+    for session in (stopping.encoder, stopping.decoder):
+        assert session.get_session_options().get_session_config_entry(FORCE_SPINNING_STOP) == "1"
+    for session in (spinning.encoder, spinning.decoder):
+        with pytest.raises(RuntimeError, match="does not have configuration"):
+            session.get_session_options().get_session_config_entry(FORCE_SPINNING_STOP)
+    ids, lengths = sources(stopping, batch=3)
+    got, want = (
+        [[h.tokens for h in row] for row in r.beam_search(ids, lengths, beam_size=3, max_new_tokens=8)]
+        for r in (stopping, spinning)
+    )
+    assert got == want
+
+
 def test_flushed_runs_give_the_logits_and_tokens_of_plain_ones_on_padded_batches(exported_portable):
     from transformer_ext.runtimes import denormals
 

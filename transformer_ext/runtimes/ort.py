@@ -70,9 +70,28 @@ from .search_head import SearchHead
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OrtRunner", "OrtState", "GRAPH_OPTIMIZATION_LEVELS", "DISABLED_OPTIMIZERS", "CACHE_GROWTH"]
+__all__ = [
+    "OrtRunner",
+    "OrtState",
+    "GRAPH_OPTIMIZATION_LEVELS",
+    "DISABLED_OPTIMIZERS",
+    "CACHE_GROWTH",
+    "FORCE_SPINNING_STOP",
+]
 
 CACHE_GROWTH = 16  # positions a growing cache gains at a time (the module docstring says why 16)
+
+# ONNX Runtime's session option that stops the intra-op threads' spinning when a run returns
+# (OrtRunner's ``stop_spinning_after_run``, default on). With 2 intra-op threads on 2 cores the
+# decoder's pool threads otherwise spin on after a step returns and take a core from what follows
+# it: the search head (a session of its own, whose threads sleep) and the host's search. Measured
+# with benchmarks/ab_exports.py on a 2-core Xeon with AMX, 2 threads, 48 tokens, spinning on
+# against stopped (benchmarks/results/ab_spinning_stop_*_2t_xeon.json): opus-mt dimensions int8
+# beam 4 batch 16 1.28x (its search head runs over 64 x 58,101 logits after every step), batch 1
+# 1.04x, greedy batch 1 1.09x, batch 16 1.01x; float32 1.08 / 1.02 / 1.05 / 1.01x; `base` int8
+# beam 4 batch 64 / 16 1.03 / 1.05x, greedy batch 16 / 1 1.18 / 1.10x; the same tokens. Threads
+# still spin within a run, where a sleeping thread's wake-up would cost each operator.
+FORCE_SPINNING_STOP = "session.force_spinning_stop"
 
 
 def _call(fn, *args, **kwargs):
@@ -145,7 +164,13 @@ class OrtRunner(decoding.SearchMethods):
         allow_spinning: whether idle intra-op threads spin (ONNX Runtime's default, lowest latency
             on an idle machine) or sleep (far better when the cores are shared with other work);
             ``None`` keeps ONNX Runtime's default.
-        session_options: a ready ``ort.SessionOptions``; overrides the three options above.
+        stop_spinning_after_run: stop the spinning of the intra-op threads as soon as each graph
+            run returns (default; ONNX Runtime's ``session.force_spinning_stop``): they still spin
+            inside a run, between its operators, but not into the host work and the search head
+            that follow it, whose cores they would otherwise take (the comment at
+            :data:`FORCE_SPINNING_STOP`).
+            False keeps ONNX Runtime's behaviour (threads spin on for a while after a run).
+        session_options: a ready ``ort.SessionOptions``; overrides the four options above.
         grow_cache: start the self-attention caches small and grow them as tokens arrive
             (default; the same logits up to rounding, see the module docstring), or allocate
             ``cache_len`` positions once at encode (False).
@@ -179,6 +204,7 @@ class OrtRunner(decoding.SearchMethods):
         intra_op_num_threads: Optional[int] = None,
         graph_optimization_level: str = "all",
         allow_spinning: Optional[bool] = None,
+        stop_spinning_after_run: bool = True,
         session_options: Optional[ort.SessionOptions] = None,
         manifest: Optional[Mapping[str, Any]] = None,
         grow_cache: bool = True,
@@ -189,6 +215,7 @@ class OrtRunner(decoding.SearchMethods):
             ("grow_cache", grow_cache),
             ("reuse_buffers", reuse_buffers),
             ("flush_denormals", flush_denormals),
+            ("stop_spinning_after_run", stop_spinning_after_run),
         ):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -230,6 +257,8 @@ class OrtRunner(decoding.SearchMethods):
                 session_options.add_session_config_entry(
                     "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
                 )
+            if stop_spinning_after_run:
+                session_options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
             if self.flush_denormals:
                 for key, value in denormals.session_config().items():
                     session_options.add_session_config_entry(key, value)
