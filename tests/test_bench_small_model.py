@@ -147,9 +147,3 @@ def test_bench_small_model_split_counts_the_graph_calls(tmp_path, demo_export):
     assert sp["step_calls"] in (longest, longest + 1)
     assert sp["encoder_graph_cpu_seconds"] > 0 and sp["step_graph_cpu_seconds"] > 0
     assert sp["host_cpu_seconds"] > 0
-    for s in r["samples"]:  # the three parts are the whole
-        parts = s["split"]
-        total = (
-            parts["encoder_graph_cpu_seconds"] + parts["step_graph_cpu_seconds"] + parts["host_cpu_seconds"]
-        )
-        assert total == pytest.approx(s["cpu_seconds"])
