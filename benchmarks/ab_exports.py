@@ -3,8 +3,11 @@
     python benchmarks/ab_exports.py --variant scaled=A/base/onnx_unfolded --variant folded=A/base/onnx
     python benchmarks/ab_exports.py --variant fresh=A/base/onnx_int8:reuse_buffers=0 --variant pooled=A/base/onnx_int8
 
-Each ``--variant LABEL=DIR[:OPTION=0|1...]`` is an export folder and boolean ``OrtRunner``
-options (``grow_cache``, ``reuse_buffers``, ``flush_denormals``); two or more, the first is the baseline. Every
+Each ``--variant LABEL=DIR[:OPTION=VALUE...]`` is an export folder and ``OrtRunner`` options:
+boolean ones as 0 or 1 (``grow_cache``, ``reuse_buffers``, ``flush_denormals``,
+``stop_spinning_after_run``) and ``few_rows=auto|never|always``, as in
+``--variant dynamic=A/base/onnx_int8:few_rows=never --variant auto=A/base/onnx_int8``; two or
+more, the first is the baseline. Every
 variant gets an ``OrtRunner`` in this one process, with the same threads; each case is timed in
 rounds interleaved in rotating order after a warm-up (``common.time_side_by_side``), medians:
 greedy at batch 1 and beam 4 (no length penalty) at batch 1, 16 and 64, exactly ``--new-tokens`` tokens from random sources of length 24. Each
@@ -43,6 +46,8 @@ def decode(runner, mode, src, lengths, n):
 
 
 RUNNER_OPTIONS = ("grow_cache", "reuse_buffers", "flush_denormals", "stop_spinning_after_run")
+# OrtRunner options that take one of several words rather than 0 / 1.
+WORD_OPTIONS = {"few_rows": ("auto", "never", "always")}
 
 
 def timed_decodes(runners: dict, mode, src, lengths, n: int, rounds: int) -> tuple[dict, dict, dict]:
@@ -61,7 +66,8 @@ def timed_decodes(runners: dict, mode, src, lengths, n: int, rounds: int) -> tup
 
 
 def parse_variants(p: argparse.ArgumentParser, values: list[str], names: tuple = ()) -> dict[str, dict]:
-    """``{label: {"export": DIR, "options": {name: bool}}}`` from ``LABEL=DIR[:OPTION=0|1...]``;
+    """``{label: {"export": DIR, "options": {name: value}}}`` from ``LABEL=DIR[:OPTION=VALUE...]``
+    (0 or 1 for :data:`RUNNER_OPTIONS`, a word of :data:`WORD_OPTIONS` for those);
     a ``DIR`` in ``names`` (such as ``demo``) is taken as it is, for the caller to resolve."""
     variants: dict[str, dict] = {}
     for v in values:
@@ -76,9 +82,15 @@ def parse_variants(p: argparse.ArgumentParser, values: list[str], names: tuple =
         options = {}
         for o in opts:
             name, _, value = o.partition("=")
+            if name in WORD_OPTIONS:
+                if value not in WORD_OPTIONS[name]:
+                    p.error(f"--variant {label}: {name} must be one of {WORD_OPTIONS[name]}, got {value!r}")
+                options[name] = value
+                continue
             if name not in RUNNER_OPTIONS or value not in ("0", "1"):
                 p.error(
-                    f"--variant {label}: expected OPTION=0 or OPTION=1 with OPTION one of {RUNNER_OPTIONS}, got {o!r}"
+                    f"--variant {label}: expected OPTION=0 or OPTION=1 with OPTION one of {RUNNER_OPTIONS}, "
+                    f"or one of {list(WORD_OPTIONS)}=WORD, got {o!r}"
                 )
             options[name] = value == "1"
         variants[label] = {"export": folder, "options": options}

@@ -345,7 +345,7 @@ def _torch_decoder_bytes(model) -> int:
 
 
 PREPARED = "prepared.json"
-PREPARED_VERSION = 7  # bumped when what prepare() records, or an export it makes, changes
+PREPARED_VERSION = 8  # bumped when what prepare() records, or an export it makes, changes
 
 
 def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict, dict, dict]:

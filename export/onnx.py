@@ -622,7 +622,8 @@ def export_onnx(
             :data:`export.quantize.DEFAULT_MAX_DROPS`: 0.5 for int8, 1.0 for int4).
         quantize_options: with ``quantize`` ``"int4"`` / ``"int8-nbits"``: ``block_size``,
             ``accuracy_level``, ``symmetric`` (:func:`export.quantize.resolve_settings`), checked
-            against the model's dimensions before anything is traced.
+            against the model's dimensions before anything is traced; with ``"int8"``:
+            ``few_rows`` (False: no few-row decoder step, :func:`export.quantize.few_rows_graph`).
         attention: the decoder step also outputs ``attention`` ``[batch, src_len]``, the last
             decoder layer's cross-attention averaged over its heads (validated like the other
             outputs; recorded as ``"attention": true`` in the manifest), which ONNX Runtime
@@ -658,7 +659,9 @@ def export_onnx(
             "or int8-nbits"
         )
     elif quantize_options:
-        raise UsageError(f"quantize_options {dict(quantize_options)} need --quantize int4 or int8-nbits")
+        raise UsageError(
+            f"quantize_options {dict(quantize_options)} need --quantize (int4 or int8-nbits; few_rows: int8)"
+        )
     output_dir = Path(output_dir).absolute()
     # None: the bundled demo model. A training run's best/, last/ and checkpoints/ are the trainer's.
     inputs = [] if model_dir is None else [("the model folder --model-dir", model_dir)]
@@ -1094,6 +1097,8 @@ def _run(args) -> int:
             "--gate-src / --gate-ref check quantized graphs: they need --quantize int8, int4 or int8-nbits"
         )
     quantize_options = nbits_options_from_args(args)
+    if args.quantize is None and quantize_options.pop("few_rows", None) is not None:
+        raise UsageError("--no-few-rows-graph sets what --quantize int8 writes: it needs --quantize int8")
     if args.quantize is None and quantize_options:
         raise UsageError(
             "--quant-block-size / --quant-accuracy-level / --quant-symmetric set a MatMulNBits scheme: "

@@ -71,6 +71,7 @@ from transformer_ext.cli import UsageError, add_debug_flag, run_cli
 from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
+    FEW_ROWS_DECODER_FILE,
     QUANTIZATION_SCHEMES,
     ExportError,
     manifest_quantization,
@@ -348,6 +349,7 @@ def quantize_graphs(
     import onnxruntime
 
     settings = resolve_settings(scheme, options, model_config)
+    want_few_rows = settings.pop("few_rows", False)
     graphs = {}
     for key, name in (("encoder", ENCODER_FILE), ("decoder_step", DECODER_FILE)):
         if "bits" in settings:
@@ -359,8 +361,73 @@ def quantize_graphs(
         section["kernel_compute"] = kernel_compute(
             settings["bits"], settings["block_size"], settings["accuracy_level"]
         )
+    if scheme == "int8":
+        section["few_rows"] = (
+            few_rows_graph(Path(src_dir), Path(dst_dir), model_config)
+            if want_few_rows and model_config is not None
+            else None
+        )
     section.update(cpu=cpu_description(), graphs=graphs, gate=None)
     return section
+
+
+# ------------------------------------------------------------------------------------------
+# The few-row decoder step of int8 exports
+# ------------------------------------------------------------------------------------------
+
+# When an int8 export's few-row decoder step (FEW_ROWS_DECODER_FILE: its weight products as 8-bit
+# MatMulNBits, accuracy_level 4) runs instead of the dynamic int8 one: steps of at most
+# "max_rows" rows on a runner with at least "min_threads" intra-op threads; its blocks are the
+# largest of BLOCK_SIZES that divides d_model and d_ff. Measured on `base` (6+6 x 512, 48
+# tokens) with benchmarks/ab_exports.py, the two graphs side by side in one process
+# (benchmarks/results/ab_few_rows_*_xeon.json, a 2-core Xeon with AVX-512 VNNI and AMX; the
+# README's int8 paragraph has the numbers): with 2 threads the few-row step decodes 1 and 2 rows
+# faster than the dynamic int8 one and 3 or more rows no faster; with 1 thread it is no faster
+# at any row count. ONNX Runtime's dynamic int8 product gains little from a second thread at one
+# row, where the MatMulNBits kernel splits its columns over both.
+FEW_ROWS = {"max_rows": 2, "min_threads": 2}
+FEW_ROWS_FLAG = "--no-few-rows-graph"
+FEW_ROWS_BLOCK_SIZE = 256  # blocks of 256 read the fewest scales and zero points (see above)
+
+
+def few_rows_block_size(model_config: Mapping[str, Any]) -> Optional[int]:
+    """The few-row step's block size: the largest of :data:`BLOCK_SIZES` up to
+    :data:`FEW_ROWS_BLOCK_SIZE` that divides ``d_model`` and ``d_ff``; None when none does."""
+    dims = (int(model_config["d_model"]), int(model_config["d_ff"]))
+    fits = [b for b in BLOCK_SIZES if b <= FEW_ROWS_BLOCK_SIZE and all(d % b == 0 for d in dims)]
+    return max(fits) if fits else None
+
+
+def few_rows_graph(src_dir: Path, dst_dir: Path, model_config: Mapping[str, Any]) -> Optional[dict]:
+    """Write ``dst_dir / FEW_ROWS_DECODER_FILE``, the float32 decoder step of ``src_dir`` with its
+    weight products as 8-bit ``MatMulNBits``; returns the manifest's ``quantization.few_rows``
+    entry (:func:`transformer_ext.export_format.manifest_few_rows`), or None, writing nothing,
+    when no block size fits the model or ONNX Runtime has no int8 ``MatMulNBits`` kernel on this
+    CPU (its float32 fallback is several times slower than the dynamic int8 step)."""
+    block = few_rows_block_size(model_config)
+    if block is None:
+        logger.info("no few-row decoder step: no MatMulNBits block size divides d_model and d_ff")
+        return None
+    settings = resolve_settings("int8-nbits", {"block_size": block}, model_config)
+    compute = kernel_compute(settings["bits"], block, settings["accuracy_level"])
+    if compute != "int8":
+        logger.info(
+            "no few-row decoder step: ONNX Runtime has no int8 MatMulNBits kernel on this CPU "
+            "(it would compute in float32, slower than the dynamic int8 step)"
+        )
+        return None
+    graph = _quantize_nbits_one(Path(src_dir) / DECODER_FILE, Path(dst_dir) / FEW_ROWS_DECODER_FILE, settings)
+    return {
+        "file": FEW_ROWS_DECODER_FILE,
+        **FEW_ROWS,
+        "scheme": "int8-nbits",
+        **{
+            k: settings[k] for k in ("method", "bits", "block_size", "accuracy_level", "symmetric", "weights")
+        },
+        "kernel_compute": compute,
+        "graph": graph,
+        "gate": None,
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -391,26 +458,38 @@ def resolve_settings(
     scheme: str, options: Optional[Mapping[str, Any]] = None, model_config: Optional[Mapping[str, Any]] = None
 ) -> dict:
     """The settings of ``scheme`` with ``options`` (``block_size``, ``accuracy_level``,
-    ``symmetric``; ``None`` values keep the scheme's default) applied and checked. With
-    ``model_config`` and no ``block_size`` given, the block size is :func:`default_block_size`.
+    ``symmetric`` of the MatMulNBits schemes, ``few_rows`` of ``int8``: whether to write the
+    few-row decoder step, default True; ``None`` values keep the scheme's default) applied and
+    checked. With ``model_config`` and no ``block_size`` given, the block size is
+    :func:`default_block_size`.
 
     Raises :class:`QuantizationError` naming the option and its allowed values, or saying that
     the scheme has no such option (``int8`` is dynamic quantization: no blocks).
     """
     settings = dict(SCHEMES[check_scheme(scheme)])
     given = {k: v for k, v in dict(options or {}).items() if v is not None}
-    unknown = sorted(set(given) - set(NBITS_OPTIONS))
+    unknown = sorted(set(given) - set(NBITS_OPTIONS) - {"few_rows"})
     if unknown:
         raise QuantizationUsageError(
-            f"unknown quantization option(s) {unknown}: expected {list(NBITS_OPTIONS)}"
+            f"unknown quantization option(s) {unknown}: expected {[*NBITS_OPTIONS, 'few_rows']}"
         )
+    if "few_rows" in given:
+        if scheme != "int8":
+            raise QuantizationUsageError(
+                f"{FEW_ROWS_FLAG} applies to --quantize int8 (its few-row decoder step); --quantize "
+                f"{scheme} writes one decoder step"
+            )
+        if not isinstance(given["few_rows"], (bool, np.bool_)):
+            raise QuantizationUsageError(f"few_rows must be true or false, got {given['few_rows']!r}")
     if "bits" not in settings:
-        if given:
-            flags = ", ".join(NBITS_OPTIONS[k] for k in sorted(given))
+        nbits = sorted(set(given) - {"few_rows"})
+        if nbits:
+            flags = ", ".join(NBITS_OPTIONS[k] for k in nbits)
             raise QuantizationUsageError(
                 f"{flags} set the blocks of a MatMulNBits scheme ({', '.join(NBITS_SCHEMES)}); "
                 f"--quantize {scheme} is dynamic quantization with one scale per output channel"
             )
+        settings["few_rows"] = bool(given.get("few_rows", True))
         return settings
     if "block_size" in given:
         value = given["block_size"]
@@ -789,12 +868,14 @@ def _heldout_batch(folder: Path):
     return ids, lengths, references
 
 
-def _greedy_all(folder: Path, ids: np.ndarray, lengths: np.ndarray, batch: int = 64) -> list[list[int]]:
+def _greedy_all(
+    folder: Path, ids: np.ndarray, lengths: np.ndarray, batch: int = 64, few_rows: str = "never"
+) -> list[list[int]]:
     from transformer_ext.decoding import max_new_tokens_for
     from transformer_ext.export_format import read_generation_config
     from transformer_ext.runtimes import OrtRunner
 
-    runner = OrtRunner(folder, intra_op_num_threads=2)
+    runner = OrtRunner(folder, intra_op_num_threads=2, few_rows=few_rows)
     gen = read_generation_config(folder, runner.manifest)
     out: list[list[int]] = []
     for start in range(0, len(ids), batch):
@@ -819,19 +900,36 @@ def default_max_drops(scheme: str) -> tuple[float, float]:
     return DEFAULT_MAX_DROPS[check_scheme(scheme)]
 
 
+def _gated_graphs(scheme: str, few_rows: bool) -> str:
+    """How a gate's error names the graphs it refused."""
+    if few_rows:
+        return f"{scheme} few-row decoder step ({FEW_ROWS_DECODER_FILE}, 8-bit MatMulNBits; {FEW_ROWS_FLAG} exports without it)"
+    return f"{scheme} graphs"
+
+
 def quality_gate(
-    float_dir: Path, int8_dir: Path, max_em_drop: float = DEFAULT_MAX_EM_DROP, *, scheme: str = "int8"
+    float_dir: Path,
+    int8_dir: Path,
+    max_em_drop: float = DEFAULT_MAX_EM_DROP,
+    *,
+    scheme: str = "int8",
+    few_rows: bool = False,
 ) -> dict:
     """Greedy exact match of both folders on the demo held-out set; raises :class:`QualityGateError`
     when the quantized one (``int8_dir``, made by ``scheme``) is more than ``max_em_drop`` points
-    below float32. Returns the gate's record (keys named after :func:`_label`)."""
+    below float32. Returns the gate's record (keys named after :func:`_label`). ``few_rows``: the
+    quantized decodes run every step through the folder's few-row decoder step instead
+    (``OrtRunner(few_rows="always")``), which gates that graph at every row count."""
     max_em_drop = _check_max_drop(max_em_drop)
     label = _label(check_scheme(scheme))
     t0 = time.perf_counter()
     ids, lengths, references = _heldout_batch(Path(float_dir))
     eos = int(read_manifest(float_dir)["model_config"]["eos_id"])
     f32 = [_strip_eos(t, eos) for t in _greedy_all(Path(float_dir), ids, lengths)]
-    qnt = [_strip_eos(t, eos) for t in _greedy_all(Path(int8_dir), ids, lengths)]
+    qnt = [
+        _strip_eos(t, eos)
+        for t in _greedy_all(Path(int8_dir), ids, lengths, few_rows="always" if few_rows else "never")
+    ]
     n = len(references)
     em_f32 = 100.0 * sum(a == r for a, r in zip(f32, references, strict=True)) / n
     em_q = 100.0 * sum(a == r for a, r in zip(qnt, references, strict=True)) / n
@@ -846,10 +944,12 @@ def quality_gate(
         f"{label}_equal_to_float32": round(agree, 4),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    if few_rows:
+        record["graph"] = FEW_ROWS_DECODER_FILE
     logger.info("%s quality gate: %s", scheme, record)
     if em_f32 - em_q > max_em_drop + 1e-9:
         raise QualityGateError(
-            f"the {scheme} graphs fail the quality gate: exact match {em_q:.2f}% vs {em_f32:.2f}% for "
+            f"the {_gated_graphs(scheme, few_rows)} fail the quality gate: exact match {em_q:.2f}% vs {em_f32:.2f}% for "
             f"float32 on {n} held-out examples, {em_f32 - em_q:.2f} points lower (at most {max_em_drop:g} "
             "allowed); nothing was written"
         )
@@ -863,11 +963,15 @@ def bleu_gate(
     max_bleu_drop: float = DEFAULT_MAX_BLEU_DROP,
     *,
     scheme: str = "int8",
+    few_rows: bool = False,
 ) -> dict:
     """Greedy translations of ``data.sources`` by both folders, BLEU against ``data.references``
     (sacrebleu); raises :class:`QualityGateError` when the quantized BLEU (``int8_dir``, made by
-    ``scheme``) is more than ``max_bleu_drop`` points below float32's. Returns the gate's record."""
+    ``scheme``) is more than ``max_bleu_drop`` points below float32's. Returns the gate's record.
+    ``few_rows``: every quantized step through the folder's few-row decoder step (as for
+    :func:`quality_gate`)."""
     from transformer_ext.evaluate import score_texts
+    from transformer_ext.runtimes import OrtRunner
     from transformer_ext.translate import Translator
 
     max_bleu_drop = _check_max_drop(max_bleu_drop, "max_bleu_drop")
@@ -876,6 +980,8 @@ def bleu_gate(
     hyps = {}
     for name, folder in (("float32", float_dir), (label, int8_dir)):
         translator = Translator.from_export_dir(folder, threads=2)
+        if few_rows and name == label:
+            translator.runner = OrtRunner(folder, intra_op_num_threads=2, few_rows="always")
         hyps[name] = translator.translate(data.sources, beam_size=1, progress=True)
     scores = {name: score_texts(h, data.references) for name, h in hyps.items()}
     b32, bq = scores["float32"]["bleu"], scores[label]["bleu"]
@@ -892,10 +998,12 @@ def bleu_gate(
         f"{label}_equal_to_float32": round(agree, 4),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    if few_rows:
+        record["graph"] = FEW_ROWS_DECODER_FILE
     logger.info("%s BLEU gate: %s", scheme, record)
     if b32 - bq > max_bleu_drop + 1e-9:
         raise QualityGateError(
-            f"the {scheme} graphs fail the BLEU gate: BLEU {bq:.2f} vs {b32:.2f} for float32 on {n} "
+            f"the {_gated_graphs(scheme, few_rows)} fail the BLEU gate: BLEU {bq:.2f} vs {b32:.2f} for float32 on {n} "
             f"sentences of {data.src}, {b32 - bq:.2f} points lower (at most {max_bleu_drop:g} allowed); "
             "nothing was written"
         )
@@ -969,14 +1077,20 @@ def quantize_folder(
         quantized_manifest = dict(manifest, quantization=section)
         quantized_manifest["files"] = folder_files(tmp_dir)
         write_manifest(tmp_dir, quantized_manifest)
-        if gate and gate_data is not None:
-            section["gate"] = bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop, scheme=scheme)
-        elif gate:
-            section["gate"] = quality_gate(folder, tmp_dir, max_em_drop, scheme=scheme)
-        else:
+        few_rows = section.get("few_rows")
+        for graph in (False, True) if few_rows else (False,):
+            if gate and gate_data is not None:
+                record = bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop, scheme=scheme, few_rows=graph)
+            elif gate:
+                record = quality_gate(folder, tmp_dir, max_em_drop, scheme=scheme, few_rows=graph)
+            else:
+                record = None
+            (few_rows if graph else section)["gate"] = record
+        if not gate:
             logger.warning("%s quality gate skipped (validation off)", scheme)
-        for name in (ENCODER_FILE, DECODER_FILE):
-            os.replace(tmp_dir / name, folder / name)
+        for name in (ENCODER_FILE, DECODER_FILE, FEW_ROWS_DECODER_FILE):
+            if name != FEW_ROWS_DECODER_FILE or few_rows:
+                os.replace(tmp_dir / name, folder / name)
     quantized_manifest["quantization"] = section
     quantized_manifest["files"] = folder_files(folder)
     write_manifest(folder, quantized_manifest)
@@ -1124,6 +1238,17 @@ def add_nbits_arguments(p: argparse.ArgumentParser) -> None:
         + f" (default {d['accuracy_level']}; without an int8 kernel ONNX Runtime uses float32)",
     )
     p.add_argument(
+        FEW_ROWS_FLAG,
+        dest="few_rows_graph",
+        action="store_const",
+        const=False,
+        default=None,
+        help=f"int8: write no few-row decoder step ({FEW_ROWS_DECODER_FILE}: 8-bit MatMulNBits weights, "
+        f"which ONNX Runtime runs faster than the dynamic int8 step at steps of at most "
+        f"{FEW_ROWS['max_rows']} rows with {FEW_ROWS['min_threads']} or more threads; written by default "
+        "where this CPU has an int8 MatMulNBits kernel, gated like the other graphs)",
+    )
+    p.add_argument(
         NBITS_OPTIONS["symmetric"],
         dest="quant_symmetric",
         action="store_const",
@@ -1141,6 +1266,7 @@ def nbits_options_from_args(args: argparse.Namespace) -> dict:
         "block_size": args.quant_block_size,
         "accuracy_level": args.quant_accuracy_level,
         "symmetric": args.quant_symmetric,
+        "few_rows": getattr(args, "few_rows_graph", None),
     }
     return {k: v for k, v in values.items() if v is not None}
 
@@ -1204,6 +1330,20 @@ def quantization_summary(manifest: dict) -> str:
             f"{k} {v['quantized_nodes']} {op}, {v['initializer_bytes'] / 2**20:.1f} MiB" for k, v in g.items()
         )
     ]
+    few = q.get("few_rows")
+    if few:
+        lines.append(
+            f"few-row decoder step {few['file']}: 8-bit MatMulNBits, blocks of {few['block_size']}, "
+            f"{few['graph']['initializer_bytes'] / 2**20:.1f} MiB; runs steps of at most {few['max_rows']} rows "
+            f"with {few['min_threads']}+ threads"
+            + (
+                f" (gate: exact match {few['gate'][f'exact_match_{label}']:.2f}%)"
+                if few.get("gate") and f"exact_match_{label}" in few["gate"]
+                else f" (gate: BLEU {few['gate'][f'bleu_{label}']:.2f})"
+                if few.get("gate")
+                else ""
+            )
+        )
     gate = q.get("gate")
     if gate and f"bleu_{label}" in gate:
         lines.append(

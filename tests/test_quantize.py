@@ -30,6 +30,7 @@ from export.quantize import QualityGateError, QuantizationError, quantize_export
 from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
+    FEW_ROWS_DECODER_FILE,
     MANIFEST_NAME,
     ManifestError,
     manifest_quantization,
@@ -71,7 +72,8 @@ def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
 
 
 def test_folder_is_complete_with_the_float32_file_names(tiny_float, tiny_int8):
-    assert set(os.listdir(tiny_int8)) == set(os.listdir(tiny_float)) == FLOAT32_FILES
+    assert set(os.listdir(tiny_float)) == FLOAT32_FILES
+    assert set(os.listdir(tiny_int8)) == FLOAT32_FILES | {FEW_ROWS_DECODER_FILE}
     manifest = read_manifest(tiny_int8)
     assert sorted(manifest["files"]) == sorted(os.listdir(tiny_int8))
     assert manifest["graphs"] == read_manifest(tiny_float)["graphs"]  # same inputs and outputs
@@ -127,17 +129,23 @@ def test_int8_decodes_close_to_float32(tiny_float, tiny_int8):
 # ------------------------------------------------------------------------------------------
 
 
-def test_demo_gate_passes_and_matches_an_independent_count(demo_int8):
+@pytest.mark.parametrize("few_rows", ["never", "always"])
+def test_demo_gate_passes_and_matches_an_independent_count(demo_int8, few_rows):
     """The gate's recorded exact match equals a count made here from texts: the int8 folder
-    translated by Translator.from_export_dir, compared with data.target_text."""
+    translated by Translator.from_export_dir, compared with data.target_text; for the dynamic
+    int8 step and for the few-row step (every step through it)."""
     from transformer_ext import data
+    from transformer_ext.runtimes import OrtRunner
     from transformer_ext.translate import Translator
 
-    gate = manifest_quantization(read_manifest(demo_int8))["gate"]
+    q = manifest_quantization(read_manifest(demo_int8))
+    gate = q["few_rows"]["gate"] if few_rows == "always" else q["gate"]
+    assert gate.get("graph") == (FEW_ROWS_DECODER_FILE if few_rows == "always" else None)
     numbers = data.split_numbers().heldout
     assert gate["examples"] == len(numbers)
     assert gate["drop_points"] <= 0.2 and gate["exact_match_float32"] - gate["exact_match_int8"] <= 0.2
     translator = Translator.from_export_dir(demo_int8)
+    translator.runner = OrtRunner(demo_int8, few_rows=few_rows)
     outputs = translator.translate([data.source_text(n) for n in numbers], beam_size=1)
     hits = sum(out == data.target_text(n) for out, n in zip(outputs, numbers))
     assert 100.0 * hits / len(numbers) == pytest.approx(gate["exact_match_int8"], abs=1e-3)
@@ -152,7 +160,7 @@ def test_failing_gate_says_by_how_much_and_writes_nothing(tiny_float, tmp_path, 
     monkeypatch.setattr(
         quant,
         "_greedy_all",
-        lambda folder, ids, lengths: [
+        lambda folder, ids, lengths, few_rows="never": [
             [5, 6, 7] if quant.manifest_quantization(read_manifest(folder)) is None or i else [5, 6]
             for i in range(10)
         ],

@@ -49,6 +49,7 @@ __all__ = [
     "MANIFEST_NAME",
     "ENCODER_FILE",
     "DECODER_FILE",
+    "FEW_ROWS_DECODER_FILE",
     "TOKENIZER_FILE",
     "GENERATION_FILE",
     "GRAPH_FILES",
@@ -80,6 +81,7 @@ __all__ = [
     "manifest_max_positions",
     "manifest_max_cache_len",
     "manifest_quantization",
+    "manifest_few_rows",
     "quantization_cpu_warning",
     "HASHES_KEY",
     "file_sha256",
@@ -141,6 +143,11 @@ FLAVOURS = ("portable", "tensorscatter", "ort")
 # its settings, per-graph node counts, the quality gate). "int8": dynamic quantization
 # (MatMulInteger); "int4", "int8-nbits": block-wise weight-only MatMulNBits (com.microsoft).
 QUANTIZATION_SCHEMES = ("int8", "int4", "int8-nbits")
+# An int8 export's second decoder step for steps of few rows (the manifest's
+# "quantization.few_rows" section, :func:`manifest_few_rows`): the same inputs and outputs, its
+# weight products as 8-bit MatMulNBits, whose kernel outruns the dynamic int8 products at one or
+# two rows with two or more threads (export/quantize.py, FEW_ROWS).
+FEW_ROWS_DECODER_FILE = "decoder_step_few_rows.onnx"
 
 # Named (dynamic) axes of the graphs.
 BATCH, SRC_LEN, CACHE_LEN = "batch", "src_len", "cache_len"
@@ -589,6 +596,37 @@ def manifest_quantization(manifest: Mapping[str, Any]) -> Optional[dict]:
             f"{list(QUANTIZATION_SCHEMES)}, got {_show(section)}"
         )
     return dict(section)
+
+
+def manifest_few_rows(manifest: Mapping[str, Any]) -> Optional[dict]:
+    """The quantization section's ``"few_rows"`` entry (an int8 export's decoder step for steps of
+    at most ``max_rows`` rows run with at least ``min_threads`` intra-op threads, in the file
+    ``file``), or ``None`` when the export has none. Raises :class:`ManifestError` for an entry
+    of another shape, naming the key."""
+    section = manifest_quantization(manifest)
+    entry = section.get("few_rows") if section else None
+    if entry is None:
+        return None
+    if not isinstance(entry, Mapping):
+        raise ManifestError(
+            f"{MANIFEST_NAME}: quantization.few_rows must be null or an object, got {_show(entry)}"
+        )
+    if entry.get("file") != FEW_ROWS_DECODER_FILE:
+        raise ManifestError(
+            f"{MANIFEST_NAME}: quantization.few_rows.file must be {FEW_ROWS_DECODER_FILE!r}, got {_show(entry.get('file'))}"
+        )
+    for key in ("max_rows", "min_threads"):
+        value = entry.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ManifestError(
+                f"{MANIFEST_NAME}: quantization.few_rows.{key} must be an integer >= 1, got {_show(value)}"
+            )
+    files = manifest.get("files")
+    if isinstance(files, list) and FEW_ROWS_DECODER_FILE not in files:
+        raise ManifestError(
+            f"{MANIFEST_NAME}: quantization.few_rows names {FEW_ROWS_DECODER_FILE}, which is not in its files list"
+        )
+    return dict(entry)
 
 
 # The instruction-set extensions whose absence makes ONNX Runtime run other quantized kernels

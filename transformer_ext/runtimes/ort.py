@@ -52,11 +52,13 @@ from transformer_ext.export_format import (
     ATTENTION_OUTPUT,
     DECODER_FILE,
     ENCODER_FILE,
+    FEW_ROWS_DECODER_FILE,
     MANIFEST_NAME,
     InvalidGraphError,
     check_io,
     cross_per_source,
     dtype_from_ort,
+    manifest_few_rows,
     manifest_max_cache_len,
     manifest_quantization,
     quantization_cpu_warning,
@@ -77,6 +79,7 @@ __all__ = [
     "DISABLED_OPTIMIZERS",
     "CACHE_GROWTH",
     "FORCE_SPINNING_STOP",
+    "FEW_ROWS_MODES",
 ]
 
 CACHE_GROWTH = 16  # positions a growing cache gains at a time (the module docstring says why 16)
@@ -92,6 +95,9 @@ CACHE_GROWTH = 16  # positions a growing cache gains at a time (the module docst
 # beam 4 batch 64 / 16 1.03 / 1.05x, greedy batch 16 / 1 1.18 / 1.10x; the same tokens. Threads
 # still spin within a run, where a sleeping thread's wake-up would cost each operator.
 FORCE_SPINNING_STOP = "session.force_spinning_stop"
+
+# OrtRunner's ``few_rows`` choices (the class docstring).
+FEW_ROWS_MODES = ("auto", "never", "always")
 
 
 def _call(fn, *args, **kwargs):
@@ -118,7 +124,7 @@ DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 class OrtState(CacheStateViews):
     """Decoding state of :class:`OrtRunner` for N = batch * num_beams rows."""
 
-    binding: Any  # ort.IOBinding, bound once to the buffers below
+    binding: Any  # ort.IOBinding of ``session``, bound to the buffers below (OrtRunner._bind)
     input_ids: np.ndarray  # [N, 1] int64, refilled every step
     positions: np.ndarray  # [N] int64, refilled every step
     src_lengths: np.ndarray  # [N] int64
@@ -135,6 +141,7 @@ class OrtState(CacheStateViews):
     # ``max_cache_len - CACHE_GROWTH * k`` of them at a time (the module docstring)
     max_cache_len: int = 0
     beams: int = 1  # rows per cross-attention row
+    session: Any = None  # the decoder step session that runs this state's steps (``binding``'s)
 
     @property
     def cache_len(self) -> int:
@@ -187,6 +194,15 @@ class OrtRunner(decoding.SearchMethods):
             apply (``denormals.AVAILABLE``).
         manifest: the folder's manifest, when the caller has read it already
             (:func:`transformer_ext.runtimes.open_export_dir` does); else it is read here.
+        few_rows: when an int8 export's few-row decoder step (``decoder_step_few_rows.onnx``, its
+            weight products as 8-bit ``MatMulNBits``; the manifest's ``quantization.few_rows``)
+            runs instead of ``decoder_step.onnx``: ``"auto"`` (default) for steps of at most its
+            ``max_rows`` rows when the runner has at least its ``min_threads`` intra-op threads,
+            runs on the CPU provider only and this CPU has the int8-kernel flags the exporting
+            CPU had; ``"never"``; ``"always"`` every step, at any row count (the quality gate
+            checks the graph so; an export without one is then a ValueError). Both graphs take
+            the same buffers, so a decode's rows may move from one to the other when finished
+            sources are removed.
 
     ``info`` (:class:`~transformer_ext.runtimes.info.RunnerInfo`) describes the model, the
     export's cache capacity, its precision and flavour.
@@ -210,7 +226,10 @@ class OrtRunner(decoding.SearchMethods):
         grow_cache: bool = True,
         reuse_buffers: bool = True,
         flush_denormals: bool = True,
+        few_rows: str = "auto",
     ):
+        if few_rows not in FEW_ROWS_MODES:
+            raise ValueError(f"few_rows must be one of {list(FEW_ROWS_MODES)}, got {few_rows!r}")
         for name, value in (
             ("grow_cache", grow_cache),
             ("reuse_buffers", reuse_buffers),
@@ -286,6 +305,7 @@ class OrtRunner(decoding.SearchMethods):
             _io(self.decoder.get_inputs()),
             _io(self.decoder.get_outputs()),
         )
+        self._few, self._few_max_rows = self._few_rows_session(few_rows, session_options)
         self._encoder_outputs = [o["name"] for o in graphs["encoder"]["outputs"]]
         # The step takes the cross-attention K/V once per source (format version 4 on)
         self.cross_per_source = cross_per_source(graphs)
@@ -303,6 +323,47 @@ class OrtRunner(decoding.SearchMethods):
             self.info.flavour,
             self.decoder.get_providers(),
         )
+
+    def _few_rows_session(
+        self, mode: str, options: ort.SessionOptions
+    ) -> tuple[Optional[ort.InferenceSession], Optional[int]]:
+        """The few-row decoder step's session and the most rows it runs (None: every step), or
+        ``(None, 0)`` when the runner does not use one (``few_rows``, the class docstring)."""
+        entry = manifest_few_rows(self.manifest)
+        if entry is None or mode == "never":
+            if mode == "always":
+                raise ValueError(
+                    f"few_rows='always': {self.export_dir} has no few-row decoder step "
+                    f"({FEW_ROWS_DECODER_FILE}; python -m export.onnx --quantize int8 writes one)"
+                )
+            return None, 0
+        if mode == "auto":
+            threads = options.intra_op_num_threads or os.cpu_count() or 1  # 0: ONNX Runtime's default
+            if not self._cpu_only():
+                reason = f"providers {self.providers} (it is for the CPU provider)"
+            elif threads < entry["min_threads"]:
+                reason = f"{threads} intra-op thread(s), fewer than its {entry['min_threads']}"
+            elif quantization_cpu_warning(self.manifest):
+                reason = "this CPU lacks int8-kernel flags the exporting CPU had"
+            else:
+                reason = None
+            if reason:
+                logger.info("%s: few-row decoder step not used: %s", self.export_dir, reason)
+                return None, 0
+        session = self._call(self._session, FEW_ROWS_DECODER_FILE, options)
+        check_io(
+            FEW_ROWS_DECODER_FILE,
+            self.manifest["graphs"]["decoder_step"],
+            _io(session.get_inputs()),
+            _io(session.get_outputs()),
+        )
+        return session, (entry["max_rows"] if mode == "auto" else None)
+
+    def _decoder_for(self, rows: int) -> ort.InferenceSession:
+        """The decoder step session for steps of ``rows`` rows."""
+        if self._few is not None and (self._few_max_rows is None or rows <= self._few_max_rows):
+            return self._few
+        return self.decoder
 
     def _cpu_only(self) -> bool:
         """Whether every provider asked for is the CPU one (``DISABLED_OPTIMIZERS`` is about its kernels)."""
@@ -366,7 +427,7 @@ class OrtRunner(decoding.SearchMethods):
         cross_keys = [cross(outs[f"cross_key.{i}"]) for i in range(info.n_layers)]
         cross_values = [cross(outs[f"cross_value.{i}"]) for i in range(info.n_layers)]
         state = OrtState(
-            binding=self.decoder.io_binding(),
+            binding=None,  # made by _bind
             input_ids=np.zeros((N, 1), dtype=np.int64),
             positions=np.zeros(N, dtype=np.int64),
             src_lengths=rows(lengths),
@@ -393,7 +454,9 @@ class OrtRunner(decoding.SearchMethods):
         return state
 
     def _bind(self, state: OrtState) -> None:
-        b = state.binding
+        """A new IO binding of the session for ``state``'s row count, bound to its buffers."""
+        state.session = self._decoder_for(state.num_rows)
+        b = state.binding = state.session.io_binding()
 
         def bind_in(name: str, arr: np.ndarray) -> None:
             b.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
@@ -464,7 +527,7 @@ class OrtRunner(decoding.SearchMethods):
             cache = self._grow(state)
         state.input_ids[:, 0] = tok
         state.positions.fill(p)
-        self._call(self.decoder.run_with_iobinding, state.binding)
+        self._call(state.session.run_with_iobinding, state.binding)
         if self.info.flavour == "portable":
             cache.append_()  # every layer's new K/V at position p: one copy per buffer
         cache.end_step()
@@ -488,7 +551,6 @@ class OrtRunner(decoding.SearchMethods):
         cache.values[:, :, :p] = old.values[:, :, :p]
         cache.length = p
         state.cache = cache
-        state.binding = self.decoder.io_binding()
         self._bind(state)
         return cache
 
@@ -552,5 +614,4 @@ class OrtRunner(decoding.SearchMethods):
         state.logits = state.logits[:M]
         if state.attention is not None:
             state.attention = state.attention[:M]
-        state.binding = self.decoder.io_binding()
         self._bind(state)
