@@ -220,3 +220,24 @@ def test_ab_exports_takes_the_option_as_a_word(tiny_int8):
     }
     with pytest.raises(SystemExit):
         ab_exports.parse_variants(p, [f"a={tiny_int8}:few_rows=1", f"b={tiny_int8}"])
+
+
+def test_not_written_without_an_int8_kernel_and_not_used_on_a_lesser_cpu(
+    tiny_float, tiny_int8, tmp_path, monkeypatch
+):
+    """Where ONNX Runtime would run 8-bit MatMulNBits in float32, no few-row step is written; a
+    runner on a CPU lacking an int8-kernel flag of the exporting CPU does not use one (auto)."""
+    import transformer_ext.runtimes.ort as ort_module
+
+    with monkeypatch.context() as m:
+        m.setattr(quant, "kernel_compute", lambda bits, block, level: "float32")
+        out = tmp_path / "no_kernel"
+        q = manifest_quantization(quantize_export(tiny_float, out, "int8", gate=False))
+    assert q["few_rows"] is None and not (out / FEW_ROWS_DECODER_FILE).exists()
+    monkeypatch.setattr(
+        ort_module, "quantization_cpu_warning", lambda manifest, folder="": "lacks avx512_vnni"
+    )
+    runner = OrtRunner(tiny_int8, intra_op_num_threads=2)
+    assert runner.encode(*_sources(runner, 1), cache_len=8).session is runner.decoder
+    always = OrtRunner(tiny_int8, intra_op_num_threads=2, few_rows="always")  # asked for: used
+    assert always.encode(*_sources(always, 1), cache_len=8).session is not always.decoder
