@@ -402,8 +402,16 @@ def few_rows_graph(src_dir: Path, dst_dir: Path, model_config: Mapping[str, Any]
     """Write ``dst_dir / FEW_ROWS_DECODER_FILE``, the float32 decoder step of ``src_dir`` with its
     weight products as 8-bit ``MatMulNBits``; returns the manifest's ``quantization.few_rows``
     entry (:func:`transformer_ext.export_format.manifest_few_rows`), or None, writing nothing,
-    when no block size fits the model or ONNX Runtime has no int8 ``MatMulNBits`` kernel on this
-    CPU (its float32 fallback is several times slower than the dynamic int8 step)."""
+    when no block size fits the model, ONNX Runtime has no int8 ``MatMulNBits`` kernel on this
+    CPU (its float32 fallback is several times slower than the dynamic int8 step), or the float32
+    step keeps its weights in an external ``.data`` file (a model over 2 GiB)."""
+    if (Path(src_dir) / (DECODER_FILE + ".data")).exists():
+        logger.info(
+            "no few-row decoder step: the float32 step keeps its weights in %s.data (over 2 GiB), "
+            "and the few-row step is written as one file",
+            DECODER_FILE,
+        )
+        return None
     block = few_rows_block_size(model_config)
     if block is None:
         logger.info("no few-row decoder step: no MatMulNBits block size divides d_model and d_ff")

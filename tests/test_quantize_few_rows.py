@@ -241,3 +241,20 @@ def test_not_written_without_an_int8_kernel_and_not_used_on_a_lesser_cpu(
     assert runner.encode(*_sources(runner, 1), cache_len=8).session is runner.decoder
     always = OrtRunner(tiny_int8, intra_op_num_threads=2, few_rows="always")  # asked for: used
     assert always.encode(*_sources(always, 1), cache_len=8).session is not always.decoder
+
+
+def test_not_written_for_a_step_with_external_weights(tiny_float, tmp_path):
+    """A float32 step over 2 GiB keeps its weights in decoder_step.onnx.data: no few-row step."""
+    import shutil
+
+    src = tmp_path / "f32"
+    shutil.copytree(tiny_float, src)
+    (src / (DECODER_FILE + ".data")).write_bytes(b"")
+    dst = tmp_path / "out"
+    dst.mkdir()
+    assert quant.few_rows_graph(src, dst, read_manifest(tiny_float)["model_config"]) is None
+    assert os.listdir(dst) == []
+    assert (
+        quant.few_rows_graph(tiny_float, dst, read_manifest(tiny_float)["model_config"])["file"]
+        == FEW_ROWS_DECODER_FILE
+    )
