@@ -637,7 +637,17 @@ def export_quantization(path: str) -> Optional[dict]:
     if not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
         return None
     q = manifest_quantization(read_manifest(path))
-    return {k: q[k] for k in QUANTIZATION_KEYS if k in q} if q else None
+    if not q:
+        return None
+    out = {k: q[k] for k in QUANTIZATION_KEYS if k in q}
+    if "few_rows" in q:  # an int8 export's few-row decoder step: when OrtRunner runs it, its blocks
+        few = q["few_rows"]
+        out["few_rows"] = (
+            {k: few[k] for k in ("file", "max_rows", "min_threads", "bits", "block_size", "kernel_compute")}
+            if few
+            else None
+        )
+    return out
 
 
 def parse_setting(text: str):

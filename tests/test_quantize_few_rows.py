@@ -258,3 +258,17 @@ def test_not_written_for_a_step_with_external_weights(tiny_float, tmp_path):
         quant.few_rows_graph(tiny_float, dst, read_manifest(tiny_float)["model_config"])["file"]
         == FEW_ROWS_DECODER_FILE
     )
+
+
+def test_bench_decode_records_the_step(tiny_float, tiny_int8):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_decode
+
+    q = bench_decode.export_quantization(str(tiny_int8))
+    assert (
+        q["few_rows"]["file"] == FEW_ROWS_DECODER_FILE
+        and q["few_rows"]["max_rows"] == quant.FEW_ROWS["max_rows"]
+    )
+    assert bench_decode.export_quantization(str(tiny_float)) is None
