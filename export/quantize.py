@@ -15,7 +15,10 @@ quantized with ``reduce_range`` (7-bit): ONNX Runtime's u8 x s8 kernels on CPUs 
 add pairs of products in 16 bits (``VPMADDUBSW``), which saturates with full-range int8 weights
 (measured on the demo model: see :data:`SCHEMES`). Embedding lookups (``Gather``), attention
 products over the caches, layer norms and softmax stay float32. int8 graphs are for ONNX
-Runtime: the TensorRT builder and its readiness check refuse them.
+Runtime: the TensorRT builder and its readiness check refuse them. An int8 folder also holds a
+few-row decoder step (``decoder_step_few_rows.onnx``, :func:`few_rows_graph`): the float32 step
+with its weight products as 8-bit ``MatMulNBits``, which ``OrtRunner`` runs for steps of few rows
+(:data:`FEW_ROWS`); it passes the same gate as the other graphs, every step through it.
 
 Schemes ``int4`` and ``int8-nbits``: weight-only, block-wise quantization written here
 (:func:`quantize_blocks`, :func:`_quantize_nbits_one`): every ``MatMul`` and ``Gemm`` whose weight
