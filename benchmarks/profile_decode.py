@@ -153,10 +153,14 @@ def operators(export_dir, mode, batch, threads, n_tokens):
         rng = np.random.default_rng(0)
         src = rng.integers(4, runner.info.src_vocab_size, size=(batch, SRC_LEN))
         _decode(runner, mode, src, np.full(batch, SRC_LEN), n_tokens)
-        path = runner.decoder.end_profiling()
+        events, runs = [], {}
+        # every step session the runner may run (an int8 export's few-row step as well)
+        for name, session in runner.step_sessions.items():
+            with open(session.end_profiling(), encoding="utf-8") as f:
+                mine = json.load(f)
+            runs[name] = sum(1 for e in mine if e.get("name") == "model_run")
+            events += mine
         runner.encoder.end_profiling()
-        with open(path, encoding="utf-8") as f:
-            events = json.load(f)
     per_op, count = collections.Counter(), collections.Counter()
     run_us = 0
     for e in events:
@@ -167,6 +171,7 @@ def operators(export_dir, mode, batch, threads, n_tokens):
         elif e.get("name") == "model_run":
             run_us += e["dur"]
     return {
+        "step_runs_by_graph": runs,
         "model_run_ms_per_step": round(run_us / n_tokens / 1e3, 3),
         "nodes_per_step": round(sum(count.values()) / n_tokens, 1),
         "ops": {

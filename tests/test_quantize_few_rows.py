@@ -106,6 +106,10 @@ def test_the_runner_chooses_by_rows_and_threads(tiny_int8):
         assert runner.encode(*_sources(runner, 1), cache_len=8).session is runner.decoder
     always = OrtRunner(tiny_int8, intra_op_num_threads=1, few_rows="always")
     assert always.encode(*_sources(always, 5), cache_len=8).session is not always.decoder
+    # the sessions a profiler reads (benchmarks/profile_decode.py)
+    assert list(two.step_sessions) == [DECODER_FILE, FEW_ROWS_DECODER_FILE]
+    assert two.step_sessions[FEW_ROWS_DECODER_FILE] is state.session
+    assert list(OrtRunner(tiny_int8, intra_op_num_threads=1).step_sessions) == [DECODER_FILE]
 
 
 def test_bad_runner_option_and_always_without_the_graph(tiny_float, tiny_int8):

@@ -359,6 +359,15 @@ class OrtRunner(decoding.SearchMethods):
         )
         return session, (entry["max_rows"] if mode == "auto" else None)
 
+    @property
+    def step_sessions(self) -> dict[str, ort.InferenceSession]:
+        """The decoder step sessions this runner may run, by file: ``decoder_step.onnx`` and,
+        when the runner uses one, the few-row step's."""
+        sessions = {DECODER_FILE: self.decoder}
+        if self._few is not None:
+            sessions[FEW_ROWS_DECODER_FILE] = self._few
+        return sessions
+
     def _decoder_for(self, rows: int) -> ort.InferenceSession:
         """The decoder step session for steps of ``rows`` rows."""
         if self._few is not None and (self._few_max_rows is None or rows <= self._few_max_rows):
