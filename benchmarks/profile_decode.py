@@ -18,7 +18,8 @@ Two passes per case, in this process (ONNX Runtime only, no torch):
 * **operators**: one decode with ONNX Runtime's profiler on; the kernel time of every node,
   summed per operator type and divided by the steps. The profiler adds a fixed cost per node,
   so its total is larger than the split's step time: compare operator types with each other
-  and across cases, not with the split.
+  and across cases, not with the split. Every step session the runner may run is profiled (an
+  int8 export's few-row step too); ``step_runs_by_graph`` counts the steps each one ran.
 
 Writes JSON (``--out``, default ``benchmarks/results/profile_decode.json``) and prints a table.
 """
