@@ -1089,19 +1089,20 @@ def quantize_folder(
         quantized_manifest["files"] = folder_files(tmp_dir)
         write_manifest(tmp_dir, quantized_manifest)
         few_rows = section.get("few_rows")
-        for graph in (False, True) if few_rows else (False,):
-            if gate and gate_data is not None:
-                record = bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop, scheme=scheme, few_rows=graph)
-            elif gate:
-                record = quality_gate(folder, tmp_dir, max_em_drop, scheme=scheme, few_rows=graph)
-            else:
-                record = None
-            (few_rows if graph else section)["gate"] = record
-        if not gate:
+
+        def run_gate(graph: bool) -> dict:  # graph: the few-row step's gate (every step through it)
+            if gate_data is not None:
+                return bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop, scheme=scheme, few_rows=graph)
+            return quality_gate(folder, tmp_dir, max_em_drop, scheme=scheme, few_rows=graph)
+
+        if gate:
+            section["gate"] = run_gate(False)
+            if few_rows:
+                few_rows["gate"] = run_gate(True)
+        else:
             logger.warning("%s quality gate skipped (validation off)", scheme)
-        for name in (ENCODER_FILE, DECODER_FILE, FEW_ROWS_DECODER_FILE):
-            if name != FEW_ROWS_DECODER_FILE or few_rows:
-                os.replace(tmp_dir / name, folder / name)
+        for name in (ENCODER_FILE, DECODER_FILE, *([FEW_ROWS_DECODER_FILE] if few_rows else [])):
+            os.replace(tmp_dir / name, folder / name)
     quantized_manifest["quantization"] = section
     quantized_manifest["files"] = folder_files(folder)
     write_manifest(folder, quantized_manifest)
@@ -1343,18 +1344,17 @@ def quantization_summary(manifest: dict) -> str:
     ]
     few = q.get("few_rows")
     if few:
-        lines.append(
+        line = (
             f"few-row decoder step {few['file']}: 8-bit MatMulNBits, blocks of {few['block_size']}, "
             f"{few['graph']['initializer_bytes'] / 2**20:.1f} MiB; runs steps of at most {few['max_rows']} rows "
             f"with {few['min_threads']}+ threads"
-            + (
-                f" (gate: exact match {few['gate'][f'exact_match_{label}']:.2f}%)"
-                if few.get("gate") and f"exact_match_{label}" in few["gate"]
-                else f" (gate: BLEU {few['gate'][f'bleu_{label}']:.2f})"
-                if few.get("gate")
-                else ""
-            )
         )
+        few_gate = few.get("gate")
+        if few_gate and f"bleu_{label}" in few_gate:
+            line += f" (gate: BLEU {few_gate[f'bleu_{label}']:.2f})"
+        elif few_gate:
+            line += f" (gate: exact match {few_gate[f'exact_match_{label}']:.2f}%)"
+        lines.append(line)
     gate = q.get("gate")
     if gate and f"bleu_{label}" in gate:
         lines.append(

@@ -83,6 +83,17 @@ def rehash_export(folder: Path) -> None:
     write_manifest(folder, json.loads((folder / MANIFEST_NAME).read_text()))
 
 
+def quantized_dir(tmp_path_factory, scheme: str = "int8") -> Path:
+    """The tiny model's portable export quantized with ``scheme`` (no gate: its tokenizer cannot
+    encode the demo task), once per test session."""
+    from export.quantize import quantize_export
+
+    out = tmp_path_factory.getbasetemp() / "shared_exports" / f"tiny_{scheme}"
+    if not (out / MANIFEST_NAME).is_file():
+        quantize_export(exported_dir(tmp_path_factory, "portable"), out, scheme, gate=False)
+    return out
+
+
 def exported_dir(tmp_path_factory, flavour: str) -> Path:
     """The tiny model exported (and validated) in ``flavour``, once per test session."""
     from export.onnx import export_onnx

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import DEMO_DIR, exported_dir, make_model_dir
+from helpers import DEMO_DIR, exported_dir, make_model_dir, quantized_dir
 
 from export import quantize as quant
 from export.onnx import export_onnx, main
@@ -47,10 +47,8 @@ def tiny_float(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_int8(tiny_float, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("q") / "tiny_int8"
-    quantize_export(tiny_float, out, "int8", gate=False)
-    return out
+def tiny_int8(tmp_path_factory) -> Path:
+    return quantized_dir(tmp_path_factory, "int8")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import exported_dir
+from helpers import exported_dir, quantized_dir
 
 from export import quantize as quant
 from export.quantize import QualityGateError, QuantizationError, quantize_export
@@ -34,10 +34,8 @@ def tiny_float(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_int8(tiny_float, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("few") / "tiny_int8"
-    quantize_export(tiny_float, out, "int8", gate=False)
-    return out
+def tiny_int8(tmp_path_factory) -> Path:
+    return quantized_dir(tmp_path_factory, "int8")
 
 
 def _sources(runner, rows: int):

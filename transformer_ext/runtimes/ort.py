@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -326,9 +327,9 @@ class OrtRunner(decoding.SearchMethods):
 
     def _few_rows_session(
         self, mode: str, options: ort.SessionOptions
-    ) -> tuple[Optional[ort.InferenceSession], Optional[int]]:
-        """The few-row decoder step's session and the most rows it runs (None: every step), or
-        ``(None, 0)`` when the runner does not use one (``few_rows``, the class docstring)."""
+    ) -> tuple[Optional[ort.InferenceSession], int]:
+        """The few-row decoder step's session and the most rows it runs (``sys.maxsize``: every
+        step), or ``(None, 0)`` when the runner does not use one (``few_rows``, the class docstring)."""
         entry = manifest_few_rows(self.manifest)
         if entry is None or mode == "never":
             if mode == "always":
@@ -357,7 +358,7 @@ class OrtRunner(decoding.SearchMethods):
             _io(session.get_inputs()),
             _io(session.get_outputs()),
         )
-        return session, (entry["max_rows"] if mode == "auto" else None)
+        return session, (entry["max_rows"] if mode == "auto" else sys.maxsize)
 
     @property
     def step_sessions(self) -> dict[str, ort.InferenceSession]:
@@ -370,9 +371,7 @@ class OrtRunner(decoding.SearchMethods):
 
     def _decoder_for(self, rows: int) -> ort.InferenceSession:
         """The decoder step session for steps of ``rows`` rows."""
-        if self._few is not None and (self._few_max_rows is None or rows <= self._few_max_rows):
-            return self._few
-        return self.decoder
+        return self._few if rows <= self._few_max_rows else self.decoder
 
     def _cpu_only(self) -> bool:
         """Whether every provider asked for is the CPU one (``DISABLED_OPTIMIZERS`` is about its kernels)."""
