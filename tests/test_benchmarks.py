@@ -458,3 +458,36 @@ def test_probe_denormals_times_the_softmax_variants(tmp_path):
     assert saved["max_abs_difference_flushed"]["padded"] < 1e-30  # only denormal values can differ
     with pytest.raises(SystemExit):
         probe_denormals.main(["--padded", "1.5", "--out", str(tmp_path / "bad.json")])
+
+
+def test_probe_int8_products_checks_every_kernel_and_times_it(tmp_path, monkeypatch):
+    """Every int8 variant runs the kernel it is meant to, agrees with float64 within its bound, and
+    is timed; a variant past its bound fails the probe."""
+    import probe_int8_products
+
+    monkeypatch.setattr(probe_int8_products, "machine_info", lambda threads: {})
+    out = tmp_path / "int8.json"
+    argv = ["--d-model", "128", "--d-ff", "256", "--vocab", "96", "--layers", "1", "--rows", "1,5"]
+    argv += ["--threads", "1", "--rounds", "1", "--calibration", "16", "--nbits-block", "64"]
+    argv += ["--heads", "2", "--head-size", "8", "--cache-len", "6"]
+    assert probe_int8_products.main([*argv, "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    kernels = saved["weight_products"]["kernels"]
+    assert "MatMulIntegerToFloat" in kernels["dynamic"] or "DynamicQuantizeMatMul" in kernels["dynamic"]
+    assert "QLinearMatMul" in kernels["static_qdq"] and "QLinearMatMul" in kernels["static_qoperator"]
+    assert kernels["nbits8"] == {"MatMulNBits": 7} and kernels["int4"] == {"MatMulNBits": 7}
+    assert "DynamicQuantizeLinear" in saved["attention_products"]["kernels"]["dynamic_both"]
+    cases = saved["weight_products"]["cases"]
+    assert [c["rows"] for c in cases] == [1, 5]
+    for c in cases:
+        assert set(c["ms"]) == set(probe_int8_products.WEIGHT_VARIANTS)
+        assert c["error"]["float32"]["max"] < 1e-5 < c["error"]["dynamic"]["max"] < 0.1
+    assert saved["wrong"] == []
+    monkeypatch.setattr(probe_int8_products, "ERROR_BOUNDS", {"float32": 1e-4, "int4": 1e-6})
+    assert probe_int8_products.main([*argv, "--no-attention", "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["wrong"] == [
+        "weights int4, 1 rows, 1 thread(s)",
+        "weights int4, 5 rows, 1 thread(s)",
+    ]
+    with pytest.raises(SystemExit):
+        probe_int8_products.main(["--rows", "0", "--out", str(out)])
