@@ -491,3 +491,93 @@ def test_probe_int8_products_checks_every_kernel_and_times_it(tmp_path, monkeypa
     ]
     with pytest.raises(SystemExit):
         probe_int8_products.main(["--rows", "0", "--out", str(out)])
+
+
+def _decode_json(path, machine, tokens, floors=None):
+    """A bench_decode-shaped JSON: ``tokens`` maps (engine, mode, batch) to {threads: tokens/s}."""
+    best = []
+    for (engine, mode, batch), by_threads in tokens.items():
+        top = max(by_threads, key=by_threads.get)
+        best.append(
+            {
+                "model": "base",
+                "engine": engine,
+                "mode": mode,
+                "batch": batch,
+                "best_threads": top,
+                "tokens_per_second": by_threads[top],
+                "tokens_per_second_by_threads": by_threads,
+            }
+        )
+    payload = {
+        "machine": machine,
+        "best_threads": best,
+        "models": {"base": {"bandwidth_floor_batch1": floors or {}}},
+    }
+    path.write_text(json.dumps(payload))
+    return str(path)
+
+
+def test_targets_scores_each_cell_per_machine(tmp_path, capsys):
+    """Ratios, bounds (inclusive), equal-thread cells, the L3 rule of the floor and the CPU-time
+    target, on hand-made JSONs whose expected scores are worked out here."""
+    import targets
+
+    small_l3 = {"model_name": "CPU A", "l3": "32 MiB (1 instance)", "simd": ["avx2"]}
+    big_l3 = {"model_name": "CPU B", "l3": "105 MiB (1 instance)", "simd": ["avx2"]}
+    floor = {
+        "onnxrt": {"weight_bytes_per_token": 105_000_000, "by_threads": {"2": {"fraction_of_floor": 0.95}}}
+    }
+    tokens = {
+        ("onnxrt_int8", "greedy", 1): {"1": 90.0, "2": 130.0},
+        ("ctranslate2_int8", "greedy", 1): {"1": 100.0, "2": 100.0},
+        ("onnxrt_int8", "beam4", 1): {"1": 129.0},
+        ("ctranslate2_int8", "beam4", 1): {"1": 100.0, "2x1": 80.0},
+    }
+    run_a = _decode_json(tmp_path / "a.json", small_l3, tokens, floor)
+    run_b = _decode_json(tmp_path / "b.json", big_l3, tokens, floor)
+    small = tmp_path / "small.json"
+    small.write_text(
+        json.dumps(
+            {
+                "benchmark": "bench_small_model",
+                "machine": {"lscpu": small_l3},
+                "results": {"onnxrt": {"cpu_seconds": 10.0}, "ctranslate2": {"cpu_seconds": 8.0}},
+            }
+        )
+    )
+    out = tmp_path / "scores.json"
+    assert targets.main([run_a, run_b, str(small), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [m["runs"] for m in result["machines"]] == [["a.json", "small.json"], ["b.json"]]
+    by_name = {t["target"]: t for t in result["machines"][0]["targets"]}
+    int8 = {c["cell"]: c for c in by_name[targets.TARGETS[0].name]["cells"]}
+    assert int8["greedy b1"]["low"] == pytest.approx(1.3) and int8["greedy b1"]["met_runs"] == 1
+    assert int8["beam4 b1"]["low"] == pytest.approx(1.29) and int8["beam4 b1"]["met_runs"] == 0
+    assert set(int8) == {"greedy b1", "beam4 b1"}  # cells the run did not measure are left out
+    same = {c["cell"]: c for c in by_name[targets.TARGETS[5].name]["cells"]}
+    assert same["greedy b1 1t"]["low"] == pytest.approx(0.9) and same["greedy b1 1t"]["met_runs"] == 0
+    assert same["greedy b1 2t"]["low"] == pytest.approx(1.3) and same["greedy b1 2t"]["met_runs"] == 1
+    assert "beam4 b1 2t" not in same  # ours has no 2-thread figure there
+    assert by_name[targets.TARGETS[2].name]["met_everywhere"] is True  # 105 MB > 32 MiB: a real floor
+    cpu = by_name[targets.TARGETS[6].name]["cells"][0]
+    assert cpu["low"] == pytest.approx(1.25) and cpu["met_runs"] == 0
+    on_b = {t["target"]: t for t in result["machines"][1]["targets"]}
+    floor_b = on_b[targets.TARGETS[2].name]["cells"][0]
+    assert floor_b["met_runs"] == 0 and "fit the 105 MiB L3" in floor_b["runs"][0]["not_a_floor"]
+    assert on_b[targets.TARGETS[6].name]["measured"] is False
+    assert targets.main([run_a, "--markdown"]) == 0
+    assert "| int8 at least 1.3x" in capsys.readouterr().out
+
+
+def test_targets_names_a_file_it_cannot_score(tmp_path, capsys):
+    import targets
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert targets.main([str(bad)]) == 1
+    assert "bad.json: cannot read a JSON file" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"machine": {}, "results": []}))
+    assert targets.main([str(other)]) == 1
+    assert "neither a bench_decode.py nor a bench_small_model.py JSON" in capsys.readouterr().err
