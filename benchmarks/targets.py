@@ -1,12 +1,13 @@
-"""Issue 20's speed targets, scored on benchmark JSONs: which cells each run meets, machine by machine.
+"""Issues 19 and 20's speed targets, scored on benchmark JSONs: which cells each run meets, machine by machine.
 
     python benchmarks/targets.py benchmarks/results/bench_decode_20261203_xeon_run*.json \\
         benchmarks/results/bench_small_model_xeon*.json
     python benchmarks/targets.py FILES --markdown            # one row per target, as README quotes it
 
 Reads ``bench_decode.py`` JSONs (the ``best_threads`` records: each engine's tokens/s at every
-thread setting it ran, and its best; the ``bandwidth_floor_batch1`` records) and
-``bench_small_model.py`` JSONs (CPU seconds of the demo model's file translation), groups them
+thread setting it ran, and its best; the ``bandwidth_floor_batch1`` records),
+``bench_small_model.py`` JSONs (CPU seconds of the demo model's file translation) and
+``bench_pretrained.py`` JSONs (its ``ratios`` at opus-mt dimensions), groups them
 by the machine each recorded (CPU model, L3, instruction-set flags: a ratio from one machine
 says nothing of another), and scores every target of :data:`TARGETS` in every cell of every
 run that measured it:
@@ -16,7 +17,9 @@ run that measured it:
 * ``same_threads``: ours over the peer at 1 and at 2 threads, at least ``minimum``;
 * ``floor``: the fraction of the batch-1 bandwidth floor an engine reached at 2 threads (never
   met where the engine's weights fit the machine's L3: the floor is not a floor there);
-* ``cpu_time``: ours' CPU seconds over CTranslate2's on the same lines, at most ``maximum``.
+* ``cpu_time``: ours' CPU seconds over CTranslate2's on the same lines, at most ``maximum``;
+* ``pretrained``: bench_pretrained's ratio of ours over a peer (Optimum, transformers,
+  CTranslate2) at 2 threads or each at its best setting, at least ``minimum``.
 
 A cell a run did not measure is left out of that run (an engine or batch size it did not run),
 so the count of runs differs per cell. Nothing is timed here: the numbers are the JSONs'. Prints
@@ -44,7 +47,7 @@ BATCHES = (1, 16, 64)
 @dataclass(frozen=True)
 class Target:
     name: str
-    kind: str  # "best", "same_threads", "floor" or "cpu_time"
+    kind: str  # "best", "same_threads", "floor", "cpu_time" or "pretrained"
     cells: tuple = ()  # (mode, batch) pairs; empty for cpu_time
     pairs: tuple = ()  # (ours, peer) engine pairs
     minimum: Optional[float] = None
@@ -103,6 +106,46 @@ TARGETS = (
         maximum=1.0,
     ),
 )
+_PRETRAINED_CELLS = tuple((m, b) for m in ("greedy", "beam4") for b in (1, 16))
+# Issue 19's targets on bench_pretrained.py (opus-mt-en-de dimensions): its ``ratios`` records,
+# at 2 threads or with each engine at its best setting ("best").
+PRETRAINED_TARGETS = (
+    Target(
+        "ONNX Runtime float32 at least 3x Optimum at batch 1, 2 threads",
+        "pretrained",
+        cells=(("greedy", 1), ("beam4", 1)),
+        pairs=(("onnxrt", "optimum"),),
+        minimum=3.0,
+        threads=("2",),
+    ),
+    Target(
+        "ONNX Runtime float32 at least 4x transformers generate at batch 1, 2 threads",
+        "pretrained",
+        cells=(("greedy", 1), ("beam4", 1)),
+        pairs=(("onnxrt", "transformers"),),
+        minimum=4.0,
+        threads=("2",),
+    ),
+    Target(
+        "opus-mt float32 at least 1.2x CTranslate2 float32, each at its best setting",
+        "pretrained",
+        cells=_PRETRAINED_CELLS,
+        pairs=(("onnxrt", "ctranslate2"),),
+        minimum=1.2,
+        threads=("best",),
+    ),
+    Target(
+        "opus-mt int8 at least 1.3x CTranslate2 int8, each at its best setting",
+        "pretrained",
+        cells=_PRETRAINED_CELLS,
+        pairs=(("onnxrt_int8", "ctranslate2_int8"),),
+        minimum=1.3,
+        threads=("best",),
+    ),
+)
+ALL_TARGETS = TARGETS + PRETRAINED_TARGETS
+# Which benchmark's JSON each kind of target is scored on.
+_SOURCE = {"best": "decode", "same_threads": "decode", "floor": "decode", "cpu_time": "small_model"}
 
 
 class TargetsError(ValueError):
@@ -128,7 +171,7 @@ def l3_bytes(machine: dict) -> Optional[int]:
 
 
 def load(path: str) -> tuple[str, dict]:
-    """``(kind, payload)`` of a benchmark JSON: ``"decode"`` or ``"small_model"``."""
+    """``(kind, payload)`` of a benchmark JSON: ``"decode"``, ``"small_model"`` or ``"pretrained"``."""
     try:
         with open(path, encoding="utf-8") as f:
             payload = json.load(f)
@@ -142,7 +185,14 @@ def load(path: str) -> tuple[str, dict]:
         return "small_model", payload
     if isinstance(payload.get("best_threads"), list):
         return "decode", payload
-    raise TargetsError(f"{path}: neither a bench_decode.py nor a bench_small_model.py JSON")
+    ratios = payload.get("ratios")
+    if (
+        "size" in payload
+        and isinstance(ratios, list)
+        and all(isinstance(r, dict) and "ours" in r for r in ratios)
+    ):
+        return "pretrained", payload
+    raise TargetsError(f"{path}: not a bench_decode.py, bench_pretrained.py or bench_small_model.py JSON")
 
 
 def _tokens(payload: dict) -> dict:
@@ -204,6 +254,28 @@ def score_small_model(target: Target, payload: dict) -> list[dict]:
     return cells
 
 
+def score_pretrained(target: Target, payload: dict) -> list[dict]:
+    """Every cell of an issue-19 target one bench_pretrained JSON measured."""
+    ratios = {
+        (r["ours"], r["peer"], r["mode"], int(r["batch"]), str(r["threads"])): r for r in payload["ratios"]
+    }
+    cells = []
+    for ours, peer in target.pairs:
+        for mode, batch in target.cells:
+            for t in target.threads:
+                r = ratios.get((ours, peer, mode, batch, t))
+                if r is None or r.get("ratio") is None:
+                    continue
+                label = f"{mode} b{batch}" + ("" if t == "best" else f" {t}t")
+                cell = {"cell": label, "pair": f"{ours}/{peer}", "value": r["ratio"]}
+                if t == "best":
+                    cell["setting"] = f"{r.get('ours_threads')} vs {r.get('peer_threads')}"
+                cells.append(cell)
+    for c in cells:
+        c["met"] = _met(target, c["value"])
+    return cells
+
+
 def _met(target: Target, value: float) -> bool:
     if target.minimum is not None and not value >= target.minimum:
         return False
@@ -218,12 +290,15 @@ def score(paths: list[str]) -> dict:
         key = machine_key(payload["machine"])
         entry = machines.setdefault(key, {"machine": key, "runs": [], "targets": {}})
         entry["runs"].append(os.path.basename(path))
-        for target in TARGETS:
-            if (target.kind == "cpu_time") != (kind == "small_model"):
+        for target in ALL_TARGETS:
+            if _SOURCE.get(target.kind, "pretrained") != kind:
                 continue
-            cells = (
-                score_small_model(target, payload) if kind == "small_model" else score_decode(target, payload)
-            )
+            scorer = {
+                "decode": score_decode,
+                "small_model": score_small_model,
+                "pretrained": score_pretrained,
+            }
+            cells = scorer[kind](target, payload)
             rows = entry["targets"].setdefault(target.name, {})
             for c in cells:
                 row = rows.setdefault(
@@ -235,10 +310,10 @@ def score(paths: list[str]) -> dict:
                 if "setting" in c:
                     run["setting"] = c["setting"]
                 row["runs"].append(run)
-    out = {"targets": [t.name for t in TARGETS], "machines": []}
+    out = {"targets": [t.name for t in ALL_TARGETS], "machines": []}
     for entry in machines.values():
         targets = []
-        for target in TARGETS:
+        for target in ALL_TARGETS:
             rows = list(entry["targets"].get(target.name, {}).values())
             for row in rows:
                 values = [r["value"] for r in row["runs"]]
@@ -268,7 +343,8 @@ def _fmt(row: dict, kind: str) -> str:
         text = f"{100 * row['low']:.0f}-{100 * row['high']:.0f}%"
         reasons = sorted({r["not_a_floor"] for r in row["runs"] if "not_a_floor" in r})
         return text + (f" (not a floor: {reasons[0]})" if reasons else "")
-    return f"{row['low']:.2f}-{row['high']:.2f}x" if row["low"] != row["high"] else f"{row['low']:.2f}x"
+    low, high = f"{row['low']:.2f}", f"{row['high']:.2f}"
+    return f"{low}x" if low == high else f"{low}-{high}x"
 
 
 def _cell_text(row: dict, kind: str, pairs: int) -> str:
@@ -294,7 +370,6 @@ def render(result: dict, markdown: bool = False) -> str:
             pairs = len({row["pair"] for row in t["cells"]})
             if markdown:
                 if not t["measured"]:
-                    lines.append(f"| {t['target']} | not measured | |")
                     continue
                 met = [r for r in t["cells"] if r["met_runs"] == r["measured_runs"]]
                 missed = [r for r in t["cells"] if r["met_runs"] < r["measured_runs"]]
@@ -304,19 +379,23 @@ def render(result: dict, markdown: bool = False) -> str:
                 )
                 continue
             if not t["measured"]:
-                lines.append(f"  {t['target']}: not measured")
                 continue
             lines.append(f"  {t['target']}: {'met in every run' if t['met_everywhere'] else 'missed'}")
             for row in t["cells"]:
                 met = f"{row['met_runs']} of {row['measured_runs']}"
                 lines.append(f"    {row['cell']:<22} {row['pair']:<34} {_fmt(row, t['kind']):>14}  met {met}")
+        unmeasured = sum(not t["measured"] for t in m["targets"])
+        if unmeasured:
+            lines += ["", f"({unmeasured} of {len(m['targets'])} targets not measured by these runs)"]
         lines.append("")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+", help="bench_decode.py and bench_small_model.py JSON files")
+    p.add_argument(
+        "files", nargs="+", help="bench_decode.py, bench_pretrained.py and bench_small_model.py JSON files"
+    )
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--out", default=None, help="write the scores as JSON here")
     args = p.parse_args(argv)

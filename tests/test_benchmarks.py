@@ -570,6 +570,35 @@ def test_targets_scores_each_cell_per_machine(tmp_path, capsys):
     assert "| int8 at least 1.3x" in capsys.readouterr().out
 
 
+def test_targets_scores_the_pretrained_benchmark(tmp_path):
+    """Issue 19's targets read bench_pretrained's ratios at 2 threads or at the best settings."""
+    import targets
+
+    def ratio(ours, peer, mode, threads, value):
+        return {"ours": ours, "peer": peer, "mode": mode, "batch": 1, "threads": threads, "ratio": value}
+
+    payload = {
+        "size": "opus-mt-en-de",
+        "machine": {"model_name": "CPU A", "l3": "32 MiB", "simd": []},
+        "ratios": [
+            ratio("onnxrt", "optimum", "greedy", 2, 3.0),
+            ratio("onnxrt", "optimum", "beam4", 2, 2.99),
+            ratio("onnxrt", "optimum", "greedy", 1, 9.0),  # 1 thread: not the target's cell
+            ratio("onnxrt_int8", "ctranslate2_int8", "greedy", "best", 1.31),
+        ],
+    }
+    path = tmp_path / "pretrained.json"
+    path.write_text(json.dumps(payload))
+    result = targets.score([str(path)])
+    by_name = {t["target"]: t for t in result["machines"][0]["targets"]}
+    optimum = {c["cell"]: c for c in by_name[targets.PRETRAINED_TARGETS[0].name]["cells"]}
+    assert set(optimum) == {"greedy b1 2t", "beam4 b1 2t"}
+    assert optimum["greedy b1 2t"]["met_runs"] == 1 and optimum["beam4 b1 2t"]["met_runs"] == 0
+    int8 = by_name[targets.PRETRAINED_TARGETS[3].name]
+    assert [(c["cell"], c["met_runs"]) for c in int8["cells"]] == [("greedy b1", 1)]
+    assert not by_name[targets.TARGETS[0].name]["measured"]  # a decode target: not from this file
+
+
 def test_targets_names_a_file_it_cannot_score(tmp_path, capsys):
     import targets
 
@@ -580,4 +609,6 @@ def test_targets_names_a_file_it_cannot_score(tmp_path, capsys):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"machine": {}, "results": []}))
     assert targets.main([str(other)]) == 1
-    assert "neither a bench_decode.py nor a bench_small_model.py JSON" in capsys.readouterr().err
+    assert (
+        "not a bench_decode.py, bench_pretrained.py or bench_small_model.py JSON" in capsys.readouterr().err
+    )
