@@ -612,3 +612,27 @@ def test_targets_names_a_file_it_cannot_score(tmp_path, capsys):
     assert (
         "not a bench_decode.py, bench_pretrained.py or bench_small_model.py JSON" in capsys.readouterr().err
     )
+
+
+def test_probe_split_workers_times_one_worker_against_the_split(tmp_path, tmp_path_factory):
+    """Our 2x1 split and one 1-thread worker on half the batch, timed in a process of their own;
+    the split's first half decodes to the single worker's tokens."""
+    sys.path.insert(0, HERE)
+    import probe_split_workers
+    from helpers import quantized_dir
+
+    artifacts = tmp_path / "A"
+    (artifacts / "base").mkdir(parents=True)
+    (artifacts / "base" / "onnx_int8").symlink_to(quantized_dir(tmp_path_factory, "int8"))
+    out = tmp_path / "split.json"
+    argv = ["--artifacts", str(artifacts), "--engines", "onnxrt", "--batch", "4", "--new-tokens", "3"]
+    argv += ["--rounds", "1", "--src-vocab", "20", "--out", str(out)]
+    assert probe_split_workers.main(argv) == 0
+    saved = json.loads(out.read_text())["engines"]["onnxrt"]
+    assert set(saved) == {"greedy", "beam4"}
+    for r in saved.values():
+        assert r["half_ms"] > 0 and r["split_ms"] > 0 and r["half_tokens_equal_split"] is True
+    with pytest.raises(SystemExit):
+        probe_split_workers.main(["--artifacts", str(artifacts), "--batch", "3", "--out", str(out)])
+    with pytest.raises(SystemExit):  # no CTranslate2 model in the folder
+        probe_split_workers.main(["--artifacts", str(artifacts), "--out", str(out)])
