@@ -7,8 +7,8 @@ attention, before any of them becomes an export scheme.
 **Weight products.** One graph holds every weight product of a decoder step of ``--layers``
 layers (per layer the fused Q/K/V projection ``d x 3d``, the self-attention output ``d x d``, the
 cross-attention query and output ``d x d`` each, the feed-forward ``d x d_ff`` and ``d_ff x d``),
-plus the output projection ``d x V``, each with its own weights and a bias, fed ``[rows, d]`` and
-``[rows, d_ff]`` activations. The same float32 graph is rewritten each way:
+plus the output projection ``d x V``, each with its own weights and a bias and its own input
+``[rows, K]`` (as in a step, where each product reads another activation). The same float32 graph is rewritten each way:
 
 * ``float32``: ``MatMul`` / ``Gemm`` as exported.
 * ``dynamic``: the ``int8`` export scheme (``onnxruntime.quantization.quantize_dynamic``, int8
@@ -96,7 +96,8 @@ def step_products(d_model: int, d_ff: int, vocab: int, layers: int) -> list[tupl
 
 
 def weights_graph(shapes, d_model: int, d_ff: int, seed: int):
-    """The float32 graph: ``x [rows, d_model]`` and ``h [rows, d_ff]`` into one output per product."""
+    """The float32 graph: one input ``NAME.in [rows, K]`` and one output per product (each product
+    of a step reads an activation of its own, which the dynamic scheme quantizes for it)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -106,9 +107,10 @@ def weights_graph(shapes, d_model: int, d_ff: int, seed: int):
         b = (0.02 * rng.standard_normal(n)).astype(np.float32)
         weights[name] = (w, b)
         inits += [numpy_helper.from_array(w, f"{name}.weight"), numpy_helper.from_array(b, f"{name}.bias")]
-        source = "x" if k == d_model else "h"
         nodes += [
-            helper.make_node("MatMul", [source, f"{name}.weight"], [f"{name}.mm"], name=f"{name}_MatMul"),
+            helper.make_node(
+                "MatMul", [f"{name}.in", f"{name}.weight"], [f"{name}.mm"], name=f"{name}_MatMul"
+            ),
             helper.make_node("Add", [f"{name}.mm", f"{name}.bias"], [name], name=f"{name}_Add"),
         ]
         outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["rows", n]))
@@ -116,8 +118,8 @@ def weights_graph(shapes, d_model: int, d_ff: int, seed: int):
         nodes,
         "step_products",
         [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", d_model]),
-            helper.make_tensor_value_info("h", TensorProto.FLOAT, ["rows", d_ff]),
+            helper.make_tensor_value_info(f"{name}.in", TensorProto.FLOAT, ["rows", k])
+            for name, k, _ in shapes
         ],
         outputs,
         inits,
@@ -127,11 +129,13 @@ def weights_graph(shapes, d_model: int, d_ff: int, seed: int):
     return model, weights
 
 
-def activations(rows: int, d_model: int, d_ff: int, rng) -> dict:
-    """Layer-norm-like inputs of the products: ``x`` normal, ``h`` a ReLU output."""
-    x = rng.standard_normal((rows, d_model)).astype(np.float32)
-    h = np.maximum(rng.standard_normal((rows, d_ff)), 0).astype(np.float32)
-    return {"x": x, "h": h}
+def activations(shapes, rows: int, d_model: int, rng) -> dict:
+    """Every product's input: layer-norm-like normal values, a ReLU output for ``K != d_model``."""
+    feeds = {}
+    for name, k, _ in shapes:
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        feeds[f"{name}.in"] = x if k == d_model else np.maximum(x, 0)
+    return feeds
 
 
 class _Reader:
@@ -157,7 +161,7 @@ def _quiet_root(fn, *args, **kwargs):
         root.setLevel(level)
 
 
-def write_weight_variants(model, folder: Path, args) -> dict[str, Path]:
+def write_weight_variants(model, shapes, folder: Path, args) -> dict[str, Path]:
     """Every weight-product variant as an ``.onnx`` file in ``folder``."""
     import onnx
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
@@ -179,7 +183,7 @@ def write_weight_variants(model, folder: Path, args) -> dict[str, Path]:
         )
     rng = np.random.default_rng(args.seed + 1)
     for name, fmt in (("static_qdq", QuantFormat.QDQ), ("static_qoperator", QuantFormat.QOperator)):
-        feeds = [activations(8, args.d_model, args.d_ff, rng) for _ in range(args.calibration)]
+        feeds = [activations(shapes, 8, args.d_model, rng) for _ in range(args.calibration)]
         _quiet_root(
             quantize_static,
             src,
@@ -292,7 +296,7 @@ def relative_errors(outputs: dict, reference: dict) -> dict:
 def probe_weights(args, folder: Path, out: dict) -> None:
     shapes = step_products(args.d_model, args.d_ff, args.vocab, args.layers)
     model, weights = weights_graph(shapes, args.d_model, args.d_ff, args.seed)
-    paths = write_weight_variants(model, folder, args)
+    paths = write_weight_variants(model, shapes, folder, args)
     out["weight_products"] = {
         "products": [{"name": n, "K": k, "N": nn} for n, k, nn in shapes],
         "float32_weight_bytes": int(sum(4 * k * n for _, k, n in shapes)),
@@ -303,12 +307,11 @@ def probe_weights(args, folder: Path, out: dict) -> None:
     rng = np.random.default_rng(args.seed + 2)
     for threads in args.threads:
         for rows in args.rows:
-            feeds = activations(rows, args.d_model, args.d_ff, rng)
+            feeds = activations(shapes, rows, args.d_model, rng)
             reference = {}
             for name, _, _ in shapes:
                 w, b = weights[name]
-                src = feeds["x"] if w.shape[0] == args.d_model else feeds["h"]
-                reference[name] = src.astype(np.float64) @ w.astype(np.float64) + b
+                reference[name] = feeds[f"{name}.in"].astype(np.float64) @ w.astype(np.float64) + b
             fns, errors = {}, {}
             for variant in WEIGHT_VARIANTS:
                 optimized = folder / f"{variant}.t{threads}.optimized.onnx"
