@@ -37,6 +37,7 @@ from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # the repository, if not installed
 
 from common import write_json  # noqa: E402
 
@@ -400,6 +401,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the scores as JSON here")
     args = p.parse_args(argv)
     try:
+        if args.out:  # never over one of the files it reads
+            from transformer_ext.fsutil import OutputConflictError, check_output_path
+
+            try:
+                check_output_path(args.out, inputs=[("the input", f) for f in args.files], what="--out")
+            except OutputConflictError as e:
+                raise TargetsError(str(e)) from None
         result = score(args.files)
     except TargetsError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)

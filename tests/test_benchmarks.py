@@ -612,6 +612,10 @@ def test_targets_names_a_file_it_cannot_score(tmp_path, capsys):
     assert (
         "not a bench_decode.py, bench_pretrained.py or bench_small_model.py JSON" in capsys.readouterr().err
     )
+    run = _decode_json(tmp_path / "run.json", {"model_name": "CPU A"}, {})  # a valid input
+    before = (tmp_path / "run.json").read_text()
+    assert targets.main([run, "--out", run]) == 1  # the output would replace an input
+    assert "--out" in capsys.readouterr().err and (tmp_path / "run.json").read_text() == before
 
 
 def test_probe_split_workers_times_one_worker_against_the_split(tmp_path, tmp_path_factory):
