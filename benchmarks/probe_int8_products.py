@@ -257,23 +257,18 @@ def kernel_counts(optimized_path: Path) -> dict[str, int]:
 
 
 class BoundRun:
-    """One session with its inputs and preallocated outputs bound (as ``OrtRunner`` runs a step)."""
+    """One session with its inputs and preallocated float32 outputs (``shapes``: name -> shape)
+    bound, as ``OrtRunner`` runs a step."""
 
-    def __init__(self, session, feeds: dict):
+    def __init__(self, session, feeds: dict, shapes: dict):
         import onnxruntime as ort
 
         self.session = session
         self.binding = session.io_binding()
-        self.outputs = {}
         for name, value in feeds.items():
             self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
-
-    def bind_outputs(self, like: dict):
-        import onnxruntime as ort
-
-        for name, ref in like.items():
-            buf = np.empty_like(ref)
-            self.outputs[name] = buf
+        self.outputs = {name: np.empty(shape, np.float32) for name, shape in shapes.items()}
+        for name, buf in self.outputs.items():
             self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(buf))
 
     def __call__(self):
@@ -291,6 +286,37 @@ def relative_errors(outputs: dict, reference: dict) -> dict:
         scale = float(np.abs(ref).max()) or 1.0
         errs.append(float(np.abs(outputs[name].astype(np.float64) - ref).max()) / scale)
     return {"median": statistics.median(errs), "max": max(errs)}
+
+
+RECORDS = {"weights": "weight_products", "attention": "attention_products"}  # the JSON's sections
+
+
+def check_and_time(graphs, feeds, reference, threads: int, rounds: int, folder: Path, out: dict, what: str):
+    """Every graph of ``graphs`` (variant -> path or bytes) run once on ``feeds`` and checked
+    against ``reference`` (float64 outputs), its optimised kernels recorded in
+    ``out[RECORDS[what]]["kernels"]``, then all timed side by side over ``rounds``. Returns
+    ``(seconds, errors)``; a variant past its bound is added to ``out["wrong"]``."""
+    record = out[RECORDS[what]]
+    fns, errors = {}, {}
+    for variant, graph in graphs.items():
+        optimized = folder / f"{what}_{variant}.t{threads}.optimized.onnx"
+        session = open_session(graph, threads, optimized)
+        record["kernels"].setdefault(variant, kernel_counts(optimized))
+        run = BoundRun(session, feeds, {name: ref.shape for name, ref in reference.items()})
+        run()
+        errors[variant] = relative_errors(run.outputs, reference)
+        fns[variant] = run
+    rows = next(iter(feeds.values())).shape[0]
+    out["wrong"] += [f"{what} {v}, {rows} rows, {threads} thread(s)" for v in out_of_bounds(errors)]
+    seconds = time_side_by_side(fns, "cpu", repeats=rounds, min_time=0.05)
+    log.info(
+        "%s %d thread(s), %3d rows: %s",
+        what,
+        threads,
+        rows,
+        "  ".join(f"{k} {1e3 * v:.2f} ms" for k, v in seconds.items()),
+    )
+    return seconds, errors
 
 
 def probe_weights(args, folder: Path, out: dict) -> None:
@@ -312,32 +338,18 @@ def probe_weights(args, folder: Path, out: dict) -> None:
             for name, _, _ in shapes:
                 w, b = weights[name]
                 reference[name] = feeds[f"{name}.in"].astype(np.float64) @ w.astype(np.float64) + b
-            fns, errors = {}, {}
-            for variant in WEIGHT_VARIANTS:
-                optimized = folder / f"{variant}.t{threads}.optimized.onnx"
-                session = open_session(os.fspath(paths[variant]), threads, optimized)
-                if variant not in out["weight_products"]["kernels"]:
-                    out["weight_products"]["kernels"][variant] = kernel_counts(optimized)
-                run = BoundRun(session, feeds)
-                run.bind_outputs({name: np.empty(ref.shape, np.float32) for name, ref in reference.items()})
-                run()
-                errors[variant] = relative_errors(run.outputs, reference)
-                fns[variant] = run
-            out["wrong"] += [f"weights {v}, {rows} rows, {threads} thread(s)" for v in out_of_bounds(errors)]
-            seconds = time_side_by_side(fns, "cpu", repeats=args.rounds, min_time=0.05)
-            case = {
-                "threads": threads,
-                "rows": rows,
-                "ms": {k: 1e3 * v for k, v in seconds.items()},
-                "speedup_over_dynamic": {k: seconds["dynamic"] / v for k, v in seconds.items()},
-                "error": errors,
-            }
-            out["weight_products"]["cases"].append(case)
-            log.info(
-                "weights %d thread(s), %3d rows: %s",
-                threads,
-                rows,
-                "  ".join(f"{k} {1e3 * v:.2f} ms" for k, v in seconds.items()),
+            graphs = {v: os.fspath(paths[v]) for v in WEIGHT_VARIANTS}
+            seconds, errors = check_and_time(
+                graphs, feeds, reference, threads, args.rounds, folder, out, "weights"
+            )
+            out["weight_products"]["cases"].append(
+                {
+                    "threads": threads,
+                    "rows": rows,
+                    "ms": {k: 1e3 * v for k, v in seconds.items()},
+                    "speedup_over_dynamic": {k: seconds["dynamic"] / v for k, v in seconds.items()},
+                    "error": errors,
+                }
             )
 
 
@@ -358,21 +370,9 @@ def probe_attention(args, folder: Path, out: dict) -> None:
                 @ feeds[f"k{i}"].astype(np.float64).swapaxes(-1, -2)
                 for i in range(args.layers)
             }
-            fns, errors = {}, {}
-            for variant, blob in models.items():
-                optimized = folder / f"attention_{variant}.t{threads}.optimized.onnx"
-                session = open_session(blob, threads, optimized)
-                if variant not in out["attention_products"]["kernels"]:
-                    out["attention_products"]["kernels"][variant] = kernel_counts(optimized)
-                run = BoundRun(session, feeds)
-                run.bind_outputs({name: np.empty(ref.shape, np.float32) for name, ref in reference.items()})
-                run()
-                errors[variant] = relative_errors(run.outputs, reference)
-                fns[variant] = run
-            out["wrong"] += [
-                f"attention {v}, {rows} rows, {threads} thread(s)" for v in out_of_bounds(errors)
-            ]
-            seconds = time_side_by_side(fns, "cpu", repeats=args.rounds, min_time=0.05)
+            seconds, errors = check_and_time(
+                models, feeds, reference, threads, args.rounds, folder, out, "attention"
+            )
             out["attention_products"]["cases"].append(
                 {
                     "threads": threads,
@@ -381,12 +381,6 @@ def probe_attention(args, folder: Path, out: dict) -> None:
                     "speedup_over_float32": {k: seconds["float32"] / v for k, v in seconds.items()},
                     "error": errors,
                 }
-            )
-            log.info(
-                "attention %d thread(s), %3d rows: %s",
-                threads,
-                rows,
-                "  ".join(f"{k} {1e3 * v:.2f} ms" for k, v in seconds.items()),
             )
 
 
