@@ -11,15 +11,9 @@ D=$WORK/bible-en-de-data
 G=$WORK/gates
 mkdir -p "$G"
 [ -d "$D" ] || python -m transformer_ext.corpora bible --pair en-de --out "$D"
+HERE=$(cd "$(dirname "$0")" && pwd)
 for precision in fp32 bf16; do
-  amp=""; [ $precision = bf16 ] && amp="--amp bf16"
-  python -m transformer_ext.train \
-    --train $D/train.en $D/train.de --valid $D/valid.en $D/valid.de \
-    --tokenizer sentencepiece --vocab-size 4000 --shared-vocab \
-    --preset small --pre-ln --dropout 0 --max-len 256 --max-tokens 2000 \
-    --lr-schedule inverse-sqrt --lr 1e-3 --warmup 200 --label-smoothing 0.1 \
-    --max-steps 1800 --eval-every 300 --keep-last 3 --best-metric bleu \
-    --threads 1 --seed 1 --log-every 50 $amp --out $WORK/gate-$precision
+  bash "$HERE/train_gate_model.sh" $precision 1
 done
 for precision in fp32 bf16; do
   for step in 1500 1800; do

@@ -11,18 +11,11 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 D=$WORK/bible-en-de-data
 F=$WORK/gate-fp32/checkpoints/step-1800
 [ -d "$D" ] || python -m transformer_ext.corpora bible --pair en-de --out "$D"
-if [ ! -d "$F" ]; then
-  python -m transformer_ext.train \
-    --train $D/train.en $D/train.de --valid $D/valid.en $D/valid.de \
-    --tokenizer sentencepiece --vocab-size 4000 --shared-vocab \
-    --preset small --pre-ln --dropout 0 --max-len 256 --max-tokens 2000 \
-    --lr-schedule inverse-sqrt --lr 1e-3 --warmup 200 --label-smoothing 0.1 \
-    --max-steps 1800 --eval-every 300 --keep-last 3 --best-metric bleu \
-    --threads 2 --seed 1 --log-every 50 --out $WORK/gate-fp32
-fi
+[ -d "$F" ] || bash "$HERE/train_gate_model.sh" fp32 2
 [ -d "$WORK/gate-fp32-onnx" ] || python -m export.onnx --model-dir "$F" --output-dir "$WORK/gate-fp32-onnx"
 python -m export.quantize --export-dir "$WORK/gate-fp32-onnx" --output-dir "$WORK/gate-fp32-int8" \
   --scheme int8 --gate-src "$D/test.en" --gate-ref "$D/test.de"
+trap 'rm -f "$HERE/int8_few_rows.txt.tmp"' EXIT
 python - "$WORK/gate-fp32-int8/manifest.json" > "$HERE/int8_few_rows.txt.tmp" <<'PY'
 import json, sys
 q = json.load(open(sys.argv[1]))["quantization"]
