@@ -795,7 +795,9 @@ def _write_export(
             fuse_matmuls=fuse_matmuls,
             flatten_rows=flatten_rows,
         )
-    structure = validation.check_graphs(encoder_proto, decoder_proto, config, flavour, specs)
+    structure = validation.check_graphs(
+        encoder_proto, decoder_proto, config, flavour, specs, tensors=validation.model_tensors(model)
+    )
     for name in tokenizer_names:
         shutil.copy2(model_path / name, tmp_dir / name)
     # Where the training data came from (corpus, editions, licence): every export carries it.

@@ -25,7 +25,7 @@ import hashlib
 import logging
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import onnx
@@ -40,7 +40,7 @@ from . import GraphContractError, ParityError, contract
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ValidationReport", "check_graphs", "validate_export"]
+__all__ = ["ValidationReport", "check_graphs", "model_tensors", "validate_export"]
 
 _DEDUP_MIN_BYTES = 1024  # initializers smaller than this (scalars, shapes) may repeat
 
@@ -59,24 +59,58 @@ def _initializer_digest(t: onnx.TensorProto) -> str:
     return hashlib.sha1(onnx.numpy_helper.to_array(t).tobytes()).hexdigest()
 
 
-def _check_one(graph_name: str, proto: onnx.ModelProto, spec: dict, flavour: str) -> dict:
+def model_tensors(model: torch.nn.Module, prefix: str = "model.") -> dict[str, tuple]:
+    """``{initializer name: identity}`` for every parameter and buffer of ``model`` under every
+    name it has (tied parameters: one tensor, several names), as the exporter names them (the
+    traced wrappers hold the model as ``model``). Names with one identity are one tensor."""
+    tensors = {}
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in named:
+        tensors[prefix + name] = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+    return tensors
+
+
+def _check_one(
+    graph_name: str,
+    proto: onnx.ModelProto,
+    spec: dict,
+    flavour: str,
+    tensors: Optional[dict] = None,
+) -> dict:
     g = proto.graph
     problems = [p.message for p in contract.contract_problems(proto, spec, flavour)]
     op_types = sorted({n.op_type for n in g.node})
 
-    # Shared weights stored once: no two large initializers with the same bytes.
-    seen: dict[str, str] = {}
+    # Shared weights stored once. With the model's tensors known (``tensors``): no two
+    # initializers named after one tensor of the model (tied parameters); distinct tensors that
+    # hold equal values (zero biases, unit LayerNorm gains) are distinct weights, and the shared
+    # weights file stores equal bytes once anyway (export.weights). Without: no two large
+    # initializers with the same bytes.
+    seen: dict[Any, str] = {}
     total = 0
     for t in g.initializer:
         size = _initializer_bytes(t)
         total += size
-        if size >= _DEDUP_MIN_BYTES:
-            digest = _initializer_digest(t)
-            if digest in seen:
+        if tensors is not None:
+            key = tensors.get(t.name)
+            if key is not None and key in seen:
                 problems.append(
-                    f"initializers {seen[digest]} and {t.name} hold the same data (a weight stored twice)"
+                    f"initializers {seen[key]} and {t.name} are one tensor of the model stored twice "
+                    "(tied parameters must be one initializer)"
                 )
-            seen[digest] = t.name
+        elif size >= _DEDUP_MIN_BYTES:
+            key = _initializer_digest(t)
+            if key in seen:
+                problems.append(
+                    f"initializers {seen[key]} and {t.name} hold the same data (a weight stored twice)"
+                )
+        else:
+            key = None
+        if key is not None:
+            seen.setdefault(key, t.name)
 
     if problems:
         raise GraphContractError(f"{graph_name}.onnx breaks the export contract: " + "; ".join(problems))
@@ -173,17 +207,26 @@ def _check_tied_projection(graph: onnx.GraphProto) -> None:
 
 
 def check_graphs(
-    encoder: onnx.ModelProto, decoder: onnx.ModelProto, config, flavour: str, specs: Optional[dict] = None
+    encoder: onnx.ModelProto,
+    decoder: onnx.ModelProto,
+    config,
+    flavour: str,
+    specs: Optional[dict] = None,
+    *,
+    tensors: Optional[dict] = None,
 ) -> dict:
     """Check both graphs against the contract; returns a summary per graph (nodes, weights...).
 
     Also checks that a tied target embedding / output projection is stored once in the decoder.
+    ``tensors``: the exported model's tensors (:func:`model_tensors`), so that a weight stored
+    twice means one tensor of the model under two initializers, never two tensors that happen to
+    hold equal values; without it, two large initializers with equal bytes are refused.
     Raises :class:`GraphContractError` listing every problem.
     """
     specs = specs or graph_specs(config.to_dict(), flavour)
     summary = {
-        "encoder": _check_one("encoder", encoder, specs["encoder"], flavour),
-        "decoder_step": _check_one("decoder_step", decoder, specs["decoder_step"], flavour),
+        "encoder": _check_one("encoder", encoder, specs["encoder"], flavour, tensors),
+        "decoder_step": _check_one("decoder_step", decoder, specs["decoder_step"], flavour, tensors),
     }
     if config.tie_target_embeddings:
         _check_tied_projection(decoder.graph)
