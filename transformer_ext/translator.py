@@ -1005,7 +1005,13 @@ class Translator:
         given = [t for t in texts if t is not None]
         encoded = iter(self.encode_targets(given, "target prefix")) if given else iter(())
         forced = opts["forced_prefix"]
-        return [forced + (next(encoded) if t is not None else []) for t in texts]
+        out = []
+        for t in texts:
+            ids = next(encoded) if t is not None else []
+            if forced and ids[: len(forced)] == forced:  # M2M100 / NLLB targets start with the language
+                ids = ids[len(forced) :]
+            out.append(forced + ids)
+        return out
 
     def _decode_batch(
         self, encoded: list[list[int]], opts: dict, prefixes: Optional[list[list[int]]] = None
