@@ -680,7 +680,15 @@ def test_a_reader_that_goes_away_stops_translate_quietly(tmp_path):
     read_end, write_end = os.pipe()
     os.close(read_end)
     proc = subprocess.run(
-        [sys.executable, "-m", "transformer_ext.translate", "--input", str(src)],
+        [
+            sys.executable,
+            "-m",
+            "transformer_ext.translate",
+            "--model",
+            str(DEMO_MODEL_DIR),
+            "--input",
+            str(src),
+        ],
         stdout=write_end,
         stderr=subprocess.PIPE,
         text=True,
@@ -712,7 +720,8 @@ def test_sigterm_during_translate_output_exits_143_and_keeps_the_old_file(tmp_pa
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return real(*a, **k)\n"
         "decoding.beam_search = beam_search\n"
-        f"sys.exit(main(['--input', {str(src)!r}, '--output', {str(out)!r}, '--beam', '4', '--batch-size', '2']))\n"
+        f"sys.exit(main(['--model', {str(DEMO_MODEL_DIR)!r}, '--input', {str(src)!r}, '--output', {str(out)!r},"
+        " '--beam', '4', '--batch-size', '2']))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=ROOT_ENV, cwd=ROOT, timeout=300

@@ -84,3 +84,32 @@ def test_target_prefix_equals_generate_with_decoder_input_ids(imported, name, be
         for t in translator.translate_detailed(texts, target_prefix="house", beam_size=beam)
     ]
     assert got == expected
+
+
+def _translate_cli(args, stdin_text):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "transformer_ext.translate", *args],
+        input=stdin_text,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_default_model_is_named_on_stderr():
+    """Without --model the bundled demo model translates; stderr says so, stdout holds only the text."""
+    run = _translate_cli([], "forty-two\n")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "zweiundvierzig\n"
+    assert "no --model given" in run.stderr and "demo_model" in run.stderr
+
+
+def test_a_given_model_is_not_announced():
+    from transformer_ext.demo import DEMO_MODEL_DIR
+
+    run = _translate_cli(["--model", str(DEMO_MODEL_DIR)], "forty-two\n")
+    assert run.returncode == 0, run.stderr
+    assert "no --model given" not in run.stderr

@@ -90,6 +90,9 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------- command line
+logger = logging.getLogger("transformer_ext.translate")  # also when run as __main__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m transformer_ext.translate",
@@ -520,6 +523,12 @@ def _load_translator(args) -> Translator:
             from .runtimes.eager import check_dtype
 
             check_dtype(args.dtype, torch.device(device), what="--dtype")
+        if args.model is None:
+            logger.warning(
+                "no --model given: translating with the bundled demo model %s (English number words "
+                "to German); give --model DIR to translate with another model",
+                DEMO_MODEL_DIR,
+            )
         return Translator.from_model_dir(
             args.model, device=device, compile=args.compile, dtype=args.dtype, **languages
         )
