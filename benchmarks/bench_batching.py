@@ -1,4 +1,4 @@
-"""Token batches vs sentence batches for translating a file (issue 23's streaming target).
+"""Token batches vs sentence batches for translating a file (the streaming target).
 
 Translates the same lines twice with one translator: ``Translator.translate(lines,
 batch_size=N)`` (sentence batches, every result at the end) and the streaming path

@@ -1,4 +1,4 @@
-"""A small model's file translation against CTranslate2: CPU time per engine (issue 20, "Small models").
+"""A small model's file translation against CTranslate2: CPU time per engine (the small-model comparison).
 
     python benchmarks/bench_small_model.py                        # 5,000 demo lines, 1 thread, 5 rounds
     python benchmarks/bench_small_model.py --lines 200 --repeats 1  # a smoke run

@@ -1,4 +1,4 @@
-"""Issues 19 and 20's speed targets, scored on benchmark JSONs: which cells each run meets, machine by machine.
+"""The speed targets of the decode and pretrained benchmarks, scored on benchmark JSONs: which cells each run meets, machine by machine.
 
     python benchmarks/targets.py benchmarks/results/bench_decode_20261203_xeon_run*.json \\
         benchmarks/results/bench_small_model_xeon*.json
@@ -108,7 +108,7 @@ TARGETS = (
     ),
 )
 _PRETRAINED_CELLS = tuple((m, b) for m in ("greedy", "beam4") for b in (1, 16))
-# Issue 19's targets on bench_pretrained.py (opus-mt-en-de dimensions): its ``ratios`` records,
+# The pretrained-model targets on bench_pretrained.py (opus-mt-en-de dimensions): its ``ratios`` records,
 # at 2 threads or with each engine at its best setting ("best").
 PRETRAINED_TARGETS = (
     Target(

@@ -6,7 +6,7 @@
 #      composite and torch._masked_softmax, attention vs SDPA, decode_attention vs eager);
 #   3b. the fused attention benchmark (benchmarks/bench_attention.py --device cuda, T = 256 and 1024);
 #   4. the decode benchmark on CUDA (benchmarks/bench_decode.py --device cuda, torch engines);
-#   5. prints one summary table (also written to summary.txt) with the GPU targets.
+#   5. prints one summary table (also written to summary.txt) with the GPU targets.
 # Everything is bounded to GPU_CHECK_BUDGET seconds of run time (default 290, under 5 minutes):
 # each stage gets what is left, the op benchmark falls back to --quick when time is short.
 #

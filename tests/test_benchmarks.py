@@ -571,7 +571,7 @@ def test_targets_scores_each_cell_per_machine(tmp_path, capsys):
 
 
 def test_targets_scores_the_pretrained_benchmark(tmp_path):
-    """Issue 19's targets read bench_pretrained's ratios at 2 threads or at the best settings."""
+    """The pretrained-model targets read bench_pretrained's ratios at 2 threads or at the best settings."""
     import targets
 
     def ratio(ours, peer, mode, threads, value):

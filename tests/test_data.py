@@ -176,7 +176,7 @@ def test_oversample_repeats_short_numbers_only():
     assert weighted.count(train[-1]) == 1
 
 
-# ---------------------------------------------------------------------- parallel text (issue 12)
+# ---------------------------------------------------------------------- parallel text
 from transformer_ext.data import DataError, ParallelIds, encode_parallel, read_lines, read_parallel, read_tsv  # noqa: E402
 from transformer_ext.tokenizer import CharTokenizer  # noqa: E402
 

@@ -314,7 +314,7 @@ def test_cli_on_the_export_prints_what_the_eager_cli_prints(demo_export, heldout
 
 
 def test_cli_forty_two_through_onnx_runtime(demo_export):
-    """The issue's command, and the same with torch made unimportable: the export folder is run
+    """The documented deploy command, and the same with torch made unimportable: the export folder is run
     by ONNX Runtime alone."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     plain = subprocess.run(
@@ -485,7 +485,7 @@ def test_deployment_install_translates_without_torch(demo_export, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
-# export.onnx's closing lines (issue 23.5)
+# export.onnx's closing lines
 # ------------------------------------------------------------------------------------------
 
 

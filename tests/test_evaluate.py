@@ -130,7 +130,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("target", ["model.safetensors", "config.json", "new.txt"])
 def test_output_inside_the_model_folder_is_refused(tmp_path, capsys, target):
-    """issue 21.1: --output M/model.safetensors used to overwrite the model's weights."""
+    """--output M/model.safetensors used to overwrite the model's weights."""
     import shutil
 
     model = tmp_path / "model"
@@ -164,7 +164,7 @@ def test_output_that_is_the_reference_file_is_refused(tmp_path, capsys):
     ],
 )
 def test_bad_device_is_one_line_not_a_torch_error(tmp_path, capsys, device, code, match):
-    """issue 21.10: `evaluate --device foo` / `--device cuda` without a GPU were raw torch
+    """`evaluate --device foo` / `--device cuda` without a GPU were raw torch
     RuntimeErrors; the same parser as train's now (usage error 2, or 1 for a missing GPU)."""
     src = write(tmp_path / "src", ["one"])
     ref = write(tmp_path / "ref", ["eins"])
@@ -178,7 +178,7 @@ def test_bad_device_is_one_line_not_a_torch_error(tmp_path, capsys, device, code
 
 
 def test_evaluate_an_export_folder_without_torch(tmp_path, exported_demo):
-    """issue 21.15: the torch-free install evaluates an export folder (it failed with
+    """The torch-free install evaluates an export folder (it failed with
     `No module named 'torch'`); a model folder there says what to install."""
     src = write(tmp_path / "src", ["forty-two", "seven"])
     ref = write(tmp_path / "ref", ["zweiundvierzig", "sieben"])

@@ -1,4 +1,4 @@
-"""What the export commands do with the user's folders, bad input and interruptions (issue 10).
+"""What the export commands do with the user's folders, bad input and interruptions.
 
 export.onnx, export.triton and export.tensorrt replace only folders they wrote (a format marker
 and the list of their files), never a folder that overlaps their input; they check every

@@ -1,4 +1,4 @@
-"""issue 23.7: every command's --help renders, and reads: no "(default: None)", no default of a
+"""Every command's --help renders, and reads: no "(default: None)", no default of a
 flag ("(default: True)"), no default given twice (``(default 0.6) (default: None)``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""return_attention (issue 23.3): each hypothesis' cross-attention rows (the last decoder layer's
+"""return_attention: each hypothesis' cross-attention rows (the last decoder layer's
 probabilities averaged over its heads), from the eager runner and from ONNX Runtime on an
 export made with ``--attention``, through greedy decoding and beam search.
 

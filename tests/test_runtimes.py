@@ -264,7 +264,7 @@ def test_open_export_dir_refuses_options_that_do_not_fit(exported, kwargs, error
 
 @pytest.mark.parametrize("kind", ["eager", "catcache", "ort", "ort_cuda", "tensorrt"])
 def test_token_checks_name_a_uint64_value_as_given(exported, kind):
-    """issue 21.23: uint64 max was reported as -1 (wrapped to int64 before the check)."""
+    """uint64 max was reported as -1 (wrapped to int64 before the check)."""
     runner = _runner(kind, exported)
     big = int(np.iinfo(np.uint64).max)
     state = runner.encode(np.array([[5, 6, 7]]), np.array([3]), 4, 2)

@@ -761,7 +761,7 @@ def test_resume_after_a_kill_between_the_two_renames_of_a_checkpoint(tmp_path, r
     assert state_step(run_copy) == 3 and not temporaries(run_copy)
 
 
-# ---------------------------------------------------------------------- parallel text (issue 12)
+# ---------------------------------------------------------------------- parallel text
 def test_inverse_sqrt_lr_matches_fairseq():
     from transformer_ext.training import inverse_sqrt_lr
 
@@ -990,7 +990,7 @@ def test_interrupted_run_keeps_its_numbers(tmp_path, monkeypatch):
     assert {"bleu", "chrf", "loss"} <= set(summary["history"][0])
 
 
-# ---------------------------------------------------------------------- run folders, resume, limits (issue 21)
+# ---------------------------------------------------------------------- run folders, resume, limits
 def test_resume_keeps_files_the_user_put_in_best_last_and_step_folders(tmp_path, caplog):
     train(tiny(tmp_path, max_steps=2, eval_every=1, keep_last=1, dropout=0.0))
     run = tmp_path / "run"
@@ -1194,7 +1194,7 @@ def test_resume_takes_the_options_not_given_from_the_run(tmp_path, monkeypatch, 
     assert "except these given again: --max-steps 6 (the run had --max-steps 4)" in caplog.text
 
 
-# ---------------------------------------------------------------------- training output (issue 23)
+# ---------------------------------------------------------------------- training output
 def test_time_left_is_measured_against_the_budget_that_binds():
     from transformer_ext.training.progress import time_left
 

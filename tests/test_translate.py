@@ -624,7 +624,7 @@ def test_translator_reads_its_limits_from_the_runner_record(translator):
         Translator(translator.tokenizer, bare())
 
 
-# ---------------------------------------------------------------------- issue 21: outputs, pipes, signals
+# ---------------------------------------------------------------------- outputs, pipes, signals
 def test_cli_workers_translate_like_one_runner(exported_portable, capsys):
     lines = ["one", "two", "three", "four"]
     code, one, _ = run_main(["--model", str(exported_portable), "--beam", "2", *lines], capsys=capsys)
@@ -638,7 +638,7 @@ def test_cli_workers_translate_like_one_runner(exported_portable, capsys):
 
 @pytest.mark.parametrize("target", ["encoder.onnx", "manifest.json", "new.txt"])
 def test_output_inside_the_export_folder_in_use_is_refused(exported_portable, tmp_path, capsys, target):
-    """issue 21.1: `--model EXP --output EXP/encoder.onnx` used to overwrite the export's encoder."""
+    """`--model EXP --output EXP/encoder.onnx` used to overwrite the export's encoder."""
     export = tmp_path / "export"
     shutil.copytree(exported_portable, export)
     before = {p.name: p.read_bytes() for p in export.iterdir()}
@@ -672,7 +672,7 @@ ROOT_ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("
 
 
 def test_a_reader_that_goes_away_stops_translate_quietly(tmp_path):
-    """issue 21.16: `translate ... | head -1` printed `error: Broken pipe` and exited 1; now it
+    """`translate ... | head -1` printed `error: Broken pipe` and exited 1; now it
     stops like a Unix tool: no message, exit 0 or 141. The reader here closes its end before
     anything is written, so the write fails whatever the size of the pipe's buffer."""
     src = tmp_path / "in.txt"
@@ -702,7 +702,7 @@ def test_a_reader_that_goes_away_stops_translate_quietly(tmp_path):
 
 @pytest.mark.parametrize("when", ["first batch", "last batch"])
 def test_sigterm_during_translate_output_exits_143_and_keeps_the_old_file(tmp_path, when):
-    """issue 21.17: SIGTERM while `translate --input MANY --output O --beam 4` runs: exit 143, the
+    """SIGTERM while `translate --input MANY --output O --beam 4` runs: exit 143, the
     old O kept, no temporary left. The child sends SIGTERM to itself from inside a beam search."""
     src = tmp_path / "in.txt"
     src.write_text("".join(f"{w}\n" for w in ["forty-two", "seven thousand and seven", "one"] * 4), "utf-8")

@@ -65,7 +65,7 @@ def test_first_line_is_printed_before_the_last_batch_is_decoded(monkeypatch):
 
 
 def test_a_5000_line_input_prints_after_its_first_batch_with_the_default_settings(monkeypatch):
-    """Issue 23's target: with the CLI's defaults (one window holding the whole input, token
+    """The streaming target: with the CLI's defaults (one window holding the whole input, token
     batches), the first line is written after one decoded batch of many."""
     import random
 
