@@ -35,7 +35,7 @@ from .training import (
     token_loss,
     train,
 )
-from .training.options import AMP_DTYPES, BEST_METRICS, TOKENIZERS
+from .training.options import AMP_DTYPES, BEST_METRICS, TOKENIZERS, init_from_conflicts
 
 __all__ = [
     "TrainOptions",
@@ -459,6 +459,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     given = given_options(argv)
     if given & {"train_files", "train_tsv"} and "out_dir" not in given:
         parser.error("--out is required with --train / --train-tsv (the default out/demo is the demo task's)")
+    clash = init_from_conflicts(given) if "init_from" in given else []
+    if clash:  # options that exclude each other: a usage error (exit 2), before anything is read
+        parser.error(
+            f"--init-from {args.init_from} takes the architecture and tokenizer from that model folder; "
+            f"drop {', '.join(clash)}"
+        )
     rank = distributed.env_rank()  # under torchrun only rank 0 logs progress and prints the result
     logging.basicConfig(
         level=logging.WARNING if args.quiet or rank > 0 else logging.INFO,

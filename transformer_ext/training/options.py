@@ -552,6 +552,12 @@ def check_text_options(opts: TrainOptions) -> None:
 _INIT_FROM_DEFINES = ("preset", "shared_vocab", "tokenizer", "vocab_size", "spm_model_type")
 
 
+def init_from_conflicts(given) -> list[str]:
+    """The flags among the option names ``given`` on a command line that ``--init-from`` excludes
+    (its model folder defines the architecture and the tokenizer), in the order they are defined."""
+    return [_option(n) for n in (*MODEL_FLAGS, *_INIT_FROM_DEFINES) if n in given]
+
+
 def check_init_from(opts: TrainOptions) -> None:
     """``--init-from MODEL_DIR``: a model folder, parallel text, and no architecture or tokenizer
     option (the model folder defines them; each one given is named)."""
