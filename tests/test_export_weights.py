@@ -71,3 +71,28 @@ def test_a_tied_tensor_read_under_two_names_is_refused(tmp_path):
     doubled.graph.initializer.append(copy)
     with pytest.raises(GraphContractError, match="one tensor of the model stored twice"):
         validation.check_graphs(doubled, decoder, model.config, "portable", tensors=tensors)
+
+
+def _verdict(manifest):
+    from types import SimpleNamespace
+
+    from export.onnx import verdict_text
+
+    validation = SimpleNamespace(tolerance=1e-4, worst=2.5e-6)
+    return verdict_text(SimpleNamespace(validation=validation, manifest=manifest, output_dir=Path("OUT")))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int8-nbits"])
+def test_a_quantized_export_verdict_says_what_was_validated(scheme):
+    """The logit tolerance describes the float32 graphs; the quantized graphs written are gated."""
+    first = _verdict({"quantization": {"scheme": scheme}}).splitlines()[0]
+    assert "every output within" not in first
+    assert (
+        "float32 graphs within 1e-04" in first
+        and f"the {scheme} graphs written passed the quality gate" in first
+    )
+
+
+def test_a_float32_export_verdict_keeps_the_tolerance():
+    first = _verdict({}).splitlines()[0]
+    assert first.startswith("export OK: every output within 1e-04 of PyTorch (worst 2.5e-06)")
