@@ -311,3 +311,21 @@ def test_full_disk_leaves_no_partial_model(tmp_path, monkeypatch, exists):
     if exists:  # the weights were replaced (a complete file), no temporary file is left
         assert sorted(os.listdir(directory)) == sorted(before)
         assert (directory / CONFIG_NAME).read_bytes() == before[CONFIG_NAME]
+
+
+def test_saving_into_an_existing_folder_logs_no_internal_path(tmp_path, caplog):
+    """Commands save into their own temporary staging folders; a user-facing log line must not
+    show those paths (what a command says it wrote is the final folder)."""
+    import logging
+
+    from transformer_ext.checkpoint import save_model
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.model import Transformer
+
+    stage = tmp_path / ".OUT.tmp-host-1"
+    stage.mkdir()
+    model = Transformer(TransformerConfig.preset("tiny", src_vocab_size=12, tgt_vocab_size=12))
+    with caplog.at_level(logging.INFO):
+        save_model(model, stage)
+    assert (stage / "model.safetensors").is_file()
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO and str(stage) in r.getMessage()]

@@ -86,7 +86,8 @@ def save_model(model: Transformer, directory: PathLike) -> None:
         )
     if os.path.isdir(directory):
         _write_files(model, directory)
-        logger.info("saved model to existing directory %s", directory)
+        # often a caller's temporary staging folder: its name is no news to a user
+        logger.debug("wrote %s and %s into %s", WEIGHTS_NAME, CONFIG_NAME, directory)
         return
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     with StagedDir(directory) as stage:
