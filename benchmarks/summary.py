@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -131,6 +130,14 @@ def pretrained_cells(files: list[str]) -> dict:
     return out
 
 
+def _case(mode: str, batch: int) -> str:
+    return f"{'greedy' if mode == 'greedy' else 'beam 4'} batch {batch}"
+
+
+def _table(title: str, columns: list[str]) -> list[str]:
+    return [title, "", "| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+
+
 def _range(values: list[float]) -> str:
     med = statistics.median(values)
     if len(values) == 1:
@@ -146,11 +153,11 @@ def readme_block(decode: dict) -> str:
         "",
     ]
     for machine, cells in sorted(decode.items()):
-        lines += [f"**{machine}**", "", "| case | float32 | int8 |", "| --- | --- | --- |"]
+        lines += _table(f"**{machine}**", ["case", "float32", "int8"])
         for mode, batch in sorted(
             {(m, b) for _, m, b in cells}, key=lambda mb: (mb[0] != "greedy", mb[0], mb[1])
         ):
-            row = [f"{'greedy' if mode == 'greedy' else 'beam 4'} batch {batch}"]
+            row = [_case(mode, batch)]
             for precision in ("float32", "int8"):
                 cell = cells.get((precision, mode, batch))
                 row.append(
@@ -184,12 +191,9 @@ def page(decode: dict, pretrained: dict) -> str:
         "",
     ]
     for machine, cells in sorted(decode.items()):
-        lines += [
-            f"### {machine}",
-            "",
-            "| precision | case | ours tokens/s | CTranslate2 tokens/s | ratio |",
-            "| --- | --- | --- | --- | --- |",
-        ]
+        lines += _table(
+            f"### {machine}", ["precision", "case", "ours tokens/s", "CTranslate2 tokens/s", "ratio"]
+        )
         for (precision, mode, batch), cell in sorted(
             cells.items(), key=lambda kv: (kv[0][0], kv[0][1] != "greedy", kv[0][2])
         ):
@@ -197,7 +201,7 @@ def page(decode: dict, pretrained: dict) -> str:
             peer = statistics.median(t for t, _ in cell["peer"])
             ours_set = "/".join(sorted({s for _, s in cell["ours"]}))
             peer_set = "/".join(sorted({s for _, s in cell["peer"]}))
-            case = f"{'greedy' if mode == 'greedy' else 'beam 4'} batch {batch}"
+            case = _case(mode, batch)
             mark = " †" if cell["unsplit"] else ""
             lines.append(
                 f"| {precision} | {case} | {ours:,.0f} ({ours_set}) | {peer:,.0f} ({peer_set}) | "
@@ -215,14 +219,9 @@ def page(decode: dict, pretrained: dict) -> str:
         "",
     ]
     for machine, cells in sorted(pretrained.items()):
-        lines += [
-            f"### {machine}",
-            "",
-            "| peer | precision | case | ours / peer |",
-            "| --- | --- | --- | --- |",
-        ]
+        lines += _table(f"### {machine}", ["peer", "precision", "case", "ours / peer"])
         for (peer, precision, mode, batch), ratios in sorted(cells.items()):
-            case = f"{'greedy' if mode == 'greedy' else 'beam 4'} batch {batch}"
+            case = _case(mode, batch)
             lines.append(f"| {peer} | {precision} | {case} | {_range(ratios)} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
@@ -273,10 +272,11 @@ def main(argv=None) -> int:
             return 1
         return 0
     if args.write:
+        sys.path.insert(0, str(REPO))  # the repository, if not installed
+        from transformer_ext.fsutil import atomic_write_text
+
         for path, new in ((README, new_readme), (PAGE, text)):
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            tmp.write_text(new, encoding="utf-8")
-            os.replace(tmp, path)
+            atomic_write_text(path, new)
         return 0
     print(block)
     print()

@@ -74,6 +74,7 @@ from transformer_ext.export_format import (
     TOKENIZER_FILE,
     GenerationConfig,
     graph_specs,
+    manifest_quantization,
     read_generation_config,
     tokenizer_files,
 )
@@ -1194,8 +1195,8 @@ def verdict_text(result: ExportResult) -> str:
             f"within {validation.tolerance:.0e} of PyTorch (worst {validation.worst:.1e}), greedy and beam "
             "tokens identical"
         )
-        quantized = result.manifest.get("quantization")
-        if isinstance(quantized, dict) and quantized.get("scheme"):
+        quantized = manifest_quantization(result.manifest)
+        if quantized is not None:
             # the tolerance was checked on the float32 graphs; the written quantized graphs passed the gate
             verdict = (
                 f"export OK: the float32 graphs {parity}; the {quantized['scheme']} graphs written passed "
