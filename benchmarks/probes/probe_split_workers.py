@@ -45,8 +45,9 @@ def child(
     vocab: int,
 ) -> dict:
     """Both settings of one engine in this process: ``{mode: {"half_ms", "split_ms", ...}}``."""
-    from benchmarks.decode import decode_worker
     import numpy as np
+
+    from benchmarks.decode import decode_worker
 
     build = decode_worker._onnxrt if engine == "onnxrt" else decode_worker._ctranslate2
     base = {"engine": engine, "model": model, "compute_type": dtype, "bos": BOS, "eos": EOS}
