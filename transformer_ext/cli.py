@@ -22,7 +22,8 @@ import logging
 import signal
 import sys
 import threading
-from typing import Callable, Optional, Union
+import weakref
+from typing import Any, Callable, Optional, Sequence, Union
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -52,6 +53,61 @@ def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="show the full traceback of an error instead of a one-line message",
     )
     return parser
+
+
+# add_option's renamed spellings: the option string given first for each dest, per namespace being
+# parsed (keyed by id, since a Namespace is unhashable; the entry goes with the namespace)
+_SPELLINGS_SEEN: dict[int, dict[str, str]] = {}
+
+
+def _spellings_seen(namespace: argparse.Namespace) -> dict[str, str]:
+    key = id(namespace)
+    if key not in _SPELLINGS_SEEN:
+        _SPELLINGS_SEEN[key] = {}
+        weakref.finalize(namespace, _SPELLINGS_SEEN.pop, key, None)
+    return _SPELLINGS_SEEN[key]
+
+
+def add_option(
+    parser: Union[argparse.ArgumentParser, argparse._ActionsContainer],
+    *flags: str,
+    deprecated: Sequence[str] = (),
+    **kwargs: Any,
+) -> argparse.Action:
+    """``parser.add_argument(*flags, **kwargs)``, also accepting the old spellings ``deprecated``.
+
+    ``flags[0]`` is the option's one spelling; its ``dest`` is the value's name. An old spelling
+    works as the new one and prints one line ``PROG: warning: --old is deprecated; use --new`` on
+    stderr. An old and the new spelling in one command line are a usage error (exit 2) naming
+    both, since which of the two values was meant is not known. ``parser`` may be an argument
+    group.
+    """
+    old = tuple(deprecated)
+    if not old:
+        return parser.add_argument(*flags, **kwargs)
+    if not flags or not flags[0].startswith("--"):
+        raise ValueError(f"add_option: the first flag must be a --long option, got {flags!r}")
+    canonical = flags[0]
+    base = parser._registry_get("action", kwargs.pop("action", None), None)
+    if not (isinstance(base, type) and issubclass(base, argparse.Action)):
+        raise ValueError(f"add_option: unknown action for {canonical}")
+    kwargs.setdefault("dest", canonical[2:].replace("-", "_"))
+    if kwargs.get("help") not in (None, argparse.SUPPRESS):
+        kwargs["help"] = f"{kwargs['help']} ({', '.join(old)}: deprecated spelling)"
+
+    class Renamed(base):  # type: ignore[misc, valid-type]
+        def __call__(self, parser, namespace, values, option_string=None):
+            seen = _spellings_seen(namespace)
+            given = seen.setdefault(self.dest, option_string)
+            if (given in old) != (option_string in old):
+                parser.error(f"{given} and {option_string} are one option (give only {canonical})")
+            if option_string in old:
+                print(
+                    f"{parser.prog}: warning: {option_string} is deprecated; use {canonical}", file=sys.stderr
+                )
+            super().__call__(parser, namespace, values, option_string)
+
+    return parser.add_argument(*flags, *old, action=Renamed, **kwargs)
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
