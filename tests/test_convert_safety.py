@@ -380,13 +380,16 @@ def test_ctrl_c_just_after_the_commit_reports_the_complete_folder(
 
     monkeypatch.setattr(fsutil.StagedDir, "commit", commit)
     out = tmp_path / "model"
+    sigint, sigterm = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     assert main(["transformers", str(marian), "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert captured.out == f"{out}\n"
     assert f"SIGINT arrived after the conversion finished: the model folder {out} is complete" in caplog.text
     assert "interrupted" not in captured.err
     assert load_model(out).config.d_model == 16
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert (
+        signal.getsignal(signal.SIGINT) is sigint and signal.getsignal(signal.SIGTERM) is sigterm
+    )  # restored
 
 
 _INTERRUPT_TORCH_IMPORT = """

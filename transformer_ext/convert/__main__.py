@@ -60,8 +60,11 @@ class _CommitShield:
                 signal.signal(signum, self._record)
 
     def release(self) -> None:
+        """Put back the handlers replaced, where nobody replaced ours since (run_cli restores
+        SIGTERM's own on its way out)."""
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+            if signal.getsignal(signum) == self._record:
+                signal.signal(signum, previous)
         self._previous = {}
 
 
