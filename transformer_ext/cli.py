@@ -17,6 +17,7 @@ instead. Interruptions return 130 (SIGINT) or 143 (SIGTERM) after printing one l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import logging
 import signal
@@ -80,7 +81,8 @@ def add_option(
     works as the new one and prints one line ``PROG: warning: --old is deprecated; use --new`` on
     stderr. An old and the new spelling in one command line are a usage error (exit 2) naming
     both, since which of the two values was meant is not known. ``parser`` may be an argument
-    group.
+    group. A parser whose attribute ``quiet_renamed`` is true parses without the warning (a second
+    parse of the same command line, to see which options it gives).
     """
     old = tuple(deprecated)
     if not old:
@@ -101,13 +103,72 @@ def add_option(
             given = seen.setdefault(self.dest, option_string)
             if (given in old) != (option_string in old):
                 parser.error(f"{given} and {option_string} are one option (give only {canonical})")
-            if option_string in old:
+            if option_string in old and not getattr(parser, "quiet_renamed", False):
                 print(
                     f"{parser.prog}: warning: {option_string} is deprecated; use {canonical}", file=sys.stderr
                 )
             super().__call__(parser, namespace, values, option_string)
 
     return parser.add_argument(*flags, *old, action=Renamed, **kwargs)
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    flag: Optional[str] = None,
+    group: Optional[str] = None,
+    deprecated: Sequence[str] = (),
+    cli: bool = True,
+    **argparse_kwargs: Any,
+) -> Any:
+    """A dataclass field that also declares its command-line option (see :func:`add_options`).
+
+    ``flag`` defaults to the field's name with dashes (``max_tokens``: ``--max-tokens``);
+    ``deprecated`` lists old spellings (:func:`add_option`); ``group`` names the ``--help``
+    section; ``cli=False`` keeps the field off the command line (library callers only);
+    ``argparse_kwargs`` go to ``add_argument`` (``type``, ``choices``, ``metavar``, ``nargs``,
+    ``action``, ...). The help text is the field's documentation in the API reference too.
+    """
+    meta = {"help": help, "flag": flag, "group": group, "deprecated": tuple(deprecated), "cli": cli}
+    meta["argparse"] = argparse_kwargs
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def option_flag(cls: type, name: str) -> str:
+    """The command-line spelling of the field ``name`` of the options dataclass ``cls``."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata.get("flag") or "--" + name.replace("_", "-")
+    raise KeyError(name)
+
+
+def add_options(
+    parser: argparse.ArgumentParser, cls: type, groups: Sequence[tuple[str, str]]
+) -> dict[str, argparse._ArgumentGroup]:
+    """Add an option for every command-line field of the dataclass ``cls`` (declared with
+    :func:`option`), in field order, each in its ``--help`` group. ``groups`` lists ``(key,
+    title)`` in the order ``--help`` shows them; the groups made are returned by key, so a command
+    can add options of its own to them. A field's default is the option's default."""
+    made = {key: parser.add_argument_group(title) for key, title in groups}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not meta.get("cli"):
+            continue
+        if meta["group"] not in made:
+            raise ValueError(f"add_options: field {f.name} names the unknown group {meta['group']!r}")
+        kwargs = dict(meta["argparse"])
+        kwargs.setdefault("dest", f.name)
+        if "default" not in kwargs and kwargs.get("action") not in ("store_true", "store_false"):
+            kwargs["default"] = f.default
+        add_option(
+            made[meta["group"]],
+            option_flag(cls, f.name),
+            deprecated=meta["deprecated"],
+            help=meta["help"],
+            **kwargs,
+        )
+    return made
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
