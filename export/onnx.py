@@ -680,6 +680,13 @@ def export_onnx(
         raise UsageError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
     if quantize is not None:  # the block size against the model's matrices, before tracing
         check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop, config.to_dict())
+        if validate:  # the gate can run on this model and fail (gate data, its languages and lengths)
+            from transformer_ext.tokenizer import load_tokenizer
+
+            from .quantize import check_gate_inputs
+
+            tokenizer = load_tokenizer(model_path) if tokenizer_names else None
+            check_gate_inputs(tokenizer, config.max_len, gate_data, model_path)
     generation_config = GenerationConfig.defaults_for(
         {"special_tokens": special_tokens, "max_cache_len": cache_len, "model_config": config.to_dict()},
         **{**imported_generation(model_path, cache_len), **dict(generation or {})},
