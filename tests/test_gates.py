@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -230,3 +232,115 @@ def test_the_bleu_gate_fails_a_broken_quantization(models, tmp_path, capsys, mon
     assert quantize_main([*args, "--output-dir", str(tmp_path / "ok"), "--max-bleu-drop", "100"]) == 0
     gate = manifest_quantization(read_manifest(tmp_path / "ok"))["gate"]
     assert gate["bleu_float32"] == 100.0 and gate["bleu_int8"] > broken
+
+
+# ------------------------------------------------------------------------------------------
+# the parity validator: a bound that scales with the model, token flips and near ties
+# ------------------------------------------------------------------------------------------
+
+# Activations of order 10 over 128 positions: eager float32 itself is up to 1.5e-3 off float64,
+# more than the 1e-4 tolerance, and so is any correct float32 export of it.
+LARGE = dict(layers=2, d_model=32, heads=4, d_ff=64, std=1.0, gain=4.0, max_positions=128, seed=5)
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    """(converted model folder, its validated export) of a Marian checkpoint with large activations."""
+    root = tmp_path_factory.mktemp("large")
+    ours = convert_transformers(write_marian(root / "hf", **LARGE), root / "model")
+    return Path(ours), export_onnx(ours, root / "export", tolerance=1e-4)
+
+
+def test_a_correct_export_with_large_activations_passes(large):
+    """Each output is measured against float64 eager PyTorch and allowed 8x eager float32's own
+    distance from it (never less than the tolerance): the export passes, with bounds above the
+    tolerance where float32 rounding is, and its verdict says so."""
+    from export import validate as validation
+    from export.onnx import verdict_text
+
+    report = large[1].validation
+    assert report.tolerance == 1e-4 and report.widened
+    assert max(report.float32_error.values()) > 1e-4  # eager float32 alone misses the tolerance
+    for key, diff in report.max_abs_diff.items():
+        f32 = report.float32_error[key]
+        assert diff <= report.allowed[key] == pytest.approx(max(1e-4, validation.FLOAT32_ERROR_FACTOR * f32))
+    assert report.greedy["tokens_identical"] and report.beam["tokens_identical"]
+    assert "8x eager float32's own rounding error against float64" in verdict_text(large[1]).splitlines()[0]
+
+
+@pytest.mark.parametrize("where", ["encoder", "decoder"])
+def test_a_wrong_graph_of_that_model_still_fails(large, where):
+    """Negative controls at that scale: the export against the model with one LayerNorm gain
+    1% off (in the encoder, in the decoder) is refused, naming an output of that graph."""
+    import torch
+
+    from export import ParityError
+    from export import validate as validation
+    from transformer_ext.checkpoint import load_model
+
+    model = load_model(large[0])
+    layers = model.encoder.layers if where == "encoder" else model.decoder.layers
+    with torch.no_grad():
+        layers[-1].sublayer[-1].norm.weight.mul_(1.01)
+    with pytest.raises(ParityError) as info:
+        validation.validate_export(large[1].output_dir, model, tolerance=1e-4)
+    assert info.value.output.startswith("encoder/" if where == "encoder" else "decoder_step/")
+    assert info.value.max_diff > info.value.tolerance
+
+
+class _Recorded:
+    def __init__(self, logits, fed):
+        self.logits, self.fed = logits, fed
+
+
+def _hyp(tokens, log_probs):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tokens=tokens, token_log_probs=log_probs, score=sum(log_probs))
+
+
+def _greedy_pair(onnx_second_log_prob):
+    """Eager and ONNX Runtime greedy decodes of one source fed alike for two steps, parting at the
+    third token: eager 7 (log-prob -0.5), ONNX Runtime 8 (``onnx_second_log_prob``)."""
+    logits = [np.zeros((1, 10), np.float32) for _ in range(3)]
+    fed = [(np.array([1]), None), (np.array([5]), None), (np.array([6]), None)]
+    eager = _Recorded(logits, fed)
+    onnx_rec = _Recorded([x + 1e-5 for x in logits], fed)
+    eager_out = [_hyp([5, 6, 7], [-0.1, -0.2, -0.5, -0.1])]
+    onnx_out = [_hyp([5, 6, 8], [-0.1, -0.2, onnx_second_log_prob, -0.1])]
+    return eager, onnx_rec, eager_out, onnx_out
+
+
+def test_tokens_that_part_at_a_near_tie_are_not_a_failure():
+    """Logits within the tolerance and the chosen tokens' log-probabilities 3e-5 apart (within
+    twice the tolerance): recorded as a near tie naming the source, position and tokens."""
+    from export import validate as validation
+
+    report = validation.ValidationReport(tolerance=1e-4)
+    eager, onnx_rec, eager_out, onnx_out = _greedy_pair(-0.50003)
+    result = validation._compare_decodes(report, "greedy", eager, onnx_rec, eager_out, onnx_out, "case")
+    assert result["tokens_identical"] is False and result["steps"] == 3
+    tie = result["near_tie"]
+    assert (tie["source"], tie["step"], tie["eager"], tie["onnxruntime"]) == (0, 2, 7, 8)
+    assert tie["margin"] == pytest.approx(3e-5) and tie["bound"] == pytest.approx(2e-4)
+    report.greedy = dict(result, batch=1, tokens_generated=3)
+    assert "near tie" in report.table() and "greedy tokens part at a near tie" in report.parity_text()
+
+
+def test_a_token_flip_beyond_a_near_tie_is_reported_as_one():
+    """The same decodes with ONNX Runtime's token 0.3 below eager's: a token flip, reported as
+    one (position, both tokens, the margin), not as a logit difference."""
+    from export import ParityError
+    from export import validate as validation
+
+    report = validation.ValidationReport(tolerance=1e-4)
+    eager, onnx_rec, eager_out, onnx_out = _greedy_pair(-0.8)
+    with pytest.raises(ParityError) as info:
+        validation._compare_decodes(report, "greedy", eager, onnx_rec, eager_out, onnx_out, "case")
+    err = info.value
+    assert isinstance(err, validation.TokenFlipError)
+    assert (err.output, err.step) == ("greedy decode tokens", 2) and err.max_diff == pytest.approx(0.3)
+    text = str(err)
+    assert "token flip at generated position 2" in text and "eager token 7, onnxruntime token 8" in text
+    assert "differs from eager PyTorch" not in text
+    assert pickle.loads(pickle.dumps(err)).args == err.args
