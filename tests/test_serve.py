@@ -1,0 +1,273 @@
+"""The translation server as a real process on a free port, talked to with a real HTTP client.
+
+Each server is ``python -m transformer_ext.serve --port 0`` (the port it chose is read from its
+log); the oracle of every translation is :meth:`Translator.translate` of the same source alone,
+in this process. Tests that need a failing runner start the app in-process under uvicorn (still
+over a socket).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from transformer_ext.translator import Translator
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT = 120  # seconds for a server to load its model and listen (a busy 2-core machine)
+DEMO_SOURCES = ["forty-two", "one thousand and one", "seven", "three hundred and twelve"]
+
+
+class Server:
+    """``python -m transformer_ext.serve ARGS --port 0`` in a child process; ``url`` once it listens."""
+
+    def __init__(self, *args: str, python_prelude: str = ""):
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("PYTHONWARNINGS", None)
+        if python_prelude:
+            cmd = [
+                sys.executable,
+                "-c",
+                python_prelude
+                + "\nimport sys\nfrom transformer_ext.serve.cli import main\nsys.exit(main(sys.argv[1:]))",
+            ]
+        else:
+            cmd = [sys.executable, "-m", "transformer_ext.serve"]
+        self.proc = subprocess.Popen(
+            [*cmd, "--port", "0", "--log-level", "info", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+            # a test run started with SIGINT ignored must not pass that on: the server drains on it
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        self.log: list[str] = []
+        self._port = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._port.wait(START_TIMEOUT):
+            self.stop()
+            raise AssertionError("the server did not start:\n" + "".join(self.log[-30:]))
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+        deadline = time.monotonic() + START_TIMEOUT
+        while self.client.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.05)
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            found = re.search(r"serving .* on (http://[\d.]+:\d+)", line)
+            if found:
+                self.url = found.group(1)
+                self._port.set()
+        self._port.set()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample of ``/metrics`` (0 when absent)."""
+        text = self.client.get("/metrics").text
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if want else "") + r" ([0-9.e+-]+)$"
+        for line in text.splitlines():
+            found = re.match(pattern, line)
+            if found:
+                return float(found.group(1))
+        return 0.0
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def demo_translator() -> Translator:
+    return Translator.from_model_dir(None)
+
+
+@pytest.fixture(scope="module")
+def static_server():
+    server = Server("--batching", "static", "--languages", "en-de", "--max-sources", "8")
+    yield server
+    assert server.stop() == 0, "".join(server.log[-20:])
+
+
+# ------------------------------------------------------------------------------------------
+# the native API
+# ------------------------------------------------------------------------------------------
+
+
+def test_translate_list_and_one_string(static_server, demo_translator):
+    answer = static_server.client.post("/v1/translate", json={"text": DEMO_SOURCES})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["model"] == "demo"
+    assert [t["text"] for t in body["translations"]] == [
+        str(demo_translator.translate([s])[0]) for s in DEMO_SOURCES
+    ]
+    one = static_server.client.post("/v1/translate", json={"text": "forty-two"}).json()
+    assert one["translations"] == [{"text": "zweiundvierzig"}]
+
+
+def test_translate_beam_n_best_and_scores(static_server, demo_translator):
+    answer = static_server.client.post(
+        "/v1/translate", json={"text": "seven", "beam_size": 4, "num_hypotheses": 3, "return_scores": True}
+    )
+    assert answer.status_code == 200, answer.text
+    (item,) = answer.json()["translations"]
+    expected = demo_translator.translate(["seven"], beam_size=4, n_best=3)[0]
+    assert [h["text"] for h in item["hypotheses"]] == expected.texts
+    assert [h["score"] for h in item["hypotheses"]] == pytest.approx(
+        [h.score for h in expected.hypotheses], abs=1e-5
+    )
+    assert item["text"] == expected.texts[0] and item["score"] == pytest.approx(expected.score, abs=1e-5)
+
+
+def test_stream_is_one_ndjson_line_per_source_then_done(static_server, demo_translator):
+    with static_server.client.stream("POST", "/v1/translate/stream", json={"text": DEMO_SOURCES}) as answer:
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in answer.iter_lines() if line]
+    assert lines[-1] == {"done": True, "model": "demo"}
+    got = {line["index"]: line["text"] for line in lines[:-1]}
+    assert got == {i: str(demo_translator.translate([s])[0]) for i, s in enumerate(DEMO_SOURCES)}
+
+
+def test_models_lists_the_model_and_its_defaults(static_server):
+    body = static_server.client.get("/v1/models").json()
+    (model,) = body["models"]
+    assert model["name"] == "demo" and model["kind"] == "model" and model["pair"] == ["en", "de"]
+    assert model["defaults"]["beam_size"] == 1 and model["batching"] == "static"
+    assert static_server.client.get("/openapi.json").json()["paths"]["/v1/translate"]["post"]
+
+
+# ------------------------------------------------------------------------------------------
+# LibreTranslate
+# ------------------------------------------------------------------------------------------
+
+
+def test_libretranslate_json_form_and_list(static_server, demo_translator):
+    client = static_server.client
+    answer = client.post(
+        "/translate", json={"q": "forty-two", "source": "en", "target": "de", "format": "text"}
+    )
+    assert answer.status_code == 200 and answer.json() == {"translatedText": "zweiundvierzig"}
+    form = client.post("/translate", data={"q": "seven", "source": "en", "target": "de"})
+    assert form.status_code == 200 and form.json() == {
+        "translatedText": str(demo_translator.translate(["seven"])[0])
+    }
+    many = client.post("/translate", json={"q": DEMO_SOURCES[:2], "source": "en", "target": "de"}).json()
+    assert many == {"translatedText": [str(demo_translator.translate([s])[0]) for s in DEMO_SOURCES[:2]]}
+    auto = client.post("/translate", json={"q": "seven", "source": "auto", "target": "de"}).json()
+    assert auto["detectedLanguage"]["language"] == "en"
+    alts = client.post(
+        "/translate", json={"q": "seven", "source": "en", "target": "de", "alternatives": 2}
+    ).json()
+    expected = demo_translator.translate(["seven"], beam_size=3, n_best=3)[0]
+    assert alts == {"translatedText": expected.texts[0], "alternatives": expected.texts[1:]}
+
+
+def test_libretranslate_languages_and_errors(static_server):
+    client = static_server.client
+    assert client.get("/languages").json() == [{"code": "en", "name": "en", "targets": ["de"]}]
+    wrong = client.post("/translate", json={"q": "seven", "source": "fr", "target": "de"})
+    assert (
+        wrong.status_code == 400 and "source" in wrong.json()["error"] and "en to de" in wrong.json()["error"]
+    )
+    missing = client.post("/translate", json={"source": "en", "target": "de"})
+    assert missing.status_code == 400 and missing.json()["error"] == "Invalid request: missing q parameter"
+    html = client.post("/translate", json={"q": "seven", "source": "en", "target": "de", "format": "html"})
+    assert html.status_code == 400 and "format" in html.json()["error"]
+
+
+# ------------------------------------------------------------------------------------------
+# bad input
+# ------------------------------------------------------------------------------------------
+
+BAD_BODIES = [  # (raw body, the field the error must name)
+    (b'{"text": "fo', "body"),
+    (b"[1, 2]", "body"),
+    (b'{"text": 5}', "text"),
+    (b'{"text": ["seven", 5]}', "text[1]"),
+    (b'{"text": []}', "text"),
+    (b'{"text": "seven", "model": "nope"}', "model"),
+    (b'{"text": "seven", "beam_size": 0}', "beam_size"),
+    (b'{"text": "seven", "beam_size": "4"}', "beam_size"),
+    (b'{"text": "seven", "sampling_temperature": -1}', "sampling_temperature"),
+    (b'{"text": "seven", "beam_size": 2, "num_hypotheses": 3}', "num_hypotheses"),
+    (b'{"text": "seven", "bogus": 1}', "bogus"),
+    (b'{"text": ["seven", "x\\u00e9"]}', "text[1]"),
+    (b'{"text": "' + b"seven " * 20 + b'"}', "text"),
+    (b'{"text": ""}', "text"),
+    (b'{"text": ["seven"], "target_prefix": ["a", "b"]}', "target_prefix"),
+    (b'{"text": ' + json.dumps(["seven"] * 9).encode() + b"}", "text"),
+    (b'{"text": "seven", "tokens": true, "beam_size": 2}', "tokens"),
+]
+
+
+@pytest.mark.parametrize("route", ["/v1/translate", "/v1/translate/stream"])
+@pytest.mark.parametrize("raw, field", BAD_BODIES)
+def test_bad_input_is_a_400_naming_the_field(static_server, route, raw, field):
+    answer = static_server.client.post(route, content=raw, headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    body = answer.json()
+    assert body["field"] == field and body["error"].startswith(field), body
+    assert "Traceback" not in answer.text
+
+
+def test_a_10_mb_body_is_413_and_unknown_routes_404(static_server):
+    big = b'{"text": "' + b"a" * (10 << 20) + b'"}'
+    answer = static_server.client.post("/v1/translate", content=big)
+    assert answer.status_code == 413 and answer.json()["field"] == "body"
+    assert static_server.client.get("/nope").status_code == 404
+    assert static_server.client.get("/v1/translate").status_code == 405
+
+
+def test_good_requests_work_after_1000_bad_ones(static_server):
+    bodies = [raw for raw, _ in BAD_BODIES]
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(
+            pool.map(
+                lambda i: (
+                    static_server.client.post("/v1/translate", content=bodies[i % len(bodies)]).status_code
+                ),
+                range(1000),
+            )
+        )
+    assert set(statuses) == {400}
+    good = static_server.client.post("/v1/translate", json={"text": "forty-two"})
+    assert good.status_code == 200 and good.json()["translations"] == [{"text": "zweiundvierzig"}]
+    assert static_server.metric("translate_request_errors_total", route="/v1/translate", status="400") >= 1000
+
+
+def test_metrics(static_server):
+    client = static_server.client
+    before = static_server.metric("translate_generated_tokens_total", model="demo")
+    assert client.post("/v1/translate", json={"text": "forty-two"}).status_code == 200
+    assert static_server.metric("translate_generated_tokens_total", model="demo") >= before + len(
+        "zweiundvierzig"
+    )
+    assert static_server.metric("translate_requests_total", route="/v1/translate", status="200") >= 1
+    assert static_server.metric("translate_batch_rows_count", model="demo") >= 1
+    assert static_server.metric("translate_request_duration_seconds_count", route="/v1/translate") >= 1
+    text = client.get("/metrics").text
+    assert 'translate_queue_depth{model="demo"}' in text and "translate_requests_in_flight" in text
+    assert client.get("/healthz").json() == {"status": "ok"}
