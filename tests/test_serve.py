@@ -271,3 +271,160 @@ def test_metrics(static_server):
     text = client.get("/metrics").text
     assert 'translate_queue_depth{model="demo"}' in text and "translate_requests_in_flight" in text
     assert client.get("/healthz").json() == {"status": "ok"}
+
+
+# ------------------------------------------------------------------------------------------
+# limits and faults
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def held_server():
+    """Static batching that holds each batch open for 2 s (requests wait there deterministically)
+    with a 1 s request timeout."""
+    server = Server("--batching", "static", "--batch-wait", "2", "--request-timeout", "1")
+    yield server
+    assert server.stop() == 0, "".join(server.log[-20:])
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.02)
+
+
+def test_request_timeout_answers_504_and_its_source_is_not_run(held_server):
+    before = held_server.metric("translate_batch_sources_sum", model="demo")
+    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo")
+    answer = held_server.client.post("/v1/translate", json={"text": "seven"})
+    assert answer.status_code == 504 and "timeout" in answer.json()["error"]
+    _wait_for(
+        lambda: held_server.metric("translate_cancelled_sources_total", model="demo") == cancelled + 1,
+        "the timed-out source leaves",
+    )
+    assert held_server.metric("translate_batch_sources_sum", model="demo") == before  # nothing was run for it
+
+
+def test_client_disconnect_cancels_its_work(held_server):
+    before = held_server.metric("translate_batch_sources_sum", model="demo")
+    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo")
+    with pytest.raises(httpx.ReadTimeout):
+        held_server.client.post("/v1/translate", json={"text": "seven"}, timeout=0.3)
+    _wait_for(
+        lambda: held_server.metric("translate_requests_total", route="/v1/translate", status="499") >= 1,
+        "the disconnect is recorded",
+    )
+    _wait_for(
+        lambda: held_server.metric("translate_cancelled_sources_total", model="demo") == cancelled + 1,
+        "the source of the client that left leaves",
+    )
+    assert held_server.metric("translate_batch_sources_sum", model="demo") == before  # nothing was run for it
+
+
+def test_a_full_queue_answers_429_with_retry_after(demo_translator):
+    server = Server("--batching", "none", "--max-queue", "1", "--max-sources", "1")
+    try:
+        body = {"text": "three hundred and seventy-seven", "beam_size": 8}
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda _: server.client.post("/v1/translate", json=body), range(12)))
+        statuses = [a.status_code for a in answers]
+        assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses, statuses
+        expected = str(demo_translator.translate([body["text"]], beam_size=8)[0])
+        for answer in answers:
+            if answer.status_code == 429:
+                assert int(answer.headers["retry-after"]) >= 1 and "queue is full" in answer.json()["error"]
+            else:
+                assert answer.json()["translations"] == [{"text": expected}]
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_drains_accepted_work_and_exits_0_without_torch(tmp_path_factory):
+    """An export folder served with torch unimportable; SIGTERM while a request waits: readyz
+    503, new work 503, the accepted request answered in full, exit code 0."""
+    from helpers import exported_dir
+
+    export = exported_dir(tmp_path_factory, "portable")
+    oracle = Translator.from_export_dir(export)
+    sources = ["hello world", "abc"]
+    server = Server(
+        "--model",
+        f"tiny={export}",
+        "--batching",
+        "static",
+        "--batch-wait",
+        "4",
+        python_prelude="import sys; sys.modules['torch'] = None",
+    )
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(server.client.post, "/v1/translate", json={"text": sources})
+            _wait_for(lambda: server.metric("translate_requests_in_flight") == 1, "the request is accepted")
+            server.proc.send_signal(signal.SIGTERM)
+            _wait_for(lambda: server.client.get("/readyz").status_code == 503, "readyz says draining")
+            late = server.client.post("/v1/translate", json={"text": "abc"})
+            assert late.status_code == 503 and "Retry-After" in late.headers
+            answer = pending.result(timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert [t["text"] for t in answer.json()["translations"]] == [
+            str(oracle.translate([s])[0]) for s in sources
+        ]
+        assert server.proc.wait(60) == 0
+        assert not any("Traceback" in line for line in server.log), "".join(server.log)
+    finally:
+        server.stop()
+
+
+class _PoisonedRunner:
+    """A runner that fails on any batch holding the token ``poison`` (a model run that raises)."""
+
+    def __init__(self, runner, poison: int):
+        self._runner = runner
+        self._poison = poison
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def encode(self, input_ids, *args, **kwargs):
+        import numpy as np
+
+        if (np.asarray(input_ids) == self._poison).any():
+            raise RuntimeError("the model run failed")
+        return self._runner.encode(input_ids, *args, **kwargs)
+
+
+def test_a_failing_model_run_answers_500_for_its_batch_only(demo_translator):
+    import socket
+
+    import uvicorn
+
+    from transformer_ext.serve import ServeConfig, ServedModel, create_app
+
+    base = demo_translator
+    poison = base.tokenizer.encode_source("z")[0]
+    translator = Translator(base.tokenizer, _PoisonedRunner(base.runner, poison))
+    model = ServedModel("demo", Path("."), translator, "model")
+    app = create_app([model], ServeConfig(batching="none"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        with httpx.Client(base_url=url, timeout=120) as client:
+            _wait_for(
+                lambda: client.get("/healthz").status_code == 200 if server.started else False, "started"
+            )
+            with ThreadPoolExecutor(4) as pool:
+                bodies = [{"text": "zero"}, {"text": "forty-two"}, {"text": "zero"}, {"text": "seven"}]
+                answers = list(pool.map(lambda b: client.post("/v1/translate", json=b), bodies))
+            assert [a.status_code for a in answers] == [500, 200, 500, 200]
+            assert "the model failed" in answers[0].json()["error"] and "Traceback" not in answers[0].text
+            assert answers[1].json()["translations"] == [{"text": "zweiundvierzig"}]
+            after = client.post("/translate", json={"q": "forty-two", "source": "en", "target": "de"})
+            assert after.json() == {"translatedText": "zweiundvierzig"}
+    finally:
+        server.should_exit = True
+        thread.join(30)

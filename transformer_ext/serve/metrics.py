@@ -75,6 +75,12 @@ class Metrics:
             registry=r,
         )
         self.generated = Counter("translate_generated_tokens", "Tokens generated", ["model"], registry=r)
+        self.cancelled_sources = Counter(
+            "translate_cancelled_sources",
+            "Sources that left before they were translated (timeout, client gone, shutdown)",
+            ["model"],
+            registry=r,
+        )
         self.sources = Counter("translate_sources", "Sources translated", ["model"], registry=r)
 
     # the schedulers' calls (any thread: prometheus-client's metrics are thread-safe)
@@ -87,6 +93,9 @@ class Metrics:
 
     def translated(self, model: str, n: int) -> None:
         self.sources.labels(model).inc(n)
+
+    def cancelled(self, model: str, n: int) -> None:
+        self.cancelled_sources.labels(model).inc(n)
 
     def queue(self, model: str, depth: int) -> None:
         self.queue_depth.labels(model).set(depth)

@@ -218,10 +218,10 @@ class Scheduler:
                     self._waiting -= len(job.sources)
                     self._report_queue()
                     if job.cancelled:
-                        job.finish(JobError(499, "cancelled"))
+                        self._skip(job, JobError(499, "cancelled"))
                         continue
                     if job.expired(time.monotonic()):
-                        job.finish(JobError(504, "the request timed out before it ran"))
+                        self._skip(job, JobError(504, "the request timed out before it ran"))
                         continue
                     return job
                 if self._stop or not block:
@@ -230,6 +230,12 @@ class Scheduler:
                 if left is not None and left <= 0:
                     return None
                 self._cond.wait(left)
+
+    def _skip(self, job: Job, error: JobError) -> None:
+        """``job`` leaves without being run (cancelled, or past its deadline)."""
+        job.finish(error)
+        if self.metrics is not None:
+            self.metrics.cancelled(self.name, len(job.sources))
 
     def _peek_sources(self) -> Optional[Job]:
         with self._cond:
@@ -333,10 +339,12 @@ class StaticScheduler(Scheduler):
         groups: dict[str, list[tuple[Job, int]]] = {}
         for j in jobs:
             groups.setdefault(j.options_key, []).extend((j, i) for i in range(len(j.sources)))
+        now = time.monotonic()
+        for j in jobs:
+            if j.cancelled or j.expired(now):
+                j.cancelled = True
+                self._skip(j, JobError(499, "cancelled"))
         for pairs in groups.values():
             live = [(j, i) for j, i in pairs if not j.cancelled and not j.ended]
             if live:
                 self._translate(live)
-        for j in jobs:
-            if j.cancelled:
-                j.finish(JobError(499, "cancelled"))
