@@ -428,3 +428,174 @@ def test_a_failing_model_run_answers_500_for_its_batch_only(demo_translator):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# ------------------------------------------------------------------------------------------
+# continuous batching: the scheduler against the step-wise search state's contract
+# ------------------------------------------------------------------------------------------
+
+
+class _ContractState:
+    """A search state with the step-wise contract's interface (admit / step / cancel / partial /
+    num_rows / num_sources / empty) whose sources produce, one token a step, the hypotheses
+    ``Translator.translate`` gives each alone: the scheduler's routing, admission bounds,
+    leaving and token streaming are what is tested here, not the search."""
+
+    log: list = []
+
+    def __init__(self, runner, *, solo, **model_ids):
+        self.solo = solo
+        self.open: dict = {}
+        _ContractState.log.append(("new", model_ids))
+
+    def admit(self, requests):
+        for r in requests:
+            hyps = self.solo(tuple(int(t) for t in r.input_ids), r.options, r.target_prefix)
+            self.open[r.key] = [hyps, 0, r.options.beam_size]
+        _ContractState.log.append(("admit", len(requests), self.num_rows))
+
+    def step(self):
+        done = []
+        for key, entry in list(self.open.items()):
+            entry[1] += 1
+            if entry[1] > len(entry[0][0].tokens):  # its EOS step
+                done.append((key, entry[0]))
+                del self.open[key]
+        _ContractState.log.append(("step", self.num_rows + sum(1 for _ in done)))
+        return done
+
+    def cancel(self, key):
+        self.open.pop(key, None)
+        _ContractState.log.append(("cancel", key))
+
+    def partial(self, key):
+        hyps, progress, _ = self.open[key]
+        return hyps[0].tokens[:progress]
+
+    @property
+    def num_rows(self):
+        return sum(e[2] for e in self.open.values())
+
+    @property
+    def num_sources(self):
+        return len(self.open)
+
+    @property
+    def empty(self):
+        return not self.open
+
+
+def _contract_api(translator):
+    from dataclasses import dataclass
+    from typing import Any, Optional
+
+    @dataclass(frozen=True)
+    class Options:
+        beam_size: int = 1
+        num_hypotheses: int = 1
+        length_penalty: str = "gnmt"
+        alpha: float = 0.6
+        early_stopping: Any = None
+        max_decoding_length: int = 256
+        min_decoding_length: int = 0
+        return_scores: bool = False
+        sampling_topk: int = 1
+        sampling_topp: float = 1.0
+        sampling_temperature: float = 1.0
+        seed: Optional[int] = None
+
+    @dataclass
+    class Request:
+        input_ids: Any
+        options: Options
+        target_prefix: Any
+        key: Any
+        index: int
+
+    texts = {}
+
+    def solo(ids, options, prefix):
+        text = texts[ids]
+        return translator.translate([text], beam_size=options.beam_size, n_best=options.num_hypotheses)[
+            0
+        ].hypotheses
+
+    def state(runner, **kwargs):
+        return _ContractState(runner, solo=solo, **kwargs)
+
+    return (Options, state, Request), texts
+
+
+def test_continuous_scheduler_admits_between_steps_within_the_row_limit(demo_translator):
+    import socket
+
+    import uvicorn
+
+    from transformer_ext.serve import ServeConfig, ServedModel, create_app
+    from transformer_ext.serve.continuous import ContinuousScheduler
+
+    sources = DEMO_SOURCES + ["eight hundred and five", "ninety-nine"]
+    api, texts = _contract_api(demo_translator)
+    for s in sources:
+        texts[tuple(demo_translator.tokenizer.encode_source(s))] = s
+    model = ServedModel("demo", Path("."), demo_translator, "model")
+    config = ServeConfig(batching="continuous", max_batch_rows=3)
+
+    def factory(m, c, metrics):
+        return ContinuousScheduler(
+            m,
+            api=api,
+            max_queue=c.max_queue,
+            max_batch_rows=c.max_batch_rows,
+            max_batch_tokens=c.max_batch_tokens,
+            metrics=metrics,
+        )
+
+    app = create_app([model], config, scheduler_factory=factory)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    _ContractState.log.clear()
+    try:
+        url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        with httpx.Client(base_url=url, timeout=120) as client:
+            _wait_for(lambda: server.started, "started")
+            bodies = [{"text": s} for s in sources] + [{"text": "seven", "beam_size": 2, "num_hypotheses": 2}]
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                answers = list(pool.map(lambda b: client.post("/v1/translate", json=b), bodies))
+            for body, answer in zip(bodies, answers):
+                assert answer.status_code == 200, answer.text
+                expected = demo_translator.translate(
+                    [body["text"]], beam_size=body.get("beam_size", 1), n_best=body.get("num_hypotheses", 1)
+                )[0]
+                got = answer.json()["translations"][0]
+                assert got["text"] == expected.texts[0]
+                if "num_hypotheses" in body:
+                    assert [h["text"] for h in got["hypotheses"]] == expected.texts
+            with client.stream(
+                "POST", "/v1/translate/stream", json={"text": "one thousand and one", "tokens": True}
+            ) as answer:
+                events = [json.loads(line) for line in answer.iter_lines() if line]
+        admits = [e for e in _ContractState.log if e[0] == "admit"]
+        steps = [e for e in _ContractState.log if e[0] == "step"]
+        assert all(rows <= 3 for _, _, rows in admits) and all(rows <= 3 for _, rows in steps)
+        joined = [
+            i
+            for i, e in enumerate(_ContractState.log)
+            if e[0] == "admit" and i > 0 and _ContractState.log[i - 1][0] == "step"
+        ]
+        assert joined, "no source joined a running batch"
+        tokens = [e["tokens"] for e in events if "tokens" in e]
+        final = [e for e in events if "text" in e and "tokens" not in e]
+        expected = demo_translator.translate(["one thousand and one"])[0]
+        assert (
+            tokens
+            and all(a == b[: len(a)] for a, b in zip(tokens, tokens[1:]))
+            and tokens[-1] == expected.tokens[: len(tokens[-1])]
+        )
+        assert final == [{"index": 0, "text": str(expected)}] and events[-1]["done"]
+    finally:
+        server.should_exit = True
+        thread.join(30)

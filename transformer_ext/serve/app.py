@@ -400,7 +400,14 @@ def make_scheduler(model: ServedModel, config: ServeConfig, metrics: Metrics) ->
     )
     if config.batching == "none":
         return SoloScheduler(model.name, **common)
-    return StaticScheduler(model.name, batch_wait=config.batch_wait, **common)
+    if config.batching == "static":
+        return StaticScheduler(model.name, batch_wait=config.batch_wait, **common)
+    from .continuous import ContinuousScheduler, check_continuous
+
+    problem = check_continuous(model)
+    if problem is not None:
+        raise ValueError(problem)
+    return ContinuousScheduler(model, **common)
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--batching",
         choices=BATCHING,
-        default="static",
-        help="static: requests collected for --batch-wait, each batch run to its end; none: each request alone",
+        help="continuous: sources join and leave the running batch between decoder steps (the default "
+        "where the decoding package has its step-wise search state, else static); static: requests "
+        "collected for --batch-wait, each batch run to its end; none: each request alone",
     )
     parser.add_argument(
         "--max-batch-tokens",
@@ -171,8 +172,17 @@ def _run(args: argparse.Namespace) -> int:
     from .models import demo_spec, load_model, parse_languages, parse_model_spec
     from .server import serve
 
+    batching = args.batching
+    if batching is None:
+        from .continuous import StepwiseUnavailable, stepwise_api
+
+        try:
+            stepwise_api()
+            batching = "continuous"
+        except StepwiseUnavailable:
+            batching = "static"
     config = ServeConfig(
-        batching=args.batching,
+        batching=batching,
         max_batch_tokens=args.max_batch_tokens,
         max_batch_rows=args.max_batch_rows,
         max_queue=args.max_queue,
@@ -213,7 +223,10 @@ def _run(args: argparse.Namespace) -> int:
         ]
         for model in models:
             warm_up(model)
-        app = create_app(models, config)
+        try:
+            app = create_app(models, config)
+        except ValueError as exc:  # a model that cannot be batched this way
+            raise UsageError(str(exc)) from None
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d (batching %s)", ", ".join(names), host, port, config.batching)
         return serve(app, log_level=args.log_level, sock=sock)

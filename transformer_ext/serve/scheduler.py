@@ -44,7 +44,7 @@ __all__ = [
     "StaticScheduler",
 ]
 
-BATCHING = ("static", "none")
+BATCHING = ("continuous", "static", "none")
 DEFAULT_BATCH_WAIT = 0.005  # seconds a static batch waits for more requests after its first
 
 
