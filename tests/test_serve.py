@@ -185,6 +185,14 @@ def test_libretranslate_json_form_and_list(static_server, demo_translator):
     assert alts == {"translatedText": expected.texts[0], "alternatives": expected.texts[1:]}
 
 
+def test_an_existing_libretranslate_client_works_unchanged(static_server, demo_translator):
+    libretranslatepy = pytest.importorskip("libretranslatepy")
+    client = libretranslatepy.LibreTranslateAPI(static_server.url)
+    assert client.translate("forty-two", "en", "de") == "zweiundvierzig"
+    assert client.translate("seven", "en", "de") == str(demo_translator.translate(["seven"])[0])
+    assert client.languages() == [{"code": "en", "name": "en", "targets": ["de"]}]
+
+
 def test_libretranslate_languages_and_errors(static_server):
     client = static_server.client
     assert client.get("/languages").json() == [{"code": "en", "name": "en", "targets": ["de"]}]
