@@ -607,3 +607,41 @@ def test_continuous_scheduler_admits_between_steps_within_the_row_limit(demo_tra
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# ------------------------------------------------------------------------------------------
+# a multilingual model: each request names its pair
+# ------------------------------------------------------------------------------------------
+
+
+def test_m2m100_requests_of_different_target_languages(tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hf_checkpoints import sample_lines, write_m2m100
+
+    from transformer_ext.convert import convert_transformers
+
+    root = tmp_path_factory.mktemp("serve_m2m100")
+    folder = convert_transformers(write_m2m100(root / "hf", seed=3), root / "m2m100")
+    sources = sample_lines(3, seed=11)
+    targets = ["de", "fr", "es"]
+    oracle = {t: Translator.from_model_dir(folder, source_lang="en", target_lang=t) for t in targets}
+    server = Server("--model", f"m2m={folder}", "--batching", "static")
+    try:
+        bodies = [{"text": s, "source_lang": "en", "target_lang": t} for s in sources for t in targets]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: server.client.post("/v1/translate", json=b), bodies))
+        for body, answer in zip(bodies, answers):
+            assert answer.status_code == 200, answer.text
+            expected = oracle[body["target_lang"]].translate([body["text"]])[0]
+            assert answer.json()["translations"] == [{"text": str(expected)}]
+        libre = server.client.post("/translate", json={"q": sources[0], "source": "en", "target": "fr"})
+        assert libre.json() == {"translatedText": str(oracle["fr"].translate([sources[0]])[0])}
+        unknown = server.client.post("/v1/translate", json={"text": sources[0], "target_lang": "xx"})
+        assert unknown.status_code == 400 and unknown.json()["field"] == "target_lang"
+        assert "'xx'" in unknown.json()["error"] and "de" in unknown.json()["error"]
+        models = server.client.get("/v1/models").json()["models"][0]
+        assert "fr" in models["languages"] and models["pair"] is None
+        languages = {entry["code"]: entry["targets"] for entry in server.client.get("/languages").json()}
+        assert "fr" in languages["en"] and "en" not in languages["en"]
+    finally:
+        assert server.stop() == 0
