@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The files the build backend reads to prepare the metadata (setup.py reads requirements/).
 METADATA_FILES = ["pyproject.toml", "setup.py", "README.md", "requirements", "transformer_ext/__init__.py"]
 # Extras that mirror a requirement file (pip install -r FILE installs the same).
-EXTRA_FILES = {"deploy": "deploy.txt", "corpus": "corpus.txt", "eval": "eval.txt"}
+EXTRA_FILES = {"deploy": "deploy.txt", "corpus": "corpus.txt", "eval": "eval.txt", "serve": "serve.txt"}
 # Each console script goes through transformer_ext.commands (what the command needs is checked
 # before it is imported) to the main() of its python -m module.
 SCRIPTS = {
@@ -36,6 +36,7 @@ SCRIPTS = {
     "transformer-ext-evaluate": "transformer_ext.commands:evaluate",
     "transformer-ext-average": "transformer_ext.commands:average",
     "transformer-ext-convert": "transformer_ext.commands:convert",
+    "transformer-ext-serve": "transformer_ext.commands:serve",
 }
 
 
