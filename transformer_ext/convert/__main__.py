@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from ..cli import add_debug_flag, run_cli
+from ..cli import add_debug_flag, add_version_flag, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="transformer-ext-convert",
         description="Convert a pretrained checkpoint folder into a transformer_ext model folder.",
     )
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="source", required=True, metavar="SOURCE")
     hf = sub.add_parser(
         "transformers",
