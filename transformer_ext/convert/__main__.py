@@ -28,7 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a local Hugging Face checkpoint folder (config.json, weights, generation config, "
         "tokenizer files) without transformers and write a model folder of ours.",
     )
-    hf.add_argument("hf_dir", metavar="HF_DIR", help="the checkpoint folder (as save_pretrained writes it)")
+    hf.add_argument(
+        "hf_dir",
+        metavar="HF_DIR",
+        help="the checkpoint folder (as save_pretrained writes it), or a Hugging Face hub id (ORG/NAME) "
+        "where no such folder exists: read from the hub cache, downloaded unless HF_HUB_OFFLINE=1 "
+        "(needs huggingface_hub)",
+    )
     hf.add_argument(
         "--out", required=True, metavar="MODEL_DIR", help="the model folder to create (must not exist)"
     )
