@@ -35,6 +35,7 @@ import sysconfig
 
 from setuptools import Command, Extension, setup
 from setuptools.command.build_ext import build_ext as _plain_build_ext
+from setuptools.command.dist_info import dist_info as _dist_info
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA_MODE = os.environ.get("TRANSFORMER_EXT_CUDA", "auto").strip().lower()
@@ -153,16 +154,29 @@ def _check_compiler() -> None:
         )
 
 
+def _exit_torch_missing() -> None:
+    sys.exit(
+        f"building transformer_ext._C, the compiled op library, needs PyTorch in the build "
+        f"environment ({TORCH_MISSING}): install torch first (pip install 'torch>=2.11'), then "
+        "build without isolation so that the build sees it (pip install --no-build-isolation "
+        f"..., python -m build --no-isolation). Otherwise, {DEPLOY_HINT}"
+    )
+
+
 class _MissingTorchBuild(_plain_build_ext):
     """The extension build where torch does not import: one message instead of a traceback."""
 
     def run(self):
-        sys.exit(
-            f"building transformer_ext._C, the compiled op library, needs PyTorch in the build "
-            f"environment ({TORCH_MISSING}): install torch first (pip install 'torch>=2.11'), then "
-            "build without isolation so that the build sees it (pip install --no-build-isolation "
-            f"..., python -m build --no-isolation). Otherwise, {DEPLOY_HINT}"
-        )
+        _exit_torch_missing()
+
+
+class _MissingTorchWheelMetadata(_dist_info):
+    """The wheel metadata where torch does not import (pip's isolated build of the sdist): the
+    same message at once, before pip resolves (downloads) the dependencies of a build that would
+    fail. The sdist itself needs no torch (``egg_info``, not this command)."""
+
+    def run(self):
+        _exit_torch_missing()
 
 
 def _build_ext_class():
@@ -229,10 +243,18 @@ def _requirement_name(req: str) -> str:
     return re.match(r"\s*([A-Za-z0-9._-]*)", req).group(1).lower()
 
 
+def _cmdclass() -> dict:
+    if DEPLOY:
+        return {"develop": develop}
+    if torch is None:
+        return {"build_ext": _MissingTorchBuild, "dist_info": _MissingTorchWheelMetadata, "develop": develop}
+    return {"build_ext": _build_ext_class(), "develop": develop}
+
+
 # The metadata (name, version, extras, console scripts) is in pyproject.toml; what is computed
 # here: the extension, the commands, and the run-time dependencies (none for the deployment).
 setup(
     ext_modules=[] if DEPLOY else [_extension()],
-    cmdclass={"develop": develop} if DEPLOY else {"build_ext": _build_ext_class(), "develop": develop},
+    cmdclass=_cmdclass(),
     install_requires=_install_requires(),
 )

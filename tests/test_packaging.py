@@ -251,6 +251,30 @@ def test_a_build_without_torch_says_to_install_it_or_use_the_deploy_install(tmp_
     assert "transformer_ext[deploy]" in last and "Traceback" not in got.stderr, got.stderr[-2000:]
 
 
+def test_the_wheel_metadata_without_torch_says_so_before_any_download(tmp_path):
+    """pip's isolated build of the sdist has no torch: the metadata step (before pip resolves and
+    downloads the dependencies) already stops with the one line."""
+    src = _setup_copy(tmp_path)
+    (tmp_path / "meta").mkdir()
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from setuptools import build_meta\n"
+        f"build_meta.prepare_metadata_for_build_wheel({str(tmp_path / 'meta')!r})\n"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=src,
+        env=_clean_env(TRANSFORMER_EXT_CUDA="0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert got.returncode != 0
+    last = got.stderr.strip().splitlines()[-1]
+    assert "needs PyTorch" in last and "transformer_ext[deploy]" in last, got.stderr[-2000:]
+    assert not list((tmp_path / "meta").glob("*.dist-info"))
+
+
 def test_the_sdist_carries_the_sources_of_the_compiled_ops(tmp_path):
     """What a build from the sdist needs: csrc/, setup.py, the requirement files, the license."""
     import tarfile
