@@ -1217,8 +1217,9 @@ class _PretrainedGeneration:
 
 def _pretrained_generation(generation: Any, pretrained: Any, tokenizer: Optional[Tokenizer]) -> Any:
     """``generation`` (None: the defaults of the checkpoint's ``generate()``: ``num_beams``, "hf"
-    with its exponent) with ``pretrained``'s banned tokens, forced target language, EOS at the
-    budget, early stopping and ``max_length - 1`` new tokens per source."""
+    with its exponent) with ``pretrained``'s banned tokens, forced first tokens, EOS at the
+    budget, early stopping, least number of new tokens, repetition penalty, n-gram ban and
+    ``max_length - 1`` new tokens per source."""
     if generation is None:
         generation = _GenerationDefaults(
             beam_size=pretrained.num_beams,
@@ -1227,9 +1228,9 @@ def _pretrained_generation(generation: Any, pretrained: Any, tokenizer: Optional
             max_new_tokens=pretrained.max_length - 1,
         )
     forced: list[int] = []
-    if pretrained.force_target_language and tokenizer is not None:
+    if tokenizer is not None:
         try:
-            forced = [int(t) for t in tokenizer.forced_target_prefix()]
+            forced = pretrained.forced_prefix(tokenizer)
         except TokenizerError as exc:  # a missing target language, the codes listed
             raise TranslationError(str(exc)) from None
     if tokenizer is not None and callable(getattr(tokenizer, "with_languages", None)):
@@ -1252,6 +1253,9 @@ def _pretrained_generation(generation: Any, pretrained: Any, tokenizer: Optional
         else generation.early_stopping,
         max_len_a=0.0,
         max_len_b=float(pretrained.max_length - 1),
+        min_new_tokens=max(int(getattr(generation, "min_new_tokens", 0) or 0), pretrained.min_new_tokens),
+        repetition_penalty=pretrained.repetition_penalty,
+        no_repeat_ngram_size=pretrained.no_repeat_ngram_size,
     )
 
 
