@@ -76,6 +76,7 @@ def _family(hf: Path, ours: Path, languages: dict, hf_kwargs) -> dict:
         hf_kwargs = {"forced_bos_token_id": tok.forced_target_prefix()[0]}
     return dict(
         hf=hf,
+        ours=ours,
         model=AutoModelForSeq2SeqLM.from_pretrained(hf).eval(),
         languages=languages,
         hf_kwargs=hf_kwargs,
@@ -330,3 +331,46 @@ def test_m2m100_forced_bos_in_the_config_is_refused(m2m100, tmp_path, capsys):
     hf = _variant(m2m100, tmp_path, _set(forced_bos_token_id=5))
     assert main(["transformers", str(hf), "--out", str(tmp_path / "o")]) == 1
     assert "forced_bos_token_id" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# sampling, the export's budget rule
+# ------------------------------------------------------------------------------------------
+
+
+def test_sampling_a_converted_model_implies_beam_1_unless_a_beam_is_given(marian):
+    """The checkpoint's num_beams (4) is the default of beam search, not of sampling."""
+    from transformer_ext.translator import TranslationError
+
+    translator = Translator.from_model_dir(marian["ours"])
+    assert translator.resolve_options()["beam_size"] == 4
+    sampled = translator.translate(marian["texts"], sampling_topk=0, seed=7)
+    explicit = translator.translate(marian["texts"], sampling_topk=0, seed=7, beam_size=1)
+    assert [t.hypotheses[0].tokens for t in sampled] == [t.hypotheses[0].tokens for t in explicit]
+    assert Translator.from_model_dir(marian["ours"], sampling_topk=5).resolve_options()["beam_size"] == 1
+    with pytest.raises(TranslationError, match="needs beam size 1, got 4"):
+        translator.translate(marian["texts"], sampling_topk=0, beam_size=4)
+
+
+def test_export_keeps_one_budget_rule_and_decodes_as_generate(marian, tmp_path, capsys):
+    """The export's generation.json states the checkpoint's budget in one form (max_len_a 0,
+    max_len_b = max_new_tokens = max_length - 1) and keeps a negative length penalty; the export
+    decodes as generate(); evaluate prints the budget in that form."""
+    from export.onnx import export_onnx
+    from transformer_ext.evaluate import main as evaluate
+
+    hf = _variant(marian, tmp_path, _set(length_penalty=-2.0, max_length=24))
+    expected = _generate(marian, hf)
+    ours = convert_transformers(hf, tmp_path / "ours")
+    export = export_onnx(ours, tmp_path / "export", cache_len=MAX_POS, validate=False).output_dir
+    generation = json.loads((Path(export) / "generation.json").read_text())
+    assert (generation["max_len_a"], generation["max_len_b"], generation["max_new_tokens"]) == (0, 23, 23)
+    assert (generation["length_penalty"], generation["alpha"]) == ("hf", -2.0)
+    translator = Translator.from_export_dir(export)
+    assert [t.hypotheses[0].tokens for t in translator.translate(marian["texts"])] == expected
+    src = tmp_path / "src.txt"
+    src.write_text("".join(t + "\n" for t in marian["texts"]))
+    capsys.readouterr()
+    assert evaluate(["--model", str(export), "--src", str(src), "--ref", str(src), "--beam", "4"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "at most 23 tokens" in first and "source length" not in first, first

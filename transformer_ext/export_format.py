@@ -686,7 +686,8 @@ class GenerationConfig:
     """How a deployment decodes with an export folder, as ``generation.json`` records it.
 
     The generation budget of a source of ``n`` tokens is ``min(floor(max_len_a * n + max_len_b),
-    max_new_tokens)`` tokens, at least 1, EOS included; EOS is suppressed before
+    max_new_tokens)`` tokens, at least 1, EOS included (a model converted from transformers has
+    ``max_len_a`` 0 and ``max_len_b`` = ``max_new_tokens``: the same budget for every source); EOS is suppressed before
     ``min_new_tokens`` tokens (:mod:`transformer_ext.decoding`). ``beam_size`` 1 is greedy search.
     ``special_tokens`` are the ids of the model and its tokenizer (``pad``, ``bos``, ``eos`` and,
     with a tokenizer, ``unk``); they must equal the manifest's.
@@ -791,7 +792,14 @@ class GenerationConfig:
             raise fail(
                 f"length_penalty must be one of {list(LENGTH_PENALTIES)}, got {_show(data['length_penalty'])}"
             )
-        alpha, a, b = number("alpha"), number("max_len_a"), number("max_len_b")
+        if data["length_penalty"] == "hf":  # transformers' exponent may be negative
+            alpha = data["alpha"]
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+                raise fail(f"alpha must be a finite number, got {_show(alpha)}")
+            alpha = float(alpha)
+        else:
+            alpha = number("alpha")
+        a, b = number("max_len_a"), number("max_len_b")
         min_new, max_new = integer("min_new_tokens", 0), integer("max_new_tokens", 1)
         if min_new > max_new:
             raise fail(f"min_new_tokens ({min_new}) must be <= max_new_tokens ({max_new})")

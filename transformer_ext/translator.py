@@ -744,9 +744,12 @@ class Translator:
             value = getattr(g, name, None)
             return default if value is None else value
 
-        beam_size = _check_positive_int(
-            "beam size", given["beam_size"] if given["beam_size"] is not None else g.beam_size
-        )
+        beam_size = given["beam_size"]
+        if beam_size is None:  # random sampling asked for without a beam: beam 1, whatever g says
+            asked = given["sampling_topk"] not in (None, 1) or given["sampling_topp"] not in (None, 1.0)
+            asked = asked or given["sampling_temperature"] not in (None, 1.0)
+            beam_size = 1 if asked else g.beam_size
+        beam_size = _check_positive_int("beam size", beam_size)
         n_best = _check_positive_int("n_best", given["n_best"] if given["n_best"] is not None else 1)
         sampling = self._resolve_sampling(given, pick, beam_size, n_best)
         length_penalty, alpha, early_stopping = self._resolve_scoring(given, g, pick)
