@@ -227,6 +227,20 @@ def test_marian_field_decodes_as_generate(marian, tmp_path, case, control, field
     _check_case(marian, tmp_path, case, control, field)
 
 
+def test_marian_num_return_sequences_are_the_n_best(marian, tmp_path):
+    """generate()'s num_return_sequences sequences per source, best first, are our n-best."""
+    hf = _variant(marian, tmp_path, _set(num_return_sequences=3))
+    flat = _generate(marian, hf)
+    expected = [flat[3 * i : 3 * i + 3] for i in range(N_SOURCES)]
+    ours = convert_transformers(hf, tmp_path / "ours")
+    got = [
+        [h.tokens for h in t.hypotheses] for t in Translator.from_model_dir(ours).translate(marian["texts"])
+    ]
+    assert got == expected
+    # an explicit beam of 1 (greedy) returns one hypothesis, not an error
+    assert len(Translator.from_model_dir(ours).translate(marian["texts"][:1], beam_size=1)[0].hypotheses) == 1
+
+
 def test_marian_banned_and_forced_first_tokens_decode_as_generate(marian, marian_base, tmp_path):
     """bad_words_ids of single tokens (one the model likes) and forced_bos_token_id."""
     frequent = _frequent_token(marian_base)
@@ -271,7 +285,8 @@ REFUSED = [
     (_set(encoder_no_repeat_ngram_size=2), "encoder_no_repeat_ngram_size"),
     (_set(remove_invalid_values=True), "remove_invalid_values"),
     (_set(do_sample=True), "do_sample"),
-    (_set(num_return_sequences=2), "num_return_sequences"),
+    (_set(num_return_sequences=5), "num_return_sequences"),
+    (_set(num_return_sequences=2, num_beams=1), "num_return_sequences"),
     (_set(bad_words_ids=[[5, 6]]), "bad_words_ids"),
     (_set(some_future_option=3), "some_future_option"),
     (_set(eos_token_id=[0, 5]), "eos_token_id"),
@@ -374,3 +389,17 @@ def test_export_keeps_one_budget_rule_and_decodes_as_generate(marian, tmp_path, 
     assert evaluate(["--model", str(export), "--src", str(src), "--ref", str(src), "--beam", "4"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert "at most 23 tokens" in first and "source length" not in first, first
+
+
+def test_triton_refuses_generation_defaults_its_translator_does_not_apply():
+    from export.triton import TritonExportError, _pretrained_parameters
+    from transformer_ext.convert import GenerationDefaults
+
+    assert _pretrained_parameters(GenerationDefaults(max_length=16))["max_len_b"] == 15.0
+    for values, name in (
+        (dict(repetition_penalty=1.5), "repetition_penalty"),
+        (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
+        (dict(forced_first_token=5), "forced_first_token"),
+    ):
+        with pytest.raises(TritonExportError, match=name):
+            _pretrained_parameters(GenerationDefaults(**values))

@@ -750,7 +750,10 @@ class Translator:
             asked = asked or given["sampling_temperature"] not in (None, 1.0)
             beam_size = 1 if asked else g.beam_size
         beam_size = _check_positive_int("beam size", beam_size)
-        n_best = _check_positive_int("n_best", given["n_best"] if given["n_best"] is not None else 1)
+        n_best = given["n_best"]
+        if n_best is None:  # an imported model's num_return_sequences, within the beam
+            n_best = min(int(getattr(g, "n_best", None) or 1), beam_size)
+        n_best = _check_positive_int("n_best", n_best)
         sampling = self._resolve_sampling(given, pick, beam_size, n_best)
         length_penalty, alpha, early_stopping = self._resolve_scoring(given, g, pick)
         limits = self._resolve_limits(given, g, pick)
@@ -1259,6 +1262,7 @@ def _pretrained_generation(generation: Any, pretrained: Any, tokenizer: Optional
         min_new_tokens=max(int(getattr(generation, "min_new_tokens", 0) or 0), pretrained.min_new_tokens),
         repetition_penalty=pretrained.repetition_penalty,
         no_repeat_ngram_size=pretrained.no_repeat_ngram_size,
+        n_best=pretrained.num_return_sequences,
     )
 
 

@@ -33,7 +33,13 @@ _FORMAT = "transformer_ext.generation_defaults"
 _VERSION = 2
 _READABLE_VERSIONS = (1, 2)
 # Fields a version 1 file lacks, with the value that leaves decoding unchanged.
-_ADDED_IN_2 = dict(min_new_tokens=0, repetition_penalty=1.0, no_repeat_ngram_size=0, forced_first_token=None)
+_ADDED_IN_2 = dict(
+    min_new_tokens=0,
+    repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    forced_first_token=None,
+    num_return_sequences=1,
+)
 
 
 class GenerationDefaultsError(UserError, ValueError):
@@ -53,6 +59,7 @@ class GenerationDefaults:
     repetition_penalty: float = 1.0  # transformers' repetition_penalty (1: off)
     no_repeat_ngram_size: int = 0  # transformers' no_repeat_ngram_size (0: off)
     forced_first_token: Optional[int] = None  # forced_bos_token_id: the first generated token
+    num_return_sequences: int = 1  # hypotheses per source of beam search (at most num_beams)
 
     def to_dict(self) -> dict:
         body = asdict(self)
@@ -81,7 +88,7 @@ class GenerationDefaults:
         unknown = sorted(k for k in data if k not in names and k not in ("format", "format_version"))
         if missing or unknown:
             raise fail(f"missing fields {missing}, unknown fields {unknown}")
-        for name in ("num_beams", "max_length"):
+        for name in ("num_beams", "max_length", "num_return_sequences"):
             v = data[name]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise fail(f"{name} must be an integer >= 1, got {v!r}")
@@ -120,6 +127,7 @@ class GenerationDefaults:
             repetition_penalty=float(rp),
             no_repeat_ngram_size=data["no_repeat_ngram_size"],
             forced_first_token=first,
+            num_return_sequences=data["num_return_sequences"],
         )
 
     def forced_prefix(self, tokenizer: Any) -> list[int]:

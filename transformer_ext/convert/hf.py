@@ -729,8 +729,8 @@ def _generation(
     if min_new is None:  # min_length counts the decoder start token
         min_new = max(0, (integer("min_length", 0) or 0) - 1)
     n_return = integer("num_return_sequences", 1) or 1
-    if n_return > 1:
-        raise refuse("num_return_sequences", "translate returns several hypotheses with --n-best")
+    if n_return > num_beams:  # generate() refuses it too
+        raise refuse("num_return_sequences", f"more than num_beams = {num_beams}")
     length_penalty = number("length_penalty", 1.0)
     repetition_penalty = number("repetition_penalty", 1.0, positive=True)
     ngram = integer("no_repeat_ngram_size", 0) or 0
@@ -795,6 +795,7 @@ def _generation(
         repetition_penalty=repetition_penalty,
         no_repeat_ngram_size=ngram,
         forced_first_token=forced_bos,
+        num_return_sequences=n_return,
     )
 
 
