@@ -626,6 +626,7 @@ def _pretrained_parameters(pretrained) -> dict:
             ("repetition_penalty", pretrained.repetition_penalty, 1.0),
             ("no_repeat_ngram_size", pretrained.no_repeat_ngram_size, 0),
             ("forced_first_token", pretrained.forced_first_token, None),
+            ("renormalize_logits", pretrained.renormalize_logits, False),
         )
         if value != off
     ]

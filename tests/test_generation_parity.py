@@ -187,6 +187,12 @@ MARIAN_CASES = [
     ("repetition_penalty_greedy", _set(num_beams=1), _set(repetition_penalty=3.0)),
     ("no_repeat_ngram_size", KEEP, _set(no_repeat_ngram_size=1)),
     ("no_forced_eos", KEEP, _drop("forced_eos_token_id")),
+    (
+        "renormalize_logits",
+        _set(no_repeat_ngram_size=2, length_penalty=2.0, max_length=24),
+        _set(renormalize_logits=True),
+    ),
+    ("renormalize_logits_greedy", _set(num_beams=1, repetition_penalty=1.5), _set(renormalize_logits=True)),
     ("eos_in_bad_words", KEEP, lambda c: {**c, "bad_words_ids": c["bad_words_ids"] + [[c["eos_token_id"]]]}),
     (
         "no_effect_fields",
@@ -203,7 +209,7 @@ MARIAN_CASES = [
         ),
     ),
 ]
-NO_CHANGE = {"as_written", "eos_in_bad_words", "no_effect_fields"}
+NO_CHANGE = {"as_written", "eos_in_bad_words", "no_effect_fields", "renormalize_logits_greedy"}
 
 
 def _check_case(fam, tmp_path, case, control, field):
@@ -277,7 +283,6 @@ REFUSED = [
     (_set(suppress_tokens=[5]), "suppress_tokens"),
     (_set(begin_suppress_tokens=[5]), "begin_suppress_tokens"),
     (_set(sequence_bias=[[[5], -2.0]]), "sequence_bias"),
-    (_set(renormalize_logits=True), "renormalize_logits"),
     (_set(num_beam_groups=2, diversity_penalty=0.5), "diversity_penalty"),
     (_set(stop_strings=["the"]), "stop_strings"),
     (_set(exponential_decay_length_penalty=[5, 1.5]), "exponential_decay_length_penalty"),
@@ -400,6 +405,7 @@ def test_triton_refuses_generation_defaults_its_translator_does_not_apply():
         (dict(repetition_penalty=1.5), "repetition_penalty"),
         (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
         (dict(forced_first_token=5), "forced_first_token"),
+        (dict(renormalize_logits=True), "renormalize_logits"),
     ):
         with pytest.raises(TritonExportError, match=name):
             _pretrained_parameters(GenerationDefaults(**values))

@@ -1263,6 +1263,7 @@ def _pretrained_generation(generation: Any, pretrained: Any, tokenizer: Optional
         repetition_penalty=pretrained.repetition_penalty,
         no_repeat_ngram_size=pretrained.no_repeat_ngram_size,
         n_best=pretrained.num_return_sequences,
+        renormalize_logits=pretrained.renormalize_logits,
     )
 
 

@@ -39,6 +39,7 @@ _ADDED_IN_2 = dict(
     no_repeat_ngram_size=0,
     forced_first_token=None,
     num_return_sequences=1,
+    renormalize_logits=False,
 )
 
 
@@ -60,6 +61,7 @@ class GenerationDefaults:
     no_repeat_ngram_size: int = 0  # transformers' no_repeat_ngram_size (0: off)
     forced_first_token: Optional[int] = None  # forced_bos_token_id: the first generated token
     num_return_sequences: int = 1  # hypotheses per source of beam search (at most num_beams)
+    renormalize_logits: bool = False  # beam search: log-softmax again after the processors
 
     def to_dict(self) -> dict:
         body = asdict(self)
@@ -105,7 +107,7 @@ class GenerationDefaults:
         first = data["forced_first_token"]
         if first is not None and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
             raise fail(f"forced_first_token must be a token id or null, got {first!r}")
-        for name in ("force_eos_at_max_length", "force_target_language"):
+        for name in ("force_eos_at_max_length", "force_target_language", "renormalize_logits"):
             if not isinstance(data[name], bool):
                 raise fail(f"{name} must be true or false, got {data[name]!r}")
         if not (isinstance(data["early_stopping"], bool) or data["early_stopping"] == "never"):
@@ -128,6 +130,7 @@ class GenerationDefaults:
             no_repeat_ngram_size=data["no_repeat_ngram_size"],
             forced_first_token=first,
             num_return_sequences=data["num_return_sequences"],
+            renormalize_logits=data["renormalize_logits"],
         )
 
     def forced_prefix(self, tokenizer: Any) -> list[int]:
@@ -164,6 +167,7 @@ class GenerationDefaults:
                 length_penalty="hf",
                 alpha=self.length_penalty,
                 early_stopping=self.early_stopping,
+                renormalize_logits=self.renormalize_logits,
             )
         return options
 
@@ -206,6 +210,7 @@ REPRODUCED_FIELDS = frozenset(
         "bos_token_id",
         "num_return_sequences",
         "do_sample",
+        "renormalize_logits",
     }
 )
 # No effect on the tokens generate() returns for a translation model called without an assistant
@@ -252,7 +257,6 @@ REFUSED_FIELDS: dict[str, tuple] = {
     "suppress_tokens": ([],),
     "begin_suppress_tokens": ([],),
     "sequence_bias": ({}, []),
-    "renormalize_logits": (False,),
     "remove_invalid_values": (False,),
     "constraints": ([],),
     "force_words_ids": ([],),

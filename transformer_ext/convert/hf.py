@@ -796,6 +796,7 @@ def _generation(
         no_repeat_ngram_size=ngram,
         forced_first_token=forced_bos,
         num_return_sequences=n_return,
+        renormalize_logits=f.get("renormalize_logits", bool, False, allow_none=True) or False,
     )
 
 
