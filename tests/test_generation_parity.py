@@ -373,25 +373,35 @@ def test_sampling_a_converted_model_implies_beam_1_unless_a_beam_is_given(marian
 
 
 def test_export_keeps_one_budget_rule_and_decodes_as_generate(marian, tmp_path, capsys):
-    """The export's generation.json states the checkpoint's budget in one form (max_len_a 0,
-    max_len_b = max_new_tokens = max_length - 1) and keeps a negative length penalty; the export
+    """The generation config an export of a converted model gets (generation.json: what
+    export.onnx writes) states the checkpoint's budget in one form (max_len_a 0, max_len_b =
+    max_new_tokens = max_length - 1) and keeps a negative length penalty; a translator with it
+    (as from_export_dir builds one, here over the eager runner: tracing an export costs a minute)
     decodes as generate(); evaluate prints the budget in that form."""
-    from export.onnx import export_onnx
+    from export.onnx import imported_generation
     from transformer_ext.evaluate import main as evaluate
+    from transformer_ext.export_format import GenerationConfig
 
     hf = _variant(marian, tmp_path, _set(length_penalty=-2.0, max_length=24))
     expected = _generate(marian, hf)
     ours = convert_transformers(hf, tmp_path / "ours")
-    export = export_onnx(ours, tmp_path / "export", cache_len=MAX_POS, validate=False).output_dir
-    generation = json.loads((Path(export) / "generation.json").read_text())
+    eager = Translator.from_model_dir(ours)
+    manifest = {"max_cache_len": MAX_POS, "model_config": eager.runner.model.config.to_dict()}
+    generation = GenerationConfig.defaults_for(manifest, **imported_generation(ours, MAX_POS)).to_dict()
     assert (generation["max_len_a"], generation["max_len_b"], generation["max_new_tokens"]) == (0, 23, 23)
     assert (generation["length_penalty"], generation["alpha"]) == ("hf", -2.0)
-    translator = Translator.from_export_dir(export)
+    translator = Translator(
+        eager.tokenizer,
+        eager.runner,
+        generation=GenerationConfig.from_dict(generation),
+        pretrained=eager.pretrained,
+        source_dir=ours,
+    )
     assert [t.hypotheses[0].tokens for t in translator.translate(marian["texts"])] == expected
     src = tmp_path / "src.txt"
     src.write_text("".join(t + "\n" for t in marian["texts"]))
     capsys.readouterr()
-    assert evaluate(["--model", str(export), "--src", str(src), "--ref", str(src), "--beam", "4"]) == 0
+    assert evaluate(["--model", str(ours), "--src", str(src), "--ref", str(src), "--beam", "4"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert "at most 23 tokens" in first and "source length" not in first, first
 
