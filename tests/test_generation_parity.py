@@ -17,6 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -419,3 +420,50 @@ def test_triton_refuses_generation_defaults_its_translator_does_not_apply():
     ):
         with pytest.raises(TritonExportError, match=name):
             _pretrained_parameters(GenerationDefaults(**values))
+
+
+def test_generation_defaults_and_the_export_config_as_search_options_decode_as_generate(marian, tmp_path):
+    """GenerationDefaults (generation_defaults.json) and GenerationConfig (generation.json) each
+    give a SearchOptions; layered package defaults < export config < checkpoint defaults, it
+    drives decoding.generate() to generate()'s tokens."""
+    from export.onnx import imported_generation
+    from transformer_ext.convert import read_generation_defaults
+    from transformer_ext.decoding import SearchOptions, generate
+    from transformer_ext.export_format import GenerationConfig
+
+    hf = _variant(
+        marian,
+        tmp_path,
+        _set(repetition_penalty=1.5, min_length=6, renormalize_logits=True, num_return_sequences=2),
+    )
+    flat = _generate(marian, hf)
+    ours = convert_transformers(hf, tmp_path / "ours")
+    defaults = read_generation_defaults(ours)
+    eager = Translator.from_model_dir(ours)
+    manifest = {"max_cache_len": MAX_POS, "model_config": eager.runner.model.config.to_dict()}
+    export = GenerationConfig.defaults_for(manifest, **imported_generation(ours, MAX_POS))
+    layered = defaults.to_search_options(export.to_search_options(SearchOptions()))
+    assert (layered.beam_size, layered.num_hypotheses, layered.max_decoding_length) == (4, 2, 15)
+    assert (layered.min_decoding_length, layered.repetition_penalty, layered.renormalize_logits) == (
+        5,
+        1.5,
+        True,
+    )
+    tok = eager.tokenizer
+    sources = marian["sources"]
+    ids = np.full((len(sources), max(map(len, sources))), tok.pad_id, dtype=np.int64)
+    for i, src in enumerate(sources):
+        ids[i, : len(src)] = src
+    lengths = np.array([len(src) for src in sources], dtype=np.int64)
+    hyps = generate(
+        eager.runner,
+        ids,
+        lengths,
+        bos_id=tok.bos_id,
+        eos_id=tok.eos_id,
+        max_new_tokens=layered.budget(lengths),
+        **layered.generate_kwargs(),
+    )
+    assert [h.tokens for row in hyps for h in row] == flat
+    plain = GenerationConfig.defaults_for(manifest).to_search_options()
+    assert (plain.max_len_a, plain.max_len_b, plain.length_penalty_type) == (1.5, 10.0, "gnmt")

@@ -719,6 +719,26 @@ class GenerationConfig:
         ordered = {k: body.pop(k) for k in order}
         return {"format": GENERATION_FORMAT, "format_version": GENERATION_FORMAT_VERSION, **ordered, **body}
 
+    def to_search_options(self, base: Any = None) -> Any:
+        """This config as a :class:`transformer_ext.decoding.SearchOptions` laid over ``base``
+        (default: the package's defaults) with ``dataclasses.replace``: the beam size, the length
+        penalty (``length_penalty`` is its formula, ``alpha`` its exponent), the budget
+        (``max_new_tokens`` the cap of ``floor(max_len_a * n + max_len_b)``) and ``min_new_tokens``."""
+        from dataclasses import replace
+
+        from .decoding import SearchOptions
+
+        return replace(
+            base if base is not None else SearchOptions(),
+            beam_size=self.beam_size,
+            length_penalty=float(self.alpha),
+            length_penalty_type=self.length_penalty,
+            max_decoding_length=self.max_new_tokens,
+            max_len_a=float(self.max_len_a),
+            max_len_b=float(self.max_len_b),
+            min_decoding_length=min(self.min_new_tokens, self.max_new_tokens),
+        )
+
     @classmethod
     def defaults_for(cls, manifest: Mapping[str, Any], **overrides: Any) -> "GenerationConfig":
         """The default config of an export: its special ids, ``max_new_tokens`` = its largest cache

@@ -133,6 +133,36 @@ class GenerationDefaults:
             renormalize_logits=data["renormalize_logits"],
         )
 
+    def to_search_options(self, base: Any = None) -> Any:
+        """These defaults as a :class:`transformer_ext.decoding.SearchOptions` laid over ``base``
+        (default: the package's defaults) with ``dataclasses.replace``: ``num_beams``,
+        ``num_return_sequences``, transformers' length penalty ("hf") and early-stopping rule,
+        ``renormalize_logits``, ``max_length - 1`` new tokens for every source, the least number
+        of new tokens, the repetition penalty and n-gram ban, the banned tokens and the forced
+        EOS. The forced first tokens depend on the tokenizer (:meth:`forced_prefix`)."""
+        from dataclasses import replace
+
+        from ..decoding import SearchOptions
+
+        budget = self.max_length - 1
+        return replace(
+            base if base is not None else SearchOptions(),
+            beam_size=self.num_beams,
+            num_hypotheses=self.num_return_sequences,
+            length_penalty=float(self.length_penalty),
+            length_penalty_type="hf",
+            early_stopping=self.early_stopping,
+            renormalize_logits=self.renormalize_logits,
+            max_decoding_length=budget,
+            max_len_a=0.0,
+            max_len_b=0.0,
+            min_decoding_length=min(self.min_new_tokens, budget),
+            repetition_penalty=float(self.repetition_penalty),
+            no_repeat_ngram_size=self.no_repeat_ngram_size,
+            banned_ids=tuple(self.banned_ids),
+            force_eos_at_budget=self.force_eos_at_max_length,
+        )
+
     def forced_prefix(self, tokenizer: Any) -> list[int]:
         """The tokens every decode starts with: the target language's (M2M100 / NLLB:
         ``tokenizer.forced_target_prefix()``), else ``forced_first_token``, else none."""
