@@ -356,17 +356,23 @@ def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]
 def imported_generation(model_path: Path, cache_len: int) -> dict:
     """The export's generation-config defaults for a model converted from transformers (its
     ``generation_defaults.json``): ``num_beams``, transformers' length penalty ("hf" with its
-    exponent) and ``max_length - 1`` new tokens (at most ``cache_len``); {} for other models."""
+    exponent) and one budget for every source, ``max_length - 1`` new tokens (at most
+    ``cache_len``: ``max_len_a`` 0, ``max_len_b`` and ``max_new_tokens`` that budget), EOS
+    suppressed before its least number of new tokens; {} for other models."""
     from transformer_ext.convert.generation import read_generation_defaults
 
     defaults = read_generation_defaults(model_path)
     if defaults is None:
         return {}
+    budget = min(defaults.max_length - 1, cache_len)
     return dict(
         beam_size=defaults.num_beams,
         length_penalty="hf",
-        alpha=max(0.0, defaults.length_penalty),
-        max_new_tokens=min(defaults.max_length - 1, cache_len),
+        alpha=defaults.length_penalty,
+        max_len_a=0.0,
+        max_len_b=float(budget),
+        max_new_tokens=budget,
+        min_new_tokens=min(defaults.min_new_tokens, budget),
     )
 
 
