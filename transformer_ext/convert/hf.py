@@ -558,6 +558,10 @@ _FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "marian": (_marian_config, _marian_tokenizer),
     "m2m_100": (_m2m_config, _m2m_tokenizer),
 }
+# Families with a module of their own (convert/t5.py, convert/mbart.py) register here at the end
+# of this module: their weight mapping, and a config fix-up from the weights (e.g. untied heads).
+_WEIGHT_MAPS: dict[str, Callable] = {}
+_FROM_WEIGHTS: dict[str, Callable] = {}
 
 
 def _generation(
@@ -650,7 +654,10 @@ def read_checkpoint(folder: str | os.PathLike) -> Checkpoint:
     files: list[Path] = [config_path]
     hf_tensors, kind, weight_files = _load_weights(folder)
     files.extend(weight_files)
-    tensors, upcast = _map_weights(model_type, hf_tensors, config, folder, extra)
+    config = _FROM_WEIGHTS.get(model_type, lambda c, t: c)(config, hf_tensors)
+    tensors, upcast = _WEIGHT_MAPS.get(model_type, _map_weights)(
+        model_type, hf_tensors, config, folder, extra
+    )
     tokenizer = make_tokenizer(folder, config, files)
     for key, ours in (
         ("vocab_size (source)", tokenizer.src_vocab_size),
@@ -697,3 +704,20 @@ def read_checkpoint(folder: str | os.PathLike) -> Checkpoint:
         files={str(p.relative_to(folder)): _sha256_file(p) for p in dict.fromkeys(files)},
         notes=notes,
     )
+
+
+def _register_families() -> None:
+    from functools import partial
+
+    from . import t5
+
+    for model_type, archs in t5.MODEL_TYPES.items():
+        _FAMILIES[model_type] = (partial(t5.t5_config, model_type=model_type), t5.t5_tokenizer)
+        _WEIGHT_MAPS[model_type] = t5.t5_weights
+        _FROM_WEIGHTS[model_type] = t5.retie
+        ARCHITECTURES[model_type] = archs
+    global SUPPORTED_MODEL_TYPES
+    SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+
+
+_register_families()
