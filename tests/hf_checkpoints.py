@@ -383,3 +383,78 @@ def write_t5(
         data["tie_word_embeddings"] = False
         (folder / "config.json").write_text(json.dumps(data, indent=2))
     return folder
+
+
+def write_mbart50(
+    folder: Path,
+    *,
+    d_model: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    d_ff: int = 64,
+    max_positions: int = 64,
+    spm_size: int = 100,
+    seed: int = 0,
+    std: float = 0.3,
+    num_beams: int = 4,
+    max_length: int = 16,
+    gain: float = 2.0,
+) -> Path:
+    """An mBART-50 checkpoint (mbart-large-50-many-to-many-mmt's field values, scaled down):
+    Pre-LN with layernorm_embedding, learned positions (offset 2), GELU, scaled embeddings,
+    ``final_logits_bias``; the tokenizer files of MBart50Tokenizer (a unigram SentencePiece model:
+    transformers reads it with a Unigram model)."""
+    from transformers import GenerationConfig, MBartConfig, MBartForConditionalGeneration
+    from transformers.models.mbart50.tokenization_mbart50 import FAIRSEQ_LANGUAGE_CODES
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model_bytes = train_spm(sample_lines(500, seed), spm_size)
+    (folder / "sentencepiece.bpe.model").write_bytes(model_bytes)
+    n_pieces = len(_pieces(model_bytes))
+    tok_cfg = {"tokenizer_class": "MBart50Tokenizer", "src_lang": "en_XX", "tgt_lang": "de_DE"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    config = MBartConfig(
+        vocab_size=n_pieces + 1 + len(FAIRSEQ_LANGUAGE_CODES) + 1,  # pieces, languages, <mask>
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=d_ff,
+        decoder_ffn_dim=d_ff,
+        max_position_embeddings=max_positions,
+        activation_function="gelu",
+        scale_embedding=True,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=2,
+        dropout=0.1,
+        attention_dropout=0.1,
+        init_std=std,
+    )
+    torch.manual_seed(seed)
+    model = MBartForConditionalGeneration(config)
+    _random_weights(model, seed, std, gain)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm_embedding" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed_positions" in name:  # learned: trained values
+                p.copy_(std * torch.randn(p.shape, generator=g))
+        model.model.shared.weight[1].zero_()
+        model.final_logits_bias.copy_(0.5 * torch.randn(model.final_logits_bias.shape, generator=g))
+    model.tie_weights()
+    model.generation_config = GenerationConfig(
+        num_beams=num_beams,
+        max_length=max_length,
+        decoder_start_token_id=2,
+        forced_eos_token_id=2,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    model.save_pretrained(folder)
+    return folder

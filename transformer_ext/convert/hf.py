@@ -613,7 +613,7 @@ def _generation(
         early_stopping=early,
         banned_ids=tuple(banned),
         force_eos_at_max_length=forced_eos is not None,
-        force_target_language=model_type == "m2m_100",
+        force_target_language=model_type in ("m2m_100", "mbart"),
     )
 
 
@@ -709,8 +709,11 @@ def read_checkpoint(folder: str | os.PathLike) -> Checkpoint:
 def _register_families() -> None:
     from functools import partial
 
-    from . import t5
+    from . import mbart, t5
 
+    _FAMILIES["mbart"] = (mbart.mbart_config, mbart.mbart_tokenizer)
+    _WEIGHT_MAPS["mbart"] = mbart.mbart_weights
+    ARCHITECTURES.update(mbart.MODEL_TYPES)
     for model_type, archs in t5.MODEL_TYPES.items():
         _FAMILIES[model_type] = (partial(t5.t5_config, model_type=model_type), t5.t5_tokenizer)
         _WEIGHT_MAPS[model_type] = t5.t5_weights
