@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import logging
 import signal
 import sys
 import threading
@@ -207,6 +208,15 @@ def describe_error(exc: BaseException) -> str:
     return text
 
 
+def _quiet_exit_hooks() -> None:
+    """After an interruption nothing but the one line may follow. torch's logger is set to WARNING
+    by torch's own logging setup at the end of its import; an import cut short leaves it unset,
+    so torch's exit hooks (the fake-tensor cache statistics) would log at the CLI's INFO level."""
+    torch_logger = logging.getLogger("torch")
+    if torch_logger.level == logging.NOTSET:
+        torch_logger.setLevel(logging.WARNING)
+
+
 def _raise_terminated(signum, frame):
     raise Terminated()
 
@@ -235,6 +245,7 @@ def run_cli(
         if debug:
             raise
         hint = interrupted_hint() if callable(interrupted_hint) else interrupted_hint
+        _quiet_exit_hooks()
         what = "terminated" if isinstance(exc, Terminated) else "interrupted"
         print(f"{prog}: {what}{'; ' + hint if hint else ''}", file=sys.stderr)
         return EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT

@@ -756,7 +756,7 @@ def check_init_from(opts: TrainOptions) -> None:
         return
     if not isinstance(opts.init_from, (str, os.PathLike)) or not os.fspath(opts.init_from):
         raise TrainingError(f"--init-from must be a model folder, got {opts.init_from!r}")
-    if not is_text_run(opts):
+    if not is_text_run(opts) and not opts.resume:  # a resumed run takes its data from the run
         raise TrainingError(
             "--init-from fine-tunes on parallel text: give --train SRC TGT and --valid SRC TGT"
         )
