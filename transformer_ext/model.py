@@ -663,10 +663,7 @@ class DecoderLayer(nn.Module):
         norm, pre = first._modules["norm"], first.norm_first
         shape, eps = norm.normalized_shape, norm.eps
         act = self._modules["feed_forward"].activation
-        rms = isinstance(norm, RMSNorm)
-
-        def normalize(x: torch.Tensor, gamma, beta) -> torch.Tensor:
-            return rms_norm(x, gamma, eps) if rms else F.layer_norm(x, shape, gamma, beta, eps)
+        normalize = _functional_norm(isinstance(norm, RMSNorm), shape, eps)
 
         def sublayer(x: torch.Tensor, fn, gamma, beta) -> torch.Tensor:
             if pre:  # Pre-LN: x + f(LN(x))
@@ -727,6 +724,13 @@ class DecoderLayer(nn.Module):
         x = sublayer(x, cross_attention, w.norm1_weight, w.norm1_bias)
         x = sublayer(x, feed_forward, w.norm2_weight, w.norm2_bias)
         return x, new_kv[0], new_kv[1]
+
+
+def _functional_norm(rms: bool, shape, eps: float) -> Callable:
+    """``normalize(x, gamma, beta)``: the functional form of the layer's norm (RMSNorm ignores beta)."""
+    if rms:
+        return lambda x, gamma, beta: rms_norm(x, gamma, eps)
+    return lambda x, gamma, beta: F.layer_norm(x, shape, gamma, beta, eps)
 
 
 class DecoderStepWeights(NamedTuple):
