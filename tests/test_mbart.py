@@ -133,7 +133,7 @@ def _generate(hf, sources, **kwargs):
     return result
 
 
-@pytest.mark.parametrize("target", ["de_DE", "fr_XX"])
+@pytest.mark.parametrize("target", ["fr_XX"])
 def test_greedy_and_beam_tokens_equal_generate(folders, target):
     hf, ours = folders
     tokenizer = load_tokenizer(ours).with_languages(source_lang="en_XX", target_lang=target)

@@ -135,3 +135,81 @@ def test_relative_position_buckets(bidirectional, n, max_distance):
     # float32 against float64 logarithms may round a boundary differently: allow none here
     assert got == want
     assert min(got) == 0 and max(got) == n - 1
+
+
+# ------------------------------------------------------------------------------------------
+# the model with the T5 and mBART options
+# ------------------------------------------------------------------------------------------
+
+T5_OPTIONS = dict(
+    norm="rms",
+    bias=False,
+    scale_attention=False,
+    d_kv=6,
+    relative_attention_buckets=8,
+    relative_attention_max_distance=12,
+    positions="none",
+    activation="gelu_tanh",
+    gated_ffn=True,
+    scale_embeddings=False,
+    scale_decoder_output=True,
+    norm_first=True,
+)
+MBART_OPTIONS = dict(
+    positions="learned", pos_offset=2, embedding_norm=True, norm_first=True, activation="gelu"
+)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [T5_OPTIONS, dict(T5_OPTIONS, relative_attention_per_layer=True), MBART_OPTIONS],
+    ids=["t5", "umt5", "mbart"],
+)
+def test_decode_steps_equal_teacher_forcing_and_training_reaches_every_parameter(options):
+    from transformer_ext.config import TransformerConfig
+    from transformer_ext.model import Transformer
+
+    torch.manual_seed(0)
+    config = TransformerConfig.preset("tiny", dropout=0.1, **options)
+    model = Transformer(config)
+    src = torch.randint(3, 40, (3, 15))
+    lengths = torch.tensor([15, 6, 9])
+    tgt = torch.randint(3, 40, (3, 14))
+    tgt[:, 0] = config.bos_id
+    model.eval()
+    with torch.no_grad():
+        full = model(src, lengths, tgt)
+        _, cross_k, cross_v = model.encode(src, lengths)
+        L = tgt.shape[1]
+        keys = [torch.zeros(3, config.n_heads, L, config.d_k) for _ in range(config.n_decoder_layers)]
+        values = [torch.zeros_like(k) for k in keys]
+        steps = []
+        for t in range(L):
+            logits, new_k, new_v = model.decode_step(
+                tgt[:, t : t + 1],
+                torch.full((3,), t),
+                lengths,
+                keys,
+                values,
+                cross_k,
+                cross_v,
+                model.fused_qkv(),
+            )
+            for i in range(config.n_decoder_layers):
+                keys[i][:, :, t] = new_k[i][:, :, 0]
+                values[i][:, :, t] = new_v[i][:, :, 0]
+            steps.append(logits)
+    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-4, atol=1e-5)
+    # training: the loss of a copy task falls, and every parameter (the bias tables too) gets a gradient
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(12):
+        out = model(src, lengths, tgt[:, :-1])
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), tgt[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
