@@ -14,7 +14,6 @@ LIMIT = 100
 KNOWN = {
     ("transformer_ext/decoding/greedy.py", "greedy_decode"): 103,
     ("transformer_ext/decoding/beam.py", "beam_search"): 117,
-    ("transformer_ext/config.py", "validate"): 107,
     ("transformer_ext/serve/app.py", "create_app"): 362,
     ("transformer_ext/export_format.py", "read_manifest"): 102,
     ("transformer_ext/runtimes/ort.py", "__init__"): 111,
