@@ -287,6 +287,12 @@ def _load_model_only(model_dir: Optional[str | os.PathLike]):
         model = load_model(path, device="cpu")
     except (FileNotFoundError, ValueError, TypeError) as exc:
         raise ModelDirectoryError(f"cannot load the model in {path}: {exc}") from exc
+    blockers = model.config.export_blockers()
+    if blockers:
+        raise ExportError(
+            f"{path}: this model family is not exportable to ONNX yet ({', '.join(blockers)}); "
+            "translate it with the eager PyTorch runtime"
+        )
     model.eval()
     return model, path
 

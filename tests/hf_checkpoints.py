@@ -279,3 +279,182 @@ def write_m2m100(
     )
     model.save_pretrained(folder)
     return folder
+
+
+MADLAD_TEST_CODES = ("de", "fr", "es", "zh")
+
+
+def write_t5(
+    folder: Path,
+    *,
+    variant: str = "t5",
+    madlad: bool = False,
+    d_model: int = 32,
+    d_kv: int = 12,
+    layers: int = 2,
+    heads: int = 4,
+    d_ff: int = 64,
+    buckets: int = 8,
+    max_distance: int = 20,
+    spm_size: int = 100,
+    extra_ids: int = 10,
+    seed: int = 0,
+    std: float = 0.5,
+    num_beams: int = 4,
+    max_length: int = 16,
+    gain: float = 2.0,
+) -> Path:
+    """A T5-family checkpoint with the real models' field values (scaled down):
+
+    * ``variant="t5"``: T5 v1.0 (``feed_forward_proj`` relu, tied output scaled by d_model^-0.5);
+    * ``"t5_v1_1"``: T5 v1.1 (gated-gelu, an lm_head of its own, ``tie_word_embeddings`` false in
+      config.json as the real files have it); ``madlad=True`` adds ``<2xx>`` pieces (MADLAD-400);
+    * ``"mt5"``, ``"umt5"``: the same as v1.1 with their own model types (UMT5: a relative bias
+      table in every layer).
+
+    ``d_kv`` (12) differs from d_model / heads (8), as in t5-11b and MADLAD."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers import GenerationConfig
+
+    classes = {
+        "t5": ("T5Config", "T5ForConditionalGeneration"),
+        "t5_v1_1": ("T5Config", "T5ForConditionalGeneration"),
+        "mt5": ("MT5Config", "MT5ForConditionalGeneration"),
+        "umt5": ("UMT5Config", "UMT5ForConditionalGeneration"),
+    }
+    config_cls, model_cls = (getattr(transformers, n) for n in classes[variant])
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = sample_lines(500, seed)
+    symbols = [f"<2{c}>" for c in MADLAD_TEST_CODES] if madlad else []
+    spm_model = train_spm(
+        lines, spm_size, pad_id=0, eos_id=1, unk_id=2, bos_id=-1, user_defined_symbols=symbols
+    )
+    (folder / "spiece.model").write_bytes(spm_model)
+    n_pieces = len(_pieces(spm_model))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "T5Tokenizer", "extra_ids": extra_ids, "model_max_length": 512}, indent=2
+        )
+    )
+    v1_0 = variant == "t5"
+    config = config_cls(
+        vocab_size=n_pieces + extra_ids + 6,  # the real models round the vocabulary up too
+        d_model=d_model,
+        d_kv=d_kv,
+        d_ff=d_ff,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        num_heads=heads,
+        relative_attention_num_buckets=buckets,
+        relative_attention_max_distance=max_distance,
+        dropout_rate=0.1,
+        layer_norm_epsilon=1e-6,
+        feed_forward_proj="relu" if v1_0 else "gated-gelu",
+        tie_word_embeddings=v1_0,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    _random_weights(model, seed, std, gain)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "relative_attention_bias" in name:  # biases of order one: they change the outputs
+                p.copy_(torch.randn(p.shape, generator=g))
+    model.generation_config = GenerationConfig(
+        num_beams=num_beams,
+        max_length=max_length,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    model.save_pretrained(folder)
+    if not v1_0:
+        # transformers 5 ties lm_head to the embedding in memory and writes one tensor; the real
+        # v1.1 / mT5 / UMT5 / MADLAD files hold an lm_head of their own and tie_word_embeddings false
+        tensors = load_file(str(folder / "model.safetensors"))
+        tensors["lm_head.weight"] = std * torch.randn(tensors["shared.weight"].shape, generator=g)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        data = json.loads((folder / "config.json").read_text())
+        data.pop("scale_decoder_outputs", None)
+        data["tie_word_embeddings"] = False
+        (folder / "config.json").write_text(json.dumps(data, indent=2))
+    return folder
+
+
+def write_mbart50(
+    folder: Path,
+    *,
+    d_model: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    d_ff: int = 64,
+    max_positions: int = 64,
+    spm_size: int = 100,
+    seed: int = 0,
+    std: float = 0.3,
+    num_beams: int = 4,
+    max_length: int = 16,
+    gain: float = 2.0,
+) -> Path:
+    """An mBART-50 checkpoint (mbart-large-50-many-to-many-mmt's field values, scaled down):
+    Pre-LN with layernorm_embedding, learned positions (offset 2), GELU, scaled embeddings,
+    ``final_logits_bias``; the tokenizer files of MBart50Tokenizer (a unigram SentencePiece model:
+    transformers reads it with a Unigram model)."""
+    from transformers import GenerationConfig, MBartConfig, MBartForConditionalGeneration
+    from transformers.models.mbart50.tokenization_mbart50 import FAIRSEQ_LANGUAGE_CODES
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model_bytes = train_spm(sample_lines(500, seed), spm_size)
+    (folder / "sentencepiece.bpe.model").write_bytes(model_bytes)
+    n_pieces = len(_pieces(model_bytes))
+    tok_cfg = {"tokenizer_class": "MBart50Tokenizer", "src_lang": "en_XX", "tgt_lang": "de_DE"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    config = MBartConfig(
+        vocab_size=n_pieces + 1 + len(FAIRSEQ_LANGUAGE_CODES) + 1,  # pieces, languages, <mask>
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=d_ff,
+        decoder_ffn_dim=d_ff,
+        max_position_embeddings=max_positions,
+        activation_function="gelu",
+        scale_embedding=True,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=2,
+        dropout=0.1,
+        attention_dropout=0.1,
+        init_std=std,
+    )
+    torch.manual_seed(seed)
+    model = MBartForConditionalGeneration(config)
+    _random_weights(model, seed, std, gain)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm_embedding" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed_positions" in name:  # learned: trained values
+                p.copy_(std * torch.randn(p.shape, generator=g))
+        model.model.shared.weight[1].zero_()
+        model.final_logits_bias.copy_(0.5 * torch.randn(model.final_logits_bias.shape, generator=g))
+    model.tie_weights()
+    model.generation_config = GenerationConfig(
+        num_beams=num_beams,
+        max_length=max_length,
+        decoder_start_token_id=2,
+        forced_eos_token_id=2,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    model.save_pretrained(folder)
+    return folder

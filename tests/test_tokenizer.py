@@ -320,7 +320,7 @@ class _LazyKind:
     [
         (
             {"format": "transformer_ext.Future", "type": "bpe-9"},
-            r"tokenizer.json: unknown tokenizer type 'bpe-9' \(this version reads 'char', 'fairseq', 'marian', 'sentencepiece'\)",
+            r"tokenizer.json: unknown tokenizer type 'bpe-9' \(this version reads 'char', 'fairseq', 'marian', 'sentencepiece', 't5'\)",
         ),
         ({"format": "transformer_ext.CharTokenizer"}, "unknown tokenizer type None"),
         (

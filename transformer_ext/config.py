@@ -253,25 +253,7 @@ class TransformerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransformerConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.d_kv < 0:
-            raise ValueError(f"d_kv must be >= 0 (0: d_model / n_heads), got {self.d_kv}")
-        if self.relative_attention_buckets < 0:
-            raise ValueError(
-                f"relative_attention_buckets must be >= 0 (0: no relative bias), got {self.relative_attention_buckets}"
-            )
-        if self.relative_attention_buckets:
-            if self.relative_attention_buckets < 4 or self.relative_attention_buckets % 2:
-                raise ValueError(
-                    "relative_attention_buckets must be an even number >= 4 (half of them per direction in the "
-                    f"encoder, half of those exact), got {self.relative_attention_buckets}"
-                )
-            if self.relative_attention_max_distance <= self.relative_attention_buckets // 4:
-                raise ValueError(
-                    f"relative_attention_max_distance ({self.relative_attention_max_distance}) must exceed "
-                    f"relative_attention_buckets / 4 ({self.relative_attention_buckets // 4}), the exact buckets"
-                )
-        elif self.relative_attention_per_layer:
-            raise ValueError("relative_attention_per_layer=True needs relative_attention_buckets > 0")
+        self._validate_architecture()
         if self.d_kv == 0 and self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); "
@@ -315,6 +297,34 @@ class TransformerConfig:
                     "shared_vocab=True ties source embedding, target embedding and output "
                     "projection; it requires tie_target_embeddings=True"
                 )
+
+    def _validate_architecture(self) -> None:
+        """The head width and the relative position bias (the T5 options)."""
+        if self.d_kv < 0:
+            raise ValueError(f"d_kv must be >= 0 (0: d_model / n_heads), got {self.d_kv}")
+        if self.relative_attention_buckets < 0:
+            raise ValueError(
+                f"relative_attention_buckets must be >= 0 (0: no relative bias), got {self.relative_attention_buckets}"
+            )
+        if self.relative_attention_buckets:
+            if self.relative_attention_buckets < 4 or self.relative_attention_buckets % 2:
+                raise ValueError(
+                    "relative_attention_buckets must be an even number >= 4 (half of them per direction in the "
+                    f"encoder, half of those exact), got {self.relative_attention_buckets}"
+                )
+            if self.relative_attention_max_distance <= self.relative_attention_buckets // 4:
+                raise ValueError(
+                    f"relative_attention_max_distance ({self.relative_attention_max_distance}) must exceed "
+                    f"relative_attention_buckets / 4 ({self.relative_attention_buckets // 4}), the exact buckets"
+                )
+        elif self.relative_attention_per_layer:
+            raise ValueError("relative_attention_per_layer=True needs relative_attention_buckets > 0")
+
+    def export_blockers(self) -> list[str]:
+        """The ``field = value`` pairs the ONNX export does not support yet (empty: exportable):
+        the T5 and mBART architecture options. Eager PyTorch runs every config."""
+        defaults = V2_IMPLIED
+        return [f"{k} = {getattr(self, k)!r}" for k in defaults if getattr(self, k) != defaults[k]]
 
     # ------------------------------------------------------------------ (de)serialisation
 

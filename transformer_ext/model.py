@@ -50,6 +50,10 @@ __all__ = [
     "Generator",
     "Transformer",
     "padding_mask",
+    "RMSNorm",
+    "RelativePositionBias",
+    "LearnedPositionalEmbedding",
+    "relative_position_bucket",
 ]
 
 
@@ -167,21 +171,154 @@ class PositionalEncoding(nn.Module):
         layout: str = "interleaved",
         frequency: str = "paper",
         offset: int = 0,
+        norm: Optional[nn.Module] = None,
     ):
         super().__init__()
         self.dropout = nn.Dropout(dropout)
         self.max_len = max_len
         pe = sinusoid_table(d_model, max_len, layout, frequency, offset)
         self.register_buffer("pe", pe, persistent=False)  # [max_len, d_model]
+        if norm is not None:
+            self.norm = norm  # the embedding norm (mBART's layernorm_embedding), before dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, T, d_model]`` (positions 0..T-1) -> dropout(x + PE[:T])."""
         T = x.shape[1]
-        return self.dropout(x + self.pe[:T].unsqueeze(0).to(x.dtype))
+        h = x + self.pe[:T].unsqueeze(0).to(x.dtype)
+        return self.dropout(self.norm(h) if "norm" in self._modules else h)
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """Rows of the table for int64 ``positions [B]`` -> ``[B, d_model]`` (a gather, no sin/cos)."""
         return self.pe[positions]
+
+    def add_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row: ``x [B, 1, d_model]`` at ``positions [B]`` -> ``x + PE[positions]``
+        (then the embedding norm, if any), in eval mode (no dropout)."""
+        h = x + self.at(positions).unsqueeze(1).to(x.dtype)
+        return self.norm(h) if "norm" in self._modules else h
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """Learned absolute positions (mBART): row ``t + offset`` of a trained table is added to the
+    ``t``-th token's embedding (mBART's offset is 2), then the embedding norm, then dropout. With
+    ``learned=False`` no position is added at all (T5: positions enter through the relative
+    attention bias), the embedding norm and dropout remain."""
+
+    def __init__(
+        self,
+        d_model: int,
+        max_len: int,
+        dropout: float,
+        offset: int = 0,
+        norm: Optional[nn.Module] = None,
+        learned: bool = True,
+    ):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.max_len = max_len
+        self.offset = offset
+        if learned:
+            self.table = nn.Embedding(max_len + offset, d_model)
+        if norm is not None:
+            self.norm = norm
+
+    def _finish(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h) if "norm" in self._modules else h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "table" in self._modules:
+            T = x.shape[1]
+            x = x + self.table.weight[self.offset : self.offset + T].unsqueeze(0).to(x.dtype)
+        return self.dropout(self._finish(x))
+
+    def add_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if "table" in self._modules:
+            x = x + self.table.weight[positions + self.offset].unsqueeze(1).to(x.dtype)
+        return self._finish(x)
+
+
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's bucket of each ``relative_position`` (key position minus query position), int64.
+
+    Bidirectional (the encoder): half of the buckets for keys after the query, half for the
+    others. Causal (the decoder): only distances to earlier keys, a later key counts as 0. Of the
+    buckets of one direction, the first half are the exact distances 0, 1, ..., the second half
+    cover distances up to ``max_distance`` logarithmically (float32 arithmetic, truncated), and
+    every farther distance shares the last bucket.
+    """
+    n = num_buckets
+    bucket = torch.zeros_like(relative_position)
+    if bidirectional:
+        n //= 2
+        bucket = (relative_position > 0).to(torch.int64) * n
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp_min(0)
+    exact = n // 2
+    is_small = distance < exact
+    # distance 0 gives log(0) = -inf here; such entries are exact ones and taken from `distance`
+    far = exact + (torch.log(distance.float() / exact) / math.log(max_distance / exact) * (n - exact)).to(
+        torch.int64
+    )
+    far = torch.clamp(far, max=n - 1)
+    return bucket + torch.where(is_small, distance, far)
+
+
+class RelativePositionBias(nn.Module):
+    """T5's learned relative position bias: one scalar per head and bucket of the distance from a
+    query to a key (:func:`relative_position_bucket`), added to the attention scores."""
+
+    def __init__(self, num_buckets: int, max_distance: int, n_heads: int, bidirectional: bool):
+        super().__init__()
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.bidirectional = bidirectional
+        self.relative_attention_bias = nn.Embedding(num_buckets, n_heads)  # [buckets, H]
+
+    def _lookup(self, relative: torch.Tensor) -> torch.Tensor:
+        buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.relative_attention_bias(buckets)  # [..., H]
+
+    def forward(self, q_len: int, k_len: int, device=None) -> torch.Tensor:
+        """The bias of queries ``0 .. q_len-1`` over keys ``0 .. k_len-1``: ``[1, H, q_len, k_len]``
+        (with ``q_len < k_len`` the queries are the last ones, as the causal mask aligns them)."""
+        device = device if device is not None else self.relative_attention_bias.weight.device
+        i = torch.arange(q_len, device=device).view(q_len, 1) + (k_len - q_len)
+        j = torch.arange(k_len, device=device).view(1, k_len)
+        return self._lookup(j - i).permute(2, 0, 1).unsqueeze(0)
+
+    def step(self, positions: torch.Tensor, cache_len: int) -> torch.Tensor:
+        """The bias of one query per row at ``positions [B]`` over cache entries ``0 ..
+        cache_len-1`` and the new key (at the query's own position): ``[B, H, 1, cache_len + 1]``."""
+        j = torch.arange(cache_len + 1, device=positions.device).view(1, -1)
+        relative = j - positions.view(-1, 1)
+        relative = torch.cat([relative[:, :cache_len], torch.zeros_like(relative[:, :1])], 1)
+        return self._lookup(relative).permute(0, 2, 1).unsqueeze(2)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``: no mean, no shift (T5's layer norm); float32 math."""
+
+    def __init__(self, d_model: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.eps = eps
+        self.normalized_shape = (d_model,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm`'s computation: the mean square in float32 (whatever the dtype of ``x``)."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def make_norm(kind: str, d_model: int, eps: float) -> nn.Module:
+    """A LayerNorm (``kind="layer"``) or an :class:`RMSNorm` (``"rms"``)."""
+    return RMSNorm(d_model, eps) if kind == "rms" else nn.LayerNorm(d_model, eps=eps)
 
 
 # ------------------------------------------------------------------------------------------
@@ -192,16 +329,25 @@ class PositionalEncoding(nn.Module):
 class MultiHeadAttention(nn.Module):
     """``MultiHead(Q, K, V) = Concat(head_1..head_h) W_O``, ``head_i = Attention(Q W_Q_i, K W_K_i, V W_V_i)``."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float, bias: bool = True):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float,
+        bias: bool = True,
+        d_k: Optional[int] = None,
+        scaled: bool = True,
+    ):
         super().__init__()
         self.d_model = d_model
         self.n_heads = n_heads
-        self.d_k = d_model // n_heads
-        self.scale = 1.0 / math.sqrt(self.d_k)
-        self.W_Q = nn.Linear(d_model, d_model, bias=bias)
-        self.W_K = nn.Linear(d_model, d_model, bias=bias)
-        self.W_V = nn.Linear(d_model, d_model, bias=bias)
-        self.W_O = nn.Linear(d_model, d_model, bias=bias)
+        self.d_k = d_k if d_k else d_model // n_heads
+        self.inner = n_heads * self.d_k  # width of the concatenated heads
+        self.scale = 1.0 / math.sqrt(self.d_k) if scaled else 1.0
+        self.W_Q = nn.Linear(d_model, self.inner, bias=bias)
+        self.W_K = nn.Linear(d_model, self.inner, bias=bias)
+        self.W_V = nn.Linear(d_model, self.inner, bias=bias)
+        self.W_O = nn.Linear(self.inner, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)  # on the attention probabilities
 
     def fused_qkv(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -226,7 +372,7 @@ class MultiHeadAttention(nn.Module):
     def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, H, T, d_k]`` -> ``[B, T, d_model]``."""
         B, _, T, _ = x.shape
-        return x.transpose(1, 2).reshape(B, T, self.d_model)
+        return x.transpose(1, 2).reshape(B, T, self.inner)
 
     def project_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``memory [B, S, d_model]``, each ``[B, H, S, d_k]`` contiguous."""
@@ -247,6 +393,7 @@ class MultiHeadAttention(nn.Module):
         mask: Optional[torch.Tensor] = None,  # bool, broadcastable to [B, H, Tq, Tk]
         causal: bool = False,
         key_lengths: Optional[torch.Tensor] = None,  # [B] int64: the padding `mask` as lengths
+        position_bias: Optional[torch.Tensor] = None,  # additive, broadcastable to [B, H, Tq, Tk]
     ) -> torch.Tensor:
         """Attention of ``query`` over ``key``/``value``. With ``key_lengths`` (the same padding as
         ``mask``) or without a mask, it runs the fused ``ops.attention``; an explicit mask alone,
@@ -259,12 +406,28 @@ class MultiHeadAttention(nn.Module):
         if self.fused_attention and (key_lengths is not None or mask is None) and not _is_exporting():
             p = self.dropout.p if self.training else 0.0
             out = ops.attention(
-                q, k, v, key_lengths=key_lengths, scale=self.scale, causal=causal, dropout_p=p
+                q,
+                k,
+                v,
+                key_lengths=key_lengths,
+                scale=self.scale,
+                causal=causal,
+                dropout_p=p,
+                position_bias=position_bias,
             )
             return self.W_O(
-                out.transpose(1, 2).reshape(B, Tq, self.d_model)
+                out.transpose(1, 2).reshape(B, Tq, self.inner)
             )  # a view: out is [B, Tq, H, d_k] in memory
         scores = torch.matmul(q, k.transpose(-2, -1))  # [B, H, Tq, Tk]
+        if position_bias is not None:
+            if mask is None and key_lengths is not None:
+                mask = padding_mask(key_lengths, k.shape[2])
+            p_attn = ops.masked_softmax(
+                scores * self.scale + position_bias.to(scores.dtype), mask, 1.0, causal
+            )
+            if self.training:
+                p_attn = self.dropout(p_attn)
+            return self.W_O(self.merge_heads(torch.matmul(p_attn, v)))
         if key_lengths is not None and mask is not None and not causal and _is_exporting():
             # The exported encoder: key_lengths >= 1 is the graphs' contract (docs/DESIGN.md 3.3),
             # so every row has a key and no masked_softmax zeroing is needed. The padding becomes
@@ -292,21 +455,35 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
         return x * torch.sigmoid(x) if _is_exporting() else F.silu(x)
     if activation == "gelu":
         return x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476)) if _is_exporting() else F.gelu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
     raise ValueError(f"unknown activation {activation!r}")
 
 
 class PositionwiseFeedForward(nn.Module):
     """``FFN(x) = max(0, x W_1 + b_1) W_2 + b_2`` (paper section 3.3); the nonlinearity is an option."""
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float, bias: bool = True, activation: str = "relu"):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        dropout: float,
+        bias: bool = True,
+        activation: str = "relu",
+        gated: bool = False,
+    ):
         super().__init__()
         self.w_1 = nn.Linear(d_model, d_ff, bias=bias)
         self.w_2 = nn.Linear(d_ff, d_model, bias=bias)
+        if gated:  # FFN(x) = (act(x W_1) * x W_3) W_2
+            self.w_3 = nn.Linear(d_model, d_ff, bias=bias)
         self.dropout = nn.Dropout(dropout)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = activate(self.w_1(x), self.activation)
+        if "w_3" in self._modules:
+            h = h * self.w_3(x)
         return self.w_2(self.dropout(h) if self.training else h)
 
 
@@ -317,9 +494,9 @@ class SublayerConnection(nn.Module):
     Pre-LN: ``x = x + Dropout(Sublayer(LayerNorm(x)))`` (the stack then ends with a LayerNorm).
     """
 
-    def __init__(self, d_model: int, dropout: float, eps: float, norm_first: bool):
+    def __init__(self, d_model: int, dropout: float, eps: float, norm_first: bool, norm: str = "layer"):
         super().__init__()
-        self.norm = nn.LayerNorm(d_model, eps=eps)
+        self.norm = make_norm(norm, d_model, eps)
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
@@ -350,18 +527,25 @@ class EncoderLayer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         c = config
-        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias)
-        self.feed_forward = PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.bias, c.activation)
-        self.sublayer = nn.ModuleList(
-            [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(2)]
-        )
+        self.self_attn = _attention(c)
+        self.feed_forward = _feed_forward(c)
+        self.sublayer = nn.ModuleList([_sublayer(c) for _ in range(2)])
+        if c.relative_attention_buckets and c.relative_attention_per_layer:
+            self.relative_bias = _relative_bias(c, bidirectional=True)
 
     def forward(
-        self, x: torch.Tensor, src_mask: torch.Tensor, src_lengths: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        src_mask: torch.Tensor,
+        src_lengths: Optional[torch.Tensor] = None,
+        position_bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``x [B, S, d_model]``, ``src_mask`` bool ``[B, 1, 1, S]``, optionally the same padding as
-        ``src_lengths [B]`` (then attention runs the fused op)."""
-        x = self.sublayer[0](x, lambda h: self.self_attn(h, h, h, src_mask, key_lengths=src_lengths))
+        ``src_lengths [B]`` (then attention runs the fused op); ``position_bias [1, H, S, S]``."""
+        x = self.sublayer[0](
+            x,
+            lambda h: self.self_attn(h, h, h, src_mask, key_lengths=src_lengths, position_bias=position_bias),
+        )
         return self.sublayer[1](x, self.feed_forward)
 
 
@@ -371,12 +555,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         c = config
-        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias)
-        self.src_attn = MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias)
-        self.feed_forward = PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.bias, c.activation)
-        self.sublayer = nn.ModuleList(
-            [SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first) for _ in range(3)]
-        )
+        self.self_attn = _attention(c)
+        self.src_attn = _attention(c)
+        self.feed_forward = _feed_forward(c)
+        self.sublayer = nn.ModuleList([_sublayer(c) for _ in range(3)])
+        if c.relative_attention_buckets and c.relative_attention_per_layer:
+            self.relative_bias = _relative_bias(c, bidirectional=False)
 
     def forward(
         self,
@@ -384,10 +568,14 @@ class DecoderLayer(nn.Module):
         memory: torch.Tensor,
         src_mask: torch.Tensor,
         src_lengths: Optional[torch.Tensor] = None,
+        position_bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Teacher forcing: ``x [B, T, d_model]``, ``memory [B, S, d_model]``, ``src_mask [B, 1, 1, S]``
-        (optionally also as ``src_lengths [B]``)."""
-        x = self.sublayer[0](x, lambda h: self.self_attn(h, h, h, None, causal=True))
+        (optionally also as ``src_lengths [B]``); ``position_bias [1, H, T, T]`` of the
+        self-attention (the cross-attention has none)."""
+        x = self.sublayer[0](
+            x, lambda h: self.self_attn(h, h, h, None, causal=True, position_bias=position_bias)
+        )
         x = self.sublayer[1](x, lambda h: self.src_attn(h, memory, memory, src_mask, key_lengths=src_lengths))
         return self.sublayer[2](x, self.feed_forward)
 
@@ -399,6 +587,7 @@ class DecoderLayer(nn.Module):
         m = self._modules
         a, x, ff = m["self_attn"], m["src_attn"]._modules, m["feed_forward"]._modules
         n0, n1, n2 = (sub._modules["norm"]._parameters for sub in m["sublayer"]._modules.values())
+        f3 = ff["w_3"]._parameters if "w_3" in ff else {"weight": None, "bias": None}
         qkv = fused_qkv if fused_qkv is not None else (None, None)
         aq, ak, av, ao = (a._modules[k]._parameters for k in ("W_Q", "W_K", "W_V", "W_O"))
         xq, xo, f1, f2 = (
@@ -419,19 +608,21 @@ class DecoderLayer(nn.Module):
             ao["weight"],
             ao["bias"],
             n0["weight"],
-            n0["bias"],
+            n0.get("bias"),
             xq["weight"],
             xq["bias"],
             xo["weight"],
             xo["bias"],
             n1["weight"],
-            n1["bias"],
+            n1.get("bias"),
             f1["weight"],
             f1["bias"],
             f2["weight"],
             f2["bias"],
             n2["weight"],
-            n2["bias"],
+            n2.get("bias"),
+            f3["weight"],
+            f3["bias"],
         )
 
     def step(
@@ -447,6 +638,7 @@ class DecoderLayer(nn.Module):
         kernel_linear: bool = False,  # ops.linear instead of F.linear (inference only)
         attention: Optional[list] = None,  # given: the head-averaged cross-attention is appended
         cross_bias: Optional[torch.Tensor] = None,  # [B_src, 1, K, S]: cross K/V once per source
+        position_bias: Optional[torch.Tensor] = None,  # [B, H, 1, L + 1]: relative bias of the self-attention
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoding step -> ``(x [B, 1, d_model], new_key, new_value [B, H, 1, d_k])``.
 
@@ -466,16 +658,17 @@ class DecoderLayer(nn.Module):
         """
         w = self.step_weights(fused_qkv)
         a = self._modules["self_attn"]
-        B, D, H, d_k, scale = x.shape[0], a.d_model, a.n_heads, a.d_k, a.scale
+        B, D, H, d_k, scale = x.shape[0], a.inner, a.n_heads, a.d_k, a.scale
         first = self._modules["sublayer"]._modules["0"]
         norm, pre = first._modules["norm"], first.norm_first
         shape, eps = norm.normalized_shape, norm.eps
         act = self._modules["feed_forward"].activation
+        normalize = _functional_norm(isinstance(norm, RMSNorm), shape, eps)
 
         def sublayer(x: torch.Tensor, fn, gamma, beta) -> torch.Tensor:
             if pre:  # Pre-LN: x + f(LN(x))
-                return x + fn(F.layer_norm(x, shape, gamma, beta, eps))
-            return F.layer_norm(x + fn(x), shape, gamma, beta, eps)  # Post-LN
+                return x + fn(normalize(x, gamma, beta))
+            return normalize(x + fn(x), gamma, beta)  # Post-LN
 
         new_kv: list[torch.Tensor] = []
         # Inference: our matrix-vector kernel for these few-row products (ops.linear); exported
@@ -492,7 +685,7 @@ class DecoderLayer(nn.Module):
                 k = linear(h, w.k_weight, w.k_bias).view(B, H, 1, d_k)
                 v = linear(h, w.v_weight, w.v_bias).view(B, H, 1, d_k)
             new_kv.extend((k, v))
-            out = ops.decode_attention(q, self_key, self_value, positions, scale, k, v)
+            out = ops.decode_attention(q, self_key, self_value, positions, scale, k, v, position_bias)
             return linear(out.reshape(B, 1, D), w.o_weight, w.o_bias)
 
         def cross_attention_per_source(q: torch.Tensor) -> torch.Tensor:
@@ -522,12 +715,22 @@ class DecoderLayer(nn.Module):
             return linear(out.reshape(B, 1, D), w.cross_o_weight, w.cross_o_bias)
 
         def feed_forward(h: torch.Tensor) -> torch.Tensor:
-            return linear(activate(linear(h, w.ff1_weight, w.ff1_bias), act), w.ff2_weight, w.ff2_bias)
+            inner = activate(linear(h, w.ff1_weight, w.ff1_bias), act)
+            if w.ff3_weight is not None:
+                inner = inner * linear(h, w.ff3_weight, w.ff3_bias)
+            return linear(inner, w.ff2_weight, w.ff2_bias)
 
         x = sublayer(x, self_attention, w.norm0_weight, w.norm0_bias)
         x = sublayer(x, cross_attention, w.norm1_weight, w.norm1_bias)
         x = sublayer(x, feed_forward, w.norm2_weight, w.norm2_bias)
         return x, new_kv[0], new_kv[1]
+
+
+def _functional_norm(rms: bool, shape, eps: float) -> Callable:
+    """``normalize(x, gamma, beta)``: the functional form of the layer's norm (RMSNorm ignores beta)."""
+    if rms:
+        return lambda x, gamma, beta: rms_norm(x, gamma, eps)
+    return lambda x, gamma, beta: F.layer_norm(x, shape, gamma, beta, eps)
 
 
 class DecoderStepWeights(NamedTuple):
@@ -544,19 +747,21 @@ class DecoderStepWeights(NamedTuple):
     o_weight: torch.Tensor
     o_bias: Optional[torch.Tensor]
     norm0_weight: torch.Tensor
-    norm0_bias: torch.Tensor
+    norm0_bias: Optional[torch.Tensor]
     cross_q_weight: torch.Tensor
     cross_q_bias: Optional[torch.Tensor]
     cross_o_weight: torch.Tensor
     cross_o_bias: Optional[torch.Tensor]
     norm1_weight: torch.Tensor
-    norm1_bias: torch.Tensor
+    norm1_bias: Optional[torch.Tensor]
     ff1_weight: torch.Tensor
     ff1_bias: Optional[torch.Tensor]
     ff2_weight: torch.Tensor
     ff2_bias: Optional[torch.Tensor]
     norm2_weight: torch.Tensor
-    norm2_bias: torch.Tensor
+    norm2_bias: Optional[torch.Tensor]
+    ff3_weight: Optional[torch.Tensor] = None  # the gated FFN's second input projection
+    ff3_bias: Optional[torch.Tensor] = None
 
 
 class Encoder(nn.Module):
@@ -565,15 +770,19 @@ class Encoder(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.layers = nn.ModuleList([EncoderLayer(config) for _ in range(config.n_encoder_layers)])
-        self.norm = (
-            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
-        )
+        self.norm = _final_norm(config)
+        if config.relative_attention_buckets and not config.relative_attention_per_layer:
+            self.relative_bias = _relative_bias(config, bidirectional=True)  # shared by every layer
 
     def forward(
         self, x: torch.Tensor, src_mask: torch.Tensor, src_lengths: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
+        S = x.shape[1]
+        bias = self.relative_bias(S, S, x.device) if "relative_bias" in self._modules else None
         for layer in self.layers:
-            x = layer(x, src_mask, src_lengths)
+            if "relative_bias" in layer._modules:
+                bias = layer.relative_bias(S, S, x.device)
+            x = layer(x, src_mask, src_lengths, bias)
         return self.norm(x)
 
 
@@ -583,9 +792,9 @@ class Decoder(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.n_decoder_layers)])
-        self.norm = (
-            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
-        )
+        self.norm = _final_norm(config)
+        if config.relative_attention_buckets and not config.relative_attention_per_layer:
+            self.relative_bias = _relative_bias(config, bidirectional=False)  # shared by every layer
 
     def forward(
         self,
@@ -594,20 +803,70 @@ class Decoder(nn.Module):
         src_mask: torch.Tensor,
         src_lengths: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        T = x.shape[1]
+        bias = self.relative_bias(T, T, x.device) if "relative_bias" in self._modules else None
         for layer in self.layers:
-            x = layer(x, memory, src_mask, src_lengths)
+            if "relative_bias" in layer._modules:
+                bias = layer.relative_bias(T, T, x.device)
+            x = layer(x, memory, src_mask, src_lengths, bias)
         return self.norm(x)
+
+    def step_biases(self, positions: torch.Tensor, cache_len: int) -> list[Optional[torch.Tensor]]:
+        """Per layer the self-attention's relative bias of one decoder step ``[B, H, 1, cache_len +
+        1]`` (see :meth:`RelativePositionBias.step`), or None without a relative bias."""
+        if "relative_bias" in self._modules:
+            return [self.relative_bias.step(positions, cache_len)] * len(self.layers)
+        return [
+            layer.relative_bias.step(positions, cache_len) if "relative_bias" in layer._modules else None
+            for layer in self.layers
+        ]
+
+
+def _attention(c: TransformerConfig) -> MultiHeadAttention:
+    return MultiHeadAttention(c.d_model, c.n_heads, c.dropout, c.bias, c.d_k, c.scale_attention)
+
+
+def _feed_forward(c: TransformerConfig) -> PositionwiseFeedForward:
+    return PositionwiseFeedForward(c.d_model, c.d_ff, c.dropout, c.bias, c.activation, c.gated_ffn)
+
+
+def _sublayer(c: TransformerConfig) -> SublayerConnection:
+    return SublayerConnection(c.d_model, c.dropout, c.layer_norm_eps, c.norm_first, c.norm)
+
+
+def _final_norm(c: TransformerConfig) -> nn.Module:
+    return make_norm(c.norm, c.d_model, c.layer_norm_eps) if c.norm_first else nn.Identity()
+
+
+def _relative_bias(c: TransformerConfig, bidirectional: bool) -> RelativePositionBias:
+    return RelativePositionBias(
+        c.relative_attention_buckets, c.relative_attention_max_distance, c.n_heads, bidirectional
+    )
 
 
 class Generator(nn.Module):
-    """The final linear projection to target-vocabulary logits (softmax is left to the caller)."""
+    """The final linear projection to target-vocabulary logits (softmax is left to the caller);
+    ``scale``: the decoder output is first multiplied by it (T5's d_model^-0.5 of tied weights)."""
 
-    def __init__(self, d_model: int, vocab_size: int, bias: bool):
+    def __init__(self, d_model: int, vocab_size: int, bias: bool, scale: float = 1.0):
         super().__init__()
         self.proj = nn.Linear(d_model, vocab_size, bias=bias)
+        self.scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
+        return self.proj(x * self.scale if self.scale != 1.0 else x)
+
+
+def _positions(c: TransformerConfig) -> nn.Module:
+    """The absolute positions of a stack's input (and its embedding norm), per the config."""
+    norm = make_norm(c.norm, c.d_model, c.layer_norm_eps) if c.embedding_norm else None
+    if c.positions == "sinusoidal":
+        return PositionalEncoding(
+            c.d_model, c.max_len, c.dropout, c.pos_layout, c.pos_frequency, c.pos_offset, norm
+        )
+    return LearnedPositionalEmbedding(
+        c.d_model, c.max_len, c.dropout, c.pos_offset, norm, learned=c.positions == "learned"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -632,13 +891,15 @@ class Transformer(nn.Module):
         c = config
         self.src_embed = Embeddings(c.src_vocab_size, c.d_model, c.scale_embeddings)
         self.tgt_embed = Embeddings(c.tgt_vocab_size, c.d_model, c.scale_embeddings)
-        pe = (c.d_model, c.max_len, c.dropout, c.pos_layout, c.pos_frequency, c.pos_offset)
-        self.src_pe = PositionalEncoding(*pe)
-        self.tgt_pe = PositionalEncoding(*pe)
+        self.src_pe = _positions(c)
+        self.tgt_pe = _positions(c)
         self.encoder = Encoder(c)
         self.decoder = Decoder(c)
         self.generator = Generator(
-            c.d_model, c.tgt_vocab_size, bias=(c.bias and not c.tie_target_embeddings) or c.output_bias
+            c.d_model,
+            c.tgt_vocab_size,
+            bias=(c.bias and not c.tie_target_embeddings) or c.output_bias,
+            scale=c.d_model**-0.5 if c.scale_decoder_output else 1.0,
         )
         self.tie_weights()
         self._init_weights()
@@ -802,9 +1063,13 @@ class Transformer(nn.Module):
         ``src_lengths``. Otherwise (default) they hold one row per row and the fused
         ``decode_attention`` runs.
         """
-        x = self.tgt_embed(input_ids) + self.tgt_pe.at(positions).unsqueeze(1).to(
-            self.tgt_embed.lut.weight.dtype
-        )
+        if isinstance(self.tgt_pe, PositionalEncoding) and "norm" not in self.tgt_pe._modules:
+            x = self.tgt_embed(input_ids) + self.tgt_pe.at(positions).unsqueeze(1).to(
+                self.tgt_embed.lut.weight.dtype
+            )
+        else:
+            x = self.tgt_pe.add_at(self.tgt_embed(input_ids), positions)
+        position_biases = self.decoder.step_biases(positions, self_keys[0].shape[2])
         new_keys: list[torch.Tensor] = []
         new_values: list[torch.Tensor] = []
         kernel_linear = inference_kernels(self)
@@ -831,15 +1096,18 @@ class Transformer(nn.Module):
                 kernel_linear,
                 attention if return_attention and i == last else None,
                 cross_bias,
+                position_biases[i],
             )
             new_keys.append(k_new)
             new_values.append(v_new)
         x = self.decoder.norm(x)  # [B, 1, d_model]
+        if self.generator.scale != 1.0:
+            x = x * self.generator.scale
         if kernel_linear:
             proj = self.generator.proj
             logits = ops.linear(x[:, 0], proj.weight, proj.bias).float()  # [B, V]
         else:
-            logits = self.generator(x[:, 0]).float()  # [B, V]
+            logits = self.generator.proj(x[:, 0]).float()  # [B, V] (scaled above)
         if return_attention:
             return logits, new_keys, new_values, attention[0]
         return logits, new_keys, new_values

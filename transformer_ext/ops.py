@@ -74,6 +74,7 @@ def decode_attention(
     scale: float,
     k_new: Optional[torch.Tensor] = None,
     v_new: Optional[torch.Tensor] = None,
+    position_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Fused single-query attention over a cache prefix.
 
@@ -87,6 +88,10 @@ def decode_attention(
             are clamped on the device (checking them would force a host sync).
         scale: score multiplier (``1/sqrt(D)``).
         k_new, v_new: optional ``[B, H, 1, D]``, given together.
+        position_bias: optional additive bias of the scaled scores, broadcastable to ``[B, H, 1,
+            L]``, or ``[B, H, 1, L + 1]`` with ``k_new`` (the last entry is the new key's): T5's
+            relative position bias. With a bias the op runs a PyTorch composition of the same
+            semantics (:func:`_decode_attention_with_bias`), not the compiled kernel.
 
     Returns:
         ``[B, H, 1, D]`` in the dtype of ``q``; zeros for a row with no key. A NaN in ``q``, in
@@ -94,7 +99,41 @@ def decode_attention(
         entries at or past ``lengths[b]`` are never read. Not differentiable (decoding only):
         with an input that requires grad, the backward pass raises.
     """
+    if position_bias is not None:
+        return _decode_attention_with_bias(
+            q, k_cache, v_cache, lengths, float(scale), k_new, v_new, position_bias
+        )
     return _ops.decode_attention(q, k_cache, v_cache, lengths, float(scale), k_new, v_new)
+
+
+def _decode_attention_with_bias(q, k_cache, v_cache, lengths, scale, k_new, v_new, position_bias):
+    """:func:`decode_attention` with an additive position bias, in standard PyTorch ops."""
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"q must be [B, H, 1, D], got {tuple(q.shape)}")
+    B, H, _, D = q.shape
+    L = k_cache.shape[2]
+    n_keys = L + (0 if k_new is None else 1)
+    if position_bias.dim() != 4 or position_bias.shape[-1] != n_keys:
+        raise ValueError(
+            f"position_bias must be broadcastable to [{B}, {H}, 1, {n_keys}] (the cache length"
+            f"{' + 1 for k_new' if k_new is not None else ''}), got {tuple(position_bias.shape)}"
+        )
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    keep = torch.arange(L, device=q.device).view(1, 1, 1, L) < lengths.clamp(0, L).view(-1, 1, 1, 1)
+    keys, values = k_cache, v_cache
+    if k_new is not None:
+        keys, values = torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
+        keep = torch.cat([keep, keep.new_ones(B, 1, 1, 1)], -1)
+    scores = torch.matmul(q.to(compute), keys.to(compute).transpose(-2, -1)) * scale + position_bias.to(
+        compute
+    )
+    scores = scores.masked_fill(~keep, float("-inf"))
+    empty = ~keep.any(-1, keepdim=True)  # no key at all: zeros, not NaN
+    probs = torch.softmax(torch.where(empty, 0.0, scores), -1).masked_fill(empty, 0.0)
+    values = values.to(compute).masked_fill(~keep.transpose(-2, -1), 0.0)
+    return torch.matmul(probs, values).to(q.dtype)
 
 
 def kv_cache_append_(
@@ -322,6 +361,7 @@ def attention(
     causal: bool = False,
     dropout_p: float = 0.0,
     seed: Optional[int] = None,
+    position_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Fused attention over whole sequences (training and encoding), differentiable.
 
@@ -340,6 +380,10 @@ def attention(
         seed: the dropout generator's seed (an int); by default drawn from torch's generator.
             The mask is a function of ``(seed, b, h, i, j)`` only (not of threads or tiling),
             and the backward pass regenerates it.
+        position_bias: optional additive bias of the scaled scores, broadcastable to ``[B, H, Q,
+            K]`` (T5's relative position bias, ``[1, H, Q, K]``), differentiable. With a bias the
+            op runs a PyTorch composition of the same semantics, dropout mask included
+            (:func:`_attention_with_bias`), not the compiled kernel.
 
     Returns:
         ``[B, H, Q, D]`` in the dtype of ``q`` (under ``torch.autocast``: q, k and v are cast to
@@ -353,9 +397,53 @@ def attention(
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     seed_t = _seed_tensor(seed, q.device) if p > 0.0 else None
+    if position_bias is not None:
+        q, k, v, position_bias = _autocast_inputs(q, k, v, position_bias)
+        return _attention_with_bias(
+            q, k, v, key_lengths, query_lengths, float(scale), bool(causal), p, seed_t, position_bias
+        )
     q, k, v = _autocast_inputs(q, k, v)
     out, _lse = _ops.attention(q, k, v, key_lengths, query_lengths, float(scale), bool(causal), p, seed_t)
     return out
+
+
+def _attention_with_bias(q, k, v, key_lengths, query_lengths, scale, causal, dropout_p, seed, position_bias):
+    """:func:`attention` with an additive position bias, in standard PyTorch ops (autograd
+    differentiates it): scores, bias, the masks, softmax, the kernel's dropout mask, the sum."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"q, k, v must be [B, H, Q, D], [B, H, K, D] twice, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, H, Q, D = q.shape
+    K = k.shape[2]
+    if position_bias.dim() != 4 or any(s not in (1, n) for s, n in zip(position_bias.shape, (B, H, Q, K))):
+        raise ValueError(
+            f"position_bias must be broadcastable to [{B}, {H}, {Q}, {K}], got {tuple(position_bias.shape)}"
+        )
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    keep = torch.ones(B, 1, Q, K, dtype=torch.bool, device=dev)
+    key_keep = None
+    if key_lengths is not None:
+        key_keep = torch.arange(K, device=dev).view(1, 1, K) < key_lengths.view(B, 1, 1)  # [B, 1, K]
+        keep = keep & key_keep.unsqueeze(2)
+    if query_lengths is not None:
+        keep = keep & (torch.arange(Q, device=dev).view(1, 1, Q, 1) < query_lengths.view(B, 1, 1, 1))
+    if causal:
+        i = torch.arange(Q, device=dev).view(Q, 1)
+        keep = keep & (torch.arange(K, device=dev).view(1, K) <= i + (K - Q))
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale + position_bias.to(compute)
+    empty = ~keep.any(-1, keepdim=True)  # a row with no key: zeros (and zero gradients), not NaN
+    scores = torch.where(empty, 0.0, scores.masked_fill(~keep, float("-inf")))
+    probs = torch.softmax(scores, -1).masked_fill(empty, 0.0)
+    if dropout_p > 0.0:
+        kept = _ops.attention_dropout_mask(seed.cpu(), B, H, Q, K, dropout_p).to(dev)
+        probs = torch.where(kept, probs / (1.0 - dropout_p), 0.0)
+    values = v.to(compute)
+    if key_keep is not None:  # values of keys past the lengths never enter the sum
+        values = values.masked_fill(~key_keep.unsqueeze(-1), 0.0)
+    out = torch.matmul(probs, values).to(q.dtype)  # [B, H, Q, D]
+    return out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel's [B, Q, H, D] layout
 
 
 def _autocast_inputs(*tensors: torch.Tensor) -> tuple:

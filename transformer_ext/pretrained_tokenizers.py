@@ -46,7 +46,13 @@ from .tokenizer import TOKENIZER_FILE, TokenizerError, _read_description, check_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MarianTokenizer", "FairseqTokenizer", "M2M100_LANGUAGE_CODES", "WMT21_LANGUAGE_CODES"]
+__all__ = [
+    "MarianTokenizer",
+    "FairseqTokenizer",
+    "T5Tokenizer",
+    "M2M100_LANGUAGE_CODES",
+    "WMT21_LANGUAGE_CODES",
+]
 
 SPIECE_UNDERLINE = "\u2581"
 
@@ -620,3 +626,174 @@ class FairseqTokenizer(_FolderLoader):
             f"languages={len(self.languages)}, "
             f"legacy={self.legacy})"
         )
+
+
+# ------------------------------------------------------------------------------------------
+# T5 family: T5, mT5, UMT5, MADLAD-400
+# ------------------------------------------------------------------------------------------
+
+_T5_FORMAT = "transformer_ext.T5Tokenizer"
+_T5_FIELDS = {
+    "format": str,
+    "version": int,
+    "type": str,
+    "special_tokens": dict,
+    "vocab_size": int,
+    "languages": dict,
+    "target_lang": (str, type(None)),
+    "files": dict,
+}
+
+
+def _is_language_piece(piece: str) -> bool:
+    """MADLAD-400's target-language tokens: ``<2xx>`` pieces of the SentencePiece model."""
+    return piece.startswith("<2") and piece.endswith(">") and len(piece) > 3 and " " not in piece
+
+
+class T5Tokenizer(_FolderLoader):
+    """The T5 / mT5 / UMT5 / MADLAD-400 tokenizer (``"type": "t5"``).
+
+    SentencePiece's own ids (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2), ``</s>`` appended to a source,
+    no BOS; the decoder starts from ``<pad>``. The model's vocabulary may be larger than the
+    SentencePiece model (T5's ``<extra_id_N>`` sentinels); those ids decode to nothing.
+
+    A model whose SentencePiece model has ``<2xx>`` pieces (MADLAD-400) is multilingual: a source
+    starts with the target-language token. :meth:`with_languages` (``--target-lang xx``) puts it
+    there; a source that already starts with a ``<2xx>`` token is taken as it is, and a source with
+    neither is an error that says how to give the language.
+    """
+
+    type = "t5"
+    pad_id = 0
+    eos_id = 1
+    unk_id = 2
+    bos_id = 0  # the decoder starts from <pad>
+
+    def __init__(self, spm_model: bytes, vocab_size: int, *, target_lang: Optional[str] = None):
+        self._blobs = {"spiece.model": bytes(spm_model)}
+        self._sp = _processor(self._blobs["spiece.model"], "spiece.model")
+        ids = {"pad": self._sp.pad_id(), "eos": self._sp.eos_id(), "unk": self._sp.unk_id()}
+        if ids != {"pad": 0, "eos": 1, "unk": 2}:
+            raise TokenizerError(f"spiece.model has special ids {ids}; a T5 model has pad 0, eos 1, unk 2")
+        self.n_pieces = int(self._sp.get_piece_size())
+        self.vocab_size = int(vocab_size)
+        if self.n_pieces > self.vocab_size:
+            raise TokenizerError(
+                f"spiece.model has {self.n_pieces} pieces but the model's vocabulary has {self.vocab_size} tokens"
+            )
+        self.languages = {
+            p[2:-1]: i for i in range(self.n_pieces) if _is_language_piece(p := self._sp.id_to_piece(i))
+        }
+        self.target_lang = None if target_lang is None else self._lang(target_lang)
+
+    def _lang(self, code: str) -> str:
+        if isinstance(code, str) and _is_language_piece(code):
+            code = code[2:-1]
+        if not self.languages:
+            raise TokenizerError(
+                "this T5 model has no target-language tokens (<2xx>): it translates as its sources say"
+            )
+        if code not in self.languages:
+            raise TokenizerError(
+                f"unknown target language {code!r}; this model knows {_known(self.languages)}"
+            )
+        return code
+
+    def with_languages(self, source_lang: Optional[str] = None, target_lang: Optional[str] = None):
+        """A copy with this target language (MADLAD-400); a T5 model has no source-language token."""
+        other = copy.copy(self)
+        if target_lang is not None:
+            other.target_lang = self._lang(target_lang)
+        return other
+
+    def forced_target_prefix(self) -> list[int]:
+        return []
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.vocab_size
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self.vocab_size
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (TOKENIZER_FILE, *sorted(self._blobs))
+
+    def normalize_source(self, text: str) -> str:
+        return _check_text(text, "source")
+
+    def encode_source(self, text: str) -> list[int]:
+        """``pieces </s>``; for MADLAD-400 ``<2xx> pieces </s>`` (see the class docstring)."""
+        text = _check_text(text, "source")
+        if self.languages:
+            first = text.split(maxsplit=1)[0] if text.split() else ""
+            if self.target_lang is not None and not _is_language_piece(first):
+                text = f"<2{self.target_lang}> {text}"
+            elif not _is_language_piece(first):
+                raise TokenizerError(
+                    "this model needs the target language: give --target-lang (one of "
+                    f"{_known(self.languages, 10)}) or start each source with its <2xx> token"
+                )
+        return list(self._sp.encode(text, out_type=int)) + [self.eos_id]
+
+    def encode_sources(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode_source(t) for t in texts]
+
+    def encode_target(self, text: str) -> list[int]:
+        """The target's pieces (the training code appends ``</s>`` and prepends the decoder start)."""
+        return list(self._sp.encode(_check_text(text, "target"), out_type=int))
+
+    def encode_targets(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode_target(t) for t in texts]
+
+    def decode_target(self, ids: Iterable[int]) -> str:
+        """Text of generated ids up to the first ``</s>``; pad, unk and sentinel ids skipped."""
+        kept = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i in (self.pad_id, self.unk_id) or not 0 <= i < self.n_pieces:
+                continue
+            kept.append(i)
+        return self._sp.decode(kept).strip()
+
+    def to_dict(self) -> dict:
+        return {
+            "format": _T5_FORMAT,
+            "version": 1,
+            "type": self.type,
+            "special_tokens": {
+                "pad": self.pad_id,
+                "bos": self.bos_id,
+                "eos": self.eos_id,
+                "unk": self.unk_id,
+            },
+            "vocab_size": self.vocab_size,
+            "languages": dict(self.languages),
+            "target_lang": self.target_lang,
+            "files": {name: _sha256(blob) for name, blob in sorted(self._blobs.items())},
+        }
+
+    def save(self, directory: str | os.PathLike) -> str:
+        os.makedirs(directory, exist_ok=True)
+        for name, blob in self._blobs.items():
+            atomic_write_bytes(os.path.join(directory, name), blob)
+        path = os.path.join(directory, TOKENIZER_FILE)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, directory: str | os.PathLike) -> "T5Tokenizer":
+        _check(data, _T5_FORMAT, _T5_FIELDS, cls.type)
+        if set(data["files"]) != {"spiece.model"}:
+            raise TokenizerError(f"field 'files' must name ['spiece.model'], got {sorted(data['files'])}")
+        blobs = _read_files(os.fspath(directory), data["files"])
+        tok = cls(blobs["spiece.model"], data["vocab_size"], target_lang=data["target_lang"])
+        _check_same(tok.to_dict(), data)
+        return tok
+
+    def __repr__(self) -> str:
+        return f"T5Tokenizer(vocab_size={self.vocab_size}, languages={len(self.languages)})"

@@ -84,8 +84,12 @@ def decode_attention(
     scale: float,
     k_new: Optional[torch.Tensor] = None,
     v_new: Optional[torch.Tensor] = None,
+    position_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One query per row attends to ``cache[b, :, :lengths[b]]`` and, if given, ``k_new``/``v_new``.
+
+    ``position_bias`` (optional, broadcastable to ``[B, H, 1, L]``, or ``[B, H, 1, L + 1]`` with
+    ``k_new``, whose score takes the last entry) is added to the scaled scores before the softmax.
 
     ``q``, ``k_new``, ``v_new`` are ``[B, H, 1, D]``, caches ``[B, H, L, D]``, ``lengths`` int64
     ``[B]``. Cache entries at or beyond ``lengths[b]`` get exactly zero weight and never matter,
@@ -108,6 +112,9 @@ def decode_attention(
         vf = torch.cat([vf, v_new.to(compute)], dim=2)
     if scores.shape[-1] == 0:  # no cache and no new key: every row is empty
         return torch.zeros_like(qf).to(q.dtype)
+    if position_bias is not None:
+        scores = scores * scale + position_bias.to(compute)
+        scale = 1.0
     probs = masked_softmax(scores, allowed, scale, False)
     # Zero the values that get no weight so that a non-finite entry past the prefix cannot leak.
     vf = vf.masked_fill(~allowed.transpose(-2, -1), 0.0)
@@ -213,8 +220,10 @@ def attention(
     causal: bool = False,
     dropout_p: float = 0.0,
     seed: Optional[int] = None,
+    position_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``ops.attention`` spelled out: ``q [B,H,Q,D]``, ``k, v [B,H,K,D]``.
+    """``ops.attention`` spelled out: ``q [B,H,Q,D]``, ``k, v [B,H,K,D]``; ``position_bias``
+    (optional, broadcastable to ``[B, H, Q, K]``) is added to the scaled scores.
 
     Query ``i`` of row ``b`` may attend key ``j`` iff ``j < key_lengths[b]``, ``i <
     query_lengths[b]`` and (causal) ``j <= i + (K - Q)``. Softmax of ``scale * q.k`` over the
@@ -241,6 +250,8 @@ def attention(
     if K == 0:  # no key at all: every row is empty
         return torch.where(torch.zeros_like(qf, dtype=torch.bool), qf, 0.0).to(q.dtype)
     scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    if position_bias is not None:
+        scores = scores + position_bias.to(compute)
     probs = masked_softmax(scores, allowed, 1.0, False)  # zeros for empty rows
     if dropout_p > 0.0:
         if seed is None:

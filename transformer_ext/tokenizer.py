@@ -449,6 +449,7 @@ TOKENIZER_TYPES: dict[str, Union[type, str]] = {
     # imported model families (transformer_ext.convert)
     "marian": "transformer_ext.pretrained_tokenizers:MarianTokenizer",
     "fairseq": "transformer_ext.pretrained_tokenizers:FairseqTokenizer",
+    "t5": "transformer_ext.pretrained_tokenizers:T5Tokenizer",
 }
 
 

@@ -655,6 +655,10 @@ _FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "marian": (_marian_config, _marian_tokenizer),
     "m2m_100": (_m2m_config, _m2m_tokenizer),
 }
+# Families with a module of their own (convert/t5.py, convert/mbart.py) register here at the end
+# of this module: their weight mapping, and a config fix-up from the weights (e.g. untied heads).
+_WEIGHT_MAPS: dict[str, Callable] = {}
+_FROM_WEIGHTS: dict[str, Callable] = {}
 
 
 def _generation(
@@ -764,10 +768,10 @@ def _generation(
             f"{source}: forced_eos_token_id = {forced_eos} is not the eos id {config.eos_id}"
         )
     forced_bos = token("forced_bos_token_id")
-    if forced_bos is not None and model_type == "m2m_100":
+    if forced_bos is not None and model_type in ("m2m_100", "mbart"):
         raise refuse(
             "forced_bos_token_id",
-            "the first token of an M2M100 / NLLB translation is the target language's, "
+            "the first token of an M2M100 / NLLB / mBART-50 translation is the target language's, "
             "chosen with --target-lang",
         )
     early = f.data.get("early_stopping", False)
@@ -790,7 +794,7 @@ def _generation(
         early_stopping=early,
         banned_ids=tuple(banned),
         force_eos_at_max_length=forced_eos is not None,
-        force_target_language=model_type == "m2m_100",
+        force_target_language=model_type in ("m2m_100", "mbart"),
         min_new_tokens=min_new,
         repetition_penalty=repetition_penalty,
         no_repeat_ngram_size=ngram,
@@ -837,7 +841,10 @@ def read_checkpoint(folder: str | os.PathLike) -> Checkpoint:
     files: list[Path] = [config_path]
     hf_tensors, kind, weight_files = _load_weights(folder)
     files.extend(weight_files)
-    tensors, upcast = _map_weights(model_type, hf_tensors, config, folder, extra)
+    config = _FROM_WEIGHTS.get(model_type, lambda c, t: c)(config, hf_tensors)
+    tensors, upcast = _WEIGHT_MAPS.get(model_type, _map_weights)(
+        model_type, hf_tensors, config, folder, extra
+    )
     tokenizer = make_tokenizer(folder, config, files)
     for key, ours in (
         ("vocab_size (source)", tokenizer.src_vocab_size),
@@ -884,3 +891,23 @@ def read_checkpoint(folder: str | os.PathLike) -> Checkpoint:
         files={str(p.relative_to(folder)): _sha256_file(p) for p in dict.fromkeys(files)},
         notes=notes,
     )
+
+
+def _register_families() -> None:
+    from functools import partial
+
+    from . import mbart, t5
+
+    _FAMILIES["mbart"] = (mbart.mbart_config, mbart.mbart_tokenizer)
+    _WEIGHT_MAPS["mbart"] = mbart.mbart_weights
+    ARCHITECTURES.update(mbart.MODEL_TYPES)
+    for model_type, archs in t5.MODEL_TYPES.items():
+        _FAMILIES[model_type] = (partial(t5.t5_config, model_type=model_type), t5.t5_tokenizer)
+        _WEIGHT_MAPS[model_type] = t5.t5_weights
+        _FROM_WEIGHTS[model_type] = t5.retie
+        ARCHITECTURES[model_type] = archs
+    global SUPPORTED_MODEL_TYPES
+    SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+
+
+_register_families()
