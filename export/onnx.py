@@ -91,6 +91,7 @@ from .manifest import (
     write_generation_config,
     write_manifest,
 )
+from .weights import share_weights
 
 PROVENANCE_FILE = "provenance.json"  # written by transformer_ext.corpora, copied by train into model folders
 
@@ -799,6 +800,7 @@ def _write_export(
     structure = validation.check_graphs(
         encoder_proto, decoder_proto, config, flavour, specs, tensors=validation.model_tensors(model)
     )
+    weights = share_weights(tmp_dir, [ENCODER_FILE, DECODER_FILE])
     for name in tokenizer_names:
         shutil.copy2(model_path / name, tmp_dir / name)
     # Where the training data came from (corpus, editions, licence): every export carries it.
@@ -827,6 +829,7 @@ def _write_export(
         "max_positions": config.max_len,
         "max_cache_len": cache_len,
         "graphs": specs,
+        "weights": weights,
         "versions": _versions(),
         "export": {
             "source_model_dir": str(model_path),

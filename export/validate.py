@@ -37,6 +37,7 @@ from transformer_ext.export_format import ATTENTION_OUTPUT, cross_per_source, gr
 from transformer_ext.runtimes import EagerRunner, OrtRunner
 
 from . import GraphContractError, ParityError, contract
+from .weights import is_product_view
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ def _check_tied_projection(graph: onnx.GraphProto) -> None:
         raise GraphContractError(
             f"decoder_step.onnx: {what}: logits do not come from a MatMul or Gemm with a weight"
         )
-    if tables[0] != projection:
+    if tables[0] != projection and not is_product_view(graph, projection, tables[0]):
         raise GraphContractError(
             f"decoder_step.onnx: {what} must be stored once: the embedding table is {tables[0]} but the "
             f"projection that logits come from reads {projection}"

@@ -22,7 +22,7 @@ from export import validate as validation
 from export.onnx import IR_VERSION, export_onnx, main
 from transformer_ext.checkpoint import load_model
 from transformer_ext.config import TransformerConfig
-from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
+from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, WEIGHTS_FILE, graph_specs
 from transformer_ext.model import Transformer
 
 # ------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_folder_and_manifest(exported):
     encoder, decoder, manifest = load_graphs(exported)
     flavour = manifest["flavour"]
     assert sorted(os.listdir(exported)) == sorted(
-        [ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "tokenizer.json", "generation.json"]
+        [ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "tokenizer.json", "generation.json", WEIGHTS_FILE]
     )
     assert not [p for p in exported.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     config = TransformerConfig.from_dict(manifest["model_config"])

@@ -64,6 +64,7 @@ from transformer_ext.export_format import (
     manifest_quantization,
     quantization_cpu_warning,
     read_manifest,
+    verify_weights,
 )
 
 from . import denormals
@@ -248,6 +249,7 @@ class OrtRunner(decoding.SearchMethods):
         self._pool = HostBufferPool() if reuse_buffers else None
         self.export_dir = os.fspath(export_dir)
         self.manifest = dict(read_manifest(self.export_dir) if manifest is None else manifest)
+        verify_weights(self.export_dir, self.manifest)  # the shared weights file, before any session
         cpu_warning = quantization_cpu_warning(self.manifest, self.export_dir)
         if cpu_warning:
             logger.warning("%s", cpu_warning)
