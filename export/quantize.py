@@ -13,8 +13,11 @@ output channel (``per_channel``); activations quantized to uint8 per tensor at r
 (``DynamicQuantizeLinear``); the products run as standard-ONNX ``MatMulInteger``. Weights are
 quantized with ``reduce_range`` (7-bit): ONNX Runtime's u8 x s8 kernels on CPUs without VNNI
 add pairs of products in 16 bits (``VPMADDUBSW``), which saturates with full-range int8 weights
-(measured on the demo model: see :data:`SCHEMES`). Embedding lookups (``Gather``), attention
-products over the caches, layer norms and softmax stay float32. int8 graphs are for ONNX
+(measured on the demo model: see :data:`SCHEMES`). Embedding tables are 8-bit
+(:func:`quantize_lookups`: ``GatherBlockQuantized`` over the bytes an 8-bit ``MatMulNBits`` of
+the table stores, :func:`lookup_settings`), and the tied output projection is that
+``MatMulNBits``, so the lookups of every graph and the projection are one region of the shared
+weights file; attention products over the caches, layer norms and softmax stay float32. int8 graphs are for ONNX
 Runtime: the TensorRT builder and its readiness check refuse them. An int8 folder also holds a
 few-row decoder step (``decoder_step_few_rows.onnx``, :func:`few_rows_graph`): the float32 step
 with its weight products as 8-bit ``MatMulNBits``, which ``OrtRunner`` runs for steps of few rows
@@ -24,8 +27,9 @@ Schemes ``int4`` and ``int8-nbits``: weight-only, block-wise quantization writte
 (:func:`quantize_blocks`, :func:`_quantize_nbits_one`): every ``MatMul`` and ``Gemm`` whose weight
 is a 2-D initializer becomes ONNX Runtime's ``com.microsoft`` ``MatMulNBits`` (4 or 8 bits, a
 float32 scale and, unless ``symmetric``, a zero point per block of ``block_size`` weights along
-the input dimension of one output column), the output projection included; the tied target
-embedding keeps its float32 table for the lookup (``Gather``), as with ``int8``. A block size
+the input dimension of one output column), the output projection included; the embedding
+tables are 8-bit ``GatherBlockQuantized`` lookups, the tied output projection an 8-bit
+``MatMulNBits`` over the same bytes (:func:`lookup_settings`). A block size
 must divide every input dimension (``d_model``, ``d_ff``): checked on the model config before
 anything is traced or written (:func:`check_block_dimensions`). ``accuracy_level`` 4 lets the
 kernel quantize the activations to int8 per block (VNNI / AVX-512 int8 dot products); ONNX

@@ -37,7 +37,7 @@ from transformer_ext.export_format import ATTENTION_OUTPUT, cross_per_source, gr
 from transformer_ext.runtimes import EagerRunner, OrtRunner
 
 from . import GraphContractError, ParityError, contract
-from .weights import is_product_view
+from .weights import PRODUCT_SUFFIX, is_product_view
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _check_one(
                     f"initializers {seen[key]} and {t.name} are one tensor of the model stored twice "
                     "(tied parameters must be one initializer)"
                 )
-        elif size >= _DEDUP_MIN_BYTES:
+        elif size >= _DEDUP_MIN_BYTES and not is_product_view(g, t.name, t.name.removesuffix(PRODUCT_SUFFIX)):
             key = _initializer_digest(t)
             if key in seen:
                 problems.append(

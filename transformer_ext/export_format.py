@@ -403,6 +403,32 @@ def _plain_name(value: Any) -> bool:
     )
 
 
+def _check_file_lists(path: str, manifest: Mapping[str, Any], version: int) -> None:
+    """The manifest's ``files``, ``tokenizer_files`` and ``generation_config`` as its version has them."""
+    files = manifest["files"]
+    if version >= 2:
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise ManifestError(f"{path}: files must list the names of the folder's files")
+        if not isinstance(manifest.get("tokenizer_files"), list) or not all(
+            _plain_name(f) for f in manifest["tokenizer_files"]
+        ):
+            raise ManifestError(
+                f"{path}: tokenizer_files must list the tokenizer's files (an empty list for none)"
+            )
+    elif not isinstance(files, dict):
+        raise ManifestError(f"{path}: files must be an object in a version-1 manifest")
+    if version >= 3:
+        name = manifest.get("generation_config")
+        if not _plain_name(name):
+            raise ManifestError(
+                f"{path}: generation_config must name the generation config file "
+                f"(e.g. {GENERATION_FILE!r}), got {name!r}"
+            )
+        unlisted = [f for f in [*manifest["tokenizer_files"], name] if f not in files]
+        if unlisted:
+            raise ManifestError(f"{path}: {unlisted} are named by the manifest but not in its files list")
+
+
 def read_manifest(directory: str | os.PathLike, *, verify: bool = False) -> dict:
     """Read and check ``directory/manifest.json``: the format marker and a readable version, the
     keys every reader relies on, and graphs that follow from its model config and flavour.
@@ -448,28 +474,7 @@ def read_manifest(directory: str | os.PathLike, *, verify: bool = False) -> dict
             f"{path} is not a {FORMAT} manifest of version {' or '.join(map(str, READABLE_FORMAT_VERSIONS))} "
             f"(format={manifest['format']!r}, version={version!r}){hint}"
         )
-    files = manifest["files"]
-    if version >= 2:
-        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-            raise ManifestError(f"{path}: files must list the names of the folder's files")
-        if not isinstance(manifest.get("tokenizer_files"), list) or not all(
-            _plain_name(f) for f in manifest["tokenizer_files"]
-        ):
-            raise ManifestError(
-                f"{path}: tokenizer_files must list the tokenizer's files (an empty list for none)"
-            )
-    elif not isinstance(files, dict):
-        raise ManifestError(f"{path}: files must be an object in a version-1 manifest")
-    if version >= 3:
-        name = manifest.get("generation_config")
-        if not _plain_name(name):
-            raise ManifestError(
-                f"{path}: generation_config must name the generation config file "
-                f"(e.g. {GENERATION_FILE!r}), got {name!r}"
-            )
-        unlisted = [f for f in [*manifest["tokenizer_files"], name] if f not in files]
-        if unlisted:
-            raise ManifestError(f"{path}: {unlisted} are named by the manifest but not in its files list")
+    _check_file_lists(path, manifest, version)
     if manifest["flavour"] not in FLAVOURS:
         raise ManifestError(f"{path}: unknown flavour {manifest['flavour']!r}, expected one of {FLAVOURS}")
     config = manifest["model_config"]
@@ -659,8 +664,12 @@ def manifest_weights(manifest: Mapping[str, Any]) -> Optional[dict]:
             f"{MANIFEST_NAME}: weights.bytes must be the size of {WEIGHTS_FILE}, got {_show(size)}"
         )
     files = manifest.get("files")
-    if not isinstance(files, list) or WEIGHTS_FILE not in files:
-        raise ManifestError(f"{MANIFEST_NAME}: weights names {WEIGHTS_FILE}, which is not in its files list")
+    if isinstance(files, list) and WEIGHTS_FILE not in files:
+        if any(graph in files for graph in (ENCODER_FILE, DECODER_FILE)):
+            raise ManifestError(
+                f"{MANIFEST_NAME}: weights names {WEIGHTS_FILE}, which is not in its files list"
+            )
+        return None  # a folder of engines beside the export (python -m export.tensorrt): no graphs here
     return dict(section)
 
 
