@@ -418,7 +418,7 @@ def quantize_graphs(
         )
     if scheme == "int8":
         section["few_rows"] = (
-            few_rows_graph(Path(src_dir), Path(dst_dir), model_config)
+            few_rows_graph(Path(src_dir), Path(dst_dir), model_config, lookups)
             if want_few_rows and model_config is not None
             else None
         )
@@ -426,6 +426,10 @@ def quantize_graphs(
     return section
 
 
+# The blocks of an int8 export's 8-bit tables (and of the tied projection over their bytes, in
+# the int8 step and the few-row step): per row of the demo model (64) one held-out decode of 500
+# differed from float32's.
+LOOKUP_BLOCK_SIZE = 32
 _LOOKUP_METHOD = (
     "GatherBlockQuantized (ONNX Runtime contrib operator, com.microsoft), written by export.quantize"
 )
@@ -436,7 +440,7 @@ def lookup_settings(
 ) -> Optional[dict]:
     """How the embedding tables of a ``scheme`` export are quantized (:func:`quantize_lookups`),
     or ``None`` where they stay float32, a tied output projection an ``MatMulNBits`` over the same
-    bytes: ``int8-nbits`` with its own bits and blocks; ``int4`` to 8 bits in its blocks (4-bit
+    bytes: ``int8-nbits`` with its own settings; ``int4`` to 8 bits, its other settings its own (4-bit
     tables lose 0.8 to 1.0 points of exact match on the demo model, blocks of 32 or 16, where the
     gate allows 0.2); ``int8`` to 8 bits in the few-row
     step's blocks (:func:`few_rows_block_size`), its tied output projection an 8-bit
@@ -444,14 +448,14 @@ def lookup_settings(
     this CPU (elsewhere the projection would compute in float32, slower than ``MatMulInteger``)."""
     if settings.get("bits") == 8:
         return {**settings, "method": _LOOKUP_METHOD}
-    if "bits" in settings:  # int4: 8-bit tables (4-bit ones fail the demo's gate), the scheme's blocks
-        nbits = resolve_settings("int8-nbits", {"block_size": settings["block_size"]}, model_config)
-        return {**nbits, "method": _LOOKUP_METHOD}
+    if "bits" in settings:  # int4: 8-bit tables (4-bit ones fail the demo's gate), its other settings
+        return {**settings, "bits": 8, "method": _LOOKUP_METHOD}
     if model_config is None:
         return None
     block = few_rows_block_size(model_config)
     if block is None:
         return None
+    block = min(block, LOOKUP_BLOCK_SIZE)
     nbits = resolve_settings("int8-nbits", {"block_size": block}, model_config)
     if kernel_compute(nbits["bits"], block, nbits["accuracy_level"]) != "int8":
         logger.info("embedding tables stay float32: ONNX Runtime has no int8 MatMulNBits kernel on this CPU")
@@ -486,7 +490,9 @@ def few_rows_block_size(model_config: Mapping[str, Any]) -> Optional[int]:
     return max(fits) if fits else None
 
 
-def few_rows_graph(src_dir: Path, dst_dir: Path, model_config: Mapping[str, Any]) -> Optional[dict]:
+def few_rows_graph(
+    src_dir: Path, dst_dir: Path, model_config: Mapping[str, Any], lookups: Optional[Mapping[str, Any]] = None
+) -> Optional[dict]:
     """Write ``dst_dir / FEW_ROWS_DECODER_FILE``, the float32 decoder step of ``src_dir`` with its
     weight products as 8-bit ``MatMulNBits``; returns the manifest's ``quantization.few_rows``
     entry (:func:`transformer_ext.export_format.manifest_few_rows`), or None, writing nothing,
@@ -513,7 +519,7 @@ def few_rows_graph(src_dir: Path, dst_dir: Path, model_config: Mapping[str, Any]
         )
         return None
     graph = _quantize_nbits_one(
-        Path(src_dir) / DECODER_FILE, Path(dst_dir) / FEW_ROWS_DECODER_FILE, settings, lookups=settings
+        Path(src_dir) / DECODER_FILE, Path(dst_dir) / FEW_ROWS_DECODER_FILE, settings, lookups=lookups
     )
     return {
         "file": FEW_ROWS_DECODER_FILE,
@@ -657,6 +663,28 @@ def check_block_dimensions(model_config: Mapping[str, Any], settings: Mapping[st
 RANGE_FACTORS = tuple(np.round(np.linspace(1.0, 0.5, 26), 4))
 
 
+_BLOCKS_CACHE: dict[
+    tuple, tuple
+] = {}  # one table, quantized once per process (the lookups and the projection)
+_BLOCKS_CACHE_MIN = 1 << 20  # only matrices of at least this many weights are kept
+
+
+def _cached_blocks(weight_nk: np.ndarray, bits: int, block_size: int, symmetric: bool):
+    """:func:`quantize_blocks`, remembered for large matrices: an embedding table is quantized for
+    the lookups and the projection of every graph with the same settings, to the same bytes."""
+    import hashlib
+
+    weight_nk = np.ascontiguousarray(weight_nk, dtype=np.float32)
+    if weight_nk.size < _BLOCKS_CACHE_MIN:
+        return quantize_blocks(weight_nk, bits, block_size, symmetric)
+    key = (hashlib.sha256(weight_nk.data).hexdigest(), weight_nk.shape, bits, block_size, bool(symmetric))
+    if key not in _BLOCKS_CACHE:
+        if len(_BLOCKS_CACHE) >= 4:
+            _BLOCKS_CACHE.pop(next(iter(_BLOCKS_CACHE)))
+        _BLOCKS_CACHE[key] = quantize_blocks(weight_nk, bits, block_size, symmetric)
+    return _BLOCKS_CACHE[key]
+
+
 def quantize_blocks(weight_nk: np.ndarray, bits: int, block_size: int, symmetric: bool):
     """``weight_nk`` ``[N, K]`` (one row per output column, ``K % block_size == 0``) in
     MatMulNBits' layout: ``(packed [N, K / block_size, block_size * bits / 8] uint8, scales
@@ -789,7 +817,7 @@ def _nbits_products(
                     f"{where}: {NBITS_OPTIONS['block_size']} {block} does not divide K = {k} of the "
                     f"weight {name!r} [{w.shape[0]} x {w.shape[1]}] of {node.op_type} {node.name!r}"
                 )
-            packed, scales, zero_points = quantize_blocks(w_nk, bits, block, symmetric)
+            packed, scales, zero_points = _cached_blocks(w_nk, bits, block, symmetric)
             stem = f"{name}.q{bits}" + ("t" if transposed else "")
             names = [f"{stem}.weight", f"{stem}.scales"]
             added += [numpy_helper.from_array(packed, names[0]), numpy_helper.from_array(scales, names[1])]
@@ -864,7 +892,7 @@ def quantize_lookups(model, bits: int, block_size: int, symmetric: bool) -> dict
         name = table.name
         if name not in done:
             w = numpy_helper.to_array(table)
-            packed, scales, zero_points = quantize_blocks(w, bits, block_size, symmetric)
+            packed, scales, zero_points = _cached_blocks(w, bits, block_size, symmetric)
             stem = f"{name}.q{bits}"
             names = [f"{stem}.table", f"{stem}.table_scales"]
             added += [
