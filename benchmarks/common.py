@@ -6,6 +6,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from typing import Callable, Dict, Optional
@@ -107,13 +108,40 @@ def _json_safe(value):
     return value
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        res = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def provenance() -> dict:
+    """What produced a result: the commit (``git rev-parse HEAD``, and whether the working tree
+    had uncommitted changes to tracked files), the command line, the machine (``lscpu``'s model,
+    cores and caches) and the load average when the result was written."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": None if status is None else bool(status),
+        "argv": [os.path.basename(sys.executable)] + list(sys.argv),
+        "machine": lscpu(),
+        "load_average": list(os.getloadavg()),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
 def write_json(path: str, payload: dict) -> None:
-    """``payload`` as indented JSON at ``path``, written atomically (:mod:`transformer_ext.fsutil`);
-    a NaN or infinite number (a case that could not be measured) becomes ``null``."""
+    """``payload`` as indented JSON at ``path``, written atomically (:mod:`transformer_ext.fsutil`),
+    with its :func:`provenance` under ``"provenance"``; a NaN or infinite number (a case that could
+    not be measured) becomes ``null``."""
     from transformer_ext.fsutil import atomic_write_json
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write_json(path, _json_safe(payload))
+    atomic_write_json(path, _json_safe({**payload, "provenance": payload.get("provenance") or provenance()}))
 
 
 def save_figure(fig, path: str, dpi: int = 110) -> None:

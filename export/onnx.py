@@ -559,6 +559,45 @@ def _check_arguments(
     return opset, cache_len, float(tolerance)
 
 
+def _check_quantize_options(
+    quantize: Optional[str], quantize_options: Optional[Mapping[str, Any]], max_bleu_drop, gate_data
+) -> Optional[float]:
+    """The quantization options of :func:`export_onnx` checked before anything is read; the BLEU
+    drop with the scheme's default."""
+    if quantize is not None:
+        from .quantize import check_quantize_arguments
+
+        return check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop)[2]
+    if gate_data is not None:
+        raise UsageError(
+            "a BLEU gate (--gate-src / --gate-ref) checks quantized graphs: it needs --quantize int8, int4 "
+            "or int8-nbits"
+        )
+    if quantize_options:
+        raise UsageError(
+            f"quantize_options {dict(quantize_options)} need --quantize (int4 or int8-nbits; few_rows: int8)"
+        )
+    return max_bleu_drop
+
+
+def _check_quantized_model(quantize, quantize_options, max_bleu_drop, config) -> None:
+    """The block size against the model's matrices (:func:`export.quantize.check_quantize_arguments`)."""
+    from .quantize import check_quantize_arguments
+
+    check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop, config.to_dict())
+
+
+def _check_gate(model_path: Path, tokenizer_names, config, gate_data) -> None:
+    """The quality gate can run on this model and fail (gate data given where the model is not of
+    the demo task, its languages and line lengths): :func:`export.quantize.check_gate_inputs`."""
+    from transformer_ext.tokenizer import load_tokenizer
+
+    from .quantize import check_gate_inputs
+
+    tokenizer = load_tokenizer(model_path) if tokenizer_names else None
+    check_gate_inputs(tokenizer, config.max_len, gate_data, model_path)
+
+
 def export_onnx(
     model_dir: Optional[str | os.PathLike] = None,
     output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
@@ -597,7 +636,8 @@ def export_onnx(
             ``com.microsoft.GroupQueryAttention``, which appends to the caches in place; ONNX
             Runtime's CPU provider only: :func:`export.lowering.in_graph_gqa`).
         tolerance: the largest absolute difference allowed between any ONNX Runtime output and
-            eager PyTorch.
+            eager PyTorch in float64, or :data:`export.validate.FLOAT32_ERROR_FACTOR` times eager
+            float32's own difference from it where that is larger (:func:`export.validate.allowed_difference`).
         validate: run the parity validation (:func:`export.validate.validate_export`) in ONNX
             Runtime before the folder is moved into place. Structural checks always run.
         seed: seed of the validation inputs.
@@ -651,19 +691,7 @@ def export_onnx(
     """
     t_start = time.perf_counter()
     opset, cache_len, tolerance = _check_arguments(flavour, opset, cache_len, tolerance, seed)
-    if quantize is not None:
-        from .quantize import check_quantize_arguments
-
-        _, _, max_bleu_drop = check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop)
-    elif gate_data is not None:
-        raise UsageError(
-            "a BLEU gate (--gate-src / --gate-ref) checks quantized graphs: it needs --quantize int8, int4 "
-            "or int8-nbits"
-        )
-    elif quantize_options:
-        raise UsageError(
-            f"quantize_options {dict(quantize_options)} need --quantize (int4 or int8-nbits; few_rows: int8)"
-        )
+    max_bleu_drop = _check_quantize_options(quantize, quantize_options, max_bleu_drop, gate_data)
     output_dir = Path(output_dir).absolute()
     # None: the bundled demo model. A training run's best/, last/ and checkpoints/ are the trainer's.
     inputs = [] if model_dir is None else [("the model folder --model-dir", model_dir)]
@@ -679,8 +707,10 @@ def export_onnx(
         cache_len = config.max_len
     if not 1 <= cache_len <= config.max_len:
         raise UsageError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
-    if quantize is not None:  # the block size against the model's matrices, before tracing
-        check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop, config.to_dict())
+    if quantize is not None:  # the block size against the model's matrices, the gate's inputs, before tracing
+        _check_quantized_model(quantize, quantize_options, max_bleu_drop, config)
+        if validate:
+            _check_gate(model_path, tokenizer_names, config, gate_data)
     generation_config = GenerationConfig.defaults_for(
         {"special_tokens": special_tokens, "max_cache_len": cache_len, "model_config": config.to_dict()},
         **{**imported_generation(model_path, cache_len), **dict(generation or {})},
@@ -916,7 +946,7 @@ def _parser() -> argparse.ArgumentParser:
         "--tolerance",
         type=float,
         default=DEFAULT_TOLERANCE,
-        help="largest absolute difference allowed between every ONNX Runtime output and eager PyTorch",
+        help="largest difference allowed from float64 eager PyTorch (or 8x eager float32's own, if larger)",
     )
     p.add_argument(
         "--no-validate",
@@ -1194,10 +1224,13 @@ def verdict_text(result: ExportResult) -> str:
     if validation is None:
         verdict = "exported, not validated (--no-validate): run without it to check parity with PyTorch"
     else:
-        parity = (
-            f"within {validation.tolerance:.0e} of PyTorch (worst {validation.worst:.1e}), greedy and beam "
-            "tokens identical"
-        )
+        if callable(getattr(validation, "parity_text", None)):  # export.validate.ValidationReport
+            parity = validation.parity_text()
+        else:
+            parity = (
+                f"within {validation.tolerance:.0e} of PyTorch (worst {validation.worst:.1e}), greedy and beam "
+                "tokens identical"
+            )
         quantized = manifest_quantization(result.manifest)
         if quantized is not None:
             # the tolerance was checked on the float32 graphs; the written quantized graphs passed the gate

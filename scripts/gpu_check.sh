@@ -2,10 +2,10 @@
 # GPU verification in one call (a lent GPU machine gives 15 minutes in all, its start included):
 #   1. builds transformer_ext._C from source with its CUDA kernels (in place, for the local GPU's arch);
 #   2. runs every CUDA test (tests whose id or markers say cuda, in every test file);
-#   3. the CUDA op benchmark (benchmarks/bench_ops.py --device cuda: masked_softmax vs the eager
+#   3. the CUDA op benchmark (benchmarks/ops/bench_ops.py --device cuda: masked_softmax vs the eager
 #      composite and torch._masked_softmax, attention vs SDPA, decode_attention vs eager);
-#   3b. the fused attention benchmark (benchmarks/bench_attention.py --device cuda, T = 256 and 1024);
-#   4. the decode benchmark on CUDA (benchmarks/bench_decode.py --device cuda, torch engines);
+#   3b. the fused attention benchmark (benchmarks/ops/bench_attention.py --device cuda, T = 256 and 1024);
+#   4. the decode benchmark on CUDA (benchmarks/decode/bench_decode.py --device cuda, torch engines);
 #   5. prints one summary table (also written to summary.txt) with the GPU targets.
 # Everything is bounded to GPU_CHECK_BUDGET seconds of run time (default 290, under 5 minutes):
 # each stage gets what is left, the op benchmark falls back to --quick when time is short.
@@ -103,7 +103,7 @@ if [ "$built" = 1 ]; then
   { [ "$(left)" -lt 150 ] || [ "$dry" = 1 ]; } && quick="--quick"
   budget_ops=$(( $(left) * 60 / 100 ))
   note "op benchmark on $device ${quick:-full} (${budget_ops}s at most)"
-  if timeout "$budget_ops" "$py" benchmarks/bench_ops.py --device "$device" $quick --out "$out/bench_ops_cuda.json" \
+  if timeout "$budget_ops" "$py" benchmarks/ops/bench_ops.py --device "$device" $quick --out "$out/bench_ops_cuda.json" \
       >"$scratch/bench_ops.log" 2>&1; then
     record bench_ops "ok${quick:+ (quick)}" $(( SECONDS - t0 ))
   else
@@ -113,14 +113,14 @@ if [ "$built" = 1 ]; then
 fi
 
 # ------------------------------------------------------------------ 3b. fused attention benchmark
-if [ "$built" = 1 ] && [ -f benchmarks/bench_attention.py ]; then
+if [ "$built" = 1 ] && [ -f benchmarks/ops/bench_attention.py ]; then
   t0=$SECONDS
   budget_att=$(( $(left) * 30 / 100 ))
   att_sizes="256,1024"
   [ "$dry" = 1 ] && att_sizes="32"
   note "fused attention benchmark on $device (T in $att_sizes, ${budget_att}s at most)"
   # the PNG stays in the scratch folder (at most 8 files come back)
-  if timeout "$budget_att" "$py" benchmarks/bench_attention.py --device "$device" --sizes "$att_sizes" --repeats 3 \
+  if timeout "$budget_att" "$py" benchmarks/ops/bench_attention.py --device "$device" --sizes "$att_sizes" --repeats 3 \
       --out "$scratch/bench_attention_cuda.json" >"$scratch/bench_attention.log" 2>&1; then
     cp "$scratch/bench_attention_cuda.json" "$out/bench_attention_cuda.json"
     record bench_attention ok $(( SECONDS - t0 ))
@@ -131,7 +131,7 @@ if [ "$built" = 1 ] && [ -f benchmarks/bench_attention.py ]; then
 fi
 
 # ------------------------------------------------------------------ 4. decode benchmark
-if [ "$built" = 1 ] && [ -f benchmarks/bench_decode.py ] && grep -q -- "--device" benchmarks/bench_decode.py; then
+if [ "$built" = 1 ] && [ -f benchmarks/decode/bench_decode.py ] && grep -q -- "--device" benchmarks/decode/bench_decode.py; then
   t0=$SECONDS
   engines="$("$py" - <<'EOF' 2>/dev/null
 import sys
@@ -148,7 +148,7 @@ EOF
     [ "$dry" = 1 ] && size="--quick --engines eager_ops"
     [ "$dry" = 1 ] || size="$size --engines $engines"
     note "decode benchmark on $device: $size (${budget_dec}s at most)"
-    if timeout "$budget_dec" "$py" benchmarks/bench_decode.py --device "$device" $size \
+    if timeout "$budget_dec" "$py" benchmarks/decode/bench_decode.py --device "$device" $size \
         --out "$out/bench_decode_cuda.json" >"$scratch/bench_decode.log" 2>&1; then
       record bench_decode ok $(( SECONDS - t0 ))
     else
@@ -159,7 +159,7 @@ EOF
     record bench_decode "skipped (no time left or no CUDA engine)" 0
   fi
 else
-  record bench_decode "skipped (no benchmarks/bench_decode.py with --device)" 0
+  record bench_decode "skipped (no benchmarks/decode/bench_decode.py with --device)" 0
 fi
 
 # ------------------------------------------------------------------ 5. summary

@@ -585,13 +585,7 @@ print("ok")
 
 def test_bench_attention_smoke():
     """The benchmark runs (and cross-checks ours, SDPA and the three-step path); speed is not asserted."""
-    import os
-    import sys
-
-    sys.path.insert(
-        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    )
-    import bench_attention
+    from benchmarks.ops import bench_attention
 
     rows = bench_attention.bench("cpu", [16], repeats=1, min_time=0.0)
     assert len(rows) == 8 and all(set(r["seconds"]) == set(bench_attention.ENGINES) for r in rows)
@@ -599,13 +593,7 @@ def test_bench_attention_smoke():
 
 def test_bench_attention_memory_only_needs_an_existing_result(tmp_path, capsys):
     """--memory-only adds to a result file: a missing one is an argument error, not a traceback."""
-    import os
-    import sys
-
-    sys.path.insert(
-        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    )
-    import bench_attention
+    from benchmarks.ops import bench_attention
 
     with pytest.raises(SystemExit) as exc:
         bench_attention.main(["--memory-only", "--out", str(tmp_path / "missing.json")])

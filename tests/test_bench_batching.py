@@ -1,16 +1,11 @@
-"""benchmarks/bench_batching.py at tiny size: it runs, writes its JSON, both paths agree, and its
+"""benchmarks/decode/bench_batching.py at tiny size: it runs, writes its JSON, both paths agree, and its
 work counts are those of a plain computation from the translations."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_batching  # noqa: E402
-
+from benchmarks.decode import bench_batching
 from transformer_ext.translator import Translator  # noqa: E402
 
 

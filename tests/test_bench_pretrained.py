@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_pretrained.py: it runs at tiny size with the engines of this
+"""Smoke test of benchmarks/decode/bench_pretrained.py: it runs at tiny size with the engines of this
 environment, compares their tokens, skips the engines of environments it was not given (saying
 why) and writes JSON + PNG. Speed is never asserted (benchmarks/ measures it)."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
@@ -14,9 +13,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("transformers")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
-
-import bench_pretrained  # noqa: E402
+from benchmarks.decode import bench_pretrained
 
 MAIN_ENGINES = ["transformers", "eager", "onnxrt", "onnxrt_int8"]
 

@@ -1,22 +1,18 @@
-"""benchmarks/bench_small_model.py at tiny size: it runs, writes JSON + PNG, says when CTranslate2
+"""benchmarks/decode/bench_small_model.py at tiny size: it runs, writes JSON + PNG, says when CTranslate2
 is missing, and (where CTranslate2 is installed) its tokens equal ours on the demo model."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("matplotlib")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_small_model  # noqa: E402
 from test_deploy import demo_export_dir  # noqa: E402
 
+from benchmarks.decode import bench_small_model
 from transformer_ext.translator import Translator  # noqa: E402
 
 HAS_CT2 = importlib.util.find_spec("ctranslate2") is not None

@@ -15,10 +15,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
-
-import bench_decode  # noqa: E402
-
+from benchmarks.decode import bench_decode
 from transformer_ext.cpu_features import bf16_support  # noqa: E402
 
 HAS_CT2 = importlib.util.find_spec("ctranslate2") is not None
@@ -173,7 +170,7 @@ def test_bench_decode_worker_failure_is_reported(tmp_path):
 
 
 def test_bench_linear_quick(tmp_path):
-    import bench_linear
+    from benchmarks.ops import bench_linear
 
     out = str(tmp_path / "linear.json")
     results = bench_linear.run([1], repeats=1, threads=1, quick=True, out=out)
@@ -186,9 +183,9 @@ def test_bench_linear_quick(tmp_path):
 def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_factory, monkeypatch):
     """profile_decode on the tiny export: the split adds up to the total (beam search through
     the search head, whose time is a part of its own), the profiler saw MatMuls."""
-    import profile_decode
     from helpers import exported_dir
 
+    from benchmarks.profiles import profile_decode
     from transformer_ext import decoding
 
     monkeypatch.setitem(decoding.HEAD_MIN_ENTRIES, "beam", 0)
@@ -226,8 +223,9 @@ def test_profile_decode_splits_the_time_and_counts_operators(tmp_path, tmp_path_
 def test_count_step_calls_counts_per_step_and_per_function(tmp_path, tmp_path_factory):
     """count_step_calls on the tiny export: every case counted, the runner's step among the
     functions called once per step."""
-    import count_step_calls
     from helpers import exported_dir
+
+    from benchmarks.probes import count_step_calls
 
     export = exported_dir(tmp_path_factory, "portable")
     out = tmp_path / "count.json"
@@ -256,8 +254,7 @@ def test_count_step_calls_counts_per_step_and_per_function(tmp_path, tmp_path_fa
 def test_bench_search_head_times_both_searches(tmp_path):
     """bench_search_head on two small cells: both searches timed per cell, the JSON and plot
     written, the thresholds put back."""
-    import bench_search_head
-
+    from benchmarks.decode import bench_search_head
     from transformer_ext import decoding
 
     before = dict(decoding.HEAD_MIN_ENTRIES)
@@ -281,8 +278,9 @@ def test_bench_search_head_times_both_searches(tmp_path):
 def test_ab_exports_times_folders_and_runner_options(tmp_path, tmp_path_factory):
     """ab_exports on the tiny export: a runner option as one variant, every case timed for each,
     the baseline at 1.0x, the tokens of equal graphs equal; bad variants are refused."""
-    import ab_exports
     from helpers import exported_dir
+
+    from benchmarks.probes import ab_exports
 
     export = str(exported_dir(tmp_path_factory, "portable"))
     out = tmp_path / "ab.json"
@@ -306,7 +304,7 @@ def test_ab_exports_times_folders_and_runner_options(tmp_path, tmp_path_factory)
 
 
 def test_probe_score_products_agree_and_are_timed(tmp_path):
-    import probe_score_products
+    from benchmarks.probes import probe_score_products
 
     out = tmp_path / "scores.json"
     assert probe_score_products.main(["--threads", "1", "--runs", "2", "--out", str(out)]) == 0
@@ -319,7 +317,7 @@ def test_probe_score_products_agree_and_are_timed(tmp_path):
 
 def test_probe_cross_sharing_layouts_agree_and_are_timed(tmp_path):
     """The per-source graph gives the per-beam graph's outputs (checked inside), both are timed."""
-    import probe_cross_sharing
+    from benchmarks.probes import probe_cross_sharing
 
     out = tmp_path / "cross.json"
     argv = ["--batch-sizes", "1,3", "--layers", "2", "--heads", "2", "--src-len", "5", "--head-size", "8"]
@@ -335,7 +333,7 @@ def test_probe_cross_sharing_layouts_agree_and_are_timed(tmp_path):
 def test_probe_contrib_attention_forms_agree_and_are_timed(tmp_path):
     """The contrib operators give the portable ops' outputs (checked inside: GroupQueryAttention
     with its cache bound in place, MultiHeadAttention with the beams as the query sequence)."""
-    import probe_contrib_attention
+    from benchmarks.probes import probe_contrib_attention
 
     out = tmp_path / "contrib.json"
     argv = ["--rows", "1,4", "--layers", "2", "--heads", "2", "--head-size", "8", "--cache-len", "6"]
@@ -382,8 +380,7 @@ def test_bench_decode_split_settings(tmp_path):
 def test_ab_drop_finished_times_each_divisor_and_restores_the_default(tmp_path):
     """ab_drop_finished on 40 demo lines, one round: every divisor timed, the first at 1.0x, the
     module's divisor restored; bad arguments are refused before any work."""
-    import ab_drop_finished
-
+    from benchmarks.probes import ab_drop_finished
     from transformer_ext import decoding
 
     out = tmp_path / "drop.json"
@@ -403,7 +400,7 @@ def test_ab_drop_finished_times_each_divisor_and_restores_the_default(tmp_path):
 def test_ab_file_translation_times_each_variant_and_refuses_bad_ones(tmp_path):
     """ab_file_translation on 20 demo lines, one round: the demo export with a runner option off
     and on, both timed, the first at 1.0x, the translations equal (checked inside)."""
-    import ab_file_translation
+    from benchmarks.probes import ab_file_translation
 
     out = tmp_path / "ft.json"
     argv = ["--variant", "plain=demo:flush_denormals=0", "--variant", "flushed=demo"]
@@ -427,8 +424,9 @@ def test_ab_file_translation_times_each_variant_and_refuses_bad_ones(tmp_path):
 
 
 def test_ab_encoder_times_each_variant_on_a_padded_batch(tmp_path, tmp_path_factory):
-    import ab_encoder
     from helpers import exported_dir
+
+    from benchmarks.probes import ab_encoder
 
     export = str(exported_dir(tmp_path_factory, "portable"))
     out = tmp_path / "enc.json"
@@ -442,8 +440,7 @@ def test_ab_encoder_times_each_variant_on_a_padded_batch(tmp_path, tmp_path_fact
 
 
 def test_probe_denormals_times_the_softmax_variants(tmp_path):
-    import probe_denormals
-
+    from benchmarks.probes import probe_denormals
     from transformer_ext.runtimes import denormals
 
     out = tmp_path / "den.json"
@@ -463,7 +460,7 @@ def test_probe_denormals_times_the_softmax_variants(tmp_path):
 def test_probe_int8_products_checks_every_kernel_and_times_it(tmp_path, monkeypatch):
     """Every int8 variant runs the kernel it is meant to, agrees with float64 within its bound, and
     is timed; a variant past its bound fails the probe."""
-    import probe_int8_products
+    from benchmarks.probes import probe_int8_products
 
     monkeypatch.setattr(probe_int8_products, "machine_info", lambda threads: {})
     out = tmp_path / "int8.json"
@@ -521,7 +518,7 @@ def _decode_json(path, machine, tokens, floors=None):
 def test_targets_scores_each_cell_per_machine(tmp_path, capsys):
     """Ratios, bounds (inclusive), equal-thread cells, the L3 rule of the floor and the CPU-time
     target, on hand-made JSONs whose expected scores are worked out here."""
-    import targets
+    from benchmarks.decode import targets
 
     small_l3 = {"model_name": "CPU A", "l3": "32 MiB (1 instance)", "simd": ["avx2"]}
     big_l3 = {"model_name": "CPU B", "l3": "105 MiB (1 instance)", "simd": ["avx2"]}
@@ -572,7 +569,7 @@ def test_targets_scores_each_cell_per_machine(tmp_path, capsys):
 
 def test_targets_scores_the_pretrained_benchmark(tmp_path):
     """The pretrained-model targets read bench_pretrained's ratios at 2 threads or at the best settings."""
-    import targets
+    from benchmarks.decode import targets
 
     def ratio(ours, peer, mode, threads, value):
         return {"ours": ours, "peer": peer, "mode": mode, "batch": 1, "threads": threads, "ratio": value}
@@ -600,7 +597,7 @@ def test_targets_scores_the_pretrained_benchmark(tmp_path):
 
 
 def test_targets_names_a_file_it_cannot_score(tmp_path, capsys):
-    import targets
+    from benchmarks.decode import targets
 
     bad = tmp_path / "bad.json"
     bad.write_text("{")
@@ -622,8 +619,9 @@ def test_probe_split_workers_times_one_worker_against_the_split(tmp_path, tmp_pa
     """Our 2x1 split and one 1-thread worker on half the batch, timed in a process of their own;
     the split's first half decodes to the single worker's tokens."""
     sys.path.insert(0, HERE)
-    import probe_split_workers
     from helpers import quantized_dir
+
+    from benchmarks.probes import probe_split_workers
 
     artifacts = tmp_path / "A"
     (artifacts / "base").mkdir(parents=True)

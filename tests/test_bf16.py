@@ -343,8 +343,7 @@ def test_eager_bad_dtype_is_named(demo_model, dtype):
 # --------------------------------------------------------------------------- the ONNX Runtime probe
 def test_probe_ort_lowp_reports_every_op_and_type():
     pytest.importorskip("onnxruntime")
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import probe_ort_lowp
+    from benchmarks.probes import probe_ort_lowp
 
     support = probe_ort_lowp.probe_support(32, 16)
     assert set(support) == {f"{op}/{t}" for op in probe_ort_lowp.OPS for t in probe_ort_lowp.TYPES}
@@ -359,8 +358,7 @@ def test_probe_ort_lowp_reports_every_op_and_type():
 
 
 def test_probe_rounds_to_bfloat16_like_torch():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import probe_ort_lowp
+    from benchmarks.probes import probe_ort_lowp
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 100
     mine = probe_ort_lowp._rounded(x.numpy(), "bfloat16")

@@ -1,19 +1,13 @@
-"""benchmarks/profile_ctranslate2.py's log reading: oneMKL's ``MKL_VERBOSE`` lines in, calls and
+"""benchmarks/profiles/profile_ctranslate2.py's log reading: oneMKL's ``MKL_VERBOSE`` lines in, calls and
 per-category sums out. The lines are written here by hand in oneMKL's format (routine, the
 arguments in the order of its C interface, the duration); the expected shapes and sums are
 worked out by hand from them. The CTranslate2 run itself is a measurement (not run in CI)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
-
-import profile_ctranslate2 as prof  # noqa: E402
+from benchmarks.profiles import profile_ctranslate2 as prof
 
 INT8 = (
     "MKL_VERBOSE GEMM_S8U8S32_COMPUTE(P,N,C,2048,64,512,0x7f0,0x7f1,512,0x7f2,0x7f3,512,0x7f4,0x7f5,"

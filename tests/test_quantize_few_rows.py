@@ -104,7 +104,7 @@ def test_the_runner_chooses_by_rows_and_threads(tiny_int8):
         assert runner.encode(*_sources(runner, 1), cache_len=8).session is runner.decoder
     always = OrtRunner(tiny_int8, intra_op_num_threads=1, few_rows="always")
     assert always.encode(*_sources(always, 5), cache_len=8).session is not always.decoder
-    # the sessions a profiler reads (benchmarks/profile_decode.py)
+    # the sessions a profiler reads (benchmarks/profiles/profile_decode.py)
     assert list(two.step_sessions) == [DECODER_FILE, FEW_ROWS_DECODER_FILE]
     assert two.step_sessions[FEW_ROWS_DECODER_FILE] is state.session
     assert list(OrtRunner(tiny_int8, intra_op_num_threads=1).step_sessions) == [DECODER_FILE]
@@ -208,10 +208,8 @@ def test_malformed_entries_are_refused(tiny_int8):
 
 def test_ab_exports_takes_the_option_as_a_word(tiny_int8):
     import argparse
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import ab_exports
+    from benchmarks.probes import ab_exports
 
     p = argparse.ArgumentParser()
     variants = ab_exports.parse_variants(
@@ -263,10 +261,7 @@ def test_not_written_for_a_step_with_external_weights(tiny_float, tmp_path):
 
 
 def test_bench_decode_records_the_step(tiny_float, tiny_int8):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import bench_decode
+    from benchmarks.decode import bench_decode
 
     q = bench_decode.export_quantization(str(tiny_int8))
     assert (
