@@ -1,17 +1,13 @@
-"""benchmarks/bench_footprint.py: its worker measures a real load and translation, the earlier
+"""benchmarks/deploy/bench_footprint.py: its worker measures a real load and translation, the earlier
 layout it compares against holds no shared weights file, and the table names what was skipped."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_footprint  # noqa: E402
+from benchmarks.deploy import bench_footprint
 
 
 def test_worker_loads_translates_and_reads_its_memory(exported_portable):

@@ -1,8 +1,8 @@
 """Disk and memory footprint of a deployed model: ours (float32, int8, int4) beside CTranslate2.
 
-    python benchmarks/bench_footprint.py                                 # opus-mt-en-de size and base
-    python benchmarks/bench_footprint.py --models base --repeats 1       # a quicker run
-    python benchmarks/bench_footprint.py --ct2-python /path/to/venv/bin/python
+    python -m benchmarks bench_footprint                                 # opus-mt-en-de size and base
+    python -m benchmarks bench_footprint --models base --repeats 1       # a quicker run
+    python -m benchmarks bench_footprint --ct2-python /path/to/venv/bin/python
 
 What is measured, per model and engine:
 
@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("bench_footprint")
 
 MODELS = ("opus-mt-en-de", "base")
@@ -147,9 +147,19 @@ def worker(engine: str, folder: str, threads: int) -> dict:
 
 def _run_worker(python: str, engine: str, folder: str, threads: int) -> dict:
     proc = subprocess.run(
-        [python, os.path.abspath(__file__), "--worker", engine, folder, "--threads", str(threads)],
+        [
+            python,
+            "-m",
+            "benchmarks.deploy.bench_footprint",
+            "--worker",
+            engine,
+            folder,
+            "--threads",
+            str(threads),
+        ],
         capture_output=True,
         text=True,
+        cwd=REPO,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
     )
     if proc.returncode != 0:
@@ -182,9 +192,7 @@ def prepare(model: str, scratch: Path, ct2_python: Optional[str]) -> tuple[dict,
 
     paths, skipped = {}, {}
     if model == "opus-mt-en-de":
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        import bench_pretrained
-
+        from benchmarks.decode import bench_pretrained
         from transformer_ext.convert import convert_transformers
 
         paths["hf"] = scratch / "hf"
@@ -301,9 +309,9 @@ def _median_record(runs: list[dict]) -> dict:
 
 
 def run(models, repeats: int, threads: int, scratch: Path, ct2_python: Optional[str]) -> dict:
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import onnxruntime
-    from common import lscpu
+
+    from benchmarks.common import lscpu
 
     results = {
         "benchmark": "bench_footprint",
@@ -413,9 +421,7 @@ def main(argv=None) -> int:
     if args.repeats < 1 or args.threads < 1:
         p.error("--repeats and --threads must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from common import write_json
-
+    from benchmarks.common import write_json
     from transformer_ext.fsutil import atomic_write_text
 
     scratch = Path(args.scratch) if args.scratch else Path(tempfile.mkdtemp(prefix="bench_footprint_"))
