@@ -91,6 +91,7 @@ from .manifest import (
     write_generation_config,
     write_manifest,
 )
+from .weights import share_weights
 
 PROVENANCE_FILE = "provenance.json"  # written by transformer_ext.corpora, copied by train into model folders
 
@@ -791,6 +792,25 @@ def export_onnx(
     )
 
 
+def _copy_model_files(
+    model_path: Path, tmp_dir: Path, tokenizer_names: list[str], generation_config: GenerationConfig
+) -> Optional[str]:
+    """Copy the tokenizer files, the provenance record and an imported model's generation defaults
+    into the export, write its generation config; the provenance file's name, or None."""
+    for name in tokenizer_names:
+        shutil.copy2(model_path / name, tmp_dir / name)
+    # Where the training data came from (corpus, editions, licence): every export carries it.
+    provenance = PROVENANCE_FILE if (model_path / PROVENANCE_FILE).is_file() else None
+    if provenance:
+        shutil.copy2(model_path / provenance, tmp_dir / provenance)
+    write_generation_config(tmp_dir, generation_config, GENERATION_FILE)
+    # An imported model's generation defaults (banned tokens, the forced target language, the
+    # forced EOS; transformer_ext.convert) travel with the export.
+    if (model_path / GENERATION_DEFAULTS_FILE).is_file():
+        shutil.copy2(model_path / GENERATION_DEFAULTS_FILE, tmp_dir / GENERATION_DEFAULTS_FILE)
+    return provenance
+
+
 def _write_export(
     tmp_dir: Path,
     model,
@@ -841,18 +861,8 @@ def _write_export(
     structure = validation.check_graphs(
         encoder_proto, decoder_proto, config, flavour, specs, tensors=validation.model_tensors(model)
     )
-    for name in tokenizer_names:
-        shutil.copy2(model_path / name, tmp_dir / name)
-    # Where the training data came from (corpus, editions, licence): every export carries it.
-    provenance = PROVENANCE_FILE if (model_path / PROVENANCE_FILE).is_file() else None
-    if provenance:
-        shutil.copy2(model_path / provenance, tmp_dir / provenance)
-    write_generation_config(tmp_dir, generation_config, GENERATION_FILE)
-    # An imported model's generation defaults (banned tokens, the forced target language, the
-    # forced EOS; transformer_ext.convert) travel with the export.
-    if (model_path / GENERATION_DEFAULTS_FILE).is_file():
-        shutil.copy2(model_path / GENERATION_DEFAULTS_FILE, tmp_dir / GENERATION_DEFAULTS_FILE)
-
+    weights = share_weights(tmp_dir, [ENCODER_FILE, DECODER_FILE])
+    provenance = _copy_model_files(model_path, tmp_dir, tokenizer_names, generation_config)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -869,6 +879,7 @@ def _write_export(
         "max_positions": config.max_len,
         "max_cache_len": cache_len,
         "graphs": specs,
+        "weights": weights,
         "versions": _versions(),
         "export": {
             "source_model_dir": str(model_path),

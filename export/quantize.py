@@ -13,8 +13,11 @@ output channel (``per_channel``); activations quantized to uint8 per tensor at r
 (``DynamicQuantizeLinear``); the products run as standard-ONNX ``MatMulInteger``. Weights are
 quantized with ``reduce_range`` (7-bit): ONNX Runtime's u8 x s8 kernels on CPUs without VNNI
 add pairs of products in 16 bits (``VPMADDUBSW``), which saturates with full-range int8 weights
-(measured on the demo model: see :data:`SCHEMES`). Embedding lookups (``Gather``), attention
-products over the caches, layer norms and softmax stay float32. int8 graphs are for ONNX
+(measured on the demo model: see :data:`SCHEMES`). Embedding tables are 8-bit
+(:func:`quantize_lookups`: ``GatherBlockQuantized`` over the bytes an 8-bit ``MatMulNBits`` of
+the table stores, :func:`lookup_settings`), and the tied output projection is that
+``MatMulNBits``, so the lookups of every graph and the projection are one region of the shared
+weights file; attention products over the caches, layer norms and softmax stay float32. int8 graphs are for ONNX
 Runtime: the TensorRT builder and its readiness check refuse them. An int8 folder also holds a
 few-row decoder step (``decoder_step_few_rows.onnx``, :func:`few_rows_graph`): the float32 step
 with its weight products as 8-bit ``MatMulNBits``, which ``OrtRunner`` runs for steps of few rows
@@ -24,8 +27,9 @@ Schemes ``int4`` and ``int8-nbits``: weight-only, block-wise quantization writte
 (:func:`quantize_blocks`, :func:`_quantize_nbits_one`): every ``MatMul`` and ``Gemm`` whose weight
 is a 2-D initializer becomes ONNX Runtime's ``com.microsoft`` ``MatMulNBits`` (4 or 8 bits, a
 float32 scale and, unless ``symmetric``, a zero point per block of ``block_size`` weights along
-the input dimension of one output column), the output projection included; the tied target
-embedding keeps its float32 table for the lookup (``Gather``), as with ``int8``. A block size
+the input dimension of one output column), the output projection included; the embedding
+tables are 8-bit ``GatherBlockQuantized`` lookups, the tied output projection an 8-bit
+``MatMulNBits`` over the same bytes (:func:`lookup_settings`). A block size
 must divide every input dimension (``d_model``, ``d_ff``): checked on the model config before
 anything is traced or written (:func:`check_block_dimensions`). ``accuracy_level`` 4 lets the
 kernel quantize the activations to int8 per block (VNNI / AVX-512 int8 dot products); ONNX
@@ -76,6 +80,7 @@ from transformer_ext.export_format import (
     ENCODER_FILE,
     FEW_ROWS_DECODER_FILE,
     QUANTIZATION_SCHEMES,
+    WEIGHTS_FILE,
     ExportError,
     manifest_quantization,
     read_manifest,
@@ -91,6 +96,7 @@ from .manifest import (
     remove_made_parents,
     write_manifest,
 )
+from .weights import PRODUCT_SUFFIX, is_product_view, share_weights
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +129,8 @@ __all__ = [
     "check_block_dimensions",
     "check_quantize_arguments",
     "quantize_blocks",
+    "quantize_lookups",
+    "lookup_settings",
     "kernel_compute",
     "cpu_description",
     "add_gate_arguments",
@@ -297,20 +305,48 @@ def _check_max_drop(value: Any, name: str = "max_em_drop") -> float:
 # ------------------------------------------------------------------------------------------
 
 
-def _quantize_one(src: Path, dst: Path, settings: dict) -> dict:
-    """Quantize the graph ``src`` into ``dst``; ``{"quantized_nodes", "op_counts", "initializer_bytes"}``."""
+def _tied_products(model) -> dict[str, str]:
+    """``{node name: weight name}`` of the weight products of ``model`` that read a lookup table
+    under its second name (the tied output projection, :func:`export.weights.split_lookup_readers`)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    tied = {}
+    for node in model.graph.node:
+        product = _weight_product(node, inits)
+        if product and product[0].endswith(PRODUCT_SUFFIX) and node.name:
+            table = product[0][: -len(PRODUCT_SUFFIX)]
+            if is_product_view(model.graph, product[0], table):
+                tied[node.name] = product[0]
+    return tied
+
+
+def _quantize_one(src: Path, dst: Path, settings: dict, lookups: Optional[Mapping[str, Any]] = None) -> dict:
+    """Quantize the graph ``src`` into ``dst``; ``{"quantized_nodes", "op_counts", "initializer_bytes",
+    "tensors"}``. With ``lookups`` (the ``MatMulNBits`` settings of the embedding tables), the
+    lookups become ``GatherBlockQuantized`` and a tied output projection a ``MatMulNBits`` over
+    the same bytes (:func:`quantize_lookups`); every other weight product ``MatMulInteger``."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     weight_type = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}[settings["weight_type"]]
     before = onnx.load(os.fspath(src))
+    tied = _tied_products(before) if lookups is not None else {}
+    names = {t.name for t in before.graph.initializer}
+    products = {
+        n.name: n.input[1]
+        for n in before.graph.node
+        if n.op_type in settings["op_types"] and len(n.input) > 1 and n.input[1] in names
+    }
     candidates = sum(
         1
         for n in before.graph.node
         if n.op_type in settings["op_types"]
         and len(n.input) > 1
-        and n.input[1] in {t.name for t in before.graph.initializer}
+        and n.input[1] in names
+        and n.name not in tied
     )
+    # quantize_dynamic rewrites a Gemm as "<name>_MatMul" over a transposed copy of its weight
+    # before it looks at the exclusions
+    excluded = [*tied, *(f"{name}_MatMul" for name in tied)]
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # quantize_dynamic warns on the root logger about pre-processing
@@ -322,10 +358,22 @@ def _quantize_one(src: Path, dst: Path, settings: dict) -> dict:
             per_channel=settings["per_channel"],
             reduce_range=settings["reduce_range"],
             weight_type=weight_type,
+            nodes_to_exclude=excluded,
         )
     finally:
         root.setLevel(level)
     model = onnx.load(os.fspath(dst))
+    tensors = {
+        w: "MatMulInteger int8, one scale per output channel" for n, w in products.items() if n not in tied
+    }
+    if lookups is not None:
+        if tied:
+            only = {n.input[1] for n in model.graph.node if n.name in excluded and len(n.input) > 1}
+            projections = _nbits_products(model, lookups, src.name, only=only)
+            tensors.update(
+                {w: projections[w2] for w2 in projections for w in tied.values() if w2.startswith(w)}
+            )
+        tensors.update(quantize_lookups(model, lookups["bits"], lookups["block_size"], lookups["symmetric"]))
     counts: dict[str, int] = {}
     for n in model.graph.node:
         counts[n.op_type] = counts.get(n.op_type, 0) + 1
@@ -343,14 +391,12 @@ def _quantize_one(src: Path, dst: Path, settings: dict) -> dict:
             f"({left} float32 ones left): the graph is not what this quantizer expects"
         )
     onnx.checker.check_model(model, full_check=True)
-    nbytes = sum(
-        int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        for t in model.graph.initializer
-    )
+    onnx.save(model, os.fspath(dst))
     return {
         "quantized_nodes": quantized,
         "op_counts": dict(sorted(counts.items())),
-        "initializer_bytes": int(nbytes),
+        "initializer_bytes": _initializer_bytes(model.graph),
+        "tensors": dict(sorted(tensors.items())),
     }
 
 
@@ -370,25 +416,68 @@ def quantize_graphs(
 
     settings = resolve_settings(scheme, options, model_config)
     want_few_rows = settings.pop("few_rows", False)
+    lookups = lookup_settings(scheme, settings, model_config)
     graphs = {}
     for key, name in (("encoder", ENCODER_FILE), ("decoder_step", DECODER_FILE)):
         if "bits" in settings:
-            graphs[key] = _quantize_nbits_one(Path(src_dir) / name, Path(dst_dir) / name, settings)
+            graphs[key] = _quantize_nbits_one(Path(src_dir) / name, Path(dst_dir) / name, settings, lookups)
         else:
-            graphs[key] = _quantize_one(Path(src_dir) / name, Path(dst_dir) / name, settings)
+            graphs[key] = _quantize_one(Path(src_dir) / name, Path(dst_dir) / name, settings, lookups)
     section = {"scheme": scheme, **settings, "onnxruntime": onnxruntime.__version__}
+    section["lookups"] = (
+        {k: lookups[k] for k in ("method", "bits", "block_size", "symmetric")}
+        if lookups is not None
+        else None
+    )
     if "bits" in settings:
         section["kernel_compute"] = kernel_compute(
             settings["bits"], settings["block_size"], settings["accuracy_level"]
         )
     if scheme == "int8":
         section["few_rows"] = (
-            few_rows_graph(Path(src_dir), Path(dst_dir), model_config)
+            few_rows_graph(Path(src_dir), Path(dst_dir), model_config, lookups)
             if want_few_rows and model_config is not None
             else None
         )
     section.update(cpu=cpu_description(), graphs=graphs, gate=None)
     return section
+
+
+# The blocks of an int8 export's 8-bit tables (and of the tied projection over their bytes, in
+# the int8 step and the few-row step): per row of the demo model (64) one held-out decode of 500
+# differed from float32's.
+LOOKUP_BLOCK_SIZE = 32
+_LOOKUP_METHOD = (
+    "GatherBlockQuantized (ONNX Runtime contrib operator, com.microsoft), written by export.quantize"
+)
+
+
+def lookup_settings(
+    scheme: str, settings: Mapping[str, Any], model_config: Optional[Mapping[str, Any]]
+) -> Optional[dict]:
+    """How the embedding tables of a ``scheme`` export are quantized (:func:`quantize_lookups`),
+    or ``None`` where they stay float32, a tied output projection an ``MatMulNBits`` over the same
+    bytes: ``int8-nbits`` with its own settings; ``int4`` to 8 bits, its other settings its own (4-bit
+    tables lose 0.8 to 1.0 points of exact match on the demo model, blocks of 32 or 16, where the
+    gate allows 0.2); ``int8`` to 8 bits in the few-row
+    step's blocks (:func:`few_rows_block_size`), its tied output projection an 8-bit
+    ``MatMulNBits`` over the same bytes, where ONNX Runtime has an int8 ``MatMulNBits`` kernel on
+    this CPU (elsewhere the projection would compute in float32, slower than ``MatMulInteger``)."""
+    if settings.get("bits") == 8:
+        return {**settings, "method": _LOOKUP_METHOD}
+    if "bits" in settings:  # int4: 8-bit tables (4-bit ones fail the demo's gate), its other settings
+        return {**settings, "bits": 8, "method": _LOOKUP_METHOD}
+    if model_config is None:
+        return None
+    block = few_rows_block_size(model_config)
+    if block is None:
+        return None
+    block = min(block, LOOKUP_BLOCK_SIZE)
+    nbits = resolve_settings("int8-nbits", {"block_size": block}, model_config)
+    if kernel_compute(nbits["bits"], block, nbits["accuracy_level"]) != "int8":
+        logger.info("embedding tables stay float32: ONNX Runtime has no int8 MatMulNBits kernel on this CPU")
+        return None
+    return {**nbits, "method": _LOOKUP_METHOD}
 
 
 # ------------------------------------------------------------------------------------------
@@ -418,7 +507,9 @@ def few_rows_block_size(model_config: Mapping[str, Any]) -> Optional[int]:
     return max(fits) if fits else None
 
 
-def few_rows_graph(src_dir: Path, dst_dir: Path, model_config: Mapping[str, Any]) -> Optional[dict]:
+def few_rows_graph(
+    src_dir: Path, dst_dir: Path, model_config: Mapping[str, Any], lookups: Optional[Mapping[str, Any]] = None
+) -> Optional[dict]:
     """Write ``dst_dir / FEW_ROWS_DECODER_FILE``, the float32 decoder step of ``src_dir`` with its
     weight products as 8-bit ``MatMulNBits``; returns the manifest's ``quantization.few_rows``
     entry (:func:`transformer_ext.export_format.manifest_few_rows`), or None, writing nothing,
@@ -444,7 +535,9 @@ def few_rows_graph(src_dir: Path, dst_dir: Path, model_config: Mapping[str, Any]
             "(it would compute in float32, slower than the dynamic int8 step)"
         )
         return None
-    graph = _quantize_nbits_one(Path(src_dir) / DECODER_FILE, Path(dst_dir) / FEW_ROWS_DECODER_FILE, settings)
+    graph = _quantize_nbits_one(
+        Path(src_dir) / DECODER_FILE, Path(dst_dir) / FEW_ROWS_DECODER_FILE, settings, lookups=lookups
+    )
     return {
         "file": FEW_ROWS_DECODER_FILE,
         **FEW_ROWS,
@@ -587,6 +680,28 @@ def check_block_dimensions(model_config: Mapping[str, Any], settings: Mapping[st
 RANGE_FACTORS = tuple(np.round(np.linspace(1.0, 0.5, 26), 4))
 
 
+_BLOCKS_CACHE: dict[
+    tuple, tuple
+] = {}  # one table, quantized once per process (the lookups and the projection)
+_BLOCKS_CACHE_MIN = 1 << 20  # only matrices of at least this many weights are kept
+
+
+def _cached_blocks(weight_nk: np.ndarray, bits: int, block_size: int, symmetric: bool):
+    """:func:`quantize_blocks`, remembered for large matrices: an embedding table is quantized for
+    the lookups and the projection of every graph with the same settings, to the same bytes."""
+    import hashlib
+
+    weight_nk = np.ascontiguousarray(weight_nk, dtype=np.float32)
+    if weight_nk.size < _BLOCKS_CACHE_MIN:
+        return quantize_blocks(weight_nk, bits, block_size, symmetric)
+    key = (hashlib.sha256(weight_nk.data).hexdigest(), weight_nk.shape, bits, block_size, bool(symmetric))
+    if key not in _BLOCKS_CACHE:
+        if len(_BLOCKS_CACHE) >= 4:
+            _BLOCKS_CACHE.pop(next(iter(_BLOCKS_CACHE)))
+        _BLOCKS_CACHE[key] = quantize_blocks(weight_nk, bits, block_size, symmetric)
+    return _BLOCKS_CACHE[key]
+
+
 def quantize_blocks(weight_nk: np.ndarray, bits: int, block_size: int, symmetric: bool):
     """``weight_nk`` ``[N, K]`` (one row per output column, ``K % block_size == 0``) in
     MatMulNBits' layout: ``(packed [N, K / block_size, block_size * bits / 8] uint8, scales
@@ -691,20 +806,22 @@ def _weight_product(node, inits: Mapping[str, Any]):
     return node.input[1], bool(_attribute(node, "transB", 0)), bias
 
 
-def _quantize_nbits_one(src: Path, dst: Path, settings: Mapping[str, Any]) -> dict:
-    """Every weight product of the graph ``src`` as a ``com.microsoft`` ``MatMulNBits`` in ``dst``."""
+def _nbits_products(
+    model, settings: Mapping[str, Any], where: str, only: Optional[set] = None
+) -> dict[str, str]:
+    """Every weight product of ``model`` (``only``: those whose weight is named there) as a
+    ``com.microsoft`` ``MatMulNBits``, in place; ``{weight name: what it became}``."""
     import onnx
     from onnx import numpy_helper
 
     bits, block, symmetric = settings["bits"], settings["block_size"], settings["symmetric"]
-    model = onnx.load(os.fspath(src))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     done: dict[tuple[str, bool], tuple[list[str], int, int]] = {}
     new_nodes, added = [], []
     for node in graph.node:
         product = _weight_product(node, inits)
-        if product is None:
+        if product is None or (only is not None and product[0] not in only):
             new_nodes.append(node)
             continue
         name, transposed, bias = product
@@ -714,10 +831,10 @@ def _quantize_nbits_one(src: Path, dst: Path, settings: Mapping[str, Any]) -> di
             n, k = w_nk.shape
             if k % block:
                 raise QuantizationError(
-                    f"{src.name}: {NBITS_OPTIONS['block_size']} {block} does not divide K = {k} of the "
+                    f"{where}: {NBITS_OPTIONS['block_size']} {block} does not divide K = {k} of the "
                     f"weight {name!r} [{w.shape[0]} x {w.shape[1]}] of {node.op_type} {node.name!r}"
                 )
-            packed, scales, zero_points = quantize_blocks(w_nk, bits, block, symmetric)
+            packed, scales, zero_points = _cached_blocks(w_nk, bits, block, symmetric)
             stem = f"{name}.q{bits}" + ("t" if transposed else "")
             names = [f"{stem}.weight", f"{stem}.scales"]
             added += [numpy_helper.from_array(packed, names[0]), numpy_helper.from_array(scales, names[1])]
@@ -745,16 +862,103 @@ def _quantize_nbits_one(src: Path, dst: Path, settings: Mapping[str, Any]) -> di
                 accuracy_level=settings["accuracy_level"],
             )
         )
-    if not done:
-        raise QuantizationError(f"{src.name}: no weight product to quantize (the graph is not an export's)")
     del graph.node[:]
     graph.node.extend(new_nodes)
+    _drop_unused(graph, added)
+    _com_microsoft(model)
+    return {name: f"MatMulNBits {bits}-bit, blocks of {block}" for name, _ in done}
+
+
+def _drop_unused(graph, added=()) -> None:
     used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
     kept = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
-    graph.initializer.extend(kept + added)
+    graph.initializer.extend(kept + list(added))
+
+
+def _com_microsoft(model) -> None:
+    import onnx
+
     if not any(op.domain == "com.microsoft" for op in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+
+
+def quantize_lookups(model, bits: int, block_size: int, symmetric: bool) -> dict[str, str]:
+    """Every embedding lookup of ``model`` (a ``Gather`` of rows of a 2-D float32 initializer
+    whose rows ``block_size`` divides) as a ``com.microsoft`` ``GatherBlockQuantized`` over the
+    table quantized by :func:`quantize_blocks`, in place; ``{table name: what it became}``.
+
+    The table's bytes, scales and zero points are exactly those of a ``MatMulNBits`` weight of the
+    same table with the same settings (``MatMulNBits`` stores its weight by output row, the
+    embedding's own layout), so a tied lookup and output projection are one region of the
+    weights file (:func:`export.weights.share_weights` stores equal bytes once), and the few-row
+    decoder step's lookup and projection are the same bytes again."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    done: dict[str, list[str]] = {}
+    added = []
+    for node in graph.node:
+        if node.op_type != "Gather" or node.input[0] not in inits or _attribute(node, "axis", 0) != 0:
+            continue
+        table = inits[node.input[0]]
+        if len(table.dims) != 2 or table.data_type != onnx.TensorProto.FLOAT or table.dims[1] % block_size:
+            continue
+        name = table.name
+        if name not in done:
+            w = numpy_helper.to_array(table)
+            packed, scales, zero_points = _cached_blocks(w, bits, block_size, symmetric)
+            stem = f"{name}.q{bits}"
+            names = [f"{stem}.table", f"{stem}.table_scales"]
+            added += [
+                numpy_helper.from_array(packed.reshape(w.shape[0], -1), names[0]),
+                numpy_helper.from_array(scales, names[1]),
+            ]
+            if zero_points is not None:
+                names.append(f"{stem}.table_zero_points")
+                added.append(numpy_helper.from_array(zero_points, names[2]))
+            done[name] = names
+        names = done[name]
+        node.CopyFrom(
+            onnx.helper.make_node(
+                "GatherBlockQuantized",
+                [names[0], node.input[1], *names[1:]],
+                list(node.output),
+                name=node.name,
+                domain="com.microsoft",
+                gather_axis=0,
+                quantize_axis=1,
+                block_size=block_size,
+                bits=bits,
+            )
+        )
+    if done:
+        _drop_unused(graph, added)
+        _com_microsoft(model)
+    return {name: f"GatherBlockQuantized {bits}-bit, blocks of {block_size}" for name in done}
+
+
+def _quantize_nbits_one(
+    src: Path, dst: Path, settings: Mapping[str, Any], lookups: Optional[Mapping[str, Any]] = None
+) -> dict:
+    """Every weight product of the graph ``src`` as a ``com.microsoft`` ``MatMulNBits`` in ``dst``,
+    and (``lookups``: ``bits``, ``block_size``, ``symmetric``) every embedding lookup as a
+    ``GatherBlockQuantized`` (:func:`quantize_lookups`)."""
+    import onnx
+
+    model = onnx.load(os.fspath(src))
+    graph = model.graph
+    tensors = {}
+    tied = set(_tied_products(model).values()) if lookups is not None else set()
+    if tied:  # the tied output projection in the lookup's bits and blocks: the same bytes
+        tensors.update(_nbits_products(model, lookups, src.name, only=tied))
+    tensors.update(_nbits_products(model, settings, src.name))
+    if not tensors:
+        raise QuantizationError(f"{src.name}: no weight product to quantize (the graph is not an export's)")
+    if lookups is not None:
+        tensors.update(quantize_lookups(model, lookups["bits"], lookups["block_size"], lookups["symmetric"]))
     onnx.checker.check_model(model)
     left = [n.name for n in graph.node if _weight_product(n, {t.name: t for t in graph.initializer})]
     if left:
@@ -763,16 +967,24 @@ def _quantize_nbits_one(src: Path, dst: Path, settings: Mapping[str, Any]) -> di
     counts: dict[str, int] = {}
     for n in graph.node:
         counts[n.op_type] = counts.get(n.op_type, 0) + 1
-    nbytes = sum(
-        int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        for t in graph.initializer
-    )
     return {
         "quantized_nodes": counts.get("MatMulNBits", 0),
-        "quantized_weights": len(done),
+        "quantized_weights": sum(1 for v in tensors.values() if v.startswith("MatMulNBits")),
         "op_counts": dict(sorted(counts.items())),
-        "initializer_bytes": int(nbytes),
+        "initializer_bytes": _initializer_bytes(graph),
+        "tensors": dict(sorted(tensors.items())),
     }
+
+
+def _initializer_bytes(graph) -> int:
+    import onnx
+
+    return int(
+        sum(
+            int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+            for t in graph.initializer
+        )
+    )
 
 
 def kernel_compute(bits: int, block_size: int, accuracy_level: int) -> str:
@@ -1220,10 +1432,12 @@ def quantize_folder(
         for name in folder_files(folder):
             shutil.copy2(folder / name, tmp_dir / name)
         section = quantize_graphs(folder, tmp_dir, scheme, options, manifest["model_config"])
-        quantized_manifest = dict(manifest, quantization=section)
+        few_rows = section.get("few_rows")
+        graph_files = [ENCODER_FILE, DECODER_FILE, *([FEW_ROWS_DECODER_FILE] if few_rows else [])]
+        weights = share_weights(tmp_dir, graph_files)
+        quantized_manifest = dict(manifest, quantization=section, weights=weights)
         quantized_manifest["files"] = folder_files(tmp_dir)
         write_manifest(tmp_dir, quantized_manifest)
-        few_rows = section.get("few_rows")
 
         def run_gate(graph: bool) -> dict:  # graph: the few-row step's gate (every step through it)
             if gate_data is not None:
@@ -1236,7 +1450,7 @@ def quantize_folder(
                 few_rows["gate"] = run_gate(True)
         else:
             logger.warning("%s quality gate skipped (validation off)", scheme)
-        for name in (ENCODER_FILE, DECODER_FILE, *([FEW_ROWS_DECODER_FILE] if few_rows else [])):
+        for name in (*graph_files, WEIGHTS_FILE):
             os.replace(tmp_dir / name, folder / name)
     quantized_manifest["quantization"] = section
     quantized_manifest["files"] = folder_files(folder)

@@ -70,6 +70,7 @@ from transformer_ext.export_format import (
     DTYPES,
     ENCODER_FILE,
     SOURCES,
+    WEIGHTS_FILE,
     io_problems,
     read_generation_config,
     read_manifest,
@@ -470,12 +471,14 @@ def _copy_model_file(
 
     An ONNX graph over 2 GiB keeps its weights in ``<graph>.onnx.data`` (export.onnx), referenced
     by that relative name from inside the graph: when ``src``'s folder has ``data_name``, it goes
-    next to ``model.onnx`` under that name, which is where ONNX Runtime looks for it.
+    next to ``model.onnx`` under that name, which is where ONNX Runtime looks for it. The export's
+    shared weights file (``weights.data``, read by every graph) goes there the same way.
     """
     version_dir.mkdir(parents=True, exist_ok=True)
     pairs = [(src, version_dir / model_file)]
-    if (src.parent / data_name).is_file():
-        pairs.append((src.parent / data_name, version_dir / data_name))
+    for name in (data_name, WEIGHTS_FILE):
+        if (src.parent / name).is_file():
+            pairs.append((src.parent / name, version_dir / name))
     for a, b in pairs:
         if link:
             try:

@@ -43,6 +43,7 @@ from transformer_ext.export_format import ATTENTION_OUTPUT, cross_per_source, gr
 from transformer_ext.runtimes import EagerRunner, OrtRunner
 
 from . import GraphContractError, ParityError, contract
+from .weights import PRODUCT_SUFFIX, is_product_view
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def _check_one(
                     f"initializers {seen[key]} and {t.name} are one tensor of the model stored twice "
                     "(tied parameters must be one initializer)"
                 )
-        elif size >= _DEDUP_MIN_BYTES:
+        elif size >= _DEDUP_MIN_BYTES and not is_product_view(g, t.name, t.name.removesuffix(PRODUCT_SUFFIX)):
             key = _initializer_digest(t)
             if key in seen:
                 problems.append(
@@ -213,7 +214,7 @@ def _check_tied_projection(graph: onnx.GraphProto) -> None:
         raise GraphContractError(
             f"decoder_step.onnx: {what}: logits do not come from a MatMul or Gemm with a weight"
         )
-    if tables[0] != projection:
+    if tables[0] != projection and not is_product_view(graph, projection, tables[0]):
         raise GraphContractError(
             f"decoder_step.onnx: {what} must be stored once: the embedding table is {tables[0]} but the "
             f"projection that logits come from reads {projection}"

@@ -22,7 +22,7 @@ from export import validate as validation
 from export.onnx import IR_VERSION, export_onnx, main
 from transformer_ext.checkpoint import load_model
 from transformer_ext.config import TransformerConfig
-from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, graph_specs
+from transformer_ext.export_format import DECODER_FILE, ENCODER_FILE, MANIFEST_NAME, WEIGHTS_FILE, graph_specs
 from transformer_ext.model import Transformer
 
 # ------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_folder_and_manifest(exported):
     encoder, decoder, manifest = load_graphs(exported)
     flavour = manifest["flavour"]
     assert sorted(os.listdir(exported)) == sorted(
-        [ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "tokenizer.json", "generation.json"]
+        [ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "tokenizer.json", "generation.json", WEIGHTS_FILE]
     )
     assert not [p for p in exported.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     config = TransformerConfig.from_dict(manifest["model_config"])
@@ -170,7 +170,13 @@ def test_tied_embedding_stored_once(exported):
     _, decoder, manifest = load_graphs(exported)
     c = manifest["model_config"]
     assert c["tie_target_embeddings"]
-    sizes = [int(np.prod(t.dims)) for t in decoder.graph.initializer]
+    # what the graph stores: each region of the shared weights file once (a tied table read under
+    # a second name by the output projection is one region), and what it holds inside itself
+    stored = {}
+    for t in onnx.load(exported / DECODER_FILE, load_external_data=False).graph.initializer:
+        where = tuple(e.value for e in t.external_data if e.key in ("location", "offset")) or t.name
+        stored[where] = int(np.prod(t.dims))
+    sizes = list(stored.values())
     assert sizes.count(c["tgt_vocab_size"] * c["d_model"]) == 1
     total = sum(sizes)
     model = Transformer(TransformerConfig.from_dict(c))

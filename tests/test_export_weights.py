@@ -96,3 +96,250 @@ def test_a_quantized_export_verdict_says_what_was_validated(scheme):
 def test_a_float32_export_verdict_keeps_the_tolerance():
     first = _verdict({}).splitlines()[0]
     assert first.startswith("export OK: every output within 1e-04 of PyTorch (worst 2.5e-06)")
+
+
+# ------------------------------------------------------------------------------------------
+# The shared weights file
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tied_export(tmp_path_factory):
+    """A tiny model with one vocabulary (source, target and output projection one tensor),
+    exported (its parity with eager PyTorch is tests/test_export_onnx.py's)."""
+    from helpers import make_model_dir
+
+    base = tmp_path_factory.mktemp("tied")
+    model_dir = make_model_dir(base / "model", shared_vocab=True, src_vocab_size=40, tgt_vocab_size=40)
+    export_onnx(model_dir, base / "out", validate=False)
+    return model_dir, base / "out"
+
+
+def _regions(graph_path: Path) -> dict:
+    """``{initializer name: (location, offset, length)}`` of a graph's external initializers, and
+    ``None`` for the ones stored inside it."""
+    proto = onnx.load(graph_path, load_external_data=False)
+    out = {}
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            out[t.name] = (info["location"], int(info["offset"]), int(info["length"]))
+        else:
+            out[t.name] = None
+    return out, proto
+
+
+def test_every_weight_is_stored_once_in_the_shared_weights_file(tied_export):
+    from safetensors.numpy import load_file
+
+    from transformer_ext.export_format import HASHES_KEY, WEIGHTS_FILE, read_manifest
+
+    model_dir, out = tied_export
+    manifest = read_manifest(out, verify=True)
+    assert manifest["weights"]["file"] == WEIGHTS_FILE
+    assert WEIGHTS_FILE in manifest["files"] and WEIGHTS_FILE in manifest[HASHES_KEY]
+    data = (out / WEIGHTS_FILE).read_bytes()
+    assert manifest["weights"]["bytes"] == len(data)
+
+    reads = {}
+    for graph in ("encoder.onnx", "decoder_step.onnx"):
+        regions, proto = _regions(out / graph)
+        for t in proto.graph.initializer:
+            size = regions[t.name][2] if regions[t.name] else len(t.raw_data)
+            # every initializer of 1 KiB or more lives in the shared file, none inside a graph
+            assert (regions[t.name] is not None) == (size >= 1024), (graph, t.name)
+        for node in proto.graph.node:
+            if (
+                node.op_type in ("Gather", "Gemm", "MatMul")
+                and node.input[1 if node.op_type != "Gather" else 0] in regions
+            ):
+                table = node.input[0] if node.op_type == "Gather" else node.input[1]
+                if regions.get(table) and regions[table][2] == 40 * 32 * 4:
+                    reads[(graph, node.op_type)] = regions[table]
+    # the encoder's lookup, the decoder's lookup and its output projection read one region
+    assert set(reads) == {
+        ("encoder.onnx", "Gather"),
+        ("decoder_step.onnx", "Gather"),
+        ("decoder_step.onnx", "Gemm"),
+    }
+    assert len(set(reads.values())) == 1
+    # independently of the graphs: the embedding's bytes (from model.safetensors) are in the file once
+    tensors = load_file(model_dir / "model.safetensors")
+    (table,) = [v for k, v in tensors.items() if v.shape == (40, 32)]
+    raw = table.astype("<f4").tobytes()
+    first = data.find(raw)
+    assert first >= 0 and data.find(raw, first + 1) == -1
+    assert len(data) <= 1.05 * (model_dir / "model.safetensors").stat().st_size + 65536
+
+
+def _as_earlier_layout(folder: Path, dst: Path) -> Path:
+    """A copy of ``folder`` laid out as exports without a shared weights file were: every graph
+    holding its own initializers, no ``weights`` section, no weights file."""
+    import json
+    import shutil
+
+    from helpers import rehash_export
+
+    from transformer_ext.export_format import MANIFEST_NAME, WEIGHTS_FILE
+
+    shutil.copytree(folder, dst)
+    for graph in ("encoder.onnx", "decoder_step.onnx"):
+        proto = onnx.load(dst / graph)  # the external data read into the graph
+        onnx.save(proto, dst / graph)
+    (dst / WEIGHTS_FILE).unlink()
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    del manifest["weights"]
+    manifest["files"].remove(WEIGHTS_FILE)
+    (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
+    rehash_export(dst)
+    return dst
+
+
+def test_an_export_without_a_shared_weights_file_still_loads(tied_export, tmp_path):
+    import numpy as np
+
+    from transformer_ext.runtimes import OrtRunner
+
+    _, out = tied_export
+    old = _as_earlier_layout(out, tmp_path / "old")
+    src = np.array([[5, 9, 12, 7, 2], [6, 8, 2, 0, 0]], dtype=np.int64)
+    lengths = np.array([5, 3], dtype=np.int64)
+    new_tokens = OrtRunner(out).greedy(src, lengths, max_new_tokens=8)
+    old_tokens = OrtRunner(old).greedy(src, lengths, max_new_tokens=8)
+    assert [list(r) for r in new_tokens] == [list(r) for r in old_tokens]
+
+
+def _damage(folder: Path, how: str) -> None:
+    from transformer_ext.export_format import WEIGHTS_FILE
+
+    path = folder / WEIGHTS_FILE
+    if how == "missing":
+        path.unlink()
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[:-100])
+    else:  # replaced by a file of the same size
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated", "replaced"])
+def test_a_damaged_shared_weights_file_is_one_line_naming_it_and_nothing_loads(
+    tied_export, tmp_path, monkeypatch, capsys, how
+):
+    import shutil
+
+    import onnxruntime
+
+    from export import ManifestError
+    from transformer_ext import translate
+    from transformer_ext.runtimes import OrtRunner
+
+    _, out = tied_export
+    folder = tmp_path / "copy"
+    shutil.copytree(out, folder)
+    _damage(folder, how)
+    sessions = []
+    real = onnxruntime.InferenceSession
+    monkeypatch.setattr(onnxruntime, "InferenceSession", lambda *a, **k: sessions.append(a) or real(*a, **k))
+    with pytest.raises(ManifestError, match=f"{folder}/weights.data"):
+        OrtRunner(folder)
+    code = translate.main(["hello", "--model", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 1 and f"{folder}/weights.data" in err and len(err.strip().splitlines()) == 1, err
+    assert sessions == []  # no graph was loaded
+
+
+# ------------------------------------------------------------------------------------------
+# Quantized exports: 8-bit embedding tables, their bytes shared with the output projection
+# ------------------------------------------------------------------------------------------
+
+
+def _table_reads(folder: Path) -> dict:
+    """``{(graph, op): (region, dims)}`` of what each embedding lookup and each weight product
+    of a quantized folder reads as its quantized table / weight, external regions only."""
+    import glob
+
+    reads = {}
+    for path in sorted(glob.glob(str(folder / "*.onnx"))):
+        regions, proto = _regions(Path(path))
+        dims = {t.name: list(t.dims) for t in proto.graph.initializer}
+        for node in proto.graph.node:
+            if node.op_type in ("GatherBlockQuantized", "MatMulNBits"):
+                name = node.input[0 if node.op_type == "GatherBlockQuantized" else 1]
+                reads.setdefault((Path(path).name, node.op_type), []).append((regions[name], dims[name]))
+    return reads
+
+
+def _dequantized_table(graph_path: Path, block: int):
+    """The decoder's 8-bit lookup table read back as floats: ``(q - zero point) * scale`` per block."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    proto = onnx.load(graph_path)  # with the external data
+    arrays = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    (gather,) = [n for n in proto.graph.node if n.op_type == "GatherBlockQuantized"]
+    q, scales, zero = (arrays[name] for name in (gather.input[0], gather.input[2], gather.input[3]))
+    rows, cols = q.shape
+    blocks = q.astype(np.float32).reshape(rows, cols // block, block)
+    return ((blocks - zero.reshape(rows, -1, 1).astype(np.float32)) * scales.reshape(rows, -1, 1)).reshape(
+        rows, cols
+    )
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_embedding_tables_are_8_bit_and_shared_with_the_projection(tmp_path_factory, scheme):
+    import numpy as np
+    from helpers import quantized_dir
+    from safetensors.numpy import load_file
+
+    from transformer_ext.export_format import DECODER_FILE, FEW_ROWS_DECODER_FILE, WEIGHTS_FILE, read_manifest
+
+    folder = quantized_dir(tmp_path_factory, scheme)
+    manifest = read_manifest(folder, verify=True)
+    section = manifest["quantization"]
+    assert section["lookups"]["bits"] == 8 and manifest["weights"]["file"] == WEIGHTS_FILE
+    block = section["lookups"]["block_size"]
+    # the choice per tensor, in the manifest
+    decoder_tensors = section["graphs"]["decoder_step"]["tensors"]
+    table = "model.generator.proj.weight"
+    assert decoder_tensors[table] == f"GatherBlockQuantized 8-bit, blocks of {block}"
+    assert decoder_tensors[table + ".product"] == f"MatMulNBits 8-bit, blocks of {block}"
+    assert section["graphs"]["encoder"]["tensors"]["model.src_embed.lut.weight"].startswith(
+        "GatherBlockQuantized 8-bit"
+    )
+
+    # no float32 table or weight matrix is left in any graph
+    for graph in [g for g in ("encoder.onnx", DECODER_FILE, FEW_ROWS_DECODER_FILE) if (folder / g).exists()]:
+        _, proto = _regions(folder / graph)
+        consumers = {i: n.op_type for n in proto.graph.node for i in n.input}
+        for t in proto.graph.initializer:
+            if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT:
+                assert consumers.get(t.name) not in ("Gather", "MatMul", "Gemm"), (graph, t.name)
+
+    # the decoder's lookup and its output projection (and the few-row step's) read one region
+    reads = _table_reads(folder)
+    target_rows = 40  # the tiny model's target vocabulary
+    tied = {
+        region
+        for (graph, op), entries in reads.items()
+        if graph != "encoder.onnx"
+        for region, dims in entries
+        if dims[0] == target_rows and (op == "GatherBlockQuantized" or len(dims) == 3)
+    }
+    ops = {(graph, op) for (graph, op), entries in reads.items() for r, d in entries if r in tied}
+    assert len(tied) == 1, tied
+    expected = {(DECODER_FILE, "GatherBlockQuantized"), (DECODER_FILE, "MatMulNBits")}
+    if section.get("few_rows"):
+        expected |= {(FEW_ROWS_DECODER_FILE, "GatherBlockQuantized"), (FEW_ROWS_DECODER_FILE, "MatMulNBits")}
+    assert ops == expected
+
+    # the stored 8-bit table is the float32 table to within one quantization step
+    deq = _dequantized_table(folder / DECODER_FILE, block)
+    (float32,) = [
+        v
+        for v in load_file(folder.parent / "tiny_model" / "model.safetensors").values()
+        if v.shape == (40, 32)
+    ]
+    step = (float32.max() - float32.min()) / 255
+    assert np.abs(deq - float32).max() <= step

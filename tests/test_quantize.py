@@ -32,13 +32,14 @@ from transformer_ext.export_format import (
     ENCODER_FILE,
     FEW_ROWS_DECODER_FILE,
     MANIFEST_NAME,
+    WEIGHTS_FILE,
     ManifestError,
     manifest_quantization,
     read_manifest,
 )
 from transformer_ext.fsutil import parse_temporary_name
 
-FLOAT32_FILES = {ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "generation.json", "tokenizer.json"}
+FLOAT32_FILES = {ENCODER_FILE, DECODER_FILE, MANIFEST_NAME, "generation.json", "tokenizer.json", WEIGHTS_FILE}
 
 
 @pytest.fixture(scope="module")
@@ -92,17 +93,30 @@ def test_every_weight_product_is_int8_per_output_channel(tiny_float, tiny_int8, 
         n.name for n in after.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in init_after
     ]
     products = [n for n in after.graph.node if n.op_type == "MatMulInteger"]
-    assert len(products) == len(weights)
+    # with 8-bit embedding tables, the tied output projection reads the lookup's bytes (MatMulNBits)
+    lookups = read_manifest(tiny_int8)["quantization"]["lookups"]
+    tied = [n for n in after.graph.node if n.op_type == "MatMulNBits"]
+    assert len(tied) == (1 if lookups and graph == DECODER_FILE else 0)
+    assert len(products) + len(tied) == len(weights)
     for n in products:
         w, w_zero = init_after[n.input[1]], init_after[n.input[3]]
         assert w.data_type == onnx.TensorProto.INT8
         values = onnx.numpy_helper.to_array(w)
         assert np.abs(values.astype(np.int32)).max() <= 64  # reduce_range: 7-bit weights
         assert list(w_zero.dims) == [w.dims[1]]  # one zero point (and scale) per output channel
-    if graph == DECODER_FILE:  # ... the output projection included: a [d_model, vocab] int8 weight
+    if (
+        graph == DECODER_FILE and not lookups
+    ):  # ... the output projection included: a [d_model, vocab] int8 weight
         cfg = read_manifest(tiny_int8)["model_config"]
         shapes = {tuple(init_after[n.input[1]].dims) for n in products}
         assert (cfg["d_model"], cfg["tgt_vocab_size"]) in shapes
+    elif (
+        graph == DECODER_FILE
+    ):  # ... the output projection: 8 bits, vocab rows (tests/test_export_weights.py)
+        cfg = read_manifest(tiny_int8)["model_config"]
+        (projection,) = tied
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in projection.attribute}
+        assert attrs["bits"] == 8 and attrs["N"] == cfg["tgt_vocab_size"] and attrs["K"] == cfg["d_model"]
 
 
 def test_int8_decodes_close_to_float32(tiny_float, tiny_int8):

@@ -144,7 +144,9 @@ def test_every_matmulnbits_matches_a_numpy_dequantize_then_matmul_oracle(
     int8_moved = []
     for node in nodes:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs["bits"] == BITS[scheme] == q["bits"]
+        # the tied output projection reads the 8-bit lookup table's bytes (tests/test_export_weights.py)
+        tied = ".product.q" in node.input[1]
+        assert attrs["bits"] == (q["lookups"]["bits"] if tied else BITS[scheme]) and BITS[scheme] == q["bits"]
         assert attrs["block_size"] == q["block_size"] == 32 and attrs["accuracy_level"] == accuracy_level
         deq = _dequantized(node, inits)
         a = rng.standard_normal((5, attrs["K"])).astype(np.float32)  # 5 rows: not an export shape
@@ -167,7 +169,7 @@ def test_every_weight_product_is_quantized_close_to_its_float32_weight(
 ):
     """Each float32 weight product became a MatMulNBits whose dequantized weight is within the
     per-block error of plain rounding to nearest over the block's full range (computed here),
-    the output projection included; the tied embedding lookup keeps its float32 matrix."""
+    the output projection included (8-bit, on the bytes of the 8-bit tied embedding lookup)."""
     folder = _quantized(tiny_float, tmp_path_factory, scheme)
     bits = BITS[scheme]
     before, init_before = _nodes(tiny_float, graph)
@@ -179,8 +181,16 @@ def test_every_weight_product_is_quantized_close_to_its_float32_weight(
     left = [n.name for n in after.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in init_after]
     assert not left
     quantized = [n for n in after.graph.node if n.op_type == "MatMulNBits"]
-    assert sorted(n.name for n in quantized) == sorted(f"{name}_Q{bits}" for name in products)
+    lookup_bits = read_manifest(folder)["quantization"]["lookups"]["bits"]
+
+    def node_bits(node) -> int:  # the tied output projection: the 8-bit lookup table's bytes
+        return lookup_bits if ".product.q" in node.input[1] else BITS[scheme]
+
+    assert sorted(n.name for n in quantized) == sorted(
+        f"{name}_Q{lookup_bits if n.input[1].endswith('.product') else bits}" for name, n in products.items()
+    )
     for node in quantized:
+        bits = node_bits(node)
         original = products[node.name[: -len(f"_Q{bits}")]]
         w = numpy_helper.to_array(init_before[original.input[1]]).astype(np.float64)
         trans_b = any(a.name == "transB" and a.i == 1 for a in original.attribute)
@@ -208,9 +218,12 @@ def test_every_weight_product_is_quantized_close_to_its_float32_weight(
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             shapes.add((attrs["K"], attrs["N"]))
         assert (cfg["d_model"], cfg["tgt_vocab_size"]) in shapes  # the output projection (K, N)
-        gathers = [n for n in after.graph.node if n.op_type == "Gather" and n.input[0] in init_after]
+        # the tied embedding lookup: an 8-bit table, one byte per weight
+        gathers = [
+            n for n in after.graph.node if n.op_type == "GatherBlockQuantized" and n.input[0] in init_after
+        ]
         table = init_after[gathers[0].input[0]]
-        assert table.data_type == TensorProto.FLOAT
+        assert table.data_type == TensorProto.UINT8
         assert list(table.dims) == [cfg["tgt_vocab_size"], cfg["d_model"]]
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "ENCODER_FILE",
     "DECODER_FILE",
     "FEW_ROWS_DECODER_FILE",
+    "WEIGHTS_FILE",
     "TOKENIZER_FILE",
     "GENERATION_FILE",
     "GRAPH_FILES",
@@ -82,6 +83,8 @@ __all__ = [
     "manifest_max_cache_len",
     "manifest_quantization",
     "manifest_few_rows",
+    "manifest_weights",
+    "verify_weights",
     "quantization_cpu_warning",
     "HASHES_KEY",
     "file_sha256",
@@ -148,6 +151,12 @@ QUANTIZATION_SCHEMES = ("int8", "int4", "int8-nbits")
 # weight products as 8-bit MatMulNBits, whose kernel outruns the dynamic int8 products at one or
 # two rows with two or more threads (export/quantize.py, FEW_ROWS).
 FEW_ROWS_DECODER_FILE = "decoder_step_few_rows.onnx"
+
+# The shared weights file: every initializer of at least 1 KiB of every graph of the folder, as
+# ONNX external data (``location`` / ``offset`` / ``length``), each distinct tensor once, each
+# region page-aligned (the manifest's "weights" section, :func:`manifest_weights`; docs/DESIGN.md
+# section 3.2). Folders without the section keep their weights inside their graphs.
+WEIGHTS_FILE = "weights.data"
 
 # Named (dynamic) axes of the graphs.
 BATCH, SRC_LEN, CACHE_LEN = "batch", "src_len", "cache_len"
@@ -394,6 +403,32 @@ def _plain_name(value: Any) -> bool:
     )
 
 
+def _check_file_lists(path: str, manifest: Mapping[str, Any], version: int) -> None:
+    """The manifest's ``files``, ``tokenizer_files`` and ``generation_config`` as its version has them."""
+    files = manifest["files"]
+    if version >= 2:
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise ManifestError(f"{path}: files must list the names of the folder's files")
+        if not isinstance(manifest.get("tokenizer_files"), list) or not all(
+            _plain_name(f) for f in manifest["tokenizer_files"]
+        ):
+            raise ManifestError(
+                f"{path}: tokenizer_files must list the tokenizer's files (an empty list for none)"
+            )
+    elif not isinstance(files, dict):
+        raise ManifestError(f"{path}: files must be an object in a version-1 manifest")
+    if version >= 3:
+        name = manifest.get("generation_config")
+        if not _plain_name(name):
+            raise ManifestError(
+                f"{path}: generation_config must name the generation config file "
+                f"(e.g. {GENERATION_FILE!r}), got {name!r}"
+            )
+        unlisted = [f for f in [*manifest["tokenizer_files"], name] if f not in files]
+        if unlisted:
+            raise ManifestError(f"{path}: {unlisted} are named by the manifest but not in its files list")
+
+
 def read_manifest(directory: str | os.PathLike, *, verify: bool = False) -> dict:
     """Read and check ``directory/manifest.json``: the format marker and a readable version, the
     keys every reader relies on, and graphs that follow from its model config and flavour.
@@ -439,28 +474,7 @@ def read_manifest(directory: str | os.PathLike, *, verify: bool = False) -> dict
             f"{path} is not a {FORMAT} manifest of version {' or '.join(map(str, READABLE_FORMAT_VERSIONS))} "
             f"(format={manifest['format']!r}, version={version!r}){hint}"
         )
-    files = manifest["files"]
-    if version >= 2:
-        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-            raise ManifestError(f"{path}: files must list the names of the folder's files")
-        if not isinstance(manifest.get("tokenizer_files"), list) or not all(
-            _plain_name(f) for f in manifest["tokenizer_files"]
-        ):
-            raise ManifestError(
-                f"{path}: tokenizer_files must list the tokenizer's files (an empty list for none)"
-            )
-    elif not isinstance(files, dict):
-        raise ManifestError(f"{path}: files must be an object in a version-1 manifest")
-    if version >= 3:
-        name = manifest.get("generation_config")
-        if not _plain_name(name):
-            raise ManifestError(
-                f"{path}: generation_config must name the generation config file "
-                f"(e.g. {GENERATION_FILE!r}), got {name!r}"
-            )
-        unlisted = [f for f in [*manifest["tokenizer_files"], name] if f not in files]
-        if unlisted:
-            raise ManifestError(f"{path}: {unlisted} are named by the manifest but not in its files list")
+    _check_file_lists(path, manifest, version)
     if manifest["flavour"] not in FLAVOURS:
         raise ManifestError(f"{path}: unknown flavour {manifest['flavour']!r}, expected one of {FLAVOURS}")
     config = manifest["model_config"]
@@ -492,9 +506,11 @@ def read_manifest(directory: str | os.PathLike, *, verify: bool = False) -> dict
         )
     try:
         manifest_quantization(manifest)
+        manifest_weights(manifest)
     except ManifestError as exc:
         raise ManifestError(f"{path}: {exc}") from None
     verify_files(directory, manifest, graphs=verify)
+    verify_weights(directory, manifest, sha256=False)
     return manifest
 
 
@@ -627,6 +643,66 @@ def manifest_few_rows(manifest: Mapping[str, Any]) -> Optional[dict]:
             f"{MANIFEST_NAME}: quantization.few_rows names {FEW_ROWS_DECODER_FILE}, which is not in its files list"
         )
     return dict(entry)
+
+
+def manifest_weights(manifest: Mapping[str, Any]) -> Optional[dict]:
+    """The manifest's ``"weights"`` section (``{"file": WEIGHTS_FILE, "bytes": size, ...}``: the
+    shared weights file every graph reads its large initializers from), or ``None`` for a folder
+    whose graphs hold their own weights. Raises :class:`ManifestError` for a section of another
+    shape, naming the key."""
+    section = manifest.get("weights")
+    if section is None:
+        return None
+    if not isinstance(section, Mapping) or section.get("file") != WEIGHTS_FILE:
+        raise ManifestError(
+            f"{MANIFEST_NAME}: weights must be null or an object whose file is {WEIGHTS_FILE!r}, "
+            f"got {_show(section)}"
+        )
+    size = section.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ManifestError(
+            f"{MANIFEST_NAME}: weights.bytes must be the size of {WEIGHTS_FILE}, got {_show(size)}"
+        )
+    files = manifest.get("files")
+    if isinstance(files, list) and WEIGHTS_FILE not in files:
+        if any(graph in files for graph in (ENCODER_FILE, DECODER_FILE)):
+            raise ManifestError(
+                f"{MANIFEST_NAME}: weights names {WEIGHTS_FILE}, which is not in its files list"
+            )
+        return None  # a folder of engines beside the export (python -m export.tensorrt): no graphs here
+    return dict(section)
+
+
+def verify_weights(directory: str | os.PathLike, manifest: Mapping[str, Any], *, sha256: bool = True) -> None:
+    """Check the shared weights file of the export ``directory`` before any graph reads it: it
+    exists, has the size the manifest records and (``sha256``) the SHA-256 it records. A folder
+    without a shared weights file passes.
+
+    Raises :class:`ManifestError`, one line naming the file and what to do."""
+    section = manifest_weights(manifest)
+    if section is None:
+        return
+    path = os.path.join(os.fspath(directory), WEIGHTS_FILE)
+    if not os.path.isfile(path):
+        raise ManifestError(
+            f"{path} not found: the graphs of this export read their weights from it "
+            "(copy the whole export folder, or export the model again)"
+        )
+    size = os.path.getsize(path)
+    if size != section["bytes"]:
+        raise ManifestError(
+            f"{path} holds {size} bytes, {MANIFEST_NAME} records {section['bytes']} (truncated or replaced; "
+            "copy the whole export folder again, or export the model again)"
+        )
+    expected = (manifest.get(HASHES_KEY) or {}).get(WEIGHTS_FILE)
+    if sha256 and isinstance(expected, str):
+        actual = file_sha256(path)
+        if actual != expected:
+            raise ManifestError(
+                f"{path} is not the file this export was written with: its SHA-256 is {actual}, "
+                f"{MANIFEST_NAME} records {expected} (the file was changed or replaced; export the model "
+                "again, or restore the file)"
+            )
 
 
 # The instruction-set extensions whose absence makes ONNX Runtime run other quantized kernels

@@ -323,7 +323,7 @@ def _onnx_decoder_bytes(path: str) -> int:
             int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
         )
         ops = users.get(t.name, set())
-        if ops == {"Gather"} and len(t.dims) == 2:
+        if ops and ops <= {"Gather", "GatherBlockQuantized"} and len(t.dims) == 2:
             nbytes //= max(1, int(t.dims[0]))
         total += nbytes
     return total

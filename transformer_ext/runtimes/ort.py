@@ -66,6 +66,7 @@ from transformer_ext.export_format import (
     manifest_quantization,
     quantization_cpu_warning,
     read_manifest,
+    verify_weights,
 )
 
 from . import denormals
@@ -271,6 +272,7 @@ class OrtRunner(decoding.SearchMethods):
         self._pool = HostBufferPool() if reuse_buffers else None
         self.export_dir = os.fspath(export_dir)
         self.manifest = dict(read_manifest(self.export_dir) if manifest is None else manifest)
+        verify_weights(self.export_dir, self.manifest)  # the shared weights file, before any session
         cpu_warning = quantization_cpu_warning(self.manifest, self.export_dir)
         if cpu_warning:
             logger.warning("%s", cpu_warning)
@@ -285,26 +287,9 @@ class OrtRunner(decoding.SearchMethods):
         )
 
         if session_options is None:
-            session_options = ort.SessionOptions()
-            if intra_op_num_threads is not None:
-                session_options.intra_op_num_threads = int(intra_op_num_threads)
-            session_options.inter_op_num_threads = 1
-            session_options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-            if graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
-                raise ValueError(
-                    f"graph_optimization_level must be one of {sorted(GRAPH_OPTIMIZATION_LEVELS)}, "
-                    f"got {graph_optimization_level!r}"
-                )
-            session_options.graph_optimization_level = GRAPH_OPTIMIZATION_LEVELS[graph_optimization_level]
-            if allow_spinning is not None:
-                session_options.add_session_config_entry(
-                    "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
-                )
-            if stop_spinning_after_run:
-                session_options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
-            if self.flush_denormals:
-                for key, value in denormals.session_config().items():
-                    session_options.add_session_config_entry(key, value)
+            session_options = self._default_session_options(
+                intra_op_num_threads, graph_optimization_level, allow_spinning, stop_spinning_after_run
+            )
         self._session_options = session_options
         self._head: Optional[SearchHead] = None  # the search head's session, made at first use
         self.providers = list(providers) if providers else ["CPUExecutionProvider"]
@@ -347,6 +332,36 @@ class OrtRunner(decoding.SearchMethods):
             self.info.flavour,
             self.decoder.get_providers(),
         )
+
+    def _default_session_options(
+        self,
+        intra_op_num_threads: Optional[int],
+        graph_optimization_level: str,
+        allow_spinning: Optional[bool],
+        stop_spinning_after_run: bool,
+    ) -> ort.SessionOptions:
+        """The session options of the constructor's arguments (the class docstring)."""
+        options = ort.SessionOptions()
+        if intra_op_num_threads is not None:
+            options.intra_op_num_threads = int(intra_op_num_threads)
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        if graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
+            raise ValueError(
+                f"graph_optimization_level must be one of {sorted(GRAPH_OPTIMIZATION_LEVELS)}, "
+                f"got {graph_optimization_level!r}"
+            )
+        options.graph_optimization_level = GRAPH_OPTIMIZATION_LEVELS[graph_optimization_level]
+        if allow_spinning is not None:
+            options.add_session_config_entry(
+                "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
+            )
+        if stop_spinning_after_run:
+            options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
+        if self.flush_denormals:
+            for key, value in denormals.session_config().items():
+                options.add_session_config_entry(key, value)
+        return options
 
     def _few_rows_session(
         self, mode: str, options: ort.SessionOptions

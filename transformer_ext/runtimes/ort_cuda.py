@@ -48,6 +48,7 @@ from transformer_ext.export_format import (
     manifest_max_cache_len,
     manifest_quantization,
     read_manifest,
+    verify_weights,
 )
 
 from .device import (
@@ -148,6 +149,7 @@ class OrtCudaRunner(DeviceRunner):
             raise ValueError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
         self.export_dir = Path(export_dir)
         self.manifest = dict(read_manifest(self.export_dir) if manifest is None else manifest)
+        verify_weights(self.export_dir, self.manifest)  # the shared weights file, before any session
         self._graph_precision = precision  # which graphs run: encoder.onnx or encoder.<precision>.onnx
         if self.manifest.get("flavour") == "ort":
             raise ValueError(ORT_FLAVOUR_DEVICE_REFUSAL.format(folder=self.export_dir))

@@ -1,0 +1,441 @@
+"""Disk and memory footprint of a deployed model: ours (float32, int8, int4) beside CTranslate2.
+
+    python -m benchmarks bench_footprint                                 # opus-mt-en-de size and base
+    python -m benchmarks bench_footprint --models base --repeats 1       # a quicker run
+    python -m benchmarks bench_footprint --ct2-python /path/to/venv/bin/python
+
+What is measured, per model and engine:
+
+* the same float32 and int8 folders with the weights inside each graph (``weights, inside each
+  graph``: the layout without a shared ``weights.data``), to show what one shared file saves;
+* ``folder_bytes``: the bytes of every file of the folder the engine loads (exact);
+  ``reference_bytes``: the float32 checkpoint's ``model.safetensors``, and the ratios to it and to
+  CTranslate2 int8's folder;
+* in a process of its own per engine and repeat (``--worker``), which imports only what the
+  engine needs (ours: numpy, onnxruntime, sentencepiece, no torch; recorded as
+  ``torch_imported``): the resident set size (``VmRSS``) and its peak (``VmHWM``) after the
+  imports, after loading the folder and after the first translation, read from
+  ``/proc/self/status``; ``load_seconds`` (folder opened, sessions made) and
+  ``first_translation_seconds`` (from the start of the load to the first translation done).
+
+The models: ``opus-mt-en-de``, a MarianMT of Helsinki-NLP/opus-mt-en-de's dimensions (vocabulary
+58,101, d_model 512, 6+6 layers) written by transformers with random weights
+(``bench_pretrained.write_checkpoint``), converted with ``transformer_ext.convert``; ``base``, the
+``base`` preset (6+6 x 512, 8000-token vocabularies, no tokenizer: its first translation decodes
+token ids) with random weights, seed 0. Both exported with ``export.onnx`` (float32) and
+``export.quantize`` (int8 and int4, no quality gate: random weights), untimed. The first
+translation: one source, greedy, 48 new tokens (the random weights never end it earlier:
+``min_length``).
+
+CTranslate2 (``ct2-transformers-converter --quantization float32 | int8`` on the transformers
+checkpoint, ``ctranslate2.Translator.translate_batch``) runs with ``--ct2-python``, a Python
+that imports ctranslate2 (its converter needs torch and transformers); without one, or for
+``base`` (no transformers checkpoint), it is skipped with the reason in the JSON.
+
+Sizes are exact. The RSS figures depend on the allocator and the ONNX Runtime version, not on
+the load of the machine; the timings do, and are indicative on a shared machine: the JSON
+records the load average before and after, the CPU (``lscpu``) and the versions. Medians of
+``--repeats`` runs. Writes ``benchmarks/results/bench_footprint.json`` and a markdown table
+beside it (``.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[2]
+logger = logging.getLogger("bench_footprint")
+
+MODELS = ("opus-mt-en-de", "base")
+OURS = {"float32": "onnx", "int8": "onnx_int8", "int4": "onnx_int4"}
+# The same folders with every graph holding its own initializers (no shared weights file), as
+# exports were laid out before weights.data: what sharing one file saves in memory.
+INLINE = {
+    "float32, weights inside each graph": "onnx_inline",
+    "int8, weights inside each graph": "onnx_int8_inline",
+}
+CT2 = {"float32": "ct2", "int8": "ct2_int8"}
+NEW_TOKENS = 48
+PREPARED = "prepared.json"  # what prepare() built in a scratch folder
+SOURCE_TEXT = "the green house by the river is seven hundred years old"
+SOURCE_IDS = [5, 9, 12, 7, 31, 44, 18, 27, 3, 11, 64, 2]  # base: ids below every vocabulary size, EOS last
+
+
+# ------------------------------------------------------------------------------------------
+# The worker: one engine, one folder, one process
+# ------------------------------------------------------------------------------------------
+
+
+def _status() -> dict:
+    """``VmRSS`` and ``VmHWM`` of this process in bytes (Linux ``/proc/self/status``)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[{"VmRSS": "rss", "VmHWM": "peak_rss"}[key]] = int(value.split()[0]) * 1024
+    return out
+
+
+def worker(engine: str, folder: str, threads: int) -> dict:
+    """Load ``folder`` with ``engine`` (``ours`` or ``ct2``) and translate one source; the record."""
+    t0 = time.perf_counter()
+    if engine == "ours":
+        from transformer_ext.export_format import read_manifest, tokenizer_files
+        from transformer_ext.translator import Translator
+    else:
+        import ctranslate2
+        import sentencepiece
+    imported = _status()
+    t1 = time.perf_counter()
+    if engine == "ours":
+        has_tokenizer = bool(tokenizer_files(read_manifest(folder)))
+        if has_tokenizer:
+            translator = Translator.from_export_dir(folder, threads=threads)
+        else:
+            from transformer_ext.runtimes import OrtRunner
+
+            runner = OrtRunner(folder, intra_op_num_threads=threads)
+    else:
+        translator = ctranslate2.Translator(folder, device="cpu", intra_threads=threads, inter_threads=1)
+        spm = sentencepiece.SentencePieceProcessor(model_file=os.path.join(folder, "source.spm"))
+    loaded = _status()
+    t2 = time.perf_counter()
+    if engine == "ours" and has_tokenizer:
+        (out,) = translator.translate(
+            [SOURCE_TEXT], max_length=NEW_TOKENS, min_length=NEW_TOKENS, strict=False, beam_size=1
+        )
+        tokens = len(out.tokens)
+    elif engine == "ours":
+        import numpy as np
+
+        ids = np.array([SOURCE_IDS], dtype=np.int64)
+        (row,) = runner.greedy(ids, np.array([len(SOURCE_IDS)]), max_new_tokens=NEW_TOKENS)
+        tokens = len(row)
+    else:
+        source = spm.encode(SOURCE_TEXT, out_type=str) + ["</s>"]
+        (result,) = translator.translate_batch(
+            [source], beam_size=1, max_decoding_length=NEW_TOKENS, min_decoding_length=NEW_TOKENS
+        )
+        tokens = len(result.hypotheses[0])
+    t3 = time.perf_counter()
+    return {
+        "engine": engine,
+        "folder": folder,
+        "threads": threads,
+        "tokens": tokens,
+        "import_seconds": t1 - t0,
+        "load_seconds": t2 - t1,
+        "first_translation_seconds": t3 - t1,
+        "after_import": imported,
+        "after_load": loaded,
+        "after_first_translation": _status(),
+        "torch_imported": "torch" in sys.modules,
+    }
+
+
+def _run_worker(python: str, engine: str, folder: str, threads: int) -> dict:
+    proc = subprocess.run(
+        [
+            python,
+            "-m",
+            "benchmarks.deploy.bench_footprint",
+            "--worker",
+            engine,
+            folder,
+            "--threads",
+            str(threads),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+    )
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(f"{engine} worker on {folder} failed (exit status {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------
+# Preparation (untimed)
+# ------------------------------------------------------------------------------------------
+
+
+def folder_bytes(folder: str) -> int:
+    """The bytes of every file under ``folder``."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+def prepare(model: str, scratch: Path, ct2_python: Optional[str]) -> tuple[dict, dict]:
+    """``({artifact: folder}, {artifact: why it is missing})``, everything built once under
+    ``scratch``; ``scratch/prepared.json`` records it, and a later run given the same folder
+    reuses it."""
+    record = scratch / PREPARED
+    if record.is_file():
+        saved = json.loads(record.read_text())
+        logger.info("%s: reusing the folders in %s", model, scratch)
+        return saved["paths"], saved["skipped"]
+    from export.onnx import export_onnx
+    from export.quantize import quantize_export
+
+    paths, skipped = {}, {}
+    if model == "opus-mt-en-de":
+        from benchmarks.decode import bench_pretrained
+        from transformer_ext.convert import convert_transformers
+
+        paths["hf"] = scratch / "hf"
+        logger.info("%s: writing the transformers checkpoint ...", model)
+        bench_pretrained.write_checkpoint(paths["hf"], bench_pretrained.SIZES[model])
+        paths["model"] = convert_transformers(paths["hf"], scratch / "model")
+        cache_len = 64
+    else:
+        import torch
+
+        from transformer_ext.checkpoint import save_model
+        from transformer_ext.config import TransformerConfig
+        from transformer_ext.model import Transformer
+
+        torch.manual_seed(0)
+        config = TransformerConfig.preset(model)
+        paths["model"] = scratch / "model"
+        save_model(Transformer(config).eval(), paths["model"])
+        cache_len = min(config.max_len, 64)
+    logger.info("%s: exporting (float32, int8, int4) ...", model)
+    paths["onnx"] = scratch / "onnx"
+    export_onnx(paths["model"], paths["onnx"], validate=False, cache_len=cache_len)
+    for scheme in ("int8", "int4"):
+        paths[OURS[scheme]] = scratch / OURS[scheme]
+        quantize_export(paths["onnx"], paths[OURS[scheme]], scheme, gate=False)  # random weights: no gate
+    for src, artifact in (("onnx", "onnx_inline"), ("onnx_int8", "onnx_int8_inline")):
+        paths[artifact] = scratch / artifact
+        inline_weights(paths[src], paths[artifact])
+    for precision, artifact in CT2.items():
+        if "hf" not in paths:
+            skipped[artifact] = "no transformers checkpoint of this model to convert"
+        elif ct2_python is None:
+            skipped[artifact] = (
+                "ctranslate2 is not importable here (not in the main environment): give --ct2-python"
+            )
+        else:
+            paths[artifact] = scratch / artifact
+            proc = subprocess.run(
+                [
+                    ct2_python,
+                    "-c",
+                    "import sys; from ctranslate2.converters.transformers import main; sys.exit(main())",
+                    "--model",
+                    str(paths["hf"]),
+                    "--output_dir",
+                    str(paths[artifact]),
+                    "--quantization",
+                    precision,
+                ],
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode != 0:
+                skipped[artifact] = "ct2-transformers-converter failed: " + (proc.stderr or "").strip()[-300:]
+                del paths[artifact]
+            else:
+                shutil.copy2(paths["hf"] / "source.spm", paths[artifact] / "source.spm")
+    paths = {k: str(v) for k, v in paths.items()}
+    record.write_text(json.dumps({"paths": paths, "skipped": skipped}))
+    return paths, skipped
+
+
+def inline_weights(src: Path, dst: Path) -> None:
+    """Copy the export folder ``src`` to ``dst`` with the initializers inside each graph (no
+    ``weights.data``, no ``weights`` section), as exports without a shared weights file are."""
+    import onnx
+
+    from export.manifest import write_manifest
+    from transformer_ext.export_format import MANIFEST_NAME, WEIGHTS_FILE
+
+    shutil.copytree(src, dst)
+    for graph in sorted(dst.glob("*.onnx")):
+        onnx.save(onnx.load(graph), graph)  # the external data read in, saved inside the graph
+    (dst / WEIGHTS_FILE).unlink()
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    manifest.pop("weights")
+    manifest["files"].remove(WEIGHTS_FILE)
+    manifest["sha256"].pop(WEIGHTS_FILE, None)
+    write_manifest(dst, manifest)
+
+
+def _ct2_importable(python: Optional[str]) -> Optional[str]:
+    if python is None:
+        try:
+            import ctranslate2  # noqa: F401
+        except ImportError:
+            return None
+        return sys.executable
+    proc = subprocess.run([python, "-c", "import ctranslate2"], capture_output=True)
+    return python if proc.returncode == 0 else None
+
+
+# ------------------------------------------------------------------------------------------
+# The run, the table
+# ------------------------------------------------------------------------------------------
+
+
+def _median_record(runs: list[dict]) -> dict:
+    def med(get):
+        return statistics.median(get(r) for r in runs)
+
+    return {
+        "repeats": len(runs),
+        "tokens": runs[0]["tokens"],
+        "torch_imported": any(r["torch_imported"] for r in runs),
+        "load_seconds": med(lambda r: r["load_seconds"]),
+        "first_translation_seconds": med(lambda r: r["first_translation_seconds"]),
+        "rss_after_import": med(lambda r: r["after_import"]["rss"]),
+        "rss_after_load": med(lambda r: r["after_load"]["rss"]),
+        "peak_rss_after_load": med(lambda r: r["after_load"]["peak_rss"]),
+        "peak_rss_after_first_translation": med(lambda r: r["after_first_translation"]["peak_rss"]),
+        "runs": runs,
+    }
+
+
+def run(models, repeats: int, threads: int, scratch: Path, ct2_python: Optional[str]) -> dict:
+    import onnxruntime
+
+    from benchmarks.common import lscpu
+
+    results = {
+        "benchmark": "bench_footprint",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average_before": list(os.getloadavg()),
+        "machine": lscpu(),
+        "versions": {"onnxruntime": onnxruntime.__version__, "python": sys.version.split()[0]},
+        "threads": threads,
+        "new_tokens": NEW_TOKENS,
+        "note": "sizes are exact; the timings are indicative (a shared machine: see the load averages)",
+        "models": {},
+    }
+    ct2 = _ct2_importable(ct2_python)
+    for model in models:
+        paths, skipped = prepare(model, scratch / model, ct2)
+        reference = Path(paths["model"]) / "model.safetensors"
+        if "hf" in paths:
+            reference = Path(paths["hf"]) / "model.safetensors"
+        entry = {"reference": str(reference), "reference_bytes": reference.stat().st_size, "engines": {}}
+        for label, artifact, engine in [
+            *((f"ours {p}", a, "ours") for p, a in OURS.items()),
+            *((f"ours {p}", a, "ours") for p, a in INLINE.items()),
+            *((f"ctranslate2 {p}", a, "ct2") for p, a in CT2.items()),
+        ]:
+            if artifact not in paths:
+                entry["engines"][label] = {"skipped": skipped.get(artifact, "not built")}
+                continue
+            python = sys.executable if engine == "ours" else ct2
+            runs = []
+            for i in range(repeats):
+                logger.info("%s, %s: run %d of %d", model, label, i + 1, repeats)
+                runs.append(_run_worker(python, engine, paths[artifact], threads))
+            entry["engines"][label] = {
+                "folder_bytes": folder_bytes(paths[artifact]),
+                "files": {p.name: p.stat().st_size for p in sorted(Path(paths[artifact]).iterdir())},
+                **_median_record(runs),
+            }
+        ct2_int8 = entry["engines"].get("ctranslate2 int8", {}).get("folder_bytes")
+        for record in entry["engines"].values():
+            if "folder_bytes" in record:
+                record["ratio_to_reference"] = record["folder_bytes"] / entry["reference_bytes"]
+                if ct2_int8:
+                    record["ratio_to_ctranslate2_int8"] = record["folder_bytes"] / ct2_int8
+        results["models"][model] = entry
+    results["load_average_after"] = list(os.getloadavg())
+    return results
+
+
+def _mb(n: Optional[float]) -> str:
+    return "" if n is None else f"{n / 1e6:.1f}"
+
+
+def summary_table(results: dict) -> str:
+    lines = [
+        "| model | engine | folder MB | / checkpoint | peak RSS after load MB | peak RSS after first translation MB | load s | load + first translation s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model, entry in results["models"].items():
+        lines.append(
+            f"| {model} | checkpoint `model.safetensors` | {_mb(entry['reference_bytes'])} | 1.00 | | | | |"
+        )
+        for label, r in entry["engines"].items():
+            if "skipped" in r:
+                lines.append(f"| {model} | {label} | skipped: {r['skipped']} | | | | | |")
+                continue
+            lines.append(
+                f"| {model} | {label} | {_mb(r['folder_bytes'])} | {r['ratio_to_reference']:.3f} | "
+                f"{_mb(r['peak_rss_after_load'])} | {_mb(r['peak_rss_after_first_translation'])} | "
+                f"{r['load_seconds']:.2f} | {r['first_translation_seconds']:.2f} |"
+            )
+    before, after = results["load_average_before"], results["load_average_after"]
+    lines.append("")
+    lines.append(
+        f"Load average before {before[0]:.2f}, after {after[0]:.2f} (1 minute); {results['threads']} "
+        f"thread(s); median of {next(iter(next(iter(results['models'].values()))['engines'].values())).get('repeats', 0)} runs; "
+        "sizes exact, timings indicative."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
+    p.add_argument("--repeats", type=int, default=3, help="worker processes per engine (medians)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="intra-op threads of every engine (2: the int8 few-row step is used)",
+    )
+    p.add_argument(
+        "--ct2-python", default=None, help="a Python that imports ctranslate2 (default: skip CTranslate2)"
+    )
+    p.add_argument(
+        "--scratch", default=None, help="where the folders are built (default: a temporary folder)"
+    )
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_footprint.json"))
+    p.add_argument("--worker", nargs=2, metavar=("ENGINE", "FOLDER"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.threads)))
+        return 0
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        p.error(f"--models: unknown {unknown}, expected some of {list(MODELS)}")
+    if args.repeats < 1 or args.threads < 1:
+        p.error("--repeats and --threads must be >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from benchmarks.common import write_json
+    from transformer_ext.fsutil import atomic_write_text
+
+    scratch = Path(args.scratch) if args.scratch else Path(tempfile.mkdtemp(prefix="bench_footprint_"))
+    try:
+        results = run(models, args.repeats, args.threads, scratch, args.ct2_python)
+    finally:
+        if not args.scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    write_json(args.out, results)
+    table = summary_table(results)
+    atomic_write_text(os.path.splitext(args.out)[0] + ".md", table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""benchmarks/deploy/bench_footprint.py: its worker measures a real load and translation, the earlier
+layout it compares against holds no shared weights file, and the table names what was skipped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.deploy import bench_footprint
+
+
+def test_worker_loads_translates_and_reads_its_memory(exported_portable):
+    record = bench_footprint.worker("ours", str(exported_portable), 1)
+    assert record["tokens"] > 0
+    for stage in ("after_import", "after_load", "after_first_translation"):
+        assert record[stage]["rss"] > 0 and record[stage]["peak_rss"] >= record[stage]["rss"]
+    assert record["after_first_translation"]["peak_rss"] >= record["after_import"]["peak_rss"]
+    assert 0 < record["load_seconds"] <= record["first_translation_seconds"]
+
+
+def test_inline_layout_has_no_shared_weights_file_and_decodes_the_same(exported_portable, tmp_path):
+    import numpy as np
+
+    from transformer_ext.export_format import WEIGHTS_FILE, read_manifest
+    from transformer_ext.runtimes import OrtRunner
+
+    inline = tmp_path / "inline"
+    bench_footprint.inline_weights(exported_portable, inline)
+    manifest = read_manifest(inline, verify=True)
+    assert "weights" not in manifest and not (inline / WEIGHTS_FILE).exists()
+    assert manifest["files"] == sorted(p.name for p in inline.iterdir())
+    ids, lengths = np.array([[5, 9, 12, 7, 2]]), np.array([5])
+    assert [list(r) for r in OrtRunner(inline).greedy(ids, lengths, max_new_tokens=6)] == [
+        list(r) for r in OrtRunner(exported_portable).greedy(ids, lengths, max_new_tokens=6)
+    ]
+
+
+def test_table_shows_ratios_and_skipped_engines():
+    results = {
+        "threads": 2,
+        "load_average_before": [1.0, 1.0, 1.0],
+        "load_average_after": [2.0, 1.0, 1.0],
+        "models": {
+            "m": {
+                "reference_bytes": 2_000_000,
+                "engines": {
+                    "ours float32": {
+                        "folder_bytes": 2_100_000,
+                        "ratio_to_reference": 1.05,
+                        "peak_rss_after_load": 5e6,
+                        "peak_rss_after_first_translation": 6e6,
+                        "load_seconds": 0.5,
+                        "first_translation_seconds": 0.75,
+                        "repeats": 3,
+                    },
+                    "ctranslate2 int8": {"skipped": "ctranslate2 is not importable here"},
+                },
+            }
+        },
+    }
+    table = bench_footprint.summary_table(json.loads(json.dumps(results)))
+    assert "| m | ours float32 | 2.1 | 1.050 | 5.0 | 6.0 | 0.50 | 0.75 |" in table
+    assert "| m | ctranslate2 int8 | skipped: ctranslate2 is not importable here |" in table
+    assert "median of 3 runs" in table
+
+
+def test_bad_arguments_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_footprint.main(["--models", "huge"])
+    assert exc.value.code == 2 and "--models" in capsys.readouterr().err
