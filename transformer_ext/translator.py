@@ -1169,6 +1169,7 @@ class Translator:
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         window: int = DEFAULT_WINDOW,
         target_prefix: Optional[str] = None,
+        ready: Optional[Callable[[], bool]] = None,
         **options,
     ):
         """Translate ``lines`` lazily: read ``window`` lines at a time, sort them by length, decode
@@ -1178,7 +1179,9 @@ class Translator:
         :meth:`translate`; ``batch_size`` (given here or to the translator) caps the sources of a
         batch, which are otherwise bounded only by ``max_batch_tokens`` and the runner's limits;
         one warning for the whole input when ``strict=False`` or ``long_lines="truncate"``
-        changed lines.
+        changed lines. ``ready``: whether the next line has arrived
+        (:meth:`transformer_ext.text.StreamLines.ready`); when it has not, the lines read so far
+        are translated before waiting (an interactive pipe gets each answer).
         """
         from .batching import translate_iterable
 
@@ -1213,6 +1216,7 @@ class Translator:
                 max_batch_tokens=max_batch_tokens,
                 max_batch_size=size if size < sys.maxsize else None,
                 window=window,
+                ready=ready,
             )
         finally:
             report.warn()
