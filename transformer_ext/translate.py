@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 success, 1 bad input, model files or missing runtime, 2 invalid options, "
         "130 interrupted, 143 terminated.",
     )
+    for add in (_add_model_options, _add_search_options, _add_decoding_controls, _add_input_options):
+        add(parser)
+    add_debug_flag(parser)
+    return parser
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The sources, the output, the model folder and the runtime that runs it."""
     parser.add_argument(
         "text",
         nargs="*",
@@ -162,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads threads (default 1 runner). On a CPU, beam search over batches of 16 or more "
         "sources is faster as --workers 2 --threads 1 than as --threads 2 (README, Benchmarks)",
     )
+
+
+def _add_search_options(parser: argparse.ArgumentParser) -> None:
+    """Beam search, length budget and batch size."""
     parser.add_argument(
         "--device", default=None, help="torch device of the eager runtime: cpu (default), cuda or cuda:N"
     )
@@ -219,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="at most N sources decoded together (default: as many as --max-batch-tokens holds)",
     )
+
+
+def _add_decoding_controls(parser: argparse.ArgumentParser) -> None:
+    """Sampling, the target prefix, penalties, length limits and scores."""
     search = parser.add_argument_group("decoding controls")
     search.add_argument(
         "--sampling-topk",
@@ -267,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print 'score<TAB>text' (the sum of the token log-probabilities; with --n-best: the n-best score)",
     )
+
+
+def _add_input_options(parser: argparse.ArgumentParser) -> None:
+    """Input and batching, the eager runtime's compile and dtype, the languages."""
     inputs = parser.add_argument_group("input and batching")
     inputs.add_argument(
         "--max-batch-tokens",
@@ -324,8 +344,6 @@ def build_parser() -> argparse.ArgumentParser:
         "first token); an unknown code is an error listing the model's codes; without --source-lang / "
         "--target-lang an M2M100 / NLLB model uses its tokenizer_config.json's defaults (named on stderr)",
     )
-    add_debug_flag(parser)
-    return parser
 
 
 def _finite_non_negative(value: float) -> bool:
