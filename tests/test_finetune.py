@@ -140,3 +140,63 @@ def test_average_refuses_checkpoints_with_different_generation_defaults(converte
     with pytest.raises(AverageError, match="generation_defaults.json .*differ"):
         average_checkpoints([a, b], tmp_path / "avg")
     assert not (tmp_path / "avg").exists()
+
+
+def _short_run(converted, tmp_path, init_from, **extra):
+    return train(
+        out_dir=str(tmp_path / "run"),
+        init_from=str(init_from),
+        train_files=_parallel(tmp_path, 40, 1, "train"),
+        valid_files=_parallel(tmp_path, 8, 2, "valid"),
+        max_steps=2,
+        eval_every=1,
+        warmup=1,
+        max_tokens=800,
+        best_metric="loss",
+        progress=False,
+        seed=3,
+        **extra,
+    )
+
+
+def test_resume_needs_only_the_run_folder(converted, tmp_path):
+    """The run folder holds the model, tokenizer, generation defaults and provenance: resuming
+    works after the --init-from folder moved, and the model folders keep what they had."""
+    import shutil
+
+    init = tmp_path / "init"
+    shutil.copytree(converted, init)
+    _short_run(converted, tmp_path, init)
+    last = tmp_path / "run" / "last"
+    before = {n: (last / n).read_bytes() for n in ("generation_defaults.json", "provenance.json")}
+    init.rename(tmp_path / "moved")
+    result = train(out_dir=str(tmp_path / "run"), resume=True, max_steps=4, progress=False)
+    assert result.step == 4 and result.first_step == 3
+    for name, content in before.items():
+        assert (last / name).read_bytes() == content, name
+        assert (tmp_path / "run" / "best" / name).read_bytes() == content, name
+
+
+def test_resume_with_init_from_names_the_run_s_model(converted, tmp_path):
+    """--resume with --init-from: the run's own folder is accepted (the data come from the run),
+    another one is refused naming both."""
+    from transformer_ext.training.errors import TrainingUsageError
+
+    _short_run(converted, tmp_path, converted)
+    train(out_dir=str(tmp_path / "run"), resume=True, init_from=str(converted), max_steps=3, progress=False)
+    with pytest.raises(TrainingUsageError) as info:
+        train(out_dir=str(tmp_path / "run"), resume=True, init_from=str(tmp_path / "other"), progress=False)
+    text = str(info.value)
+    assert f"--init-from {tmp_path / 'other'} (the run has --init-from {converted})" in text
+    assert "--train SRC TGT" not in text
+
+
+def test_init_from_an_unconverted_transformers_folder_points_to_convert(converted, tmp_path):
+    hf = converted.parent / "hf"  # the transformers checkpoint the fixture converted
+    with pytest.raises(TrainingError) as info:
+        _short_run(converted, tmp_path, hf)
+    text = str(info.value)
+    assert f"{hf} is a transformers checkpoint folder" in text
+    assert f"python -m transformer_ext.convert transformers {hf} --out MODEL_DIR" in text
+    assert "missing keys" not in text and "\n" not in text
+    assert not (tmp_path / "run").exists()

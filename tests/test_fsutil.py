@@ -359,3 +359,63 @@ def test_nested_scratch_temporaries_are_removed_by_the_same_rule(tmp_path):
     removed = fsutil.remove_stale_temporaries(out)
     assert sorted(removed) == sorted([staged, scratch])
     assert _names(tmp_path) == [other.name]  # another output's temporaries are its own business
+
+
+@pytest.mark.parametrize("kernel", ["renameat2", "fallback"])
+@pytest.mark.parametrize("occupant", ["empty_dir", "dir", "file"])
+def test_staged_dir_without_replace_keeps_what_appeared(tmp_path, monkeypatch, kernel, occupant):
+    """StagedDir(replace=False): whatever appears at the target before the commit is kept and the
+    commit raises FileExistsError; the staging folder is removed. Where renameat2 is missing the
+    fallback checks and then renames (an empty folder created between the two is the one thing
+    it could replace; here every occupant is there before the check)."""
+    if kernel == "fallback":
+        monkeypatch.setattr(fsutil, "_renameat2", lambda: None)
+    target = tmp_path / "out"
+    with pytest.raises(FileExistsError) as info:
+        with fsutil.StagedDir(target, replace=False) as stage:
+            (stage.path / "model.bin").write_text("new")
+            if occupant == "file":
+                target.write_text("mine")
+            else:
+                target.mkdir()
+                if occupant == "dir":
+                    (target / "notes.txt").write_text("mine")
+            stage.commit()
+    assert info.value.filename == str(target)
+    if occupant == "file":
+        assert target.read_text() == "mine"
+    else:
+        assert os.listdir(target) == (["notes.txt"] if occupant == "dir" else [])
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("kernel", ["renameat2", "fallback"])
+def test_staged_dir_without_replace_commits_to_a_free_target(tmp_path, monkeypatch, kernel):
+    if kernel == "fallback":
+        monkeypatch.setattr(fsutil, "_renameat2", lambda: None)
+    target = tmp_path / "out"
+    with fsutil.StagedDir(target, replace=False) as stage:
+        (stage.path / "model.bin").write_text("new")
+        stage.commit()
+    assert (target / "model.bin").read_text() == "new" and os.listdir(tmp_path) == ["out"]
+
+
+def test_disk_errors_name_the_output_and_the_file_as_the_user_knows_them(tmp_path):
+    staged = tmp_path / fsutil.temporary_name(tmp_path / "out")
+    with pytest.raises(fsutil.UserError) as info:
+        with fsutil.disk_errors("--out", tmp_path / "out"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(staged / "model.safetensors"))
+    assert str(info.value) == (
+        f"--out {tmp_path / 'out'}: no space left on the device; free some space and run the command "
+        f"again (writing {tmp_path / 'out' / 'model.safetensors'})"
+    )
+
+
+def test_a_failed_write_names_the_file(tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as write() and fsync() raise it
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as info:
+        fsutil.atomic_write_bytes(tmp_path / "a.json", b"{}")
+    assert info.value.filename == str(tmp_path / "a.json") and os.listdir(tmp_path) == []

@@ -112,6 +112,23 @@ def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
         )
 
 
+def _refuse_transformers_folder(directory: str, config_path: str) -> None:
+    """A Hugging Face checkpoint folder (its config.json has ``model_type`` and none of our
+    ``format_version``) is not a model folder of ours: say how to convert it, rather than listing
+    the fields its config lacks."""
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # the config reader names what is wrong
+    if isinstance(data, dict) and "model_type" in data and "format_version" not in data:
+        raise ValueError(
+            f"{directory} is a transformers checkpoint folder (config.json has model_type "
+            f"{json.dumps(data['model_type'])[:60]}), not a model folder of this package: convert it first "
+            f"with python -m transformer_ext.convert transformers {directory} --out MODEL_DIR"
+        )
+
+
 def load_model(directory: PathLike, device: Union[str, torch.device] = "cpu") -> Transformer:
     """Build the model described by ``directory/config.json`` and load ``model.safetensors``.
 
@@ -133,6 +150,7 @@ def load_model(directory: PathLike, device: Union[str, torch.device] = "cpu") ->
         raise FileNotFoundError(
             f"{config_path} not found: a model directory needs {CONFIG_NAME} and {WEIGHTS_NAME}"
         )
+    _refuse_transformers_folder(directory, config_path)
     if not os.path.isfile(weights_path):
         raise FileNotFoundError(
             f"{weights_path} not found: a model directory needs {CONFIG_NAME} and {WEIGHTS_NAME}"

@@ -1,4 +1,5 @@
-"""What every command line entry point of the package shares: ``--debug``, one-line errors, signals.
+"""What every command line entry point of the package shares: ``--debug``, ``--version``, one-line
+errors, signals.
 
 A CLI's ``main()`` parses its arguments and hands the work to :func:`run_cli`::
 
@@ -17,12 +18,16 @@ instead. Interruptions return 130 (SIGINT) or 143 (SIGTERM) after printing one l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
+import logging
 import signal
 import sys
 import threading
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
+
+from . import __version__
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -45,12 +50,26 @@ class UsageError(UserError, ValueError):
     """An option value out of its range, or options that exclude each other: exit code 2 in a CLI."""
 
 
+def add_version_flag(parser) -> None:
+    """``--version``: print ``PROG VERSION`` (the package's ``__version__``) and exit 0.
+
+    ``parser`` is a parser or an argument group; nothing is added where ``--version`` exists."""
+    if "--version" in parser._option_string_actions:
+        return
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit"
+    )
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--debug`` (tracebacks instead of one-line errors) and ``--version``, which every command
+    line of the package has."""
     parser.add_argument(
         "--debug",
         action="store_true",
         help="show the full traceback of an error instead of a one-line message",
     )
+    add_version_flag(parser)
     return parser
 
 
@@ -79,7 +98,8 @@ def add_option(
     works as the new one and prints one line ``PROG: warning: --old is deprecated; use --new`` on
     stderr. An old and the new spelling in one command line are a usage error (exit 2) naming
     both, since which of the two values was meant is not known. ``parser`` may be an argument
-    group.
+    group. A parser whose attribute ``quiet_renamed`` is true parses without the warning (a second
+    parse of the same command line, to see which options it gives).
     """
     old = tuple(deprecated)
     if not old:
@@ -100,13 +120,72 @@ def add_option(
             given = seen.setdefault(self.dest, option_string)
             if (given in old) != (option_string in old):
                 parser.error(f"{given} and {option_string} are one option (give only {canonical})")
-            if option_string in old:
+            if option_string in old and not getattr(parser, "quiet_renamed", False):
                 print(
                     f"{parser.prog}: warning: {option_string} is deprecated; use {canonical}", file=sys.stderr
                 )
             super().__call__(parser, namespace, values, option_string)
 
     return parser.add_argument(*flags, *old, action=Renamed, **kwargs)
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    flag: Optional[str] = None,
+    group: Optional[str] = None,
+    deprecated: Sequence[str] = (),
+    cli: bool = True,
+    **argparse_kwargs: Any,
+) -> Any:
+    """A dataclass field that also declares its command-line option (see :func:`add_options`).
+
+    ``flag`` defaults to the field's name with dashes (``max_tokens``: ``--max-tokens``);
+    ``deprecated`` lists old spellings (:func:`add_option`); ``group`` names the ``--help``
+    section; ``cli=False`` keeps the field off the command line (library callers only);
+    ``argparse_kwargs`` go to ``add_argument`` (``type``, ``choices``, ``metavar``, ``nargs``,
+    ``action``, ...). The help text is the field's documentation in the API reference too.
+    """
+    meta = {"help": help, "flag": flag, "group": group, "deprecated": tuple(deprecated), "cli": cli}
+    meta["argparse"] = argparse_kwargs
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def option_flag(cls: type, name: str) -> str:
+    """The command-line spelling of the field ``name`` of the options dataclass ``cls``."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata.get("flag") or "--" + name.replace("_", "-")
+    raise KeyError(name)
+
+
+def add_options(
+    parser: argparse.ArgumentParser, cls: type, groups: Sequence[tuple[str, str]]
+) -> dict[str, argparse._ArgumentGroup]:
+    """Add an option for every command-line field of the dataclass ``cls`` (declared with
+    :func:`option`), in field order, each in its ``--help`` group. ``groups`` lists ``(key,
+    title)`` in the order ``--help`` shows them; the groups made are returned by key, so a command
+    can add options of its own to them. A field's default is the option's default."""
+    made = {key: parser.add_argument_group(title) for key, title in groups}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not meta.get("cli"):
+            continue
+        if meta["group"] not in made:
+            raise ValueError(f"add_options: field {f.name} names the unknown group {meta['group']!r}")
+        kwargs = dict(meta["argparse"])
+        kwargs.setdefault("dest", f.name)
+        if "default" not in kwargs and kwargs.get("action") not in ("store_true", "store_false"):
+            kwargs["default"] = f.default
+        add_option(
+            made[meta["group"]],
+            option_flag(cls, f.name),
+            deprecated=meta["deprecated"],
+            help=meta["help"],
+            **kwargs,
+        )
+    return made
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
@@ -146,6 +225,15 @@ def describe_error(exc: BaseException) -> str:
     return text
 
 
+def _quiet_exit_hooks() -> None:
+    """After an interruption nothing but the one line may follow. torch's logger is set to WARNING
+    by torch's own logging setup at the end of its import; an import cut short leaves it unset,
+    so torch's exit hooks (the fake-tensor cache statistics) would log at the CLI's INFO level."""
+    torch_logger = logging.getLogger("torch")
+    if torch_logger.level == logging.NOTSET:
+        torch_logger.setLevel(logging.WARNING)
+
+
 def _raise_terminated(signum, frame):
     raise Terminated()
 
@@ -174,6 +262,7 @@ def run_cli(
         if debug:
             raise
         hint = interrupted_hint() if callable(interrupted_hint) else interrupted_hint
+        _quiet_exit_hooks()
         what = "terminated" if isinstance(exc, Terminated) else "interrupted"
         print(f"{prog}: {what}{'; ' + hint if hint else ''}", file=sys.stderr)
         return EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_SIGINT

@@ -26,6 +26,7 @@ folders, engines) goes through this module, so the rules hold everywhere:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -36,7 +37,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Tuple, Union
+from typing import Any, Iterable, Iterator, Optional, Tuple, Union
 
 from .cli import UserError
 
@@ -193,11 +194,13 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError) and exc.filename is None:  # a failed write(): name the file
+            exc.filename = os.fspath(path)
         raise
 
 
@@ -259,6 +262,43 @@ def exchange_paths(a: PathLike, b: PathLike) -> bool:
     raise OSError(err, os.strerror(err), os.fspath(b))
 
 
+_RENAME_NOREPLACE = 1
+
+
+def rename_noreplace(src: PathLike, dst: PathLike) -> None:
+    """Rename ``src`` to ``dst``, which must not exist: ``FileExistsError`` (naming ``dst``) if it does.
+
+    Race-free where the file system can (``renameat2(RENAME_NOREPLACE)``: Linux ext4, xfs,
+    btrfs, tmpfs ...): the kernel checks and renames in one step, so whatever appears at ``dst``
+    (a file, a folder, empty or not, another process's output) is never replaced. Elsewhere
+    ``dst`` is checked and then renamed to; ``rename`` itself refuses an existing file and a
+    folder that is not empty, so the one thing that can still be replaced is an empty folder
+    created between the check and the rename.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    function = _renameat2()
+    if function is not None:
+        import ctypes
+
+        if function(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(errno.EEXIST, "the output appeared while it was being written", dst)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), dst)
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, "the output appeared while it was being written", dst)
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise FileExistsError(
+                errno.EEXIST, "the output appeared while it was being written", dst
+            ) from None
+        raise
+
+
 def replace_dir(tmp_dir: PathLike, target: PathLike) -> None:
     """Move the finished ``tmp_dir`` (a sibling of ``target``) to ``target``.
 
@@ -301,10 +341,14 @@ class StagedDir:
     Leaving the block without ``commit`` (an exception, SIGINT, SIGTERM under ``run_cli``)
     removes the temporary folder. Stale temporaries of ``target`` from killed runs of this host
     are removed on entry. A symlink ``target`` stays a symlink: the folder it points to is replaced.
+    With ``replace=False`` the target must not exist when :meth:`commit` renames the folder there:
+    whatever appeared at ``target`` meanwhile is kept and ``FileExistsError`` is raised
+    (:func:`rename_noreplace`; the temporary folder is then removed as on any error).
     """
 
-    def __init__(self, target: PathLike):
-        self.target = resolve_target(target)
+    def __init__(self, target: PathLike, *, replace: bool = True):
+        self.target = resolve_target(target) if replace else Path(target)
+        self.replace = replace
         self.path: Path | None = None
         self.committed = False
 
@@ -323,7 +367,11 @@ class StagedDir:
     def commit(self) -> Path:
         if self.path is None:
             raise RuntimeError("StagedDir.commit() called outside its with block")
-        replace_dir(self.path, self.target)
+        if self.replace:
+            replace_dir(self.path, self.target)
+        else:
+            os.chmod(self.path, 0o777 & ~_umask())
+            rename_noreplace(self.path, self.target)
         self.committed = True
         return self.target
 
@@ -404,3 +452,38 @@ def check_output_path(
                 "does not contain it"
             )
     return out
+
+
+# What a failing disk means to the user (the errno of the OSError), for :func:`disk_errors`.
+DISK_PROBLEMS = {
+    errno.ENOSPC: "no space left on the device; free some space and run the command again",
+    errno.EDQUOT: "disk quota exceeded; free some space and run the command again",
+    errno.EROFS: "the file system is read-only; choose a folder you can write to",
+    errno.EACCES: "permission denied; choose a folder you can write to",
+    errno.EPERM: "operation not permitted; choose a folder you can write to",
+}
+
+
+def as_given(filename: PathLike) -> Path:
+    """``filename`` with each temporary component (:func:`temporary_name`) replaced by the output it
+    becomes: ``/d/.out.tmp-H-1-0123abcd/model.safetensors`` is ``/d/out/model.safetensors``."""
+    parts = []
+    for part in Path(filename).parts:
+        t = parse_temporary_name(part)
+        parts.append(t.root if t is not None else part)
+    return Path(*parts)
+
+
+@contextlib.contextmanager
+def disk_errors(option: str, path: PathLike, error: type[Exception] = UserError) -> Iterator[None]:
+    """Turn an OSError of a failing disk (full, read-only, no permission: :data:`DISK_PROBLEMS`)
+    into ``error`` naming the output the user gave (``option path``), what is wrong and the file
+    being written, as the user will know it (:func:`as_given`: never a temporary's name)."""
+    try:
+        yield
+    except OSError as exc:
+        problem = DISK_PROBLEMS.get(exc.errno)
+        if problem is None:
+            raise
+        where = f" (writing {as_given(exc.filename)})" if exc.filename else ""
+        raise error(f"{option} {path}: {problem}{where}") from exc

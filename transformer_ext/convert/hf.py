@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -91,9 +92,36 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _read_json(path: Path) -> Any:
+def _confined(path: Path, root: Optional[Path] = None) -> Path:
+    """``path``, refused when it resolves (symlinks followed) outside the checkpoint folder ``root``
+    (default: ``path``'s folder): a downloaded checkpoint is untrusted input, and a name such as
+    ``../../x.safetensors`` in its shard index, or a symlink to a file elsewhere, must not make the
+    converter read (and copy into the model folder) a file of the user's. The one exception is the
+    layout of the Hugging Face cache, where ``REPO/snapshots/REV/NAME`` is a symlink into
+    ``REPO/blobs/``: inside a folder named ``snapshots/REV`` the repository's ``blobs/`` counts as
+    part of the checkpoint."""
+    root = Path(os.path.abspath(root if root is not None else path.parent))
+    real_root = Path(os.path.realpath(root))
+    allowed = [real_root]
+    if root.parent.name == "snapshots":
+        allowed.append(Path(os.path.realpath(root.parent.parent / "blobs")))
+    real = Path(os.path.realpath(os.path.abspath(path)))
+    if not any(real == a or a in real.parents for a in allowed):
+        raise ConversionError(
+            f"{path} resolves to {real}, outside the checkpoint folder {root}; refusing to read it "
+            "(every file of a checkpoint must lie inside its folder)"
+        )
+    return path
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number", dict: "object"}
+    return kinds.get(type(value), "null")
+
+
+def _read_json(path: Path, root: Optional[Path] = None) -> Any:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(_confined(path, root), encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
         raise ConversionError(f"{path} not found") from None
@@ -104,7 +132,7 @@ def _read_json(path: Path) -> Any:
 def _read_bytes(path: Path, why: str) -> bytes:
     if not path.is_file():
         raise ConversionError(f"{path} not found: {why}")
-    return path.read_bytes()
+    return _confined(path).read_bytes()
 
 
 class _Fields:
@@ -148,6 +176,38 @@ class _Fields:
         return va
 
 
+_GLOBAL = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
+
+
+def _pickle_refusal(path: Path, exc: Exception) -> str:
+    """One complete line for a ``pytorch_model.bin`` that ``torch.load(weights_only=True)`` refuses.
+
+    torch's own text runs over several lines and advises loading with ``weights_only=False``,
+    which would run whatever code the file holds: the message names the callable the pickle asks
+    for instead, or the first line of torch's reason for a file that is not a pickle at all."""
+    text = str(exc)
+    called = _GLOBAL.search(text)
+    if called is not None:
+        return (
+            f"{path}: refused: the pickle calls {called.group(1)}, which a state dict of tensors never does "
+            "(loading it would run code from the file); use the checkpoint's model.safetensors, or a "
+            "pytorch_model.bin that holds tensors only"
+        )
+    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    reasons = [line for line in lines if not line.startswith(boilerplate)]
+    reason = (reasons or lines or [type(exc).__name__])[0]
+    if len(reason) > 300:
+        reason = reason[:300].rsplit(" ", 1)[0] + " ..."
+    if "Weights only load failed" in text:
+        return (
+            f"{path}: refused: the pickle holds more than tensors ({reason}), and loading it would run code "
+            "from the file; use the checkpoint's model.safetensors, or a pytorch_model.bin that holds "
+            "tensors only"
+        )
+    return f"{path} is not a readable torch state dict: {reason}"
+
+
 def _load_weights(folder: Path) -> tuple[dict, str, list[Path]]:
     """``(tensors by name, file kind, files read)`` from the first weight file present."""
     import torch
@@ -161,14 +221,24 @@ def _load_weights(folder: Path) -> tuple[dict, str, list[Path]]:
         )
     name = present[0]
     if name.endswith(".index.json"):
-        index = _read_json(folder / name)
+        index_path = folder / name
+        index = _read_json(index_path)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ConversionError(f"{folder / name}: no weight_map")
+            raise ConversionError(
+                f"{index_path}: no weight_map (expected a JSON object with a field weight_map that maps "
+                "tensor names to shard file names)"
+            )
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+        if bad is not None:
+            raise ConversionError(
+                f"{index_path}: weight_map[{json.dumps(bad[0])[:100]}] must be a shard file name, got "
+                f"{json.dumps(bad[1])[:100]}"
+            )
         shards = sorted(set(weight_map.values()))
-        files = [folder / s for s in shards]
+        files = [_confined(folder / s, folder) for s in shards]
     else:
-        files = [folder / name]
+        files = [_confined(folder / name, folder)]
     tensors: dict = {}
     for path in files:
         if not path.is_file():
@@ -185,9 +255,7 @@ def _load_weights(folder: Path) -> tuple[dict, str, list[Path]]:
             try:
                 part = torch.load(str(path), map_location="cpu", weights_only=True)
             except Exception as exc:  # pickle errors of many kinds: all mean "not a plain state dict"
-                raise ConversionError(
-                    f"{path} is not a torch state dict readable with weights_only=True: {exc}"[:500]
-                ) from None
+                raise ConversionError(_pickle_refusal(path, exc)) from None
             if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
                 raise ConversionError(f"{path} does not hold a flat dict of tensors")
         overlap = set(part) & set(tensors)
@@ -344,6 +412,22 @@ def _map_weights(
 # ------------------------------------------------------------------------------------------
 
 
+# The most positions a converted model may have: the position table (float32 ``[positions, d_model]``,
+# 256 MiB at d_model 1024) is the one tensor the converter allocates that the weights do not bound.
+# The same limit as train's --max-len; released checkpoints have 512 (opus-mt) or 1024 (M2M100, NLLB).
+MAX_POSITIONS = 65536
+
+
+def _positions(f: _Fields) -> int:
+    value = f.get("max_position_embeddings", int)
+    if not 1 <= value <= MAX_POSITIONS:
+        raise ConversionError(
+            f"{f.source}: field 'max_position_embeddings' must be an integer in [1, {MAX_POSITIONS}], "
+            f"got {value}"
+        )
+    return value
+
+
 def _common(f: _Fields) -> dict:
     act = f.get("activation_function", str)
     if act not in ACTIVATIONS:
@@ -362,7 +446,7 @@ def _common(f: _Fields) -> dict:
         n_encoder_layers=f.get("encoder_layers", int),
         n_decoder_layers=f.get("decoder_layers", int),
         dropout=f.get("dropout", float, 0.1),
-        max_len=f.get("max_position_embeddings", int),
+        max_len=_positions(f),
         activation=ACTIVATIONS[act],
         scale_embeddings=f.get("scale_embedding", bool),
         layer_norm_eps=1e-5,
@@ -503,9 +587,15 @@ def _m2m_tokenizer(folder: Path, config: TransformerConfig, files: list[Path]) -
         if tok_json.is_file():  # its added tokens give the ids explicitly: they must agree
             data = _read_json(tok_json)
             files.append(tok_json)
-            added = {
-                t.get("content"): t.get("id") for t in (data.get("added_tokens") or []) if isinstance(t, dict)
-            }
+            if not isinstance(data, dict):
+                raise ConversionError(
+                    f"{tok_json}: expected a JSON object (a tokenizers file with a field added_tokens), got "
+                    f"a JSON {_json_kind(data)}"
+                )
+            tokens = data.get("added_tokens") or []
+            if not isinstance(tokens, list):
+                raise ConversionError(f"{tok_json}: field 'added_tokens' must be a list of token objects")
+            added = {t.get("content"): t.get("id") for t in tokens if isinstance(t, dict)}
             from_json = {c: i for c, i in added.items() if isinstance(c, str) and len(c) == 8 and c[3] == "_"}
             if languages and any(added.get(c) not in (None, i) for c, i in languages.items()):
                 raise ConversionError(f"{tok_json}: language token ids differ from {tok_cfg_path}'s order")

@@ -9,6 +9,7 @@ run-defining options (:data:`RUN_DEFINING`) come from the saved run (:func:`merg
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import math
@@ -18,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..cli import option, option_flag
 from ..config import PRESETS, TransformerConfig
 from ..data import DEMO_OVERSAMPLE, DEMO_RANGE, SPLIT_SEED
 from .errors import TrainingError, TrainingUsageError
@@ -45,77 +47,317 @@ TOKENIZERS = ("char", "sentencepiece")
 AMP_DTYPES = ("bf16", "fp16")
 
 
+def _oversample_rule(text: str) -> tuple[int, int]:
+    """One ``--oversample`` rule, ``BELOW=TIMES``."""
+    try:
+        below, times = (int(x) for x in text.split("="))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BELOW=TIMES with two integers, got {text!r}") from None
+    if times < 1:
+        raise argparse.ArgumentTypeError(f"TIMES must be >= 1, got {text!r}")
+    return below, times
+
+
 @dataclass
 class TrainOptions:
-    """Every option of a training run (the command line's flags, one to one)."""
+    """Every option of a training run. Each field declares its command-line option (flag, help,
+    ``--help`` group) with :func:`transformer_ext.cli.option`; the parser of
+    ``python -m transformer_ext.train`` is generated from these fields."""
 
-    out_dir: str = "out/demo"  # where best/, last/, run.json, train_options.json and summary.json go
-    resume: bool = False  # continue from <out_dir>/last/ (run-defining options come from the saved run)
-    overwrite: bool = False  # start afresh even if <out_dir> already holds a run
-    export_dir: Optional[str] = None  # at the end, copy the best model directory here
-    seed: int = 1  # model initialisation, dropout and batch order
-    device: str = "cpu"  # "cpu" or "cuda"
-    threads: Optional[int] = None  # torch.set_num_threads; None keeps torch's default
-    # model
-    preset: str = "demo"  # one of transformer_ext.config.PRESETS
-    d_model: Optional[int] = None
-    n_heads: Optional[int] = None
-    n_encoder_layers: Optional[int] = None
-    n_decoder_layers: Optional[int] = None
-    d_ff: Optional[int] = None
-    dropout: Optional[float] = None
-    max_len: Optional[int] = None
-    norm_first: Optional[bool] = None
-    shared_vocab: bool = False  # one character vocabulary for source and target, all embeddings tied
-    # fine-tuning: start from this model folder (weights, architecture and tokenizer; e.g. a
-    # checkpoint converted by python -m transformer_ext.convert); needs parallel text
-    init_from: Optional[str] = None
-    # data: the demo task (default), or parallel text (train_files / train_tsv with a validation set)
-    train_files: Optional[tuple[str, str]] = None  # (source file, target file), line-aligned UTF-8
-    valid_files: Optional[tuple[str, str]] = None
-    train_tsv: Optional[str] = None  # source<TAB>target lines
-    valid_tsv: Optional[str] = None
-    # "char" or "sentencepiece"; None: char for the demo, sentencepiece for text
-    tokenizer: Optional[str] = None
-    vocab_size: int = 8000  # SentencePiece pieces per model (specials included)
-    spm_model_type: str = "unigram"  # "unigram" or "bpe"
-    # drop pairs whose longer side has more than ratio x the shorter's tokens
-    max_len_ratio: Optional[float] = None
-    range_low: int = DEMO_RANGE[0]
-    range_high: int = DEMO_RANGE[1]
-    split_seed: int = SPLIT_SEED
-    max_tokens: int = 3000  # padded tokens per batch (about 80 examples of the demo task)
-    # (below, times): training numbers < below are repeated `times` per epoch (first rule that matches)
-    oversample: tuple[tuple[int, int], ...] = DEMO_OVERSAMPLE
-    # optimisation
-    max_steps: Optional[int] = 2500  # stop after this many optimiser steps (None: use epochs)
-    epochs: Optional[int] = None  # stop after this many epochs (when max_steps is None)
-    max_minutes: Optional[float] = None  # stop when this much training time has passed
-    lr_factor: float = 0.3  # demo: peak lr 0.3 * 64^-0.5 * 200^-0.5 = 2.7e-3 at step 200, 7.5e-4 at 2500
-    warmup: int = 200
-    label_smoothing: float = 0.1
-    clip_norm: float = 1.0  # max gradient norm; 0 disables clipping
-    lr_schedule: str = "noam"  # "noam" (the paper's, --lr-factor) or "inverse-sqrt" (fairseq's, peak --lr)
-    lr: Optional[float] = None  # peak learning rate of inverse-sqrt (reached after --warmup steps)
-    update_freq: int = 1  # batches whose gradients are accumulated into one optimiser step
-    amp: Optional[str] = (
-        None  # "bf16"/"fp16" autocast on CUDA (fp16 with a GradScaler); CPU: bf16 where native
+    # run
+    out_dir: str = option(
+        "out/demo",
+        flag="--out",
+        group="run",
+        metavar="DIR",
+        help="output folder of the run: best/, last/, run.json, train_options.json, summary.json "
+        "(default for the demo task: %(default)s; required with --train)",
     )
-    adam_betas: tuple[float, float] = (0.9, 0.98)
-    adam_eps: float = 1e-9
+    resume: bool = option(
+        False,
+        group="run",
+        action="store_true",
+        help="continue the run saved in OUT/last/ exactly where it stopped: the options not given "
+        "come from the run, an option given again replaces the run's (budgets such as --max-steps); the "
+        "model, data and schedule options cannot change",
+    )
+    overwrite: bool = option(
+        False,
+        group="run",
+        action="store_true",
+        help="start afresh even if OUT already holds a run of this program: the old run is replaced "
+        "when the new one has written its first checkpoint",
+    )
+    export_dir: Optional[str] = option(
+        None,
+        flag="--export",
+        group="run",
+        metavar="DIR",
+        help="at the end, copy the best model folder (config, weights, tokenizer) to DIR, "
+        "e.g. transformer_ext/demo_model",
+    )
+    seed: int = option(1, group="run", type=int, help="seed of initialisation, dropout and batch order")
+    device: str = option("cpu", group="run", help="cpu or cuda")
+    threads: Optional[int] = option(
+        None, group="run", type=int, help="torch CPU threads (default: torch's choice)"
+    )
+    # model
+    preset: str = option(
+        "demo",
+        group="model",
+        choices=sorted(PRESETS),
+        help="model size: demo (d_model 64, 3+3 layers, 4 heads, d_ff 256, Post-LN, no dropout), "
+        "tiny, small, base (the paper's)",
+    )
+    d_model: Optional[int] = option(
+        None, group="model", type=int, help="width of the model (overrides the preset)"
+    )
+    n_heads: Optional[int] = option(
+        None, group="model", type=int, help="attention heads (overrides the preset)"
+    )
+    n_encoder_layers: Optional[int] = option(
+        None, flag="--encoder-layers", group="model", type=int, help="encoder layers"
+    )
+    n_decoder_layers: Optional[int] = option(
+        None, flag="--decoder-layers", group="model", type=int, help="decoder layers"
+    )
+    d_ff: Optional[int] = option(
+        None, group="model", type=int, help="feed-forward inner width (overrides the preset)"
+    )
+    dropout: Optional[float] = option(
+        None, group="model", type=float, help="dropout probability (overrides the preset)"
+    )
+    max_len: Optional[int] = option(
+        None, group="model", type=int, help="longest source/target in tokens (overrides the preset)"
+    )
+    norm_first: Optional[bool] = option(
+        None,
+        flag="--pre-ln",
+        group="model",
+        action="store_const",
+        const=True,
+        help="Pre-LN layers (default: the preset's, Post-LN for demo)",
+    )
+    shared_vocab: bool = option(
+        False,
+        group="model",
+        action="store_true",
+        help="one vocabulary (character or SentencePiece) for both languages; the source embedding, "
+        "target embedding and output projection are then one matrix",
+    )
+    # fine-tuning
+    init_from: Optional[str] = option(
+        None,
+        group="text",
+        metavar="MODEL_DIR",
+        help="fine-tune the model in MODEL_DIR (its weights, architecture and tokenizer; e.g. a checkpoint "
+        "converted with python -m transformer_ext.convert) on --train / --valid; architecture and "
+        "tokenizer options are then errors",
+    )
+    # data: the demo task (default), or parallel text (train_files / train_tsv with a validation set)
+    train_files: Optional[tuple[str, str]] = option(
+        None,
+        flag="--train",
+        group="text",
+        nargs=2,
+        metavar=("SRC_FILE", "TGT_FILE"),
+        help="training pairs: two line-aligned UTF-8 files (e.g. from python -m transformer_ext.corpora); a "
+        "provenance.json next to SRC_FILE is copied into every model folder",
+    )
+    valid_files: Optional[tuple[str, str]] = option(
+        None,
+        flag="--valid",
+        group="text",
+        nargs=2,
+        metavar=("SRC_FILE", "TGT_FILE"),
+        help="validation pairs (loss, BLEU and chrF with sacrebleu, best-checkpoint selection)",
+    )
+    train_tsv: Optional[str] = option(
+        None, group="text", metavar="FILE", help="training pairs as source<TAB>target lines"
+    )
+    valid_tsv: Optional[str] = option(
+        None, group="text", metavar="FILE", help="validation pairs as source<TAB>target lines"
+    )
+    tokenizer: Optional[str] = option(
+        None,
+        group="text",
+        choices=TOKENIZERS,
+        help="char, or sentencepiece (the default with --train: learnt from the training split only, "
+        "special ids equal to the model's); default char for the demo task",
+    )
+    vocab_size: int = option(
+        8000, group="text", type=int, help="SentencePiece pieces per model, special tokens included"
+    )
+    spm_model_type: str = option(
+        "unigram", group="text", choices=("unigram", "bpe"), help="SentencePiece algorithm"
+    )
+    max_len_ratio: Optional[float] = option(
+        None,
+        group="text",
+        type=float,
+        metavar="R",
+        help="drop training pairs whose longer side has more than R times the tokens of the shorter "
+        "(pairs longer than --max-len tokens, BOS/EOS included, and empty lines are always dropped; "
+        "the counts are logged)",
+    )
+    # the demo task's numbers (the command line gives both as --range LOW HIGH)
+    range_low: int = option(DEMO_RANGE[0], cli=False, help="lowest number of the demo task")
+    range_high: int = option(DEMO_RANGE[1], cli=False, help="highest number of the demo task")
+    split_seed: int = option(
+        SPLIT_SEED,
+        group="demo",
+        type=int,
+        help="seed of the train / valid (5%%) / held-out (5%%) split",
+    )
+    max_tokens: int = option(
+        3000, group="batches", type=int, help="padded tokens per batch (about 80 examples of the demo task)"
+    )
+    oversample: tuple[tuple[int, int], ...] = option(
+        DEMO_OVERSAMPLE,
+        group="demo",
+        nargs="*",
+        metavar="BELOW=TIMES",
+        type=_oversample_rule,
+        help="repeat training numbers below BELOW TIMES per epoch, first matching rule wins; "
+        "no value: no oversampling (default: " + " ".join(f"{b}={t}" for b, t in DEMO_OVERSAMPLE) + ")",
+    )
+    # optimisation
+    max_steps: Optional[int] = option(
+        2500,
+        group="optimisation",
+        type=int,
+        help="optimiser steps to train (0 or negative: no step limit, use --epochs)",
+    )
+    epochs: Optional[int] = option(
+        None, group="optimisation", type=int, help="epochs to train (whichever limit comes first)"
+    )
+    max_minutes: Optional[float] = option(
+        None,
+        group="optimisation",
+        type=float,
+        help="time budget of this session in minutes; training stops (and saves) when it is spent",
+    )
+    lr_factor: float = option(
+        0.3,  # demo: peak lr 0.3 * 64^-0.5 * 200^-0.5 = 2.7e-3 at step 200, 7.5e-4 at 2500
+        group="optimisation",
+        type=float,
+        help="factor of the schedule lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)",
+    )
+    warmup: int = option(200, group="optimisation", type=int, help="warmup steps of the schedule")
+    label_smoothing: float = option(0.1, group="optimisation", type=float, help="label smoothing epsilon")
+    clip_norm: float = option(1.0, group="optimisation", type=float, help="max gradient norm, 0: no clipping")
+    lr_schedule: str = option(
+        "noam",
+        group="optimisation",
+        choices=("noam", "inverse-sqrt"),
+        help="noam: the paper's formula scaled by --lr-factor; inverse-sqrt: fairseq's, a linear warmup "
+        "to --lr over --warmup steps, then lr * sqrt(warmup / step)",
+    )
+    lr: Optional[float] = option(
+        None, group="optimisation", type=float, help="peak learning rate of --lr-schedule inverse-sqrt"
+    )
+    update_freq: int = option(
+        1,
+        group="optimisation",
+        type=int,
+        metavar="N",
+        help="accumulate the gradients of N batches into one optimiser step (the gradient of one N-times "
+        "larger batch)",
+    )
+    amp: Optional[str] = option(
+        None,
+        group="optimisation",
+        choices=AMP_DTYPES,
+        help="mixed precision (autocast; float32 weights, optimiser state, loss and checkpoints): on CUDA "
+        "bf16 or fp16 (with a gradient scaler); on the CPU bf16 only, where the CPU has native bfloat16 "
+        "matrix products (AVX-512 BF16 or AMX: Intel Sapphire Rapids and newer, AMD Zen 4 and newer; "
+        "elsewhere they are about 100x slower than float32 and --amp is refused)",
+    )
+    adam_betas: tuple[float, float] = option((0.9, 0.98), cli=False, help="Adam's beta1 and beta2")
+    adam_eps: float = option(1e-9, cli=False, help="Adam's epsilon")
     # validation and logging
-    eval_every: int = 250  # steps between validations (and checkpoints); 0: only at the end
-    eval_examples: int = 500  # validation sources decoded greedily for exact match (demo: all of them)
-    final_eval: bool = True  # evaluate the best model on the held-out split at the end
-    final_beam: int = 4  # beam size of the final held-out evaluation (0 or 1: greedy only)
-    best_metric: Optional[str] = None  # "bleu", "chrf", "loss" or "exact"; None: exact (demo) / bleu (text)
-    patience: Optional[int] = None  # stop after this many validations without a new best (None: never)
-    keep_last: int = 0  # also keep the model of the last K validations in <out>/checkpoints/step-N/
-    log_every: int = 100  # steps between log lines
-    progress: bool = True  # a progress bar on a terminal, a log line a minute otherwise
-    tensorboard: Optional[str] = None  # a folder for TensorBoard scalars (losses, lr, validation)
+    eval_every: int = option(
+        250,
+        group="validation",
+        type=int,
+        help="steps between validations and checkpoints (0: only at the end)",
+    )
+    eval_examples: int = option(
+        500,
+        group="validation",
+        type=int,
+        help="validation sources decoded greedily for the exact-match score (demo: all of them)",
+    )
+    final_eval: bool = option(
+        True,
+        flag="--no-final-eval",
+        group="validation",
+        action="store_false",
+        help="skip the final check of the best model (the demo's held-out numbers, or --test)",
+    )
+    final_beam: int = option(
+        4, group="validation", type=int, help="beam size of the final check, besides greedy (1: greedy only)"
+    )
+    best_metric: Optional[str] = option(
+        None,
+        group="validation",
+        choices=BEST_METRICS,
+        help="what selects OUT/best/: validation BLEU, chrF, loss, or exact match (default: exact "
+        "for the demo, bleu for parallel text)",
+    )
+    patience: Optional[int] = option(
+        None,
+        group="validation",
+        type=int,
+        metavar="N",
+        help="stop early after N validations without a new best",
+    )
+    keep_last: int = option(
+        0,
+        group="validation",
+        type=int,
+        metavar="K",
+        help="also keep the models of the last K validations in OUT/checkpoints/step-N/ (for "
+        "python -m transformer_ext.average)",
+    )
+    log_every: int = option(100, group="validation", type=int, help="steps between log lines")
+    progress: bool = option(
+        True,
+        flag="--no-progress",
+        group="run",
+        action="store_false",
+        help="no progress display (a bar on a terminal, else a log line a minute; its estimate is the "
+        "binding budget's: --max-steps/--epochs or --max-minutes)",
+    )
+    tensorboard: Optional[str] = option(
+        None,
+        group="run",
+        metavar="DIR",
+        help="write TensorBoard scalars to DIR: training loss, learning rate, target tokens/s, validation "
+        "loss, BLEU, chrF, exact match (needs the tensorboard package: the [tensorboard] extra)",
+    )
     # parallel text: a held-out test set, scored with the best checkpoint at the end (as evaluate does)
-    test_files: Optional[tuple[str, str]] = None
+    test_files: Optional[tuple[str, str]] = option(
+        None,
+        flag="--test",
+        group="text",
+        nargs=2,
+        metavar=("SRC_FILE", "TGT_FILE"),
+        help="a held-out test set: at the end the best model is scored on it, greedy and with --final-beam "
+        "(BLEU, chrF: the numbers of python -m transformer_ext.evaluate), into summary.json",
+    )
+
+
+# The --help sections of the generated parser, in order.
+OPTION_GROUPS = (
+    ("run", "run"),
+    ("model", "model"),
+    ("text", "parallel text (instead of the demo task)"),
+    ("batches", "batches"),
+    ("demo", "the demo task (without --train: English to German number words)"),
+    ("optimisation", "optimisation"),
+    ("validation", "validation"),
+)
 
 
 # Options that define a run: a resumed run keeps them (given again with another value: an error).
@@ -258,60 +500,9 @@ def merge_resume_options(
 
 # The command-line flag of each option, for messages (library callers see the field name too).
 _FLAGS = {
-    "out_dir": "--out",
-    "export_dir": "--export",
-    "seed": "--seed",
-    "device": "--device",
-    "threads": "--threads",
-    "preset": "--preset",
-    "d_model": "--d-model",
-    "n_heads": "--n-heads",
-    "n_encoder_layers": "--encoder-layers",
-    "n_decoder_layers": "--decoder-layers",
-    "d_ff": "--d-ff",
-    "dropout": "--dropout",
-    "max_len": "--max-len",
-    "norm_first": "--pre-ln",
-    "shared_vocab": "--shared-vocab",
-    "init_from": "--init-from",
-    "range_low": "--range LOW",
-    "range_high": "--range HIGH",
-    "split_seed": "--split-seed",
-    "max_tokens": "--max-tokens",
-    "oversample": "--oversample",
-    "max_steps": "--max-steps",
-    "epochs": "--epochs",
-    "max_minutes": "--max-minutes",
-    "lr_factor": "--lr-factor",
-    "warmup": "--warmup",
-    "label_smoothing": "--label-smoothing",
-    "clip_norm": "--clip-norm",
-    "eval_every": "--eval-every",
-    "eval_examples": "--eval-examples",
-    "final_eval": "--no-final-eval",
-    "final_beam": "--final-beam",
-    "log_every": "--log-every",
-    "progress": "--no-progress",
-    "resume": "--resume",
-    "overwrite": "--overwrite",
-    "train_files": "--train",
-    "valid_files": "--valid",
-    "train_tsv": "--train-tsv",
-    "valid_tsv": "--valid-tsv",
-    "tokenizer": "--tokenizer",
-    "vocab_size": "--vocab-size",
-    "spm_model_type": "--spm-model-type",
-    "max_len_ratio": "--max-len-ratio",
-    "lr_schedule": "--lr-schedule",
-    "lr": "--lr",
-    "update_freq": "--update-freq",
-    "amp": "--amp",
-    "best_metric": "--best-metric",
-    "patience": "--patience",
-    "keep_last": "--keep-last",
-    "tensorboard": "--tensorboard",
-    "test_files": "--test",
+    f.name: option_flag(TrainOptions, f.name) for f in dataclasses.fields(TrainOptions) if f.metadata["cli"]
 }
+_FLAGS.update(range_low="--range LOW", range_high="--range HIGH")
 _SEED_MAX = 2**63 - 1
 # The largest value of each size option: beyond these a model (or one batch) of this package does
 # not fit in the memory of any machine it runs on (the positional-encoding table alone is
@@ -565,7 +756,7 @@ def check_init_from(opts: TrainOptions) -> None:
         return
     if not isinstance(opts.init_from, (str, os.PathLike)) or not os.fspath(opts.init_from):
         raise TrainingError(f"--init-from must be a model folder, got {opts.init_from!r}")
-    if not is_text_run(opts):
+    if not is_text_run(opts) and not opts.resume:  # a resumed run takes its data from the run
         raise TrainingError(
             "--init-from fine-tunes on parallel text: give --train SRC TGT and --valid SRC TGT"
         )

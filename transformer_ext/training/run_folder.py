@@ -14,7 +14,6 @@ anywhere. Every write is atomic (:mod:`transformer_ext.fsutil`).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import json
@@ -28,7 +27,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from .. import __version__
+from .. import __version__, fsutil
 from ..convert.generation import GENERATION_DEFAULTS_FILE
 from ..fsutil import _HOST, StagedDir, _pid_alive, atomic_write_bytes, atomic_write_json, parse_temporary_name
 from ..tokenizer import TOKENIZER_FILE
@@ -653,33 +652,8 @@ class RunLock:
 
 
 # ---------------------------------------------------------------------- a failing disk
-_DISK_PROBLEMS = {
-    errno.ENOSPC: "no space left on the device; free some space and run the command again",
-    errno.EDQUOT: "disk quota exceeded; free some space and run the command again",
-    errno.EROFS: "the file system is read-only; choose a folder you can write to",
-    errno.EACCES: "permission denied; choose a folder you can write to",
-    errno.EPERM: "operation not permitted; choose a folder you can write to",
-}
-
-
-def _as_given(filename: str) -> str:
-    """``filename`` with the temporary folders of fsutil replaced by the outputs they become."""
-    parts = []
-    for part in Path(filename).parts:
-        t = parse_temporary_name(part)
-        parts.append(t.root if t is not None else part)
-    return str(Path(*parts))
-
-
-@contextlib.contextmanager
 def disk_errors(option: str, path: Path):
     """Turn an OSError of a failing disk (full, read-only, no permission) into a TrainingError that
-    names the output the user gave (``option path``), what is wrong and the file being written."""
-    try:
-        yield
-    except OSError as exc:
-        problem = _DISK_PROBLEMS.get(exc.errno)
-        if problem is None:
-            raise
-        where = f" (writing {_as_given(str(exc.filename))})" if exc.filename else ""
-        raise TrainingError(f"{option} {path}: {problem}{where}") from exc
+    names the output the user gave (``option path``), what is wrong and the file being written
+    (:func:`transformer_ext.fsutil.disk_errors`)."""
+    return fsutil.disk_errors(option, path, TrainingError)

@@ -455,6 +455,9 @@ class FineTuneTask(ParallelTextTask):
         from ..spm_tokenizer import load_any_tokenizer
         from ..tokenizer import check_model_config
 
+        if self.opts.resume:  # the run's last/ holds the model, tokenizer and what came with them
+            self._resume_files(ctx)
+            return
         folder = Path(self.opts.init_from)
         if not folder.is_dir():
             raise TrainingError(f"--init-from {folder}: model folder not found")
@@ -468,6 +471,19 @@ class FineTuneTask(ParallelTextTask):
         self.model_files.update(_generation_defaults_file(folder))
         self.provenance = _fine_tune_provenance(folder, self.provenance)
 
+    def _resume_files(self, ctx) -> None:
+        """A resumed fine-tune needs nothing from the --init-from folder, which may have moved:
+        the model and tokenizer come from the run's last checkpoint (the trainer loads them), the
+        generation defaults and the provenance (naming the model it started from) are copied from
+        that checkpoint too."""
+        from .run_folder import last_dir
+
+        last = last_dir(Path(self.opts.out_dir))
+        super().load_data(ctx)
+        self.model_files.update(_generation_defaults_file(last, f"cannot resume: {last}"))
+        path = last / PROVENANCE_FILE
+        self.provenance = path.read_bytes() if path.is_file() else self.provenance
+
     def build_tokenizer(self, ctx):
         return self.initial_tokenizer
 
@@ -478,16 +494,17 @@ class FineTuneTask(ParallelTextTask):
         return model
 
 
-def _generation_defaults_file(folder: Path) -> dict[str, bytes]:
+def _generation_defaults_file(folder: Path, what: Optional[str] = None) -> dict[str, bytes]:
     """``{generation_defaults.json: content}`` of the model folder ``folder`` (checked: a model
-    converted from transformers decodes with it), {} when it has none (a model of ours)."""
+    converted from transformers decodes with it), {} when it has none (a model of ours). An
+    error starts with ``what`` (default ``--init-from FOLDER``)."""
     from ..convert.generation import GENERATION_DEFAULTS_FILE, read_generation_defaults
 
     try:
         if read_generation_defaults(folder) is None:
             return {}
     except ValueError as exc:
-        raise TrainingError(f"--init-from {folder}: {exc}") from None
+        raise TrainingError(f"{what or f'--init-from {folder}'}: {exc}") from None
     return {GENERATION_DEFAULTS_FILE: (folder / GENERATION_DEFAULTS_FILE).read_bytes()}
 
 
