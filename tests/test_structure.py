@@ -18,13 +18,12 @@ KNOWN = {
     ("transformer_ext/serve/app.py", "create_app"): 362,
     ("transformer_ext/export_format.py", "read_manifest"): 102,
     ("transformer_ext/runtimes/ort.py", "__init__"): 111,
-    ("transformer_ext/translate.py", "build_parser"): 231,
     ("export/lowering.py", "flatten_rows"): 208,
     ("export/onnx.py", "export_onnx"): 197,
     ("export/onnx.py", "_write_export"): 102,
     ("export/onnx.py", "_parser"): 135,
 }
-KNOWN_NONLOCAL = {"transformer_ext/text.py": 2, "benchmarks/bench_serve.py": 1}
+KNOWN_NONLOCAL = {"benchmarks/bench_serve.py": 1}
 
 
 def _modules():
