@@ -112,9 +112,9 @@ def test_max_length_limits_output(translator):
 @pytest.mark.parametrize(
     "sources, kwargs, match",
     [
-        ([""], {}, "source 0: empty source"),
-        (["one", "   "], {}, "source 1: empty source"),
-        (["forty-two!"], {}, "'!'"),
+        ([""], dict(strict=True), "source 0: empty source"),
+        (["one", "   "], dict(strict=True), "source 1: empty source"),
+        (["forty-two!"], dict(strict=True), "'!'"),
         (["one " * 40], {}, "max_len"),
         (["one"], dict(beam_size=0), "beam size"),
         (["one"], dict(beam_size=2, n_best=3), "n_best"),

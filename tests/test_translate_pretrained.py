@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from hf_checkpoints import sample_lines, write_m2m100, write_marian  # noqa: E40
 
 from transformer_ext.convert import convert_transformers  # noqa: E402
 from transformer_ext.translate import TranslationError, Translator  # noqa: E402
+from transformer_ext.translate import main as translate_main  # noqa: E402
 
 MAX_POS = 64  # max_position_embeddings of the test configs
 N_SOURCES = 12
@@ -163,3 +165,39 @@ def test_translator_language_errors(models):
         Translator.from_model_dir(m2m, source_lang="fr", target_lang="xx")
     with pytest.raises(TranslationError, match="no language codes"):
         Translator.from_model_dir(None, target_lang="de")
+
+
+def _language_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "tokenizer_config.json" in r.getMessage()]
+
+
+def test_missing_languages_use_the_checkpoint_defaults_and_say_so(models, caplog, capsys):
+    """M2M100 without --source-lang / --target-lang: the defaults of its tokenizer_config.json
+    (en -> de, what transformers' tokenizer uses when given none), named in one warning."""
+    _, m2m, export = models["m2m100"]
+    texts = sample_lines(4, seed=8)
+    chosen = Translator.from_model_dir(m2m, source_lang="en", target_lang="de")
+    for load, folder in ((Translator.from_model_dir, m2m), (Translator.from_export_dir, export)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            translator = load(folder)
+        (warning,) = _language_warnings(caplog)
+        assert "source language 'en'" in warning and "target language 'de'" in warning, warning
+        assert "--source-lang" in warning and "--target-lang" in warning
+        assert translator.translate(texts, beam_size=1) == chosen.translate(texts, beam_size=1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Translator.from_model_dir(m2m, source_lang="fr")
+    (warning,) = _language_warnings(caplog)
+    assert "target language 'de'" in warning and "source language" not in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Translator.from_model_dir(m2m, source_lang="fr", target_lang="es")
+    assert not _language_warnings(caplog)
+    # the command line: the translation, and the warning on stderr
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        code = translate_main(["--model", str(m2m), "-"], stdin=io.StringIO(texts[0] + "\n"))
+    out, _ = capsys.readouterr()
+    assert code == 0 and out == chosen.translate(texts[:1], beam_size=None)[0] + "\n"
+    assert len(_language_warnings(caplog)) == 1

@@ -223,3 +223,62 @@ def test_an_open_pipe_gets_its_first_translations_before_the_writer_closes_it():
     )
     assert first[:2] == expected[:2]
     assert first + rest.splitlines() == expected
+
+
+def test_a_stalled_pipe_gets_each_answer_while_it_stays_open():
+    """With the default window (8,192 lines), a writer that sends one line and waits for its
+    answer gets it: when the input stalls, what has arrived is translated."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transformer_ext.translate"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    answers = []
+    try:
+        for line in (b"seven\n", b"forty-two\n"):
+            proc.stdin.write(line)
+            proc.stdin.flush()
+            answers.append(_read_lines(proc.stdout, 1, timeout=120))
+            assert proc.poll() is None  # the pipe is still open, the command still running
+        proc.stdin.close()
+        rest = proc.stdout.read().decode("utf-8")
+        assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
+    assert answers == [["sieben"], ["zweiundvierzig"]] and rest == ""
+
+
+def test_flowing_pipe_input_is_still_batched_by_the_window():
+    """Lines that have arrived are read as one window (one batch here); a stall ends a window early."""
+    from transformer_ext.batching import translate_iterable
+    from transformer_ext.text import iter_stream_lines
+
+    read_end, write_end = os.pipe()
+    batches = []
+
+    def translate_batch(batch):
+        batches.append(list(batch))
+        return [line.upper() for line in batch]
+
+    with os.fdopen(read_end, "rb") as reader, os.fdopen(write_end, "wb") as writer:
+        writer.write(b"".join(f"line {i}\n".encode() for i in range(50)))
+        writer.flush()
+        lines = iter_stream_lines(reader, "stdin")
+        out = translate_iterable(
+            translate_batch, lines, length=len, max_batch_tokens=10_000, window=100, ready=lines.ready
+        )
+        first = [next(out) for _ in range(50)]  # the 50 lines that arrived, before the writer closes
+        assert len(batches) == 1 and len(batches[0]) == 50
+        writer.write(b"last\n")
+        writer.close()
+        rest = list(out)
+    assert first == [f"LINE {i}" for i in range(50)] and rest == ["LAST"]
+    assert len(batches) == 2

@@ -149,7 +149,7 @@ def test_translate_iterable_streams_in_order(translator):
 
 def test_robust_input_when_not_strict(translator, caplog):
     with pytest.raises(TranslationError, match="source 1: empty source"):
-        translator.translate(["one", "  "])
+        translator.translate(["one", "  "], strict=True)
     with caplog.at_level(logging.WARNING):
         out = translator.translate(["one", "", "forty-two€", "seven€€"], strict=False)
     assert out[1] == "" and out[0] == "eins"

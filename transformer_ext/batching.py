@@ -69,6 +69,19 @@ def token_batches(
     return batches
 
 
+def _read_window(
+    it: Iterator[str], window: int, ready: Optional[Callable[[], bool]]
+) -> tuple[list[str], bool]:
+    """Up to ``window`` lines of ``it``, fewer when ``ready()`` says the next one has not arrived;
+    and whether ``it`` may hold more."""
+    chunk: list[str] = []
+    for line in it:
+        chunk.append(line)
+        if len(chunk) >= window or (ready is not None and not ready()):
+            return chunk, True
+    return chunk, False
+
+
 def translate_iterable(
     translate_batch: Callable[[list[str]], list[Any]],
     lines: Iterable[str],
@@ -77,6 +90,7 @@ def translate_iterable(
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     max_batch_size: Optional[int] = None,
     window: int = DEFAULT_WINDOW,
+    ready: Optional[Callable[[], bool]] = None,
 ) -> Iterator[Any]:
     """Translate ``lines`` lazily and yield one result per line, in input order.
 
@@ -86,19 +100,19 @@ def translate_iterable(
     window's first line, then the one holding the first line still without a result...); a
     result is yielded as soon as every line before it has its result, so the first lines come
     out after one batch while the rest of the window is still being translated, and nothing of
-    the input is read before it is needed.
+    the input is read before it is needed. ``ready``: whether the next line has arrived
+    (:meth:`transformer_ext.text.StreamLines.ready`); when it has not, the window read so far
+    is translated before waiting for more, so a program that feeds a pipe a line at a time and
+    waits for each answer gets it, while input that flows freely fills whole windows.
     """
     window = _check_positive_int("window", window)
     max_batch_tokens = _check_positive_int("max_batch_tokens", max_batch_tokens)
     if isinstance(lines, (str, bytes)):
         raise TypeError("translate_iterable() takes an iterable of lines, not one string")
     it = iter(lines)
-    while True:
-        chunk: list[str] = []
-        for line in it:
-            chunk.append(line)
-            if len(chunk) >= window:
-                break
+    more = True
+    while more:
+        chunk, more = _read_window(it, window, ready)
         if not chunk:
             return
         results: dict[int, Any] = {}
@@ -110,5 +124,3 @@ def translate_iterable(
             while next_out in results:
                 yield results.pop(next_out)
                 next_out += 1
-        if len(chunk) < window:
-            return

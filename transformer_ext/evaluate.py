@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-lang",
         default=None,
         help="target language code of a multilingual model (Marian's >>xx<< code, M2M100 / NLLB's forced "
-        "first token); an unknown or missing code is an error listing the model's codes",
+        "first token); an unknown code is an error listing the model's codes; without --source-lang / "
+        "--target-lang an M2M100 / NLLB model uses its tokenizer_config.json's defaults (named on stderr)",
     )
     add_debug_flag(p)
     return p

@@ -136,6 +136,11 @@ _MARIAN_FIELDS = {
 }
 
 
+def _surface(piece: str) -> str:
+    """A SentencePiece piece as the text it stands for (the word-boundary mark removed)."""
+    return piece.replace("\u2581", " ").strip()
+
+
 class _FolderLoader:
     """``load(directory)``: the tokenizer described by the folder's ``tokenizer.json``."""
 
@@ -286,6 +291,10 @@ class MarianTokenizer(_FolderLoader):
 
     def encode_sources(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode_source(t) for t in texts]
+
+    def unknown_pieces(self, text: str) -> list[str]:
+        """The source pieces of ``text`` outside the vocabulary (``<unk>`` in :meth:`encode_source`)."""
+        return [_surface(p) for p in self.source_pieces(text) if p not in self.encoder]
 
     def encode_target(self, text: str) -> list[int]:
         """Target ids of ``text`` (target SentencePiece model and vocabulary) without ``</s>``; a
@@ -538,6 +547,12 @@ class FairseqTokenizer(_FolderLoader):
             i = self._sp.piece_to_id(p)
             out.append(i + 1 if i > 2 else self.unk_id)  # SentencePiece's <unk>/<s>/</s> are 0/1/2
         return out
+
+    def unknown_pieces(self, text: str) -> list[str]:
+        """The source pieces of ``text`` outside the vocabulary (``<unk>`` in :meth:`encode_source`)."""
+        text = _check_text(text, "source")
+        pieces = self._sp.encode(text, out_type=str)
+        return [_surface(p) for p, i in zip(pieces, self._piece_ids(text)) if i == self.unk_id]
 
     def encode_source(self, text: str) -> list[int]:
         """The encoder's ids: ``[src_lang] pieces </s>`` (NLLB legacy: ``pieces </s> [src_lang]``)."""

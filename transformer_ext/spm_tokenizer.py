@@ -235,6 +235,13 @@ class SentencePieceTokenizer:
     def source_pieces(self, text: str) -> list[str]:
         return list(self._src.encode(self.normalize_source(text), out_type=str))
 
+    def unknown_pieces(self, text: str) -> list[str]:
+        """The pieces of ``text`` that :meth:`encode_source` maps to ``unk_id`` (their text, the
+        word-boundary mark removed), in order."""
+        pieces = self.source_pieces(text)
+        ids = self.encode_source(text)
+        return [p.replace("\u2581", " ").strip() for p, i in zip(pieces, ids) if i == UNK_ID]
+
     # ------------------------------------------------------------------ persistence
     def _model_files(self) -> dict[str, bytes]:
         if self.shared:

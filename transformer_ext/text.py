@@ -26,7 +26,9 @@ The rules:
 from __future__ import annotations
 
 import os
-from typing import Iterable, Iterator, Union
+import select
+from collections import deque
+from typing import Iterable, Iterator, Optional, Union
 
 from .cli import UserError
 
@@ -38,6 +40,7 @@ __all__ = [
     "read_lines",
     "read_stream_lines",
     "iter_stream_lines",
+    "StreamLines",
     "check_argument_text",
 ]
 
@@ -112,21 +115,36 @@ def read_lines(path: Union[str, os.PathLike], *, normalize: bool = False) -> lis
     return [normalize_text(line) for line in lines] if normalize else lines
 
 
-def _stream_chunks(stream) -> Iterator[Union[bytes, str]]:
-    """The pieces of ``stream`` as it delivers them, without reading ahead: bytes for a binary
-    stream (a text stream's ``buffer``, ``sys.stdin`` included, so that the decoding is this
-    module's strict UTF-8 whatever the locale), ``str`` for a text stream without a buffer or an
-    iterable of strings. A pipe's line is returned as soon as it is complete."""
+_READ_SIZE = 1 << 16  # bytes asked of a file or pipe at once (it returns what has arrived)
+
+
+def _selectable(stream) -> tuple[object, Optional[int]]:
+    """``(binary stream, file descriptor)``: a text stream's ``buffer`` (``sys.stdin``'s, so that
+    the decoding is this module's strict UTF-8 whatever the locale), and the descriptor when the
+    stream is a buffered file or pipe of the operating system (None otherwise)."""
     buffer = getattr(stream, "buffer", None)
     if buffer is not None:
         stream = buffer
+    if not callable(getattr(stream, "read1", None)):
+        return stream, None
+    try:
+        return stream, int(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return stream, None
+
+
+def _stream_chunks(stream) -> Iterator[Union[bytes, str]]:
+    """The pieces of ``stream`` as it delivers them, without waiting for more than has arrived:
+    what a file or pipe holds (``read1``), else a line at a time (``readline``), bytes or ``str``,
+    or the items of an iterable of strings."""
+    stream, fd = _selectable(stream)
     if isinstance(stream, (bytes, bytearray, str)):
         yield bytes(stream) if not isinstance(stream, str) else stream
         return
-    readline = getattr(stream, "readline", None)
-    if callable(readline):
+    read = stream.read1 if fd is not None else getattr(stream, "readline", None)
+    if callable(read):
         while True:
-            piece = readline()
+            piece = read(_READ_SIZE) if fd is not None else read()
             if not piece:
                 return
             yield piece
@@ -161,54 +179,90 @@ def _decode_line(line: Union[bytes, str], name: str, number: int, offset: int) -
         ) from None
 
 
-def iter_stream_lines(
-    stream: Union[Iterable[str], "object"], name: str, *, normalize: bool = False
-) -> Iterator[str]:
-    """The lines of a stream (``sys.stdin``, a binary or text file object, an iterable of
-    strings) by the module's rules, one at a time as the stream delivers them: nothing is read
-    before the caller asks for the next line, so an endless pipe is translated as it comes. An
-    error (not UTF-8, a lone carriage return) is raised when its line is reached, naming the
-    line and the byte offset in the stream."""
-    number, offset, pending = 0, 0, None
-    chunks = _stream_chunks(stream)
+class StreamLines:
+    """The lines of a stream by the module's rules, an iterator that reads only what it needs:
+    the next line is read when it is asked for, and :meth:`ready` says whether one is at hand
+    without waiting (so that a reader of an interactive pipe can act on what has arrived)."""
 
-    def lines_of(piece):
-        nonlocal pending
+    def __init__(self, stream: Union[Iterable[str], "object"], name: str, *, normalize: bool = False):
+        self.name, self.normalize = name, normalize
+        self.number = 0  # lines handed out
+        self._offset = 0  # bytes before the next line in the stream
+        self._pending: Union[bytes, str, None] = None  # the start of a line not yet ended
+        self._lines: deque = deque()  # complete raw lines not yet handed out
+        self._fd = _selectable(stream)[1]
+        self._chunks = _stream_chunks(stream)
+        self._ended = False
+
+    def __iter__(self) -> "StreamLines":
+        return self
+
+    def __next__(self) -> str:
+        while not self._lines:
+            if self._ended:
+                raise StopIteration
+            self._read()
+        return self._finish(self._lines.popleft())
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        """Whether :func:`next` returns without waiting for the stream (a line read already, the
+        end reached, or data arrived within ``timeout`` seconds); True for a stream that is no
+        file or pipe, since reading it never waits for a writer."""
+        if self._lines or self._ended or self._fd is None:
+            return True
+        try:
+            readable, _, _ = select.select([self._fd], [], [], timeout)
+        except (OSError, ValueError):  # a descriptor select does not take: reading will tell
+            return True
+        return bool(readable)
+
+    def _read(self) -> None:
+        piece = next(self._chunks, None)
+        if piece is None:
+            self._ended = True
+            if self._pending:  # the last line needs no line ending
+                self._lines.append(self._pending)
+            self._pending = None
+            return
+        if isinstance(piece, (bytearray, memoryview)):
+            piece = bytes(piece)
+        if self._pending is not None and type(piece) is not type(self._pending):
+            raise TypeError(f"{self.name}: a stream of mixed bytes and text")
         newline = b"\n" if isinstance(piece, bytes) else "\n"
-        text = piece if pending is None else pending + piece
-        parts = text.split(newline)
-        pending = parts.pop()  # what follows the last line ending: the start of the next line
-        return parts
+        parts = (piece if self._pending is None else self._pending + piece).split(newline)
+        self._pending = parts.pop()  # what follows the last line ending: the start of the next line
+        self._lines.extend(parts)
 
-    def finish(raw) -> str:
-        nonlocal number, offset
-        number += 1
-        start, skip = offset, 0
-        offset += _line_bytes(raw) + 1
+    def _finish(self, raw: Union[bytes, str]) -> str:
+        self.number += 1
+        number, start, skip = self.number, self._offset, 0
+        self._offset += _line_bytes(raw) + 1
         bom = b"\xef\xbb\xbf" if isinstance(raw, bytes) else BOM
         if number == 1 and raw.startswith(bom):
             raw, skip = raw[len(bom) :], 3
-        line = _decode_line(raw, name, number, start + skip)
+        line = _decode_line(raw, self.name, number, start + skip)
         if line.endswith("\r"):
             line = line[:-1]
         if "\r" in line:
             at = start + skip + len(line[: line.index("\r")].encode("utf-8", "surrogatepass"))
             raise DataError(
-                f"{name}, line {number}: a carriage return (\\r) not followed by a line feed at byte offset "
-                f"{at}; lines must end with \\n or \\r\\n (convert old Mac line endings, e.g. with "
+                f"{self.name}, line {number}: a carriage return (\\r) not followed by a line feed at byte "
+                f"offset {at}; lines must end with \\n or \\r\\n (convert old Mac line endings, e.g. with "
                 "tr '\\r' '\\n')"
             )
-        return normalize_text(line) if normalize else line
+        return normalize_text(line) if self.normalize else line
 
-    for piece in chunks:
-        if isinstance(piece, (bytearray, memoryview)):
-            piece = bytes(piece)
-        if pending is not None and type(piece) is not type(pending):
-            raise TypeError(f"{name}: a stream of mixed bytes and text")
-        for raw in lines_of(piece):
-            yield finish(raw)
-    if pending:  # the last line needs no line ending
-        yield finish(pending)
+
+def iter_stream_lines(
+    stream: Union[Iterable[str], "object"], name: str, *, normalize: bool = False
+) -> StreamLines:
+    """The lines of a stream (``sys.stdin``, a binary or text file object, an iterable of
+    strings) by the module's rules, one at a time as the stream delivers them: nothing is read
+    before the caller asks for the next line, so an endless pipe is translated as it comes
+    (:meth:`StreamLines.ready`: whether the next line has arrived). An error (not UTF-8, a lone
+    carriage return) is raised when its line is reached, naming the line and the byte offset in
+    the stream."""
+    return StreamLines(stream, name, normalize=normalize)
 
 
 def read_stream_lines(

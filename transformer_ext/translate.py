@@ -24,8 +24,9 @@ unwritable ``--output`` and a full disk print one line
 ``python -m transformer_ext.translate: error: ...`` (exit code 1, ``--debug`` shows the
 traceback); Ctrl-C exits with 130, SIGTERM with 143.
 
-Input is read lazily, a window of ``--window`` lines at a time (a large file or an endless pipe
-gives its first translations after the first window), and translated in token batches
+Input is read lazily, a window of ``--window`` lines at a time (fewer when a pipe stalls: what
+has arrived is translated, so a program that writes a line and waits for its answer gets it
+while the pipe stays open), and translated in token batches
 (``--max-batch-tokens``, the window sorted by length, :meth:`Translator.translate_iterable`);
 each translation is printed as soon
 as it and every line before it are done, and a progress line goes to stderr
@@ -53,7 +54,7 @@ from .demo import DEMO_MODEL_DIR
 from .devices import DeviceUsageError, check_device_name, parse_device
 from .export_format import MANIFEST_NAME
 from .fsutil import atomic_write_text, check_output_path
-from .text import check_argument_text, iter_stream_lines
+from .text import StreamLines, check_argument_text, iter_stream_lines
 from .translator import (
     DEFAULT_MAX_LEN_A,
     DEFAULT_MAX_LEN_B,
@@ -104,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 success, 1 bad input, model files or missing runtime, 2 invalid options, "
         "130 interrupted, 143 terminated.",
     )
+    for add in (_add_model_options, _add_search_options, _add_decoding_controls, _add_input_options):
+        add(parser)
+    add_debug_flag(parser)
+    return parser
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The sources, the output, the model folder and the runtime that runs it."""
     parser.add_argument(
         "text",
         nargs="*",
@@ -161,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads threads (default 1 runner). On a CPU, beam search over batches of 16 or more "
         "sources is faster as --workers 2 --threads 1 than as --threads 2 (README, Benchmarks)",
     )
+
+
+def _add_search_options(parser: argparse.ArgumentParser) -> None:
+    """Beam search, length budget and batch size."""
     parser.add_argument(
         "--device", default=None, help="torch device of the eager runtime: cpu (default), cuda or cuda:N"
     )
@@ -218,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="at most N sources decoded together (default: as many as --max-batch-tokens holds)",
     )
+
+
+def _add_decoding_controls(parser: argparse.ArgumentParser) -> None:
+    """Sampling, the target prefix, penalties, length limits and scores."""
     search = parser.add_argument_group("decoding controls")
     search.add_argument(
         "--sampling-topk",
@@ -266,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print 'score<TAB>text' (the sum of the token log-probabilities; with --n-best: the n-best score)",
     )
+
+
+def _add_input_options(parser: argparse.ArgumentParser) -> None:
+    """Input and batching, the eager runtime's compile and dtype, the languages."""
     inputs = parser.add_argument_group("input and batching")
     inputs.add_argument(
         "--max-batch-tokens",
@@ -281,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_WINDOW,
         metavar="N",
         help=f"lines read and sorted by length together (default {DEFAULT_WINDOW}; a window's batches are "
-        "decoded in input order, so output starts after one batch; from an interactive pipe, --window 1 "
-        "translates each line as it arrives)",
+        "decoded in input order, so output starts after one batch; a pipe that stalls has the lines that "
+        "arrived translated at once)",
     )
     inputs.add_argument(
         "--strict",
@@ -320,10 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-lang",
         default=None,
         help="target language code of a multilingual model (Marian's >>xx<< code, M2M100 / NLLB's forced "
-        "first token); an unknown or missing code is an error listing the model's codes",
+        "first token); an unknown code is an error listing the model's codes; without --source-lang / "
+        "--target-lang an M2M100 / NLLB model uses its tokenizer_config.json's defaults (named on stderr)",
     )
-    add_debug_flag(parser)
-    return parser
 
 
 def _finite_non_negative(value: float) -> bool:
@@ -453,38 +473,51 @@ def managed_dirs(path: Path) -> list:
     return run_managed_dirs(path)
 
 
-def _read_lines(stream, name: str) -> Iterator[tuple[str, str]]:
-    """``(line, "NAME, line N")`` for every line, read lazily (one line at a time, as a pipe
-    delivers them) by the package's one text rule (:func:`transformer_ext.text.iter_stream_lines`:
-    strict UTF-8, a leading BOM removed, ``\\n`` or ``\\r\\n`` line endings, a lone ``\\r`` an
-    error). Empty lines are kept (an empty translation, or an error naming the line with ``--strict``)."""
-    for n, line in enumerate(iter_stream_lines(stream, name), start=1):
-        yield line, f"{name}, line {n}"
+STALL_SECONDS = 0.05  # input that brings no new line for this long has stalled: translate what arrived
 
 
-def _file_lines(path: str) -> Iterator[tuple[str, str]]:
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise TranslationError(f"input file not found: {path}") from None
-    except IsADirectoryError:
-        raise TranslationError(f"--input {path} is a directory, expected a text file") from None
-    with f:
-        yield from _read_lines(f, path)
-
-
-def _iter_sources(args, stdin):
+class _Sources:
     """The sources in input order with where each came from (for error messages), read lazily:
-    a line is read when the translator asks for it (a window at a time)."""
-    for n, text in enumerate(args.text, start=1):
-        if text == "-":
-            yield from _read_lines(stdin, "stdin")
-        else:
-            yield check_argument_text(text, f"argument {n}"), f"argument {n}"
-    if args.input is not None:
-        yield from _file_lines(args.input)
-    if not args.text and args.input is None:
-        yield from _read_lines(stdin, "stdin")
+    a line is read when the translator asks for it, by the package's one text rule
+    (:func:`transformer_ext.text.iter_stream_lines`: strict UTF-8, a leading BOM removed, ``\\n``
+    or ``\\r\\n`` line endings, a lone ``\\r`` an error). Empty lines are kept (an empty
+    translation, or an error naming the line with ``--strict``). :meth:`ready` says whether the
+    next line has arrived (a pipe that stalls for :data:`STALL_SECONDS` has not)."""
+
+    def __init__(self, args, stdin):
+        self.args, self.stdin = args, stdin
+        self.stream: Optional[StreamLines] = None  # the stream being read
+
+    def ready(self) -> bool:
+        return self.stream is None or self.stream.ready(STALL_SECONDS)
+
+    def _lines(self, stream, name: str) -> Iterator[tuple[str, str]]:
+        self.stream = iter_stream_lines(stream, name)
+        for n, line in enumerate(self.stream, start=1):
+            yield line, f"{name}, line {n}"
+        self.stream = None
+
+    def _file(self, path: str) -> Iterator[tuple[str, str]]:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise TranslationError(f"input file not found: {path}") from None
+        except IsADirectoryError:
+            raise TranslationError(f"--input {path} is a directory, expected a text file") from None
+        with f:
+            yield from self._lines(f, path)
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        args = self.args
+        for n, text in enumerate(args.text, start=1):
+            if text == "-":
+                yield from self._lines(self.stdin, "stdin")
+            else:
+                yield check_argument_text(text, f"argument {n}"), f"argument {n}"
+        if args.input is not None:
+            yield from self._file(args.input)
+        if not args.text and args.input is None:
+            yield from self._lines(self.stdin, "stdin")
 
 
 def _load_translator(args) -> Translator:
@@ -622,8 +655,10 @@ def _run(args, stdin, stdout, stderr=None) -> int:
     translator.resolve_options(**options)  # every option checked before any line is read
     count = {"read": 0}
 
+    inputs = _Sources(args, stdin)
+
     def sources():
-        for text, origin in _iter_sources(args, stdin):
+        for text, origin in inputs:
             count["read"] += 1
             try:  # an input error names its line (the batches do not know lines)
                 translator.encode([text], strict=args.strict, long_lines=args.long_lines)
@@ -640,6 +675,7 @@ def _run(args, stdin, stdout, stderr=None) -> int:
             max_batch_tokens=args.max_batch_tokens,
             window=args.window,
             target_prefix=args.target_prefix,
+            ready=inputs.ready,
             **options,
         )
         for index, translation in enumerate(stream):

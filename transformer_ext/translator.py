@@ -112,8 +112,8 @@ class Translation(str):
     ``source``: the source text; ``texts``: the n-best translations, best first;
     ``hypotheses``: the search results behind them (:class:`transformer_ext.decoding.Hypothesis`:
     tokens, score, log-probability, per-token log-probabilities; greedy decoding computes them
-    with ``return_scores`` or sampling, else they are ``None``). An empty source (with
-    ``strict=False``) has the empty translation with one hypothesis of no tokens.
+    with ``return_scores`` or sampling, else they are ``None``). An empty source (unless
+    ``strict=True``) has the empty translation with one hypothesis of no tokens.
     """
 
     source: str
@@ -254,6 +254,48 @@ def _check_positive_int(name: str, value) -> int:
     return int(value)
 
 
+def _memory_headroom() -> Optional[int]:
+    """The bytes this process can still allocate: the smaller of what its address-space limit
+    (``ulimit -v``) leaves and the machine's available memory; None where neither can be told."""
+    room = []
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            room.append(max(0, soft - used))
+    except (ImportError, OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    room.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(room) if room else None
+
+
+_SHOWN_PIECES = 5  # unknown pieces a message lists
+
+
+def _unknown_pieces(tokenizer: Tokenizer, text: str, ids: Sequence[int], unk: int) -> str:
+    """What a subword tokenizer mapped to its unknown token in ``text``: the pieces (the
+    tokenizer's ``unknown_pieces``), else their count."""
+    finder = getattr(tokenizer, "unknown_pieces", None)
+    pieces = [p for p in finder(text) if p] if callable(finder) else []
+    count = len(pieces) or list(ids).count(unk)
+    what = "1 piece" if count == 1 else f"{count} pieces"
+    if not pieces:
+        return f"{what} outside the source vocabulary (the unknown token)"
+    shown = ", ".join(repr(p) for p in pieces[:_SHOWN_PIECES])
+    more = f" (and {len(pieces) - _SHOWN_PIECES} more)" if len(pieces) > _SHOWN_PIECES else ""
+    return f"{what} outside the source vocabulary: {shown}{more}"
+
+
 def is_export_dir(path: Union[str, os.PathLike]) -> bool:
     """Whether ``path`` is an export folder (it holds ``manifest.json``) rather than a model folder."""
     return os.path.isfile(os.path.join(os.fspath(path), MANIFEST_NAME))
@@ -333,8 +375,10 @@ class Translator:
         source_dir: the folder tokenizer and runner were loaded from (named in messages).
         source_lang, target_lang: the language codes of a multilingual model (the tokenizer's
             ``with_languages``: Marian's ``>>xx<<`` target token, M2M100 / NLLB's source token and
-            forced target token); an unknown or missing code is a :class:`TranslationError`
-            listing the codes the model knows, and so is a code for a model without languages.
+            forced target token); a code not given is the tokenizer's default (M2M100 / NLLB:
+            the checkpoint's ``tokenizer_config.json``; one warning names it); an unknown code,
+            or a missing one without a default, is a :class:`TranslationError` listing the codes
+            the model knows, and so is a code for a model without languages.
         pretrained: the :class:`transformer_ext.convert.GenerationDefaults` of a model converted
             from transformers (its ``generation_defaults.json``): every decode bans its banned
             tokens, forces the target-language token first when it says so, budgets
@@ -383,6 +427,7 @@ class Translator:
             )
         if source_lang is not None or target_lang is not None:
             tokenizer = _with_languages(tokenizer, source_lang, target_lang, source_dir)
+        _say_default_languages(tokenizer, source_lang, target_lang)
         self.tokenizer = tokenizer
         self.runner = runner
         self._parallel = None  # a SourceParallel over several runners (from_export_dir(workers=N))
@@ -654,8 +699,11 @@ class Translator:
                 ids = tokenizer.encode_source(text, unknown="unk")
                 report.unknown.append((i, str(exc)))
             else:
-                if not strict and unk is not None and unk in ids:
-                    report.unknown.append((i, f"{ids.count(unk)} unknown pieces"))
+                if unk is not None and unk in ids:  # a subword tokenizer maps them to <unk>
+                    detail = _unknown_pieces(tokenizer, text, ids, int(unk))
+                    if strict:
+                        raise _source_error(i, detail)
+                    report.unknown.append((i, detail))
             if len(ids) > limit:
                 if long_lines != "truncate":
                     raise _source_error(
@@ -754,6 +802,12 @@ class Translator:
         if n_best is None:  # an imported model's num_return_sequences, within the beam
             n_best = min(int(getattr(g, "n_best", None) or 1), beam_size)
         n_best = _check_positive_int("n_best", n_best)
+        vocab = int(self.info.tgt_vocab_size)
+        for name, value in (("beam size", beam_size), ("n_best", n_best)):
+            if value > vocab:
+                raise TranslationError(
+                    f"{name} {value} is more than the target vocabulary's {vocab} tokens; give at most {vocab}"
+                )
         sampling = self._resolve_sampling(given, pick, beam_size, n_best)
         length_penalty, alpha, early_stopping = self._resolve_scoring(given, g, pick)
         limits = self._resolve_limits(given, g, pick)
@@ -793,7 +847,7 @@ class Translator:
             forced_prefix=list(getattr(g, "forced_prefix", None) or ()),
             return_scores=bool(given["return_scores"]),
             return_attention=bool(given["return_attention"]),
-            strict=True if given["strict"] is None else given["strict"],
+            strict=bool(given["strict"]),
             long_lines=long_lines,
             explicit_budget=explicit_budget,
         )
@@ -924,8 +978,10 @@ class Translator:
           source (the last decoder layer's cross-attention averaged over its heads, as
           CTranslate2's): the eager runner, and ONNX Runtime on an export made with
           ``python -m export.onnx --attention``; other runners refuse it (:class:`TranslationError`);
-        * ``strict`` (True): an empty source or one with characters outside the vocabulary is an
-          error; False translates it (empty, or with the unknown token; one warning);
+        * ``strict`` (False, the command line's rule): an empty source has the empty
+          translation, characters or pieces outside the vocabulary become the unknown token
+          (one warning for the input, naming them); True makes both an error naming the source
+          and the characters or pieces (every tokenizer: characters, SentencePiece, converted);
           ``long_lines``: "error" (default) or "truncate" for sources longer than the model's positions;
         * ``batch_size``: sources decoded together (64); sources are sorted by length into batches.
 
@@ -1042,6 +1098,8 @@ class Translator:
                         f"the target prefix has {len(p)} tokens, more than the {int(budget[r])} this source may "
                         "generate (max_len_a, max_len_b, max_length)",
                     )
+        hypotheses = opts["beam_size"] if opts["sampling"] is None else max(opts["beam_size"], opts["n_best"])
+        self._check_memory(len(encoded), hypotheses, int(lengths.max()), int(budget.max()))
         common = dict(
             bos_id=self.bos_id,
             eos_id=self.eos_id,
@@ -1089,6 +1147,26 @@ class Translator:
             for row in out
         ]
 
+    def _check_memory(self, sources: int, hypotheses: int, src_len: int, steps: int) -> None:
+        """Refuse, before anything is allocated, a batch whose search state alone (the decoder's
+        self- and cross-attention caches, a step's scores and the token history of every row)
+        exceeds the memory this process can still allocate."""
+        have = _memory_headroom()
+        if have is None:
+            return
+        info = self.info
+        rows = sources * hypotheses
+        item = 2 if info.precision in ("fp16", "bf16") else 4
+        cache = 2 * info.n_layers * (steps + 1 + src_len) * info.d_model * item
+        need = rows * (cache + 3 * 4 * info.tgt_vocab_size + 3 * 8 * (steps + 1))
+        if need > have:
+            raise TranslationError(
+                f"a batch of {sources} sources x {hypotheses} hypotheses ({src_len} source tokens, up to "
+                f"{steps} generated) needs about {need / 2**30:.2f} GiB for its search state, more than "
+                f"the {have / 2**30:.2f} GiB this process can still allocate; lower beam_size (--beam) "
+                "or batch_size (--batch-size, --max-batch-tokens)"
+            )
+
     # ------------------------------------------------------------------ streaming and scoring
     def translate_iterable(
         self,
@@ -1097,6 +1175,7 @@ class Translator:
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         window: int = DEFAULT_WINDOW,
         target_prefix: Optional[str] = None,
+        ready: Optional[Callable[[], bool]] = None,
         **options,
     ):
         """Translate ``lines`` lazily: read ``window`` lines at a time, sort them by length, decode
@@ -1106,7 +1185,9 @@ class Translator:
         :meth:`translate`; ``batch_size`` (given here or to the translator) caps the sources of a
         batch, which are otherwise bounded only by ``max_batch_tokens`` and the runner's limits;
         one warning for the whole input when ``strict=False`` or ``long_lines="truncate"``
-        changed lines.
+        changed lines. ``ready``: whether the next line has arrived
+        (:meth:`transformer_ext.text.StreamLines.ready`); when it has not, the lines read so far
+        are translated before waiting (an interactive pipe gets each answer).
         """
         from .batching import translate_iterable
 
@@ -1141,6 +1222,7 @@ class Translator:
                 max_batch_tokens=max_batch_tokens,
                 max_batch_size=size if size < sys.maxsize else None,
                 window=window,
+                ready=ready,
             )
         finally:
             report.warn()
@@ -1290,6 +1372,29 @@ def _with_languages(
         return tokenizer.with_languages(source_lang, target_lang)
     except TokenizerError as exc:
         raise TranslationError(str(exc)) from None
+
+
+def _say_default_languages(
+    tokenizer: Optional[Tokenizer], source_lang: Optional[str], target_lang: Optional[str]
+) -> None:
+    """One warning naming the languages a multilingual tokenizer uses by default (M2M100 / NLLB:
+    the ``src_lang`` / ``tgt_lang`` of the checkpoint's ``tokenizer_config.json``) for the codes
+    not given."""
+    used, flags = [], []
+    for side, given in (("source", source_lang), ("target", target_lang)):
+        default = getattr(tokenizer, f"{side}_lang", None)
+        if given is None and isinstance(default, str):
+            used.append(f"the {side} language {default!r}")
+            flags.append(f"--{side}-lang")
+    if used:
+        logger.warning(
+            "no %s given: translating with %s, the defaults of the checkpoint's tokenizer_config.json "
+            "(give %s, or %s= to the Translator, to choose)",
+            " / ".join(flags),
+            " and ".join(used),
+            " / ".join(flags),
+            " / ".join(f.lstrip("-").replace("-", "_") for f in flags),
+        )
 
 
 def _load_folder_tokenizer(model_dir: Path) -> Optional[Tokenizer]:
