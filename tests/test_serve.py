@@ -304,11 +304,14 @@ def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
 
 def test_request_timeout_answers_504_and_its_source_is_not_run(held_server):
     before = held_server.metric("translate_batch_sources_sum", model="demo")
-    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo")
+    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo", reason="timeout")
     answer = held_server.client.post("/v1/translate", json={"text": "seven"})
     assert answer.status_code == 504 and "timeout" in answer.json()["error"]
     _wait_for(
-        lambda: held_server.metric("translate_cancelled_sources_total", model="demo") == cancelled + 1,
+        lambda: (
+            held_server.metric("translate_cancelled_sources_total", model="demo", reason="timeout")
+            == cancelled + 1
+        ),
         "the timed-out source leaves",
     )
     assert held_server.metric("translate_batch_sources_sum", model="demo") == before  # nothing was run for it
@@ -316,7 +319,7 @@ def test_request_timeout_answers_504_and_its_source_is_not_run(held_server):
 
 def test_client_disconnect_cancels_its_work(held_server):
     before = held_server.metric("translate_batch_sources_sum", model="demo")
-    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo")
+    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo", reason="disconnect")
     with pytest.raises(httpx.ReadTimeout):
         held_server.client.post("/v1/translate", json={"text": "seven"}, timeout=0.3)
     _wait_for(
@@ -324,10 +327,29 @@ def test_client_disconnect_cancels_its_work(held_server):
         "the disconnect is recorded",
     )
     _wait_for(
-        lambda: held_server.metric("translate_cancelled_sources_total", model="demo") == cancelled + 1,
+        lambda: (
+            held_server.metric("translate_cancelled_sources_total", model="demo", reason="disconnect")
+            == cancelled + 1
+        ),
         "the source of the client that left leaves",
     )
     assert held_server.metric("translate_batch_sources_sum", model="demo") == before  # nothing was run for it
+
+
+def test_a_stream_whose_client_leaves_cancels_its_work(held_server):
+    before = held_server.metric("translate_batch_sources_sum", model="demo")
+    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo", reason="disconnect")
+    with httpx.Client(base_url=held_server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/translate/stream", json={"text": ["seven", "eight"]}) as answer:
+            assert answer.status_code == 200  # the headers came; the client leaves before any line
+    _wait_for(
+        lambda: (
+            held_server.metric("translate_cancelled_sources_total", model="demo", reason="disconnect")
+            == cancelled + 2
+        ),
+        "the stream's sources leave",
+    )
+    assert held_server.metric("translate_batch_sources_sum", model="demo") == before
 
 
 def test_a_full_queue_answers_429_with_retry_after(demo_translator):

@@ -386,6 +386,8 @@ class ServeState:
                 self.idle.set()
 
     def cancel(self, model: ServedModel, job: Job, error: JobError) -> None:
+        if job.cancel_status is None:
+            job.cancel_status = error.status
         self.schedulers[model.name].cancel(job)
         job.finish(error)
 

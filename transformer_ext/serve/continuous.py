@@ -172,7 +172,7 @@ class ContinuousScheduler(Scheduler):
                 self._state.cancel(key)
                 self._leave(key, job)
                 if self.metrics is not None:
-                    self.metrics.cancelled(self.name, 1)
+                    self.metrics.cancelled(self.name, 1, job.cancel_reason)
                 job.finish(JobError(504, "the request timed out"))  # no-op when it already ended
 
     def _leave(self, key: tuple, job: Job) -> None:

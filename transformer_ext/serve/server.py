@@ -61,6 +61,7 @@ class DrainingServer(uvicorn.Server):
         except asyncio.TimeoutError:
             logger.warning("drain timeout (%g s): %d requests end with 503", timeout, len(state.jobs))
             for job in list(state.jobs):
+                job.cancel_status = 503
                 for scheduler in state.schedulers.values():
                     scheduler.cancel(job)
                 job.finish(JobError(503, "the server shut down before this request finished (drain timeout)"))
