@@ -104,6 +104,20 @@ def demo_translator() -> Translator:
 
 
 @pytest.fixture(scope="module")
+def solo(demo_translator):
+    """The oracle: ``Translator.translate`` of one source alone (each computed once)."""
+    cache: dict = {}
+
+    def translate(text: str, **options):
+        key = (text, tuple(sorted(options.items())))
+        if key not in cache:
+            cache[key] = demo_translator.translate([text], **options)[0]
+        return cache[key]
+
+    return translate
+
+
+@pytest.fixture(scope="module")
 def static_server():
     server = Server("--batching", "static", "--languages", "en-de", "--max-sources", "8")
     yield server
@@ -115,25 +129,23 @@ def static_server():
 # ------------------------------------------------------------------------------------------
 
 
-def test_translate_list_and_one_string(static_server, demo_translator):
+def test_translate_list_and_one_string(static_server, solo):
     answer = static_server.client.post("/v1/translate", json={"text": DEMO_SOURCES})
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert body["model"] == "demo"
-    assert [t["text"] for t in body["translations"]] == [
-        str(demo_translator.translate([s])[0]) for s in DEMO_SOURCES
-    ]
+    assert [t["text"] for t in body["translations"]] == [str(solo(s)) for s in DEMO_SOURCES]
     one = static_server.client.post("/v1/translate", json={"text": "forty-two"}).json()
     assert one["translations"] == [{"text": "zweiundvierzig"}]
 
 
-def test_translate_beam_n_best_and_scores(static_server, demo_translator):
+def test_translate_beam_n_best_and_scores(static_server, solo):
     answer = static_server.client.post(
         "/v1/translate", json={"text": "seven", "beam_size": 4, "num_hypotheses": 3, "return_scores": True}
     )
     assert answer.status_code == 200, answer.text
     (item,) = answer.json()["translations"]
-    expected = demo_translator.translate(["seven"], beam_size=4, n_best=3)[0]
+    expected = solo("seven", beam_size=4, n_best=3)
     assert [h["text"] for h in item["hypotheses"]] == expected.texts
     assert [h["score"] for h in item["hypotheses"]] == pytest.approx(
         [h.score for h in expected.hypotheses], abs=1e-5
@@ -141,14 +153,14 @@ def test_translate_beam_n_best_and_scores(static_server, demo_translator):
     assert item["text"] == expected.texts[0] and item["score"] == pytest.approx(expected.score, abs=1e-5)
 
 
-def test_stream_is_one_ndjson_line_per_source_then_done(static_server, demo_translator):
+def test_stream_is_one_ndjson_line_per_source_then_done(static_server, solo):
     with static_server.client.stream("POST", "/v1/translate/stream", json={"text": DEMO_SOURCES}) as answer:
         assert answer.status_code == 200
         assert answer.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in answer.iter_lines() if line]
     assert lines[-1] == {"done": True, "model": "demo"}
     got = {line["index"]: line["text"] for line in lines[:-1]}
-    assert got == {i: str(demo_translator.translate([s])[0]) for i, s in enumerate(DEMO_SOURCES)}
+    assert got == {i: str(solo(s)) for i, s in enumerate(DEMO_SOURCES)}
 
 
 def test_models_lists_the_model_and_its_defaults(static_server):
@@ -164,32 +176,30 @@ def test_models_lists_the_model_and_its_defaults(static_server):
 # ------------------------------------------------------------------------------------------
 
 
-def test_libretranslate_json_form_and_list(static_server, demo_translator):
+def test_libretranslate_json_form_and_list(static_server, solo):
     client = static_server.client
     answer = client.post(
         "/translate", json={"q": "forty-two", "source": "en", "target": "de", "format": "text"}
     )
     assert answer.status_code == 200 and answer.json() == {"translatedText": "zweiundvierzig"}
     form = client.post("/translate", data={"q": "seven", "source": "en", "target": "de"})
-    assert form.status_code == 200 and form.json() == {
-        "translatedText": str(demo_translator.translate(["seven"])[0])
-    }
+    assert form.status_code == 200 and form.json() == {"translatedText": str(solo("seven"))}
     many = client.post("/translate", json={"q": DEMO_SOURCES[:2], "source": "en", "target": "de"}).json()
-    assert many == {"translatedText": [str(demo_translator.translate([s])[0]) for s in DEMO_SOURCES[:2]]}
+    assert many == {"translatedText": [str(solo(s)) for s in DEMO_SOURCES[:2]]}
     auto = client.post("/translate", json={"q": "seven", "source": "auto", "target": "de"}).json()
     assert auto["detectedLanguage"]["language"] == "en"
     alts = client.post(
         "/translate", json={"q": "seven", "source": "en", "target": "de", "alternatives": 2}
     ).json()
-    expected = demo_translator.translate(["seven"], beam_size=3, n_best=3)[0]
+    expected = solo("seven", beam_size=3, n_best=3)
     assert alts == {"translatedText": expected.texts[0], "alternatives": expected.texts[1:]}
 
 
-def test_an_existing_libretranslate_client_works_unchanged(static_server, demo_translator):
+def test_an_existing_libretranslate_client_works_unchanged(static_server, solo):
     libretranslatepy = pytest.importorskip("libretranslatepy")
     client = libretranslatepy.LibreTranslateAPI(static_server.url)
     assert client.translate("forty-two", "en", "de") == "zweiundvierzig"
-    assert client.translate("seven", "en", "de") == str(demo_translator.translate(["seven"])[0])
+    assert client.translate("seven", "en", "de") == str(solo("seven"))
     assert client.languages() == [{"code": "en", "name": "en", "targets": ["de"]}]
 
 
@@ -556,7 +566,7 @@ def _contract_api(translator):
     return (Options, state, Request), texts
 
 
-def test_continuous_scheduler_admits_between_steps_within_the_row_limit(demo_translator):
+def test_continuous_scheduler_admits_between_steps_within_the_row_limit(solo, demo_translator):
     import socket
 
     import uvicorn
@@ -619,7 +629,7 @@ def test_continuous_scheduler_admits_between_steps_within_the_row_limit(demo_tra
         assert joined, "no source joined a running batch"
         tokens = [e["tokens"] for e in events if "tokens" in e]
         final = [e for e in events if "text" in e and "tokens" not in e]
-        expected = demo_translator.translate(["one thousand and one"])[0]
+        expected = solo("one thousand and one")
         assert (
             tokens
             and all(a == b[: len(a)] for a, b in zip(tokens, tokens[1:]))
@@ -667,3 +677,30 @@ def test_m2m100_requests_of_different_target_languages(tmp_path_factory):
         assert "fr" in languages["en"] and "en" not in languages["en"]
     finally:
         assert server.stop() == 0
+
+
+# ------------------------------------------------------------------------------------------
+# the command line
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-sources", "10", "--max-queue", "5"], "--max-sources (10) cannot exceed --max-queue (5)"),
+        (["--model", "a=b=c"], "no such folder"),
+        (["--languages", "english"], "expected SRC-TGT"),
+        (["--port", "70000"], "0-65535"),
+    ],
+)
+def test_command_line_errors_are_one_line(args, message):
+    answer = subprocess.run(
+        [sys.executable, "-m", "transformer_ext.serve", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=REPO,
+        timeout=120,
+    )
+    assert answer.returncode in (1, 2) and message in answer.stderr, answer.stderr
+    assert "Traceback" not in answer.stderr

@@ -476,6 +476,7 @@ class _Guard:
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
+                        status["code"] = 499  # the client left while sending its body
                         return
                     body += message.get("body", b"")
                     if len(body) > limit:
