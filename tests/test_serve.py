@@ -530,19 +530,24 @@ def _contract_api(translator):
     from typing import Any, Optional
 
     @dataclass(frozen=True)
-    class Options:
+    class Options:  # the fields of transformer_ext.decoding.SearchOptions
         beam_size: int = 1
         num_hypotheses: int = 1
-        length_penalty: str = "gnmt"
-        alpha: float = 0.6
+        length_penalty: float = 0.6
+        length_penalty_type: str = "gnmt"
         early_stopping: Any = None
+        renormalize_logits: bool = False
         max_decoding_length: int = 256
         min_decoding_length: int = 0
-        return_scores: bool = False
+        repetition_penalty: float = 1.0
+        no_repeat_ngram_size: int = 0
+        banned_ids: tuple = ()
+        force_eos_at_budget: bool = False
         sampling_topk: int = 1
         sampling_topp: float = 1.0
         sampling_temperature: float = 1.0
         seed: Optional[int] = None
+        return_scores: bool = False
 
     @dataclass
     class Request:
