@@ -709,3 +709,74 @@ def test_command_line_errors_are_one_line(args, message):
     )
     assert answer.returncode in (1, 2) and message in answer.stderr, answer.stderr
     assert "Traceback" not in answer.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# continuous batching on the real step-wise search state
+# ------------------------------------------------------------------------------------------
+
+
+def _require_stepwise():
+    from transformer_ext.serve.continuous import StepwiseUnavailable, stepwise_api
+
+    try:
+        stepwise_api()
+    except StepwiseUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def test_continuous_batching_gives_each_source_its_solo_result(solo, tmp_path_factory):
+    """Sources of concurrent requests with different options share the running batch (at most
+    6 rows: later ones join between steps); each result is its translation alone."""
+    _require_stepwise()
+    server = Server("--batching", "continuous", "--max-batch-rows", "6")
+    try:
+        cases = [
+            ({"text": s}, {}) for s in DEMO_SOURCES + ["eight hundred and five", "ninety-nine", "twelve"]
+        ] + [
+            ({"text": "seven", "beam_size": 4, "num_hypotheses": 2}, {"beam_size": 4, "n_best": 2}),
+            ({"text": "forty-two", "beam_size": 3}, {"beam_size": 3}),
+            (
+                {"text": "one thousand and one", "sampling_topk": 5, "seed": 7},
+                {"sampling_topk": 5, "seed": 7},
+            ),
+            ({"text": "six", "target_prefix": "sech"}, {"target_prefix": "sech"}),
+        ]
+        with ThreadPoolExecutor(len(cases)) as pool:
+            answers = list(pool.map(lambda c: server.client.post("/v1/translate", json=c[0]), cases))
+        for (body, options), answer in zip(cases, answers):
+            assert answer.status_code == 200, answer.text
+            expected = solo(body["text"], **options)
+            got = answer.json()["translations"][0]
+            assert got["text"] == expected.texts[0], body
+            if "num_hypotheses" in body:
+                assert [h["text"] for h in got["hypotheses"]] == expected.texts
+        assert server.metric("translate_batch_rows_count", model="demo") >= 1
+    finally:
+        assert server.stop() == 0
+
+
+def test_continuous_batching_mixes_m2m100_language_pairs(tmp_path_factory):
+    _require_stepwise()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hf_checkpoints import sample_lines, write_m2m100
+
+    from transformer_ext.convert import convert_transformers
+
+    root = tmp_path_factory.mktemp("serve_m2m100_continuous")
+    folder = convert_transformers(write_m2m100(root / "hf", seed=3), root / "m2m100")
+    sources = sample_lines(3, seed=11)
+    targets = ["de", "fr", "es"]
+    oracle = {t: Translator.from_model_dir(folder, source_lang="en", target_lang=t) for t in targets}
+    server = Server("--model", f"m2m={folder}", "--batching", "continuous")
+    try:
+        bodies = [{"text": s, "source_lang": "en", "target_lang": t} for s in sources for t in targets]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: server.client.post("/v1/translate", json=b), bodies))
+        for body, answer in zip(bodies, answers):
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["translations"] == [
+                {"text": str(oracle[body["target_lang"]].translate([body["text"]])[0])}
+            ]
+    finally:
+        assert server.stop() == 0

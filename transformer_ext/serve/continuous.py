@@ -151,12 +151,13 @@ class ContinuousScheduler(Scheduler):
                 return
             try:
                 requests = self._requests(job)
+            except (TranslationError, ValueError, TypeError) as exc:  # this request's options or sources
+                job.finish(JobError(400, str(exc)))
+                continue
+            try:
                 if self._state is None:
                     self._state = self._new_state()
                 self._state.admit(requests)
-            except TranslationError as exc:
-                job.finish(JobError(400, str(exc)))
-                continue
             except Exception as exc:
                 logger.exception("model %s failed admitting %d sources", self.name, len(job.sources))
                 message = f"the model failed on this batch ({type(exc).__name__})"
@@ -232,7 +233,7 @@ class ContinuousScheduler(Scheduler):
             job.deliver(i, Translation(job.sources[i], [tok.decode_target(h.tokens) for h in hyps], hyps))
         for key, (job, i, _) in self._open.items():
             if job.stream_tokens:
-                tokens = list(state.partial(key))
+                tokens = [int(t) for t in state.partial(key)]
                 if len(tokens) > self._partial.get(key, 0):
                     self._partial[key] = len(tokens)
                     job.token(i, tokens)
