@@ -416,6 +416,20 @@ def test_sigterm_drains_accepted_work_and_exits_0_without_torch(tmp_path_factory
         server.stop()
 
 
+def test_work_left_at_the_drain_timeout_answers_503_and_the_server_exits_0():
+    server = Server("--batching", "static", "--batch-wait", "5", "--drain-timeout", "0.5")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(server.client.post, "/v1/translate", json={"text": "seven"})
+            _wait_for(lambda: server.metric("translate_requests_in_flight") == 1, "the request is accepted")
+            server.proc.send_signal(signal.SIGTERM)
+            answer = pending.result(timeout=120)
+        assert answer.status_code == 503 and "drain timeout" in answer.json()["error"], answer.text
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+
+
 class _PoisonedRunner:
     """A runner that fails on any batch holding the token ``poison`` (a model run that raises)."""
 
