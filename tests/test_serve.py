@@ -794,3 +794,46 @@ def test_continuous_batching_mixes_m2m100_language_pairs(tmp_path_factory):
             ]
     finally:
         assert server.stop() == 0
+
+
+# ------------------------------------------------------------------------------------------
+# the benchmark's smoke run
+# ------------------------------------------------------------------------------------------
+
+
+def test_bench_serve_smoke_run_writes_json_and_plot(tmp_path):
+    out = tmp_path / "bench_serve.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "bench_serve",
+            "--clients",
+            "1,2",
+            "--requests",
+            "2",
+            "--lines",
+            "4",
+            "--modes",
+            "none,ctranslate2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    rows = payload["modes"]["none"]
+    assert [r["clients"] for r in rows] == [1, 2] and [r["requests"] for r in rows] == [2, 4]
+    assert all(r["statuses"] == {"200": r["requests"]} and r["wrong_200_answers"] == 0 for r in rows)
+    assert (
+        payload["offline_translate_iterable"]["sentences_per_s"] > 0
+        and "load_average_before" in payload["machine"]
+    )
+    assert "ctranslate2" in payload["modes"] or "ctranslate2" in payload["skipped"]
+    assert (tmp_path / "bench_serve.png").stat().st_size > 0
