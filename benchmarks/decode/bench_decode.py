@@ -947,6 +947,51 @@ def plot(results: dict, path: str) -> None:
     save_figure(fig, path)
 
 
+def _model_folder(artifacts: str | None, model_name: str) -> str:
+    """Where ``model_name``'s engines are built: ``<artifacts>/<model>`` (reused when this benchmark
+    prepared it), or a new temporary folder."""
+    if not artifacts:
+        return _scratch_dir(f"bench_decode_{model_name}_")
+    scratch = os.path.join(os.path.abspath(artifacts), model_name)
+    if not os.path.isfile(os.path.join(scratch, PREPARED)) and os.path.exists(scratch):
+        raise ValueError(
+            f"--artifacts: {scratch} exists but was not prepared by this benchmark "
+            f"(no {PREPARED}); choose a new folder"
+        )
+    os.makedirs(scratch, exist_ok=True)
+    return scratch
+
+
+def _measure_setting(entry, engines, paths, config, threads, modes, batch_sizes, repeats, model_name) -> None:
+    """Every case of one thread setting (``threads``: N, or WxT for a split), each engine in a
+    worker process of its own, appended to ``entry["cases"]``."""
+    workers: dict = {}
+    n_workers = setting_workers(threads)
+    # a split setting runs the engines that can split a batch
+    setting_engines = [e for e in engines if n_workers == 1 or e.worker in SPLITTABLE]
+    try:
+        for e in setting_engines:
+            extra = {"workers": n_workers} if n_workers > 1 else None
+            workers[e.name] = EngineProcess(
+                e, paths[e.artifact], setting_threads(threads), config, extra=extra
+            )
+            entry["workers"][f"{e.name}/{threads}"] = workers[e.name].info
+        for mode in modes:
+            for batch in batch_sizes:
+                if batch < n_workers:
+                    continue  # nothing to split
+                logger.info("%s %s batch %d, %s thread(s) ...", model_name, mode, batch, threads)
+                case = measure_case(workers, setting_engines, mode, batch, config, repeats)
+                case["threads"] = threads
+                for name, e in case["engines"].items():
+                    if "tokens_per_second" in e:
+                        logger.info("  %-17s %8.1f tokens/s", name, e["tokens_per_second"])
+                entry["cases"].append(case)
+    finally:
+        for w in workers.values():
+            w.close()
+
+
 def run(
     models: list[str],
     engine_names: list[str] | None = None,
@@ -994,17 +1039,7 @@ def run(
         "load_average_start": os.getloadavg(),
     }
     for model_name in models:
-        if artifacts:
-            scratch = os.path.join(os.path.abspath(artifacts), model_name)
-            if not os.path.isfile(os.path.join(scratch, PREPARED)) and os.path.exists(scratch):
-                raise ValueError(
-                    f"--artifacts: {scratch} exists but was not prepared by this benchmark "
-                    f"(no {PREPARED}); choose a new folder"
-                )
-            os.makedirs(scratch, exist_ok=True)
-        else:
-            scratch = _scratch_dir(f"bench_decode_{model_name}_")
-        paths, nbytes, config = prepare(model_name, engines, scratch)
+        paths, nbytes, config = prepare(model_name, engines, _model_folder(artifacts, model_name))
         if prepare_only:
             continue
         entry = {
@@ -1015,31 +1050,7 @@ def run(
             "cases": [],
         }
         for threads in threads_list:
-            workers: dict = {}
-            n_workers = setting_workers(threads)
-            # a split setting runs the engines that can split a batch
-            setting_engines = [e for e in engines if n_workers == 1 or e.worker in SPLITTABLE]
-            try:
-                for e in setting_engines:
-                    extra = {"workers": n_workers} if n_workers > 1 else None
-                    workers[e.name] = EngineProcess(
-                        e, paths[e.artifact], setting_threads(threads), config, extra=extra
-                    )
-                    entry["workers"][f"{e.name}/{threads}"] = workers[e.name].info
-                for mode in modes:
-                    for batch in batch_sizes:
-                        if batch < n_workers:
-                            continue  # nothing to split
-                        logger.info("%s %s batch %d, %s thread(s) ...", model_name, mode, batch, threads)
-                        case = measure_case(workers, setting_engines, mode, batch, config, repeats)
-                        case["threads"] = threads
-                        for name, e in case["engines"].items():
-                            if "tokens_per_second" in e:
-                                logger.info("  %-17s %8.1f tokens/s", name, e["tokens_per_second"])
-                        entry["cases"].append(case)
-            finally:
-                for w in workers.values():
-                    w.close()
+            _measure_setting(entry, engines, paths, config, threads, modes, batch_sizes, repeats, model_name)
             entry["bandwidth_floor_batch1"] = bandwidth_floors(entry["cases"], nbytes, engines, machine)
             results["models"][model_name] = entry
             # what is measured so far, in case the run is cut short (the final write replaces it)

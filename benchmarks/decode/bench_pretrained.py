@@ -478,6 +478,96 @@ def summary_table(results: dict) -> str:
 # ------------------------------------------------------------------------------------------
 
 
+def _check_run_args(size_name, engine_names, modes, keep_artifacts, prepare_only) -> None:
+    if size_name not in SIZES:
+        raise ValueError(f"unknown size {size_name!r}; available: {sorted(SIZES)}")
+    if keep_artifacts is not None and os.path.lexists(keep_artifacts):
+        raise ValueError(f"--keep-artifacts {keep_artifacts}: it exists; give a folder to create")
+    if prepare_only and keep_artifacts is None:
+        raise ValueError("--prepare-only needs --keep-artifacts DIR (where the models are left)")
+    if engine_names is not None:
+        unknown = sorted(set(engine_names) - set(ENGINE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown engines {unknown}; available: {ENGINE_NAMES}")
+    bad_modes = sorted(set(modes) - set(MODES))
+    if bad_modes:
+        raise ValueError(f"unknown modes {bad_modes}; available: {list(MODES)}")
+
+
+def _select_engines(engine_names, reasons) -> tuple[list, dict, dict]:
+    """The engines to run (those asked for whose environment is usable), the environment of each,
+    and the skipped ones with the reason."""
+    engines, envs, skipped = [], {}, {}
+    for engine, env in ENGINES:
+        if engine_names is not None and engine.name not in engine_names:
+            continue
+        if reasons[env]:
+            skipped[engine.name] = reasons[env]
+            logger.warning("skipping %s: %s", engine.name, reasons[env])
+            continue
+        engines.append(engine)
+        envs[engine.name] = env
+    if not engines:
+        raise ValueError("no engine left to run")
+    return engines, envs, skipped
+
+
+def _measure_setting(
+    entry, engines, envs, pythons, paths, size_name, size, threads, modes, batch_sizes, rounds
+):
+    """Every case of one thread setting, each engine in a worker process of its own, appended to
+    ``entry["cases"]``."""
+    pad = size["vocab_size"] - 1
+    workers: dict = {}
+    n_workers = setting_workers(threads)
+    # a split setting runs the engines whose worker can split a batch
+    setting_engines = [e for e in engines if n_workers == 1 or e.worker in SPLITTABLE]
+    try:
+        for e in setting_engines:
+            more: dict = {"banned_ids": [pad]}
+            if e.worker == "ctranslate2":
+                more["vocabulary"] = os.path.join(paths[e.artifact], "shared_vocabulary.json")
+            if n_workers > 1:
+                more["workers"] = n_workers
+            workers[e.name] = EngineProcess(
+                e,
+                paths[e.artifact],
+                setting_threads(threads),
+                {"bos_id": pad, "eos_id": EOS},
+                python=pythons[envs[e.name]],
+                extra=more,
+            )
+            entry["workers"][f"{e.name}/{threads}"] = workers[e.name].info
+        for mode in modes:
+            for batch in batch_sizes:
+                if batch < n_workers:
+                    continue  # nothing to split
+                logger.info("%s %s batch %d, %s thread(s) ...", size_name, mode, batch, threads)
+                case = measure_case(
+                    workers,
+                    setting_engines,
+                    mode,
+                    batch,
+                    {},
+                    rounds,
+                    sources=make_sources(batch, size["src_len"], pad),
+                    new_tokens=size["new_tokens"],
+                    time_mismatched=True,
+                )
+                case["threads"] = threads
+                for name, e in case["engines"].items():
+                    differ = (
+                        ""
+                        if e.get("tokens_match", True)
+                        else f"  TOKENS DIFFER from {case['reference_engine']}"
+                    )
+                    logger.info("  %-17s %8.1f tokens/s%s", name, e["tokens_per_second"], differ)
+                entry["cases"].append(case)
+    finally:
+        for w in workers.values():
+            w.close()
+
+
 def run(
     size_name: str,
     out: str,
@@ -501,40 +591,16 @@ def run(
     written besides."""
     import tempfile
 
-    if size_name not in SIZES:
-        raise ValueError(f"unknown size {size_name!r}; available: {sorted(SIZES)}")
-    if keep_artifacts is not None and os.path.lexists(keep_artifacts):
-        raise ValueError(f"--keep-artifacts {keep_artifacts}: it exists; give a folder to create")
-    if prepare_only and keep_artifacts is None:
-        raise ValueError("--prepare-only needs --keep-artifacts DIR (where the models are left)")
-    if engine_names is not None:
-        unknown = sorted(set(engine_names) - set(ENGINE_NAMES))
-        if unknown:
-            raise ValueError(f"unknown engines {unknown}; available: {ENGINE_NAMES}")
-    bad_modes = sorted(set(modes) - set(MODES))
-    if bad_modes:
-        raise ValueError(f"unknown modes {bad_modes}; available: {list(MODES)}")
+    _check_run_args(size_name, engine_names, modes, keep_artifacts, prepare_only)
     size = SIZES[size_name]
     pythons = {"main": sys.executable, "optimum": optimum_python, "ct2": ct2_python}
     reasons = {env: check_python(env, pythons[env]) for env in ("main", "optimum", "ct2")}
-    engines, envs, skipped = [], {}, {}
-    for engine, env in ENGINES:
-        if engine_names is not None and engine.name not in engine_names:
-            continue
-        if reasons[env]:
-            skipped[engine.name] = reasons[env]
-            logger.warning("skipping %s: %s", engine.name, reasons[env])
-            continue
-        engines.append(engine)
-        envs[engine.name] = env
-    if not engines:
-        raise ValueError("no engine left to run")
+    engines, envs, skipped = _select_engines(engine_names, reasons)
     if keep_artifacts is not None:
         paths = _prepare_kept(size, engines, pythons, Path(keep_artifacts))
         if prepare_only:
             logger.info("models in %s: %s", keep_artifacts, ", ".join(sorted(paths)))
             return {"artifacts": paths}
-    pad = size["vocab_size"] - 1
     results: dict = {
         "size": size_name,
         "config": size,
@@ -564,59 +630,11 @@ def run(
     with tempfile.TemporaryDirectory(prefix="bench_pretrained_", dir=scratch) as tmp:
         if keep_artifacts is None:
             paths = prepare(size, engines, pythons, Path(tmp))
-        extra = {"banned_ids": [pad]}
         entry: dict = {"artifacts": sorted(paths), "workers": {}, "cases": []}
         for threads in threads_list:
-            workers: dict = {}
-            n_workers = setting_workers(threads)
-            # a split setting runs the engines whose worker can split a batch
-            setting_engines = [e for e in engines if n_workers == 1 or e.worker in SPLITTABLE]
-            try:
-                for e in setting_engines:
-                    more = dict(extra)
-                    if e.worker == "ctranslate2":
-                        more["vocabulary"] = os.path.join(paths[e.artifact], "shared_vocabulary.json")
-                    if n_workers > 1:
-                        more["workers"] = n_workers
-                    workers[e.name] = EngineProcess(
-                        e,
-                        paths[e.artifact],
-                        setting_threads(threads),
-                        {"bos_id": pad, "eos_id": EOS},
-                        python=pythons[envs[e.name]],
-                        extra=more,
-                    )
-                    entry["workers"][f"{e.name}/{threads}"] = workers[e.name].info
-                for mode in modes:
-                    for batch in batch_sizes:
-                        if batch < n_workers:
-                            continue  # nothing to split
-                        logger.info("%s %s batch %d, %s thread(s) ...", size_name, mode, batch, threads)
-                        case = measure_case(
-                            workers,
-                            setting_engines,
-                            mode,
-                            batch,
-                            {},
-                            rounds,
-                            sources=make_sources(batch, size["src_len"], pad),
-                            new_tokens=size["new_tokens"],
-                            time_mismatched=True,
-                        )
-                        case["threads"] = threads
-                        for name, e in case["engines"].items():
-                            logger.info(
-                                "  %-17s %8.1f tokens/s%s",
-                                name,
-                                e["tokens_per_second"],
-                                ""
-                                if e.get("tokens_match", True)
-                                else f"  TOKENS DIFFER from {case['reference_engine']}",
-                            )
-                        entry["cases"].append(case)
-            finally:
-                for w in workers.values():
-                    w.close()
+            _measure_setting(
+                entry, engines, envs, pythons, paths, size_name, size, threads, modes, batch_sizes, rounds
+            )
     results["models"][size_name] = entry
     results["ratios"] = ratios(entry["cases"])
     results["float32_tokens_agree"] = all(c["float32_tokens_agree"] for c in entry["cases"])

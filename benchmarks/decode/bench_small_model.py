@@ -210,6 +210,57 @@ def plot(payload: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _usable_engines(engines) -> tuple[list[str], str | None]:
+    """The engines asked for that can run here, and why CTranslate2 was left out (or None)."""
+    engines = list(engines or ENGINE_NAMES)
+    unknown = sorted(set(engines) - set(ALL_ENGINES))
+    if unknown:
+        raise ValueError(f"unknown engine(s) {unknown}: choose from {list(ALL_ENGINES)}")
+    missing = None
+    if "ctranslate2" in engines and not has_ctranslate2():
+        missing = CT2_MISSING
+        logger.warning("%s", CT2_MISSING)
+        engines.remove("ctranslate2")
+    if not engines:
+        raise ValueError("no engine left to time")
+    return engines, missing
+
+
+def _medians(engines, samples, options, workers) -> dict:
+    """Per engine: the median CPU and wall seconds over the rounds, its options and worker."""
+    results = {}
+    for n in engines:
+        results[n] = {
+            "cpu_seconds": statistics.median(s["cpu_seconds"] for s in samples[n]),
+            "wall_seconds": statistics.median(s["wall_seconds"] for s in samples[n]),
+            "options": options[n],
+            "worker": workers[n].info,
+            "samples": samples[n],
+        }
+        if samples[n] and "split" in samples[n][0]:
+            results[n]["split"] = {
+                k: statistics.median(s["split"][k] for s in samples[n]) for k in samples[n][0]["split"]
+            }
+    return results
+
+
+def _time_engines(workers, engines, lines, options, repeats):
+    """The outputs of each engine (an untimed first run) and its timed rounds, interleaved."""
+    outputs, samples = {}, {n: [] for n in engines}
+    for n in engines:  # untimed: a warm-up and the outputs
+        outputs[n] = workers[n](lines, options[n])[0]
+    for r in range(repeats):
+        order = engines[r % len(engines) :] + engines[: r % len(engines)]
+        for n in order:
+            _, cpu, wall, parts = workers[n](lines, options[n])
+            sample = {"cpu_seconds": cpu, "wall_seconds": wall, "load_1min": os.getloadavg()[0]}
+            if parts is not None:
+                sample["split"] = split_of(cpu, parts)
+            samples[n].append(sample)
+            logger.info("round %d %s: %.3f CPU s, %.3f s", r, n, cpu, wall)
+    return outputs, samples
+
+
 def run(
     *,
     lines_n: int = 5000,
@@ -228,17 +279,7 @@ def run(
 ) -> dict:
     from transformer_ext.batching import DEFAULT_MAX_BATCH_TOKENS
 
-    engines = list(engines or ENGINE_NAMES)
-    unknown = sorted(set(engines) - set(ALL_ENGINES))
-    if unknown:
-        raise ValueError(f"unknown engine(s) {unknown}: choose from {list(ALL_ENGINES)}")
-    missing = None
-    if "ctranslate2" in engines and not has_ctranslate2():
-        missing = CT2_MISSING
-        logger.warning("%s", CT2_MISSING)
-        engines.remove("ctranslate2")
-    if not engines:
-        raise ValueError("no engine left to time")
+    engines, missing = _usable_engines(engines)
     max_batch_tokens = max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
     ct2_max_batch_tokens = ct2_max_batch_tokens or max_batch_tokens
     lines = demo_lines(lines_n, seed)
@@ -262,34 +303,11 @@ def run(
             for n in engines
         }
         try:
-            outputs, samples = {}, {n: [] for n in engines}
-            for n in engines:  # untimed: a warm-up and the outputs
-                outputs[n] = workers[n](lines, options[n])[0]
-            for r in range(repeats):
-                order = engines[r % len(engines) :] + engines[: r % len(engines)]
-                for n in order:
-                    _, cpu, wall, parts = workers[n](lines, options[n])
-                    sample = {"cpu_seconds": cpu, "wall_seconds": wall, "load_1min": os.getloadavg()[0]}
-                    if parts is not None:
-                        sample["split"] = split_of(cpu, parts)
-                    samples[n].append(sample)
-                    logger.info("round %d %s: %.3f CPU s, %.3f s", r, n, cpu, wall)
+            outputs, samples = _time_engines(workers, engines, lines, options, repeats)
         finally:
             for w in workers.values():
                 w.close()
-    results = {}
-    for n in engines:
-        results[n] = {
-            "cpu_seconds": statistics.median(s["cpu_seconds"] for s in samples[n]),
-            "wall_seconds": statistics.median(s["wall_seconds"] for s in samples[n]),
-            "options": options[n],
-            "worker": workers[n].info,
-            "samples": samples[n],
-        }
-        if samples[n] and "split" in samples[n][0]:
-            results[n]["split"] = {
-                k: statistics.median(s["split"][k] for s in samples[n]) for k in samples[n][0]["split"]
-            }
+    results = _medians(engines, samples, options, workers)
     payload = {
         "benchmark": "bench_small_model",
         "settings": {
@@ -334,6 +352,37 @@ def run(
         plot(payload, os.path.splitext(out)[0] + ".png")
     payload["outputs"] = outputs  # returned, not written: per engine one (token ids, text) per line
     return payload
+
+
+def _print_summary(payload: dict, repeats: int) -> None:
+    """The medians per engine and the ratios against CTranslate2, as a table on stdout."""
+    for name, r in payload["results"].items():
+        print(f"{name:12s} {r['cpu_seconds']:8.3f} CPU s  {r['wall_seconds']:8.3f} s  (medians of {repeats})")
+        if "split" in r:
+            sp = r["split"]
+            print(
+                f"{'':12s} encoder graph {sp['encoder_graph_cpu_seconds']:.3f} s ({sp['encoder_calls']} calls), "
+                f"step graph {sp['step_graph_cpu_seconds']:.3f} s ({sp['step_calls']} calls), "
+                f"host {sp['host_cpu_seconds']:.3f} s"
+            )
+    for name, ratio in payload["over_ctranslate2_cpu"].items():
+        if name != "onnxrt":
+            a = payload["agreement_by_engine"][name]
+            print(
+                f"{name} / ctranslate2 CPU time: {ratio:.3f}; tokens equal on {a['lines_equal']} of {a['lines']} lines"
+            )
+    if payload["onnxrt_over_ctranslate2_cpu"] is not None:
+        a = payload["agreement"]
+        print(
+            f"onnxrt / ctranslate2 CPU time: {payload['onnxrt_over_ctranslate2_cpu']:.3f}; "
+            f"tokens equal on {a['lines_equal']} of {a['lines']} lines"
+        )
+        for m in a["mismatches"]:
+            print(
+                f"  line {m['line']}: {m['source']!r}: ours {m['onnxrt']!r}, CTranslate2 {m['ctranslate2']!r}"
+            )
+    elif payload["ctranslate2_missing"]:
+        print(payload["ctranslate2_missing"])
 
 
 def main(argv=None) -> int:
@@ -408,36 +457,8 @@ def main(argv=None) -> int:
         max_new_tokens=args.max_new_tokens,
         split=args.split,
     )
+    _print_summary(payload, args.repeats)
     load = payload["load_average"]
-    for name, r in payload["results"].items():
-        print(
-            f"{name:12s} {r['cpu_seconds']:8.3f} CPU s  {r['wall_seconds']:8.3f} s  (medians of {args.repeats})"
-        )
-        if "split" in r:
-            sp = r["split"]
-            print(
-                f"{'':12s} encoder graph {sp['encoder_graph_cpu_seconds']:.3f} s ({sp['encoder_calls']} calls), "
-                f"step graph {sp['step_graph_cpu_seconds']:.3f} s ({sp['step_calls']} calls), "
-                f"host {sp['host_cpu_seconds']:.3f} s"
-            )
-    for name, ratio in payload["over_ctranslate2_cpu"].items():
-        if name != "onnxrt":
-            a = payload["agreement_by_engine"][name]
-            print(
-                f"{name} / ctranslate2 CPU time: {ratio:.3f}; tokens equal on {a['lines_equal']} of {a['lines']} lines"
-            )
-    if payload["onnxrt_over_ctranslate2_cpu"] is not None:
-        a = payload["agreement"]
-        print(
-            f"onnxrt / ctranslate2 CPU time: {payload['onnxrt_over_ctranslate2_cpu']:.3f}; "
-            f"tokens equal on {a['lines_equal']} of {a['lines']} lines"
-        )
-        for m in a["mismatches"]:
-            print(
-                f"  line {m['line']}: {m['source']!r}: ours {m['onnxrt']!r}, CTranslate2 {m['ctranslate2']!r}"
-            )
-    elif payload["ctranslate2_missing"]:
-        print(payload["ctranslate2_missing"])
     print(f"load average before {load['before'][0]:.2f}, after {load['after'][0]:.2f}; written {args.out}")
     return 0
 

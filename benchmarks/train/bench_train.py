@@ -199,6 +199,54 @@ def run_worker(engine, T, dropout, steps, threads, profile=False):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _attention_share(sizes, engines, threads, out) -> None:
+    """Attention's share of one profiled step (dropout 0) per engine, added to the JSON at ``out``."""
+    shares = {}
+    for T in sizes:
+        for engine in ["ours", "three_step", "nn_transformer"] + [e for e in engines if e == "ours_bf16"]:
+            res = run_worker(engine, T, 0.0, 1, threads, profile=True)
+            shares.setdefault(str(T), {})[engine] = res["attention_share"]
+            logger.info(
+                "T=%3d %-15s attention share of a step %.1f%%", T, engine, 100 * res["attention_share"]
+            )
+    results = {}
+    if os.path.exists(out):
+        with open(out, encoding="utf-8") as f:
+            results = json.load(f)
+    results["attention_share_dropout0"] = shares
+    write_json(out, results)
+    logger.info("updated %s", out)
+
+
+def _cases(samples: dict) -> list[dict]:
+    """Per (T, dropout): the median tokens/s of each engine and the ratios, logged."""
+    cases = []
+    for (T, dropout), per in samples.items():
+        med = {e: statistics.median(v) for e, v in per.items()}
+        case = {"T": T, "dropout": dropout, "tokens_per_s": med, "samples": per}
+        if "nn_transformer" in med:
+            case["speedup_vs_nn_transformer"] = med["ours"] / med["nn_transformer"]
+            logger.info(
+                "T=%3d p=%.1f ours %8.0f tokens/s, nn.Transformer %8.0f tokens/s: %.2fx",
+                T,
+                dropout,
+                med["ours"],
+                med["nn_transformer"],
+                case["speedup_vs_nn_transformer"],
+            )
+        if "ours_bf16" in med:
+            case["speedup_bf16_vs_float32"] = med["ours_bf16"] / med["ours"]
+            logger.info(
+                "T=%3d p=%.1f ours --amp bf16 %8.0f tokens/s: %.2fx float32",
+                T,
+                dropout,
+                med["ours_bf16"],
+                case["speedup_bf16_vs_float32"],
+            )
+        cases.append(case)
+    return cases
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
@@ -251,21 +299,7 @@ def main(argv=None):
         engines.remove("ours_bf16")
     out = args.out or os.path.join(HERE, "results", "bench_train_cpu.json")
     if args.attention_share:
-        shares = {}
-        for T in sizes:
-            for engine in ["ours", "three_step", "nn_transformer"] + [e for e in engines if e == "ours_bf16"]:
-                res = run_worker(engine, T, 0.0, 1, args.threads, profile=True)
-                shares.setdefault(str(T), {})[engine] = res["attention_share"]
-                logger.info(
-                    "T=%3d %-15s attention share of a step %.1f%%", T, engine, 100 * res["attention_share"]
-                )
-        results = {}
-        if os.path.exists(out):
-            with open(out, encoding="utf-8") as f:
-                results = json.load(f)
-        results["attention_share_dropout0"] = shares
-        write_json(out, results)
-        logger.info("updated %s", out)
+        _attention_share(sizes, engines, args.threads, out)
         return
     samples: dict = {}
     load_before = os.getloadavg()  # other processes on the machine skew every ratio: recorded
@@ -284,30 +318,7 @@ def main(argv=None):
                         engine,
                         res["tokens_per_s"],
                     )
-    cases = []
-    for (T, dropout), per in samples.items():
-        med = {e: statistics.median(v) for e, v in per.items()}
-        case = {"T": T, "dropout": dropout, "tokens_per_s": med, "samples": per}
-        if "nn_transformer" in med:
-            case["speedup_vs_nn_transformer"] = med["ours"] / med["nn_transformer"]
-            logger.info(
-                "T=%3d p=%.1f ours %8.0f tokens/s, nn.Transformer %8.0f tokens/s: %.2fx",
-                T,
-                dropout,
-                med["ours"],
-                med["nn_transformer"],
-                case["speedup_vs_nn_transformer"],
-            )
-        if "ours_bf16" in med:
-            case["speedup_bf16_vs_float32"] = med["ours_bf16"] / med["ours"]
-            logger.info(
-                "T=%3d p=%.1f ours --amp bf16 %8.0f tokens/s: %.2fx float32",
-                T,
-                dropout,
-                med["ours_bf16"],
-                case["speedup_bf16_vs_float32"],
-            )
-        cases.append(case)
+    cases = _cases(samples)
     from benchmarks.ops.bench_attention import cpu_description
 
     torch.set_num_threads(args.threads)
