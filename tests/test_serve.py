@@ -410,7 +410,7 @@ def test_sigterm_drains_accepted_work_and_exits_0_without_torch(tmp_path_factory
         assert [t["text"] for t in answer.json()["translations"]] == [
             str(oracle.translate([s])[0]) for s in sources
         ]
-        assert server.proc.wait(60) == 0
+        assert server.proc.wait(60) == 0, "".join(server.log[-30:])
         assert not any("Traceback" in line for line in server.log), "".join(server.log)
     finally:
         server.stop()
@@ -425,7 +425,7 @@ def test_work_left_at_the_drain_timeout_answers_503_and_the_server_exits_0():
             server.proc.send_signal(signal.SIGTERM)
             answer = pending.result(timeout=120)
         assert answer.status_code == 503 and "drain timeout" in answer.json()["error"], answer.text
-        assert server.proc.wait(60) == 0
+        assert server.proc.wait(60) == 0, "".join(server.log[-30:])
     finally:
         server.stop()
 

@@ -109,12 +109,11 @@ async def _load(url: str, lines: list[str], clients: int, requests: int, expecte
 
     latencies: list[float] = []
     statuses: dict[str, int] = {}
-    wrong = 0
+    wrong = {"count": 0}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
 
         async def one_client(c: int) -> None:
-            nonlocal wrong
             for r in range(requests):
                 line = lines[(c * requests + r) % len(lines)]
                 start = time.perf_counter()
@@ -128,7 +127,7 @@ async def _load(url: str, lines: list[str], clients: int, requests: int, expecte
                 statuses[status] = statuses.get(status, 0) + 1
                 if answer is not None and answer.status_code == 200:
                     if answer.json()["translations"][0]["text"] != expected[line]:
-                        wrong += 1
+                        wrong["count"] += 1
 
         start = time.perf_counter()
         await asyncio.gather(*(one_client(c) for c in range(clients)))
@@ -143,7 +142,7 @@ async def _load(url: str, lines: list[str], clients: int, requests: int, expecte
         "latency_p95_s": _percentile(latencies, 0.95),
         "latency_p99_s": _percentile(latencies, 0.99),
         "statuses": statuses,
-        "wrong_200_answers": wrong,
+        "wrong_200_answers": wrong["count"],
     }
 
 
