@@ -14,16 +14,28 @@ Build options (environment variables, read once here):
 ``TRANSFORMER_EXT_DEPLOY``    ``1``: the deployment install: no compiled ops, no torch imported
                               here or required (``pip install .[deploy]`` adds ONNX Runtime
                               and numpy). Translating from an export folder needs nothing else.
+
+The full build compiles against the torch already installed (``pip install
+--no-build-isolation``, ``python -m build --no-isolation``); its wheel is a binary wheel that
+links against the torch it was compiled with and requires exactly that torch release. Where torch
+or a C++ compiler is missing, building the extension stops with one message that says what to
+install and names the torch-free deployment install, which needs neither.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
+import sysconfig
 
-from setuptools import Command, setup
+from setuptools import Command, Extension, setup
+from setuptools.command.build_ext import build_ext as _plain_build_ext
+from setuptools.command.dist_info import dist_info as _dist_info
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA_MODE = os.environ.get("TRANSFORMER_EXT_CUDA", "auto").strip().lower()
@@ -42,9 +54,18 @@ if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
     if os.path.exists("/usr/local/cuda/bin/nvcc"):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
+DEPLOY_HINT = (
+    "the torch-free deployment install needs neither torch nor a compiler: "
+    "TRANSFORMER_EXT_DEPLOY=1 pip install 'transformer_ext[deploy]' (docs/install.md)"
+)
+torch = cpp_extension = None
+TORCH_MISSING = ""
 if not DEPLOY:
-    import torch  # noqa: E402  (after CUDA_HOME is fixed: cpp_extension reads it at import)
-    from torch.utils import cpp_extension  # noqa: E402
+    try:  # after CUDA_HOME is fixed: cpp_extension reads it at import
+        import torch  # noqa: E402
+        from torch.utils import cpp_extension  # noqa: E402
+    except ImportError as exc:  # an isolated build environment, or no torch installed
+        TORCH_MISSING = str(exc).strip().splitlines()[0] if str(exc).strip() else "no module named 'torch'"
 
 
 def _nvcc_found() -> bool:
@@ -82,10 +103,16 @@ def _extra_cuda_includes() -> list[str]:
     return found[:1]
 
 
-def _extension():
+def _cpu_sources() -> list[str]:
     # the schemas, the backend-independent autograd kernels of the in-place ops, the CPU kernels
     sources = [os.path.join("csrc", "torch_bindings.cpp"), os.path.join("csrc", "inplace.cpp")]
-    sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    return sources + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+
+
+def _extension():
+    if torch is None:  # the build command stops with what to install (_MissingTorchBuild)
+        return Extension("transformer_ext._C", _cpu_sources())
+    sources = _cpu_sources()
     opt = ["-O0", "-g"] if DEBUG else ["-O3"]
     cxx = opt + ["-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
@@ -109,6 +136,61 @@ def _extension():
         extra_compile_args={"cxx": cxx},
         extra_link_args=["-fopenmp"],
     )
+
+
+def _cxx_compiler() -> str:
+    """The C++ compiler the extension build runs (``CXX``, else Python's configured one)."""
+    return os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+
+
+def _check_compiler() -> None:
+    cxx = _cxx_compiler()
+    words = shlex.split(cxx) or ["c++"]
+    if shutil.which(words[0]) is None:
+        sys.exit(
+            f"building transformer_ext._C, the compiled op library, needs a C++ compiler: {words[0]!r} "
+            "(CXX, else Python's configured compiler) was not found; install one (Debian/Ubuntu: "
+            f"apt-get install g++) or set CXX. Otherwise, {DEPLOY_HINT}"
+        )
+
+
+def _exit_torch_missing() -> None:
+    sys.exit(
+        f"building transformer_ext._C, the compiled op library, needs PyTorch in the build "
+        f"environment ({TORCH_MISSING}): install torch first (pip install 'torch>=2.11'), then "
+        "build without isolation so that the build sees it (pip install --no-build-isolation "
+        f"..., python -m build --no-isolation). Otherwise, {DEPLOY_HINT}"
+    )
+
+
+class _MissingTorchBuild(_plain_build_ext):
+    """The extension build where torch does not import: one message instead of a traceback."""
+
+    def run(self):
+        _exit_torch_missing()
+
+
+class _MissingTorchWheelMetadata(_dist_info):
+    """The wheel metadata where torch does not import (pip's isolated build of the sdist): the
+    same message at once, before pip resolves (downloads) the dependencies of a build that would
+    fail. The sdist itself needs no torch (``egg_info``, not this command)."""
+
+    def run(self):
+        _exit_torch_missing()
+
+
+def _build_ext_class():
+    if torch is None:
+        return _MissingTorchBuild
+
+    class build_ext(cpp_extension.BuildExtension):
+        """torch's extension build, after checking that a C++ compiler is there."""
+
+        def run(self):
+            _check_compiler()
+            super().run()
+
+    return build_ext
 
 
 class develop(Command):
@@ -141,12 +223,38 @@ def _requirements(name: str) -> list[str]:
     return [ln for ln in lines if ln and not ln.startswith("-")]
 
 
+def _install_requires() -> list[str]:
+    """The run-time dependencies: none for the deployment install; else requirements/runtime.txt
+    with its torch floor replaced by the torch the ops are compiled against (``torch==2.14.1`` for
+    ``2.14.1+cu130``: the C++ ABI of torch changes between releases, so a wheel's ``_C`` loads
+    only into that release). Where torch is missing the floor stays, and the build stops with
+    what to install."""
+    if DEPLOY:
+        return []
+    reqs = _requirements("requirements/runtime.txt")
+    if torch is None:
+        return reqs
+    built_against = str(torch.__version__).split("+", 1)[0]
+    return [f"torch=={built_against}" if _requirement_name(r) == "torch" else r for r in reqs]
+
+
+def _requirement_name(req: str) -> str:
+    """The project name a requirement line starts with (PEP 508), lower case."""
+    return re.match(r"\s*([A-Za-z0-9._-]*)", req).group(1).lower()
+
+
+def _cmdclass() -> dict:
+    if DEPLOY:
+        return {"develop": develop}
+    if torch is None:
+        return {"build_ext": _MissingTorchBuild, "dist_info": _MissingTorchWheelMetadata, "develop": develop}
+    return {"build_ext": _build_ext_class(), "develop": develop}
+
+
 # The metadata (name, version, extras, console scripts) is in pyproject.toml; what is computed
 # here: the extension, the commands, and the run-time dependencies (none for the deployment).
 setup(
     ext_modules=[] if DEPLOY else [_extension()],
-    cmdclass={"develop": develop}
-    if DEPLOY
-    else {"build_ext": cpp_extension.BuildExtension, "develop": develop},
-    install_requires=[] if DEPLOY else _requirements("requirements/runtime.txt"),
+    cmdclass=_cmdclass(),
+    install_requires=_install_requires(),
 )

@@ -596,7 +596,8 @@ def export_onnx(
             ``com.microsoft.GroupQueryAttention``, which appends to the caches in place; ONNX
             Runtime's CPU provider only: :func:`export.lowering.in_graph_gqa`).
         tolerance: the largest absolute difference allowed between any ONNX Runtime output and
-            eager PyTorch.
+            eager PyTorch in float64, or :data:`export.validate.FLOAT32_ERROR_FACTOR` times eager
+            float32's own difference from it where that is larger (:func:`export.validate.allowed_difference`).
         validate: run the parity validation (:func:`export.validate.validate_export`) in ONNX
             Runtime before the folder is moved into place. Structural checks always run.
         seed: seed of the validation inputs.
@@ -680,6 +681,13 @@ def export_onnx(
         raise UsageError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
     if quantize is not None:  # the block size against the model's matrices, before tracing
         check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop, config.to_dict())
+        if validate:  # the gate can run on this model and fail (gate data, its languages and lengths)
+            from transformer_ext.tokenizer import load_tokenizer
+
+            from .quantize import check_gate_inputs
+
+            tokenizer = load_tokenizer(model_path) if tokenizer_names else None
+            check_gate_inputs(tokenizer, config.max_len, gate_data, model_path)
     generation_config = GenerationConfig.defaults_for(
         {"special_tokens": special_tokens, "max_cache_len": cache_len, "model_config": config.to_dict()},
         **{**imported_generation(model_path, cache_len), **dict(generation or {})},
@@ -913,7 +921,8 @@ def _parser() -> argparse.ArgumentParser:
         "--tolerance",
         type=float,
         default=DEFAULT_TOLERANCE,
-        help="largest absolute difference allowed between every ONNX Runtime output and eager PyTorch",
+        help="largest absolute difference allowed between every ONNX Runtime output and eager PyTorch in "
+        "float64, or 8x eager float32's own difference from it where that is larger",
     )
     p.add_argument(
         "--no-validate",
@@ -1191,10 +1200,13 @@ def verdict_text(result: ExportResult) -> str:
     if validation is None:
         verdict = "exported, not validated (--no-validate): run without it to check parity with PyTorch"
     else:
-        parity = (
-            f"within {validation.tolerance:.0e} of PyTorch (worst {validation.worst:.1e}), greedy and beam "
-            "tokens identical"
-        )
+        if callable(getattr(validation, "parity_text", None)):  # export.validate.ValidationReport
+            parity = validation.parity_text()
+        else:
+            parity = (
+                f"within {validation.tolerance:.0e} of PyTorch (worst {validation.worst:.1e}), greedy and beam "
+                "tokens identical"
+            )
         quantized = manifest_quantization(result.manifest)
         if quantized is not None:
             # the tolerance was checked on the float32 graphs; the written quantized graphs passed the gate

@@ -236,16 +236,33 @@ def check_scheme(scheme: Any) -> str:
 
 class GateData:
     """The parallel text of a BLEU gate: ``sources`` and ``references`` (one line each), read and
-    checked when made, so a bad file is refused before anything is written.
+    checked when made, so a bad file is refused before anything is written. ``source_lang`` /
+    ``target_lang``: the language codes a multilingual model translates the sources with
+    (Marian's ``>>xx<<`` target token; M2M100 / NLLB's source and target tokens), as
+    ``translate --source-lang / --target-lang``; checked against the model by
+    :func:`check_gate_inputs`.
 
     Raises :class:`QuantizationError` naming ``--gate-src`` / ``--gate-ref`` for a missing,
     non-UTF-8 or empty file, line counts that differ, or a blank source line.
     """
 
-    def __init__(self, src: str | os.PathLike, ref: str | os.PathLike):
+    def __init__(
+        self,
+        src: str | os.PathLike,
+        ref: str | os.PathLike,
+        *,
+        source_lang: Optional[str] = None,
+        target_lang: Optional[str] = None,
+    ):
         from transformer_ext.data import DataError, read_lines
 
+        for flag, value in (("--source-lang", source_lang), ("--target-lang", target_lang)):
+            if value is not None and not (isinstance(value, str) and value):
+                raise QuantizationUsageError(
+                    f"{flag} of the BLEU gate must be a language code, got {value!r}"
+                )
         self.src, self.ref = Path(src), Path(ref)
+        self.source_lang, self.target_lang = source_lang, target_lang
         try:
             self.sources, self.references = read_lines(self.src), read_lines(self.ref)
         except DataError as exc:
@@ -848,6 +865,104 @@ def cpu_description() -> dict:
 # ------------------------------------------------------------------------------------------
 
 
+# The exact-match gate's data is the demo task: it gates only a model of that task, one with this
+# package's character tokenizer whose float32 graphs get at least this share of the held-out set
+# right (the bundled demo model: 99.8%). Any other model would score 0% in both precisions, a
+# gate that cannot fail: it needs a BLEU gate on its own data (--gate-src / --gate-ref).
+DEMO_GATE_MIN_EM = 50.0
+DEMO_GATE_TOKENIZER = "char"
+_GIVE_GATE_DATA = (
+    "pass --gate-src FILE --gate-ref FILE (held-out sentences of the model's languages and their "
+    "references) for a BLEU gate, or --no-validate to skip the gate"
+)
+
+
+def _encode_gate_source(tokenizer, text: str) -> list[int]:
+    """The source ids of ``text``, after checking that the tokenizer has the target-language token
+    a multilingual model forces (M2M100 / NLLB), as a translation needs."""
+    ids = tokenizer.encode_source(text)
+    if callable(getattr(tokenizer, "forced_target_prefix", None)):
+        tokenizer.forced_target_prefix()
+    return ids
+
+
+def check_gate_inputs(
+    tokenizer, max_len: int, gate_data: Optional[GateData], where: str | os.PathLike = "this model"
+) -> None:
+    """Check, before anything is quantized, that the gate can run on the model of ``tokenizer``
+    (``where``: its model or export folder, named in messages) and measure something that can fail.
+
+    Without ``gate_data`` (the exact-match gate on the demo task): the model must have this
+    package's character tokenizer (:data:`DEMO_GATE_TOKENIZER`); a model converted from
+    transformers or with a SentencePiece tokenizer was not trained on the demo task and is
+    refused, saying to give gate data. With ``gate_data`` (the BLEU gate): its languages are
+    applied (:attr:`GateData.source_lang` / ``target_lang``) and every source line must encode
+    in at most ``max_len`` tokens, the line named otherwise.
+
+    Raises :class:`QualityGateError` (exit 1), or :class:`QuantizationUsageError` (exit 2) for a
+    missing, unknown or unwanted language code of the BLEU gate.
+    """
+    from transformer_ext.tokenizer import TokenizerError
+
+    if gate_data is None:
+        if tokenizer is None:
+            raise QualityGateError(
+                f"{where} has no tokenizer, so the quality gate (the demo task's held-out set) cannot run; "
+                "pass --no-validate to skip it"
+            )
+        kind = getattr(tokenizer, "type", None)
+        if kind != DEMO_GATE_TOKENIZER:
+            raise QualityGateError(
+                f"the quality gate needs gate data for {where}: without --gate-src it decodes the "
+                f"demo task (English number words into German), which a model with a {kind} tokenizer was not "
+                f"trained on (both precisions would score 0%, a gate that cannot fail); {_GIVE_GATE_DATA}"
+            )
+        return
+    flags = [
+        f"{flag} {value!r}"
+        for flag, value in (
+            ("--source-lang", gate_data.source_lang),
+            ("--target-lang", gate_data.target_lang),
+        )
+        if value is not None
+    ]
+    gate = f"the BLEU gate (--gate-src {gate_data.src})"
+    if tokenizer is None:
+        raise QualityGateError(f"{where} has no tokenizer, so {gate} cannot translate its sources")
+    if flags:
+        if not callable(getattr(tokenizer, "with_languages", None)):
+            raise QuantizationUsageError(
+                f"{', '.join(flags)}: {where} has no language codes (only a multilingual model, Marian "
+                ">>xx<< or M2M100 / NLLB, takes --source-lang / --target-lang)"
+            )
+        try:
+            tokenizer = tokenizer.with_languages(gate_data.source_lang, gate_data.target_lang)
+        except TokenizerError as exc:
+            raise QuantizationUsageError(f"{gate}: {exc}") from None
+    for number, text in enumerate(gate_data.sources, 1):
+        try:
+            ids = _encode_gate_source(tokenizer, text)
+        except TokenizerError as exc:
+            if number == 1:  # the first line fails for the model, not for its text: a missing language
+                raise QuantizationUsageError(f"{gate}: {exc}") from None
+            raise QualityGateError(f"{gate}, line {number}: {exc}") from None
+        if len(ids) > max_len:
+            raise QualityGateError(
+                f"{gate}, line {number}: the source is {len(ids)} tokens long, more than the model's "
+                f"max_len = {max_len}; the gate translates every line whole: shorten or split that line"
+            )
+
+
+def check_export_gate(
+    folder: Path, manifest: Mapping[str, Any], gate_data: Optional[GateData], where: Any = "this model"
+) -> None:
+    """:func:`check_gate_inputs` for the float32 export ``folder`` (its tokenizer and max_len)."""
+    from transformer_ext.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(folder) if tokenizer_files(manifest) else None
+    check_gate_inputs(tokenizer, int(manifest["model_config"]["max_len"]), gate_data, where)
+
+
 def _heldout_batch(folder: Path):
     """``(ids [N, S], lengths [N], references)`` of the demo held-out set as the folder's
     tokenizer encodes it; raises :class:`QualityGateError` when there is no such set."""
@@ -861,6 +976,7 @@ def _heldout_batch(folder: Path):
             "held-out set) cannot run; pass --no-validate to skip it"
         )
     tokenizer = load_tokenizer(folder)
+    check_gate_inputs(tokenizer, int(manifest["model_config"]["max_len"]), None)
     sources, references = [], []
     try:
         for number in data.split_numbers().heldout:
@@ -870,8 +986,16 @@ def _heldout_batch(folder: Path):
     except (TokenizerError, ImportError) as exc:
         raise QualityGateError(
             f"{folder}: the int8 quality gate decodes the demo task's held-out set, which this "
-            f"model's tokenizer cannot encode ({exc}); pass --no-validate to skip the gate"
+            f"model's tokenizer cannot encode ({exc}); {_GIVE_GATE_DATA}"
         ) from exc
+    max_len = int(manifest["model_config"]["max_len"])
+    longest = max(len(s) for s in sources)
+    if longest > max_len:
+        raise QualityGateError(
+            f"the quality gate needs gate data for this model: it decodes the demo task's held-out set, whose "
+            f"longest source is {longest} tokens for this model, more than its max_len = {max_len}: not a model "
+            f"of the demo task; {_GIVE_GATE_DATA}"
+        )
     lengths = np.array([len(s) for s in sources], dtype=np.int64)
     ids = np.full((len(sources), int(lengths.max())), tokenizer.pad_id, dtype=np.int64)
     for row, s in enumerate(sources):
@@ -937,12 +1061,19 @@ def quality_gate(
     ids, lengths, references = _heldout_batch(Path(float_dir))
     eos = int(read_manifest(float_dir)["model_config"]["eos_id"])
     f32 = [_strip_eos(t, eos) for t in _greedy_all(Path(float_dir), ids, lengths)]
+    n = len(references)
+    em_f32 = 100.0 * sum(a == r for a, r in zip(f32, references, strict=True)) / n
+    if em_f32 < DEMO_GATE_MIN_EM:
+        raise QualityGateError(
+            "the quality gate needs gate data for this model: its float32 graphs get "
+            f"{em_f32:.2f}% of the demo task's {n} held-out examples right (a model of the demo task at least "
+            f"{DEMO_GATE_MIN_EM:g}%), so it was not trained on that task and the gate could not fail; "
+            f"{_GIVE_GATE_DATA}; nothing was written"
+        )
     qnt = [
         _strip_eos(t, eos)
         for t in _greedy_all(Path(int8_dir), ids, lengths, few_rows="always" if few_rows else "never")
     ]
-    n = len(references)
-    em_f32 = 100.0 * sum(a == r for a, r in zip(f32, references, strict=True)) / n
     em_q = 100.0 * sum(a == r for a, r in zip(qnt, references, strict=True)) / n
     agree = 100.0 * sum(a == b for a, b in zip(f32, qnt, strict=True)) / n
     record = {
@@ -990,7 +1121,9 @@ def bleu_gate(
     t0 = time.perf_counter()
     hyps = {}
     for name, folder in (("float32", float_dir), (label, int8_dir)):
-        translator = Translator.from_export_dir(folder, threads=2)
+        translator = Translator.from_export_dir(
+            folder, threads=2, source_lang=data.source_lang, target_lang=data.target_lang
+        )
         if few_rows and name == label:
             translator.runner = OrtRunner(folder, intra_op_num_threads=2, few_rows="always")
         hyps[name] = translator.translate(data.sources, beam_size=1, progress=True)
@@ -1075,6 +1208,8 @@ def quantize_folder(
     _, max_em_drop, max_bleu_drop = check_quantize_arguments(
         scheme, options, max_em_drop, max_bleu_drop, manifest["model_config"]
     )
+    if gate:
+        check_export_gate(folder, manifest, gate_data)
     # A scratch sibling of the folder (not inside it, so its files list stays exact), never
     # committed: removed on any exit. ``folder`` is a temporary of the output (``.OUT.tmp-...``),
     # so the scratch is a temporary of a temporary (``..OUT.tmp-....quantize.tmp-...``), which
@@ -1143,6 +1278,8 @@ def quantize_export(
     manifest = read_manifest(src)
     _refuse_quantized(src, manifest)
     check_quantize_arguments(scheme, options, max_em_drop, max_bleu_drop, manifest["model_config"])
+    if gate:
+        check_export_gate(src, manifest, gate_data, where=src)
     if out.exists() and out.resolve() == src.resolve():
         raise QuantizationError(
             f"--output-dir must differ from the export folder {src} (it is replaced atomically "
@@ -1210,10 +1347,24 @@ def add_gate_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="BLEU gate instead of the demo task's exact-match gate: source sentences, one per line "
-        "(e.g. a held-out test set); needs --gate-ref and sacrebleu",
+        "(e.g. a held-out test set); needs --gate-ref and sacrebleu. A model that is not of the demo task "
+        "(converted from transformers, a SentencePiece tokenizer) must be given one",
     )
     p.add_argument(
         "--gate-ref", default=None, metavar="FILE", help="the references of --gate-src, one per line"
+    )
+    p.add_argument(
+        "--source-lang",
+        default=None,
+        metavar="CODE",
+        help="the BLEU gate of a multilingual model (M2M100 / NLLB): the language of --gate-src, as for translate",
+    )
+    p.add_argument(
+        "--target-lang",
+        default=None,
+        metavar="CODE",
+        help="the BLEU gate of a multilingual model (Marian >>xx<<, M2M100 / NLLB): the language of --gate-ref, "
+        "as for translate",
     )
     p.add_argument(
         "--max-bleu-drop",
@@ -1289,9 +1440,19 @@ def gate_data_from_args(args: argparse.Namespace) -> Optional[GateData]:
         raise QuantizationUsageError(
             "--gate-src and --gate-ref go together (the sources and their references)"
         )
+    languages = [
+        flag
+        for flag, value in (("--source-lang", args.source_lang), ("--target-lang", args.target_lang))
+        if value
+    ]
     if args.gate_src is None:
+        if languages:
+            raise QuantizationUsageError(
+                f"{' / '.join(languages)} set the languages of the BLEU gate's translations: "
+                "they need --gate-src and --gate-ref"
+            )
         return None
-    return GateData(args.gate_src, args.gate_ref)
+    return GateData(args.gate_src, args.gate_ref, source_lang=args.source_lang, target_lang=args.target_lang)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

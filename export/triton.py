@@ -21,7 +21,7 @@ Reads the folder written by ``python -m export.onnx`` (``encoder.onnx``, ``decod
     <repo>/decoder_step_stateful/config.pbtxt    1/model.onnx  tensorscatter flavour only: sequence batcher,
                                                                the caches are Triton implicit state
     <repo>/translator/config.pbtxt               1/model.py    Python backend (BLS): greedy / beam search
-                                                 1/_vendor/transformer_ext/decoding.py  (the shared decoding code)
+                                                 1/_vendor/transformer_ext/decoding/*.py  (the shared decoding package)
 
 Every ``config.pbtxt`` is generated from the manifest (names, dtypes, dims) and, before the
 repository appears, parsed with Triton's own model-config protobuf (``tritonclient``, when
@@ -132,9 +132,10 @@ _UNMARKED_FILES = frozenset(
 )
 
 _TRANSLATOR_SOURCE = Path(__file__).resolve().parent / "triton_models" / "translator" / "model.py"
-# The modules the translator imports from transformer_ext, copied into 1/_vendor/transformer_ext/
-# unchanged (transformer_ext.decoding needs only numpy: the search and the runners' checks).
-VENDORED_MODULES = ("transformer_ext.decoding",)
+# The packages the translator imports from transformer_ext, every module of them copied into
+# 1/_vendor/transformer_ext/ unchanged (transformer_ext.decoding needs only numpy: the search and
+# the runners' checks).
+VENDORED_PACKAGES = ("transformer_ext.decoding",)
 
 # manifest dtype -> (Triton data type, bytes per element), from transformer_ext.export_format.DTYPES
 TRITON_DTYPES = {name: (d.triton, d.itemsize) for name, d in DTYPES.items()}
@@ -930,13 +931,30 @@ def _module_file(module: str) -> Path:
     return Path(spec.origin)
 
 
+def vendored_modules() -> tuple[str, ...]:
+    """Every module of :data:`VENDORED_PACKAGES` (each package's ``__init__`` first)."""
+    import pkgutil
+
+    modules: list[str] = []
+    for package in VENDORED_PACKAGES:
+        modules.append(package)
+        folder = _module_file(package).parent
+        modules += sorted(f"{package}.{m.name}" for m in pkgutil.iter_modules([str(folder)]) if not m.ispkg)
+    return tuple(modules)
+
+
 def _vendored_path(module: str) -> str:
-    """``transformer_ext.decoding`` -> ``1/_vendor/transformer_ext/decoding.py`` (relative to the model folder)."""
-    return "1/_vendor/" + module.replace(".", "/") + ".py"
+    """``transformer_ext.decoding.beam`` -> ``1/_vendor/transformer_ext/decoding/beam.py``, a
+    package's ``__init__`` -> ``.../decoding/__init__.py`` (relative to the model folder)."""
+    origin = _module_file(module)
+    parts = module.split(".")
+    if origin.name == "__init__.py":
+        parts.append("__init__")
+    return "1/_vendor/" + "/".join(parts) + ".py"
 
 
 def _write_translator(model_dir: Path) -> None:
-    """``1/model.py`` and the modules of transformer_ext it imports (:data:`VENDORED_MODULES`),
+    """``1/model.py`` and the modules of transformer_ext it imports (:func:`vendored_modules`),
     copied byte for byte under ``1/_vendor`` (the package's ``__init__`` is a stub, so that
     nothing else of transformer_ext is imported in Triton's Python backend)."""
     version = model_dir / "1"
@@ -948,8 +966,10 @@ def _write_translator(model_dir: Path) -> None:
         '"""The part of transformer_ext the Triton translator needs (copied by python -m export.triton)."""\n',
         encoding="utf-8",
     )
-    for module in VENDORED_MODULES:
-        shutil.copy2(_module_file(module), model_dir / _vendored_path(module))
+    for module in vendored_modules():
+        target = model_dir / _vendored_path(module)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(_module_file(module), target)
 
 
 def _check_options(
@@ -1431,7 +1451,7 @@ def validate_repository(
         elif config.get("backend") == "python":
             if not (folder / "1" / "model.py").is_file():
                 problems.append(f"{name}: 1/model.py is missing")
-            for module in VENDORED_MODULES:
+            for module in vendored_modules():
                 copy = folder / _vendored_path(module)
                 if not copy.is_file():
                     problems.append(f"{name}: the vendored {_vendored_path(module)} is missing")

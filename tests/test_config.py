@@ -12,6 +12,7 @@ from transformer_ext.config import (
     PRESETS,
     V1_FIELDS,
     V2_FIELDS,
+    V3_FIELDS,
     ConfigError,
     TransformerConfig,
     migrate_config,
@@ -40,7 +41,7 @@ INVALID = [
     # bos_id is the decoder start: Marian starts from <pad>, fairseq models from </s>
     (dict(bos_id=2, eos_id=2), None, None),
     (dict(pad_id=1), None, None),
-    (dict(activation="silu"), ValueError, "activation must be one of ['relu', 'gelu', 'swish']"),
+    (dict(activation="silu"), ValueError, "activation must be one of ['relu', 'gelu', 'swish', 'gelu_tanh']"),
     (dict(activation=None), TypeError, "activation must be a string"),
     (dict(pos_layout="split"), ValueError, "pos_layout must be one of ['interleaved', 'halves']"),
     (dict(pos_frequency="t2t"), ValueError, "pos_frequency must be one of ['paper', 'fairseq']"),
@@ -183,6 +184,18 @@ FIELDS_ADDED_IN_V2 = {
     "pos_offset": 0,
     "output_bias": False,
 }
+FIELDS_ADDED_IN_V3 = {
+    "norm": "layer",
+    "scale_attention": True,
+    "d_kv": 0,
+    "relative_attention_buckets": 0,
+    "relative_attention_max_distance": 128,
+    "relative_attention_per_layer": False,
+    "positions": "sinusoidal",
+    "gated_ffn": False,
+    "scale_decoder_output": False,
+    "embedding_norm": False,
+}
 # A config.json exactly as the writer before format_version wrote it (json.dump(sort_keys=True)).
 UNVERSIONED_TINY = {
     "bias": True,
@@ -206,25 +219,28 @@ UNVERSIONED_TINY = {
 
 
 def test_versions_list_every_field():
-    assert CONFIG_FORMAT_VERSION == 2
+    assert CONFIG_FORMAT_VERSION == 3
     assert sorted(V1_FIELDS) == FIELDS_WRITTEN_BEFORE_VERSIONING
     assert sorted(V2_FIELDS) == sorted(FIELDS_WRITTEN_BEFORE_VERSIONING + list(FIELDS_ADDED_IN_V2))
+    assert sorted(V3_FIELDS) == sorted(list(V2_FIELDS) + list(FIELDS_ADDED_IN_V3))
     # a field added to the dataclass without a new format version (and migration) fails here
-    assert sorted(f.name for f in dataclasses.fields(TransformerConfig)) == sorted(V2_FIELDS)
+    assert sorted(f.name for f in dataclasses.fields(TransformerConfig)) == sorted(V3_FIELDS)
     d = TransformerConfig.preset("tiny").to_dict()
-    assert list(d)[0] == "format_version" and d["format_version"] == 2
-    assert sorted(k for k in d if k != "format_version") == sorted(V2_FIELDS)
+    assert list(d)[0] == "format_version" and d["format_version"] == 3
+    assert sorted(k for k in d if k != "format_version") == sorted(V3_FIELDS)
+    # the new fields default to the behaviour older files had
+    assert {k: d[k] for k in FIELDS_ADDED_IN_V3} == FIELDS_ADDED_IN_V3
 
 
 def test_migration_of_the_unversioned_form():
     migrated = migrate_config(dict(UNVERSIONED_TINY), "old.json")
-    assert migrated == {"format_version": 2, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2}
+    assert migrated == {"format_version": 3, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2, **FIELDS_ADDED_IN_V3}
     assert TransformerConfig.from_dict(dict(UNVERSIONED_TINY)) == TransformerConfig.preset("tiny")
 
 
 def test_migration_of_version_1():
     migrated = migrate_config({"format_version": 1, **UNVERSIONED_TINY}, "v1.json")
-    assert migrated == {"format_version": 2, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2}
+    assert migrated == {"format_version": 3, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2, **FIELDS_ADDED_IN_V3}
     # a version-1 file cannot hold a version-2 field
     with pytest.raises(ConfigError, match=r"^v1.json: unknown key 'activation'"):
         migrate_config({"format_version": 1, **UNVERSIONED_TINY, "activation": "gelu"}, "v1.json")
@@ -319,7 +335,7 @@ def test_an_integer_is_a_valid_float():
 @pytest.mark.parametrize(
     "version, match",
     [
-        (3, "format_version 3 was written by a newer transformer_ext"),
+        (4, "format_version 4 was written by a newer transformer_ext"),
         (0, "unsupported format_version 0"),
         ("1", "key 'format_version' must be an integer"),
         (True, "key 'format_version' must be an integer"),
@@ -338,11 +354,78 @@ def test_value_errors_name_the_source():
         TransformerConfig.from_dict([1, 2], "f.json")
 
 
-def test_save_json_writes_version_2(tmp_path):
+def test_save_json_writes_version_3(tmp_path):
     path = tmp_path / "config.json"
     TransformerConfig.preset("tiny").save_json(path)
     data = json.loads(path.read_text())
-    assert data == {"format_version": 2, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2}
+    assert data == {"format_version": 3, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2, **FIELDS_ADDED_IN_V3}
+
+
+def test_migration_of_version_2():
+    v2 = {"format_version": 2, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2, "activation": "gelu"}
+    migrated = migrate_config(v2, "v2.json")
+    assert migrated == {**v2, "format_version": 3, **FIELDS_ADDED_IN_V3}
+    assert TransformerConfig.from_dict(v2) == TransformerConfig.preset("tiny", activation="gelu")
+    with pytest.raises(ConfigError, match=r"^v2.json: unknown key 'norm'"):
+        migrate_config({**v2, "norm": "rms"}, "v2.json")
+
+
+@pytest.mark.parametrize("key", sorted(FIELDS_ADDED_IN_V3))
+def test_version_3_requires_its_new_fields(key):
+    d = {"format_version": 3, **UNVERSIONED_TINY, **FIELDS_ADDED_IN_V2, **FIELDS_ADDED_IN_V3}
+    del d[key]
+    with pytest.raises(ConfigError, match=rf"^v3.json: missing key '{key}'; a config of format_version 3"):
+        TransformerConfig.from_dict(d, "v3.json")
+
+
+def test_version_3_round_trip_of_the_t5_and_mbart_fields(tmp_path):
+    t5 = TransformerConfig.preset(
+        "tiny",
+        norm="rms",
+        bias=False,
+        scale_attention=False,
+        d_kv=6,
+        relative_attention_buckets=8,
+        relative_attention_max_distance=20,
+        relative_attention_per_layer=True,
+        positions="none",
+        activation="gelu_tanh",
+        gated_ffn=True,
+        scale_embeddings=False,
+        scale_decoder_output=True,
+    )
+    assert t5.d_k == 6 and t5.d_attention == 24
+    mbart = TransformerConfig.preset(
+        "tiny", positions="learned", pos_offset=2, embedding_norm=True, norm_first=True
+    )
+    for i, c in enumerate((t5, mbart)):
+        c.save_json(tmp_path / f"{i}.json")
+        assert TransformerConfig.load_json(tmp_path / f"{i}.json") == c
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(norm="batch"), "norm must be one of"),
+        (dict(positions="rotary"), "positions must be one of"),
+        (dict(activation="gelu_new"), "activation must be one of"),
+        (dict(d_kv=-1), "d_kv must be >= 0"),
+        (dict(relative_attention_buckets=7), "even number >= 4"),
+        (dict(relative_attention_buckets=-2), "relative_attention_buckets must be >= 0"),
+        (dict(relative_attention_buckets=32, relative_attention_max_distance=8), "must exceed"),
+        (dict(relative_attention_per_layer=True), "needs relative_attention_buckets > 0"),
+        (dict(scale_attention=1), "scale_attention must be a bool"),
+    ],
+)
+def test_invalid_t5_and_mbart_fields(overrides, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        TransformerConfig.preset("tiny", **overrides)
+
+
+def test_head_width_independent_of_d_model():
+    # 30 is not divisible by 4 heads, but an explicit d_kv makes it a valid T5-style config
+    c = TransformerConfig.preset("tiny", d_model=30, d_kv=8, positions="none")
+    assert (c.d_k, c.d_attention) == (8, 32)
 
 
 def test_load_json_file_errors(tmp_path):

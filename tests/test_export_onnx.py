@@ -594,7 +594,7 @@ def test_parity_error_names_decode_step():
             [[1, 2, 4]],
             "case",
         )
-    assert info.value.output == "greedy decode tokens" and info.value.step == 0
+    assert info.value.output == "greedy decode tokens" and info.value.step == 2
 
 
 def test_check_graphs_rejects_contract_breaks(exported_portable):

@@ -400,10 +400,12 @@ def test_configs_parse_with_tritons_protobuf_and_match_the_graphs(repos, exports
         translator["backend"] == "python" and translator.get("max_batch_size", 0) == 0
     )  # proto3: 0 is not listed
     assert translator["instance_group"] == [{"count": 1, "kind": "KIND_CPU"}]
-    # the real decoding module, byte for byte (not a copy of its code that could drift)
-    assert (
-        repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding.py"
-    ).read_bytes() == Path(decoding.__file__).read_bytes()
+    # the real decoding package, every module byte for byte (not a copy of its code that could drift)
+    package = Path(decoding.__file__).parent
+    vendored = repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding"
+    assert sorted(p.name for p in vendored.glob("*.py")) == sorted(p.name for p in package.glob("*.py"))
+    for module in package.glob("*.py"):
+        assert (vendored / module.name).read_bytes() == module.read_bytes()
     settings = settings_of(repo)
     assert settings.stateful_decoder_model == (STATEFUL_DECODER_MODEL if flavour == "tensorscatter" else "")
 
@@ -723,11 +725,11 @@ def test_generation_config_of_the_export_sets_the_translators_defaults(exports, 
 def test_validation_refuses_a_vendored_module_that_is_not_the_packages(repos, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(repos["portable"], repo)
-    vendored = repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding.py"
+    vendored = repo / TRANSLATOR_MODEL / "1" / "_vendor" / "transformer_ext" / "decoding" / "beam.py"
     vendored.write_bytes(vendored.read_bytes() + b"\n# edited\n")
     with pytest.raises(
         TritonConfigError,
-        match=r"_vendor/transformer_ext/decoding.py is not a copy of transformer_ext.decoding",
+        match=r"_vendor/transformer_ext/decoding/beam.py is not a copy of transformer_ext.decoding.beam",
     ):
         validate_repository(repo)
 
@@ -807,7 +809,10 @@ def test_repository_translator_imports_its_vendored_decoding(repos, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     path, pb = done.stdout.split()
-    assert Path(path).resolve() == (folder / "_vendor" / "transformer_ext" / "decoding.py").resolve()
+    assert (
+        Path(path).resolve()
+        == (folder / "_vendor" / "transformer_ext" / "decoding" / "__init__.py").resolve()
+    )
     assert pb == "None"  # triton_python_backend_utils exists only inside Triton
 
 

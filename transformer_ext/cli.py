@@ -1,4 +1,5 @@
-"""What every command line entry point of the package shares: ``--debug``, one-line errors, signals.
+"""What every command line entry point of the package shares: ``--debug``, ``--version``, one-line
+errors, signals.
 
 A CLI's ``main()`` parses its arguments and hands the work to :func:`run_cli`::
 
@@ -26,6 +27,8 @@ import threading
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
+from . import __version__
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_SIGINT = 130
@@ -47,12 +50,26 @@ class UsageError(UserError, ValueError):
     """An option value out of its range, or options that exclude each other: exit code 2 in a CLI."""
 
 
+def add_version_flag(parser) -> None:
+    """``--version``: print ``PROG VERSION`` (the package's ``__version__``) and exit 0.
+
+    ``parser`` is a parser or an argument group; nothing is added where ``--version`` exists."""
+    if "--version" in parser._option_string_actions:
+        return
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit"
+    )
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--debug`` (tracebacks instead of one-line errors) and ``--version``, which every command
+    line of the package has."""
     parser.add_argument(
         "--debug",
         action="store_true",
         help="show the full traceback of an error instead of a one-line message",
     )
+    add_version_flag(parser)
     return parser
 
 

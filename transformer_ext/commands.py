@@ -5,9 +5,10 @@ ONNX Runtime, numpy, SentencePiece) runs ``translate`` and ``evaluate`` on expor
 The other commands cannot start without PyTorch (training, averaging, converting, exporting)
 or the ``onnx`` package (quantizing, building TensorRT engines); there, every invocation,
 ``--help`` included, prints one line naming what to install and exits with 1 instead of an
-import traceback. ``python -m MODULE`` checks through :func:`require` at the top of the
-module, before its imports; the console scripts (``transformer-ext-train`` ...) point at the
-functions here, which check and then import the command.
+import traceback (``--version`` alone still prints the version). ``python -m MODULE`` checks
+through :func:`require` at the top of the module, before its imports; the console scripts
+(``transformer-ext-train`` ...) point at the functions here, which check and then import the
+command.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def require(module: str, prog: Optional[str] = None) -> None:
     if problem is None:
         return
     prog = prog or f"python -m {module}"
+    if sys.argv[1:] == ["--version"]:  # the version needs nothing the command needs
+        from . import __version__
+
+        print(f"{prog} {__version__}")
+        raise SystemExit(0)
     print(
         f"{prog}: error: this command needs {needs.what}, which this installation lacks ({problem}): "
         f"{needs.install}",

@@ -39,14 +39,20 @@ __all__ = [
     "ACTIVATIONS",
     "POS_LAYOUTS",
     "POS_FREQUENCIES",
+    "NORMS",
+    "POSITIONS",
+    "V3_FIELDS",
     "migrate_config",
 ]
 
 # Version of the config.json form (and of a manifest's model_config); see migrate_config.
-CONFIG_FORMAT_VERSION = 2
+CONFIG_FORMAT_VERSION = 3
 
 # Values of the string-valued fields (checked strictly, like every field).
-ACTIVATIONS = ("relu", "gelu", "swish")  # FFN nonlinearity; gelu is the exact (erf) form
+# FFN nonlinearity; gelu is the exact (erf) form, gelu_tanh its tanh approximation (T5's gelu_new)
+ACTIVATIONS = ("relu", "gelu", "swish", "gelu_tanh")
+NORMS = ("layer", "rms")  # LayerNorm (mean, variance, scale and shift) or RMSNorm (T5: scale only)
+POSITIONS = ("sinusoidal", "learned", "none")  # absolute positions added to the embeddings
 POS_LAYOUTS = ("interleaved", "halves")  # sin/cos in alternating dimensions, or sin | cos halves
 POS_FREQUENCIES = ("paper", "fairseq")  # 10000^(-2i/d_model), or exp(-i * ln(10000) / (d_model/2 - 1))
 
@@ -134,6 +140,16 @@ class TransformerConfig:
     pos_frequency: str = "paper"  # POS_FREQUENCIES: the paper's (and Marian's) or fairseq's (M2M100)
     pos_offset: int = 0  # positional-table row of position 0 (fairseq: 2, its padding offset)
     output_bias: bool = False  # a bias on the logits of a tied projection (Marian's final_logits_bias)
+    norm: str = "layer"  # NORMS: LayerNorm, or RMSNorm without mean or shift (T5)
+    scale_attention: bool = True  # scores times 1/sqrt(d_kv) (paper); False: unscaled (T5)
+    d_kv: int = 0  # width of one attention head; 0: d_model / n_heads (T5 sets its own)
+    relative_attention_buckets: int = 0  # T5's relative position bias: bucket count (0: none)
+    relative_attention_max_distance: int = 128  # distances from here on share the last bucket
+    relative_attention_per_layer: bool = False  # one bias table per layer (UMT5) or one per stack (T5)
+    positions: str = "sinusoidal"  # POSITIONS: sinusoidal table, learned table (mBART), none (T5)
+    gated_ffn: bool = False  # FFN(x) = (act(x W_1) * x W_3) W_2 (T5 v1.1 gated GELU)
+    scale_decoder_output: bool = False  # decoder output times d_model^-0.5 before the projection (T5)
+    embedding_norm: bool = False  # a norm after embeddings + positions, before dropout (mBART)
 
     _INT_FIELDS: ClassVar[tuple[str, ...]] = (
         "src_vocab_size",
@@ -148,6 +164,9 @@ class TransformerConfig:
         "bos_id",
         "eos_id",
         "pos_offset",
+        "d_kv",
+        "relative_attention_buckets",
+        "relative_attention_max_distance",
     )
     _FLOAT_FIELDS: ClassVar[tuple[str, ...]] = ("dropout", "layer_norm_eps")
     _BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -157,12 +176,19 @@ class TransformerConfig:
         "shared_vocab",
         "scale_embeddings",
         "output_bias",
+        "scale_attention",
+        "relative_attention_per_layer",
+        "gated_ffn",
+        "scale_decoder_output",
+        "embedding_norm",
     )
     # field -> its allowed values
     _STR_FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
         "activation": ACTIVATIONS,
         "pos_layout": POS_LAYOUTS,
         "pos_frequency": POS_FREQUENCIES,
+        "norm": NORMS,
+        "positions": POSITIONS,
     }
 
     def __post_init__(self) -> None:
@@ -172,8 +198,13 @@ class TransformerConfig:
 
     @property
     def d_k(self) -> int:
-        """Width of one attention head (the paper's d_k = d_v = d_model / h)."""
-        return self.d_model // self.n_heads
+        """Width of one attention head: ``d_kv``, or the paper's d_k = d_v = d_model / h when it is 0."""
+        return self.d_kv if self.d_kv else self.d_model // self.n_heads
+
+    @property
+    def d_attention(self) -> int:
+        """Width of the concatenated heads (the rows of W_Q, W_K, W_V): ``n_heads * d_k``."""
+        return self.n_heads * self.d_k
 
     # ------------------------------------------------------------------ validation
 
@@ -200,7 +231,7 @@ class TransformerConfig:
                 raise ValueError(f"TransformerConfig.{name} must be one of {list(allowed)}, got {value!r}")
         if self.pos_offset < 0:
             raise ValueError(f"pos_offset must be >= 0, got {self.pos_offset}")
-        if self.pos_frequency == "fairseq" and self.d_model < 4:
+        if self.pos_frequency == "fairseq" and self.positions == "sinusoidal" and self.d_model < 4:
             raise ValueError(
                 f"pos_frequency 'fairseq' divides by d_model/2 - 1: it needs d_model >= 4, got {self.d_model}"
             )
@@ -222,12 +253,31 @@ class TransformerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransformerConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_heads != 0:
+        if self.d_kv < 0:
+            raise ValueError(f"d_kv must be >= 0 (0: d_model / n_heads), got {self.d_kv}")
+        if self.relative_attention_buckets < 0:
+            raise ValueError(
+                f"relative_attention_buckets must be >= 0 (0: no relative bias), got {self.relative_attention_buckets}"
+            )
+        if self.relative_attention_buckets:
+            if self.relative_attention_buckets < 4 or self.relative_attention_buckets % 2:
+                raise ValueError(
+                    "relative_attention_buckets must be an even number >= 4 (half of them per direction in the "
+                    f"encoder, half of those exact), got {self.relative_attention_buckets}"
+                )
+            if self.relative_attention_max_distance <= self.relative_attention_buckets // 4:
+                raise ValueError(
+                    f"relative_attention_max_distance ({self.relative_attention_max_distance}) must exceed "
+                    f"relative_attention_buckets / 4 ({self.relative_attention_buckets // 4}), the exact buckets"
+                )
+        elif self.relative_attention_per_layer:
+            raise ValueError("relative_attention_per_layer=True needs relative_attention_buckets > 0")
+        if self.d_kv == 0 and self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); "
                 f"e.g. n_heads={_divisor_hint(self.d_model, self.n_heads)}"
             )
-        if self.d_model % 2 != 0:
+        if self.positions == "sinusoidal" and self.d_model % 2 != 0:
             raise ValueError(
                 f"d_model must be even (sin/cos pairs of the positional encoding), got {self.d_model}"
             )
@@ -387,6 +437,21 @@ V1_IMPLIED: dict[str, Any] = {
     "output_bias": False,
 }
 V2_FIELDS: tuple[str, ...] = V1_FIELDS + tuple(V1_IMPLIED)
+# format_version 3 adds the T5 and mBART architecture options; a version-2 (or older) file was written
+# when each was fixed at the value V2_IMPLIED lists (the dataclass defaults).
+V2_IMPLIED: dict[str, Any] = {
+    "norm": "layer",
+    "scale_attention": True,
+    "d_kv": 0,
+    "relative_attention_buckets": 0,
+    "relative_attention_max_distance": 128,
+    "relative_attention_per_layer": False,
+    "positions": "sinusoidal",
+    "gated_ffn": False,
+    "scale_decoder_output": False,
+    "embedding_norm": False,
+}
+V3_FIELDS: tuple[str, ...] = V2_FIELDS + tuple(V2_IMPLIED)
 # What the writer before format_version always wrote (dataclasses.asdict of the config of that
 # time): the same seventeen fields, without the version key.
 UNVERSIONED_FIELDS: tuple[str, ...] = V1_FIELDS
@@ -442,11 +507,13 @@ def _check_types(data: dict, names: tuple[str, ...], source: str) -> None:
 def migrate_config(data: Any, source: str = "the model config") -> dict[str, Any]:
     """``data`` (a config dict of any supported version) in the current form, checked.
 
-    * ``format_version`` 2 (the current one): every field of :data:`V2_FIELDS` required, no
+    * ``format_version`` 3 (the current one): every field of :data:`V3_FIELDS` required, no
       other key, integers as JSON integers (``true`` or ``32.0`` is not an integer), floats as
       JSON numbers, booleans as ``true``/``false``, strings as strings.
+    * ``format_version`` 2: the fields of :data:`V2_FIELDS`, checked the same way; the fields
+      version 3 added get the values version 2 implied (:data:`V2_IMPLIED`).
     * ``format_version`` 1: the fields of :data:`V1_FIELDS`, checked the same way; the fields
-      version 2 added get the values version 1 implied (:data:`V1_IMPLIED`).
+      versions 2 and 3 added get the values version 1 implied (:data:`V1_IMPLIED`, :data:`V2_IMPLIED`).
     * No ``format_version``: the form written before versioning (config.json files, and the
       ``model_config`` of export manifests, of earlier transformer_ext versions). That writer
       always wrote every field of :data:`UNVERSIONED_FIELDS`, so the same fields are required
@@ -478,11 +545,15 @@ def migrate_config(data: Any, source: str = "the model config") -> dict[str, Any
     if version == 1:
         _check_keys(data, V1_FIELDS, source, "a config of format_version 1")
         _check_types(data, V1_FIELDS, source)
-        data = {**{k: data[k] for k in V1_FIELDS}, **V1_IMPLIED}
-    else:
+        data = {**{k: data[k] for k in V1_FIELDS}, **V1_IMPLIED, **V2_IMPLIED}
+    elif version == 2:
         _check_keys(data, V2_FIELDS, source, "a config of format_version 2")
         _check_types(data, V2_FIELDS, source)
-    return {"format_version": CONFIG_FORMAT_VERSION, **{k: data[k] for k in V2_FIELDS}}
+        data = {**{k: data[k] for k in V2_FIELDS}, **V2_IMPLIED}
+    else:
+        _check_keys(data, V3_FIELDS, source, "a config of format_version 3")
+        _check_types(data, V3_FIELDS, source)
+    return {"format_version": CONFIG_FORMAT_VERSION, **{k: data[k] for k in V3_FIELDS}}
 
 
 def _divisor_hint(d_model: int, n_heads: int) -> int:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli import UserError, add_debug_flag, run_cli
+from .cli import UserError, add_debug_flag, add_version_flag, run_cli
 from .fsutil import StagedDir, atomic_write_json, atomic_write_text, check_output_path
 from .text import normalize_text
 
@@ -332,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m transformer_ext.corpora",
         description="Extract public-domain parallel corpora that work offline.",
     )
+    add_version_flag(p)
     sub = p.add_subparsers(dest="corpus", required=True)
     b = sub.add_parser(
         "bible",

@@ -21,6 +21,7 @@ from .. import __version__
 from ..fsutil import StagedDir, atomic_write_json, disk_errors
 from .generation import GENERATION_DEFAULTS_FILE, GenerationDefaults, read_generation_defaults
 from .hf import SUPPORTED_MODEL_TYPES, Checkpoint, ConversionError, read_checkpoint
+from .hub import resolve as resolve_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,10 @@ def convert_transformers(
 ) -> Path:
     """Convert the transformers checkpoint folder ``hf_dir`` into the new model folder ``out_dir``.
 
+    ``hf_dir`` may be a Hugging Face hub id (``ORG/NAME``) where no such local path exists: it is
+    read from the hub cache, downloaded unless ``HF_HUB_OFFLINE=1`` (:mod:`.hub`), and
+    ``provenance.json`` records the commit it resolved to.
+
     ``out_dir`` must not exist (nothing is ever overwritten), neither when the conversion starts
     nor when the finished folder is renamed into place: something that appears there meanwhile
     (a folder of the user's, the output of a second conversion) is kept and the conversion fails
@@ -124,7 +129,11 @@ def convert_transformers(
         raise ConversionError(f"--out {out} already exists; choose a new folder (nothing is overwritten)")
     if Path(os.path.abspath(os.fspath(hf_dir))) == out:
         raise ConversionError("--out must differ from the checkpoint folder")
-    checkpoint = read_checkpoint(hf_dir)
+    snapshot = resolve_hub_id(hf_dir)  # None for a local folder
+    checkpoint = read_checkpoint(snapshot.folder if snapshot else hf_dir)
+    provenance = _provenance(checkpoint)
+    if snapshot:
+        provenance["hub"] = snapshot.provenance()
     model = build_model(checkpoint)
     with disk_errors("--out", out, ConversionError):
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +141,7 @@ def convert_transformers(
             save_model(model, stage.path)
             checkpoint.tokenizer.save(stage.path)
             checkpoint.generation.save(stage.path)
-            atomic_write_json(os.path.join(stage.path, PROVENANCE_FILE), _provenance(checkpoint))
+            atomic_write_json(os.path.join(stage.path, PROVENANCE_FILE), provenance)
             if before_commit is not None:
                 before_commit()
             try:

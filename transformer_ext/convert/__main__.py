@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Optional, Sequence
 
-from ..cli import add_debug_flag, run_cli
+from ..cli import add_debug_flag, add_version_flag, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="transformer-ext-convert",
         description="Convert a pretrained checkpoint folder into a transformer_ext model folder.",
     )
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="source", required=True, metavar="SOURCE")
     hf = sub.add_parser(
         "transformers",
@@ -29,7 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a local Hugging Face checkpoint folder (config.json, weights, generation config, "
         "tokenizer files) without transformers and write a model folder of ours.",
     )
-    hf.add_argument("hf_dir", metavar="HF_DIR", help="the checkpoint folder (as save_pretrained writes it)")
+    hf.add_argument(
+        "hf_dir",
+        metavar="HF_DIR",
+        help="the checkpoint folder (as save_pretrained writes it), or a Hugging Face hub id (ORG/NAME) "
+        "where no such folder exists: read from the hub cache, downloaded unless HF_HUB_OFFLINE=1 "
+        "(needs huggingface_hub)",
+    )
     hf.add_argument(
         "--out", required=True, metavar="MODEL_DIR", help="the model folder to create (must not exist)"
     )

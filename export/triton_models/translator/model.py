@@ -1,9 +1,9 @@
 """Triton Python-backend (BLS) model ``translator``: token ids in, translated token ids out.
 
 Copied by ``python -m export.triton`` into ``<repo>/translator/1/model.py``, next to
-``_vendor/transformer_ext/decoding.py``: the project's :mod:`transformer_ext.decoding`, byte for
-byte (it needs only numpy, so the Triton image needs nothing else). The decoding loop and the
-checks every runner makes (source ids, step tokens, beam indices) are that module's, driven
+``_vendor/transformer_ext/decoding/``: the project's :mod:`transformer_ext.decoding` package, byte
+for byte (it needs only numpy, so the Triton image needs nothing else). The decoding loop and the
+checks every runner makes (source ids, step tokens, beam indices) are that package's, driven
 through a runner (the runner protocol of docs/DESIGN.md section 1) whose ``encode`` / ``step`` are
 BLS calls to the ``encoder`` and ``decoder_step`` models of the same repository:
 

@@ -1,0 +1,182 @@
+"""The logit processors every search applies at every step, in this order: the repetition penalty,
+the n-gram ban, the banned ids, the minimum length (EOS suppressed), then the forced tokens
+(the target prefix, the EOS at the budget). See the package docstring for their definitions;
+:class:`_Processors` holds them for the rows of one search. The helpers after it build the
+requests of a step through a runner's ``step_top_k`` (the columns the masking processors touch).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import numpy as np
+
+from .options import (
+    _check_in_vocab,
+    _Options,
+)
+
+
+class _Processors:
+    """The logit processors of one search over ``N = n_sources * rows_per_source`` rows (the
+    rows of a source are consecutive): what happens to a step's ``[N, V]`` scores before a
+    token is chosen. Everything is vectorised over the rows."""
+
+    def __init__(
+        self,
+        options: _Options,
+        *,
+        eos_id: int,
+        rows_per_source: int,
+        min_new: np.ndarray,
+        max_new: np.ndarray,
+        prefixes: list[np.ndarray],
+    ):
+        R = rows_per_source
+        self.o = options
+        self.eos_id = eos_id
+        self.min_new = np.repeat(min_new, R)
+        self.max_new = np.repeat(max_new, R)
+        plen = np.array([len(p) for p in prefixes], dtype=np.int64)
+        table = np.full((len(prefixes), max(1, int(plen.max(initial=0)))), -1, dtype=np.int64)
+        for b, p in enumerate(prefixes):
+            table[b, : len(p)] = p
+        self.prefix = np.repeat(table, R, axis=0)
+        self.prefix_len = np.repeat(plen, R)
+        self.prefixes = prefixes
+        self.needs_sequence = options.repetition_penalty != 1.0 or options.no_repeat_ngram_size > 0
+
+    def select(self, rows: np.ndarray) -> _Processors:
+        """The processors of the rows ``rows`` (int64 indices of the current rows), in that order:
+        what a search uses after dropping finished rows."""
+        new = copy.copy(self)
+        new.min_new, new.max_new = self.min_new[rows], self.max_new[rows]
+        new.prefix, new.prefix_len = self.prefix[rows], self.prefix_len[rows]
+        return new
+
+    def check_vocab(self, V: int) -> None:
+        """The ids the options name must be target token ids (known at the first step)."""
+        _check_in_vocab("banned_ids", self.o.banned, V)
+        for b, p in enumerate(self.prefixes):
+            if p.size:
+                _check_in_vocab(f"target_prefix[{b}]", p, V)
+        if self.o.start_id >= V:
+            raise ValueError(
+                f"the decoder start id {self.o.start_id} is not a target token id: the target vocabulary "
+                f"has ids 0 .. {V - 1}"
+            )
+
+    def forced(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, tokens)`` forced at step ``t``: prefix tokens, then the EOS at a row's budget."""
+        rows = np.flatnonzero(t < self.prefix_len)
+        tokens = self.prefix[rows, t] if rows.size else np.zeros(0, dtype=np.int64)
+        if self.o.force_eos_at_budget:
+            at_end = np.flatnonzero((t == self.max_new - 1) & (t >= self.prefix_len))
+            if at_end.size:
+                rows = np.concatenate([rows, at_end])
+                tokens = np.concatenate([tokens, np.full(at_end.size, self.eos_id, dtype=np.int64)])
+        return rows, tokens
+
+    def active(self, t: int) -> bool:
+        """Whether :meth:`apply` changes anything at step ``t``."""
+        o = self.o
+        return bool(
+            self.needs_sequence
+            or o.banned.size
+            or (t < self.min_new).any()
+            or (t < self.prefix_len).any()
+            or (o.force_eos_at_budget and (t == self.max_new - 1).any())
+        )
+
+    def apply(
+        self, y: np.ndarray, t: int, sequence: Optional[np.ndarray], raw: np.ndarray, *, log_probs: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The processors on ``y`` (float32 ``[N, V]``, modified in place) at step ``t``.
+
+        ``sequence``: int64 ``[N, t + 1]``, each row's fed tokens (start token first), needed by
+        the repetition penalty and the n-gram ban. A forced row keeps only its token, whose value
+        becomes 0 with ``log_probs`` (``y`` holds log-probabilities: transformers' rule), else the
+        row's raw logit from ``raw`` (the caller normalises it over the raw logits).
+        Returns the forced ``(rows, tokens)``.
+        """
+        o = self.o
+        N = y.shape[0]
+        if o.repetition_penalty != 1.0:
+            r = np.arange(N)[:, None]
+            seen = y[r, sequence]
+            y[r, sequence] = np.where(
+                seen < 0, seen * np.float32(o.repetition_penalty), seen / np.float32(o.repetition_penalty)
+            )
+        if o.no_repeat_ngram_size:
+            _ban_repeated_ngrams(y, sequence, o.no_repeat_ngram_size)
+        if o.banned.size:
+            y[:, o.banned] = -np.inf
+        suppress = t < self.min_new
+        if suppress.any():
+            y[suppress, self.eos_id] = -np.inf
+        rows, tokens = self.forced(t)
+        if rows.size:
+            keep = np.float32(0.0) if log_probs else raw[rows, tokens]
+            y[rows] = -np.inf
+            y[rows, tokens] = keep
+        return rows, tokens
+
+
+def _ban_repeated_ngrams(y: np.ndarray, sequence: np.ndarray, n: int) -> None:
+    """``y[r, tok] = -inf`` for every token that would complete an n-gram already in row r's
+    sequence (the last ``n - 1`` tokens followed by ``tok`` occurred before)."""
+    N, L = sequence.shape
+    if L < n:  # no complete n-gram yet
+        return
+    windows = np.lib.stride_tricks.sliding_window_view(sequence, n, axis=1)  # [N, L - n + 1, n]
+    last = sequence[:, L - n + 1 :]  # [N, n - 1]
+    match = (windows[:, :, :-1] == last[:, None, :]).all(axis=2)
+    r, i = np.nonzero(match)
+    y[r, windows[r, i, -1]] = -np.inf
+
+
+# The smallest ``rows x V`` a step goes through ``runner.step_top_k`` at: below it the host
+# search is as fast or faster (the search head's run costs about 50 us, and numpy's argmax, all
+# that greedy search without scores needs, is one pass over the logits where the head makes
+# three). Measured with benchmarks/bench_search_head.py, the search alone over fixed logits
+# (benchmarks/results/bench_search_head_epyc.json, a 2-core EPYC), host time / head time: beam 4
+# 0.5-0.6 at V 25, 0.8-1.3 from 4 to 232 thousand entries at 4 rows, 1.1-1.2 at 64-128 thousand
+# from 16 rows on, 1.2-2.0 above; greedy with scores 0.4-0.96 up to 64 thousand entries, 0.9-1.1
+# from 58 to 232 thousand, 1.2-1.7 from 512 thousand. Cells of a few hundred microseconds vary by
+# up to 0.4 between runs (4 rows of V 58,101 gave 1.20 in a run before the committed one).
+HEAD_MIN_ENTRIES = {"beam": 1 << 15, "greedy_scores": 1 << 17}
+
+
+def _head_request(
+    procs: _Processors, t: int, N: int, eos_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(columns, forced_rows, forced_tokens)`` of a step through ``runner.step_top_k``: the
+    int64 ``columns [N, nb + 2]`` whose log-probabilities the search reads, the ``nb`` banned
+    ids, the EOS (masked below a row's minimum length), then the row's forced token (or the EOS)."""
+    banned = procs.o.banned
+    nb = banned.shape[0]
+    forced_rows, forced_tokens = procs.forced(t)
+    columns = np.empty((N, nb + 2), dtype=np.int64)
+    columns[:, :nb] = banned
+    columns[:, nb:] = eos_id
+    columns[forced_rows, nb + 1] = forced_tokens
+    return columns, forced_rows, forced_tokens
+
+
+def _head_masked(ids: np.ndarray, procs: _Processors, t: int, eos_id: int) -> np.ndarray:
+    """bool, ``ids``' shape: the token ids a masking processor removes at step ``t`` (banned
+    ids; the EOS of a row below its minimum length)."""
+    masked = ids == eos_id
+    masked &= (t < procs.min_new)[:, None]
+    if procs.o.banned.size:
+        masked |= np.isin(ids, procs.o.banned)
+    return masked
+
+
+def _masked_mass(picked: np.ndarray, procs: _Processors, t: int) -> np.ndarray:
+    """float64 ``[N]``: each row's probability (under the unprocessed softmax) of the tokens
+    :func:`_head_masked` removes, from the column log-probabilities of :func:`_head_request`."""
+    nb = procs.o.banned.shape[0]
+    p = np.exp(picked[:, : nb + 1].astype(np.float64))
+    return p[:, :nb].sum(axis=1) + np.where(t < procs.min_new, p[:, nb], 0.0)

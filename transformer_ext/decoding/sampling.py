@@ -1,0 +1,103 @@
+"""Random sampling of one token per row (top-k, top-p, temperature) with an inverse-CDF draw, so
+that the same seed and the same logits give the same tokens on every runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from .numerics import (
+    _check_finite_logits,
+    _row_top_k,
+)
+from .options import (
+    _check_real,
+)
+
+
+class _Sampler:
+    """Random sampling of one token per row: the ``topk`` most likely tokens (0: all), scaled by
+    ``1 / temperature``, then the smallest set of them, most likely first, whose probability
+    reaches ``topp``; one draw per row and step from a numpy Generator seeded once per search.
+
+    The draw is an inverse-CDF pick over the kept tokens in id order (the first token whose
+    cumulative probability exceeds ``u * total`` for ``u = rng.random()``), so the same seed and
+    the same logits give the same tokens on every runner.
+    """
+
+    def __init__(self, topk: int, topp: float, temperature: float, seed: Optional[int]):
+        self.topk, self.topp, self.temperature = topk, topp, temperature
+        self.rng = np.random.default_rng(seed)
+
+    def draw(self, y: np.ndarray, step: int, rows: Optional[np.ndarray] = None, total: int = 0) -> np.ndarray:
+        """One token per row of ``y``; ``rows`` (with ``total``, the search's number of rows):
+        the search's row of each row of ``y``, when finished rows were dropped."""
+        N, V = y.shape
+        u = self.rng.random(N if rows is None else total)  # one draw per row and step, finished included
+        if rows is not None:
+            u = u[rows]
+        rows = np.arange(N)[:, None]
+        k = V if self.topk == 0 else min(self.topk, V)
+        if k < V:
+            cols, row_max = _row_top_k(y, k)
+            cols = np.sort(cols, axis=1)
+            z = y[rows, cols].astype(np.float64)
+        else:
+            cols = None
+            row_max = y.max(axis=1)
+            z = y.astype(np.float64)
+        _check_finite_logits(row_max, step, rows)
+        m = np.where(np.isfinite(row_max), row_max, 0.0).astype(np.float64)
+        p = np.exp((z - m[:, None]) / self.temperature)
+        if self.topp < 1.0:
+            order = np.argsort(-p, axis=1, kind="stable")
+            ranked = np.take_along_axis(p, order, axis=1)
+            cum = np.cumsum(ranked, axis=1)
+            before = np.concatenate([np.zeros((N, 1)), cum[:, :-1]], axis=1)
+            keep_ranked = before < self.topp * cum[:, -1:]
+            keep = np.empty_like(keep_ranked)
+            np.put_along_axis(keep, order, keep_ranked, axis=1)
+            p = np.where(keep, p, 0.0)
+        cum = np.cumsum(p, axis=1)
+        pick = (cum <= (u * cum[:, -1])[:, None]).sum(axis=1)
+        last_positive = p.shape[1] - 1 - np.argmax(p[:, ::-1] > 0, axis=1)
+        pick = np.minimum(pick, last_positive)
+        chosen = cols[np.arange(N), pick] if cols is not None else pick
+        impossible = ~(cum[:, -1] > 0)  # every token banned: the first, as greedy decoding picks
+        if impossible.any():
+            chosen = np.where(impossible, np.argmax(y, axis=1), chosen)
+        return chosen.astype(np.int64)
+
+
+def _check_sampling(
+    sampling_topk: Any, sampling_topp: Any, sampling_temperature: Any, seed: Any
+) -> Optional[_Sampler]:
+    """The sampler the options ask for; ``None`` for plain greedy decoding (``sampling_topk=1``)."""
+    topk = sampling_topk
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 0:
+        raise ValueError(
+            f"sampling_topk must be an int >= 0 (1 = greedy, 0 = the whole vocabulary), got {topk!r}"
+        )
+    topp = _check_real("sampling_topp", sampling_topp)
+    if not 0.0 < topp <= 1.0:
+        raise ValueError(f"sampling_topp must be in (0, 1], got {topp}")
+    temperature = _check_real("sampling_temperature", sampling_temperature)
+    if temperature <= 0:
+        raise ValueError(f"sampling_temperature must be > 0, got {temperature}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
+    if topk == 1:
+        given = [
+            n
+            for n, v, d in (("sampling_topp", topp, 1.0), ("sampling_temperature", temperature, 1.0))
+            if v != d
+        ]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} apply to random sampling, which sampling_topk = 1 (greedy) turns off: "
+                "give sampling_topk = 0 (the whole vocabulary) or k > 1"
+            )
+        return None
+    return _Sampler(int(topk), topp, temperature, None if seed is None else int(seed))
