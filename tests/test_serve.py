@@ -493,7 +493,8 @@ class _ContractState:
     """A search state with the step-wise contract's interface (admit / step / cancel / partial /
     num_rows / num_sources / empty) whose sources produce, one token a step, the hypotheses
     ``Translator.translate`` gives each alone: the scheduler's routing, admission bounds,
-    leaving and token streaming are what is tested here, not the search."""
+    leaving and token streaming are what is tested here, not the search. The requests carry the
+    decoding package's real ``SearchOptions`` (their fields and checks)."""
 
     log: list = []
 
@@ -541,27 +542,9 @@ class _ContractState:
 
 def _contract_api(translator):
     from dataclasses import dataclass
-    from typing import Any, Optional
+    from typing import Any
 
-    @dataclass(frozen=True)
-    class Options:  # the fields of transformer_ext.decoding.SearchOptions
-        beam_size: int = 1
-        num_hypotheses: int = 1
-        length_penalty: float = 0.6
-        length_penalty_type: str = "gnmt"
-        early_stopping: Any = None
-        renormalize_logits: bool = False
-        max_decoding_length: int = 256
-        min_decoding_length: int = 0
-        repetition_penalty: float = 1.0
-        no_repeat_ngram_size: int = 0
-        banned_ids: tuple = ()
-        force_eos_at_budget: bool = False
-        sampling_topk: int = 1
-        sampling_topp: float = 1.0
-        sampling_temperature: float = 1.0
-        seed: Optional[int] = None
-        return_scores: bool = False
+    from transformer_ext.decoding import SearchOptions as Options  # the real options record
 
     @dataclass
     class Request:
