@@ -15,7 +15,6 @@ KNOWN = {
     ("transformer_ext/decoding/greedy.py", "greedy_decode"): 103,
     ("transformer_ext/decoding/beam.py", "beam_search"): 117,
     ("transformer_ext/config.py", "validate"): 107,
-    ("transformer_ext/serve/app.py", "create_app"): 362,
     ("transformer_ext/export_format.py", "read_manifest"): 102,
     ("transformer_ext/runtimes/ort.py", "__init__"): 111,
     ("transformer_ext/translate.py", "build_parser"): 231,
@@ -24,7 +23,7 @@ KNOWN = {
     ("export/onnx.py", "_write_export"): 102,
     ("export/onnx.py", "_parser"): 135,
 }
-KNOWN_NONLOCAL = {"transformer_ext/text.py": 2, "benchmarks/bench_serve.py": 1}
+KNOWN_NONLOCAL = {"transformer_ext/text.py": 2}
 
 
 def _modules():
