@@ -20,6 +20,8 @@ Package layout (every public name is importable from ``transformer_ext.decoding`
 * :mod:`.sampling`: random sampling of one token per row.
 * :mod:`.greedy`: greedy decoding and sampling (:func:`greedy_decode`).
 * :mod:`.beam`: beam search (:func:`beam_search`).
+* :mod:`.stepwise`: :class:`SearchState`, the step-wise search (admit, step, cancel, partial)
+  that the greedy and beam searches loop over, and :class:`SourceRequest`.
 * :mod:`.api`: :func:`generate`, :func:`score` and :class:`SearchMethods`.
 
 Conventions:
@@ -130,11 +132,17 @@ from .protocol import (
 from .sampling import (
     _check_sampling as _check_sampling,
 )
+from .stepwise import (
+    SearchState,
+    SourceRequest,
+)
 
 __all__ = [
     "Runner",
     "SearchMethods",
     "SearchOptions",
+    "SearchState",
+    "SourceRequest",
     "Hypothesis",
     "generate",
     "greedy_decode",

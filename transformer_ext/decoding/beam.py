@@ -1,4 +1,31 @@
-"""Beam search: :func:`beam_search` and its state over a batch of sources (``_BeamState``)."""
+"""Beam search: :func:`beam_search`, its state over a batch of sources (``_BeamState``) and the
+step-wise group a :class:`~transformer_ext.decoding.stepwise.SearchState` drives (``_BeamGroup``).
+
+``length_penalty="hf"`` is transformers' ``generate()`` beam search (``num_beams``,
+``length_penalty`` = ``alpha``, ``early_stopping``), for imported models to give the tokens
+transformers gives: the score is ``log_prob / length ** alpha`` (any finite ``alpha``); the
+processors act on the float32 log-probabilities after the softmax (nothing renormalised
+unless ``renormalize_logits``, transformers' option of that name; the repetition penalty
+multiplies a seen token's log-probability; a forced token scores 0); the n-best come from
+the best ``beam_size`` finished hypotheses, and a source stops by ``early_stopping``:
+``True`` once ``beam_size`` hypotheses finished; ``False`` (the default) once, in addition,
+the best open beam's log-probability divided by ``L ** alpha`` is at most the
+``beam_size``-th finished score, ``L`` the number of tokens generated so far; ``"never"``
+the same with ``L`` the maximum length when ``alpha > 0``. transformers' ``max_length``
+counts the decoder start token (``max_new_tokens = max_length - 1``), as does its
+``min_length`` (``min_new_tokens = min_length - 1``); ``forced_bos_token_id`` is a
+one-token ``target_prefix``; ``forced_eos_token_id`` is ``force_eos_at_budget``;
+``bad_words_ids`` of single tokens are ``banned_ids``.
+
+A step's host work is vectorised over all sources: the logits stay float32 ``[rows, V]``
+(each row's best ``2 * beam_size`` tokens found by block maxima, its log-sum-exp from one
+float32 exponential pass summed in float64); only the ``rows x 2 * beam_size`` candidates
+are scored in float64. Python loops run only over the hypotheses that finish. A NaN or +inf
+logit is a RuntimeError naming the step and row (it has no log-probability). A runner with
+``step_top_k`` (see :class:`Runner`) hands over those best tokens' float32 log-probabilities
+instead, where the processors only mask or force tokens and the step has at least
+``HEAD_MIN_ENTRIES["beam"]`` logits (:meth:`_BeamState.head_log_probs`).
+"""
 
 from __future__ import annotations
 
@@ -83,30 +110,7 @@ def beam_search(
     ``return_attention``: each hypothesis carries the cross-attention of its tokens
     (:class:`Hypothesis`), reordered with the beams.
 
-    ``length_penalty="hf"`` is transformers' ``generate()`` beam search (``num_beams``,
-    ``length_penalty`` = ``alpha``, ``early_stopping``), for imported models to give the tokens
-    transformers gives: the score is ``log_prob / length ** alpha`` (any finite ``alpha``); the
-    processors act on the float32 log-probabilities after the softmax (nothing renormalised
-    unless ``renormalize_logits``, transformers' option of that name; the repetition penalty
-    multiplies a seen token's log-probability; a forced token scores 0); the n-best come from
-    the best ``beam_size`` finished hypotheses, and a source stops by ``early_stopping``:
-    ``True`` once ``beam_size`` hypotheses finished; ``False`` (the default) once, in addition,
-    the best open beam's log-probability divided by ``L ** alpha`` is at most the
-    ``beam_size``-th finished score, ``L`` the number of tokens generated so far; ``"never"``
-    the same with ``L`` the maximum length when ``alpha > 0``. transformers' ``max_length``
-    counts the decoder start token (``max_new_tokens = max_length - 1``), as does its
-    ``min_length`` (``min_new_tokens = min_length - 1``); ``forced_bos_token_id`` is a
-    one-token ``target_prefix``; ``forced_eos_token_id`` is ``force_eos_at_budget``;
-    ``bad_words_ids`` of single tokens are ``banned_ids``.
-
-    A step's host work is vectorised over all sources: the logits stay float32 ``[rows, V]``
-    (each row's best ``2 * beam_size`` tokens found by block maxima, its log-sum-exp from one
-    float32 exponential pass summed in float64); only the ``rows x 2 * beam_size`` candidates
-    are scored in float64. Python loops run only over the hypotheses that finish. A NaN or +inf
-    logit is a RuntimeError naming the step and row (it has no log-probability). A runner with
-    ``step_top_k`` (see :class:`Runner`) hands over those best tokens' float32 log-probabilities
-    instead, where the processors only mask or force tokens and the step has at least
-    ``HEAD_MIN_ENTRIES["beam"]`` logits (:meth:`_BeamState.head_log_probs`).
+    ``length_penalty="hf"``: transformers' rules, and the vectorised step: see the module docstring.
 
     ``remove_finished`` (default True): when the runner has ``select`` (see :class:`Runner`),
     the rows of the sources that stopped are dropped from the runner's state (with the beam
@@ -136,11 +140,9 @@ def beam_search(
     if steps == 0:
         empty = [] if return_attention else None
         return [[Hypothesis([], 0.0, 0.0, False, [], empty)] for _ in range(B)]
-    cache_len = _check_cache_len(cache_len, steps)
     procs = _Processors(
         options, eos_id=eos_id, rows_per_source=K, min_new=min_new, max_new=max_new, prefixes=prefixes
     )
-    state = runner.encode(ids, lengths, cache_len, K)
     s = _BeamState.start(
         K=K,
         n_best=int(n_best),
@@ -155,7 +157,135 @@ def beam_search(
     )
     if return_attention:
         s.src_len = np.repeat(lengths, K)
-    return s.run(runner, state, procs, start_id=options.start_id, steps=steps, select=select)
+    group = _BeamGroup(s, procs, start_id=options.start_id, steps=steps, drop=select is not None)
+    from .greedy import _run_alone  # noqa: PLC0415 - one loop for both searches
+
+    return _run_alone(runner, group, ids, lengths, _check_cache_len(cache_len, steps), K, remove_finished)
+
+
+class _Recorder:
+    """Stands in for the runner in :meth:`_BeamState.advance` / :meth:`_BeamState.drop_done`:
+    keeps the row index of the reorder or select they ask for (the search state makes the call)."""
+
+    def __init__(self) -> None:
+        self.index: Optional[np.ndarray] = None
+
+    def reorder(self, state: Any, index: np.ndarray) -> None:
+        self.index = np.asarray(index, dtype=np.int64)
+
+    select = reorder
+
+
+class _BeamGroup:
+    """The beam search of a batch of sources inside a search state (``_BeamState`` and the
+    processors of its rows), one step at a time: the group interface of
+    :class:`~transformer_ext.decoding.stepwise.SearchState` (as :class:`_GreedyGroup`'s)."""
+
+    want_attention: bool
+
+    def __init__(self, s: _BeamState, procs: _Processors, *, start_id: int, steps: int, drop: bool):
+        self.s, self.procs = s, procs
+        self.start_id, self.eos_id, self.steps, self.drop = start_id, s.eos_id, steps, drop
+        self.tokens = np.full(s.identity.shape[0], start_id, dtype=np.int64)
+        self.want_attention = s.src_len is not None
+        self.reported = np.zeros(s.max_new.shape[0], dtype=bool)
+        self.t = 0
+        self.complete = False
+        self.keys: list[Any] = []
+
+    @property
+    def rows(self) -> int:
+        return int(self.s.identity.shape[0])
+
+    @property
+    def num_sources(self) -> int:
+        return int(np.count_nonzero(~self.reported))
+
+    def step_alone(self, runner: Runner, state: Any, use_head: bool) -> Optional[np.ndarray]:
+        """One step of the runner for this group's rows only (through ``step_top_k`` where it
+        pays, with ``use_head``); returns what :meth:`consume` returns."""
+        s, t = self.s, self.t
+        step_top_k = getattr(runner, "step_top_k", None) if use_head and not self.want_attention else None
+        if step_top_k is not None and s.head_usable(self.procs, self.tokens.shape[0]):
+            cols, logp, V = s.head_log_probs(step_top_k, state, self.tokens, self.procs, t)
+            return self._finish(cols, logp, V, None)
+        x, attn = _step_attention(runner, state, self.tokens, t, self.procs, self.want_attention)
+        return self._host(x, attn)
+
+    def consume(self, logits: np.ndarray, attention: Optional[np.ndarray]) -> Optional[np.ndarray]:
+        """The group's rows of a step's logits (and attention). Returns the group's rows (indices
+        into its current rows, repeated where beams split) the runner's state holds for the next
+        step, or None to keep them as they are."""
+        x = _checked_logits(np.asarray(logits), self.rows, self.t, self.procs)
+        return self._host(x, attention)
+
+    def _host(self, x: np.ndarray, attn: Optional[np.ndarray]) -> Optional[np.ndarray]:
+        s = self.s
+        if attn is not None and s.history_attn is None:
+            s.history_attn = np.zeros((attn.shape[0], self.steps, attn.shape[1]), dtype=np.float32)
+        cols, logp = s.log_probs(self.procs, x, self.t)
+        s.vocab_size = x.shape[1]
+        return self._finish(cols, logp, x.shape[1], attn)
+
+    def _finish(
+        self, cols: np.ndarray, logp: np.ndarray, V: int, attn: Optional[np.ndarray]
+    ) -> Optional[np.ndarray]:
+        s, t = self.s, self.t
+        ranked = s.rank(cols, logp, V)
+        beams = s.next_beams(ranked)
+        s.finish_eos(ranked, t)
+        stop, at_budget = s.stop_test(beams.scores, t + 1)
+        s.close(beams, stop, at_budget, t, attn)
+        self.t = t + 1
+        if s.done.all() or self.t >= self.steps:
+            self._complete()
+            return None
+        recorder = _Recorder()
+        if self.drop and s.done.any():
+            rows = s.drop_done(beams, recorder.select, None, t, attn)
+            self.procs = self.procs.select(rows)
+            self.tokens = beams.tokens[rows]
+        else:
+            s.advance(beams, recorder, None, t, attn)
+            self.tokens = beams.tokens
+        return recorder.index
+
+    def _complete(self) -> None:
+        self.s.final_results()
+        self.complete = True
+        self.tokens = np.full(self.rows, self.eos_id, dtype=np.int64)
+
+    def newly_finished(self) -> list[tuple[int, list[Hypothesis]]]:
+        """``(source, hypotheses)`` for each source that stopped since the last call."""
+        out = []
+        for b in np.flatnonzero(~self.reported).tolist():
+            if self.s.results[b]:
+                self.reported[b] = True
+                out.append((b, self.s.results[b]))
+        return out
+
+    def _position(self, b: int) -> Optional[int]:
+        where = np.flatnonzero(self.s.source_of == b)
+        return int(where[0]) if where.size else None
+
+    def cancel(self, b: int) -> None:
+        """Source ``b`` leaves without a result (its beams stop at the next step)."""
+        self.reported[b] = True
+        pos = self._position(b)
+        if pos is not None:
+            self.s.done[pos] = True
+            self.s.results[b] = [_no_hypothesis()]
+        if self.s.done.all():
+            self._complete()
+
+    def partial(self, b: int) -> list[int]:
+        """The tokens of source ``b``'s best open beam so far (its best result once it stopped)."""
+        s = self.s
+        pos = self._position(b)
+        if pos is None or s.done[pos]:
+            return list(s.results[b][0].tokens) if s.results[b] else []
+        row = pos * s.K + int(np.argmax(s.beam_scores[pos]))
+        return s.history[row, : self.t].tolist()
 
 
 def _no_hypothesis() -> Hypothesis:
@@ -256,39 +386,6 @@ class _BeamState:
         for b in np.flatnonzero(s.done):
             s.results[b] = [Hypothesis([], 0.0, 0.0, False, [])]
         return s
-
-    def run(
-        self, runner: Runner, state: Any, procs: _Processors, *, start_id: int, steps: int, select: Any = None
-    ) -> list[list[Hypothesis]]:
-        """The search steps (at most ``steps``) -> for every source its ``n_best`` hypotheses.
-        With ``select`` (the runner's) the sources that stopped leave the runner's state."""
-        tokens = np.full(self.identity.shape[0], start_id, dtype=np.int64)
-        step_top_k = getattr(runner, "step_top_k", None) if self.src_len is None else None
-        for t in range(steps):
-            if step_top_k is not None and self.head_usable(procs, tokens.shape[0]):
-                cols, logp, V = self.head_log_probs(step_top_k, state, tokens, procs, t)
-                attn = None
-            else:
-                x, attn = _step_attention(runner, state, tokens, t, procs, self.src_len is not None)
-                if attn is not None and self.history_attn is None:
-                    self.history_attn = np.zeros((attn.shape[0], steps, attn.shape[1]), dtype=np.float32)
-                cols, logp = self.log_probs(procs, x, t)
-                V = self.vocab_size = x.shape[1]
-            ranked = self.rank(cols, logp, V)
-            beams = self.next_beams(ranked)
-            self.finish_eos(ranked, t)
-            stop, at_budget = self.stop_test(beams.scores, t + 1)
-            self.close(beams, stop, at_budget, t, attn)
-            if self.done.all():
-                break
-            if select is not None and self.done.any():
-                rows = self.drop_done(beams, select, state, t, attn)
-                procs = procs.select(rows)
-                tokens = beams.tokens[rows]
-            else:
-                self.advance(beams, runner, state, t, attn)
-                tokens = beams.tokens
-        return self.final_results()
 
     @property
     def hf(self) -> bool:

@@ -1,11 +1,31 @@
 """Greedy decoding and random sampling: :func:`greedy_decode` (and :func:`greedy_advance`, the
 bookkeeping of one step for loops of other runners).
+
+Options of :func:`greedy_decode` (the package docstring describes the processors):
+
+* ``decoder_start_id``: the first token fed (default ``bos_id``).
+* ``target_prefix``: one list of token ids per source (ragged, possibly empty), forced as
+  the first generated tokens; no EOS in it, at most the source's ``max_new_tokens``.
+* ``banned_ids``: tokens never generated (transformers' single-token ``bad_words_ids``).
+* ``repetition_penalty`` (> 0, 1 = off), ``no_repeat_ngram_size`` (0 = off),
+  ``min_new_tokens``, ``force_eos_at_budget`` (transformers' ``forced_eos_token_id``).
+* Sampling: ``sampling_topk`` (1: greedy, the default; 0: the whole vocabulary; k: the k
+  most likely tokens), ``sampling_topp`` in (0, 1], ``sampling_temperature`` > 0 and
+  ``seed`` (None: fresh entropy) as in :class:`_Sampler`; with ``source_index`` (int64 ``[B]``,
+  each source's index in the caller's input) each source draws from a stream of its own,
+  picked by the seed and its index (:meth:`_Sampler.streams_for`), so its samples do not depend
+  on its batch; without it the batch's rows share one stream; ``num_hypotheses`` independent
+  samples per source (several need sampling: greedy has one hypothesis). The scores are
+  log-probabilities of the processed distribution before temperature, top-k and top-p.
+* ``return_attention``: :class:`Hypothesis` lists whose ``attention`` holds each token's
+  cross-attention (the runner must have ``step_with_attention``: :func:`check_attention_runner`).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +41,7 @@ from .options import (
     _check_num_hypotheses,
     _check_options,
     _check_search_inputs,
+    _per_row,
 )
 from .processors import (
     HEAD_MIN_ENTRIES,
@@ -41,23 +62,6 @@ from .sampling import (
     _Sampler,
 )
 
-# A runner may also implement ``step_top_k(state, tokens, k, columns)``: :meth:`Runner.step`
-# (the same token feed and cache update) that returns, instead of the logits alone,
-# ``(top_log_probs, top_ids, column_log_probs, logits)``: float32 ``[N, min(k, V)]`` each row's
-# best log-probabilities under the softmax of its logits, best first, int64 their token ids,
-# float32 ``[N, M]`` the log-probabilities at the int64 ``columns [N, M]`` (ids below V), and the
-# float32 logits ``[N, V]`` themselves (possibly the runner's own buffer: read before the next
-# step, never written). A row holding a NaN or +inf logit must have a NaN in its first top value.
-# :func:`beam_search` uses it, when the logit processors only mask or force tokens, to read
-# ``N x (2 * beam_size + a few)`` numbers from the runner instead of ``N x V``
-# (transformer_ext/runtimes/search_head.py computes them in ONNX Runtime).
-#
-# A runner may also implement ``select(state, index)`` (int64 ``[M]``, ``1 <= M <= N``, checked
-# by :func:`check_select_index`): the state keeps M rows, row ``r`` becoming old row
-# ``index[r]`` in every per-row buffer (the self-attention caches over the valid prefix, the
-# cross-attention K/V, the source lengths), so that later steps run on M rows. Both searches
-# use it to drop the rows of finished sources (``remove_finished=True``, the default); a runner
-# without it (or whose ``select`` is None) keeps feeding finished rows.
 # Greedy search drops its finished rows from the runner's state once they are at least a quarter
 # of the rows it holds, not at every step where one finishes: a drop copies every open row's
 # caches and cross-attention K/V, which for a small model costs about as much as a step. On the
@@ -78,8 +82,8 @@ def greedy_decode(
     max_new_tokens: IntOrArray,
     min_new_tokens: IntOrArray = 0,
     cache_len: int | None = None,
-    decoder_start_id: Optional[int] = None,
-    target_prefix: Optional[Sequence[Sequence[int]]] = None,
+    decoder_start_id: int | None = None,
+    target_prefix: Sequence[Sequence[int]] | None = None,
     banned_ids: Sequence[int] = (),
     repetition_penalty: float = 1.0,
     no_repeat_ngram_size: int = 0,
@@ -87,33 +91,20 @@ def greedy_decode(
     sampling_topk: int = 1,
     sampling_topp: float = 1.0,
     sampling_temperature: float = 1.0,
-    seed: Optional[int] = None,
+    seed: int | None = None,
     num_hypotheses: int = 1,
     return_scores: bool = False,
     remove_finished: bool = True,
     return_attention: bool = False,
-) -> Union[list[list[int]], list[list[Hypothesis]]]:
+    source_index: IntOrArray | None = None,
+) -> list[list[int]] | list[list[Hypothesis]]:
     """Batched greedy decoding (or random sampling); each row stops at its EOS or its budget.
 
     Returns the token ids of each source (``list[list[int]]``); with ``return_scores`` or
     ``num_hypotheses > 1``, for each source a list of :class:`Hypothesis` (score = log_prob, the
     sum of the token log-probabilities, and ``token_log_probs``), best score first.
 
-    Options (the module docstring describes the processors):
-
-    * ``decoder_start_id``: the first token fed (default ``bos_id``).
-    * ``target_prefix``: one list of token ids per source (ragged, possibly empty), forced as
-      the first generated tokens; no EOS in it, at most the source's ``max_new_tokens``.
-    * ``banned_ids``: tokens never generated (transformers' single-token ``bad_words_ids``).
-    * ``repetition_penalty`` (> 0, 1 = off), ``no_repeat_ngram_size`` (0 = off),
-      ``min_new_tokens``, ``force_eos_at_budget`` (transformers' ``forced_eos_token_id``).
-    * Sampling: ``sampling_topk`` (1: greedy, the default; 0: the whole vocabulary; k: the k
-      most likely tokens), ``sampling_topp`` in (0, 1], ``sampling_temperature`` > 0 and
-      ``seed`` (None: fresh entropy) as in :class:`_Sampler`; ``num_hypotheses`` independent
-      samples per source (several need sampling: greedy has one hypothesis). The scores are
-      log-probabilities of the processed distribution before temperature, top-k and top-p.
-    * ``return_attention``: :class:`Hypothesis` lists whose ``attention`` holds each token's
-      cross-attention (the runner must have ``step_with_attention``: :func:`check_attention_runner`).
+    The options are described in this module's docstring.
 
     A NaN or +inf logit is a RuntimeError naming the step and row. Stops as soon as every row
     is finished. Every step is one batched call: with ``remove_finished`` (the default) and a
@@ -137,45 +128,284 @@ def greedy_decode(
     ids, lengths, max_new, min_new, prefixes = _check_search_inputs(
         input_ids, src_lengths, max_new_tokens, min_new_tokens, target_prefix, eos_id
     )
+    B = ids.shape[0]
+    if sampler is not None and source_index is not None:
+        index = _per_row("source_index", source_index, B)
+        sampler = sampler.streams_for(index.tolist(), n, [sampler.seed] * B)
     if return_attention:
         check_attention_runner(runner)
-    attention: Optional[list[list[np.ndarray]]] = (
-        [[] for _ in range(ids.shape[0] * n)] if return_attention else None
-    )
     with_scores = bool(return_scores) or n > 1 or bool(return_attention)
     steps = int(max_new.max())
-    N = ids.shape[0] * n
-    outputs: list[list[int]] = [[] for _ in range(N)]
-    log_probs: list[list[float]] = [[] for _ in range(N)]
-    row_budget = np.repeat(max_new, n)
-    if steps > 0:
-        cache_len = _check_cache_len(cache_len, steps)
-        procs = _Processors(
-            options, eos_id=eos_id, rows_per_source=n, min_new=min_new, max_new=max_new, prefixes=prefixes
-        )
-        state = runner.encode(ids, lengths, cache_len, n)
-        _greedy_steps(
-            runner,
-            state,
-            procs,
-            sampler,
-            outputs,
-            log_probs if with_scores else None,
-            row_budget,
-            start_id=options.start_id,
+    if steps == 0:
+        empty = [] if return_attention else None
+        hyps = [[Hypothesis([], 0.0, 0.0, False, [], empty) for _ in range(n)] for _ in range(B)]
+        return hyps if with_scores else [[] for _ in range(B)]
+    group = _GreedyGroup(
+        _Processors(
+            options,
             eos_id=eos_id,
-            steps=steps,
-            select=select,
-            attention=attention,
+            rows_per_source=n,
+            min_new=min_new,
+            max_new=max_new,
+            prefixes=prefixes,
+        ),
+        sampler,
+        n=n,
+        row_budget=np.repeat(max_new, n),
+        src_len=np.repeat(lengths, n),
+        start_id=options.start_id,
+        eos_id=eos_id,
+        with_scores=with_scores,
+        attention=bool(return_attention),
+        drop=select is not None,
+    )
+    results = _run_alone(
+        runner,
+        group,
+        ids,
+        lengths,
+        _check_cache_len(cache_len, steps),
+        n,
+        remove_finished,
+    )
+    return results if with_scores else [hyps[0].tokens for hyps in results]
+
+
+def _run_alone(
+    runner: Runner,
+    group: Any,
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    cache_len: int,
+    rows_per_source: int,
+    remove_finished: bool,
+) -> list[list[Hypothesis]]:
+    """The results of one group of sources searched by itself: a loop over a
+    :class:`~transformer_ext.decoding.stepwise.SearchState` holding it alone (the search head
+    allowed, as a fixed batch uses it)."""
+    from .stepwise import SearchState
+
+    state = SearchState(
+        runner,
+        bos_id=group.start_id,
+        eos_id=group.eos_id,
+        remove_finished=remove_finished,
+        batch_invariant=False,
+    )
+    state.admit_group(group, ids, lengths, cache_len, rows_per_source, keys=range(ids.shape[0]))
+    results: dict[Any, list[Hypothesis]] = {}
+    while not state.empty:
+        results.update(state.step())
+    return [results[b] for b in range(ids.shape[0])]
+
+
+class _GreedyGroup:
+    """The greedy decoding (or sampling) of a batch of sources inside a search state: ``n`` rows
+    per source (independent samples), a source's rows consecutive, ``N`` rows in all.
+
+    Each step's bookkeeping is vectorised over the rows: an open row at step ``t`` holds ``t``
+    tokens, so its token goes to column ``t`` of ``generated`` and its log-probability to
+    column ``t`` of ``chosen_lp`` (its attention to ``attn_table``). With ``drop`` the rows that
+    finished leave the runner's state once they are a quarter of its rows
+    (:data:`GREEDY_DROP_DIVISOR`): ``active`` maps the open rows to the group's rows, and
+    ``open_budget`` / ``sequence`` / ``procs`` / ``tokens`` hold the runner's rows only. A
+    source's hypotheses are handed back (:meth:`newly_finished`) at the step its last row finishes.
+    """
+
+    def __init__(
+        self,
+        procs: _Processors,
+        sampler: _Sampler | None,
+        *,
+        n: int,
+        row_budget: np.ndarray,
+        src_len: np.ndarray,
+        start_id: int,
+        eos_id: int,
+        with_scores: bool,
+        attention: bool,
+        drop: bool,
+    ):
+        N = row_budget.shape[0]
+        steps = int(row_budget.max())
+        self.procs, self.sampler, self.n, self.N = procs, sampler, n, N
+        self.row_budget, self.src_len = row_budget, src_len
+        self.start_id, self.eos_id, self.steps = start_id, eos_id, steps
+        self.with_scores, self.want_attention, self.drop = with_scores, attention, drop
+        self.tokens = np.full(N, start_id, dtype=np.int64)
+        self.sequence = np.full((N, steps + 1), eos_id, dtype=np.int64)  # fed tokens, start token first
+        self.sequence[:, 0] = start_id
+        self.generated = np.zeros((N, steps), dtype=np.int64)
+        self.n_tokens = np.zeros(N, dtype=np.int64)  # tokens of each row
+        self.n_scored = np.zeros(N, dtype=np.int64)  # log-probabilities of each row (its EOS's included)
+        self.chosen_lp = np.zeros((N, steps)) if with_scores else None
+        self.attn_table: np.ndarray | None = None  # [N, steps, S] with ``attention``
+        self.finished = row_budget == 0
+        self.row_done = self.finished.copy()  # over the group's N rows
+        self.reported = np.zeros(N // n, dtype=bool)  # sources handed back (or cancelled)
+        self.active = np.arange(N)
+        self.open_budget = row_budget
+        self.scratch = _Scratch()
+        self.t = 0
+        self.vocab_size = 0
+        self.complete = False
+        self.keys: list[Any] = []
+
+    @property
+    def rows(self) -> int:
+        """The group's rows in the runner's state."""
+        return int(self.active.shape[0])
+
+    @property
+    def num_sources(self) -> int:
+        return int(np.count_nonzero(~self.reported))
+
+    def _head_usable(self, runner: Runner) -> Any:
+        if (
+            self.sampler is not None
+            or self.want_attention
+            or not self.with_scores
+            or self.procs.needs_sequence
+        ):
+            return None
+        step_top_k = getattr(runner, "step_top_k", None)
+        if step_top_k is None or self.rows * self.vocab_size < HEAD_MIN_ENTRIES["greedy_scores"]:
+            return None  # step 0 runs on the host: it checks the ids against the vocabulary, and learns V
+        return step_top_k
+
+    def step_alone(self, runner: Runner, state: Any, use_head: bool) -> np.ndarray | None:
+        """One step of the runner for this group's rows only (through ``step_top_k`` where it
+        pays, with ``use_head``); returns what :meth:`consume` returns."""
+        step_top_k = self._head_usable(runner) if use_head else None
+        if step_top_k is not None:
+            next_tokens, lp, x = _greedy_head(step_top_k, state, self.tokens, self.procs, self.t, self.eos_id)
+            return self._advance(x, None, next_tokens, lp)
+        x, attn = _step_attention(runner, state, self.tokens, self.t, self.procs, self.want_attention)
+        return self._advance(x, attn, None, None)
+
+    def consume(self, logits: np.ndarray, attention: np.ndarray | None) -> np.ndarray | None:
+        """The group's rows of a step's logits (and attention): chooses the tokens. Returns the
+        group's rows (indices into its current rows) the runner's state keeps for the next
+        step, or None to keep them all as they are."""
+        x = _checked_logits(np.asarray(logits), self.rows, self.t, self.procs)
+        return self._advance(x, attention, None, None)
+
+    def _advance(
+        self,
+        x: np.ndarray,
+        attn: np.ndarray | None,
+        next_tokens: np.ndarray | None,
+        lp: np.ndarray | None,
+    ) -> np.ndarray | None:
+        t, N, active = self.t, self.N, self.active
+        self.vocab_size = x.shape[1]
+        if next_tokens is None:  # the host search on the logits
+            dropped = None if active.shape[0] == N else (active, N)
+            y, next_tokens, forced_rows = _greedy_choose(
+                self.procs,
+                self.sampler,
+                x,
+                t,
+                self.sequence[:, : t + 1],
+                dropped,
+                self.scratch,
+            )
+            if self.chosen_lp is not None:
+                lp = _chosen_log_probs(y, x, next_tokens, forced_rows, self.scratch)
+        is_open = ~self.finished
+        rows = active[is_open]
+        if self.chosen_lp is not None:
+            self.chosen_lp[rows, t] = lp[is_open]
+            self.n_scored[rows] = t + 1
+        if attn is not None:
+            if self.attn_table is None:  # the source length is known at the first step
+                self.attn_table = np.zeros((N, self.steps, attn.shape[1]), dtype=np.float32)
+            self.attn_table[rows, t] = attn[is_open]
+        appended = is_open & (next_tokens != self.eos_id)
+        self.generated[active[appended], t] = next_tokens[appended]
+        self.n_tokens[active[appended]] = t + 1
+        finished = self.finished | (is_open & ~appended) | (appended & (t + 1 >= self.open_budget))
+        self.finished = finished
+        self.row_done[active[finished]] = True
+        self.tokens = np.where(finished, self.eos_id, next_tokens).astype(np.int64)
+        self.sequence[:, t + 1] = self.tokens
+        self.t = t + 1
+        if finished.all() or self.t >= self.steps:
+            self.complete = True
+            return None
+        if self.drop and _drop_now(finished):
+            keep = np.flatnonzero(~finished)
+            self._keep(keep)
+            return keep
+        return None
+
+    def _keep(self, keep: np.ndarray) -> None:
+        self.active, self.finished, self.open_budget = (
+            self.active[keep],
+            self.finished[keep],
+            self.open_budget[keep],
         )
-    if not with_scores:
-        return outputs
-    return _greedy_results(outputs, log_probs, row_budget, n, attention, np.repeat(lengths, n))
+        self.tokens, self.sequence, self.procs = (
+            self.tokens[keep],
+            self.sequence[keep],
+            self.procs.select(keep),
+        )
+
+    def newly_finished(self) -> list[tuple[int, list[Hypothesis]]]:
+        """``(source, hypotheses)`` for each source whose rows have all finished since the last call."""
+        n = self.n
+        ready = self.row_done.reshape(-1, n).all(axis=1) & ~self.reported
+        out = []
+        for b in np.flatnonzero(ready).tolist():
+            self.reported[b] = True
+            out.append((b, self._hypotheses(b)))
+        return out
+
+    def _hypotheses(self, b: int) -> list[Hypothesis]:
+        hyps = []
+        for r in range(b * self.n, (b + 1) * self.n):
+            tokens = self.generated[r, : self.n_tokens[r]].tolist()
+            if not self.with_scores:
+                hyps.append(Hypothesis(tokens, None, None, len(tokens) < int(self.row_budget[r])))
+                continue
+            lps = self.chosen_lp[r, : self.n_scored[r]].tolist()
+            total = float(sum(lps))
+            done = len(tokens) < int(self.row_budget[r])  # shorter than its budget: it stopped at an EOS
+            weights = None
+            if self.want_attention:
+                table = [] if self.attn_table is None else list(self.attn_table[r, : self.n_tokens[r]])
+                weights = _attention_rows(table, tokens, self.src_len[r])
+            hyps.append(Hypothesis(tokens, total, total, done, lps, weights))
+        if self.with_scores:
+            hyps.sort(key=lambda h: h.score, reverse=True)
+        return hyps
+
+    def cancel(self, b: int) -> None:
+        """Source ``b`` leaves without a result: its rows count as finished."""
+        self.reported[b] = True
+        rows = np.arange(b * self.n, (b + 1) * self.n)
+        self.row_done[rows] = True
+        mine = np.isin(self.active, rows)
+        self.finished = self.finished | mine
+        self.tokens = np.where(self.finished, self.eos_id, self.tokens).astype(np.int64)
+        if self.finished.all():
+            self.complete = True
+
+    def partial(self, b: int) -> list[int]:
+        """The tokens generated so far by source ``b``'s first row (its best open hypothesis:
+        greedy search has one; sampling's rows are independent)."""
+        r = b * self.n
+        return self.generated[r, : self.n_tokens[r]].tolist()
 
 
 def _greedy_head(
-    step_top_k: Any, state: Any, tokens: np.ndarray, procs: _Processors, t: int, eos_id: int
-) -> tuple[Optional[np.ndarray], Optional[np.ndarray], np.ndarray]:
+    step_top_k: Any,
+    state: Any,
+    tokens: np.ndarray,
+    procs: _Processors,
+    t: int,
+    eos_id: int,
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
     """One greedy step through ``runner.step_top_k`` (processors that mask or force only):
     ``(next_tokens, their float64 log-probabilities, logits)``. Each row's token is its best one
     not masked (ties: the lowest id, as ``argmax``), a forced row's its forced token; its
@@ -205,99 +435,6 @@ def _greedy_head(
     return next_tokens, lp, logits
 
 
-def _greedy_steps(
-    runner: Runner,
-    state: Any,
-    procs: _Processors,
-    sampler: Optional[_Sampler],
-    outputs: list[list[int]],
-    log_probs: Optional[list[list[float]]],
-    row_budget: np.ndarray,
-    *,
-    start_id: int,
-    eos_id: int,
-    steps: int,
-    select: Any = None,
-    attention: Optional[list[list[np.ndarray]]] = None,
-) -> None:
-    """The decoding steps of :func:`greedy_decode`: fills ``outputs`` (and ``log_probs``, the
-    chosen tokens' log-probabilities, and ``attention``, each step's cross-attention rows, unless
-    None) in place until every row is finished.
-
-    A step's bookkeeping is vectorised over the rows (:func:`greedy_advance`'s rules): an open
-    row at step ``t`` holds ``t`` tokens, so its token goes to column ``t`` of ``generated``
-    and its log-probability to column ``t`` of ``chosen_lp`` (its attention to ``attn_table``);
-    the lists are filled at the end.
-    With ``select`` (the runner's), the rows that finish are dropped from the runner's state
-    after the step they finish at: ``active`` maps the open rows to the search's rows, and
-    ``open_budget`` / ``sequence`` / ``procs`` hold the open rows only."""
-    N = len(outputs)
-    tokens = np.full(N, start_id, dtype=np.int64)
-    sequence = np.full((N, steps + 1), eos_id, dtype=np.int64)  # fed tokens, start token first
-    sequence[:, 0] = start_id
-    generated = np.zeros((N, steps), dtype=np.int64)
-    n_tokens = np.zeros(N, dtype=np.int64)  # tokens of each row
-    n_scored = np.zeros(N, dtype=np.int64)  # log-probabilities of each row (its EOS's included)
-    chosen_lp = np.zeros((N, steps)) if log_probs is not None else None
-    attn_table: Optional[np.ndarray] = None  # [N, steps, S] with ``attention``
-    finished = row_budget == 0
-    active = np.arange(N)
-    open_budget = row_budget
-    scratch = _Scratch()
-    step_top_k, V = None, 0
-    if sampler is None and attention is None and chosen_lp is not None and not procs.needs_sequence:
-        step_top_k = getattr(runner, "step_top_k", None)
-    for t in range(steps):
-        attn, lp = None, None
-        # step 0 runs on the host: it checks the ids against the vocabulary, and learns V
-        if step_top_k is not None and tokens.shape[0] * V >= HEAD_MIN_ENTRIES["greedy_scores"]:
-            next_tokens, lp, x = _greedy_head(step_top_k, state, tokens, procs, t, eos_id)
-        else:
-            x, attn = _step_attention(runner, state, tokens, t, procs, attention is not None)
-            next_tokens = None
-        V = x.shape[1]
-        if next_tokens is None:  # the host search on the logits
-            y, next_tokens, forced_rows = _greedy_choose(
-                procs,
-                sampler,
-                x,
-                t,
-                sequence[:, : t + 1],
-                None if active.shape[0] == N else (active, N),
-                scratch,
-            )
-            if chosen_lp is not None:
-                lp = _chosen_log_probs(y, x, next_tokens, forced_rows, scratch)
-        is_open = ~finished
-        rows = active[is_open]
-        if chosen_lp is not None:
-            chosen_lp[rows, t] = lp[is_open]
-            n_scored[rows] = t + 1
-        if attn is not None:
-            if attn_table is None:  # the source length is known at the first step
-                attn_table = np.zeros((N, steps, attn.shape[1]), dtype=np.float32)
-            attn_table[rows, t] = attn[is_open]
-        appended = is_open & (next_tokens != eos_id)
-        generated[active[appended], t] = next_tokens[appended]
-        n_tokens[active[appended]] = t + 1
-        finished = finished | (is_open & ~appended) | (appended & (t + 1 >= open_budget))
-        tokens = np.where(finished, eos_id, next_tokens).astype(np.int64)
-        sequence[:, t + 1] = tokens
-        if finished.all():
-            break
-        if select is not None and _drop_now(finished):
-            keep = np.flatnonzero(~finished)
-            select(state, keep)
-            active, finished, open_budget = active[keep], finished[keep], open_budget[keep]
-            tokens, sequence, procs = tokens[keep], sequence[keep], procs.select(keep)
-    for r in range(N):
-        outputs[r].extend(generated[r, : n_tokens[r]].tolist())
-        if log_probs is not None:
-            log_probs[r].extend(chosen_lp[r, : n_scored[r]].tolist())
-        if attention is not None and attn_table is not None:
-            attention[r].extend(attn_table[r, : n_tokens[r]])
-
-
 def _drop_now(finished: np.ndarray) -> bool:
     """Whether greedy search drops its finished rows now: once they are at least
     ``1 / GREEDY_DROP_DIVISOR`` of the rows the runner holds (with that many rows or fewer, one).
@@ -311,12 +448,12 @@ def _drop_now(finished: np.ndarray) -> bool:
 
 def _greedy_choose(
     procs: _Processors,
-    sampler: Optional[_Sampler],
+    sampler: _Sampler | None,
     x: np.ndarray,
     t: int,
     sequence: np.ndarray,
-    dropped: Optional[tuple[np.ndarray, int]] = None,
-    scratch: Optional[_Scratch] = None,
+    dropped: tuple[np.ndarray, int] | None = None,
+    scratch: _Scratch | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One step's choice from the float32 logits ``x``: ``(y, next_tokens, forced_rows)``, ``y``
     the processed scores (``x`` itself when no processor is active; else a copy, in the
@@ -330,7 +467,9 @@ def _greedy_choose(
     if sampler is None:
         next_tokens = np.argmax(y, axis=-1).astype(np.int64)
         _check_finite_logits(  # argmax picks a NaN or +inf if there is one
-            y[np.arange(y.shape[0]), next_tokens], t, None if dropped is None else dropped[0]
+            y[np.arange(y.shape[0]), next_tokens],
+            t,
+            None if dropped is None else dropped[0],
         )
     elif dropped is None:
         next_tokens = sampler.draw(y, t)
@@ -347,35 +486,12 @@ def _attention_rows(rows: Sequence[np.ndarray], tokens: Sequence[int], src_len: 
     return [[float(v) for v in row[: int(src_len)]] for row in rows[: len(tokens)]]
 
 
-def _greedy_results(
-    outputs: list[list[int]],
-    log_probs: list[list[float]],
-    row_budget: np.ndarray,
-    n: int,
-    attention: Optional[list[list[np.ndarray]]] = None,
-    src_len: Optional[np.ndarray] = None,
-) -> list[list[Hypothesis]]:
-    """For each source its ``n`` rows as hypotheses, best score first (with their attention
-    over the ``src_len`` source positions of each row, when ``attention`` is given)."""
-    results = []
-    for b in range(len(outputs) // n):
-        hyps = []
-        for r in range(b * n, (b + 1) * n):
-            total = float(sum(log_probs[r]))
-            done = len(outputs[r]) < int(row_budget[r])  # shorter than its budget: it stopped at an EOS
-            weights = None if attention is None else _attention_rows(attention[r], outputs[r], src_len[r])
-            hyps.append(Hypothesis(outputs[r], total, total, done, log_probs[r], weights))
-        hyps.sort(key=lambda h: h.score, reverse=True)
-        results.append(hyps)
-    return results
-
-
 def _chosen_log_probs(
     y: np.ndarray,
     raw: np.ndarray,
     chosen: np.ndarray,
     forced_rows: np.ndarray,
-    scratch: Optional[_Scratch] = None,
+    scratch: _Scratch | None = None,
 ) -> np.ndarray:
     """float64 log-probability of each row's chosen token under ``y``'s distribution; a forced
     row's under the raw logits (its token kept its raw logit, see :meth:`_Processors.apply`).

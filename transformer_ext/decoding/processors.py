@@ -1,14 +1,26 @@
-"""The logit processors every search applies at every step, in this order: the repetition penalty,
-the n-gram ban, the banned ids, the minimum length (EOS suppressed), then the forced tokens
-(the target prefix, the EOS at the budget). See the package docstring for their definitions;
-:class:`_Processors` holds them for the rows of one search. The helpers after it build the
-requests of a step through a runner's ``step_top_k`` (the columns the masking processors touch).
+"""The logit processors: what happens to a step's ``[N, V]`` scores before a token is chosen.
+
+One class per processor, applied at every step of every search in this order
+(:data:`PROCESSOR_ORDER`):
+
+1. :class:`RepetitionPenalty`: the score ``l`` of a token already in the row's sequence (start
+   token included) becomes ``l * p`` if ``l < 0``, else ``l / p``;
+2. :class:`NoRepeatNgram`: a token that would complete an n-gram already in the sequence is banned;
+3. :class:`BannedTokens`: the given ids are never generated;
+4. :class:`MinLength`: the EOS is banned while a row has fewer tokens than its minimum;
+5. :class:`ForcedTokens`: a row's target-prefix tokens, then (``force_eos_at_budget``) the EOS
+   as the last token its budget allows, are forced: the row keeps only that token.
+
+A ban sets the score to -inf; the package docstring says how the searches normalise after them.
+:class:`_Processors` composes the five for the rows of one search (per-row state: the minimum
+lengths, the prefixes and budgets; :meth:`_Processors.select` follows the rows a search keeps).
+The helpers after it build the requests of a step through a runner's ``step_top_k`` (the columns
+the masking processors touch).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Optional
 
 import numpy as np
 
@@ -18,10 +30,161 @@ from .options import (
 )
 
 
+class RepetitionPenalty:
+    """Processor 1: a seen token's score ``l`` becomes ``l * p`` (``l < 0``) or ``l / p``."""
+
+    needs_sequence = True
+
+    def __init__(self, penalty: float):
+        self.penalty = np.float32(penalty)
+
+    def __bool__(self) -> bool:
+        return bool(self.penalty != 1.0)
+
+    def apply(self, y: np.ndarray, sequence: np.ndarray) -> None:
+        r = np.arange(y.shape[0])[:, None]
+        seen = y[r, sequence]
+        y[r, sequence] = np.where(seen < 0, seen * self.penalty, seen / self.penalty)
+
+
+class NoRepeatNgram:
+    """Processor 2: bans each token that would complete an n-gram already in the sequence."""
+
+    needs_sequence = True
+
+    def __init__(self, n: int):
+        self.n = int(n)
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+    def apply(self, y: np.ndarray, sequence: np.ndarray) -> None:
+        _ban_repeated_ngrams(y, sequence, self.n)
+
+
+class BannedTokens:
+    """Processor 3: the ids ``banned`` (int64, unique) are never generated."""
+
+    needs_sequence = False
+
+    def __init__(self, banned: np.ndarray):
+        self.ids = banned
+
+    def __bool__(self) -> bool:
+        return bool(self.ids.size)
+
+    def apply(self, y: np.ndarray) -> None:
+        y[:, self.ids] = -np.inf
+
+
+class MinLength:
+    """Processor 4: the EOS is banned at step ``t`` in the rows with ``t < min_new``."""
+
+    needs_sequence = False
+
+    def __init__(self, eos_id: int, min_new: np.ndarray):
+        self.eos_id, self.min_new = eos_id, min_new
+
+    def active(self, t: int) -> np.ndarray:
+        return t < self.min_new
+
+    def apply(self, y: np.ndarray, t: int) -> None:
+        suppress = self.active(t)
+        if suppress.any():
+            y[suppress, self.eos_id] = -np.inf
+
+    def select(self, rows: np.ndarray) -> MinLength:
+        return MinLength(self.eos_id, self.min_new[rows])
+
+
+class ForcedTokens:
+    """Processor 5: row ``r``'s first ``prefix_len[r]`` tokens are ``prefix[r]``; with
+    ``at_budget`` its EOS is forced as the last token ``max_new[r]`` allows."""
+
+    needs_sequence = False
+
+    def __init__(
+        self,
+        eos_id: int,
+        prefix: np.ndarray,
+        prefix_len: np.ndarray,
+        max_new: np.ndarray,
+        at_budget: bool,
+    ):
+        self.eos_id, self.at_budget = eos_id, at_budget
+        self.prefix, self.prefix_len, self.max_new = prefix, prefix_len, max_new
+
+    @classmethod
+    def of_prefixes(
+        cls,
+        eos_id: int,
+        prefixes: list[np.ndarray],
+        rows_per_source: int,
+        max_new: np.ndarray,
+        at_budget: bool,
+    ) -> ForcedTokens:
+        """The table of one prefix per source (ragged), each repeated for the source's rows."""
+        R = rows_per_source
+        plen = np.array([len(p) for p in prefixes], dtype=np.int64)
+        table = np.full((len(prefixes), max(1, int(plen.max(initial=0)))), -1, dtype=np.int64)
+        for b, p in enumerate(prefixes):
+            table[b, : len(p)] = p
+        return cls(
+            eos_id,
+            np.repeat(table, R, axis=0),
+            np.repeat(plen, R),
+            np.repeat(max_new, R),
+            at_budget,
+        )
+
+    def forced(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, tokens)`` forced at step ``t``: prefix tokens, then the EOS at a row's budget."""
+        rows = np.flatnonzero(t < self.prefix_len)
+        tokens = self.prefix[rows, t] if rows.size else np.zeros(0, dtype=np.int64)
+        if self.at_budget:
+            at_end = np.flatnonzero((t == self.max_new - 1) & (t >= self.prefix_len))
+            if at_end.size:
+                rows = np.concatenate([rows, at_end])
+                tokens = np.concatenate([tokens, np.full(at_end.size, self.eos_id, dtype=np.int64)])
+        return rows, tokens
+
+    def active(self, t: int) -> bool:
+        return bool((t < self.prefix_len).any() or (self.at_budget and (t == self.max_new - 1).any()))
+
+    def apply(
+        self, y: np.ndarray, t: int, raw: np.ndarray, *, log_probs: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        rows, tokens = self.forced(t)
+        if rows.size:
+            keep = np.float32(0.0) if log_probs else raw[rows, tokens]
+            y[rows] = -np.inf
+            y[rows, tokens] = keep
+        return rows, tokens
+
+    def select(self, rows: np.ndarray) -> ForcedTokens:
+        return ForcedTokens(
+            self.eos_id,
+            self.prefix[rows],
+            self.prefix_len[rows],
+            self.max_new[rows],
+            self.at_budget,
+        )
+
+
+PROCESSOR_ORDER = (
+    RepetitionPenalty,
+    NoRepeatNgram,
+    BannedTokens,
+    MinLength,
+    ForcedTokens,
+)
+
+
 class _Processors:
-    """The logit processors of one search over ``N = n_sources * rows_per_source`` rows (the
-    rows of a source are consecutive): what happens to a step's ``[N, V]`` scores before a
-    token is chosen. Everything is vectorised over the rows."""
+    """The five processors of one search over ``N = n_sources * rows_per_source`` rows (the
+    rows of a source are consecutive), in :data:`PROCESSOR_ORDER`. Everything is vectorised
+    over the rows. ``o`` holds the checked options; ``min_new`` / ``max_new`` / ``prefix_len``
+    are per row."""
 
     def __init__(
         self,
@@ -33,26 +196,36 @@ class _Processors:
         max_new: np.ndarray,
         prefixes: list[np.ndarray],
     ):
-        R = rows_per_source
         self.o = options
         self.eos_id = eos_id
-        self.min_new = np.repeat(min_new, R)
-        self.max_new = np.repeat(max_new, R)
-        plen = np.array([len(p) for p in prefixes], dtype=np.int64)
-        table = np.full((len(prefixes), max(1, int(plen.max(initial=0)))), -1, dtype=np.int64)
-        for b, p in enumerate(prefixes):
-            table[b, : len(p)] = p
-        self.prefix = np.repeat(table, R, axis=0)
-        self.prefix_len = np.repeat(plen, R)
         self.prefixes = prefixes
-        self.needs_sequence = options.repetition_penalty != 1.0 or options.no_repeat_ngram_size > 0
+        self.repetition = RepetitionPenalty(options.repetition_penalty)
+        self.ngram = NoRepeatNgram(options.no_repeat_ngram_size)
+        self.banned = BannedTokens(options.banned)
+        self.min_length = MinLength(eos_id, np.repeat(min_new, rows_per_source))
+        self.forcing = ForcedTokens.of_prefixes(
+            eos_id, prefixes, rows_per_source, max_new, options.force_eos_at_budget
+        )
+        self.needs_sequence = bool(self.repetition) or bool(self.ngram)
+
+    @property
+    def min_new(self) -> np.ndarray:
+        return self.min_length.min_new
+
+    @property
+    def max_new(self) -> np.ndarray:
+        return self.forcing.max_new
+
+    @property
+    def prefix_len(self) -> np.ndarray:
+        return self.forcing.prefix_len
 
     def select(self, rows: np.ndarray) -> _Processors:
         """The processors of the rows ``rows`` (int64 indices of the current rows), in that order:
         what a search uses after dropping finished rows."""
         new = copy.copy(self)
-        new.min_new, new.max_new = self.min_new[rows], self.max_new[rows]
-        new.prefix, new.prefix_len = self.prefix[rows], self.prefix_len[rows]
+        new.min_length = self.min_length.select(rows)
+        new.forcing = self.forcing.select(rows)
         return new
 
     def check_vocab(self, V: int) -> None:
@@ -69,30 +242,25 @@ class _Processors:
 
     def forced(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, tokens)`` forced at step ``t``: prefix tokens, then the EOS at a row's budget."""
-        rows = np.flatnonzero(t < self.prefix_len)
-        tokens = self.prefix[rows, t] if rows.size else np.zeros(0, dtype=np.int64)
-        if self.o.force_eos_at_budget:
-            at_end = np.flatnonzero((t == self.max_new - 1) & (t >= self.prefix_len))
-            if at_end.size:
-                rows = np.concatenate([rows, at_end])
-                tokens = np.concatenate([tokens, np.full(at_end.size, self.eos_id, dtype=np.int64)])
-        return rows, tokens
+        return self.forcing.forced(t)
 
     def active(self, t: int) -> bool:
         """Whether :meth:`apply` changes anything at step ``t``."""
-        o = self.o
         return bool(
-            self.needs_sequence
-            or o.banned.size
-            or (t < self.min_new).any()
-            or (t < self.prefix_len).any()
-            or (o.force_eos_at_budget and (t == self.max_new - 1).any())
+            self.needs_sequence or self.banned or self.min_length.active(t).any() or self.forcing.active(t)
         )
 
     def apply(
-        self, y: np.ndarray, t: int, sequence: Optional[np.ndarray], raw: np.ndarray, *, log_probs: bool
+        self,
+        y: np.ndarray,
+        t: int,
+        sequence: np.ndarray | None,
+        raw: np.ndarray,
+        *,
+        log_probs: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The processors on ``y`` (float32 ``[N, V]``, modified in place) at step ``t``.
+        """The processors on ``y`` (float32 ``[N, V]``, modified in place) at step ``t``, in
+        :data:`PROCESSOR_ORDER`.
 
         ``sequence``: int64 ``[N, t + 1]``, each row's fed tokens (start token first), needed by
         the repetition penalty and the n-gram ban. A forced row keeps only its token, whose value
@@ -100,33 +268,20 @@ class _Processors:
         row's raw logit from ``raw`` (the caller normalises it over the raw logits).
         Returns the forced ``(rows, tokens)``.
         """
-        o = self.o
-        N = y.shape[0]
-        if o.repetition_penalty != 1.0:
-            r = np.arange(N)[:, None]
-            seen = y[r, sequence]
-            y[r, sequence] = np.where(
-                seen < 0, seen * np.float32(o.repetition_penalty), seen / np.float32(o.repetition_penalty)
-            )
-        if o.no_repeat_ngram_size:
-            _ban_repeated_ngrams(y, sequence, o.no_repeat_ngram_size)
-        if o.banned.size:
-            y[:, o.banned] = -np.inf
-        suppress = t < self.min_new
-        if suppress.any():
-            y[suppress, self.eos_id] = -np.inf
-        rows, tokens = self.forced(t)
-        if rows.size:
-            keep = np.float32(0.0) if log_probs else raw[rows, tokens]
-            y[rows] = -np.inf
-            y[rows, tokens] = keep
-        return rows, tokens
+        if self.repetition:
+            self.repetition.apply(y, sequence)
+        if self.ngram:
+            self.ngram.apply(y, sequence)
+        if self.banned:
+            self.banned.apply(y)
+        self.min_length.apply(y, t)
+        return self.forcing.apply(y, t, raw, log_probs=log_probs)
 
 
 def _ban_repeated_ngrams(y: np.ndarray, sequence: np.ndarray, n: int) -> None:
     """``y[r, tok] = -inf`` for every token that would complete an n-gram already in row r's
     sequence (the last ``n - 1`` tokens followed by ``tok`` occurred before)."""
-    N, L = sequence.shape
+    L = sequence.shape[1]
     if L < n:  # no complete n-gram yet
         return
     windows = np.lib.stride_tricks.sliding_window_view(sequence, n, axis=1)  # [N, L - n + 1, n]

@@ -44,6 +44,25 @@ class Runner(Protocol):
         ...
 
 
+# A runner may also implement ``step_top_k(state, tokens, k, columns)``: :meth:`Runner.step`
+# (the same token feed and cache update) that returns, instead of the logits alone,
+# ``(top_log_probs, top_ids, column_log_probs, logits)``: float32 ``[N, min(k, V)]`` each row's
+# best log-probabilities under the softmax of its logits, best first, int64 their token ids,
+# float32 ``[N, M]`` the log-probabilities at the int64 ``columns [N, M]`` (ids below V), and the
+# float32 logits ``[N, V]`` themselves (possibly the runner's own buffer: read before the next
+# step, never written). A row holding a NaN or +inf logit must have a NaN in its first top value.
+# :func:`beam_search` uses it, when the logit processors only mask or force tokens, to read
+# ``N x (2 * beam_size + a few)`` numbers from the runner instead of ``N x V``
+# (transformer_ext/runtimes/search_head.py computes them in ONNX Runtime).
+#
+# A runner may also implement ``select(state, index)`` (int64 ``[M]``, ``1 <= M <= N``, checked
+# by :func:`check_select_index`): the state keeps M rows, row ``r`` becoming old row
+# ``index[r]`` in every per-row buffer (the self-attention caches over the valid prefix, the
+# cross-attention K/V, the source lengths), so that later steps run on M rows. Both searches
+# use it to drop the rows of finished sources (``remove_finished=True``, the default); a runner
+# without it (or whose ``select`` is None) keeps feeding finished rows.
+
+
 def _format_index(index: tuple) -> str:
     return ", ".join(str(int(i)) for i in index)
 

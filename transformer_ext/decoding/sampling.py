@@ -4,7 +4,9 @@ that the same seed and the same logits give the same tokens on every runner.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import copy
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -20,22 +22,59 @@ from .options import (
 class _Sampler:
     """Random sampling of one token per row: the ``topk`` most likely tokens (0: all), scaled by
     ``1 / temperature``, then the smallest set of them, most likely first, whose probability
-    reaches ``topp``; one draw per row and step from a numpy Generator seeded once per search.
+    reaches ``topp``.
+
+    With :meth:`streams_for` each source draws from a stream of its own, a numpy Generator
+    seeded with ``SeedSequence([seed, index])``, ``index`` the source's index in the caller's
+    input: one draw per row of the source and step, so a source's samples do not depend on the
+    other sources of its batch, on the batch size or on when it was admitted (``seed=None``:
+    each stream from fresh entropy). Without it one Generator seeded with ``seed`` draws for
+    every row of the batch, in row order, at every step.
 
     The draw is an inverse-CDF pick over the kept tokens in id order (the first token whose
     cumulative probability exceeds ``u * total`` for ``u = rng.random()``), so the same seed and
     the same logits give the same tokens on every runner.
     """
 
-    def __init__(self, topk: int, topp: float, temperature: float, seed: Optional[int]):
+    def __init__(self, topk: int, topp: float, temperature: float, seed: int | None):
         self.topk, self.topp, self.temperature = topk, topp, temperature
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)  # the stream of every row, without streams_for
+        self.streams: list[np.random.Generator] = []
+        self.rows_per_source = 1
 
-    def draw(self, y: np.ndarray, step: int, rows: Optional[np.ndarray] = None, total: int = 0) -> np.ndarray:
+    def streams_for(
+        self,
+        source_index: Sequence[int],
+        rows_per_source: int,
+        seeds: Sequence[int | None] | None = None,
+    ) -> _Sampler:
+        """This sampler with one stream per source, the source's ``rows_per_source`` rows
+        consecutive: source ``b``'s stream is seeded with ``SeedSequence([seeds[b],
+        source_index[b]])`` (``seeds`` default: this sampler's seed for every source; a seed of
+        None: fresh entropy)."""
+        new = copy.copy(self)
+        new.rows_per_source = int(rows_per_source)
+        if seeds is None:
+            seeds = [self.seed] * len(source_index)
+        new.streams = [
+            np.random.default_rng()
+            if seed is None
+            else np.random.default_rng(np.random.SeedSequence([int(seed), int(i)]))
+            for seed, i in zip(seeds, source_index, strict=True)
+        ]
+        return new
+
+    def draw(self, y: np.ndarray, step: int, rows: np.ndarray | None = None, total: int = 0) -> np.ndarray:
         """One token per row of ``y``; ``rows`` (with ``total``, the search's number of rows):
         the search's row of each row of ``y``, when finished rows were dropped."""
         N, V = y.shape
-        u = self.rng.random(N if rows is None else total)  # one draw per row and step, finished included
+        n = self.rows_per_source
+        # one draw per row and step from its source's stream, finished rows included
+        if self.streams:
+            u = np.concatenate([g.random(n) for g in self.streams])
+        else:
+            u = self.rng.random(N if rows is None else total)
         if rows is not None:
             u = u[rows]
         rows = np.arange(N)[:, None]
@@ -73,7 +112,7 @@ class _Sampler:
 
 def _check_sampling(
     sampling_topk: Any, sampling_topp: Any, sampling_temperature: Any, seed: Any
-) -> Optional[_Sampler]:
+) -> _Sampler | None:
     """The sampler the options ask for; ``None`` for plain greedy decoding (``sampling_topk=1``)."""
     topk = sampling_topk
     if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 0:
@@ -91,7 +130,10 @@ def _check_sampling(
     if topk == 1:
         given = [
             n
-            for n, v, d in (("sampling_topp", topp, 1.0), ("sampling_temperature", temperature, 1.0))
+            for n, v, d in (
+                ("sampling_topp", topp, 1.0),
+                ("sampling_temperature", temperature, 1.0),
+            )
             if v != d
         ]
         if given:

@@ -213,7 +213,7 @@ class EagerRunner:
             self.device,
         )
         with torch.inference_mode():
-            positions = cache.begin_step()  # every row (and layer) at the same position
+            positions = cache.begin_step()  # every row (and layer) at its row's position
             outputs = self._run_decode_step(
                 ids.view(N, 1),
                 positions,
@@ -231,6 +231,36 @@ class EagerRunner:
             weights = outputs[3].cpu().numpy() if attention else None
         cache.end_step()
         return out, weights
+
+    def append(self, state: EagerState, other: EagerState) -> None:
+        """Append ``other``'s rows (a state this runner encoded, usually at position 0) after
+        ``state``'s, each row keeping its position: sources joining a running decoding
+        (:class:`transformer_ext.decoding.SearchState`). The self-attention caches move into
+        buffers of both row counts and the larger capacity (:meth:`KVCache.extend`); the
+        cross-attention K/V are padded to the longer source and concatenated. Later steps feed
+        every row at its own position. Not with ``compile=True`` (a new row count compiles again)."""
+        if self.compiled:
+            raise ValueError(
+                "append: a runner made with compile=True has static shapes; decode without compile"
+            )
+        if not isinstance(other, EagerState) or not isinstance(state, EagerState):
+            raise TypeError(
+                f"append takes two EagerState, got {type(state).__name__} and {type(other).__name__}"
+            )
+        S = max(int(state.cross_keys[0].shape[2]), int(other.cross_keys[0].shape[2]))
+
+        def pad(t: torch.Tensor) -> torch.Tensor:  # zeros at the new source positions (masked)
+            return torch.nn.functional.pad(t, (0, 0, 0, S - int(t.shape[2])))
+
+        with torch.inference_mode():
+            state.cache = state.cache.extend(other.cache)
+            state.cross_keys = [
+                torch.cat([pad(a), pad(b)]) for a, b in zip(state.cross_keys, other.cross_keys)
+            ]
+            state.cross_values = [
+                torch.cat([pad(a), pad(b)]) for a, b in zip(state.cross_values, other.cross_values)
+            ]
+            state.src_lengths = torch.cat([state.src_lengths, other.src_lengths])
 
     def reorder(self, state: EagerState, beam_index: np.ndarray) -> None:
         with torch.inference_mode():

@@ -88,7 +88,8 @@ class CacheStateViews:
 
     @property
     def position(self) -> int:
-        """Tokens already in the caches (the same for every row)."""
+        """Tokens already in the caches (the most of any row: every row holds as many unless rows
+        were appended to a running decoding)."""
         return self.cache.length
 
     @property
@@ -108,22 +109,61 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 class _Layout:
-    """What both caches share: the sizes and the valid length."""
+    """What both caches share: the sizes and the valid lengths.
+
+    ``row_lengths`` (int64 ``[rows]``) holds the tokens in each row's cache, which is also the
+    position its next token is written at; ``length`` is the largest (the valid prefix that a
+    reorder or select moves). Every row holds the same number of tokens (``uniform``) unless rows
+    were appended to a running cache (:meth:`KVCache.extend`, :meth:`HostKVCache.extend`)."""
 
     n_layers: int
     rows: int
     capacity: int
-    length: int
+    row_lengths: np.ndarray
+    _length: int
 
     def _init_layout(self, n_layers: int, rows: int, capacity: int) -> None:
         self.n_layers = _positive_int("n_layers", n_layers)
         self.rows = _positive_int("rows", rows)
         self.capacity = _positive_int("capacity", capacity)
-        self.length = 0  # tokens in the cache (its valid prefix), the same for every row
+        self.set_length(0)
+
+    @property
+    def length(self) -> int:
+        """The most tokens a row's cache holds (all rows' count unless rows were appended)."""
+        return self._length
+
+    @length.setter
+    def length(self, length: int) -> None:
+        self.set_length(length)
+
+    def set_length(self, length: int) -> None:
+        """Every row holds ``length`` tokens."""
+        self.row_lengths = np.full(self.rows, int(length), dtype=np.int64)
+        self._length = int(length)
+        self.uniform = True
+
+    def _set_row_lengths(self, row_lengths: np.ndarray) -> None:
+        self.row_lengths = np.ascontiguousarray(row_lengths, dtype=np.int64)
+        self._length = int(self.row_lengths.max(initial=0))
+        self.uniform = bool(self.row_lengths.size == 0 or (self.row_lengths == self._length).all())
 
     def end_step(self) -> None:
-        """One token more in the cache (after its K/V were appended, or written by the graph)."""
-        self.length += 1
+        """One token more in every row's cache (after its K/V were appended, or written by the graph)."""
+        self.row_lengths += 1
+        self._length += 1
+
+
+def _check_extend(cache: Any, other: Any) -> None:
+    """``other`` can be appended to ``cache``: the same kind, layers, heads, head size and dtype."""
+    if type(other) is not type(cache):
+        raise TypeError(f"cannot append a {type(other).__name__} to a {type(cache).__name__}")
+    a, b = cache.keys.shape, other.keys.shape
+    if cache.n_layers != other.n_layers or a[1] != b[1] or a[3] != b[3] or cache.dtype != other.dtype:
+        raise ValueError(
+            f"cannot append a cache of {other.n_layers} layers, {b[1]} heads of size {b[3]} ({other.dtype}) to one "
+            f"of {cache.n_layers} layers, {a[1]} heads of size {a[3]} ({cache.dtype})"
+        )
 
 
 def _views(buffer: Any, rows: int, n_layers: int) -> list:
@@ -285,9 +325,14 @@ class KVCache(_Layout):
         return self.keys.device
 
     def begin_step(self) -> "torch.Tensor":
-        """Write positions for the next token (every stacked row at ``length``, one fill);
-        returns ``step_positions`` (``[N]``, the decoder step's ``positions``)."""
-        self.positions.fill_(self.length)
+        """Write positions for the next token (every stacked row at its row's length: one fill
+        when they are all equal); returns ``step_positions`` (``[N]``, the decoder step's
+        ``positions``)."""
+        if self.uniform:
+            self.positions.fill_(self.length)
+        else:
+            stacked = np.tile(self.row_lengths, self.n_layers)
+            self.positions.copy_(self._torch.from_numpy(stacked).to(self.positions.device))
         return self.step_positions
 
     def append_(
@@ -332,7 +377,7 @@ class KVCache(_Layout):
                 f"kv_cache_append_ skipped rows whose position {self.length} + 1 exceeds the cache capacity "
                 f"{self.capacity} (reported by the CUDA kernel's error flag); the decoding state is invalid"
             )
-        self.length += 1
+        super().end_step()
 
     def reorder_(self, beam_index: Any) -> None:
         """Row ``r`` of every layer becomes old row ``beam_index[r]`` over the valid prefix, in
@@ -347,6 +392,8 @@ class KVCache(_Layout):
         )
         self._reorder(self.keys, stacked, self.length)
         self._reorder(self.values, stacked, self.length)
+        if not self.uniform:
+            self._set_row_lengths(self.row_lengths[index])
 
     def select_(self, index: Any) -> None:
         """Keep ``len(index)`` rows: row ``r`` of every layer becomes old row ``index[r]`` over
@@ -361,7 +408,38 @@ class KVCache(_Layout):
                 stacked_t = self._torch.from_numpy(stacked).to(self.keys.device)
                 self._reorder(self.keys, stacked_t, self.length)
                 self._reorder(self.values, stacked_t, self.length)
+        lengths = self.row_lengths[index]
         self._set_rows(int(index.shape[0]))
+        self._set_row_lengths(lengths)
+
+    def extend(self, other: "KVCache") -> "KVCache":
+        """A cache holding this cache's rows, then ``other``'s (of the same layers, heads, head
+        size, dtype and device), each row keeping its tokens and its length: what a runner makes
+        when sources join a running decoding. New buffers of ``rows + other.rows`` rows and the
+        larger capacity; each cache's valid prefix is copied once (the stacked layout puts every
+        layer's rows together, so the rows cannot grow in place)."""
+        _check_extend(self, other)
+        new = KVCache.allocate(
+            self.n_layers,
+            self.rows + other.rows,
+            self.keys.shape[1],
+            max(self.capacity, other.capacity),
+            self.keys.shape[3],
+            dtype=self.dtype,
+            device=self.device,
+            staging=self.new_keys is not None,
+            error_flag=self.error_flag is not None,
+            append_op=self._append,
+            reorder_op=self._reorder,
+        )
+        nl, N = self.n_layers, self.rows
+        with self._torch.inference_mode():
+            for dst, a, b in ((new.keys, self.keys, other.keys), (new.values, self.values, other.values)):
+                view = dst.view(nl, new.rows, *dst.shape[1:])
+                view[:, :N, :, : self.length] = a.view(nl, N, *a.shape[1:])[:, :, :, : self.length]
+                view[:, N:, :, : other.length] = b.view(nl, other.rows, *b.shape[1:])[:, :, :, : other.length]
+        new._set_row_lengths(np.concatenate([self.row_lengths, other.row_lengths]))
+        return new
 
 
 class HostBufferPool:
@@ -507,12 +585,25 @@ class HostKVCache(_Layout):
         p = self.length
         if p >= self.capacity:
             raise IndexError(f"cannot append at position {p}: the cache holds {self.capacity} positions")
-        self._keys5[:, :, :, p] = self._new_keys5[:, :, :, 0]
-        self._values5[:, :, :, p] = self._new_values5[:, :, :, 0]
+        if self.uniform:
+            self._keys5[:, :, :, p] = self._new_keys5[:, :, :, 0]
+            self._values5[:, :, :, p] = self._new_values5[:, :, :, 0]
+            return
+        for q in np.unique(self.row_lengths).tolist():  # rows of one position at a time
+            rows = np.flatnonzero(self.row_lengths == q)
+            self._keys5[:, rows, :, q] = self._new_keys5[:, rows, :, 0]
+            self._values5[:, rows, :, q] = self._new_values5[:, rows, :, 0]
 
     def reorder_(self, beam_index: Any) -> None:
         """Row ``r`` of every layer becomes old row ``beam_index[r]`` over the valid prefix, in
-        place; errors as :class:`KVCache`'s (nothing is moved).
+        place; errors as :class:`KVCache`'s (nothing is moved). See :meth:`_reorder_rows`."""
+        index = decoding.check_beam_index(beam_index, self.rows)
+        self._reorder_rows(index)
+        if not self.uniform:
+            self._set_row_lengths(self.row_lengths[index])
+
+    def _reorder_rows(self, index: np.ndarray) -> None:
+        """The moves of :meth:`reorder_` (``index`` checked).
 
         Only the rows that change are written (in beam search most beams keep their own row).
         A small move, or one of small slices (a row of one layer under ``_SMALL_SLICE_BYTES``),
@@ -522,7 +613,6 @@ class HostKVCache(_Layout):
         overlap: it reads and writes the moved rows once instead of twice; sources that are
         themselves overwritten are copied aside first.
         """
-        index = decoding.check_beam_index(beam_index, self.rows)
         p = self.length
         if p == 0:
             return
@@ -561,4 +651,31 @@ class HostKVCache(_Layout):
                 sources = stacked[moved]
                 for buf in (self.keys, self.values):
                     buf[moved, :, :p] = buf[sources, :, :p]
+        lengths = self.row_lengths[index]
         self._set_rows(int(index.shape[0]))
+        self._set_row_lengths(lengths)
+
+    def extend(self, other: "HostKVCache", pool: Optional[HostBufferPool] = None) -> "HostKVCache":
+        """A cache holding this cache's rows, then ``other``'s, each row keeping its tokens and
+        length (as :meth:`KVCache.extend`): new buffers (from ``pool`` when given) of the larger
+        capacity, each cache's valid prefix copied once."""
+        _check_extend(self, other)
+        new = HostKVCache(
+            self.n_layers,
+            self.rows + other.rows,
+            self.keys.shape[1],
+            max(self.capacity, other.capacity),
+            self.keys.shape[3],
+            dtype=self.dtype,
+            staging=self.new_keys is not None,
+            pool=pool,
+        )
+        N = self.rows
+        for dst, a, b in (
+            (new._keys5, self._keys5, other._keys5),
+            (new._values5, self._values5, other._values5),
+        ):
+            dst[:, :N, :, : self.length] = a[:, :, :, : self.length]
+            dst[:, N:, :, : other.length] = b[:, :, :, : other.length]
+        new._set_row_lengths(np.concatenate([self.row_lengths, other.row_lengths]))
+        return new

@@ -35,6 +35,8 @@ the capacity of that axis in their last bits (its one-row products round differe
 capacities), so a grown cache's logits equal a full-size cache's up to float rounding, not bit
 for bit: within 1e-6 on the tiny test models, and tests/test_ort_runner.py checks 1e-5 on every
 flavour. ``grow_cache=False`` allocates ``cache_len`` positions once, at :meth:`OrtRunner.encode`.
+A state laid out by :meth:`OrtRunner.batch_invariant` has capacities that are multiples of
+:data:`SOURCE_ALIGN` instead (at most the export's ``max_cache_len``).
 """
 
 from __future__ import annotations
@@ -143,11 +145,32 @@ class OrtState(CacheStateViews):
     max_cache_len: int = 0
     beams: int = 1  # rows per cross-attention row
     session: Any = None  # the decoder step session that runs this state's steps (``binding``'s)
+    # the longest source's length: the columns of the attention output a step returns (a
+    # batch-invariant state's cross K/V hold zero columns after it, OrtRunner.batch_invariant)
+    src_width: int = 0
+    # OrtRunner.batch_invariant: cache capacities are multiples of SOURCE_ALIGN
+    aligned: bool = False
 
     @property
     def cache_len(self) -> int:
         """The capacity the state was encoded for (a growing cache grows up to it)."""
         return self.max_cache_len
+
+
+# A batch-invariant state (OrtRunner.batch_invariant) holds its cross-attention K/V padded with
+# zero source positions (masked like any padding) to a multiple of SOURCE_ALIGN, and caches of
+# such capacities. ONNX Runtime's CPU kernels sum the attention over
+# the source positions in blocks of 4 and then the rest: padded to such a multiple, a row gets
+# the same cross-attention (to the bit) however long the other sources of its batch are, which
+# it does not otherwise (measured on the tiny test model: source lengths 1 to 40, padded widths
+# up to 64). So a source's result does not depend on its batch (decoding.SearchState). 16 also
+# covers kernels that work in blocks of 8 or 16 floats; the extra positions cost a few
+# multiply-adds per row and layer.
+SOURCE_ALIGN = 16
+
+
+def _aligned(width: int) -> int:
+    return -(-int(width) // SOURCE_ALIGN) * SOURCE_ALIGN
 
 
 def _io(values) -> list[dict]:
@@ -457,6 +480,7 @@ class OrtRunner(decoding.SearchMethods):
             attention=np.zeros((N, S), dtype=np.float32) if self.has_attention else None,
             max_cache_len=cache_len,
             beams=K if self.cross_per_source else 1,
+            src_width=S,
         )
         self._bind(state)
         return state
@@ -534,22 +558,36 @@ class OrtRunner(decoding.SearchMethods):
         if p >= cache.capacity:  # a growing cache that is full: CACHE_GROWTH positions more
             cache = self._grow(state)
         state.input_ids[:, 0] = tok
-        state.positions.fill(p)
+        if cache.uniform:
+            state.positions.fill(p)
+        else:  # rows appended to a running decoding: each at its own position
+            state.positions[:] = cache.row_lengths
         self._call(state.session.run_with_iobinding, state.binding)
         if self.info.flavour == "portable":
             cache.append_()  # every layer's new K/V at position p: one copy per buffer
         cache.end_step()
 
-    def _grow(self, state: OrtState) -> HostKVCache:
-        """``state``'s caches with :data:`CACHE_GROWTH` more positions (at most its
-        ``cache_len``): new zero-filled buffers holding the prefix, bound in place of the old."""
+    def _capacity_limit(self, state: OrtState) -> int:
+        """The largest capacity ``state``'s caches get: its ``cache_len`` (aligned for a
+        batch-invariant state), at most the export's ``max_cache_len``."""
+        limit = _aligned(state.cache_len) if state.aligned else state.cache_len
+        if self.info.max_cache_len is not None:
+            limit = min(limit, int(self.info.max_cache_len))
+        return max(limit, state.cache_len)
+
+    def _grow(self, state: OrtState, capacity: Optional[int] = None) -> HostKVCache:
+        """``state``'s caches with :data:`CACHE_GROWTH` more positions (at most
+        :meth:`_capacity_limit`), or ``capacity``: new zero-filled buffers holding the prefix,
+        bound in place of the old."""
         old = state.cache
         p = old.length
+        if capacity is None:
+            capacity = min(self._capacity_limit(state), old.capacity + CACHE_GROWTH)
         cache = HostKVCache(
             old.n_layers,
             old.rows,
             self.info.n_heads,
-            min(state.cache_len, old.capacity + CACHE_GROWTH),
+            capacity,
             self.info.d_k,
             dtype=old.dtype,
             staging=old.new_keys is not None,
@@ -557,7 +595,7 @@ class OrtRunner(decoding.SearchMethods):
         )
         cache.keys[:, :, :p] = old.keys[:, :, :p]
         cache.values[:, :, :p] = old.values[:, :, :p]
-        cache.length = p
+        cache._set_row_lengths(old.row_lengths)
         state.cache = cache
         self._bind(state)
         return cache
@@ -580,10 +618,20 @@ class OrtRunner(decoding.SearchMethods):
         if reason:
             raise ValueError(reason)
         logits = self.step(state, tokens)
-        return logits, state.attention.copy()
+        return logits, state.attention[:, : state.src_width].copy()
 
     def _empty(self, shape, dtype) -> np.ndarray:
         return np.empty(shape, dtype) if self._pool is None else self._pool.empty(shape, dtype)
+
+    def _pad_sources(self, a: np.ndarray, width: int) -> np.ndarray:
+        """Cross-attention K/V ``[rows, H, S, d_k]`` with zero source positions up to ``width``,
+        in a pooled array (``a`` itself when it is that wide and contiguous)."""
+        if a.shape[2] == width and a.flags.c_contiguous:
+            return a
+        out = self._empty((a.shape[0], a.shape[1], width, a.shape[3]), a.dtype)
+        out[:, :, : a.shape[2]] = a
+        out[:, :, a.shape[2] :] = 0
+        return out
 
     def _gather_rows(self, a: np.ndarray, index: np.ndarray) -> np.ndarray:
         """``a[index]`` into a pooled array (``index`` already checked: ``mode="clip"`` lets numpy
@@ -591,6 +639,78 @@ class OrtRunner(decoding.SearchMethods):
         out = self._empty((index.shape[0], *a.shape[1:]), a.dtype)
         np.take(a, index, axis=0, out=out, mode="clip")
         return out
+
+    def append(self, state: OrtState, other: OrtState) -> None:
+        """Append ``other``'s rows (a state this runner encoded, usually at position 0) after
+        ``state``'s, each row keeping its position: sources joining a running decoding
+        (:class:`transformer_ext.decoding.SearchState`). The caches move into buffers of both
+        row counts and the larger capacity (:meth:`HostKVCache.extend`); the cross-attention
+        K/V are padded to the longer source (aligned for batch-invariant states) and
+        concatenated, kept once per source when both states hold them so for the same number of
+        beams, else one per row; the step's buffers are made for the new row count and bound."""
+        if not isinstance(other, OrtState) or not isinstance(state, OrtState):
+            raise TypeError(
+                f"append takes two OrtState, got {type(state).__name__} and {type(other).__name__}"
+            )
+        width = max(state.cross_keys[0].shape[2], other.cross_keys[0].shape[2])
+        aligned = state.aligned and other.aligned
+        if aligned:
+            width = _aligned(width)
+        K = state.beams if state.beams == other.beams else 1
+
+        def cross(a: np.ndarray, beams: int) -> np.ndarray:
+            return self._pad_sources(a if beams == K else np.repeat(a, beams, axis=0), width)
+
+        state.cross_keys = [
+            np.concatenate([cross(a, state.beams), cross(b, other.beams)])
+            for a, b in zip(state.cross_keys, other.cross_keys)
+        ]
+        state.cross_values = [
+            np.concatenate([cross(a, state.beams), cross(b, other.beams)])
+            for a, b in zip(state.cross_values, other.cross_values)
+        ]
+        state.cache = state.cache.extend(other.cache, pool=self._pool)
+        state.src_lengths = np.concatenate([state.src_lengths, other.src_lengths])
+        N = state.num_rows
+        state.input_ids = np.zeros((N, 1), dtype=np.int64)
+        state.positions = np.zeros(N, dtype=np.int64)
+        state.logits = np.zeros((N, self.info.tgt_vocab_size), dtype=np.float32)
+        if state.attention is not None:
+            state.attention = np.zeros((N, width), dtype=np.float32)
+        state.max_cache_len = max(state.max_cache_len, other.max_cache_len)
+        state.beams, state.aligned = K, aligned
+        state.src_width = max(state.src_width, other.src_width)
+        self._bind(state)
+
+    def batch_invariant(self, state: OrtState) -> None:
+        """Lay ``state`` out so that each row's logits do not depend on the other rows: its
+        cross-attention K/V once per row (``beams`` 1, as a state that rows of other beam counts
+        joined holds them) and its caches' capacity a multiple of :data:`SOURCE_ALIGN` (growing by
+        :data:`CACHE_GROWTH`, also a multiple), its cross-attention K/V padded with zero (masked)
+        source positions to such a multiple. ONNX Runtime's attention over K/V shared by a
+        source's rows, and over a cache whose capacity is not such a multiple, rounds
+        differently from a lone row's. :class:`transformer_ext.decoding.SearchState` lays out
+        every state so, giving a source the same numbers alone and in any batch."""
+        if state.beams > 1:
+            K = state.beams
+            state.cross_keys = [
+                self._gather_rows(k, np.repeat(np.arange(k.shape[0]), K)) for k in state.cross_keys
+            ]
+            state.cross_values = [
+                self._gather_rows(v, np.repeat(np.arange(v.shape[0]), K)) for v in state.cross_values
+            ]
+            state.beams = 1
+        if not state.aligned:
+            state.aligned = True
+            width = _aligned(state.cross_keys[0].shape[2])
+            state.cross_keys = [self._pad_sources(k, width) for k in state.cross_keys]
+            state.cross_values = [self._pad_sources(v, width) for v in state.cross_values]
+            if state.attention is not None:
+                state.attention = np.zeros((state.num_rows, width), dtype=np.float32)
+            capacity = min(_aligned(state.cache.capacity), self._capacity_limit(state))
+            if capacity != state.cache.capacity:
+                self._grow(state, capacity)
+        self._bind(state)
 
     def reorder(self, state: OrtState, beam_index: Any) -> None:
         """Row ``r`` of every self-attention cache becomes old row ``beam_index[r]`` (valid prefix only)."""
