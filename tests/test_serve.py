@@ -63,9 +63,13 @@ class Server:
             raise AssertionError("the server did not start:\n" + "".join(self.log[-30:]))
         self.client = httpx.Client(base_url=self.url, timeout=120)
         deadline = time.monotonic() + START_TIMEOUT
-        while self.client.get("/readyz").status_code != 200:
-            assert time.monotonic() < deadline, "the server never became ready"
-            time.sleep(0.05)
+        try:
+            while self.client.get("/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "the server never became ready"
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
 
     def _read(self) -> None:
         for line in self.proc.stderr:
@@ -376,6 +380,28 @@ def test_a_full_queue_answers_429_with_retry_after(demo_translator):
                 assert int(answer.headers["retry-after"]) >= 1 and "queue is full" in answer.json()["error"]
             else:
                 assert answer.json()["translations"] == [{"text": expected}]
+    finally:
+        assert server.stop() == 0
+
+
+SLOW_STARTUP = """
+import time
+from transformer_ext.serve import server as _server
+_startup = _server.DrainingServer.startup
+async def _slow_startup(self, sockets=None):
+    time.sleep(2)
+    await _startup(self, sockets)
+_server.DrainingServer.startup = _slow_startup
+"""
+
+
+def test_the_logged_address_accepts_connections_while_the_server_still_starts():
+    """A client (a load balancer's probe) that connects as soon as the "serving ... on" line is
+    logged is queued, not refused, even when the server's startup takes a while; ``Server``
+    requests /readyz at once."""
+    server = Server(python_prelude=SLOW_STARTUP)
+    try:
+        assert server.client.get("/readyz").status_code == 200
     finally:
         assert server.stop() == 0
 
