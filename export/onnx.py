@@ -356,17 +356,23 @@ def check_tokenizer(model_path: Path, config) -> tuple[list[str], dict[str, int]
 def imported_generation(model_path: Path, cache_len: int) -> dict:
     """The export's generation-config defaults for a model converted from transformers (its
     ``generation_defaults.json``): ``num_beams``, transformers' length penalty ("hf" with its
-    exponent) and ``max_length - 1`` new tokens (at most ``cache_len``); {} for other models."""
+    exponent) and one budget for every source, ``max_length - 1`` new tokens (at most
+    ``cache_len``: ``max_len_a`` 0, ``max_len_b`` and ``max_new_tokens`` that budget), EOS
+    suppressed before its least number of new tokens; {} for other models."""
     from transformer_ext.convert.generation import read_generation_defaults
 
     defaults = read_generation_defaults(model_path)
     if defaults is None:
         return {}
+    budget = min(defaults.max_length - 1, cache_len)
     return dict(
         beam_size=defaults.num_beams,
         length_penalty="hf",
-        alpha=max(0.0, defaults.length_penalty),
-        max_new_tokens=min(defaults.max_length - 1, cache_len),
+        alpha=defaults.length_penalty,
+        max_len_a=0.0,
+        max_len_b=float(budget),
+        max_new_tokens=budget,
+        min_new_tokens=min(defaults.min_new_tokens, budget),
     )
 
 
@@ -558,6 +564,45 @@ def _check_arguments(
     return opset, cache_len, float(tolerance)
 
 
+def _check_quantize_options(
+    quantize: Optional[str], quantize_options: Optional[Mapping[str, Any]], max_bleu_drop, gate_data
+) -> Optional[float]:
+    """The quantization options of :func:`export_onnx` checked before anything is read; the BLEU
+    drop with the scheme's default."""
+    if quantize is not None:
+        from .quantize import check_quantize_arguments
+
+        return check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop)[2]
+    if gate_data is not None:
+        raise UsageError(
+            "a BLEU gate (--gate-src / --gate-ref) checks quantized graphs: it needs --quantize int8, int4 "
+            "or int8-nbits"
+        )
+    if quantize_options:
+        raise UsageError(
+            f"quantize_options {dict(quantize_options)} need --quantize (int4 or int8-nbits; few_rows: int8)"
+        )
+    return max_bleu_drop
+
+
+def _check_quantized_model(quantize, quantize_options, max_bleu_drop, config) -> None:
+    """The block size against the model's matrices (:func:`export.quantize.check_quantize_arguments`)."""
+    from .quantize import check_quantize_arguments
+
+    check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop, config.to_dict())
+
+
+def _check_gate(model_path: Path, tokenizer_names, config, gate_data) -> None:
+    """The quality gate can run on this model and fail (gate data given where the model is not of
+    the demo task, its languages and line lengths): :func:`export.quantize.check_gate_inputs`."""
+    from transformer_ext.tokenizer import load_tokenizer
+
+    from .quantize import check_gate_inputs
+
+    tokenizer = load_tokenizer(model_path) if tokenizer_names else None
+    check_gate_inputs(tokenizer, config.max_len, gate_data, model_path)
+
+
 def export_onnx(
     model_dir: Optional[str | os.PathLike] = None,
     output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
@@ -651,19 +696,7 @@ def export_onnx(
     """
     t_start = time.perf_counter()
     opset, cache_len, tolerance = _check_arguments(flavour, opset, cache_len, tolerance, seed)
-    if quantize is not None:
-        from .quantize import check_quantize_arguments
-
-        _, _, max_bleu_drop = check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop)
-    elif gate_data is not None:
-        raise UsageError(
-            "a BLEU gate (--gate-src / --gate-ref) checks quantized graphs: it needs --quantize int8, int4 "
-            "or int8-nbits"
-        )
-    elif quantize_options:
-        raise UsageError(
-            f"quantize_options {dict(quantize_options)} need --quantize (int4 or int8-nbits; few_rows: int8)"
-        )
+    max_bleu_drop = _check_quantize_options(quantize, quantize_options, max_bleu_drop, gate_data)
     output_dir = Path(output_dir).absolute()
     # None: the bundled demo model. A training run's best/, last/ and checkpoints/ are the trainer's.
     inputs = [] if model_dir is None else [("the model folder --model-dir", model_dir)]
@@ -679,15 +712,10 @@ def export_onnx(
         cache_len = config.max_len
     if not 1 <= cache_len <= config.max_len:
         raise UsageError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
-    if quantize is not None:  # the block size against the model's matrices, before tracing
-        check_quantize_arguments(quantize, quantize_options, None, max_bleu_drop, config.to_dict())
-        if validate:  # the gate can run on this model and fail (gate data, its languages and lengths)
-            from transformer_ext.tokenizer import load_tokenizer
-
-            from .quantize import check_gate_inputs
-
-            tokenizer = load_tokenizer(model_path) if tokenizer_names else None
-            check_gate_inputs(tokenizer, config.max_len, gate_data, model_path)
+    if quantize is not None:  # the block size against the model's matrices, the gate's inputs, before tracing
+        _check_quantized_model(quantize, quantize_options, max_bleu_drop, config)
+        if validate:
+            _check_gate(model_path, tokenizer_names, config, gate_data)
     generation_config = GenerationConfig.defaults_for(
         {"special_tokens": special_tokens, "max_cache_len": cache_len, "model_config": config.to_dict()},
         **{**imported_generation(model_path, cache_len), **dict(generation or {})},
@@ -921,8 +949,7 @@ def _parser() -> argparse.ArgumentParser:
         "--tolerance",
         type=float,
         default=DEFAULT_TOLERANCE,
-        help="largest absolute difference allowed between every ONNX Runtime output and eager PyTorch in "
-        "float64, or 8x eager float32's own difference from it where that is larger",
+        help="largest difference allowed from float64 eager PyTorch (or 8x eager float32's own, if larger)",
     )
     p.add_argument(
         "--no-validate",

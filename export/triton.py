@@ -621,6 +621,22 @@ def _pretrained_parameters(pretrained) -> dict:
     1`` new tokens per source whatever its length; {} for a model of ours."""
     if pretrained is None:
         return {}
+    unsupported = [
+        f"{name} = {value}"
+        for name, value, off in (
+            ("repetition_penalty", pretrained.repetition_penalty, 1.0),
+            ("no_repeat_ngram_size", pretrained.no_repeat_ngram_size, 0),
+            ("forced_first_token", pretrained.forced_first_token, None),
+            ("renormalize_logits", pretrained.renormalize_logits, False),
+        )
+        if value != off
+    ]
+    if unsupported:
+        raise TritonExportError(
+            f"generation_defaults.json: {', '.join(unsupported)} (from the checkpoint's generation config) "
+            "is not applied by the Triton translator; serve this model with transformer_ext.translate "
+            "or an ONNX Runtime export instead"
+        )
     return {
         "banned_ids": ",".join(str(int(t)) for t in pretrained.banned_ids),
         "force_eos_at_budget": int(pretrained.force_eos_at_max_length),

@@ -344,3 +344,27 @@ def test_a_token_flip_beyond_a_near_tie_is_reported_as_one():
     assert "token flip at generated position 2" in text and "eager token 7, onnxruntime token 8" in text
     assert "differs from eager PyTorch" not in text
     assert pickle.loads(pickle.dumps(err)).args == err.args
+
+
+@pytest.mark.parametrize("onnx_score, tie", [(-1.0003, True), (-1.5, False)])
+def test_beam_hypotheses_that_part_are_judged_by_their_scores(onnx_score, tie):
+    """Beam: the first hypothesis that differs is compared by score; 3e-4 apart over 3 tokens and
+    EOS is within twice the tolerance per token (a near tie), 0.5 apart is a token flip."""
+    from types import SimpleNamespace
+
+    from export import validate as validation
+
+    report = validation.ValidationReport(tolerance=1e-4)
+    logits = [np.zeros((2, 10), np.float32) for _ in range(2)]
+    fed = [(np.array([1, 1]), None), (np.array([5, 4]), np.array([0, 0]))]
+    same = SimpleNamespace(tokens=[5, 6], score=-0.7)
+    eager_hyps = [[SimpleNamespace(tokens=[5, 6, 7], score=-1.0), same]]
+    onnx_hyps = [[SimpleNamespace(tokens=[5, 6, 9], score=onnx_score), same]]
+    args = (report, "beam", _Recorded(logits, fed), _Recorded(logits, fed), eager_hyps, onnx_hyps, "case")
+    if tie:
+        near = validation._compare_decodes(*args)["near_tie"]
+        assert (near["rank"], near["step"], near["eager"], near["onnxruntime"]) == (0, 2, 7, 9)
+        assert near["bound"] == pytest.approx(2e-4 * 4)
+    else:
+        with pytest.raises(validation.TokenFlipError, match="source 0 hypothesis 0 at generated position 2"):
+            validation._compare_decodes(*args)

@@ -53,6 +53,7 @@ def score_texts(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
 # ---------------------------------------------------------------------- command line
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -116,6 +117,16 @@ def load_translator(
     pretrained = _read_pretrained(model)
     runtime = "eager" if dtype is None else f"eager {dtype}"
     return Translator(tokenizer, runner, source_dir=model, pretrained=pretrained, **languages), runtime
+
+
+def budget_text(settings: dict) -> str:
+    """The length budget of resolved decoding ``settings`` in its one form: "at most B tokens"
+    (the same for every source, as a model converted from transformers has it) or "at most A *
+    source length + B tokens"."""
+    a, b = settings["max_len_a"], settings["max_len_b"]
+    if a == 0:
+        return f"at most {math.floor(b)} tokens"
+    return f"at most {a:g} * source length + {b:g} tokens"
 
 
 def evaluate_files(
@@ -305,8 +316,7 @@ def main(argv=None) -> int:
             else f"beam {d['beam_size']} (length penalty {d['length_penalty']}, alpha {d['alpha']})"
         )
         print(
-            f"{report['model']} ({report['runtime']}), {report['n']} sentences, {mode}, at most "
-            f"{d['max_len_a']:g} * source length + {d['max_len_b']:g} tokens, {report['seconds']} s"
+            f"{report['model']} ({report['runtime']}), {report['n']} sentences, {mode}, {budget_text(d)}, {report['seconds']} s"
         )
         print(f"BLEU = {report['bleu']:.2f}  {report['bleu_signature']}")
         print(f"     {report['bleu_detail']}")

@@ -686,7 +686,8 @@ class GenerationConfig:
     """How a deployment decodes with an export folder, as ``generation.json`` records it.
 
     The generation budget of a source of ``n`` tokens is ``min(floor(max_len_a * n + max_len_b),
-    max_new_tokens)`` tokens, at least 1, EOS included; EOS is suppressed before
+    max_new_tokens)`` tokens, at least 1, EOS included (a model converted from transformers has
+    ``max_len_a`` 0 and ``max_len_b`` = ``max_new_tokens``: the same budget for every source); EOS is suppressed before
     ``min_new_tokens`` tokens (:mod:`transformer_ext.decoding`). ``beam_size`` 1 is greedy search.
     ``special_tokens`` are the ids of the model and its tokenizer (``pad``, ``bos``, ``eos`` and,
     with a tokenizer, ``unk``); they must equal the manifest's.
@@ -717,6 +718,26 @@ class GenerationConfig:
         )
         ordered = {k: body.pop(k) for k in order}
         return {"format": GENERATION_FORMAT, "format_version": GENERATION_FORMAT_VERSION, **ordered, **body}
+
+    def to_search_options(self, base: Any = None) -> Any:
+        """This config as a :class:`transformer_ext.decoding.SearchOptions` laid over ``base``
+        (default: the package's defaults) with ``dataclasses.replace``: the beam size, the length
+        penalty (``length_penalty`` is its formula, ``alpha`` its exponent), the budget
+        (``max_new_tokens`` the cap of ``floor(max_len_a * n + max_len_b)``) and ``min_new_tokens``."""
+        from dataclasses import replace
+
+        from .decoding import SearchOptions
+
+        return replace(
+            base if base is not None else SearchOptions(),
+            beam_size=self.beam_size,
+            length_penalty=float(self.alpha),
+            length_penalty_type=self.length_penalty,
+            max_decoding_length=self.max_new_tokens,
+            max_len_a=float(self.max_len_a),
+            max_len_b=float(self.max_len_b),
+            min_decoding_length=min(self.min_new_tokens, self.max_new_tokens),
+        )
 
     @classmethod
     def defaults_for(cls, manifest: Mapping[str, Any], **overrides: Any) -> "GenerationConfig":
@@ -791,7 +812,14 @@ class GenerationConfig:
             raise fail(
                 f"length_penalty must be one of {list(LENGTH_PENALTIES)}, got {_show(data['length_penalty'])}"
             )
-        alpha, a, b = number("alpha"), number("max_len_a"), number("max_len_b")
+        if data["length_penalty"] == "hf":  # transformers' exponent may be negative
+            alpha = data["alpha"]
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+                raise fail(f"alpha must be a finite number, got {_show(alpha)}")
+            alpha = float(alpha)
+        else:
+            alpha = number("alpha")
+        a, b = number("max_len_a"), number("max_len_b")
         min_new, max_new = integer("min_new_tokens", 0), integer("max_new_tokens", 1)
         if min_new > max_new:
             raise fail(f"min_new_tokens ({min_new}) must be <= max_new_tokens ({max_new})")

@@ -744,10 +744,16 @@ class Translator:
             value = getattr(g, name, None)
             return default if value is None else value
 
-        beam_size = _check_positive_int(
-            "beam size", given["beam_size"] if given["beam_size"] is not None else g.beam_size
-        )
-        n_best = _check_positive_int("n_best", given["n_best"] if given["n_best"] is not None else 1)
+        beam_size = given["beam_size"]
+        if beam_size is None:  # random sampling asked for without a beam: beam 1, whatever g says
+            asked = given["sampling_topk"] not in (None, 1) or given["sampling_topp"] not in (None, 1.0)
+            asked = asked or given["sampling_temperature"] not in (None, 1.0)
+            beam_size = 1 if asked else g.beam_size
+        beam_size = _check_positive_int("beam size", beam_size)
+        n_best = given["n_best"]
+        if n_best is None:  # an imported model's num_return_sequences, within the beam
+            n_best = min(int(getattr(g, "n_best", None) or 1), beam_size)
+        n_best = _check_positive_int("n_best", n_best)
         sampling = self._resolve_sampling(given, pick, beam_size, n_best)
         length_penalty, alpha, early_stopping = self._resolve_scoring(given, g, pick)
         limits = self._resolve_limits(given, g, pick)
@@ -1217,8 +1223,9 @@ class _PretrainedGeneration:
 
 def _pretrained_generation(generation: Any, pretrained: Any, tokenizer: Optional[Tokenizer]) -> Any:
     """``generation`` (None: the defaults of the checkpoint's ``generate()``: ``num_beams``, "hf"
-    with its exponent) with ``pretrained``'s banned tokens, forced target language, EOS at the
-    budget, early stopping and ``max_length - 1`` new tokens per source."""
+    with its exponent) with ``pretrained``'s banned tokens, forced first tokens, EOS at the
+    budget, early stopping, least number of new tokens, repetition penalty, n-gram ban and
+    ``max_length - 1`` new tokens per source."""
     if generation is None:
         generation = _GenerationDefaults(
             beam_size=pretrained.num_beams,
@@ -1227,9 +1234,9 @@ def _pretrained_generation(generation: Any, pretrained: Any, tokenizer: Optional
             max_new_tokens=pretrained.max_length - 1,
         )
     forced: list[int] = []
-    if pretrained.force_target_language and tokenizer is not None:
+    if tokenizer is not None:
         try:
-            forced = [int(t) for t in tokenizer.forced_target_prefix()]
+            forced = pretrained.forced_prefix(tokenizer)
         except TokenizerError as exc:  # a missing target language, the codes listed
             raise TranslationError(str(exc)) from None
     if tokenizer is not None and callable(getattr(tokenizer, "with_languages", None)):
@@ -1252,6 +1259,11 @@ def _pretrained_generation(generation: Any, pretrained: Any, tokenizer: Optional
         else generation.early_stopping,
         max_len_a=0.0,
         max_len_b=float(pretrained.max_length - 1),
+        min_new_tokens=max(int(getattr(generation, "min_new_tokens", 0) or 0), pretrained.min_new_tokens),
+        repetition_penalty=pretrained.repetition_penalty,
+        no_repeat_ngram_size=pretrained.no_repeat_ngram_size,
+        n_best=pretrained.num_return_sequences,
+        renormalize_logits=pretrained.renormalize_logits,
     )
 
 

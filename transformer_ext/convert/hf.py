@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -42,7 +43,13 @@ from ..pretrained_tokenizers import (
     FairseqTokenizer,
     MarianTokenizer,
 )
-from .generation import GenerationDefaults
+from .generation import (
+    DEFAULT_NEW_TOKENS,
+    KNOWN_FIELDS,
+    REFUSED_FIELDS,
+    GenerationDefaults,
+    refused_value,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -653,53 +660,143 @@ _FAMILIES: dict[str, tuple[Callable, Callable]] = {
 def _generation(
     folder: Path, cfg: dict, config: TransformerConfig, model_type: str, files: list[Path]
 ) -> GenerationDefaults:
+    """The generation defaults of the checkpoint: every field of ``generation_config.json`` (else
+    the generation fields of ``config.json``, as transformers reads them) either reproduced, of
+    no effect on the tokens, or refused naming it (:data:`~.generation.REPRODUCED_FIELDS`,
+    :data:`~.generation.NO_EFFECT_FIELDS`, :data:`~.generation.REFUSED_FIELDS`); each value
+    checked, so that no folder is written that translation would refuse."""
     path = folder / "generation_config.json"
     if path.is_file():
         gen = _read_json(path)
         files.append(path)
         if not isinstance(gen, dict):
             raise ConversionError(f"{path}: expected a JSON object")
-        source = path
-    else:
-        gen, source = cfg, folder / "config.json"
-    f = _Fields(gen, source)
-    for key in ("no_repeat_ngram_size", "repetition_penalty_unused"):
-        if f.data.get(key) not in (None, 0):
+        unknown = sorted(k for k in gen if k not in KNOWN_FIELDS)
+        if unknown:
             raise ConversionError(
-                f"{source}: unsupported generation option {key} = {json.dumps(f.data[key])}"
+                f"{path}: unknown generation option {unknown[0]} = {json.dumps(gen[unknown[0]])[:200]} "
+                "(this package cannot tell whether it changes generate()'s output)"
             )
-    if f.data.get("do_sample"):
-        raise ConversionError(f"{source}: unsupported generation option do_sample = true (sampling)")
+        source = path
+    else:  # transformers' GenerationConfig.from_model_config: the known fields of config.json
+        gen = {k: v for k, v in cfg.items() if k in KNOWN_FIELDS and v is not None}
+        source = folder / "config.json"
+    f = _Fields(gen, source)
+
+    def refuse(key: str, why: str) -> ConversionError:
+        return ConversionError(
+            f"{source}: unsupported generation option {key} = {json.dumps(f.data[key])[:200]} ({why})"
+        )
+
+    for key in REFUSED_FIELDS:
+        if key in f.data and refused_value(key, f.data[key]):
+            raise refuse(key, "it changes generate()'s output and this package does not reproduce it")
+    if f.get("do_sample", bool, False, allow_none=True):
+        raise refuse("do_sample", "sampling by default; translate samples with --sampling-topk")
+
+    def integer(key: str, low: int) -> Optional[int]:
+        value = f.get(key, int, None, allow_none=True)
+        if value is not None and value < low:
+            raise ConversionError(f"{source}: field {key!r} must be an integer >= {low}, got {value}")
+        return value
+
+    def number(key: str, default: float, *, positive: bool = False) -> float:
+        value = f.get(key, float, None, allow_none=True)
+        if value is None:
+            return default
+        if not math.isfinite(value) or (positive and value <= 0):
+            wanted = "a finite number > 0" if positive else "a finite number"
+            raise ConversionError(f"{source}: field {key!r} must be {wanted}, got {value}")
+        return value
+
+    def token(key: str) -> Optional[int]:
+        value = f.get(key, int, None, allow_none=True)
+        if value is not None and not 0 <= value < config.tgt_vocab_size:
+            raise ConversionError(
+                f"{source}: field {key!r} = {value} is not a target token id "
+                f"(the vocabulary has ids 0 .. {config.tgt_vocab_size - 1})"
+            )
+        return value
+
+    num_beams = integer("num_beams", 1) or 1
+    max_new = integer("max_new_tokens", 1)
+    max_length = integer("max_length", 2)
+    if max_new is not None:  # generate(): max_new_tokens wins, uncapped
+        max_length = max_new + 1
+    elif max_length is None:  # generate(): 20 new tokens, within max_position_embeddings
+        max_length = min(DEFAULT_NEW_TOKENS + 1, config.max_len)
+    min_new = integer("min_new_tokens", 0)
+    if min_new is None:  # min_length counts the decoder start token
+        min_new = max(0, (integer("min_length", 0) or 0) - 1)
+    n_return = integer("num_return_sequences", 1) or 1
+    if n_return > num_beams:  # generate() refuses it too
+        raise refuse("num_return_sequences", f"more than num_beams = {num_beams}")
+    length_penalty = number("length_penalty", 1.0)
+    repetition_penalty = number("repetition_penalty", 1.0, positive=True)
+    ngram = integer("no_repeat_ngram_size", 0) or 0
     banned = []
     bad = f.data.get("bad_words_ids")
     if bad is not None:
-        if not isinstance(bad, list) or any(not isinstance(b, list) or len(b) != 1 for b in bad):
+        if not isinstance(bad, list) or any(not isinstance(b, list) for b in bad):
             raise ConversionError(
-                f"{source}: unsupported generation option bad_words_ids = {json.dumps(bad)[:200]} "
-                "(only single tokens can be banned)"
+                f"{source}: field 'bad_words_ids' must be a list of token-id lists, "
+                f"got {json.dumps(bad)[:200]}"
             )
-        banned = sorted({int(b[0]) for b in bad})
-    forced_eos = f.data.get("forced_eos_token_id")
+        for b in bad:
+            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in b):
+                raise ConversionError(
+                    f"{source}: field 'bad_words_ids' must hold token ids (integers >= 0), "
+                    f"got {json.dumps(b)[:200]}"
+                )
+            if len(b) != 1:
+                raise refuse("bad_words_ids", "only single tokens can be banned")
+        # generate() never bans the EOS this way (NoBadWordsLogitsProcessor drops it)
+        banned = sorted({b[0] for b in bad} - {config.eos_id})
+    for key, ours in (("eos_token_id", config.eos_id), ("pad_token_id", config.pad_id)):
+        value = f.data.get(key)
+        if value not in (None, ours, [ours]):
+            raise ConversionError(
+                f"{source}: {key} = {json.dumps(value)[:100]} differs from config.json's {ours}"
+            )
+    forced_eos = token("forced_eos_token_id")
     if forced_eos not in (None, config.eos_id):
         raise ConversionError(
             f"{source}: forced_eos_token_id = {forced_eos} is not the eos id {config.eos_id}"
         )
+    forced_bos = token("forced_bos_token_id")
+    if forced_bos is not None and model_type == "m2m_100":
+        raise refuse(
+            "forced_bos_token_id",
+            "the first token of an M2M100 / NLLB translation is the target language's, "
+            "chosen with --target-lang",
+        )
     early = f.data.get("early_stopping", False)
+    if early is None:
+        early = False
     if not (isinstance(early, bool) or early == "never"):
-        raise ConversionError(f"{source}: unsupported generation option early_stopping = {json.dumps(early)}")
+        raise ConversionError(
+            f"{source}: field 'early_stopping' must be true, false or \"never\", got {json.dumps(early)[:100]}"
+        )
     start = f.data.get("decoder_start_token_id")
     if start is not None and start != config.bos_id:
         raise ConversionError(
-            f"{source}: decoder_start_token_id = {start} differs from config.json's {config.bos_id}"
+            f"{source}: decoder_start_token_id = {json.dumps(start)[:100]} differs from config.json's "
+            f"{config.bos_id}"
         )
     return GenerationDefaults(
-        num_beams=f.get("num_beams", int, 1),
-        max_length=f.get("max_length", int, 20 if path.is_file() else 256),
-        length_penalty=f.get("length_penalty", float, 1.0),
+        num_beams=num_beams,
+        max_length=max_length,
+        length_penalty=length_penalty,
         early_stopping=early,
         banned_ids=tuple(banned),
         force_eos_at_max_length=forced_eos is not None,
         force_target_language=model_type == "m2m_100",
+        min_new_tokens=min_new,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=ngram,
+        forced_first_token=forced_bos,
+        num_return_sequences=n_return,
+        renormalize_logits=f.get("renormalize_logits", bool, False, allow_none=True) or False,
     )
 
 
