@@ -63,9 +63,13 @@ class Server:
             raise AssertionError("the server did not start:\n" + "".join(self.log[-30:]))
         self.client = httpx.Client(base_url=self.url, timeout=120)
         deadline = time.monotonic() + START_TIMEOUT
-        while self.client.get("/readyz").status_code != 200:
-            assert time.monotonic() < deadline, "the server never became ready"
-            time.sleep(0.05)
+        try:
+            while self.client.get("/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "the server never became ready"
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
 
     def _read(self) -> None:
         for line in self.proc.stderr:
@@ -104,6 +108,20 @@ def demo_translator() -> Translator:
 
 
 @pytest.fixture(scope="module")
+def solo(demo_translator):
+    """The oracle: ``Translator.translate`` of one source alone (each computed once)."""
+    cache: dict = {}
+
+    def translate(text: str, **options):
+        key = (text, tuple(sorted(options.items())))
+        if key not in cache:
+            cache[key] = demo_translator.translate([text], **options)[0]
+        return cache[key]
+
+    return translate
+
+
+@pytest.fixture(scope="module")
 def static_server():
     server = Server("--batching", "static", "--languages", "en-de", "--max-sources", "8")
     yield server
@@ -115,25 +133,23 @@ def static_server():
 # ------------------------------------------------------------------------------------------
 
 
-def test_translate_list_and_one_string(static_server, demo_translator):
+def test_translate_list_and_one_string(static_server, solo):
     answer = static_server.client.post("/v1/translate", json={"text": DEMO_SOURCES})
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert body["model"] == "demo"
-    assert [t["text"] for t in body["translations"]] == [
-        str(demo_translator.translate([s])[0]) for s in DEMO_SOURCES
-    ]
+    assert [t["text"] for t in body["translations"]] == [str(solo(s)) for s in DEMO_SOURCES]
     one = static_server.client.post("/v1/translate", json={"text": "forty-two"}).json()
     assert one["translations"] == [{"text": "zweiundvierzig"}]
 
 
-def test_translate_beam_n_best_and_scores(static_server, demo_translator):
+def test_translate_beam_n_best_and_scores(static_server, solo):
     answer = static_server.client.post(
         "/v1/translate", json={"text": "seven", "beam_size": 4, "num_hypotheses": 3, "return_scores": True}
     )
     assert answer.status_code == 200, answer.text
     (item,) = answer.json()["translations"]
-    expected = demo_translator.translate(["seven"], beam_size=4, n_best=3)[0]
+    expected = solo("seven", beam_size=4, n_best=3)
     assert [h["text"] for h in item["hypotheses"]] == expected.texts
     assert [h["score"] for h in item["hypotheses"]] == pytest.approx(
         [h.score for h in expected.hypotheses], abs=1e-5
@@ -141,14 +157,14 @@ def test_translate_beam_n_best_and_scores(static_server, demo_translator):
     assert item["text"] == expected.texts[0] and item["score"] == pytest.approx(expected.score, abs=1e-5)
 
 
-def test_stream_is_one_ndjson_line_per_source_then_done(static_server, demo_translator):
+def test_stream_is_one_ndjson_line_per_source_then_done(static_server, solo):
     with static_server.client.stream("POST", "/v1/translate/stream", json={"text": DEMO_SOURCES}) as answer:
         assert answer.status_code == 200
         assert answer.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in answer.iter_lines() if line]
     assert lines[-1] == {"done": True, "model": "demo"}
     got = {line["index"]: line["text"] for line in lines[:-1]}
-    assert got == {i: str(demo_translator.translate([s])[0]) for i, s in enumerate(DEMO_SOURCES)}
+    assert got == {i: str(solo(s)) for i, s in enumerate(DEMO_SOURCES)}
 
 
 def test_models_lists_the_model_and_its_defaults(static_server):
@@ -164,32 +180,30 @@ def test_models_lists_the_model_and_its_defaults(static_server):
 # ------------------------------------------------------------------------------------------
 
 
-def test_libretranslate_json_form_and_list(static_server, demo_translator):
+def test_libretranslate_json_form_and_list(static_server, solo):
     client = static_server.client
     answer = client.post(
         "/translate", json={"q": "forty-two", "source": "en", "target": "de", "format": "text"}
     )
     assert answer.status_code == 200 and answer.json() == {"translatedText": "zweiundvierzig"}
     form = client.post("/translate", data={"q": "seven", "source": "en", "target": "de"})
-    assert form.status_code == 200 and form.json() == {
-        "translatedText": str(demo_translator.translate(["seven"])[0])
-    }
+    assert form.status_code == 200 and form.json() == {"translatedText": str(solo("seven"))}
     many = client.post("/translate", json={"q": DEMO_SOURCES[:2], "source": "en", "target": "de"}).json()
-    assert many == {"translatedText": [str(demo_translator.translate([s])[0]) for s in DEMO_SOURCES[:2]]}
+    assert many == {"translatedText": [str(solo(s)) for s in DEMO_SOURCES[:2]]}
     auto = client.post("/translate", json={"q": "seven", "source": "auto", "target": "de"}).json()
     assert auto["detectedLanguage"]["language"] == "en"
     alts = client.post(
         "/translate", json={"q": "seven", "source": "en", "target": "de", "alternatives": 2}
     ).json()
-    expected = demo_translator.translate(["seven"], beam_size=3, n_best=3)[0]
+    expected = solo("seven", beam_size=3, n_best=3)
     assert alts == {"translatedText": expected.texts[0], "alternatives": expected.texts[1:]}
 
 
-def test_an_existing_libretranslate_client_works_unchanged(static_server, demo_translator):
+def test_an_existing_libretranslate_client_works_unchanged(static_server, solo):
     libretranslatepy = pytest.importorskip("libretranslatepy")
     client = libretranslatepy.LibreTranslateAPI(static_server.url)
     assert client.translate("forty-two", "en", "de") == "zweiundvierzig"
-    assert client.translate("seven", "en", "de") == str(demo_translator.translate(["seven"])[0])
+    assert client.translate("seven", "en", "de") == str(solo("seven"))
     assert client.languages() == [{"code": "en", "name": "en", "targets": ["de"]}]
 
 
@@ -304,11 +318,14 @@ def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
 
 def test_request_timeout_answers_504_and_its_source_is_not_run(held_server):
     before = held_server.metric("translate_batch_sources_sum", model="demo")
-    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo")
+    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo", reason="timeout")
     answer = held_server.client.post("/v1/translate", json={"text": "seven"})
     assert answer.status_code == 504 and "timeout" in answer.json()["error"]
     _wait_for(
-        lambda: held_server.metric("translate_cancelled_sources_total", model="demo") == cancelled + 1,
+        lambda: (
+            held_server.metric("translate_cancelled_sources_total", model="demo", reason="timeout")
+            == cancelled + 1
+        ),
         "the timed-out source leaves",
     )
     assert held_server.metric("translate_batch_sources_sum", model="demo") == before  # nothing was run for it
@@ -316,7 +333,7 @@ def test_request_timeout_answers_504_and_its_source_is_not_run(held_server):
 
 def test_client_disconnect_cancels_its_work(held_server):
     before = held_server.metric("translate_batch_sources_sum", model="demo")
-    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo")
+    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo", reason="disconnect")
     with pytest.raises(httpx.ReadTimeout):
         held_server.client.post("/v1/translate", json={"text": "seven"}, timeout=0.3)
     _wait_for(
@@ -324,10 +341,29 @@ def test_client_disconnect_cancels_its_work(held_server):
         "the disconnect is recorded",
     )
     _wait_for(
-        lambda: held_server.metric("translate_cancelled_sources_total", model="demo") == cancelled + 1,
+        lambda: (
+            held_server.metric("translate_cancelled_sources_total", model="demo", reason="disconnect")
+            == cancelled + 1
+        ),
         "the source of the client that left leaves",
     )
     assert held_server.metric("translate_batch_sources_sum", model="demo") == before  # nothing was run for it
+
+
+def test_a_stream_whose_client_leaves_cancels_its_work(held_server):
+    before = held_server.metric("translate_batch_sources_sum", model="demo")
+    cancelled = held_server.metric("translate_cancelled_sources_total", model="demo", reason="disconnect")
+    with httpx.Client(base_url=held_server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/translate/stream", json={"text": ["seven", "eight"]}) as answer:
+            assert answer.status_code == 200  # the headers came; the client leaves before any line
+    _wait_for(
+        lambda: (
+            held_server.metric("translate_cancelled_sources_total", model="demo", reason="disconnect")
+            == cancelled + 2
+        ),
+        "the stream's sources leave",
+    )
+    assert held_server.metric("translate_batch_sources_sum", model="demo") == before
 
 
 def test_a_full_queue_answers_429_with_retry_after(demo_translator):
@@ -344,6 +380,28 @@ def test_a_full_queue_answers_429_with_retry_after(demo_translator):
                 assert int(answer.headers["retry-after"]) >= 1 and "queue is full" in answer.json()["error"]
             else:
                 assert answer.json()["translations"] == [{"text": expected}]
+    finally:
+        assert server.stop() == 0
+
+
+SLOW_STARTUP = """
+import time
+from transformer_ext.serve import server as _server
+_startup = _server.DrainingServer.startup
+async def _slow_startup(self, sockets=None):
+    time.sleep(2)
+    await _startup(self, sockets)
+_server.DrainingServer.startup = _slow_startup
+"""
+
+
+def test_the_logged_address_accepts_connections_while_the_server_still_starts():
+    """A client (a load balancer's probe) that connects as soon as the "serving ... on" line is
+    logged is queued, not refused, even when the server's startup takes a while; ``Server``
+    requests /readyz at once."""
+    server = Server(python_prelude=SLOW_STARTUP)
+    try:
+        assert server.client.get("/readyz").status_code == 200
     finally:
         assert server.stop() == 0
 
@@ -378,8 +436,22 @@ def test_sigterm_drains_accepted_work_and_exits_0_without_torch(tmp_path_factory
         assert [t["text"] for t in answer.json()["translations"]] == [
             str(oracle.translate([s])[0]) for s in sources
         ]
-        assert server.proc.wait(60) == 0
+        assert server.proc.wait(60) == 0, "".join(server.log[-30:])
         assert not any("Traceback" in line for line in server.log), "".join(server.log)
+    finally:
+        server.stop()
+
+
+def test_work_left_at_the_drain_timeout_answers_503_and_the_server_exits_0():
+    server = Server("--batching", "static", "--batch-wait", "5", "--drain-timeout", "0.5")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(server.client.post, "/v1/translate", json={"text": "seven"})
+            _wait_for(lambda: server.metric("translate_requests_in_flight") == 1, "the request is accepted")
+            server.proc.send_signal(signal.SIGTERM)
+            answer = pending.result(timeout=120)
+        assert answer.status_code == 503 and "drain timeout" in answer.json()["error"], answer.text
+        assert server.proc.wait(60) == 0, "".join(server.log[-30:])
     finally:
         server.stop()
 
@@ -447,7 +519,8 @@ class _ContractState:
     """A search state with the step-wise contract's interface (admit / step / cancel / partial /
     num_rows / num_sources / empty) whose sources produce, one token a step, the hypotheses
     ``Translator.translate`` gives each alone: the scheduler's routing, admission bounds,
-    leaving and token streaming are what is tested here, not the search."""
+    leaving and token streaming are what is tested here, not the search. The requests carry the
+    decoding package's real ``SearchOptions`` (their fields and checks)."""
 
     log: list = []
 
@@ -495,22 +568,9 @@ class _ContractState:
 
 def _contract_api(translator):
     from dataclasses import dataclass
-    from typing import Any, Optional
+    from typing import Any
 
-    @dataclass(frozen=True)
-    class Options:
-        beam_size: int = 1
-        num_hypotheses: int = 1
-        length_penalty: str = "gnmt"
-        alpha: float = 0.6
-        early_stopping: Any = None
-        max_decoding_length: int = 256
-        min_decoding_length: int = 0
-        return_scores: bool = False
-        sampling_topk: int = 1
-        sampling_topp: float = 1.0
-        sampling_temperature: float = 1.0
-        seed: Optional[int] = None
+    from transformer_ext.decoding import SearchOptions as Options  # the real options record
 
     @dataclass
     class Request:
@@ -534,7 +594,7 @@ def _contract_api(translator):
     return (Options, state, Request), texts
 
 
-def test_continuous_scheduler_admits_between_steps_within_the_row_limit(demo_translator):
+def test_continuous_scheduler_admits_between_steps_within_the_row_limit(solo, demo_translator):
     import socket
 
     import uvicorn
@@ -597,7 +657,7 @@ def test_continuous_scheduler_admits_between_steps_within_the_row_limit(demo_tra
         assert joined, "no source joined a running batch"
         tokens = [e["tokens"] for e in events if "tokens" in e]
         final = [e for e in events if "text" in e and "tokens" not in e]
-        expected = demo_translator.translate(["one thousand and one"])[0]
+        expected = solo("one thousand and one")
         assert (
             tokens
             and all(a == b[: len(a)] for a, b in zip(tokens, tokens[1:]))
@@ -645,3 +705,144 @@ def test_m2m100_requests_of_different_target_languages(tmp_path_factory):
         assert "fr" in languages["en"] and "en" not in languages["en"]
     finally:
         assert server.stop() == 0
+
+
+# ------------------------------------------------------------------------------------------
+# the command line
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-sources", "10", "--max-queue", "5"], "--max-sources (10) cannot exceed --max-queue (5)"),
+        (["--model", "a=b=c"], "no such folder"),
+        (["--languages", "english"], "expected SRC-TGT"),
+        (["--port", "70000"], "0-65535"),
+    ],
+)
+def test_command_line_errors_are_one_line(args, message):
+    answer = subprocess.run(
+        [sys.executable, "-m", "transformer_ext.serve", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=REPO,
+        timeout=120,
+    )
+    assert answer.returncode in (1, 2) and message in answer.stderr, answer.stderr
+    assert "Traceback" not in answer.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# continuous batching on the real step-wise search state
+# ------------------------------------------------------------------------------------------
+
+
+def _require_stepwise():
+    from transformer_ext.serve.continuous import StepwiseUnavailable, stepwise_api
+
+    try:
+        stepwise_api()
+    except StepwiseUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def test_continuous_batching_gives_each_source_its_solo_result(solo, tmp_path_factory):
+    """Sources of concurrent requests with different options share the running batch (at most
+    6 rows: later ones join between steps); each result is its translation alone."""
+    _require_stepwise()
+    server = Server("--batching", "continuous", "--max-batch-rows", "6")
+    try:
+        cases = [
+            ({"text": s}, {}) for s in DEMO_SOURCES + ["eight hundred and five", "ninety-nine", "twelve"]
+        ] + [
+            ({"text": "seven", "beam_size": 4, "num_hypotheses": 2}, {"beam_size": 4, "n_best": 2}),
+            ({"text": "forty-two", "beam_size": 3}, {"beam_size": 3}),
+            (
+                {"text": "one thousand and one", "sampling_topk": 5, "seed": 7},
+                {"sampling_topk": 5, "seed": 7},
+            ),
+            ({"text": "six", "target_prefix": "sech"}, {"target_prefix": "sech"}),
+        ]
+        with ThreadPoolExecutor(len(cases)) as pool:
+            answers = list(pool.map(lambda c: server.client.post("/v1/translate", json=c[0]), cases))
+        for (body, options), answer in zip(cases, answers):
+            assert answer.status_code == 200, answer.text
+            expected = solo(body["text"], **options)
+            got = answer.json()["translations"][0]
+            assert got["text"] == expected.texts[0], body
+            if "num_hypotheses" in body:
+                assert [h["text"] for h in got["hypotheses"]] == expected.texts
+        assert server.metric("translate_batch_rows_count", model="demo") >= 1
+    finally:
+        assert server.stop() == 0
+
+
+def test_continuous_batching_mixes_m2m100_language_pairs(tmp_path_factory):
+    _require_stepwise()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hf_checkpoints import sample_lines, write_m2m100
+
+    from transformer_ext.convert import convert_transformers
+
+    root = tmp_path_factory.mktemp("serve_m2m100_continuous")
+    folder = convert_transformers(write_m2m100(root / "hf", seed=3), root / "m2m100")
+    sources = sample_lines(3, seed=11)
+    targets = ["de", "fr", "es"]
+    oracle = {t: Translator.from_model_dir(folder, source_lang="en", target_lang=t) for t in targets}
+    server = Server("--model", f"m2m={folder}", "--batching", "continuous")
+    try:
+        bodies = [{"text": s, "source_lang": "en", "target_lang": t} for s in sources for t in targets]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: server.client.post("/v1/translate", json=b), bodies))
+        for body, answer in zip(bodies, answers):
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["translations"] == [
+                {"text": str(oracle[body["target_lang"]].translate([body["text"]])[0])}
+            ]
+    finally:
+        assert server.stop() == 0
+
+
+# ------------------------------------------------------------------------------------------
+# the benchmark's smoke run
+# ------------------------------------------------------------------------------------------
+
+
+def test_bench_serve_smoke_run_writes_json_and_plot(tmp_path):
+    out = tmp_path / "bench_serve.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "bench_serve",
+            "--clients",
+            "1,2",
+            "--requests",
+            "2",
+            "--lines",
+            "4",
+            "--modes",
+            "none,ctranslate2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    rows = payload["modes"]["none"]
+    assert [r["clients"] for r in rows] == [1, 2] and [r["requests"] for r in rows] == [2, 4]
+    assert all(r["statuses"] == {"200": r["requests"]} and r["wrong_200_answers"] == 0 for r in rows)
+    assert (
+        payload["offline_translate_iterable"]["sentences_per_s"] > 0
+        and "load_average_before" in payload["machine"]
+    )
+    assert "ctranslate2" in payload["modes"] or "ctranslate2" in payload["skipped"]
+    assert (tmp_path / "bench_serve.png").stat().st_size > 0

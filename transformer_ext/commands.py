@@ -51,6 +51,12 @@ TENSORRT = Needs(
     "pip install 'transformer_ext[tensorrt]' (onnx and TensorRT; --check-only needs only onnx)",
 )
 
+SERVE = Needs(
+    ("fastapi", "uvicorn", "prometheus_client"),
+    "the serve extra (fastapi, uvicorn, prometheus-client)",
+    "pip install 'transformer_ext[serve]' (or: pip install -r requirements/serve.txt)",
+)
+
 # python -m name -> what it needs. translate, evaluate, corpora and export.triton start without
 # torch (they run export folders, or need no model), so they are not listed.
 COMMANDS: dict[str, Needs] = {
@@ -60,6 +66,7 @@ COMMANDS: dict[str, Needs] = {
     "export.onnx": TORCH_ONNX,
     "export.quantize": ONNX,
     "export.tensorrt": TENSORRT,
+    "transformer_ext.serve": SERVE,
 }
 
 

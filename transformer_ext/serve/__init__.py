@@ -13,7 +13,17 @@ sources per request, tokens per source and queue length, and draining on SIGTERM
 uvicorn, prometheus-client).
 """
 
-from .app import ServeConfig, create_app
-from .models import ServedModel, load_model
-
 __all__ = ["ServeConfig", "ServedModel", "create_app", "load_model"]
+
+
+def __getattr__(name: str):
+    # imported on first use: ``python -m transformer_ext.serve`` checks that fastapi is installed first
+    if name in ("ServeConfig", "create_app"):
+        from . import app
+
+        return getattr(app, name)
+    if name in ("ServedModel", "load_model"):
+        from . import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,10 @@
 
 import sys
 
-from .cli import main
+from ..commands import require
+
+require("transformer_ext.serve")
+
+from .cli import main  # noqa: E402
 
 sys.exit(main())

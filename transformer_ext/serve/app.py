@@ -386,6 +386,8 @@ class ServeState:
                 self.idle.set()
 
     def cancel(self, model: ServedModel, job: Job, error: JobError) -> None:
+        if job.cancel_status is None:
+            job.cancel_status = error.status
         self.schedulers[model.name].cancel(job)
         job.finish(error)
 
@@ -474,6 +476,7 @@ class _Guard:
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
+                        status["code"] = 499  # the client left while sending its body
                         return
                     body += message.get("body", b"")
                     if len(body) > limit:
@@ -498,15 +501,356 @@ class _Guard:
             self.state.metrics.answered(route, status["code"], time.monotonic() - start)
 
 
+def _json_body(schema: type[BaseModel], *kinds: str) -> dict:
+    """``openapi_extra`` documenting a body the route reads itself."""
+    content = {kind: {"schema": schema.model_json_schema()} for kind in (kinds or ("application/json",))}
+    return {"requestBody": {"content": content, "required": True}}
+
+
+def _libre_data(raw: bytes, content_type: str) -> dict:
+    """LibreTranslate's fields from a JSON or form-encoded body (ApiError when malformed)."""
+    kind = content_type.split(";")[0].strip().lower()
+    if kind == "application/x-www-form-urlencoded":
+        try:
+            pairs = urllib.parse.parse_qs(raw.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
+        except UnicodeDecodeError:
+            raise ApiError(400, "Invalid request: the form is not UTF-8", "body") from None
+        data: Any = {k: (v if k == "q" and len(v) > 1 else v[0]) for k, v in pairs.items()}
+        if "alternatives" in data:
+            try:
+                data["alternatives"] = int(data["alternatives"])
+            except ValueError:
+                raise ApiError(
+                    400, "Invalid request: alternatives must be an integer", "alternatives"
+                ) from None
+    else:
+        try:
+            data = json.loads(raw.decode("utf-8")) if raw else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(400, f"Invalid request: malformed JSON ({exc})", "body") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "Invalid request: expected a JSON object", "body")
+    for name in ("q", "target"):
+        if data.get(name) in (None, ""):
+            raise ApiError(400, f"Invalid request: missing {name} parameter", name)
+    return data
+
+
+class _Routes:
+    """The route handlers over one :class:`ServeState` (:meth:`register` adds them to an app)."""
+
+    def __init__(self, state: ServeState):
+        self.state = state
+        self.config = state.config
+        self.metrics = state.metrics
+
+    def register(self, app: FastAPI) -> None:
+        add = app.add_api_route
+        add(
+            "/v1/translate",
+            self.translate,
+            methods=["POST"],
+            summary="Translate one source or a list of sources",
+            openapi_extra=_json_body(TranslateRequest),
+        )
+        add(
+            "/v1/translate/stream",
+            self.translate_stream,
+            methods=["POST"],
+            summary="Translate, streaming NDJSON: one line per finished source (and per token where asked)",
+            response_class=StreamingResponse,
+            openapi_extra=_json_body(TranslateRequest),
+        )
+        add(
+            "/v1/models",
+            self.list_models,
+            methods=["GET"],
+            summary="The served models, their languages and defaults",
+        )
+        add(
+            "/translate",
+            self.libre_translate,
+            methods=["POST"],
+            summary="LibreTranslate's translate: q (a string or a list), source, target, format",
+            openapi_extra=_json_body(
+                LibreTranslateRequest, "application/json", "application/x-www-form-urlencoded"
+            ),
+        )
+        add(
+            "/languages",
+            self.languages,
+            methods=["GET"],
+            summary="LibreTranslate's languages: codes and their targets",
+        )
+        add("/healthz", self.healthz, methods=["GET"], summary="Alive")
+        add(
+            "/readyz", self.readyz, methods=["GET"], summary="Models loaded and warmed up; 503 while draining"
+        )
+        add("/metrics", self.prometheus, methods=["GET"], summary="Prometheus metrics")
+
+    # ------------------------------------------------------------------ running a job
+    def _timeout_message(self) -> str:
+        return f"the request took longer than the request timeout ({self.config.request_timeout:g} s)"
+
+    def start_job(
+        self, model, translator, texts, opts, prefixes, lengths, tokens=False
+    ) -> tuple[Job, _Handle]:
+        loop = asyncio.get_running_loop()
+        handle = _Handle(len(texts), loop)
+        job = Job(
+            translator=translator,
+            sources=texts,
+            options=opts,
+            target_prefix=prefixes,
+            lengths=lengths,
+            loop=loop,
+            on_event=handle.on_event,
+            stream_tokens=tokens,
+            deadline=time.monotonic() + self.config.request_timeout,
+        )
+        self.state.submit(model, job)
+        return job, handle
+
+    async def wait_job(self, request: Request, model: ServedModel, job: Job, handle: _Handle) -> list:
+        """The job's translations; ApiError for its failure, a timeout (504) or the client leaving (499)."""
+        state = self.state
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            left = max(0.0, job.deadline - time.monotonic())
+            done, _ = await asyncio.wait(
+                {handle.end, gone}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+            if handle.end in done:
+                error = handle.end.result()
+                if error is not None:
+                    raise ApiError(error.status, error.message)
+                self.metrics.translated(model.name, len(handle.results))
+                return handle.results
+            if gone in done:
+                state.cancel(model, job, JobError(499, "the client disconnected"))
+                raise ApiError(499, "the client disconnected")
+            state.cancel(model, job, JobError(504, "timed out"))
+            raise ApiError(504, self._timeout_message())
+        finally:
+            gone.cancel()
+            state.done(job)
+
+    async def read_body(self, request: Request) -> TranslateRequest:
+        """The JSON body (whatever the content type says), checked against the request schema."""
+        raw = await request.body()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(400, f"body: malformed JSON ({exc})", "body") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "body: expected a JSON object", "body")
+        try:
+            return TranslateRequest.model_validate(data)
+        except ValidationError as exc:
+            message, field = _validation_message(list(exc.errors()))
+            raise ApiError(400, message, field) from None
+
+    def prepare(self, body: TranslateRequest):
+        """Everything checked before the job is queued: the model, languages, sources, options."""
+        state = self.state
+        state.accepting()
+        model = state.model(body.model)
+        try:
+            translator = model.translator_for(body.source_lang, body.target_lang)
+        except LanguageError as exc:
+            raise ApiError(400, str(exc), exc.field) from None
+        single = isinstance(body.text, str)
+        texts = state.check_sources(body.text, "text")
+        opts = state.options(translator, body)
+        lengths = state.encode(translator, texts, "text", single)
+        prefixes = state.prefixes(translator, body.target_prefix, len(texts))
+        return model, translator, texts, opts, prefixes, lengths
+
+    # ------------------------------------------------------------------ the native API
+    async def translate(self, request: Request):
+        body = await self.read_body(request)
+        model, translator, texts, opts, prefixes, lengths = self.prepare(body)
+        job, handle = self.start_job(model, translator, texts, opts, prefixes, lengths)
+        results = await self.wait_job(request, model, job, handle)
+        return {"model": model.name, "translations": [_result(t, body) for t in results]}
+
+    async def translate_stream(self, request: Request):
+        body = await self.read_body(request)
+        model, translator, texts, opts, prefixes, lengths = self.prepare(body)
+        job, handle = self.start_job(model, translator, texts, opts, prefixes, lengths, tokens=body.tokens)
+        return StreamingResponse(self._lines(model, translator, body, job, handle), media_type=NDJSON)
+
+    async def _lines(
+        self, model: ServedModel, translator: Translator, body: TranslateRequest, job: Job, handle: _Handle
+    ):
+        """The NDJSON lines of a stream (docs/serving.md); a client that leaves cancels the job."""
+        state = self.state
+        finished = False
+        try:
+            while True:
+                left = job.deadline - time.monotonic()
+                try:
+                    event = await asyncio.wait_for(handle.events.get(), timeout=max(0.0, left))
+                except asyncio.TimeoutError:
+                    state.cancel(model, job, JobError(504, "timed out"))
+                    finished = True
+                    yield _line({"error": self._timeout_message(), "status": 504})
+                    return
+                if event[0] == "result":
+                    yield _line({"index": event[1], **_result(event[2], body)})
+                elif event[0] == "token":
+                    text = translator.tokenizer.decode_target(event[2])
+                    yield _line({"index": event[1], "tokens": event[2], "text": text})
+                else:
+                    finished = True
+                    error = event[1]
+                    if error is not None:
+                        yield _line({"error": error.message, "status": error.status})
+                    else:
+                        self.metrics.translated(model.name, len(job.sources))
+                        yield _line({"done": True, "model": model.name})
+                    return
+        finally:
+            if not finished:  # the client went away (the generator was cancelled)
+                state.cancel(model, job, JobError(499, "the client disconnected"))
+            state.done(job)
+
+    async def list_models(self):
+        out = []
+        for m in self.state.models.values():
+            t = m.translator
+            settings = t.resolve_options()
+            out.append(
+                {
+                    "name": m.name,
+                    "kind": m.kind,
+                    "default": m.name == self.state.default,
+                    "languages": list(m.codes),
+                    "pair": list(m.pair) if m.pair else None,
+                    "batching": self.config.batching,
+                    "max_source_tokens": self.state.source_limit(t),
+                    "defaults": {
+                        "beam_size": settings["beam_size"],
+                        "num_hypotheses": settings["n_best"],
+                        "length_penalty": settings["length_penalty"],
+                        "max_len_a": settings["max_len_a"],
+                        "max_len_b": settings["max_len_b"],
+                    },
+                }
+            )
+        return {"models": out}
+
+    # ------------------------------------------------------------------ LibreTranslate
+    async def libre_translate(self, request: Request):
+        state = self.state
+        state.accepting()
+        data = _libre_data(await request.body(), request.headers.get("content-type", ""))
+        try:
+            body = LibreTranslateRequest.model_validate(data)
+        except ValidationError as exc:
+            message, field = _validation_message(list(exc.errors()))
+            raise ApiError(400, f"Invalid request: {message}", field) from None
+        if body.format not in ("text", "html"):
+            raise ApiError(
+                400, f"Invalid request: format must be 'text' or 'html', got {body.format!r}", "format"
+            )
+        if body.format == "html":
+            raise ApiError(
+                400, "Invalid request: this server translates plain text (format 'text')", "format"
+            )
+        model = self._libre_model(body)
+        try:
+            translator = model.translator_for(body.source, body.target, fields=("source", "target"))
+        except LanguageError as exc:
+            raise ApiError(400, str(exc), exc.field) from None
+        single = isinstance(body.q, str)
+        texts = state.check_sources(body.q, "q")
+        n = body.alternatives + 1
+        opts: dict[str, Any] = {}
+        if n > 1:
+            opts = dict(beam_size=max(n, translator.resolve_options()["beam_size"]), n_best=n)
+            try:
+                translator.resolve_options(**opts)
+            except TranslationError as exc:
+                raise ApiError(400, f"alternatives: {exc}", "alternatives") from None
+        lengths = state.encode(translator, texts, "q", single)
+        job, handle = self.start_job(model, translator, texts, opts, [None] * len(texts), lengths)
+        results = await self.wait_job(request, model, job, handle)
+        answer: dict[str, Any] = {"translatedText": str(results[0]) if single else [str(t) for t in results]}
+        if n > 1:
+            alts = [list(t.texts[1:]) for t in results]
+            answer["alternatives"] = alts[0] if single else alts
+        if body.source == "auto" and model.pair is not None:
+            answer["detectedLanguage"] = {"language": model.pair[0], "confidence": 100.0}
+        return answer
+
+    def _libre_model(self, body: LibreTranslateRequest) -> ServedModel:
+        state = self.state
+        if body.model is not None:
+            return state.model(body.model)
+        for m in state.models.values():  # the first model that knows the pair
+            if m.multilingual:
+                if body.target in m.codes and (body.source == "auto" or m.marian or body.source in m.codes):
+                    return m
+            elif m.pair is None or (body.target == m.pair[1] and body.source in ("auto", m.pair[0])):
+                return m
+        return state.models[state.default]  # its check names what it translates
+
+    async def languages(self):
+        merged: dict[str, set] = {}
+        for m in self.state.models.values():
+            for entry in m.languages():
+                merged.setdefault(entry["code"], set()).update(entry["targets"])
+        return [{"code": code, "name": code, "targets": sorted(targets)} for code, targets in merged.items()]
+
+    # ------------------------------------------------------------------ health and metrics
+    async def healthz(self):
+        return {"status": "ok"}
+
+    async def readyz(self):
+        if self.state.draining:
+            return _error_response(503, "draining", headers={"Retry-After": str(self.config.retry_after)})
+        if not self.state.ready:
+            return _error_response(503, "loading")
+        return {"status": "ready", "models": list(self.state.models)}
+
+    async def prometheus(self):
+        for name, scheduler in self.state.schedulers.items():
+            self.metrics.queue(name, scheduler.waiting)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as ``{"error": ...}`` JSON (docs/serving.md); never a traceback."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return _error_response(exc.status, exc.message, exc.field, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, field = _validation_message(list(exc.errors()))
+        return _error_response(400, message, field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error answering %s", request.url.path)
+        return _error_response(500, f"internal error ({type(exc).__name__}); the server log has the details")
+
+
 def create_app(
     models: list[ServedModel], config: Optional[ServeConfig] = None, *, scheduler_factory=None
 ) -> FastAPI:
     """The FastAPI app serving ``models`` (the first is the default) with ``config``'s limits and
     batching. Its schedulers start with the app's lifespan and stop with it; ``app.state.serve``
-    is the :class:`ServeState` (``begin_drain`` is what SIGTERM calls)."""
+    is the :class:`ServeState` (the drain of :mod:`transformer_ext.serve.server` sets its
+    ``draining``). ``scheduler_factory(model, config, metrics)`` replaces :func:`make_scheduler`."""
     config = (config or ServeConfig()).check()
-    metrics = Metrics()
-    state = ServeState(models, config, metrics, scheduler_factory)
+    state = ServeState(models, config, Metrics(), scheduler_factory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -530,335 +874,8 @@ def create_app(
     )
     app.state.serve = state
     app.add_middleware(_Guard, state=state)
-
-    # ------------------------------------------------------------------ errors
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        return _error_response(exc.status, exc.message, exc.field, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        message, field = _validation_message(list(exc.errors()))
-        return _error_response(400, message, field)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        return _error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error answering %s", request.url.path)
-        return _error_response(500, f"internal error ({type(exc).__name__}); the server log has the details")
-
-    # ------------------------------------------------------------------ running
-    async def start_job(
-        request: Request,
-        model: ServedModel,
-        translator: Translator,
-        texts,
-        opts,
-        prefixes,
-        lengths,
-        tokens=False,
-    ) -> tuple[Job, _Handle]:
-        loop = asyncio.get_running_loop()
-        handle = _Handle(len(texts), loop)
-        job = Job(
-            translator=translator,
-            sources=texts,
-            options=opts,
-            target_prefix=prefixes,
-            lengths=lengths,
-            loop=loop,
-            on_event=handle.on_event,
-            stream_tokens=tokens,
-            deadline=time.monotonic() + config.request_timeout,
-        )
-        state.submit(model, job)
-        return job, handle
-
-    async def wait_job(request: Request, model: ServedModel, job: Job, handle: _Handle) -> list:
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            left = max(0.0, job.deadline - time.monotonic())
-            done, _ = await asyncio.wait(
-                {handle.end, gone}, timeout=left, return_when=asyncio.FIRST_COMPLETED
-            )
-            if handle.end in done:
-                error = handle.end.result()
-                if error is not None:
-                    raise ApiError(error.status, error.message)
-                metrics.translated(model.name, len(handle.results))
-                return handle.results
-            if gone in done:
-                state.cancel(model, job, JobError(499, "the client disconnected"))
-                raise ApiError(499, "the client disconnected")
-            state.cancel(model, job, JobError(504, "timed out"))
-            raise ApiError(
-                504, f"the request took longer than the request timeout ({config.request_timeout:g} s)"
-            )
-        finally:
-            gone.cancel()
-            state.done(job)
-
-    def prepare(body: TranslateRequest):
-        state.accepting()
-        model = state.model(body.model)
-        try:
-            translator = model.translator_for(body.source_lang, body.target_lang)
-        except LanguageError as exc:
-            raise ApiError(400, str(exc), exc.field) from None
-        single = isinstance(body.text, str)
-        texts = state.check_sources(body.text, "text")
-        opts = state.options(translator, body)
-        lengths = state.encode(translator, texts, "text", single)
-        prefixes = state.prefixes(translator, body.target_prefix, len(texts))
-        return model, translator, texts, opts, prefixes, lengths
-
-    # ------------------------------------------------------------------ the native API
-    def _json_body(schema: type[BaseModel]) -> dict:
-        return {
-            "requestBody": {
-                "content": {"application/json": {"schema": schema.model_json_schema()}},
-                "required": True,
-            }
-        }
-
-    async def read_body(request: Request) -> TranslateRequest:
-        """The JSON body (whatever the content type says), checked against the request schema."""
-        raw = await request.body()
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ApiError(400, f"body: malformed JSON ({exc})", "body") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "body: expected a JSON object", "body")
-        try:
-            return TranslateRequest.model_validate(data)
-        except ValidationError as exc:
-            message, field = _validation_message(list(exc.errors()))
-            raise ApiError(400, message, field) from None
-
-    @app.post(
-        "/v1/translate",
-        summary="Translate one source or a list of sources",
-        openapi_extra=_json_body(TranslateRequest),
-    )
-    async def translate(request: Request):
-        body = await read_body(request)
-        model, translator, texts, opts, prefixes, lengths = prepare(body)
-        job, handle = await start_job(request, model, translator, texts, opts, prefixes, lengths)
-        results = await wait_job(request, model, job, handle)
-        return {"model": model.name, "translations": [_result(t, body) for t in results]}
-
-    @app.post(
-        "/v1/translate/stream",
-        summary="Translate, streaming NDJSON: one line per finished source (and per token where asked)",
-        response_class=StreamingResponse,
-        openapi_extra=_json_body(TranslateRequest),
-    )
-    async def translate_stream(request: Request):
-        body = await read_body(request)
-        model, translator, texts, opts, prefixes, lengths = prepare(body)
-        job, handle = await start_job(
-            request, model, translator, texts, opts, prefixes, lengths, tokens=body.tokens
-        )
-
-        async def lines():
-            finished = False
-            try:
-                while True:
-                    left = job.deadline - time.monotonic()
-                    try:
-                        event = await asyncio.wait_for(handle.events.get(), timeout=max(0.0, left))
-                    except asyncio.TimeoutError:
-                        state.cancel(model, job, JobError(504, "timed out"))
-                        finished = True
-                        yield _line(
-                            {
-                                "error": f"the request took longer than the request timeout ({config.request_timeout:g} s)",
-                                "status": 504,
-                            }
-                        )
-                        return
-                    kind = event[0]
-                    if kind == "result":
-                        _, index, translation = event
-                        yield _line({"index": index, **_result(translation, body)})
-                    elif kind == "token":
-                        _, index, tokens = event
-                        yield _line(
-                            {
-                                "index": index,
-                                "tokens": tokens,
-                                "text": translator.tokenizer.decode_target(tokens),
-                            }
-                        )
-                    else:
-                        finished = True
-                        error = event[1]
-                        if error is not None:
-                            yield _line({"error": error.message, "status": error.status})
-                        else:
-                            metrics.translated(model.name, len(texts))
-                            yield _line({"done": True, "model": model.name})
-                        return
-            finally:
-                if not finished:  # the client went away (the generator was cancelled)
-                    state.cancel(model, job, JobError(499, "the client disconnected"))
-                state.done(job)
-
-        return StreamingResponse(lines(), media_type=NDJSON)
-
-    @app.get("/v1/models", summary="The served models, their languages and defaults")
-    async def list_models():
-        out = []
-        for m in state.models.values():
-            t = m.translator
-            settings = t.resolve_options()
-            out.append(
-                {
-                    "name": m.name,
-                    "kind": m.kind,
-                    "default": m.name == state.default,
-                    "languages": list(m.codes),
-                    "pair": list(m.pair) if m.pair else None,
-                    "batching": config.batching,
-                    "max_source_tokens": state.source_limit(t),
-                    "defaults": {
-                        "beam_size": settings["beam_size"],
-                        "num_hypotheses": settings["n_best"],
-                        "length_penalty": settings["length_penalty"],
-                        "max_len_a": settings["max_len_a"],
-                        "max_len_b": settings["max_len_b"],
-                    },
-                }
-            )
-        return {"models": out}
-
-    # ------------------------------------------------------------------ LibreTranslate
-    @app.post(
-        "/translate",
-        summary="LibreTranslate's translate: q (a string or a list), source, target, format",
-        openapi_extra={
-            "requestBody": {
-                "content": {
-                    "application/json": {"schema": LibreTranslateRequest.model_json_schema()},
-                    "application/x-www-form-urlencoded": {
-                        "schema": LibreTranslateRequest.model_json_schema()
-                    },
-                },
-                "required": True,
-            }
-        },
-    )
-    async def libre_translate(request: Request):
-        state.accepting()
-        raw = await request.body()
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind == "application/x-www-form-urlencoded":
-            try:
-                pairs = urllib.parse.parse_qs(
-                    raw.decode("utf-8"), keep_blank_values=True, strict_parsing=False
-                )
-            except UnicodeDecodeError:
-                raise ApiError(400, "Invalid request: the form is not UTF-8", "body") from None
-            data: Any = {k: (v if k == "q" and len(v) > 1 else v[0]) for k, v in pairs.items()}
-            if "alternatives" in data:
-                try:
-                    data["alternatives"] = int(data["alternatives"])
-                except ValueError:
-                    raise ApiError(
-                        400, "Invalid request: alternatives must be an integer", "alternatives"
-                    ) from None
-        else:
-            try:
-                data = json.loads(raw.decode("utf-8")) if raw else {}
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ApiError(400, f"Invalid request: malformed JSON ({exc})", "body") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "Invalid request: expected a JSON object", "body")
-        for name in ("q", "target"):
-            if data.get(name) in (None, ""):
-                raise ApiError(400, f"Invalid request: missing {name} parameter", name)
-        try:
-            body = LibreTranslateRequest.model_validate(data)
-        except ValidationError as exc:
-            message, field = _validation_message(list(exc.errors()))
-            raise ApiError(400, f"Invalid request: {message}", field) from None
-        if body.format not in ("text", "html"):
-            raise ApiError(
-                400, f"Invalid request: format must be 'text' or 'html', got {body.format!r}", "format"
-            )
-        if body.format == "html":
-            raise ApiError(
-                400, "Invalid request: this server translates plain text (format 'text')", "format"
-            )
-        model = _libre_model(body)
-        try:
-            translator = model.translator_for(body.source, body.target, fields=("source", "target"))
-        except LanguageError as exc:
-            raise ApiError(400, str(exc), exc.field) from None
-        single = isinstance(body.q, str)
-        texts = state.check_sources(body.q, "q")
-        n = body.alternatives + 1
-        opts: dict[str, Any] = {}
-        if n > 1:
-            beam = max(n, translator.resolve_options()["beam_size"])
-            opts = dict(beam_size=beam, n_best=n)
-            try:
-                translator.resolve_options(**opts)
-            except TranslationError as exc:
-                raise ApiError(400, f"alternatives: {exc}", "alternatives") from None
-        lengths = state.encode(translator, texts, "q", single)
-        job, handle = await start_job(request, model, translator, texts, opts, [None] * len(texts), lengths)
-        results = await wait_job(request, model, job, handle)
-        answer: dict[str, Any] = {"translatedText": str(results[0]) if single else [str(t) for t in results]}
-        if n > 1:
-            alts = [list(t.texts[1:]) for t in results]
-            answer["alternatives"] = alts[0] if single else alts
-        if body.source == "auto" and model.pair is not None:
-            answer["detectedLanguage"] = {"language": model.pair[0], "confidence": 100.0}
-        return answer
-
-    def _libre_model(body: LibreTranslateRequest) -> ServedModel:
-        if body.model is not None:
-            return state.model(body.model)
-        for m in state.models.values():  # the first model that knows the pair
-            if m.multilingual:
-                if body.target in m.codes and (body.source == "auto" or m.marian or body.source in m.codes):
-                    return m
-            elif m.pair is None or (body.target == m.pair[1] and body.source in ("auto", m.pair[0])):
-                return m
-        return state.models[state.default]  # its check names what it translates
-
-    @app.get("/languages", summary="LibreTranslate's languages: codes and their targets")
-    async def languages():
-        merged: dict[str, set] = {}
-        for m in state.models.values():
-            for entry in m.languages():
-                merged.setdefault(entry["code"], set()).update(entry["targets"])
-        return [{"code": code, "name": code, "targets": sorted(targets)} for code, targets in merged.items()]
-
-    # ------------------------------------------------------------------ health and metrics
-    @app.get("/healthz", summary="Alive")
-    async def healthz():
-        return {"status": "ok"}
-
-    @app.get("/readyz", summary="Models loaded and warmed up; 503 while draining")
-    async def readyz():
-        if state.draining:
-            return _error_response(503, "draining", headers={"Retry-After": str(config.retry_after)})
-        if not state.ready:
-            return _error_response(503, "loading")
-        return {"status": "ready", "models": list(state.models)}
-
-    @app.get("/metrics", summary="Prometheus metrics")
-    async def prometheus():
-        for name, scheduler in state.schedulers.items():
-            metrics.queue(name, scheduler.waiting)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    _add_error_handlers(app)
+    _Routes(state).register(app)
     return app
 
 

@@ -28,6 +28,7 @@ logger = logging.getLogger("transformer_ext.serve")
 
 PROG = "python -m transformer_ext.serve"
 _DEFAULTS = ServeConfig()
+SOCKET_BACKLOG = 2048  # uvicorn's default
 
 
 def _positive_int(text: str) -> int:
@@ -158,6 +159,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # listening from here on: a client that connects while the models load or the server
+        # starts waits in the backlog instead of being refused
+        sock.listen(SOCKET_BACKLOG)
     except OSError as exc:
         sock.close()
         raise OSError(

@@ -69,27 +69,27 @@ class ContinuousScheduler(Scheduler):
     def _new_state(self):
         _, SearchState, _ = self._api
         t = self.model.translator
-        settings = t._resolve({})
         return SearchState(
             t.runner,
             bos_id=t.bos_id,
             eos_id=t.eos_id,
-            pad_id=t.pad_id,
-            **settings["search"],
+            decoder_start_id=getattr(t.generation, "decoder_start_id", None),
         )
 
     def _requests(self, job: Job) -> list:
         """The :class:`SourceRequest` of each source of ``job``: the translator's options resolved
-        exactly as :meth:`Translator.translate` resolves them for that source alone."""
+        exactly as :meth:`Translator.translate` resolves them for that source alone (the budget
+        ``a * n + b`` capped as the translator caps it, the generation config's banned tokens and
+        forced target-language prefix, the request's target prefix)."""
         SearchOptions, _, SourceRequest = self._api
         t = job.translator
         opts = t._resolve(dict(job.options))
         encoded = t.encode(job.sources, strict=opts["strict"], long_lines=opts["long_lines"])
-        prefixes = t._prefixes(
-            job.target_prefix if any(p is not None for p in job.target_prefix) else None,
-            len(job.sources),
-            opts,
-        )
+        given = job.target_prefix if any(p is not None for p in job.target_prefix) else None
+        prefixes = t._prefixes(given, len(job.sources), opts)
+        search = opts["search"]
+        hf = opts["length_penalty"] == "hf"
+        sampling = opts["sampling"] or {}
         out = []
         for i, ids in enumerate(encoded):
             budget = int(t.max_new_tokens(np.array([len(ids)]), opts["max_len_a"], opts["max_len_b"])[0])
@@ -97,18 +97,23 @@ class ContinuousScheduler(Scheduler):
                 budget = min(budget, opts["max_length"])
             if len(prefixes[i]) > budget:
                 raise TranslationError(
-                    f"source {i}: the target prefix has {len(prefixes[i])} tokens, more than the {budget} this source may generate"
+                    f"source {i}: the target prefix has {len(prefixes[i])} tokens, more than the {budget} "
+                    "this source may generate (max_decoding_length)"
                 )
-            sampling = opts["sampling"] or {}
             options = SearchOptions(
                 beam_size=opts["beam_size"],
                 num_hypotheses=opts["n_best"],
-                length_penalty=opts["length_penalty"],
-                alpha=opts["alpha"],
-                early_stopping=opts["early_stopping"],
+                length_penalty=opts["alpha"],
+                length_penalty_type=opts["length_penalty"],
+                early_stopping=opts["early_stopping"] if hf else None,
+                renormalize_logits=bool(opts["renormalize_logits"] and hf and opts["beam_size"] > 1),
                 max_decoding_length=budget,
                 min_decoding_length=min(opts["min_length"], budget),
-                return_scores=opts["return_scores"] or bool(sampling) or opts["beam_size"] > 1,
+                repetition_penalty=search["repetition_penalty"],
+                no_repeat_ngram_size=search["no_repeat_ngram_size"],
+                banned_ids=tuple(search["banned_ids"]),
+                force_eos_at_budget=search["force_eos_at_budget"],
+                return_scores=opts["return_scores"],
                 **sampling,
             )
             out.append(
@@ -146,12 +151,13 @@ class ContinuousScheduler(Scheduler):
                 return
             try:
                 requests = self._requests(job)
+            except (TranslationError, ValueError, TypeError) as exc:  # this request's options or sources
+                job.finish(JobError(400, str(exc)))
+                continue
+            try:
                 if self._state is None:
                     self._state = self._new_state()
                 self._state.admit(requests)
-            except TranslationError as exc:
-                job.finish(JobError(400, str(exc)))
-                continue
             except Exception as exc:
                 logger.exception("model %s failed admitting %d sources", self.name, len(job.sources))
                 message = f"the model failed on this batch ({type(exc).__name__})"
@@ -172,7 +178,7 @@ class ContinuousScheduler(Scheduler):
                 self._state.cancel(key)
                 self._leave(key, job)
                 if self.metrics is not None:
-                    self.metrics.cancelled(self.name, 1)
+                    self.metrics.cancelled(self.name, 1, job.cancel_reason)
                 job.finish(JobError(504, "the request timed out"))  # no-op when it already ended
 
     def _leave(self, key: tuple, job: Job) -> None:
@@ -227,7 +233,7 @@ class ContinuousScheduler(Scheduler):
             job.deliver(i, Translation(job.sources[i], [tok.decode_target(h.tokens) for h in hyps], hyps))
         for key, (job, i, _) in self._open.items():
             if job.stream_tokens:
-                tokens = list(state.partial(key))
+                tokens = [int(t) for t in state.partial(key)]
                 if len(tokens) > self._partial.get(key, 0):
                     self._partial[key] = len(tokens)
                     job.token(i, tokens)

@@ -77,8 +77,8 @@ class Metrics:
         self.generated = Counter("translate_generated_tokens", "Tokens generated", ["model"], registry=r)
         self.cancelled_sources = Counter(
             "translate_cancelled_sources",
-            "Sources that left before they were translated (timeout, client gone, shutdown)",
-            ["model"],
+            "Sources that left before they were translated (reason: timeout, disconnect, shutdown)",
+            ["model", "reason"],
             registry=r,
         )
         self.sources = Counter("translate_sources", "Sources translated", ["model"], registry=r)
@@ -94,8 +94,8 @@ class Metrics:
     def translated(self, model: str, n: int) -> None:
         self.sources.labels(model).inc(n)
 
-    def cancelled(self, model: str, n: int) -> None:
-        self.cancelled_sources.labels(model).inc(n)
+    def cancelled(self, model: str, n: int, reason: str) -> None:
+        self.cancelled_sources.labels(model, reason).inc(n)
 
     def queue(self, model: str, depth: int) -> None:
         self.queue_depth.labels(model).set(depth)

@@ -213,6 +213,8 @@ def load_model(
         translator = Translator.from_export_dir(path, threads=threads, workers=workers, **languages)
         kind = "export"
     else:
+        if workers != 1:
+            raise UsageError(f"--workers applies to export folders; {path} is a model folder (eager PyTorch)")
         if threads is not None:
             try:
                 import torch

@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 BATCHING = ("continuous", "static", "none")
+CANCEL_REASONS = {499: "disconnect", 504: "timeout", 503: "shutdown"}
 DEFAULT_BATCH_WAIT = 0.005  # seconds a static batch waits for more requests after its first
 
 
@@ -88,6 +89,7 @@ class Job:
     stream_tokens: bool = False
     deadline: Optional[float] = None  # time.monotonic() after which the job is cancelled
     cancelled: bool = False
+    cancel_status: Optional[int] = None  # why it was cancelled: 499 client gone, 504 timeout, 503 shutdown
     ended: bool = False
     submitted: float = field(default_factory=time.monotonic)
     remaining: int = 0
@@ -129,6 +131,11 @@ class Job:
             self.loop.call_soon_threadsafe(self.on_event, *event)
         except RuntimeError:  # the event loop is closed: nobody waits any more
             pass
+
+    @property
+    def cancel_reason(self) -> str:
+        """The ``reason`` label of the cancelled-sources metric."""
+        return CANCEL_REASONS.get(self.cancel_status or 504, "timeout")
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -235,7 +242,7 @@ class Scheduler:
         """``job`` leaves without being run (cancelled, or past its deadline)."""
         job.finish(error)
         if self.metrics is not None:
-            self.metrics.cancelled(self.name, len(job.sources))
+            self.metrics.cancelled(self.name, len(job.sources), job.cancel_reason)
 
     def _peek_sources(self) -> Optional[Job]:
         with self._cond:

@@ -61,10 +61,14 @@ class DrainingServer(uvicorn.Server):
         except asyncio.TimeoutError:
             logger.warning("drain timeout (%g s): %d requests end with 503", timeout, len(state.jobs))
             for job in list(state.jobs):
+                job.cancel_status = 503
                 for scheduler in state.schedulers.values():
                     scheduler.cancel(job)
                 job.finish(JobError(503, "the server shut down before this request finished (drain timeout)"))
-            await asyncio.sleep(0.2)  # their answers go out
+            try:  # their handlers answer; uvicorn's shutdown then waits for those answers to go out
+                await asyncio.wait_for(state.idle.wait(), 10.0)
+            except asyncio.TimeoutError:
+                logger.warning("%d requests still unanswered at shutdown", len(state.jobs))
         logger.info("drained")
         self.should_exit = True
 
@@ -84,7 +88,7 @@ def serve(
         port=port,
         log_level=log_level,
         lifespan="on",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=10,
         access_log=False,
     )
     server = DrainingServer(config, app)

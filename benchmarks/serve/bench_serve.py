@@ -12,14 +12,14 @@ of its sentence, and the server's RSS before and after; the offline baseline is
   with the reason recorded, where the decoding package has no step-wise search state);
 * ``ctranslate2``: the same FastAPI route written the way its users write one, calling
   ``ctranslate2.Translator.translate_batch`` per request (``--ct2-model``, a converted model whose
-  tokens are ``s<id>`` / ``t<id>`` as :mod:`bench_decode` converts ours; skipped when ctranslate2
+  tokens are ``s<id>`` / ``t<id>`` as ``benchmarks.decode.bench_decode`` converts ours; skipped when ctranslate2
   is not installed).
 
 Output: JSON (``--out``) with the machine (lscpu, load average), and a throughput-against-p50-
 latency plot next to it. A run on a shared or loaded machine is a smoke test, not a measurement.
 
-    python benchmarks/bench_serve.py --model onnx_export --input bible.en --out benchmarks/results/bench_serve.json
-    python benchmarks/bench_serve.py --clients 1,8 --requests 4 --modes static,none   # a smoke run
+    python -m benchmarks bench_serve --model onnx_export --input bible.en --out benchmarks/results/bench_serve.json
+    python -m benchmarks bench_serve --clients 1,8 --requests 4 --modes static,none   # a smoke run
 """
 
 from __future__ import annotations
@@ -35,12 +35,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import lscpu, save_figure, write_json
 
-from common import lscpu, save_figure, write_json  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODES = ("continuous", "static", "none", "ctranslate2")
 
 
@@ -112,12 +109,11 @@ async def _load(url: str, lines: list[str], clients: int, requests: int, expecte
 
     latencies: list[float] = []
     statuses: dict[str, int] = {}
-    wrong = 0
+    wrong = {"count": 0}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
 
         async def one_client(c: int) -> None:
-            nonlocal wrong
             for r in range(requests):
                 line = lines[(c * requests + r) % len(lines)]
                 start = time.perf_counter()
@@ -131,7 +127,7 @@ async def _load(url: str, lines: list[str], clients: int, requests: int, expecte
                 statuses[status] = statuses.get(status, 0) + 1
                 if answer is not None and answer.status_code == 200:
                     if answer.json()["translations"][0]["text"] != expected[line]:
-                        wrong += 1
+                        wrong["count"] += 1
 
         start = time.perf_counter()
         await asyncio.gather(*(one_client(c) for c in range(clients)))
@@ -146,7 +142,7 @@ async def _load(url: str, lines: list[str], clients: int, requests: int, expecte
         "latency_p95_s": _percentile(latencies, 0.95),
         "latency_p99_s": _percentile(latencies, 0.99),
         "statuses": statuses,
-        "wrong_200_answers": wrong,
+        "wrong_200_answers": wrong["count"],
     }
 
 
@@ -154,7 +150,8 @@ def _server_cmd(mode: str, args) -> list[str]:
     if mode == "ctranslate2":
         return [
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            "benchmarks.serve.bench_serve",
             "--ct2-server",
             args.ct2_model,
             "--tokenizer",
@@ -269,7 +266,7 @@ def _read_lines(args) -> list[str]:
         text = Path(args.input).read_text(encoding="utf-8").splitlines()
         lines = [line.strip() for line in text if line.strip()][: args.lines]
     else:
-        from bench_batching import demo_lines
+        from benchmarks.decode.bench_batching import demo_lines
 
         lines = demo_lines(args.lines, 0)
     if not lines:
