@@ -488,7 +488,7 @@ def lookup_settings(
 # MatMulNBits, accuracy_level 4) runs instead of the dynamic int8 one: steps of at most
 # "max_rows" rows on a runner with at least "min_threads" intra-op threads; its blocks are the
 # largest of BLOCK_SIZES that divides d_model and d_ff. Measured on `base` (6+6 x 512, 48
-# tokens) with benchmarks/ab_exports.py, the two graphs side by side in one process
+# tokens) with benchmarks/probes/ab_exports.py, the two graphs side by side in one process
 # (benchmarks/results/ab_few_rows_*_xeon.json, a 2-core Xeon with AVX-512 VNNI and AMX; the
 # README's int8 paragraph has the numbers): with 2 threads the few-row step decodes 1 and 2 rows
 # faster than the dynamic int8 one and 3 or more rows no faster; with 1 thread it is no faster

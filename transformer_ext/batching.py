@@ -2,7 +2,7 @@
 yield results in input order as soon as they are complete (CTranslate2's ``translate_iterable``
 with ``batch_type="tokens"``).
 
-The defaults are chosen by the work a decode does, counted on benchmarks/bench_batching.py's
+The defaults are chosen by the work a decode does, counted on benchmarks/decode/bench_batching.py's
 5,000 demo lines (greedy; the counts do not depend on the machine): a decode costs one runner
 call per step of each batch (the batch's longest output) and ``rows x steps`` row-steps.
 Sentence batches of 64 over the whole input sorted by length take 79 batches and 2,915 runner

@@ -67,7 +67,7 @@ from .sampling import (
 # caches and cross-attention K/V, which for a small model costs about as much as a step. On the
 # bundled demo model (5,000 lines, token batches of 4,096, 1 thread, a 2-core Xeon) a quarter
 # took 7.0 CPU seconds, an eighth 7.1, a half 7.3 and every finish 7.4 (medians of 6 rounds,
-# benchmarks/ab_drop_finished.py, results/ab_drop_finished_xeon.json). Larger models lose less
+# benchmarks/probes/ab_drop_finished.py, results/ab_drop_finished_xeon.json). Larger models lose less
 # to the copy but also gain less from the dropped rows: their steps are mostly weight reads.
 GREEDY_DROP_DIVISOR = 4
 
@@ -440,7 +440,7 @@ def _drop_now(finished: np.ndarray) -> bool:
     ``1 / GREEDY_DROP_DIVISOR`` of the rows the runner holds (with that many rows or fewer, one).
 
     The divisor is read from the package (``transformer_ext.decoding.GREEDY_DROP_DIVISOR``) at
-    every call, so that setting it there tunes the search (benchmarks/ab_drop_finished.py)."""
+    every call, so that setting it there tunes the search (benchmarks/probes/ab_drop_finished.py)."""
     divisor = getattr(sys.modules.get(__package__), "GREEDY_DROP_DIVISOR", GREEDY_DROP_DIVISOR)
     n = int(np.count_nonzero(finished))
     return n > 0 and n * divisor >= finished.shape[0]

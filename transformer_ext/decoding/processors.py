@@ -294,7 +294,7 @@ def _ban_repeated_ngrams(y: np.ndarray, sequence: np.ndarray, n: int) -> None:
 # The smallest ``rows x V`` a step goes through ``runner.step_top_k`` at: below it the host
 # search is as fast or faster (the search head's run costs about 50 us, and numpy's argmax, all
 # that greedy search without scores needs, is one pass over the logits where the head makes
-# three). Measured with benchmarks/bench_search_head.py, the search alone over fixed logits
+# three). Measured with benchmarks/decode/bench_search_head.py, the search alone over fixed logits
 # (benchmarks/results/bench_search_head_epyc.json, a 2-core EPYC), host time / head time: beam 4
 # 0.5-0.6 at V 25, 0.8-1.3 from 4 to 232 thousand entries at 4 rows, 1.1-1.2 at 64-128 thousand
 # from 16 rows on, 1.2-2.0 above; greedy with scores 0.4-0.96 up to 64 thousand entries, 0.9-1.1

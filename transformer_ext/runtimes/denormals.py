@@ -8,7 +8,7 @@ make such inputs on purpose: a padded source position or an unwritten cache posi
 additive bias ``-inf``. Measured on the 2-core Xeon with AMX (ONNX Runtime 1.32, 1 thread):
 ``Softmax`` over ``[104, 4, 40, 40]`` float32 took 0.66 ms on random scores and 4.9 ms with the
 last quarter of every row at ``-inf``; 0.78 ms with the flags below set
-(``benchmarks/probe_denormals.py``).
+(``benchmarks/probes/probe_denormals.py``).
 
 Two bits of the SSE control register (MXCSR) make the core treat denormals as zero: FTZ (results
 that would be denormal are written as zero) and DAZ (denormal inputs are read as zero). ONNX

@@ -449,7 +449,7 @@ class HostBufferPool:
 
     A fresh large numpy allocation is new pages from the kernel, and the first write to each
     page is a page fault, which in a virtual machine can cost far more than the copy itself
-    (benchmarks/ab_exports.py measures whole decodes with and without the pool,
+    (benchmarks/probes/ab_exports.py measures whole decodes with and without the pool,
     ``OrtRunner(reuse_buffers=False)``). The pool keeps
     every flat buffer it made; an array it hands out is a view of one, and numpy makes every view
     hold a reference to its flat buffer, so a buffer is free again exactly when no array of its

@@ -92,7 +92,7 @@ CACHE_GROWTH = 16  # positions a growing cache gains at a time (the module docst
 # (OrtRunner's ``stop_spinning_after_run``, default on). With 2 intra-op threads on 2 cores the
 # decoder's pool threads otherwise spin on after a step returns and take a core from what follows
 # it: the search head (a session of its own, whose threads sleep) and the host's search. Measured
-# with benchmarks/ab_exports.py on a 2-core Xeon with AMX, 2 threads, 48 tokens, spinning on
+# with benchmarks/probes/ab_exports.py on a 2-core Xeon with AMX, 2 threads, 48 tokens, spinning on
 # against stopped (benchmarks/results/ab_spinning_stop_*_2t_xeon.json): opus-mt dimensions int8
 # beam 4 batch 16 1.28x (its search head runs over 64 x 58,101 logits after every step), batch 1
 # 1.04x, greedy batch 1 1.09x, batch 16 1.01x; float32 1.08 / 1.02 / 1.05 / 1.01x; `base` int8

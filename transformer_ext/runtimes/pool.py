@@ -10,9 +10,9 @@ Why: a decoder step at batch size is two kinds of work. The weight products are 
 one runner spreads well over its threads; the attention products are thousands of tiny GEMMs
 (one per row and head) that ONNX Runtime's thread pool spreads badly: on the 2-core Zen 4
 measured here they took 0.97-1.46x as long with 2 threads as with 1 at 64-256 rows
-(``benchmarks/probe_contrib_attention.py``), and beam search at 16-64 sources spends a third of
+(``benchmarks/probes/probe_contrib_attention.py``), and beam search at 16-64 sources spends a third of
 its step there. Two 1-thread runners on half the sources each keep every attention product on
-one thread and still use both cores. ``benchmarks/bench_decode.py --threads 1,2,2x1`` measures it,
+one thread and still use both cores. ``benchmarks/decode/bench_decode.py --threads 1,2,2x1`` measures it,
 with CTranslate2 given the same split (``inter_threads``).
 
 The search of a part is the one a single runner would make for those sources alone: float32
