@@ -273,6 +273,9 @@ def test_triton_force_replaces_only_its_own_files(tmp_path, exported_portable):
     (repo / MARKER_FILE).unlink()
     for shared in repo.glob("*/1/weights.data"):
         shared.unlink()
+    vendor = repo / "translator" / "1" / "_vendor" / "transformer_ext"  # that version vendored one module
+    shutil.rmtree(vendor / "decoding")
+    (vendor / "decoding.py").write_text("# the decoding module of that version\n")
     export_triton(exported_portable, repo, force=True)
     assert (repo / MARKER_FILE).is_file() and temporaries(tmp_path) == []
 

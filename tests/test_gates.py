@@ -193,8 +193,8 @@ def _break_int8_weights(monkeypatch):
     """Quantize as usual, then negate every int8 weight of the written graph: a wrong quantization."""
     real = quant._quantize_one
 
-    def broken(src, dst, settings):
-        result = real(src, dst, settings)
+    def broken(src, dst, settings, lookups=None):
+        result = real(src, dst, settings, lookups)
         model = onnx.load(os.fspath(dst))
         for t in model.graph.initializer:
             if t.data_type == onnx.TensorProto.INT8:

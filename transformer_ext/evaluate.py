@@ -179,7 +179,8 @@ def evaluate_files(
     options = {k: v for k, v in options.items() if v is not None}
     settings = translator.resolve_options(**options)
     t0 = time.monotonic()
-    texts = translator.translate([sources[i] for i in keep], progress=True, **options)
+    # strict: a score over sources the model cannot represent (<unk> pieces) would not say what it seems to
+    texts = translator.translate([sources[i] for i in keep], progress=True, strict=True, **options)
     seconds = time.monotonic() - t0
     hypotheses = [""] * len(sources)
     for i, text in zip(keep, texts):
