@@ -685,10 +685,8 @@ class DecoderLayer(nn.Module):
                 k = linear(h, w.k_weight, w.k_bias).view(B, H, 1, d_k)
                 v = linear(h, w.v_weight, w.v_bias).view(B, H, 1, d_k)
             new_kv.extend((k, v))
-            if position_bias is None:  # the export's lowerings replace the op with this signature
-                out = ops.decode_attention(q, self_key, self_value, positions, scale, k, v)
-            else:
-                out = ops.decode_attention(q, self_key, self_value, positions, scale, k, v, position_bias)
+            bias = () if position_bias is None else (position_bias,)  # the export lowerings' signature
+            out = ops.decode_attention(q, self_key, self_value, positions, scale, k, v, *bias)
             return linear(out.reshape(B, 1, D), w.o_weight, w.o_bias)
 
         def cross_attention_per_source(q: torch.Tensor) -> torch.Tensor:
