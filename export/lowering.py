@@ -19,7 +19,9 @@ the exported graphs run on ONNX Runtime (CPU/CUDA) and TensorRT without plugins.
 it routes the decoder self-attention's ``decode_attention(q, cache, cache, positions, scale,
 k_new, v_new)`` call through ``kv_cache_update`` so that the attention reads the updated cache
 (``positions[b]`` inclusive), and collects the updated caches as graph outputs.
-:func:`in_graph_gqa` is the ``ort`` flavour's: the same call becomes one
+:func:`position_bias_in_graph` routes a decode attention with T5's relative position bias to
+:func:`decode_attention_bias_op`, lowered by :func:`decode_attention_tabled`: the bias read from
+its table per step and added to the scores. :func:`in_graph_gqa` is the ``ort`` flavour's: the same call becomes one
 ``com.microsoft.GroupQueryAttention`` node, which appends the new K/V to the caches and attends
 over them. The model code traced is the same ``Transformer.decode_step`` that eager decoding runs.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Iterator, Optional
 
 import onnxscript
 import torch
@@ -37,7 +39,7 @@ from onnxscript import opset18 as op
 
 from transformer_ext import ops
 
-from . import contract
+from . import GraphContractError, contract
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,9 @@ __all__ = [
     "decode_attention",
     "kv_cache_update",
     "kv_cache_update_op",
+    "decode_attention_bias_op",
+    "decode_attention_tabled",
+    "position_bias_in_graph",
     "translation_table",
     "in_graph_cache_update",
     "in_graph_gqa",
@@ -138,13 +143,15 @@ def masked_softmax(scores, mask=None, scale: float = 1.0, causal: bool = False):
     return _like(probs, scores)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, scale: float, k_new=None, v_new=None):
+def decode_attention(q, k_cache, v_cache, lengths, scale: float, k_new=None, v_new=None, position_bias=None):
     """``transformer_ext::decode_attention`` in standard ops.
 
     ``q [B,H,1,D]``, caches ``[B,H,L,D]``, ``lengths`` int64 ``[B]``, optional ``k_new``/``v_new``
     ``[B,H,1,D]``. The new token's score is concatenated to the cache scores (``[B,H,1,L+1]``);
     the caches themselves are only read by two ``MatMul`` s. Cache entries at or past
     ``lengths[b]`` get zero weight (the caller keeps them finite: 0 * NaN is NaN).
+    ``position_bias`` (T5's relative bias, :func:`decode_attention_tabled`): float32
+    ``[B,H,1,L+1]`` with ``k_new`` (``[B,H,1,L]`` without), added to the scaled scores.
     Scores and weights are float32; the output has the dtype of ``q``.
     """
     # [B, H, 1, L]: the scores over the cache, masked by position with one bool comparison turned
@@ -156,6 +163,8 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float, k_new=None, v_n
     scores = op.Add(scores, op.Where(allowed, _scalar(0.0), _scalar(_NEG_INF)))
     if k_new is None:
         # Cross-attention (or any prefix-only call): a row with no key is all zeros.
+        if position_bias is not None:
+            scores = op.Add(scores, _to_float(position_bias))
         probs = op.Where(allowed, op.Softmax(scores, axis=-1), _scalar(0.0))
         return op.MatMul(_like(probs, q), v_cache)
     # [B, H, 1, 1]: the new token's own score, appended to the scores (not to the cache). An
@@ -163,7 +172,10 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float, k_new=None, v_n
     # cost ONNX Runtime several times more at batch size.
     s_new = op.ReduceSum(op.Mul(_to_float(q), _to_float(k_new)), op.Constant(value_ints=[-1]), keepdims=1)
     s_new = _scaled(s_new, scale)  # [B, H, 1, 1]
-    probs = op.Softmax(op.Concat(scores, s_new, axis=-1), axis=-1)  # [B, H, 1, L + 1]
+    scores = op.Concat(scores, s_new, axis=-1)  # [B, H, 1, L + 1]
+    if position_bias is not None:
+        scores = op.Add(scores, _to_float(position_bias))
+    probs = op.Softmax(scores, axis=-1)
     axis = op.Constant(value_ints=[3])
     p_cache = op.Slice(probs, op.Constant(value_ints=[0]), _dim(k_cache, 2), axis)  # [B, H, 1, L]
     p_new = op.Slice(probs, op.Constant(value_ints=[-1]), op.Constant(value_ints=[_INT64_MAX]), axis)
@@ -202,11 +214,109 @@ def _kv_cache_update_fake(cache, update, positions):
     return torch.empty_like(cache)
 
 
+# The eager decode attention, whatever the tracing contexts below put in its place.
+_eager_decode_attention = ops.decode_attention
+
+
+@torch.library.custom_op("transformer_ext_export::decode_attention_tabled", mutates_args=())
+def decode_attention_bias_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    k_new: Optional[torch.Tensor],
+    v_new: Optional[torch.Tensor],
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    offset: int,
+) -> torch.Tensor:
+    """``ops.decode_attention`` with a relative position bias read from ``table [R, H]``: key ``j``
+    of the cache gets row ``j - positions[b] + offset``, the new key (with ``k_new``) row
+    ``offset``. One op of the traced graph, lowered by :func:`decode_attention_tabled`: what
+    :func:`position_bias_in_graph` routes the biased calls to."""
+    B, L = q.shape[0], k_cache.shape[2]
+    index = torch.arange(L, device=q.device).view(1, L) - positions.view(B, 1) + offset  # [B, L]
+    if k_new is not None:
+        index = torch.cat([index, torch.full_like(index[:, :1], offset)], 1)
+    bias = table[index].permute(0, 2, 1).unsqueeze(2)  # [B, H, 1, L (+ 1)]
+    return _eager_decode_attention(q, k_cache, v_cache, lengths, scale, k_new, v_new, bias)
+
+
+@decode_attention_bias_op.register_fake
+def _decode_attention_bias_fake(q, k_cache, v_cache, lengths, scale, k_new, v_new, table, positions, offset):
+    return torch.empty_like(q)
+
+
+def decode_attention_tabled(
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    scale: float,
+    k_new=None,
+    v_new=None,
+    table=None,
+    positions=None,
+    offset: int = 0,
+):
+    """``transformer_ext_export::decode_attention_tabled`` in standard ops: the bias
+    ``[B, H, 1, L (+ 1)]`` gathered from ``table`` at ``Range(L) - positions + offset`` (``L`` the
+    length of the cache read, from its shape) and, for the new key, at ``offset``; then
+    :func:`decode_attention` with it."""
+    keys = op.Unsqueeze(_key_positions(k_cache), op.Constant(value_ints=[0]))  # [1, L]
+    queries = op.Unsqueeze(positions, op.Constant(value_ints=[1]))  # [B, 1]
+    shift = op.Constant(value_int=int(offset))
+    index = op.Add(op.Sub(keys, queries), shift)  # [B, L]
+    if k_new is not None:  # the new key: relative position 0
+        index = op.Concat(index, op.Add(op.Mul(queries, op.Constant(value_int=0)), shift), axis=1)
+    bias = op.Unsqueeze(
+        op.Transpose(op.Gather(table, index, axis=0), perm=[0, 2, 1]), op.Constant(value_ints=[2])
+    )
+    return decode_attention(q, k_cache, v_cache, lengths, scale, k_new, v_new, position_bias=bias)
+
+
+@contextlib.contextmanager
+def position_bias_in_graph() -> Iterator[None]:
+    """Trace ``decode_step`` with its biased decode attention as one lowered op.
+
+    Inside the context, ``ops.decode_attention(..., position_bias)`` (T5's self-attention, with
+    the relative bias of :mod:`export.position_bias`) is traced as
+    :func:`decode_attention_bias_op`, whose lowering reads the caches as the unbiased one does
+    (``MatMul`` s only, never a ``Concat``) and adds the bias to the scores. Calls without a bias
+    reach whatever ``ops.decode_attention`` was before. Enter it before a flavour's own context
+    (:func:`in_graph_cache_update`), whose calls then come here.
+    """
+    original = ops.decode_attention
+
+    def decode_attention_routed(
+        q, k_cache, v_cache, lengths, scale, k_new=None, v_new=None, position_bias=None
+    ):
+        if position_bias is None:
+            return original(q, k_cache, v_cache, lengths, scale, k_new, v_new)
+        if not hasattr(position_bias, "table"):
+            raise GraphContractError(
+                "a decode attention's position bias is exported as a table read per step: trace the model "
+                "under export.position_bias.tabled_relative_bias"
+            )
+        table, positions, offset = position_bias.table(), position_bias.positions, position_bias.offset
+        return decode_attention_bias_op(
+            q, k_cache, v_cache, lengths, float(scale), k_new, v_new, table, positions, int(offset)
+        )
+
+    ops.decode_attention = decode_attention_routed
+    try:
+        yield
+    finally:
+        ops.decode_attention = original
+
+
 def translation_table(flavour: str = "portable") -> dict:
     """The ``custom_translation_table`` for ``torch.onnx.export`` of the given flavour."""
     table = {
         torch.ops.transformer_ext.masked_softmax.default: masked_softmax,
         torch.ops.transformer_ext.decode_attention.default: decode_attention,
+        torch.ops.transformer_ext_export.decode_attention_tabled.default: decode_attention_tabled,
     }
     if flavour == "tensorscatter":
         table[torch.ops.transformer_ext_export.kv_cache_update.default] = kv_cache_update
@@ -610,14 +720,20 @@ def in_graph_cache_update() -> Iterator[tuple[list[torch.Tensor], list[torch.Ten
     present_keys: list[torch.Tensor] = []
     present_values: list[torch.Tensor] = []
 
-    def decode_attention_in_graph(q, k_cache, v_cache, lengths, scale, k_new=None, v_new=None):
+    def decode_attention_in_graph(
+        q, k_cache, v_cache, lengths, scale, k_new=None, v_new=None, position_bias=None
+    ):
         if k_new is None:
             return original(q, k_cache, v_cache, lengths, scale)
         present_k = kv_cache_update_op(k_cache, k_new, lengths)
         present_v = kv_cache_update_op(v_cache, v_new, lengths)
         present_keys.append(present_k)
         present_values.append(present_v)
-        return original(q, present_k, present_v, lengths + 1, scale)
+        if position_bias is None:
+            return original(q, present_k, present_v, lengths + 1, scale)
+        # T5's relative bias (export.position_bias.StepBias), read for the keys of the updated
+        # cache, whose entry lengths[b] is the new key (relative position 0)
+        return original(q, present_k, present_v, lengths + 1, scale, None, None, position_bias)
 
     ops.decode_attention = decode_attention_in_graph
     try:

@@ -145,10 +145,17 @@ class EncoderGraph(torch.nn.Module):
 
     def __init__(self, model):
         super().__init__()
+        from .position_bias import bucket_index
+
         self.model = model
+        # T5's relative bias: the buckets of every distance, one constant (export.position_bias)
+        self.register_buffer("relative_buckets", bucket_index(model, bidirectional=True), persistent=False)
 
     def forward(self, input_ids, src_lengths):
-        encoder_out, cross_keys, cross_values = self.model.encode(input_ids, src_lengths)
+        from .position_bias import tabled_relative_bias
+
+        with tabled_relative_bias(self.model, self.relative_buckets, bidirectional=True):
+            encoder_out, cross_keys, cross_values = self.model.encode(input_ids, src_lengths)
         outputs = [encoder_out]
         for k, v in zip(cross_keys, cross_values):
             outputs += [k, v]
@@ -170,12 +177,25 @@ class DecoderStepGraph(torch.nn.Module):
         super().__init__()
         if flavour not in FLAVOURS:
             raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
+        from .position_bias import bucket_index
+
         self.model = model
         self.flavour = flavour
         self.attention = bool(attention)
         self.n_layers = model.config.n_decoder_layers
+        self.register_buffer("relative_buckets", bucket_index(model, bidirectional=False), persistent=False)
 
     def forward(self, input_ids, positions, src_lengths, *kv):
+        from .lowering import position_bias_in_graph
+        from .position_bias import tabled_relative_bias
+
+        with (
+            tabled_relative_bias(self.model, self.relative_buckets, bidirectional=False),
+            position_bias_in_graph(),
+        ):
+            return self._step(input_ids, positions, src_lengths, *kv)
+
+    def _step(self, input_ids, positions, src_lengths, *kv):
         n = self.n_layers
         self_keys, self_values = list(kv[0 : 2 * n : 2]), list(kv[1 : 2 * n : 2])
         cross_keys, cross_values = list(kv[2 * n :: 2]), list(kv[2 * n + 1 :: 2])
@@ -288,14 +308,17 @@ def _load_model_only(model_dir: Optional[str | os.PathLike]):
         model = load_model(path, device="cpu")
     except (FileNotFoundError, ValueError, TypeError) as exc:
         raise ModelDirectoryError(f"cannot load the model in {path}: {exc}") from exc
-    blockers = model.config.export_blockers()
-    if blockers:
-        raise ExportError(
-            f"{path}: this model family is not exportable to ONNX yet ({', '.join(blockers)}); "
-            "translate it with the eager PyTorch runtime"
-        )
     model.eval()
     return model, path
+
+
+def _check_flavour(path: Path, config, flavour: str) -> None:
+    """What the graph ``flavour`` cannot express of the model (:func:`export.position_bias.flavour_problems`)."""
+    from .position_bias import flavour_problems
+
+    problems = flavour_problems(config, flavour)
+    if problems:
+        raise ExportError(f"{path}: the {flavour} flavour cannot export this model ({'; '.join(problems)})")
 
 
 def _load_model_folder(model_dir):
@@ -711,6 +734,7 @@ def export_onnx(
     check_replaceable(output_dir)
     model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
     config = model.config
+    _check_flavour(model_path, config, flavour)
     if config.max_len < 4:
         raise ExportError(
             f"max_len = {config.max_len} is too small to export (the tracing dummies need 4 positions)"

@@ -502,7 +502,7 @@ FEW_ROWS_BLOCK_SIZE = 256  # blocks of 256 read the fewest scales and zero point
 def few_rows_block_size(model_config: Mapping[str, Any]) -> Optional[int]:
     """The few-row step's block size: the largest of :data:`BLOCK_SIZES` up to
     :data:`FEW_ROWS_BLOCK_SIZE` that divides ``d_model`` and ``d_ff``; None when none does."""
-    dims = (int(model_config["d_model"]), int(model_config["d_ff"]))
+    dims = tuple(product_inputs(model_config).values())
     fits = [b for b in BLOCK_SIZES if b <= FEW_ROWS_BLOCK_SIZE and all(d % b == 0 for d in dims)]
     return max(fits) if fits else None
 
@@ -567,7 +567,7 @@ def default_block_size(model_config: Mapping[str, Any], preferred: int) -> int:
     default) where it divides ``d_model`` and ``d_ff``, else the largest of :data:`BLOCK_SIZES`
     up to :data:`NARROW_BLOCK_SIZE` that does (``preferred`` itself when none does:
     :func:`check_block_dimensions` then names the matrices)."""
-    dims = (int(model_config["d_model"]), int(model_config["d_ff"]))
+    dims = tuple(product_inputs(model_config).values())
     if all(d % preferred == 0 for d in dims):
         return preferred
     cap = min(preferred, NARROW_BLOCK_SIZE)
@@ -652,6 +652,19 @@ def _weights_text(settings: Mapping[str, Any]) -> str:
     )
 
 
+def product_inputs(model_config: Mapping[str, Any]) -> dict[str, int]:
+    """The input dimensions K of the model's weight products, by name: ``d_model``, ``d_ff`` and,
+    where the heads' width differs from ``d_model`` (T5's ``d_kv``), ``n_heads * d_kv``, the
+    input of the attention output projections."""
+    from transformer_ext.export_format import head_width
+
+    dims = {"d_model": int(model_config["d_model"]), "d_ff": int(model_config["d_ff"])}
+    heads = int(model_config["n_heads"]) * head_width(model_config)
+    if heads != dims["d_model"]:
+        dims["n_heads * d_kv"] = heads
+    return dims
+
+
 def check_block_dimensions(model_config: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
     """Refuse a block size that does not divide the input dimension of a weight matrix, naming
     the matrices; ``d_model`` is the input of every attention projection, of the first
@@ -660,11 +673,12 @@ def check_block_dimensions(model_config: Mapping[str, Any], settings: Mapping[st
     if "bits" not in settings:
         return
     block = settings["block_size"]
-    dims = {"d_model": int(model_config["d_model"]), "d_ff": int(model_config["d_ff"])}
+    dims = product_inputs(model_config)
     what = {
         "d_model": "the attention projections (d_model x d_model), the first feed-forward matrix "
         "(d_model x d_ff) and the output projection (d_model x vocab)",
         "d_ff": "the second feed-forward matrix (d_ff x d_model) of every layer",
+        "n_heads * d_kv": "every attention output projection (n_heads * d_kv x d_model)",
     }
     for name, value in dims.items():
         if value % block:

@@ -71,6 +71,7 @@ from transformer_ext.export_format import (
     ENCODER_FILE,
     SOURCES,
     WEIGHTS_FILE,
+    head_width,
     io_problems,
     read_generation_config,
     read_manifest,
@@ -320,7 +321,7 @@ def cache_bytes_per_step(config: Mapping[str, Any], rows: int, cache_len: int, d
     ``2 * layers * rows * heads * cache_len * d_k * dtype_bytes``: what a path that sends the
     cache with every step request copies per step (per direction)."""
     heads = int(config["n_heads"])
-    d_k = int(config["d_model"]) // heads
+    d_k = head_width(config)
     return 2 * int(config["n_decoder_layers"]) * int(rows) * heads * int(cache_len) * d_k * int(dtype_bytes)
 
 
@@ -675,7 +676,7 @@ def _translator_config(
         "flavour": plan.flavour,
         "n_layers": int(cfg["n_decoder_layers"]),
         "n_heads": heads,
-        "d_k": int(cfg["d_model"]) // heads,
+        "d_k": head_width(cfg),
         "src_vocab_size": int(cfg.get("src_vocab_size", 0)),
         "tgt_vocab_size": int(cfg["tgt_vocab_size"]),
         "max_positions": plan.max_positions,

@@ -458,3 +458,26 @@ def write_mbart50(
     )
     model.save_pretrained(folder)
     return folder
+
+
+def transformers_t5_tokenizer(folder: Path):
+    """transformers' T5Tokenizer of a :func:`write_t5` folder. Its own reading of spiece.model goes
+    through protobuf, which this environment's protobuf runtime refuses, so it is built from the
+    model's pieces and scores (its own Unigram, pre-tokenizer, sentinels and ``</s>`` template;
+    without SentencePiece's NFKC character map, which leaves the sample lines unchanged)."""
+    from transformers import T5Tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "spiece.model"))
+    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    extra = json.loads((folder / "tokenizer_config.json").read_text())["extra_ids"]
+    return T5Tokenizer(vocab=vocab, extra_ids=extra)
+
+
+def transformers_mbart50_tokenizer(folder: Path, src_lang: str, tgt_lang: str):
+    """transformers' MBart50Tokenizer of a :func:`write_mbart50` folder, built from the SentencePiece
+    model's pieces and scores (as :func:`transformers_t5_tokenizer`, for the same reason)."""
+    from transformers import MBart50Tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "sentencepiece.bpe.model"))
+    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    return MBart50Tokenizer(vocab=vocab, src_lang=src_lang, tgt_lang=tgt_lang)

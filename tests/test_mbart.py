@@ -187,12 +187,3 @@ def test_cc25_tokenizer_is_refused_in_one_line(folders, tmp_path):
         convert_transformers(hf, tmp_path / "out")
     assert 'unsupported tokenizer tokenizer_class = "MBartTokenizer"' in str(info.value)
     assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
-
-
-def test_onnx_export_is_refused(folders, tmp_path):
-    from export import ExportError
-    from export.onnx import export_onnx
-
-    with pytest.raises(ExportError, match="not exportable to ONNX yet"):
-        export_onnx(folders[1], tmp_path / "onnx")
-    assert not (tmp_path / "onnx").exists()

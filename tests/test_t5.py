@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
-from hf_checkpoints import MADLAD_TEST_CODES, sample_lines, write_t5  # noqa: E402
+from hf_checkpoints import MADLAD_TEST_CODES, sample_lines, transformers_t5_tokenizer, write_t5  # noqa: E402
 
 from transformer_ext import model as model_module  # noqa: E402
 from transformer_ext.checkpoint import load_model  # noqa: E402
@@ -250,24 +250,10 @@ def test_greedy_and_beam_tokens_equal_generate(folders, name):
 # ------------------------------------------------------------------------------------------
 
 
-def _transformers_tokenizer(hf):
-    """transformers' T5Tokenizer of the folder. It reads spiece.model through protobuf, which this
-    environment's protobuf runtime refuses, so it is built from the model's pieces and scores (its
-    own Unigram, pre-tokenizer, sentinels and ``</s>`` template; without SentencePiece's NFKC
-    character map, which leaves the sample lines unchanged)."""
-    import sentencepiece as spm
-    from transformers import T5Tokenizer
-
-    sp = spm.SentencePieceProcessor(model_file=str(hf / "spiece.model"))
-    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
-    extra = json.loads((hf / "tokenizer_config.json").read_text())["extra_ids"]
-    return T5Tokenizer(vocab=vocab, extra_ids=extra)
-
-
 @pytest.mark.parametrize("name", ["t5_v1_0", "madlad"])
 def test_tokenizer_ids_equal_transformers(folders, name):
     hf, ours = folders[name]
-    theirs = _transformers_tokenizer(hf)
+    theirs = transformers_t5_tokenizer(hf)
     tokenizer = load_tokenizer(ours)
     lines = sample_lines(200, seed=7)
     if name == "madlad":
@@ -348,14 +334,3 @@ def test_a_relative_bias_table_of_the_wrong_shape_is_named(folders, tmp_path):
     ):
         convert_transformers(hf, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-
-
-def test_onnx_export_is_refused_in_one_line(folders, tmp_path):
-    from export import ExportError
-    from export.onnx import export_onnx
-
-    out = tmp_path / "onnx"
-    with pytest.raises(ExportError) as info:
-        export_onnx(folders["t5_v1_0"][1], out)
-    assert "not exportable to ONNX yet" in str(info.value) and "\n" not in str(info.value)
-    assert not out.exists()

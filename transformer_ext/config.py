@@ -320,12 +320,6 @@ class TransformerConfig:
         elif self.relative_attention_per_layer:
             raise ValueError("relative_attention_per_layer=True needs relative_attention_buckets > 0")
 
-    def export_blockers(self) -> list[str]:
-        """The ``field = value`` pairs the ONNX export does not support yet (empty: exportable):
-        the T5 and mBART architecture options. Eager PyTorch runs every config."""
-        defaults = V2_IMPLIED
-        return [f"{k} = {getattr(self, k)!r}" for k in defaults if getattr(self, k) != defaults[k]]
-
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:

@@ -72,6 +72,7 @@ __all__ = [
     "dtype_from_tensorrt",
     # manifest
     "graph_specs",
+    "head_width",
     "manifest_attention",
     "cross_per_source",
     "CROSS_PER_SOURCE_VERSION",
@@ -273,6 +274,12 @@ def manifest_attention(manifest: Mapping[str, Any]) -> bool:
     return value
 
 
+def head_width(config: Mapping[str, Any]) -> int:
+    """``d_k``, the width of one attention head, of a model config as a dict: its ``d_kv``, or
+    ``d_model / n_heads`` where that is 0 or absent (configs before format version 3)."""
+    return int(config.get("d_kv", 0) or 0) or int(config["d_model"]) // int(config["n_heads"])
+
+
 def graph_specs(
     config: Mapping[str, Any],
     flavour: str = "portable",
@@ -295,7 +302,7 @@ def graph_specs(
     if flavour not in FLAVOURS:
         raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
     d_model, heads = int(config["d_model"]), int(config["n_heads"])
-    d_k = d_model // heads
+    d_k = head_width(config)
     layers, vocab = int(config["n_decoder_layers"]), int(config["tgt_vocab_size"])
     cross = [BATCH, heads, SRC_LEN, d_k]
     step_cross = [SOURCES if cross_per_source else BATCH, heads, SRC_LEN, d_k]

@@ -446,8 +446,9 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
     """The FFN nonlinearity ``activation`` (:data:`~transformer_ext.config.ACTIVATIONS`).
 
     ``relu``: ``max(0, x)``; ``gelu``: ``x * Phi(x)`` in its exact (erf) form; ``swish``:
-    ``x * sigmoid(x)`` (SiLU). While exporting, gelu and swish are written out in the standard
-    ops every opset has (``Erf``, ``Sigmoid``, ``Mul``), so the portable graphs need no newer opset.
+    ``x * sigmoid(x)`` (SiLU); ``gelu_tanh``: gelu's tanh approximation (T5's ``gelu_new``).
+    While exporting, they are written out in the standard ops every opset has (``Erf``,
+    ``Sigmoid``, ``Tanh``, ``Mul``), so the portable graphs need no newer opset.
     """
     if activation == "relu":
         return F.relu(x)
@@ -456,6 +457,8 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "gelu":
         return x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476)) if _is_exporting() else F.gelu(x)
     if activation == "gelu_tanh":
+        if _is_exporting():  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): Tanh, Mul, Add
+            return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
         return F.gelu(x, approximate="tanh")
     raise ValueError(f"unknown activation {activation!r}")
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+from ..export_format import head_width
+
 __all__ = ["RunnerInfo", "PRECISION_NAMES"]
 
 # torch / numpy dtype names -> the precision names the package uses (fp32, fp16, bf16).
@@ -40,7 +42,7 @@ class RunnerInfo:
     runtime: str  # "eager" (PyTorch), "onnxruntime" or "tensorrt"
     n_layers: int  # decoder layers (one self-attention cache each)
     n_heads: int
-    d_k: int  # head width, d_model / n_heads
+    d_k: int  # head width: the config's d_kv, or d_model / n_heads
     d_model: int
     tgt_vocab_size: int  # logits per step
     src_vocab_size: Optional[int] = None  # source ids must be below it
@@ -76,7 +78,7 @@ class RunnerInfo:
         values: dict[str, Any] = dict(
             n_layers=int(config["n_decoder_layers"]),
             n_heads=heads,
-            d_k=int(config["d_model"]) // heads,
+            d_k=head_width(config),
             d_model=int(config["d_model"]),
             tgt_vocab_size=int(config["tgt_vocab_size"]),
             src_vocab_size=_opt_int(config.get("src_vocab_size")),
