@@ -112,11 +112,11 @@ def self_folded_graph(layers: int, R: int, H: int, L: int, D: int) -> bytes:
         helper.make_tensor("r0", i64, [], [0]),
         helper.make_tensor("rL", i64, [], [L]),
         helper.make_tensor("r1", i64, [], [1]),
-        helper.make_tensor("q3", i64, [3], [R * H, 1, D]),
-        helper.make_tensor("c3", i64, [3], [R * H, L, D]),
-        helper.make_tensor("s4", i64, [4], [R, H, 1, L]),
-        helper.make_tensor("p3", i64, [3], [R * H, 1, L]),
-        helper.make_tensor("o4", i64, [4], [R, H, 1, D]),
+        helper.make_tensor("shape_q", i64, [3], [R * H, 1, D]),
+        helper.make_tensor("shape_cache", i64, [3], [R * H, L, D]),
+        helper.make_tensor("shape_scores", i64, [4], [R, H, 1, L]),
+        helper.make_tensor("shape_probs", i64, [3], [R * H, 1, L]),
+        helper.make_tensor("shape_out", i64, [4], [R, H, 1, D]),
     ]
     nodes = [
         helper.make_node("Range", ["r0", "rL", "r1"], ["key_pos"]),
@@ -130,12 +130,12 @@ def self_folded_graph(layers: int, R: int, H: int, L: int, D: int) -> bytes:
         inputs += [helper.make_tensor_value_info(n, f, [R, H, L, D]) for n in (kc, vc)]
         n = functools.partial(_named, i=i)
         nodes += [
-            helper.make_node("Reshape", [q, "q3"], [n("qf")]),
-            helper.make_node("Reshape", [kc, "c3"], [n("kf")]),
-            helper.make_node("Reshape", [vc, "c3"], [n("vf")]),
+            helper.make_node("Reshape", [q, "shape_q"], [n("qf")]),
+            helper.make_node("Reshape", [kc, "shape_cache"], [n("kf")]),
+            helper.make_node("Reshape", [vc, "shape_cache"], [n("vf")]),
             helper.make_node("Transpose", [n("kf")], [n("kt")], perm=[0, 2, 1]),
             helper.make_node("MatMul", [n("qf"), n("kt")], [n("sf")]),
-            helper.make_node("Reshape", [n("sf"), "s4"], [n("s")]),
+            helper.make_node("Reshape", [n("sf"), "shape_scores"], [n("s")]),
             helper.make_node("Add", [n("s"), "bias"], [n("sb")]),
             helper.make_node("Mul", [q, k], [n("qk")]),
             helper.make_node("ReduceSum", [n("qk"), "last"], [n("sn")], keepdims=1),
@@ -143,9 +143,9 @@ def self_folded_graph(layers: int, R: int, H: int, L: int, D: int) -> bytes:
             helper.make_node("Softmax", [n("sa")], [n("p")], axis=-1),
             helper.make_node("Slice", [n("p"), "start0", "keys", "axis3"], [n("pc")]),
             helper.make_node("Slice", [n("p"), "start_last", "end_max", "axis3"], [n("pn")]),
-            helper.make_node("Reshape", [n("pc"), "p3"], [n("pcf")]),
+            helper.make_node("Reshape", [n("pc"), "shape_probs"], [n("pcf")]),
             helper.make_node("MatMul", [n("pcf"), n("vf")], [n("ocf")]),
-            helper.make_node("Reshape", [n("ocf"), "o4"], [n("oc")]),
+            helper.make_node("Reshape", [n("ocf"), "shape_out"], [n("oc")]),
             helper.make_node("Mul", [n("pn"), v], [n("on")]),
             helper.make_node("Add", [n("oc"), n("on")], [f"out{i}"]),
         ]
@@ -223,12 +223,12 @@ def cross_layout_graph(form: str, layers: int, B: int, K: int, H: int, S: int, D
     inits += [
         helper.make_tensor("grouped", i64, [4], [B, K, H, D]),
         helper.make_tensor("flat", i64, [4], [R, H, 1, D]),
-        helper.make_tensor("q5", i64, [5], [B, K, H, 1, D]),
-        helper.make_tensor("q3", i64, [3], [B * H, K, D]),
-        helper.make_tensor("kv3", i64, [3], [B * H, S, D]),
-        helper.make_tensor("s4", i64, [4], [B, H, K, S]),
-        helper.make_tensor("p3", i64, [3], [B * H, K, S]),
-        helper.make_tensor("o4", i64, [4], [B, H, K, D]),
+        helper.make_tensor("shape_q5", i64, [5], [B, K, H, 1, D]),
+        helper.make_tensor("shape_q", i64, [3], [B * H, K, D]),
+        helper.make_tensor("shape_kv", i64, [3], [B * H, S, D]),
+        helper.make_tensor("shape_scores", i64, [4], [B, H, K, S]),
+        helper.make_tensor("shape_probs", i64, [3], [B * H, K, S]),
+        helper.make_tensor("shape_out", i64, [4], [B, H, K, D]),
         helper.make_tensor("axis1", i64, [1], [1]),
     ]
     inputs = [helper.make_tensor_value_info("lengths", i64, [R])]
@@ -241,7 +241,7 @@ def cross_layout_graph(form: str, layers: int, B: int, K: int, H: int, S: int, D
         inputs.append(helper.make_tensor_value_info(v, f, [B, H, S, D]))
         if form == "bcast":
             nodes += [
-                helper.make_node("Reshape", [q, "q5"], [n("qb")]),
+                helper.make_node("Reshape", [q, "shape_q5"], [n("qb")]),
                 helper.make_node("Unsqueeze", [k, "axis1"], [n("kb")]),
                 helper.make_node("Transpose", [n("kb")], [n("kt")], perm=[0, 1, 2, 4, 3]),
                 helper.make_node("MatMul", [n("qb"), n("kt")], [n("s")]),  # [B, K, H, 1, S]
@@ -265,24 +265,25 @@ def cross_layout_graph(form: str, layers: int, B: int, K: int, H: int, S: int, D
                 ]
             else:  # folded
                 nodes += [
-                    helper.make_node("Reshape", [n("qr"), "q3"], [n("qf")]),
-                    helper.make_node("Reshape", [k, "kv3"], [n("kf")]),
-                    helper.make_node("Reshape", [v, "kv3"], [n("vf")]),
+                    helper.make_node("Reshape", [n("qr"), "shape_q"], [n("qf")]),
+                    helper.make_node("Reshape", [k, "shape_kv"], [n("kf")]),
+                    helper.make_node("Reshape", [v, "shape_kv"], [n("vf")]),
                     helper.make_node("Transpose", [n("kf")], [n("kt")], perm=[0, 2, 1]),
                     helper.make_node("MatMul", [n("qf"), n("kt")], [n("sf")]),
-                    helper.make_node("Reshape", [n("sf"), "s4"], [n("s")]),
+                    helper.make_node("Reshape", [n("sf"), "shape_scores"], [n("s")]),
                     helper.make_node("Add", [n("s"), "bias"], [n("sb")]),
                     helper.make_node("Softmax", [n("sb")], [n("p")], axis=-1),
-                    helper.make_node("Reshape", [n("p"), "p3"], [n("pf")]),
+                    helper.make_node("Reshape", [n("p"), "shape_probs"], [n("pf")]),
                     helper.make_node("MatMul", [n("pf"), n("vf")], [n("of")]),
-                    helper.make_node("Reshape", [n("of"), "o4"], [n("o")]),
+                    helper.make_node("Reshape", [n("of"), "shape_out"], [n("o")]),
                 ]
             nodes += [
                 helper.make_node("Transpose", [n("o")], [n("ot")], perm=[0, 2, 1, 3]),
                 helper.make_node("Reshape", [n("ot"), "flat"], [f"out{i}"]),
             ]
         outputs.append(helper.make_tensor_value_info(f"out{i}", f, [R, H, 1, D]))
-    return _model(nodes, inputs, outputs, inits, f"cross_{form}")
+    used = {name for node in nodes for name in node.input}
+    return _model(nodes, inputs, outputs, [t for t in inits if t.name in used], f"cross_{form}")
 
 
 def cross_dmmha_graph(layers: int, R: int, H: int, S: int, D: int) -> bytes:
@@ -786,7 +787,9 @@ def main(argv=None) -> int:
     p.add_argument("--min-time", type=float, default=0.005, help="seconds each timing lasts at least")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max abs error against float64")
     p.add_argument("--win", type=float, default=1.15, help="speed-up that counts as a clear win")
-    p.add_argument("--quick", action="store_true", help="a smoke run: rows 4,16, one layer, 1 thread, 3 runs")
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: rows 4,16, five layers, cache 24, 1 thread, 3 runs"
+    )
     p.add_argument(
         "--out",
         default=os.path.join(HERE, "results", "probe_step_attention.json"),
@@ -794,7 +797,7 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     if args.quick:
-        args.rows, args.layers, args.threads, args.runs, args.cache_lens = "4,16", 1, "1", 3, "24"
+        args.rows, args.layers, args.threads, args.runs, args.cache_lens = "4,16", 5, "1", 3, "24"
         args.min_time = 0.0
     rows = _ints(p, args.rows, "--rows")
     threads = _ints(p, args.threads, "--threads")
