@@ -42,6 +42,8 @@ CURRENT = {
         "bench_decode_20261202_epyc_split_run2.json",
     ],
     "pretrained": [
+        "bench_pretrained_xeon_fair.json",
+        "bench_pretrained_xeon_fair_run2.json",
         "bench_pretrained_xeon_run1.json",
         "bench_pretrained_xeon_run2.json",
         "bench_pretrained_xeon_run3.json",
