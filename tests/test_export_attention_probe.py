@@ -47,6 +47,7 @@ def test_quick_run_checks_and_times_every_form(tmp_path):
         if rec["block"] == "self":
             assert rec["max_abs_error"]["ops"]["cache_write"] == 0.0  # the runner's append
             assert "host_reorder" in rec["milliseconds"]  # 4 beams per source divide 4 and 16 rows
+            assert rec["moved_rows"] == round(0.25 * rec["rows"])  # --moved-rows 0.25 by default
     assert set(saved["summary"]) == {"by_rows", "verdicts", "attention_part"}
     assert all(p["fastest_over_portable"] >= 1.0 for p in saved["summary"]["attention_part"])
 
@@ -92,7 +93,14 @@ def test_cross_reference_masks_the_padding():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--rows", "0"], ["--threads", "x"], ["--cache-lens", "1"], ["--beams", "0"], ["--out", "x.txt"]],
+    [
+        ["--rows", "0"],
+        ["--threads", "x"],
+        ["--cache-lens", "1"],
+        ["--beams", "0"],
+        ["--moved-rows", "2"],
+        ["--out", "x.txt"],
+    ],
 )
 def test_bad_arguments_are_refused(argv, tmp_path):
     with pytest.raises(SystemExit):

@@ -27,8 +27,9 @@ the query scale folded in (scale 1, as the export traces it). Every tensor is bo
   (each beam reading earlier positions from another beam of its source), timed with the
   host update of the indirection table a search would make each step. It needs no cache
   reorder; ``host_reorder`` times the reorder the other forms need at a beam step
-  (``HostKVCache.reorder_`` with a random beam choice), so ``gqa + host_reorder`` is the
-  figure ``dmmha_beams`` competes with.
+  (``HostKVCache.reorder_``, the fraction ``--moved-rows`` of the rows taking another beam of
+  their source: 0.25 by default, as beam 4 on the demo model, where 24% of the rows move per
+  step), so ``gqa + host_reorder`` is the figure ``dmmha_beams`` competes with.
 
 **Cross-attention** over ``--src-len`` source positions (ragged lengths), ``K`` rows per source
 (1: greedy, and ``--beams``), K/V once per source unless named otherwise:
@@ -645,10 +646,16 @@ def self_case(args, R: int, L: int, threads: int, rng) -> dict:
         errors, refused, fns = errors | e, refused | r, fns | f
     if beams:  # the reorder the cache-reading forms need at a beam step (the runner's HostKVCache)
         reorder_cache = _caches(data, layers, R, H, L, D, staging=False)
-        choice = (np.arange(R) // K * K) + rng.integers(0, K, size=R)
+        choice = np.arange(R)
+        movers = rng.choice(R, size=int(round(args.moved_rows * R)), replace=False)
+        # each moved row takes another beam of its source
+        choice[movers] = movers // K * K + (movers % K + rng.integers(1, K, size=movers.size)) % K
         fns["host_reorder"] = functools.partial(reorder_cache.reorder_, choice)
     result = _timed(args, fns, errors, refused)
-    return {"block": "self", "rows": R, "cache_len": L, "position": p, "threads": threads, **result}
+    rec = {"block": "self", "rows": R, "cache_len": L, "position": p, "threads": threads, **result}
+    if beams:
+        rec["moved_rows"] = int((choice != np.arange(R)).sum())
+    return rec
 
 
 def cross_case(args, B: int, K: int, threads: int, rng) -> dict:
@@ -828,6 +835,12 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="4,16,64,256", help="comma-separated decoder rows (sources x beams)")
     p.add_argument("--beams", type=int, default=4, help="beams per source (cross-attention and dmmha_beams)")
     p.add_argument("--layers", type=int, default=6, help="decoder layers per graph (each its own tensors)")
+    p.add_argument(
+        "--moved-rows",
+        type=float,
+        default=0.25,
+        help="fraction of rows whose cache host_reorder moves (beam 4 on the demo model: 0.24 a step)",
+    )
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--cache-lens", default="24,72", help="self-attention cache capacities (new token last)")
@@ -863,6 +876,8 @@ def main(argv=None) -> int:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if min(cache_lens) < 2:
         p.error("--cache-lens: every capacity must be at least 2 (one cached token and the new one)")
+    if not 0.0 <= args.moved_rows <= 1.0:
+        p.error(f"--moved-rows: expected a fraction in [0, 1], got {args.moved_rows}")
     if not (args.tolerance > 0 and args.win > 0 and args.min_time >= 0):
         p.error("--tolerance and --win must be positive, --min-time not negative")
     if not args.out.endswith(".json"):
@@ -881,6 +896,7 @@ def main(argv=None) -> int:
         "runs": args.runs,
         "tolerance": args.tolerance,
         "clock": args.clock,
+        "moved_rows": args.moved_rows,
         "load_average_before": list(os.getloadavg()),
         "results": [],
     }
