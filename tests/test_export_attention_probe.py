@@ -105,3 +105,10 @@ def test_cross_reference_masks_the_padding():
 def test_bad_arguments_are_refused(argv, tmp_path):
     with pytest.raises(SystemExit):
         probe.main([*argv] + ([] if "--out" in argv else ["--out", str(tmp_path / "x.json")]))
+
+
+def test_moved_rows_are_counted_on_the_demo_model():
+    pytest.importorskip("torch")
+    counted = probe.demo_moved_rows(sources=4, beams=4, new_tokens=6)
+    assert counted["steps"] >= 1
+    assert 0.0 <= counted["moved_bytes"] <= 1.0 and 0.0 <= counted["moved_rows"] <= 1.0

@@ -29,7 +29,7 @@ the query scale folded in (scale 1, as the export traces it). Every tensor is bo
   reorder; ``host_reorder`` times the reorder the other forms need at a beam step
   (``HostKVCache.reorder_``, the fraction ``--moved-rows`` of the rows taking another beam of
   their source: 0.25 by default, as beam 4 on the demo model, where 24% of the rows move per
-  step), so ``gqa + host_reorder`` is the figure ``dmmha_beams`` competes with.
+  step: ``--measure-moved-rows`` counts them), so ``gqa + host_reorder`` is the figure ``dmmha_beams`` competes with.
 
 **Cross-attention** over ``--src-len`` source positions (ragged lengths), ``K`` rows per source
 (1: greedy, and ``--beams``), K/V once per source unless named otherwise:
@@ -820,6 +820,48 @@ def plot(out: dict, path: str) -> None:
     plt.close(fig)
 
 
+def demo_moved_rows(sources: int = 64, beams: int = 4, new_tokens: int = 48) -> dict:
+    """How many rows a beam step's reorder moves in real decodes: beam search on the bundled demo
+    model (``EagerRunner``, its held-out sources), every ``reorder`` call counted: the fraction
+    of rows that take another row's cache, and the same weighted by the prefix length (the
+    bytes a reorder moves)."""
+    import torch
+
+    from transformer_ext import demo
+    from transformer_ext.checkpoint import load_model
+    from transformer_ext.decoding.beam import beam_search
+    from transformer_ext.runtimes.eager import EagerRunner
+    from transformer_ext.tokenizer import load_tokenizer
+
+    folder = os.path.join(os.path.dirname(HERE), "transformer_ext", "demo_model")
+    model, tok = load_model(folder).eval(), load_tokenizer(folder)
+    runner, calls = EagerRunner(model), []
+    reorder = runner.reorder
+
+    def counted(state, beam_index):
+        index = np.asarray(beam_index)
+        calls.append((index.size, int((index != np.arange(index.size)).sum()), state.cache.length))
+        return reorder(state, beam_index)
+
+    runner.reorder = counted
+    ids = [tok.encode_source(s) for s, _ in demo.heldout_examples(sources)]
+    src = np.zeros((len(ids), max(map(len, ids))), np.int64)
+    for i, x in enumerate(ids):
+        src[i, : len(x)] = x
+    lengths = np.array([len(x) for x in ids], np.int64)
+    with torch.inference_mode():
+        beam_search(
+            runner, src, lengths, bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=beams,
+            max_new_tokens=new_tokens, remove_finished=False,
+        )  # fmt: skip
+    rows = sum(c[0] for c in calls)
+    return {
+        "steps": len(calls),
+        "moved_rows": sum(c[1] for c in calls) / rows,
+        "moved_bytes": sum(c[1] * c[2] for c in calls) / max(1, sum(c[0] * c[2] for c in calls)),
+    }
+
+
 def _ints(p, text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -864,7 +906,15 @@ def main(argv=None) -> int:
         default=os.path.join(HERE, "results", "probe_step_attention.json"),
         help="JSON path (PNG beside it)",
     )
+    p.add_argument(
+        "--measure-moved-rows",
+        action="store_true",
+        help="only count the rows beam search's reorder moves on the demo model (beam 4, 64 sources), print it",
+    )
     args = p.parse_args(argv)
+    if args.measure_moved_rows:
+        print(demo_moved_rows(beams=args.beams))
+        return 0
     if args.quick:
         args.rows, args.layers, args.threads, args.runs, args.cache_lens = "4,16", 5, "1", 3, "24"
         args.min_time = 0.0
