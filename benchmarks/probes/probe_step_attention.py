@@ -61,26 +61,25 @@ the 2-core Sapphire Rapids-class Xeon with 480 MiB L3, 1 intra-op thread, measur
 ``python -m benchmarks probe_step_attention --clock cpu --threads 1 --runs 21 --min-time 0.02``
 while other sessions loaded the machine to a load average of 10-13, hence the CPU clock: a
 direction, to be confirmed by the default wall-clock command, 1 and 2 threads, on a quiet
-machine). Every form agrees with float64 within 1.1e-6.
+machine). Every form agrees with float64 within 1.2e-6. **No form wins clearly** (1.15x at both
+16 and 64 rows):
 
-* **No form of the attention products wins clearly.** A step's self-attention is bound by reading
-  the cache: at 16-64 rows the fastest form (``dmmha``) is 1.03-1.11x the faster exported one
-  (``ops`` or ``gqa``; at cache 72 ``ops`` beats ``gqa``), and heads folded into the batch axis
-  change nothing (0.95-1.07x ``ops``). Cross-attention: the fastest of ``mha``, ``kt`` and
-  ``dmmha`` leads ``ops`` by 1.09-1.21x at 16-64 rows and by 1.08-1.11x at 256, but no one form
-  leads at every size; ``folded`` and ``bcast`` give 0.77-1.18x ``ops``, and ``dmmha`` with K/V
-  per beam is 1.8-2.1x slower at 4 beams. A layer's whole attention (self + cross) in its
-  fastest forms is 1.05-1.13x the exported forms in greedy steps.
-* **A beam step's cache reorder costs more than its attention**, and ``cache_indirection``
-  removes it: ``HostKVCache.reorder_`` (3 in 4 rows moved, the whole prefix) takes 1.9x (16 rows,
-  cache 24) to 3.6x (64 rows, cache 72) the self-attention's time, and ``dmmha_beams``, which reads
-  each position through the table and moves nothing, makes self-attention plus reorder 1.9-2.8x
-  faster at 16-64 rows (2.5-5.0x at 256 rows), though its own kernel is 1.4-1.6x slower
-  than ``gqa``. With cross-attention, a beam step's attention is 1.8-2.7x faster at 16-64 rows.
-  Bringing it in changes the step's contract (``beam_width`` and ``cache_indirection`` inputs, one
-  ``past_sequence_length`` for every row, so rows of unequal positions cannot share a step) and
-  the runner's beam bookkeeping (a ``[rows, cache_len]`` int32 table updated per step instead of
-  the reorder; dropping rows and appending states gather the caches through it first).
+* Self-attention is bound by reading the cache: at 16-64 rows the fastest form is 1.00-1.14x the
+  faster exported one (``ops`` or ``gqa``; ``dmmha`` leads at 16 rows, ``gqa`` or ``ops`` at 64,
+  and at cache 72 ``ops`` beats ``gqa``); heads folded into the batch axis give 0.96-1.08x ``ops``.
+* Cross-attention: ``mha`` leads ``ops`` by 1.12-1.17x at 4 beams and ``kt`` / ``bcast`` by
+  1.08-1.11x in greedy steps at 16-64 rows, all 1.0-1.03x at 256; ``folded`` gives 0.84-1.07x,
+  and ``dmmha`` (K/V per beam) is 1.7-2.4x slower at 4 beams. A layer's whole attention in its
+  fastest forms is 1.01-1.13x the exported forms at 16-64 rows.
+* ``cache_indirection`` (``dmmha_beams``) removes a beam step's cache reorder, but its kernel is
+  1.4-1.7x slower than ``gqa``. With a quarter of the rows moving per step (beam 4 on the demo
+  model moves 24% of them, 16% of the bytes: ``--measure-moved-rows``), the reorder costs
+  0.25-0.56x the self-attention and the exported form plus the reorder is 1.05-1.3x faster than
+  ``dmmha_beams`` at 16-64 rows. With three rows in four moving
+  (``probe_step_attention_cpu_clock_t1_xeon_moved75.json``, the same command before
+  ``--moved-rows`` existed, each row choosing a random beam of its source) the reorder costs
+  1.9-3.6x the self-attention and ``dmmha_beams`` wins by 1.9-2.8x: the table pays only where
+  most beams change parents at most steps.
 """
 
 from __future__ import annotations
