@@ -811,7 +811,7 @@ def plot(out: dict, path: str) -> None:
         ax.axis("off")
     fig.suptitle(
         f"{out['layers']} layers x {out['heads']} heads x d_k {out['head_size']}, "
-        f"source {out['src_len']}, ONNX Runtime {out['onnxruntime']}",
+        f"source {out['src_len']}, ONNX Runtime {out['onnxruntime']}, {out.get('clock', 'wall')} clock",
         fontsize=9,
     )
     fig.tight_layout()
