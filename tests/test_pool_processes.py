@@ -150,6 +150,14 @@ def test_bad_uses_are_refused(step_pool):
     assert step_pool.run(pool_workers.short_greedy, src, lengths) == pool_workers.expected_short(src)
 
 
+def test_forkserver_workers_decode_too():
+    src, lengths = np.arange(4, 16, dtype=np.int64).reshape(4, 3), np.full(4, 3, dtype=np.int64)
+    with ProcessSourceParallel(pool_workers.StepRunner, 2, start_method="forkserver") as pool:
+        pids = pool.worker_pids
+        assert pool.run(pool_workers.short_greedy, src, lengths) == pool_workers.expected_short(src)
+    assert all(map(_ended, pids))
+
+
 def test_a_runner_that_cannot_be_made_is_its_own_error(tmp_path):
     """What make_runner raises in a worker is raised by the constructor, its worker named."""
     with pytest.raises(ManifestError, match="manifest.json not found") as caught:

@@ -189,7 +189,7 @@ def _run_child(cmd: list[str], what: str):
     return json.loads(proc.stdout)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifacts", required=True, help="a bench_decode.py --artifacts folder")
     p.add_argument("--dtype", choices=("int8", "float32"), default="int8")
@@ -214,7 +214,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--out", default=os.path.join(HERE, "results", "probe_split_workers.json"), help="JSON path"
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def _checked(p: argparse.ArgumentParser, args) -> tuple[list, list, list, dict]:
+    """``(modes, engines, pools, models)`` of the arguments (a usage error when one is bad)."""
     modes = [m for m in args.modes.split(",") if m]
     engines = [e for e in args.engines.split(",") if e]
     pools = [m for m in args.pools.split(",") if m]
@@ -237,6 +241,13 @@ def main(argv=None) -> int:
             p.error(
                 f"--artifacts: no {models[e]} (run bench_decode.py --artifacts {args.artifacts} --prepare-only)"
             )
+    return modes, engines, pools, models
+
+
+def main(argv=None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    modes, engines, pools, models = _checked(p, args)
     if args.child_memory:
         result = memory_child(
             models["onnxrt"], args.child_memory, args.batch, args.new_tokens, args.src_vocab

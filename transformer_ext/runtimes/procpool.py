@@ -2,9 +2,9 @@
 in a process of its own, so that no part's host work waits on another's interpreter lock.
 
 :class:`~transformer_ext.runtimes.pool.SourceParallel` runs the parts in threads of one process.
-ONNX Runtime and numpy's bulk work release the GIL, but the search's Python bookkeeping (the beam
-book-keeping, the logit processors, the cache views) does not, so two threads' host work takes
-turns. :class:`ProcessSourceParallel` runs each part in a worker process that holds a runner of
+ONNX Runtime and numpy's bulk work release the GIL, but the search's Python work between two
+graph runs (the beam bookkeeping, the logit processors, the cache views) does not, so two
+threads' host work takes turns. :class:`ProcessSourceParallel` runs each part in a worker process that holds a runner of
 its own (``make_runner()``, called once in the worker: e.g. ``functools.partial(OrtRunner,
 export_dir, intra_op_num_threads=1)``). The workers are started once, with the ``spawn`` (default)
 or ``forkserver`` start method, and reused by every call; a worker imports only what its runner
@@ -29,7 +29,9 @@ Cancellation. Every step of a part first looks at the worker's channel from the 
   decides), the parent's wait raises KeyboardInterrupt within :data:`~.pool.POLL_SECONDS`, sends
   the cancels and waits for the answers (a second Ctrl-C stops that wait at once; the workers
   still stop at their next step and the pool stays usable: answers of an abandoned call are
-  recognised by its call number and dropped).
+  recognised by its call number and dropped). A Ctrl-C that lands inside the parent's write or
+  read of a message (a few microseconds of a call) may leave that pipe mid-message: the pool is
+  then closed at once, its workers terminated.
 * A worker that dies (killed, or its interpreter crashed) is seen through its process
   sentinel while the parent waits: :meth:`run` raises :class:`WorkerError` naming the worker,
   its pid, how it ended and the sources it held, after stopping the other parts, and the pool
@@ -413,13 +415,24 @@ class ProcessSourceParallel:
             if w.conn not in ready and w.process.sentinel not in ready:
                 continue
             answer = None
-            try:
-                while answer is None and w.conn.poll():
-                    kind, number, payload = w.conn.recv()
-                    if number == job:
-                        answer = (w, kind, payload)  # (else the answer of an abandoned call)
-            except (EOFError, OSError):
-                answer = (w, "died", None)
+            while answer is None:
+                try:
+                    if not w.conn.poll():
+                        break
+                    data = w.conn.recv_bytes()
+                except (EOFError, OSError):
+                    answer = (w, "died", None)
+                    break
+                except BaseException:  # interrupted inside a read: the pipe may be left mid-message
+                    self._abort(f"a message from {w.name()} was interrupted")
+                    raise
+                try:
+                    kind, number, payload = pickle.loads(data)
+                except Exception as exc:  # (a result of a class this process cannot import)
+                    error = TypeError(f"the answer of {w.name()} cannot be unpickled here: {exc}")
+                    kind, number, payload = "error", job, _pack_error(error)
+                if number == job:
+                    answer = (w, kind, payload)  # (else the answer of an abandoned call)
             if answer is None and w.process.sentinel in ready:
                 answer = (w, "died", None)
             if answer is not None:
@@ -435,8 +448,14 @@ class ProcessSourceParallel:
                 f"{w.name()} {w.ended()} before {where}; the pool is closed: open a new one"
             ) from None
         except BaseException:  # interrupted inside a write: the pipe may hold half a message
-            self._closed = f"a message to {w.name()} was interrupted"
+            self._abort(f"a message to {w.name()} was interrupted")
             raise
+
+    def _abort(self, why: str) -> None:
+        """Close the pool at once (SIGTERM, no stop message waited for): a pipe may be mid-message."""
+        self._closed = why
+        _shutdown(self._workers, 0.0)
+        self._finalizer()
 
     # ------------------------------------------------------------------ searching
     def run(self, search: Callable[..., list], input_ids: Any, src_lengths: Any, **options: Any) -> list:
@@ -493,6 +512,8 @@ class ProcessSourceParallel:
         """Cancel call ``job`` in the ``busy`` workers and wait until each answered (a second
         KeyboardInterrupt ends the wait; the workers still stop at their next step); a worker
         that died or does not answer within ``cancel_timeout`` closes the pool."""
+        if not self._workers:
+            return  # aborted: every worker is gone already
         for index in busy:
             try:
                 self._workers[index].conn.send(("cancel", job))
