@@ -164,7 +164,13 @@ def _worker_main(conn: mp_connection.Connection, make_runner: Callable[[], Any],
     except BaseException as exc:
         _send_quietly(conn, ("error", 0, _pack_error(exc)))
         return
-    if not _send_quietly(conn, ("ready", 0, ready)):
+    try:
+        conn.send(("ready", 0, ready))
+    except OSError:
+        return  # the parent is gone
+    except Exception as exc:  # (pickling: nothing was sent)
+        error = TypeError(f"the runner's info cannot be sent to the parent: {exc}")
+        _send_quietly(conn, ("error", 0, _pack_error(error)))
         return
     deferred: list = []
     while True:
