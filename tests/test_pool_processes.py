@@ -85,7 +85,7 @@ def test_processes_decode_as_threads_and_as_one_runner(ort_pool, export, beam_si
     part; float32 tokens equal one runner's over the whole batch; per-source budgets are sliced."""
     runners = [OrtRunner(export, intra_op_num_threads=1) for _ in range(2)]
     info = runners[0].info
-    assert ort_pool.info == info
+    assert ort_pool.info == info and dict(ort_pool.info.config) == dict(info.config)  # (pickled back)
     ids, lengths = _sources(info, batch=7)
     budgets = np.array([5, 9, 3, 12, 7, 4, 10])
     options = dict(
