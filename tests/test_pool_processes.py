@@ -126,6 +126,25 @@ def test_workers_are_processes_of_their_own_without_torch(ort_pool):
     assert process_memory(os.getpid())["rss"] > 0
 
 
+def test_workers_with_unpacked_weights_decode_the_same(ort_pool, export):
+    """OrtRunner(pack_weights=False) (ONNX Runtime's prepacking off, the weight products read
+    from the mapped weights file) in the workers: the same float32 tokens as packed workers."""
+    from transformer_ext.runtimes.ort import DISABLE_PREPACKING
+
+    unpacked = OrtRunner(export, intra_op_num_threads=1, pack_weights=False)
+    assert unpacked._session_options.get_session_config_entry(DISABLE_PREPACKING) == "1"
+    with pytest.raises(TypeError, match="pack_weights must be a bool"):
+        OrtRunner(export, pack_weights="no")
+    info = ort_pool.info
+    ids, lengths = _sources(info, batch=5, seed=3)
+    options = dict(bos_id=info.bos_id, eos_id=info.eos_id, max_new_tokens=8, beam_size=2)
+    make = functools.partial(OrtRunner, export, intra_op_num_threads=1, pack_weights=False)
+    with ProcessSourceParallel(make, 2) as shared:
+        got = shared.generate(ids, lengths, **options)
+    want = ort_pool.generate(ids, lengths, **options)
+    assert [[h.tokens for h in row] for row in got] == [[h.tokens for h in row] for row in want]
+
+
 def test_bad_uses_are_refused(step_pool):
     src, lengths = np.ones((4, 3), dtype=np.int64), np.full(4, 3, dtype=np.int64)
     make = pool_workers.StepRunner

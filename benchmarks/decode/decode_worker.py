@@ -15,7 +15,9 @@ the batch split into W parts decoded at once, each on N / W threads: CTranslate2
 (default, ``"pool": "processes"``: no interpreter lock shared by the parts' host work; the workers
 import no torch either, and count in ``torch_imported``) or in threads of this process under
 ``runtimes.pool.SourceParallel`` (``"pool": "threads"``); the ready answer records it as
-``split_pool``: the pool and, for processes, the workers' pids), and optionally ``"banned_ids": [id, ...]`` (never generated: our
+``split_pool``: the pool and, for processes, the workers' pids), ``"pack_weights": false``
+(``onnxrt``: ``OrtRunner(pack_weights=False)``, the weight products read from the mapped
+``weights.data``, shared by worker processes), and optionally ``"banned_ids": [id, ...]`` (never generated: our
 ``banned_ids``, transformers' ``bad_words_ids``) and ``"vocabulary": <a JSON list of token
 strings>`` (CTranslate2: token ``i`` is id ``i``, as in a converted Hugging Face model's
 ``shared_vocabulary.json``; without it the tokens are ``s<id>`` / ``t<id>`` with our four specials).
@@ -153,12 +155,17 @@ def _onnxrt(spec):
 
     workers = int(spec.get("workers", 1))
     threads = int(spec["threads"]) // workers
+    make = functools.partial(
+        OrtRunner,
+        spec["model"],
+        intra_op_num_threads=threads,
+        pack_weights=bool(spec.get("pack_weights", True)),
+    )
     if workers == 1:
-        return _search(OrtRunner(spec["model"], intra_op_num_threads=threads), spec)
+        return _search(make(), spec)
     from transformer_ext.runtimes.pool import open_source_parallel
 
     pool = spec.get("pool", "processes")
-    make = functools.partial(OrtRunner, spec["model"], intra_op_num_threads=threads)
     parallel = open_source_parallel(make, workers, pool=pool)
     decode = _search(None, spec, parallel)
     decode.close, decode.parallel = parallel.close, parallel

@@ -11,7 +11,9 @@ or the float32 ``onnx`` and ``ct2``). The split is bench_decode's ``2x1`` settin
 same code (``decode_worker.py``): ours two ``OrtRunner`` s of 1 thread, under
 ``runtimes.procpool.ProcessSourceParallel`` (each in a worker process: ``processes``, bench_decode's
 default) and under ``runtimes.pool.SourceParallel`` (two threads of one Python process, sharing
-its interpreter lock: ``threads``), ``--pools`` choosing; CTranslate2 ``inter_threads=2,
+its interpreter lock: ``threads``) and, with ``--pools ...,processes_shared``, in worker processes
+whose runners leave the weight products unpacked on the shared mapping of ``weights.data``
+(``OrtRunner(pack_weights=False)``); CTranslate2 ``inter_threads=2,
 intra_threads=1`` with ``max_batch_size`` half the batch. Two workers on two cores that did not
 disturb each other would take as long for the whole batch as one worker for its half:
 ``split_over_half`` (split time over one worker's half time) is 1.0 then, and what it exceeds 1.0
@@ -31,7 +33,8 @@ rotating order.
 beam-4 decode of the batch (``runtimes.procpool.process_memory``: ``/proc/PID/smaps_rollup`` of
 the process and of its workers, KiB; ``mapped_rss`` / ``mapped_pss``: the pages of the export's
 ``weights.data`` mapped there): one runner in the process (``inprocess1``), two runners in threads
-(``threads2``), one and two worker processes (``processes1``, ``processes2``); ``total_pss_kib``
+(``threads2``), one and two worker processes (``processes1``, ``processes2``), two worker
+processes with unpacked weights (``processes2_shared``); ``total_pss_kib``
 sums the process's and its workers' PSS (shared pages counted once over them). JSON at ``--out``.
 """
 
@@ -48,9 +51,10 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (results/ lives here)
 
 ENGINES = {"onnxrt": "onnx", "ctranslate2": "ct2"}
-POOLS = ("processes", "threads")
+POOLS = ("processes", "threads", "processes_shared")  # processes_shared: OrtRunner(pack_weights=False)
 MEMORY_SETTINGS = {"inprocess1": ("inprocess", 1), "threads2": ("threads", 2)}
 MEMORY_SETTINGS.update(processes1=("processes", 1), processes2=("processes", 2))
+MEMORY_SETTINGS.update(processes2_shared=("processes_shared", 2))
 BOS, EOS, SRC_LEN = 1, 2, 24
 ROUND_TRIPS = 21
 
@@ -58,6 +62,15 @@ ROUND_TRIPS = 21
 def _tokens_only(runner, src, lengths, n):
     """A search that decodes nothing: ``n`` tokens per source (the round trip's payload)."""
     return [[EOS] * n for _ in range(len(src))]
+
+
+def _pool_spec(pool: str) -> dict:
+    """decode_worker's spec keys of one of :data:`POOLS` ("" for CTranslate2: none)."""
+    if not pool:
+        return {}
+    if pool == "processes_shared":
+        return {"pool": "processes", "pack_weights": False}
+    return {"pool": pool}
 
 
 def _sources(batch: int, vocab: int):
@@ -85,10 +98,7 @@ def child(
     base = {"engine": engine, "model": model, "compute_type": dtype, "bos": BOS, "eos": EOS}
     one = build({**base, "threads": 1, "workers": 1})
     names = [f"split_{pool}" for pool in pools] if engine == "onnxrt" else ["split"]
-    splits = {
-        name: build({**base, "threads": 2, "workers": 2, **({"pool": name[6:]} if name != "split" else {})})
-        for name in names
-    }
+    splits = {name: build({**base, "threads": 2, "workers": 2, **_pool_spec(name[6:])}) for name in names}
     src, lengths = _sources(batch, vocab)
     half = batch // 2
     out: dict = {}
@@ -159,12 +169,15 @@ def memory_child(model: str, setting: str, batch: int, new_tokens: int, vocab: i
         runner = OrtRunner(model, intra_op_num_threads=1)
         search(runner, src, lengths)
     else:
-        make = functools.partial(OrtRunner, model, intra_op_num_threads=1)
-        parallel = open_source_parallel(make, workers, pool=pool)
+        spec = _pool_spec(pool)
+        make = functools.partial(
+            OrtRunner, model, intra_op_num_threads=1, pack_weights=spec.get("pack_weights", True)
+        )
+        parallel = open_source_parallel(make, workers, pool=spec["pool"])
         parallel.run(search, src, lengths)
     try:
         me = process_memory(os.getpid(), WEIGHTS_FILE)
-        theirs = parallel.memory() if pool == "processes" else []
+        theirs = parallel.memory() if pool.startswith("processes") else []
     finally:
         if parallel is not None:
             parallel.close()
@@ -206,7 +219,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pools",
         default="processes,threads",
-        help="our split's pools, comma-separated subset of processes,threads (the first gives split_ms)",
+        help="our split's pools, comma-separated subset of processes,threads,processes_shared (the "
+        "first gives split_ms; processes_shared: workers whose runners read the mapped weights, unpacked)",
     )
     p.add_argument("--memory", action="store_true", help="also measure our memory in each setting")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
