@@ -54,10 +54,12 @@ float32 (``weights.data`` 200 MiB; ``probe_split_workers.py --memory``): one run
 302 MiB PSS, 23 MiB of it the mapped file; two runners in threads 496 MiB; one worker process
 333 MiB (the parent 32 MiB of it); two worker processes 559 MiB, each worker 270 MiB of which the
 mapped file's 23 MiB is shared (11 MiB PSS each) and about 250 MiB private: the packed weight
-products are per worker, as they are per runner in threads. ONNX Runtime's
-``session.disable_prepacking`` leaves the products reading the mapped file, so that two workers
-share the whole file (358 MiB PSS for both, 102 MiB of it each worker's half of the file), at a
-speed cost (1.4x slower beam 4 in one measurement on a loaded 2-core machine).
+products are per worker, as they are per runner in threads. ``OrtRunner(pack_weights=False)``
+(ONNX Runtime's ``session.disable_prepacking``) leaves the products reading the mapped file, so
+two such workers share the whole file: 368 MiB PSS for both, each mapping 206 MiB of it (99 MiB
+PSS, its half) with 63 MiB private; but the split decoded 1.6x slower, greedy and beam 4 at batch
+16 (one run on a loaded 2-core machine). ``base`` int8 (``weights.data`` 74 MiB): one runner 153
+MiB, two in threads 211 MiB, two worker processes 274 MiB (121 MiB each).
 """
 
 from __future__ import annotations
