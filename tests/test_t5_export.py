@@ -2,8 +2,8 @@
 transformers checkpoints: the export's own float64 validation, ONNX Runtime's per-step logits
 against transformers', text translated from the export folder alone (torch unimportable) against
 transformers' tokenizer + generate(), the relative bias as a table (negative controls: a wrong
-bucket, the wrong direction), the tensorscatter flavour, the TensorRT readiness check and the
-refusal of the ort flavour."""
+bucket, the wrong direction), the tensorscatter flavour, int8 / int4 with their BLEU gate, the
+TensorRT readiness check and the refusal of the ort flavour."""
 
 from __future__ import annotations
 
@@ -208,6 +208,53 @@ def test_ort_flavour_is_refused_in_one_line(folders, tmp_path):
     assert "GroupQueryAttention (the ort flavour) takes no relative position bias" in message
     assert "--flavour portable or tensorscatter" in message and "\n" not in message
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------
+# int8 and int4 with their BLEU gate
+# ------------------------------------------------------------------------------------------
+
+
+def _gate_files(hf, root, name):
+    texts = _texts(name, seed=500)
+    theirs = transformers_t5_tokenizer(hf)
+    greedy = _until_eos(
+        generate(_hf_model(str(hf)), [theirs(t)["input_ids"] for t in texts], pad=0, num_beams=1)
+    )
+    src, ref = root / f"{name}.src", root / f"{name}.ref"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    ref.write_text(
+        "\n".join(theirs.decode(g, skip_special_tokens=True) for g in greedy) + "\n", encoding="utf-8"
+    )
+    return texts, src, ref
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_exports_and_their_bleu_gate(folders, tmp_path, scheme):
+    """int8 and int4 (MatMulNBits; blocks of 16: the attention output's input is 4 x 12 = 48 wide)
+    of T5 v1.1, gated by BLEU against references written by transformers' generate(). These
+    random-weight checkpoints are no trained model: quantization changes some greedy tokens, so
+    the default gate (0.5 / 1.0 points) refuses them, writing nothing; with the drop allowed, the
+    folder is written and its recorded BLEU is sacrebleu's of its own translations."""
+    import sacrebleu
+
+    from export.quantize import GateData, QualityGateError, quantize_export
+    from transformer_ext.export_format import manifest_quantization
+    from transformer_ext.translator import Translator
+
+    hf, _, export = folders["t5_v1_1"]
+    texts, src, ref = _gate_files(hf, tmp_path, "t5_v1_1")
+    refused = tmp_path / "refused"
+    with pytest.raises(QualityGateError, match=rf"{scheme} graphs fail the BLEU gate: BLEU .* vs 100\.00"):
+        quantize_export(export, refused, scheme, gate_data=GateData(src, ref))
+    assert not refused.exists()
+    out = tmp_path / scheme
+    quantize_export(export, out, scheme, gate_data=GateData(src, ref), max_bleu_drop=100.0)
+    gate = manifest_quantization(read_manifest(out))["gate"]
+    assert gate["examples"] == N_SOURCES and gate["bleu_float32"] == 100.0, gate
+    hyps = Translator.from_export_dir(out).translate(texts, beam_size=1)
+    refs = [ref.read_text(encoding="utf-8").splitlines()]
+    assert gate[f"bleu_{scheme}"] == pytest.approx(round(sacrebleu.corpus_bleu(hyps, refs).score, 2))
 
 
 def test_tensorrt_readiness_check_passes(folders):
