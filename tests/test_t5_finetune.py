@@ -18,7 +18,6 @@ from transformer_ext.convert import convert_transformers  # noqa: E402
 from transformer_ext.train import main as train_main  # noqa: E402
 
 CHECKPOINTS = {
-    "t5_v1_0": lambda p: write_t5(p, variant="t5", seed=11, layers=1),
     "t5_v1_1": lambda p: write_t5(p, variant="t5_v1_1", seed=12, layers=1),
     "mbart50": lambda p: write_mbart50(p, seed=13, layers=1),
 }
