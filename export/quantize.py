@@ -659,9 +659,10 @@ def product_inputs(model_config: Mapping[str, Any]) -> dict[str, int]:
     from transformer_ext.export_format import head_width
 
     dims = {"d_model": int(model_config["d_model"]), "d_ff": int(model_config["d_ff"])}
-    heads = int(model_config["n_heads"]) * head_width(model_config)
-    if heads != dims["d_model"]:
-        dims["n_heads * d_kv"] = heads
+    if "n_heads" in model_config:  # (a partial config names only the two widths)
+        heads = int(model_config["n_heads"]) * head_width(model_config)
+        if heads != dims["d_model"]:
+            dims["n_heads * d_kv"] = heads
     return dims
 
 
