@@ -63,7 +63,7 @@ def test_quick_run_measures_and_scores_every_target(tmp_path):
     assert payload["direct_translate"]["equal_to_offline"] == payload["direct_translate"]["sentences"]
     overload = payload["overload"]
     assert set(overload["statuses"]) <= {"200", "429"} and overload["statuses"].get("200")
-    assert overload["wrong_200_answers"] == 0 and len(overload["rss_samples"]) >= 3
+    assert overload["wrong_200_answers"] == 0 and len(overload["rss_samples"]) >= 2
     assert targets[4]["status"] in ("met", "not measured") and targets[6]["status"] == "met"
     sigterm = payload["sigterm"]
     assert targets[7]["status"] == "met", sigterm

@@ -14,8 +14,8 @@ client, except 1 client, which sends ``--latency-sentences``):
   (``benchmarks/serve/ct2_server.py``: FastAPI, one ``translate_batch`` per request) on a
   conversion of the same weights, for every ``--ct2-settings`` ``inter_threads x intra_threads``;
 * the baselines, in a process of their own loading the same folder with the same threads:
-  offline ``Translator.translate_iterable`` over the sentences of the 32-client cell (the better
-  of two runs), and a direct ``Translator.translate([sentence])`` per sentence of the 1-client cell;
+  offline ``Translator.translate_iterable`` over the sentences of the 32-client cell (the best
+  of ``--offline-runs``), and a direct ``Translator.translate([sentence])`` per sentence of the 1-client cell;
 * overload: a ``continuous`` server with ``--max-queue`` ``--overload-queue`` (below the client
   count) under ``--overload-clients`` clients for ``--overload-seconds``, each client sending again
   ``--overload-backoff`` seconds after a 429; the server's RSS sampled every 0.2 s;
@@ -85,14 +85,16 @@ RANDOM_BUDGET = {"max_len_a": 1.2, "max_len_b": 2.0}  # the random-weights expor
 RSS_FLAT_FRACTION, RSS_FLAT_BYTES = 0.05, 16 << 20
 QUICK = dict(
     model="demo",
-    lines=64,
-    requests=2,
+    lines=32,
+    requests=1,
     clients="1,32",
-    latency_sentences=8,
+    latency_sentences=4,
     modes="continuous,none,ctranslate2",
     ct2_settings="1x1",
-    overload_seconds=1.5,
-    sigterm_after=0.5,
+    overload_seconds=1.0,
+    sigterm_after=0.3,
+    offline_runs=1,
+    threads=1,  # torch's threads on a busy machine: one is robust
 )
 FULL = dict(
     model="base",
@@ -104,6 +106,8 @@ FULL = dict(
     ct2_settings=None,  # 1x1, 1xT and Tx1 for --threads T
     overload_seconds=20.0,
     sigterm_after=2.0,
+    offline_runs=2,
+    threads=os.cpu_count(),
 )
 
 
@@ -184,6 +188,10 @@ class ServerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def errors(self) -> list[str]:
+        """The server's log lines that report an error or a traceback (the first 20)."""
+        return [line.rstrip() for line in self.log if re.search(r"ERROR|Traceback|Exception", line)][:20]
+
     def stop(self) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -239,8 +247,36 @@ def _convert_ct2(model, path: str) -> None:
     spec.save(path)
 
 
+PREPARED = "prepared.json"  # what prepare() built in an --artifacts folder, for a later run to reuse
+
+
+def _prepared_key(args) -> dict:
+    return {"model": args.model, "input": args.input, "lines": args.lines, "ct2": "ctranslate2" in args.modes}
+
+
 def prepare(args, scratch: str) -> dict:
-    """The served folder, the tokenizer folder, the CTranslate2 model (or why none) and the sentences."""
+    """The served folder, the tokenizer folder, the CTranslate2 model (or why none) and the sentences.
+
+    An ``--artifacts`` folder keeps them, with a record (``prepared.json``) that a later run with the
+    same ``--model``, ``--input`` and ``--lines`` reuses."""
+    record = os.path.join(scratch, PREPARED)
+    if os.path.isfile(record):
+        saved = json.loads(Path(record).read_text(encoding="utf-8"))
+        if saved.get("key") == _prepared_key(args):
+            print(f"reusing the model, export and conversion in {scratch}", file=sys.stderr, flush=True)
+            return saved["info"]
+        raise SystemExit(
+            f"bench_serve: error: --artifacts {scratch} holds what a run with other --model / --input / "
+            "--lines / --modes built; give a new folder"
+        )
+    info = _build(args, scratch)
+    from transformer_ext.fsutil import atomic_write_json
+
+    atomic_write_json(record, {"key": _prepared_key(args), "info": info})
+    return info
+
+
+def _build(args, scratch: str) -> dict:
     import importlib.util
 
     import torch
@@ -333,7 +369,7 @@ def baseline_worker(job_path: str) -> int:
         lines = job["lines"]
         translator.translate(lines[:4])  # warm-up
         runs = []
-        for _ in range(2):
+        for _ in range(job["offline_runs"]):
             start = time.perf_counter()
             offline = list(translator.translate_iterable(lines))
             runs.append(time.perf_counter() - start)
@@ -394,6 +430,7 @@ async def _cell(url: str, plan: list[list[str]], expected: dict, tokens: dict) -
 
     latencies: list[float] = []
     statuses: dict[str, int] = {}
+    errors: dict[str, list[str]] = {}
     wrong: list[str] = []
     done_tokens = [0]
     clients = len(plan)
@@ -408,6 +445,7 @@ async def _cell(url: str, plan: list[list[str]], expected: dict, tokens: dict) -
                     status = _status(answer)
                 except httpx.HTTPError as exc:
                     status, answer = type(exc).__name__, None
+                    _note(errors, status, exc)
                 latencies.append(time.perf_counter() - start)
                 statuses[status] = statuses.get(status, 0) + 1
                 if status == "200":
@@ -430,9 +468,17 @@ async def _cell(url: str, plan: list[list[str]], expected: dict, tokens: dict) -
         "latency_p95_s": _percentile(latencies, 0.95),
         "latency_p99_s": _percentile(latencies, 0.99),
         "statuses": statuses,
+        "transport_errors": errors,
         "wrong_200_answers": len(wrong),
         "wrong_lines": wrong[:5],
     }
+
+
+def _note(errors: dict, status: str, exc: Exception) -> None:
+    """The first messages of each kind of failed request (what the client saw)."""
+    seen = errors.setdefault(status, [])
+    if len(seen) < 5:
+        seen.append(str(exc) or repr(exc))
 
 
 async def _overload(url: str, pid: int, lines: list[str], expected: dict, args) -> dict:
@@ -441,14 +487,16 @@ async def _overload(url: str, pid: int, lines: list[str], expected: dict, args) 
 
     clients, seconds = args.overload_clients, args.overload_seconds
     statuses: dict[str, int] = {}
+    errors: dict[str, list[str]] = {}
     wrong: list[str] = []
     rss: list[tuple[float, int]] = []
+    running = [clients]
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     start = time.perf_counter()
     end = start + seconds
 
-    async def sample() -> None:
-        while time.perf_counter() < end:
+    async def sample() -> None:  # until the last client's last answer
+        while running[0]:
             value = _rss(pid)
             if value is not None:
                 rss.append((time.perf_counter() - start, value))
@@ -466,11 +514,13 @@ async def _overload(url: str, pid: int, lines: list[str], expected: dict, args) 
                     status = _status(answer)
                 except httpx.HTTPError as exc:
                     status, answer = type(exc).__name__, None
+                    _note(errors, status, exc)
                 statuses[status] = statuses.get(status, 0) + 1
                 if status == "200" and _text_of(answer) != expected[line]:
                     wrong.append(line)
                 elif status == "429":
                     await asyncio.sleep(args.overload_backoff)
+            running[0] -= 1
 
         await asyncio.gather(sample(), *(one_client(c) for c in range(clients)))
     elapsed = time.perf_counter() - start
@@ -482,6 +532,7 @@ async def _overload(url: str, pid: int, lines: list[str], expected: dict, args) 
         "max_queue": args.overload_queue,
         "seconds": elapsed,
         "statuses": statuses,
+        "transport_errors": errors,
         "sentences_per_s": statuses.get("200", 0) / elapsed,
         "wrong_200_answers": len(wrong),
         "wrong_lines": wrong[:5],
@@ -530,6 +581,7 @@ async def _sigterm(server: ServerProcess, lines: list[str], expected: dict, args
                             record["error"] = None
                 except httpx.HTTPError as exc:
                     record["status"] = type(exc).__name__
+                    record["error"] = str(exc) or repr(exc)
                 record["end"] = time.perf_counter() - start
                 records.append(record)
                 if after or record["status"] not in ("200",):
@@ -561,6 +613,7 @@ async def _sigterm(server: ServerProcess, lines: list[str], expected: dict, args
         "unclear_count": len(unclear),
         "exit_code": code,
         "exit_after_signal_s": exited - t_sig if code is not None else None,
+        "log_errors": server.errors(),
     }
 
 
@@ -587,7 +640,8 @@ def _unclear(record: dict) -> bool:
 
 def _server_cmd(mode: str, args, served: str | None, max_queue: int) -> list[str]:
     cmd = [sys.executable, "-m", "transformer_ext.serve", "--port", "0", "--batching", mode]
-    cmd += ["--max-queue", str(max_queue), "--threads", str(args.threads)]
+    cmd += ["--max-queue", str(max_queue), "--max-sources", str(min(64, max_queue))]  # 64: the default
+    cmd += ["--threads", str(args.threads)]
     cmd += ["--drain-timeout", str(args.drain_timeout), "--log-level", "info"]
     return cmd + (["--model", served] if served else [])
 
@@ -636,7 +690,12 @@ class _Zero(dict):
 
 
 def _server_record(server: ServerProcess) -> dict:
-    return {"pid": server.pid, "torch_loaded": _torch_loaded(server.pid), "rss_bytes": _rss(server.pid)}
+    return {
+        "pid": server.pid,
+        "torch_loaded": _torch_loaded(server.pid),
+        "rss_bytes": _rss(server.pid),
+        "log_errors": server.errors(),
+    }
 
 
 def _run_cells(name: str, server: ServerProcess, args, lines, expected, tokens, payload) -> list[dict]:
@@ -676,7 +735,8 @@ def _run(args, scratch: str, started: float) -> dict:
     latency_lines = lines[: args.latency_sentences]
     throughput_lines = [s for p in _plan(lines, THROUGHPUT_CLIENTS, args.requests) for s in p]
     print(f"baselines ({info['kind']}) ...", file=sys.stderr, flush=True)
-    base = run_baseline(args, info["serve"], {"lines": lines, "latency_lines": latency_lines}, scratch)
+    job = {"lines": lines, "latency_lines": latency_lines, "offline_runs": args.offline_runs}
+    base = run_baseline(args, info["serve"], job, scratch)
     expected = dict(zip(lines, base["texts"]))
     tokens = dict(zip(lines, base["tokens"]))
     offline_s = min(base["offline_runs_s"])
@@ -1045,13 +1105,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--input", help="sentences, one per line (default: the model's own, see the module docstring)"
     )
-    parser.add_argument("--lines", type=int, help="distinct sentences (default 256; --quick 64)")
+    parser.add_argument("--lines", type=int, help="distinct sentences (default 256; --quick 32)")
     parser.add_argument(
         "--clients", help="comma-separated client counts of the cells (default 1,8,32; --quick 1,32)"
     )
-    parser.add_argument("--requests", type=int, help="sentences per client of a cell (default 8; --quick 2)")
+    parser.add_argument("--requests", type=int, help="sentences per client of a cell (default 8; --quick 1)")
     parser.add_argument(
-        "--latency-sentences", type=int, help="sentences of the 1-client cell (default 32; --quick 8)"
+        "--latency-sentences", type=int, help="sentences of the 1-client cell (default 32; --quick 4)"
     )
     parser.add_argument("--modes", help=f"comma-separated, of {MODES} (default all; --quick without static)")
     parser.add_argument(
@@ -1059,7 +1119,9 @@ def main(argv=None) -> int:
         help="CTranslate2 inter_threads x intra_threads (default 1x1,1xT,Tx1 for --threads T; --quick 1x1)",
     )
     parser.add_argument(
-        "--threads", type=int, default=os.cpu_count(), help="our server's and the baselines' --threads"
+        "--threads",
+        type=int,
+        help="our server's and the baselines' --threads (default: the cores; --quick 1)",
     )
     parser.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue in the cells")
     parser.add_argument("--overload-clients", type=int, default=128, help="clients of the overload run")
@@ -1067,20 +1129,24 @@ def main(argv=None) -> int:
         "--overload-queue", type=int, default=16, help="the server's --max-queue in the overload run"
     )
     parser.add_argument(
-        "--overload-seconds", type=float, help="length of the overload run (default 20; --quick 1.5)"
+        "--overload-seconds", type=float, help="length of the overload run (default 20; --quick 1)"
     )
     parser.add_argument(
         "--overload-backoff", type=float, default=0.05, help="seconds a client waits after a 429"
     )
     parser.add_argument(
-        "--sigterm-after", type=float, help="seconds into the SIGTERM run (default 2; --quick 0.5)"
+        "--sigterm-after", type=float, help="seconds into the SIGTERM run (default 2; --quick 0.3)"
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="the server's --drain-timeout")
     parser.add_argument(
-        "--artifacts", help="a folder for the model, export and conversion (kept; default: temporary)"
+        "--artifacts",
+        help="a folder for the model, export and conversion, kept and reused by a later run (default: temporary)",
     )
     parser.add_argument(
         "--out", default="benchmarks/results/bench_serve.json", help="the JSON (the plot: .png beside it)"
+    )
+    parser.add_argument(
+        "--offline-runs", type=int, help="runs of the offline baseline, the best kept (default 2; --quick 1)"
     )
     parser.add_argument("--baseline-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1111,6 +1177,7 @@ def main(argv=None) -> int:
         lines=args.lines,
         threads=args.threads,
         latency_sentences=args.latency_sentences,
+        offline_runs=args.offline_runs,
         max_queue=args.max_queue,
         overload_queue=args.overload_queue,
     )
@@ -1129,8 +1196,13 @@ def main(argv=None) -> int:
         parser.error(f"--model {args.model}: expected base, demo or a model folder (config.json)")
     if args.input and not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: no such file")
-    if args.artifacts and os.path.exists(args.artifacts) and os.listdir(args.artifacts):
-        parser.error(f"--artifacts {args.artifacts}: must be a new or empty folder")
+    if args.artifacts and os.path.exists(args.artifacts):
+        if not os.path.isdir(args.artifacts):
+            parser.error(f"--artifacts {args.artifacts}: not a folder")
+        if os.listdir(args.artifacts) and not os.path.isfile(os.path.join(args.artifacts, PREPARED)):
+            parser.error(
+                f"--artifacts {args.artifacts}: holds files that are not an earlier bench_serve run's"
+            )
     if args.artifacts:
         os.makedirs(args.artifacts, exist_ok=True)
     payload = run(args)
