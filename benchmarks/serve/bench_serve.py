@@ -47,7 +47,7 @@ costs what it costs in a real model; a tiny model's step is all host overhead. `
 the bundled demo model, eager, its number words. A model folder: exported and converted the same
 way, with ``--input`` sentences.
 
-    python -m benchmarks bench_serve                    # the full run (about 5 minutes on 2 quiet cores)
+    python -m benchmarks bench_serve                    # the full run (sized for <= 8 min on 2 quiet cores)
     python -m benchmarks bench_serve --quick            # demo model, a few requests: a smoke run
 
 Output: JSON (``--out``: the cells, the baselines, the targets, the machine, ``provenance``) and a
