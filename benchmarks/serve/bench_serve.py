@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import os
@@ -608,6 +609,11 @@ async def _sigterm(server: ServerProcess, lines: list[str], expected: dict, args
         "statuses": counts,
         "in_flight_at_signal": len(in_flight),
         "in_flight_answered_200": sum(1 for r in in_flight if r["status"] == "200"),
+        # what each answer that was not a 200 said, counted: a 503 "accepts no new work" came before
+        # the request was accepted; a drain timeout's or a shutdown's would mean accepted work lost
+        "other_answers": dict(
+            collections.Counter(f"{r['status']}: {r.get('error')}" for r in records if r["status"] != "200")
+        ),
         "wrong_200_answers": sum(1 for r in records if r["status"] == "200" and not r.get("correct")),
         "unclear": unclear[:10],
         "unclear_count": len(unclear),
