@@ -479,7 +479,11 @@ def table_share(model_config: Mapping[str, Any]) -> float:
 
 def default_table_bits(model_config: Mapping[str, Any]) -> int:
     """The bits of an ``int4`` export's embedding tables when ``table_bits`` is not given: 4 where
-    :func:`table_share` is at least :data:`TABLE_4BIT_MIN_SHARE`, else 8."""
+    :func:`table_share` is at least :data:`TABLE_4BIT_MIN_SHARE`, else 8 (and 8 for a partial
+    config without the sizes the share is counted from)."""
+    sizes = ("d_model", "d_ff", "src_vocab_size", "tgt_vocab_size", "n_encoder_layers", "n_decoder_layers")
+    if not all(key in model_config for key in sizes):
+        return 8
     return 4 if table_share(model_config) >= TABLE_4BIT_MIN_SHARE else 8
 
 
