@@ -597,7 +597,7 @@ def few_rows_graph(
     settings["weights"] = (
         "the int8 decoder step's weights (int8, symmetric, one scale per output channel, the "
         f"same bytes in {WEIGHTS_FILE}) read as 8-bit blocks of {block}: the graph transposes them "
-        "and moves them to MatMulNBits' unsigned range (Transpose, Cast, BitwiseXor), which ONNX "
+        "and moves them to MatMulNBits' unsigned range (Transpose, BitwiseXor), which ONNX "
         "Runtime folds when it loads the graph"
     )
     return {
@@ -986,15 +986,16 @@ def _shared_nbits_products(model, int8_step: Path, settings: Mapping[str, Any], 
     over those bytes, in place; ``{weight name: what it became}``.
 
     ``MatMulInteger`` reads its weight ``[K, N]`` as int8, ``MatMulNBits`` ``[N, K / block,
-    block]`` as uint8 with the zero point 128. The graph declares the int8 bytes as ``[K / block,
-    block, N]`` (the same bytes, so :func:`export.weights.share_weights` stores them once) and
-    turns them into MatMulNBits' input with a ``Transpose`` (perm 2, 0, 1), a ``Cast`` to uint8
-    and a ``BitwiseXor`` with 128 (adding 128 modulo 256 to the two's-complement bytes); every
-    input of these is constant, so ONNX Runtime folds them when it loads the graph and packs the
-    result like any other MatMulNBits weight. The scales are the per-channel ones, the same in
+    block]`` as uint8 with the zero point 128. The graph declares the int8 bytes as a uint8
+    ``[K / block, block, N]`` (the same bytes, so :func:`export.weights.share_weights` stores them
+    once) and turns them into MatMulNBits' input with a ``Transpose`` (perm 2, 0, 1) and a
+    ``BitwiseXor`` with 128 (which maps each two's-complement byte ``v`` to ``v + 128``); both
+    inputs are constant, so ONNX Runtime folds the two nodes when it loads the graph and packs the
+    result like any other MatMulNBits weight (two nodes, not three with a ``Cast``: each folded
+    node holds a copy of the weights while the session is made). The scales are the per-channel ones, the same in
     every block of a column. A weight the check below does not find (a ``Gemm``, another
     dtype, an opset before BitwiseXor's) is left to :func:`_nbits_products`."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     opset = next((op.version for op in model.opset_import if op.domain in ("", "ai.onnx")), 0)
     if opset < _BITWISE_OPSET:
@@ -1025,7 +1026,10 @@ def _shared_nbits_products(model, int8_step: Path, settings: Mapping[str, Any], 
             continue
         if name not in done:
             stem = f"{name}.q8s"
-            added.append(numpy_helper.from_array(q.reshape(k // block, block, n), f"{stem}.int8_kn"))
+            # the int8 bytes declared uint8 (the same bytes: two's complement read unsigned)
+            added.append(
+                numpy_helper.from_array(q.reshape(k // block, block, n).view(np.uint8), f"{stem}.kn")
+            )
             added.append(
                 numpy_helper.from_array(
                     np.ascontiguousarray(np.repeat(scale[:, None], k // block, axis=1)), f"{stem}.scales"
@@ -1034,9 +1038,8 @@ def _shared_nbits_products(model, int8_step: Path, settings: Mapping[str, Any], 
             if not done:
                 added.append(numpy_helper.from_array(np.array(128, dtype=np.uint8), flip))
             new_nodes += [
-                helper.make_node("Transpose", [f"{stem}.int8_kn"], [f"{stem}.int8_nk"], perm=[2, 0, 1]),
-                helper.make_node("Cast", [f"{stem}.int8_nk"], [f"{stem}.wrapped"], to=TensorProto.UINT8),
-                helper.make_node("BitwiseXor", [f"{stem}.wrapped", flip], [f"{stem}.weight"]),
+                helper.make_node("Transpose", [f"{stem}.kn"], [f"{stem}.nk"], perm=[2, 0, 1]),
+                helper.make_node("BitwiseXor", [f"{stem}.nk", flip], [f"{stem}.weight"]),
             ]
             done[name] = (f"{stem}.weight", f"{stem}.scales", k, n)
         weight, scales, k, n = done[name]

@@ -98,7 +98,7 @@ def _external_regions(path: Path) -> tuple[dict, onnx.ModelProto]:
 
 def _int8_sources(proto) -> dict[str, str]:
     """``{MatMulNBits node: the initializer its weight is made from}`` of the few-row step's layer
-    products, whose weight input is ``BitwiseXor(Cast(Transpose(initializer)))``."""
+    products, whose weight input is ``BitwiseXor(Transpose(initializer))``."""
     producers = {o: n for n in proto.graph.node for o in n.output}
     inits = {t.name for t in proto.graph.initializer}
     sources = {}
@@ -106,9 +106,8 @@ def _int8_sources(proto) -> dict[str, str]:
         if node.op_type != "MatMulNBits" or node.input[1] in inits:
             continue
         xor = producers[node.input[1]]
-        cast = producers[xor.input[0]]
-        transpose = producers[cast.input[0]]
-        assert (xor.op_type, cast.op_type, transpose.op_type) == ("BitwiseXor", "Cast", "Transpose")
+        transpose = producers[xor.input[0]]
+        assert (xor.op_type, transpose.op_type) == ("BitwiseXor", "Transpose")
         assert transpose.input[0] in inits
         sources[node.name] = transpose.input[0]
     return sources
@@ -136,7 +135,7 @@ def test_its_layer_weights_are_the_int8_steps_bytes(tiny_int8):
 
 
 def test_onnx_runtime_folds_them_into_matmulnbits_weights(tiny_int8, tmp_path):
-    """ONNX Runtime folds each Transpose / Cast / BitwiseXor chain when it loads the graph; the
+    """ONNX Runtime folds each Transpose / BitwiseXor pair when it loads the graph; the
     folded weight is the int8 step's weight transposed, plus 128 (MatMulNBits' zero point)."""
     import onnxruntime as ort
     from onnx import numpy_helper
@@ -158,7 +157,7 @@ def test_onnx_runtime_folds_them_into_matmulnbits_weights(tiny_int8, tmp_path):
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         k, n, block = attrs["K"], attrs["N"], attrs["block_size"]
-        int8 = arrays[sources[node.name]].reshape(k, n)
+        int8 = arrays[sources[node.name]].view(np.int8).reshape(k, n)  # the int8 step's bytes
         expected = (int8.T.astype(np.int16) + 128).astype(np.uint8).reshape(n, k // block, block)
         assert folded_inits[node.input[1]].data_location != onnx.TensorProto.EXTERNAL  # a folded tensor
         weight = numpy_helper.to_array(folded_inits[node.input[1]])
