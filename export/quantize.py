@@ -1654,7 +1654,14 @@ def quantize_folder(
             return quality_gate(folder, tmp_dir, max_em_drop, scheme=scheme, few_rows=graph)
 
         if gate:
-            section["gate"] = run_gate(False)
+            try:
+                section["gate"] = run_gate(False)
+            except QualityGateError as exc:
+                if section.get("table_bits") != 4:
+                    raise
+                raise QualityGateError(
+                    f"{exc} (the embedding tables were 4-bit: {TABLE_BITS_FLAG} 8 keeps them at 8 bits)"
+                ) from None
             if few_rows:
                 few_rows["gate"] = run_gate(True)
         else:

@@ -716,3 +716,20 @@ def test_table_bits_out_of_range_or_for_another_scheme(tiny_float, tmp_path, sch
     with pytest.raises(QuantizationError, match=fragment):
         quantize_export(tiny_float, tmp_path / "out", scheme, gate=False, options=options)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gate_failed_with_4_bit_tables_names_the_flag_that_keeps_8(tiny_float, tmp_path, monkeypatch):
+    """The gate's verdict as it is, with 4-bit tables the flag that keeps them at 8 bits added."""
+    calls = []
+
+    def gate(float_dir, q_dir, max_em_drop, *, scheme, few_rows):
+        calls.append(scheme)
+        raise quant.QualityGateError("the int4 graphs fail the quality gate: exact match 50.00% vs 100.00%")
+
+    monkeypatch.setattr(quant, "quality_gate", gate)
+    with pytest.raises(quant.QualityGateError, match="tables were 4-bit: --quant-table-bits 8 keeps them"):
+        quantize_export(tiny_float, tmp_path / "t4", "int4", options={"table_bits": 4})
+    with pytest.raises(quant.QualityGateError) as exc:
+        quantize_export(tiny_float, tmp_path / "t8", "int4", options={"table_bits": 8})
+    assert "--quant-table-bits" not in str(exc.value) and calls == ["int4", "int4"]
+    assert not (tmp_path / "t4").exists() and not (tmp_path / "t8").exists()
