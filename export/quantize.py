@@ -1849,7 +1849,7 @@ def add_nbits_arguments(p: argparse.ArgumentParser) -> None:
         metavar="BITS",
         help=f"int4: bits of the embedding tables and of the tied output projection, which reads their "
         f"bytes, one of {list(TABLE_BITS)} (default: 4 where the tables hold at least "
-        f"{TABLE_4BIT_MIN_SHARE:.0%} of the model's weights, as a large vocabulary's do, else 8)",
+        f"{TABLE_4BIT_MIN_SHARE:.0%}% of the model's weights, as a large vocabulary's do, else 8)",
     )
     p.add_argument(
         NBITS_OPTIONS["symmetric"],
