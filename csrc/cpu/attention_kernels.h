@@ -16,6 +16,9 @@
 //   backward, per (b, h): for every key tile, for every query block that sees it: P recomputed
 //     from lse, dP = dO V^T, dropout applied to both, dS = P (dP - rowsum(dO o O)),
 //     dV += Pd^T dO, dK += dS^T Q (kept per key tile), dQ += dS K (kept for the whole head).
+// Position bias (optional): forward adds log2(e) * bias to each score tile (the host passes the
+// bias transposed, keys x query rows, so W rows are one vector); backward adds it to the
+// recomputed scores and accumulates d(bias) = dS.
 // No include here: the including file provides everything, outside the target region.
 
 namespace TE_FA_NS {
@@ -328,6 +331,13 @@ inline void scale_row(float* x, int64_t n, float f) {
   for (int64_t d = 0; d < n; d += W) store(x + d, load(x + d) * vf_);
 }
 
+// x[c] += y[c] for c < n (any n; unaligned).
+inline void add_row(float* x, const float* y, int64_t n) {
+  int64_t c = 0;
+  for (; c + W <= n; c += W) store(x + c, load(x + c) + load(y + c));
+  for (; c < n; ++c) x[c] += y[c];
+}
+
 // ---- forward -----------------------------------------------------------------------------
 
 // One block of query rows [i0, i1) of one (b, h) pair; rows at or past query_lengths[b] are
@@ -404,6 +414,14 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
     }
     const int64_t v0 = rfirst / W * W;
     nt_product(Kt, ldk, QT + v0, BM, D, ST + v0, BM, jn, Mp - v0);
+    if (a.bias != nullptr) {  // S^T += log2(e) * bias^T, W query rows per vector
+      const float* bt = a.bias + b * a.bs0 + h * a.bs1 + j0 * a.bld + i0;
+      for (int64_t c = 0; c < jn; ++c) {
+        for (int64_t rv = v0; rv < Mp; rv += W) {
+          store(ST + c * BM + rv, load(ST + c * BM + rv) + load(bt + c * a.bld + rv));
+        }
+      }
+    }
     // kMasked: some lane of the vector has keys of this tile outside its limit (causal diagonal,
     // key lengths, padding lanes); without, the compare-and-select per score is left out.
     auto softmax_tile = [&](auto masked_tag, auto dropout_tag, int64_t rv) {
@@ -422,12 +440,14 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
       const vf mold = load(m + rv);
       const vf mnew = vmax(mold, tmax);
       const vf al = mold == mnew ? splat(1.f) : exp2v(mold - mnew);
+      // A row whose scores so far are all -inf (a -inf bias) shifts by 0: exact zeros, not NaN.
+      const vf shift = mnew == neg_inf ? splat(0.f) : mnew;
       vf sum = splat(0.f);
       [[maybe_unused]] const vu k1 = *reinterpret_cast<const vuu*>(r1 + rv);
       [[maybe_unused]] const vu k2 = *reinterpret_cast<const vuu*>(r2 + rv);
       for (int64_t c = 0; c < jn; ++c) {
         const int32_t j = static_cast<int32_t>(j0 + c);
-        vf e = exp2v(load(ST + c * BM + rv) - mnew);
+        vf e = exp2v(load(ST + c * BM + rv) - shift);
         if constexpr (kMasked) e = vlim > j ? e : splat(0.f);
         sum += e;
         if constexpr (kDropout) {
@@ -474,8 +494,12 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
 // ---- backward ----------------------------------------------------------------------------
 
 // dq, dk, dv of one (b, h) pair. `ws` holds backward_workspace_floats(Q, D) floats, `lim` Q.
+//
+// With a bias: P is recomputed from the biased scores, and dS (the gradient of the bias) is
+// added into a.dbias at slot `slot` (its batch row, or the worker's own accumulator).
 template <typename T>
-void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t* lim) {
+void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t* lim,
+                   int64_t slot) {
   const int64_t D = a.D, Dp = round_up(D, W), BN = kBlockN, BM = kBlockM;
   const int64_t Q = a.Q;
   const int64_t klen = a.klen[b], qlen = a.qlen[b];
@@ -525,7 +549,9 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
     float dot = 0.f;
     for (int64_t d = 0; d < D; ++d) dot += dOf[i * Dp + d] * orow[d];
     delta[i] = dot;
-    lse2[i] = lseb[i] * kLog2e;
+    // A row without weight (lse = -inf: every allowed score -inf) recomputes P = 2^(s - inf) = 0.
+    lse2[i] = lseb[i] == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity()
+                                                                 : lseb[i] * kLog2e;
     std::fill(dQ + i * Dp, dQ + (i + 1) * Dp, 0.f);
   }
   const float rp = a.keep_scale;
@@ -560,6 +586,7 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
         n[r] = std::clamp<int64_t>(lim[i] - j0, 0, jn);
         float* p = P + r * BN;
         float* dp = dP + r * BN;
+        if (a.bias != nullptr) add_row(p, a.bias + b * a.bs0 + h * a.bs1 + i * a.bs2 + j0, n[r]);
         exp2_row(p, p, n[r], jnp, lse2[i]);
         const vf vdelta = splat(delta[i]);
         if (a.dropout) {
@@ -586,6 +613,9 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
         }
         // masked keys: exactly zero (P is 0 there; dP may hold anything)
         for (int64_t c = n[r]; c < jnp; ++c) dp[c] = 0.f;
+        if (a.dbias != nullptr) {
+          add_row(a.dbias + ((slot * a.H + h) * a.Q + i) * a.K + j0, dp, n[r]);
+        }
       }
       // dV[c] += sum_r Pd[r, c] dO[r];  dK[c] += sum_r dS[r, c] Qf[r];  dQ[r] += sum_c dS[r, c] K[c]
       acc_rows(P, 1, BN, M, jn, dOf + i0 * Dp, Dp, dV, Dp, Dp);
