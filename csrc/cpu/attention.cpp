@@ -125,7 +125,7 @@ struct FwdArgs {
   uint32_t threshold;
   float keep_scale;                 // 1 / (1 - p)
   const uint32_t *bh_key1, *bh_key2;  // [B * H] dropout chains
-  // Position bias or nullptr: log2(e) * bias(b, h, i, j) at bias[b * bs0 + h * bs1 + j * bld + i]
+  // Position bias or nullptr: bias(b, h, i, j) at bias[b * bs0 + h * bs1 + j * bld + i]
   // (keys x query rows, rows padded to a multiple of 16; strides 0 where the bias broadcasts).
   const float* bias = nullptr;
   int64_t bs0 = 0, bs1 = 0, bld = 0;
@@ -146,7 +146,7 @@ struct BwdArgs {
   uint32_t threshold;
   float keep_scale;
   const uint32_t *bh_key1, *bh_key2;
-  // Position bias or nullptr: log2(e) * bias(b, h, i, j) at bias[b * bs0 + h * bs1 + i * bs2 + j].
+  // Position bias or nullptr: bias(b, h, i, j) at bias[b * bs0 + h * bs1 + i * bs2 + j].
   const float* bias = nullptr;
   int64_t bs0 = 0, bs1 = 0, bs2 = 0;
   // d(bias) accumulators or nullptr: [slots, H, Q, K] float32, zero-filled; a task adds dS of
@@ -642,14 +642,14 @@ void check_backward_tensors(const at::Tensor& grad_out, const at::Tensor& out, c
               "lse must have shape [", B, ", ", H, ", ", Q, "], got ", lse.sizes());
 }
 
-// log2(e) * bias, expanded over its broadcast dimensions of Q and K, in float32: transposed
+// The bias, expanded over its broadcast dimensions of Q and K, in float32: transposed
 // (keys x query rows, rows padded to a multiple of 16 with zeros) for the forward kernel, in
 // row order for the backward kernel. The batch and head dimensions keep size 1 where the bias
 // broadcasts (stride 0 in the layout).
 at::Tensor bias_for_kernels(const at::Tensor& bias, int64_t Q, int64_t K, bool transposed,
                             BiasLayout& layout) {
   const int64_t Bb = bias.size(0), Hb = bias.size(1);
-  const at::Tensor scaled = bias.to(at::kFloat).mul(kLog2e).expand({Bb, Hb, Q, K});
+  const at::Tensor scaled = bias.to(at::kFloat).expand({Bb, Hb, Q, K});
   at::Tensor t;
   if (transposed) {
     const int64_t Qp = round_up(std::max<int64_t>(Q, 1), 16);

@@ -5,7 +5,8 @@
 // gets the target of its region, so one source gives an AVX-512 and an AVX2 kernel, chosen at
 // run time by the host function.
 //
-// Algorithm (one (b, h) pair, scores in log2 units: q is pre-multiplied by scale * log2(e)):
+// Algorithm (one (b, h) pair, scores in natural units: q is pre-multiplied by scale; exponentials
+// are 2^((s - shift) * log2(e)), the difference taken first):
 //   forward, per block of kBlockM query rows: for every tile of kBlockN keys that a row of the
 //     block may see, S = Q K^T (register-blocked, K transposed into the tile buffer), an online
 //     softmax per row (running max m, running sum l, the accumulator rescaled by
@@ -16,7 +17,7 @@
 //   backward, per (b, h): for every key tile, for every query block that sees it: P recomputed
 //     from lse, dP = dO V^T, dropout applied to both, dS = P (dP - rowsum(dO o O)),
 //     dV += Pd^T dO, dK += dS^T Q (kept per key tile), dQ += dS K (kept for the whole head).
-// Position bias (optional): forward adds log2(e) * bias to each score tile (the host passes the
+// Position bias (optional): forward adds the bias to each score tile (the host passes the
 // bias transposed, keys x query rows, so W rows are one vector); backward adds it to the
 // recomputed scores and accumulates d(bias) = dS.
 // No include here: the including file provides everything, outside the target region.
@@ -296,19 +297,21 @@ inline void acc_rows(const float* A, int64_t ars, int64_t aks, int64_t K, int64_
   for (; r < M; ++r) acc_row_block<1>(A + r * ars, ars, aks, 0, K, B, ldb, C + r * ldc, ldc, Dp);
 }
 
-// p[c] = 2^(s[c] - shift) for c < n, 0 for c in [n, npad) (npad a multiple of W); returns the sum.
+// p[c] = 2^((s[c] - shift) * log2(e)) = e^(s[c] - shift) for c < n, 0 for c in [n, npad) (npad a
+// multiple of W); returns the sum. The difference is taken first, in natural units, so that the
+// largest terms (s close to shift) carry the rounding of a small number.
 inline float exp2_row(const float* s, float* p, int64_t n, int64_t npad, float shift) {
-  const vf vs = splat(shift);
+  const vf vs = splat(shift), vl = splat(kLog2e);
   vf sum = splat(0.f);
   int64_t c = 0;
   for (; c + W <= n; c += W) {
-    const vf e = exp2v(load(s + c) - vs);
+    const vf e = exp2v((load(s + c) - vs) * vl);
     store(p + c, e);
     sum += e;
   }
   if (c < n) {
     const vi keep = iota() < static_cast<int32_t>(n - c);
-    const vf e = keep ? exp2v(load(s + c) - vs) : splat(0.f);
+    const vf e = keep ? exp2v((load(s + c) - vs) * vl) : splat(0.f);
     store(p + c, e);
     sum += e;
     c += W;
@@ -368,8 +371,9 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
   const T* qb = a.q + b * a.qs0 + h * a.qs1;
   const T* kb = a.k + b * a.ks0 + h * a.ks1;
   const T* vb = a.v + b * a.vs0 + h * a.vs1;
-  const float qmul = a.scale * kLog2e;
+  const float qmul = a.scale;
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const vf vlog2e = splat(kLog2e);
   int64_t kend = 0;
   for (int64_t r = 0; r < Mp; ++r) {
     m[r] = neg_inf;
@@ -439,7 +443,7 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
       }
       const vf mold = load(m + rv);
       const vf mnew = vmax(mold, tmax);
-      const vf al = mold == mnew ? splat(1.f) : exp2v(mold - mnew);
+      const vf al = mold == mnew ? splat(1.f) : exp2v((mold - mnew) * vlog2e);
       // A row whose scores so far are all -inf (a -inf bias) shifts by 0: exact zeros, not NaN.
       const vf shift = mnew == neg_inf ? splat(0.f) : mnew;
       vf sum = splat(0.f);
@@ -447,7 +451,7 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
       [[maybe_unused]] const vu k2 = *reinterpret_cast<const vuu*>(r2 + rv);
       for (int64_t c = 0; c < jn; ++c) {
         const int32_t j = static_cast<int32_t>(j0 + c);
-        vf e = exp2v(load(ST + c * BM + rv) - shift);
+        vf e = exp2v((load(ST + c * BM + rv) - shift) * vlog2e);
         if constexpr (kMasked) e = vlim > j ? e : splat(0.f);
         sum += e;
         if constexpr (kDropout) {
@@ -487,7 +491,7 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
       continue;
     }
     store_row(O + r * Dp, orow, D, a.keep_scale / l[r]);
-    lse[i0 + r] = (m[r] + std::log2(l[r])) * kLn2;
+    lse[i0 + r] = m[r] + std::log(l[r]);
   }
 }
 
@@ -525,7 +529,7 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
   const T* ob = a.out + b * a.os0 + h * a.os1;
   const T* gb = a.dout + b * a.gs0 + h * a.gs1;
   const float* lseb = a.lse + (b * a.H + h) * Q;
-  const float qmul = a.scale * kLog2e;
+  const float qmul = a.scale;
 
   // Rows that attend to at least one key: [0, qend) minus the rows with lim == 0 (causal, first).
   int64_t kend = 0, qstart = 0;
@@ -549,9 +553,9 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
     float dot = 0.f;
     for (int64_t d = 0; d < D; ++d) dot += dOf[i * Dp + d] * orow[d];
     delta[i] = dot;
-    // A row without weight (lse = -inf: every allowed score -inf) recomputes P = 2^(s - inf) = 0.
+    // A row without weight (lse = -inf: every allowed score -inf) recomputes P = e^(s - inf) = 0.
     lse2[i] = lseb[i] == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity()
-                                                                 : lseb[i] * kLog2e;
+                                                                 : lseb[i];
     std::fill(dQ + i * Dp, dQ + (i + 1) * Dp, 0.f);
   }
   const float rp = a.keep_scale;
@@ -623,7 +627,7 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
       acc_rows_limited(dP, BN, 1, n, M, Kf, Dp, dQ + i0 * Dp, Dp, Dp);
     }
     for (int64_t c = 0; c < jn; ++c) {
-      store_row(dK + c * Dp, dkb + (j0 + c) * a.dks2, D, 1.f / kLog2e);
+      store_row(dK + c * Dp, dkb + (j0 + c) * a.dks2, D, 1.f);
       store_row(dV + c * Dp, dvb + (j0 + c) * a.dvs2, D, 1.f);
     }
   }
