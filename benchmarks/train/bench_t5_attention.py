@@ -8,9 +8,9 @@ with every attention on PyTorch SDPA and the bias as an additive mask.
 The model is our Transformer with the T5 options (RMS norm, no linear biases, unscaled scores,
 64-wide heads, a relative bias table of 32 buckets and max distance 128 shared by the layers,
 gated-GELU FFN, untied output), d_model 256, 4 heads, d_ff 1024, 2 + 2 layers, 8,000-token
-vocabularies, B * T = 2048 tokens, source lengths uniform in [T/2, T], targets full length,
-T in {128, 256}, dropout 0. Two engines, one model each (the same initial weights), timed side
-by side in one process (interleaved repeats, medians):
+vocabularies, B * T = 2048 tokens, source lengths uniform in [T/2, T], targets full length, T in
+{128, 256}, dropout 0 (``--dropout``: T5's 0.1, attention included). Two engines, one model each
+(the same initial weights), timed side by side in one process (interleaved repeats, medians):
 
 * ``fused``: the model as it is: ``ops.attention(..., position_bias=...)`` (the compiled kernels,
   d(bias) from the backward kernel);
@@ -20,8 +20,10 @@ by side in one process (interleaved repeats, medians):
   the mask).
 
 One step = forward, cross-entropy, backward, Adam. Before timing, both engines' losses and the
-bias table's gradients are compared on one step. ``attention_only`` rows time one attention call
-(forward + backward, d(bias) included) of the encoder's shape on its own.
+bias table's gradients are compared on one step (dropout off). ``attention_only`` rows time one
+attention call (forward + backward, d(bias) included) of the encoder's shape on its own. At this
+shape attention is a small part of a step (the FFN, the projections and the 8,000-way output
+dominate), so the step's speed-up is much smaller than the attention's.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def engine_switch():
         model_module.ops = ops
 
 
-def build_model(size: dict, T: int, device: str):
+def build_model(size: dict, T: int, device: str, dropout: float = 0.0):
     from transformer_ext.config import TransformerConfig
     from transformer_ext.model import Transformer
 
@@ -124,7 +126,7 @@ def build_model(size: dict, T: int, device: str):
         n_encoder_layers=size["layers"],
         n_decoder_layers=size["layers"],
         d_ff=size["d_ff"],
-        dropout=0.0,
+        dropout=dropout,
         max_len=T + 1,
         norm="rms",
         bias=False,
@@ -177,11 +179,13 @@ def step_fn(switch, engine, model, data, vocab):
 
 
 def compare_one_step(switch, models, data, vocab):
-    """Loss and bias-table gradients of each engine on one step from the same weights (no update)."""
+    """Loss and bias-table gradients of each engine on one step from the same weights (no update;
+    dropout off, so that both compute the same function)."""
     src, src_lengths, tgt = data
     out = {}
     for engine, model in models.items():
         switch.engine = engine
+        model.eval()
         model.zero_grad(set_to_none=True)
         logits = model(src, src_lengths, tgt[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, vocab), tgt[:, 1:].reshape(-1))
@@ -192,6 +196,7 @@ def compare_one_step(switch, models, data, vocab):
     loss_err = float((l0 - l1).abs() / l1.abs())
     for model in models.values():
         model.zero_grad(set_to_none=True)
+        model.train()
     return {"loss_rel_diff": loss_err, "bias_grad_rel_diff": grad_err}
 
 
@@ -229,17 +234,19 @@ def attention_only(size: dict, T: int, device: str, repeats: int, min_time: floa
     }
 
 
-def bench(device: str, sizes: list[int], size: dict, repeats: int, min_time: float) -> dict:
+def bench(
+    device: str, sizes: list[int], size: dict, repeats: int, min_time: float, dropout: float = 0.0
+) -> dict:
     """Steps (one call per timing) and attention-only calls (``min_time`` per timing) per T."""
     with engine_switch() as switch:
-        return _bench(switch, device, sizes, size, repeats, min_time)
+        return _bench(switch, device, sizes, size, repeats, min_time, dropout)
 
 
-def _bench(switch, device, sizes, size, repeats, min_time) -> dict:
+def _bench(switch, device, sizes, size, repeats, min_time, dropout) -> dict:
     steps, attention = [], []
     for T in sizes:
         torch.manual_seed(0)
-        base = build_model(size, T, device)
+        base = build_model(size, T, device, dropout)
         models = {"fused": base, "sdpa": copy.deepcopy(base)}
         data = batch(size, T, device)
         check = compare_one_step(switch, models, data, size["vocab"])
@@ -303,6 +310,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--repeats", type=int, default=7, help="repeats per case; medians are reported (default: 7)"
     )
+    p.add_argument(
+        "--dropout", type=float, default=0.0, help="dropout of the model, attention included (default: 0)"
+    )
     p.add_argument("--sizes", default="128,256", help="comma-separated T values (default: 128,256)")
     p.add_argument(
         "--quick", action="store_true", help="a tiny model, T in {16, 32}, 2 repeats: a smoke test"
@@ -323,6 +333,8 @@ def main(argv=None) -> int:
         p.error("--sizes must list integers >= 2")
     if args.repeats < 1 or args.threads < 1:
         p.error("--repeats and --threads must be >= 1")
+    if not 0.0 <= args.dropout < 1.0:
+        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     out = args.out or os.path.join(HERE, "results", f"bench_t5_attention_{args.device}.json")
     if not out.endswith(".json"):
         p.error(f"--out must name a .json file, got {out!r}")
@@ -336,7 +348,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()  # other processes on the machine skew every ratio: recorded
     results = {
         "device": args.device,
-        "model": size,
+        "model": {**size, "dropout": args.dropout},
         "environment": environment(),
         "machine": machine_info(threads=(args.threads,)) if not args.quick else {},
         "command": " ".join(
@@ -348,7 +360,7 @@ def main(argv=None) -> int:
                 *(argv or sys.argv[1:]),
             ]
         ),
-        **bench(args.device, sizes, size, repeats, min_time),
+        **bench(args.device, sizes, size, repeats, min_time, args.dropout),
     }
     results["load_average_1_5_15min"] = {"before": load_before, "after": os.getloadavg()}
     write_json(out, results)
