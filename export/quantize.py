@@ -74,7 +74,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from transformer_ext.cli import UsageError, add_debug_flag, run_cli
+from transformer_ext.cli import UsageError, add_debug_flag, add_option, run_cli
 from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -1500,7 +1500,7 @@ def quantize_export(
             "from a float32 source that must stay readable)"
         )
     # an output inside the export it reads (or holding it) would be copied into itself
-    check_output_path(out, inputs=[("the export folder --export-dir", src)], what="--output-dir")
+    check_output_path(out, inputs=[("the export folder --model", src)], what="--output-dir")
     check_replaceable(out)
     made: list[Path] = []
     try:
@@ -1535,7 +1535,13 @@ def _parser() -> argparse.ArgumentParser:
         "demo task's held-out set or, with --gate-src/--gate-ref, on BLEU of a parallel text; "
         "python -m export.onnx --quantize SCHEME does the same in one step.",
     )
-    p.add_argument("--export-dir", required=True, help="the float32 export folder to quantize")
+    add_option(
+        p,
+        "--model",
+        deprecated=("--export-dir",),
+        required=True,
+        help="the float32 export folder to quantize",
+    )
     p.add_argument(
         "--output-dir", required=True, help="the folder to write (new, or an export of this package)"
     )
@@ -1678,7 +1684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         options = nbits_options_from_args(args)
         check_quantize_arguments(args.scheme, options, args.max_em_drop, args.max_bleu_drop)
         m = quantize_export(
-            args.export_dir,
+            args.model,
             args.output_dir,
             args.scheme,
             gate=args.validate,

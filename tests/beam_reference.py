@@ -291,19 +291,22 @@ def loop_greedy(fn, B, max_new, min_new, options):
     return out
 
 
-def loop_sample(fn, B, n, max_new, min_new, options, topk, topp, temperature, seed):
-    """Sampling as specified: every step one ``rng.random()`` per row (all rows, in order) while a
-    row is open; row r's token: the top-k tokens by processed logit, probabilities
-    ``exp((l - max) / T)``, top-p over them (most likely first), then the first token in id
-    order whose cumulative probability exceeds ``u * total``."""
-    rng = np.random.default_rng(seed)
+def loop_sample(fn, B, n, max_new, min_new, options, topk, topp, temperature, seed, source_index=None):
+    """Sampling as specified: source b draws from a numpy Generator of its own, seeded with
+    ``SeedSequence([seed, index])`` (``index``: ``source_index[b]``, default b), ``n`` values
+    (one per row of the source, in order) at every step while any row of the batch is open; row
+    r's token: the top-k tokens by processed logit, probabilities ``exp((l - max) / T)``, top-p
+    over them (most likely first), then the first token in id order whose cumulative probability
+    exceeds ``u * total``."""
+    index = list(range(B)) if source_index is None else [int(i) for i in source_index]
+    streams = [np.random.default_rng(np.random.SeedSequence([seed, index[b]])) for b in range(B)]
     start = options.get("decoder_start_id")
     start = BOS if start is None else start
     N = B * n
     rows = [dict(gen=[], lps=[], open=int(max_new[r // n]) > 0) for r in range(N)]
     t = 0
     while any(row["open"] for row in rows):
-        u = rng.random(N)
+        u = [value for g in streams for value in g.random(n)]
         for r, row in enumerate(rows):
             if not row["open"]:
                 continue

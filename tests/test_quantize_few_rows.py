@@ -125,7 +125,7 @@ def test_without_the_graph_and_refused_options(tiny_float, tmp_path, capsys):
     assert (
         quant.main(
             [
-                "--export-dir",
+                "--model",
                 str(tiny_float),
                 "--output-dir",
                 str(out),
@@ -142,7 +142,7 @@ def test_without_the_graph_and_refused_options(tiny_float, tmp_path, capsys):
     # another scheme: one line naming the flag, nothing written
     bad = tmp_path / "int4"
     code = quant.main(
-        ["--export-dir", str(tiny_float), "--output-dir", str(bad), "--scheme", "int4", "--no-few-rows-graph"]
+        ["--model", str(tiny_float), "--output-dir", str(bad), "--scheme", "int4", "--no-few-rows-graph"]
     )
     err = capsys.readouterr().err
     assert code == 2 and "--no-few-rows-graph applies to --quantize int8" in err and "Traceback" not in err

@@ -544,7 +544,7 @@ def test_export_cli_bad_options_are_one_line_and_write_nothing(tmp_path, capsys,
 
 def test_quantize_cli_int4(tiny_float, tmp_path, capsys):
     out = tmp_path / "o"
-    argv = ["--export-dir", str(tiny_float), "--output-dir", str(out), "--no-validate", "--scheme", "int4"]
+    argv = ["--model", str(tiny_float), "--output-dir", str(out), "--no-validate", "--scheme", "int4"]
     assert quant.main([*argv, "--quant-block-size", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not divide d_model = 32" in err[0]

@@ -59,7 +59,8 @@ def test_every_setting_returns_translations(translator):
 
 
 def test_sampling_reaches_the_search_and_is_seeded(translator):
-    # the translator decodes its batch sorted by length: the draws follow that order
+    # the translator decodes its batch sorted by length; each source draws from the stream of
+    # its index in the input
     order = sorted(range(len(SOURCES)), key=lambda i: len(translator.encode([SOURCES[i]])[0]))
     ids, lengths, budget = encoded(translator, [SOURCES[i] for i in order])
     got = translator.translate(SOURCES, sampling_topk=0, sampling_temperature=1.5, seed=3, n_best=2)
@@ -74,6 +75,7 @@ def test_sampling_reaches_the_search_and_is_seeded(translator):
         sampling_temperature=1.5,
         seed=3,
         num_hypotheses=2,
+        source_index=order,
     )
     assert [[h.tokens for h in got[i].hypotheses] for i in order] == [[h.tokens for h in row] for row in want]
     again = translator.translate(SOURCES, sampling_topk=0, sampling_temperature=1.5, seed=3, n_best=2)

@@ -1002,9 +1002,12 @@ class Translator:
         progress: bool = False,
         target_prefix: Union[str, Sequence[str], None] = None,
         _report: Optional[_InputReport] = None,
+        _indices: Optional[Sequence[int]] = None,
         **options,
     ) -> list[Translation]:
-        """:meth:`translate` (the same :class:`Translation` objects)."""
+        """:meth:`translate` (the same :class:`Translation` objects). ``_indices``: each source's
+        index in the caller's whole input (default its position in ``sources``), which with
+        ``seed`` picks its sampling stream."""
         opts = self._resolve(options)
         if isinstance(sources, (str, bytes)):
             raise TypeError("translate() takes a list (or any iterable) of source strings, not one string")
@@ -1036,7 +1039,12 @@ class Translator:
         try:
             for rows in batches:
                 try:
-                    out = self._decode_batch([encoded[i] for i in rows], opts, [prefixes[i] for i in rows])
+                    out = self._decode_batch(
+                        [encoded[i] for i in rows],
+                        opts,
+                        [prefixes[i] for i in rows],
+                        [i if _indices is None else int(_indices[i]) for i in rows],
+                    )
                 except _PrefixError as exc:
                     i = rows[exc.row]
                     raise _source_error(i, exc.detail) from None
@@ -1076,10 +1084,15 @@ class Translator:
         return out
 
     def _decode_batch(
-        self, encoded: list[list[int]], opts: dict, prefixes: Optional[list[list[int]]] = None
+        self,
+        encoded: list[list[int]],
+        opts: dict,
+        prefixes: Optional[list[list[int]]] = None,
+        indices: Optional[list[int]] = None,
     ) -> list[Translation]:
         """One batch of encoded sources through greedy decoding, sampling or beam search
-        (``source`` left empty)."""
+        (``source`` left empty); ``indices``: each source's index in the whole input (its
+        sampling stream; default ``0 .. B-1``)."""
         tok = self._require_tokenizer()
         lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
         input_ids = np.full((len(encoded), int(lengths.max())), self.pad_id, dtype=np.int64)
@@ -1140,8 +1153,8 @@ class Translator:
         )
         if opts["sampling"] is None:
             out = self._search(decoding.generate, input_ids, lengths, **kwargs)
-        else:  # one random stream for the whole batch: one runner
-            out = decoding.generate(self.runner, input_ids, lengths, **kwargs)
+        else:  # each source's stream is picked by the seed and its index in the whole input
+            out = decoding.generate(self.runner, input_ids, lengths, source_index=indices, **kwargs)
         return [
             Translation("", [tok.decode_target(h.tokens) for h in row[:n_best]], list(row[:n_best]))
             for row in out
@@ -1194,30 +1207,36 @@ class Translator:
         opts = self._resolve(options)
         report = _InputReport()  # what non-strict encoding changed, by index in the whole input
         quiet = _InputReport()
-        seen = {"n": 0}
 
-        def length(line: str) -> int:  # called once per line, in input order
+        def length(item: tuple[int, str]) -> int:  # called once per line, in input order
+            i, line = item
             one = _InputReport()
             ids = self.encode([line], strict=False, long_lines="truncate", report=one)[0]
-            i = seen["n"]
-            seen["n"] += 1
             if not opts["strict"]:
                 report.unknown += [(i, detail) for _, detail in one.unknown]
             if opts["long_lines"] == "truncate":
                 report.truncated += [(i, n) for _, n in one.truncated]
             return len(ids)
 
-        def translate_batch(batch: list[str]) -> list[Translation]:
+        def translate_batch(batch: list[tuple[int, str]]) -> list[Translation]:
+            # a batch is a run of the window sorted by length: each line decodes with its own
+            # index in the whole input (its sampling stream)
             return self.translate_detailed(
-                batch, target_prefix=target_prefix, _report=quiet, **{**options, "batch_size": len(batch)}
+                [line for _, line in batch],
+                target_prefix=target_prefix,
+                _report=quiet,
+                _indices=[i for i, _ in batch],
+                **{**options, "batch_size": len(batch)},
             )
 
         capped = options.get("batch_size") is not None or self._options["batch_size"] is not None
         size = self._batch_size(opts["batch_size"] if capped else sys.maxsize, opts["beam_size"])
+        if isinstance(lines, (str, bytes)):
+            raise TypeError("translate_iterable() takes an iterable of lines, not one string")
         try:
             yield from translate_iterable(
                 translate_batch,
-                lines,
+                enumerate(lines),
                 length=length,
                 max_batch_tokens=max_batch_tokens,
                 max_batch_size=size if size < sys.maxsize else None,

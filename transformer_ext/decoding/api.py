@@ -55,6 +55,7 @@ def generate(
     sampling_temperature: float = 1.0,
     seed: Optional[int] = None,
     return_attention: bool = False,
+    source_index: Optional[IntOrArray] = None,
     **options: Any,
 ) -> list[list[Hypothesis]]:
     """For every source its ``num_hypotheses`` hypotheses, best first, whatever the search:
@@ -67,6 +68,8 @@ def generate(
     error (beam sampling is not defined here). The beam-search options (``length_penalty``,
     ``alpha``, ``early_stopping``, ``renormalize_logits``) do not apply to greedy decoding, whose
     hypotheses have no length penalty (its tokens are transformers' greedy tokens either way).
+    ``source_index``: each source's index in the caller's whole input, which with ``seed`` picks
+    its sampling stream (:func:`greedy_decode`; default ``0 .. B-1``); beam search draws nothing.
     """
     if not isinstance(beam_size, (int, np.integer)) or isinstance(beam_size, bool) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
@@ -112,6 +115,7 @@ def generate(
         seed=seed,
         return_scores=True,
         return_attention=return_attention,
+        source_index=source_index,
         **options,
     )
 

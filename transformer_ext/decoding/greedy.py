@@ -11,10 +11,10 @@ Options of :func:`greedy_decode` (the package docstring describes the processors
   ``min_new_tokens``, ``force_eos_at_budget`` (transformers' ``forced_eos_token_id``).
 * Sampling: ``sampling_topk`` (1: greedy, the default; 0: the whole vocabulary; k: the k
   most likely tokens), ``sampling_topp`` in (0, 1], ``sampling_temperature`` > 0 and
-  ``seed`` (None: fresh entropy) as in :class:`_Sampler`; with ``source_index`` (int64 ``[B]``,
-  each source's index in the caller's input) each source draws from a stream of its own,
-  picked by the seed and its index (:meth:`_Sampler.streams_for`), so its samples do not depend
-  on its batch; without it the batch's rows share one stream; ``num_hypotheses`` independent
+  ``seed`` (None: fresh entropy) as in :class:`_Sampler`: each source draws from a stream of
+  its own, picked by the seed and its index (:meth:`_Sampler.streams_for`; ``source_index``,
+  int64 ``[B]``: each source's index in the caller's whole input, default ``0 .. B-1``), so its
+  samples do not depend on the batch it is decoded in; ``num_hypotheses`` independent
   samples per source (several need sampling: greedy has one hypothesis). The scores are
   log-probabilities of the processed distribution before temperature, top-k and top-p.
 * ``return_attention``: :class:`Hypothesis` lists whose ``attention`` holds each token's
@@ -129,8 +129,8 @@ def greedy_decode(
         input_ids, src_lengths, max_new_tokens, min_new_tokens, target_prefix, eos_id
     )
     B = ids.shape[0]
-    if sampler is not None and source_index is not None:
-        index = _per_row("source_index", source_index, B)
+    if sampler is not None:
+        index = np.arange(B) if source_index is None else _per_row("source_index", source_index, B)
         sampler = sampler.streams_for(index.tolist(), n, [sampler.seed] * B)
     if return_attention:
         check_attention_runner(runner)

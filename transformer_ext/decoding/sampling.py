@@ -24,12 +24,11 @@ class _Sampler:
     ``1 / temperature``, then the smallest set of them, most likely first, whose probability
     reaches ``topp``.
 
-    With :meth:`streams_for` each source draws from a stream of its own, a numpy Generator
-    seeded with ``SeedSequence([seed, index])``, ``index`` the source's index in the caller's
-    input: one draw per row of the source and step, so a source's samples do not depend on the
-    other sources of its batch, on the batch size or on when it was admitted (``seed=None``:
-    each stream from fresh entropy). Without it one Generator seeded with ``seed`` draws for
-    every row of the batch, in row order, at every step.
+    Each source draws from a stream of its own (:meth:`streams_for`), a numpy Generator seeded
+    with ``SeedSequence([seed, index])``, ``index`` the source's index in the caller's input: one
+    draw per row of the source and step, so a source's samples do not depend on the other sources
+    of its batch, on the batch size, on the order of the batches or on when it was admitted
+    (``seed=None``: each stream from fresh entropy).
 
     The draw is an inverse-CDF pick over the kept tokens in id order (the first token whose
     cumulative probability exceeds ``u * total`` for ``u = rng.random()``), so the same seed and
@@ -39,8 +38,7 @@ class _Sampler:
     def __init__(self, topk: int, topp: float, temperature: float, seed: int | None):
         self.topk, self.topp, self.temperature = topk, topp, temperature
         self.seed = seed
-        self.rng = np.random.default_rng(seed)  # the stream of every row, without streams_for
-        self.streams: list[np.random.Generator] = []
+        self.streams: list[np.random.Generator] = []  # one per source: streams_for
         self.rows_per_source = 1
 
     def streams_for(
@@ -67,14 +65,17 @@ class _Sampler:
 
     def draw(self, y: np.ndarray, step: int, rows: np.ndarray | None = None, total: int = 0) -> np.ndarray:
         """One token per row of ``y``; ``rows`` (with ``total``, the search's number of rows):
-        the search's row of each row of ``y``, when finished rows were dropped."""
+        the search's row of each row of ``y``, when finished rows were dropped. Every source's
+        stream draws for all its rows at every step, so what a row draws at a step does not
+        depend on which rows are still open."""
         N, V = y.shape
         n = self.rows_per_source
+        if not self.streams:
+            raise RuntimeError("_Sampler.draw needs its streams: call streams_for first")
         # one draw per row and step from its source's stream, finished rows included
-        if self.streams:
-            u = np.concatenate([g.random(n) for g in self.streams])
-        else:
-            u = self.rng.random(N if rows is None else total)
+        u = np.concatenate([g.random(n) for g in self.streams])
+        if rows is not None and total and u.shape[0] != total:
+            raise RuntimeError(f"the sampler has streams for {u.shape[0]} rows, the search {total}")
         if rows is not None:
             u = u[rows]
         rows = np.arange(N)[:, None]
