@@ -734,21 +734,16 @@ def run(args) -> dict:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run(args, scratch: str, started: float) -> dict:
-    load_before = os.getloadavg()
-    info = prepare(args, scratch)
+def _payload(args, info: dict, base: dict, load_before) -> dict:
+    """The run's record before any server is measured: the baselines and the machine."""
     lines = info["lines"]
     latency_lines = lines[: args.latency_sentences]
     throughput_lines = [s for p in _plan(lines, THROUGHPUT_CLIENTS, args.requests) for s in p]
-    print(f"baselines ({info['kind']}) ...", file=sys.stderr, flush=True)
-    job = {"lines": lines, "latency_lines": latency_lines, "offline_runs": args.offline_runs}
-    base = run_baseline(args, info["serve"], job, scratch)
     expected = dict(zip(lines, base["texts"]))
-    tokens = dict(zip(lines, base["tokens"]))
     offline_s = min(base["offline_runs_s"])
     # the 32-client cell sends exactly these sentences when --requests * 32 covers --lines once
     same = sorted(throughput_lines) == sorted(lines)
-    payload: dict = {
+    return {
         "benchmark": "bench_serve",
         "model": args.model,
         "model_kind": info["kind"],
@@ -778,57 +773,83 @@ def _run(args, scratch: str, started: float) -> dict:
         "skipped": {},
         "servers": {},
     }
+
+
+def _run_ctranslate2(args, info: dict, base: dict, expected: dict, tokens: dict, payload: dict) -> None:
+    """The CTranslate2 per-request server at each of its settings; its best at 32 clients."""
+    if info["ct2"] is None:
+        print(f"ctranslate2: skipped ({info['ct2_skip']})", file=sys.stderr)
+        return
+    settings = payload["ctranslate2_settings"] = {}
+    for setting in args.ct2_settings:
+        name = f"ctranslate2 {setting[0]}x{setting[1]}"
+        server = ServerProcess(_ct2_cmd(setting, info, base["budget"]), name)
+        try:
+            settings[name.split()[1]] = _run_cells(
+                name, server, args, info["lines"], expected, tokens, payload
+            )
+        finally:
+            server.stop()
+    # "ctranslate2": its best setting at 32 clients (else at the most clients measured)
+    best = max(settings, key=lambda k: (settings[k][-1]["clients"], settings[k][-1]["sentences_per_s"]))
+    payload["modes"]["ctranslate2"] = [dict(r, setting=best) for r in settings[best]]
+
+
+def _run_ours(mode: str, args, info: dict, expected: dict, tokens: dict, payload: dict) -> None:
+    """One batching mode of our server; for ``continuous`` also the SIGTERM and overload runs."""
+    lines = info["lines"]
+    server = ServerProcess(_server_cmd(mode, args, info["serve"], args.max_queue), mode)
+    try:
+        payload["modes"][mode] = _run_cells(mode, server, args, lines, expected, tokens, payload)
+        if mode == "continuous":
+            print("continuous: SIGTERM during a 32-client run ...", file=sys.stderr, flush=True)
+            payload["sigterm"] = asyncio.run(_sigterm(server, lines, expected, args))
+            print(
+                f"  {payload['sigterm']['statuses']}, exit {payload['sigterm']['exit_code']}",
+                file=sys.stderr,
+            )
+    finally:
+        server.stop()
+    if mode != "continuous":
+        return
+    name = f"continuous --max-queue {args.overload_queue}"
+    server = ServerProcess(_server_cmd(mode, args, info["serve"], args.overload_queue), name)
+    try:
+        _warm(server.url, lines, args.overload_clients)
+        print(f"{name}: {args.overload_clients} clients ...", file=sys.stderr, flush=True)
+        payload["overload"] = asyncio.run(_overload(server.url, server.pid, lines, expected, args))
+        payload["servers"][name] = _server_record(server)
+        print(f"  {payload['overload']['statuses']}", file=sys.stderr)
+    finally:
+        server.stop()
+
+
+def _run(args, scratch: str, started: float) -> dict:
+    load_before = os.getloadavg()
+    info = prepare(args, scratch)
+    lines = info["lines"]
+    print(f"baselines ({info['kind']}) ...", file=sys.stderr, flush=True)
+    job = {
+        "lines": lines,
+        "latency_lines": lines[: args.latency_sentences],
+        "offline_runs": args.offline_runs,
+    }
+    base = run_baseline(args, info["serve"], job, scratch)
+    expected = dict(zip(lines, base["texts"]))
+    tokens = dict(zip(lines, base["tokens"]))
+    payload = _payload(args, info, base, load_before)
     if info["ct2_skip"]:
         payload["skipped"]["ctranslate2"] = info["ct2_skip"]
     for mode in args.modes:
         if mode == "ctranslate2":
-            if info["ct2"] is None:
-                print(f"ctranslate2: skipped ({info['ct2_skip']})", file=sys.stderr)
-                continue
-            settings = payload["ctranslate2_settings"] = {}
-            for setting in args.ct2_settings:
-                name = f"ctranslate2 {setting[0]}x{setting[1]}"
-                server = ServerProcess(_ct2_cmd(setting, info, base["budget"]), name)
-                try:
-                    settings[name.split()[1]] = _run_cells(
-                        name, server, args, lines, expected, tokens, payload
-                    )
-                finally:
-                    server.stop()
-            # "ctranslate2": its best setting at 32 clients (else at the most clients measured)
-            best = max(
-                settings, key=lambda k: (settings[k][-1]["clients"], settings[k][-1]["sentences_per_s"])
-            )
-            payload["modes"]["ctranslate2"] = [dict(r, setting=best) for r in settings[best]]
+            _run_ctranslate2(args, info, base, expected, tokens, payload)
             continue
         reason = _skip_reason(mode)
         if reason is not None:
             payload["skipped"][mode] = reason
             print(f"{mode}: skipped ({reason})", file=sys.stderr)
             continue
-        server = ServerProcess(_server_cmd(mode, args, info["serve"], args.max_queue), mode)
-        try:
-            payload["modes"][mode] = _run_cells(mode, server, args, lines, expected, tokens, payload)
-            if mode == "continuous":
-                print("continuous: SIGTERM during a 32-client run ...", file=sys.stderr, flush=True)
-                payload["sigterm"] = asyncio.run(_sigterm(server, lines, expected, args))
-                print(
-                    f"  {payload['sigterm']['statuses']}, exit {payload['sigterm']['exit_code']}",
-                    file=sys.stderr,
-                )
-        finally:
-            server.stop()
-        if mode == "continuous":
-            name = f"continuous --max-queue {args.overload_queue}"
-            server = ServerProcess(_server_cmd(mode, args, info["serve"], args.overload_queue), name)
-            try:
-                _warm(server.url, lines, args.overload_clients)
-                print(f"{name}: {args.overload_clients} clients ...", file=sys.stderr, flush=True)
-                payload["overload"] = asyncio.run(_overload(server.url, server.pid, lines, expected, args))
-                payload["servers"][name] = _server_record(server)
-                print(f"  {payload['overload']['statuses']}", file=sys.stderr)
-            finally:
-                server.stop()
+        _run_ours(mode, args, info, expected, tokens, payload)
     _second_opinion(args, info, payload, scratch)
     payload["machine"]["load_average_after"] = os.getloadavg()
     payload["loaded"] = load_before[0] > 0.5 * (os.cpu_count() or 1)
@@ -882,9 +903,8 @@ def _target(name: str, measured: str, threshold: str, met: bool | None, why: str
     }
 
 
-def score(payload: dict) -> list[dict]:
-    """Every target of the run: measured value, threshold, met / missed / not measured."""
-    out = []
+def _score_throughput(payload: dict, out: list) -> None:
+    """The 32-client throughput targets: against offline, none and CTranslate2."""
     c32 = _row(payload, "continuous", THROUGHPUT_CLIENTS)
     n = THROUGHPUT_CLIENTS
     offline = payload["offline_translate_iterable"]["sentences_per_s"]
@@ -938,6 +958,10 @@ def score(payload: dict) -> list[dict]:
                     r >= 1.5,
                 )
             )
+
+
+def _score_latency(payload: dict, out: list) -> None:
+    """The 1-client latency target."""
     c1 = _row(payload, "continuous", 1)
     direct = payload["direct_translate"]["latency_p50_s"]
     if c1 is None:
@@ -960,6 +984,10 @@ def score(payload: dict) -> list[dict]:
                 c1["latency_p50_s"] <= limit,
             )
         )
+
+
+def _score_overload(payload: dict, out: list) -> None:
+    """The overload targets: 429s only, flat RSS, correct answers."""
     over = payload.get("overload")
     clients = over["clients"] if over else "?"
     head = f"{clients} clients, --max-queue {over['max_queue'] if over else '?'}"
@@ -1003,6 +1031,10 @@ def score(payload: dict) -> list[dict]:
                 "no 200 answer",
             )
         )
+
+
+def _score_sigterm(payload: dict, out: list) -> None:
+    """The SIGTERM drain target."""
     sig = payload.get("sigterm")
     if sig is None:
         out.append(
@@ -1032,6 +1064,13 @@ def score(payload: dict) -> list[dict]:
                 met,
             )
         )
+
+
+def score(payload: dict) -> list[dict]:
+    """Every target of the run: measured value, threshold, met / missed / not measured."""
+    out: list = []
+    for part in (_score_throughput, _score_latency, _score_overload, _score_sigterm):
+        part(payload, out)
     return out
 
 
@@ -1102,7 +1141,7 @@ def _settings(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="the demo model, a few requests per cell: a smoke run"
@@ -1155,9 +1194,11 @@ def main(argv=None) -> int:
         "--offline-runs", type=int, help="runs of the offline baseline, the best kept (default 2; --quick 1)"
     )
     parser.add_argument("--baseline-worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.baseline_worker:
-        return baseline_worker(args.baseline_worker)
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args) -> None:
+    """The defaults of --quick or a full run filled in, every value checked (exit 2 on a bad one)."""
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -1209,6 +1250,14 @@ def main(argv=None) -> int:
             parser.error(
                 f"--artifacts {args.artifacts}: holds files that are not an earlier bench_serve run's"
             )
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.baseline_worker:
+        return baseline_worker(args.baseline_worker)
+    _check(parser, args)
     if args.artifacts:
         os.makedirs(args.artifacts, exist_ok=True)
     payload = run(args)
