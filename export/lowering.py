@@ -401,10 +401,24 @@ def flatten_rows(model) -> int:
     are left alone). Works in place on an ``onnx.ModelProto``; returns the number of nodes moved
     to two dimensions.
     """
-    import numpy as np
-    from onnx import helper, numpy_helper, shape_inference
-
     g = model.graph
+    shapes = _value_shapes(model)
+    first_input = shapes.get(g.input[0].name) if g.input else None
+    if not first_input or len(first_input) < 2 or not isinstance(first_input[0], str):
+        return 0
+    batch, steps = first_input[:2]  # the named batch axis of the first input, then 1 or a named axis
+    if steps != 1 and not (isinstance(steps, str) and len(first_input) == 2):
+        return 0  # (the way back to 3-D reads the first input's shape: it must be [batch, T])
+    moved = _RowFlattener(g, shapes, batch, steps).run()
+    if moved:
+        logger.debug("flatten_rows: %d nodes on [rows, F]", moved)
+    return moved
+
+
+def _value_shapes(model) -> dict[str, list]:
+    """The shape of every value ``onnx.shape_inference`` can type: ints, axis names, or None."""
+    from onnx import shape_inference
+
     inferred = shape_inference.infer_shapes(model, data_prop=True)
     shapes: dict[str, list] = {}
     for vi in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
@@ -413,181 +427,218 @@ def flatten_rows(model) -> int:
             shapes[vi.name] = [
                 d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
             ]
-    first_input = shapes.get(g.input[0].name) if g.input else None
-    if not first_input or len(first_input) < 2 or not isinstance(first_input[0], str):
-        return 0
-    batch, steps = first_input[:2]  # the named batch axis of the first input, then 1 or a named axis
-    one_step = steps == 1
-    if not one_step and not (isinstance(steps, str) and len(first_input) == 2):
-        return 0  # (the way back to 3-D reads the first input's shape: it must be [batch, T])
-    inits = {t.name: t for t in g.initializer}
-    graph_outputs = {o.name for o in g.output}
+    return shapes
 
-    def row3(name: str) -> bool:
-        s = shapes.get(name)
+
+def _last_axis(node) -> bool:
+    axis = [a for a in node.attribute if a.name == "axis"]
+    return not axis or axis[0].i in (-1, 2)
+
+
+class _RowFlattener:
+    """One :func:`flatten_rows` pass over the graph ``g``, whose first input is ``[batch, steps]``:
+    which nodes move to ``[rows, F]``, how their inputs get there, how their readers get back."""
+
+    def __init__(self, g, shapes: dict[str, list], batch: str, steps):
+        self.g, self.shapes, self.batch, self.steps = g, shapes, batch, steps
+        self.one_step = steps == 1
+        self.inits = {t.name: t for t in g.initializer}
+        self.graph_outputs = {o.name for o in g.output}
+        self.new_inits: list = []
+        self.unread: set[str] = set()  # initializers this pass may leave without a reader
+        self.after: dict[int, list] = {}  # id(node) -> nodes to insert after it (0: before everything)
+        self.restored: set[str] = set()  # moved values read on 3-D by a node that stays
+        self.dropped: set[int] = set()  # id(node) of the nodes removed
+        self.back_shapes: dict[int, str] = {}  # F -> the name of [batch, T, F] (a graph with a T axis)
+
+    def row3(self, name: str) -> bool:
+        s = self.shapes.get(name)
         return (
             s is not None
             and len(s) == 3
-            and s[0] == batch
-            and s[1] == steps
+            and s[0] == self.batch
+            and s[1] == self.steps
             and isinstance(s[2], int)
             and s[2] > 0
         )
 
-    def small_constant(name: str) -> bool:
-        t = inits.get(name)
+    def small_constant(self, name: str) -> bool:
+        t = self.inits.get(name)
         return t is not None and len(t.dims) <= 1
 
-    def constant_value(name: str):
-        return numpy_helper.to_array(inits[name]) if name in inits else None
+    def constant_value(self, name: str):
+        from onnx import numpy_helper
 
-    def last_axis(node) -> bool:
-        axis = [a for a in node.attribute if a.name == "axis"]
-        return not axis or axis[0].i in (-1, 2)
+        return numpy_helper.to_array(self.inits[name]) if name in self.inits else None
 
-    def moves(node) -> bool:
+    def moves(self, node) -> bool:
         if node.op_type not in _ROW_OPS or node.domain not in ("", "ai.onnx") or not node.output:
             return False
-        if not all(row3(o) and o not in graph_outputs for o in node.output):
+        if not all(self.row3(o) and o not in self.graph_outputs for o in node.output):
             return False
         first, rest = node.input[0], [i for i in node.input[1:] if i]
         if node.op_type == "MatMul":
-            w = inits.get(node.input[1])
-            return row3(first) and w is not None and len(w.dims) == 2
+            w = self.inits.get(node.input[1])
+            return self.row3(first) and w is not None and len(w.dims) == 2
         if node.op_type in ("LayerNormalization", "Split"):
-            return row3(first) and last_axis(node) and all(small_constant(i) for i in rest)
-        return all(row3(i) or small_constant(i) for i in node.input if i)
+            return self.row3(first) and _last_axis(node) and all(self.small_constant(i) for i in rest)
+        return all(self.row3(i) or self.small_constant(i) for i in node.input if i)
 
-    moved = [n for n in g.node if moves(n)]
-    if not moved:
-        return 0
-    moved_ids = {id(n) for n in moved}
-    moved_values = {o for n in moved for o in n.output}
-    producer = {o: n for n in g.node for o in n.output}
-    readers: dict[str, list] = {}
-    for n in g.node:
-        for name in n.input:
-            readers.setdefault(name, []).append(n)
-    new_inits = []
+    def shape_constant(self, name: str, dims: list[int]) -> str:
+        import numpy as np
+        from onnx import numpy_helper
 
-    def shape_constant(name: str, dims: list[int]) -> str:
-        new_inits.append(numpy_helper.from_array(np.array(dims, np.int64), name))
+        self.new_inits.append(numpy_helper.from_array(np.array(dims, np.int64), name))
         return name
 
-    unread: set[str] = set()  # initializers this pass may leave without a reader
-    flat: dict[str, str] = {o: f"{o}.rows" for o in moved_values}  # 3-D name -> 2-D name
-    after: dict[int, list] = {}  # id(node) -> nodes to insert after it (0: before everything)
-    for n in moved:
-        for name in n.input:
-            if not name or name in flat or not row3(name):
-                continue
-            width = shapes[name][2]
-            p = producer.get(name)
-            if (
-                p is not None
-                and p.op_type == "Reshape"
-                and p.input[1] in inits
-                and name not in graph_outputs
-                and all(id(r) in moved_ids for r in readers[name])
-            ):  # its only readers move: reshape straight to [-1, F]
-                unread.add(p.input[1])
-                p.input[1] = shape_constant(f"{name}.rows_shape", [-1, width])
-                p.output[0] = flat[name] = f"{name}.rows"
-            elif (
-                one_step
-                and p is not None
-                and p.op_type == "Unsqueeze"
-                and len(p.input) == 2
-                and constant_value(p.input[1]) is not None
-                and constant_value(p.input[1]).tolist() in (1, [1])
-                and shapes.get(p.input[0]) == [batch, width]
-            ):  # x.unsqueeze(1) of a [batch, F] value: read that value
-                flat[name] = p.input[0]
-            else:
-                flat[name] = f"{name}.rows"
-                reshape = helper.make_node(
-                    "Reshape",
-                    [name, shape_constant(f"{name}.rows_shape", [-1, width])],
-                    [flat[name]],
-                    name=f"{name}_rows",
-                )
-                after.setdefault(id(p) if p is not None else 0, []).append(reshape)
-    for n in moved:
-        n.input[:] = [flat[i] if i in flat and row3(i) else i for i in n.input]
-        n.output[:] = [flat[o] for o in n.output]
-        for a in n.attribute:
-            if a.name == "axis":
-                a.i = -1
-    restored: set[str] = set()
-    dropped: set[int] = set()
-    for n in list(g.node):
-        if id(n) in moved_ids:
-            continue
-        for k, name in enumerate(n.input):
-            if name not in moved_values:
-                continue
-            index = constant_value(n.input[1]) if n.op_type == "Gather" and len(n.input) > 1 else None
-            target = constant_value(n.input[1]) if n.op_type == "Reshape" and k == 0 else None
-            if target is not None and not (target == 0).any():
-                n.input[0] = flat[name]  # a constant target without 0 (copy a dim) reads [batch, F] as well
-            elif (
-                one_step
-                and n.op_type == "Gather"
-                and k == 0
-                and [a.i for a in n.attribute if a.name == "axis"] == [1]
-                and index is not None
-                and index.ndim == 0
-                and int(index) == 0
-                and n.output[0] not in graph_outputs
-            ):  # x[:, 0] of [batch, 1, F] is the [batch, F] value itself
-                for r in readers.get(n.output[0], []):
-                    r.input[:] = [flat[name] if i == n.output[0] else i for i in r.input]
-                dropped.add(id(n))
-                unread.add(n.input[1])
-            elif name not in restored:
-                restored.add(name)
-    back_shapes: dict[int, str] = {}  # F -> the name of [batch, T, F] (a graph with a T axis)
+    def run(self) -> int:
+        """Rewrite the graph in place; the number of nodes moved to two dimensions."""
+        g = self.g
+        self.moved = [n for n in g.node if self.moves(n)]
+        if not self.moved:
+            return 0
+        self.moved_ids = {id(n) for n in self.moved}
+        self.moved_values = {o for n in self.moved for o in n.output}
+        self.producer = {o: n for n in g.node for o in n.output}
+        self.readers: dict[str, list] = {}
+        for n in g.node:
+            for name in n.input:
+                self.readers.setdefault(name, []).append(n)
+        self.flat: dict[str, str] = {o: f"{o}.rows" for o in self.moved_values}  # 3-D name -> 2-D name
+        self._flatten_inputs()
+        for n in self.moved:
+            n.input[:] = [self.flat[i] if i in self.flat and self.row3(i) else i for i in n.input]
+            n.output[:] = [self.flat[o] for o in n.output]
+            for a in n.attribute:
+                if a.name == "axis":
+                    a.i = -1
+        self._route_readers()
+        for name in sorted(self.restored | (self.moved_values & self.graph_outputs)):
+            back = _make_node(
+                "Reshape", [self.flat[name], self.back_shape(name)], [name], name=f"{name}_back"
+            )
+            self.after.setdefault(id(self.producer[name]), []).append(back)
+        self._rebuild()
+        return len(self.moved)
 
-    def back_shape(name: str) -> str:
-        width = shapes[name][2]
-        if one_step:
-            return shape_constant(f"{name}.back_shape", [-1, 1, width])
-        if width not in back_shapes:
+    def _flatten_inputs(self) -> None:
+        """Every 3-D input of a moved node gets its 2-D name: a ``Reshape`` before it retargeted,
+        the ``[batch, F]`` value an ``Unsqueeze`` read, or a new ``Reshape``."""
+        for n in self.moved:
+            for name in n.input:
+                if not name or name in self.flat or not self.row3(name):
+                    continue
+                width = self.shapes[name][2]
+                p = self.producer.get(name)
+                if (
+                    p is not None
+                    and p.op_type == "Reshape"
+                    and p.input[1] in self.inits
+                    and name not in self.graph_outputs
+                    and all(id(r) in self.moved_ids for r in self.readers[name])
+                ):  # its only readers move: reshape straight to [-1, F]
+                    self.unread.add(p.input[1])
+                    p.input[1] = self.shape_constant(f"{name}.rows_shape", [-1, width])
+                    p.output[0] = self.flat[name] = f"{name}.rows"
+                elif (
+                    self.one_step
+                    and p is not None
+                    and p.op_type == "Unsqueeze"
+                    and len(p.input) == 2
+                    and self.constant_value(p.input[1]) is not None
+                    and self.constant_value(p.input[1]).tolist() in (1, [1])
+                    and self.shapes.get(p.input[0]) == [self.batch, width]
+                ):  # x.unsqueeze(1) of a [batch, F] value: read that value
+                    self.flat[name] = p.input[0]
+                else:
+                    self.flat[name] = f"{name}.rows"
+                    reshape = _make_node(
+                        "Reshape",
+                        [name, self.shape_constant(f"{name}.rows_shape", [-1, width])],
+                        [self.flat[name]],
+                        name=f"{name}_rows",
+                    )
+                    self.after.setdefault(id(p) if p is not None else 0, []).append(reshape)
+
+    def _route_readers(self) -> None:
+        """The nodes that stay and read a moved value: a constant ``Reshape`` reads the 2-D value,
+        the decoder step's ``x[:, 0]`` is dropped, any other reader is noted in ``restored``."""
+        for n in list(self.g.node):
+            if id(n) in self.moved_ids:
+                continue
+            for k, name in enumerate(n.input):
+                if name not in self.moved_values:
+                    continue
+                gather = n.op_type == "Gather" and len(n.input) > 1
+                index = self.constant_value(n.input[1]) if gather else None
+                target = self.constant_value(n.input[1]) if n.op_type == "Reshape" and k == 0 else None
+                if target is not None and not (target == 0).any():
+                    # a constant target without 0 (copy a dim) reads [batch, F] as well
+                    n.input[0] = self.flat[name]
+                elif (
+                    self.one_step
+                    and n.op_type == "Gather"
+                    and k == 0
+                    and [a.i for a in n.attribute if a.name == "axis"] == [1]
+                    and index is not None
+                    and index.ndim == 0
+                    and int(index) == 0
+                    and n.output[0] not in self.graph_outputs
+                ):  # x[:, 0] of [batch, 1, F] is the [batch, F] value itself
+                    for r in self.readers.get(n.output[0], []):
+                        r.input[:] = [self.flat[name] if i == n.output[0] else i for i in r.input]
+                    self.dropped.add(id(n))
+                    self.unread.add(n.input[1])
+                elif name not in self.restored:
+                    self.restored.add(name)
+
+    def back_shape(self, name: str) -> str:
+        """The target of the ``Reshape`` that gives the moved value ``name`` back its 3-D shape."""
+        width = self.shapes[name][2]
+        if self.one_step:
+            return self.shape_constant(f"{name}.back_shape", [-1, 1, width])
+        if width not in self.back_shapes:
             rows = f"rows_shape.{width}"
-            after.setdefault(0, []).extend(
+            first = self.g.input[0].name
+            self.after.setdefault(0, []).extend(
                 [
-                    helper.make_node("Shape", [g.input[0].name], [f"{rows}.rows"], name=f"{rows}_Shape"),
-                    helper.make_node(
+                    _make_node("Shape", [first], [f"{rows}.rows"], name=f"{rows}_Shape"),
+                    _make_node(
                         "Concat",
-                        [f"{rows}.rows", shape_constant(f"{rows}.width", [width])],
+                        [f"{rows}.rows", self.shape_constant(f"{rows}.width", [width])],
                         [rows],
                         axis=0,
                         name=f"{rows}_Concat",
                     ),
                 ]
             )
-            back_shapes[width] = rows
-        return back_shapes[width]
+            self.back_shapes[width] = rows
+        return self.back_shapes[width]
 
-    for name in sorted(restored | (moved_values & graph_outputs)):
-        back = helper.make_node("Reshape", [flat[name], back_shape(name)], [name], name=f"{name}_back")
-        after.setdefault(id(producer[name]), []).append(back)
-    nodes = list(after.get(0, []))
-    for n in g.node:
-        if id(n) not in dropped:
-            nodes.append(n)
-        nodes += after.get(id(n), [])
-    del g.node[:]
-    g.node.extend(nodes)
-    still_read = {i for n in g.node for i in n.input} | graph_outputs
-    initializers = [t for t in g.initializer if t.name not in unread or t.name in still_read] + new_inits
-    del g.initializer[:]
-    g.initializer.extend(initializers)
-    kept = [vi for vi in g.value_info if vi.name not in moved_values or vi.name in restored]
-    del g.value_info[:]
-    g.value_info.extend(kept)
-    logger.debug("flatten_rows: %d nodes on [rows, F]", len(moved))
-    return len(moved)
+    def _rebuild(self) -> None:
+        """The node list with the inserted and without the dropped nodes; initializers and
+        ``value_info`` of what is still read."""
+        g = self.g
+        nodes = list(self.after.get(0, []))
+        for n in g.node:
+            if id(n) not in self.dropped:
+                nodes.append(n)
+            nodes += self.after.get(id(n), [])
+        del g.node[:]
+        g.node.extend(nodes)
+        still_read = {i for n in g.node for i in n.input} | self.graph_outputs
+        kept_inits = [t for t in g.initializer if t.name not in self.unread or t.name in still_read]
+        del g.initializer[:]
+        g.initializer.extend(kept_inits + self.new_inits)
+        kept = [vi for vi in g.value_info if vi.name not in self.moved_values or vi.name in self.restored]
+        del g.value_info[:]
+        g.value_info.extend(kept)
+
+
+def _make_node(*args, **kwargs):
+    from onnx import helper
+
+    return helper.make_node(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -610,6 +610,41 @@ def _check_gate(model_path: Path, tokenizer_names, config, gate_data) -> None:
     check_gate_inputs(tokenizer, config.max_len, gate_data, model_path)
 
 
+@dataclass(frozen=True)
+class _Source:
+    """The model folder an export reads, checked (:func:`_load_model_folder`)."""
+
+    model: Any
+    path: Path
+    tokenizer_names: list[str]
+    special_tokens: dict
+
+
+@dataclass(frozen=True)
+class _GraphOptions:
+    """:func:`export_onnx`'s options of the graphs written and their validation, checked."""
+
+    opset: int
+    cache_len: int
+    flavour: str
+    tolerance: float
+    validate: bool
+    seed: int
+    fuse_matmuls: bool
+    fold_query_scale: bool
+    flatten_rows: bool
+
+
+@dataclass(frozen=True)
+class _Quantization:
+    """:func:`export_onnx`'s quantization options, checked; ``scheme`` None: float32."""
+
+    scheme: Optional[str]
+    gate_data: Any
+    max_bleu_drop: Optional[float]
+    options: Optional[Mapping[str, Any]]
+
+
 def export_onnx(
     model_dir: Optional[str | os.PathLike] = None,
     output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
@@ -630,73 +665,44 @@ def export_onnx(
     quantize_options: Optional[Mapping[str, Any]] = None,
     attention: bool = False,
 ) -> ExportResult:
-    """Export ``model_dir`` to ``encoder.onnx`` + ``decoder_step.onnx`` + ``manifest.json`` +
-    tokenizer files + ``generation.json`` in ``output_dir``.
+    """Export ``model_dir`` (a model folder; ``None``: the bundled demo model) to ``encoder.onnx``
+    + ``decoder_step.onnx`` + ``manifest.json`` + tokenizer files + ``generation.json`` in
+    ``output_dir`` (created, or replaced if it holds a previous export). The options are the
+    command line's of the same names (``python -m export.onnx --help``):
 
-    Args:
-        model_dir: a model folder (``config.json``, ``model.safetensors``, tokenizer files);
-            ``None`` exports the bundled demo model.
-        output_dir: the folder to create (or to replace, if it holds a previous export).
-        opset: ONNX opset; default 18 for ``portable`` and ``ort`` (17..21 allowed), 24 for
-            ``tensorscatter``.
-        cache_len: the largest self-attention cache capacity a runtime may allocate (the
-            ``cache_len`` axis is dynamic; runtimes size it per request); default and maximum:
-            the model's ``max_len``. Recorded in the manifest as ``max_cache_len``.
-        flavour: ``"portable"`` (new K/V as outputs, appended by the runner),
-            ``"tensorscatter"`` (the cache update inside the graph, opset-24 ``TensorScatter``) or
-            ``"ort"`` (each decoder self-attention one ONNX Runtime
-            ``com.microsoft.GroupQueryAttention``, which appends to the caches in place; ONNX
-            Runtime's CPU provider only: :func:`export.lowering.in_graph_gqa`).
-        tolerance: the largest absolute difference allowed between any ONNX Runtime output and
-            eager PyTorch in float64, or :data:`export.validate.FLOAT32_ERROR_FACTOR` times eager
-            float32's own difference from it where that is larger (:func:`export.validate.allowed_difference`).
-        validate: run the parity validation (:func:`export.validate.validate_export`) in ONNX
-            Runtime before the folder is moved into place. Structural checks always run.
-        seed: seed of the validation inputs.
-        fuse_matmuls: merge the matrix products that read the same input (each layer's Q/K/V
-            projections; in the encoder, every decoder layer's cross-attention K/V projections)
-            into one ``MatMul`` + ``Split`` after tracing. Validation runs on the final graphs.
-        fold_query_scale: trace the decoder step with the attention scale folded into the query
-            projections (:func:`folded_query_scale`): no score ``Mul`` in the step graph.
-        flatten_rows: run both graphs' per-row ops (projections, feed-forward, residuals, layer
-            norms) on ``[rows, d_model]`` (:func:`export.lowering.flatten_rows`), so that ONNX
-            Runtime fuses each projection and its bias into one ``Gemm``.
-        generation: fields of the generation config to set (``beam_size``, ``length_penalty``,
-            ``alpha``, ``max_len_a``, ``max_len_b``, ``min_new_tokens``, ``max_new_tokens``); the
-            others keep their defaults (:meth:`GenerationConfig.defaults_for`: the special ids of
-            the model, ``max_new_tokens`` = ``cache_len``).
-        quantize: ``None`` (float32) or a scheme of :data:`export.quantize.SCHEMES` (``"int8"``,
-            ``"int4"``, ``"int8-nbits"``): the float32 graphs are validated as usual, then quantized
-            and, with ``validate``, gated on the demo held-out set
-            (:func:`export.quantize.quality_gate`); the folder has the same files and a
-            ``"quantization"`` section in its manifest.
-        gate_data, max_bleu_drop: with ``quantize``, an :class:`export.quantize.GateData` (a
-            parallel text) replaces the demo gate by a BLEU gate: the quantized greedy BLEU at most
-            ``max_bleu_drop`` points below float32's (default: the scheme's,
-            :data:`export.quantize.DEFAULT_MAX_DROPS`: 0.5 for int8, 1.0 for int4).
-        quantize_options: with ``quantize`` ``"int4"`` / ``"int8-nbits"``: ``block_size``,
-            ``accuracy_level``, ``symmetric`` (:func:`export.quantize.resolve_settings`), checked
-            against the model's dimensions before anything is traced; with ``"int8"``:
-            ``few_rows`` (False: no few-row decoder step, :func:`export.quantize.few_rows_graph`).
-        attention: the decoder step also outputs ``attention`` ``[batch, src_len]``, the last
-            decoder layer's cross-attention averaged over its heads (validated like the other
-            outputs; recorded as ``"attention": true`` in the manifest), which ONNX Runtime
-            translators need for ``return_attention``.
+    * ``opset``: default 18 for ``portable`` and ``ort`` (17..21 allowed), 24 for ``tensorscatter``;
+      ``cache_len``: the largest self-attention cache a runtime may allocate (the manifest's
+      ``max_cache_len``; default and maximum: the model's ``max_len``).
+    * ``flavour``: ``"portable"`` (the runner appends the new K/V), ``"tensorscatter"`` (the cache
+      update in the graph, opset-24 ``TensorScatter``) or ``"ort"`` (each decoder self-attention
+      one ``com.microsoft.GroupQueryAttention``, ONNX Runtime's CPU provider only:
+      :func:`export.lowering.in_graph_gqa`).
+    * ``validate``: the parity validation in ONNX Runtime, inputs seeded by ``seed``, within
+      ``tolerance`` of eager float64 (:func:`export.validate.allowed_difference`), before the
+      folder is moved into place (structural checks always run).
+    * ``fuse_matmuls``, ``fold_query_scale``, ``flatten_rows``: the graph passes
+      (:func:`export.lowering.fuse_shared_input_matmuls`, :func:`folded_query_scale`,
+      :func:`export.lowering.flatten_rows`); validation runs on the final graphs.
+    * ``generation``: fields of the generation config to set, the others
+      :meth:`GenerationConfig.defaults_for`'s.
+    * ``quantize``: ``None`` (float32) or a scheme of :data:`export.quantize.SCHEMES`: the float32
+      graphs are validated, then quantized and, with ``validate``, gated on the demo held-out set
+      (:func:`export.quantize.quality_gate`), or with ``gate_data`` (an
+      :class:`export.quantize.GateData`) on a BLEU drop of at most ``max_bleu_drop``
+      (:data:`export.quantize.DEFAULT_MAX_DROPS`); ``quantize_options``: ``block_size``,
+      ``accuracy_level``, ``symmetric`` (int4, int8-nbits) or ``few_rows`` (int8).
+    * ``attention``: the decoder step also outputs ``attention`` ``[batch, src_len]``, the last
+      decoder layer's cross-attention averaged over its heads (for ``return_attention``).
 
     Raises:
-        ValueError: a bad option (flavour, opset, cache_len, tolerance, seed).
-        ModelDirectoryError: ``model_dir`` is missing or not a model folder.
-        transformer_ext.tokenizer.TokenizerError: the model folder's ``tokenizer.json`` is corrupt,
-            or it and the config disagree (special ids, vocabulary sizes).
-        OutputFolderError: ``output_dir`` is a file, or a folder that is neither empty nor an export
-            holding only the files its manifest lists.
-        GenerationConfigError: a ``generation`` field is unknown, mistyped or out of range.
-        GraphContractError: a graph breaks the contract (names, axes, forbidden nodes...).
-        ParityError: an output differs from eager PyTorch by more than ``tolerance``.
-        export.quantize.QuantizationError: an unknown ``quantize`` scheme or option, a block size
-            that does not divide a weight matrix of the model.
-        export.quantize.QualityGateError: the quantized graphs fail the quality gate (nothing is written).
-        OSError: the output cannot be written (full disk, read-only file system), naming ``output_dir``.
+        ValueError: a bad option. ModelDirectoryError: ``model_dir`` is not a model folder.
+        transformer_ext.tokenizer.TokenizerError: a corrupt ``tokenizer.json``, or one that
+            disagrees with the config. OutputFolderError: ``output_dir`` is a file, or a folder
+            neither empty nor an export holding only the files its manifest lists.
+        GenerationConfigError, GraphContractError, ParityError, export.quantize.QuantizationError,
+        export.quantize.QualityGateError: a bad ``generation`` field, a graph breaking the
+        contract, an output beyond ``tolerance``, a bad scheme or block size, a failed gate.
+        OSError: the output cannot be written, naming ``output_dir``.
 
     Everything but the graphs is checked before anything is written; on any failure or
     interruption the temporary folder is removed and an existing ``output_dir`` is left as it was.
@@ -705,82 +711,27 @@ def export_onnx(
     opset, cache_len, tolerance = _check_arguments(flavour, opset, cache_len, tolerance, seed)
     max_bleu_drop = _check_quantize_options(quantize, quantize_options, max_bleu_drop, gate_data)
     output_dir = Path(output_dir).absolute()
-    # None: the bundled demo model. A training run's best/, last/ and checkpoints/ are the trainer's.
-    inputs = [] if model_dir is None else [("the model folder --model-dir", model_dir)]
-    check_output_path(output_dir, inputs=inputs, managed_dirs=managed_dirs(output_dir), what="--output-dir")
-    check_replaceable(output_dir)
-    model, model_path, tokenizer_names, special_tokens = _load_model_folder(model_dir)
-    config = model.config
-    if config.max_len < 4:
-        raise ExportError(
-            f"max_len = {config.max_len} is too small to export (the tracing dummies need 4 positions)"
-        )
-    if cache_len is None:
-        cache_len = config.max_len
-    if not 1 <= cache_len <= config.max_len:
-        raise UsageError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
+    source, cache_len = _read_source(model_dir, output_dir, cache_len)
+    config = source.model.config
     if quantize is not None:  # the block size against the model's matrices, the gate's inputs, before tracing
         _check_quantized_model(quantize, quantize_options, max_bleu_drop, config)
         if validate:
-            _check_gate(model_path, tokenizer_names, config, gate_data)
-    generation_config = GenerationConfig.defaults_for(
-        {"special_tokens": special_tokens, "max_cache_len": cache_len, "model_config": config.to_dict()},
-        **{**imported_generation(model_path, cache_len), **dict(generation or {})},
-    )
+            _check_gate(source.path, source.tokenizer_names, config, gate_data)
+    generation_config = _generation_config(source, cache_len, generation)
 
     from . import validate as validation
 
-    if not isinstance(attention, bool):
-        raise UsageError(f"attention must be True or False, got {attention!r}")
-    if not isinstance(fold_query_scale, bool):
-        raise UsageError(f"fold_query_scale must be True or False, got {fold_query_scale!r}")
-    if not isinstance(flatten_rows, bool):
-        raise UsageError(f"flatten_rows must be True or False, got {flatten_rows!r}")
+    _check_switches(attention=attention, fold_query_scale=fold_query_scale, flatten_rows=flatten_rows)
     specs = graph_specs(config.to_dict(), flavour, attention)
-    made: list[Path] = []
-    try:
-        make_parents(output_dir, made)
-        with StagedDir(output_dir) as stage:
-            manifest, report = _write_export(
-                stage.path,
-                model,
-                model_path,
-                tokenizer_names,
-                special_tokens,
-                specs,
-                generation_config,
-                opset=opset,
-                cache_len=cache_len,
-                flavour=flavour,
-                tolerance=tolerance,
-                validate=validate,
-                seed=seed,
-                fuse_matmuls=fuse_matmuls,
-                fold_query_scale=fold_query_scale,
-                flatten_rows=flatten_rows,
-                validation=validation,
-            )
-            if quantize is not None:
-                from .quantize import quantize_folder
-
-                manifest = quantize_folder(
-                    stage.path,
-                    quantize,
-                    gate=validate,
-                    gate_data=gate_data,
-                    max_bleu_drop=max_bleu_drop,
-                    options=quantize_options,
-                )
-            check_replaceable(output_dir)  # nothing of someone else's appeared there meanwhile
-            stage.commit()
-    except BaseException as exc:
-        remove_made_parents(made)
-        named = named_write_error(exc, output_dir)
-        if named is not None:
-            raise named from exc
-        raise
+    options = _GraphOptions(
+        opset, cache_len, flavour, tolerance, validate, seed, fuse_matmuls, fold_query_scale, flatten_rows
+    )
+    quantization = _Quantization(quantize, gate_data, max_bleu_drop, quantize_options)
+    manifest, report = _stage_export(
+        output_dir, source, specs, generation_config, options, quantization, validation
+    )
     seconds = time.perf_counter() - t_start
-    logger.info("exported %s to %s in %.1f s", model_path, output_dir, seconds)
+    logger.info("exported %s to %s in %.1f s", source.path, output_dir, seconds)
     return ExportResult(
         output_dir=output_dir,
         encoder_path=output_dir / ENCODER_FILE,
@@ -790,6 +741,91 @@ def export_onnx(
         validation=report,
         seconds=seconds,
     )
+
+
+def _read_source(
+    model_dir: Optional[str | os.PathLike], output_dir: Path, cache_len: Optional[int]
+) -> tuple[_Source, int]:
+    """The model folder read and checked once ``output_dir`` is known not to overlap it, and the
+    cache length checked against the model (default: its ``max_len``)."""
+    # None: the bundled demo model. A training run's best/, last/ and checkpoints/ are the trainer's.
+    inputs = [] if model_dir is None else [("the model folder --model-dir", model_dir)]
+    check_output_path(output_dir, inputs=inputs, managed_dirs=managed_dirs(output_dir), what="--output-dir")
+    check_replaceable(output_dir)
+    source = _Source(*_load_model_folder(model_dir))
+    config = source.model.config
+    if config.max_len < 4:
+        raise ExportError(
+            f"max_len = {config.max_len} is too small to export (the tracing dummies need 4 positions)"
+        )
+    if cache_len is None:
+        cache_len = config.max_len
+    if not 1 <= cache_len <= config.max_len:
+        raise UsageError(f"cache_len must be in [1, max_len = {config.max_len}], got {cache_len}")
+    return source, cache_len
+
+
+def _generation_config(
+    source: _Source, cache_len: int, generation: Optional[Mapping[str, Any]]
+) -> GenerationConfig:
+    """The export's generation config: the defaults for the folder, then an imported model's
+    (:func:`imported_generation`), then ``generation``'s fields."""
+    config = source.model.config
+    return GenerationConfig.defaults_for(
+        {
+            "special_tokens": source.special_tokens,
+            "max_cache_len": cache_len,
+            "model_config": config.to_dict(),
+        },
+        **{**imported_generation(source.path, cache_len), **dict(generation or {})},
+    )
+
+
+def _check_switches(**switches: Any) -> None:
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise UsageError(f"{name} must be True or False, got {value!r}")
+
+
+def _stage_export(
+    output_dir: Path,
+    source: _Source,
+    specs: dict,
+    generation_config: GenerationConfig,
+    options: _GraphOptions,
+    quantization: _Quantization,
+    validation,
+) -> tuple[dict, Any]:
+    """Write the export in a temporary sibling of ``output_dir``, quantize it if asked, and move it
+    into place; ``(manifest, validation report)``. On any failure the temporary folder and the
+    parent folders made for it are removed and the error names ``output_dir``."""
+    made: list[Path] = []
+    try:
+        make_parents(output_dir, made)
+        with StagedDir(output_dir) as stage:
+            manifest, report = _write_export(
+                stage.path, source, specs, generation_config, options, validation=validation
+            )
+            if quantization.scheme is not None:
+                from .quantize import quantize_folder
+
+                manifest = quantize_folder(
+                    stage.path,
+                    quantization.scheme,
+                    gate=options.validate,
+                    gate_data=quantization.gate_data,
+                    max_bleu_drop=quantization.max_bleu_drop,
+                    options=quantization.options,
+                )
+            check_replaceable(output_dir)  # nothing of someone else's appeared there meanwhile
+            stage.commit()
+    except BaseException as exc:
+        remove_made_parents(made)
+        named = named_write_error(exc, output_dir)
+        if named is not None:
+            raise named from exc
+        raise
+    return manifest, report
 
 
 def _copy_model_files(
@@ -813,25 +849,17 @@ def _copy_model_files(
 
 def _write_export(
     tmp_dir: Path,
-    model,
-    model_path: Path,
-    tokenizer_names: list[str],
-    special_tokens: dict,
+    source: _Source,
     specs: dict,
     generation_config: GenerationConfig,
+    options: _GraphOptions,
     *,
-    opset: int,
-    cache_len: int,
-    flavour: str,
-    tolerance: float,
-    validate: bool,
-    seed: int,
-    fuse_matmuls: bool,
-    fold_query_scale: bool,
-    flatten_rows: bool,
     validation,
 ) -> tuple[dict, Any]:
     """Write and validate the export in the (temporary) folder ``tmp_dir``; ``(manifest, report)``."""
+    model, model_path, tokenizer_names = source.model, source.path, source.tokenizer_names
+    opset, cache_len, flavour = options.opset, options.cache_len, options.flavour
+    fuse_matmuls, flatten_rows = options.fuse_matmuls, options.flatten_rows
     config = model.config
     attention = specs["decoder_step"]["outputs"][-1]["name"] == ATTENTION_OUTPUT
     encoder_args, decoder_args, dummy = _dummy_inputs(model, flavour)
@@ -846,7 +874,7 @@ def _write_export(
         fuse_matmuls=fuse_matmuls,
         flatten_rows=flatten_rows,
     )
-    with folded_query_scale(model) if fold_query_scale else contextlib.nullcontext():
+    with folded_query_scale(model) if options.fold_query_scale else contextlib.nullcontext():
         decoder_proto = _export_graph(
             DecoderStepGraph(model, flavour, attention=attention),
             decoder_args,
@@ -875,7 +903,7 @@ def _write_export(
         "generation_config": GENERATION_FILE,
         "provenance": provenance,
         "model_config": config.to_dict(),
-        "special_tokens": dict(special_tokens),
+        "special_tokens": dict(source.special_tokens),
         "max_positions": config.max_len,
         "max_cache_len": cache_len,
         "graphs": specs,
@@ -885,7 +913,7 @@ def _write_export(
             "source_model_dir": str(model_path),
             "exporter": "torch.onnx.export(dynamo=True)",
             "dummy_shapes": dummy,
-            "graph_passes": (["folded_query_scale"] if fold_query_scale else [])
+            "graph_passes": (["folded_query_scale"] if options.fold_query_scale else [])
             + (["fuse_shared_input_matmuls"] if fuse_matmuls else [])
             + ["share_shape_reads"]
             + (["flatten_rows"] if flatten_rows else []),
@@ -896,9 +924,9 @@ def _write_export(
     write_manifest(tmp_dir, manifest)
 
     report = None
-    if validate:
+    if options.validate:
         report = validation.validate_export(
-            tmp_dir, model, tolerance=tolerance, seed=seed, max_cache_len=cache_len
+            tmp_dir, model, tolerance=options.tolerance, seed=options.seed, max_cache_len=cache_len
         )
         manifest["validation"] = report.to_dict()
     manifest["files"] = folder_files(tmp_dir)  # validation writes nothing there; the list stays exact
@@ -921,6 +949,24 @@ def _parser() -> argparse.ArgumentParser:
         ),
         formatter_class=DefaultsHelpFormatter,
     )
+    _add_graph_arguments(p)
+    _add_pass_arguments(p)
+    _add_quantize_arguments(p)
+    _add_generation_arguments(p)
+    p.add_argument(
+        "--examples",
+        type=int,
+        default=TRANSLATION_EXAMPLES,
+        help="example sources to translate with ONNX Runtime at the end: the BLEU gate's parallel text, "
+        "or the demo task's held-out numbers for the bundled demo model; other models record none (0: none)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
+    add_debug_flag(p)
+    return p
+
+
+def _add_graph_arguments(p: argparse.ArgumentParser) -> None:
+    """The folders, the flavour and the shapes of the graphs."""
     p.add_argument(
         "--model-dir",
         default=None,
@@ -968,6 +1014,10 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_TOLERANCE,
         help="largest difference allowed from float64 eager PyTorch (or 8x eager float32's own, if larger)",
     )
+
+
+def _add_pass_arguments(p: argparse.ArgumentParser) -> None:
+    """The validation and the graph passes, each on by default."""
     p.add_argument(
         "--no-validate",
         dest="validate",
@@ -996,6 +1046,10 @@ def _parser() -> argparse.ArgumentParser:
         "instead of [rows, d_model], where ONNX Runtime fuses each projection and its bias into a Gemm",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random validation inputs")
+
+
+def _add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    """``--quantize`` and its gate and MatMulNBits options (:mod:`export.quantize`)."""
     p.add_argument(
         "--quantize",
         default=None,
@@ -1011,6 +1065,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_gate_arguments(p)
     add_nbits_arguments(p)
+
+
+def _add_generation_arguments(p: argparse.ArgumentParser) -> None:
+    """The fields of the export's generation config."""
     g = p.add_argument_group(
         "generation config",
         f"how a deployment decodes with the export, written to {GENERATION_FILE} "
@@ -1035,16 +1093,6 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="the largest budget, whatever the source length (default and maximum: --cache-len)",
     )
-    p.add_argument(
-        "--examples",
-        type=int,
-        default=TRANSLATION_EXAMPLES,
-        help="example sources to translate with ONNX Runtime at the end: the BLEU gate's parallel text, "
-        "or the demo task's held-out numbers for the bundled demo model; other models record none (0: none)",
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
-    add_debug_flag(p)
-    return p
 
 
 def summary_text(result: ExportResult) -> str:

@@ -54,8 +54,30 @@ def test_a_ratio_is_ours_best_over_the_peers_best(tmp_path, monkeypatch):
     assert f32["ratios"] == [pytest.approx(2.0)] and f32["unsplit"]
     int8 = cells[name][("int8", "greedy", 16)]
     assert int8["ratios"] == [pytest.approx(0.5)] and not int8["unsplit"]
-    block = summary.readme_block(cells)
-    assert "| greedy batch 16 | 2.00x † | 0.50x |" in block
+    # README leaves out a machine where CTranslate2 missed its split in any cell; the page marks it
+    assert "CPU X" not in summary.readme_block(cells)
+    assert "| float32 | greedy batch 16 | 300 (2) | 150 (1) | 2.00x † |" in summary.page(cells, {})
+    for r in payload["best_threads"]:
+        r["tokens_per_second_by_threads"].setdefault("2x1", 1.0)
+    (tmp_path / "run.json").write_text(json.dumps(payload))
+    block = summary.readme_block(summary.decode_cells(["run.json"]))
+    assert "| greedy batch 16 | 2.00x | 0.50x |" in block
+
+
+def test_batch_1_without_the_peers_split_is_marked(tmp_path, monkeypatch):
+    summary = _summary()
+    machine = {"model_name": "CPU Y", "cpus": "2", "l3": "32 MiB (1 instance)", "simd": ["avx2"]}
+    payload = {
+        "machine": machine,
+        "best_threads": [
+            {"model": "base", "engine": e, "mode": "greedy", "batch": 1, "tokens_per_second_by_threads": by}
+            for e, by in (("onnxrt", {"1": 10.0, "2x1": 9.0}), ("ctranslate2", {"1": 5.0, "2": 4.0}))
+        ],
+    }
+    (tmp_path / "run.json").write_text(json.dumps(payload))
+    monkeypatch.setattr(summary, "RESULTS", tmp_path)
+    cells = summary.decode_cells(["run.json"])
+    assert next(iter(cells.values()))[("float32", "greedy", 1)]["unsplit"]
 
 
 def test_a_listed_file_that_is_missing_is_an_error(tmp_path, monkeypatch):

@@ -628,12 +628,22 @@ def test_probe_split_workers_times_one_worker_against_the_split(tmp_path, tmp_pa
     (artifacts / "base" / "onnx_int8").symlink_to(quantized_dir(tmp_path_factory, "int8"))
     out = tmp_path / "split.json"
     argv = ["--artifacts", str(artifacts), "--engines", "onnxrt", "--batch", "4", "--new-tokens", "3"]
-    argv += ["--rounds", "1", "--src-vocab", "20", "--out", str(out)]
+    argv += ["--rounds", "1", "--src-vocab", "20", "--memory", "--out", str(out)]
     assert probe_split_workers.main(argv) == 0
-    saved = json.loads(out.read_text())["engines"]["onnxrt"]
+    whole = json.loads(out.read_text())
+    saved = whole["engines"]["onnxrt"]
     assert set(saved) == {"greedy", "beam4"}
     for r in saved.values():
         assert r["half_ms"] > 0 and r["split_ms"] > 0 and r["half_tokens_equal_split"] is True
+        # the split in worker processes (split_ms) and in threads, with the same tokens
+        pools = r["by_pool"]
+        assert set(pools) == {"processes", "threads"} and pools["processes"]["split_ms"] == r["split_ms"]
+        assert all(b["half_tokens_equal_split"] for b in pools.values()) and r["processes_over_threads"] > 0
+    assert set(whole["round_trip_ms"]) == {"processes", "threads"}
+    memory = whole["memory"]
+    settings = ("inprocess1", "threads2", "processes1", "processes2")
+    assert [len(memory[s]["workers"]) for s in settings] == [0, 0, 1, 2]
+    assert all(m["total_pss_kib"] > 0 for m in memory.values())
     with pytest.raises(SystemExit):
         probe_split_workers.main(["--artifacts", str(artifacts), "--batch", "3", "--out", str(out)])
     with pytest.raises(SystemExit):  # no CTranslate2 model in the folder

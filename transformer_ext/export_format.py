@@ -34,7 +34,7 @@ import math
 import os
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from .cli import UserError
 from .tokenizer import TOKENIZER_FILE
@@ -911,21 +911,7 @@ class GenerationConfig:
                 f"got {_show(special)}"
             )
         if manifest is not None:
-            capacity = manifest_max_cache_len(manifest)
-            if capacity is not None and max_new > capacity:
-                raise fail(
-                    f"max_new_tokens {max_new} exceeds the export's cache capacity max_cache_len = {capacity}"
-                )
-            theirs = manifest.get("special_tokens")
-            if isinstance(theirs, Mapping) and dict(theirs) != dict(special):
-                raise fail(f"special_tokens {dict(special)} differ from the manifest's {dict(theirs)}")
-            config = manifest.get("model_config") or {}
-            for key in _SPECIAL_REQUIRED:
-                if f"{key}_id" in config and config[f"{key}_id"] != special[key]:
-                    raise fail(
-                        f"special_tokens.{key} = {special[key]} differs from the model config's "
-                        f"{key}_id = {config[f'{key}_id']}"
-                    )
+            _check_generation_against_manifest(manifest, max_new, special, fail)
         return cls(
             beam_size=beam_size,
             length_penalty=data["length_penalty"],
@@ -936,6 +922,29 @@ class GenerationConfig:
             max_new_tokens=max_new,
             special_tokens=dict(special),
         )
+
+
+def _check_generation_against_manifest(
+    manifest: Mapping[str, Any],
+    max_new: int,
+    special: Mapping[str, int],
+    fail: Callable[[str], GenerationConfigError],
+) -> None:
+    """A generation config's ``max_new_tokens`` within the export's cache capacity, its special
+    ids equal to the manifest's and to the model config's."""
+    capacity = manifest_max_cache_len(manifest)
+    if capacity is not None and max_new > capacity:
+        raise fail(f"max_new_tokens {max_new} exceeds the export's cache capacity max_cache_len = {capacity}")
+    theirs = manifest.get("special_tokens")
+    if isinstance(theirs, Mapping) and dict(theirs) != dict(special):
+        raise fail(f"special_tokens {dict(special)} differ from the manifest's {dict(theirs)}")
+    config = manifest.get("model_config") or {}
+    for key in _SPECIAL_REQUIRED:
+        if f"{key}_id" in config and config[f"{key}_id"] != special[key]:
+            raise fail(
+                f"special_tokens.{key} = {special[key]} differs from the model config's "
+                f"{key}_id = {config[f'{key}_id']}"
+            )
 
 
 def _show(value: Any) -> str:

@@ -11,7 +11,13 @@ Spec: ``{"engine": "ctranslate2" | "onnxrt" | "eager" | "transformers" | "optimu
 "bos": id, "eos": id}``, optionally ``"workers": W`` (``ctranslate2`` and ``onnxrt``, W dividing N:
 the batch split into W parts decoded at once, each on N / W threads: CTranslate2's
 ``inter_threads=W, intra_threads=N/W`` with ``max_batch_size`` = a W-th of the batch, ours W
-``OrtRunner`` s under ``runtimes.pool.SourceParallel``), and optionally ``"banned_ids": [id, ...]`` (never generated: our
+``OrtRunner`` s, each in a worker process of its own under ``runtimes.procpool.ProcessSourceParallel``
+(default, ``"pool": "processes"``: no interpreter lock shared by the parts' host work; the workers
+import no torch either, and count in ``torch_imported``) or in threads of this process under
+``runtimes.pool.SourceParallel`` (``"pool": "threads"``); the ready answer records it as
+``split_pool``: the pool and, for processes, the workers' pids), ``"pack_weights": false``
+(``onnxrt``: ``OrtRunner(pack_weights=False)``, the weight products read from the mapped
+``weights.data``, shared by worker processes), and optionally ``"banned_ids": [id, ...]`` (never generated: our
 ``banned_ids``, transformers' ``bad_words_ids``) and ``"vocabulary": <a JSON list of token
 strings>`` (CTranslate2: token ``i`` is id ``i``, as in a converted Hugging Face model's
 ``shared_vocabulary.json``; without it the tokens are ``s<id>`` / ``t<id>`` with our four specials).
@@ -39,6 +45,7 @@ workers read a Hugging Face folder; the parent may start them with another envir
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -98,42 +105,47 @@ def _ctranslate2(spec):
     return decode
 
 
-def _search(runner, spec, parallel=None):
-    bos, eos = int(spec["bos"]), int(spec["eos"])
-    banned = [int(t) for t in spec.get("banned_ids", ())]
+def _decode_part(runner, src, lengths, *, mode, n, bos, eos, banned):
+    """One decode request on ``runner`` (or one part of it, in a pool): exactly ``n`` tokens,
+    greedy or beam 4 without length penalty -> the best hypothesis's tokens per source. A
+    module-level function, so that a process pool can send it to its workers."""
+    from transformer_ext.decoding import beam_search, greedy_decode
 
-    def decode(mode, src, lengths, n):
-        if parallel is not None:  # the parts of the batch on several runners at once
-            return parallel.run(lambda r, s, ln: search(r, mode, s, ln, n), src, lengths)
-        return search(runner, mode, src, lengths, n)
-
-    def search(runner, mode, src, lengths, n):
-        from transformer_ext.decoding import beam_search, greedy_decode
-
-        if mode == "greedy":
-            return greedy_decode(
-                runner,
-                src,
-                lengths,
-                bos_id=bos,
-                eos_id=eos,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                banned_ids=banned,
-            )
-        hyps = beam_search(
+    if mode == "greedy":
+        return greedy_decode(
             runner,
             src,
             lengths,
             bos_id=bos,
             eos_id=eos,
-            banned_ids=banned,
-            beam_size=BEAM,
             max_new_tokens=n,
             min_new_tokens=n,
-            length_penalty="none",
+            banned_ids=banned,
         )
-        return [list(row[0].tokens) for row in hyps]
+    hyps = beam_search(
+        runner,
+        src,
+        lengths,
+        bos_id=bos,
+        eos_id=eos,
+        banned_ids=banned,
+        beam_size=BEAM,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        length_penalty="none",
+    )
+    return [list(row[0].tokens) for row in hyps]
+
+
+def _search(runner, spec, parallel=None):
+    bos, eos = int(spec["bos"]), int(spec["eos"])
+    banned = [int(t) for t in spec.get("banned_ids", ())]
+
+    def decode(mode, src, lengths, n):
+        search = functools.partial(_decode_part, mode=mode, n=n, bos=bos, eos=eos, banned=banned)
+        if parallel is not None:  # the parts of the batch on several runners at once
+            return parallel.run(search, src, lengths)
+        return search(runner, src, lengths)
 
     return decode
 
@@ -143,12 +155,26 @@ def _onnxrt(spec):
 
     workers = int(spec.get("workers", 1))
     threads = int(spec["threads"]) // workers
+    make = functools.partial(
+        OrtRunner,
+        spec["model"],
+        intra_op_num_threads=threads,
+        pack_weights=bool(spec.get("pack_weights", True)),
+    )
     if workers == 1:
-        return _search(OrtRunner(spec["model"], intra_op_num_threads=threads), spec)
-    from transformer_ext.runtimes.pool import SourceParallel
+        return _search(make(), spec)
+    from transformer_ext.runtimes.pool import open_source_parallel
 
-    runners = [OrtRunner(spec["model"], intra_op_num_threads=threads) for _ in range(workers)]
-    return _search(None, spec, SourceParallel(runners))
+    pool = spec.get("pool", "processes")
+    parallel = open_source_parallel(make, workers, pool=pool)
+    decode = _search(None, spec, parallel)
+    decode.close, decode.parallel = parallel.close, parallel
+    decode.pool = {"pool": pool}
+    if pool == "processes":
+        decode.pool.update(
+            worker_pids=parallel.worker_pids, workers_torch_imported=parallel.workers_torch_imported
+        )
+    return decode
 
 
 def _eager(spec):
@@ -327,7 +353,8 @@ def main() -> int:
         )  # the repository: this worker runs under the peer engines' interpreters too
         lines_task = spec.get("task") == "lines"
         decode = (LINE_BUILDERS if lines_task else BUILDERS)[spec["engine"]](spec)
-        torch_imported = "torch" in sys.modules
+        pool = getattr(decode, "pool", None)  # a split over worker processes: theirs count too
+        torch_imported = "torch" in sys.modules or any((pool or {}).get("workers_torch_imported", ()))
         if spec.get("forbid_torch") and torch_imported:
             raise RuntimeError(f"the {spec['engine']} worker imported torch; it must load only its engine")
         send(
@@ -337,6 +364,7 @@ def main() -> int:
                     "torch_imported": torch_imported,
                     "pid": os.getpid(),
                     "workers": int(spec.get("workers", 1)),
+                    **({"split_pool": pool} if pool else {}),
                     "modules": sorted(
                         m
                         for m in ("torch", "ctranslate2", "onnxruntime", "transformers", "optimum")
@@ -348,6 +376,7 @@ def main() -> int:
         while True:
             msg = pickle.load(proto_in)
             if msg[0] == "stop":
+                getattr(decode, "close", lambda: None)()
                 return 0
             if msg[0] == "translate":
                 c0, t0 = time.process_time(), time.perf_counter()

@@ -661,14 +661,50 @@ _WEIGHT_MAPS: dict[str, Callable] = {}
 _FROM_WEIGHTS: dict[str, Callable] = {}
 
 
-def _generation(
-    folder: Path, cfg: dict, config: TransformerConfig, model_type: str, files: list[Path]
-) -> GenerationDefaults:
-    """The generation defaults of the checkpoint: every field of ``generation_config.json`` (else
-    the generation fields of ``config.json``, as transformers reads them) either reproduced, of
-    no effect on the tokens, or refused naming it (:data:`~.generation.REPRODUCED_FIELDS`,
-    :data:`~.generation.NO_EFFECT_FIELDS`, :data:`~.generation.REFUSED_FIELDS`); each value
-    checked, so that no folder is written that translation would refuse."""
+class _GenerationFields(_Fields):
+    """Typed reads of the generation fields of a checkpoint, each error naming the file and the
+    field; ``vocab_size`` bounds the token ids."""
+
+    def __init__(self, data: dict, source: Path, vocab_size: int):
+        super().__init__(data, source)
+        self.vocab_size = vocab_size
+
+    def refuse(self, key: str, why: str) -> ConversionError:
+        return ConversionError(
+            f"{self.source}: unsupported generation option {key} = {json.dumps(self.data[key])[:200]} ({why})"
+        )
+
+    def integer(self, key: str, low: int) -> Optional[int]:
+        value = self.get(key, int, None, allow_none=True)
+        if value is not None and value < low:
+            raise ConversionError(f"{self.source}: field {key!r} must be an integer >= {low}, got {value}")
+        return value
+
+    def number(self, key: str, default: float, *, positive: bool = False) -> float:
+        value = self.get(key, float, None, allow_none=True)
+        if value is None:
+            return default
+        if not math.isfinite(value) or (positive and value <= 0):
+            wanted = "a finite number > 0" if positive else "a finite number"
+            raise ConversionError(f"{self.source}: field {key!r} must be {wanted}, got {value}")
+        return value
+
+    def token(self, key: str) -> Optional[int]:
+        value = self.get(key, int, None, allow_none=True)
+        if value is not None and not 0 <= value < self.vocab_size:
+            raise ConversionError(
+                f"{self.source}: field {key!r} = {value} is not a target token id "
+                f"(the vocabulary has ids 0 .. {self.vocab_size - 1})"
+            )
+        return value
+
+
+def _generation_fields(
+    folder: Path, cfg: dict, config: TransformerConfig, files: list[Path]
+) -> _GenerationFields:
+    """The generation fields of the checkpoint: ``generation_config.json`` (no unknown field), else
+    the generation fields of ``config.json``; the fields whose values change ``generate()`` in a way
+    this package does not reproduce are refused."""
     path = folder / "generation_config.json"
     if path.is_file():
         gen = _read_json(path)
@@ -685,91 +721,79 @@ def _generation(
     else:  # transformers' GenerationConfig.from_model_config: the known fields of config.json
         gen = {k: v for k, v in cfg.items() if k in KNOWN_FIELDS and v is not None}
         source = folder / "config.json"
-    f = _Fields(gen, source)
-
-    def refuse(key: str, why: str) -> ConversionError:
-        return ConversionError(
-            f"{source}: unsupported generation option {key} = {json.dumps(f.data[key])[:200]} ({why})"
-        )
-
+    f = _GenerationFields(gen, source, config.tgt_vocab_size)
     for key in REFUSED_FIELDS:
         if key in f.data and refused_value(key, f.data[key]):
-            raise refuse(key, "it changes generate()'s output and this package does not reproduce it")
+            raise f.refuse(key, "it changes generate()'s output and this package does not reproduce it")
     if f.get("do_sample", bool, False, allow_none=True):
-        raise refuse("do_sample", "sampling by default; translate samples with --sampling-topk")
+        raise f.refuse("do_sample", "sampling by default; translate samples with --sampling-topk")
+    return f
 
-    def integer(key: str, low: int) -> Optional[int]:
-        value = f.get(key, int, None, allow_none=True)
-        if value is not None and value < low:
-            raise ConversionError(f"{source}: field {key!r} must be an integer >= {low}, got {value}")
-        return value
 
-    def number(key: str, default: float, *, positive: bool = False) -> float:
-        value = f.get(key, float, None, allow_none=True)
-        if value is None:
-            return default
-        if not math.isfinite(value) or (positive and value <= 0):
-            wanted = "a finite number > 0" if positive else "a finite number"
-            raise ConversionError(f"{source}: field {key!r} must be {wanted}, got {value}")
-        return value
-
-    def token(key: str) -> Optional[int]:
-        value = f.get(key, int, None, allow_none=True)
-        if value is not None and not 0 <= value < config.tgt_vocab_size:
-            raise ConversionError(
-                f"{source}: field {key!r} = {value} is not a target token id "
-                f"(the vocabulary has ids 0 .. {config.tgt_vocab_size - 1})"
-            )
-        return value
-
-    num_beams = integer("num_beams", 1) or 1
-    max_new = integer("max_new_tokens", 1)
-    max_length = integer("max_length", 2)
+def _search_lengths(f: _GenerationFields, config: TransformerConfig) -> dict[str, int]:
+    """``num_beams``, ``max_length`` (the decoder start token included), ``min_new_tokens`` and
+    ``num_return_sequences`` as ``generate()`` resolves them."""
+    num_beams = f.integer("num_beams", 1) or 1
+    max_new = f.integer("max_new_tokens", 1)
+    max_length = f.integer("max_length", 2)
     if max_new is not None:  # generate(): max_new_tokens wins, uncapped
         max_length = max_new + 1
     elif max_length is None:  # generate(): 20 new tokens, within max_position_embeddings
         max_length = min(DEFAULT_NEW_TOKENS + 1, config.max_len)
-    min_new = integer("min_new_tokens", 0)
+    min_new = f.integer("min_new_tokens", 0)
     if min_new is None:  # min_length counts the decoder start token
-        min_new = max(0, (integer("min_length", 0) or 0) - 1)
-    n_return = integer("num_return_sequences", 1) or 1
+        min_new = max(0, (f.integer("min_length", 0) or 0) - 1)
+    n_return = f.integer("num_return_sequences", 1) or 1
     if n_return > num_beams:  # generate() refuses it too
-        raise refuse("num_return_sequences", f"more than num_beams = {num_beams}")
-    length_penalty = number("length_penalty", 1.0)
-    repetition_penalty = number("repetition_penalty", 1.0, positive=True)
-    ngram = integer("no_repeat_ngram_size", 0) or 0
-    banned = []
+        raise f.refuse("num_return_sequences", f"more than num_beams = {num_beams}")
+    return {
+        "num_beams": num_beams,
+        "max_length": max_length,
+        "min_new_tokens": min_new,
+        "num_return_sequences": n_return,
+    }
+
+
+def _banned_ids(f: _GenerationFields, config: TransformerConfig) -> tuple[int, ...]:
+    """The single tokens of ``bad_words_ids``, without the EOS, sorted."""
     bad = f.data.get("bad_words_ids")
-    if bad is not None:
-        if not isinstance(bad, list) or any(not isinstance(b, list) for b in bad):
+    if bad is None:
+        return ()
+    source = f.source
+    if not isinstance(bad, list) or any(not isinstance(b, list) for b in bad):
+        raise ConversionError(
+            f"{source}: field 'bad_words_ids' must be a list of token-id lists, got {json.dumps(bad)[:200]}"
+        )
+    for b in bad:
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in b):
             raise ConversionError(
-                f"{source}: field 'bad_words_ids' must be a list of token-id lists, "
-                f"got {json.dumps(bad)[:200]}"
+                f"{source}: field 'bad_words_ids' must hold token ids (integers >= 0), "
+                f"got {json.dumps(b)[:200]}"
             )
-        for b in bad:
-            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in b):
-                raise ConversionError(
-                    f"{source}: field 'bad_words_ids' must hold token ids (integers >= 0), "
-                    f"got {json.dumps(b)[:200]}"
-                )
-            if len(b) != 1:
-                raise refuse("bad_words_ids", "only single tokens can be banned")
-        # generate() never bans the EOS this way (NoBadWordsLogitsProcessor drops it)
-        banned = sorted({b[0] for b in bad} - {config.eos_id})
+        if len(b) != 1:
+            raise f.refuse("bad_words_ids", "only single tokens can be banned")
+    # generate() never bans the EOS this way (NoBadWordsLogitsProcessor drops it)
+    return tuple(sorted({b[0] for b in bad} - {config.eos_id}))
+
+
+def _special_tokens(f: _GenerationFields, config: TransformerConfig, model_type: str) -> dict[str, Any]:
+    """The special ids of the generation fields checked against the model's (EOS, padding,
+    decoder start); ``force_eos_at_max_length``, ``forced_first_token`` and ``early_stopping``."""
+    source = f.source
     for key, ours in (("eos_token_id", config.eos_id), ("pad_token_id", config.pad_id)):
         value = f.data.get(key)
         if value not in (None, ours, [ours]):
             raise ConversionError(
                 f"{source}: {key} = {json.dumps(value)[:100]} differs from config.json's {ours}"
             )
-    forced_eos = token("forced_eos_token_id")
+    forced_eos = f.token("forced_eos_token_id")
     if forced_eos not in (None, config.eos_id):
         raise ConversionError(
             f"{source}: forced_eos_token_id = {forced_eos} is not the eos id {config.eos_id}"
         )
-    forced_bos = token("forced_bos_token_id")
+    forced_bos = f.token("forced_bos_token_id")
     if forced_bos is not None and model_type in ("m2m_100", "mbart"):
-        raise refuse(
+        raise f.refuse(
             "forced_bos_token_id",
             "the first token of an M2M100 / NLLB / mBART-50 translation is the target language's, "
             "chosen with --target-lang",
@@ -787,19 +811,36 @@ def _generation(
             f"{source}: decoder_start_token_id = {json.dumps(start)[:100]} differs from config.json's "
             f"{config.bos_id}"
         )
+    return {
+        "force_eos_at_max_length": forced_eos is not None,
+        "forced_first_token": forced_bos,
+        "early_stopping": early,
+    }
+
+
+def _generation(
+    folder: Path, cfg: dict, config: TransformerConfig, model_type: str, files: list[Path]
+) -> GenerationDefaults:
+    """The generation defaults of the checkpoint: every field of ``generation_config.json`` (else
+    the generation fields of ``config.json``, as transformers reads them) either reproduced, of
+    no effect on the tokens, or refused naming it (:data:`~.generation.REPRODUCED_FIELDS`,
+    :data:`~.generation.NO_EFFECT_FIELDS`, :data:`~.generation.REFUSED_FIELDS`); each value
+    checked, so that no folder is written that translation would refuse."""
+    f = _generation_fields(folder, cfg, config, files)
+    lengths = _search_lengths(f, config)
+    length_penalty = f.number("length_penalty", 1.0)
+    repetition_penalty = f.number("repetition_penalty", 1.0, positive=True)
+    ngram = f.integer("no_repeat_ngram_size", 0) or 0
+    banned = _banned_ids(f, config)
+    special = _special_tokens(f, config, model_type)
     return GenerationDefaults(
-        num_beams=num_beams,
-        max_length=max_length,
+        **lengths,
+        **special,
         length_penalty=length_penalty,
-        early_stopping=early,
-        banned_ids=tuple(banned),
-        force_eos_at_max_length=forced_eos is not None,
+        banned_ids=banned,
         force_target_language=model_type in ("m2m_100", "mbart"),
-        min_new_tokens=min_new,
         repetition_penalty=repetition_penalty,
         no_repeat_ngram_size=ngram,
-        forced_first_token=forced_bos,
-        num_return_sequences=n_return,
         renormalize_logits=f.get("renormalize_logits", bool, False, allow_none=True) or False,
     )
 

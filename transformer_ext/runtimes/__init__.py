@@ -23,7 +23,9 @@ the GPU runners), :mod:`.ort_cuda`, :mod:`.trt`, and :mod:`.kv_cache`: the self-
 every cached runner keeps (``KVCache`` on torch for the eager and GPU runners, ``HostKVCache`` on
 numpy for ``OrtRunner``: every layer stacked in one buffer per K / V, in-place append and
 reorder, the CUDA error flag read without a per-step sync). :mod:`.pool`'s ``SourceParallel``
-decodes the parts of a batch on several runners at once (data parallelism over sources).
+decodes the parts of a batch on several runners at once (data parallelism over sources), in
+threads; :mod:`.procpool`'s ``ProcessSourceParallel`` in worker processes (no shared interpreter
+lock), each making its runner; ``open_source_parallel`` builds either.
 :mod:`.denormals` runs a call with denormal floats flushed to zero on the calling thread
 (``OrtRunner`` runs its graphs so: the padding's ``-inf`` otherwise slows every padded softmax).
 
@@ -68,6 +70,9 @@ _EXPORTS = {
     "CacheOverflowError": "kv_cache",
     "SourceParallel": "pool",
     "split_sources": "pool",
+    "open_source_parallel": "pool",
+    "ProcessSourceParallel": "procpool",
+    "WorkerError": "procpool",
 }
 
 # Literal, so linters and IDEs see the public names; equal to _EXPORTS's keys (tests/test_runtimes.py).
@@ -86,14 +91,17 @@ __all__ = [
     "OrtCudaRunner",
     "OrtRunner",
     "OrtState",
+    "ProcessSourceParallel",
     "RUNTIMES",
     "RunnerInfo",
     "RuntimeNotAvailableError",
     "RuntimeOptionError",
     "SourceParallel",
     "TensorRTRunner",
+    "WorkerError",
     "greedy_decode_uncached",
     "open_export_dir",
+    "open_source_parallel",
     "split_sources",
 ]
 
@@ -106,7 +114,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .kv_cache import CacheOverflowError, HostKVCache, KVCache
     from .ort import OrtRunner, OrtState
     from .ort_cuda import OrtCudaRunner
-    from .pool import SourceParallel, split_sources
+    from .pool import SourceParallel, open_source_parallel, split_sources
+    from .procpool import ProcessSourceParallel, WorkerError
     from .trt import TensorRTRunner
 
 

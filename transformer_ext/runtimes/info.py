@@ -10,7 +10,7 @@ standard library.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
@@ -22,6 +22,11 @@ PRECISION_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 def _opt_int(value: Any) -> Optional[int]:
     return None if value is None else int(value)
+
+
+def _runner_info(values: dict) -> "RunnerInfo":
+    """A pickled :class:`RunnerInfo` made again."""
+    return RunnerInfo(**values)
 
 
 def _min(*values: Optional[int]) -> Optional[int]:
@@ -65,6 +70,14 @@ class RunnerInfo:
     def __post_init__(self) -> None:
         if self.config is not None and not isinstance(self.config, MappingProxyType):
             object.__setattr__(self, "config", MappingProxyType(dict(self.config)))
+
+    def __reduce__(self):
+        """Pickled with the config as a plain dict (a read-only mapping does not pickle): a
+        worker process sends its runner's record to its parent."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if values["config"] is not None:
+            values["config"] = dict(values["config"])
+        return _runner_info, (values,)
 
     @classmethod
     def from_config(

@@ -99,6 +99,7 @@ CACHE_GROWTH = 16  # positions a growing cache gains at a time (the module docst
 # beam 4 batch 64 / 16 1.03 / 1.05x, greedy batch 16 / 1 1.18 / 1.10x; the same tokens. Threads
 # still spin within a run, where a sleeping thread's wake-up would cost each operator.
 FORCE_SPINNING_STOP = "session.force_spinning_stop"
+DISABLE_PREPACKING = "session.disable_prepacking"  # OrtRunner(pack_weights=False)
 
 # OrtRunner's ``few_rows`` choices (the class docstring).
 FEW_ROWS_MODES = ("auto", "never", "always")
@@ -228,6 +229,11 @@ class OrtRunner(decoding.SearchMethods):
             checks the graph so; an export without one is then a ValueError). Both graphs take
             the same buffers, so a decode's rows may move from one to the other when finished
             sources are removed.
+        pack_weights: let ONNX Runtime pack the weight products into memory of the session's own
+            at load (default: its fastest kernels), or leave them reading ``weights.data``'s
+            mapping (False: ``session.disable_prepacking``; several processes on one folder then
+            share the weights' pages, at a speed cost: ``runtimes.procpool`` has numbers).
+            Ignored with ``session_options``.
 
     ``info`` (:class:`~transformer_ext.runtimes.info.RunnerInfo`) describes the model, the
     export's cache capacity, its precision and flavour.
@@ -252,6 +258,7 @@ class OrtRunner(decoding.SearchMethods):
         reuse_buffers: bool = True,
         flush_denormals: bool = True,
         few_rows: str = "auto",
+        pack_weights: bool = True,
     ):
         if few_rows not in FEW_ROWS_MODES:
             raise ValueError(f"few_rows must be one of {list(FEW_ROWS_MODES)}, got {few_rows!r}")
@@ -260,10 +267,12 @@ class OrtRunner(decoding.SearchMethods):
             ("reuse_buffers", reuse_buffers),
             ("flush_denormals", flush_denormals),
             ("stop_spinning_after_run", stop_spinning_after_run),
+            ("pack_weights", pack_weights),
         ):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         self.grow_cache = bool(grow_cache)
+        self.pack_weights = bool(pack_weights)
         # Graph runs with denormals flushed to zero (runtimes.denormals: the padding's -inf made
         # every padded softmax several times slower), on this thread and on the session's pool.
         self.flush_denormals = bool(flush_denormals)
@@ -358,6 +367,8 @@ class OrtRunner(decoding.SearchMethods):
             )
         if stop_spinning_after_run:
             options.add_session_config_entry(FORCE_SPINNING_STOP, "1")
+        if not self.pack_weights:
+            options.add_session_config_entry(DISABLE_PREPACKING, "1")
         if self.flush_denormals:
             for key, value in denormals.session_config().items():
                 options.add_session_config_entry(key, value)

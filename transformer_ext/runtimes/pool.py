@@ -24,38 +24,59 @@ When one part fails, or the caller is interrupted while the parts run (Ctrl-C ra
 KeyboardInterrupt in the waiting thread), the other parts stop at their next decoder step
 (raising :class:`PartCancelled` inside their threads) and :meth:`SourceParallel.run` re-raises the
 first error once every part has stopped: an interrupted batch ends within one step.
+
+The threads share the interpreter lock for the search's Python work (the beam bookkeeping
+between two graph runs), which limits what two 1-thread runners gain at beam search:
+:class:`~transformer_ext.runtimes.procpool.ProcessSourceParallel` runs each part in a worker
+process instead (same results, same cancellation, the runner made in the worker), and
+:func:`open_source_parallel` builds either from one runner factory (``pool="threads"`` or
+``"processes"``).
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from transformer_ext import decoding
 
-__all__ = ["SourceParallel", "PartCancelled", "split_sources", "PER_SOURCE_OPTIONS"]
+__all__ = [
+    "SourceParallel",
+    "PartCancelled",
+    "split_sources",
+    "open_source_parallel",
+    "PER_SOURCE_OPTIONS",
+    "POOLS",
+]
 
 # Search options that may hold one value per source (sliced with the sources); the others are
 # passed to every part as they are.
 PER_SOURCE_OPTIONS = ("max_new_tokens", "min_new_tokens", "target_prefix")
 POLL_SECONDS = 0.1  # the longest wait for the parts between two looks at pending signals
+POOLS = ("threads", "processes")  # open_source_parallel's pool kinds
 
 
 class PartCancelled(Exception):
     """Raised inside a part's search when another part failed or the caller was interrupted."""
 
 
+class _StopFlag(Protocol):
+    def is_set(self) -> bool: ...
+
+
 class _StoppableRunner:
-    """A runner as one part's search sees it: every step first checks the batch's stop event
-    (set when another part fails or the caller is interrupted, Ctrl-C included), so a part ends
-    within one step instead of decoding to its end. Every other attribute is the runner's."""
+    """A runner as one part's search sees it: every step first checks the batch's stop flag
+    (set when another part fails or the caller is interrupted, Ctrl-C included: a
+    ``threading.Event`` in a thread, the worker's control channel in a process worker), so a
+    part ends within one step instead of decoding to its end. Every other attribute is the
+    runner's."""
 
     _STEPS = ("step", "step_top_k", "step_with_attention")
 
-    def __init__(self, runner: Any, stop: threading.Event):
+    def __init__(self, runner: Any, stop: _StopFlag):
         self._runner = runner
         for name in self._STEPS:
             method = getattr(runner, name, None)
@@ -63,7 +84,7 @@ class _StoppableRunner:
                 setattr(self, name, self._checked(method, stop))
 
     @staticmethod
-    def _checked(method: Callable[..., Any], stop: threading.Event) -> Callable[..., Any]:
+    def _checked(method: Callable[..., Any], stop: _StopFlag) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if stop.is_set():
                 raise PartCancelled("another part of the batch failed, or the decode was interrupted")
@@ -89,6 +110,60 @@ def split_sources(n: int, parts: int) -> list[slice]:
     for i in range(parts):
         bounds.append(bounds[-1] + size + (1 if i < extra else 0))
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def plan_parts(
+    input_ids: Any, src_lengths: Any, n_parts: int, options: dict
+) -> tuple[np.ndarray, np.ndarray, list[slice], Callable[[slice], dict]]:
+    """The checked batch of a split search: ``(ids, lengths, parts, part_options)``, ``parts``
+    the sources' slices (:func:`split_sources`) and ``part_options(slice)`` the options of one
+    part (those of :data:`PER_SOURCE_OPTIONS` that hold one value per source sliced with it).
+
+    Raises ValueError for a batch that is not ``[batch, src_len]`` / ``[batch]`` with batch >= 1,
+    for a per-source option of another length, and for sampling over several parts (each part
+    would draw its own random stream)."""
+    ids = np.asarray(input_ids)
+    lengths = np.asarray(src_lengths)
+    if ids.ndim != 2 or lengths.ndim != 1 or lengths.shape[0] != ids.shape[0] or ids.shape[0] == 0:
+        raise ValueError(
+            f"input_ids must be [batch, src_len] and src_lengths [batch] with batch >= 1, got "
+            f"{ids.shape} and {lengths.shape}"
+        )
+    parts = split_sources(ids.shape[0], n_parts)
+    n = ids.shape[0]
+    if len(parts) > 1:
+        sampling = (
+            options.get("sampling_topk", 1) != 1
+            or options.get("sampling_topp", 1.0) != 1.0
+            or options.get("sampling_temperature", 1.0) != 1.0
+        )
+        if sampling:
+            raise ValueError(
+                "sampling cannot be split over several runners (each part would draw its own random "
+                "stream): decode with one runner"
+            )
+        for name in PER_SOURCE_OPTIONS:
+            value = options.get(name)
+            if value is not None and not np.isscalar(value) and len(value) != n:
+                raise ValueError(f"{name} holds {len(value)} values for {n} sources")
+
+    def part_options(sl: slice) -> dict:
+        out = dict(options)
+        for name in PER_SOURCE_OPTIONS:
+            value = options.get(name)
+            if value is not None and not np.isscalar(value):
+                out[name] = value[sl]
+        return out
+
+    return ids, lengths, parts, part_options
+
+
+def check_part_result(search: Any, part: Any, sl: slice) -> list:
+    """A part's result as :meth:`SourceParallel.run` joins it: a list with one entry per source
+    of ``sl`` (TypeError otherwise)."""
+    if not isinstance(part, list) or len(part) != sl.stop - sl.start:
+        raise TypeError(f"{search!r} must return a list with one entry per source")
+    return part
 
 
 class SourceParallel:
@@ -130,39 +205,9 @@ class SourceParallel:
         hold one value per source; sampling (``sampling_topk``, ``sampling_topp``,
         ``sampling_temperature`` other than greedy) is a ValueError when the batch is split.
         """
-        ids = np.asarray(input_ids)
-        lengths = np.asarray(src_lengths)
-        if ids.ndim != 2 or lengths.ndim != 1 or lengths.shape[0] != ids.shape[0] or ids.shape[0] == 0:
-            raise ValueError(
-                f"input_ids must be [batch, src_len] and src_lengths [batch] with batch >= 1, got "
-                f"{ids.shape} and {lengths.shape}"
-            )
-        parts = split_sources(ids.shape[0], len(self.runners))
+        ids, lengths, parts, part_options = plan_parts(input_ids, src_lengths, len(self.runners), options)
         if len(parts) == 1:
             return search(self.runners[0], ids, lengths, **options)
-        sampling = (
-            options.get("sampling_topk", 1) != 1
-            or options.get("sampling_topp", 1.0) != 1.0
-            or options.get("sampling_temperature", 1.0) != 1.0
-        )
-        if sampling:
-            raise ValueError(
-                "sampling cannot be split over several runners (each part would draw its own random "
-                "stream): decode with one runner"
-            )
-        n = ids.shape[0]
-
-        def part_options(sl: slice) -> dict:
-            out = dict(options)
-            for name in PER_SOURCE_OPTIONS:
-                value = options.get(name)
-                if value is None or np.isscalar(value):
-                    continue
-                if len(value) != n:
-                    raise ValueError(f"{name} holds {len(value)} values for {n} sources")
-                out[name] = value[sl]
-            return out
-
         stop = threading.Event()
         futures = [
             self._threads.submit(
@@ -181,10 +226,7 @@ class SourceParallel:
                     if future.exception() is not None:
                         raise future.exception()
             for sl, future in zip(parts, futures):
-                part = future.result()
-                if not isinstance(part, list) or len(part) != sl.stop - sl.start:
-                    raise TypeError(f"{search!r} must return a list with one entry per source")
-                results.extend(part)
+                results.extend(check_part_result(search, future.result(), sl))
         except BaseException:  # a part failed, or the caller was interrupted (KeyboardInterrupt)
             stop.set()  # the other parts stop at their next step
             wait(futures)
@@ -194,3 +236,23 @@ class SourceParallel:
     def generate(self, input_ids: Any, src_lengths: Any, **options: Any) -> list[list[decoding.Hypothesis]]:
         """:func:`transformer_ext.decoding.generate` over the parts."""
         return self.run(decoding.generate, input_ids, src_lengths, **options)
+
+
+def open_source_parallel(make_runner: Callable[[], Any], workers: int, *, pool: str, **process_options: Any):
+    """``workers`` runners of ``make_runner()`` decoding the parts of each batch at once:
+    ``pool="threads"``: a :class:`SourceParallel` over runners made here, one thread each;
+    ``pool="processes"``: a :class:`~transformer_ext.runtimes.procpool.ProcessSourceParallel`,
+    each runner made in a worker process of its own (``make_runner`` must pickle;
+    ``process_options`` are its keyword arguments). Both have ``info``, ``run``, ``generate``,
+    ``close`` and the context manager."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {list(POOLS)}, got {pool!r}")
+    if pool == "processes":
+        from .procpool import ProcessSourceParallel
+
+        return ProcessSourceParallel(make_runner, workers, **process_options)
+    if process_options:
+        raise TypeError(f"pool='threads' takes no {sorted(process_options)} (options of the process pool)")
+    return SourceParallel([make_runner() for _ in range(workers)])
