@@ -53,7 +53,7 @@ from .cli import Terminated, run_cli
 from .demo import DEMO_MODEL_DIR
 from .devices import parse_device
 from .export_format import MANIFEST_NAME
-from .translate_io import Progress, Sources, check_output, format_lines, silence, write_output
+from .translate_io import Progress, Sources, check_output, format_lines, managed_dirs, silence, write_output
 from .translate_parser import build_parser, check_args, runtime_conflicts, search_options
 from .translator import (
     DEFAULT_MAX_LEN_A,
@@ -88,6 +88,7 @@ __all__ = [
     # the command
     "build_parser",
     "main",
+    "managed_dirs",
 ]
 
 logger = logging.getLogger("transformer_ext.translate")  # also when run as __main__
