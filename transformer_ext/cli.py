@@ -86,6 +86,12 @@ def _spellings_seen(namespace: argparse.Namespace) -> dict[str, str]:
     return _SPELLINGS_SEEN[key]
 
 
+def spelling_given(namespace: argparse.Namespace, dest: str) -> Optional[str]:
+    """The option string a parsed command line gave for ``dest``, an :func:`add_option` option
+    with old spellings (an old one or the new one); None when it gave none."""
+    return _SPELLINGS_SEEN.get(id(namespace), {}).get(dest)
+
+
 def add_option(
     parser: Union[argparse.ArgumentParser, argparse._ActionsContainer],
     *flags: str,
