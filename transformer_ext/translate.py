@@ -150,7 +150,7 @@ def _load_translator(args) -> Translator:
         )
         raise TranslationError(
             f"--model {args.model} {what}: --runtime {runtime} runs an export folder, written by "
-            "`python -m export.onnx --model-dir MODEL_DIR --output-dir EXPORT_DIR`; a model "
+            "`python -m export.onnx --model MODEL_DIR --output-dir EXPORT_DIR`; a model "
             "folder runs with --runtime eager"
         )
     return Translator.from_export_dir(
