@@ -3,7 +3,7 @@
 Command line::
 
     python -m export.onnx                              # the bundled demo model -> ./onnx_export/
-    python -m export.onnx --model-dir runs/base --output-dir out/base_onnx
+    python -m export.onnx --model runs/base --output-dir out/base_onnx
     python -m export.onnx --flavour tensorscatter      # cache update inside the graph (opset 24)
     python -m export.onnx --flavour ort                # ONNX Runtime's GroupQueryAttention (CPU)
     python -m export.onnx --quantize int8              # int8 weights, for ONNX Runtime (export.quantize)
@@ -59,7 +59,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from transformer_ext.cli import DefaultsHelpFormatter, UsageError, add_debug_flag, run_cli
+from transformer_ext.cli import DefaultsHelpFormatter, UsageError, add_debug_flag, add_option, run_cli
 from transformer_ext.convert.generation import GENERATION_DEFAULTS_FILE
 from transformer_ext.decoding import LENGTH_PENALTIES
 from transformer_ext.export_format import (
@@ -294,7 +294,7 @@ def _load_model_only(model_dir: Optional[str | os.PathLike]):
 
     path = Path(model_dir) if model_dir is not None else demo_model_dir()
     if not path.exists():
-        hint = " (the bundled demo model is not installed; pass --model-dir)" if model_dir is None else ""
+        hint = " (the bundled demo model is not installed; pass --model)" if model_dir is None else ""
         raise ModelDirectoryError(f"model folder not found: {path}{hint}")
     if not path.is_dir():
         raise ModelDirectoryError(f"not a model folder (expected a directory): {path}")
@@ -773,7 +773,7 @@ def _read_source(
     """The model folder read and checked once ``output_dir`` is known not to overlap it, and the
     cache length checked against the model (default: its ``max_len``)."""
     # None: the bundled demo model. A training run's best/, last/ and checkpoints/ are the trainer's.
-    inputs = [] if model_dir is None else [("the model folder --model-dir", model_dir)]
+    inputs = [] if model_dir is None else [("the model folder --model", model_dir)]
     check_output_path(output_dir, inputs=inputs, managed_dirs=managed_dirs(output_dir), what="--output-dir")
     check_replaceable(output_dir)
     source = _Source(*_load_model_folder(model_dir))
@@ -991,8 +991,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_graph_arguments(p: argparse.ArgumentParser) -> None:
     """The folders, the flavour and the shapes of the graphs."""
-    p.add_argument(
-        "--model-dir",
+    add_option(
+        p,
+        "--model",
+        deprecated=("--model-dir",),
         default=None,
         help="model folder (config.json, model.safetensors, tokenizer.json); default: the bundled demo model",
     )
@@ -1234,7 +1236,7 @@ def _run(args) -> int:
         )
     gate_data = gate_data_from_args(args)  # read and checked before anything is exported
     result = export_onnx(
-        args.model_dir,
+        args.model,
         args.output_dir,
         opset=args.opset,
         cache_len=args.cache_len,

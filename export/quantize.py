@@ -74,7 +74,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from transformer_ext.cli import UsageError, add_debug_flag, run_cli
+from transformer_ext.cli import UsageError, add_debug_flag, add_option, run_cli
 from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
@@ -138,6 +138,10 @@ __all__ = [
     "gate_data_from_args",
     "nbits_options_from_args",
     "quantization_summary",
+    "TABLE_BITS",
+    "TABLE_4BIT_MIN_SHARE",
+    "table_share",
+    "default_table_bits",
 ]
 
 # How each scheme is made; recorded in the manifest's "quantization" section.
@@ -447,6 +451,42 @@ def quantize_graphs(
 # the int8 step and the few-row step): per row of the demo model (64) one held-out decode of 500
 # differed from float32's.
 LOOKUP_BLOCK_SIZE = 32
+
+# int4's embedding tables (and the tied output projection over their bytes): 4 bits where the
+# tables hold at least TABLE_4BIT_MIN_SHARE of the model's weights, 8 bits elsewhere
+# (default_table_bits). Where the tables are that large they decide the folder's size (opus-mt-en-de:
+# 40% of the weights, the 8-bit table 31 of the int4 folder's 59 MB); where they are small 8 bits
+# cost little (`base`: 8%; the demo model: under 2%, whose 4-bit tables lose 0.8 to 1.0 points of
+# exact match, blocks of 32 or 16, where the gate allows 0.2). Either way the export's gate decides.
+TABLE_BITS = (4, 8)
+TABLE_BITS_FLAG = "--quant-table-bits"
+TABLE_4BIT_MIN_SHARE = 0.25
+
+
+def table_share(model_config: Mapping[str, Any]) -> float:
+    """The embedding tables' share of the weights of the model of ``model_config`` (tables and
+    weight matrices, counted from the dimensions; a tied output projection is its table)."""
+    d, d_ff = int(model_config["d_model"]), int(model_config["d_ff"])
+    src, tgt = int(model_config["src_vocab_size"]), int(model_config["tgt_vocab_size"])
+    tables = tgt * d + (0 if model_config.get("shared_vocab") else src * d)
+    ffn = (3 if model_config.get("gated_ffn") else 2) * d * d_ff
+    layers = int(model_config["n_encoder_layers"]) * (4 * d * d + ffn) + int(
+        model_config["n_decoder_layers"]
+    ) * (8 * d * d + ffn)
+    untied = 0 if model_config.get("tie_target_embeddings", True) else tgt * d
+    return tables / (tables + layers + untied)
+
+
+def default_table_bits(model_config: Mapping[str, Any]) -> int:
+    """The bits of an ``int4`` export's embedding tables when ``table_bits`` is not given: 4 where
+    :func:`table_share` is at least :data:`TABLE_4BIT_MIN_SHARE`, else 8 (and 8 for a partial
+    config without the sizes the share is counted from)."""
+    sizes = ("d_model", "d_ff", "src_vocab_size", "tgt_vocab_size", "n_encoder_layers", "n_decoder_layers")
+    if not all(key in model_config for key in sizes):
+        return 8
+    return 4 if table_share(model_config) >= TABLE_4BIT_MIN_SHARE else 8
+
+
 _LOOKUP_METHOD = (
     "GatherBlockQuantized (ONNX Runtime contrib operator, com.microsoft), written by export.quantize"
 )
@@ -457,16 +497,16 @@ def lookup_settings(
 ) -> Optional[dict]:
     """How the embedding tables of a ``scheme`` export are quantized (:func:`quantize_lookups`),
     or ``None`` where they stay float32, a tied output projection an ``MatMulNBits`` over the same
-    bytes: ``int8-nbits`` with its own settings; ``int4`` to 8 bits, its other settings its own (4-bit
-    tables lose 0.8 to 1.0 points of exact match on the demo model, blocks of 32 or 16, where the
-    gate allows 0.2); ``int8`` to 8 bits in the few-row
+    bytes: ``int8-nbits`` with its own settings; ``int4`` to ``table_bits`` (4 or 8,
+    :func:`default_table_bits`), its other settings its own; ``int8`` to 8 bits in the few-row
     step's blocks (:func:`few_rows_block_size`), its tied output projection an 8-bit
     ``MatMulNBits`` over the same bytes, where ONNX Runtime has an int8 ``MatMulNBits`` kernel on
     this CPU (elsewhere the projection would compute in float32, slower than ``MatMulInteger``)."""
     if settings.get("bits") == 8:
         return {**settings, "method": _LOOKUP_METHOD}
-    if "bits" in settings:  # int4: 8-bit tables (4-bit ones fail the demo's gate), its other settings
-        return {**settings, "bits": 8, "method": _LOOKUP_METHOD}
+    if "bits" in settings:  # int4: tables in table_bits (default_table_bits), its other settings
+        table = {k: v for k, v in settings.items() if k != "table_bits"}
+        return {**table, "bits": int(settings.get("table_bits", 8)), "method": _LOOKUP_METHOD}
     if model_config is None:
         return None
     block = few_rows_block_size(model_config)
@@ -508,10 +548,16 @@ def few_rows_block_size(model_config: Mapping[str, Any]) -> Optional[int]:
 
 
 def few_rows_graph(
-    src_dir: Path, dst_dir: Path, model_config: Mapping[str, Any], lookups: Optional[Mapping[str, Any]] = None
+    src_dir: Path,
+    dst_dir: Path,
+    model_config: Mapping[str, Any],
+    lookups: Optional[Mapping[str, Any]] = None,
+    int8_step: Optional[Path] = None,
 ) -> Optional[dict]:
     """Write ``dst_dir / FEW_ROWS_DECODER_FILE``, the float32 decoder step of ``src_dir`` with its
-    weight products as 8-bit ``MatMulNBits``; returns the manifest's ``quantization.few_rows``
+    weight products as 8-bit ``MatMulNBits`` over the int8 decoder step's own weight bytes
+    (``int8_step``, by default ``dst_dir / DECODER_FILE``: :func:`_shared_nbits_products`), so
+    the shared weights file stores them once; returns the manifest's ``quantization.few_rows``
     entry (:func:`transformer_ext.export_format.manifest_few_rows`), or None, writing nothing,
     when no block size fits the model, ONNX Runtime has no int8 ``MatMulNBits`` kernel on this
     CPU (its float32 fallback is several times slower than the dynamic int8 step), or the float32
@@ -535,8 +581,24 @@ def few_rows_graph(
             "(it would compute in float32, slower than the dynamic int8 step)"
         )
         return None
+    step = Path(int8_step) if int8_step is not None else Path(dst_dir) / DECODER_FILE
+    if not step.is_file():
+        raise QuantizationError(
+            f"the few-row decoder step reads the weights of the int8 decoder step, and {step} does not exist"
+        )
+    settings = {**settings, "symmetric": True}
     graph = _quantize_nbits_one(
-        Path(src_dir) / DECODER_FILE, Path(dst_dir) / FEW_ROWS_DECODER_FILE, settings, lookups=lookups
+        Path(src_dir) / DECODER_FILE,
+        Path(dst_dir) / FEW_ROWS_DECODER_FILE,
+        settings,
+        lookups=lookups,
+        int8_step=step,
+    )
+    settings["weights"] = (
+        "the int8 decoder step's weights (int8, symmetric, one scale per output channel, the "
+        f"same bytes in {WEIGHTS_FILE}) read as 8-bit blocks of {block}: the graph transposes them "
+        "and moves them to MatMulNBits' unsigned range (Transpose, BitwiseXor), which ONNX "
+        "Runtime folds when it loads the graph"
     )
     return {
         "file": FEW_ROWS_DECODER_FILE,
@@ -580,20 +642,32 @@ def resolve_settings(
 ) -> dict:
     """The settings of ``scheme`` with ``options`` (``block_size``, ``accuracy_level``,
     ``symmetric`` of the MatMulNBits schemes, ``few_rows`` of ``int8``: whether to write the
-    few-row decoder step, default True; ``None`` values keep the scheme's default) applied and
-    checked. With ``model_config`` and no ``block_size`` given, the block size is
-    :func:`default_block_size`.
+    few-row decoder step, default True; ``table_bits`` of ``int4``: the bits of its embedding
+    tables; ``None`` values keep the scheme's default) applied and checked. With ``model_config``
+    and no ``block_size`` given, the block size is :func:`default_block_size`, and ``int4``'s
+    ``table_bits`` :func:`default_table_bits`.
 
     Raises :class:`QuantizationError` naming the option and its allowed values, or saying that
     the scheme has no such option (``int8`` is dynamic quantization: no blocks).
     """
     settings = dict(SCHEMES[check_scheme(scheme)])
     given = {k: v for k, v in dict(options or {}).items() if v is not None}
-    unknown = sorted(set(given) - set(NBITS_OPTIONS) - {"few_rows"})
+    unknown = sorted(set(given) - set(NBITS_OPTIONS) - {"few_rows", "table_bits"})
     if unknown:
         raise QuantizationUsageError(
-            f"unknown quantization option(s) {unknown}: expected {[*NBITS_OPTIONS, 'few_rows']}"
+            f"unknown quantization option(s) {unknown}: expected {[*NBITS_OPTIONS, 'few_rows', 'table_bits']}"
         )
+    if "table_bits" in given:
+        if scheme != "int4":
+            raise QuantizationUsageError(
+                f"{TABLE_BITS_FLAG} applies to --quantize int4 (its embedding tables); --quantize {scheme} "
+                "stores them at 8 bits"
+            )
+        value = given["table_bits"]
+        if isinstance(value, bool) or value not in TABLE_BITS:
+            raise QuantizationUsageError(
+                f"{TABLE_BITS_FLAG} must be one of {list(TABLE_BITS)}, got {value!r}"
+            )
     if "few_rows" in given:
         if scheme != "int8":
             raise QuantizationUsageError(
@@ -603,7 +677,7 @@ def resolve_settings(
         if not isinstance(given["few_rows"], (bool, np.bool_)):
             raise QuantizationUsageError(f"few_rows must be true or false, got {given['few_rows']!r}")
     if "bits" not in settings:
-        nbits = sorted(set(given) - {"few_rows"})
+        nbits = sorted(set(given) - {"few_rows", "table_bits"})
         if nbits:
             flags = ", ".join(NBITS_OPTIONS[k] for k in nbits)
             raise QuantizationUsageError(
@@ -636,6 +710,11 @@ def resolve_settings(
                 f"{NBITS_OPTIONS['symmetric']} must be true or false, got {given['symmetric']!r}"
             )
         settings["symmetric"] = given["symmetric"]
+    if scheme == "int4":
+        if "table_bits" in given:
+            settings["table_bits"] = int(given["table_bits"])
+        elif model_config is not None:
+            settings["table_bits"] = default_table_bits(model_config)
     settings["weights"] = _weights_text(settings)
     return settings
 
@@ -884,6 +963,128 @@ def _nbits_products(
     return {name: f"MatMulNBits {bits}-bit, blocks of {block}" for name, _ in done}
 
 
+# The opset of BitwiseXor, which moves int8 weights to MatMulNBits' unsigned range in the graph.
+_BITWISE_OPSET = 18
+
+
+def _int8_step_weights(int8_step: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{float weight name: (int8 [K, N], scale [N])}`` of the ``MatMulInteger`` products of the
+    int8 scheme's graph ``int8_step`` whose weights are symmetric (zero point 0) with one scale per
+    output channel: the weights ``quantize_dynamic`` wrote as ``<name>_quantized``, ``<name>_scale``
+    and ``<name>_zero_point``."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(os.fspath(int8_step))
+    inits = {t.name: t for t in model.graph.initializer}
+    found = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulInteger" or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        q = inits[node.input[1]]
+        stem = node.input[1][: -len("_quantized")] if node.input[1].endswith("_quantized") else None
+        if stem is None or q.data_type != onnx.TensorProto.INT8 or len(q.dims) != 2:
+            continue
+        scale, zero = inits.get(stem + "_scale"), inits.get(stem + "_zero_point")
+        if scale is None or zero is None:
+            continue
+        scale, zero = numpy_helper.to_array(scale), numpy_helper.to_array(zero)
+        if scale.shape != (q.dims[1],) or zero.shape != (q.dims[1],) or zero.any():
+            continue
+        found[stem] = (numpy_helper.to_array(q), scale.astype(np.float32))
+    return found
+
+
+def _shared_nbits_products(model, int8_step: Path, settings: Mapping[str, Any], where: str) -> dict[str, str]:
+    """The weight products of ``model`` (a float32 decoder step) whose weight the int8 step
+    ``int8_step`` holds as per-channel int8 (:func:`_int8_step_weights`) as 8-bit ``MatMulNBits``
+    over those bytes, in place; ``{weight name: what it became}``.
+
+    ``MatMulInteger`` reads its weight ``[K, N]`` as int8, ``MatMulNBits`` ``[N, K / block,
+    block]`` as uint8 with the zero point 128. The graph declares the int8 bytes as a uint8
+    ``[K / block, block, N]`` (the same bytes, so :func:`export.weights.share_weights` stores them
+    once) and turns them into MatMulNBits' input with a ``Transpose`` (perm 2, 0, 1) and a
+    ``BitwiseXor`` with 128 (which maps each two's-complement byte ``v`` to ``v + 128``); both
+    inputs are constant, so ONNX Runtime folds the two nodes when it loads the graph and packs the
+    result like any other MatMulNBits weight (two nodes, not three with a ``Cast``: each folded
+    node holds a copy of the weights while the session is made). The scales are the per-channel ones, the same in
+    every block of a column. A weight the check below does not find (a ``Gemm``, another
+    dtype, an opset before BitwiseXor's) is left to :func:`_nbits_products`."""
+    from onnx import helper, numpy_helper
+
+    opset = next((op.version for op in model.opset_import if op.domain in ("", "ai.onnx")), 0)
+    if opset < _BITWISE_OPSET:
+        logger.info(
+            "%s: opset %d has no BitwiseXor (opset %d): the few-row step's weights are blocks of their own",
+            where,
+            opset,
+            _BITWISE_OPSET,
+        )
+        return {}
+    int8 = _int8_step_weights(int8_step)
+    block = settings["block_size"]
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    done: dict[str, tuple[str, str, int, int]] = {}
+    new_nodes, added = [], []
+    flip = "few_rows.uint8_offset"  # 128: int8 bytes to MatMulNBits' uint8 with its zero point
+    for node in graph.node:
+        product = _weight_product(node, inits)
+        if product is None or product[1] or product[2] is not None or product[0] not in int8:
+            new_nodes.append(node)
+            continue
+        name = product[0]
+        q, scale = int8[name]
+        k, n = q.shape
+        if list(inits[name].dims) != [k, n] or k % block:
+            new_nodes.append(node)
+            continue
+        if name not in done:
+            stem = f"{name}.q8s"
+            # the int8 bytes declared uint8 (the same bytes: two's complement read unsigned)
+            added.append(
+                numpy_helper.from_array(q.reshape(k // block, block, n).view(np.uint8), f"{stem}.kn")
+            )
+            added.append(
+                numpy_helper.from_array(
+                    np.ascontiguousarray(np.repeat(scale[:, None], k // block, axis=1)), f"{stem}.scales"
+                )
+            )
+            if not done:
+                added.append(numpy_helper.from_array(np.array(128, dtype=np.uint8), flip))
+            new_nodes += [
+                helper.make_node("Transpose", [f"{stem}.kn"], [f"{stem}.nk"], perm=[2, 0, 1]),
+                helper.make_node("BitwiseXor", [f"{stem}.nk", flip], [f"{stem}.weight"]),
+            ]
+            done[name] = (f"{stem}.weight", f"{stem}.scales", k, n)
+        weight, scales, k, n = done[name]
+        new_nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                [node.input[0], weight, scales],
+                list(node.output),
+                name=f"{node.name}_Q8" if node.name else "",
+                domain="com.microsoft",
+                K=k,
+                N=n,
+                bits=8,
+                block_size=block,
+                accuracy_level=settings["accuracy_level"],
+            )
+        )
+    if not done:
+        return {}
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    _drop_unused(graph, added)
+    _com_microsoft(model)
+    return {
+        name: f"MatMulNBits 8-bit, blocks of {block}, on the int8 step's MatMulInteger weights "
+        "(one scale per output channel; transposed when loaded)"
+        for name in done
+    }
+
+
 def _drop_unused(graph, added=()) -> None:
     used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
     kept = [t for t in graph.initializer if t.name in used]
@@ -956,11 +1157,17 @@ def quantize_lookups(model, bits: int, block_size: int, symmetric: bool) -> dict
 
 
 def _quantize_nbits_one(
-    src: Path, dst: Path, settings: Mapping[str, Any], lookups: Optional[Mapping[str, Any]] = None
+    src: Path,
+    dst: Path,
+    settings: Mapping[str, Any],
+    lookups: Optional[Mapping[str, Any]] = None,
+    int8_step: Optional[Path] = None,
 ) -> dict:
     """Every weight product of the graph ``src`` as a ``com.microsoft`` ``MatMulNBits`` in ``dst``,
     and (``lookups``: ``bits``, ``block_size``, ``symmetric``) every embedding lookup as a
-    ``GatherBlockQuantized`` (:func:`quantize_lookups`)."""
+    ``GatherBlockQuantized`` (:func:`quantize_lookups`). With ``int8_step`` (the int8 scheme's
+    decoder step made from ``src``), the products whose int8 weights that graph holds read those
+    bytes (:func:`_shared_nbits_products`); the others get blocks of their own."""
     import onnx
 
     model = onnx.load(os.fspath(src))
@@ -969,6 +1176,8 @@ def _quantize_nbits_one(
     tied = set(_tied_products(model).values()) if lookups is not None else set()
     if tied:  # the tied output projection in the lookup's bits and blocks: the same bytes
         tensors.update(_nbits_products(model, lookups, src.name, only=tied))
+    if int8_step is not None:
+        tensors.update(_shared_nbits_products(model, int8_step, settings, src.name))
     tensors.update(_nbits_products(model, settings, src.name))
     if not tensors:
         raise QuantizationError(f"{src.name}: no weight product to quantize (the graph is not an export's)")
@@ -1460,7 +1669,14 @@ def quantize_folder(
             return quality_gate(folder, tmp_dir, max_em_drop, scheme=scheme, few_rows=graph)
 
         if gate:
-            section["gate"] = run_gate(False)
+            try:
+                section["gate"] = run_gate(False)
+            except QualityGateError as exc:
+                if section.get("table_bits") != 4:
+                    raise
+                raise QualityGateError(
+                    f"{exc} (the embedding tables were 4-bit: {TABLE_BITS_FLAG} 8 keeps them at 8 bits)"
+                ) from None
             if few_rows:
                 few_rows["gate"] = run_gate(True)
         else:
@@ -1515,7 +1731,7 @@ def quantize_export(
             "from a float32 source that must stay readable)"
         )
     # an output inside the export it reads (or holding it) would be copied into itself
-    check_output_path(out, inputs=[("the export folder --export-dir", src)], what="--output-dir")
+    check_output_path(out, inputs=[("the export folder --model", src)], what="--output-dir")
     check_replaceable(out)
     made: list[Path] = []
     try:
@@ -1550,7 +1766,13 @@ def _parser() -> argparse.ArgumentParser:
         "demo task's held-out set or, with --gate-src/--gate-ref, on BLEU of a parallel text; "
         "python -m export.onnx --quantize SCHEME does the same in one step.",
     )
-    p.add_argument("--export-dir", required=True, help="the float32 export folder to quantize")
+    add_option(
+        p,
+        "--model",
+        deprecated=("--export-dir",),
+        required=True,
+        help="the float32 export folder to quantize",
+    )
     p.add_argument(
         "--output-dir", required=True, help="the folder to write (new, or an export of this package)"
     )
@@ -1641,6 +1863,16 @@ def add_nbits_arguments(p: argparse.ArgumentParser) -> None:
         "where this CPU has an int8 MatMulNBits kernel, gated like the other graphs)",
     )
     p.add_argument(
+        TABLE_BITS_FLAG,
+        dest="quant_table_bits",
+        type=int,
+        default=None,
+        metavar="BITS",
+        help=f"int4: bits of the embedding tables and of the tied output projection, which reads their "
+        f"bytes, one of {list(TABLE_BITS)} (default: 4 where the tables hold at least "
+        f"{TABLE_4BIT_MIN_SHARE:.0%}% of the model's weights, as a large vocabulary's do, else 8)",
+    )
+    p.add_argument(
         NBITS_OPTIONS["symmetric"],
         dest="quant_symmetric",
         action="store_const",
@@ -1659,6 +1891,7 @@ def nbits_options_from_args(args: argparse.Namespace) -> dict:
         "accuracy_level": args.quant_accuracy_level,
         "symmetric": args.quant_symmetric,
         "few_rows": getattr(args, "few_rows_graph", None),
+        "table_bits": getattr(args, "quant_table_bits", None),
     }
     return {k: v for k, v in values.items() if v is not None}
 
@@ -1693,7 +1926,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         options = nbits_options_from_args(args)
         check_quantize_arguments(args.scheme, options, args.max_em_drop, args.max_bleu_drop)
         m = quantize_export(
-            args.export_dir,
+            args.model,
             args.output_dir,
             args.scheme,
             gate=args.validate,

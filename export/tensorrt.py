@@ -71,7 +71,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import onnx
 
-from transformer_ext.cli import add_debug_flag, run_cli
+from transformer_ext.cli import add_debug_flag, run_cli, take_positional_spelling
 from transformer_ext.export_format import (
     BATCH,
     CACHE_LEN,
@@ -970,17 +970,20 @@ def build_parser() -> argparse.ArgumentParser:
             "Ranges are MIN:OPT:MAX or N (= 1:N:N). Defaults: batch 1:16:64, src_len 1:32:max_len, "
             "cache_len 1:64:max_len (max_len from the manifest).\n"
             "Examples:\n"
-            "  python -m export.tensorrt onnx_export --check-only\n"
-            "  python -m export.tensorrt onnx_export --precision fp16 --batch 1:16:64 --cache-len 1:64:128\n"
+            "  python -m export.tensorrt --model onnx_export --check-only\n"
+            "  python -m export.tensorrt --model onnx_export --precision fp16 --batch 1:16:64 --cache-len 1:64:128\n"
             f"TensorRT >= {MIN_TENSORRT_VERSION} is needed to build: {INSTALL_HINT}."
         ),
     )
     p.add_argument(
-        "export_dir",
-        nargs="?",
-        default="onnx_export",
-        help="folder written by `python -m export.onnx` (default: onnx_export)",
+        "--model",
+        default=None,
+        metavar="EXPORT_DIR",
+        help="folder written by `python -m export.onnx` (default: onnx_export; EXPORT_DIR as a positional "
+        "argument: deprecated spelling)",
     )
+    # the old spelling of --model (take_positional_spelling)
+    p.add_argument("export_dir", nargs="?", default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--precision",
         choices=sorted(PRECISIONS),
@@ -1074,6 +1077,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     when interrupted by SIGINT / SIGTERM."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    take_positional_spelling(
+        parser, args, "export_dir", "--model", metavar="EXPORT_DIR", default="onnx_export"
+    )
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
@@ -1086,7 +1092,7 @@ def _run(args) -> int:
     options.validate()
     try:
         if args.check_only:
-            plan, _ = plan_build(args.export_dir, options)
+            plan, _ = plan_build(args.model, options)
             report = plan.readiness
             print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
             print(
@@ -1094,7 +1100,7 @@ def _run(args) -> int:
                 f"({plan.precision}, cache dtype {plan.cache_dtype})"
             )
             return 0
-        result = build_engines(args.export_dir, options)
+        result = build_engines(args.model, options)
     except TensorRTReadinessError as exc:
         print(exc.report.format(), file=sys.stderr)
         raise

@@ -2,8 +2,8 @@
 
 Command line::
 
-    python -m export.triton --export-dir onnx_export --out triton_repository
-    python -m export.triton --export-dir onnx_export --out repo --instance-kind gpu --max-batch-size 32
+    python -m export.triton --model onnx_export --output-dir triton_repository
+    python -m export.triton --model onnx_export --output-dir repo --instance-kind gpu --max-batch-size 32
     python -m export.triton --help
 
 Python::
@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from transformer_ext.cli import DefaultsHelpFormatter, add_debug_flag, run_cli
+from transformer_ext.cli import DefaultsHelpFormatter, add_debug_flag, add_option, run_cli
 from transformer_ext.convert.generation import read_generation_defaults
 from transformer_ext.export_format import (
     DECODER_FILE,
@@ -410,27 +410,27 @@ def _check_overlap(export_dir: Path, repo_dir: Path, others: Iterable[Path] = ()
         if repo == src or repo.is_relative_to(src) or src.is_relative_to(repo):
             relation = "is" if repo == src else ("is inside" if repo.is_relative_to(src) else "contains")
             raise OutputFolderError(
-                f"--out {repo_dir} {relation} the export folder {source}: the repository would replace or "
-                "mix with the export it is made from; choose an --out outside it"
+                f"--output-dir {repo_dir} {relation} the export folder {source}: the repository would replace "
+                "or mix with the export it is made from; choose an --output-dir outside it"
             )
 
 
 def _check_target(repo_dir: Path, force: bool) -> None:
     """Refuse a target that is a file, a non-empty folder without ``force``, or (with ``force``) a
     folder holding anything this tool did not write. Touches nothing."""
-    check_output_path(repo_dir, "--out")
+    check_output_path(repo_dir, "--output-dir")
     if not repo_dir.exists() or not any(repo_dir.iterdir()):
         return
     if not force:
         raise TritonExportError(
             f"output folder {repo_dir} exists and is not empty; refusing to overwrite it: "
-            "choose another --out, or pass --force to replace a repository written by python -m export.triton"
+            "choose another --output-dir, or pass --force to replace a repository written by python -m export.triton"
         )
     owned, why = _owned_repository_files(repo_dir)
     if owned is None:
         raise OutputFolderError(
-            f"--out {repo_dir} is not a model repository written by python -m export.triton: {why}; "
-            "refusing to replace it even with --force: choose another --out, or move its contents away"
+            f"--output-dir {repo_dir} is not a model repository written by python -m export.triton: {why}; "
+            "refusing to replace it even with --force: choose another --output-dir, or move its contents away"
         )
     unexpected = [f for f in _repository_files(repo_dir) if f not in owned and not _is_bytecode_of(f, owned)]
     if unexpected:
@@ -438,8 +438,9 @@ def _check_target(repo_dir: Path, force: bool) -> None:
             f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         )
         raise OutputFolderError(
-            f"--out {repo_dir} is a repository of python -m export.triton, but it also holds files this tool did "
-            f"not write: {shown}. Refusing to replace it (they would be lost): move them away, or choose another --out"
+            f"--output-dir {repo_dir} is a repository of python -m export.triton, but it also holds files this "
+            f"tool did not write: {shown}. Refusing to replace it (they would be lost): move them away, or choose "
+            "another --output-dir"
         )
 
 
@@ -1507,12 +1508,20 @@ def _parser() -> argparse.ArgumentParser:
         ),
         formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument(
-        "--export-dir",
+    add_option(
+        p,
+        "--model",
+        deprecated=("--export-dir",),
         default=DEFAULT_EXPORT_DIR,
         help="export folder (encoder.onnx, decoder_step.onnx, manifest.json)",
     )
-    p.add_argument("--out", default=DEFAULT_REPO_DIR, help="model repository folder to create")
+    add_option(
+        p,
+        "--output-dir",
+        deprecated=("--out",),
+        default=DEFAULT_REPO_DIR,
+        help="model repository folder to create",
+    )
     p.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -1552,6 +1561,31 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_QUEUE_DELAY_US,
         help="how long the dynamic / sequence batcher waits to merge requests (microseconds)",
     )
+    _add_state_arguments(p)
+    p.add_argument(
+        "--no-translator", dest="translator", action="store_false", help="skip the Python-backend translator"
+    )
+    p.add_argument(
+        "--ort-threads", type=int, default=None, help="intra_op_thread_count of the ONNX Runtime models"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a non-empty --output-dir folder, if it is a repository written by this tool holding nothing else",
+    )
+    p.add_argument(
+        "--no-validate",
+        dest="validate",
+        action="store_false",
+        help="skip checking the configurations against Triton's protobuf and the graphs",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
+    add_debug_flag(p)
+    return p
+
+
+def _add_state_arguments(p: argparse.ArgumentParser) -> None:
+    """Whether the repository has a stateful decoder step, and its cache capacity."""
     state = p.add_mutually_exclusive_group()
     state.add_argument(
         "--stateful",
@@ -1572,26 +1606,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="cache capacity of each stateful sequence (default: the export's max_cache_len)",
     )
-    p.add_argument(
-        "--no-translator", dest="translator", action="store_false", help="skip the Python-backend translator"
-    )
-    p.add_argument(
-        "--ort-threads", type=int, default=None, help="intra_op_thread_count of the ONNX Runtime models"
-    )
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="replace a non-empty --out folder, if it is a repository written by this tool holding nothing else",
-    )
-    p.add_argument(
-        "--no-validate",
-        dest="validate",
-        action="store_false",
-        help="skip checking the configurations against Triton's protobuf and the graphs",
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
-    add_debug_flag(p)
-    return p
 
 
 def summary_text(result: TritonExportResult) -> str:
@@ -1648,8 +1662,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args) -> int:
     result = export_triton(
-        args.export_dir,
-        args.out,
+        args.model,
+        args.output_dir,
         backend=args.backend,
         precision=args.precision,
         instance_kind=args.instance_kind,

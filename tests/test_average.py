@@ -53,7 +53,7 @@ def test_last_k_of_a_run(tmp_path, capsys):
     for step in (100, 200, 300, 1000):
         make_folder(run / "checkpoints" / f"step-{step}", seed=step)
     (run / "checkpoints" / "step-5000").mkdir()  # no config.json: not a checkpoint of the run
-    assert main(["--last", "2", str(run), "--out", str(tmp_path / "avg")]) == 0
+    assert main(["--last", "2", str(run), "--output-dir", str(tmp_path / "avg")]) == 0
     assert "step-300, step-1000" in capsys.readouterr().out  # numeric order, not text order
     a = load_file(str(run / "checkpoints" / "step-300" / WEIGHTS_NAME))
     b = load_file(str(run / "checkpoints" / "step-1000" / WEIGHTS_NAME))
@@ -77,7 +77,7 @@ def test_out_not_empty_refused(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert main([str(a), "--out", str(out)]) == 1
+    assert main([str(a), "--output-dir", str(out)]) == 1
     assert "not an empty folder" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
@@ -85,7 +85,7 @@ def test_out_not_empty_refused(tmp_path, capsys):
 def test_too_few_checkpoints(tmp_path, capsys):
     run = tmp_path / "run"
     make_folder(run / "checkpoints" / "step-10", seed=0)
-    assert main(["--last", "3", str(run), "--out", str(tmp_path / "avg")]) == 1
+    assert main(["--last", "3", str(run), "--output-dir", str(tmp_path / "avg")]) == 1
     assert "holds only 1 checkpoints" in capsys.readouterr().err
 
 
@@ -105,21 +105,24 @@ def test_average_refuses_an_output_in_a_runs_managed_folders(tmp_path, capsys, i
     run = make_run(tmp_path / "run")
     out = run / inside
     before = sorted(str(p) for p in run.rglob("*"))
-    assert main(["--last", "2", str(run), "--out", str(out)]) == 1
+    assert main(["--last", "2", str(run), "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err
-    assert f"--out {out}" in err and "Traceback" not in err, err
+    assert f"--output-dir {out}" in err and "Traceback" not in err, err
     assert sorted(str(p) for p in run.rglob("*")) == before  # nothing written
     # the library refuses it too, for checkpoints named one by one
-    with pytest.raises(OutputConflictError, match=f"--out {out}"):
+    with pytest.raises(OutputConflictError, match=f"--output-dir {out}"):
         average_checkpoints([run / "checkpoints" / "step-100", run / "checkpoints" / "step-200"], out)
 
 
 def test_last_refuses_an_average_among_the_checkpoints(tmp_path, capsys):
     run = make_run(tmp_path / "run")
     assert (
-        main([str(run / "checkpoints" / "step-100"), str(run / "best"), "--out", str(tmp_path / "avg")]) == 0
+        main(
+            [str(run / "checkpoints" / "step-100"), str(run / "best"), "--output-dir", str(tmp_path / "avg")]
+        )
+        == 0
     )
     (tmp_path / "avg").rename(run / "checkpoints" / "step-9999")  # put there by hand: not a training step
-    assert main(["--last", "2", str(run), "--out", str(tmp_path / "avg2")]) == 1
+    assert main(["--last", "2", str(run), "--output-dir", str(tmp_path / "avg2")]) == 1
     assert "step-9999 is an average of checkpoints" in capsys.readouterr().err
     assert not (tmp_path / "avg2").exists()

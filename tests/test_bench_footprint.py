@@ -69,3 +69,40 @@ def test_bad_arguments_are_usage_errors(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_footprint.main(["--models", "huge"])
     assert exc.value.code == 2 and "--models" in capsys.readouterr().err
+
+
+def test_each_engine_of_ours_is_set_beside_ctranslate2_at_its_precision():
+    def engine(folder, peak, first):
+        return {
+            "folder_bytes": folder,
+            "ratio_to_reference": folder / 4e6,
+            "peak_rss_after_load": peak,
+            "peak_rss_after_first_translation": peak,
+            "load_seconds": first / 2,
+            "first_translation_seconds": first,
+            "repeats": 1,
+        }
+
+    results = {
+        "threads": 1,
+        "load_average_before": [1.0, 1.0, 1.0],
+        "load_average_after": [1.0, 1.0, 1.0],
+        "models": {
+            "m": {
+                "reference_bytes": 4_000_000,
+                "engines": {
+                    "ours float32": engine(4_000_000, 9e6, 3.0),
+                    "ours int8": engine(1_100_000, 4e6, 1.0),
+                    "ours int4": engine(600_000, 3e6, 0.5),
+                    "ctranslate2 float32": engine(4_000_000, 6e6, 2.0),
+                    "ctranslate2 int8": engine(1_000_000, 2e6, 2.0),
+                },
+            }
+        },
+    }
+    table = bench_footprint.summary_table(results)
+    assert "| m | ours float32 | ctranslate2 float32 | 4.000 | 1.50 | 1.50 |" in table
+    assert "| m | ours int8 | ctranslate2 int8 | 1.100 | 2.00 | 0.50 |" in table
+    assert "| m | ours int4 | ctranslate2 int8 | 0.600 | 1.50 | 0.25 |" in table
+    del results["models"]["m"]["engines"]["ctranslate2 int8"]  # not measured: no such row
+    assert "ours int8 | ctranslate2 int8" not in bench_footprint.summary_table(results)

@@ -62,8 +62,8 @@ def test_bench_pretrained_tiny_with_this_environments_engines(tmp_path):
 
 
 def test_split_setting_runs_the_splittable_engines_with_the_same_tokens(tmp_path):
-    """``2x1``: only ours (OrtRunners under SourceParallel) runs, on batches it can split; the
-    split decode gives transformers' tokens of the one-worker cell, and the best-vs-best ratio
+    """``2x1``: only ours (OrtRunners split over workers) runs, batch 1 included (a setting a user
+    may pick even where there is nothing to split); the split decode gives transformers' tokens of the one-worker cell, and the best-vs-best ratio
     may pick the split setting."""
     out = str(tmp_path / "split.json")
     results = bench_pretrained.run(
@@ -77,7 +77,8 @@ def test_split_setting_runs_the_splittable_engines_with_the_same_tokens(tmp_path
         scratch=str(tmp_path),
     )
     cases = {(c["batch"], c["threads"]): c for c in results["models"]["tiny"]["cases"]}
-    assert set(cases) == {(1, 1), (3, 1), (3, "2x1")}  # batch 1 has nothing to split
+    assert set(cases) == {(1, 1), (3, 1), (1, "2x1"), (3, "2x1")}
+    assert cases[(1, "2x1")]["reference_tokens_sha1"] == cases[(1, 1)]["reference_tokens_sha1"]
     split = cases[(3, "2x1")]
     assert set(split["engines"]) == {"onnxrt", "onnxrt_int8"} and split["reference_engine"] == "onnxrt"
     assert results["models"]["tiny"]["workers"]["onnxrt/2x1"]["workers"] == 2

@@ -32,7 +32,7 @@ TINY_ENGINES = (
 def tiny_run(tmp_path_factory):
     """The benchmark once on the tiny model: every engine, both modes, batch 1 and 2, 1 and 2 threads."""
     out = str(tmp_path_factory.mktemp("bench") / "decode.json")
-    results = bench_decode.run(["tiny"], TINY_ENGINES, [1, 2], repeats=1, out=out)
+    results = bench_decode.run(["tiny"], TINY_ENGINES, [1, 2], threads_list=(1, 2), repeats=1, out=out)
     return out, results
 
 
@@ -353,8 +353,9 @@ def test_probe_contrib_attention_forms_agree_and_are_timed(tmp_path):
 
 def test_bench_decode_split_settings(tmp_path):
     """``WxT``: the engines that can split a batch run it over W workers (ours under
-    SourceParallel, CTranslate2 with inter_threads), with tokens still equal to the float32
-    reference; the others, and batches smaller than W, are skipped; best settings may be split."""
+    worker processes, CTranslate2 with inter_threads), with tokens still equal to the float32
+    reference, batch 1 included (a setting a user may pick); the others are skipped; best
+    settings may be split."""
     assert bench_decode.parse_setting("2") == 2 and bench_decode.parse_setting(" 2x1") == "2x1"
     for bad in ("0", "1x2", "2x0", "x", "two"):
         with pytest.raises(ValueError):
@@ -366,7 +367,8 @@ def test_bench_decode_split_settings(tmp_path):
         ["tiny"], engines, [1, 2], modes=["greedy"], threads_list=[1, "2x1"], repeats=1, out=out
     )
     cases = {(c["batch"], c["threads"]): c for c in results["models"]["tiny"]["cases"]}
-    assert set(cases) == {(1, 1), (2, 1), (2, "2x1")}
+    assert set(cases) == {(1, 1), (2, 1), (1, "2x1"), (2, "2x1")}
+    assert all(e["tokens_match"] for e in cases[(1, "2x1")]["engines"].values())
     assert set(cases[(2, "2x1")]["engines"]) == set(engines) - {"eager"}
     assert all(e["tokens_match"] for e in cases[(2, "2x1")]["engines"].values())
     best = {(r["engine"], r["batch"]): r for r in results["best_threads"]}

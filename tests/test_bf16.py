@@ -220,7 +220,7 @@ def test_amp_fp16_on_the_cpu_is_refused(tmp_path, native, capsys):
         train(_tiny(tmp_path, "run", amp="fp16"))
     assert not (tmp_path / "run").exists()
     code = train_mod.main(
-        ["--out", str(tmp_path / "cli"), "--preset", "tiny", "--amp", "fp16", "--threads", "1"]
+        ["--output-dir", str(tmp_path / "cli"), "--preset", "tiny", "--amp", "fp16", "--threads", "1"]
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "--amp fp16 is CUDA only" in err[0]

@@ -533,7 +533,7 @@ def test_bad_input_is_one_line_and_writes_nothing(pristine, tmp_path, capsys, ca
     with pytest.raises(ConversionError) as info:
         convert_transformers(hf, out)
     assert message in str(info.value) and "\n" not in str(info.value)
-    assert main(["transformers", str(hf), "--out", str(out)]) == 1
+    assert main(["transformers", "--model", str(hf), "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("transformer-ext-convert: error: ") and message in err
     assert not out.exists() and (not out.parent.exists() or not os.listdir(out.parent))
@@ -551,7 +551,7 @@ def test_an_existing_output_folder_is_never_touched(pristine, tmp_path):
 def test_cli_converts(pristine, tmp_path, capsys):
     from transformer_ext.convert.__main__ import main
 
-    assert main(["transformers", str(pristine), "--out", str(tmp_path / "m")]) == 0
+    assert main(["transformers", "--model", str(pristine), "--output-dir", str(tmp_path / "m")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "m")
     assert load_model(tmp_path / "m").config.activation == "swish"
 

@@ -59,7 +59,7 @@ def _refused(hf: Path, tmp_path: Path, capsys, message: str) -> str:
     text = str(info.value)
     assert message in text and "\n" not in text, text
     capsys.readouterr()
-    assert main(["transformers", str(hf), "--out", str(out)]) == 1
+    assert main(["transformers", "--model", str(hf), "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"{PROG}: error: ") and message in err, err
     assert not out.exists() and (not out.parent.exists() or not os.listdir(out.parent))
@@ -219,7 +219,7 @@ def test_a_pickle_that_is_not_a_state_dict_names_the_reason(marian, tmp_path, ca
 
 
 # ------------------------------------------------------------------------------------------
-# a failing disk names --out and the file, never a temporary
+# a failing disk names --output-dir and the file, never a temporary
 # ------------------------------------------------------------------------------------------
 
 
@@ -241,10 +241,10 @@ def test_a_read_only_out_names_out(marian, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(os, "mkdir", mkdir)
     out = parent / "model"
-    assert main(["transformers", str(marian), "--out", str(out)]) == 1
+    assert main(["transformers", "--model", str(marian), "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err
     assert err == (
-        f"{PROG}: error: --out {out}: the file system is read-only; choose a folder you can write to "
+        f"{PROG}: error: --output-dir {out}: the file system is read-only; choose a folder you can write to "
         f"(writing {out})\n"
     )
     assert os.listdir(parent) == []
@@ -264,11 +264,9 @@ def test_a_full_disk_names_out_and_the_file(marian, tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(os, "fsync", fsync)
     out = tmp_path / "model"
-    assert main(["transformers", str(marian), "--out", str(out)]) == 1
+    assert main(["transformers", "--model", str(marian), "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err
-    prefix = (
-        f"{PROG}: error: --out {out}: no space left on the device; free some space and run the command again"
-    )
+    prefix = f"{PROG}: error: --output-dir {out}: no space left on the device; free some space and run the command again"
     assert (
         err.startswith(prefix + f" (writing {out}{os.sep}") and err.endswith(")\n") and err.count("\n") == 1
     ), err
@@ -283,7 +281,7 @@ def test_a_full_disk_names_out_and_the_file(marian, tmp_path, capsys, monkeypatc
 
 
 def _while_converting(monkeypatch, action):
-    """Run ``action()`` while the converter writes its staging folder (after --out was checked)."""
+    """Run ``action()`` while the converter writes its staging folder (after --output-dir was checked)."""
     import transformer_ext.checkpoint as checkpoint
 
     real = checkpoint.save_model
@@ -308,9 +306,12 @@ def test_a_folder_that_appears_at_out_is_kept(marian, tmp_path, capsys, monkeypa
             (out / "notes.txt").write_text("mine")
 
     _while_converting(monkeypatch, appear)
-    assert main(["transformers", str(marian), "--out", str(out)]) == 1
+    assert main(["transformers", "--model", str(marian), "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"--out {out} appeared while the checkpoint was being converted" in err
+    assert (
+        err.count("\n") == 1
+        and f"--output-dir {out} appeared while the checkpoint was being converted" in err
+    )
     assert os.listdir(out) == (["notes.txt"] if content == "notes" else [])
     if content == "notes":
         assert (out / "notes.txt").read_text() == "mine"
@@ -318,11 +319,11 @@ def test_a_folder_that_appears_at_out_is_kept(marian, tmp_path, capsys, monkeypa
 
 
 def test_two_conversions_to_one_out_one_wins_and_its_model_is_kept(marian, tmp_path, capsys, monkeypatch):
-    """A second conversion to the same --out finishes while the first one is still writing: the
+    """A second conversion to the same --output-dir finishes while the first one is still writing: the
     second succeeds, the first exits 1 with one line, and the folder is the second's, complete."""
     out = tmp_path / "model"
     _while_converting(monkeypatch, lambda: convert_transformers(marian, out))
-    assert main(["transformers", str(marian), "--out", str(out)]) == 1
+    assert main(["transformers", "--model", str(marian), "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "appeared while the checkpoint was being converted" in err
     assert load_model(out).config.d_model == 16
@@ -331,7 +332,7 @@ def test_two_conversions_to_one_out_one_wins_and_its_model_is_kept(marian, tmp_p
 
 
 def test_two_concurrent_convert_commands(marian, tmp_path):
-    """Two processes convert to one --out at once: exactly one succeeds, the other exits 1 with one
+    """Two processes convert to one --output-dir at once: exactly one succeeds, the other exits 1 with one
     line, and the folder holds a complete model."""
     import subprocess
     import sys
@@ -339,7 +340,16 @@ def test_two_concurrent_convert_commands(marian, tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "model"
-    cmd = [sys.executable, "-m", "transformer_ext.convert", "transformers", str(marian), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformer_ext.convert",
+        "transformers",
+        "--model",
+        str(marian),
+        "--output-dir",
+        str(out),
+    ]
     procs = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in "ab"
@@ -351,7 +361,7 @@ def test_two_concurrent_convert_commands(marian, tmp_path):
     codes = sorted(rc for rc, _, _ in results)
     assert codes == [0, 1], results
     _, _, err = next(r for r in results if r[0] == 1)
-    assert err.startswith(f"{PROG}: error: --out {out}") and err.count("\n") == 1, err
+    assert err.startswith(f"{PROG}: error: --output-dir {out}") and err.count("\n") == 1, err
     assert "already exists" in err or "appeared while" in err
     assert load_model(out).config.d_model == 16
     _no_temporaries(tmp_path)
@@ -381,7 +391,7 @@ def test_ctrl_c_just_after_the_commit_reports_the_complete_folder(
     monkeypatch.setattr(fsutil.StagedDir, "commit", commit)
     out = tmp_path / "model"
     sigint, sigterm = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    assert main(["transformers", str(marian), "--out", str(out)]) == 0
+    assert main(["transformers", "--model", str(marian), "--output-dir", str(out)]) == 0
     captured = capsys.readouterr()
     assert captured.out == f"{out}\n"
     assert f"SIGINT arrived after the conversion finished: the model folder {out} is complete" in caplog.text
@@ -424,7 +434,16 @@ def test_ctrl_c_during_torch_import_prints_one_line(marian, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "model"
     proc = subprocess.run(
-        [sys.executable, "-c", _INTERRUPT_TORCH_IMPORT, "transformers", str(marian), "--out", str(out)],
+        [
+            sys.executable,
+            "-c",
+            _INTERRUPT_TORCH_IMPORT,
+            "transformers",
+            "--model",
+            str(marian),
+            "--output-dir",
+            str(out),
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -433,3 +452,22 @@ def test_ctrl_c_during_torch_import_prints_one_line(marian, tmp_path):
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr == f"{PROG}: interrupted\n" and proc.stdout == ""
     assert not out.exists()
+
+
+def test_the_old_spellings_still_convert_with_one_warning_each(marian, tmp_path, capsys):
+    """``convert transformers HF_DIR --out MODEL_DIR`` (the positional checkpoint, ``--out``) still
+    converts; each old spelling prints one warning naming the new one."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    assert main(["transformers", str(marian), "--out", str(old)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{old}\n"
+    assert sorted(captured.err.splitlines()) == [
+        f"{PROG} transformers: warning: --out is deprecated; use --output-dir",
+        f"{PROG}: warning: the positional HF_DIR is deprecated; use --model HF_DIR",
+    ]
+    assert main(["transformers", "--model", str(marian), "--output-dir", str(new)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert sorted(p.name for p in old.iterdir()) == sorted(p.name for p in new.iterdir())
+    old_weights, new_weights = load_model(old).state_dict(), load_model(new).state_dict()
+    assert old_weights.keys() == new_weights.keys()
+    assert all(old_weights[k].equal(new_weights[k]) for k in old_weights)

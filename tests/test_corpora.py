@@ -76,7 +76,7 @@ def lines(path):
 
 def test_extract_split_by_books(tmp_path):
     db = make_db(tmp_path / "bible.db")
-    assert main(["bible", "--pair", "en-de", "--out", str(tmp_path / "c"), "--db", str(db)]) == 0
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(tmp_path / "c"), "--db", str(db)]) == 0
     out = tmp_path / "c"
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [f"{s}.{l}" for s in ("train", "valid", "test") for l in ("en", "de")] + [PROVENANCE_FILE]
@@ -117,7 +117,7 @@ def test_book_split_never_mixes_books(tmp_path):
 
 def test_copyrighted_or_unknown_language_refused(tmp_path, capsys):
     db = make_db(tmp_path / "bible.db")
-    assert main(["bible", "--pair", "en-ru", "--out", str(tmp_path / "c"), "--db", str(db)]) == 1
+    assert main(["bible", "--pair", "en-ru", "--output-dir", str(tmp_path / "c"), "--db", str(db)]) == 1
     assert "no public-domain edition for 'ru'" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
 
@@ -127,7 +127,7 @@ def test_existing_foreign_folder_untouched(tmp_path, capsys):
     out = tmp_path / "c"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    assert main(["bible", "--pair", "en-de", "--out", str(out), "--db", str(db)]) == 1
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(out), "--db", str(db)]) == 1
     assert "not empty" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
@@ -135,10 +135,10 @@ def test_existing_foreign_folder_untouched(tmp_path, capsys):
 def test_overwrite_own_corpus(tmp_path, capsys):
     db = make_db(tmp_path / "bible.db")
     out = tmp_path / "c"
-    assert main(["bible", "--pair", "en-de", "--out", str(out), "--db", str(db)]) == 0
-    assert main(["bible", "--pair", "en-de", "--out", str(out), "--db", str(db)]) == 1
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(out), "--db", str(db)]) == 0
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(out), "--db", str(db)]) == 1
     assert "--overwrite" in capsys.readouterr().err
-    assert main(["bible", "--pair", "en-de", "--out", str(out), "--db", str(db), "--overwrite"]) == 0
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(out), "--db", str(db), "--overwrite"]) == 0
 
 
 def test_missing_package_says_what_to_install(monkeypatch):
@@ -152,20 +152,20 @@ def test_missing_package_says_what_to_install(monkeypatch):
 def test_not_a_database(tmp_path, capsys):
     bad = tmp_path / "bible.db"
     bad.write_bytes(b"not sqlite at all" * 100)
-    assert main(["bible", "--pair", "en-de", "--out", str(tmp_path / "c"), "--db", str(bad)]) == 1
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(tmp_path / "c"), "--db", str(bad)]) == 1
     assert "not a bible.db SQLite file" in capsys.readouterr().err
 
 
 def test_overwrite_refuses_files_the_user_put_in_the_corpus_folder(tmp_path, capsys):
     db = make_db(tmp_path / "bible.db")
     out = tmp_path / "c"
-    assert main(["bible", "--pair", "en-de", "--out", str(out), "--db", str(db)]) == 0
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(out), "--db", str(db)]) == 0
     written = sorted(p.name for p in out.iterdir())
     mine = {"test.txt": "my notes", "train.log": "log", "valid.sh": "#!/bin/sh"}  # split-like names
     for name, text in mine.items():
         (out / name).write_text(text)
     capsys.readouterr()
-    assert main(["bible", "--pair", "en-de", "--out", str(out), "--db", str(db), "--overwrite"]) == 1
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(out), "--db", str(db), "--overwrite"]) == 1
     err = capsys.readouterr().err
     assert "test.txt, train.log, valid.sh" in err and "did not write" in err
     assert sorted(p.name for p in out.iterdir()) == sorted(written + list(mine))
@@ -177,8 +177,8 @@ def test_output_folder_holding_the_database_is_refused(tmp_path, capsys):
     out = tmp_path / "c"
     out.mkdir()
     db = make_db(out / "bible.db")
-    assert main(["bible", "--pair", "en-de", "--out", str(tmp_path), "--db", str(db)]) == 1
-    assert f"--out {tmp_path} contains --db {db}" in capsys.readouterr().err
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(tmp_path), "--db", str(db)]) == 1
+    assert f"--output-dir {tmp_path} contains --db {db}" in capsys.readouterr().err
     assert db.is_file()
 
 
@@ -186,7 +186,7 @@ def test_line_breaks_inside_a_verse_become_spaces(tmp_path):
     verses = dict(VERSES)
     verses[(1, 1, 1)] = ("In the beginning,\r\nGod\rcreated\tthe heavens.", "Im Anfang\nschuf Gott.")
     db = make_db(tmp_path / "bible.db", verses)
-    assert main(["bible", "--pair", "en-de", "--out", str(tmp_path / "c"), "--db", str(db)]) == 0
+    assert main(["bible", "--pair", "en-de", "--output-dir", str(tmp_path / "c"), "--db", str(db)]) == 0
     raw = (tmp_path / "c" / "train.en").read_bytes()
     assert b"\r" not in raw and b"\t" not in raw
     assert lines(tmp_path / "c" / "train.en")[0] == "In the beginning, God created the heavens."

@@ -498,7 +498,7 @@ def test_export_of_another_model_shows_no_demo_examples_and_ends_with_the_verdic
 
     model = make_model_dir(tmp_path / "model")
     out = tmp_path / "out"
-    assert export_main(["--model-dir", str(model), "--output-dir", str(out), "--no-validate"]) == 0
+    assert export_main(["--model", str(model), "--output-dir", str(out), "--no-validate"]) == 0
     text = capsys.readouterr().out
     assert "forty" not in text and "reference:" not in text
     assert "example translations: none (the model folder records no example pairs" in text

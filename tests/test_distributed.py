@@ -124,7 +124,10 @@ def test_training_refuses_a_partial_environment(tmp_path, monkeypatch, capsys):
     with pytest.raises(DistributedError, match="LOCAL_RANK, MASTER_ADDR, MASTER_PORT are missing"):
         train(TrainOptions(out_dir=str(out), **TINY))
     assert not out.exists()  # nothing written
-    assert train_mod.main(["--out", str(out), "--preset", "tiny", "--range", "0", "99", "--no-progress"]) == 1
+    assert (
+        train_mod.main(["--output-dir", str(out), "--preset", "tiny", "--range", "0", "99", "--no-progress"])
+        == 1
+    )
     assert "MASTER_ADDR, MASTER_PORT are missing" in capsys.readouterr().err
     assert not out.exists()
 
@@ -436,7 +439,7 @@ def test_resume_with_another_world_size(tmp_path):
     cli = [
         "-m",
         "transformer_ext.train",
-        "--out",
+        "--output-dir",
         out,
         "--resume",
         "--max-steps",
@@ -476,7 +479,7 @@ def test_more_ranks_than_batches_fails_cleanly(tmp_path):
         [
             "-m",
             "transformer_ext.train",
-            "--out",
+            "--output-dir",
             out,
             "--preset",
             "tiny",

@@ -337,7 +337,7 @@ def test_exporter_writes_the_generation_options_it_is_given(tmp_path, model_dir,
     assert (
         main(
             [
-                "--model-dir",
+                "--model",
                 str(model_dir),
                 "--output-dir",
                 str(out),
@@ -388,7 +388,7 @@ def test_bad_generation_options_are_refused_before_anything_is_written(
 
 
 def test_cli_bad_generation_option_is_one_line(tmp_path, model_dir, fast_export, capsys):
-    assert main(["--model-dir", str(model_dir), "--output-dir", str(tmp_path / "out"), "--alpha", "-1"]) == 1
+    assert main(["--model", str(model_dir), "--output-dir", str(tmp_path / "out"), "--alpha", "-1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "python -m export.onnx: error: the generation options: alpha must be a finite number >= 0, got -1.0"

@@ -741,7 +741,7 @@ def test_cli_help(capsys):
     assert info.value.code == 0
     text = capsys.readouterr().out
     for option in (
-        "--model-dir",
+        "--model",
         "--output-dir",
         "--flavour",
         "--opset",
@@ -756,7 +756,7 @@ def test_cli_prints_parity_table_and_translations(tmp_path, fast_export, capsys)
     model_dir = make_model_dir(tmp_path / "model")
     code = main(
         [
-            "--model-dir",
+            "--model",
             str(model_dir),
             "--output-dir",
             str(tmp_path / "out"),
@@ -774,7 +774,7 @@ def test_cli_prints_parity_table_and_translations(tmp_path, fast_export, capsys)
 
 
 def test_cli_reports_errors(tmp_path, capsys):
-    assert main(["--model-dir", str(tmp_path / "nowhere"), "--output-dir", str(tmp_path / "out")]) == 1
+    assert main(["--model", str(tmp_path / "nowhere"), "--output-dir", str(tmp_path / "out")]) == 1
     assert "model folder not found" in capsys.readouterr().err
 
 

@@ -128,7 +128,7 @@ def test_foreign_manifest_and_its_neighbours_are_kept(tmp_path, model_dir, fast_
     (out / MANIFEST_NAME).write_text('{"name": "app"}')
     (out / "notes.txt").write_text("x")
     before = snapshot(out)
-    assert export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"]) == 1
+    assert export_mod.main(["--model", str(model_dir), "--output-dir", str(out), "--no-validate"]) == 1
     one_error_line(capsys.readouterr().err, str(out), "not written by this package", "notes.txt")
     assert snapshot(out) == before and fast_export == []  # refused before any work
 
@@ -227,7 +227,7 @@ def test_tensorrt_writes_only_into_folders_of_ours(tmp_path, exported_portable, 
 
 
 # ------------------------------------------------------------------------------------------
-# 2. export.triton: --out never overlaps the export; --force replaces only its own repository
+# 2. export.triton: --output-dir never overlaps the export; --force replaces only its own repository
 # ------------------------------------------------------------------------------------------
 
 
@@ -243,7 +243,7 @@ def test_triton_out_overlapping_the_export_is_refused(tmp_path, exported_portabl
         (export / "repo", "is inside"),
         (tmp_path / "link", "is"),
     ):
-        code = triton_export.main(["--export-dir", str(export), "--out", str(out), "--force"])
+        code = triton_export.main(["--model", str(export), "--output-dir", str(out), "--force"])
         assert code == 1
         one_error_line(capsys.readouterr().err, f"{relation} the export folder")
     assert snapshot(project) == before
@@ -344,7 +344,7 @@ def test_export_onnx_interrupted_leaves_no_temporary_and_keeps_the_old_export(
         "export.onnx",
         "_export_graph",
         exported_portable,
-        ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"],
+        ["--model", str(model_dir), "--output-dir", str(out), "--no-validate"],
     )
     assert len(temporaries(tmp_path)) == 1  # the staged folder exists while it writes
     proc.send_signal(sig)
@@ -362,7 +362,7 @@ def test_export_onnx_killed_leaves_a_temporary_that_the_next_run_removes(
         "export.onnx",
         "_export_graph",
         exported_portable,
-        ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"],
+        ["--model", str(model_dir), "--output-dir", str(out), "--no-validate"],
     )
     proc.kill()
     proc.communicate(timeout=120)
@@ -381,7 +381,7 @@ def test_export_triton_terminated_leaves_no_temporary(tmp_path, exported_portabl
         "export.triton",
         "_write_translator",
         exported_portable,
-        ["--export-dir", str(exported_portable), "--out", str(repo), "--force"],
+        ["--model", str(exported_portable), "--output-dir", str(repo), "--force"],
     )
     assert len(temporaries(tmp_path)) == 1
     proc.send_signal(signal.SIGTERM)
@@ -423,7 +423,7 @@ def test_corrupt_tokenizer_fails_the_export(tmp_path, model_dir, fast_export, ca
     out = tmp_path / "out"
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         export_onnx(model_dir, out, validate=False)
-    assert export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate"]) == 1
+    assert export_mod.main(["--model", str(model_dir), "--output-dir", str(out), "--no-validate"]) == 1
     one_error_line(capsys.readouterr().err, str(model_dir / "tokenizer.json"))
     assert not out.exists() and fast_export == []
 
@@ -497,7 +497,7 @@ def test_export_onnx_full_disk_and_read_only_folder(tmp_path, model_dir, fast_ex
     out = tmp_path / "out"
     export_onnx(model_dir, out, validate=False)
     before = snapshot(out)
-    argv = ["--model-dir", str(model_dir), "--output-dir", str(out), "--no-validate", "--examples", "0"]
+    argv = ["--model", str(model_dir), "--output-dir", str(out), "--no-validate", "--examples", "0"]
     with monkeypatch.context() as m:
         fail_on(m, "replace", errno.ENOSPC, under(tmp_path))
         assert export_mod.main(argv) == 1
@@ -519,7 +519,7 @@ def test_export_triton_corrupt_graph_full_disk_and_read_only(
     shutil.copytree(exported_portable, export)
     repo = export_triton(export, tmp_path / "repo").repo_dir
     before = snapshot(repo)
-    argv = ["--export-dir", str(export), "--out", str(repo), "--force"]
+    argv = ["--model", str(export), "--output-dir", str(repo), "--force"]
     good = (export / ENCODER_FILE).read_bytes()
     (export / ENCODER_FILE).write_bytes(good[: len(good) // 3])  # truncated
     assert triton_export.main(argv) == 1
@@ -538,7 +538,9 @@ def test_export_triton_corrupt_graph_full_disk_and_read_only(
             triton_export.main(argv + ["--debug"])
     with monkeypatch.context() as m:
         fail_on(m, "mkdir", errno.EROFS, under(tmp_path))
-        assert triton_export.main(["--export-dir", str(export), "--out", str(tmp_path / "new" / "repo")]) == 1
+        assert (
+            triton_export.main(["--model", str(export), "--output-dir", str(tmp_path / "new" / "repo")]) == 1
+        )
         one_error_line(capsys.readouterr().err, "read-only", str(tmp_path / "new" / "repo"))
     assert snapshot(repo) == before and temporaries(tmp_path) == [] and not (tmp_path / "new").exists()
 
@@ -625,7 +627,7 @@ def test_failed_export_removes_the_parents_it_made(tmp_path, model_dir, fast_exp
 def test_triton_bad_gpu_list_is_an_option_error(tmp_path, exported_portable, capsys):
     with pytest.raises(SystemExit) as info:
         triton_export.main(
-            ["--export-dir", str(exported_portable), "--out", str(tmp_path / "r"), "--gpus", "0,x"]
+            ["--model", str(exported_portable), "--output-dir", str(tmp_path / "r"), "--gpus", "0,x"]
         )
     assert info.value.code == 2 and "comma-separated GPU ids" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
@@ -648,7 +650,7 @@ def test_export_onnx_values_out_of_range_exit_2(
     tmp_path, model_dir, fast_export, capsys, option, value, match
 ):
     out = tmp_path / "out"
-    code = export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out), option, value])
+    code = export_mod.main(["--model", str(model_dir), "--output-dir", str(out), option, value])
     assert code == 2
     one_error_line(capsys.readouterr().err, match)
     assert not out.exists() and fast_export == []
@@ -657,8 +659,8 @@ def test_export_onnx_values_out_of_range_exit_2(
 def test_export_onnx_output_inside_the_model_folder_is_refused(tmp_path, model_dir, fast_export, capsys):
     before = snapshot(model_dir)
     out = model_dir / "onnx"
-    assert export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out)]) == 1
-    one_error_line(capsys.readouterr().err, f"--output-dir {out} lies inside the model folder --model-dir")
+    assert export_mod.main(["--model", str(model_dir), "--output-dir", str(out)]) == 1
+    one_error_line(capsys.readouterr().err, f"--output-dir {out} lies inside the model folder --model")
     assert snapshot(model_dir) == before and fast_export == []
 
 
@@ -671,7 +673,7 @@ def test_export_onnx_output_inside_a_training_runs_managed_folders_is_refused(
     # the marker a training run folder carries (written by hand here: only its format field matters)
     (run / "run.json").write_text(json.dumps({"format": "transformer_ext.train-run", "version": 1}))
     out = run / managed / "onnx"
-    assert export_mod.main(["--model-dir", str(model_dir), "--output-dir", str(out)]) == 1
+    assert export_mod.main(["--model", str(model_dir), "--output-dir", str(out)]) == 1
     top = managed.split("/")[0]
     one_error_line(capsys.readouterr().err, f"the {top}/ folder of the training run")
     assert not out.exists() and fast_export == []

@@ -267,6 +267,8 @@ def _table_reads(folder: Path) -> dict:
         for node in proto.graph.node:
             if node.op_type in ("GatherBlockQuantized", "MatMulNBits"):
                 name = node.input[0 if node.op_type == "GatherBlockQuantized" else 1]
+                if name not in regions:  # computed in the graph (the few-row step's layer weights)
+                    continue
                 reads.setdefault((Path(path).name, node.op_type), []).append((regions[name], dims[name]))
     return reads
 

@@ -197,6 +197,6 @@ def test_init_from_an_unconverted_transformers_folder_points_to_convert(converte
         _short_run(converted, tmp_path, hf)
     text = str(info.value)
     assert f"{hf} is a transformers checkpoint folder" in text
-    assert f"python -m transformer_ext.convert transformers {hf} --out MODEL_DIR" in text
+    assert f"python -m transformer_ext.convert transformers --model {hf} --output-dir MODEL_DIR" in text
     assert "missing keys" not in text and "\n" not in text
     assert not (tmp_path / "run").exists()

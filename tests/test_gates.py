@@ -88,7 +88,7 @@ def test_a_converted_model_must_be_given_gate_data(models, tmp_path, capsys, nam
     ):
         quantize_export(export, tmp_path / "q")
     assert not (tmp_path / "q").exists()
-    code = export_main(["--model-dir", str(model), "--output-dir", str(tmp_path / "e"), "--quantize", "int8"])
+    code = export_main(["--model", str(model), "--output-dir", str(tmp_path / "e"), "--quantize", "int8"])
     err = _one_line_error(capsys, "python -m export.onnx")
     assert code == 1 and "quality gate needs gate data" in err and "--no-validate" in err
     assert sorted(os.listdir(tmp_path)) == []
@@ -143,7 +143,7 @@ def test_the_bleu_gate_of_a_multilingual_model_takes_its_languages(models, tmp_p
     _, source_lang, target_lang = CASES[name]
     sources, references = sample_lines(6, seed=41), sample_lines(6, seed=42)
     src, ref = _files(tmp_path, "gate.src", sources), _files(tmp_path, "gate.ref", references)
-    base = ["--export-dir", str(export), "--gate-src", str(src), "--gate-ref", str(ref)]
+    base = ["--model", str(export), "--gate-src", str(src), "--gate-ref", str(ref)]
     if name == "marian_multilingual":  # M2M100's tokenizer_config.json has default languages
         code = quantize_main([*base, "--output-dir", str(tmp_path / "none"), "--max-bleu-drop", "100"])
         err = _one_line_error(capsys, "python -m export.quantize")
@@ -169,7 +169,7 @@ def test_a_gate_source_longer_than_the_model_is_named(models, tmp_path, capsys):
     long_line = " ".join(["hello world translation model"] * 20)
     src = _files(tmp_path, "gate.src", ["hello world", long_line])
     ref = _files(tmp_path, "gate.ref", ["hola", "hola"])
-    args = ["--export-dir", str(export), "--gate-src", str(src), "--gate-ref", str(ref)]
+    args = ["--model", str(export), "--gate-src", str(src), "--gate-ref", str(ref)]
     code = quantize_main(
         [*args, "--source-lang", "fr", "--target-lang", "es", "--output-dir", str(tmp_path / "q")]
     )
@@ -181,9 +181,7 @@ def test_a_gate_source_longer_than_the_model_is_named(models, tmp_path, capsys):
 
 def test_languages_without_gate_files_are_a_usage_error(models, tmp_path, capsys):
     _, export = models["m2m100"]
-    code = quantize_main(
-        ["--export-dir", str(export), "--output-dir", str(tmp_path / "q"), "--target-lang", "es"]
-    )
+    code = quantize_main(["--model", str(export), "--output-dir", str(tmp_path / "q"), "--target-lang", "es"])
     err = _one_line_error(capsys, "python -m export.quantize")
     assert code == 2 and "--target-lang" in err and "need --gate-src and --gate-ref" in err
     assert not (tmp_path / "q").exists()
@@ -217,7 +215,7 @@ def test_the_bleu_gate_fails_a_broken_quantization(models, tmp_path, capsys, mon
     assert sum(bool(r.strip()) for r in references) >= 6  # a text for BLEU to measure
     src, ref = _files(tmp_path, "gate.src", sources), _files(tmp_path, "gate.ref", references)
     args = [
-        *("--export-dir", str(export), "--gate-src", str(src), "--gate-ref", str(ref)),
+        *("--model", str(export), "--gate-src", str(src), "--gate-ref", str(ref)),
         "--target-lang",
         "spa",
     ]

@@ -321,7 +321,7 @@ def test_a_field_not_reproduced_is_refused_naming_it(marian, tmp_path, capsys, e
 
     hf = _variant(marian, tmp_path, edit)
     out = tmp_path / "out" / "model"
-    assert main(["transformers", str(hf), "--out", str(out)]) == 1
+    assert main(["transformers", "--model", str(hf), "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("transformer-ext-convert: error: "), err
     assert field in err and ("generation_config.json" in err or "vocabulary" in err), err
@@ -350,7 +350,7 @@ def test_m2m100_forced_bos_in_the_config_is_refused(m2m100, tmp_path, capsys):
     from transformer_ext.convert.__main__ import main
 
     hf = _variant(m2m100, tmp_path, _set(forced_bos_token_id=5))
-    assert main(["transformers", str(hf), "--out", str(tmp_path / "o")]) == 1
+    assert main(["transformers", "--model", str(hf), "--output-dir", str(tmp_path / "o")]) == 1
     assert "forced_bos_token_id" in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 

@@ -88,7 +88,12 @@ def test_a_hub_id_converts_offline_from_the_cache(hub, tmp_path, cache_var):
     home, checkpoint, local = hub
     cache = {"HF_HUB_CACHE": home / "hub", "HF_HOME": home}[cache_var]
     out = tmp_path / "converted"
-    got = _convert([REPO_ID, "--out", str(out)], tmp_path, HF_HUB_OFFLINE="1", **{cache_var: str(cache)})
+    got = _convert(
+        ["--model", REPO_ID, "--output-dir", str(out)],
+        tmp_path,
+        HF_HUB_OFFLINE="1",
+        **{cache_var: str(cache)},
+    )
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip() == str(out)
     provenance = json.loads((out / PROVENANCE_FILE).read_text(encoding="utf-8"))
@@ -113,7 +118,10 @@ def test_a_hub_id_not_in_the_offline_cache_is_one_line(hub, tmp_path):
     home, _, _ = hub
     out = tmp_path / "converted"
     got = _convert(
-        ["test-org/not-cached", "--out", str(out)], tmp_path, HF_HUB_OFFLINE="1", HF_HOME=str(home)
+        ["--model", "test-org/not-cached", "--output-dir", str(out)],
+        tmp_path,
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(home),
     )
     assert got.returncode == 1 and got.stdout == ""
     (line,) = got.stderr.strip().splitlines()
@@ -125,7 +133,7 @@ def test_a_hub_id_not_in_the_offline_cache_is_one_line(hub, tmp_path):
 def test_an_unreachable_hub_is_one_line(hub, tmp_path):
     home, _, _ = hub
     out = tmp_path / "converted"
-    got = _convert(["test-org/not-cached", "--out", str(out)], tmp_path, HF_HOME=str(home))
+    got = _convert(["--model", "test-org/not-cached", "--output-dir", str(out)], tmp_path, HF_HOME=str(home))
     assert got.returncode == 1 and got.stdout == ""
     (line,) = got.stderr.strip().splitlines()
     assert "could not be reached" in line and "'test-org/not-cached'" in line and "HF_HUB_OFFLINE" in line

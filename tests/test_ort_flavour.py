@@ -203,16 +203,13 @@ def test_cli_exports_the_flavour_and_checks_the_opset_first(ort_dir, tmp_path, c
     model_dir = ort_dir.parent / "tiny_model"
     bad = tmp_path / "bad"
     assert (
-        main(["--model-dir", str(model_dir), "--output-dir", str(bad), "--flavour", "ort", "--opset", "24"])
-        == 2
+        main(["--model", str(model_dir), "--output-dir", str(bad), "--flavour", "ort", "--opset", "24"]) == 2
     )
     err = capsys.readouterr().err
     assert "opset 24 is not supported for the ort flavour" in err and len(err.strip().splitlines()) == 1
     assert not bad.exists()
     out = tmp_path / "cli"
-    code = main(
-        ["--model-dir", str(model_dir), "--output-dir", str(out), "--flavour", "ort", "--no-validate"]
-    )
+    code = main(["--model", str(model_dir), "--output-dir", str(out), "--flavour", "ort", "--no-validate"])
     assert code == 0
     assert json.loads((out / MANIFEST_NAME).read_text())["flavour"] == "ort"
     shutil.rmtree(out)

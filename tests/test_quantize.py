@@ -271,15 +271,9 @@ def test_cli_unknown_scheme_is_one_line_and_writes_nothing(tmp_path, capsys):
 
 
 def test_quantize_cli(tiny_float, tiny_int8, tmp_path, capsys):
-    assert (
-        quant.main(["--export-dir", str(tiny_int8), "--output-dir", str(tmp_path / "o"), "--no-validate"])
-        == 1
-    )
+    assert quant.main(["--model", str(tiny_int8), "--output-dir", str(tmp_path / "o"), "--no-validate"]) == 1
     assert "already quantized" in capsys.readouterr().err
-    assert (
-        quant.main(["--export-dir", str(tiny_float), "--output-dir", str(tmp_path / "o"), "--no-validate"])
-        == 0
-    )
+    assert quant.main(["--model", str(tiny_float), "--output-dir", str(tmp_path / "o"), "--no-validate"]) == 0
     assert "MatMulInteger" in capsys.readouterr().out
     assert manifest_quantization(read_manifest(tmp_path / "o"))["scheme"] == "int8"
 
@@ -363,9 +357,7 @@ def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path,
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has 2 lines but --gate-ref" in err[0]
-    assert (
-        quant.main(["--export-dir", str(tiny_float), "--output-dir", str(out), "--gate-src", str(src)]) == 2
-    )
+    assert quant.main(["--model", str(tiny_float), "--output-dir", str(out), "--gate-src", str(src)]) == 2
     assert "--gate-src and --gate-ref go together" in capsys.readouterr().err
     assert main(["--output-dir", str(out), "--quantize", "int8", "--max-bleu-drop", "-1"]) == 2
     assert "max_bleu_drop must be a finite number >= 0" in capsys.readouterr().err
@@ -378,22 +370,20 @@ def test_cli_gate_flags_checked_before_anything_is_written(tiny_float, tmp_path,
 
 
 def test_output_inside_the_export_folder_is_refused(tiny_float, tmp_path, capsys):
-    """``--output-dir E/int8`` inside ``--export-dir E`` (and a folder holding E): refused naming
+    """``--output-dir E/int8`` inside ``--model E`` (and a folder holding E): refused naming
     both, before anything is written."""
     export = tmp_path / "E"
     shutil.copytree(tiny_float, export)
     before = sorted(os.listdir(export))
-    with pytest.raises(ValueError, match=r"--output-dir .*E/int8 lies inside the export folder --export-dir"):
+    with pytest.raises(ValueError, match=r"--output-dir .*E/int8 lies inside the export folder --model"):
         quantize_export(export, export / "int8", gate=False)
-    argv = ["--export-dir", str(export), "--output-dir", str(export / "int8"), "--no-validate"]
+    argv = ["--model", str(export), "--output-dir", str(export / "int8"), "--no-validate"]
     assert quant.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert (
-        len(err) == 1
-        and "lies inside the export folder --export-dir" in err[0]
-        and "Is a directory" not in err[0]
+        len(err) == 1 and "lies inside the export folder --model" in err[0] and "Is a directory" not in err[0]
     )
-    with pytest.raises(ValueError, match="contains the export folder --export-dir"):
+    with pytest.raises(ValueError, match="contains the export folder --model"):
         quantize_export(export, tmp_path, gate=False)
     assert sorted(os.listdir(export)) == before and sorted(os.listdir(tmp_path)) == ["E"]
 
@@ -434,7 +424,7 @@ def test_sigkill_mid_quantize_leaves_temporaries_the_next_export_removes(
     out = tmp_path / "out"
     if command == "export.onnx":
         argv = [
-            "--model-dir",
+            "--model",
             str(model_dir),
             "--output-dir",
             str(out),
@@ -444,7 +434,7 @@ def test_sigkill_mid_quantize_leaves_temporaries_the_next_export_removes(
         ]
     else:
         argv = [
-            "--export-dir",
+            "--model",
             str(tiny_float),
             "--output-dir",
             str(out),

@@ -85,6 +85,87 @@ def test_its_logits_are_near_float32_and_its_own(tiny_float, tiny_int8):
     assert not np.array_equal(b, c) and not np.array_equal(a, b)
 
 
+def _external_regions(path: Path) -> tuple[dict, onnx.ModelProto]:
+    """``{initializer name: (offset, length)}`` of a graph's initializers in the weights file."""
+    proto = onnx.load(path, load_external_data=False)
+    regions = {}
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            regions[t.name] = (int(info["offset"]), int(info["length"]))
+    return regions, proto
+
+
+def _int8_sources(proto) -> dict[str, str]:
+    """``{MatMulNBits node: the initializer its weight is made from}`` of the few-row step's layer
+    products, whose weight input is ``BitwiseXor(Transpose(initializer))``."""
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    inits = {t.name for t in proto.graph.initializer}
+    sources = {}
+    for node in proto.graph.node:
+        if node.op_type != "MatMulNBits" or node.input[1] in inits:
+            continue
+        xor = producers[node.input[1]]
+        transpose = producers[xor.input[0]]
+        assert (xor.op_type, transpose.op_type) == ("BitwiseXor", "Transpose")
+        assert transpose.input[0] in inits
+        sources[node.name] = transpose.input[0]
+    return sources
+
+
+def test_its_layer_weights_are_the_int8_steps_bytes(tiny_int8):
+    """The few-row step stores no weight of its own: each layer product reads the region of
+    weights.data that the int8 step's MatMulInteger reads (the tied table's region is the
+    lookup's: tests/test_export_weights.py); what only it reads are its per-block scales."""
+    step_regions, step = _external_regions(tiny_int8 / DECODER_FILE)
+    few_regions, few = _external_regions(tiny_int8 / FEW_ROWS_DECODER_FILE)
+    int8_weights = {
+        step_regions[n.input[1]]
+        for n in step.graph.node
+        if n.op_type == "MatMulInteger" and n.input[1] in step_regions
+    }
+    sources = _int8_sources(few)
+    products = [n for n in few.graph.node if n.op_type == "MatMulNBits"]
+    assert len(sources) == len(products) - 1  # all but the tied output projection
+    assert {few_regions[name] for name in sources.values()} == int8_weights
+    encoder_regions, _ = _external_regions(tiny_int8 / "encoder.onnx")
+    others = set(step_regions.values()) | set(encoder_regions.values())
+    own = sorted(name for name, region in few_regions.items() if region not in others)
+    assert all(name.endswith(".scales") for name in own), own  # (the tiny model's are inside the graph)
+
+
+def test_onnx_runtime_folds_them_into_matmulnbits_weights(tiny_int8, tmp_path):
+    """ONNX Runtime folds each Transpose / BitwiseXor pair when it loads the graph; the
+    folded weight is the int8 step's weight transposed, plus 128 (MatMulNBits' zero point)."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(tmp_path / "folded.onnx")
+    ort.InferenceSession(str(tiny_int8 / FEW_ROWS_DECODER_FILE), options, providers=["CPUExecutionProvider"])
+    # its unchanged initializers still point into the export's weights.data; the folded ones are new
+    folded = onnx.load(tmp_path / "folded.onnx", load_external_data=False)
+    assert not [n for n in folded.graph.node if n.op_type == "BitwiseXor"]
+    few = onnx.load(tiny_int8 / FEW_ROWS_DECODER_FILE)  # with the external data
+    arrays = {t.name: numpy_helper.to_array(t) for t in few.graph.initializer}
+    folded_inits = {t.name: t for t in folded.graph.initializer}
+    sources = _int8_sources(few)
+    checked = 0
+    for node in folded.graph.node:
+        if node.name not in sources:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        k, n, block = attrs["K"], attrs["N"], attrs["block_size"]
+        int8 = arrays[sources[node.name]].view(np.int8).reshape(k, n)  # the int8 step's bytes
+        expected = (int8.T.astype(np.int16) + 128).astype(np.uint8).reshape(n, k // block, block)
+        assert folded_inits[node.input[1]].data_location != onnx.TensorProto.EXTERNAL  # a folded tensor
+        weight = numpy_helper.to_array(folded_inits[node.input[1]])
+        assert weight.dtype == np.uint8 and np.array_equal(weight, expected), node.name
+        checked += 1
+    assert checked == len(sources) > 0
+
+
 def test_the_runner_chooses_by_rows_and_threads(tiny_int8):
     two = OrtRunner(tiny_int8, intra_op_num_threads=2)
     assert two.encode(*_sources(two, 1), cache_len=8).session is not two.decoder
@@ -125,7 +206,7 @@ def test_without_the_graph_and_refused_options(tiny_float, tmp_path, capsys):
     assert (
         quant.main(
             [
-                "--export-dir",
+                "--model",
                 str(tiny_float),
                 "--output-dir",
                 str(out),
@@ -142,7 +223,7 @@ def test_without_the_graph_and_refused_options(tiny_float, tmp_path, capsys):
     # another scheme: one line naming the flag, nothing written
     bad = tmp_path / "int4"
     code = quant.main(
-        ["--export-dir", str(tiny_float), "--output-dir", str(bad), "--scheme", "int4", "--no-few-rows-graph"]
+        ["--model", str(tiny_float), "--output-dir", str(bad), "--scheme", "int4", "--no-few-rows-graph"]
     )
     err = capsys.readouterr().err
     assert code == 2 and "--no-few-rows-graph applies to --quantize int8" in err and "Traceback" not in err
@@ -243,7 +324,7 @@ def test_not_written_without_an_int8_kernel_and_not_used_on_a_lesser_cpu(
     assert always.encode(*_sources(always, 1), cache_len=8).session is not always.decoder
 
 
-def test_not_written_for_a_step_with_external_weights(tiny_float, tmp_path):
+def test_not_written_for_a_step_with_external_weights(tiny_float, tiny_int8, tmp_path):
     """A float32 step over 2 GiB keeps its weights in decoder_step.onnx.data: no few-row step."""
     import shutil
 
@@ -254,10 +335,16 @@ def test_not_written_for_a_step_with_external_weights(tiny_float, tmp_path):
     dst.mkdir()
     assert quant.few_rows_graph(src, dst, read_manifest(tiny_float)["model_config"]) is None
     assert os.listdir(dst) == []
+    step = tiny_int8 / DECODER_FILE  # the int8 step whose weight bytes the few-row step reads
     assert (
-        quant.few_rows_graph(tiny_float, dst, read_manifest(tiny_float)["model_config"])["file"]
+        quant.few_rows_graph(tiny_float, dst, read_manifest(tiny_float)["model_config"], int8_step=step)[
+            "file"
+        ]
         == FEW_ROWS_DECODER_FILE
     )
+    # without the int8 step there are no bytes to share: one message naming it
+    with pytest.raises(QuantizationError, match="reads the weights of the int8 decoder step"):
+        quant.few_rows_graph(tiny_float, tmp_path / "empty", read_manifest(tiny_float)["model_config"])
 
 
 def test_bench_decode_records_the_step(tiny_float, tiny_int8):

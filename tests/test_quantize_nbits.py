@@ -544,7 +544,7 @@ def test_export_cli_bad_options_are_one_line_and_write_nothing(tmp_path, capsys,
 
 def test_quantize_cli_int4(tiny_float, tmp_path, capsys):
     out = tmp_path / "o"
-    argv = ["--export-dir", str(tiny_float), "--output-dir", str(out), "--no-validate", "--scheme", "int4"]
+    argv = ["--model", str(tiny_float), "--output-dir", str(out), "--no-validate", "--scheme", "int4"]
     assert quant.main([*argv, "--quant-block-size", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not divide d_model = 32" in err[0]
@@ -590,3 +590,146 @@ def test_a_cpu_without_the_exporting_cpus_kernels_gets_a_warning(
             runner = OrtRunner(folder, intra_op_num_threads=1)
         assert any("avx512f" in r.getMessage() and "lacks" in r.getMessage() for r in caplog.records)
         assert runner.greedy(np.array([[5, 6, 7]]), np.array([3]), max_new_tokens=3)
+
+
+# ------------------------------------------------------------------------------------------
+# int4's embedding tables: 4 or 8 bits
+# ------------------------------------------------------------------------------------------
+
+
+def _torch_table_share(config) -> float:
+    """The tables' share of the weights of the model built from ``config``, counted from its
+    parameters: the lookup tables' elements over those of every weight matrix (2-D parameters,
+    each tensor once: a tied projection is its table)."""
+    import torch
+
+    from transformer_ext.model import Transformer
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(config)
+    seen, tables, weights = set(), 0, 0
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if p.dim() != 2 or id(p) in seen:
+            continue
+        seen.add(id(p))
+        weights += p.numel()
+        if "embed" in name:
+            tables += p.numel()
+    return tables / weights
+
+
+@pytest.mark.parametrize(
+    "overrides, bits",
+    [
+        # opus-mt-en-de's dimensions: one 58,101-row table, 6+6 layers of 512
+        (dict(src_vocab_size=58101, tgt_vocab_size=58101, shared_vocab=True), 4),
+        (dict(), 8),  # base: two 8,000-row tables
+        (dict(src_vocab_size=26, tgt_vocab_size=25, d_model=64, d_ff=256, n_heads=4), 8),  # the demo's shape
+    ],
+)
+def test_int4_table_bits_follow_the_tables_share_of_the_weights(overrides, bits):
+    from transformer_ext.config import TransformerConfig
+
+    config = TransformerConfig.preset("base", **overrides)
+    share = quant.table_share(config.to_dict())
+    assert share == pytest.approx(_torch_table_share(config), rel=0.02)
+    assert quant.default_table_bits(config.to_dict()) == bits
+    assert quant.resolve_settings("int4", None, config.to_dict())["table_bits"] == bits
+    assert quant.resolve_settings("int4", {"table_bits": 8}, config.to_dict())["table_bits"] == 8
+
+
+def test_4_bit_tables_are_the_projections_bytes_and_match_the_oracle(tiny_float, tmp_path_factory):
+    """``table_bits`` 4: the lookup (GatherBlockQuantized, bits 4) and the tied output projection
+    (MatMulNBits, 4 bits) read one region; the rows ONNX Runtime looks up are the oracle's
+    dequantized matrix of that projection, within a quantization step of the float32 table."""
+    from safetensors.numpy import load_file
+
+    folder = _quantized(tiny_float, tmp_path_factory, "int4", table_bits=4)
+    section = manifest_quantization(read_manifest(folder, verify=True))
+    assert section["table_bits"] == 4 and section["lookups"]["bits"] == 4
+    block = section["lookups"]["block_size"]
+    tensors = section["graphs"]["decoder_step"]["tensors"]
+    assert tensors["model.generator.proj.weight"] == f"GatherBlockQuantized 4-bit, blocks of {block}"
+    assert tensors["model.generator.proj.weight.product"] == f"MatMulNBits 4-bit, blocks of {block}"
+    assert section["graphs"]["encoder"]["tensors"]["model.src_embed.lut.weight"].startswith(
+        "GatherBlockQuantized 4-bit"
+    )
+
+    model, inits = _nodes(folder, DECODER_FILE)
+    (gather,) = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert {a.name: helper.get_attribute_value(a) for a in gather.attribute}["bits"] == 4
+    rows = list(inits[gather.input[0]].dims)[0]
+    (tied,) = [
+        n for n in model.graph.node if n.op_type == "MatMulNBits" and list(inits[n.input[1]].dims)[0] == rows
+    ]
+    assert (
+        numpy_helper.to_array(inits[tied.input[1]]).tobytes()
+        == numpy_helper.to_array(inits[gather.input[0]]).tobytes()
+    )
+    raw = onnx.load(folder / DECODER_FILE, load_external_data=False)
+    where = {
+        t.name: tuple((e.key, e.value) for e in t.external_data)
+        for t in raw.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+    }
+    assert where.get(tied.input[1]) == where.get(gather.input[0])  # one region (or both inside: small)
+
+    alone = helper.make_node(
+        "GatherBlockQuantized", [gather.input[0], "ids", *gather.input[2:]], ["rows"], domain="com.microsoft"
+    )
+    alone.attribute.extend(gather.attribute)
+    graph = helper.make_graph(
+        [alone],
+        "alone",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [None, None])],
+        [inits[name] for name in (gather.input[0], *gather.input[2:]) if name],
+    )
+    session = ort.InferenceSession(
+        helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+        ).SerializeToString(),
+        providers=["CPUExecutionProvider"],
+    )
+    looked_up = session.run(None, {"ids": np.arange(rows, dtype=np.int64)})[0]
+    oracle = _dequantized(tied, inits).T  # [rows, d_model]
+    assert np.allclose(looked_up, oracle, rtol=0, atol=1e-6)
+    weights = load_file(tiny_float.parent / "tiny_model" / "model.safetensors")
+    (table,) = {  # the target table (the tied projection), stored once under one of its names
+        v.tobytes(): v for k, v in weights.items() if "tgt_embed" in k or "generator" in k
+    }.values()
+    steps = numpy_helper.to_array(inits[tied.input[2]]).reshape(rows, -1).repeat(block, axis=1)
+    assert (np.abs(oracle - table) <= steps + 1e-7).all()
+
+
+@pytest.mark.parametrize(
+    "scheme, options, fragment",
+    [
+        ("int4", {"table_bits": 5}, "--quant-table-bits must be one of"),
+        ("int4", {"table_bits": True}, "--quant-table-bits must be one of"),
+        ("int8", {"table_bits": 4}, "--quant-table-bits applies to --quantize int4"),
+        ("int8-nbits", {"table_bits": 4}, "--quant-table-bits applies to --quantize int4"),
+    ],
+)
+def test_table_bits_out_of_range_or_for_another_scheme(tiny_float, tmp_path, scheme, options, fragment):
+    with pytest.raises(QuantizationError, match=fragment):
+        quantize_export(tiny_float, tmp_path / "out", scheme, gate=False, options=options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_gate_failed_with_4_bit_tables_names_the_flag_that_keeps_8(tiny_float, tmp_path, monkeypatch):
+    """The gate's verdict as it is, with 4-bit tables the flag that keeps them at 8 bits added."""
+    calls = []
+
+    def gate(float_dir, q_dir, max_em_drop, *, scheme, few_rows):
+        calls.append(scheme)
+        raise quant.QualityGateError("the int4 graphs fail the quality gate: exact match 50.00% vs 100.00%")
+
+    monkeypatch.setattr(quant, "quality_gate", gate)
+    with pytest.raises(quant.QualityGateError, match="tables were 4-bit: --quant-table-bits 8 keeps them"):
+        quantize_export(tiny_float, tmp_path / "t4", "int4", options={"table_bits": 4})
+    with pytest.raises(quant.QualityGateError) as exc:
+        quantize_export(tiny_float, tmp_path / "t8", "int4", options={"table_bits": 8})
+    assert "--quant-table-bits" not in str(exc.value) and calls == ["int4", "int4"]
+    assert not (tmp_path / "t4").exists() and not (tmp_path / "t8").exists()

@@ -59,7 +59,7 @@ def trained(tmp_path_factory):
         *files["train"],
         "--valid",
         *files["valid"],
-        "--out",
+        "--output-dir",
         str(root / "run"),
         "--vocab-size",
         "60",
@@ -118,7 +118,7 @@ def test_evaluate_average_export_and_onnx_runtime(trained, tmp_path, capsys):
 
     root, files = trained
     src, ref = files["test"]
-    assert average.main(["--last", "2", str(root / "run"), "--out", str(tmp_path / "avg")]) == 0
+    assert average.main(["--last", "2", str(root / "run"), "--output-dir", str(tmp_path / "avg")]) == 0
     capsys.readouterr()
     reports = {}
     for name, model in (("best", root / "run" / "best"), ("avg", tmp_path / "avg")):
@@ -143,8 +143,7 @@ def test_evaluate_average_export_and_onnx_runtime(trained, tmp_path, capsys):
 
     out = tmp_path / "onnx"
     assert (
-        export_main(["--model-dir", str(root / "run" / "best"), "--output-dir", str(out), "--examples", "0"])
-        == 0
+        export_main(["--model", str(root / "run" / "best"), "--output-dir", str(out), "--examples", "0"]) == 0
     )
     capsys.readouterr()
     assert {"tokenizer.json", "spm.model"} <= {p.name for p in out.iterdir()}

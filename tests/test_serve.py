@@ -442,6 +442,31 @@ def test_sigterm_drains_accepted_work_and_exits_0_without_torch(tmp_path_factory
         server.stop()
 
 
+def test_an_idle_keep_alive_connection_outlives_client_pool_expiry():
+    """A pooled connection idle for 6 s is still open: clients reuse theirs for at least 5 s
+    (httpx's pool expiry; requests keeps them until they close), and a server that closes an idle
+    connection first races such a client's next request, which meets a reset instead of an answer."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    server = Server()
+    url = urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        body, headers = json.dumps({"text": "seven"}), {"Content-Type": "application/json"}
+        conn.request("POST", "/v1/translate", body, headers)
+        assert conn.getresponse().read()
+        sock = conn.sock
+        time.sleep(6)
+        conn.request("POST", "/v1/translate", body, headers)  # on the same connection
+        answer = conn.getresponse()
+        assert conn.sock is sock and answer.status == 200, answer.status
+        assert json.loads(answer.read())["translations"] == [{"text": "sieben"}]
+    finally:
+        conn.close()
+        assert server.stop() == 0
+
+
 def test_work_left_at_the_drain_timeout_answers_503_and_the_server_exits_0():
     server = Server("--batching", "static", "--batch-wait", "5", "--drain-timeout", "0.5")
     try:
@@ -818,6 +843,9 @@ def test_bench_serve_smoke_run_writes_json_and_plot(tmp_path):
             "-m",
             "benchmarks",
             "bench_serve",
+            "--quick",
+            "--latency-sentences",
+            "2",
             "--clients",
             "1,2",
             "--requests",

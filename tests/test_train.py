@@ -318,7 +318,7 @@ def test_cli(tmp_path, capsys):
 
     def args(steps, *extra):
         return [
-            "--out",
+            "--output-dir",
             out,
             "--preset",
             "tiny",
@@ -348,7 +348,7 @@ def test_cli(tmp_path, capsys):
     assert "trained 4 steps" in capsys.readouterr().out
     assert (
         train_mod.main(
-            ["--out", str(tmp_path / "x"), "--preset", "tiny", "--d-model", "30", "--n-heads", "4"]
+            ["--output-dir", str(tmp_path / "x"), "--preset", "tiny", "--d-model", "30", "--n-heads", "4"]
         )
         == 2  # a usage error
     )
@@ -373,7 +373,7 @@ def temporaries(root) -> list[str]:
 
 def cli(out, *extra, steps=2):
     return [
-        "--out",
+        "--output-dir",
         str(out),
         "--preset",
         "tiny",
@@ -481,7 +481,7 @@ def test_overwrite_replaces_the_old_run_only_when_the_new_one_has_a_checkpoint(r
     monkeypatch.setattr(run_folder, "save_checkpoint", spy)
     result = train(tiny(run_copy.parent, max_steps=4, eval_every=2, overwrite=True))
     assert result.step == 4 and result.first_step == 1
-    # steps 2 (best + last, in the new run's temporary folder: the old run still in place), 4 (in --out)
+    # steps 2 (best + last, in the new run's temporary folder: the old run still in place), 4 (in --output-dir)
     assert seen[:2] == [(False, True), (False, True)] and all(in_out for in_out, _ in seen[2:])
     assert (
         state_step(run_copy) == 4 and json.loads((run_copy / "run.json").read_text())["format_version"] == 1
@@ -533,7 +533,7 @@ def test_out_that_is_a_file(tmp_path, capsys):
     path = tmp_path / "file"
     path.write_text("x")
     assert train_mod.main(cli(path)) == 1
-    assert f"--out {path} is a file, not a folder" in capsys.readouterr().err
+    assert f"--output-dir {path} is a file, not a folder" in capsys.readouterr().err
     assert path.read_text() == "x" and sorted(os.listdir(tmp_path)) == ["file"]
 
 
@@ -910,7 +910,7 @@ def test_text_bad_data_is_named(tmp_path, capsys):
     src, tgt = opts.train_files
     vsrc, vtgt = opts.valid_files
     args = [
-        "--out",
+        "--output-dir",
         str(tmp_path / "run"),
         "--preset",
         "tiny",
@@ -947,7 +947,7 @@ def test_text_tsv_and_impossible_vocab(tmp_path, capsys):
         tmp_path / "valid.tsv", [f"{a}\t{b}" for a, b in zip(SENTS_EN[:2], SENTS_DE[:2], strict=True)]
     )
     args = [
-        "--out",
+        "--output-dir",
         str(tmp_path / "run"),
         "--preset",
         "tiny",
@@ -966,7 +966,9 @@ def test_text_tsv_and_impossible_vocab(tmp_path, capsys):
     assert "lower --vocab-size" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
     bad = write_lines(tmp_path / "bad.tsv", ["one\ttwo\tthree"])
-    assert train_mod.main(["--out", str(tmp_path / "run"), "--train-tsv", bad, "--valid-tsv", vtsv]) == 1
+    assert (
+        train_mod.main(["--output-dir", str(tmp_path / "run"), "--train-tsv", bad, "--valid-tsv", vtsv]) == 1
+    )
     assert f"{bad}, line 1: expected source<TAB>target (2 fields), got 3" in capsys.readouterr().err
 
 
@@ -1039,7 +1041,10 @@ def test_a_second_session_on_a_run_in_use_is_refused(run_copy, capsys, caplog):
         before = snapshot(run_copy)
         assert train_mod.main(cli(run_copy, "--resume", steps=4)) == 1
         err = capsys.readouterr().err
-        assert f"--out {run_copy} is in use: process {holder.pid} on host" in err and "Traceback" not in err
+        assert (
+            f"--output-dir {run_copy} is in use: process {holder.pid} on host" in err
+            and "Traceback" not in err
+        )
         assert snapshot(run_copy) == before and state_step(run_copy) == 2
     finally:
         holder.kill()  # SIGKILL: its lock file stays behind, naming a process that is gone
@@ -1144,7 +1149,7 @@ def test_a_failing_disk_names_the_output_the_user_gave(tmp_path, monkeypatch, ca
     monkeypatch.setattr(os, "replace", replace)
     assert train_mod.main(cli(out, steps=1)) == 1
     err = capsys.readouterr().err
-    assert f"error: --out {out}: {problem}" in err, err
+    assert f"error: --output-dir {out}: {problem}" in err, err
     assert f"(writing {out / 'best' / 'model.safetensors'})" in err and ".tmp-" not in err
     monkeypatch.undo()
     assert os.listdir(tmp_path) == []
@@ -1162,7 +1167,7 @@ def test_a_read_only_parent_names_the_output_the_user_gave(tmp_path, monkeypatch
     monkeypatch.setattr(os, "mkdir", mkdir)
     assert train_mod.main(cli(out, steps=1)) == 1
     err = capsys.readouterr().err
-    assert f"error: --out {out}: the file system is read-only" in err and ".tmp-" not in err, err
+    assert f"error: --output-dir {out}: the file system is read-only" in err and ".tmp-" not in err, err
 
 
 def test_resume_takes_the_options_not_given_from_the_run(tmp_path, monkeypatch, caplog):
@@ -1181,15 +1186,15 @@ def test_resume_takes_the_options_not_given_from_the_run(tmp_path, monkeypatch, 
     assert train_mod.main(cli(out, "--eval-every", "2", "--keep-last", "1", steps=4)) == 130
     monkeypatch.undo()
     assert state_step(out) == 2
-    # nothing but --out and --resume: the budget, validation interval and --keep-last are the run's
-    assert train_mod.main(["--out", str(out), "--resume", "--no-progress"]) == 0
+    # nothing but --output-dir and --resume: the budget, validation interval and --keep-last are the run's
+    assert train_mod.main(["--output-dir", str(out), "--resume", "--no-progress"]) == 0
     state = json.loads((out / "last" / "training_state.json").read_text())
     assert state["step"] == 4 and [h["step"] for h in state["history"]] == [2, 4]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4"]
     assert f"resuming {out} with the run's options" in caplog.text
     # an option given again overrides the run's, and the log says so
     caplog.clear()
-    assert train_mod.main(["--out", str(out), "--resume", "--no-progress", "--max-steps", "6"]) == 0
+    assert train_mod.main(["--output-dir", str(out), "--resume", "--no-progress", "--max-steps", "6"]) == 0
     assert state_step(out) == 6
     assert "except these given again: --max-steps 6 (the run had --max-steps 4)" in caplog.text
 
@@ -1283,7 +1288,7 @@ def test_demo_only_options_have_their_own_group_and_text_runs_need_out(tmp_path,
     with pytest.raises(SystemExit) as info:
         train_mod.main(["--train", *opts.train_files, "--valid", *opts.valid_files])
     assert info.value.code == 2
-    assert "--out is required with --train" in capsys.readouterr().err
+    assert "--output-dir is required with --train" in capsys.readouterr().err
 
 
 def test_the_test_set_is_scored_with_the_best_checkpoint_as_evaluate_does(tmp_path, capsys):
@@ -1315,7 +1320,7 @@ def test_the_test_set_is_scored_with_the_best_checkpoint_as_evaluate_does(tmp_pa
 def test_a_bad_test_set_is_refused_before_training(tmp_path, capsys):
     opts = text_opts(tmp_path)
     short = write_lines(tmp_path / "test.de", SENTS_DE[:2])
-    argv = ["--out", str(tmp_path / "run"), "--preset", "tiny", "--tokenizer", "char", "--no-progress"]
+    argv = ["--output-dir", str(tmp_path / "run"), "--preset", "tiny", "--tokenizer", "char", "--no-progress"]
     argv += ["--train", *opts.train_files, "--valid", *opts.valid_files, "--test", opts.valid_files[0], short]
     assert train_mod.main(argv) == 1
     assert "--test: " in capsys.readouterr().err and not (tmp_path / "run").exists()

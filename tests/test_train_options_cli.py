@@ -16,7 +16,7 @@ def test_init_from_with_an_architecture_option_exits_2(tmp_path, capsys, extra, 
     missing = tmp_path / "no-such-model"  # never read: the conflict is found first
     argv = ["--init-from", str(missing), "--train", "a.src", "a.tgt", "--valid", "b.src", "b.tgt"]
     with pytest.raises(SystemExit) as exc:
-        main([*argv, "--out", str(tmp_path / "run"), *extra])
+        main([*argv, "--output-dir", str(tmp_path / "run"), *extra])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--init-from" in err and named in err and "Traceback" not in err

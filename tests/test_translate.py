@@ -702,7 +702,7 @@ def test_a_reader_that_goes_away_stops_translate_quietly(tmp_path):
 
 @pytest.mark.parametrize("when", ["first batch", "last batch"])
 def test_sigterm_during_translate_output_exits_143_and_keeps_the_old_file(tmp_path, when):
-    """SIGTERM while `translate --input MANY --output O --beam 4` runs: exit 143, the
+    """SIGTERM while `translate --input MANY --output O --beam-size 4` runs: exit 143, the
     old O kept, no temporary left. The child sends SIGTERM to itself from inside a beam search."""
     src = tmp_path / "in.txt"
     src.write_text("".join(f"{w}\n" for w in ["forty-two", "seven thousand and seven", "one"] * 4), "utf-8")
@@ -721,7 +721,7 @@ def test_sigterm_during_translate_output_exits_143_and_keeps_the_old_file(tmp_pa
         "    return real(*a, **k)\n"
         "decoding.beam_search = beam_search\n"
         f"sys.exit(main(['--model', {str(DEMO_MODEL_DIR)!r}, '--input', {str(src)!r}, '--output', {str(out)!r},"
-        " '--beam', '4', '--batch-size', '2']))\n"
+        " '--beam-size', '4', '--max-batch-size', '2']))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=ROOT_ENV, cwd=ROOT, timeout=300

@@ -152,7 +152,7 @@ def test_cli_huge_beam_under_an_address_space_limit_is_one_line():
             "transformer_ext.translate",
             "--model",
             str(DEMO_DIR),
-            "--beam",
+            "--beam-size",
             "10000000",
             "one",
         ],

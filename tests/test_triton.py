@@ -950,7 +950,7 @@ def test_export_folder_without_manifest(exports, tmp_path, capsys):
         export_triton(folder, tmp_path / "repo")
     with pytest.raises(ManifestError, match="export folder not found"):
         export_triton(tmp_path / "nowhere", tmp_path / "repo")
-    assert main(["--export-dir", os.fspath(folder), "--out", os.fspath(tmp_path / "repo")]) == 1
+    assert main(["--model", os.fspath(folder), "--output-dir", os.fspath(tmp_path / "repo")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("python -m export.triton: error: ") and "manifest.json not found" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no_manifest"]  # nothing written
@@ -962,10 +962,10 @@ def test_existing_repository_is_refused_unless_forced(exports, tmp_path, capsys)
     (repo / "mine.txt").write_text("not yours")
     with pytest.raises(TritonExportError, match="not empty; refusing to overwrite it.*--force"):
         export_triton(exports["portable"], repo)
-    assert main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo)]) == 1
+    assert main(["--model", os.fspath(exports["portable"]), "--output-dir", os.fspath(repo)]) == 1
     assert "--force" in capsys.readouterr().err
     # --force replaces only a repository this tool wrote: not a folder of the user's
-    assert main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo), "--force"]) == 1
+    assert main(["--model", os.fspath(exports["portable"]), "--output-dir", os.fspath(repo), "--force"]) == 1
     assert "not a model repository written by python -m export.triton" in capsys.readouterr().err
     assert sorted(p.name for p in repo.iterdir()) == ["mine.txt"]
     (tmp_path / "file").write_text("x")
@@ -973,9 +973,9 @@ def test_existing_repository_is_refused_unless_forced(exports, tmp_path, capsys)
         export_triton(exports["portable"], tmp_path / "file", force=True)
     (repo / "mine.txt").unlink()
     assert (
-        main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo)]) == 0
+        main(["--model", os.fspath(exports["portable"]), "--output-dir", os.fspath(repo)]) == 0
     )  # empty: used
-    assert main(["--export-dir", os.fspath(exports["portable"]), "--out", os.fspath(repo), "--force"]) == 0
+    assert main(["--model", os.fspath(exports["portable"]), "--output-dir", os.fspath(repo), "--force"]) == 0
     out = capsys.readouterr().out
     assert f"tritonserver --model-repository={repo}" in out
     assert sorted(p.name for p in repo.iterdir()) == [

@@ -1,6 +1,6 @@
 """Average the parameters of several checkpoints into one model folder.
 
-``python -m transformer_ext.average --out DIR CKPT [CKPT ...]`` or ``--last K RUN`` (the K newest
+``python -m transformer_ext.average --output-dir DIR CKPT [CKPT ...]`` or ``--last K RUN`` (the K newest
 ``RUN/checkpoints/step-N/`` folders that ``python -m transformer_ext.train --keep-last K`` left).
 Every checkpoint must have the same config.json and the same tokenizer files (they are one
 model at different steps); the output is a normal model folder (config.json, model.safetensors,
@@ -9,7 +9,7 @@ equal in every checkpoint) when they have them, and ``averaged.json`` naming the
 loads, translates, evaluates and exports like any other. The mean is taken in float64 and stored
 in each tensor's dtype.
 
-``--out`` must be new or empty; it is built in a temporary sibling and renamed into place, so
+``--output-dir`` must be new or empty; it is built in a temporary sibling and renamed into place, so
 an error or an interruption leaves nothing behind.
 """
 
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli import UserError, add_debug_flag, run_cli
+from .cli import UserError, add_debug_flag, add_option, run_cli
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ GENERATION_DEFAULTS_FILE = "generation_defaults.json"  # an imported model's (tr
 
 
 class AverageError(UserError, ValueError):
-    """Checkpoints that cannot be averaged (different models, missing folders) or a bad --out."""
+    """Checkpoints that cannot be averaged (different models, missing folders) or a bad --output-dir."""
 
 
 def last_checkpoints(run: Path, k: int) -> list[Path]:
@@ -68,7 +68,7 @@ def last_checkpoints(run: Path, k: int) -> list[Path]:
 
 
 def check_out(out: Path, folders: Sequence[Path], run: Optional[Path] = None) -> None:
-    """Refuse an ``--out`` that overlaps a checkpoint or lies in a training run's managed folders
+    """Refuse an ``--output-dir`` that overlaps a checkpoint or lies in a training run's managed folders
     (``best/``, ``last/``, ``checkpoints/``: the next ``train --resume`` would replace it, and
     ``--last K`` would take an average in ``checkpoints/`` for a training step)."""
     from .fsutil import check_output_path
@@ -79,7 +79,7 @@ def check_out(out: Path, folders: Sequence[Path], run: Optional[Path] = None) ->
         inputs=[("the checkpoint", f) for f in folders]
         + ([("the training run of --last", run)] if run else []),
         managed_dirs=managed_dirs(out),
-        what="--out",
+        what="--output-dir",
     )
 
 
@@ -107,11 +107,11 @@ def average_checkpoints(folders: Sequence[Path], out: Path) -> Path:
     if len({os.path.realpath(f) for f in folders}) != len(folders):
         raise AverageError("the same checkpoint is given more than once: " + ", ".join(map(str, folders)))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise AverageError(f"--out {out} exists and is not an empty folder; choose a new folder")
+        raise AverageError(f"--output-dir {out} exists and is not an empty folder; choose a new folder")
     for f in folders:
         resolved = Path(os.path.realpath(f))
         if resolved == Path(os.path.realpath(out)):
-            raise AverageError(f"--out {out} is one of the checkpoints")
+            raise AverageError(f"--output-dir {out} is one of the checkpoints")
     first = folders[0]
     tok_files = _tokenizer_files(first)
     reference_config = (first / "config.json").read_bytes()
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("K", "RUN"),
         help="the K newest RUN/checkpoints/step-N folders (train with --keep-last K)",
     )
-    p.add_argument("--out", required=True, help="the new model folder")
+    add_option(p, "--output-dir", deprecated=("--out",), required=True, help="the new model folder")
     add_debug_flag(p)
     return p
 
@@ -195,10 +195,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
 
     def work() -> int:
-        out = Path(args.out)
+        out = Path(args.output_dir)
         check_out(out, [Path(c) for c in args.checkpoints], Path(args.last[1]) if args.last else None)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise AverageError(f"--out {out} exists and is not an empty folder; choose a new folder")
+            raise AverageError(f"--output-dir {out} exists and is not an empty folder; choose a new folder")
         folders = (
             last_checkpoints(Path(args.last[1]), k) if args.last else [Path(c) for c in args.checkpoints]
         )

@@ -125,7 +125,7 @@ def _refuse_transformers_folder(directory: str, config_path: str) -> None:
         raise ValueError(
             f"{directory} is a transformers checkpoint folder (config.json has model_type "
             f"{json.dumps(data['model_type'])[:60]}), not a model folder of this package: convert it first "
-            f"with python -m transformer_ext.convert transformers {directory} --out MODEL_DIR"
+            f"with python -m transformer_ext.convert transformers --model {directory} --output-dir MODEL_DIR"
         )
 
 

@@ -86,6 +86,12 @@ def _spellings_seen(namespace: argparse.Namespace) -> dict[str, str]:
     return _SPELLINGS_SEEN[key]
 
 
+def spelling_given(namespace: argparse.Namespace, dest: str) -> Optional[str]:
+    """The option string a parsed command line gave for ``dest``, an :func:`add_option` option
+    with old spellings (an old one or the new one); None when it gave none."""
+    return _SPELLINGS_SEEN.get(id(namespace), {}).get(dest)
+
+
 def add_option(
     parser: Union[argparse.ArgumentParser, argparse._ActionsContainer],
     *flags: str,
@@ -127,6 +133,40 @@ def add_option(
             super().__call__(parser, namespace, values, option_string)
 
     return parser.add_argument(*flags, *old, action=Renamed, **kwargs)
+
+
+def take_positional_spelling(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    positional: str,
+    flag: str,
+    *,
+    metavar: str,
+    default: Any = None,
+    required: bool = False,
+) -> None:
+    """Resolve the option ``flag`` whose old spelling is the positional argument ``positional``
+    (its dest; added with ``nargs="?"``, ``default=None`` and ``help=argparse.SUPPRESS``, beside
+    ``flag`` with ``default=None``), after parsing. The positional works as the option and prints
+    one line ``PROG: warning: the positional METAVAR is deprecated; use FLAG METAVAR`` on stderr;
+    both in one command line are a usage error (exit 2) naming both; neither gives ``default``, or
+    the usage error that ``flag`` is required. The positional's dest is removed from ``args``."""
+    old = vars(args).pop(positional, None)
+    dest = flag[2:].replace("-", "_")
+    value = getattr(args, dest, None)
+    if old is not None and value is not None:
+        parser.error(f"{metavar} and {flag} are one option (give only {flag} {metavar})")
+    if old is not None:
+        print(
+            f"{parser.prog}: warning: the positional {metavar} is deprecated; use {flag} {metavar}",
+            file=sys.stderr,
+        )
+        value = old
+    if value is None:
+        if required:
+            parser.error(f"the following arguments are required: {flag}")
+        value = default
+    setattr(args, dest, value)
 
 
 def option(

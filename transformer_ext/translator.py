@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -41,9 +41,15 @@ import numpy as np
 from . import decoding
 from .batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW
 from .cli import UserError
-from .decoding import LENGTH_PENALTIES, Hypothesis, Runner
+from .decoding import LENGTH_PENALTIES, Hypothesis, Runner, SearchOptions
 from .demo import DEMO_MODEL_DIR
-from .export_format import MANIFEST_NAME, read_generation_config, read_manifest, tokenizer_files
+from .export_format import (
+    MANIFEST_NAME,
+    GenerationConfig,
+    read_generation_config,
+    read_manifest,
+    tokenizer_files,
+)
 from .runtimes.factory import (
     RUNTIMES,
     RuntimeNotAvailableError,
@@ -61,6 +67,16 @@ from .tokenizer import (
     check_model_config,
     load_tokenizer,
 )
+from .translator_options import (
+    LONG_LINES,
+    OPTION_NAMES,
+    OptionError,
+    OptionLayers,
+    TranslatorSettings,
+    lay_over,
+    settings_over,
+    settings_view,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +92,7 @@ __all__ = [
     "Translation",
     "TargetScore",
     "LONG_LINES",
+    "OPTION_NAMES",
     "Translator",
     "is_export_dir",
 ]
@@ -196,56 +213,9 @@ class _InputReport:
         self.unknown, self.truncated = [], []
 
 
-LONG_LINES = ("error", "truncate")
-
-# Every generation option of Translator, translate(), translate_detailed() and translate_iterable().
-OPTION_NAMES = (
-    "beam_size",
-    "n_best",
-    "max_len_a",
-    "max_len_b",
-    "length_penalty",
-    "alpha",
-    "batch_size",
-    "early_stopping",
-    "sampling_topk",
-    "sampling_topp",
-    "sampling_temperature",
-    "seed",
-    "repetition_penalty",
-    "no_repeat_ngram_size",
-    "min_length",
-    "max_length",
-    "return_scores",
-    "return_attention",
-    "strict",
-    "long_lines",
-)
-
-
 def _normalize(text: str) -> str:
     """The package's one whitespace rule (:func:`transformer_ext.text.normalize_text`), as in training."""
     return normalize_text(text)
-
-
-def _check_number(name: str, value, *, default: Optional[float] = None) -> float:
-    """``value`` as a float that is finite and >= 0 (``None`` -> ``default``); TranslationError naming ``name``."""
-    if value is None and default is not None:
-        return float(default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TranslationError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(float(value)) or value < 0:
-        raise TranslationError(f"{name} must be a finite number >= 0, got {value}")
-    return float(value)
-
-
-def _check_real(name: str, value) -> float:
-    """``value`` as a finite float (any sign); TranslationError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TranslationError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(float(value)):
-        raise TranslationError(f"{name} must be a finite number, got {value}")
-    return float(value)
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -304,19 +274,39 @@ def is_export_dir(path: Union[str, os.PathLike]) -> bool:
 # ---------------------------------------------------------------------- generation options
 
 
-@dataclass(frozen=True)
-class _GenerationDefaults:
-    """The generation options of a translator given no generation config (the fields of
-    :class:`transformer_ext.export_format.GenerationConfig` that the translator reads)."""
+def _generation_config(generation: Any) -> GenerationConfig:
+    """``generation`` as a :class:`GenerationConfig` (an object with its fields is copied into one)."""
+    if isinstance(generation, GenerationConfig):
+        return generation
+    values = {
+        f.name: getattr(generation, f.name) for f in fields(GenerationConfig) if hasattr(generation, f.name)
+    }
+    try:
+        return GenerationConfig(**values)
+    except TypeError as exc:
+        raise TypeError(
+            f"generation must be a GenerationConfig or an object with its fields: {exc}"
+        ) from None
 
-    beam_size: int = 1
-    length_penalty: str = "gnmt"
-    alpha: float = 0.6
-    max_len_a: float = DEFAULT_MAX_LEN_A
-    max_len_b: float = DEFAULT_MAX_LEN_B
-    min_new_tokens: int = 0
-    max_new_tokens: Optional[int] = None  # None: what the model and the runner hold
-    special_tokens: Optional[dict] = None
+
+def _folder_options(info: RunnerInfo, generation: Any, pretrained: Any) -> SearchOptions:
+    """The search options of a translator before its own and a call's: the package's defaults
+    with the translator's budget rule (``a * n + b`` with :data:`DEFAULT_MAX_LEN_A`,
+    :data:`DEFAULT_MAX_LEN_B`, at most what the runner holds), then an export folder's
+    generation config, then an imported model's generation defaults."""
+    options = SearchOptions(
+        max_len_a=DEFAULT_MAX_LEN_A,
+        max_len_b=float(DEFAULT_MAX_LEN_B),
+        max_decoding_length=int(info.generation_limit),
+    )
+    try:
+        if generation is not None:
+            options = _generation_config(generation).to_search_options(options)
+        if pretrained is not None:
+            options = pretrained.to_search_options(options)
+    except ValueError as exc:
+        raise TranslationError(f"the folder's generation options: {exc}") from None
+    return options
 
 
 def _check_generation_ids(generation: Any, tokenizer: Optional[Tokenizer]) -> None:
@@ -362,10 +352,9 @@ class Translator:
             ``OrtCudaRunner``, ``TensorRTRunner``...; its description record ``runner.info``
             gives the limits and special ids, and its model config is checked against the
             tokenizer (vocabulary sizes, special ids).
-        beam_size, n_best, max_len_a, max_len_b, length_penalty, alpha, batch_size: the
-            generation options (see :meth:`translate`); ``None`` takes ``generation``'s value,
-            else the default.
-        generation: the defaults of those options: a
+        options: the generation options (see :meth:`translate`), laid over ``generation``'s
+            and ``pretrained``'s; a value of ``None`` is an option not given.
+        generation: the folder's defaults of those options: a
             :class:`transformer_ext.export_format.GenerationConfig` (an export folder's
             ``generation.json``) or any object with its fields ``beam_size``, ``length_penalty``,
             ``alpha``, ``max_len_a``, ``max_len_b`` (and optionally ``min_new_tokens``,
@@ -395,20 +384,13 @@ class Translator:
         tokenizer: Optional[Tokenizer] = None,
         runner: Optional[Runner] = None,
         *,
-        beam_size: Optional[int] = None,
-        n_best: Optional[int] = None,
-        max_len_a: Optional[float] = None,
-        max_len_b: Optional[float] = None,
-        length_penalty: Optional[str] = None,
-        alpha: Optional[float] = None,
-        batch_size: Optional[int] = None,
         generation: Optional[Any] = None,
         max_len: Optional[int] = None,
         source_dir: Union[str, os.PathLike, None] = None,
         source_lang: Optional[str] = None,
         target_lang: Optional[str] = None,
         pretrained: Optional[Any] = None,
-        **search_options: Any,
+        **options: Any,
     ):
         if isinstance(tokenizer, (str, os.PathLike)) or runner is None:
             raise TypeError(
@@ -436,23 +418,17 @@ class Translator:
         if tokenizer is not None:
             self._check_tokenizer(tokenizer)
         self.pretrained = pretrained
-        self.generation = generation if generation is not None else _GenerationDefaults()
-        if pretrained is not None:
-            self.generation = _pretrained_generation(generation, pretrained, tokenizer)
-        _check_generation_ids(self.generation, tokenizer)
+        self.generation = generation  # the folder's generation config, as given
+        if generation is not None:
+            _check_generation_ids(generation, tokenizer)
+        self._forced_prefix = _forced_prefix(pretrained, tokenizer) if pretrained is not None else []
         self.pad_id, self.bos_id, self.eos_id = self._special_ids()
-        self._options = dict.fromkeys(OPTION_NAMES)
-        self._options.update(
-            beam_size=beam_size,
-            n_best=n_best,
-            max_len_a=max_len_a,
-            max_len_b=max_len_b,
-            length_penalty=length_penalty,
-            alpha=alpha,
-            batch_size=batch_size,
-        )
-        self._options.update(self._known_options(search_options))
-        self._resolve({})  # every option checked now, not at the first translate()
+        layer = self._layer(options)
+        folder = _folder_options(self.info, generation, pretrained)
+        self.search_defaults: SearchOptions = self._lay_over(folder, layer)
+        self.settings: TranslatorSettings = self._settings_over(TranslatorSettings(), layer)
+        self._explicit = frozenset(layer.values)  # fields the translator was given
+        self._explicit_budget = bool({"max_len_a", "max_len_b"} & self._explicit)
 
     def _check_tokenizer(self, tokenizer: Tokenizer) -> None:
         """The tokenizer belongs to the runner's model (vocabulary sizes, special ids): the one
@@ -732,22 +708,29 @@ class Translator:
 
     def max_new_tokens(self, src_lengths: np.ndarray, max_len_a: float, max_len_b: float) -> np.ndarray:
         """Per-row budget ``floor(a * src_len + b)`` (EOS included), at least 1, at most what the
-        model's positions and the runner's cache hold."""
+        model's positions and the runner's cache hold and the translator's ``max_decoding_length``."""
         from .decoding import max_new_tokens_for
 
-        a = _check_number("max_len_a", max_len_a)
-        b = _check_number("max_len_b", max_len_b)
-        return max_new_tokens_for(src_lengths, a, b, cap=self._budget_cap())
+        for name, value in (("max_len_a", max_len_a), ("max_len_b", max_len_b)):
+            if SearchOptions.__dataclass_fields__[name].metadata["check"](value) is not None:
+                raise TranslationError(f"{name} must be a finite number >= 0, got {value!r}")
+        return max_new_tokens_for(src_lengths, float(max_len_a), float(max_len_b), cap=self._budget_cap())
 
-    def _budget_cap(self) -> int:
-        """The most tokens one source may generate: the runner's limit, and the generation config's."""
-        cap = self.info.generation_limit
-        configured = getattr(self.generation, "max_new_tokens", None)
-        return cap if configured is None else min(cap, int(configured))
+    def _budget_cap(self, options: Optional[SearchOptions] = None) -> int:
+        """The most tokens one source may generate: the runner's limit and ``max_decoding_length``."""
+        options = self.search_defaults if options is None else options
+        return min(int(self.info.generation_limit), int(options.max_decoding_length))
 
-    def _warn_if_capped(self, lengths: Sequence[int], a: float, b: float) -> None:
+    def budget(self, src_lengths: Sequence[int], options: Optional[SearchOptions] = None) -> np.ndarray:
+        """int64 per-source budgets (generated tokens, EOS included) of ``options`` (default: the
+        translator's) for sources of ``src_lengths`` tokens, capped by what the runner holds."""
+        options = self.search_defaults if options is None else options
+        return np.minimum(options.budget(np.asarray(src_lengths, dtype=np.int64)), self._budget_cap(options))
+
+    def _warn_if_capped(self, lengths: Sequence[int], options: SearchOptions) -> None:
         """One warning when ``a * n + b`` asks for more tokens than the model's ``max_len`` allows."""
-        cap = self._budget_cap()
+        cap = self._budget_cap(options)
+        a, b = options.max_len_a, options.max_len_b
         wanted = [a * n + b for n in lengths]
         over = sum(1 for w in wanted if math.floor(w) > cap)
         if over:
@@ -761,171 +744,67 @@ class Translator:
                 len(wanted),
             )
 
-    def resolve_options(self, **options) -> dict:
-        """The generation settings a call with ``options`` decodes with (each checked;
-        :class:`TranslationError` naming a bad one): ``beam_size``, ``n_best``,
-        ``length_penalty``, ``alpha``, ``max_len_a``, ``max_len_b``, ``batch_size``."""
-        settings = self._resolve(options)
-        settings.pop("explicit_budget")
-        return settings
-
     @staticmethod
-    def _known_options(options: dict) -> dict:
-        unknown = sorted(set(options) - set(OPTION_NAMES))
-        if unknown:
-            raise TypeError(f"unknown generation option(s) {unknown}; the options are {list(OPTION_NAMES)}")
-        return options
+    def _layer(options: dict) -> OptionLayers:
+        try:
+            return OptionLayers(options)
+        except OptionError as exc:
+            raise TranslationError(str(exc)) from None
 
-    def _resolve(self, overrides: dict) -> dict:
-        """The generation options of one call: the call's, else the translator's, else the
-        generation config's; each checked (TranslationError naming it)."""
-        self._known_options(overrides)
-        given = {
-            k: (overrides.get(k) if overrides.get(k) is not None else self._options[k]) for k in self._options
-        }
-        g = self.generation
-
-        def pick(name: str, default: Any = None) -> Any:
-            """The call's or translator's value, else the generation config's, else ``default``."""
-            if given.get(name) is not None:
-                return given[name]
-            value = getattr(g, name, None)
-            return default if value is None else value
-
-        beam_size = given["beam_size"]
-        if beam_size is None:  # random sampling asked for without a beam: beam 1, whatever g says
-            asked = given["sampling_topk"] not in (None, 1) or given["sampling_topp"] not in (None, 1.0)
-            asked = asked or given["sampling_temperature"] not in (None, 1.0)
-            beam_size = 1 if asked else g.beam_size
-        beam_size = _check_positive_int("beam size", beam_size)
-        n_best = given["n_best"]
-        if n_best is None:  # an imported model's num_return_sequences, within the beam
-            n_best = min(int(getattr(g, "n_best", None) or 1), beam_size)
-        n_best = _check_positive_int("n_best", n_best)
+    def _lay_over(self, under: SearchOptions, layer: OptionLayers, explicit=frozenset()) -> SearchOptions:
+        """``layer`` over ``under`` (:func:`transformer_ext.translator_options.lay_over`), then
+        what the translator itself bounds: the beam and the hypotheses by the target vocabulary,
+        attention by the runner."""
+        try:
+            options = lay_over(under, layer, explicit)
+        except OptionError as exc:
+            raise TranslationError(str(exc)) from None
         vocab = int(self.info.tgt_vocab_size)
-        for name, value in (("beam size", beam_size), ("n_best", n_best)):
+        for field, value in (("beam_size", options.beam_size), ("num_hypotheses", options.num_hypotheses)):
             if value > vocab:
+                name = layer.name(field) if field in layer.spelled else "n_best"
                 raise TranslationError(
                     f"{name} {value} is more than the target vocabulary's {vocab} tokens; give at most {vocab}"
                 )
-        sampling = self._resolve_sampling(given, pick, beam_size, n_best)
-        length_penalty, alpha, early_stopping = self._resolve_scoring(given, g, pick)
-        limits = self._resolve_limits(given, g, pick)
-        search = dict(
-            decoder_start_id=getattr(g, "decoder_start_id", None),
-            banned_ids=list(getattr(g, "banned_ids", None) or ()),
-            repetition_penalty=pick("repetition_penalty", 1.0),
-            no_repeat_ngram_size=pick("no_repeat_ngram_size", 0),
-            force_eos_at_budget=bool(getattr(g, "force_eos_at_budget", False) or False),
-        )
-        try:
-            decoding._check_options(bos_id=self.bos_id, eos_id=self.eos_id, **search)
-        except (TypeError, ValueError) as exc:
-            raise TranslationError(str(exc)) from None
-        for name in ("return_scores", "return_attention", "strict"):
-            if given[name] is not None and not isinstance(given[name], bool):
-                raise TranslationError(f"{name} must be True or False, got {given[name]!r}")
-        if given["return_attention"]:
+        if options.return_attention:
             try:
                 decoding.check_attention_runner(self.runner)
             except ValueError as exc:
                 raise TranslationError(str(exc)) from None
-        long_lines = given["long_lines"] if given["long_lines"] is not None else "error"
-        if long_lines not in LONG_LINES:
-            raise TranslationError(f"long_lines must be one of {LONG_LINES}, got {long_lines!r}")
-        explicit_budget = given["max_len_a"] is not None or given["max_len_b"] is not None
-        return dict(
-            beam_size=beam_size,
-            n_best=n_best,
-            length_penalty=length_penalty,
-            alpha=alpha,
-            early_stopping=early_stopping,
-            renormalize_logits=bool(getattr(g, "renormalize_logits", False) or False),
-            **limits,
-            sampling=sampling,
-            search=search,
-            forced_prefix=list(getattr(g, "forced_prefix", None) or ()),
-            return_scores=bool(given["return_scores"]),
-            return_attention=bool(given["return_attention"]),
-            strict=bool(given["strict"]),
-            long_lines=long_lines,
-            explicit_budget=explicit_budget,
-        )
+        return options
 
     @staticmethod
-    def _resolve_sampling(
-        given: dict, pick: Callable[..., Any], beam_size: int, n_best: int
-    ) -> Optional[dict]:
-        """The random-sampling options of one call (None for beam search / greedy decoding),
-        checked against the beam size and ``n_best``."""
-        sampling = dict(
-            sampling_topk=pick("sampling_topk", 1),
-            sampling_topp=pick("sampling_topp", 1.0),
-            sampling_temperature=pick("sampling_temperature", 1.0),
-            seed=given["seed"],
-        )
+    def _settings_over(under: TranslatorSettings, layer: OptionLayers) -> TranslatorSettings:
         try:
-            sampler = decoding._check_sampling(**sampling)
-        except (TypeError, ValueError) as exc:
+            return settings_over(under, layer)
+        except OptionError as exc:
             raise TranslationError(str(exc)) from None
-        if sampler is not None and beam_size > 1:
-            raise TranslationError(
-                f"random sampling (sampling_topk / sampling_topp / sampling_temperature) needs beam size 1, "
-                f"got {beam_size}"
-            )
-        if sampler is None and given["seed"] is not None:
-            raise TranslationError("seed applies to random sampling (sampling_topk != 1)")
-        if n_best > beam_size and sampler is None:
-            raise TranslationError(
-                f"n_best ({n_best}) cannot exceed the beam size ({beam_size}) (greedy decoding has one "
-                "hypothesis; random sampling may return several)"
-            )
-        return sampling if sampler is not None else None
 
-    @staticmethod
-    def _resolve_scoring(given: dict, g: Any, pick: Callable[..., Any]) -> tuple[str, float, Any]:
-        """``length_penalty``, ``alpha`` and ``early_stopping`` of one call, checked."""
-        length_penalty = given["length_penalty"] if given["length_penalty"] is not None else g.length_penalty
-        if length_penalty not in LENGTH_PENALTIES:
-            raise TranslationError(
-                f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
-            )
-        raw_alpha = given["alpha"] if given["alpha"] is not None else g.alpha
-        if length_penalty == "hf":  # transformers' length_penalty may be negative
-            alpha = _check_real("alpha", raw_alpha)
-        else:
-            alpha = _check_number("alpha", raw_alpha)
-        early_stopping = pick("early_stopping")
-        if early_stopping is not None and length_penalty != "hf":
-            if given.get("early_stopping") is not None:
-                raise TranslationError(
-                    "early_stopping is transformers' beam-search rule: it applies with length_penalty='hf'"
-                )
-            early_stopping = None
-        if early_stopping is not None and not (
-            early_stopping is True or early_stopping is False or early_stopping == "never"
-        ):
-            raise TranslationError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-        return length_penalty, alpha, early_stopping
+    def search_options(self, **options) -> tuple[SearchOptions, TranslatorSettings]:
+        """The search options and the settings a call with ``options`` decodes with: the
+        translator's, with ``options`` laid over them (each checked; :class:`TranslationError`
+        naming a bad one)."""
+        layer = self._layer(options)
+        search = self._lay_over(self.search_defaults, layer, self._explicit)
+        return search, self._settings_over(self.settings, layer)
 
-    @staticmethod
-    def _resolve_limits(given: dict, g: Any, pick: Callable[..., Any]) -> dict:
-        """The length budget and batch size of one call, checked: ``max_len_a``, ``max_len_b``,
-        ``batch_size``, ``min_length``, ``max_length``."""
-        a = _check_number("max_len_a", given["max_len_a"], default=g.max_len_a)
-        b = _check_number("max_len_b", given["max_len_b"], default=g.max_len_b)
-        batch_size = _check_positive_int(
-            "batch_size", given["batch_size"] if given["batch_size"] is not None else DEFAULT_BATCH_SIZE
+    def resolve_options(self, **options) -> dict:
+        """The generation settings a call with ``options`` decodes with, as one dictionary
+        (:func:`transformer_ext.translator_options.settings_view`: every SearchOptions field,
+        the older names beside them, ``batch_size``, ``strict``, ``long_lines``)."""
+        search, settings = self.search_options(**options)
+        size = DEFAULT_BATCH_SIZE if settings.batch_size is None else settings.batch_size
+        return settings_view(search, settings, size)
+
+    def _resolve(self, options: dict) -> dict:
+        """:meth:`resolve_options` with whether the call or the translator gave ``max_len_a`` or
+        ``max_len_b`` (``explicit_budget``)."""
+        view = self.resolve_options(**options)
+        view["explicit_budget"] = self._explicit_budget or bool(
+            {"max_len_a", "max_len_b"} & {k for k, v in options.items() if v is not None}
         )
-        min_length = pick("min_length", getattr(g, "min_new_tokens", 0) or 0)
-        if isinstance(min_length, bool) or not isinstance(min_length, (int, np.integer)) or min_length < 0:
-            raise TranslationError(f"min_length must be an int >= 0, got {min_length!r}")
-        max_length = given["max_length"]
-        if max_length is not None:
-            max_length = _check_positive_int("max_length", max_length)
-        return dict(
-            max_len_a=a, max_len_b=b, batch_size=batch_size, min_length=int(min_length), max_length=max_length
-        )
+        view["forced_prefix"] = list(self._forced_prefix)
+        return view
 
     def _batch_size(self, batch_size: int, beam_size: int) -> int:
         """``batch_size`` within what the runner accepts per call (a TensorRT profile's maximum batch)."""
@@ -959,25 +838,29 @@ class Translator:
         decoding of its tokens first; a prefix longer than the source's budget is an error).
         ``options`` override the translator's generation options for this call:
 
-        * ``beam_size``: 1 is greedy decoding or sampling, more is beam search;
-        * ``n_best``: hypotheses per source, at most ``beam_size`` (or samples with sampling);
-        * ``length_penalty``, ``alpha``: "gnmt" ((5+len)/6)^alpha (default), "seed"
-          ((5+len+1)/5)^alpha, "average" len^alpha (fairseq's), "none", "hf" (transformers'
-          beam search, with ``early_stopping``); len counts the generated tokens with the EOS
-          (:func:`transformer_ext.decoding.length_penalty_factor`);
-        * ``max_len_a``, ``max_len_b``: at most ``a * n + b`` generated tokens for a source of n
-          tokens (defaults :data:`DEFAULT_MAX_LEN_A` and :data:`DEFAULT_MAX_LEN_B`); finite and
-          >= 0; capped by the model's ``max_len``, with a warning when a value given explicitly
-          asks for more; ``max_length``: a cap on that budget; ``min_length``: EOS suppressed
-          before that many tokens (both count generated tokens, the EOS included);
-        * ``sampling_topk`` (1 greedy, 0 the whole vocabulary), ``sampling_topp``,
-          ``sampling_temperature``, ``seed``: random sampling (beam size 1);
-        * ``repetition_penalty``, ``no_repeat_ngram_size``: see :mod:`transformer_ext.decoding`;
-        * ``return_scores``: greedy hypotheses with scores (beam search and sampling always have them);
-        * ``return_attention``: each hypothesis' ``attention``, one row per token over the encoded
-          source (the last decoder layer's cross-attention averaged over its heads, as
-          CTranslate2's): the eager runner, and ONNX Runtime on an export made with
-          ``python -m export.onnx --attention``; other runners refuse it (:class:`TranslationError`);
+        * every field of :class:`transformer_ext.decoding.SearchOptions` (CTranslate2's names):
+          ``beam_size`` (1 is greedy decoding or sampling, more is beam search);
+          ``num_hypotheses`` (hypotheses per source, at most ``beam_size``, or samples);
+          ``length_penalty`` (the exponent) and ``length_penalty_type`` (the formula: "gnmt"
+          ((5+len)/6)^a, "seed" ((5+len+1)/5)^a, "average" len^a, "none", "hf" transformers'
+          beam search with ``early_stopping``; len counts the generated tokens with the EOS);
+          ``max_len_a``, ``max_len_b`` (at most ``a * n + b`` generated tokens for a source of n
+          tokens, defaults :data:`DEFAULT_MAX_LEN_A` and :data:`DEFAULT_MAX_LEN_B`, with a
+          warning when a value given explicitly asks for more than the model's ``max_len``);
+          ``max_decoding_length`` (the cap of that budget), ``min_decoding_length`` (EOS
+          suppressed before that many tokens; both count the EOS); ``sampling_topk`` (1
+          greedy, 0 the whole vocabulary), ``sampling_topp``, ``sampling_temperature``,
+          ``seed`` (random sampling, beam size 1; each source draws from the stream of the seed
+          and its index in ``sources``, so the batching does not change what is sampled);
+          ``repetition_penalty``, ``no_repeat_ngram_size``; ``return_scores`` (greedy
+          hypotheses with scores; beam search and sampling always have them);
+          ``return_attention`` (each hypothesis' ``attention``, one row per token over the
+          encoded source, the last decoder layer's cross-attention averaged over its heads, as
+          CTranslate2's: the eager runner, and ONNX Runtime on an export made with ``python -m
+          export.onnx --attention``; other runners refuse it);
+        * the older spellings ``n_best`` (``num_hypotheses``), ``alpha`` (``length_penalty``),
+          ``length_penalty`` given as a formula's name (``length_penalty_type``), ``min_length``
+          and ``max_length`` (``min_decoding_length``, ``max_decoding_length``);
         * ``strict`` (False, the command line's rule): an empty source has the empty
           translation, characters or pieces outside the vocabulary become the unknown token
           (one warning for the input, naming them); True makes both an error naming the source
@@ -1008,23 +891,26 @@ class Translator:
         """:meth:`translate` (the same :class:`Translation` objects). ``_indices``: each source's
         index in the caller's whole input (default its position in ``sources``), which with
         ``seed`` picks its sampling stream."""
-        opts = self._resolve(options)
+        search, settings = self.search_options(**options)
         if isinstance(sources, (str, bytes)):
             raise TypeError("translate() takes a list (or any iterable) of source strings, not one string")
         sources = list(sources)  # a generator is consumed once; results refer back to it by index
         report = _InputReport() if _report is None else _report
-        encoded = self.encode(sources, strict=opts["strict"], long_lines=opts["long_lines"], report=report)
+        encoded = self.encode(sources, strict=settings.strict, long_lines=settings.long_lines, report=report)
         if _report is None:
             report.warn()
-        prefixes = self._prefixes(target_prefix, len(sources), opts)
+        prefixes = self._prefixes(target_prefix, len(sources))
         self._require_tokenizer()
-        if opts["explicit_budget"] and encoded:
-            self._warn_if_capped([len(x) for x in encoded], opts["max_len_a"], opts["max_len_b"])
-        size = self._batch_size(opts["batch_size"], opts["beam_size"])
+        given = {k for k, v in options.items() if v is not None}
+        explicit_budget = self._explicit_budget or bool({"max_len_a", "max_len_b"} & given)
+        if explicit_budget and encoded:
+            self._warn_if_capped([len(x) for x in encoded], search)
+        batch_size = DEFAULT_BATCH_SIZE if settings.batch_size is None else settings.batch_size
+        size = self._batch_size(batch_size, search.beam_size)
         results: list[Optional[Translation]] = [None] * len(encoded)
         for i, ids in enumerate(encoded):
             if not ids:  # an empty source (strict=False): the empty translation
-                attention = [] if opts["return_attention"] else None
+                attention = [] if search.return_attention else None
                 results[i] = Translation(
                     sources[i], [""], [Hypothesis([], None, None, True, None, attention)]
                 )
@@ -1041,7 +927,7 @@ class Translator:
                 try:
                     out = self._decode_batch(
                         [encoded[i] for i in rows],
-                        opts,
+                        search,
                         [prefixes[i] for i in rows],
                         [i if _indices is None else int(_indices[i]) for i in rows],
                     )
@@ -1059,9 +945,9 @@ class Translator:
                 model.train()
         return results  # type: ignore[return-value]
 
-    def _prefixes(self, target_prefix, n: int, opts: dict) -> list[list[int]]:
-        """The forced first target tokens of each of ``n`` sources: the generation config's
-        (``forced_prefix``, e.g. a target-language token), then ``target_prefix``'s."""
+    def _prefixes(self, target_prefix, n: int, opts: Optional[dict] = None) -> list[list[int]]:
+        """The forced first target tokens of each of ``n`` sources: an imported model's (e.g. a
+        target-language token), then ``target_prefix``'s. (``opts`` is not read.)"""
         if target_prefix is None:
             texts = [None] * n
         elif isinstance(target_prefix, str):
@@ -1074,7 +960,7 @@ class Translator:
                 )
         given = [t for t in texts if t is not None]
         encoded = iter(self.encode_targets(given, "target prefix")) if given else iter(())
-        forced = opts["forced_prefix"]
+        forced = self._forced_prefix
         out = []
         for t in texts:
             ids = next(encoded) if t is not None else []
@@ -1086,7 +972,7 @@ class Translator:
     def _decode_batch(
         self,
         encoded: list[list[int]],
-        opts: dict,
+        search: SearchOptions,
         prefixes: Optional[list[list[int]]] = None,
         indices: Optional[list[int]] = None,
     ) -> list[Translation]:
@@ -1098,10 +984,7 @@ class Translator:
         input_ids = np.full((len(encoded), int(lengths.max())), self.pad_id, dtype=np.int64)
         for r, ids in enumerate(encoded):
             input_ids[r, : lengths[r]] = ids
-        budget = self.max_new_tokens(lengths, opts["max_len_a"], opts["max_len_b"])
-        if opts["max_length"] is not None:
-            budget = np.minimum(budget, opts["max_length"])
-        min_new = np.minimum(opts["min_length"], budget)
+        budget = self.budget(lengths, search)
         prefix = None if prefixes is None or not any(prefixes) else prefixes
         if prefix is not None:
             for r, p in enumerate(prefix):
@@ -1109,56 +992,33 @@ class Translator:
                     raise _PrefixError(
                         r,
                         f"the target prefix has {len(p)} tokens, more than the {int(budget[r])} this source may "
-                        "generate (max_len_a, max_len_b, max_length)",
+                        "generate (max_len_a, max_len_b, max_decoding_length)",
                     )
-        hypotheses = opts["beam_size"] if opts["sampling"] is None else max(opts["beam_size"], opts["n_best"])
+        hypotheses = max(search.beam_size, search.num_hypotheses) if search.sampling else search.beam_size
         self._check_memory(len(encoded), hypotheses, int(lengths.max()), int(budget.max()))
-        common = dict(
+        kwargs = search.generate_kwargs()
+        kwargs.update(
             bos_id=self.bos_id,
             eos_id=self.eos_id,
             max_new_tokens=budget,
-            min_new_tokens=min_new,
+            min_new_tokens=np.minimum(search.min_decoding_length, budget),
             target_prefix=prefix,
-            **opts["search"],
         )
-        n_best = opts["n_best"]
-        if (
-            opts["beam_size"] == 1
-            and opts["sampling"] is None
-            and not opts["return_scores"]
-            and not opts["return_attention"]
-        ):
-            out = self._search(decoding.greedy_decode, input_ids, lengths, **common)
+        n = search.num_hypotheses
+        if search.beam_size == 1 and not (search.sampling or search.return_scores or search.return_attention):
+            plain = {k: kwargs[k] for k in _GREEDY_KWARGS}
+            out = self._search(decoding.greedy_decode, input_ids, lengths, **plain)
             # a row shorter than its budget stopped at an EOS
             hyps = [
                 Hypothesis([int(t) for t in row], None, None, len(row) < int(budget[r]))
                 for r, row in enumerate(out)
             ]
             return [Translation("", [tok.decode_target(h.tokens)], [h]) for h in hyps]
-        extra = {}
-        if opts["beam_size"] > 1:
-            extra = dict(
-                length_penalty=opts["length_penalty"],
-                alpha=opts["alpha"],
-                early_stopping=opts["early_stopping"],
-                renormalize_logits=opts["renormalize_logits"] and opts["length_penalty"] == "hf",
-            )
-        kwargs = dict(
-            beam_size=opts["beam_size"],
-            num_hypotheses=n_best,
-            **(opts["sampling"] or {}),
-            **extra,
-            **common,
-            return_attention=opts["return_attention"],
-        )
-        if opts["sampling"] is None:
+        if not search.sampling:
             out = self._search(decoding.generate, input_ids, lengths, **kwargs)
         else:  # each source's stream is picked by the seed and its index in the whole input
             out = decoding.generate(self.runner, input_ids, lengths, source_index=indices, **kwargs)
-        return [
-            Translation("", [tok.decode_target(h.tokens) for h in row[:n_best]], list(row[:n_best]))
-            for row in out
-        ]
+        return [Translation("", [tok.decode_target(h.tokens) for h in row[:n]], list(row[:n])) for row in out]
 
     def _check_memory(self, sources: int, hypotheses: int, src_len: int, steps: int) -> None:
         """Refuse, before anything is allocated, a batch whose search state alone (the decoder's
@@ -1176,8 +1036,8 @@ class Translator:
             raise TranslationError(
                 f"a batch of {sources} sources x {hypotheses} hypotheses ({src_len} source tokens, up to "
                 f"{steps} generated) needs about {need / 2**30:.2f} GiB for its search state, more than "
-                f"the {have / 2**30:.2f} GiB this process can still allocate; lower beam_size (--beam) "
-                "or batch_size (--batch-size, --max-batch-tokens)"
+                f"the {have / 2**30:.2f} GiB this process can still allocate; lower beam_size (--beam-size) "
+                "or batch_size (--max-batch-size, --max-batch-tokens)"
             )
 
     # ------------------------------------------------------------------ streaming and scoring
@@ -1204,7 +1064,7 @@ class Translator:
         """
         from .batching import translate_iterable
 
-        opts = self._resolve(options)
+        search, settings = self.search_options(**options)
         report = _InputReport()  # what non-strict encoding changed, by index in the whole input
         quiet = _InputReport()
 
@@ -1212,9 +1072,9 @@ class Translator:
             i, line = item
             one = _InputReport()
             ids = self.encode([line], strict=False, long_lines="truncate", report=one)[0]
-            if not opts["strict"]:
+            if not settings.strict:
                 report.unknown += [(i, detail) for _, detail in one.unknown]
-            if opts["long_lines"] == "truncate":
+            if settings.long_lines == "truncate":
                 report.truncated += [(i, n) for _, n in one.truncated]
             return len(ids)
 
@@ -1229,8 +1089,8 @@ class Translator:
                 **{**options, "batch_size": len(batch)},
             )
 
-        capped = options.get("batch_size") is not None or self._options["batch_size"] is not None
-        size = self._batch_size(opts["batch_size"] if capped else sys.maxsize, opts["beam_size"])
+        capped = settings.batch_size is not None
+        size = self._batch_size(settings.batch_size if capped else sys.maxsize, search.beam_size)
         if isinstance(lines, (str, bytes)):
             raise TypeError("translate_iterable() takes an iterable of lines, not one string")
         try:
@@ -1251,13 +1111,13 @@ class Translator:
         of its source (per token and summed; the EOS included), in batches sorted by length
         (``batch_size``). A target with characters outside the target vocabulary is a
         :class:`TranslationError` naming it, as a source is."""
-        opts = self._resolve(options)
+        _, settings = self.search_options(**options)
         sources, targets = list(sources), list(targets)
         if len(sources) != len(targets):
             raise TranslationError(
                 f"score() needs one target per source: {len(sources)} sources, {len(targets)} targets"
             )
-        encoded = self.encode(sources, strict=True, long_lines=opts["long_lines"])
+        encoded = self.encode(sources, strict=True, long_lines=settings.long_lines)
         wanted = self.encode_targets(targets)
         cap = self.info.generation_limit
         for i, ids in enumerate(wanted):
@@ -1265,10 +1125,9 @@ class Translator:
                 raise TranslationError(
                     f"target {i}: {len(ids)} tokens and the EOS, more than the {cap} the model can score"
                 )
-        size = self._batch_size(opts["batch_size"], 1)
+        size = self._batch_size(DEFAULT_BATCH_SIZE if settings.batch_size is None else settings.batch_size, 1)
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         results: list[Optional[TargetScore]] = [None] * len(encoded)
-        start_id = opts["search"]["decoder_start_id"]
         for begin in range(0, len(order), size):
             rows = order[begin : begin + size]
             lengths = np.array([len(encoded[i]) for i in rows], dtype=np.int64)
@@ -1282,11 +1141,24 @@ class Translator:
                 [wanted[i] for i in rows],
                 bos_id=self.bos_id,
                 eos_id=self.eos_id,
-                decoder_start_id=start_id,
             )
             for i, h in zip(rows, scored):
                 results[i] = TargetScore(sources[i], targets[i], h.tokens, h.token_log_probs, h.log_prob)
         return results  # type: ignore[return-value]
+
+
+# the keyword arguments of greedy_decode among those Translator._decode_batch passes generate()
+_GREEDY_KWARGS = (
+    "bos_id",
+    "eos_id",
+    "max_new_tokens",
+    "min_new_tokens",
+    "target_prefix",
+    "banned_ids",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "force_eos_at_budget",
+)
 
 
 class _PrefixError(Exception):
@@ -1310,62 +1182,24 @@ def _read_pretrained(folder: Path):
     return read_generation_defaults(folder)
 
 
-class _PretrainedGeneration:
-    """A generation config with the generation defaults of an imported model laid over it (the
-    attributes :meth:`Translator._resolve` reads with ``getattr``); the rest is the base's."""
-
-    def __init__(self, base: Any, **overlay: Any):
-        self._base = base
-        self.__dict__.update(overlay)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_base"], name)
-
-
-def _pretrained_generation(generation: Any, pretrained: Any, tokenizer: Optional[Tokenizer]) -> Any:
-    """``generation`` (None: the defaults of the checkpoint's ``generate()``: ``num_beams``, "hf"
-    with its exponent) with ``pretrained``'s banned tokens, forced first tokens, EOS at the
-    budget, early stopping, least number of new tokens, repetition penalty, n-gram ban and
-    ``max_length - 1`` new tokens per source."""
-    if generation is None:
-        generation = _GenerationDefaults(
-            beam_size=pretrained.num_beams,
-            length_penalty="hf",
-            alpha=float(pretrained.length_penalty),
-            max_new_tokens=pretrained.max_length - 1,
-        )
-    forced: list[int] = []
-    if tokenizer is not None:
-        try:
-            forced = pretrained.forced_prefix(tokenizer)
-        except TokenizerError as exc:  # a missing target language, the codes listed
+def _forced_prefix(pretrained: Any, tokenizer: Optional[Tokenizer]) -> list[int]:
+    """The tokens an imported model's every decode starts with (the target language's, or the
+    checkpoint's forced first token), checking that its source language is known (M2M100 / NLLB):
+    a missing language is a TranslationError listing the codes."""
+    if tokenizer is None:
+        return []
+    try:
+        forced = [int(t) for t in pretrained.forced_prefix(tokenizer)]
+    except TokenizerError as exc:  # a missing target language, the codes listed
+        raise TranslationError(str(exc)) from None
+    if callable(getattr(tokenizer, "with_languages", None)) and getattr(tokenizer, "type", "") != "marian":
+        try:  # a Marian source may carry its own >>xx<<; M2M100 / NLLB need the source language
+            tokenizer.encode_source("a")
+        except UnknownCharacterError:
+            pass
+        except TokenizerError as exc:
             raise TranslationError(str(exc)) from None
-    if tokenizer is not None and callable(getattr(tokenizer, "with_languages", None)):
-        if getattr(tokenizer, "type", "") != "marian":  # a Marian source may carry its own >>xx<<
-            try:
-                tokenizer.encode_source("a")  # M2M100 / NLLB: the source language is known
-            except UnknownCharacterError:
-                pass
-            except TokenizerError as exc:
-                raise TranslationError(str(exc)) from None
-    banned = sorted({*(getattr(generation, "banned_ids", None) or ()), *pretrained.banned_ids})
-    return _PretrainedGeneration(
-        generation,
-        banned_ids=banned,
-        forced_prefix=list(getattr(generation, "forced_prefix", None) or forced),
-        force_eos_at_budget=bool(getattr(generation, "force_eos_at_budget", False))
-        or pretrained.force_eos_at_max_length,
-        early_stopping=pretrained.early_stopping
-        if getattr(generation, "early_stopping", None) is None
-        else generation.early_stopping,
-        max_len_a=0.0,
-        max_len_b=float(pretrained.max_length - 1),
-        min_new_tokens=max(int(getattr(generation, "min_new_tokens", 0) or 0), pretrained.min_new_tokens),
-        repetition_penalty=pretrained.repetition_penalty,
-        no_repeat_ngram_size=pretrained.no_repeat_ngram_size,
-        n_best=pretrained.num_return_sequences,
-        renormalize_logits=pretrained.renormalize_logits,
-    )
+    return forced
 
 
 def _with_languages(

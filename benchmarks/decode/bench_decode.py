@@ -25,7 +25,7 @@ batch 1, 16 and 64, 1 and 2 threads for every engine (CTranslate2 ``intra_thread
 inter_threads=1``; ONNX Runtime ``intra_op_num_threads=N``; torch ``set_num_threads(N)``). A
 setting ``WxT`` (``--threads 1,2,2x1``) splits each batch over W workers of T threads for the
 engines that can (CTranslate2 ``inter_threads=W, intra_threads=T`` with ``max_batch_size`` a
-W-th of the batch; ours W ``OrtRunner`` s under ``runtimes.pool.SourceParallel``); the best
+W-th of the batch; ours W one-runner worker processes, ``runtimes.procpool.ProcessSourceParallel``); the best
 setting of each engine may be one of these.
 
 Tokens first: every float32 engine's tokens are compared with the first float32 engine's
@@ -1089,7 +1089,7 @@ def main(argv=None) -> int:
         default="1,2,2x1",
         help="comma-separated thread settings, every engine (default: 1,2,2x1): N threads, or WxT, the "
         "batch split over W workers of T threads each (ours: W OrtRunners under "
-        "runtimes.pool.SourceParallel; CTranslate2: inter_threads=W, intra_threads=T, max_batch_size "
+        "runtimes.procpool.ProcessSourceParallel; CTranslate2: inter_threads=W, intra_threads=T, max_batch_size "
         "a W-th of the batch; other engines skip it)",
     )
     p.add_argument(

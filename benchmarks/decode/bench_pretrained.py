@@ -47,7 +47,7 @@ record their agreement with the float32 tokens and with each other.
 
 Thread settings (``--threads``): ``N`` runs every engine on N threads; ``WxT`` (for example
 ``2x1``) splits each batch over W workers of T threads for the engines that can (ours: W
-OrtRunners under ``runtimes.pool.SourceParallel``; CTranslate2: ``inter_threads=W``), as
+OrtRunners, each in a worker process, ``runtimes.procpool``; CTranslate2: ``inter_threads=W``), as
 ``bench_decode.py`` does; transformers and Optimum have no such setting and sit it out, so in a
 split cell the tokens are compared against CTranslate2 float32's. Each engine's "best" is its
 fastest setting over all of them.

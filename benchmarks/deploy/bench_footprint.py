@@ -28,9 +28,11 @@ translation: one source, greedy, 48 new tokens (the random weights never end it 
 ``min_length``).
 
 CTranslate2 (``ct2-transformers-converter --quantization float32 | int8`` on the transformers
-checkpoint, ``ctranslate2.Translator.translate_batch``) runs with ``--ct2-python``, a Python
-that imports ctranslate2 (its converter needs torch and transformers); without one, or for
-``base`` (no transformers checkpoint), it is skipped with the reason in the JSON.
+checkpoint, ``ctranslate2.Translator.translate_batch``) runs in this Python when it imports
+ctranslate2, else with ``--ct2-python``, a Python that does (its converter needs torch and
+transformers); without either, or for ``base`` (no transformers checkpoint), it is skipped with
+the reason in the JSON. The table gives each of our engines beside CTranslate2 at the same
+precision (int4 beside CTranslate2 int8, whose CPU build has no 4-bit weights).
 
 Sizes are exact. The RSS figures depend on the allocator and the ONNX Runtime version, not on
 the load of the machine; the timings do, and are indicative on a shared machine: the JSON
@@ -308,7 +310,9 @@ def _median_record(runs: list[dict]) -> dict:
     }
 
 
-def run(models, repeats: int, threads: int, scratch: Path, ct2_python: Optional[str]) -> dict:
+def run(
+    models, repeats: int, threads: int, scratch: Path, ct2_python: Optional[str], inline: bool = True
+) -> dict:
     import onnxruntime
 
     from benchmarks.common import lscpu
@@ -325,6 +329,11 @@ def run(models, repeats: int, threads: int, scratch: Path, ct2_python: Optional[
         "models": {},
     }
     ct2 = _ct2_importable(ct2_python)
+    if ct2 is not None:
+        proc = subprocess.run(
+            [ct2, "-c", "import ctranslate2; print(ctranslate2.__version__)"], capture_output=True, text=True
+        )
+        results["versions"]["ctranslate2"] = proc.stdout.strip() or None
     for model in models:
         paths, skipped = prepare(model, scratch / model, ct2)
         reference = Path(paths["model"]) / "model.safetensors"
@@ -333,7 +342,7 @@ def run(models, repeats: int, threads: int, scratch: Path, ct2_python: Optional[
         entry = {"reference": str(reference), "reference_bytes": reference.stat().st_size, "engines": {}}
         for label, artifact, engine in [
             *((f"ours {p}", a, "ours") for p, a in OURS.items()),
-            *((f"ours {p}", a, "ours") for p, a in INLINE.items()),
+            *((f"ours {p}", a, "ours") for p, a in (INLINE.items() if inline else ())),
             *((f"ctranslate2 {p}", a, "ct2") for p, a in CT2.items()),
         ]:
             if artifact not in paths:
@@ -365,6 +374,8 @@ def _mb(n: Optional[float]) -> str:
 
 
 def summary_table(results: dict) -> str:
+    """The markdown tables of ``results``: every engine's folder, peak RSS and times, then (where
+    CTranslate2 was measured) :func:`comparison_table`."""
     lines = [
         "| model | engine | folder MB | / checkpoint | peak RSS after load MB | peak RSS after first translation MB | load s | load + first translation s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -389,7 +400,48 @@ def summary_table(results: dict) -> str:
         f"thread(s); median of {next(iter(next(iter(results['models'].values()))['engines'].values())).get('repeats', 0)} runs; "
         "sizes exact, timings indicative."
     )
-    return "\n".join(lines) + "\n"
+    comparison = comparison_table(results)
+    return "\n".join(lines) + "\n" + ("\n" + comparison if comparison else "")
+
+
+def ct2_peer(label: str) -> Optional[str]:
+    """The CTranslate2 engine an engine of ours is compared with: the same precision (int4, which
+    CTranslate2's CPU build does not run, against its int8); None for CTranslate2's own."""
+    if not label.startswith("ours "):
+        return None
+    return "ctranslate2 float32" if label.split(",")[0] == "ours float32" else "ctranslate2 int8"
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> str:
+    return "" if not a or not b else f"{a / b:.2f}"
+
+
+def comparison_table(results: dict) -> str:
+    """Each of our engines against CTranslate2 (empty where CTranslate2 was not measured): the
+    folder against CTranslate2 int8's, the peak RSS after the first translation and the time to
+    the first translation (load included) against CTranslate2 at the same precision (:func:`ct2_peer`)."""
+    lines = []
+    for model, entry in results["models"].items():
+        engines = entry["engines"]
+        ct2_int8 = engines.get("ctranslate2 int8", {}).get("folder_bytes")
+        for label, r in engines.items():
+            peer = engines.get(ct2_peer(label) or "", {})
+            if "skipped" in r or not label.startswith("ours ") or "folder_bytes" not in peer:
+                continue
+            folder = f"{r['folder_bytes'] / ct2_int8:.3f}" if ct2_int8 else ""
+            lines.append(
+                f"| {model} | {label} | {ct2_peer(label)} | {folder} | "
+                f"{_ratio(r['peak_rss_after_first_translation'], peer['peak_rss_after_first_translation'])} | "
+                f"{_ratio(r['first_translation_seconds'], peer['first_translation_seconds'])} |"
+            )
+    if not lines:
+        return ""
+    head = [
+        "| model | engine | against | folder / CTranslate2 int8 folder | peak RSS after first translation / "
+        "CTranslate2 | load + first translation / CTranslate2 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    return "\n".join(head + lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -407,6 +459,12 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--scratch", default=None, help="where the folders are built (default: a temporary folder)"
+    )
+    p.add_argument(
+        "--no-inline",
+        dest="inline",
+        action="store_false",
+        help="leave out the folders with the weights inside each graph (what the shared file saves)",
     )
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_footprint.json"))
     p.add_argument("--worker", nargs=2, metavar=("ENGINE", "FOLDER"), help=argparse.SUPPRESS)
@@ -426,7 +484,7 @@ def main(argv=None) -> int:
 
     scratch = Path(args.scratch) if args.scratch else Path(tempfile.mkdtemp(prefix="bench_footprint_"))
     try:
-        results = run(models, args.repeats, args.threads, scratch, args.ct2_python)
+        results = run(models, args.repeats, args.threads, scratch, args.ct2_python, args.inline)
     finally:
         if not args.scratch:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Convert pretrained checkpoints of other tools into model folders of this package.
 
-``python -m transformer_ext.convert transformers HF_DIR --out MODEL_DIR`` (console script
+``python -m transformer_ext.convert transformers --model HF_DIR --output-dir MODEL_DIR`` (console script
 ``transformer-ext-convert``) reads a local Hugging Face checkpoint folder of a MarianMT (opus-mt)
 or M2M100 / NLLB-200 model without importing transformers (:mod:`transformer_ext.convert.hf`)
 and writes an ordinary model folder (docs/DESIGN.md sections 5 and 7): ``config.json``, float32
@@ -119,23 +119,25 @@ def convert_transformers(
     (a folder of the user's, the output of a second conversion) is kept and the conversion fails
     (:func:`~transformer_ext.fsutil.rename_noreplace`). Raises :class:`ConversionError` (one line
     naming the file, field or tensor) for input that cannot be converted, and for a failing disk
-    (naming ``--out`` and the file). ``before_commit`` is called just before that rename (the
+    (naming ``--output-dir`` and the file). ``before_commit`` is called just before that rename (the
     command line uses it to let Ctrl-C no longer undo a complete folder).
     """
     from ..checkpoint import save_model
 
     out = Path(os.path.abspath(os.fspath(out_dir)))
     if out.exists() or out.is_symlink():
-        raise ConversionError(f"--out {out} already exists; choose a new folder (nothing is overwritten)")
+        raise ConversionError(
+            f"--output-dir {out} already exists; choose a new folder (nothing is overwritten)"
+        )
     if Path(os.path.abspath(os.fspath(hf_dir))) == out:
-        raise ConversionError("--out must differ from the checkpoint folder")
+        raise ConversionError("--output-dir must differ from the checkpoint folder --model")
     snapshot = resolve_hub_id(hf_dir)  # None for a local folder
     checkpoint = read_checkpoint(snapshot.folder if snapshot else hf_dir)
     provenance = _provenance(checkpoint)
     if snapshot:
         provenance["hub"] = snapshot.provenance()
     model = build_model(checkpoint)
-    with disk_errors("--out", out, ConversionError):
+    with disk_errors("--output-dir", out, ConversionError):
         out.parent.mkdir(parents=True, exist_ok=True)
         with StagedDir(out, replace=False) as stage:
             save_model(model, stage.path)
@@ -148,7 +150,7 @@ def convert_transformers(
                 stage.commit()
             except FileExistsError:
                 raise ConversionError(
-                    f"--out {out} appeared while the checkpoint was being converted (another program wrote "
+                    f"--output-dir {out} appeared while the checkpoint was being converted (another program wrote "
                     "it); it was left as it is and this conversion discarded: choose a new folder"
                 ) from None
     if checkpoint.upcast_from:

@@ -1,4 +1,4 @@
-"""``python -m transformer_ext.convert transformers HF_DIR --out MODEL_DIR``: the converter CLI."""
+"""``python -m transformer_ext.convert transformers --model HF_DIR --output-dir MODEL_DIR``: the converter CLI."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Optional, Sequence
 
-from ..cli import add_debug_flag, add_version_flag, run_cli
+from ..cli import add_debug_flag, add_option, add_version_flag, run_cli, take_positional_spelling
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,14 +31,22 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer files) without transformers and write a model folder of ours.",
     )
     hf.add_argument(
-        "hf_dir",
+        "--model",
+        default=None,
         metavar="HF_DIR",
         help="the checkpoint folder (as save_pretrained writes it), or a Hugging Face hub id (ORG/NAME) "
         "where no such folder exists: read from the hub cache, downloaded unless HF_HUB_OFFLINE=1 "
-        "(needs huggingface_hub)",
+        "(needs huggingface_hub); required (HF_DIR as a positional argument: deprecated spelling)",
     )
-    hf.add_argument(
-        "--out", required=True, metavar="MODEL_DIR", help="the model folder to create (must not exist)"
+    # the old spelling of --model (take_positional_spelling)
+    hf.add_argument("hf_dir", nargs="?", default=None, help=argparse.SUPPRESS)
+    add_option(
+        hf,
+        "--output-dir",
+        deprecated=("--out",),
+        required=True,
+        metavar="MODEL_DIR",
+        help="the model folder to create (must not exist)",
     )
     add_debug_flag(hf)
     return parser
@@ -78,13 +86,14 @@ class _CommitShield:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    take_positional_spelling(parser, args, "hf_dir", "--model", metavar="HF_DIR", required=True)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     shield = _CommitShield()
 
     def work() -> int:
         from . import convert_transformers
 
-        out = convert_transformers(args.hf_dir, args.out, before_commit=shield.activate)
+        out = convert_transformers(args.model, args.output_dir, before_commit=shield.activate)
         print(out, flush=True)
         if shield.received is not None:
             logging.getLogger(__name__).warning(

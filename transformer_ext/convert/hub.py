@@ -1,4 +1,4 @@
-"""Hugging Face hub ids as converter input: ``convert transformers Helsinki-NLP/opus-mt-en-de``.
+"""Hugging Face hub ids as converter input: ``convert transformers --model Helsinki-NLP/opus-mt-en-de``.
 
 An argument that is not a local path and reads as a hub repository id (``NAME`` or
 ``ORG/NAME``) is resolved by ``huggingface_hub.snapshot_download`` (the optional ``[hub]``

@@ -483,10 +483,13 @@ class SearchOptions:
                 f"length_penalty must be >= 0 with length_penalty_type {self.length_penalty_type!r}, "
                 f"got {self.length_penalty}"
             )
-        for name in ("early_stopping", "renormalize_logits"):
+        for name, what in (
+            ("early_stopping", "transformers' beam-search rule"),
+            ("renormalize_logits", "a rule of transformers' beam search"),
+        ):
             if getattr(self, name) not in (None, False) and not hf:
                 raise ValueError(
-                    f"{name} applies with length_penalty_type 'hf' only, got {getattr(self, name)!r}"
+                    f"{name} is {what}: it applies with length_penalty_type 'hf' only, got {getattr(self, name)!r}"
                 )
         if self.beam_size > 1:
             if self.num_hypotheses > self.beam_size:
@@ -495,8 +498,8 @@ class SearchOptions:
                 )
             if self.sampling:
                 raise ValueError(
-                    f"sampling_topk / sampling_topp / sampling_temperature: random sampling needs beam_size = 1, "
-                    f"got beam_size = {self.beam_size}"
+                    "random sampling (sampling_topk / sampling_topp / sampling_temperature) needs beam size 1, "
+                    f"got {self.beam_size}"
                 )
             if self.seed is not None:
                 raise ValueError(
@@ -511,9 +514,11 @@ class SearchOptions:
                     )
             if self.num_hypotheses > 1:
                 raise ValueError(
-                    f"num_hypotheses = {self.num_hypotheses} needs random sampling (sampling_topk != 1) or "
-                    "beam search (beam_size >= num_hypotheses): greedy decoding has a single hypothesis"
+                    f"num_hypotheses ({self.num_hypotheses}) cannot exceed the beam size ({self.beam_size}) "
+                    "(greedy decoding has one hypothesis; random sampling may return several)"
                 )
+            if self.seed is not None:
+                raise ValueError("seed applies to random sampling (sampling_topk != 1)")
 
     @property
     def sampling(self) -> bool:

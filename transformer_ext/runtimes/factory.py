@@ -127,7 +127,7 @@ def import_tensorrt_runtime() -> type:
             "--runtime tensorrt needs TensorRT, which is not installed: on a machine with an NVIDIA GPU "
             "`pip install tensorrt-cu13` (CUDA 13; tensorrt-cu12 for CUDA 12) or "
             "`pip install 'transformer_ext[tensorrt]'`, plus torch with this package's CUDA kernels; "
-            "then build the engines with `python -m export.tensorrt EXPORT_DIR`"
+            "then build the engines with `python -m export.tensorrt --model EXPORT_DIR`"
         )
     try:
         from .trt import TensorRTRunner
@@ -214,7 +214,7 @@ def open_export_dir(
     if not built:
         raise RuntimeOptionError(
             f"{export_dir} has no TensorRT engines: build them with "
-            f"`python -m export.tensorrt {export_dir}` (or use the onnxruntime runtime)"
+            f"`python -m export.tensorrt --model {export_dir}` (or use the onnxruntime runtime)"
         )
     if precision is None:
         precision = "fp32" if "fp32" in built or len(built) != 1 else built[0]

@@ -209,7 +209,7 @@ class TensorRTRunner(DeviceRunner):
         if precision not in built:
             raise FileNotFoundError(
                 f"{export_dir / 'manifest.json'} records no {precision} TensorRT engines (built: {sorted(built) or 'none'}); "
-                f"run `python -m export.tensorrt {export_dir} --precision {precision}`"
+                f"run `python -m export.tensorrt --model {export_dir} --precision {precision}`"
             )
         trt = import_tensorrt()
         trt_logger = TrtLogger.create(trt)

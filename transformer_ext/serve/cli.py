@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 from ..cli import DefaultsHelpFormatter, UsageError, add_debug_flag, run_cli
 from .app import ServeConfig
 from .scheduler import BATCHING, DEFAULT_BATCH_WAIT
+from .server import DEFAULT_KEEP_ALIVE
 
 logger = logging.getLogger("transformer_ext.serve")
 
@@ -131,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds accepted work has after SIGTERM",
     )
     parser.add_argument(
+        "--keep-alive-timeout",
+        type=_seconds,
+        default=DEFAULT_KEEP_ALIVE,
+        help="seconds an idle keep-alive connection stays open (longer than clients and proxies keep theirs)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=_positive_int,
         default=_DEFAULTS.max_body_bytes,
@@ -233,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d (batching %s)", ", ".join(names), host, port, config.batching)
-        return serve(app, log_level=args.log_level, sock=sock)
+        return serve(app, log_level=args.log_level, sock=sock, keep_alive=args.keep_alive_timeout)
     finally:
         sock.close()
 

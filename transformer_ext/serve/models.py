@@ -21,7 +21,7 @@ from typing import Optional
 from ..cli import UsageError
 from ..demo import DEMO_MODEL_DIR
 from ..tokenizer import TOKENIZER_FILE, load_tokenizer
-from ..translator import TranslationError, Translator, _PretrainedGeneration, is_export_dir
+from ..translator import TranslationError, Translator, is_export_dir
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +154,7 @@ class ServedModel:
         if view is not None:
             return view
         base = self.translator
-        generation = base.generation
-        if isinstance(generation, _PretrainedGeneration):
-            generation = generation.__dict__["_base"]
+        generation = base.generation  # the folder's own config (the imported defaults are `pretrained`)
         try:
             view = Translator(
                 base.tokenizer,

@@ -23,7 +23,7 @@ from .scheduler import JobError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DrainingServer", "serve"]
+__all__ = ["DEFAULT_KEEP_ALIVE", "DrainingServer", "serve"]
 
 
 class DrainingServer(uvicorn.Server):
@@ -73,6 +73,13 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+# Seconds an idle keep-alive connection stays open. Longer than the idle time after which clients
+# and proxies stop reusing theirs (httpx 5 s, aiohttp 15 s, a load balancer's 60 s; requests and
+# urllib3 keep them until they close): a server that closes first races a client's next request on
+# that connection, which then meets a reset instead of an answer.
+DEFAULT_KEEP_ALIVE = 75.0
+
+
 def serve(
     app: FastAPI,
     host: str = "127.0.0.1",
@@ -80,8 +87,10 @@ def serve(
     *,
     log_level: str = "info",
     sock: Optional[socket.socket] = None,
+    keep_alive: float = DEFAULT_KEEP_ALIVE,
 ) -> int:
-    """Serve ``app`` until a signal drains it (module docstring); returns the exit code (0)."""
+    """Serve ``app`` until a signal drains it (module docstring); returns the exit code (0).
+    ``keep_alive``: seconds an idle keep-alive connection stays open (:data:`DEFAULT_KEEP_ALIVE`)."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -89,6 +98,7 @@ def serve(
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=10,
+        timeout_keep_alive=keep_alive,
         access_log=False,
     )
     server = DrainingServer(config, app)

@@ -7,7 +7,7 @@ One concern per module:
   its data, tokenizer, model, default metric and final check.
 * :mod:`.optim`: schedules, the optimiser, the label-smoothed loss, gradient accumulation.
 * :mod:`.validation`: what a validation measures (:func:`validate`), which record is the best.
-* :mod:`.run_folder`: the run folder ``--out`` (marker, staged first checkpoint, best/last/step-N,
+* :mod:`.run_folder`: the run folder ``--output-dir`` (marker, staged first checkpoint, best/last/step-N,
   resume state, the ``--export`` copy).
 * :mod:`.trainer`: :func:`train` and the :class:`~.trainer.Trainer` that runs a session.
 * :mod:`.progress`: the progress display (against the budget that binds) and ``--tensorboard``.

@@ -67,9 +67,10 @@ class TrainOptions:
     # run
     out_dir: str = option(
         "out/demo",
-        flag="--out",
+        flag="--output-dir",
+        deprecated=("--out",),
         group="run",
-        metavar="DIR",
+        metavar="OUTPUT_DIR",
         help="output folder of the run: best/, last/, run.json, train_options.json, summary.json "
         "(default for the demo task: %(default)s; required with --train)",
     )
@@ -77,7 +78,7 @@ class TrainOptions:
         False,
         group="run",
         action="store_true",
-        help="continue the run saved in OUT/last/ exactly where it stopped: the options not given "
+        help="continue the run saved in OUTPUT_DIR/last/ exactly where it stopped: the options not given "
         "come from the run, an option given again replaces the run's (budgets such as --max-steps); the "
         "model, data and schedule options cannot change",
     )
@@ -85,7 +86,7 @@ class TrainOptions:
         False,
         group="run",
         action="store_true",
-        help="start afresh even if OUT already holds a run of this program: the old run is replaced "
+        help="start afresh even if OUTPUT_DIR already holds a run of this program: the old run is replaced "
         "when the new one has written its first checkpoint",
     )
     export_dir: Optional[str] = option(
@@ -302,7 +303,7 @@ class TrainOptions:
         None,
         group="validation",
         choices=BEST_METRICS,
-        help="what selects OUT/best/: validation BLEU, chrF, loss, or exact match (default: exact "
+        help="what selects OUTPUT_DIR/best/: validation BLEU, chrF, loss, or exact match (default: exact "
         "for the demo, bleu for parallel text)",
     )
     patience: Optional[int] = option(
@@ -317,7 +318,7 @@ class TrainOptions:
         group="validation",
         type=int,
         metavar="K",
-        help="also keep the models of the last K validations in OUT/checkpoints/step-N/ (for "
+        help="also keep the models of the last K validations in OUTPUT_DIR/checkpoints/step-N/ (for "
         "python -m transformer_ext.average)",
     )
     log_every: int = option(100, group="validation", type=int, help="steps between log lines")
@@ -487,7 +488,7 @@ def merge_resume_options(
         raise TrainingUsageError(
             f"cannot resume {out} with options that differ from the run's: {'; '.join(conflicts)}. A resumed "
             "run keeps its model, data and schedule: leave these options out, or start a new run "
-            "(another --out, or --overwrite)"
+            "(another --output-dir, or --overwrite)"
         )
     if overrides:
         logger.info(

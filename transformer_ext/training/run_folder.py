@@ -1,10 +1,10 @@
-"""The run folder ``--out``: marker, staged first checkpoint, best/last/step-N, resume state, --export.
+"""The run folder ``--output-dir``: marker, staged first checkpoint, best/last/step-N, resume state, --export.
 
 A run folder holds ``run.json`` (the format marker), ``train_options.json``, ``summary.json``,
 ``best/``, ``last/`` and, with ``--keep-last``, ``checkpoints/step-N/``. Only a folder with that
 marker, or one of the version before it recognised by its exact file set, is resumed or
 (``--overwrite``) replaced; any other non-empty folder is refused (:func:`inspect_out`,
-:func:`check_out`). A new run is built in a temporary sibling of ``--out`` and takes its place
+:func:`check_out`). A new run is built in a temporary sibling of ``--output-dir`` and takes its place
 when its first checkpoint is complete (:func:`commit_run`). Checkpoints are model folders
 (docs/DESIGN.md section 5: ``config.json`` + ``model.safetensors`` + tokenizer files); ``last/`` also
 holds the training state (:func:`save_checkpoint`, :func:`load_state`): optimiser tensors and RNG
@@ -90,7 +90,7 @@ _UNMARKED_RUN_ENTRIES = frozenset(
 
 @dataclass(frozen=True)
 class RunFolder:
-    """What ``--out`` holds: ``kind`` is "absent", "empty", "run" (this program's) or "foreign"."""
+    """What ``--output-dir`` holds: ``kind`` is "absent", "empty", "run" (this program's) or "foreign"."""
 
     path: Path
     kind: str
@@ -110,11 +110,13 @@ def inspect_out(out: Path) -> RunFolder:
     if not out.exists():
         if out.is_symlink():
             raise TrainingError(
-                f"--out {out} is a symbolic link to nothing; remove it or choose another folder"
+                f"--output-dir {out} is a symbolic link to nothing; remove it or choose another folder"
             )
         return RunFolder(out, "absent")
     if not out.is_dir():
-        raise TrainingError(f"--out {out} is a file, not a folder; give the path of a folder for the run")
+        raise TrainingError(
+            f"--output-dir {out} is a file, not a folder; give the path of a folder for the run"
+        )
     entries = sorted(os.listdir(out))
     if not entries:
         return RunFolder(out, "empty")
@@ -144,7 +146,7 @@ def inspect_out(out: Path) -> RunFolder:
 
 
 def check_out(folder: RunFolder, *, resume: bool, overwrite: bool) -> None:
-    """Refuse a ``--out`` that cannot be used as asked (resume, overwrite or a new run)."""
+    """Refuse a ``--output-dir`` that cannot be used as asked (resume, overwrite or a new run)."""
     out = folder.path
     if resume:
         if folder.kind != "run":
@@ -154,19 +156,19 @@ def check_out(folder: RunFolder, *, resume: bool, overwrite: bool) -> None:
             )
     elif folder.kind == "foreign":
         raise TrainingError(
-            f"--out {out} is not a training run of this program ({folder.reason}); nothing in it "
+            f"--output-dir {out} is not a training run of this program ({folder.reason}); nothing in it "
             "is touched: choose a new or empty folder"
         )
     elif folder.kind == "run" and not overwrite:
         raise TrainingError(
             f"{out} already holds a training run; pass --resume to continue it, --overwrite to start "
-            "afresh, or choose another --out"
+            "afresh, or choose another --output-dir"
         )
     elif folder.kind == "run" and folder.others:
         raise TrainingError(
             f"--overwrite replaces the whole run folder {out}, but it also holds files this program did "
             f"not write ({', '.join(folder.others[:5])}{' ...' if len(folder.others) > 5 else ''}); move "
-            "them away or choose another --out"
+            "them away or choose another --output-dir"
         )
 
 
@@ -177,9 +179,9 @@ def marker() -> dict:
 
 
 def commit_run(stage: StagedDir, folder: RunFolder) -> None:
-    """Put the staged run folder in place of ``--out`` (the moment an old run is replaced).
+    """Put the staged run folder in place of ``--output-dir`` (the moment an old run is replaced).
 
-    ``--out`` is inspected again first: what it holds now must still be what was checked at the
+    ``--output-dir`` is inspected again first: what it holds now must still be what was checked at the
     start (nothing, an empty folder, or a run of this program that may be replaced).
     """
     target = stage.target
@@ -197,7 +199,7 @@ def commit_run(stage: StagedDir, folder: RunFolder) -> None:
         stage.commit()  # the old run is moved aside, the new one renamed in, then the old one deleted
     else:
         raise TrainingError(
-            f"--out {folder.path} changed while the new run was training (it now holds "
+            f"--output-dir {folder.path} changed while the new run was training (it now holds "
             f"{', '.join(sorted(os.listdir(target))[:5])}); it was left as it is and the new run "
             "was not put in place"
         )
@@ -587,7 +589,7 @@ class RunLock:
     def _refuse(self, holder: dict, how: str) -> TrainingError:
         who = f"process {holder.get('pid', '?')} on host {holder.get('host', '?')}"
         return TrainingError(
-            f"--out {self.out} is in use: {who} {how} (lock file {self.path}); wait until that run has "
+            f"--output-dir {self.out} is in use: {who} {how} (lock file {self.path}); wait until that run has "
             "finished, or stop it, then resume with --resume"
             + (f"; if {who} is gone, remove {self.path}" if "another host" in how else "")
         )

@@ -202,7 +202,7 @@ class Trainer:
     # ------------------------------------------------------------------ the session
     def run(self) -> TrainResult:
         """Train until a budget is spent; returns the session's :class:`TrainResult`."""
-        with run_folder.disk_errors("--out", self.out):
+        with run_folder.disk_errors("--output-dir", self.out):
             return self._run()
 
     def _run(self) -> TrainResult:
@@ -473,7 +473,9 @@ class Trainer:
             provenance=provenance,
             extra_files=extra,
         )
-        if self.stage is not None and not self.stage.committed:  # a new run's first checkpoint: --out now
+        if (
+            self.stage is not None and not self.stage.committed
+        ):  # a new run's first checkpoint: --output-dir now
             run_folder.commit_run(self.stage, self.folder)
             self.run_dir = self.out
         atomic_write_json(
@@ -670,7 +672,7 @@ def train(
 
 
 def _check_outputs(opts: TrainOptions, out: Path) -> None:
-    """--out, --export and --tensorboard overlap no input, and lie in no training run's managed folders."""
+    """--output-dir, --export and --tensorboard overlap no input, and lie in no training run's managed folders."""
     inputs = [
         (f"the {flag} file", path)
         for flag, paths in (
@@ -683,7 +685,7 @@ def _check_outputs(opts: TrainOptions, out: Path) -> None:
         for path in paths or ()
     ]
     check_output_path(
-        out, inputs=inputs, managed_dirs=run_folder.managed_dirs(out, include_self=False), what="--out"
+        out, inputs=inputs, managed_dirs=run_folder.managed_dirs(out, include_self=False), what="--output-dir"
     )
     own = [(f"the run folder's {name}/", out / name) for name in run_folder.MANAGED_DIRS]
     for flag, path in (("--export", opts.export_dir), ("--tensorboard", opts.tensorboard)):
@@ -706,7 +708,7 @@ def _lock_run(out: Path, ctx: distributed.Context) -> run_folder.RunLock:
     error: Optional[BaseException] = None
     if ctx.is_main and out.absolute().parent.is_dir():
         try:
-            with run_folder.disk_errors("--out", out):
+            with run_folder.disk_errors("--output-dir", out):
                 lock.acquire()
         except TrainingError as exc:
             error = exc
