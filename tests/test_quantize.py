@@ -93,9 +93,11 @@ def test_every_weight_product_is_int8_per_output_channel(tiny_float, tiny_int8, 
         n.name for n in after.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in init_after
     ]
     products = [n for n in after.graph.node if n.op_type == "MatMulInteger"]
-    # with 8-bit embedding tables, the tied output projection reads the lookup's bytes (MatMulNBits)
+    # with int8 embedding tables, the tied output projection reads the lookup's rows (QGemm)
     lookups = read_manifest(tiny_int8)["quantization"]["lookups"]
-    tied = [n for n in after.graph.node if n.op_type == "MatMulNBits"]
+    assert lookups["per_row"] is True and lookups["bits"] == 8
+    tied = [n for n in after.graph.node if n.op_type == "QGemm"]
+    assert not [n for n in after.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")]
     assert len(tied) == (1 if lookups and graph == DECODER_FILE else 0)
     assert len(products) + len(tied) == len(weights)
     for n in products:
@@ -112,11 +114,17 @@ def test_every_weight_product_is_int8_per_output_channel(tiny_float, tiny_int8, 
         assert (cfg["d_model"], cfg["tgt_vocab_size"]) in shapes
     elif (
         graph == DECODER_FILE
-    ):  # ... the output projection: 8 bits, vocab rows (tests/test_export_weights.py)
+    ):  # ... the output projection: int8 [vocab, d_model] rows, transB, one scale per vocab entry
         cfg = read_manifest(tiny_int8)["model_config"]
         (projection,) = tied
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in projection.attribute}
-        assert attrs["bits"] == 8 and attrs["N"] == cfg["tgt_vocab_size"] and attrs["K"] == cfg["d_model"]
+        assert attrs["transB"] == 1 and projection.domain == "com.microsoft"
+        rows, scales, zeros = (init_after[name] for name in projection.input[3:6])
+        assert rows.data_type == onnx.TensorProto.INT8
+        assert list(rows.dims) == [cfg["tgt_vocab_size"], cfg["d_model"]]
+        assert np.abs(onnx.numpy_helper.to_array(rows).astype(np.int32)).max() <= 64  # reduce_range
+        assert list(scales.dims) == list(zeros.dims) == [cfg["tgt_vocab_size"]]
+        assert not onnx.numpy_helper.to_array(zeros).any()  # symmetric
 
 
 def test_int8_decodes_close_to_float32(tiny_float, tiny_int8):
