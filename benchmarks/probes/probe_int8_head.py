@@ -58,6 +58,30 @@ rows (float32 rounding). Then all are timed in one process, rounds interleaved a
 (``--threads``, default 1). ``stored_bytes`` says what each form's table costs in an export folder
 (bytes, scales and zero points); ``kernels`` the operators each session ran after ONNX Runtime's
 optimisations. JSON at ``--out``, a PNG beside it (milliseconds against rows, per table).
+
+Finding (``benchmarks/results/probe_int8_head_cpu_clock_t1.json``: ONNX Runtime 1.32, the 2-core
+Sapphire Rapids-class Xeon, 1 intra-op thread, ``python -m benchmarks probe_int8_head --rounds 5
+--clock cpu`` while other sessions loaded the machine to a load average of 6-12: a direction).
+Milliseconds per product, ``nbits8_b32_acc4`` (the blocks of 32 the tables had) against
+``vk_qgemm``:
+
+| rows | opus-mt V 58,101 | base V 8,000 |
+| --- | --- | --- |
+| 1 | 3.42 / 1.72 | 0.246 / 0.201 |
+| 4 | 5.49 / 2.69 | 0.366 / 0.207 |
+| 16 | 10.0 / 2.79 | 1.05 / 0.264 |
+| 64 | 29.1 / 7.90 | 3.99 / 0.615 |
+| 256 | 107 / 19.7 | 15.2 / 2.14 |
+
+``vk_qgemm`` is as fast as ``kn_dqmm`` (the dynamic int8 product, 20.7 ms at 256 rows of opus-mt)
+at every row count and faster at 1-4 rows; larger ``MatMulNBits`` blocks gain at most 1.5x (blocks
+of 256: 71.9 ms at 256 rows), ``accuracy_level`` 1 is 100x slower, and the ``MatMulInteger`` forms
+with the table as left operand 5-25x. Of the lookups, gathering int8 rows (``rows``: 0.039 ms
+for 256 ids of opus-mt) beats ``GatherBlockQuantized`` (0.092 ms), while the ``[K, V]`` layout's
+column gather costs 4.6 ms (15 ms for an encoder batch of 1,536 ids), which rules ``kn_*`` out.
+Errors: ``vk_qgemm`` at most 1.2% of the largest logit against the float64 product of its own
+dequantized table (the activations' uint8 rounding), blocks of 32 at most 0.8%. So the int8
+export stores its tables as per-row int8 and runs the tied projection as ``vk_qgemm``.
 """
 
 from __future__ import annotations
