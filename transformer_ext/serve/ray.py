@@ -137,10 +137,11 @@ def build_app(
     none: the demo model) with ``num_replicas`` replicas (default 1), or scaled by Ray Serve's
     autoscaling: ``autoscaling_config`` (``min_replicas``, ``max_replicas``,
     ``target_ongoing_requests``...; ``num_replicas`` then None or ``"auto"``), or
-    ``num_replicas="auto"`` alone for Ray Serve's default autoscaling. ``config``: the :class:`ServeConfig` fields (``batching``,
-    ``max_queue``, ``request_timeout``...); ``batching`` defaults to the server's default
-    (continuous where available). Arguments are checked here, before anything is deployed
-    (UsageError / ValueError / FileNotFoundError naming them)."""
+    ``num_replicas="auto"`` alone for Ray Serve's default autoscaling. ``ray_actor_options``:
+    Ray's per-replica resources (``num_cpus``...). ``config``: the :class:`ServeConfig` fields
+    (``batching``, ``max_queue``, ``request_timeout``...); ``batching`` defaults to the
+    server's default (continuous where available). Arguments are checked here, before anything
+    is deployed (UsageError / ValueError / FileNotFoundError naming them)."""
     from ray import serve
 
     from .models import demo_spec
