@@ -224,6 +224,7 @@ INT8_OP_TYPES = (
     "ConvInteger",
     "DynamicQuantizeMatMul",
     "MatMulIntegerToFloat",
+    "QGemm",
     "QuantizeLinear",
     "DequantizeLinear",
 )
