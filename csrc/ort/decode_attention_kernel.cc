@@ -80,14 +80,23 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// s[j] = scale * (q . keys[j]) + bias[j] for j < n: eight keys at a time, each read once.
+// Asks for rows j of ahead (row length D) to be brought into L1 (one request per cache line).
+inline void prefetch_row(const float* ahead, int64_t j, int64_t D) {
+  if (!ahead) return;
+  const char* p = reinterpret_cast<const char*>(ahead + j * D);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(float)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// s[j] = scale * (q . keys[j]) + bias[j] for j < n: eight keys at a time, each read once. With
+// ahead, row j of ahead (the values read next) is prefetched as key j is read.
 void scores(const float* q, const float* keys, int64_t n, int64_t D, float scale, const float* bias,
-            float* s) {
+            float* s, const float* ahead) {
   const int64_t nv = D / 8 * 8;
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const float* k = keys + j * D;
+    for (int t = 0; t < 8; ++t) prefetch_row(ahead, j + t, D);
     __m256 acc[8];
     for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t d = 0; d < nv; d += 8) {
@@ -108,7 +117,10 @@ void scores(const float* q, const float* keys, int64_t n, int64_t D, float scale
     if (bias) sum = _mm256_add_ps(sum, _mm256_loadu_ps(bias + j));
     _mm256_storeu_ps(s + j, sum);
   }
-  for (; j < n; ++j) s[j] = scale * dot(q, keys + j * D, D) + (bias ? bias[j] : 0.0f);
+  for (; j < n; ++j) {
+    prefetch_row(ahead, j, D);
+    s[j] = scale * dot(q, keys + j * D, D) + (bias ? bias[j] : 0.0f);
+  }
 }
 
 // In place: s[j] = e^(s[j] - max) over j < n; returns their sum.
@@ -140,10 +152,11 @@ float exp_shifted(float* s, int64_t n) {
 // out[c0 .. c0 + 8 NC) = inv * (sum_j p[j] values[j] + p_new v_new), NC vectors of 8 columns.
 template <int NC>
 inline void weighted_block(const float* p, int64_t n, const float* values, int64_t D, int64_t c0,
-                           const float* v_new, float p_new, float inv, float* out) {
+                           const float* v_new, float p_new, float inv, float* out, const float* ahead) {
   __m256 acc[NC];
   for (int i = 0; i < NC; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
+    if (c0 == 0) prefetch_row(ahead, j, D);
     const __m256 pj = _mm256_set1_ps(p[j]);
     const float* row = values + j * D + c0;
     for (int i = 0; i < NC; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(row + 8 * i), acc[i]);
@@ -156,12 +169,13 @@ inline void weighted_block(const float* p, int64_t n, const float* values, int64
   for (int i = 0; i < NC; ++i) _mm256_storeu_ps(out + c0 + 8 * i, _mm256_mul_ps(acc[i], vi));
 }
 
+// With ahead, row j of ahead (the next head's keys) is prefetched as value j is read.
 void weighted(const float* p, int64_t n, const float* values, int64_t D, const float* v_new, float p_new,
-              float inv, float* out) {
+              float inv, float* out, const float* ahead) {
   int64_t c = 0;
-  for (; c + 64 <= D; c += 64) weighted_block<8>(p, n, values, D, c, v_new, p_new, inv, out);
-  for (; c + 32 <= D; c += 32) weighted_block<4>(p, n, values, D, c, v_new, p_new, inv, out);
-  for (; c + 8 <= D; c += 8) weighted_block<1>(p, n, values, D, c, v_new, p_new, inv, out);
+  for (; c + 64 <= D; c += 64) weighted_block<8>(p, n, values, D, c, v_new, p_new, inv, out, c == 0 ? ahead : nullptr);
+  for (; c + 32 <= D; c += 32) weighted_block<4>(p, n, values, D, c, v_new, p_new, inv, out, c == 0 ? ahead : nullptr);
+  for (; c + 8 <= D; c += 8) weighted_block<1>(p, n, values, D, c, v_new, p_new, inv, out, c == 0 ? ahead : nullptr);
   for (; c < D; ++c) {
     float x = 0.0f;
     for (int64_t j = 0; j < n; ++j) x += p[j] * values[j * D + c];
@@ -179,7 +193,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 void scores(const float* q, const float* keys, int64_t n, int64_t D, float scale, const float* bias,
-            float* s) {
+            float* s, const float*) {
   for (int64_t j = 0; j < n; ++j) s[j] = scale * dot(q, keys + j * D, D) + (bias ? bias[j] : 0.0f);
 }
 
@@ -195,7 +209,7 @@ float exp_shifted(float* s, int64_t n) {
 }
 
 void weighted(const float* p, int64_t n, const float* values, int64_t D, const float* v_new, float p_new,
-              float inv, float* out) {
+              float inv, float* out, const float*) {
   for (int64_t c = 0; c < D; ++c) out[c] = 0.0f;
   for (int64_t j = 0; j < n; ++j)
     for (int64_t c = 0; c < D; ++c) out[c] += p[j] * values[j * D + c];
@@ -225,7 +239,11 @@ void decode_attention(const DecodeAttentionArgs& a) {
         const float* q = a.q + off;
         float* out = a.out + off;
         const float* bias = a.bias ? a.bias + r * a.bias_row_stride + h * T : nullptr;
-        scores(q, keys, len, a.D, a.scale, bias, s.data());
+        // The first query of a cache row and head prefetches its values while reading the keys,
+        // and the next head's keys while reading the values (the blocks are consecutive).
+        const bool first = k == 0;
+        const bool last_block = b == a.B - 1 && h == a.H - 1;
+        scores(q, keys, len, a.D, a.scale, bias, s.data(), first ? values : nullptr);
         if (with_new) s[len] = a.scale * dot(q, a.k_new + off, a.D) + (bias ? bias[a.L] : 0.0f);
         const int64_t n = len + (with_new ? 1 : 0);
         if (n == 0) {
@@ -234,7 +252,7 @@ void decode_attention(const DecodeAttentionArgs& a) {
         }
         const float inv = 1.0f / exp_shifted(s.data(), n);
         weighted(s.data(), len, values, a.D, with_new ? a.v_new + off : nullptr, with_new ? s[len] : 0.0f, inv,
-                 out);
+                 out, first && !last_block ? keys + a.L * a.D : nullptr);
       }
     }
   }
