@@ -42,10 +42,10 @@ a layer's attention by 1.24-1.42x over the fastest standard form of each block a
 (1.20-1.30x at 256, 1.50-1.64x at 4) and by 1.34-1.88x over the exported forms (``ops`` /
 ``gqa`` + ``ops``):
 
-* Cross-attention is where it gains most: 1.5-2.3x the fastest standard form at every row
-  count, greedy and 4 beams (at 4 beams a source's K/V are read once for its beams).
-* Self-attention is bound by reading the cache: 1.2-1.4x ``dmmha`` (the fastest standard form)
-  at 4-64 rows, 1.09-1.2x at 256; 1.3-2.1x ``ops`` and ``gqa``.
+* Cross-attention is where it gains most: 1.5-2.1x the fastest standard form at 4-64 rows and
+  1.3-1.9x at 256, greedy and 4 beams (at 4 beams a source's K/V are read once for its beams).
+* Self-attention is bound by reading the cache: 1.18-1.45x ``dmmha`` (the fastest standard
+  form) at 4-64 rows, 1.09-1.2x at 256; 1.1-1.9x the faster of ``ops`` and ``gqa``.
 """
 
 from __future__ import annotations
