@@ -57,7 +57,7 @@ def library() -> str:
     return str(LIBRARY)
 
 
-def _model(with_new: bool, with_bias: bool, scale: float | None) -> bytes:
+def _model(with_new: bool, with_bias: bool, scale: float | None, present: bool = False) -> bytes:
     f = TensorProto.FLOAT
     names = ["q", "k_cache", "v_cache", "lengths"]
     inputs = [helper.make_tensor_value_info(n, f, None) for n in names[:3]]
@@ -70,9 +70,10 @@ def _model(with_new: bool, with_bias: bool, scale: float | None) -> bytes:
         inputs.append(helper.make_tensor_value_info("bias", f, None))
         node_inputs += ([] if with_new else ["", ""]) + ["bias"]
     attrs = {} if scale is None else {"scale": scale}
-    node = helper.make_node("DecodeAttention", node_inputs, ["out"], domain="transformer_ext", **attrs)
+    outs = ["out", "present_k", "present_v"] if present else ["out"]
+    node = helper.make_node("DecodeAttention", node_inputs, outs, domain="transformer_ext", **attrs)
     graph = helper.make_graph(
-        [node], "decode_attention", inputs, [helper.make_tensor_value_info("out", f, None)]
+        [node], "decode_attention", inputs, [helper.make_tensor_value_info(n, f, None) for n in outs]
     )
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("transformer_ext", 1)]
@@ -81,13 +82,16 @@ def _model(with_new: bool, with_bias: bool, scale: float | None) -> bytes:
     return model.SerializeToString()
 
 
-def _run(library: str, feeds: dict, scale: float | None = None) -> np.ndarray:
+def _session(library: str, feeds: dict, scale: float | None = None, present: bool = False):
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.register_custom_ops_library(library)
-    model = _model("k_new" in feeds, "bias" in feeds, scale)
-    session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
-    return session.run(["out"], feeds)[0]
+    model = _model("k_new" in feeds, "bias" in feeds, scale, present)
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def _run(library: str, feeds: dict, scale: float | None = None) -> np.ndarray:
+    return _session(library, feeds, scale).run(["out"], feeds)[0]
 
 
 def reference(q, k_cache, v_cache, lengths, k_new=None, v_new=None, bias=None, scale=1.0) -> np.ndarray:
@@ -234,6 +238,74 @@ def test_new_key_without_new_value_is_refused(library):
     feeds["v_new"] = feeds["v_new"][:, :, :4]
     with pytest.raises(Exception, match=r"v_new: expected q's \[2, 1, 8\]"):
         _run(library, feeds)
+
+
+def _written(cache, new, lengths):
+    """``cache`` with row ``r``'s new K/V at position ``lengths[r]`` (numpy)."""
+    want = cache.copy()
+    R, H = new.shape[:2]
+    for r in range(R):
+        want[r, :, lengths[r]] = new.reshape(R, H, -1)[r]
+    return want
+
+
+def test_present_outputs_write_the_new_token(library):
+    """Unbound, present_k / present_v are fresh copies of the caches with the new rows written."""
+    rng = np.random.default_rng(5)
+    R, H, L, D = 4, 3, 11, 20
+    feeds = _feeds(rng, R, R, H, L, D, [0, 10, 4, 7], new=True)
+    before = {n: feeds[n].copy() for n in ("k_cache", "v_cache")}
+    out, pk, pv = _session(library, feeds, 0.5, present=True).run(None, feeds)
+    np.testing.assert_allclose(out, reference(**feeds, scale=0.5), rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(pk, _written(before["k_cache"], feeds["k_new"], feeds["lengths"]))
+    np.testing.assert_array_equal(pv, _written(before["v_cache"], feeds["v_new"], feeds["lengths"]))
+    for n in before:  # the inputs untouched
+        np.testing.assert_array_equal(feeds[n], before[n])
+
+
+def test_present_outputs_bound_to_the_caches_update_in_place(library):
+    """IO binding of present_k / present_v to the cache buffers: two steps, the second attending
+    to the token the first wrote."""
+    rng = np.random.default_rng(6)
+    R, H, L, D = 3, 2, 9, 16
+    feeds = _feeds(rng, R, R, H, L, D, [2, 0, 5], new=True)
+    session = _session(library, feeds, present=True)
+    kc, vc = feeds["k_cache"], feeds["v_cache"]
+    for step in range(2):
+        lengths = feeds["lengths"] + step
+        k_new = rng.standard_normal((R, H, 1, D)).astype(np.float32)
+        v_new = rng.standard_normal((R, H, D)).astype(np.float32)
+        q = rng.standard_normal((R, H, D)).astype(np.float32)
+        want_out = reference(q, kc, vc, lengths, k_new, v_new)
+        want_k, want_v = _written(kc, k_new, lengths), _written(vc, v_new, lengths)
+        out = np.empty((R, H * D), np.float32)
+        binding = session.io_binding()
+        bound_in = (
+            ("q", q),
+            ("k_cache", kc),
+            ("v_cache", vc),
+            ("lengths", lengths),
+            ("k_new", k_new),
+            ("v_new", v_new),
+        )
+        for name, a in bound_in:
+            binding.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        for name, a in (("out", out), ("present_k", kc), ("present_v", vc)):
+            binding.bind_output(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        session.run_with_iobinding(binding)
+        np.testing.assert_allclose(out, want_out, rtol=0, atol=2e-5)
+        np.testing.assert_array_equal(kc, want_k)
+        np.testing.assert_array_equal(vc, want_v)
+
+
+def test_present_outputs_refuse_a_full_cache(library):
+    rng = np.random.default_rng(8)
+    feeds = _feeds(rng, 2, 2, 1, 6, 8, [3, 6], new=True)
+    with pytest.raises(Exception, match=r"lengths\[1\] = 6 leaves no position for the new token"):
+        _session(library, feeds, present=True).run(None, feeds)
+    del feeds["k_new"], feeds["v_new"]
+    with pytest.raises(Exception, match="present_k / present_v need k_new and v_new"):
+        _session(library, feeds, present=True).run(None, feeds)
 
 
 def test_probe_names_a_missing_library_in_one_line(tmp_path):

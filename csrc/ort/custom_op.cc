@@ -8,8 +8,14 @@
 //            v_new    float, as k_new                     optional, given exactly when k_new is
 //            bias     float [R or 1, H, T] or [R or 1, H, 1, T], T = L (+ 1 with k_new)
 //                                                         optional additive bias on the scaled scores
-//   output   out      float [R, H * D]
+//   outputs  out         float [R, H * D]
+//            present_k   float [B, H, L, D]   optional (self-attention, B = R): k_cache with
+//            present_v   float [B, H, L, D]   k_new / v_new written at position lengths[r]
 //   attribute scale   float, default 1
+//
+// present_k / present_v bound to the buffers of k_cache / v_cache (IO binding, as for
+// GroupQueryAttention) make the cache update in place: only the new rows are written. Otherwise
+// the cache is copied into them first.
 //
 // Self-attention: B = R (a cache per row) with k_new / v_new. Cross-attention: K/V once per
 // source (B sources, R / B beams each, a source's beams consecutive), no k_new. The library
@@ -20,6 +26,7 @@
 #undef ORT_API_MANUAL_INIT
 
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <sstream>
@@ -161,6 +168,18 @@ struct DecodeAttentionKernel {
       bias_stride = bs[0] == 1 ? 0 : H * T;
     }
 
+    const bool with_present = ctx.GetOutputCount() > 1;
+    if (with_present) {
+      if (!with_new) throw BadInput("present_k / present_v need k_new and v_new (the rows they write)");
+      if (B != R)
+        throw BadInput("present_k / present_v need a cache row per row (" + std::to_string(R) + "), got " +
+                       std::to_string(B));
+      for (int64_t b = 0; b < B; ++b)
+        if (len[b] >= L)
+          throw BadInput("lengths[" + std::to_string(b) + "] = " + std::to_string(len[b]) +
+                         " leaves no position for the new token in present_k (cache length " + std::to_string(L) + ")");
+    }
+
     const std::vector<int64_t> out_shape{R, H * D};
     Ort::UnownedValue out = ctx.GetOutput(0, out_shape.data(), out_shape.size());
     DecodeAttentionArgs a;
@@ -180,6 +199,21 @@ struct DecodeAttentionKernel {
     a.D = D;
     a.scale = scale;
     decode_attention(a);
+    if (with_present) {
+      // After the attention, which reads positions below lengths[r] and the new token apart.
+      const size_t row = sizeof(float) * static_cast<size_t>(D);
+      const Tensor* caches[2] = {&kc, &vc};
+      const float* news[2] = {a.k_new, a.v_new};
+      for (size_t i = 0; i < 2; ++i) {
+        Ort::UnownedValue present = ctx.GetOutput(1 + i, kc.shape.data(), kc.shape.size());
+        float* dst = present.GetTensorMutableData<float>();
+        const float* src = data<float>(*caches[i]);
+        if (dst != src) std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(B * H * L * D));
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t h = 0; h < H; ++h)
+            std::memcpy(dst + ((r * H + h) * L + len[r]) * D, news[i] + (r * H + h) * D, row);
+      }
+    }
   }
 };
 
@@ -201,8 +235,11 @@ struct DecodeAttentionOp : Ort::CustomOpBase<DecodeAttentionOp, DecodeAttentionK
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i >= 4 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i >= 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
 };
 
 bool cpu_supports_kernel() {
