@@ -82,9 +82,9 @@ def _model(with_new: bool, with_bias: bool, scale: float | None, present: bool =
     return model.SerializeToString()
 
 
-def _session(library: str, feeds: dict, scale: float | None = None, present: bool = False):
+def _session(library: str, feeds: dict, scale: float | None = None, present: bool = False, threads: int = 1):
     so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
+    so.intra_op_num_threads = threads
     so.register_custom_ops_library(library)
     model = _model("k_new" in feeds, "bias" in feeds, scale, present)
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
@@ -194,6 +194,17 @@ def test_bias_per_row_and_broadcast(library):
     feeds = _feeds(rng, B * K, B, H, L, D, [19, 10, 3])
     feeds["bias"] = rng.standard_normal((1, H, 1, L)).astype(np.float32)
     np.testing.assert_allclose(_run(library, feeds), reference(**feeds), rtol=0, atol=2e-5)
+
+
+def test_two_threads_split_the_cache_rows(library):
+    """With two intra-op threads the cache rows run in parallel: the same result."""
+    rng = np.random.default_rng(9)
+    feeds = _feeds(rng, 7, 7, 3, 15, 24, [15, 0, 3, 9, 14, 1, 7], new=True)
+    got = _session(library, feeds, 0.7, threads=2).run(["out"], feeds)[0]
+    np.testing.assert_allclose(got, reference(**feeds, scale=0.7), rtol=0, atol=2e-5)
+    feeds = _feeds(rng, 10, 5, 2, 12, 16, [12, 5, 0, 8, 11])
+    got = _session(library, feeds, threads=2).run(["out"], feeds)[0]
+    np.testing.assert_allclose(got, reference(**feeds), rtol=0, atol=2e-5)
 
 
 def test_nan_stays_in_its_row(library):

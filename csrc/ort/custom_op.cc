@@ -17,6 +17,8 @@
 // GroupQueryAttention) make the cache update in place: only the new rows are written. Otherwise
 // the cache is copied into them first.
 //
+// The cache rows run over the session's intra-op threads (KernelContext_ParallelFor).
+//
 // Self-attention: B = R (a cache per row) with k_new / v_new. Cross-attention: K/V once per
 // source (B sources, R / B beams each, a source's beams consecutive), no k_new. The library
 // links no ONNX Runtime: every call goes through the OrtApi table handed to RegisterCustomOps
@@ -198,7 +200,18 @@ struct DecodeAttentionKernel {
     a.L = L;
     a.D = D;
     a.scale = scale;
-    decode_attention(a);
+    // The cache rows (sources) over the session's intra-op threads; on the calling thread when
+    // it has one.
+    if (B > 1) {
+      ctx.ParallelFor(
+          [](void* args, size_t b) {
+            const auto* p = static_cast<const DecodeAttentionArgs*>(args);
+            decode_attention_cache_rows(*p, static_cast<int64_t>(b), static_cast<int64_t>(b) + 1);
+          },
+          static_cast<size_t>(B), 0, &a);
+    } else {
+      decode_attention(a);
+    }
     if (with_present) {
       // After the attention, which reads positions below lengths[r] and the new token apart.
       const size_t row = sizeof(float) * static_cast<size_t>(D);

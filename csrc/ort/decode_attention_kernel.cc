@@ -222,13 +222,16 @@ void weighted(const float* p, int64_t n, const float* values, int64_t D, const f
 
 bool decode_attention_uses_avx2() { return TE_ORT_AVX2 != 0; }
 
-void decode_attention(const DecodeAttentionArgs& a) {
-  if (a.R == 0 || a.H == 0 || a.D == 0) return;
+void decode_attention(const DecodeAttentionArgs& a) { decode_attention_cache_rows(a, 0, a.B); }
+
+void decode_attention_cache_rows(const DecodeAttentionArgs& a, int64_t b_begin, int64_t b_end) {
+  if (a.R == 0 || a.H == 0 || a.D == 0 || b_begin >= b_end) return;
   const int64_t K = a.R / a.B;  // rows per cache row (the caller checks R % B == 0)
   const bool with_new = a.k_new != nullptr;
   const int64_t T = a.L + (with_new ? 1 : 0);
-  std::vector<float> s(static_cast<size_t>(T) + 1);
-  for (int64_t b = 0; b < a.B; ++b) {
+  thread_local std::vector<float> s;  // the scores of one row and head
+  s.resize(static_cast<size_t>(T) + 1);
+  for (int64_t b = b_begin; b < b_end; ++b) {
     const int64_t len = a.lengths[b];
     for (int64_t h = 0; h < a.H; ++h) {
       const float* keys = a.k_cache + (b * a.H + h) * a.L * a.D;
@@ -242,7 +245,7 @@ void decode_attention(const DecodeAttentionArgs& a) {
         // The first query of a cache row and head prefetches its values while reading the keys,
         // and the next head's keys while reading the values (the blocks are consecutive).
         const bool first = k == 0;
-        const bool last_block = b == a.B - 1 && h == a.H - 1;
+        const bool last_block = b == a.B - 1 && h == a.H - 1;  // no block after it in the buffer
         scores(q, keys, len, a.D, a.scale, bias, s.data(), first ? values : nullptr);
         if (with_new) s[len] = a.scale * dot(q, a.k_new + off, a.D) + (bias ? bias[a.L] : 0.0f);
         const int64_t n = len + (with_new ? 1 : 0);

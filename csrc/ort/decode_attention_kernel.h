@@ -31,6 +31,10 @@ struct DecodeAttentionArgs {
 // is all zeros. A NaN score makes its row NaN, as a softmax does. Runs on the calling thread.
 void decode_attention(const DecodeAttentionArgs& a);
 
+// The same for cache rows [b_begin, b_end) only (their rows of out): disjoint ranges may run on
+// different threads.
+void decode_attention_cache_rows(const DecodeAttentionArgs& a, int64_t b_begin, int64_t b_end);
+
 // Whether decode_attention was compiled with AVX2 + FMA (the library then needs them at run time).
 bool decode_attention_uses_avx2();
 
