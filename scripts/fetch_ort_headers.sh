@@ -15,15 +15,15 @@ set -euo pipefail
 prog=fetch_ort_headers.sh
 die() { echo "$prog: error: $*" >&2; exit 1; }
 
+[ $# -le 1 ] || { echo "$prog: error: expected at most one argument (DEST), got $#" >&2; exit 2; }
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dest=${1:-$repo/build/ort-headers}
-[ $# -le 1 ] || { echo "$prog: error: expected at most one argument (DEST), got $#" >&2; exit 2; }
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 keyring=${DEBIAN_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
 marker=.fetched-by-transformer_ext
 
 if [ -f "$dest/$marker" ] && [ -f "$dest/include/onnxruntime_c_api.h" ]; then
-  echo "$prog: headers already in $dest/include ($(cat "$dest/VERSION" 2>/dev/null || echo unknown version))"
+  echo "$prog: headers already in $dest/include ($(tr '\n' ' ' <"$dest/VERSION" 2>/dev/null || echo unknown version))"
   exit 0
 fi
 if [ -e "$dest" ] && [ ! -f "$dest/$marker" ] && [ -n "$(ls -A "$dest" 2>/dev/null)" ]; then
@@ -55,7 +55,7 @@ apt=(apt-get -q
   -o "Acquire::Languages=none"
   -o "APT::Sandbox::User=root")
 
-"${apt[@]}" update >"$work/update.log" 2>&1 || {
+"${apt[@]}" update --error-on=any >"$work/update.log" 2>&1 || {
   tail -n 5 "$work/update.log" >&2
   die "apt-get update against $mirror trixie failed (no network to the mirror?)"
 }
