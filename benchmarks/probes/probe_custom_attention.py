@@ -38,18 +38,18 @@ Finding (``benchmarks/results/probe_custom_attention_cpu_clock_t1.json``: ONNX R
 library built by ``csrc/ort/build.sh`` from Debian's 1.21 headers, the 2-core Sapphire
 Rapids-class Xeon with 480 MiB L3, 1 intra-op thread, measured with
 ``python -m benchmarks probe_custom_attention --clock cpu`` while other sessions loaded the
-machine to a load average of 10-12, hence the CPU clock: a direction, to be confirmed on a quiet
+machine to a load average of 11-12, hence the CPU clock: a direction, to be confirmed on a quiet
 machine with the wall clock). Every form agrees with float64 within 1.6e-6. **The operator wins
-a layer's attention by 1.23-1.72x over the fastest standard form of each block at 16-64 rows**
-(1.22-1.28x at 256, 1.62-1.89x at 4) and by 1.30-2.04x over the exported forms (``ops`` /
+a layer's attention by 1.23-1.76x over the fastest standard form of each block at 16-64 rows**
+(1.18-1.29x at 256, 1.30-1.73x at 4) and by 1.27-1.82x over the exported forms (``ops`` /
 ``gqa`` + ``ops``):
 
-* Cross-attention gains most: 1.40-2.09x the fastest standard form at 4-64 rows and 1.30-1.70x
+* Cross-attention gains most: 1.63-2.04x the fastest standard form at 4-64 rows and 1.21-1.69x
   at 256, greedy and 4 beams (at 4 beams a source's K/V are read once for its beams).
-* Self-attention is bound by reading the cache: 1.53-1.75x the fastest standard form
-  (mostly ``dmmha``) at 4-16 rows, 1.16-1.19x at 64-256; 1.19-2.05x the faster exported one.
-  Writing the new K/V in the operator (``custom_inplace``) and the host append (``custom``) are
-  within 10% of each other.
+* Self-attention is bound by reading the cache: 1.23-1.78x the fastest standard form at 4-16
+  rows, 1.17-1.23x at 64-256 (mostly ``dmmha``); 1.22-1.78x the faster exported one. Writing
+  the new K/V in the operator (``custom_inplace``) and the host append (``custom``) are within
+  6% of each other.
 """
 
 from __future__ import annotations
