@@ -130,3 +130,31 @@ def test_a_damaged_dynamic_step_is_refused_at_load(tiny_int8, tmp_path, opened, 
 def test_preload_steps_must_be_a_bool(tiny_int8):
     with pytest.raises(TypeError, match="preload_steps must be a bool"):
         OrtRunner(tiny_int8, preload_steps="yes")
+
+
+def test_sessions_are_made_with_large_blocks_mapped_unless_malloc_is_configured(tiny_int8, monkeypatch):
+    """The sessions are made with glibc's mmap threshold held at 128 KiB (what they free goes
+    back to the system at once) and the thresholds set for decoding afterwards; a process that
+    configured malloc through its environment is left alone."""
+    from transformer_ext.runtimes import ort as ort_runner
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(ort_runner, "_MALLOPT", lambda param, value: calls.append((param, value)) or 1)
+    for key in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(key)
+    runner = OrtRunner(tiny_int8, intra_op_num_threads=2)
+    load = [
+        (ort_runner.M_MMAP_THRESHOLD, 128 << 10),
+        (ort_runner.M_MMAP_THRESHOLD, 32 << 20),
+        (ort_runner.M_TRIM_THRESHOLD, 64 << 20),
+    ]
+    assert calls == load
+    runner.greedy(*_sources(runner, 3), max_new_tokens=2)  # opens the dynamic step: the same again
+    assert calls == load * 2
+    del calls[:]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    OrtRunner(tiny_int8, intra_op_num_threads=2)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000")
+    OrtRunner(tiny_int8, intra_op_num_threads=2)
+    assert calls == []

@@ -41,6 +41,7 @@ A state laid out by :meth:`OrtRunner.batch_invariant` has capacities that are mu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -175,32 +176,69 @@ class OrtState(CacheStateViews):
 SOURCE_ALIGN = 16
 
 
-def _malloc_trim() -> Optional[Any]:
-    """glibc's ``malloc_trim`` (None elsewhere: musl, macOS, Windows)."""
+def _glibc_functions() -> tuple[Optional[Any], Optional[Any]]:
+    """glibc's ``malloc_trim`` and ``mallopt`` (None elsewhere: musl, macOS, Windows)."""
     if not sys.platform.startswith("linux"):
-        return None
+        return None, None
     try:
         libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
+        trim, mallopt = libc.malloc_trim, libc.mallopt
     except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+        return None, None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return trim, mallopt
 
 
-_MALLOC_TRIM = _malloc_trim()
+_MALLOC_TRIM, _MALLOPT = _glibc_functions()
+# mallopt parameters (glibc's malloc.h) and the settings of a load (_heap_for_loading)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+LOAD_MMAP_THRESHOLD = 128 << 10  # glibc's initial threshold, held fixed while sessions are made
+RUN_MMAP_THRESHOLD = 32 << 20  # afterwards: the most glibc's own adjustment raises it to (64-bit)
+RUN_TRIM_THRESHOLD = 64 << 20  # and twice that for the top of the heap, as glibc's adjustment sets it
 
 
 def _release_free_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``; nothing where
-    it is not available). Frees nothing in use: what ONNX Runtime freed while making a session
-    (the copies it folded and packed from) stays in glibc's free lists, and resident, until
-    something reuses it; measured at opus-mt size (docs/footprint.md) that is 26 MiB after an
-    int8 few-row step's session, and handing back what was free before the session lowered its
-    peak by 8 MiB."""
+    it is not available). Frees nothing in use."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def _malloc_configured() -> bool:
+    """Whether this process's glibc malloc was configured through its environment (the
+    ``MALLOC_*_`` variables or ``glibc.malloc`` tunables), which the runner then leaves alone."""
+    return any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ) or (
+        "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+    )
+
+
+@contextlib.contextmanager
+def _heap_for_loading():
+    """Make sessions with memory they free going back to the system at once.
+
+    Making a session maps the weights it packs, packs them and (an int8 few-row step) folds
+    the weights it builds from shared bytes, freeing the sources as it goes; glibc keeps freed
+    blocks of up to its (self-adjusting) mmap threshold on its heap, where the next allocations
+    of a session do not always fit, so RSS peaks over what the sessions keep. Inside this
+    block the threshold is glibc's initial 128 KiB, held fixed: every large block is a mapping of
+    its own, returned when freed. On leaving, the threshold becomes 32 MiB and the heap's trim
+    threshold 64 MiB, the values glibc's own adjustment tends to (so the decoding's buffers come
+    from the heap, as they would have). The free heap is handed back before (what was freed
+    before the load) and after. Measured at opus-mt size (docs/footprint.md): an int8 runner's
+    peak after its first translation 185 MiB where it was 190-204 MiB. Nothing is changed where
+    glibc is not the allocator or the process configured malloc through its environment."""
+    if _MALLOPT is None or _malloc_configured():
+        yield
+        return
+    _release_free_heap()
+    _MALLOPT(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        _MALLOPT(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)
+        _MALLOPT(M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD)
+        _release_free_heap()
 
 
 def _aligned(width: int) -> int:
@@ -360,7 +398,7 @@ class OrtRunner(decoding.SearchMethods):
         self._decoder: Optional[ort.InferenceSession] = None
         self._decoder_lock = threading.Lock()
         # The few-row step first: the weights it folds and packs at load are the largest
-        # transient of a load, and made first it peaks over the least (_load says more).
+        # transient of a load: made first, it rises over the least memory.
         files = [FEW_ROWS_DECODER_FILE] if self._few_max_rows else []
         files.append(ENCODER_FILE)
         if not defer:
@@ -395,20 +433,14 @@ class OrtRunner(decoding.SearchMethods):
         once the shared weights file is the one the manifest records (its SHA-256: nothing is
         loaded from a changed file).
 
-        Peak memory. Making a session holds, for a moment, the mapped pages of the weights it
-        packs and their packed copies (an int8 few-row step also the weights it folds: about 30
-        MiB over what it keeps at opus-mt size), and the C allocator keeps much of what that
-        frees. The free heap is handed back to the system (:func:`_release_free_heap`) before
-        the first session, so that the largest transient rises over the least, and after the
-        last one; the sessions made after the few-row step reuse what it freed."""
+        Peak memory: the sessions are made inside :func:`_heap_for_loading` (what they free
+        while they are made goes back to the system at once)."""
         verify_weights(self.export_dir, self.manifest)
-        _release_free_heap()
-        # Made inside self._call: ONNX Runtime sets FTZ / DAZ on the thread that makes a session
-        # with "session.set_denormal_as_zero" (as well as on the session's pool threads), and
-        # denormals.call gives this thread its own setting back.
-        sessions = {filename: self._call(self._open_graph, filename, options) for filename in files}
-        _release_free_heap()
-        return sessions
+        with _heap_for_loading():
+            # Made inside self._call: ONNX Runtime sets FTZ / DAZ on the thread that makes a
+            # session with "session.set_denormal_as_zero" (as well as on the session's pool
+            # threads), and denormals.call gives this thread its own setting back.
+            return {filename: self._call(self._open_graph, filename, options) for filename in files}
 
     def _open_graph(self, filename: str, options: ort.SessionOptions) -> ort.InferenceSession:
         """A session of the graph ``filename``, its inputs and outputs checked against the
@@ -447,7 +479,8 @@ class OrtRunner(decoding.SearchMethods):
             with self._decoder_lock:
                 if self._decoder is None:
                     logger.info("%s: opening %s", self.export_dir, DECODER_FILE)
-                    self._decoder = self._call(self._open_graph, DECODER_FILE, self._session_options)
+                    with _heap_for_loading():
+                        self._decoder = self._call(self._open_graph, DECODER_FILE, self._session_options)
         return self._decoder
 
     def _default_session_options(
