@@ -98,7 +98,7 @@ def test_an_old_and_a_new_spelling_together_are_a_usage_error_naming_both(
 ):
     main = _evaluate(tmp_path) if command == "evaluate" else _quantize(tmp_path)
     message = _usage_error(main, args, capsys)
-    assert all(name in message for name in names), message
+    assert "are one option" in message and all(name in message for name in names), message
 
 
 @pytest.mark.parametrize(
