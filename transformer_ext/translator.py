@@ -763,7 +763,7 @@ class Translator:
         vocab = int(self.info.tgt_vocab_size)
         for field, value in (("beam_size", options.beam_size), ("num_hypotheses", options.num_hypotheses)):
             if value > vocab:
-                name = layer.name(field) if field in layer.spelled else "n_best"
+                name = layer.name(field) if field in layer.spelled else field
                 raise TranslationError(
                     f"{name} {value} is more than the target vocabulary's {vocab} tokens; give at most {vocab}"
                 )
