@@ -51,7 +51,10 @@ ONNX Runtime), sacrebleu scores them against the reference file, and the quantiz
 at most the scheme's :data:`DEFAULT_MAX_DROPS` points below float32's (0.5 for the int8 schemes,
 1.0 for int4). Without gate files, a model whose tokenizer cannot encode the demo task has no
 held-out set: the gate cannot run and the export is refused unless validation is turned off
-(``--no-validate``, recorded as ``"gate": null`` in the manifest).
+(``--no-validate``, recorded as ``"gate": null`` in the manifest). ``export.quantize`` takes
+translate's search flags for both gates (:data:`GATE_FLAGS`, generated from
+:class:`transformer_ext.decoding.SearchOptions`: ``--beam-size``, ``--length-penalty``, ...):
+both precisions then decode with them instead of greedily (the record's ``"search"``).
 
 Files. :func:`quantize_export` converts an existing float32 export folder into a new folder
 (every argument checked first, the folder built in a temporary sibling and swapped in;
@@ -89,6 +92,7 @@ from transformer_ext.export_format import (
     tokenizer_files,
 )
 from transformer_ext.fsutil import StagedDir, check_output_path
+from transformer_ext.search_flags import add_decoding_flags, check_decoding_flags, decoding_values
 
 from .manifest import (
     check_replaceable,
@@ -209,6 +213,20 @@ ACCURACY_LEVELS = {
     4: "int8 activations (VNNI / AVX-512 / AVX2 / ARM dot products)",
 }
 DEFAULT_MAX_EM_DROP = 0.2  # points of exact match (percent) the int8 graphs may lose against float32
+# The SearchOptions fields the quality gate's search takes on export.quantize's command line (the
+# names and old spellings of translate's flags): (field, old spellings, metavar). Without them
+# both precisions decode greedily.
+GATE_FLAGS = (
+    ("beam_size", ("--beam",), "N"),
+    ("length_penalty", ("--alpha",), "A"),
+    ("length_penalty_type", (), None),
+    ("max_decoding_length", ("--max-length",), "N"),
+    ("min_decoding_length", ("--min-length",), "N"),
+    ("max_len_a", (), "A"),
+    ("max_len_b", (), "B"),
+    ("repetition_penalty", (), "P"),
+    ("no_repeat_ngram_size", (), "N"),
+)
 DEFAULT_MAX_BLEU_DROP = 0.5  # BLEU points the int8 graphs may lose against float32 on --gate-src/--gate-ref
 # Each scheme's defaults of both gates: (exact-match points on the demo, BLEU points on --gate-src).
 DEFAULT_MAX_DROPS: dict[str, tuple[float, float]] = {
@@ -1578,20 +1596,46 @@ def _heldout_batch(folder: Path):
 
 
 def _greedy_all(
-    folder: Path, ids: np.ndarray, lengths: np.ndarray, batch: int = 64, few_rows: str = "never"
+    folder: Path,
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    batch: int = 64,
+    few_rows: str = "never",
+    search: Optional[Mapping[str, Any]] = None,
 ) -> list[list[int]]:
-    from transformer_ext.decoding import max_new_tokens_for
+    """Each source's tokens: greedy search with the export's budget, or with ``search`` (search
+    options laid over the export's generation config, beam size 1 unless given) its best
+    hypothesis."""
+    from transformer_ext import decoding
     from transformer_ext.export_format import read_generation_config
     from transformer_ext.runtimes import OrtRunner
 
     runner = OrtRunner(folder, intra_op_num_threads=2, few_rows=few_rows)
     gen = read_generation_config(folder, runner.manifest)
+    opts = None
+    if search:
+        opts = decoding.SearchOptions.from_mapping(dict({"beam_size": 1}, **search), gen.to_search_options())
     out: list[list[int]] = []
     for start in range(0, len(ids), batch):
         rows = slice(start, start + batch)
         width = int(lengths[rows].max())
-        budget = max_new_tokens_for(lengths[rows], gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens)
-        out += runner.greedy(ids[rows, :width], lengths[rows], max_new_tokens=budget)
+        if opts is None:
+            budget = decoding.max_new_tokens_for(
+                lengths[rows], gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens
+            )
+            out += runner.greedy(ids[rows, :width], lengths[rows], max_new_tokens=budget)
+            continue
+        info = runner.info
+        hyps = decoding.generate(
+            runner,
+            ids[rows, :width],
+            lengths[rows],
+            bos_id=info.bos_id,
+            eos_id=info.eos_id,
+            max_new_tokens=opts.budget(lengths[rows]),
+            **opts.generate_kwargs(),
+        )
+        out += [list(row[0].tokens) for row in hyps]
     return out
 
 
@@ -1623,18 +1667,22 @@ def quality_gate(
     *,
     scheme: str = "int8",
     few_rows: bool = False,
+    search: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Greedy exact match of both folders on the demo held-out set; raises :class:`QualityGateError`
     when the quantized one (``int8_dir``, made by ``scheme``) is more than ``max_em_drop`` points
     below float32. Returns the gate's record (keys named after :func:`_label`). ``few_rows``: the
     quantized decodes run every step through the folder's few-row decoder step instead
-    (``OrtRunner(few_rows="always")``), which gates that graph at every row count."""
+    (``OrtRunner(few_rows="always")``), which gates that graph at every row count. ``search``:
+    both decode with these search options (:class:`~transformer_ext.decoding.SearchOptions`
+    names, over the export's generation config; beam size 1 unless given) instead of greedy
+    search, recorded as the record's ``"search"``."""
     max_em_drop = _check_max_drop(max_em_drop)
     label = _label(check_scheme(scheme))
     t0 = time.perf_counter()
     ids, lengths, references = _heldout_batch(Path(float_dir))
     eos = int(read_manifest(float_dir)["model_config"]["eos_id"])
-    f32 = [_strip_eos(t, eos) for t in _greedy_all(Path(float_dir), ids, lengths)]
+    f32 = [_strip_eos(t, eos) for t in _greedy_all(Path(float_dir), ids, lengths, search=search)]
     n = len(references)
     em_f32 = 100.0 * sum(a == r for a, r in zip(f32, references, strict=True)) / n
     if em_f32 < DEMO_GATE_MIN_EM:
@@ -1646,7 +1694,9 @@ def quality_gate(
         )
     qnt = [
         _strip_eos(t, eos)
-        for t in _greedy_all(Path(int8_dir), ids, lengths, few_rows="always" if few_rows else "never")
+        for t in _greedy_all(
+            Path(int8_dir), ids, lengths, few_rows="always" if few_rows else "never", search=search
+        )
     ]
     em_q = 100.0 * sum(a == r for a, r in zip(qnt, references, strict=True)) / n
     agree = 100.0 * sum(a == b for a, b in zip(f32, qnt, strict=True)) / n
@@ -1662,6 +1712,10 @@ def quality_gate(
     }
     if few_rows:
         record["graph"] = FEW_ROWS_DECODER_FILE
+    if search:
+        record.update(
+            data=record["data"].replace(", greedy", ", the search options of 'search'"), search=dict(search)
+        )
     logger.info("%s quality gate: %s", scheme, record)
     if em_f32 - em_q > max_em_drop + 1e-9:
         raise QualityGateError(
@@ -1680,12 +1734,14 @@ def bleu_gate(
     *,
     scheme: str = "int8",
     few_rows: bool = False,
+    search: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Greedy translations of ``data.sources`` by both folders, BLEU against ``data.references``
     (sacrebleu); raises :class:`QualityGateError` when the quantized BLEU (``int8_dir``, made by
     ``scheme``) is more than ``max_bleu_drop`` points below float32's. Returns the gate's record.
     ``few_rows``: every quantized step through the folder's few-row decoder step (as for
-    :func:`quality_gate`)."""
+    :func:`quality_gate`); ``search``: the translations' search options instead of greedy
+    search (as for :func:`quality_gate`)."""
     from transformer_ext.evaluate import score_texts
     from transformer_ext.runtimes import OrtRunner
     from transformer_ext.translate import Translator
@@ -1700,7 +1756,9 @@ def bleu_gate(
         )
         if few_rows and name == label:
             translator.runner = OrtRunner(folder, intra_op_num_threads=2, few_rows="always")
-        hyps[name] = translator.translate(data.sources, beam_size=1, progress=True)
+        hyps[name] = translator.translate(
+            data.sources, progress=True, **dict({"beam_size": 1}, **(search or {}))
+        )
     scores = {name: score_texts(h, data.references) for name, h in hyps.items()}
     b32, bq = scores["float32"]["bleu"], scores[label]["bleu"]
     n = len(data.sources)
@@ -1718,6 +1776,10 @@ def bleu_gate(
     }
     if few_rows:
         record["graph"] = FEW_ROWS_DECODER_FILE
+    if search:
+        record.update(
+            data=record["data"].replace(", greedy", ", the search options of 'search'"), search=dict(search)
+        )
     logger.info("%s BLEU gate: %s", scheme, record)
     if b32 - bq > max_bleu_drop + 1e-9:
         raise QualityGateError(
@@ -1752,6 +1814,19 @@ def check_quantize_arguments(
     return settings, max_em_drop, max_bleu_drop
 
 
+def _check_gate_search(search: Optional[Mapping[str, Any]]) -> None:
+    """The gate's search options: SearchOptions names with values in their ranges (a
+    :class:`QuantizationUsageError` naming the option otherwise)."""
+    if not search:
+        return
+    from transformer_ext.decoding import SearchOptions
+
+    try:
+        SearchOptions.from_mapping(dict({"beam_size": 1}, **search))
+    except (TypeError, ValueError) as exc:
+        raise QuantizationUsageError(f"the quality gate's search: {exc}") from None
+
+
 def _refuse_quantized(folder: Path, manifest: Mapping[str, Any]) -> None:
     q = manifest_quantization(manifest)
     if q is not None:
@@ -1769,12 +1844,14 @@ def quantize_folder(
     gate_data: Optional[GateData] = None,
     max_bleu_drop: Optional[float] = None,
     options: Optional[Mapping[str, Any]] = None,
+    gate_search: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Quantize the float32 export in ``folder`` (a staged folder of this process) in place: the
     quantized graphs are written beside it, gated against the float32 ones (:func:`bleu_gate` on
     ``gate_data`` when given, else :func:`quality_gate` on the demo task), then moved over them
     and the manifest updated. ``options``: ``block_size``, ``accuracy_level``, ``symmetric`` of a
-    MatMulNBits scheme (:func:`resolve_settings`); a ``None`` drop takes the scheme's default.
+    MatMulNBits scheme (:func:`resolve_settings`); a ``None`` drop takes the scheme's default;
+    ``gate_search``: the gate's search options (:func:`quality_gate`'s ``search``; default greedy).
     Returns the new manifest. On any failure ``folder`` is as it was."""
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -1802,9 +1879,10 @@ def quantize_folder(
         write_manifest(tmp_dir, quantized_manifest)
 
         def run_gate(graph: bool) -> dict:  # graph: the few-row step's gate (every step through it)
+            common = dict(scheme=scheme, few_rows=graph, search=gate_search)
             if gate_data is not None:
-                return bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop, scheme=scheme, few_rows=graph)
-            return quality_gate(folder, tmp_dir, max_em_drop, scheme=scheme, few_rows=graph)
+                return bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop, **common)
+            return quality_gate(folder, tmp_dir, max_em_drop, **common)
 
         if gate:
             try:
@@ -1837,13 +1915,16 @@ def quantize_export(
     gate_data: Optional[GateData] = None,
     max_bleu_drop: Optional[float] = None,
     options: Optional[Mapping[str, Any]] = None,
+    gate_search: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Write a quantized copy of the float32 export ``export_dir`` to ``output_dir`` (a new folder,
     or one this package wrote); returns its manifest. Everything is checked before the disk is touched.
 
     ``scheme``: one of :data:`SCHEMES`; ``options``: ``block_size``, ``accuracy_level``,
     ``symmetric`` of ``int4`` / ``int8-nbits`` (:func:`resolve_settings`). ``max_em_drop`` /
-    ``max_bleu_drop`` ``None``: the scheme's default (:data:`DEFAULT_MAX_DROPS`).
+    ``max_bleu_drop`` ``None``: the scheme's default (:data:`DEFAULT_MAX_DROPS`). ``gate_search``:
+    the gate's search options (:class:`~transformer_ext.decoding.SearchOptions` names; default
+    greedy search), checked before anything is read.
 
     Raises:
         QuantizationError: unknown scheme or option, a block size that does not divide a weight
@@ -1856,6 +1937,7 @@ def quantize_export(
             contains it.
     """
     check_quantize_arguments(scheme, options, max_em_drop, max_bleu_drop)
+    _check_gate_search(gate_search)
     src = Path(export_dir).absolute()
     out = Path(output_dir).absolute()
     manifest = read_manifest(src)
@@ -1885,6 +1967,7 @@ def quantize_export(
                 gate_data=gate_data,
                 max_bleu_drop=max_bleu_drop,
                 options=options,
+                gate_search=gate_search,
             )
             check_replaceable(out)
             stage.commit()
@@ -1923,6 +2006,12 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_EM_DROP:g})",
     )
     add_gate_arguments(p)
+    add_decoding_flags(
+        p.add_argument_group("the quality gate's search (translate's flags)"),
+        GATE_FLAGS,
+        source="the export's generation config",
+        shown_defaults={"beam_size": "1, greedy search, whatever the generation config says"},
+    )
     add_nbits_arguments(p)
     p.add_argument("--no-validate", dest="validate", action="store_false", help="skip the quality gate")
     add_debug_flag(p)
@@ -2058,6 +2147,8 @@ def gate_data_from_args(args: argparse.Namespace) -> Optional[GateData]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    check_decoding_flags(parser, args, GATE_FLAGS)
+    gate_search = {k: v for k, v in decoding_values(args, GATE_FLAGS).items() if v is not None}
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     def work() -> int:
@@ -2072,6 +2163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             gate_data=gate_data_from_args(args),
             max_bleu_drop=args.max_bleu_drop,
             options=options,
+            gate_search=gate_search or None,
         )
         print(quantization_summary(m))
         return 0
