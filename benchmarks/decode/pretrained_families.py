@@ -197,7 +197,19 @@ def write_mbart(folder: Path, size: dict) -> None:
     if got != n_pieces:  # the vocabulary must match the embedding for every converter
         raise RuntimeError(f"the SentencePiece model has {got} pieces, expected {n_pieces}")
     (folder / "sentencepiece.bpe.model").write_bytes(spm)
-    tok_cfg = {"tokenizer_class": "MBart50Tokenizer", "src_lang": "en_XX", "tgt_lang": "de_DE"}
+    tok_cfg = {
+        "tokenizer_class": "MBart50Tokenizer",
+        "src_lang": "en_XX",
+        "tgt_lang": "de_DE",
+        # the special tokens as the real tokenizer_config.json names them (CTranslate2 reads them)
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "sep_token": "</s>",
+        "cls_token": "<s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     config = MBartConfig(
         vocab_size=size["vocab_size"],
