@@ -121,15 +121,20 @@ def write_t5(folder: Path, size: dict) -> None:
     )
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config)
-    # Random weights drawn as the parity tests' checkpoints draw them; relative biases of order
-    # one (they change the outputs) and an lm_head whose logits spread widely (near-ties that
-    # float32 engines would break differently are rare).
+    # Random weights drawn as the parity tests' checkpoints draw them; the queries scaled by
+    # d_kv^-0.5 (T5 does not scale its attention scores: its own initialisation puts the scale in
+    # the query weights; unscaled, 64-wide heads give scores so sharp that float32 rounding decides
+    # the attention and every engine decodes other tokens); relative biases of order one (they
+    # change the outputs) and an lm_head whose logits spread widely (near-ties that float32
+    # engines would break differently are rare).
     h._random_weights(model, 0, std=size["embed_std"], gain=size["gain"])
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "relative_attention_bias" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(".q.weight"):
+                p.mul_(size["d_kv"] ** -0.5)
     model.generation_config = GenerationConfig(
         num_beams=4, max_length=512, decoder_start_token_id=T5_PAD, pad_token_id=T5_PAD, eos_token_id=T5_EOS
     )
