@@ -74,6 +74,7 @@ def test_sources_follow_each_familys_tokenizer():
     assert pretrained_families.mbart_pieces(mbart) == 250000  # mBART-50's SentencePiece model
     assert (src[:, 0] == 250000 + 1 + 3).all()  # en_XX, the fourth language code
     assert (src[:, -1] == 2).all() and (src[:, 1:-1] >= 4).all() and (src[:, 1:-1] <= 250000).all()
+    assert pretrained_families.mbart_pieces(bench_pretrained.SIZES["mbart-large-50-vocab32k"]) == 32000
     with pytest.raises(ValueError, match="no room"):
         sp.sources(1, 2)
 

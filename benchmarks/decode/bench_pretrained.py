@@ -11,7 +11,8 @@ The sizes (``--size``): ``opus-mt-en-de`` and ``tiny`` (MarianMT, below); ``t5-b
 2048 gated GELU, 12 heads, vocabulary 32,128, the relative position bias) and ``mbart-large-50``
 (facebook/mbart-large-50-many-to-many-mmt's shape: 12+12 layers, d_model 1024, d_ff 4096, 16
 heads, vocabulary 250,054), both written by transformers with random weights
-(``pretrained_families.py``), and ``t5-tiny`` / ``mbart-tiny`` (the same code path in seconds).
+(``pretrained_families.py``), ``mbart-large-50-vocab32k`` (the same layers with a 32,054-token
+vocabulary), and ``t5-tiny`` / ``mbart-tiny`` (the same code path in seconds).
 t5-base and mbart-large-50 decode 16 new tokens per sequence in 3 rounds, without ``eager`` unless
 ``--engines`` names it: the run's length on 2 cores. Their sources: T5's pieces then ``</s>``;
 mBART-50's ``en_XX``, pieces, ``</s>``; both decode from their decoder start (``<pad>``, ``</s>``)
@@ -208,6 +209,30 @@ SIZES = {
         heads=16,
         d_ff=4096,
         vocab_size=250054,
+        max_positions=1024,
+        src_len=24,
+        new_tokens=16,
+        embed_std=0.3,
+        gain=2.0,
+        rounds=3,
+        default_engines=(
+            "transformers",
+            "optimum",
+            "ctranslate2",
+            "onnxrt",
+            "onnxrt_int8",
+            "ctranslate2_int8",
+        ),
+    ),
+    # mbart-large-50 with a 32,054-token vocabulary (32,000 pieces): the same layers, an output
+    # projection an eighth the size, for a run nearer t5-base's length
+    "mbart-large-50-vocab32k": dict(
+        family="mbart",
+        d_model=1024,
+        layers=12,
+        heads=16,
+        d_ff=4096,
+        vocab_size=32054,
         max_positions=1024,
         src_len=24,
         new_tokens=16,
@@ -880,8 +905,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--engines",
         default=None,
-        help=f"comma-separated subset of {ENGINE_NAMES} (default: all; t5-base and mbart-large-50: all "
-        "but eager)",
+        help=f"comma-separated subset of {ENGINE_NAMES} (default: all; t5-base and the mbart-large-50 "
+        "sizes: all but eager)",
     )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of greedy,beam4")
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
@@ -896,7 +921,7 @@ def main(argv=None) -> int:
         "--repeats",
         type=int,
         default=None,
-        help="timed rounds per cell (default: the size's: 5, or 3 for t5-base and mbart-large-50)",
+        help="timed rounds per cell (default: the size's: 5, or 3 for t5-base and the mbart-large-50 sizes)",
     )
     p.add_argument(
         "--optimum-python", default=None, help="python of the Optimum environment (requirements/optimum.txt)"
