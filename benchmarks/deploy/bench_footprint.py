@@ -127,7 +127,11 @@ def worker(engine: str, folder: str, threads: int) -> dict:
     t2 = time.perf_counter()
     if engine == "ours" and has_tokenizer:
         (out,) = translator.translate(
-            [SOURCE_TEXT], max_length=NEW_TOKENS, min_length=NEW_TOKENS, strict=False, beam_size=1
+            [SOURCE_TEXT],
+            max_decoding_length=NEW_TOKENS,
+            min_decoding_length=NEW_TOKENS,
+            strict=False,
+            beam_size=1,
         )
         tokens = len(out.tokens)
     elif engine == "ours":
@@ -144,7 +148,11 @@ def worker(engine: str, folder: str, threads: int) -> dict:
     first = _status()
     if engine == "ours" and has_tokenizer:
         translator.translate(
-            [SOURCE_TEXT] * BATCH, max_length=NEW_TOKENS, min_length=NEW_TOKENS, strict=False, beam_size=1
+            [SOURCE_TEXT] * BATCH,
+            max_decoding_length=NEW_TOKENS,
+            min_decoding_length=NEW_TOKENS,
+            strict=False,
+            beam_size=1,
         )
     elif engine == "ours":
         runner.greedy(
