@@ -50,7 +50,11 @@ CURRENT = {
         "bench_pretrained_epyc_head_run1.json",
         "bench_pretrained_epyc_head_run2.json",
     ],
+    # bench_footprint.py and bench_serve.py: one run each, the newest quiet one.
+    "footprint": ["bench_footprint_xeon.json"],
+    "serve": ["bench_serve_xeon.json"],
 }
+FOOTPRINT_ENGINES = ("ours float32", "ctranslate2 float32", "ours int8", "ctranslate2 int8", "ours int4")
 PAIRS = (("float32", "onnxrt", "ctranslate2"), ("int8", "onnxrt_int8", "ctranslate2_int8"))
 PRETRAINED_PEERS = ("ctranslate2", "optimum", "transformers")
 
@@ -156,7 +160,62 @@ def fair_machines(decode: dict) -> dict:
     return {m: cells for m, cells in decode.items() if not any(c["unsplit"] for c in cells.values())}
 
 
-def readme_block(decode: dict) -> str:
+def footprint_rows(files: list[str]) -> list[str]:
+    """README's footprint table: per model and engine of :data:`FOOTPRINT_ENGINES`, the folder, the
+    peak RSS after the first translation (and after a batch, where the run recorded it) and the
+    time to open the folder and finish the first translation."""
+    lines: list[str] = []
+    for name in files:
+        payload = _load(name)
+        models = payload.get("models")
+        if not isinstance(models, dict):
+            raise SummaryError(f"{RESULTS / name}: not a bench_footprint.py JSON (no 'models')")
+        for model, record in models.items():
+            lines += _table(
+                f"**Deploy footprint**, {model} ({machine_class(payload['machine'])}; "
+                f"`python -m benchmarks bench_footprint`)",
+                [
+                    "engine",
+                    "folder MB",
+                    "peak RSS after the first translation MB",
+                    "after a batch MB",
+                    "load + first translation s",
+                ],
+            )
+            engines = record.get("engines", {})
+            for engine in FOOTPRINT_ENGINES:
+                e = engines.get(engine)
+                if e is None:
+                    continue
+                batch = e.get("peak_rss_after_batch_translation")
+                lines.append(
+                    f"| {engine} | {e['folder_bytes'] / 1e6:.1f} | {e['peak_rss_after_first_translation'] / 1e6:.1f} | "
+                    f"{'-' if batch is None else f'{batch / 1e6:.1f}'} | {e['first_translation_seconds']:.2f} |"
+                )
+            lines.append("")
+    return lines
+
+
+def serve_rows(files: list[str]) -> list[str]:
+    """README's serving table: every target bench_serve.py scored, as it scored it."""
+    lines: list[str] = []
+    for name in files:
+        payload = _load(name)
+        targets = payload.get("targets")
+        if not isinstance(targets, list):
+            raise SummaryError(f"{RESULTS / name}: not a bench_serve.py JSON (no 'targets' list)")
+        lines += _table(
+            f"**Serving**, {payload.get('model', '?')} model, `--threads {payload.get('threads', '?')}` "
+            f"({machine_class(payload['machine'])}; `python -m benchmarks bench_serve`)",
+            ["target", "measured", "result"],
+        )
+        for t in targets:
+            lines.append(f"| {t['target']} ({t['threshold']}) | {t['measured']} | {t['status']} |")
+        lines.append("")
+    return lines
+
+
+def readme_block(decode: dict, footprint: list[str] = (), serve: list[str] = ()) -> str:
     fair = fair_machines(decode)
     lines = [
         "Ours (ONNX Runtime export) over CTranslate2 4.8.5 on the same weights, `base` model (6+6 layers,",
@@ -176,6 +235,7 @@ def readme_block(decode: dict) -> str:
                 row.append("-" if cell is None else _range(cell["ratios"]))
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
+    lines += list(footprint) + list(serve)
     lines += [
         "Machines measured without CTranslate2's split in every cell, the tokens/s behind each ratio,",
         "the method and the machines: [docs/benchmarks](docs/benchmarks/index.md).",
@@ -241,7 +301,8 @@ def page(decode: dict, pretrained: dict) -> str:
 
 def render() -> tuple[str, str]:
     decode = decode_cells(CURRENT["decode"])
-    return readme_block(decode), page(decode, pretrained_cells(CURRENT["pretrained"]))
+    block = readme_block(decode, footprint_rows(CURRENT["footprint"]), serve_rows(CURRENT["serve"]))
+    return block, page(decode, pretrained_cells(CURRENT["pretrained"]))
 
 
 def with_block(readme: str, block: str) -> str:
