@@ -708,6 +708,89 @@ class OrtRunner(decoding.SearchMethods):
         state.src_width = max(state.src_width, other.src_width)
         self._bind(state)
 
+    def insert(self, state: OrtState, other: OrtState, rows: Any) -> None:
+        """Put ``other``'s rows (a state this runner encoded; both laid out by
+        :meth:`batch_invariant`) into ``state``'s rows ``rows``, one per row of ``other``: rows
+        released by :meth:`release` (sources that left), or new rows at the end (``rows`` then
+        names ``num_rows``, ``num_rows + 1``, ... as well). Each row keeps its position
+        (:class:`transformer_ext.decoding.SearchState` admits sources into row slots so).
+
+        In place when ``state`` has the rows, the source width and the cache positions: only
+        the inserted rows are written (their caches, cross-attention K/V and source lengths).
+        Otherwise its buffers are made anew for the larger size first (the rows copied once)
+        and bound again."""
+        if not isinstance(other, OrtState) or not isinstance(state, OrtState):
+            raise TypeError(
+                f"insert takes two OrtState, got {type(state).__name__} and {type(other).__name__}"
+            )
+        if state.beams != 1 or other.beams != 1 or not (state.aligned and other.aligned):
+            raise ValueError(
+                "insert takes states laid out by batch_invariant (one cross-attention row per row)"
+            )
+        index = decoding.as_int64("rows", rows)
+        N, M = state.num_rows, other.num_rows
+        if index.shape != (M,) or np.unique(index).shape[0] != M or (M and index.min() < 0):
+            raise ValueError(
+                f"rows must name {M} distinct rows >= 0 (one per row of other), got {index.tolist()}"
+            )
+        grown = np.sort(index[index >= N])
+        if not np.array_equal(grown, np.arange(N, N + grown.shape[0])):
+            raise ValueError(
+                f"rows past the state's {N} rows must be {N}, {N + 1}, ..., got {index.tolist()}"
+            )
+        width = max(state.cross_keys[0].shape[2], other.cross_keys[0].shape[2])
+        capacity = max(state.cache.capacity, other.cache.length)
+        if grown.shape[0] or width > state.cross_keys[0].shape[2] or capacity > state.cache.capacity:
+            self._resize(state, N + int(grown.shape[0]), width, capacity)
+        state.cache.insert_(other.cache, index)
+        w = other.cross_keys[0].shape[2]
+        for dst, src in ((state.cross_keys, other.cross_keys), (state.cross_values, other.cross_values)):
+            for a, b in zip(dst, src):
+                a[index, :, :w] = b
+                a[index, :, w:] = 0
+        state.src_lengths[index] = other.src_lengths
+        state.max_cache_len = max(state.max_cache_len, other.max_cache_len)
+        state.src_width = max(state.src_width, other.src_width)
+
+    def _resize(self, state: OrtState, rows: int, width: int, capacity: int) -> None:
+        """``state``'s buffers for ``rows`` rows (its rows first; the new ones empty), cross
+        K/V of ``width`` source positions and caches of ``capacity`` positions, bound."""
+        N = state.num_rows
+
+        def grown(a: np.ndarray, fill: int = 0) -> np.ndarray:
+            out = np.full((rows, *a.shape[1:]), fill, dtype=a.dtype)
+            out[:N] = a
+            return out
+
+        def cross(a: np.ndarray) -> np.ndarray:
+            out = self._empty((rows, a.shape[1], width, a.shape[3]), a.dtype)
+            out[:N, :, : a.shape[2]] = a
+            out[:N, :, a.shape[2] :] = 0
+            out[N:] = 0
+            return out
+
+        state.cross_keys = [cross(a) for a in state.cross_keys]
+        state.cross_values = [cross(a) for a in state.cross_values]
+        state.cache = state.cache.with_rows(rows, capacity, pool=self._pool)
+        state.src_lengths = grown(state.src_lengths, 1)
+        state.input_ids = np.zeros((rows, 1), dtype=np.int64)
+        state.positions = np.zeros(rows, dtype=np.int64)
+        state.logits = np.zeros((rows, self.info.tgt_vocab_size), dtype=np.float32)
+        if state.attention is not None:
+            state.attention = np.zeros((rows, width), dtype=np.float32)
+        self._bind(state)
+
+    def release(self, state: OrtState, rows: Any) -> None:
+        """Rows ``rows`` of ``state`` hold no source any more (:meth:`insert` may reuse them):
+        their caches count as empty, so they no longer decide how many positions a step
+        reads. A step still runs them (at position 0; the caller ignores their outputs). When
+        the sources left hold far fewer positions than the caches' capacity (two
+        :data:`CACHE_GROWTH` steps), the caches shrink to what they hold plus one growth step."""
+        state.cache.release_(rows)
+        cache = state.cache
+        if state.aligned and cache.capacity >= _aligned(cache.length + 1) + 2 * CACHE_GROWTH:
+            self._grow(state, _aligned(cache.length + 1) + CACHE_GROWTH)
+
     def batch_invariant(self, state: OrtState) -> None:
         """Lay ``state`` out so that each row's logits do not depend on the other rows: its
         cross-attention K/V once per row (``beams`` 1, as a state that rows of other beam counts
