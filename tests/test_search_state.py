@@ -202,6 +202,12 @@ def test_sources_take_the_row_slots_of_sources_that_left(runner):
     assert state.num_rows == 3 + 4 + 1
     if slots:
         assert state.num_slots == 8
+        # the running state's long-lived buffers are its own, not the runner's buffer pool's
+        # (which would keep buffers of every size the batch ever had)
+        run = state._state
+        arrays = [run.cache.keys, run.cache.values, *run.cross_keys, *run.cross_values]
+        pooled = [] if runner._pool is None else runner._pool._buffers
+        assert not any(np.shares_memory(a, b) for a in arrays for b in pooled)
     seen = []
     while not state.empty:
         got.update(state.step())

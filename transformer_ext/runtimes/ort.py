@@ -604,7 +604,8 @@ class OrtRunner(decoding.SearchMethods):
     def _grow(self, state: OrtState, capacity: Optional[int] = None) -> HostKVCache:
         """``state``'s caches with :data:`CACHE_GROWTH` more positions (at most
         :meth:`_capacity_limit`), or ``capacity``: new zero-filled buffers holding the prefix,
-        bound in place of the old."""
+        bound in place of the old (from the buffer pool, except for a batch-invariant state:
+        :meth:`_pool_for`)."""
         old = state.cache
         p = old.length
         if capacity is None:
@@ -617,7 +618,7 @@ class OrtRunner(decoding.SearchMethods):
             self.info.d_k,
             dtype=old.dtype,
             staging=old.new_keys is not None,
-            pool=self._pool,
+            pool=self._pool_for(state),
         )
         cache.keys[:, :, :p] = old.keys[:, :, :p]
         cache.values[:, :, :p] = old.values[:, :, :p]
@@ -646,23 +647,31 @@ class OrtRunner(decoding.SearchMethods):
         logits = self.step(state, tokens)
         return logits, state.attention[:, : state.src_width].copy()
 
-    def _empty(self, shape, dtype) -> np.ndarray:
-        return np.empty(shape, dtype) if self._pool is None else self._pool.empty(shape, dtype)
+    def _empty(self, shape, dtype, pooled: bool = True) -> np.ndarray:
+        pool = self._pool if pooled else None
+        return np.empty(shape, dtype) if pool is None else pool.empty(shape, dtype)
 
-    def _pad_sources(self, a: np.ndarray, width: int) -> np.ndarray:
+    def _pool_for(self, state: OrtState) -> Optional[HostBufferPool]:
+        """The buffer pool for ``state``'s long-lived buffers: None for a batch-invariant state
+        (a running batch of continuous batching, which lives on while its caches grow, shrink
+        and gain rows: pooled buffers of every size it ever had would stay with the pool, and
+        a pooled small array would hold a cache-sized buffer while it lives), else the pool."""
+        return None if state.aligned else self._pool
+
+    def _pad_sources(self, a: np.ndarray, width: int, pooled: bool = True) -> np.ndarray:
         """Cross-attention K/V ``[rows, H, S, d_k]`` with zero source positions up to ``width``,
-        in a pooled array (``a`` itself when it is that wide and contiguous)."""
+        in a pooled array (``pooled``; ``a`` itself when it is that wide and contiguous)."""
         if a.shape[2] == width and a.flags.c_contiguous:
             return a
-        out = self._empty((a.shape[0], a.shape[1], width, a.shape[3]), a.dtype)
+        out = self._empty((a.shape[0], a.shape[1], width, a.shape[3]), a.dtype, pooled)
         out[:, :, : a.shape[2]] = a
         out[:, :, a.shape[2] :] = 0
         return out
 
-    def _gather_rows(self, a: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """``a[index]`` into a pooled array (``index`` already checked: ``mode="clip"`` lets numpy
-        write into ``out`` directly instead of through a temporary)."""
-        out = self._empty((index.shape[0], *a.shape[1:]), a.dtype)
+    def _gather_rows(self, a: np.ndarray, index: np.ndarray, pooled: bool = True) -> np.ndarray:
+        """``a[index]`` into a pooled array (``pooled``; ``index`` already checked: ``mode="clip"``
+        lets numpy write into ``out`` directly instead of through a temporary)."""
+        out = self._empty((index.shape[0], *a.shape[1:]), a.dtype, pooled)
         np.take(a, index, axis=0, out=out, mode="clip")
         return out
 
@@ -763,15 +772,15 @@ class OrtRunner(decoding.SearchMethods):
             return out
 
         def cross(a: np.ndarray) -> np.ndarray:
-            out = self._empty((rows, a.shape[1], width, a.shape[3]), a.dtype)
+            # Not from the buffer pool: these live as long as the running state, and a pooled
+            # array would hold a (possibly cache-sized) pooled buffer all that time.
+            out = np.zeros((rows, a.shape[1], width, a.shape[3]), a.dtype)
             out[:N, :, : a.shape[2]] = a
-            out[:N, :, a.shape[2] :] = 0
-            out[N:] = 0
             return out
 
         state.cross_keys = [cross(a) for a in state.cross_keys]
         state.cross_values = [cross(a) for a in state.cross_values]
-        state.cache = state.cache.with_rows(rows, capacity, pool=self._pool)
+        state.cache = state.cache.with_rows(rows, capacity, pool=self._pool_for(state))
         state.src_lengths = grown(state.src_lengths, 1)
         state.input_ids = np.zeros((rows, 1), dtype=np.int64)
         state.positions = np.zeros(rows, dtype=np.int64)
@@ -803,17 +812,17 @@ class OrtRunner(decoding.SearchMethods):
         if state.beams > 1:
             K = state.beams
             state.cross_keys = [
-                self._gather_rows(k, np.repeat(np.arange(k.shape[0]), K)) for k in state.cross_keys
+                self._gather_rows(k, np.repeat(np.arange(k.shape[0]), K), False) for k in state.cross_keys
             ]
             state.cross_values = [
-                self._gather_rows(v, np.repeat(np.arange(v.shape[0]), K)) for v in state.cross_values
+                self._gather_rows(v, np.repeat(np.arange(v.shape[0]), K), False) for v in state.cross_values
             ]
             state.beams = 1
         if not state.aligned:
             state.aligned = True
             width = _aligned(state.cross_keys[0].shape[2])
-            state.cross_keys = [self._pad_sources(k, width) for k in state.cross_keys]
-            state.cross_values = [self._pad_sources(v, width) for v in state.cross_values]
+            state.cross_keys = [self._pad_sources(k, width, False) for k in state.cross_keys]
+            state.cross_values = [self._pad_sources(v, width, False) for v in state.cross_values]
             if state.attention is not None:
                 state.attention = np.zeros((state.num_rows, width), dtype=np.float32)
             capacity = min(_aligned(state.cache.capacity), self._capacity_limit(state))
@@ -845,8 +854,9 @@ class OrtRunner(decoding.SearchMethods):
             K = 1  # not whole sources: one cross-attention row per row
         state.beams = K
         cross_index = sources if K == 1 else sources[::K]
-        state.cross_keys = [self._gather_rows(k, cross_index) for k in state.cross_keys]
-        state.cross_values = [self._gather_rows(v, cross_index) for v in state.cross_values]
+        pooled = self._pool_for(state) is not None
+        state.cross_keys = [self._gather_rows(k, cross_index, pooled) for k in state.cross_keys]
+        state.cross_values = [self._gather_rows(v, cross_index, pooled) for v in state.cross_values]
         state.input_ids, state.positions = state.input_ids[:M], state.positions[:M]
         state.logits = state.logits[:M]
         if state.attention is not None:
