@@ -36,6 +36,19 @@ at::Tensor decode_attention(
     const std::optional<at::Tensor>& k_new,  // [B, H, 1, D]
     const std::optional<at::Tensor>& v_new); // [B, H, 1, D]
 
+// decode_attention with an additive position bias of the scaled scores (T5's relative bias):
+// score_j = scale * q.k_j + position_bias[b, h, 0, j] for cache key j, and
+// scale * q.k_new + position_bias[b, h, 0, L] for the new key.
+at::Tensor decode_attention_with_bias(
+    const at::Tensor& q,                     // [B, H, 1, D]
+    const at::Tensor& k_cache,               // [B, H, L, D]
+    const at::Tensor& v_cache,               // [B, H, L, D]
+    const at::Tensor& lengths,               // [B] int64
+    double scale,
+    const at::Tensor& position_bias,         // [B or 1, H or 1, 1, L (+ 1 with k_new)], floating
+    const std::optional<at::Tensor>& k_new,  // [B, H, 1, D]
+    const std::optional<at::Tensor>& v_new); // [B, H, 1, D]
+
 // cache[b, :, p_b : p_b + T] = update[b] in place; rows with p_b < 0 are skipped.
 void kv_cache_append_(
     at::Tensor& cache,                            // [B, H, L, D] written in place
@@ -91,6 +104,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     double dropout_p,
     const std::optional<at::Tensor>& seed);
 
+// attention with an additive position bias of the scaled scores (T5's relative bias):
+// softmax over allowed keys of scale * q.k + position_bias. A -inf bias entry is a masked key; a
+// row whose allowed keys all have a -inf bias is zeros (lse -inf), as a row with no key.
+std::tuple<at::Tensor, at::Tensor> attention_with_bias(
+    const at::Tensor& q,                              // [B, H, Q, D]
+    const at::Tensor& k,                              // [B, H, K, D]
+    const at::Tensor& v,                              // [B, H, K, D]
+    const at::Tensor& position_bias,                  // broadcastable to [B, H, Q, K], floating
+    const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& query_lengths,
+    double scale,
+    bool causal,
+    double dropout_p,
+    const std::optional<at::Tensor>& seed);
+
+// (dq, dk, dv, dbias) of attention_with_bias; dbias = d(scores) summed over the dimensions the
+// bias broadcasts, in its shape and dtype, when bias_grad (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_with_bias_backward(
+    const at::Tensor& grad_out,
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const at::Tensor& position_bias,
+    const at::Tensor& out,
+    const at::Tensor& lse,
+    const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& query_lengths,
+    double scale,
+    bool causal,
+    double dropout_p,
+    const std::optional<at::Tensor>& seed,
+    bool bias_grad);
+
 // Debug view of attention's dropout generator: bool [B, H, Q, K], true where (seed, b, h, i, j)
 // is kept at rate dropout_p.
 at::Tensor attention_dropout_mask(const at::Tensor& seed, int64_t B, int64_t H, int64_t Q,
@@ -102,5 +148,13 @@ void check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const std::optional<at::Tensor>& key_lengths,
                           const std::optional<at::Tensor>& query_lengths, double scale,
                           double dropout_p, const std::optional<at::Tensor>& seed);
+
+// The position bias of attention_with_bias: on q's device, floating, 4-D, each dimension 1 or
+// that of [B, H, Q, K].
+void check_position_bias(const at::Tensor& bias, const at::Tensor& q, int64_t B, int64_t H,
+                         int64_t Q, int64_t K);
+
+// The position bias of decode_attention_with_bias: [B or 1, H or 1, 1, n_keys] on q's device.
+void check_decode_position_bias(const at::Tensor& bias, const at::Tensor& q, int64_t n_keys);
 
 }  // namespace transformer_ext

@@ -39,6 +39,20 @@ TORCH_LIBRARY(transformer_ext, m) {
       "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? key_lengths, Tensor? query_lengths, float scale, bool causal, float dropout_p, "
       "Tensor? seed) -> (Tensor, Tensor, Tensor)");
+  // attention with an additive position bias (broadcastable to [B, H, Q, K]) of the scaled scores
+  m.def(
+      "attention_with_bias(Tensor q, Tensor k, Tensor v, Tensor position_bias, Tensor? key_lengths, "
+      "Tensor? query_lengths, float scale, bool causal, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
+  // (dq, dk, dv, d position_bias summed to its shape; empty unless bias_grad)
+  m.def(
+      "attention_with_bias_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+      "Tensor position_bias, Tensor out, Tensor lse, Tensor? key_lengths, Tensor? query_lengths, "
+      "float scale, bool causal, float dropout_p, Tensor? seed, bool bias_grad) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  // decode_attention with an additive position bias [B?, H?, 1, L (+1 for k_new)] of the scaled scores
+  m.def(
+      "decode_attention_with_bias(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, "
+      "float scale, Tensor position_bias, Tensor? k_new=None, Tensor? v_new=None) -> Tensor");
   // debug: attention's dropout keep mask [B, H, Q, K] for a seed
   m.def("attention_dropout_mask(Tensor seed, int B, int H, int Q, int K, float dropout_p) -> Tensor");
 }

@@ -13,15 +13,17 @@ output channel (``per_channel``); activations quantized to uint8 per tensor at r
 (``DynamicQuantizeLinear``); the products run as standard-ONNX ``MatMulInteger``. Weights are
 quantized with ``reduce_range`` (7-bit): ONNX Runtime's u8 x s8 kernels on CPUs without VNNI
 add pairs of products in 16 bits (``VPMADDUBSW``), which saturates with full-range int8 weights
-(measured on the demo model: see :data:`SCHEMES`). Embedding tables are 8-bit
-(:func:`quantize_lookups`: ``GatherBlockQuantized`` over the bytes an 8-bit ``MatMulNBits`` of
-the table stores, :func:`lookup_settings`), and the tied output projection is that
-``MatMulNBits``, so the lookups of every graph and the projection are one region of the shared
-weights file; attention products over the caches, layer norms and softmax stay float32. int8 graphs are for ONNX
+(measured on the demo model: see :data:`SCHEMES`). Embedding tables are int8 rows with one
+scale per row in the same range (:func:`quantize_row_tables`, :data:`ROW_TABLES`): the lookups
+``Gather`` rows and scale them, and the tied output projection is a ``com.microsoft`` ``QGemm``
+(``transB``) over the same rows, the u8 x s8 kernels of the other products, so the lookups of
+every graph and the projection are one region of the shared weights file; attention products
+over the caches, layer norms and softmax stay float32. int8 graphs are for ONNX
 Runtime: the TensorRT builder and its readiness check refuse them. An int8 folder also holds a
 few-row decoder step (``decoder_step_few_rows.onnx``, :func:`few_rows_graph`): the float32 step
-with its weight products as 8-bit ``MatMulNBits``, which ``OrtRunner`` runs for steps of few rows
-(:data:`FEW_ROWS`); it passes the same gate as the other graphs, every step through it.
+with its layer weight products as 8-bit ``MatMulNBits`` and its tables and tied projection as the
+int8 step's, which ``OrtRunner`` runs for steps of few rows (:data:`FEW_ROWS`); it passes the
+same gate as the other graphs, every step through it.
 
 Schemes ``int4`` and ``int8-nbits``: weight-only, block-wise quantization written here
 (:func:`quantize_blocks`, :func:`_quantize_nbits_one`): every ``MatMul`` and ``Gemm`` whose weight
@@ -49,7 +51,10 @@ ONNX Runtime), sacrebleu scores them against the reference file, and the quantiz
 at most the scheme's :data:`DEFAULT_MAX_DROPS` points below float32's (0.5 for the int8 schemes,
 1.0 for int4). Without gate files, a model whose tokenizer cannot encode the demo task has no
 held-out set: the gate cannot run and the export is refused unless validation is turned off
-(``--no-validate``, recorded as ``"gate": null`` in the manifest).
+(``--no-validate``, recorded as ``"gate": null`` in the manifest). ``export.quantize`` takes
+translate's search flags for both gates (:data:`GATE_FLAGS`, generated from
+:class:`transformer_ext.decoding.SearchOptions`: ``--beam-size``, ``--length-penalty``, ...):
+both precisions then decode with them instead of greedily (the record's ``"search"``).
 
 Files. :func:`quantize_export` converts an existing float32 export folder into a new folder
 (every argument checked first, the folder built in a temporary sibling and swapped in;
@@ -87,6 +92,7 @@ from transformer_ext.export_format import (
     tokenizer_files,
 )
 from transformer_ext.fsutil import StagedDir, check_output_path
+from transformer_ext.search_flags import add_decoding_flags, check_decoding_flags, decoding_values
 
 from .manifest import (
     check_replaceable,
@@ -130,6 +136,10 @@ __all__ = [
     "check_quantize_arguments",
     "quantize_blocks",
     "quantize_lookups",
+    "quantize_row_tables",
+    "row_table",
+    "ROW_TABLES",
+    "ROW_TABLE_BITS",
     "lookup_settings",
     "kernel_compute",
     "cpu_description",
@@ -203,6 +213,20 @@ ACCURACY_LEVELS = {
     4: "int8 activations (VNNI / AVX-512 / AVX2 / ARM dot products)",
 }
 DEFAULT_MAX_EM_DROP = 0.2  # points of exact match (percent) the int8 graphs may lose against float32
+# The SearchOptions fields the quality gate's search takes on export.quantize's command line (the
+# names and old spellings of translate's flags): (field, old spellings, metavar). Without them
+# both precisions decode greedily.
+GATE_FLAGS = (
+    ("beam_size", ("--beam",), "N"),
+    ("length_penalty", ("--alpha",), "A"),
+    ("length_penalty_type", (), None),
+    ("max_decoding_length", ("--max-length",), "N"),
+    ("min_decoding_length", ("--min-length",), "N"),
+    ("max_len_a", (), "A"),
+    ("max_len_b", (), "B"),
+    ("repetition_penalty", (), "P"),
+    ("no_repeat_ngram_size", (), "N"),
+)
 DEFAULT_MAX_BLEU_DROP = 0.5  # BLEU points the int8 graphs may lose against float32 on --gate-src/--gate-ref
 # Each scheme's defaults of both gates: (exact-match points on the demo, BLEU points on --gate-src).
 DEFAULT_MAX_DROPS: dict[str, tuple[float, float]] = {
@@ -218,6 +242,7 @@ INT8_OP_TYPES = (
     "ConvInteger",
     "DynamicQuantizeMatMul",
     "MatMulIntegerToFloat",
+    "QGemm",
     "QuantizeLinear",
     "DequantizeLinear",
 )
@@ -325,59 +350,46 @@ def _tied_products(model) -> dict[str, str]:
 
 def _quantize_one(src: Path, dst: Path, settings: dict, lookups: Optional[Mapping[str, Any]] = None) -> dict:
     """Quantize the graph ``src`` into ``dst``; ``{"quantized_nodes", "op_counts", "initializer_bytes",
-    "tensors"}``. With ``lookups`` (the ``MatMulNBits`` settings of the embedding tables), the
-    lookups become ``GatherBlockQuantized`` and a tied output projection a ``MatMulNBits`` over
-    the same bytes (:func:`quantize_lookups`); every other weight product ``MatMulInteger``."""
+    "tensors"}``. With ``lookups`` (:data:`ROW_TABLES`), the embedding tables become int8 rows and
+    a tied output projection a ``QGemm`` over them (:func:`quantize_row_tables`); every other
+    weight product ``MatMulInteger`` (``quantize_dynamic``)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     weight_type = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}[settings["weight_type"]]
     before = onnx.load(os.fspath(src))
-    tied = _tied_products(before) if lookups is not None else {}
+    tensors: dict[str, str] = {}
+    source = src
+    if lookups is not None:
+        tensors.update(quantize_row_tables(before, src.name, lookups.get("width")))
+        if tensors:  # quantize_dynamic reads a file: the graph with its tables done, beside dst
+            source = dst.with_name(f"{dst.name}.tables.onnx")
+            onnx.save(before, os.fspath(source))
     names = {t.name for t in before.graph.initializer}
-    products = {
-        n.name: n.input[1]
+    products = [
+        n.input[1]
         for n in before.graph.node
         if n.op_type in settings["op_types"] and len(n.input) > 1 and n.input[1] in names
-    }
-    candidates = sum(
-        1
-        for n in before.graph.node
-        if n.op_type in settings["op_types"]
-        and len(n.input) > 1
-        and n.input[1] in names
-        and n.name not in tied
-    )
-    # quantize_dynamic rewrites a Gemm as "<name>_MatMul" over a transposed copy of its weight
-    # before it looks at the exclusions
-    excluded = [*tied, *(f"{name}_MatMul" for name in tied)]
+    ]
+    candidates = len(products)
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # quantize_dynamic warns on the root logger about pre-processing
     try:
         quantize_dynamic(
-            os.fspath(src),
+            os.fspath(source),
             os.fspath(dst),
             op_types_to_quantize=list(settings["op_types"]),
             per_channel=settings["per_channel"],
             reduce_range=settings["reduce_range"],
             weight_type=weight_type,
-            nodes_to_exclude=excluded,
         )
     finally:
         root.setLevel(level)
+        if source != src:
+            Path(source).unlink(missing_ok=True)
     model = onnx.load(os.fspath(dst))
-    tensors = {
-        w: "MatMulInteger int8, one scale per output channel" for n, w in products.items() if n not in tied
-    }
-    if lookups is not None:
-        if tied:
-            only = {n.input[1] for n in model.graph.node if n.name in excluded and len(n.input) > 1}
-            projections = _nbits_products(model, lookups, src.name, only=only)
-            tensors.update(
-                {w: projections[w2] for w2 in projections for w in tied.values() if w2.startswith(w)}
-            )
-        tensors.update(quantize_lookups(model, lookups["bits"], lookups["block_size"], lookups["symmetric"]))
+    tensors.update({w: "MatMulInteger int8, one scale per output channel" for w in products})
     counts: dict[str, int] = {}
     for n in model.graph.node:
         counts[n.op_type] = counts.get(n.op_type, 0) + 1
@@ -429,7 +441,11 @@ def quantize_graphs(
             graphs[key] = _quantize_one(Path(src_dir) / name, Path(dst_dir) / name, settings, lookups)
     section = {"scheme": scheme, **settings, "onnxruntime": onnxruntime.__version__}
     section["lookups"] = (
-        {k: lookups[k] for k in ("method", "bits", "block_size", "symmetric")}
+        {
+            k: lookups[k]
+            for k in ("method", "bits", "block_size", "symmetric", "per_row", "weights", "projection")
+            if k in lookups
+        }
         if lookups is not None
         else None
     )
@@ -446,11 +462,6 @@ def quantize_graphs(
     section.update(cpu=cpu_description(), graphs=graphs, gate=None)
     return section
 
-
-# The blocks of an int8 export's 8-bit tables (and of the tied projection over their bytes, in
-# the int8 step and the few-row step): per row of the demo model (64) one held-out decode of 500
-# differed from float32's.
-LOOKUP_BLOCK_SIZE = 32
 
 # int4's embedding tables (and the tied output projection over their bytes): 4 bits where the
 # tables hold at least TABLE_4BIT_MIN_SHARE of the model's weights, 8 bits elsewhere
@@ -491,33 +502,49 @@ _LOOKUP_METHOD = (
     "GatherBlockQuantized (ONNX Runtime contrib operator, com.microsoft), written by export.quantize"
 )
 
+# The embedding tables of an int8 export: int8 rows with one scale per row, in the scheme's
+# reduce_range (ROW_TABLE_BITS: values in -63..63), read by the lookups as Gather + Cast + Mul
+# and by the tied output projection as com.microsoft QGemm (transB) over the same bytes
+# (quantize_row_tables). ONNX Runtime packs a constant QGemm weight for its u8 x s8 kernels, the
+# ones the dynamic int8 products run, so the projection's time grows with the rows like theirs;
+# 8-bit MatMulNBits blocks of 32 (the layout before) took 3.28 ms at 64 rows where a dynamic int8
+# product of the same size took 0.30 ms (benchmarks/probes/probe_int8_head.py has the forms
+# side by side). One scale per row instead of a scale and a zero point per block of 32 also
+# stores 4.6 MB less at opus-mt-en-de size.
+ROW_TABLE_BITS = 7
+ROW_TABLES = {
+    "method": "Gather of int8 rows, Cast, Mul by the row's scale (standard ONNX), written by export.quantize",
+    "bits": 8,
+    "block_size": None,
+    "symmetric": True,
+    "per_row": True,
+    "weights": f"int8, symmetric, one scale per row, {ROW_TABLE_BITS}-bit range (reduce_range: -63..63), "
+    "rounded to nearest within the range of least squared error per row",
+    "projection": "com.microsoft QGemm (transB) over the same int8 rows, their scales one per output "
+    "column; activations uint8, one scale per tensor, computed at run time (DynamicQuantizeLinear)",
+}
+
 
 def lookup_settings(
     scheme: str, settings: Mapping[str, Any], model_config: Optional[Mapping[str, Any]]
 ) -> Optional[dict]:
-    """How the embedding tables of a ``scheme`` export are quantized (:func:`quantize_lookups`),
-    or ``None`` where they stay float32, a tied output projection an ``MatMulNBits`` over the same
-    bytes: ``int8-nbits`` with its own settings; ``int4`` to ``table_bits`` (4 or 8,
-    :func:`default_table_bits`), its other settings its own; ``int8`` to 8 bits in the few-row
-    step's blocks (:func:`few_rows_block_size`), its tied output projection an 8-bit
-    ``MatMulNBits`` over the same bytes, where ONNX Runtime has an int8 ``MatMulNBits`` kernel on
-    this CPU (elsewhere the projection would compute in float32, slower than ``MatMulInteger``)."""
+    """How the embedding tables of a ``scheme`` export are quantized: ``int8``, int8 rows with a
+    scale per row, the tied output projection a ``QGemm`` over them (:data:`ROW_TABLES`,
+    :func:`quantize_row_tables`); ``int8-nbits`` with its own settings and ``int4`` to
+    ``table_bits`` (4 or 8, :func:`default_table_bits`), its other settings its own, as
+    ``GatherBlockQuantized`` lookups and a tied output projection an ``MatMulNBits`` over the same
+    bytes (:func:`quantize_lookups`). With ``model_config``, ``int8``'s entry names the rows'
+    width (``d_model``): only tables of that width are embeddings (a T5 position-bias table,
+    ``[buckets, heads]``, stays float32)."""
     if settings.get("bits") == 8:
         return {**settings, "method": _LOOKUP_METHOD}
     if "bits" in settings:  # int4: tables in table_bits (default_table_bits), its other settings
         table = {k: v for k, v in settings.items() if k != "table_bits"}
         return {**table, "bits": int(settings.get("table_bits", 8)), "method": _LOOKUP_METHOD}
-    if model_config is None:
-        return None
-    block = few_rows_block_size(model_config)
-    if block is None:
-        return None
-    block = min(block, LOOKUP_BLOCK_SIZE)
-    nbits = resolve_settings("int8-nbits", {"block_size": block}, model_config)
-    if kernel_compute(nbits["bits"], block, nbits["accuracy_level"]) != "int8":
-        logger.info("embedding tables stay float32: ONNX Runtime has no int8 MatMulNBits kernel on this CPU")
-        return None
-    return {**nbits, "method": _LOOKUP_METHOD}
+    rows = dict(ROW_TABLES)
+    if model_config is not None and "d_model" in model_config:
+        rows["width"] = int(model_config["d_model"])  # what an embedding row holds
+    return rows
 
 
 # ------------------------------------------------------------------------------------------
@@ -1156,6 +1183,132 @@ def quantize_lookups(model, bits: int, block_size: int, symmetric: bool) -> dict
     return {name: f"GatherBlockQuantized {bits}-bit, blocks of {block_size}" for name in done}
 
 
+def row_table(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``weight`` ``[V, K]`` as int8 rows: ``(q [V, K] int8 in -63..63, scale [V] float32)``, the
+    row ``v`` standing for ``q[v] * scale[v]`` (:func:`quantize_blocks` with one symmetric block
+    per row of :data:`ROW_TABLE_BITS` bits: the scheme's ``reduce_range``), the same bytes for
+    every graph that reads the table."""
+    v, k = weight.shape
+    q, scale, _ = _cached_blocks(weight, ROW_TABLE_BITS, k, True)
+    mid = 1 << (ROW_TABLE_BITS - 1)
+    rows = (q.reshape(v, k).astype(np.int16) - mid).astype(np.int8)
+    return rows, np.ascontiguousarray(scale.reshape(v), dtype=np.float32)
+
+
+def quantize_row_tables(model, where: str, width: Optional[int] = None) -> dict[str, str]:
+    """Every embedding table of ``model`` (a 2-D float32 initializer that a ``Gather`` along axis
+    0 reads; with ``width``, only those of rows that wide) as int8 rows with one scale per row
+    (:func:`row_table`, :data:`ROW_TABLES`), in place; ``{float name: what it became}`` (the
+    tied projection under the table's second name).
+
+    Each lookup becomes ``Gather`` of the int8 rows, ``Cast`` to float32, ``Mul`` by the
+    ``Gather`` ed row scales (standard ONNX). Each weight product that reads a table under its
+    second name (the tied output projection, :func:`export.weights.split_lookup_readers`: a
+    ``Gemm`` with ``transB``) becomes ``DynamicQuantizeLinear`` of its input and a
+    ``com.microsoft`` ``QGemm`` (``transB=1``) over the same int8 rows, the row scales its
+    per-column scales (zero points 0), plus an ``Add`` of its bias where it has one: the lookups and
+    the projection read one tensor, which :func:`export.weights.share_weights` stores once."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    tied = _tied_products(model)
+    tables = {
+        n.input[0]
+        for n in graph.node
+        if n.op_type == "Gather"
+        and n.input[0] in inits
+        and _attribute(n, "axis", 0) == 0
+        and len(inits[n.input[0]].dims) == 2
+        and inits[n.input[0]].data_type == TensorProto.FLOAT
+        and (width is None or inits[n.input[0]].dims[1] == width)
+    }
+    stored: dict[str, tuple[str, str]] = {}  # table -> (int8 rows, row scales [V, 1])
+    row_scales: dict[str, np.ndarray] = {}
+    added = []
+
+    def rows_of(table: str) -> tuple[str, str]:
+        if table not in stored:
+            q, scale = row_table(numpy_helper.to_array(inits[table]))
+            names = (f"{table}.q8r.rows", f"{table}.q8r.row_scales")
+            added.extend(
+                [
+                    numpy_helper.from_array(q, names[0]),
+                    numpy_helper.from_array(scale.reshape(-1, 1), names[1]),
+                ]
+            )
+            stored[table], row_scales[table] = names, scale
+        return stored[table]
+
+    new_nodes, tensors, flat = [], {}, {}
+    for node in graph.node:
+        if node.op_type == "Gather" and node.input[0] in tables and _attribute(node, "axis", 0) == 0:
+            rows, scales = rows_of(node.input[0])
+            out, stem = node.output[0], node.name or node.output[0]
+            new_nodes += [
+                helper.make_node("Gather", [rows, node.input[1]], [f"{out}.q8r"], name=f"{stem}_rows"),
+                helper.make_node(
+                    "Cast", [f"{out}.q8r"], [f"{out}.q8r_f"], name=f"{stem}_cast", to=TensorProto.FLOAT
+                ),
+                helper.make_node("Gather", [scales, node.input[1]], [f"{out}.q8r_s"], name=f"{stem}_scales"),
+                helper.make_node("Mul", [f"{out}.q8r_f", f"{out}.q8r_s"], [out], name=f"{stem}_dequantize"),
+            ]
+            tensors[node.input[0]] = (
+                f"int8 rows ({ROW_TABLE_BITS}-bit range), one scale per row: Gather + Cast + Mul"
+            )
+            continue
+        if node.name not in tied:
+            new_nodes.append(node)
+            continue
+        weight, transposed, bias = _weight_product(node, inits)
+        table = weight[: -len(PRODUCT_SUFFIX)]
+        if not transposed or table not in tables:
+            raise QuantizationError(
+                f"{where}: the tied output projection {node.name!r} must be a Gemm with transB = 1 over the "
+                f"table {table!r} that a lookup reads (the graph is not what this quantizer expects)"
+            )
+        rows, _ = rows_of(table)
+        if table not in flat:  # QGemm's per-column scales (the row scales' bytes) and zero points: [V]
+            scale = row_scales[table]
+            flat[table] = (f"{table}.q8r.column_scales", f"{table}.q8r.column_zero_points")
+            added.extend(
+                [
+                    numpy_helper.from_array(scale, flat[table][0]),
+                    numpy_helper.from_array(np.zeros(scale.shape, np.int8), flat[table][1]),
+                ]
+            )
+        stem = node.name
+        x, out = node.input[0], node.output[0]
+        product = f"{out}.q8r_product" if bias else out
+        new_nodes += [
+            helper.make_node(
+                "DynamicQuantizeLinear", [x], [f"{stem}.x_q8", f"{stem}.x_scale", f"{stem}.x_zero_point"],
+                name=f"{stem}_QuantizeInput",
+            ),
+            helper.make_node(
+                "QGemm",
+                [f"{stem}.x_q8", f"{stem}.x_scale", f"{stem}.x_zero_point", rows, *flat[table]],
+                [product],
+                name=f"{stem}_QGemm",
+                domain="com.microsoft",
+                transB=1,
+            ),
+        ]  # fmt: skip
+        if bias:
+            new_nodes.append(helper.make_node("Add", [product, bias], [out], name=f"{stem}_bias"))
+        tensors[weight] = (
+            "QGemm int8 (transB) over the lookup's int8 rows, one scale per output column; "
+            "activations uint8 per tensor at run time"
+        )
+    if not stored:
+        return {}
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    _drop_unused(graph, added)
+    _com_microsoft(model)
+    return tensors
+
+
 def _quantize_nbits_one(
     src: Path,
     dst: Path,
@@ -1173,7 +1326,10 @@ def _quantize_nbits_one(
     model = onnx.load(os.fspath(src))
     graph = model.graph
     tensors = {}
-    tied = set(_tied_products(model).values()) if lookups is not None else set()
+    rows = lookups is not None and bool(lookups.get("per_row"))
+    if rows:  # the int8 scheme's tables: int8 rows, the tied projection a QGemm over them
+        tensors.update(quantize_row_tables(model, src.name, lookups.get("width")))
+    tied = set(_tied_products(model).values()) if lookups is not None and not rows else set()
     if tied:  # the tied output projection in the lookup's bits and blocks: the same bytes
         tensors.update(_nbits_products(model, lookups, src.name, only=tied))
     if int8_step is not None:
@@ -1181,7 +1337,7 @@ def _quantize_nbits_one(
     tensors.update(_nbits_products(model, settings, src.name))
     if not tensors:
         raise QuantizationError(f"{src.name}: no weight product to quantize (the graph is not an export's)")
-    if lookups is not None:
+    if lookups is not None and not rows:
         tensors.update(quantize_lookups(model, lookups["bits"], lookups["block_size"], lookups["symmetric"]))
     onnx.checker.check_model(model)
     left = [n.name for n in graph.node if _weight_product(n, {t.name: t for t in graph.initializer})]
@@ -1440,20 +1596,46 @@ def _heldout_batch(folder: Path):
 
 
 def _greedy_all(
-    folder: Path, ids: np.ndarray, lengths: np.ndarray, batch: int = 64, few_rows: str = "never"
+    folder: Path,
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    batch: int = 64,
+    few_rows: str = "never",
+    search: Optional[Mapping[str, Any]] = None,
 ) -> list[list[int]]:
-    from transformer_ext.decoding import max_new_tokens_for
+    """Each source's tokens: greedy search with the export's budget, or with ``search`` (search
+    options laid over the export's generation config, beam size 1 unless given) its best
+    hypothesis."""
+    from transformer_ext import decoding
     from transformer_ext.export_format import read_generation_config
     from transformer_ext.runtimes import OrtRunner
 
     runner = OrtRunner(folder, intra_op_num_threads=2, few_rows=few_rows)
     gen = read_generation_config(folder, runner.manifest)
+    opts = None
+    if search:
+        opts = decoding.SearchOptions.from_mapping(dict({"beam_size": 1}, **search), gen.to_search_options())
     out: list[list[int]] = []
     for start in range(0, len(ids), batch):
         rows = slice(start, start + batch)
         width = int(lengths[rows].max())
-        budget = max_new_tokens_for(lengths[rows], gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens)
-        out += runner.greedy(ids[rows, :width], lengths[rows], max_new_tokens=budget)
+        if opts is None:
+            budget = decoding.max_new_tokens_for(
+                lengths[rows], gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens
+            )
+            out += runner.greedy(ids[rows, :width], lengths[rows], max_new_tokens=budget)
+            continue
+        info = runner.info
+        hyps = decoding.generate(
+            runner,
+            ids[rows, :width],
+            lengths[rows],
+            bos_id=info.bos_id,
+            eos_id=info.eos_id,
+            max_new_tokens=opts.budget(lengths[rows]),
+            **opts.generate_kwargs(),
+        )
+        out += [list(row[0].tokens) for row in hyps]
     return out
 
 
@@ -1485,18 +1667,22 @@ def quality_gate(
     *,
     scheme: str = "int8",
     few_rows: bool = False,
+    search: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Greedy exact match of both folders on the demo held-out set; raises :class:`QualityGateError`
     when the quantized one (``int8_dir``, made by ``scheme``) is more than ``max_em_drop`` points
     below float32. Returns the gate's record (keys named after :func:`_label`). ``few_rows``: the
     quantized decodes run every step through the folder's few-row decoder step instead
-    (``OrtRunner(few_rows="always")``), which gates that graph at every row count."""
+    (``OrtRunner(few_rows="always")``), which gates that graph at every row count. ``search``:
+    both decode with these search options (:class:`~transformer_ext.decoding.SearchOptions`
+    names, over the export's generation config; beam size 1 unless given) instead of greedy
+    search, recorded as the record's ``"search"``."""
     max_em_drop = _check_max_drop(max_em_drop)
     label = _label(check_scheme(scheme))
     t0 = time.perf_counter()
     ids, lengths, references = _heldout_batch(Path(float_dir))
     eos = int(read_manifest(float_dir)["model_config"]["eos_id"])
-    f32 = [_strip_eos(t, eos) for t in _greedy_all(Path(float_dir), ids, lengths)]
+    f32 = [_strip_eos(t, eos) for t in _greedy_all(Path(float_dir), ids, lengths, search=search)]
     n = len(references)
     em_f32 = 100.0 * sum(a == r for a, r in zip(f32, references, strict=True)) / n
     if em_f32 < DEMO_GATE_MIN_EM:
@@ -1508,7 +1694,9 @@ def quality_gate(
         )
     qnt = [
         _strip_eos(t, eos)
-        for t in _greedy_all(Path(int8_dir), ids, lengths, few_rows="always" if few_rows else "never")
+        for t in _greedy_all(
+            Path(int8_dir), ids, lengths, few_rows="always" if few_rows else "never", search=search
+        )
     ]
     em_q = 100.0 * sum(a == r for a, r in zip(qnt, references, strict=True)) / n
     agree = 100.0 * sum(a == b for a, b in zip(f32, qnt, strict=True)) / n
@@ -1524,6 +1712,10 @@ def quality_gate(
     }
     if few_rows:
         record["graph"] = FEW_ROWS_DECODER_FILE
+    if search:
+        record.update(
+            data=record["data"].replace(", greedy", ", the search options of 'search'"), search=dict(search)
+        )
     logger.info("%s quality gate: %s", scheme, record)
     if em_f32 - em_q > max_em_drop + 1e-9:
         raise QualityGateError(
@@ -1542,12 +1734,14 @@ def bleu_gate(
     *,
     scheme: str = "int8",
     few_rows: bool = False,
+    search: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Greedy translations of ``data.sources`` by both folders, BLEU against ``data.references``
     (sacrebleu); raises :class:`QualityGateError` when the quantized BLEU (``int8_dir``, made by
     ``scheme``) is more than ``max_bleu_drop`` points below float32's. Returns the gate's record.
     ``few_rows``: every quantized step through the folder's few-row decoder step (as for
-    :func:`quality_gate`)."""
+    :func:`quality_gate`); ``search``: the translations' search options instead of greedy
+    search (as for :func:`quality_gate`)."""
     from transformer_ext.evaluate import score_texts
     from transformer_ext.runtimes import OrtRunner
     from transformer_ext.translate import Translator
@@ -1562,7 +1756,9 @@ def bleu_gate(
         )
         if few_rows and name == label:
             translator.runner = OrtRunner(folder, intra_op_num_threads=2, few_rows="always")
-        hyps[name] = translator.translate(data.sources, beam_size=1, progress=True)
+        hyps[name] = translator.translate(
+            data.sources, progress=True, **dict({"beam_size": 1}, **(search or {}))
+        )
     scores = {name: score_texts(h, data.references) for name, h in hyps.items()}
     b32, bq = scores["float32"]["bleu"], scores[label]["bleu"]
     n = len(data.sources)
@@ -1580,6 +1776,10 @@ def bleu_gate(
     }
     if few_rows:
         record["graph"] = FEW_ROWS_DECODER_FILE
+    if search:
+        record.update(
+            data=record["data"].replace(", greedy", ", the search options of 'search'"), search=dict(search)
+        )
     logger.info("%s BLEU gate: %s", scheme, record)
     if b32 - bq > max_bleu_drop + 1e-9:
         raise QualityGateError(
@@ -1614,6 +1814,19 @@ def check_quantize_arguments(
     return settings, max_em_drop, max_bleu_drop
 
 
+def _check_gate_search(search: Optional[Mapping[str, Any]]) -> None:
+    """The gate's search options: SearchOptions names with values in their ranges (a
+    :class:`QuantizationUsageError` naming the option otherwise)."""
+    if not search:
+        return
+    from transformer_ext.decoding import SearchOptions
+
+    try:
+        SearchOptions.from_mapping(dict({"beam_size": 1}, **search))
+    except (TypeError, ValueError) as exc:
+        raise QuantizationUsageError(f"the quality gate's search: {exc}") from None
+
+
 def _refuse_quantized(folder: Path, manifest: Mapping[str, Any]) -> None:
     q = manifest_quantization(manifest)
     if q is not None:
@@ -1631,12 +1844,14 @@ def quantize_folder(
     gate_data: Optional[GateData] = None,
     max_bleu_drop: Optional[float] = None,
     options: Optional[Mapping[str, Any]] = None,
+    gate_search: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Quantize the float32 export in ``folder`` (a staged folder of this process) in place: the
     quantized graphs are written beside it, gated against the float32 ones (:func:`bleu_gate` on
     ``gate_data`` when given, else :func:`quality_gate` on the demo task), then moved over them
     and the manifest updated. ``options``: ``block_size``, ``accuracy_level``, ``symmetric`` of a
-    MatMulNBits scheme (:func:`resolve_settings`); a ``None`` drop takes the scheme's default.
+    MatMulNBits scheme (:func:`resolve_settings`); a ``None`` drop takes the scheme's default;
+    ``gate_search``: the gate's search options (:func:`quality_gate`'s ``search``; default greedy).
     Returns the new manifest. On any failure ``folder`` is as it was."""
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -1664,9 +1879,10 @@ def quantize_folder(
         write_manifest(tmp_dir, quantized_manifest)
 
         def run_gate(graph: bool) -> dict:  # graph: the few-row step's gate (every step through it)
+            common = dict(scheme=scheme, few_rows=graph, search=gate_search)
             if gate_data is not None:
-                return bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop, scheme=scheme, few_rows=graph)
-            return quality_gate(folder, tmp_dir, max_em_drop, scheme=scheme, few_rows=graph)
+                return bleu_gate(folder, tmp_dir, gate_data, max_bleu_drop, **common)
+            return quality_gate(folder, tmp_dir, max_em_drop, **common)
 
         if gate:
             try:
@@ -1699,13 +1915,16 @@ def quantize_export(
     gate_data: Optional[GateData] = None,
     max_bleu_drop: Optional[float] = None,
     options: Optional[Mapping[str, Any]] = None,
+    gate_search: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """Write a quantized copy of the float32 export ``export_dir`` to ``output_dir`` (a new folder,
     or one this package wrote); returns its manifest. Everything is checked before the disk is touched.
 
     ``scheme``: one of :data:`SCHEMES`; ``options``: ``block_size``, ``accuracy_level``,
     ``symmetric`` of ``int4`` / ``int8-nbits`` (:func:`resolve_settings`). ``max_em_drop`` /
-    ``max_bleu_drop`` ``None``: the scheme's default (:data:`DEFAULT_MAX_DROPS`).
+    ``max_bleu_drop`` ``None``: the scheme's default (:data:`DEFAULT_MAX_DROPS`). ``gate_search``:
+    the gate's search options (:class:`~transformer_ext.decoding.SearchOptions` names; default
+    greedy search), checked before anything is read.
 
     Raises:
         QuantizationError: unknown scheme or option, a block size that does not divide a weight
@@ -1718,6 +1937,7 @@ def quantize_export(
             contains it.
     """
     check_quantize_arguments(scheme, options, max_em_drop, max_bleu_drop)
+    _check_gate_search(gate_search)
     src = Path(export_dir).absolute()
     out = Path(output_dir).absolute()
     manifest = read_manifest(src)
@@ -1747,6 +1967,7 @@ def quantize_export(
                 gate_data=gate_data,
                 max_bleu_drop=max_bleu_drop,
                 options=options,
+                gate_search=gate_search,
             )
             check_replaceable(out)
             stage.commit()
@@ -1785,6 +2006,12 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_EM_DROP:g})",
     )
     add_gate_arguments(p)
+    add_decoding_flags(
+        p.add_argument_group("the quality gate's search (translate's flags)"),
+        GATE_FLAGS,
+        source="the export's generation config",
+        shown_defaults={"beam_size": "1, greedy search, whatever the generation config says"},
+    )
     add_nbits_arguments(p)
     p.add_argument("--no-validate", dest="validate", action="store_false", help="skip the quality gate")
     add_debug_flag(p)
@@ -1920,6 +2147,8 @@ def gate_data_from_args(args: argparse.Namespace) -> Optional[GateData]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    check_decoding_flags(parser, args, GATE_FLAGS)
+    gate_search = {k: v for k, v in decoding_values(args, GATE_FLAGS).items() if v is not None}
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     def work() -> int:
@@ -1934,6 +2163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             gate_data=gate_data_from_args(args),
             max_bleu_drop=args.max_bleu_drop,
             options=options,
+            gate_search=gate_search or None,
         )
         print(quantization_summary(m))
         return 0

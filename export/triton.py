@@ -710,9 +710,7 @@ def _translator_config(
         "input": [
             _tensor_config("input_ids", i64, [-1, -1]),
             _tensor_config("src_lengths", i64, [-1], optional=True),
-            _tensor_config("max_new_tokens", i64, [1], optional=True),
-            _tensor_config("min_new_tokens", i64, [1], optional=True),
-            _tensor_config("beam_size", i64, [1], optional=True),
+            *(_tensor_config(name, i64, [1], optional=True) for name in _request_option_inputs()),
             _tensor_config("target_prefix", i64, [-1, -1], optional=True),
         ],
         "output": [
@@ -723,6 +721,14 @@ def _translator_config(
         "instance_group": [{"count": int(instances), "kind": Enum("KIND_CPU")}],
         "parameters": _parameters(params),
     }
+
+
+def _request_option_inputs() -> list[str]:
+    """The translator's optional search-option inputs: every name of its ``REQUEST_OPTIONS``
+    (the SearchOptions field's, then the older ones a client may still send)."""
+    from .triton_models.translator.model import REQUEST_OPTIONS
+
+    return [n for name, old in REQUEST_OPTIONS for n in (name, *old)]
 
 
 # ------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 #   3. the CUDA op benchmark (benchmarks/ops/bench_ops.py --device cuda: masked_softmax vs the eager
 #      composite and torch._masked_softmax, attention vs SDPA, decode_attention vs eager);
 #   3b. the fused attention benchmark (benchmarks/ops/bench_attention.py --device cuda, T = 256 and 1024);
+#   3c. the T5 training step with relative bias, fused kernels vs SDPA (benchmarks/train/bench_t5_attention.py);
 #   4. the decode benchmark on CUDA (benchmarks/decode/bench_decode.py --device cuda, torch engines);
 #   5. prints one summary table (also written to summary.txt) with the GPU targets.
 # Everything is bounded to GPU_CHECK_BUDGET seconds of run time (default 290, under 5 minutes):
@@ -130,6 +131,23 @@ if [ "$built" = 1 ] && [ -f benchmarks/ops/bench_attention.py ]; then
   fi
 fi
 
+# ------------------------------------------------------------------ 3c. T5 attention with relative bias
+if [ "$built" = 1 ] && [ -f benchmarks/train/bench_t5_attention.py ]; then
+  t0=$SECONDS
+  budget_t5=$(( $(left) * 25 / 100 ))
+  t5_args="--repeats 3"
+  [ "$dry" = 1 ] && t5_args="--quick"
+  note "T5 attention benchmark on $device ($t5_args, ${budget_t5}s at most)"
+  if timeout "$budget_t5" "$py" -m benchmarks bench_t5_attention --device "$device" $t5_args \
+      --out "$scratch/bench_t5_attention_cuda.json" >"$scratch/bench_t5.log" 2>&1; then
+    cp "$scratch/bench_t5_attention_cuda.json" "$out/bench_t5_attention_cuda.json"
+    record bench_t5_attention ok $(( SECONDS - t0 ))
+  else
+    record bench_t5_attention FAILED $(( SECONDS - t0 ))
+    tail -n 15 "$scratch/bench_t5.log"
+  fi
+fi
+
 # ------------------------------------------------------------------ 4. decode benchmark
 if [ "$built" = 1 ] && [ -f benchmarks/decode/bench_decode.py ] && grep -q -- "--device" benchmarks/decode/bench_decode.py; then
   t0=$SECONDS
@@ -221,6 +239,14 @@ if os.path.exists(att_json):
     for c in r.get("cases", []):
         row(f"  T={c['T']:<5d}", f"{c['mode']:8s}", "ragged" if c["ragged"] else "full  ", f"p={c['dropout_p']}",
             f"{c['speedup_vs_sdpa']:.2f}x (three-step {c['speedup_vs_three_step']:.2f}x)")
+t5_json = os.path.join(os.path.dirname(ops_json), "bench_t5_attention_cuda.json")
+if os.path.exists(t5_json):
+    r = json.load(open(t5_json))
+    lines.append("T5 training step with relative bias, fused vs SDPA + additive mask (target >= 1.1x at T = 128, 256)")
+    for c in r.get("steps", []):
+        row(f"  T={c['T']:<5d}", f"step {c['speedup_vs_sdpa']:.2f}x")
+    for c in r.get("attention_only", []):
+        row(f"  T={c['T']:<5d}", f"attention fwd+bwd {c['speedup_vs_sdpa']:.2f}x")
 if os.path.exists(dec_json):
     r = json.load(open(dec_json))
     lines.append("decode (greedy, 48 tokens, source 24, float32) tokens/s on " + r.get("device", "?"))

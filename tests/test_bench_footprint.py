@@ -13,10 +13,14 @@ from benchmarks.deploy import bench_footprint
 def test_worker_loads_translates_and_reads_its_memory(exported_portable):
     record = bench_footprint.worker("ours", str(exported_portable), 1)
     assert record["tokens"] > 0
-    for stage in ("after_import", "after_load", "after_first_translation"):
+    for stage in ("after_import", "after_load", "after_first_translation", "after_batch_translation"):
         assert record[stage]["rss"] > 0 and record[stage]["peak_rss"] >= record[stage]["rss"]
+        assert 0 < record[stage]["rss_anon"] <= record[stage]["rss"]
+        assert 0 <= record[stage]["rss_file"] <= record[stage]["rss"]
     assert record["after_first_translation"]["peak_rss"] >= record["after_import"]["peak_rss"]
+    assert record["after_batch_translation"]["peak_rss"] >= record["after_first_translation"]["peak_rss"]
     assert 0 < record["load_seconds"] <= record["first_translation_seconds"]
+    assert record["batch_translation_seconds"] > 0
 
 
 def test_inline_layout_has_no_shared_weights_file_and_decodes_the_same(exported_portable, tmp_path):
@@ -52,6 +56,7 @@ def test_table_shows_ratios_and_skipped_engines():
                         "peak_rss_after_first_translation": 6e6,
                         "load_seconds": 0.5,
                         "first_translation_seconds": 0.75,
+                        "peak_rss_after_batch_translation": 7e6,
                         "repeats": 3,
                     },
                     "ctranslate2 int8": {"skipped": "ctranslate2 is not importable here"},
@@ -61,6 +66,7 @@ def test_table_shows_ratios_and_skipped_engines():
     }
     table = bench_footprint.summary_table(json.loads(json.dumps(results)))
     assert "| m | ours float32 | 2.1 | 1.050 | 5.0 | 6.0 | 0.50 | 0.75 |" in table
+    assert "| m | ours float32 | 2.1 | 1.050 | 5.0 | 6.0 | 0.50 | 0.75 | 7.0 |" in table
     assert "| m | ctranslate2 int8 | skipped: ctranslate2 is not importable here |" in table
     assert "median of 3 runs" in table
 

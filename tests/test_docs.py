@@ -23,7 +23,11 @@ MENTION = re.compile(r"(?P<path>[\w./-]*)DESIGN\.md")
 
 def _text_files():
     for root, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        dirs[:] = [
+            d
+            for d in dirs
+            if d not in SKIP_DIRS and not d.endswith(".egg-info") and not d.startswith(".venv")
+        ]
         for name in files:
             path = Path(root) / name
             if path == Path(__file__).resolve():

@@ -289,7 +289,7 @@ def _dequantized_table(graph_path: Path, block: int):
     )
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int4"])
 def test_quantized_embedding_tables_are_8_bit_and_shared_with_the_projection(tmp_path_factory, scheme):
     import numpy as np
     from helpers import quantized_dir
@@ -345,3 +345,122 @@ def test_quantized_embedding_tables_are_8_bit_and_shared_with_the_projection(tmp
     ]
     step = (float32.max() - float32.min()) / 255
     assert np.abs(deq - float32).max() <= step
+
+
+def _row_reads(folder: Path) -> dict:
+    """``{(graph, op): [(region, dims)]}`` of the int8 tables an int8 folder's lookups (``Gather``
+    of an int8 initializer) and tied projections (``QGemm``'s weight) read, external regions only."""
+    import glob
+
+    reads = {}
+    for path in sorted(glob.glob(str(folder / "*.onnx"))):
+        regions, proto = _regions(Path(path))
+        inits = {t.name: t for t in proto.graph.initializer}
+        for node in proto.graph.node:
+            if node.op_type == "Gather" and node.input[0] in inits:
+                name = node.input[0]
+            elif node.op_type == "QGemm":
+                name = node.input[3]
+            else:
+                continue
+            if inits[name].data_type == onnx.TensorProto.INT8 and regions.get(name):
+                reads.setdefault((Path(path).name, node.op_type), []).append(
+                    (regions[name], list(inits[name].dims))
+                )
+    return reads
+
+
+def test_int8_embedding_tables_are_int8_rows_shared_with_the_projection(tmp_path_factory):
+    """An int8 folder stores each embedding table once as int8 rows with one scale per row: the
+    lookups gather rows, the tied output projection is a QGemm (transB) over the same region,
+    in the int8 step and in the few-row step; the rows are the float32 table rounded on a per-row
+    7-bit grid, and the projection's kernel on them is the float64 product of the dequantized
+    rows, up to the rounding of its uint8 activations."""
+    import numpy as np
+    import onnxruntime as ort
+    from helpers import quantized_dir
+    from onnx import TensorProto, helper, numpy_helper
+    from safetensors.numpy import load_file
+
+    from transformer_ext.export_format import DECODER_FILE, FEW_ROWS_DECODER_FILE, WEIGHTS_FILE, read_manifest
+
+    folder = quantized_dir(tmp_path_factory, "int8")
+    manifest = read_manifest(folder, verify=True)
+    section = manifest["quantization"]
+    assert section["lookups"]["per_row"] is True and section["lookups"]["bits"] == 8
+    assert manifest["weights"]["file"] == WEIGHTS_FILE
+    # the choice per tensor, in the manifest
+    decoder_tensors = section["graphs"]["decoder_step"]["tensors"]
+    table = "model.generator.proj.weight"
+    assert decoder_tensors[table].startswith("int8 rows (7-bit range), one scale per row")
+    assert decoder_tensors[table + ".product"].startswith("QGemm int8 (transB)")
+    assert section["graphs"]["encoder"]["tensors"]["model.src_embed.lut.weight"].startswith("int8 rows")
+
+    graphs = [g for g in ("encoder.onnx", DECODER_FILE, FEW_ROWS_DECODER_FILE) if (folder / g).exists()]
+    assert FEW_ROWS_DECODER_FILE in graphs
+    for graph in graphs:  # no float32 table or weight matrix is left, no block-wise table either
+        _, proto = _regions(folder / graph)
+        consumers = {i: n.op_type for n in proto.graph.node for i in n.input}
+        assert not [n.name for n in proto.graph.node if n.op_type == "GatherBlockQuantized"]
+        for t in proto.graph.initializer:  # (the row scales, [V, 1], are gathered)
+            if len(t.dims) == 2 and t.dims[1] > 1 and t.data_type == onnx.TensorProto.FLOAT:
+                assert consumers.get(t.name) not in ("Gather", "MatMul", "Gemm"), (graph, t.name)
+
+    # the decoder's lookup, its output projection and the few-row step's read one region
+    reads = _row_reads(folder)
+    tied = {
+        region
+        for (graph, _), entries in reads.items()
+        if graph != "encoder.onnx"
+        for region, dims in entries
+        if dims[0] == 40
+    }
+    ops = {(graph, op) for (graph, op), entries in reads.items() for region, _ in entries if region in tied}
+    assert len(tied) == 1, tied
+    assert ops == {
+        (DECODER_FILE, "Gather"),
+        (DECODER_FILE, "QGemm"),
+        (FEW_ROWS_DECODER_FILE, "Gather"),
+        (FEW_ROWS_DECODER_FILE, "QGemm"),
+    }
+
+    # the stored rows: per row, no more squared error than rounding on the row's full 7-bit range
+    proto = onnx.load(folder / DECODER_FILE)  # with the external data
+    arrays = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    (projection,) = [n for n in proto.graph.node if n.op_type == "QGemm"]
+    rows, scales, zeros = (arrays[name] for name in projection.input[3:6])
+    (float32,) = [
+        v
+        for v in load_file(folder.parent / "tiny_model" / "model.safetensors").values()
+        if v.shape == (40, 32)
+    ]
+    deq = rows.astype(np.float64) * scales.astype(np.float64)[:, None]
+    full_step = np.abs(float32).max(axis=1).astype(np.float64) / 63
+    assert np.abs(rows.astype(np.int32)).max() <= 63 and not zeros.any()
+    assert (np.square(deq - float32).sum(axis=1) <= 32 * np.square(full_step / 2) * (1 + 1e-6)).all()
+    # the lookup's scales are the projection's: a Gather of the same rows reads [V, 1] of the same bytes
+    gathers = [n for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in arrays]
+    lookup_scales = [arrays[n.input[0]] for n in gathers if arrays[n.input[0]].shape == (40, 1)]
+    assert lookup_scales and all(np.array_equal(s.reshape(-1), scales) for s in lookup_scales)
+
+    # the projection's kernel on those bytes, alone, against float64
+    x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
+    node = helper.make_node(
+        "QGemm", ["xq", "xs", "xz", "B", "S", "Z"], ["y"], domain="com.microsoft", transB=1
+    )
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]), node],
+            "projection",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 32])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 40])],
+            [numpy_helper.from_array(a, n) for a, n in ((rows, "B"), (scales, "S"), (zeros, "Z"))],
+        ),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
+    (y,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    x_step = (max(x.max(), 0) - min(x.min(), 0)) / 255  # DynamicQuantizeLinear's uint8 grid
+    bound = 0.5 * x_step * np.abs(deq).sum(axis=1) + 1e-5
+    assert (np.abs(y - x.astype(np.float64) @ deq.T) <= bound).all()

@@ -90,6 +90,25 @@ def test_onnx_step_logits_match_transformers(folders):
     assert diff.max() <= allowed, f"max |diff| {diff.max():.3g} > {allowed:.3g}"
 
 
+@pytest.mark.parametrize("where", ["encoder", "decoder"])
+def test_validation_fails_on_a_norm_gain_one_percent_off(folders, where):
+    """Negative control: the export validated against the model with the last layer's final
+    LayerNorm gain 1% off (in the encoder, in the decoder) is refused, naming an output of that
+    graph, beyond its bound (the tolerance, eager float32's error, the rounding floor)."""
+    from export import ParityError
+    from export import validate as validation
+    from transformer_ext.checkpoint import load_model
+
+    model = load_model(folders[1])
+    layers = model.encoder.layers if where == "encoder" else model.decoder.layers
+    with torch.no_grad():
+        layers[-1].sublayer[-1].norm.weight.mul_(1.01)
+    with pytest.raises(ParityError) as info:
+        validation.validate_export(folders[2], model, tolerance=1e-4)
+    assert info.value.output.startswith("encoder/" if where == "encoder" else "decoder_step/")
+    assert info.value.max_diff > info.value.tolerance
+
+
 def test_torch_free_translation_equals_generate(folders):
     """32 sources translated from the export folder alone with --source-lang / --target-lang:
     the source ids equal MBart50Tokenizer's, the beam and greedy tokens (fr_XX first) generate()'s."""

@@ -92,6 +92,35 @@ def test_one_source_or_one_runner_runs_in_place(runners):
     )
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_split_sample_is_the_unsplit_one(runners, parts):
+    """Random sampling over the parts (same seed) gives every source the tokens and scores of one
+    runner on the whole batch: each part samples its sources' streams (their source_index); a
+    caller's source_index is sliced with the sources too."""
+    info = runners[0].info
+    ids, lengths = _sources(info, batch=7, seed=4)
+    options = dict(
+        bos_id=info.bos_id,
+        eos_id=info.eos_id,
+        max_new_tokens=np.array([6, 9, 4, 12, 7, 5, 10]),
+        sampling_topk=0,
+        sampling_temperature=1.5,
+        num_hypotheses=2,
+        seed=11,
+    )
+
+    def samples(rows):
+        return [[(list(h.tokens), round(h.score, 4)) for h in row] for row in rows]
+
+    whole = samples(decoding.generate(runners[0], ids, lengths, **options))
+    assert len({str(row) for row in whole}) == 7  # the sources were sampled differently
+    with SourceParallel(runners[:parts]) as parallel:
+        assert samples(parallel.generate(ids, lengths, **options)) == whole
+        shifted = dict(options, source_index=np.arange(7) + 20)
+        want = samples(decoding.generate(runners[0], ids, lengths, **shifted))
+        assert want != whole and samples(parallel.generate(ids, lengths, **shifted)) == want
+
+
 def test_bad_uses_are_refused(runners, tmp_path_factory):
     info = runners[0].info
     ids, lengths = _sources(info, batch=4)
@@ -102,8 +131,6 @@ def test_bad_uses_are_refused(runners, tmp_path_factory):
         SourceParallel([runners[0], other])
     common = dict(bos_id=info.bos_id, eos_id=info.eos_id, max_new_tokens=4)
     with SourceParallel(runners[:2]) as parallel:
-        with pytest.raises(ValueError, match="sampling cannot be split"):
-            parallel.generate(ids, lengths, sampling_topk=5, seed=1, **common)
         with pytest.raises(ValueError, match="max_new_tokens holds 3 values for 4 sources"):
             parallel.generate(ids, lengths, **{**common, "max_new_tokens": np.array([4, 4, 4])})
         with pytest.raises(ValueError, match=r"input_ids must be \[batch, src_len\]"):

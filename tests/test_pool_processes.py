@@ -79,6 +79,30 @@ def step_pool(step_log):
         yield pool
 
 
+def test_a_split_sample_in_processes_is_the_unsplit_one(ort_pool, export):
+    """Random sampling in the worker processes (same seed) gives every source the tokens and
+    scores of one runner on the whole batch: each worker samples its sources' streams."""
+    runner = OrtRunner(export, intra_op_num_threads=1)
+    info = runner.info
+    ids, lengths = _sources(info, batch=5, seed=4)
+    options = dict(
+        bos_id=info.bos_id,
+        eos_id=info.eos_id,
+        max_new_tokens=np.array([6, 9, 4, 12, 7]),
+        sampling_topk=0,
+        sampling_temperature=1.5,
+        num_hypotheses=2,
+        seed=11,
+    )
+
+    def samples(rows):
+        return [[(list(h.tokens), round(h.score, 4)) for h in row] for row in rows]
+
+    whole = samples(decoding.generate(runner, ids, lengths, **options))
+    assert len({str(row) for row in whole}) == 5  # the sources were sampled differently
+    assert samples(ort_pool.generate(ids, lengths, **options)) == whole
+
+
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_processes_decode_as_threads_and_as_one_runner(ort_pool, export, beam_size):
     """Hypotheses (tokens and scores) equal the thread pool's and those of one runner part by
@@ -160,8 +184,6 @@ def test_bad_uses_are_refused(step_pool):
         open_source_parallel(make, 2, pool="fibers")
     with pytest.raises(TypeError, match="the search and its options must pickle"):
         step_pool.run(lambda r, s, ln: [], src, lengths)
-    with pytest.raises(ValueError, match="sampling cannot be split"):
-        step_pool.generate(src, lengths, bos_id=1, eos_id=2, max_new_tokens=3, sampling_topk=5, seed=1)
     with pytest.raises(TypeError, match="one entry per source"):
         step_pool.run(pool_workers.too_few, src, lengths)
     with pytest.raises(TypeError, match="cannot be sent back from the worker"):

@@ -93,9 +93,11 @@ def test_every_weight_product_is_int8_per_output_channel(tiny_float, tiny_int8, 
         n.name for n in after.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in init_after
     ]
     products = [n for n in after.graph.node if n.op_type == "MatMulInteger"]
-    # with 8-bit embedding tables, the tied output projection reads the lookup's bytes (MatMulNBits)
+    # with int8 embedding tables, the tied output projection reads the lookup's rows (QGemm)
     lookups = read_manifest(tiny_int8)["quantization"]["lookups"]
-    tied = [n for n in after.graph.node if n.op_type == "MatMulNBits"]
+    assert lookups["per_row"] is True and lookups["bits"] == 8
+    tied = [n for n in after.graph.node if n.op_type == "QGemm"]
+    assert not [n for n in after.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")]
     assert len(tied) == (1 if lookups and graph == DECODER_FILE else 0)
     assert len(products) + len(tied) == len(weights)
     for n in products:
@@ -112,11 +114,17 @@ def test_every_weight_product_is_int8_per_output_channel(tiny_float, tiny_int8, 
         assert (cfg["d_model"], cfg["tgt_vocab_size"]) in shapes
     elif (
         graph == DECODER_FILE
-    ):  # ... the output projection: 8 bits, vocab rows (tests/test_export_weights.py)
+    ):  # ... the output projection: int8 [vocab, d_model] rows, transB, one scale per vocab entry
         cfg = read_manifest(tiny_int8)["model_config"]
         (projection,) = tied
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in projection.attribute}
-        assert attrs["bits"] == 8 and attrs["N"] == cfg["tgt_vocab_size"] and attrs["K"] == cfg["d_model"]
+        assert attrs["transB"] == 1 and projection.domain == "com.microsoft"
+        rows, scales, zeros = (init_after[name] for name in projection.input[3:6])
+        assert rows.data_type == onnx.TensorProto.INT8
+        assert list(rows.dims) == [cfg["tgt_vocab_size"], cfg["d_model"]]
+        assert np.abs(onnx.numpy_helper.to_array(rows).astype(np.int32)).max() <= 64  # reduce_range
+        assert list(scales.dims) == list(zeros.dims) == [cfg["tgt_vocab_size"]]
+        assert not onnx.numpy_helper.to_array(zeros).any()  # symmetric
 
 
 def test_int8_decodes_close_to_float32(tiny_float, tiny_int8):
@@ -468,3 +476,47 @@ def test_sigkill_mid_quantize_leaves_temporaries_the_next_export_removes(
     assert sorted(os.listdir(tmp_path)) == ["model", "out"]
     removed = " ".join(r.getMessage() for r in caplog.records)
     assert all(name in removed for name in left)
+
+
+def test_an_int8_folder_of_the_block_wise_table_layout_still_loads(tiny_float, tiny_int8, tmp_path):
+    """int8 folders written before the per-row tables hold a decoder step whose lookups are
+    8-bit ``GatherBlockQuantized`` blocks of 32 and whose tied output projection is an 8-bit
+    ``MatMulNBits`` over the same bytes: such a step (made here from the float32 one with those
+    functions) loads in the folder and decodes near float32."""
+    from helpers import rehash_export
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from transformer_ext.runtimes import OrtRunner
+
+    old = tmp_path / "old_int8"
+    shutil.copytree(tiny_int8, old)
+    model = onnx.load(tiny_float / DECODER_FILE)
+    tied = set(quant._tied_products(model).values())
+    blocks = {"bits": 8, "block_size": 32, "symmetric": False, "accuracy_level": 4}
+    assert quant._nbits_products(model, blocks, DECODER_FILE, only=tied)
+    assert quant.quantize_lookups(model, 8, 32, False)
+    onnx.save(model, tmp_path / "blocks.onnx")
+    quantize_dynamic(
+        str(tmp_path / "blocks.onnx"),
+        str(old / DECODER_FILE),
+        op_types_to_quantize=["MatMul", "Gemm"],
+        per_channel=True,
+        reduce_range=True,
+        weight_type=QuantType.QInt8,
+    )
+    ops = {n.op_type for n in onnx.load(old / DECODER_FILE).graph.node}
+    assert {"GatherBlockQuantized", "MatMulNBits", "MatMulInteger"} <= ops and "QGemm" not in ops
+    manifest = json.loads((old / MANIFEST_NAME).read_text())
+    manifest["quantization"]["lookups"] = {"method": "GatherBlockQuantized", "bits": 8, "block_size": 32}
+    (old / MANIFEST_NAME).write_text(json.dumps(manifest))
+    rehash_export(old)
+
+    f32, i8 = OrtRunner(tiny_float, intra_op_num_threads=1), OrtRunner(old, intra_op_num_threads=1)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(4, f32.info.src_vocab_size, size=(2, 6))
+    lengths = np.array([6, 4])
+    tokens = np.full(2, f32.info.bos_id)
+    a = np.asarray(f32.step(f32.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
+    b = np.asarray(i8.step(i8.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
+    assert np.abs(a - b).max() <= 0.05 * (a.max() - a.min())
+    assert len(i8.greedy(ids, lengths, max_new_tokens=4)) == 2

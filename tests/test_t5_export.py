@@ -188,6 +188,24 @@ def test_validation_fails_on_the_wrong_bias_direction(folders, tmp_path, monkeyp
     assert not (tmp_path / "onnx").exists()
 
 
+@pytest.mark.parametrize("where", ["encoder", "decoder"])
+def test_validation_fails_on_a_norm_gain_one_percent_off(folders, where):
+    """mT5 (whose beam decode ONNX Runtime computes less exactly than the position-bias kernels
+    do eager float32): the export validated against the model with the last layer's last RMS norm
+    gain 1% off (in the encoder, in the decoder) is refused, naming an output of that graph."""
+    from export import validate as validation
+    from transformer_ext.checkpoint import load_model
+
+    model = load_model(folders["mt5"][1])
+    layers = model.encoder.layers if where == "encoder" else model.decoder.layers
+    with torch.no_grad():
+        layers[-1].sublayer[-1].norm.weight.mul_(1.01)
+    with pytest.raises(ParityError) as info:
+        validation.validate_export(folders["mt5"][2], model, tolerance=1e-4)
+    assert info.value.output.startswith("encoder/" if where == "encoder" else "decoder_step/")
+    assert info.value.max_diff > info.value.tolerance
+
+
 # ------------------------------------------------------------------------------------------
 # the other flavours, TensorRT readiness
 # ------------------------------------------------------------------------------------------

@@ -228,7 +228,7 @@ def test_eager_and_onnx_runtime_translators_give_equal_tokens(pair, options):
 )
 def test_workers_split_a_batch_and_translate_as_one_runner(pair, tmp_path_factory, options):
     """from_export_dir(workers=3): every batch decoded in 3 parts at once gives the tokens of one
-    runner (sampling runs on one runner: its seeded stream is the whole batch's)."""
+    runner (sampling too: each part samples its sources' streams)."""
     _, ort = pair
     export = exported_dir(tmp_path_factory, "portable")
     split = Translator.from_export_dir(export, threads=1, workers=3)

@@ -8,7 +8,7 @@ chrF with their sacrebleu signatures and the decoding settings (``--json``: one 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,27 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
-from .cli import UserError, add_debug_flag, run_cli  # noqa: E402
+from .cli import UserError, add_debug_flag, add_option, run_cli  # noqa: E402
 from .devices import DeviceUsageError, check_device_name  # noqa: E402
+from .search_flags import add_decoding_flags, check_decoding_flags, decoding_values, given_flag  # noqa: E402
+
+# The SearchOptions fields evaluate takes, in --help order: (field, old spellings, metavar).
+EVALUATE_FLAGS = (
+    ("beam_size", ("--beam",), "N"),
+    ("length_penalty", ("--alpha",), "A"),
+    ("length_penalty_type", (), None),
+    ("early_stopping", (), None),
+    ("max_decoding_length", (), "N"),
+    ("min_decoding_length", (), "N"),
+    ("max_len_a", (), "A"),
+    ("max_len_b", (), "B"),
+    ("repetition_penalty", (), "P"),
+    ("no_repeat_ngram_size", (), "N"),
+    ("sampling_topk", (), "K"),
+    ("sampling_topp", (), "P"),
+    ("sampling_temperature", (), "T"),
+    ("seed", (), "N"),
+)
 
 
 class EvaluationError(UserError, ValueError):
@@ -134,23 +153,31 @@ def evaluate_files(
     src: Path,
     ref: Path,
     *,
-    beam: int = 1,
+    beam: Optional[int] = None,
     output: Optional[Path] = None,
     device: str = "cpu",
     threads: Optional[int] = None,
     batch_size: int = 64,
-    length_penalty: Optional[str] = None,
-    alpha: Optional[float] = None,
-    max_len_a: Optional[float] = None,
-    max_len_b: Optional[float] = None,
     source_lang: Optional[str] = None,
     target_lang: Optional[str] = None,
     dtype: Optional[str] = None,
+    **search: Any,
 ) -> dict:
-    """Translate ``src`` with ``model``, score against ``ref``; returns the report (see :func:`main`)."""
+    """Translate ``src`` with ``model``, score against ``ref``; returns the report (see :func:`main`).
+
+    ``search``: the translator's search options (:class:`~transformer_ext.decoding.SearchOptions`
+    names; None: the model's); ``beam`` is ``beam_size`` (default 1: greedy search, whatever the
+    model's generation config says)."""
     from .fsutil import atomic_write_text
     from .text import DataError, read_lines
 
+    options = {k: v for k, v in search.items() if v is not None}
+    if beam is not None and "beam_size" in options:
+        raise EvaluationError(
+            f"beam ({beam}) and beam_size ({options['beam_size']}) are one option: give one"
+        )
+    options.setdefault("beam_size", 1 if beam is None else beam)
+    options["batch_size"] = batch_size
     try:
         sources, references = read_lines(src), read_lines(ref)
     except DataError as exc:
@@ -168,15 +195,6 @@ def evaluate_files(
     keep = [i for i, s in enumerate(sources) if s.strip()]
     if len(keep) < len(sources):
         logger.warning("%d empty source lines get empty hypotheses", len(sources) - len(keep))
-    options = dict(
-        beam_size=beam,
-        batch_size=batch_size,
-        length_penalty=length_penalty,
-        alpha=alpha,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-    )
-    options = {k: v for k, v in options.items() if v is not None}
     settings = translator.resolve_options(**options)
     t0 = time.monotonic()
     # strict: a score over sources the model cannot represent (<unk> pieces) would not say what it seems to
@@ -230,12 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model folder or export folder")
     p.add_argument("--src", required=True, help="source sentences, one per line (UTF-8)")
     p.add_argument("--ref", required=True, help="reference translations, line-aligned with --src")
-    p.add_argument("--beam", type=int, default=1, help="beam size (1: greedy, the default)")
     p.add_argument("--output", help="write the hypotheses here (atomically), one per line")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for a model folder (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch or ONNX Runtime)")
-    p.add_argument("--batch-size", type=int, default=64, help="sources decoded together (default: 64)")
+    add_option(
+        p,
+        "--max-batch-size",
+        deprecated=("--batch-size",),
+        type=int,
+        default=64,
+        metavar="N",
+        help="sources decoded together (default: 64)",
+    )
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -243,15 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model folder's decode dtype: bfloat16 keeps weights and caches in bfloat16 (float32 "
         "accumulation), on a GPU or a CPU with native bfloat16 only (default: the folder's float32)",
     )
-    p.add_argument(
-        "--length-penalty",
-        choices=("gnmt", "seed", "average", "none"),
-        default=None,
-        help="beam search length penalty (default: the translator's, gnmt)",
-    )
-    p.add_argument("--alpha", type=float, default=None, help="length penalty exponent (default: 0.6)")
-    p.add_argument("--max-len-a", type=float, default=None, help="at most A * source length + B tokens")
-    p.add_argument("--max-len-b", type=float, default=None, help="see --max-len-a")
     p.add_argument(
         "--source-lang",
         default=None,
@@ -264,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
         "first token); an unknown code is an error listing the model's codes; without --source-lang / "
         "--target-lang an M2M100 / NLLB model uses its tokenizer_config.json's defaults (named on stderr)",
     )
+    add_decoding_flags(
+        p.add_argument_group("search (the names of CTranslate2's translate_batch, as translate's)"),
+        EVALUATE_FLAGS,
+        shown_defaults={"beam_size": "1, greedy search, whatever the model's generation config says"},
+    )
     add_debug_flag(p)
     return p
 
@@ -271,10 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.beam < 1:
-        parser.error(f"--beam must be >= 1, got {args.beam}")
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_decoding_flags(parser, args, EVALUATE_FLAGS)
+    if args.max_batch_size < 1:
+        parser.error(f"{given_flag(args, 'max_batch_size')} must be >= 1, got {args.max_batch_size}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     try:
@@ -295,28 +315,24 @@ def main(argv=None) -> int:
             Path(args.model),
             src,
             ref,
-            beam=args.beam,
             output=output,
             device=args.device,
             threads=args.threads,
-            batch_size=args.batch_size,
-            length_penalty=args.length_penalty,
-            alpha=args.alpha,
-            max_len_a=args.max_len_a,
-            max_len_b=args.max_len_b,
+            batch_size=args.max_batch_size,
             source_lang=args.source_lang,
             target_lang=args.target_lang,
             dtype=args.dtype,
+            **decoding_values(args, EVALUATE_FLAGS),
         )
         if args.json:
             print(json.dumps(report, indent=1))
             return 0
         d = report["decoding"]
-        mode = (
-            "greedy"
-            if d["beam_size"] == 1
-            else f"beam {d['beam_size']} (length penalty {d['length_penalty']}, alpha {d['alpha']})"
-        )
+        mode = f"beam {d['beam_size']} (length penalty {d['length_penalty_type']}, exponent {d['alpha']:g})"
+        if d["sampling"]:
+            mode = "sampling ({})".format(", ".join(f"{k} {v}" for k, v in d["sampling"].items()))
+        elif d["beam_size"] == 1:
+            mode = "greedy"
         print(
             f"{report['model']} ({report['runtime']}), {report['n']} sentences, {mode}, {budget_text(d)}, {report['seconds']} s"
         )

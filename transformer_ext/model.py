@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import ops
+from . import ops, reference
 from .config import TransformerConfig
 
 logger = logging.getLogger(__name__)
@@ -381,8 +381,11 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     # Whole-sequence attention through the fused ops.attention (scores, softmax, dropout and the
-    # weighted sum in one kernel with its own backward). Class-level so a test can compare it with
-    # the three-step path on one instance (set it to False there).
+    # weighted sum in one kernel with its own backward), and decoder steps through the fused
+    # ops.decode_attention. Class-level so that one instance can run the standard-op compositions
+    # instead (False: the three-step path, and transformer_ext.reference.decode_attention in
+    # DecoderLayer.step): a test compares the two, export validation measures the float32
+    # rounding of the compositions an exported graph computes.
     fused_attention: bool = True
 
     def forward(
@@ -661,6 +664,10 @@ class DecoderLayer(nn.Module):
         """
         w = self.step_weights(fused_qkv)
         a = self._modules["self_attn"]
+        self_decode = ops.decode_attention if a.fused_attention else reference.decode_attention
+        cross_decode = (
+            ops.decode_attention if self._modules["src_attn"].fused_attention else reference.decode_attention
+        )
         B, D, H, d_k, scale = x.shape[0], a.inner, a.n_heads, a.d_k, a.scale
         first = self._modules["sublayer"]._modules["0"]
         norm, pre = first._modules["norm"], first.norm_first
@@ -689,7 +696,7 @@ class DecoderLayer(nn.Module):
                 v = linear(h, w.v_weight, w.v_bias).view(B, H, 1, d_k)
             new_kv.extend((k, v))
             bias = () if position_bias is None else (position_bias,)  # the export lowerings' signature
-            out = ops.decode_attention(q, self_key, self_value, positions, scale, k, v, *bias)
+            out = self_decode(q, self_key, self_value, positions, scale, k, v, *bias)
             return linear(out.reshape(B, 1, D), w.o_weight, w.o_bias)
 
         def cross_attention_per_source(q: torch.Tensor) -> torch.Tensor:
@@ -715,7 +722,7 @@ class DecoderLayer(nn.Module):
                 scores = torch.matmul(q, cross_key.transpose(-2, -1))  # [B, H, 1, S]
                 probs = ops.masked_softmax(scores, keep[:, None, None, :], scale, False)
                 attention.append(probs.float().mean(dim=1)[:, 0])  # [B, S]
-            out = ops.decode_attention(q, cross_key, cross_value, src_lengths, scale)
+            out = cross_decode(q, cross_key, cross_value, src_lengths, scale)
             return linear(out.reshape(B, 1, D), w.cross_o_weight, w.cross_o_bias)
 
         def feed_forward(h: torch.Tensor) -> torch.Tensor:

@@ -88,10 +88,12 @@ def decode_attention(
             are clamped on the device (checking them would force a host sync).
         scale: score multiplier (``1/sqrt(D)``).
         k_new, v_new: optional ``[B, H, 1, D]``, given together.
-        position_bias: optional additive bias of the scaled scores, broadcastable to ``[B, H, 1,
-            L]``, or ``[B, H, 1, L + 1]`` with ``k_new`` (the last entry is the new key's): T5's
-            relative position bias. With a bias the op runs a PyTorch composition of the same
-            semantics (:func:`_decode_attention_with_bias`), not the compiled kernel.
+        position_bias: optional additive bias of the scaled scores, ``[B or 1, H or 1, 1, L]``,
+            or ``[B or 1, H or 1, 1, L + 1]`` with ``k_new`` (the last entry is the new key's):
+            T5's relative position bias, any floating dtype (added in float32). It runs the
+            compiled kernel (``decode_attention_with_bias``); while a graph is traced for export
+            it runs :func:`_decode_attention_with_bias`, the same semantics in standard PyTorch
+            ops, which every exporter knows.
 
     Returns:
         ``[B, H, 1, D]`` in the dtype of ``q``; zeros for a row with no key. A NaN in ``q``, in
@@ -100,26 +102,52 @@ def decode_attention(
         with an input that requires grad, the backward pass raises.
     """
     if position_bias is not None:
-        return _decode_attention_with_bias(
-            q, k_cache, v_cache, lengths, float(scale), k_new, v_new, position_bias
+        _check_decode_bias(q, k_cache, k_new, v_new, position_bias)
+        if _is_tracing_for_export():
+            return _decode_attention_with_bias(
+                q, k_cache, v_cache, lengths, float(scale), k_new, v_new, position_bias
+            )
+        return _ops.decode_attention_with_bias(
+            q, k_cache, v_cache, lengths, float(scale), position_bias, k_new, v_new
         )
     return _ops.decode_attention(q, k_cache, v_cache, lengths, float(scale), k_new, v_new)
 
 
-def _decode_attention_with_bias(q, k_cache, v_cache, lengths, scale, k_new, v_new, position_bias):
-    """:func:`decode_attention` with an additive position bias, in standard PyTorch ops."""
+def _is_tracing_for_export() -> bool:
+    """True while a graph is traced for export (torch.jit / torch.onnx / torch.export)."""
+    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+        return True
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and getattr(compiler, "is_exporting", lambda: False)()
+
+
+def _check_decode_bias(q, k_cache, k_new, v_new, position_bias) -> None:
+    """The shape rule of decode_attention's position bias, as a ValueError naming it."""
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     if q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be [B, H, 1, D], got {tuple(q.shape)}")
-    B, H, _, D = q.shape
-    L = k_cache.shape[2]
-    n_keys = L + (0 if k_new is None else 1)
-    if position_bias.dim() != 4 or position_bias.shape[-1] != n_keys:
+    B, H = q.shape[0], q.shape[1]
+    n_keys = k_cache.shape[2] + (0 if k_new is None else 1)
+    shape = tuple(position_bias.shape)
+    if (
+        position_bias.dim() != 4
+        or shape[0] not in (1, B)
+        or shape[1] not in (1, H)
+        or shape[2] != 1
+        or shape[3] != n_keys
+    ):
         raise ValueError(
             f"position_bias must be broadcastable to [{B}, {H}, 1, {n_keys}] (the cache length"
-            f"{' + 1 for k_new' if k_new is not None else ''}), got {tuple(position_bias.shape)}"
+            f"{' + 1 for k_new' if k_new is not None else ''}), got {shape}"
         )
+
+
+def _decode_attention_with_bias(q, k_cache, v_cache, lengths, scale, k_new, v_new, position_bias):
+    """:func:`decode_attention` with an additive position bias, in standard PyTorch ops (the form
+    export traces)."""
+    B = q.shape[0]
+    L = k_cache.shape[2]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     keep = torch.arange(L, device=q.device).view(1, 1, 1, L) < lengths.clamp(0, L).view(-1, 1, 1, 1)
     keys, values = k_cache, v_cache
@@ -327,6 +355,10 @@ def _not_differentiable(name: str):
 
 for _name in _NOT_DIFFERENTIABLE:
     torch.library.register_autograd(f"transformer_ext::{_name}", _not_differentiable(_name))
+# decode_attention with a position bias: the same public function
+torch.library.register_autograd(
+    "transformer_ext::decode_attention_with_bias", _not_differentiable("decode_attention")
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -381,9 +413,12 @@ def attention(
             The mask is a function of ``(seed, b, h, i, j)`` only (not of threads or tiling),
             and the backward pass regenerates it.
         position_bias: optional additive bias of the scaled scores, broadcastable to ``[B, H, Q,
-            K]`` (T5's relative position bias, ``[1, H, Q, K]``), differentiable. With a bias the
-            op runs a PyTorch composition of the same semantics, dropout mask included
-            (:func:`_attention_with_bias`), not the compiled kernel.
+            K]`` (each dimension 1 or that size; T5's relative position bias is ``[1, H, Q, K]``),
+            any floating dtype, any strides. It runs the compiled kernels
+            (``attention_with_bias`` and its backward) and is differentiable: its gradient is
+            summed over the dimensions it broadcasts (a bias shared by the batch gets the sum
+            over the batch). A ``-inf`` entry masks its key; a row whose allowed keys all have a
+            ``-inf`` bias is zeros, as a row with no key.
 
     Returns:
         ``[B, H, Q, D]`` in the dtype of ``q`` (under ``torch.autocast``: q, k and v are cast to
@@ -398,52 +433,31 @@ def attention(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     seed_t = _seed_tensor(seed, q.device) if p > 0.0 else None
     if position_bias is not None:
-        q, k, v, position_bias = _autocast_inputs(q, k, v, position_bias)
-        return _attention_with_bias(
-            q, k, v, key_lengths, query_lengths, float(scale), bool(causal), p, seed_t, position_bias
+        _check_attention_bias(q, k, v, position_bias)
+        q, k, v = _autocast_inputs(q, k, v)  # the bias keeps its dtype: the kernels add it in float32
+        out, _lse = _ops.attention_with_bias(
+            q, k, v, position_bias, key_lengths, query_lengths, float(scale), bool(causal), p, seed_t
         )
+        return out
     q, k, v = _autocast_inputs(q, k, v)
     out, _lse = _ops.attention(q, k, v, key_lengths, query_lengths, float(scale), bool(causal), p, seed_t)
     return out
 
 
-def _attention_with_bias(q, k, v, key_lengths, query_lengths, scale, causal, dropout_p, seed, position_bias):
-    """:func:`attention` with an additive position bias, in standard PyTorch ops (autograd
-    differentiates it): scores, bias, the masks, softmax, the kernel's dropout mask, the sum."""
+def _check_attention_bias(q, k, v, position_bias) -> None:
+    """The shape rule of attention's position bias, as a ValueError naming it."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(
             f"q, k, v must be [B, H, Q, D], [B, H, K, D] twice, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    B, H, Q, D = q.shape
+    B, H, Q, _ = q.shape
     K = k.shape[2]
     if position_bias.dim() != 4 or any(s not in (1, n) for s, n in zip(position_bias.shape, (B, H, Q, K))):
         raise ValueError(
             f"position_bias must be broadcastable to [{B}, {H}, {Q}, {K}], got {tuple(position_bias.shape)}"
         )
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dev = q.device
-    keep = torch.ones(B, 1, Q, K, dtype=torch.bool, device=dev)
-    key_keep = None
-    if key_lengths is not None:
-        key_keep = torch.arange(K, device=dev).view(1, 1, K) < key_lengths.view(B, 1, 1)  # [B, 1, K]
-        keep = keep & key_keep.unsqueeze(2)
-    if query_lengths is not None:
-        keep = keep & (torch.arange(Q, device=dev).view(1, 1, Q, 1) < query_lengths.view(B, 1, 1, 1))
-    if causal:
-        i = torch.arange(Q, device=dev).view(Q, 1)
-        keep = keep & (torch.arange(K, device=dev).view(1, K) <= i + (K - Q))
-    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale + position_bias.to(compute)
-    empty = ~keep.any(-1, keepdim=True)  # a row with no key: zeros (and zero gradients), not NaN
-    scores = torch.where(empty, 0.0, scores.masked_fill(~keep, float("-inf")))
-    probs = torch.softmax(scores, -1).masked_fill(empty, 0.0)
-    if dropout_p > 0.0:
-        kept = _ops.attention_dropout_mask(seed.cpu(), B, H, Q, K, dropout_p).to(dev)
-        probs = torch.where(kept, probs / (1.0 - dropout_p), 0.0)
-    values = v.to(compute)
-    if key_keep is not None:  # values of keys past the lengths never enter the sum
-        values = values.masked_fill(~key_keep.unsqueeze(-1), 0.0)
-    out = torch.matmul(probs, values).to(q.dtype)  # [B, H, Q, D]
-    return out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel's [B, Q, H, D] layout
+    if not position_bias.is_floating_point():
+        raise ValueError(f"position_bias must be a floating-point tensor, got {position_bias.dtype}")
 
 
 def _autocast_inputs(*tensors: torch.Tensor) -> tuple:
@@ -532,4 +546,88 @@ def _attention_backward(ctx, grad_out, _grad_lse):
 
 torch.library.register_autograd(
     "transformer_ext::attention", _attention_backward, setup_context=_attention_setup_context
+)
+
+
+@torch.library.register_fake("transformer_ext::attention_with_bias")
+def _attention_with_bias_fake(
+    q, k, v, position_bias, key_lengths, query_lengths, scale, causal, dropout_p, seed
+):
+    _check_same_device("q", q, position_bias=position_bias)
+    B, H, Q, _ = q.shape
+    K = k.shape[2] if k.dim() == 4 else 0
+    _check(
+        position_bias.dim() == 4 and all(s in (1, n) for s, n in zip(position_bias.shape, (B, H, Q, K))),
+        f"position_bias must be broadcastable to [{B}, {H}, {Q}, {K}] (each dimension 1 or that size), "
+        f"got shape {tuple(position_bias.shape)}",
+    )
+    return _attention_fake(q, k, v, key_lengths, query_lengths, scale, causal, dropout_p, seed)
+
+
+@torch.library.register_fake("transformer_ext::attention_with_bias_backward")
+def _attention_with_bias_backward_fake(
+    grad_out,
+    q,
+    k,
+    v,
+    position_bias,
+    out,
+    lse,
+    key_lengths,
+    query_lengths,
+    scale,
+    causal,
+    dropout_p,
+    seed,
+    bias_grad,
+):
+    dq, dk, dv = _attention_backward_fake(
+        grad_out, q, k, v, out, lse, key_lengths, query_lengths, scale, causal, dropout_p, seed
+    )
+    dbias = position_bias.new_empty(position_bias.shape) if bias_grad else q.new_empty((0,))
+    return dq, dk, dv, dbias
+
+
+@torch.library.register_fake("transformer_ext::decode_attention_with_bias")
+def _decode_attention_with_bias_fake(
+    q, k_cache, v_cache, lengths, scale, position_bias, k_new=None, v_new=None
+):
+    _check_same_device("q", q, position_bias=position_bias)
+    return _decode_attention_fake(q, k_cache, v_cache, lengths, scale, k_new, v_new)
+
+
+def _attention_with_bias_setup_context(ctx, inputs, output):
+    q, k, v, bias, key_lengths, query_lengths, scale, causal, dropout_p, seed = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.scale, ctx.causal, ctx.dropout_p = scale, causal, dropout_p
+    ctx.save_for_backward(q, k, v, bias, out, lse, key_lengths, query_lengths, seed)
+
+
+def _attention_with_bias_backward(ctx, grad_out, _grad_lse):
+    q, k, v, bias, out, lse, key_lengths, query_lengths, seed = ctx.saved_tensors
+    bias_grad = ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = _ops.attention_with_bias_backward(
+        grad_out,
+        q,
+        k,
+        v,
+        bias,
+        out,
+        lse,
+        key_lengths,
+        query_lengths,
+        ctx.scale,
+        ctx.causal,
+        ctx.dropout_p,
+        seed,
+        bias_grad,
+    )
+    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "transformer_ext::attention_with_bias",
+    _attention_with_bias_backward,
+    setup_context=_attention_with_bias_setup_context,
 )

@@ -1,6 +1,7 @@
 """The ``translate`` command's options and their checks.
 
-The decoding flags are generated from :class:`transformer_ext.decoding.SearchOptions`: each is
+The decoding flags are generated from :class:`transformer_ext.decoding.SearchOptions`
+(:mod:`transformer_ext.search_flags`, which ``evaluate`` and ``export.quantize`` use too): each is
 a field's name with dashes (CTranslate2's ``translate_batch`` names), with the field's help text
 and range, checked by the field's own check before anything is loaded. Older spellings are
 accepted with a one-line deprecation warning (:func:`transformer_ext.cli.add_option`): ``--beam``,
@@ -15,15 +16,12 @@ This module imports no torch.
 from __future__ import annotations
 
 import argparse
-import sys
-from dataclasses import fields
-from typing import Any
 
 from .batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW
-from .cli import add_debug_flag, add_option, spelling_given
-from .decoding import LENGTH_PENALTIES, SearchOptions
+from .cli import add_debug_flag, add_option
 from .devices import DeviceUsageError, check_device_name
 from .runtimes.factory import RUNTIMES
+from .search_flags import add_decoding_flags, check_decoding_flags, decoding_values, given_flag
 
 __all__ = ["DECODING_FLAGS", "build_parser", "check_args", "runtime_conflicts", "search_options"]
 
@@ -46,95 +44,6 @@ DECODING_FLAGS = (
     ("seed", (), "N"),
     ("return_scores", ("--scores",), None),
 )
-_FIELDS = {f.name: f for f in fields(SearchOptions)}
-_EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def given_flag(args: argparse.Namespace, name: str) -> str:
-    """The spelling the command line gave for the option of field ``name`` (else the new one)."""
-    penalty = vars(args).get("_length_penalty_spellings", {}).get(name)
-    if penalty is not None:
-        return penalty.split()[0]  # "--length-penalty NAME": --length-penalty
-    return spelling_given(args, name) or _flag(name)
-
-
-def _help(name: str) -> str:
-    meta = _FIELDS[name].metadata
-    default = _FIELDS[name].default
-    if name == "return_scores":
-        return f"print 'score<TAB>text': {meta['help']} (with --num-hypotheses: the n-best scores)"
-    if name == "early_stopping":
-        return (
-            "transformers' beam-search stop rule, with --length-penalty-type hf: true, false or never "
-            "(default: the model's generation config, else false)"
-        )
-    if name == "num_hypotheses":
-        return (
-            f"{meta['help']}, printed as 'index<TAB>score<TAB>text' ({meta['range']}; default: the "
-            f"model's generation config, else {default})"
-        )
-    shown = "fresh entropy" if default is None else default
-    text = f"{meta['help']} ({meta['range']}; default: the model's generation config, else {shown})"
-    if name == "length_penalty":
-        text += (
-            "; --alpha A is its deprecated spelling, --length-penalty NAME that of --length-penalty-type NAME"
-        )
-    return text
-
-
-class _LengthPenalty(argparse.Action):
-    """``--length-penalty A`` (the exponent) and ``--length-penalty-type NAME`` (the formula),
-    with their old spellings ``--alpha A`` and ``--length-penalty NAME``."""
-
-    OLD = ("--alpha", "--length-penalty NAME")
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        seen = namespace.__dict__.setdefault("_length_penalty_spellings", {})
-        if option_string == "--length-penalty-type":
-            dest, spelled, value = "length_penalty_type", option_string, values
-        elif option_string == "--length-penalty" and values in LENGTH_PENALTIES:
-            dest, spelled, value = "length_penalty_type", "--length-penalty NAME", values
-        else:
-            dest, spelled = "length_penalty", option_string
-            try:
-                value = float(values)
-            except ValueError:
-                parser.error(
-                    f"argument {option_string}: invalid choice: {values!r} (a number, the exponent"
-                    + (f"; or one of {LENGTH_PENALTIES}, the formula)" if option_string != "--alpha" else ")")
-                )
-        before = seen.setdefault(dest, spelled)
-        if (before in self.OLD) != (spelled in self.OLD):
-            parser.error(f"{before} and {spelled} are one option (give only {_flag(dest)})")
-        if spelled in self.OLD and not getattr(parser, "quiet_renamed", False):
-            new = _flag(dest) + (f" {value}" if dest == "length_penalty_type" else "")
-            old = f"--length-penalty {value}" if spelled == "--length-penalty NAME" else spelled
-            print(f"{parser.prog}: warning: {old} is deprecated; use {new}", file=sys.stderr)
-        setattr(namespace, dest, value)
-
-
-def _add_decoding_flags(group) -> None:
-    """One flag per field of :data:`DECODING_FLAGS`, with the field's help and range."""
-    for name, old, metavar in DECODING_FLAGS:
-        flag, default = _flag(name), _FIELDS[name].default
-        if name in ("length_penalty", "length_penalty_type"):
-            kwargs: dict[str, Any] = dict(metavar=metavar) if metavar else dict(choices=LENGTH_PENALTIES)
-            group.add_argument(
-                flag, *old, dest=name, action=_LengthPenalty, default=None, help=_help(name), **kwargs
-            )
-        elif name == "early_stopping":
-            add_option(group, flag, choices=tuple(_EARLY_STOPPING), default=None, help=_help(name))
-        elif isinstance(default, bool):
-            add_option(group, flag, deprecated=old, action="store_true", help=_help(name))
-        else:
-            kind = float if isinstance(default, float) else int
-            add_option(
-                group, flag, deprecated=old, type=kind, default=None, metavar=metavar, help=_help(name)
-            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "130 interrupted, 143 terminated.",
     )
     _add_model_options(parser)
-    _add_decoding_flags(parser.add_argument_group("search (the names of CTranslate2's translate_batch)"))
+    add_decoding_flags(
+        parser.add_argument_group("search (the names of CTranslate2's translate_batch)"), DECODING_FLAGS
+    )
     _add_input_options(parser.add_argument_group("input and batching"))
     _add_language_options(parser)
     add_debug_flag(parser)
@@ -306,51 +217,9 @@ def _add_language_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _expected(name: str, value: Any, args: argparse.Namespace) -> Any:
-    """What the flag of field ``name`` expects where ``value`` is out of its range, else None."""
-    expected = _FIELDS[name].metadata["check"](value)
-    if name == "length_penalty" and args.length_penalty_type != "hf" and (expected or value < 0):
-        return "a finite number >= 0 (negative exponents: --length-penalty-type hf)"
-    if expected is None:
-        return None
-    for word in ("an int ", "a number "):  # the parser gave the type already
-        expected = expected.removeprefix(word)
-    return expected.removesuffix(" or None")
-
-
-def _check_decoding(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The decoding flags given, each within its field's range, and their combinations."""
-    for name, _, _ in DECODING_FLAGS:
-        value = getattr(args, name)
-        if value is None or name in ("return_scores", "early_stopping", "length_penalty_type"):
-            continue
-        expected = _expected(name, value, args)
-        if expected is not None:
-            parser.error(f"{given_flag(args, name)} must be {expected}, got {value}")
-    beam, n = args.beam_size, args.num_hypotheses
-    sampling = args.sampling_topk not in (None, 1)
-    if n is not None and beam is not None and n > beam and not sampling:
-        beam_flag = given_flag(args, "beam_size")
-        parser.error(
-            f"{given_flag(args, 'num_hypotheses')} must be between 1 and {beam_flag} ({beam}), got {n}"
-        )
-    if not sampling:
-        for name in ("sampling_topp", "sampling_temperature", "seed"):
-            if getattr(args, name) is not None:
-                parser.error(f"{_flag(name)} applies to random sampling: give --sampling-topk 0 (or K > 1)")
-    if sampling and beam is not None and beam > 1:
-        beam_flag = given_flag(args, "beam_size")
-        parser.error(f"random sampling (--sampling-topk) needs {beam_flag} 1, got {beam_flag} {beam}")
-    if args.early_stopping is not None and args.length_penalty_type != "hf":
-        parser.error(
-            "--early-stopping applies with --length-penalty hf / --length-penalty-type hf (transformers' "
-            "beam search)"
-        )
-
-
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, stdin) -> None:
     """Every option checked before anything is read or loaded; a usage error (exit 2) names it."""
-    _check_decoding(parser, args)
+    check_decoding_flags(parser, args, DECODING_FLAGS)
     for option, value in (
         (given_flag(args, "max_batch_size"), args.max_batch_size),
         ("--max-batch-tokens", args.max_batch_tokens),
@@ -398,9 +267,7 @@ def runtime_conflicts(args: argparse.Namespace, runtime: str) -> list[str]:
 def search_options(args: argparse.Namespace) -> dict:
     """The Translator options of a parsed command line: the decoding flags under their
     SearchOptions names (None: not given), the batch size, ``strict`` and ``long_lines``."""
-    options = {name: getattr(args, name) for name, _, _ in DECODING_FLAGS}
-    options["early_stopping"] = _EARLY_STOPPING.get(args.early_stopping)
-    options["return_scores"] = True if args.return_scores else None
+    options = decoding_values(args, DECODING_FLAGS)
     batch_size = args.max_batch_size
     if batch_size is None and args.batch_type == "examples":
         batch_size = 64

@@ -547,7 +547,8 @@ class Translator:
         in that many parts at once, each part on a runner of its own with ``threads`` threads
         (default 1: one runner; :class:`transformer_ext.runtimes.SourceParallel` says when
         several pay: beam search at batch size on ONNX Runtime's CPU provider, with
-        ``threads=1`` each); sampling decodes on one of them.
+        ``threads=1`` each); random sampling splits too, each source drawing from its own
+        stream, so the samples are those of one runner.
 
         Raises:
             ManifestError: no ``manifest.json``, one of another tool or of an unknown format version;
@@ -762,7 +763,7 @@ class Translator:
         vocab = int(self.info.tgt_vocab_size)
         for field, value in (("beam_size", options.beam_size), ("num_hypotheses", options.num_hypotheses)):
             if value > vocab:
-                name = layer.name(field) if field in layer.spelled else "n_best"
+                name = layer.name(field) if field in layer.spelled else field
                 raise TranslationError(
                     f"{name} {value} is more than the target vocabulary's {vocab} tokens; give at most {vocab}"
                 )
@@ -1017,7 +1018,7 @@ class Translator:
         if not search.sampling:
             out = self._search(decoding.generate, input_ids, lengths, **kwargs)
         else:  # each source's stream is picked by the seed and its index in the whole input
-            out = decoding.generate(self.runner, input_ids, lengths, source_index=indices, **kwargs)
+            out = self._search(decoding.generate, input_ids, lengths, source_index=indices, **kwargs)
         return [Translation("", [tok.decode_target(h.tokens) for h in row[:n]], list(row[:n])) for row in out]
 
     def _check_memory(self, sources: int, hypotheses: int, src_len: int, steps: int) -> None:

@@ -10,7 +10,9 @@ built with, then a call's, each with ``dataclasses.replace`` (which checks the r
 
 Besides the fields, a call takes the translator's own settings (:data:`SETTINGS`) and the older
 spellings of :data:`ALIASES` (``n_best``, ``alpha``, ``min_length``, ``max_length``, and
-``length_penalty`` given as a formula name). Three rules are the layering's own, since a record
+``length_penalty`` given as a formula name), each with one ``FutureWarning`` per process naming
+its new name (:func:`warn_renamed`); an older and a newer name of one option in one call are a
+ValueError naming both. Three rules are the layering's own, since a record
 does not know which of its values a user gave: random sampling asked for without a beam size
 samples with beam size 1 (a folder's ``num_beams`` is the default of beam search only); a
 ``num_hypotheses`` not given is the folder's, at most the beam size; a length-penalty formula
@@ -23,6 +25,9 @@ This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Optional
 
@@ -46,6 +51,30 @@ ALIASES = {
     "max_length": "max_decoding_length",
 }
 LONG_LINES = ("error", "truncate")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_WARNED: set[str] = set()  # the older spellings warned about in this process
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of a warning that points at the first caller outside this package."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def warn_renamed(old: str, field: str, value: Any) -> None:
+    """One ``FutureWarning`` per process for the older option name ``old`` of ``field`` (the
+    second and later uses are silent), pointing at the caller's line."""
+    key = "length_penalty NAME" if old == field or old == "length_penalty" else old
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    if key == "length_penalty NAME":
+        text = f"length_penalty={value!r} (a formula's name) is deprecated; use length_penalty_type={value!r}"
+    else:
+        text = f"{old} is deprecated; use {field}"
+    warnings.warn(text, FutureWarning, stacklevel=_caller_stacklevel())
 
 
 @dataclass(frozen=True)
@@ -107,6 +136,9 @@ class OptionLayers:
                 raise OptionError(f"{self.spelled[field]} and {name} are one option: give one of them")
             self.values[field] = value
             self.spelled[field] = name if field != "beam_size" else "beam size"
+        for field, name in self.spelled.items():
+            if name in ALIASES or (name == "length_penalty" and field == "length_penalty_type"):
+                warn_renamed(name, field, self.values[field])
 
     def name(self, field: str) -> str:
         return self.spelled.get(field, field)

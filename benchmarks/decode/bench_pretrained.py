@@ -1,8 +1,23 @@
-"""Decode speed on an imported MarianMT checkpoint: ours against the tools its users would pick.
+"""Decode speed on an imported MarianMT, T5 or mBART-50 checkpoint: ours against the tools its users would pick.
 
     python -m benchmarks.decode.bench_pretrained --size tiny                     # seconds: a smoke run
     python -m benchmarks.decode.bench_pretrained --size opus-mt-en-de \\
         --optimum-python /work/venv-optimum/bin/python --ct2-python /work/venv-optimum/bin/python
+    python -m benchmarks.decode.bench_pretrained --size t5-base --optimum-python ... --ct2-python ...
+    python -m benchmarks.decode.bench_pretrained --size mbart-large-50 --optimum-python ... --ct2-python ...
+
+The sizes (``--size``): ``opus-mt-en-de`` and ``tiny`` (MarianMT, below); ``t5-base``
+(google/t5-v1_1-base's shape: T5 v1.1, MADLAD-400's architecture, 12+12 layers, d_model 768, d_ff
+2048 gated GELU, 12 heads, vocabulary 32,128, the relative position bias) and ``mbart-large-50``
+(facebook/mbart-large-50-many-to-many-mmt's shape: 12+12 layers, d_model 1024, d_ff 4096, 16
+heads, vocabulary 250,054), both written by transformers with random weights
+(``pretrained_families.py``), ``mbart-large-50-vocab32k`` (the same layers with a 32,054-token
+vocabulary), and ``t5-tiny`` / ``mbart-tiny`` (the same code path in seconds).
+t5-base and mbart-large-50 decode 16 new tokens per sequence in 3 rounds, without ``eager`` unless
+``--engines`` names it: the run's length on 2 cores. Their sources: T5's pieces then ``</s>``;
+mBART-50's ``en_XX``, pieces, ``</s>``; both decode from their decoder start (``<pad>``, ``</s>``)
+with nothing banned (their generation configs ban nothing; mBART-50's target language is not
+forced, so every engine decodes freely).
 
 The checkpoint. A Marian checkpoint with random weights is written by transformers
 (``MarianMTModel(config).save_pretrained``; ``--size opus-mt-en-de``: the real model's dimensions,
@@ -43,7 +58,11 @@ Tokens are compared before any time is taken: every float32 engine against trans
 first float32 engine), token for token; a disagreement is logged as an error, the engine's entry
 in the cell says ``tokens_match: false`` (and how many rows agree), the cell says
 ``float32_tokens_agree: false``, and the exit status is 1; it is still timed. The int8 engines
-record their agreement with the float32 tokens and with each other.
+record their agreement with the float32 tokens and with each other, and each with its own
+runtime's float32 engine (``agreement_with_own_float32``: rows equal, the mean common prefix, and
+whether that is at least :data:`INT8_TOLERANCE` of the new tokens; below it a warning is logged).
+Ours int8 is ``export.quantize int8`` with the quality gate off (``gate=False``: random weights
+have no translations to gate on), recorded as ``int8_quality_gate``.
 
 Thread settings (``--threads``): ``N`` runs every engine on N threads; ``WxT`` (for example
 ``2x1``) splits each batch over W workers of T threads for the engines that can (ours: W
@@ -79,6 +98,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parents[1]  # benchmarks/ (results/ lives here)
 REPO = HERE.parent
 from benchmarks.common import environment, machine_info, write_json
+from benchmarks.decode import pretrained_families
 from benchmarks.decode.bench_decode import (
     SPLITTABLE,
     Engine,
@@ -94,6 +114,7 @@ logger = logging.getLogger("bench_pretrained")
 
 SIZES = {
     "tiny": dict(
+        family="marian",
         d_model=32,
         layers=2,
         heads=4,
@@ -104,8 +125,10 @@ SIZES = {
         new_tokens=8,
         embed_std=0.3,
         gain=2.0,
+        rounds=5,
     ),
     "opus-mt-en-de": dict(
+        family="marian",
         d_model=512,
         layers=6,
         heads=8,
@@ -116,6 +139,114 @@ SIZES = {
         new_tokens=48,
         embed_std=0.3,
         gain=2.0,
+        rounds=5,
+    ),
+    # google/t5-v1_1-base's shape (pretrained_families.py); eager left out of the default engines
+    # (--engines adds it) and 16 new tokens, 3 rounds: the run's length on 2 cores
+    "t5-tiny": dict(
+        family="t5",
+        d_model=32,
+        d_kv=8,
+        layers=2,
+        heads=4,
+        d_ff=64,
+        vocab_size=160,
+        buckets=32,
+        max_distance=128,
+        max_positions=64,
+        src_len=12,
+        new_tokens=8,
+        embed_std=0.3,
+        lm_std=0.5,
+        gain=2.0,
+        rounds=5,
+    ),
+    "t5-base": dict(
+        family="t5",
+        d_model=768,
+        d_kv=64,
+        layers=12,
+        heads=12,
+        d_ff=2048,
+        vocab_size=32128,
+        buckets=32,
+        max_distance=128,
+        max_positions=512,
+        src_len=24,
+        new_tokens=16,
+        embed_std=0.3,
+        lm_std=0.3,
+        gain=2.0,
+        rounds=3,
+        default_engines=(
+            "transformers",
+            "optimum",
+            "ctranslate2",
+            "onnxrt",
+            "onnxrt_int8",
+            "ctranslate2_int8",
+        ),
+    ),
+    # facebook/mbart-large-50-many-to-many-mmt's shape (pretrained_families.py)
+    "mbart-tiny": dict(
+        family="mbart",
+        d_model=32,
+        layers=2,
+        heads=4,
+        d_ff=64,
+        vocab_size=154,
+        max_positions=64,
+        src_len=12,
+        new_tokens=8,
+        embed_std=0.3,
+        gain=2.0,
+        rounds=5,
+    ),
+    "mbart-large-50": dict(
+        family="mbart",
+        d_model=1024,
+        layers=12,
+        heads=16,
+        d_ff=4096,
+        vocab_size=250054,
+        max_positions=1024,
+        src_len=24,
+        new_tokens=16,
+        embed_std=0.3,
+        gain=2.0,
+        rounds=3,
+        default_engines=(
+            "transformers",
+            "optimum",
+            "ctranslate2",
+            "onnxrt",
+            "onnxrt_int8",
+            "ctranslate2_int8",
+        ),
+    ),
+    # mbart-large-50 with a 32,054-token vocabulary (32,000 pieces): the same layers, an output
+    # projection an eighth the size, for a run nearer t5-base's length
+    "mbart-large-50-vocab32k": dict(
+        family="mbart",
+        d_model=1024,
+        layers=12,
+        heads=16,
+        d_ff=4096,
+        vocab_size=32054,
+        max_positions=1024,
+        src_len=24,
+        new_tokens=16,
+        embed_std=0.3,
+        gain=2.0,
+        rounds=3,
+        default_engines=(
+            "transformers",
+            "optimum",
+            "ctranslate2",
+            "onnxrt",
+            "onnxrt_int8",
+            "ctranslate2_int8",
+        ),
     ),
 }
 MODES = ("greedy", "beam4")
@@ -217,6 +348,31 @@ ENV_MODULES = {"optimum": "optimum.onnxruntime, onnxruntime", "ct2": "ctranslate
 
 
 def write_checkpoint(folder: Path, size: dict) -> None:
+    """The transformers checkpoint of ``size``: its family's writer (Marian here, T5 and mBART-50 in
+    pretrained_families.py)."""
+    family = size.get("family", "marian")
+    if family == "t5":
+        pretrained_families.write_t5(folder, size)
+    elif family == "mbart":
+        pretrained_families.write_mbart(folder, size)
+    else:
+        write_marian(folder, size)
+
+
+def specials(size: dict) -> pretrained_families.Specials:
+    """The decoder start, ``</s>``, the banned ids and the source ids of ``size``'s family."""
+    family = size.get("family", "marian")
+    if family == "t5":
+        return pretrained_families.t5_specials(size)
+    if family == "mbart":
+        return pretrained_families.mbart_specials(size)
+    pad = size["vocab_size"] - 1  # Marian: </s> 0, <unk> 1, <pad> the last id
+    return pretrained_families.Specials(
+        decoder_start=pad, eos=EOS, banned=(pad,), source_ids=(2, pad), source_suffix=(EOS,)
+    )
+
+
+def write_marian(folder: Path, size: dict) -> None:
     """A Marian checkpoint of ``size`` written by transformers (random weights as in the tests'
     checkpoints, a dummy SentencePiece vocabulary of the right size, opus-mt-en-de's generation
     config)."""
@@ -307,7 +463,8 @@ def prepare(size: dict, engines: list[Engine], pythons: dict, scratch: Path) -> 
         export_onnx(paths["model"], paths["onnx"], validate=False, cache_len=cache_len)
     if "onnx_int8" in needed:
         paths["onnx_int8"] = scratch / "onnx_int8"
-        quantize_export(paths["onnx"], paths["onnx_int8"], "int8", gate=False)  # random weights: no gate
+        # random weights have no translation quality to gate on: INT8_GATE, recorded in the JSON
+        quantize_export(paths["onnx"], paths["onnx_int8"], "int8", gate=False)
     if "optimum" in needed:
         paths["optimum"] = scratch / "optimum"
         _run_tool(
@@ -380,11 +537,55 @@ def check_python(env: str, python: Optional[str]) -> Optional[str]:
 
 
 def make_sources(batch: int, src_len: int, pad: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """``batch`` sources of ``src_len`` ids (random pieces, neither ``</s>``, ``<unk>`` nor
+    """``batch`` Marian sources of ``src_len`` ids (random pieces, neither ``</s>``, ``<unk>`` nor
     ``<pad>``, then ``</s>``), as Marian's tokenizer ends a source."""
     rng = random.Random(seed)
     rows = [[rng.randrange(2, pad) for _ in range(src_len - 1)] + [EOS] for _ in range(batch)]
     return np.array(rows, dtype=np.int64), np.full(batch, src_len, dtype=np.int64)
+
+
+# An int8 engine against the float32 engine of its own runtime (random weights: int8 drifts from
+# float32 sooner or later in a row; the tolerance says how soon is still expected).
+INT8_FLOAT32 = {"onnxrt_int8": "onnxrt", "ctranslate2_int8": "ctranslate2"}
+INT8_TOLERANCE = 0.5  # mean common prefix with its own float32 tokens, a fraction of the new tokens
+INT8_GATE = (
+    "ours int8: export.quantize int8 with its quality gate off (quantize_export(gate=False)): the gate "
+    "compares translations against references, which random weights do not have; CTranslate2 int8 has none"
+)
+
+
+def int8_agreement(tokens: list, reference: list, n: int) -> dict:
+    """An int8 engine's tokens against its own float32 engine's: the rows equal, the mean common
+    prefix (a fraction of ``n``) and whether it is within :data:`INT8_TOLERANCE`."""
+    prefixes = []
+    for mine, theirs in zip(tokens, reference):
+        k = 0
+        while k < min(len(mine), len(theirs)) and mine[k] == theirs[k]:
+            k += 1
+        prefixes.append(k / n)
+    mean = float(np.mean(prefixes)) if prefixes else 1.0
+    return dict(
+        rows_equal=float(np.mean([a == b for a, b in zip(tokens, reference)])) if tokens else 1.0,
+        mean_common_prefix=mean,
+        tolerance=INT8_TOLERANCE,
+        within_tolerance=mean >= INT8_TOLERANCE,
+    )
+
+
+class _FirstDecode:
+    """A worker whose first decode after :meth:`reset` is kept (measure_case's compared decode)."""
+
+    def __init__(self, worker):
+        self.worker, self.tokens = worker, None
+
+    def reset(self) -> None:
+        self.tokens = None
+
+    def __call__(self, *args):
+        out = self.worker(*args)
+        if self.tokens is None:
+            self.tokens = out[0]
+        return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -518,14 +719,14 @@ def _measure_setting(
 ):
     """Every case of one thread setting, each engine in a worker process of its own, appended to
     ``entry["cases"]``."""
-    pad = size["vocab_size"] - 1
+    sp = specials(size)
     workers: dict = {}
     n_workers = setting_workers(threads)
     # a split setting runs the engines whose worker can split a batch
     setting_engines = [e for e in engines if n_workers == 1 or e.worker in SPLITTABLE]
     try:
         for e in setting_engines:
-            more: dict = {"banned_ids": [pad]}
+            more: dict = {"banned_ids": list(sp.banned)}
             if e.worker == "ctranslate2":
                 more["vocabulary"] = os.path.join(paths[e.artifact], "shared_vocabulary.json")
             if n_workers > 1:
@@ -534,7 +735,7 @@ def _measure_setting(
                 e,
                 paths[e.artifact],
                 setting_threads(threads),
-                {"bos_id": pad, "eos_id": EOS},
+                {"bos_id": sp.decoder_start, "eos_id": sp.eos},
                 python=pythons[envs[e.name]],
                 extra=more,
             )
@@ -544,18 +745,37 @@ def _measure_setting(
                 # a batch smaller than the split still runs: CTranslate2 with inter_threads=W at
                 # batch 1 is a setting a user may pick, and is timed as such
                 logger.info("%s %s batch %d, %s thread(s) ...", size_name, mode, batch, threads)
+                recorders = {name: _FirstDecode(w) for name, w in workers.items()}
                 case = measure_case(
-                    workers,
+                    recorders,
                     setting_engines,
                     mode,
                     batch,
                     {},
                     rounds,
-                    sources=make_sources(batch, size["src_len"], pad),
+                    sources=sp.sources(batch, size["src_len"]),
                     new_tokens=size["new_tokens"],
                     time_mismatched=True,
                 )
                 case["threads"] = threads
+                for q, f in INT8_FLOAT32.items():
+                    if q in recorders and f in recorders:
+                        agreement = int8_agreement(
+                            recorders[q].tokens, recorders[f].tokens, size["new_tokens"]
+                        )
+                        case["engines"][q]["agreement_with_own_float32"] = dict(engine=f, **agreement)
+                        if not agreement["within_tolerance"]:
+                            logger.warning(
+                                "%s batch %d, %s thread(s): %s keeps to %s for %.0f%% of the tokens "
+                                "on average (tolerance %.0f%%)",
+                                mode,
+                                batch,
+                                threads,
+                                q,
+                                f,
+                                100 * agreement["mean_common_prefix"],
+                                100 * INT8_TOLERANCE,
+                            )
                 for name, e in case["engines"].items():
                     differ = (
                         ""
@@ -577,7 +797,7 @@ def run(
     modes=MODES,
     batch_sizes=(1, 16),
     threads_list=(1, 2),
-    rounds: int = 5,
+    rounds: Optional[int] = None,
     optimum_python: Optional[str] = None,
     ct2_python: Optional[str] = None,
     scratch: Optional[str] = None,
@@ -589,11 +809,18 @@ def run(
     ``keep_artifacts``: a new folder to build the models in and leave there (for
     ``profile_decode.py --export DIR/onnx_int8``, say) instead of a temporary one;
     ``prepare_only``: build them and return ``{"artifacts": {name: folder}}``, nothing timed or
-    written besides."""
+    written besides. ``engine_names`` None: the size's ``default_engines`` (all of them where it has
+    none); ``rounds`` None: the size's."""
     import tempfile
 
     _check_run_args(size_name, engine_names, modes, keep_artifacts, prepare_only)
     size = SIZES[size_name]
+    if engine_names is None and "default_engines" in size:
+        engine_names = list(size["default_engines"])
+    rounds = size["rounds"] if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    sp = specials(size)
     pythons = {"main": sys.executable, "optimum": optimum_python, "ct2": ct2_python}
     reasons = {env: check_python(env, pythons[env]) for env in ("main", "optimum", "ct2")}
     engines, envs, skipped = _select_engines(engine_names, reasons)
@@ -604,6 +831,7 @@ def run(
             return {"artifacts": paths}
     results: dict = {
         "size": size_name,
+        "family": size.get("family", "marian"),
         "config": size,
         "src_len": size["src_len"],
         "new_tokens": size["new_tokens"],
@@ -614,8 +842,16 @@ def run(
         "decoding": (
             f"exactly {size['new_tokens']} new tokens per sequence (EOS suppressed until then, "
             "no forced EOS), "
-            "<pad> banned, beam 4 best hypothesis (equal lengths: length penalties rank alike), "
+            + (f"ids {list(sp.banned)} banned, " if sp.banned else "nothing banned, ")
+            + f"decoder start {sp.decoder_start}, "
+            "beam 4 best hypothesis (equal lengths: length penalties rank alike), "
             "tokens compared before timing"
+        ),
+        "int8_quality_gate": INT8_GATE,
+        "int8_tolerance": (
+            f"each int8 engine's tokens against its own runtime's float32 tokens: the mean common "
+            f"prefix at least {INT8_TOLERANCE:.0%} of the new tokens (agreement_with_own_float32; "
+            "logged, not an error)"
         ),
         "engine_processes": "one per engine and thread count (decode_worker.py), rounds interleaved",
         "engines": [
@@ -666,7 +902,12 @@ def _settings(text: str, parser) -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="opus-mt-en-de")
-    p.add_argument("--engines", default=None, help=f"comma-separated subset of {ENGINE_NAMES}")
+    p.add_argument(
+        "--engines",
+        default=None,
+        help=f"comma-separated subset of {ENGINE_NAMES} (default: all; t5-base and the mbart-large-50 "
+        "sizes: all but eager)",
+    )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of greedy,beam4")
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
     p.add_argument(
@@ -675,7 +916,13 @@ def main(argv=None) -> int:
         help="comma-separated thread settings: N threads, or WxT (the batch split over W workers of "
         "T threads; ours and CTranslate2 only) (default: 1,2,2x1)",
     )
-    p.add_argument("--rounds", "--repeats", type=int, default=5, help="timed rounds per cell (default: 5)")
+    p.add_argument(
+        "--rounds",
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed rounds per cell (default: the size's: 5, or 3 for t5-base and the mbart-large-50 sizes)",
+    )
     p.add_argument(
         "--optimum-python", default=None, help="python of the Optimum environment (requirements/optimum.txt)"
     )
@@ -704,7 +951,7 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         p.error("--rounds must be >= 1")
     suffix = "" if args.size == "opus-mt-en-de" else f"_{args.size}"
     out = args.out or str(HERE / "results" / f"bench_pretrained{suffix}.json")

@@ -7,7 +7,7 @@
 Reads ``bench_decode.py`` JSONs (the ``best_threads`` records: each engine's tokens/s at every
 thread setting it ran, and its best; the ``bandwidth_floor_batch1`` records),
 ``bench_small_model.py`` JSONs (CPU seconds of the demo model's file translation) and
-``bench_pretrained.py`` JSONs (its ``ratios`` at opus-mt dimensions), groups them
+``bench_pretrained.py`` JSONs (its ``ratios`` at opus-mt and t5-base dimensions), groups them
 by the machine each recorded (CPU model, L3, instruction-set flags: a ratio from one machine
 says nothing of another), and scores every target of :data:`TARGETS` in every cell of every
 run that measured it:
@@ -52,6 +52,7 @@ class Target:
     minimum: Optional[float] = None
     maximum: Optional[float] = None
     threads: tuple = field(default=("1", "2"))
+    sizes: tuple = ()  # pretrained: the bench_pretrained sizes it is scored on (empty: every size)
 
 
 TARGETS = (
@@ -107,8 +108,10 @@ TARGETS = (
     ),
 )
 _PRETRAINED_CELLS = tuple((m, b) for m in ("greedy", "beam4") for b in (1, 16))
-# The pretrained-model targets on bench_pretrained.py (opus-mt-en-de dimensions): its ``ratios`` records,
-# at 2 threads or with each engine at its best setting ("best").
+_MARIAN = ("opus-mt-en-de", "tiny")
+# The pretrained-model targets on bench_pretrained.py (opus-mt-en-de dimensions, and t5-base's for
+# the T5 ones): its ``ratios`` records, at 2 threads or with each engine at its best setting
+# ("best", the 2x1 split among the settings).
 PRETRAINED_TARGETS = (
     Target(
         "ONNX Runtime float32 at least 3x Optimum at batch 1, 2 threads",
@@ -117,6 +120,7 @@ PRETRAINED_TARGETS = (
         pairs=(("onnxrt", "optimum"),),
         minimum=3.0,
         threads=("2",),
+        sizes=_MARIAN,
     ),
     Target(
         "ONNX Runtime float32 at least 4x transformers generate at batch 1, 2 threads",
@@ -125,6 +129,7 @@ PRETRAINED_TARGETS = (
         pairs=(("onnxrt", "transformers"),),
         minimum=4.0,
         threads=("2",),
+        sizes=_MARIAN,
     ),
     Target(
         "opus-mt float32 at least 1.2x CTranslate2 float32, each at its best setting",
@@ -133,6 +138,7 @@ PRETRAINED_TARGETS = (
         pairs=(("onnxrt", "ctranslate2"),),
         minimum=1.2,
         threads=("best",),
+        sizes=_MARIAN,
     ),
     Target(
         "opus-mt int8 at least 1.3x CTranslate2 int8, each at its best setting",
@@ -141,6 +147,25 @@ PRETRAINED_TARGETS = (
         pairs=(("onnxrt_int8", "ctranslate2_int8"),),
         minimum=1.3,
         threads=("best",),
+        sizes=_MARIAN,
+    ),
+    Target(
+        "t5-base float32 at least 1.2x CTranslate2 float32, each at its best setting",
+        "pretrained",
+        cells=_PRETRAINED_CELLS,
+        pairs=(("onnxrt", "ctranslate2"),),
+        minimum=1.2,
+        threads=("best",),
+        sizes=("t5-base",),
+    ),
+    Target(
+        "t5-base int8 at least 1.3x CTranslate2 int8, each at its best setting",
+        "pretrained",
+        cells=_PRETRAINED_CELLS,
+        pairs=(("onnxrt_int8", "ctranslate2_int8"),),
+        minimum=1.3,
+        threads=("best",),
+        sizes=("t5-base",),
     ),
 )
 ALL_TARGETS = TARGETS + PRETRAINED_TARGETS
@@ -255,7 +280,10 @@ def score_small_model(target: Target, payload: dict) -> list[dict]:
 
 
 def score_pretrained(target: Target, payload: dict) -> list[dict]:
-    """Every cell of an issue-19 target one bench_pretrained JSON measured."""
+    """Every cell of a pretrained-model target one bench_pretrained JSON measured (none where the
+    target is for other sizes than the JSON's)."""
+    if target.sizes and payload.get("size") not in target.sizes:
+        return []
     ratios = {
         (r["ours"], r["peer"], r["mode"], int(r["batch"]), str(r["threads"])): r for r in payload["ratios"]
     }

@@ -14,9 +14,13 @@ What is measured, per model and engine:
 * in a process of its own per engine and repeat (``--worker``), which imports only what the
   engine needs (ours: numpy, onnxruntime, sentencepiece, no torch; recorded as
   ``torch_imported``): the resident set size (``VmRSS``) and its peak (``VmHWM``) after the
-  imports, after loading the folder and after the first translation, read from
-  ``/proc/self/status``; ``load_seconds`` (folder opened, sessions made) and
-  ``first_translation_seconds`` (from the start of the load to the first translation done).
+  imports, after loading the folder, after the first translation and after a second one of a
+  batch of :data:`BATCH` sources (``after_batch_translation``: what a runner that serves batches
+  holds too, such as an int8 runner's dynamic decoder step, which opens at the first step of more
+  rows than its few-row step runs), read from ``/proc/self/status``, with ``RssAnon`` and
+  ``RssFile`` (the private memory and the mapped file pages); ``load_seconds`` (folder opened,
+  sessions made), ``first_translation_seconds`` (from the start of the load to the first
+  translation done) and ``batch_translation_seconds`` (the second translation alone).
 
 The models: ``opus-mt-en-de``, a MarianMT of Helsinki-NLP/opus-mt-en-de's dimensions (vocabulary
 58,101, d_model 512, 6+6 layers) written by transformers with random weights
@@ -69,6 +73,7 @@ INLINE = {
 }
 CT2 = {"float32": "ct2", "int8": "ct2_int8"}
 NEW_TOKENS = 48
+BATCH = 4  # sources of the second translation (more rows than an int8 folder's few-row step runs)
 PREPARED = "prepared.json"  # what prepare() built in a scratch folder
 SOURCE_TEXT = "the green house by the river is seven hundred years old"
 SOURCE_IDS = [5, 9, 12, 7, 31, 44, 18, 27, 3, 11, 64, 2]  # base: ids below every vocabulary size, EOS last
@@ -79,14 +84,18 @@ SOURCE_IDS = [5, 9, 12, 7, 31, 44, 18, 27, 3, 11, 64, 2]  # base: ids below ever
 # ------------------------------------------------------------------------------------------
 
 
+_STATUS_KEYS = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "rss_anon", "RssFile": "rss_file"}
+
+
 def _status() -> dict:
-    """``VmRSS`` and ``VmHWM`` of this process in bytes (Linux ``/proc/self/status``)."""
+    """``VmRSS``, ``VmHWM``, ``RssAnon`` and ``RssFile`` of this process in bytes (Linux
+    ``/proc/self/status``)."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[{"VmRSS": "rss", "VmHWM": "peak_rss"}[key]] = int(value.split()[0]) * 1024
+            if key in _STATUS_KEYS:
+                out[_STATUS_KEYS[key]] = int(value.split()[0]) * 1024
     return out
 
 
@@ -94,6 +103,8 @@ def worker(engine: str, folder: str, threads: int) -> dict:
     """Load ``folder`` with ``engine`` (``ours`` or ``ct2``) and translate one source; the record."""
     t0 = time.perf_counter()
     if engine == "ours":
+        import numpy as np
+
         from transformer_ext.export_format import read_manifest, tokenizer_files
         from transformer_ext.translator import Translator
     else:
@@ -116,12 +127,14 @@ def worker(engine: str, folder: str, threads: int) -> dict:
     t2 = time.perf_counter()
     if engine == "ours" and has_tokenizer:
         (out,) = translator.translate(
-            [SOURCE_TEXT], max_length=NEW_TOKENS, min_length=NEW_TOKENS, strict=False, beam_size=1
+            [SOURCE_TEXT],
+            max_decoding_length=NEW_TOKENS,
+            min_decoding_length=NEW_TOKENS,
+            strict=False,
+            beam_size=1,
         )
         tokens = len(out.tokens)
     elif engine == "ours":
-        import numpy as np
-
         ids = np.array([SOURCE_IDS], dtype=np.int64)
         (row,) = runner.greedy(ids, np.array([len(SOURCE_IDS)]), max_new_tokens=NEW_TOKENS)
         tokens = len(row)
@@ -132,6 +145,24 @@ def worker(engine: str, folder: str, threads: int) -> dict:
         )
         tokens = len(result.hypotheses[0])
     t3 = time.perf_counter()
+    first = _status()
+    if engine == "ours" and has_tokenizer:
+        translator.translate(
+            [SOURCE_TEXT] * BATCH,
+            max_decoding_length=NEW_TOKENS,
+            min_decoding_length=NEW_TOKENS,
+            strict=False,
+            beam_size=1,
+        )
+    elif engine == "ours":
+        runner.greedy(
+            np.repeat(ids, BATCH, axis=0), np.full(BATCH, len(SOURCE_IDS)), max_new_tokens=NEW_TOKENS
+        )
+    else:
+        translator.translate_batch(
+            [source] * BATCH, beam_size=1, max_decoding_length=NEW_TOKENS, min_decoding_length=NEW_TOKENS
+        )
+    t4 = time.perf_counter()
     return {
         "engine": engine,
         "folder": folder,
@@ -140,9 +171,11 @@ def worker(engine: str, folder: str, threads: int) -> dict:
         "import_seconds": t1 - t0,
         "load_seconds": t2 - t1,
         "first_translation_seconds": t3 - t1,
+        "batch_translation_seconds": t4 - t3,
         "after_import": imported,
         "after_load": loaded,
-        "after_first_translation": _status(),
+        "after_first_translation": first,
+        "after_batch_translation": _status(),
         "torch_imported": "torch" in sys.modules,
     }
 
@@ -306,6 +339,10 @@ def _median_record(runs: list[dict]) -> dict:
         "rss_after_load": med(lambda r: r["after_load"]["rss"]),
         "peak_rss_after_load": med(lambda r: r["after_load"]["peak_rss"]),
         "peak_rss_after_first_translation": med(lambda r: r["after_first_translation"]["peak_rss"]),
+        "batch_translation_seconds": med(lambda r: r["batch_translation_seconds"]),
+        "rss_anon_after_first_translation": med(lambda r: r["after_first_translation"]["rss_anon"]),
+        "rss_file_after_first_translation": med(lambda r: r["after_first_translation"]["rss_file"]),
+        "peak_rss_after_batch_translation": med(lambda r: r["after_batch_translation"]["peak_rss"]),
         "runs": runs,
     }
 
@@ -377,21 +414,23 @@ def summary_table(results: dict) -> str:
     """The markdown tables of ``results``: every engine's folder, peak RSS and times, then (where
     CTranslate2 was measured) :func:`comparison_table`."""
     lines = [
-        "| model | engine | folder MB | / checkpoint | peak RSS after load MB | peak RSS after first translation MB | load s | load + first translation s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | engine | folder MB | / checkpoint | peak RSS after load MB | peak RSS after first translation MB | load s | load + first translation s "
+        f"| peak RSS after a batch of {BATCH} MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model, entry in results["models"].items():
         lines.append(
-            f"| {model} | checkpoint `model.safetensors` | {_mb(entry['reference_bytes'])} | 1.00 | | | | |"
+            f"| {model} | checkpoint `model.safetensors` | {_mb(entry['reference_bytes'])} | 1.00 | | | | | |"
         )
         for label, r in entry["engines"].items():
             if "skipped" in r:
-                lines.append(f"| {model} | {label} | skipped: {r['skipped']} | | | | | |")
+                lines.append(f"| {model} | {label} | skipped: {r['skipped']} | | | | | | |")
                 continue
             lines.append(
                 f"| {model} | {label} | {_mb(r['folder_bytes'])} | {r['ratio_to_reference']:.3f} | "
                 f"{_mb(r['peak_rss_after_load'])} | {_mb(r['peak_rss_after_first_translation'])} | "
-                f"{r['load_seconds']:.2f} | {r['first_translation_seconds']:.2f} |"
+                f"{r['load_seconds']:.2f} | {r['first_translation_seconds']:.2f} | "
+                f"{_mb(r.get('peak_rss_after_batch_translation'))} |"
             )
     before, after = results["load_average_before"], results["load_average_after"]
     lines.append("")

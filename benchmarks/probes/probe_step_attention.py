@@ -376,9 +376,10 @@ def cross_reference(q, k, v, lengths: np.ndarray, K: int) -> np.ndarray:
 
 
 class Bound:
-    """One session with every input and output bound by pointer (the arrays are kept alive)."""
+    """One session with every input and output bound by pointer (the arrays are kept alive);
+    ``library``: a custom-operator library registered with the session's options."""
 
-    def __init__(self, model: bytes, threads: int):
+    def __init__(self, model: bytes, threads: int, library: str | None = None):
         import onnxruntime as ort
 
         from transformer_ext.runtimes import denormals
@@ -391,6 +392,8 @@ class Bound:
         so.add_session_config_entry(FORCE_SPINNING_STOP, "1")
         for key, value in denormals.session_config().items():
             so.add_session_config_entry(key, value)
+        if library is not None:  # a custom-operator library (probe_custom_attention)
+            so.register_custom_ops_library(library)
         self.session = ort.InferenceSession(
             model, so, providers=["CPUExecutionProvider"], disabled_optimizers=list(DISABLED_OPTIMIZERS)
         )

@@ -10,7 +10,13 @@
 // softmax and accumulators; TRANSFORMER_EXT_CPU_AMX=0 turns them off, for tests and comparison);
 // float64 (accepted so that gradcheck can run on the op), CPUs without AVX2 and
 // TRANSFORMER_EXT_CPU_FALLBACK=1 run an ATen composite with the same semantics, the same
-// dropout generator included.
+// dropout generator included; TRANSFORMER_EXT_CPU_ISA=avx2 runs the AVX2 kernels on an AVX-512
+// CPU (for tests). Both switches are read once per process.
+//
+// attention_with_bias (an additive position bias, T5's relative bias) runs the same tile kernels
+// with the bias added to every score tile (bfloat16 included: the brgemm kernels take no bias);
+// its backward also returns d(bias), accumulated per batch row, or per worker thread when the
+// batch shares the bias, and summed to the bias's shape at the end.
 //
 // Work distribution: the forward pass splits into (b, h, block of 64 query rows) tasks, the
 // backward pass into (b, h) tasks (each owns dq of its rows and dk, dv of its keys, so nothing
@@ -119,6 +125,10 @@ struct FwdArgs {
   uint32_t threshold;
   float keep_scale;                 // 1 / (1 - p)
   const uint32_t *bh_key1, *bh_key2;  // [B * H] dropout chains
+  // Position bias or nullptr: bias(b, h, i, j) at bias[b * bs0 + h * bs1 + j * bld + i]
+  // (keys x query rows, rows padded to a multiple of 16; strides 0 where the bias broadcasts).
+  const float* bias = nullptr;
+  int64_t bs0 = 0, bs1 = 0, bld = 0;
 };
 
 template <typename T>
@@ -136,6 +146,12 @@ struct BwdArgs {
   uint32_t threshold;
   float keep_scale;
   const uint32_t *bh_key1, *bh_key2;
+  // Position bias or nullptr: bias(b, h, i, j) at bias[b * bs0 + h * bs1 + i * bs2 + j].
+  const float* bias = nullptr;
+  int64_t bs0 = 0, bs1 = 0, bs2 = 0;
+  // d(bias) accumulators or nullptr: [slots, H, Q, K] float32, zero-filled; a task adds dS of
+  // its (b, h) into the slot it is given.
+  float* dbias = nullptr;
 };
 
 inline int64_t forward_workspace_floats(int64_t D, int64_t W) {
@@ -196,7 +212,9 @@ Isa detect_isa() {
     if (env != nullptr && std::strcmp(env, "1") == 0) return Isa::kNone;
 #ifdef TE_FA_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    const char* cap = std::getenv("TRANSFORMER_EXT_CPU_ISA");  // "avx2": no AVX-512 kernels
+    const bool allow_avx512 = cap == nullptr || std::strcmp(cap, "avx2") != 0;
+    if (allow_avx512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
       return Isa::kAvx512;
@@ -220,8 +238,9 @@ bool use_brgemm_bf16() {
   return ok;
 }
 
-// Runs fn(task, thread_workspace) for every task, most expensive first, handing tasks out
-// through an atomic counter (dynamic balance); `ws_floats` floats of workspace per thread.
+// Runs fn(task, thread_workspace, thread_ints, worker) for every task, most expensive first,
+// handing tasks out through an atomic counter (dynamic balance); `ws_floats` floats of workspace
+// per thread; `worker` in [0, task_workers(n)) is unique among the threads running at once.
 template <typename F>
 void run_tasks(const std::vector<int64_t>& cost, int64_t ws_floats, int64_t ws_ints, const F& fn) {
   const int64_t n = static_cast<int64_t>(cost.size());
@@ -232,16 +251,19 @@ void run_tasks(const std::vector<int64_t>& cost, int64_t ws_floats, int64_t ws_i
                    [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, workers, 1, [&](int64_t worker, int64_t) {
     std::vector<float> ws(ws_floats);
     std::vector<int64_t> wi(ws_ints);
     for (;;) {
       const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
       if (t >= n) break;
-      fn(order[t], ws.data(), wi.data());
+      fn(order[t], ws.data(), wi.data(), worker);
     }
   });
 }
+
+// The number of workers run_tasks uses for n tasks (one accumulator slot each).
+int64_t task_workers(int64_t n) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)); }
 
 // ---- argument checks ------------------------------------------------------------------------
 
@@ -357,29 +379,34 @@ struct Probs {
   at::Tensor lse;      // [B, H, Q]
 };
 
+// bias: undefined, or the position bias in the math dtype, broadcastable to [B, H, Q, K].
 Probs composite_probs(const at::Tensor& qf, const at::Tensor& kf, const at::Tensor& klen,
-                      const at::Tensor& qlen, double scale, bool causal) {
+                      const at::Tensor& qlen, double scale, bool causal, const at::Tensor& bias) {
   const int64_t Q = qf.size(2), K = kf.size(2);
   const auto lo = at::TensorOptions().dtype(at::kLong);
   const at::Tensor j = at::arange(K, lo).view({1, 1, 1, K});
   const at::Tensor i = at::arange(Q, lo).view({1, 1, Q, 1});
   at::Tensor allowed = (j < klen.view({-1, 1, 1, 1})).logical_and(i < qlen.view({-1, 1, 1, 1}));
   if (causal) allowed = allowed.logical_and(j <= i + (K - Q));
-  const at::Tensor x = at::matmul(qf, kf.transpose(-2, -1)).mul(scale).masked_fill(
-      allowed.logical_not(), -INFINITY);
+  at::Tensor x = at::matmul(qf, kf.transpose(-2, -1)).mul(scale);
+  if (bias.defined()) x = x + bias;
+  x = x.masked_fill(allowed.logical_not(), -INFINITY);
+  // A row whose allowed scores are all -inf (no key, or a -inf bias) shifts by 0 and sums to 0:
+  // zeros and lse = -inf, never NaN; a NaN score keeps its row NaN.
   at::Tensor mx = std::get<0>(x.max(-1, true));
-  const at::Tensor empty = allowed.any(-1, true).logical_not();
-  mx = mx.masked_fill(empty, 0.0);
+  mx = mx.masked_fill(mx == -INFINITY, 0.0);
   const at::Tensor e = at::exp(x - mx).masked_fill(allowed.logical_not(), 0.0);
   const at::Tensor l = e.sum(-1, true);
-  const at::Tensor p = (e / l.masked_fill(empty, 1.0)).masked_fill(empty, 0.0);
-  const at::Tensor lse = (mx + at::log(l)).masked_fill(empty, -INFINITY).squeeze(-1);
+  const at::Tensor zero = l == 0;
+  const at::Tensor p = (e / l.masked_fill(zero, 1.0)).masked_fill(zero, 0.0);
+  const at::Tensor lse = (mx + at::log(l)).masked_fill(zero, -INFINITY).squeeze(-1);
   return {p, allowed, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_composite(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& klen,
-    const at::Tensor& qlen, double scale, bool causal, double dropout_p, int64_t seed) {
+    const at::Tensor& qlen, double scale, bool causal, double dropout_p, int64_t seed,
+    const at::Tensor& bias) {
   const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
   if (B * H * Q == 0 || K == 0) {  // no key or no query at all: zeros
@@ -391,7 +418,8 @@ std::tuple<at::Tensor, at::Tensor> attention_composite(
   // Values past the key lengths are never used: zeroed so that a NaN there cannot leak.
   const at::Tensor keys = at::arange(K, at::TensorOptions().dtype(at::kLong)).view({1, 1, K, 1});
   const at::Tensor vf = v.to(acc).masked_fill((keys >= klen.view({-1, 1, 1, 1})), 0.0);
-  Probs pr = composite_probs(qf, kf, klen, qlen, scale, causal);
+  Probs pr = composite_probs(qf, kf, klen, qlen, scale, causal,
+                             bias.defined() ? bias.to(acc) : at::Tensor());
   at::Tensor p = pr.p;
   if (dropout_p > 0.0) {
     p = p * dropout_keep_mask(seed, B, H, Q, K, dropout_p).to(acc) / (1.0 - dropout_p);
@@ -401,10 +429,12 @@ std::tuple<at::Tensor, at::Tensor> attention_composite(
   return {out, pr.lse.to(at::kFloat).contiguous()};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_composite(
+// (dq, dk, dv, dS): dS [B, H, Q, K] in the math dtype, the gradient of the scores after the
+// scale (that of a position bias), defined only when `want_ds`.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_composite(
     const at::Tensor& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& klen, const at::Tensor& qlen, double scale,
-    bool causal, double dropout_p, int64_t seed) {
+    bool causal, double dropout_p, int64_t seed, const at::Tensor& bias, bool want_ds) {
   const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
   if (B * H * Q == 0 || K == 0) {
@@ -413,7 +443,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_composite(
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    at::Tensor ds = want_ds ? at::zeros({B, H, Q, K}, q.options().dtype(acc)) : at::Tensor();
+    return {dq, dk, dv, ds};
   }
   // Rows past the lengths are never used: zeroed so that a NaN there cannot leak through a
   // zero probability (0 * NaN) into the products below.
@@ -422,7 +453,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_composite(
   const at::Tensor past_q = at::arange(Q, lo).view({1, 1, Q, 1}) >= qlen.view({-1, 1, 1, 1});
   const at::Tensor qf = q.to(acc).masked_fill(past_q, 0.0), gf = g.to(acc).masked_fill(past_q, 0.0);
   const at::Tensor kf = k.to(acc).masked_fill(past_k, 0.0), vf = v.to(acc).masked_fill(past_k, 0.0);
-  Probs pr = composite_probs(qf, kf, klen, qlen, scale, causal);
+  Probs pr = composite_probs(qf, kf, klen, qlen, scale, causal,
+                             bias.defined() ? bias.to(acc) : at::Tensor());
   at::Tensor keep_scaled;
   at::Tensor pd = pr.p;
   at::Tensor dp = at::matmul(gf, vf.transpose(-2, -1));
@@ -439,18 +471,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_composite(
   dq.copy_(at::matmul(ds, kf) * scale);
   dk.copy_(at::matmul(ds.transpose(-2, -1), qf) * scale);
   dv.copy_(at::matmul(pd.transpose(-2, -1), gf));
-  return {dq, dk, dv};
+  return {dq, dk, dv, want_ds ? ds : at::Tensor()};
 }
 
 // ---- kernel launches ----------------------------------------------------------------------
+
+// Where the kernels find the position bias (FwdArgs / BwdArgs) and put its gradient.
+struct BiasLayout {
+  const float* p = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0;
+  float* grad = nullptr;         // [slots, H, Q, K] float32, zero-filled
+  bool grad_per_worker = false;  // slot = the worker (a bias shared by the batch), else b
+};
 
 template <typename T, typename Fwd>
 void launch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     at::Tensor& out, at::Tensor& lse, const at::Tensor& klen,
                     const at::Tensor& qlen, double scale, bool causal, double dropout_p,
-                    int64_t seed, int64_t W, const Fwd& block_fn, int64_t ws_floats = -1) {
+                    int64_t seed, int64_t W, const Fwd& block_fn, int64_t ws_floats = -1,
+                    const BiasLayout& bias = BiasLayout{}) {
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
   FwdArgs<T> a;
+  a.bias = bias.p;
+  a.bs0 = bias.s0;
+  a.bs1 = bias.s1;
+  a.bld = bias.s2;
   a.q = q.const_data_ptr<T>();
   a.k = k.const_data_ptr<T>();
   a.v = v.const_data_ptr<T>();
@@ -487,7 +532,7 @@ void launch_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     }
   }
   if (ws_floats < 0) ws_floats = forward_workspace_floats(D, W);
-  run_tasks(cost, ws_floats, 0, [&](int64_t t, float* ws, int64_t*) {
+  run_tasks(cost, ws_floats, 0, [&](int64_t t, float* ws, int64_t*, int64_t) {
     const int64_t blk = t % blocks, bh = t / blocks, h = bh % H, b = bh / H;
     const int64_t i0 = blk * kBlockM, iend = std::min(Q, i0 + kBlockM);
     const int64_t i1 = std::clamp<int64_t>(ql[b], i0, iend);  // rows [i1, iend) are padding
@@ -506,9 +551,15 @@ void launch_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor&
                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                      at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& klen,
                      const at::Tensor& qlen, double scale, bool causal, double dropout_p,
-                     int64_t seed, int64_t W, const Bwd& head_fn, int64_t ws_floats = -1) {
+                     int64_t seed, int64_t W, const Bwd& head_fn, int64_t ws_floats = -1,
+                     const BiasLayout& bias = BiasLayout{}) {
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
   BwdArgs<T> a;
+  a.bias = bias.p;
+  a.bs0 = bias.s0;
+  a.bs1 = bias.s1;
+  a.bs2 = bias.s2;
+  a.dbias = bias.grad;
   a.q = q.const_data_ptr<T>();
   a.k = k.const_data_ptr<T>();
   a.v = v.const_data_ptr<T>();
@@ -549,22 +600,81 @@ void launch_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor&
     for (int64_t h = 0; h < H; ++h) cost[b * H + h] = c;
   }
   if (ws_floats < 0) ws_floats = backward_workspace_floats(Q, D, W);
-  run_tasks(cost, ws_floats, Q, [&](int64_t t, float* ws, int64_t* wi) {
-    head_fn(a, t / H, t % H, ws, wi);
+  run_tasks(cost, ws_floats, Q, [&](int64_t t, float* ws, int64_t* wi, int64_t worker) {
+    head_fn(a, t / H, t % H, ws, wi, bias.grad_per_worker ? worker : t / H);
   });
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, D]
-                                             const at::Tensor& k,  // [B, H, K, D]
-                                             const at::Tensor& v,  // [B, H, K, D]
-                                             const std::optional<at::Tensor>& key_lengths,
-                                             const std::optional<at::Tensor>& query_lengths,
-                                             double scale, bool causal, double dropout_p,
-                                             const std::optional<at::Tensor>& seed) {
+// The position bias's argument check (shared with the CUDA host functions through ops.h).
+void check_position_bias(const at::Tensor& bias, const at::Tensor& q, int64_t B, int64_t H,
+                         int64_t Q, int64_t K) {
+  TORCH_CHECK(bias.defined(), "position_bias must be a tensor");
+  TORCH_CHECK(bias.device() == q.device(), "position_bias must be on ", q.device(),
+              " (the device of q), got ", bias.device());
+  TORCH_CHECK(at::isFloatingType(bias.scalar_type()),
+              "position_bias must be a floating-point tensor, got ", bias.scalar_type());
+  const int64_t want[4] = {B, H, Q, K};
+  bool ok = bias.dim() == 4;
+  for (int64_t d = 0; ok && d < 4; ++d) ok = bias.size(d) == 1 || bias.size(d) == want[d];
+  TORCH_CHECK(ok, "position_bias must be broadcastable to [", B, ", ", H, ", ", Q, ", ", K,
+              "] (each dimension 1 or that size), got shape ", bias.sizes());
+}
+
+namespace {
+
+// Checks the backward's own tensors (grad_out, out, lse) against q.
+void check_backward_tensors(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                            const at::Tensor& q) {
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2);
+  for (const at::Tensor* t : {&grad_out, &out}) {
+    const char* name = t == &grad_out ? "grad_out" : "out";
+    TORCH_CHECK(t->sizes() == q.sizes(), name, " must have the shape of q ", q.sizes(), ", got ",
+                t->sizes());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have the dtype of q (",
+                q.scalar_type(), "), got ", t->scalar_type());
+    TORCH_CHECK(t->device() == q.device(), name, " must be on ", q.device(), ", got ", t->device());
+  }
+  CHECK_DEVICE(lse, q);
+  CHECK_DTYPE(lse, at::kFloat);
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Q,
+              "lse must have shape [", B, ", ", H, ", ", Q, "], got ", lse.sizes());
+}
+
+// The bias, expanded over its broadcast dimensions of Q and K, in float32: transposed
+// (keys x query rows, rows padded to a multiple of 16 with zeros) for the forward kernel, in
+// row order for the backward kernel. The batch and head dimensions keep size 1 where the bias
+// broadcasts (stride 0 in the layout).
+at::Tensor bias_for_kernels(const at::Tensor& bias, int64_t Q, int64_t K, bool transposed,
+                            BiasLayout& layout) {
+  const int64_t Bb = bias.size(0), Hb = bias.size(1);
+  const at::Tensor scaled = bias.to(at::kFloat).expand({Bb, Hb, Q, K});
+  at::Tensor t;
+  if (transposed) {
+    const int64_t Qp = round_up(std::max<int64_t>(Q, 1), 16);
+    t = at::zeros({Bb, Hb, K, Qp}, bias.options().dtype(at::kFloat));
+    t.narrow(3, 0, Q).copy_(scaled.transpose(2, 3));
+    layout.s2 = Qp;
+  } else {
+    t = scaled.contiguous();
+    layout.s2 = K;
+  }
+  layout.p = t.const_data_ptr<float>();
+  layout.s0 = Bb == 1 ? 0 : t.stride(0);
+  layout.s1 = Hb == 1 ? 0 : t.stride(1);
+  return t;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, const at::Tensor& bias,
+                                                  const std::optional<at::Tensor>& key_lengths,
+                                                  const std::optional<at::Tensor>& query_lengths,
+                                                  double scale, bool causal, double dropout_p,
+                                                  const std::optional<at::Tensor>& seed) {
   check_attention_args(q, k, v, key_lengths, query_lengths, scale, dropout_p, seed);
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  if (bias.defined()) check_position_bias(bias, q, B, H, Q, K);
   const at::Tensor klen = lengths_or_full(key_lengths, B, K);
   const at::Tensor qlen = lengths_or_full(query_lengths, B, Q);
   check_lengths_range(klen, "key_lengths", K, "the key length K of k");
@@ -573,7 +683,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, 
   const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
   const Isa isa = detect_isa();
   if (isa == Isa::kNone || q.scalar_type() == at::kDouble) {
-    return attention_composite(qd, kd, vd, klen, qlen, scale, causal, dropout_p, s);
+    return attention_composite(qd, kd, vd, klen, qlen, scale, causal, dropout_p, s, bias);
   }
   at::Tensor out = empty_bthd(B, H, Q, D, q.options());
   at::Tensor lse = at::empty({B, H, Q}, q.options().dtype(at::kFloat));
@@ -581,8 +691,13 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, 
     lse.fill_(-INFINITY);
     return {out, lse};
   }
+  BiasLayout layout;
+  at::Tensor bias_buf;
+  if (bias.defined()) bias_buf = bias_for_kernels(bias, Q, K, /*transposed=*/true, layout);
 #ifdef TE_FA_X86
-  if (q.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 && use_brgemm_bf16()) {
+  // With a bias, bfloat16 runs the tile kernels (the brgemm kernels take no bias).
+  if (!bias.defined() && q.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 &&
+      use_brgemm_bf16()) {
     launch_forward<c10::BFloat16>(
         qd, kd, vd, out, lse, klen, qlen, scale, causal, dropout_p, s, 16,
         [](const FwdArgs<c10::BFloat16>& a, int64_t b, int64_t h, int64_t i0, int64_t i1, float* ws) {
@@ -596,15 +711,115 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, 
     if constexpr (!std::is_same_v<scalar_t, double>) {
       if (isa == Isa::kAvx512) {
         launch_forward<scalar_t>(qd, kd, vd, out, lse, klen, qlen, scale, causal, dropout_p, s, 16,
-                                 fa_avx512::forward_block<scalar_t>);
+                                 fa_avx512::forward_block<scalar_t>, -1, layout);
       } else {
         launch_forward<scalar_t>(qd, kd, vd, out, lse, klen, qlen, scale, causal, dropout_p, s, 8,
-                                 fa_avx2::forward_block<scalar_t>);
+                                 fa_avx2::forward_block<scalar_t>, -1, layout);
       }
     }
   });
 #endif
   return {out, lse};
+}
+
+// (dq, dk, dv, dbias); dbias has the shape and dtype of the bias, summed over the dimensions
+// it broadcasts, when `bias_grad`, else it is an empty tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& bias, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& query_lengths,
+    double scale, bool causal, double dropout_p, const std::optional<at::Tensor>& seed,
+    bool bias_grad) {
+  check_attention_args(q, k, v, key_lengths, query_lengths, scale, dropout_p, seed);
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  check_backward_tensors(grad_out, out, lse, q);
+  const bool has_bias = bias.defined();
+  if (has_bias) check_position_bias(bias, q, B, H, Q, K);
+  const bool want_dbias = has_bias && bias_grad;
+  const at::Tensor klen = lengths_or_full(key_lengths, B, K);
+  const at::Tensor qlen = lengths_or_full(query_lengths, B, Q);
+  check_lengths_range(klen, "key_lengths", K, "the key length K of k");
+  check_lengths_range(qlen, "query_lengths", Q, "the query length Q of q");
+  const int64_t s = dropout_p > 0.0 ? seed_value(seed) : 0;
+  const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
+  const at::Tensor gd = dense_rows(grad_out), od = dense_rows(out);
+  // d(bias): the per-slot sums reduced to the bias's shape, in its dtype.
+  auto finish_dbias = [&](const at::Tensor& full) {
+    if (!want_dbias) return at::empty({0}, q.options());
+    return full.sum_to_size(bias.sizes()).to(bias.scalar_type());
+  };
+  const Isa isa = detect_isa();
+  if (isa == Isa::kNone || q.scalar_type() == at::kDouble) {
+    auto [dq, dk, dv, ds] = attention_backward_composite(gd, qd, kd, vd, od, klen, qlen, scale,
+                                                         causal, dropout_p, s, bias, want_dbias);
+    return {dq, dk, dv, finish_dbias(ds)};
+  }
+  at::Tensor dq = empty_bthd(B, H, Q, D, q.options());
+  at::Tensor dk = empty_bthd(B, H, K, D, q.options());
+  at::Tensor dv = empty_bthd(B, H, K, D, q.options());
+  if (B * H == 0) {
+    return {dq, dk, dv, finish_dbias(at::zeros({B, H, Q, K}, q.options().dtype(at::kFloat)))};
+  }
+  const at::Tensor lc = lse.contiguous();
+  BiasLayout layout;
+  at::Tensor bias_buf, dbias_full;
+  if (has_bias) {
+    bias_buf = bias_for_kernels(bias, Q, K, /*transposed=*/false, layout);
+    if (want_dbias) {
+      // One accumulator per worker when the batch shares the bias (tasks of different rows run
+      // at once), one per batch row otherwise (each (b, h) task owns its slot).
+      layout.grad_per_worker = bias.size(0) == 1 && B > 1;
+      const int64_t slots = layout.grad_per_worker ? task_workers(B * H) : B;
+      dbias_full = at::zeros({slots, H, Q, K}, q.options().dtype(at::kFloat));
+      layout.grad = dbias_full.data_ptr<float>();
+    }
+  }
+#ifdef TE_FA_X86
+  if (!has_bias && q.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 && use_brgemm_bf16()) {
+    launch_backward<c10::BFloat16>(
+        gd, qd, kd, vd, od, lc, dq, dk, dv, klen, qlen, scale, causal, dropout_p, s, 16,
+        [](const BwdArgs<c10::BFloat16>& a, int64_t b, int64_t h, float* ws, int64_t* wi, int64_t) {
+          fa_avx512::backward_head_mm(a, b, h, ws, wi);
+          at::native::cpublas::brgemm_release(true);
+        },
+        fa_avx512::mm_backward_workspace_floats(K, D));
+    return {dq, dk, dv, finish_dbias(dbias_full)};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward_cpu", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (isa == Isa::kAvx512) {
+        launch_backward<scalar_t>(gd, qd, kd, vd, od, lc, dq, dk, dv, klen, qlen, scale, causal,
+                                  dropout_p, s, 16, fa_avx512::backward_head<scalar_t>, -1, layout);
+      } else {
+        launch_backward<scalar_t>(gd, qd, kd, vd, od, lc, dq, dk, dv, klen, qlen, scale, causal,
+                                  dropout_p, s, 8, fa_avx2::backward_head<scalar_t>, -1, layout);
+      }
+    }
+  });
+#endif
+  return {dq, dk, dv, finish_dbias(dbias_full)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, D]
+                                             const at::Tensor& k,  // [B, H, K, D]
+                                             const at::Tensor& v,  // [B, H, K, D]
+                                             const std::optional<at::Tensor>& key_lengths,
+                                             const std::optional<at::Tensor>& query_lengths,
+                                             double scale, bool causal, double dropout_p,
+                                             const std::optional<at::Tensor>& seed) {
+  return attention_impl(q, k, v, at::Tensor(), key_lengths, query_lengths, scale, causal,
+                        dropout_p, seed);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_with_bias(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& position_bias,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& query_lengths,
+    double scale, bool causal, double dropout_p, const std::optional<at::Tensor>& seed) {
+  TORCH_CHECK(position_bias.defined(), "position_bias must be a tensor");
+  return attention_impl(q, k, v, position_bias, key_lengths, query_lengths, scale, causal,
+                        dropout_p, seed);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -616,60 +831,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& lse,       // [B, H, Q] float32, from the forward pass
     const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& query_lengths,
     double scale, bool causal, double dropout_p, const std::optional<at::Tensor>& seed) {
-  check_attention_args(q, k, v, key_lengths, query_lengths, scale, dropout_p, seed);
-  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
-  for (const at::Tensor* t : {&grad_out, &out}) {
-    const char* name = t == &grad_out ? "grad_out" : "out";
-    TORCH_CHECK(t->sizes() == q.sizes(), name, " must have the shape of q ", q.sizes(), ", got ",
-                t->sizes());
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), name, " must have the dtype of q (",
-                q.scalar_type(), "), got ", t->scalar_type());
-    TORCH_CHECK(t->device() == q.device(), name, " must be on ", q.device(), ", got ", t->device());
-  }
-  CHECK_DEVICE(lse, q);
-  CHECK_DTYPE(lse, at::kFloat);
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Q,
-              "lse must have shape [", B, ", ", H, ", ", Q, "], got ", lse.sizes());
-  const at::Tensor klen = lengths_or_full(key_lengths, B, K);
-  const at::Tensor qlen = lengths_or_full(query_lengths, B, Q);
-  check_lengths_range(klen, "key_lengths", K, "the key length K of k");
-  check_lengths_range(qlen, "query_lengths", Q, "the query length Q of q");
-  const int64_t s = dropout_p > 0.0 ? seed_value(seed) : 0;
-  const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
-  const at::Tensor gd = dense_rows(grad_out), od = dense_rows(out);
-  const Isa isa = detect_isa();
-  if (isa == Isa::kNone || q.scalar_type() == at::kDouble) {
-    return attention_backward_composite(gd, qd, kd, vd, od, klen, qlen, scale, causal, dropout_p, s);
-  }
-  at::Tensor dq = empty_bthd(B, H, Q, D, q.options());
-  at::Tensor dk = empty_bthd(B, H, K, D, q.options());
-  at::Tensor dv = empty_bthd(B, H, K, D, q.options());
-  if (B * H == 0) return {dq, dk, dv};
-  const at::Tensor lc = lse.contiguous();
-#ifdef TE_FA_X86
-  if (q.scalar_type() == at::kBFloat16 && isa == Isa::kAvx512 && use_brgemm_bf16()) {
-    launch_backward<c10::BFloat16>(
-        gd, qd, kd, vd, od, lc, dq, dk, dv, klen, qlen, scale, causal, dropout_p, s, 16,
-        [](const BwdArgs<c10::BFloat16>& a, int64_t b, int64_t h, float* ws, int64_t* wi) {
-          fa_avx512::backward_head_mm(a, b, h, ws, wi);
-          at::native::cpublas::brgemm_release(true);
-        },
-        fa_avx512::mm_backward_workspace_floats(K, D));
-    return {dq, dk, dv};
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward_cpu", [&] {
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (isa == Isa::kAvx512) {
-        launch_backward<scalar_t>(gd, qd, kd, vd, od, lc, dq, dk, dv, klen, qlen, scale, causal,
-                                  dropout_p, s, 16, fa_avx512::backward_head<scalar_t>);
-      } else {
-        launch_backward<scalar_t>(gd, qd, kd, vd, od, lc, dq, dk, dv, klen, qlen, scale, causal,
-                                  dropout_p, s, 8, fa_avx2::backward_head<scalar_t>);
-      }
-    }
-  });
-#endif
+  auto [dq, dk, dv, db] = attention_backward_impl(grad_out, q, k, v, at::Tensor(), out, lse,
+                                                  key_lengths, query_lengths, scale, causal,
+                                                  dropout_p, seed, false);
   return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_with_bias_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& position_bias, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& query_lengths,
+    double scale, bool causal, double dropout_p, const std::optional<at::Tensor>& seed,
+    bool bias_grad) {
+  TORCH_CHECK(position_bias.defined(), "position_bias must be a tensor");
+  return attention_backward_impl(grad_out, q, k, v, position_bias, out, lse, key_lengths,
+                                 query_lengths, scale, causal, dropout_p, seed, bias_grad);
 }
 
 at::Tensor attention_dropout_mask(const at::Tensor& seed, int64_t B, int64_t H, int64_t Q,
@@ -688,5 +864,7 @@ at::Tensor attention_dropout_mask(const at::Tensor& seed, int64_t B, int64_t H, 
 TORCH_LIBRARY_IMPL(transformer_ext, CPU, m) {
   m.impl("attention", &transformer_ext::attention);
   m.impl("attention_backward", &transformer_ext::attention_backward);
+  m.impl("attention_with_bias", &transformer_ext::attention_with_bias);
+  m.impl("attention_with_bias_backward", &transformer_ext::attention_with_bias_backward);
   m.impl("attention_dropout_mask", &transformer_ext::attention_dropout_mask);
 }

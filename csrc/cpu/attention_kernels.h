@@ -5,7 +5,8 @@
 // gets the target of its region, so one source gives an AVX-512 and an AVX2 kernel, chosen at
 // run time by the host function.
 //
-// Algorithm (one (b, h) pair, scores in log2 units: q is pre-multiplied by scale * log2(e)):
+// Algorithm (one (b, h) pair, scores in natural units: q is pre-multiplied by scale; exponentials
+// are 2^((s - shift) * log2(e)), the difference taken first):
 //   forward, per block of kBlockM query rows: for every tile of kBlockN keys that a row of the
 //     block may see, S = Q K^T (register-blocked, K transposed into the tile buffer), an online
 //     softmax per row (running max m, running sum l, the accumulator rescaled by
@@ -16,6 +17,9 @@
 //   backward, per (b, h): for every key tile, for every query block that sees it: P recomputed
 //     from lse, dP = dO V^T, dropout applied to both, dS = P (dP - rowsum(dO o O)),
 //     dV += Pd^T dO, dK += dS^T Q (kept per key tile), dQ += dS K (kept for the whole head).
+// Position bias (optional): forward adds the bias to each score tile (the host passes the
+// bias transposed, keys x query rows, so W rows are one vector); backward adds it to the
+// recomputed scores and accumulates d(bias) = dS.
 // No include here: the including file provides everything, outside the target region.
 
 namespace TE_FA_NS {
@@ -293,19 +297,21 @@ inline void acc_rows(const float* A, int64_t ars, int64_t aks, int64_t K, int64_
   for (; r < M; ++r) acc_row_block<1>(A + r * ars, ars, aks, 0, K, B, ldb, C + r * ldc, ldc, Dp);
 }
 
-// p[c] = 2^(s[c] - shift) for c < n, 0 for c in [n, npad) (npad a multiple of W); returns the sum.
+// p[c] = 2^((s[c] - shift) * log2(e)) = e^(s[c] - shift) for c < n, 0 for c in [n, npad) (npad a
+// multiple of W); returns the sum. The difference is taken first, in natural units, so that the
+// largest terms (s close to shift) carry the rounding of a small number.
 inline float exp2_row(const float* s, float* p, int64_t n, int64_t npad, float shift) {
-  const vf vs = splat(shift);
+  const vf vs = splat(shift), vl = splat(kLog2e);
   vf sum = splat(0.f);
   int64_t c = 0;
   for (; c + W <= n; c += W) {
-    const vf e = exp2v(load(s + c) - vs);
+    const vf e = exp2v((load(s + c) - vs) * vl);
     store(p + c, e);
     sum += e;
   }
   if (c < n) {
     const vi keep = iota() < static_cast<int32_t>(n - c);
-    const vf e = keep ? exp2v(load(s + c) - vs) : splat(0.f);
+    const vf e = keep ? exp2v((load(s + c) - vs) * vl) : splat(0.f);
     store(p + c, e);
     sum += e;
     c += W;
@@ -326,6 +332,13 @@ inline float max_row(const float* s, int64_t n) {
 inline void scale_row(float* x, int64_t n, float f) {
   const vf vf_ = splat(f);
   for (int64_t d = 0; d < n; d += W) store(x + d, load(x + d) * vf_);
+}
+
+// x[c] += y[c] for c < n (any n; unaligned).
+inline void add_row(float* x, const float* y, int64_t n) {
+  int64_t c = 0;
+  for (; c + W <= n; c += W) store(x + c, load(x + c) + load(y + c));
+  for (; c < n; ++c) x[c] += y[c];
 }
 
 // ---- forward -----------------------------------------------------------------------------
@@ -358,8 +371,9 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
   const T* qb = a.q + b * a.qs0 + h * a.qs1;
   const T* kb = a.k + b * a.ks0 + h * a.ks1;
   const T* vb = a.v + b * a.vs0 + h * a.vs1;
-  const float qmul = a.scale * kLog2e;
+  const float qmul = a.scale;
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const vf vlog2e = splat(kLog2e);
   int64_t kend = 0;
   for (int64_t r = 0; r < Mp; ++r) {
     m[r] = neg_inf;
@@ -404,6 +418,14 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
     }
     const int64_t v0 = rfirst / W * W;
     nt_product(Kt, ldk, QT + v0, BM, D, ST + v0, BM, jn, Mp - v0);
+    if (a.bias != nullptr) {  // S^T += log2(e) * bias^T, W query rows per vector
+      const float* bt = a.bias + b * a.bs0 + h * a.bs1 + j0 * a.bld + i0;
+      for (int64_t c = 0; c < jn; ++c) {
+        for (int64_t rv = v0; rv < Mp; rv += W) {
+          store(ST + c * BM + rv, load(ST + c * BM + rv) + load(bt + c * a.bld + rv));
+        }
+      }
+    }
     // kMasked: some lane of the vector has keys of this tile outside its limit (causal diagonal,
     // key lengths, padding lanes); without, the compare-and-select per score is left out.
     auto softmax_tile = [&](auto masked_tag, auto dropout_tag, int64_t rv) {
@@ -421,13 +443,15 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
       }
       const vf mold = load(m + rv);
       const vf mnew = vmax(mold, tmax);
-      const vf al = mold == mnew ? splat(1.f) : exp2v(mold - mnew);
+      const vf al = mold == mnew ? splat(1.f) : exp2v((mold - mnew) * vlog2e);
+      // A row whose scores so far are all -inf (a -inf bias) shifts by 0: exact zeros, not NaN.
+      const vf shift = mnew == neg_inf ? splat(0.f) : mnew;
       vf sum = splat(0.f);
       [[maybe_unused]] const vu k1 = *reinterpret_cast<const vuu*>(r1 + rv);
       [[maybe_unused]] const vu k2 = *reinterpret_cast<const vuu*>(r2 + rv);
       for (int64_t c = 0; c < jn; ++c) {
         const int32_t j = static_cast<int32_t>(j0 + c);
-        vf e = exp2v(load(ST + c * BM + rv) - mnew);
+        vf e = exp2v((load(ST + c * BM + rv) - shift) * vlog2e);
         if constexpr (kMasked) e = vlim > j ? e : splat(0.f);
         sum += e;
         if constexpr (kDropout) {
@@ -467,15 +491,19 @@ void forward_block(const FwdArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_
       continue;
     }
     store_row(O + r * Dp, orow, D, a.keep_scale / l[r]);
-    lse[i0 + r] = (m[r] + std::log2(l[r])) * kLn2;
+    lse[i0 + r] = m[r] + std::log(l[r]);
   }
 }
 
 // ---- backward ----------------------------------------------------------------------------
 
 // dq, dk, dv of one (b, h) pair. `ws` holds backward_workspace_floats(Q, D) floats, `lim` Q.
+//
+// With a bias: P is recomputed from the biased scores, and dS (the gradient of the bias) is
+// added into a.dbias at slot `slot` (its batch row, or the worker's own accumulator).
 template <typename T>
-void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t* lim) {
+void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t* lim,
+                   int64_t slot) {
   const int64_t D = a.D, Dp = round_up(D, W), BN = kBlockN, BM = kBlockM;
   const int64_t Q = a.Q;
   const int64_t klen = a.klen[b], qlen = a.qlen[b];
@@ -501,7 +529,7 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
   const T* ob = a.out + b * a.os0 + h * a.os1;
   const T* gb = a.dout + b * a.gs0 + h * a.gs1;
   const float* lseb = a.lse + (b * a.H + h) * Q;
-  const float qmul = a.scale * kLog2e;
+  const float qmul = a.scale;
 
   // Rows that attend to at least one key: [0, qend) minus the rows with lim == 0 (causal, first).
   int64_t kend = 0, qstart = 0;
@@ -525,7 +553,9 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
     float dot = 0.f;
     for (int64_t d = 0; d < D; ++d) dot += dOf[i * Dp + d] * orow[d];
     delta[i] = dot;
-    lse2[i] = lseb[i] * kLog2e;
+    // A row without weight (lse = -inf: every allowed score -inf) recomputes P = e^(s - inf) = 0.
+    lse2[i] = lseb[i] == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity()
+                                                                 : lseb[i];
     std::fill(dQ + i * Dp, dQ + (i + 1) * Dp, 0.f);
   }
   const float rp = a.keep_scale;
@@ -560,6 +590,7 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
         n[r] = std::clamp<int64_t>(lim[i] - j0, 0, jn);
         float* p = P + r * BN;
         float* dp = dP + r * BN;
+        if (a.bias != nullptr) add_row(p, a.bias + b * a.bs0 + h * a.bs1 + i * a.bs2 + j0, n[r]);
         exp2_row(p, p, n[r], jnp, lse2[i]);
         const vf vdelta = splat(delta[i]);
         if (a.dropout) {
@@ -586,6 +617,9 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
         }
         // masked keys: exactly zero (P is 0 there; dP may hold anything)
         for (int64_t c = n[r]; c < jnp; ++c) dp[c] = 0.f;
+        if (a.dbias != nullptr) {
+          add_row(a.dbias + ((slot * a.H + h) * a.Q + i) * a.K + j0, dp, n[r]);
+        }
       }
       // dV[c] += sum_r Pd[r, c] dO[r];  dK[c] += sum_r dS[r, c] Qf[r];  dQ[r] += sum_c dS[r, c] K[c]
       acc_rows(P, 1, BN, M, jn, dOf + i0 * Dp, Dp, dV, Dp, Dp);
@@ -593,7 +627,7 @@ void backward_head(const BwdArgs<T>& a, int64_t b, int64_t h, float* ws, int64_t
       acc_rows_limited(dP, BN, 1, n, M, Kf, Dp, dQ + i0 * Dp, Dp, Dp);
     }
     for (int64_t c = 0; c < jn; ++c) {
-      store_row(dK + c * Dp, dkb + (j0 + c) * a.dks2, D, 1.f / kLog2e);
+      store_row(dK + c * Dp, dkb + (j0 + c) * a.dks2, D, 1.f);
       store_row(dV + c * Dp, dvb + (j0 + c) * a.dvs2, D, 1.f);
     }
   }

@@ -313,6 +313,10 @@ struct DecodeParams {
   int64_t vs0, vs1, vs2;  // v_cache strides
   const int64_t* lengths;
   float scale;
+  // Position bias or nullptr: float32, bias(b, h, j) at bias[b * bs0 + h * bs1 + j * bs3] for
+  // cache key j < L, and at j = L for the new key.
+  const float* bias = nullptr;
+  int64_t bs0 = 0, bs1 = 0, bs3 = 0, L = 0;
 };
 
 // scores[i] = qf . k_i for four keys at once (qf is float32, D elements).
@@ -411,6 +415,18 @@ void decode_attention_rows(const T* q, const T* k, const T* v, const T* k_new, c
     }
     for (; j < n_cache; ++j) scores[j] = dot1(qf, kb + j * ks, D);
     if (k_new != nullptr) scores[n_cache] = dot1(qf, k_new + bh * D, D);
+    if (s.bias != nullptr) {  // scores += bias of (b, h): cache keys, then the new key's (at L)
+      const float* br = s.bias + b * s.bs0 + h * s.bs1;
+      if (s.bs3 == 1) {
+        for (j = 0; j + kVec <= n_cache; j += kVec) {
+          (Vec::loadu(scores + j) + Vec::loadu(br + j)).store(scores + j);
+        }
+      } else {
+        j = 0;
+      }
+      for (; j < n_cache; ++j) scores[j] += br[j * s.bs3];
+      if (k_new != nullptr) scores[n_cache] += br[s.L * s.bs3];
+    }
 
     // 2. softmax weights (normalised at the end); the same rules as masked_softmax for a
     // row whose scores are all -inf (zeros) or include a NaN or +inf (NaN)
@@ -515,10 +531,11 @@ at::Tensor masked_softmax_backward_composite(const at::Tensor& grad, const at::T
   return (p * (g - dot) * scale).to(probs.scalar_type());
 }
 
+// bias: undefined, or [B?, H?, 1, L (+ 1 with k_new)] added to the scaled scores.
 at::Tensor decode_attention_composite(const at::Tensor& q, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& lengths,
                                       double scale, const at::Tensor& k_new,
-                                      const at::Tensor& v_new) {
+                                      const at::Tensor& v_new, const at::Tensor& bias) {
   const int64_t L = k_cache.size(2);
   const at::ScalarType acc = math_type(q);
   const at::Tensor qf = q.to(acc);
@@ -533,6 +550,10 @@ at::Tensor decode_attention_composite(const at::Tensor& q, const at::Tensor& k_c
     vf = at::cat({vf, v_new.to(acc)}, 2);
   }
   if (scores.size(-1) == 0) return at::zeros_like(q, at::MemoryFormat::Contiguous);  // L = 0
+  if (bias.defined()) {
+    scores = scores * scale + bias.to(acc);
+    scale = 1.0;
+  }
   const at::Tensor probs = masked_softmax_composite(scores, allowed, scale, false);
   vf = vf.masked_fill(at::logical_not(allowed.transpose(-2, -1)), 0.0);  // no NaN past lengths
   return at::matmul(probs, vf).to(q.scalar_type()).contiguous();
@@ -594,22 +615,22 @@ at::Tensor masked_softmax_backward(const at::Tensor& grad_probs,  // [B, H, Q, K
   return out;
 }
 
-at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1, D]
-                            const at::Tensor& k_cache,               // [B, H, L, D]
-                            const at::Tensor& v_cache,               // [B, H, L, D]
-                            const at::Tensor& lengths,               // [B] int64
-                            double scale,
-                            const std::optional<at::Tensor>& k_new,  // [B, H, 1, D]
-                            const std::optional<at::Tensor>& v_new) {
+namespace {
+
+at::Tensor decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& lengths, double scale,
+                                 const std::optional<at::Tensor>& k_new,
+                                 const std::optional<at::Tensor>& v_new, const at::Tensor& bias) {
   check_decode_attention_args(q, k_cache, v_cache, lengths, k_new, v_new);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), L = k_cache.size(2);
+  const bool has_new = k_new.has_value() && k_new->defined();
+  if (bias.defined()) check_decode_position_bias(bias, q, L + (has_new ? 1 : 0));
   const at::Tensor len = lengths.contiguous();
   check_lengths_in_range(len, L);
-  const bool has_new = k_new.has_value() && k_new->defined();
   const at::Tensor kn = has_new ? k_new->contiguous() : at::Tensor();
   const at::Tensor vn = has_new ? v_new->contiguous() : at::Tensor();
   if (!use_kernels(q)) {
-    return decode_attention_composite(q, k_cache, v_cache, len, scale, kn, vn);
+    return decode_attention_composite(q, k_cache, v_cache, len, scale, kn, vn, bias);
   }
 
   const at::Tensor qc = q.contiguous();
@@ -622,10 +643,19 @@ at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1
   const int64_t* lp = len.const_data_ptr<int64_t>();
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
-  const DecodeParams s{H, D,
-                       kc.stride(0), kc.stride(1), kc.stride(2),
-                       vc.stride(0), vc.stride(1), vc.stride(2),
-                       lp, static_cast<float>(scale)};
+  DecodeParams s{H, D,
+                 kc.stride(0), kc.stride(1), kc.stride(2),
+                 vc.stride(0), vc.stride(1), vc.stride(2),
+                 lp, static_cast<float>(scale)};
+  at::Tensor bias_f;  // float32 [B, H, 1, n] view (stride 0 where the bias broadcasts)
+  if (bias.defined()) {
+    bias_f = bias.to(at::kFloat).expand({B, H, 1, bias.size(3)});
+    s.bias = bias_f.const_data_ptr<float>();
+    s.bs0 = bias_f.stride(0);
+    s.bs1 = bias_f.stride(1);
+    s.bs3 = bias_f.stride(3);
+    s.L = L;
+  }
 
   TE_DISPATCH_FLOATING(qc.scalar_type(), "decode_attention_cpu", [&] {
     const scalar_t* qp = qc.const_data_ptr<scalar_t>();
@@ -645,10 +675,47 @@ at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1
   return out;
 }
 
+}  // namespace
+
+// The decode position bias's argument check (shared with the CUDA host function through ops.h).
+void check_decode_position_bias(const at::Tensor& bias, const at::Tensor& q, int64_t n_keys) {
+  const int64_t B = q.size(0), H = q.size(1);
+  TORCH_CHECK(bias.defined(), "position_bias must be a tensor");
+  TORCH_CHECK(bias.device() == q.device(), "position_bias must be on ", q.device(),
+              " (the device of q), got ", bias.device());
+  TORCH_CHECK(at::isFloatingType(bias.scalar_type()),
+              "position_bias must be a floating-point tensor, got ", bias.scalar_type());
+  const bool ok = bias.dim() == 4 && (bias.size(0) == 1 || bias.size(0) == B) &&
+                  (bias.size(1) == 1 || bias.size(1) == H) && bias.size(2) == 1 &&
+                  bias.size(3) == n_keys;
+  TORCH_CHECK(ok, "position_bias must have shape [", B, " or 1, ", H, " or 1, 1, ", n_keys,
+              "] (one entry per cache position, the new key's last), got ", bias.sizes());
+}
+
+at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1, D]
+                            const at::Tensor& k_cache,               // [B, H, L, D]
+                            const at::Tensor& v_cache,               // [B, H, L, D]
+                            const at::Tensor& lengths,               // [B] int64
+                            double scale,
+                            const std::optional<at::Tensor>& k_new,  // [B, H, 1, D]
+                            const std::optional<at::Tensor>& v_new) {
+  return decode_attention_impl(q, k_cache, v_cache, lengths, scale, k_new, v_new, at::Tensor());
+}
+
+at::Tensor decode_attention_with_bias(const at::Tensor& q, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& lengths,
+                                      double scale, const at::Tensor& position_bias,
+                                      const std::optional<at::Tensor>& k_new,
+                                      const std::optional<at::Tensor>& v_new) {
+  TORCH_CHECK(position_bias.defined(), "position_bias must be a tensor");
+  return decode_attention_impl(q, k_cache, v_cache, lengths, scale, k_new, v_new, position_bias);
+}
+
 }  // namespace transformer_ext
 
 TORCH_LIBRARY_IMPL(transformer_ext, CPU, m) {
   m.impl("masked_softmax", &transformer_ext::masked_softmax);
   m.impl("masked_softmax_backward", &transformer_ext::masked_softmax_backward);
   m.impl("decode_attention", &transformer_ext::decode_attention);
+  m.impl("decode_attention_with_bias", &transformer_ext::decode_attention_with_bias);
 }

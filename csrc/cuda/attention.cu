@@ -13,6 +13,8 @@
 //   (2) one warp per key row over tiles of 32 query rows (q scaled, dO, lse, delta in shared
 //   memory) accumulates dv = Pd^T dO and dk = dS^T (scale q). No atomics; every output element
 //   is written by one warp.
+// Position bias (attention_with_bias): added to each score in the math type; the dq kernel also
+//   writes dS per (b, h, i, j), reduced to the bias's shape on the host.
 // Head dims up to 128 (4 per lane); dtypes float32, float16, bfloat16, float64. Lengths are
 // clamped to [0, K] / [0, Q] on the device (checking them on the host would force a sync).
 #include <cmath>
@@ -20,6 +22,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -130,7 +133,25 @@ struct Params {
   bool dropout;
   uint32_t threshold;
   float keep_scale;
+  // Position bias or nullptr, in the math type: bias(b, h, i, j) at b * bs0 + h * bs1 + i * bs2 +
+  // j * bs3 (strides 0 where it broadcasts). dbias: [B, H, Q, K] zero-filled, dS written by the
+  // dq kernel (one lane per (i, j)), or nullptr.
+  const at::opmath_type<scalar_t>* bias;
+  int64_t bs0, bs1, bs2, bs3;
+  at::opmath_type<scalar_t>* dbias;
 };
+
+template <typename scalar_t>
+__device__ __forceinline__ at::opmath_type<scalar_t> bias_at(const Params<scalar_t>& p, int64_t b,
+                                                            int64_t h, int64_t i, int64_t j) {
+  return p.bias[b * p.bs0 + h * p.bs1 + i * p.bs2 + j * p.bs3];
+}
+
+// The lse a row's probabilities are recomputed from: +inf for a row without weight (lse = -inf,
+// every allowed score -inf), so that exp(s - lse) is 0 there, not inf.
+__device__ __forceinline__ float recompute_shift(float lse) {
+  return lse == -INFINITY ? INFINITY : lse;
+}
 
 template <typename scalar_t>
 __device__ __forceinline__ void lengths_of(const Params<scalar_t>& p, int64_t b, int64_t* klen,
@@ -195,10 +216,13 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Params<sc
     if (j < lim) {
       s = 0;
       for (int64_t d = 0; d < D; ++d) s += Qs[warp * D + d] * Ks[lane * (D + 1) + d];
+      if (p.bias != nullptr) s += bias_at(p, b, h, i, j);
     }
     const acc_t mnew = std::max(m, warp_max(s));
     const acc_t alpha = m == neg_inf ? acc_t(0) : exp_acc(m - mnew);
-    acc_t pj = j < lim ? exp_acc(s - mnew) : acc_t(0);
+    // scores all -inf so far (a -inf bias): shift by 0, exact zeros rather than NaN
+    const acc_t shift = mnew == neg_inf ? acc_t(0) : mnew;
+    acc_t pj = j < lim ? exp_acc(s - shift) : acc_t(0);
     l = l * alpha + warp_sum(pj);
     if (p.dropout && j < lim && !keep(k1, k2, i, j, p.threshold)) pj = 0;
 #pragma unroll
@@ -260,7 +284,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Params
     if (on) dpart += g * static_cast<acc_t>(orow[d]);
   }
   const acc_t delta = warp_sum(dpart);
-  const acc_t lse = lim > 0 ? static_cast<acc_t>(p.lse[bh * p.Q + i]) : acc_t(0);
+  const acc_t lse = lim > 0 ? static_cast<acc_t>(recompute_shift(p.lse[bh * p.Q + i])) : acc_t(0);
   uint32_t k1 = 0, k2 = 0;
   if (p.dropout) bh_keys(p.seed[0], b, h, &k1, &k2);
   const acc_t rp = static_cast<acc_t>(p.keep_scale);
@@ -283,9 +307,11 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Params
         s += Qs[warp * D + d] * Ks[lane * (D + 1) + d];
         dp += Gs[warp * D + d] * Vs[lane * (D + 1) + d];
       }
+      if (p.bias != nullptr) s += bias_at(p, b, h, i, j);
       const acc_t pr = exp_acc(s - lse);
       if (p.dropout) dp = keep(k1, k2, i, j, p.threshold) ? dp * rp : acc_t(0);
       ds = pr * (dp - delta);
+      if (p.dbias != nullptr) p.dbias[(bh * p.Q + i) * p.K + j] = ds;
     }
     const int64_t n = std::min<int64_t>(kTile, lim - j0);
     for (int jj = 0; jj < n; ++jj) {
@@ -350,7 +376,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Param
     stage_tile(gb, p.gs2, i0, qlen, D, acc_t(1), Gs);
     if (threadIdx.x < kTile) {
       const int64_t i = i0 + threadIdx.x;
-      Ls[threadIdx.x] = i < qlen ? static_cast<acc_t>(p.lse[bh * p.Q + i]) : acc_t(0);
+      Ls[threadIdx.x] = i < qlen ? static_cast<acc_t>(recompute_shift(p.lse[bh * p.Q + i])) : acc_t(0);
       Ds[threadIdx.x] = i < qlen ? static_cast<acc_t>(p.delta[bh * p.Q + i]) : acc_t(0);
     }
     __syncthreads();
@@ -364,6 +390,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Param
         s += Qs[lane * (D + 1) + d] * Ks[warp * D + d];
         dp += Gs[lane * (D + 1) + d] * Vs[warp * D + d];
       }
+      if (p.bias != nullptr) s += bias_at(p, b, h, i, j);
       const acc_t pr = exp_acc(s - Ls[lane]);
       const bool kept = !p.dropout || keep(k1, k2, i, j, p.threshold);
       pd = kept ? pr * rp : acc_t(0);
@@ -438,6 +465,18 @@ std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
   return t->contiguous();
 }
 
+// The bias in the math type, expanded to [B, H, Q, K] (a view: stride 0 where it broadcasts).
+template <typename scalar_t>
+at::Tensor fill_bias(Params<scalar_t>& p, const at::Tensor& bias, int64_t B, int64_t H, int64_t Q,
+                     int64_t K) {
+  if (!bias.defined()) return at::Tensor();
+  const at::ScalarType acc = std::is_same_v<scalar_t, double> ? at::kDouble : at::kFloat;
+  at::Tensor e = bias.to(acc).expand({B, H, Q, K});
+  p.bias = e.const_data_ptr<at::opmath_type<scalar_t>>();
+  p.bs0 = e.stride(0); p.bs1 = e.stride(1); p.bs2 = e.stride(2); p.bs3 = e.stride(3);
+  return e;
+}
+
 void check_cuda_attention(const at::Tensor& q) {
   CHECK_CUDA(q);
   TORCH_CHECK(q.size(3) <= kMaxD, "q: the CUDA attention kernel supports head dims up to ", kMaxD,
@@ -448,17 +487,19 @@ void check_cuda_attention(const at::Tensor& q) {
 
 namespace cuda_impl {
 
-std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, D]
-                                             const at::Tensor& k,  // [B, H, K, D]
-                                             const at::Tensor& v,  // [B, H, K, D]
-                                             const std::optional<at::Tensor>& key_lengths,
-                                             const std::optional<at::Tensor>& query_lengths,
-                                             double scale, bool causal, double dropout_p,
-                                             const std::optional<at::Tensor>& seed) {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, const at::Tensor& bias,
+                                                  const std::optional<at::Tensor>& key_lengths,
+                                                  const std::optional<at::Tensor>& query_lengths,
+                                                  double scale, bool causal, double dropout_p,
+                                                  const std::optional<at::Tensor>& seed) {
   check_attention_args(q, k, v, key_lengths, query_lengths, scale, dropout_p, seed);
   check_cuda_attention(q);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
+  if (bias.defined()) check_position_bias(bias, q, B, H, Q, K);
   const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
   const auto kl = contiguous_opt(key_lengths), ql = contiguous_opt(query_lengths);
   at::Tensor out = empty_bthd(B, H, Q, D, q.options());
@@ -469,6 +510,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, 
     using acc_t = at::opmath_type<scalar_t>;
     Params<scalar_t> p{};
     fill_common(p, qd, kd, vd, kl, ql, seed, scale, causal, dropout_p);
+    const at::Tensor bias_e = fill_bias(p, bias, B, H, Q, K);
     p.o = out.data_ptr<scalar_t>();
     p.os0 = out.stride(0); p.os1 = out.stride(1); p.os2 = out.stride(2);
     p.lse = lse.data_ptr<float>();
@@ -481,11 +523,12 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q,  // [B, H, Q, 
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
-    const std::optional<at::Tensor>& query_lengths, double scale, bool causal, double dropout_p,
-    const std::optional<at::Tensor>& seed) {
+    const at::Tensor& bias, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& query_lengths,
+    double scale, bool causal, double dropout_p, const std::optional<at::Tensor>& seed,
+    bool bias_grad) {
   check_attention_args(q, k, v, key_lengths, query_lengths, scale, dropout_p, seed);
   check_cuda_attention(q);
   for (const at::Tensor* t : {&grad_out, &out}) {
@@ -499,6 +542,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), K = k.size(2), D = q.size(3);
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Q,
               "lse must have shape [", B, ", ", H, ", ", Q, "], got ", lse.sizes());
+  if (bias.defined()) check_position_bias(bias, q, B, H, Q, K);
+  const bool want_dbias = bias.defined() && bias_grad;
+  const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   const at::Tensor qd = dense_rows(q), kd = dense_rows(k), vd = dense_rows(v);
   const at::Tensor gd = dense_rows(grad_out), od = dense_rows(out), lc = lse.contiguous();
@@ -506,13 +552,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   at::Tensor dq = empty_bthd(B, H, Q, D, q.options());
   at::Tensor dk = empty_bthd(B, H, K, D, q.options());
   at::Tensor dv = empty_bthd(B, H, K, D, q.options());
-  if (B * H == 0) return {dq, dk, dv};
+  // d(bias): dS of every (b, h, i, j), reduced to the bias's shape and dtype at the end.
+  at::Tensor dbias_full = want_dbias ? at::zeros({B, H, Q, K}, q.options().dtype(acc)) : at::Tensor();
+  auto finish_dbias = [&]() {
+    if (!want_dbias) return at::empty({0}, q.options());
+    return dbias_full.sum_to_size(bias.sizes()).to(bias.scalar_type());
+  };
+  if (B * H == 0) return {dq, dk, dv, finish_dbias()};
   at::Tensor delta = at::zeros({B, H, Q}, q.options().dtype(at::kFloat));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   TE_DISPATCH_FLOATING(q.scalar_type(), "attention_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     Params<scalar_t> p{};
     fill_common(p, qd, kd, vd, kl, ql, seed, scale, causal, dropout_p);
+    const at::Tensor bias_e = fill_bias(p, bias, B, H, Q, K);
+    if (want_dbias) p.dbias = dbias_full.data_ptr<at::opmath_type<scalar_t>>();
     p.out = od.const_data_ptr<scalar_t>();
     p.os0 = od.stride(0); p.os1 = od.stride(1); p.os2 = od.stride(2);
     p.dout = gd.const_data_ptr<scalar_t>();
@@ -540,7 +594,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
+  return {dq, dk, dv, finish_dbias()};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v,
+                                             const std::optional<at::Tensor>& key_lengths,
+                                             const std::optional<at::Tensor>& query_lengths,
+                                             double scale, bool causal, double dropout_p,
+                                             const std::optional<at::Tensor>& seed) {
+  return attention_impl(q, k, v, at::Tensor(), key_lengths, query_lengths, scale, causal,
+                        dropout_p, seed);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_with_bias(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& position_bias,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& query_lengths,
+    double scale, bool causal, double dropout_p, const std::optional<at::Tensor>& seed) {
+  TORCH_CHECK(position_bias.defined(), "position_bias must be a tensor");
+  return attention_impl(q, k, v, position_bias, key_lengths, query_lengths, scale, causal,
+                        dropout_p, seed);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& key_lengths,
+    const std::optional<at::Tensor>& query_lengths, double scale, bool causal, double dropout_p,
+    const std::optional<at::Tensor>& seed) {
+  auto [dq, dk, dv, db] = attention_backward_impl(grad_out, q, k, v, at::Tensor(), out, lse,
+                                                  key_lengths, query_lengths, scale, causal,
+                                                  dropout_p, seed, false);
   return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_with_bias_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& position_bias, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& key_lengths, const std::optional<at::Tensor>& query_lengths,
+    double scale, bool causal, double dropout_p, const std::optional<at::Tensor>& seed,
+    bool bias_grad) {
+  TORCH_CHECK(position_bias.defined(), "position_bias must be a tensor");
+  return attention_backward_impl(grad_out, q, k, v, position_bias, out, lse, key_lengths,
+                                 query_lengths, scale, causal, dropout_p, seed, bias_grad);
 }
 
 at::Tensor attention_dropout_mask(const at::Tensor& seed, int64_t B, int64_t H, int64_t Q, int64_t K,
@@ -554,5 +651,7 @@ at::Tensor attention_dropout_mask(const at::Tensor& seed, int64_t B, int64_t H, 
 TORCH_LIBRARY_IMPL(transformer_ext, CUDA, m) {
   m.impl("attention", &transformer_ext::cuda_impl::attention);
   m.impl("attention_backward", &transformer_ext::cuda_impl::attention_backward);
+  m.impl("attention_with_bias", &transformer_ext::cuda_impl::attention_with_bias);
+  m.impl("attention_with_bias_backward", &transformer_ext::cuda_impl::attention_with_bias_backward);
   m.impl("attention_dropout_mask", &transformer_ext::cuda_impl::attention_dropout_mask);
 }

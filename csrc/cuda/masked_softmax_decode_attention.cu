@@ -17,6 +17,7 @@
 //   When B * H is below the SM count and the cache holds >= 512 keys, each row's keys are
 //   split into ranges of >= 256 keys handled by separate blocks (flash-decoding), whose
 //   float32 softmax states a second small kernel merges; otherwise it is one launch.
+//   decode_attention_with_bias adds a float32 position bias to each scaled score.
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -29,6 +30,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "ops.h"
 #include "utils.cuh"
 
 namespace transformer_ext {
@@ -331,6 +333,10 @@ struct DecodeParams {
   int64_t splits;           // key ranges per (b, h); 1 = one block does the whole row
   int64_t keys_per_split;   // split s covers keys [s * keys_per_split, (s + 1) * keys_per_split)
   float scale;
+  // Position bias or nullptr (float32): bias(b, h, j) at b * bias_sb + h * bias_sh + j * bias_sl
+  // for cache key j, and at j = L for the new key.
+  const float* bias;
+  int64_t bias_sb, bias_sh, bias_sl;
 };
 
 // One block per work item (b, h, split) (grid-stride loop). kR head-dim elements per lane
@@ -428,6 +434,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int u = 0; u < kKeys; ++u) {
           const float dot = warp_allreduce_sum(score[u]);
           score[u] = j0 + u < j_end ? dot * p.scale : -INFINITY;  // reference: scale * (q.k)
+          if (p.bias != nullptr && j0 + u < j_end) {  // + bias; the new key's entry is at L
+            const int64_t jb = j0 + u < len ? j0 + u : p.L;
+            score[u] += p.bias[b * p.bias_sb + h * p.bias_sh + jb * p.bias_sl];
+          }
           step_max = fmaxf(step_max, score[u]);
         }
         const float shift = softmax_shift(step_max);
@@ -628,17 +638,18 @@ at::Tensor masked_softmax_backward(const at::Tensor& grad_probs,  // [B, H, Q, K
   return grad_scores;
 }
 
-at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1, D]
-                            const at::Tensor& k_cache,               // [B, H, L, D]
-                            const at::Tensor& v_cache,               // [B, H, L, D]
-                            const at::Tensor& lengths,               // [B] int64
-                            double scale,
-                            const std::optional<at::Tensor>& k_new,  // [B, H, 1, D]
-                            const std::optional<at::Tensor>& v_new) {
+namespace {
+
+at::Tensor decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& lengths, double scale,
+                                 const std::optional<at::Tensor>& k_new,
+                                 const std::optional<at::Tensor>& v_new, const at::Tensor& bias) {
   check_decode_attention_args(q, k_cache, v_cache, lengths, k_new, v_new);
   CHECK_CUDA(q);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   const int64_t B = q.size(0), H = q.size(1), L = k_cache.size(2), D = q.size(3);
+  const bool with_new = k_new.has_value() && k_new->defined();
+  if (bias.defined()) check_decode_position_bias(bias, q, L + (with_new ? 1 : 0));
   at::Tensor out = at::empty({B, H, 1, D}, q.options());  // contiguous
   if (out.numel() == 0) return out;
 
@@ -656,9 +667,16 @@ at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1
   at::Tensor partial;  // per-split softmax states, only when rows are split
   if (splits > 1) partial = at::empty({BH, splits, D + 2}, q.options().dtype(at::kFloat));
 
+  // float32 [B, H, 1, n] view of the bias (stride 0 where it broadcasts)
+  const at::Tensor bias_f =
+      bias.defined() ? bias.to(at::kFloat).expand({B, H, 1, bias.size(3)}) : at::Tensor();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   TE_DISPATCH_FLOATING(q.scalar_type(), "decode_attention_cuda", [&] {
     DecodeParams<scalar_t> p;
+    p.bias = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+    p.bias_sb = bias_f.defined() ? bias_f.stride(0) : 0;
+    p.bias_sh = bias_f.defined() ? bias_f.stride(1) : 0;
+    p.bias_sl = bias_f.defined() ? bias_f.stride(3) : 0;
     p.q = qc.const_data_ptr<scalar_t>();
     p.k_cache = kc.const_data_ptr<scalar_t>();  // may be null when L == 0; never read then
     p.v_cache = vc.const_data_ptr<scalar_t>();
@@ -685,6 +703,27 @@ at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1
   return out;
 }
 
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q,                     // [B, H, 1, D]
+                            const at::Tensor& k_cache,               // [B, H, L, D]
+                            const at::Tensor& v_cache,               // [B, H, L, D]
+                            const at::Tensor& lengths,               // [B] int64
+                            double scale,
+                            const std::optional<at::Tensor>& k_new,  // [B, H, 1, D]
+                            const std::optional<at::Tensor>& v_new) {
+  return decode_attention_impl(q, k_cache, v_cache, lengths, scale, k_new, v_new, at::Tensor());
+}
+
+at::Tensor decode_attention_with_bias(const at::Tensor& q, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& lengths,
+                                      double scale, const at::Tensor& position_bias,
+                                      const std::optional<at::Tensor>& k_new,
+                                      const std::optional<at::Tensor>& v_new) {
+  TORCH_CHECK(position_bias.defined(), "position_bias must be a tensor");
+  return decode_attention_impl(q, k_cache, v_cache, lengths, scale, k_new, v_new, position_bias);
+}
+
 }  // namespace cuda_impl
 }  // namespace transformer_ext
 
@@ -692,4 +731,5 @@ TORCH_LIBRARY_IMPL(transformer_ext, CUDA, m) {
   m.impl("masked_softmax", &transformer_ext::cuda_impl::masked_softmax);
   m.impl("masked_softmax_backward", &transformer_ext::cuda_impl::masked_softmax_backward);
   m.impl("decode_attention", &transformer_ext::cuda_impl::decode_attention);
+  m.impl("decode_attention_with_bias", &transformer_ext::cuda_impl::decode_attention_with_bias);
 }

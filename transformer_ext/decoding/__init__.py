@@ -93,6 +93,7 @@ from .options import (
     EARLY_STOPPING,
     LENGTH_PENALTIES,
     SearchOptions,
+    expected_value,
     length_penalty_factor,
     max_new_tokens_for,
 )
@@ -151,6 +152,7 @@ __all__ = [
     "check_attention_runner",
     "score",
     "max_new_tokens_for",
+    "expected_value",
     "length_penalty_factor",
     "log_softmax",
     "check_sources",

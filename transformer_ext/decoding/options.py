@@ -371,6 +371,19 @@ def _option(default: Any, help: str, range: str, check: Callable[[Any], Optional
     return field(default=default, metadata={"help": help, "range": range, "check": check})
 
 
+def expected_value(name: str, value: Any) -> Optional[str]:
+    """What the option ``name`` (a :class:`SearchOptions` field) expects where ``value`` is out of
+    its range, worded for a flag or a request field whose type is given already (``>= 1``, not
+    ``an int >= 1``); None when ``value`` is within it. Every command line and the Triton
+    translator word their range errors with it: ``NAME must be EXPECTED, got VALUE``."""
+    expected = _FIELD_CHECKS[name](value)
+    if expected is None:
+        return None
+    for word in ("an int ", "a number "):
+        expected = expected.removeprefix(word)
+    return expected.removesuffix(" or None")
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     """Every option of one search, with its default, help text and range (field metadata
@@ -568,3 +581,6 @@ class SearchOptions:
             no_repeat_ngram_size=int(self.no_repeat_ngram_size),
             force_eos_at_budget=bool(self.force_eos_at_budget),
         )
+
+
+_FIELD_CHECKS = {f.name: f.metadata["check"] for f in fields(SearchOptions)}

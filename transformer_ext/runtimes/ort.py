@@ -41,9 +41,12 @@ A state laid out by :meth:`OrtRunner.batch_invariant` has capacities that are mu
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -56,11 +59,13 @@ from transformer_ext.export_format import (
     DECODER_FILE,
     ENCODER_FILE,
     FEW_ROWS_DECODER_FILE,
+    HASHES_KEY,
     MANIFEST_NAME,
     InvalidGraphError,
     check_io,
     cross_per_source,
     dtype_from_ort,
+    file_sha256,
     manifest_few_rows,
     manifest_max_cache_len,
     manifest_quantization,
@@ -171,6 +176,71 @@ class OrtState(CacheStateViews):
 SOURCE_ALIGN = 16
 
 
+def _glibc_functions() -> tuple[Optional[Any], Optional[Any]]:
+    """glibc's ``malloc_trim`` and ``mallopt`` (None elsewhere: musl, macOS, Windows)."""
+    if not sys.platform.startswith("linux"):
+        return None, None
+    try:
+        libc = ctypes.CDLL(None)
+        trim, mallopt = libc.malloc_trim, libc.mallopt
+    except (OSError, AttributeError):
+        return None, None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return trim, mallopt
+
+
+_MALLOC_TRIM, _MALLOPT = _glibc_functions()
+# mallopt parameters (glibc's malloc.h) and the settings of a load (_heap_for_loading)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+LOAD_MMAP_THRESHOLD = 128 << 10  # glibc's initial threshold, held fixed while sessions are made
+RUN_MMAP_THRESHOLD = 32 << 20  # afterwards: the most glibc's own adjustment raises it to (64-bit)
+RUN_TRIM_THRESHOLD = 64 << 20  # and twice that for the top of the heap, as glibc's adjustment sets it
+
+
+def _release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``; nothing where
+    it is not available). Frees nothing in use."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_configured() -> bool:
+    """Whether this process's glibc malloc was configured through its environment (the
+    ``MALLOC_*_`` variables or ``glibc.malloc`` tunables), which the runner then leaves alone."""
+    return any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ) or (
+        "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+    )
+
+
+@contextlib.contextmanager
+def _heap_for_loading():
+    """Make sessions with memory they free going back to the system at once.
+
+    Making a session maps the weights it packs, packs them and (an int8 few-row step) folds
+    the weights it builds from shared bytes, freeing the sources as it goes; glibc keeps freed
+    blocks of up to its (self-adjusting) mmap threshold on its heap, where the next allocations
+    of a session do not always fit, so RSS peaks over what the sessions keep. Inside this
+    block the threshold is glibc's initial 128 KiB, held fixed: every large block is a mapping of
+    its own, returned when freed. On leaving, the threshold becomes 32 MiB and the heap's trim
+    threshold 64 MiB, the values glibc's own adjustment tends to (so the decoding's buffers come
+    from the heap, as they would have). The free heap is handed back before (what was freed
+    before the load) and after. Measured at opus-mt size (docs/footprint.md): an int8 runner's
+    peak after its first translation 185 MiB where it was 190-204 MiB. Nothing is changed where
+    glibc is not the allocator or the process configured malloc through its environment."""
+    if _MALLOPT is None or _malloc_configured():
+        yield
+        return
+    _release_free_heap()
+    _MALLOPT(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        _MALLOPT(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)
+        _MALLOPT(M_TRIM_THRESHOLD, RUN_TRIM_THRESHOLD)
+        _release_free_heap()
+
+
 def _aligned(width: int) -> int:
     return -(-int(width) // SOURCE_ALIGN) * SOURCE_ALIGN
 
@@ -234,6 +304,14 @@ class OrtRunner(decoding.SearchMethods):
             mapping (False: ``session.disable_prepacking``; several processes on one folder then
             share the weights' pages, at a speed cost: ``runtimes.procpool`` has numbers).
             Ignored with ``session_options``.
+        preload_steps: open every decoder step session the runner may run when it is made
+            (True), or (default, False) open an int8 export's dynamic step (``decoder_step.onnx``)
+            at its first step of more rows than the few-row step runs, when the runner uses a
+            few-row step and the manifest records the dynamic step's SHA-256 (checked at load:
+            a changed or missing graph is still refused there). A runner whose steps all fit the
+            few-row step then never holds the dynamic step's packed weights (about a third of an
+            int8 runner's memory); the first larger step pays for opening it (a fraction of a
+            second at opus-mt size). Folders without recorded hashes open every step at load.
 
     ``info`` (:class:`~transformer_ext.runtimes.info.RunnerInfo`) describes the model, the
     export's cache capacity, its precision and flavour.
@@ -259,6 +337,7 @@ class OrtRunner(decoding.SearchMethods):
         flush_denormals: bool = True,
         few_rows: str = "auto",
         pack_weights: bool = True,
+        preload_steps: bool = False,
     ):
         if few_rows not in FEW_ROWS_MODES:
             raise ValueError(f"few_rows must be one of {list(FEW_ROWS_MODES)}, got {few_rows!r}")
@@ -268,6 +347,7 @@ class OrtRunner(decoding.SearchMethods):
             ("flush_denormals", flush_denormals),
             ("stop_spinning_after_run", stop_spinning_after_run),
             ("pack_weights", pack_weights),
+            ("preload_steps", preload_steps),
         ):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -281,7 +361,9 @@ class OrtRunner(decoding.SearchMethods):
         self._pool = HostBufferPool() if reuse_buffers else None
         self.export_dir = os.fspath(export_dir)
         self.manifest = dict(read_manifest(self.export_dir) if manifest is None else manifest)
-        verify_weights(self.export_dir, self.manifest)  # the shared weights file, before any session
+        # The shared weights file is there and of its size before anything else is read (its
+        # SHA-256, a read of the whole file, is checked by _load before the first session).
+        verify_weights(self.export_dir, self.manifest, sha256=False)
         cpu_warning = quantization_cpu_warning(self.manifest, self.export_dir)
         if cpu_warning:
             logger.warning("%s", cpu_warning)
@@ -308,39 +390,98 @@ class OrtRunner(decoding.SearchMethods):
                 f"GroupQueryAttention, float32), which runs on the CPUExecutionProvider only, not on "
                 f"{self.providers}; export with --flavour portable or tensorscatter for other providers"
             )
-        # Made inside self._call: ONNX Runtime sets FTZ / DAZ on the thread that makes a session
-        # with "session.set_denormal_as_zero" (as well as on the session's pool threads), and
-        # denormals.call gives this thread its own setting back.
-        self.encoder = self._call(self._session, ENCODER_FILE, session_options)
-        self.decoder = self._call(self._session, DECODER_FILE, session_options)
         graphs = self.manifest["graphs"]
-        check_io(
-            ENCODER_FILE, graphs["encoder"], _io(self.encoder.get_inputs()), _io(self.encoder.get_outputs())
-        )
-        check_io(
-            DECODER_FILE,
-            graphs["decoder_step"],
-            _io(self.decoder.get_inputs()),
-            _io(self.decoder.get_outputs()),
-        )
-        self._few, self._few_max_rows = self._few_rows_session(few_rows, session_options)
+        self._few_max_rows = self._few_rows_max_rows(few_rows, session_options)
+        # The dynamic step opens at its first use (the ``decoder`` property) when the few-row step
+        # may run instead and the graph is the one the manifest records (preload_steps says why).
+        defer = not preload_steps and self._few_max_rows > 0 and self._graph_checked(DECODER_FILE)
+        self._decoder: Optional[ort.InferenceSession] = None
+        self._decoder_lock = threading.Lock()
+        # The few-row step first: the weights it folds and packs at load are the largest
+        # transient of a load: made first, it rises over the least memory.
+        files = [FEW_ROWS_DECODER_FILE] if self._few_max_rows else []
+        files.append(ENCODER_FILE)
+        if not defer:
+            files.append(DECODER_FILE)
+        sessions = self._load(files, session_options)
+        self.encoder = sessions[ENCODER_FILE]
+        self._few: Optional[ort.InferenceSession] = sessions.get(FEW_ROWS_DECODER_FILE)
+        self._decoder = sessions.get(DECODER_FILE)
         self._encoder_outputs = [o["name"] for o in graphs["encoder"]["outputs"]]
         # The step takes the cross-attention K/V once per source (format version 4 on)
         self.cross_per_source = cross_per_source(graphs)
         # An export made with --attention: the decoder step's optional output "attention"
         self.has_attention = any(o["name"] == ATTENTION_OUTPUT for o in graphs["decoder_step"]["outputs"])
-        if any(p != "CPUExecutionProvider" for p in self.decoder.get_providers()):
+        if any(p != "CPUExecutionProvider" for p in self.encoder.get_providers()):
             logger.warning(
                 "providers %s: the runner's buffers live in host memory, so ONNX Runtime copies them "
                 "to the device at every step",
-                self.decoder.get_providers(),
+                self.encoder.get_providers(),
             )
         logger.info(
-            "ONNX Runtime runner on %s (%s flavour, providers %s)",
+            "ONNX Runtime runner on %s (%s flavour, providers %s%s)",
             self.export_dir,
             self.info.flavour,
-            self.decoder.get_providers(),
+            self.encoder.get_providers(),
+            f"; {DECODER_FILE} opens at its first step of more than {self._few_max_rows} rows"
+            if defer
+            else "",
         )
+
+    def _load(self, files: Sequence[str], options: ort.SessionOptions) -> dict[str, ort.InferenceSession]:
+        """The sessions of ``files`` in that order, each checked against the manifest's graph,
+        once the shared weights file is the one the manifest records (its SHA-256: nothing is
+        loaded from a changed file).
+
+        Peak memory: the sessions are made inside :func:`_heap_for_loading` (what they free
+        while they are made goes back to the system at once)."""
+        verify_weights(self.export_dir, self.manifest)
+        with _heap_for_loading():
+            # Made inside self._call: ONNX Runtime sets FTZ / DAZ on the thread that makes a
+            # session with "session.set_denormal_as_zero" (as well as on the session's pool
+            # threads), and denormals.call gives this thread its own setting back.
+            return {filename: self._call(self._open_graph, filename, options) for filename in files}
+
+    def _open_graph(self, filename: str, options: ort.SessionOptions) -> ort.InferenceSession:
+        """A session of the graph ``filename``, its inputs and outputs checked against the
+        manifest's (the decoder step's for the few-row step, which takes the same)."""
+        session = self._session(filename, options)
+        graph = "encoder" if filename == ENCODER_FILE else "decoder_step"
+        check_io(
+            filename,
+            self.manifest["graphs"][graph],
+            _io(session.get_inputs()),
+            _io(session.get_outputs()),
+        )
+        return session
+
+    def _graph_checked(self, filename: str) -> bool:
+        """Whether the manifest records ``filename``'s SHA-256 and the file has it (False: none
+        recorded). Raises InvalidGraphError when the file is missing or differs."""
+        expected = (self.manifest.get(HASHES_KEY) or {}).get(filename)
+        if not isinstance(expected, str):
+            return False
+        path = os.path.join(self.export_dir, filename)
+        if not os.path.isfile(path):
+            raise InvalidGraphError(f"{path} not found (the export folder is incomplete; export it again)")
+        if file_sha256(path) != expected:
+            raise InvalidGraphError(
+                f"{path} is not the graph this export was written with (its SHA-256 differs from the one "
+                f"{MANIFEST_NAME} records): copy the whole export folder again, or export the model again"
+            )
+        return True
+
+    @property
+    def decoder(self) -> ort.InferenceSession:
+        """The session of ``decoder_step.onnx``; opened here at first use when the runner deferred
+        it (``preload_steps``, the class docstring)."""
+        if self._decoder is None:
+            with self._decoder_lock:
+                if self._decoder is None:
+                    logger.info("%s: opening %s", self.export_dir, DECODER_FILE)
+                    with _heap_for_loading():
+                        self._decoder = self._call(self._open_graph, DECODER_FILE, self._session_options)
+        return self._decoder
 
     def _default_session_options(
         self,
@@ -374,11 +515,9 @@ class OrtRunner(decoding.SearchMethods):
                 options.add_session_config_entry(key, value)
         return options
 
-    def _few_rows_session(
-        self, mode: str, options: ort.SessionOptions
-    ) -> tuple[Optional[ort.InferenceSession], int]:
-        """The few-row decoder step's session and the most rows it runs (``sys.maxsize``: every
-        step), or ``(None, 0)`` when the runner does not use one (``few_rows``, the class docstring)."""
+    def _few_rows_max_rows(self, mode: str, options: ort.SessionOptions) -> int:
+        """The most rows the few-row decoder step runs (``sys.maxsize``: every step), or 0 when
+        the runner does not use one (``few_rows``, the class docstring)."""
         entry = manifest_few_rows(self.manifest)
         if entry is None or mode == "never":
             if mode == "always":
@@ -386,7 +525,7 @@ class OrtRunner(decoding.SearchMethods):
                     f"few_rows='always': {self.export_dir} has no few-row decoder step "
                     f"({FEW_ROWS_DECODER_FILE}; python -m export.onnx --quantize int8 writes one)"
                 )
-            return None, 0
+            return 0
         if mode == "auto":
             threads = options.intra_op_num_threads or os.cpu_count() or 1  # 0: ONNX Runtime's default
             if not self._cpu_only():
@@ -399,15 +538,8 @@ class OrtRunner(decoding.SearchMethods):
                 reason = None
             if reason:
                 logger.info("%s: few-row decoder step not used: %s", self.export_dir, reason)
-                return None, 0
-        session = self._call(self._session, FEW_ROWS_DECODER_FILE, options)
-        check_io(
-            FEW_ROWS_DECODER_FILE,
-            self.manifest["graphs"]["decoder_step"],
-            _io(session.get_inputs()),
-            _io(session.get_outputs()),
-        )
-        return session, (entry["max_rows"] if mode == "auto" else sys.maxsize)
+                return 0
+        return entry["max_rows"] if mode == "auto" else sys.maxsize
 
     @property
     def step_sessions(self) -> dict[str, ort.InferenceSession]:

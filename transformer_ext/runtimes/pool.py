@@ -17,8 +17,10 @@ with CTranslate2 given the same split (``inter_threads``).
 
 The search of a part is the one a single runner would make for those sources alone: float32
 tokens equal those of one runner on the whole batch (padding and product shapes differ, so
-logits may differ in the last bits). Sampling is refused: the parts would draw from one seed
-each, not the whole batch's stream.
+logits may differ in the last bits). Random sampling splits too: each source draws from a stream
+of its own, keyed by the seed and the source's index in the whole input (``source_index``,
+docs/decoding.md "Sampling streams"), and each part is given its sources' indices, so a split
+sample is the unsplit one.
 
 When one part fails, or the caller is interrupted while the parts run (Ctrl-C raises
 KeyboardInterrupt in the waiting thread), the other parts stop at their next decoder step
@@ -54,7 +56,7 @@ __all__ = [
 
 # Search options that may hold one value per source (sliced with the sources); the others are
 # passed to every part as they are.
-PER_SOURCE_OPTIONS = ("max_new_tokens", "min_new_tokens", "target_prefix")
+PER_SOURCE_OPTIONS = ("max_new_tokens", "min_new_tokens", "target_prefix", "source_index")
 POLL_SECONDS = 0.1  # the longest wait for the parts between two looks at pending signals
 POOLS = ("threads", "processes")  # open_source_parallel's pool kinds
 
@@ -118,10 +120,11 @@ def plan_parts(
     """The checked batch of a split search: ``(ids, lengths, parts, part_options)``, ``parts``
     the sources' slices (:func:`split_sources`) and ``part_options(slice)`` the options of one
     part (those of :data:`PER_SOURCE_OPTIONS` that hold one value per source sliced with it).
+    Random sampling over several parts gives each part its sources' ``source_index`` (default
+    ``0 .. batch-1``), so every source draws from the stream it has in the unsplit batch.
 
-    Raises ValueError for a batch that is not ``[batch, src_len]`` / ``[batch]`` with batch >= 1,
-    for a per-source option of another length, and for sampling over several parts (each part
-    would draw its own random stream)."""
+    Raises ValueError for a batch that is not ``[batch, src_len]`` / ``[batch]`` with batch >= 1
+    and for a per-source option of another length."""
     ids = np.asarray(input_ids)
     lengths = np.asarray(src_lengths)
     if ids.ndim != 2 or lengths.ndim != 1 or lengths.shape[0] != ids.shape[0] or ids.shape[0] == 0:
@@ -137,11 +140,8 @@ def plan_parts(
             or options.get("sampling_topp", 1.0) != 1.0
             or options.get("sampling_temperature", 1.0) != 1.0
         )
-        if sampling:
-            raise ValueError(
-                "sampling cannot be split over several runners (each part would draw its own random "
-                "stream): decode with one runner"
-            )
+        if sampling and options.get("source_index") is None:
+            options = dict(options, source_index=np.arange(n, dtype=np.int64))
         for name in PER_SOURCE_OPTIONS:
             value = options.get(name)
             if value is not None and not np.isscalar(value) and len(value) != n:
@@ -202,8 +202,9 @@ class SourceParallel:
         result per source, in source order (the concatenation of the parts' lists).
 
         ``options`` named in :data:`PER_SOURCE_OPTIONS` are sliced with the sources when they
-        hold one value per source; sampling (``sampling_topk``, ``sampling_topp``,
-        ``sampling_temperature`` other than greedy) is a ValueError when the batch is split.
+        hold one value per source; random sampling (``sampling_topk``, ``sampling_topp``,
+        ``sampling_temperature`` other than greedy) gives the samples of the unsplit batch, each
+        part getting its sources' ``source_index`` (:func:`plan_parts`).
         """
         ids, lengths, parts, part_options = plan_parts(input_ids, src_lengths, len(self.runners), options)
         if len(parts) == 1:

@@ -477,8 +477,8 @@ class ProcessSourceParallel:
     def run(self, search: Callable[..., list], input_ids: Any, src_lengths: Any, **options: Any) -> list:
         """``search(runner, input_ids, src_lengths, **options)`` on every part at once, each in
         its worker -> one result per source, in source order (as :meth:`SourceParallel.run
-        <transformer_ext.runtimes.pool.SourceParallel.run>`: per-source options sliced, sampling
-        refused over several parts). ``search`` and the options must pickle (TypeError). Calls
+        <transformer_ext.runtimes.pool.SourceParallel.run>`: per-source options sliced, each part
+        sampling its sources' streams). ``search`` and the options must pickle (TypeError). Calls
         from several threads take turns."""
         with self._lock:
             return self._run(search, input_ids, src_lengths, options)

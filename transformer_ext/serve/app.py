@@ -211,8 +211,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, Optional[str]]:
 _OPTION_FIELDS = {  # Translator's option name -> the request field
     "beam size": "beam_size",
     "beam_size": "beam_size",
-    "n_best": "num_hypotheses",
-    "max_length": "max_decoding_length",
+    "num_hypotheses": "num_hypotheses",
+    "max_decoding_length": "max_decoding_length",
     "sampling_topk": "sampling_topk",
     "sampling_temperature": "sampling_temperature",
     "seed": "seed",
@@ -310,8 +310,8 @@ class ServeState:
     def options(self, translator: Translator, body: TranslateRequest) -> dict:
         opts = dict(
             beam_size=body.beam_size,
-            n_best=body.num_hypotheses,
-            max_length=body.max_decoding_length,
+            num_hypotheses=body.num_hypotheses,
+            max_decoding_length=body.max_decoding_length,
             sampling_topk=body.sampling_topk,
             sampling_temperature=body.sampling_temperature,
             seed=body.seed,
@@ -768,7 +768,7 @@ class _Routes:
         n = body.alternatives + 1
         opts: dict[str, Any] = {}
         if n > 1:
-            opts = dict(beam_size=max(n, translator.resolve_options()["beam_size"]), n_best=n)
+            opts = dict(beam_size=max(n, translator.resolve_options()["beam_size"]), num_hypotheses=n)
             try:
                 translator.resolve_options(**opts)
             except TranslationError as exc:

@@ -250,7 +250,7 @@ def warm_up(model) -> None:
     from ..translator import TranslationError
 
     try:
-        model.translator.translate(["one"], strict=False, max_length=2)
+        model.translator.translate(["one"], strict=False, max_decoding_length=2)
     except (
         TranslationError
     ) as exc:  # a model that cannot encode the warm-up text: it warms on its first request

@@ -231,7 +231,7 @@ class ContinuousScheduler(Scheduler):
             job, i, _ = entry
             self._leave(key, job)
             tok = job.translator.tokenizer
-            n_best = int(job.options.get("n_best") or 1)
+            n_best = int(job.options.get("num_hypotheses") or 1)
             hyps = list(hypotheses[:n_best])
             generated += sum(len(h.tokens) for h in hyps)
             job.deliver(i, Translation(job.sources[i], [tok.decode_target(h.tokens) for h in hyps], hyps))

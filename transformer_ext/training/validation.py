@@ -92,7 +92,7 @@ def _decoded_scores(model, tokenizer, subset: Sequence[Example], device, beam_si
     from ..translator import Translator
 
     translator = Translator.from_model(model, tokenizer, device)
-    outputs = translator.translate([ex.source for ex in subset], beam_size=beam_size, n_best=1)
+    outputs = translator.translate([ex.source for ex in subset], beam_size=beam_size, num_hypotheses=1)
     result: dict[str, Any] = {}
     if bleu:
         from ..evaluate import score_texts

@@ -22,9 +22,12 @@ dicts), so the decoding logic runs and is tested without Triton. :class:`TritonP
 the thin adapter that implements ``infer`` with ``pb_utils.InferenceRequest(...).async_exec()``.
 
 Request (all int64): ``input_ids [batch, src_len]`` (right-padded with pad_id), optional
-``src_lengths [batch]`` (default: up to the last non-pad token), ``max_new_tokens [1]`` (default
+``src_lengths [batch]`` (default: up to the last non-pad token), and the search options of
+:data:`REQUEST_OPTIONS`, named as :class:`transformer_ext.decoding.SearchOptions` names them and
+checked by the same checks: ``max_decoding_length [1]`` (default
 ``floor(max_len_a * src_len + max_len_b)`` per source, capped by the generation config's
-``max_new_tokens`` and the cache capacity), ``min_new_tokens [1]``, ``beam_size [1]`` (1: greedy),
+``max_new_tokens`` and the cache capacity), ``min_decoding_length [1]``, ``beam_size [1]`` (1:
+greedy); the older ``max_new_tokens`` / ``min_new_tokens`` still work, with one warning;
 ``target_prefix [batch or 1, P]`` (tokens forced first, rows right-padded with pad_id; required by a
 model that forces its target language, M2M100 / NLLB); the defaults are the export folder's
 generation config (``generation.json``) and, for a model converted from transformers, its
@@ -359,17 +362,39 @@ class StatefulRunner(_RunnerBase):
 # ------------------------------------------------------------------------------------------
 
 
-def _scalar(arrays: Mapping[str, Any], name: str, default: int, low: int) -> int:
-    value = arrays.get(name)
-    if value is None:
-        return default
-    arr = np.asarray(value)
+# The request's optional search options, each one int64: (SearchOptions field, older input
+# names). A value is checked by its field's own check (decoding.expected_value), an older name
+# works as the field's with one warning per process, and both in one request are an error;
+# export.triton declares every name of them in the translator's config.pbtxt.
+REQUEST_OPTIONS = (
+    ("beam_size", ()),
+    ("max_decoding_length", ("max_new_tokens",)),
+    ("min_decoding_length", ("min_new_tokens",)),
+)
+_WARNED_OLD_INPUTS: set = set()
+
+
+def _request_option(arrays: Mapping[str, Any], name: str, old: Sequence[str]) -> Optional[tuple[int, str]]:
+    """``(value, the input name the request used)`` of the option ``name``, or None if not sent."""
+    sent = [n for n in (name, *old) if arrays.get(n) is not None]
+    if not sent:
+        return None
+    if len(sent) > 1:
+        raise TranslationRequestError(f"{sent[1]} and {sent[0]} are one option (send only {name})")
+    spelled = sent[0]
+    if spelled != name and spelled not in _WARNED_OLD_INPUTS:
+        _WARNED_OLD_INPUTS.add(spelled)
+        logger.warning("request input %s is deprecated; send %s", spelled, name)
+    arr = np.asarray(arrays[spelled])
     if arr.size != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise TranslationRequestError(f"{name} must be one integer, got shape {arr.shape} dtype {arr.dtype}")
-    v = int(arr.reshape(-1)[0])
-    if v < low:
-        raise TranslationRequestError(f"{name} must be >= {low}, got {v}")
-    return v
+        raise TranslationRequestError(
+            f"{spelled} must be one integer, got shape {arr.shape} dtype {arr.dtype}"
+        )
+    value = int(arr.reshape(-1)[0])
+    expected = decoding.expected_value(name, value)
+    if expected is not None:
+        raise TranslationRequestError(f"{spelled} must be {expected}, got {value}")
+    return value, spelled
 
 
 class Translator:
@@ -429,17 +454,19 @@ class Translator:
         prefix = self._target_prefix(arrays, B)
         # what every search takes from the model's generation defaults (and the request's prefix)
         search = dict(banned_ids=self.s.banned, force_eos_at_budget=bool(self.s.force_eos_at_budget))
-        beam = _scalar(arrays, "beam_size", self.s.beam_size, 1)
+        sent = {name: _request_option(arrays, name, old) for name, old in REQUEST_OPTIONS}
+        beam = sent["beam_size"][0] if sent["beam_size"] else self.s.beam_size
         if beam > self.s.max_beam_size:
             raise TranslationRequestError(f"beam_size must be at most {self.s.max_beam_size}, got {beam}")
         stateful = beam == 1 and bool(self.s.stateful_decoder_model)
         capacity = self.s.state_cache_len if stateful else (self.s.fixed_cache_len or self.s.max_cache_len)
-        min_new = _scalar(arrays, "min_new_tokens", self.s.min_new_tokens, 0)
-        if arrays.get("max_new_tokens") is not None:
-            max_new = np.full(B, _scalar(arrays, "max_new_tokens", 0, 1), dtype=np.int64)
-            if int(max_new[0]) > capacity:
+        min_new = sent["min_decoding_length"][0] if sent["min_decoding_length"] else self.s.min_new_tokens
+        if sent["max_decoding_length"]:
+            value, spelled = sent["max_decoding_length"]
+            max_new = np.full(B, value, dtype=np.int64)
+            if value > capacity:
                 raise TranslationRequestError(
-                    f"max_new_tokens must be at most {capacity} (the decoder's cache capacity)"
+                    f"{spelled} must be at most {capacity} (the decoder's cache capacity)"
                 )
         else:
             max_new = decoding.max_new_tokens_for(
@@ -547,7 +574,9 @@ def _run(runner, search, *args, **kwargs):
 # Triton adapter
 # ------------------------------------------------------------------------------------------
 
-_INPUTS = ("input_ids", "src_lengths", "max_new_tokens", "min_new_tokens", "beam_size", "target_prefix")
+_INPUTS = ("input_ids", "src_lengths", "target_prefix") + tuple(
+    n for name, old in REQUEST_OPTIONS for n in (name, *old)
+)
 
 
 class TritonPythonModel:
