@@ -467,3 +467,75 @@ def test_buffer_pool_zeros_reused_memory_and_bounds_what_it_keeps():
     del big
     with pytest.raises(ValueError, match="max_buffers"):
         HostBufferPool(max_buffers=0)
+
+
+def test_host_cache_row_slots_match_plain_indexing():
+    """Row slots of a running decoding (HostKVCache.release_ / insert_ / with_rows), every row at
+    its own position: after every operation equal to a per-row numpy oracle; append_ writes each
+    row's new K/V at that row's own length, a released row's at position 0."""
+    nl, H, L, D = 2, 3, 7, 2
+    rng = np.random.default_rng(11)
+
+    def step(cache, ok, ov, lengths):
+        rows = cache.rows
+        new_k = rng.standard_normal((nl, rows, H, 1, D)).astype(np.float32)
+        new_v = rng.standard_normal((nl, rows, H, 1, D)).astype(np.float32)
+        for i in range(nl):
+            cache.new_key_layers[i][...] = new_k[i]
+            cache.new_value_layers[i][...] = new_v[i]
+        cache.append_()
+        cache.end_step()
+        for r in range(rows):
+            ok[:, r, :, lengths[r]] = new_k[:, r, :, 0]
+            ov[:, r, :, lengths[r]] = new_v[:, r, :, 0]
+        lengths += 1
+
+    def fresh(rows, tokens):
+        cache = HostKVCache(nl, rows, H, L, D, dtype=np.float32, staging=True)
+        ok, ov = np.zeros((2, nl, rows, H, L, D), np.float32)
+        lengths = np.zeros(rows, dtype=np.int64)
+        for _ in range(tokens):
+            step(cache, ok, ov, lengths)
+        return cache, ok, ov, lengths
+
+    def check(cache, ok, ov, lengths):
+        assert cache.rows == ok.shape[1] and cache.row_lengths.tolist() == lengths.tolist()
+        assert cache.length == lengths.max()
+        for i in range(nl):
+            np.testing.assert_array_equal(cache.key_layers[i], ok[i])
+            np.testing.assert_array_equal(cache.value_layers[i], ov[i])
+            assert cache.key_layers[i].flags.c_contiguous
+
+    cache, ok, ov, lengths = fresh(3, 2)
+    step(cache, ok, ov, lengths)
+    cache.release_([1])  # its buffers stay, its length is 0
+    lengths[1] = 0
+    check(cache, ok, ov, lengths)
+    step(cache, ok, ov, lengths)  # rows at positions 3, 0, 3
+    check(cache, ok, ov, lengths)
+    other, ok2, ov2, lengths2 = fresh(1, 2)
+    cache.insert_(other, [1])
+    ok[:, 1], ov[:, 1], lengths[1] = ok2[:, 0], ov2[:, 0], lengths2[0]
+    check(cache, ok, ov, lengths)
+    step(cache, ok, ov, lengths)
+    check(cache, ok, ov, lengths)
+    grown = cache.with_rows(5, L)
+    zeros = np.zeros((nl, 2, H, L, D), np.float32)
+    ok, ov = np.concatenate([ok, zeros], axis=1), np.concatenate([ov, zeros], axis=1)
+    lengths = np.concatenate([lengths, [0, 0]])
+    check(grown, ok, ov, lengths)
+    other, ok2, ov2, lengths2 = fresh(2, 1)
+    grown.insert_(other, [4, 0])  # a released row and a new one, in that order
+    for r, o in ((4, 0), (0, 1)):
+        ok[:, r], ov[:, r], lengths[r] = ok2[:, o], ov2[:, o], lengths2[o]
+    check(grown, ok, ov, lengths)
+    for _ in range(2):
+        step(grown, ok, ov, lengths)
+        check(grown, ok, ov, lengths)
+    with pytest.raises(ValueError, match="must name 2 distinct rows"):
+        grown.insert_(other, [1, 1])
+    with pytest.raises(IndexError, match=r"rows of the cache \(0 .. 4\)"):
+        grown.insert_(other, [1, 5])
+    with pytest.raises(ValueError, match="at least as many rows"):
+        grown.with_rows(4, L)
+    check(grown, ok, ov, lengths)  # nothing was written

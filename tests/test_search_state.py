@@ -165,6 +165,61 @@ def test_rows_leave_and_join_the_runners_state(runner):
     assert rows[-1] == 0 and rows == sorted(rows, reverse=True)
 
 
+def test_sources_take_the_row_slots_of_sources_that_left(runner):
+    """Row slots (a runner with insert / release, the ONNX Runtime one): a source admitted after
+    another left takes its rows of the runner's state in place (no new buffers, no other row
+    moved), more rows than are free grow the state, many free rows are compacted away; every
+    source still gets exactly its solo result."""
+
+    def exactly(opts, n):  # n tokens: the schedule below does not depend on the model
+        return dataclasses.replace(opts, max_decoding_length=n, min_decoding_length=n)
+
+    sources = _sources(runner)
+    opts = [exactly(GREEDY, 2), exactly(GREEDY, 9), exactly(GREEDY, 8), exactly(GREEDY, 4)]
+    opts += [exactly(BEAM, 3), exactly(GREEDY, 3)]
+    requests = _requests(sources, opts)
+    alone = {}
+    for r in requests:
+        alone.update(_searched(runner, [r], [(1, 0)]))
+    state, got = _new_state(runner), {}
+    slots = state.slots
+    assert slots == (not isinstance(runner, EagerRunner))
+    for r in requests[:3]:  # three groups
+        state.admit([r])
+    got.update(state.step())
+    got.update(state.step())
+    assert list(got) == ["s0"] and state.num_rows == 2
+    if slots:
+        assert state.num_slots == 3  # s0's row is free, nothing moved
+        cross = state._state.cross_keys[0]
+        state.admit([requests[3]])
+        assert state.num_slots == 3 and state._state.cross_keys[0] is cross  # written in place
+    else:
+        state.admit([requests[3]])
+    got.update(state.step())
+    state.admit([requests[4]])  # 4 beams: no free row, 4 new ones
+    state.admit([requests[5]])
+    assert state.num_rows == 3 + 4 + 1
+    if slots:
+        assert state.num_slots == 8
+        # the running state's long-lived buffers are its own, not the runner's buffer pool's
+        # (which would keep buffers of every size the batch ever had)
+        run = state._state
+        arrays = [run.cache.keys, run.cache.values, *run.cross_keys, *run.cross_values]
+        pooled = [] if runner._pool is None else runner._pool._buffers
+        assert not any(np.shares_memory(a, b) for a in arrays for b in pooled)
+    seen = []
+    while not state.empty:
+        got.update(state.step())
+        seen.append((state.num_rows, state.num_slots))
+    _assert_same(got, alone, exact=slots)
+    if slots:  # free rows leave the state (one compaction) once they are more than a quarter
+        assert min(s for r, s in seen if s) < 8
+        for (r0, s0), (_, s1) in zip(seen, seen[1:]):
+            if s1 and (s0 - r0) * 4 > s0:
+                assert s1 == r0, seen
+
+
 # ------------------------------------------------------------------------------------------
 # cancel, partial, bad input (a numpy runner: no model needed)
 # ------------------------------------------------------------------------------------------

@@ -694,6 +694,35 @@ def test_continuous_scheduler_admits_between_steps_within_the_row_limit(solo, de
         thread.join(30)
 
 
+def test_continuous_scheduler_admits_every_waiting_job_that_fits_in_one_admission(demo_translator):
+    """Jobs waiting between two steps join in one admission (one encoder run for the sources
+    of one search setting), up to the row limit; the rest wait for the next step."""
+    import asyncio
+
+    from transformer_ext.serve import ServedModel
+    from transformer_ext.serve.continuous import ContinuousScheduler
+    from transformer_ext.serve.scheduler import Job
+
+    api, texts = _contract_api(demo_translator)
+    encoded = {s: demo_translator.tokenizer.encode_source(s) for s in DEMO_SOURCES}
+    for s, ids in encoded.items():
+        texts[tuple(ids)] = s
+    model = ServedModel("demo", Path("."), demo_translator, "model")
+    scheduler = ContinuousScheduler(model, api=api, max_queue=64, max_batch_rows=3, max_batch_tokens=10_000)
+    loop = asyncio.new_event_loop()
+    try:
+        for s in DEMO_SOURCES:
+            scheduler.submit(Job(demo_translator, [s], {}, [None], [len(encoded[s])], loop, lambda *a: None))
+        _ContractState.log.clear()
+        scheduler._admit()
+        assert [e for e in _ContractState.log if e[0] == "admit"] == [("admit", 3, 3)]
+        assert scheduler.waiting == 1
+        scheduler._admit()  # the fourth does not fit while the three are open
+        assert [e for e in _ContractState.log if e[0] == "admit"] == [("admit", 3, 3)]
+    finally:
+        loop.close()
+
+
 # ------------------------------------------------------------------------------------------
 # a multilingual model: each request names its pair
 # ------------------------------------------------------------------------------------------

@@ -32,6 +32,20 @@ sources between steps and hands back each source as soon as it is finished.
 * :meth:`SearchState.cancel` drops a source without a result; :meth:`SearchState.partial` is the
   tokens its best open hypothesis holds so far.
 
+**Row slots.** On a runner that can put rows into its running state in place (``runner.insert
+(state, other, rows)`` and ``runner.release(state, rows)``: the ONNX Runtime runner) with the
+batch-invariant layout, the runner's rows are slots: each group holds the runner rows of its
+rows (``slots``), in any order. Rows that leave (finished sources, complete groups) free their
+slots without moving any other row (``runner.release``); admitted sources take free slots first
+and new rows at the end only for the rest (``runner.insert`` writes just those rows); a beam
+split copies a row into a slot its own source no longer needs (``runner.reorder`` of the rows
+that change). So an arrival or a departure costs the rows it concerns, not the whole batch, and
+every group's rows share one decoder run. A step feeds free slots the start token and ignores
+their outputs; once they are more than a quarter of the rows (:data:`FREE_SLOTS_DIVISOR`), one
+``select`` moves the open rows to the front before the step. Without both methods (the eager
+runner), or with ``batch_invariant=False``, the groups' rows are consecutive and every
+departure is a ``select``, every admission an ``append``.
+
 A source's hypotheses depend only on its own rows' logits, so on a runner whose step gives a row
 the same logits whatever the other rows are, a source gets the same tokens and scores whether it
 was searched alone, in a fixed batch, or admitted into a running batch. With
@@ -67,7 +81,11 @@ from .processors import _Processors
 from .protocol import Hypothesis, _selector, as_int64, check_attention_runner
 from .sampling import _Sampler
 
-__all__ = ["SearchState", "SourceRequest"]
+__all__ = ["SearchState", "SourceRequest", "FREE_SLOTS_DIVISOR"]
+
+# Row slots: the free slots leave the runner's state (one compaction) before a step once they
+# are more than this fraction of its rows (they are fed a token at every step until then).
+FREE_SLOTS_DIVISOR = 4
 
 
 @dataclass(frozen=True)
@@ -146,6 +164,18 @@ class SearchState:
         self._state: Any = None
         self._groups: list[Any] = []
         self._where: dict[Hashable, tuple[Any, int]] = {}  # key -> (group, its source there)
+        # Row slots (the module docstring): with a batch-invariant layout and a runner that can
+        # insert rows into released ones, each group holds ``slots`` (its rows' runner rows)
+        self.slots = bool(
+            self.batch_invariant
+            and self._select is not None
+            and callable(getattr(runner, "insert", None))
+            and callable(getattr(runner, "release", None))
+        )
+        self._num_slots = 0  # the runner state's rows
+        self._free: list[int] = []  # runner rows no group holds, ascending
+        self._slot_source = np.zeros(0, dtype=np.int64)  # runner row -> its source's serial number
+        self._sources_seen = 0
 
     # ------------------------------------------------------------------ the batch
 
@@ -156,9 +186,14 @@ class SearchState:
 
     @property
     def num_rows(self) -> int:
-        """Rows the runner's state holds (sources times their beams or samples, finished rows
-        not yet dropped included)."""
+        """Rows the sources hold in the runner's state (sources times their beams or samples,
+        finished rows not yet dropped included; free row slots not included)."""
         return sum(g.rows for g in self._groups)
+
+    @property
+    def num_slots(self) -> int:
+        """Rows of the runner's state: :attr:`num_rows` and the free row slots (0 without slots)."""
+        return self._num_slots if self._state is not None else 0
 
     @property
     def empty(self) -> bool:
@@ -324,7 +359,9 @@ class SearchState:
         layout = getattr(self.runner, "batch_invariant", None)
         if self.batch_invariant and callable(layout):
             layout(state)
-        if self._state is None:
+        if self.slots:
+            self._admit_into_slots(group, state, ids.shape[0], rows_per_source)
+        elif self._state is None:
             self._state = state
         else:
             append = getattr(self.runner, "append", None)
@@ -339,6 +376,28 @@ class SearchState:
         for b, key in enumerate(keys):
             self._where[key] = (group, b)
 
+    def _admit_into_slots(self, group: Any, state: Any, sources: int, rows_per_source: int) -> None:
+        """``state``'s rows (a new encode) into free row slots of the running state, the rest
+        into new rows at its end (``runner.insert``: only those rows are written)."""
+        serial = self._sources_seen + np.repeat(np.arange(sources, dtype=np.int64), rows_per_source)
+        self._sources_seen += sources
+        n = int(serial.shape[0])
+        if self._state is None:
+            self._state, self._num_slots, self._free = state, n, []
+            slots = np.arange(n, dtype=np.int64)
+            self._slot_source = serial
+        else:
+            taken = self._free[:n]
+            extra = n - len(taken)
+            slots = np.array(taken + list(range(self._num_slots, self._num_slots + extra)), dtype=np.int64)
+            self.runner.insert(self._state, state, slots)
+            self._free = self._free[len(taken) :]
+            if extra:
+                self._num_slots += extra
+                self._slot_source = np.concatenate([self._slot_source, np.zeros(extra, dtype=np.int64)])
+            self._slot_source[slots] = serial
+        group.slots = slots
+
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[tuple[Hashable, list[Hypothesis]]]:
@@ -347,6 +406,8 @@ class SearchState:
         groups = self._groups
         if not groups:
             return []
+        if self.slots:
+            return self._slot_step(groups)
         before = [g.rows for g in groups]
         if len(groups) == 1:
             indices = [groups[0].step_alone(self.runner, self._state, not self.batch_invariant)]
@@ -413,6 +474,108 @@ class SearchState:
         else:
             self._select(self._state, keep)
 
+    # ------------------------------------------------------------------ row slots
+
+    def _slot_step(self, groups: list[Any]) -> list[tuple[Hashable, list[Hypothesis]]]:
+        """:meth:`step` over row slots: one decoder run for every runner row (free ones fed the
+        start token, their outputs ignored), each group reading its own rows' logits."""
+        if len(self._free) * FREE_SLOTS_DIVISOR > self._num_slots:
+            self._compact(groups)
+        R = self._num_slots
+        tokens = np.full(R, self.start_id, dtype=np.int64)
+        for g in groups:
+            tokens[g.slots] = g.tokens
+        attention = None
+        if any(g.want_attention and not g.complete for g in groups):
+            logits, attention = self.runner.step_with_attention(self._state, tokens)
+            attention = np.asarray(attention, dtype=np.float32)
+        else:
+            logits = self.runner.step(self._state, tokens)
+        logits = np.asarray(logits)
+        if logits.ndim != 2 or logits.shape[0] != R:
+            raise RuntimeError(f"runner.step returned logits of shape {logits.shape}, expected ({R}, V)")
+        indices: list[Optional[np.ndarray]] = []
+        for g in groups:
+            if g.complete:
+                indices.append(None)
+            else:
+                attn = attention[g.slots] if attention is not None and g.want_attention else None
+                indices.append(g.consume(logits[g.slots], attn))
+        finished = []
+        for g in groups:
+            for b, hyps in g.newly_finished():
+                key = g.keys[b]
+                if self._where.pop(key, None) is not None:
+                    finished.append((key, hyps))
+        self._move_slots(groups, indices)
+        return finished
+
+    def _move_slots(self, groups: list[Any], indices: list[Optional[np.ndarray]]) -> None:
+        """Each group's choice of rows, in the runner rows it already holds: a kept row stays in
+        its slot, a beam split copies a row into a slot its source no longer needs (one
+        ``runner.reorder`` of the rows that change), the slots of rows that left and of complete
+        groups become free (``runner.release``)."""
+        R = self._num_slots
+        full = np.arange(R, dtype=np.int64)
+        moved = cross_source = False
+        freed: list[int] = []
+        for g, index in zip(groups, indices):
+            if g.complete:
+                freed.extend(g.slots.tolist())
+                continue
+            if index is None:
+                continue
+            old = g.slots
+            src = old[np.asarray(index, dtype=np.int64)]
+            referenced = set(src.tolist())
+            spare: dict[int, list[int]] = {}
+            for s in old.tolist():
+                if s not in referenced:
+                    spare.setdefault(int(self._slot_source[s]), []).append(s)
+            dest = src.copy()
+            used: set[int] = set()
+            for r, s in enumerate(src.tolist()):
+                if s not in used:
+                    used.add(s)
+                    continue
+                pool = spare.get(int(self._slot_source[s]))
+                if not pool:  # no slot of its own source is free: any of the group's
+                    pool = next(p for p in spare.values() if p)
+                    cross_source = True
+                d = pool.pop()
+                dest[r] = d
+                full[d] = s
+                moved = True
+            for p in spare.values():
+                freed.extend(p)
+            g.slots = dest
+        self._groups = [g for g in groups if not g.complete]
+        if not self._groups:
+            self._state, self._num_slots, self._free = None, 0, []
+            return
+        if moved:
+            if cross_source:  # rows of other sources: their cross-attention rows move too
+                self._select(self._state, full)
+            else:
+                self.runner.reorder(self._state, full)
+            self._slot_source = self._slot_source[full]
+        if freed:
+            self._free = sorted(self._free + freed)
+        if self._free:
+            self.runner.release(self._state, np.array(self._free, dtype=np.int64))
+
+    def _compact(self, groups: list[Any]) -> None:
+        """The groups' rows move to the front of the runner's state (one ``select``), the free
+        slots leave it."""
+        live = np.sort(np.concatenate([g.slots for g in groups]))
+        where = np.full(self._num_slots, -1, dtype=np.int64)
+        where[live] = np.arange(live.shape[0], dtype=np.int64)
+        self._select(self._state, live)
+        for g in groups:
+            g.slots = where[g.slots]
+        self._slot_source = self._slot_source[live]
+        self._num_slots, self._free = int(live.shape[0]), []
+
     # ------------------------------------------------------------------ one source
 
     def _lookup(self, key: Hashable) -> tuple[Any, int]:
@@ -429,7 +592,7 @@ class SearchState:
         del self._where[key]
         if all(g.complete for g in self._groups) and self._groups:
             self._groups = []
-            self._state = None
+            self._state, self._num_slots, self._free = None, 0, []
 
     def partial(self, key: Hashable) -> list[int]:
         """The tokens the source ``key``'s best open hypothesis has generated so far (prefix

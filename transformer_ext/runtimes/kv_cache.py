@@ -589,10 +589,11 @@ class HostKVCache(_Layout):
             self._keys5[:, :, :, p] = self._new_keys5[:, :, :, 0]
             self._values5[:, :, :, p] = self._new_values5[:, :, :, 0]
             return
-        for q in np.unique(self.row_lengths).tolist():  # rows of one position at a time
-            rows = np.flatnonzero(self.row_lengths == q)
-            self._keys5[:, rows, :, q] = self._new_keys5[:, rows, :, 0]
-            self._values5[:, rows, :, q] = self._new_values5[:, rows, :, 0]
+        # every row at its own position: one gather-scatter per buffer ([N, n_layers, H, d_k])
+        rows = np.arange(self.rows)
+        q = self.row_lengths
+        self._keys5[:, rows, :, q] = np.swapaxes(self._new_keys5[:, :, :, 0], 0, 1)
+        self._values5[:, rows, :, q] = np.swapaxes(self._new_values5[:, :, :, 0], 0, 1)
 
     def reorder_(self, beam_index: Any) -> None:
         """Row ``r`` of every layer becomes old row ``beam_index[r]`` over the valid prefix, in
@@ -654,6 +655,67 @@ class HostKVCache(_Layout):
         lengths = self.row_lengths[index]
         self._set_rows(int(index.shape[0]))
         self._set_row_lengths(lengths)
+
+    def insert_(self, other: "HostKVCache", rows: Any) -> None:
+        """Rows ``rows`` (distinct rows of this cache, one per row of ``other``) become
+        ``other``'s rows, each keeping its tokens and its length: sources taking the row slots
+        of sources that left a running decoding. In place: those rows are zero-filled and
+        ``other``'s valid prefix is copied into them; no other row is touched. ``other`` must be
+        of the same layers, heads, head size and dtype (TypeError / ValueError), hold no more
+        positions than this cache's capacity and as many rows as ``rows`` names (ValueError)."""
+        _check_extend(self, other)
+        index = decoding.as_int64("rows", rows)
+        if index.shape != (other.rows,) or np.unique(index).shape[0] != other.rows:
+            raise ValueError(f"rows must name {other.rows} distinct rows, got {index.tolist()}")
+        if index.min() < 0 or index.max() >= self.rows:
+            raise IndexError(f"rows must be rows of the cache (0 .. {self.rows - 1}), got {index.tolist()}")
+        p = other.length
+        if p > self.capacity:
+            raise ValueError(f"cannot insert rows of {p} tokens into a cache of {self.capacity} positions")
+        for dst, src in ((self._keys5, other._keys5), (self._values5, other._values5)):
+            dst[:, index] = 0
+            if p:
+                dst[:, index, :, :p] = src[:, :, :, :p]
+        lengths = self.row_lengths.copy()
+        lengths[index] = other.row_lengths
+        self._set_row_lengths(lengths)
+
+    def release_(self, rows: Any) -> None:
+        """Rows ``rows`` hold no tokens any more (their length is 0): row slots no source holds,
+        which a step still feeds (it writes their K/V at position 0) and which no longer count
+        for ``length``. Their buffers are left as they are."""
+        index = decoding.as_int64("rows", rows)
+        if index.size and (index.min() < 0 or index.max() >= self.rows):
+            raise IndexError(f"rows must be rows of the cache (0 .. {self.rows - 1}), got {index.tolist()}")
+        lengths = self.row_lengths.copy()
+        lengths[index] = 0
+        self._set_row_lengths(lengths)
+
+    def with_rows(self, rows: int, capacity: int, pool: Optional[HostBufferPool] = None) -> "HostKVCache":
+        """A cache of ``rows`` rows (at least this cache's) and capacity ``capacity`` (at least
+        ``length``): this cache's rows first, each keeping its tokens and length, the new rows
+        empty; new zero-filled buffers (from ``pool`` when given)."""
+        if rows < self.rows or capacity < self.length:
+            raise ValueError(
+                f"with_rows({rows}, {capacity}): a cache of {self.rows} rows holding {self.length} tokens "
+                "needs at least as many rows and positions"
+            )
+        new = HostKVCache(
+            self.n_layers,
+            rows,
+            self.keys.shape[1],
+            capacity,
+            self.keys.shape[3],
+            dtype=self.dtype,
+            staging=self.new_keys is not None,
+            pool=pool,
+        )
+        N, p = self.rows, self.length
+        if p:
+            new._keys5[:, :N, :, :p] = self._keys5[:, :, :, :p]
+            new._values5[:, :N, :, :p] = self._values5[:, :, :, :p]
+        new._set_row_lengths(np.concatenate([self.row_lengths, np.zeros(rows - N, dtype=np.int64)]))
+        return new
 
     def extend(self, other: "HostKVCache", pool: Optional[HostBufferPool] = None) -> "HostKVCache":
         """A cache holding this cache's rows, then ``other``'s, each row keeping its tokens and

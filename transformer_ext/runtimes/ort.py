@@ -736,7 +736,8 @@ class OrtRunner(decoding.SearchMethods):
     def _grow(self, state: OrtState, capacity: Optional[int] = None) -> HostKVCache:
         """``state``'s caches with :data:`CACHE_GROWTH` more positions (at most
         :meth:`_capacity_limit`), or ``capacity``: new zero-filled buffers holding the prefix,
-        bound in place of the old."""
+        bound in place of the old (from the buffer pool, except for a batch-invariant state:
+        :meth:`_pool_for`)."""
         old = state.cache
         p = old.length
         if capacity is None:
@@ -749,7 +750,7 @@ class OrtRunner(decoding.SearchMethods):
             self.info.d_k,
             dtype=old.dtype,
             staging=old.new_keys is not None,
-            pool=self._pool,
+            pool=self._pool_for(state),
         )
         cache.keys[:, :, :p] = old.keys[:, :, :p]
         cache.values[:, :, :p] = old.values[:, :, :p]
@@ -778,23 +779,31 @@ class OrtRunner(decoding.SearchMethods):
         logits = self.step(state, tokens)
         return logits, state.attention[:, : state.src_width].copy()
 
-    def _empty(self, shape, dtype) -> np.ndarray:
-        return np.empty(shape, dtype) if self._pool is None else self._pool.empty(shape, dtype)
+    def _empty(self, shape, dtype, pooled: bool = True) -> np.ndarray:
+        pool = self._pool if pooled else None
+        return np.empty(shape, dtype) if pool is None else pool.empty(shape, dtype)
 
-    def _pad_sources(self, a: np.ndarray, width: int) -> np.ndarray:
+    def _pool_for(self, state: OrtState) -> Optional[HostBufferPool]:
+        """The buffer pool for ``state``'s long-lived buffers: None for a batch-invariant state
+        (a running batch of continuous batching, which lives on while its caches grow, shrink
+        and gain rows: pooled buffers of every size it ever had would stay with the pool, and
+        a pooled small array would hold a cache-sized buffer while it lives), else the pool."""
+        return None if state.aligned else self._pool
+
+    def _pad_sources(self, a: np.ndarray, width: int, pooled: bool = True) -> np.ndarray:
         """Cross-attention K/V ``[rows, H, S, d_k]`` with zero source positions up to ``width``,
-        in a pooled array (``a`` itself when it is that wide and contiguous)."""
+        in a pooled array (``pooled``; ``a`` itself when it is that wide and contiguous)."""
         if a.shape[2] == width and a.flags.c_contiguous:
             return a
-        out = self._empty((a.shape[0], a.shape[1], width, a.shape[3]), a.dtype)
+        out = self._empty((a.shape[0], a.shape[1], width, a.shape[3]), a.dtype, pooled)
         out[:, :, : a.shape[2]] = a
         out[:, :, a.shape[2] :] = 0
         return out
 
-    def _gather_rows(self, a: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """``a[index]`` into a pooled array (``index`` already checked: ``mode="clip"`` lets numpy
-        write into ``out`` directly instead of through a temporary)."""
-        out = self._empty((index.shape[0], *a.shape[1:]), a.dtype)
+    def _gather_rows(self, a: np.ndarray, index: np.ndarray, pooled: bool = True) -> np.ndarray:
+        """``a[index]`` into a pooled array (``pooled``; ``index`` already checked: ``mode="clip"``
+        lets numpy write into ``out`` directly instead of through a temporary)."""
+        out = self._empty((index.shape[0], *a.shape[1:]), a.dtype, pooled)
         np.take(a, index, axis=0, out=out, mode="clip")
         return out
 
@@ -840,6 +849,89 @@ class OrtRunner(decoding.SearchMethods):
         state.src_width = max(state.src_width, other.src_width)
         self._bind(state)
 
+    def insert(self, state: OrtState, other: OrtState, rows: Any) -> None:
+        """Put ``other``'s rows (a state this runner encoded; both laid out by
+        :meth:`batch_invariant`) into ``state``'s rows ``rows``, one per row of ``other``: rows
+        released by :meth:`release` (sources that left), or new rows at the end (``rows`` then
+        names ``num_rows``, ``num_rows + 1``, ... as well). Each row keeps its position
+        (:class:`transformer_ext.decoding.SearchState` admits sources into row slots so).
+
+        In place when ``state`` has the rows, the source width and the cache positions: only
+        the inserted rows are written (their caches, cross-attention K/V and source lengths).
+        Otherwise its buffers are made anew for the larger size first (the rows copied once)
+        and bound again."""
+        if not isinstance(other, OrtState) or not isinstance(state, OrtState):
+            raise TypeError(
+                f"insert takes two OrtState, got {type(state).__name__} and {type(other).__name__}"
+            )
+        if state.beams != 1 or other.beams != 1 or not (state.aligned and other.aligned):
+            raise ValueError(
+                "insert takes states laid out by batch_invariant (one cross-attention row per row)"
+            )
+        index = decoding.as_int64("rows", rows)
+        N, M = state.num_rows, other.num_rows
+        if index.shape != (M,) or np.unique(index).shape[0] != M or (M and index.min() < 0):
+            raise ValueError(
+                f"rows must name {M} distinct rows >= 0 (one per row of other), got {index.tolist()}"
+            )
+        grown = np.sort(index[index >= N])
+        if not np.array_equal(grown, np.arange(N, N + grown.shape[0])):
+            raise ValueError(
+                f"rows past the state's {N} rows must be {N}, {N + 1}, ..., got {index.tolist()}"
+            )
+        width = max(state.cross_keys[0].shape[2], other.cross_keys[0].shape[2])
+        capacity = max(state.cache.capacity, other.cache.length)
+        if grown.shape[0] or width > state.cross_keys[0].shape[2] or capacity > state.cache.capacity:
+            self._resize(state, N + int(grown.shape[0]), width, capacity)
+        state.cache.insert_(other.cache, index)
+        w = other.cross_keys[0].shape[2]
+        for dst, src in ((state.cross_keys, other.cross_keys), (state.cross_values, other.cross_values)):
+            for a, b in zip(dst, src):
+                a[index, :, :w] = b
+                a[index, :, w:] = 0
+        state.src_lengths[index] = other.src_lengths
+        state.max_cache_len = max(state.max_cache_len, other.max_cache_len)
+        state.src_width = max(state.src_width, other.src_width)
+
+    def _resize(self, state: OrtState, rows: int, width: int, capacity: int) -> None:
+        """``state``'s buffers for ``rows`` rows (its rows first; the new ones empty), cross
+        K/V of ``width`` source positions and caches of ``capacity`` positions, bound."""
+        N = state.num_rows
+
+        def grown(a: np.ndarray, fill: int = 0) -> np.ndarray:
+            out = np.full((rows, *a.shape[1:]), fill, dtype=a.dtype)
+            out[:N] = a
+            return out
+
+        def cross(a: np.ndarray) -> np.ndarray:
+            # Not from the buffer pool: these live as long as the running state, and a pooled
+            # array would hold a (possibly cache-sized) pooled buffer all that time.
+            out = np.zeros((rows, a.shape[1], width, a.shape[3]), a.dtype)
+            out[:N, :, : a.shape[2]] = a
+            return out
+
+        state.cross_keys = [cross(a) for a in state.cross_keys]
+        state.cross_values = [cross(a) for a in state.cross_values]
+        state.cache = state.cache.with_rows(rows, capacity, pool=self._pool_for(state))
+        state.src_lengths = grown(state.src_lengths, 1)
+        state.input_ids = np.zeros((rows, 1), dtype=np.int64)
+        state.positions = np.zeros(rows, dtype=np.int64)
+        state.logits = np.zeros((rows, self.info.tgt_vocab_size), dtype=np.float32)
+        if state.attention is not None:
+            state.attention = np.zeros((rows, width), dtype=np.float32)
+        self._bind(state)
+
+    def release(self, state: OrtState, rows: Any) -> None:
+        """Rows ``rows`` of ``state`` hold no source any more (:meth:`insert` may reuse them):
+        their caches count as empty, so they no longer decide how many positions a step
+        reads. A step still runs them (at position 0; the caller ignores their outputs). When
+        the sources left hold far fewer positions than the caches' capacity (two
+        :data:`CACHE_GROWTH` steps), the caches shrink to what they hold plus one growth step."""
+        state.cache.release_(rows)
+        cache = state.cache
+        if state.aligned and cache.capacity >= _aligned(cache.length + 1) + 2 * CACHE_GROWTH:
+            self._grow(state, _aligned(cache.length + 1) + CACHE_GROWTH)
+
     def batch_invariant(self, state: OrtState) -> None:
         """Lay ``state`` out so that each row's logits do not depend on the other rows: its
         cross-attention K/V once per row (``beams`` 1, as a state that rows of other beam counts
@@ -852,17 +944,17 @@ class OrtRunner(decoding.SearchMethods):
         if state.beams > 1:
             K = state.beams
             state.cross_keys = [
-                self._gather_rows(k, np.repeat(np.arange(k.shape[0]), K)) for k in state.cross_keys
+                self._gather_rows(k, np.repeat(np.arange(k.shape[0]), K), False) for k in state.cross_keys
             ]
             state.cross_values = [
-                self._gather_rows(v, np.repeat(np.arange(v.shape[0]), K)) for v in state.cross_values
+                self._gather_rows(v, np.repeat(np.arange(v.shape[0]), K), False) for v in state.cross_values
             ]
             state.beams = 1
         if not state.aligned:
             state.aligned = True
             width = _aligned(state.cross_keys[0].shape[2])
-            state.cross_keys = [self._pad_sources(k, width) for k in state.cross_keys]
-            state.cross_values = [self._pad_sources(v, width) for v in state.cross_values]
+            state.cross_keys = [self._pad_sources(k, width, False) for k in state.cross_keys]
+            state.cross_values = [self._pad_sources(v, width, False) for v in state.cross_values]
             if state.attention is not None:
                 state.attention = np.zeros((state.num_rows, width), dtype=np.float32)
             capacity = min(_aligned(state.cache.capacity), self._capacity_limit(state))
@@ -894,8 +986,9 @@ class OrtRunner(decoding.SearchMethods):
             K = 1  # not whole sources: one cross-attention row per row
         state.beams = K
         cross_index = sources if K == 1 else sources[::K]
-        state.cross_keys = [self._gather_rows(k, cross_index) for k in state.cross_keys]
-        state.cross_values = [self._gather_rows(v, cross_index) for v in state.cross_values]
+        pooled = self._pool_for(state) is not None
+        state.cross_keys = [self._gather_rows(k, cross_index, pooled) for k in state.cross_keys]
+        state.cross_values = [self._gather_rows(v, cross_index, pooled) for v in state.cross_values]
         state.input_ids, state.positions = state.input_ids[:M], state.positions[:M]
         state.logits = state.logits[:M]
         if state.attention is not None:

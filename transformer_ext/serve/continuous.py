@@ -142,33 +142,37 @@ class ContinuousScheduler(Scheduler):
         )
 
     def _admit(self) -> None:
+        """Every waiting job that fits joins the running batch in one admission: the sources
+        of equal search settings are encoded in one encoder run and searched as one group."""
+        taken: list[tuple[Job, list]] = []
         while True:
             nxt = self._peek_sources()
             if nxt is None or not self._fits(nxt):
-                return
+                break
             job = self._take(block=False)
             if job is None:
-                return
+                break
             try:
                 requests = self._requests(job)
             except (TranslationError, ValueError, TypeError) as exc:  # this request's options or sources
                 job.finish(JobError(400, str(exc)))
                 continue
-            try:
-                if self._state is None:
-                    self._state = self._new_state()
-                self._state.admit(requests)
-            except Exception as exc:
-                logger.exception("model %s failed admitting %d sources", self.name, len(job.sources))
-                message = f"the model failed on this batch ({type(exc).__name__})"
-                self._fail_all(message)
-                job.finish(JobError(500, message))
-                continue
-            for r in requests:
+            for r in requests:  # counted at once: the next job's _fits sees them
                 beam = int(r.options.beam_size)
                 self._open[r.key] = (job, r.index, beam)
                 self._lengths[r.key] = job.lengths[r.index]
                 self._rows += beam
+            taken.append((job, requests))
+        if not taken:
+            return
+        try:
+            if self._state is None:
+                self._state = self._new_state()
+            self._state.admit([r for _, requests in taken for r in requests])
+        except Exception as exc:
+            sources = sum(len(job.sources) for job, _ in taken)
+            logger.exception("model %s failed admitting %d sources", self.name, sources)
+            self._fail_all(f"the model failed on this batch ({type(exc).__name__})")
 
     def _cancel_gone(self) -> None:
         """Sources of cancelled, ended or expired requests leave the batch before the next step."""
