@@ -36,6 +36,7 @@ CURRENT = {
     "decode": [
         "bench_decode_xeon_fair.json",
         "bench_decode_xeon_fair_run2.json",
+        "bench_decode_xeon_fair_s4.json",
         "bench_decode_20261203_xeon_run2.json",
         "bench_decode_20261203_xeon_run4.json",
         "bench_decode_20261202_epyc_split_run1.json",

@@ -1195,6 +1195,46 @@ def row_table(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows, np.ascontiguousarray(scale.reshape(v), dtype=np.float32)
 
 
+def _row_lookup_nodes(node, rows: str, scales: str) -> list:
+    """A table lookup ``node`` over int8 rows: Gather the rows, Cast, Mul by the gathered row scales."""
+    from onnx import TensorProto, helper
+
+    out, stem = node.output[0], node.name or node.output[0]
+    return [
+        helper.make_node("Gather", [rows, node.input[1]], [f"{out}.q8r"], name=f"{stem}_rows"),
+        helper.make_node("Cast", [f"{out}.q8r"], [f"{out}.q8r_f"], name=f"{stem}_cast", to=TensorProto.FLOAT),
+        helper.make_node("Gather", [scales, node.input[1]], [f"{out}.q8r_s"], name=f"{stem}_scales"),
+        helper.make_node("Mul", [f"{out}.q8r_f", f"{out}.q8r_s"], [out], name=f"{stem}_dequantize"),
+    ]
+
+
+def _row_qgemm_nodes(node, rows: str, columns: tuple[str, str], bias: Optional[str]) -> list:
+    """The tied projection ``node`` as DynamicQuantizeLinear of its input and a ``com.microsoft``
+    QGemm (transB) over the int8 rows (``columns``: the per-column scales and zero points), plus
+    an Add of ``bias`` where it has one."""
+    from onnx import helper
+
+    stem, x, out = node.name, node.input[0], node.output[0]
+    product = f"{out}.q8r_product" if bias else out
+    nodes = [
+        helper.make_node(
+            "DynamicQuantizeLinear", [x], [f"{stem}.x_q8", f"{stem}.x_scale", f"{stem}.x_zero_point"],
+            name=f"{stem}_QuantizeInput",
+        ),
+        helper.make_node(
+            "QGemm",
+            [f"{stem}.x_q8", f"{stem}.x_scale", f"{stem}.x_zero_point", rows, *columns],
+            [product],
+            name=f"{stem}_QGemm",
+            domain="com.microsoft",
+            transB=1,
+        ),
+    ]  # fmt: skip
+    if bias:
+        nodes.append(helper.make_node("Add", [product, bias], [out], name=f"{stem}_bias"))
+    return nodes
+
+
 def quantize_row_tables(model, where: str, width: Optional[int] = None) -> dict[str, str]:
     """Every embedding table of ``model`` (a 2-D float32 initializer that a ``Gather`` along axis
     0 reads; with ``width``, only those of rows that wide) as int8 rows with one scale per row
@@ -1208,7 +1248,7 @@ def quantize_row_tables(model, where: str, width: Optional[int] = None) -> dict[
     ``com.microsoft`` ``QGemm`` (``transB=1``) over the same int8 rows, the row scales its
     per-column scales (zero points 0), plus an ``Add`` of its bias where it has one: the lookups and
     the projection read one tensor, which :func:`export.weights.share_weights` stores once."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, numpy_helper
 
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -1243,16 +1283,7 @@ def quantize_row_tables(model, where: str, width: Optional[int] = None) -> dict[
     new_nodes, tensors, flat = [], {}, {}
     for node in graph.node:
         if node.op_type == "Gather" and node.input[0] in tables and _attribute(node, "axis", 0) == 0:
-            rows, scales = rows_of(node.input[0])
-            out, stem = node.output[0], node.name or node.output[0]
-            new_nodes += [
-                helper.make_node("Gather", [rows, node.input[1]], [f"{out}.q8r"], name=f"{stem}_rows"),
-                helper.make_node(
-                    "Cast", [f"{out}.q8r"], [f"{out}.q8r_f"], name=f"{stem}_cast", to=TensorProto.FLOAT
-                ),
-                helper.make_node("Gather", [scales, node.input[1]], [f"{out}.q8r_s"], name=f"{stem}_scales"),
-                helper.make_node("Mul", [f"{out}.q8r_f", f"{out}.q8r_s"], [out], name=f"{stem}_dequantize"),
-            ]
+            new_nodes += _row_lookup_nodes(node, *rows_of(node.input[0]))
             tensors[node.input[0]] = (
                 f"int8 rows ({ROW_TABLE_BITS}-bit range), one scale per row: Gather + Cast + Mul"
             )
@@ -1277,25 +1308,7 @@ def quantize_row_tables(model, where: str, width: Optional[int] = None) -> dict[
                     numpy_helper.from_array(np.zeros(scale.shape, np.int8), flat[table][1]),
                 ]
             )
-        stem = node.name
-        x, out = node.input[0], node.output[0]
-        product = f"{out}.q8r_product" if bias else out
-        new_nodes += [
-            helper.make_node(
-                "DynamicQuantizeLinear", [x], [f"{stem}.x_q8", f"{stem}.x_scale", f"{stem}.x_zero_point"],
-                name=f"{stem}_QuantizeInput",
-            ),
-            helper.make_node(
-                "QGemm",
-                [f"{stem}.x_q8", f"{stem}.x_scale", f"{stem}.x_zero_point", rows, *flat[table]],
-                [product],
-                name=f"{stem}_QGemm",
-                domain="com.microsoft",
-                transB=1,
-            ),
-        ]  # fmt: skip
-        if bias:
-            new_nodes.append(helper.make_node("Add", [product, bias], [out], name=f"{stem}_bias"))
+        new_nodes += _row_qgemm_nodes(node, rows, flat[table], bias)
         tensors[weight] = (
             "QGemm int8 (transB) over the lookup's int8 rows, one scale per output column; "
             "activations uint8 per tensor at run time"

@@ -250,7 +250,7 @@ def test_a_failing_few_row_step_is_refused_naming_it(tiny_float, tmp_path, monke
     monkeypatch.setattr(quant, "_heldout_batch", lambda folder: (np.full((10, 2), 5), np.full(10, 2), refs))
     calls = []
 
-    def greedy(folder, ids, lengths, few_rows="never"):
+    def greedy(folder, ids, lengths, few_rows="never", search=None):
         calls.append(few_rows)
         return [[5, 6] if few_rows == "always" and i == 0 else [5, 6, 7] for i in range(10)]
 
@@ -263,7 +263,9 @@ def test_a_failing_few_row_step_is_refused_naming_it(tiny_float, tmp_path, monke
     assert "always" in calls and not (tmp_path / "new").exists()
     assert os.listdir(tmp_path) == []  # no temporary left
     # both pass: each record kept, the few-row one naming its graph
-    monkeypatch.setattr(quant, "_greedy_all", lambda folder, ids, lengths, few_rows="never": [[5, 6, 7]] * 10)
+    monkeypatch.setattr(
+        quant, "_greedy_all", lambda folder, ids, lengths, few_rows="never", search=None: [[5, 6, 7]] * 10
+    )
     q = manifest_quantization(quantize_export(tiny_float, tmp_path / "ok"))
     assert q["gate"]["exact_match_int8"] == 100.0 and "graph" not in q["gate"]
     assert q["few_rows"]["gate"]["graph"] == FEW_ROWS_DECODER_FILE

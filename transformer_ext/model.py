@@ -699,23 +699,11 @@ class DecoderLayer(nn.Module):
             out = self_decode(q, self_key, self_value, positions, scale, k, v, *bias)
             return linear(out.reshape(B, 1, D), w.o_weight, w.o_bias)
 
-        def cross_attention_per_source(q: torch.Tensor) -> torch.Tensor:
-            # q [B, H, 1, d_k] is laid out as [B_src, K, H, d_k]: a source's rows become the
-            # query rows of one product over its keys.
-            q = q.view(cross_key.shape[0], -1, H, d_k).transpose(1, 2)  # [B_src, H, K, d_k]
-            scores = torch.matmul(q, cross_key.transpose(-2, -1)).float()  # [B_src, H, K, S]
-            if scale != 1.0:
-                scores = scores * scale
-            probs = torch.softmax(scores + cross_bias, dim=-1)
-            if attention is not None:
-                attention.append(probs.mean(dim=1).reshape(B, cross_key.shape[2]))  # [B, S]
-            out = torch.matmul(probs.to(q.dtype), cross_value)  # [B_src, H, K, d_k]
-            return out.transpose(1, 2).reshape(B, 1, D)
-
         def cross_attention(h: torch.Tensor) -> torch.Tensor:
             q = linear(h, w.cross_q_weight, w.cross_q_bias).view(B, H, 1, d_k)
             if cross_bias is not None:
-                return linear(cross_attention_per_source(q), w.cross_o_weight, w.cross_o_bias)
+                out = _cross_attention_per_source(q, cross_key, cross_value, cross_bias, scale, attention)
+                return linear(out, w.cross_o_weight, w.cross_o_bias)
             if attention is not None:  # the probabilities decode_attention uses, made visible
                 S = cross_key.shape[2]
                 keep = torch.arange(S, device=src_lengths.device)[None, :] < src_lengths[:, None]  # [B, S]
@@ -735,6 +723,28 @@ class DecoderLayer(nn.Module):
         x = sublayer(x, cross_attention, w.norm1_weight, w.norm1_bias)
         x = sublayer(x, feed_forward, w.norm2_weight, w.norm2_bias)
         return x, new_kv[0], new_kv[1]
+
+
+def _cross_attention_per_source(
+    q: torch.Tensor,  # [B, H, 1, d_k], laid out as [B_src, K, H, d_k]
+    cross_key: torch.Tensor,  # [B_src, H, S, d_k]
+    cross_value: torch.Tensor,  # [B_src, H, S, d_k]
+    cross_bias: torch.Tensor,  # [B_src, 1, K, S]
+    scale: float,
+    attention: Optional[list],
+) -> torch.Tensor:
+    """A decoder step's cross-attention with K/V once per source -> ``[B, 1, H * d_k]``: a source's
+    rows are the query rows of one product over its keys (:meth:`DecoderLayer.step`)."""
+    B, H, _, d_k = q.shape
+    q = q.view(cross_key.shape[0], -1, H, d_k).transpose(1, 2)  # [B_src, H, K, d_k]
+    scores = torch.matmul(q, cross_key.transpose(-2, -1)).float()  # [B_src, H, K, S]
+    if scale != 1.0:
+        scores = scores * scale
+    probs = torch.softmax(scores + cross_bias, dim=-1)
+    if attention is not None:
+        attention.append(probs.mean(dim=1).reshape(B, cross_key.shape[2]))  # [B, S]
+    out = torch.matmul(probs.to(q.dtype), cross_value)  # [B_src, H, K, d_k]
+    return out.transpose(1, 2).reshape(B, 1, H * d_k)
 
 
 def _functional_norm(rms: bool, shape, eps: float) -> Callable:

@@ -382,7 +382,7 @@ def plot(out: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     prog = "probe_custom_attention"
     p = argparse.ArgumentParser(
         prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -418,6 +418,12 @@ def main(argv=None) -> int:
         default=os.path.join(HERE, "results", "probe_custom_attention.json"),
         help="JSON path (PNG beside it)",
     )
+    return p
+
+
+def main(argv=None) -> int:
+    prog = "probe_custom_attention"
+    p = _parser()
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.layers, args.runs, args.cache_lens, args.min_time = "4,16", 2, 3, "24", 0.0

@@ -256,6 +256,12 @@ def _io(values) -> list[dict]:
     ]
 
 
+def _check_bools(**flags: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 class OrtRunner(decoding.SearchMethods):
     """Runs ``encoder.onnx`` / ``decoder_step.onnx`` of an export folder with ONNX Runtime.
 
@@ -341,16 +347,14 @@ class OrtRunner(decoding.SearchMethods):
     ):
         if few_rows not in FEW_ROWS_MODES:
             raise ValueError(f"few_rows must be one of {list(FEW_ROWS_MODES)}, got {few_rows!r}")
-        for name, value in (
-            ("grow_cache", grow_cache),
-            ("reuse_buffers", reuse_buffers),
-            ("flush_denormals", flush_denormals),
-            ("stop_spinning_after_run", stop_spinning_after_run),
-            ("pack_weights", pack_weights),
-            ("preload_steps", preload_steps),
-        ):
-            if not isinstance(value, (bool, np.bool_)):
-                raise TypeError(f"{name} must be a bool, got {value!r}")
+        _check_bools(
+            grow_cache=grow_cache,
+            reuse_buffers=reuse_buffers,
+            flush_denormals=flush_denormals,
+            stop_spinning_after_run=stop_spinning_after_run,
+            pack_weights=pack_weights,
+            preload_steps=preload_steps,
+        )
         self.grow_cache = bool(grow_cache)
         self.pack_weights = bool(pack_weights)
         # Graph runs with denormals flushed to zero (runtimes.denormals: the padding's -inf made
@@ -412,6 +416,9 @@ class OrtRunner(decoding.SearchMethods):
         self.cross_per_source = cross_per_source(graphs)
         # An export made with --attention: the decoder step's optional output "attention"
         self.has_attention = any(o["name"] == ATTENTION_OUTPUT for o in graphs["decoder_step"]["outputs"])
+        self._log_loaded(defer)
+
+    def _log_loaded(self, deferred: bool) -> None:
         if any(p != "CPUExecutionProvider" for p in self.encoder.get_providers()):
             logger.warning(
                 "providers %s: the runner's buffers live in host memory, so ONNX Runtime copies them "
@@ -424,7 +431,7 @@ class OrtRunner(decoding.SearchMethods):
             self.info.flavour,
             self.encoder.get_providers(),
             f"; {DECODER_FILE} opens at its first step of more than {self._few_max_rows} rows"
-            if defer
+            if deferred
             else "",
         )
 
