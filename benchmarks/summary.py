@@ -207,7 +207,8 @@ def serve_rows(files: list[str]) -> list[str]:
             raise SummaryError(f"{RESULTS / name}: not a bench_serve.py JSON (no 'targets' list)")
         lines += _table(
             f"**Serving**, {payload.get('model', '?')} model, `--threads {payload.get('threads', '?')}` "
-            f"({machine_class(payload['machine'])}; `python -m benchmarks bench_serve`)",
+            f"({machine_class(payload['machine'])}; `python -m benchmarks bench_serve` at commit "
+            f"{str((payload.get('provenance') or {}).get('commit', '?'))[:7]})",
             ["target", "measured", "result"],
         )
         for t in targets:
