@@ -180,7 +180,7 @@ def test_failing_gate_says_by_how_much_and_writes_nothing(tiny_float, tmp_path, 
     monkeypatch.setattr(
         quant,
         "_greedy_all",
-        lambda folder, ids, lengths, few_rows="never": [
+        lambda folder, ids, lengths, few_rows="never", search=None: [
             [5, 6, 7] if quant.manifest_quantization(read_manifest(folder)) is None or i else [5, 6]
             for i in range(10)
         ],

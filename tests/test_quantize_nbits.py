@@ -722,7 +722,7 @@ def test_a_gate_failed_with_4_bit_tables_names_the_flag_that_keeps_8(tiny_float,
     """The gate's verdict as it is, with 4-bit tables the flag that keeps them at 8 bits added."""
     calls = []
 
-    def gate(float_dir, q_dir, max_em_drop, *, scheme, few_rows):
+    def gate(float_dir, q_dir, max_em_drop, *, scheme, few_rows, search=None):
         calls.append(scheme)
         raise quant.QualityGateError("the int4 graphs fail the quality gate: exact match 50.00% vs 100.00%")
 
