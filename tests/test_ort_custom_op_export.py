@@ -238,3 +238,20 @@ def test_attention_output_is_refused(tmp_path):
     model_dir = make_model_dir(tmp_path / "model")
     with pytest.raises(ExportError, match="without --attention"):
         export_onnx(model_dir, tmp_path / "out", flavour=FLAVOUR, attention=True)
+
+
+def test_tensorrt_and_triton_refuse_the_flavour(op_dir, tmp_path):
+    from export.tensorrt import plan_build
+    from export.triton import TritonExportError, export_triton
+    from export.trt_readiness import TensorRTReadinessError, check_export_dir
+
+    with pytest.raises(TensorRTReadinessError) as info:
+        check_export_dir(op_dir)
+    problems = info.value.report.problems
+    assert (MANIFEST_NAME, "flavour") in {(p.graph, p.kind) for p in problems}
+    with pytest.raises(ExportError, match="custom-op flavour.*for TensorRT"):
+        plan_build(op_dir)
+    repo = tmp_path / "repo"
+    with pytest.raises(TritonExportError, match="custom-op flavour.*Triton repository"):
+        export_triton(op_dir, repo)
+    assert not repo.exists()

@@ -63,6 +63,7 @@ __all__ = [
     "CUSTOM_OPS_LIBRARY",
     "CUSTOM_OP_DOMAIN",
     "CUSTOM_OP_TYPE",
+    "CUSTOM_OP_REFUSAL",
     "custom_ops_library",
     "QUANTIZATION_SCHEMES",
     "BATCH",
@@ -158,6 +159,12 @@ CUSTOM_OP_FLAVOUR = "custom-op"
 # The custom-op flavour's operator library, copied into the export folder, and its one operator.
 CUSTOM_OPS_LIBRARY = "libtransformer_ext_ort.so"
 CUSTOM_OP_DOMAIN, CUSTOM_OP_TYPE = "transformer_ext", "DecodeAttention"
+# What the runners and tools that cannot run it say of a custom-op export ({folder}, {what}).
+CUSTOM_OP_REFUSAL = (
+    "{folder} is an export of the custom-op flavour (transformer_ext.DecodeAttention, a CPU operator of the "
+    "folder's own ONNX Runtime library), which only OrtRunner on the CPU provider runs: export with "
+    "--flavour portable for {what}"
+)
 # Quantized exports (python -m export.onnx --quantize SCHEME): same files, graph inputs and
 # outputs as float32 ones; the manifest's optional "quantization" section says how (scheme,
 # its settings, per-graph node counts, the quality gate). "int8": dynamic quantization
