@@ -255,3 +255,16 @@ def test_tensorrt_and_triton_refuse_the_flavour(op_dir, tmp_path):
     with pytest.raises(TritonExportError, match="custom-op flavour.*Triton repository"):
         export_triton(op_dir, repo)
     assert not repo.exists()
+
+
+def test_runners_sharing_session_options_register_the_library_once(op_dir, portable_dir):
+    """ONNX Runtime takes a custom domain once per options object: a second runner (and a
+    portable one) on the same options must still load."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    a = OrtRunner(op_dir, session_options=options)
+    b = OrtRunner(op_dir, session_options=options)
+    OrtRunner(portable_dir, session_options=options)
+    ids, lengths = _sources(a, batch=2)
+    assert a.greedy(ids, lengths, max_new_tokens=6) == b.greedy(ids, lengths, max_new_tokens=6)

@@ -47,6 +47,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -83,6 +84,9 @@ from .kv_cache import CacheStateViews, HostBufferPool, HostKVCache
 from .search_head import SearchHead
 
 logger = logging.getLogger(__name__)
+# The session options a custom-op export's operator library is registered with (every build of it
+# registers the one domain transformer_ext, which ONNX Runtime takes once per options object).
+_REGISTERED_OPTIONS: "weakref.WeakSet[ort.SessionOptions]" = weakref.WeakSet()
 
 __all__ = [
     "OrtRunner",
@@ -577,12 +581,15 @@ class OrtRunner(decoding.SearchMethods):
                 f"own library, {os.path.basename(library)}), which runs on the CPUExecutionProvider only, not on "
                 f"{self.providers}; export with --flavour portable for other providers"
             )
+        if options in _REGISTERED_OPTIONS:  # a second registration in one options object fails
+            return
         try:
             options.register_custom_ops_library(library)
         except Exception as exc:  # onnxruntime raises its own Fail / RuntimeError types
             raise InvalidGraphError(
                 f"{library}: ONNX Runtime cannot load this operator library ({exc})"
             ) from exc
+        _REGISTERED_OPTIONS.add(options)
 
     def _cpu_only(self) -> bool:
         """Whether every provider asked for is the CPU one (``DISABLED_OPTIMIZERS`` is about its kernels)."""
