@@ -41,6 +41,8 @@ import onnx
 from transformer_ext.export_format import (
     BATCH,
     CACHE_LEN,
+    CUSTOM_OP_FLAVOUR,
+    CUSTOM_OP_REFUSAL,
     DECODER_FILE,
     ENCODER_FILE,
     MANIFEST_NAME,
@@ -811,6 +813,10 @@ def check_export_dir(
         extra.append(Problem(MANIFEST_NAME, "int8", INT8_REFUSAL.format(folder=export_dir)))
     if manifest.get("flavour") == "ort":
         extra.append(Problem(MANIFEST_NAME, "flavour", ORT_FLAVOUR_REFUSAL.format(folder=export_dir)))
+    if manifest.get("flavour") == CUSTOM_OP_FLAVOUR:
+        extra.append(
+            Problem(MANIFEST_NAME, "flavour", CUSTOM_OP_REFUSAL.format(folder=export_dir, what="TensorRT"))
+        )
     max_positions = manifest_max_positions(manifest)
     max_cache_len = manifest_max_cache_len(manifest)
     sources = {"encoder": export_dir / ENCODER_FILE, "decoder_step": export_dir / DECODER_FILE}
