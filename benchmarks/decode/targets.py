@@ -60,14 +60,14 @@ TARGETS = (
         "int8 at least 1.3x CTranslate2 int8, each at its best setting",
         "best",
         cells=tuple((m, b) for m in ("greedy", "beam4") for b in BATCHES),
-        pairs=(("onnxrt_int8", "ctranslate2_int8"),),
+        pairs=(("onnxrt_int8", "ctranslate2_int8"), ("onnxrt_op_int8", "ctranslate2_int8")),
         minimum=1.3,
     ),
     Target(
         "float32 at least 1.2x CTranslate2 float32, each at its best setting",
         "best",
         cells=tuple((m, b) for m in ("greedy", "beam4") for b in BATCHES),
-        pairs=(("onnxrt", "ctranslate2"),),
+        pairs=(("onnxrt", "ctranslate2"), ("onnxrt_op", "ctranslate2")),
         minimum=1.2,
     ),
     Target(
