@@ -178,6 +178,7 @@ def test_sigterm_outcomes_are_classified(record, unclear):
         (["--requests", "0"], "--requests"),
         (["--sigterm-after", "nan"], "--sigterm-after"),
         (["--model", "/nonexistent/folder"], "--model"),
+        (["--overload-warmup", "-1"], "--overload-warmup"),
     ],
 )
 def test_bad_arguments_are_usage_errors(argv, message, tmp_path, capsys):
