@@ -483,6 +483,10 @@ _ROW_OPS = frozenset(
         "Sigmoid",
         "Erf",
         "Tanh",
+        "Pow",
+        "Sqrt",
+        "Reciprocal",
+        "ReduceMean",
         "LayerNormalization",
         "Split",
         "Cast",
@@ -496,7 +500,8 @@ def flatten_rows(model) -> int:
     The rows are those of the graph's first input, ``[batch, T]`` token ids: in the decoder step
     ``T`` is 1 (one token per row), in the encoder it is the named source axis. Every op that
     treats each row alone (``_ROW_OPS`` with constant weights, biases and norms: the projections,
-    feed-forward, residuals and layer norms) gives the same values on ``[batch * T, F]``, since
+    feed-forward, residuals and layer norms, ``LayerNormalization`` or an RMS norm's ``Pow``,
+    ``ReduceMean`` over the last axis, ``Sqrt`` and ``Div``) gives the same values on ``[batch * T, F]``, since
     that is the same memory read in the same order. On two dimensions ONNX Runtime fuses each
     ``MatMul`` + bias ``Add`` into one ``Gemm`` (and the ``Relu`` after it into that ``Gemm``), and
     leaves the residual ``Add`` + ``LayerNormalization`` unfused (its ``SkipLayerNormalization``
@@ -560,6 +565,7 @@ class _RowFlattener:
         self.restored: set[str] = set()  # moved values read on 3-D by a node that stays
         self.dropped: set[int] = set()  # id(node) of the nodes removed
         self.back_shapes: dict[int, str] = {}  # F -> the name of [batch, T, F] (a graph with a T axis)
+        self._last_axis_name: Optional[str] = None  # the [-1] axes of the moved ReduceMeans
 
     def row3(self, name: str) -> bool:
         s = self.shapes.get(name)
@@ -592,7 +598,24 @@ class _RowFlattener:
             return self.row3(first) and w is not None and len(w.dims) == 2
         if node.op_type in ("LayerNormalization", "Split"):
             return self.row3(first) and _last_axis(node) and all(self.small_constant(i) for i in rest)
+        if node.op_type == "ReduceMean":  # an RMS norm's mean square: over the last axis, kept
+            return self.row3(first) and self._reduces_last_axis(node)
         return all(self.row3(i) or self.small_constant(i) for i in node.input if i)
+
+    def _reduces_last_axis(self, node) -> bool:
+        """A ``ReduceMean`` over the last axis alone with ``keepdims`` (opset 18: the axes an
+        initializer input), which gives the same values on ``[rows, F]`` once its axes read -1."""
+        keep = [a.i for a in node.attribute if a.name == "keepdims"]
+        if keep and keep[0] != 1 or len(node.input) < 2 or not self.small_constant(node.input[1]):
+            return False
+        axes = self.constant_value(node.input[1])
+        return axes is not None and [int(a) for a in axes.reshape(-1)] in ([-1], [2])
+
+    def last_axis_constant(self) -> str:
+        """The name of a new int64 ``[-1]`` initializer (made once per pass)."""
+        if self._last_axis_name is None:
+            self._last_axis_name = self.shape_constant("flatten_rows.last_axis", [-1])
+        return self._last_axis_name
 
     def shape_constant(self, name: str, dims: list[int]) -> str:
         import numpy as np
@@ -622,6 +645,9 @@ class _RowFlattener:
             for a in n.attribute:
                 if a.name == "axis":
                     a.i = -1
+            if n.op_type == "ReduceMean":  # the last axis of [rows, F]
+                self.unread.add(n.input[1])
+                n.input[1] = self.last_axis_constant()
         self._route_readers()
         for name in sorted(self.restored | (self.moved_values & self.graph_outputs)):
             back = _make_node(

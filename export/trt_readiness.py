@@ -101,6 +101,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "CastLike",
         "Concat",
         "Constant",
+        "Div",  # RMSNorm's x / sqrt(mean square + eps) (norm="rms", T5)
         "Erf",  # the gelu activation (activation="gelu")
         "Gather",
         "GatherND",
@@ -112,7 +113,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "Mul",
         "Pow",  # RMSNorm's mean square (norm="rms", T5)
         "Range",
-        "Reciprocal",  # RMSNorm's 1 / sqrt
+        "Reciprocal",
         "ReduceMean",  # RMSNorm's mean square
         "ReduceSum",  # the new token's attention score (export.lowering.decode_attention)
         "Relu",
@@ -122,7 +123,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "Slice",
         "Softmax",
         "Split",
-        "Sqrt",  # RMSNorm's 1 / sqrt
+        "Sqrt",  # RMSNorm's sqrt(mean square + eps)
         "Squeeze",
         "Sub",
         "Tanh",  # the tanh approximation of gelu (activation="gelu_tanh", T5 v1.1)
