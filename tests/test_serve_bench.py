@@ -119,6 +119,21 @@ def test_score_applies_each_threshold_at_its_boundary():
     assert "best: 2x1" in bench_serve.score(_payload())[2]["target"]
 
 
+def test_overload_rss_is_scored_after_its_warm_up():
+    """The overload's warm-up samples (the batch growing to its rows) are kept apart: the growth
+    is measured over the samples after it, and a growth after the warm-up still counts."""
+    mib = 1 << 20
+    ramp = [(0.2 * i, (500 + 40 * i) * mib) for i in range(10)]  # 2 s of warm-up: 500 -> 860 MiB
+    flat = [(2.0 + 0.2 * i, 880 * mib) for i in range(30)]
+    out = bench_serve.rss_summary(ramp + flat, 2.0)
+    assert out["rss_warmup_samples"] == ramp and out["rss_samples"] == flat
+    assert out["rss_growth_bytes"] == 0 and out["rss_warmup_peak_bytes"] == 860 * mib
+    growing = [(t, v + int(t * 20 * mib)) for t, v in flat]  # 20 MiB more every second
+    out = bench_serve.rss_summary(ramp + growing, 2.0)
+    assert out["rss_growth_bytes"] > out["rss_flat_limit_bytes"]
+    assert bench_serve.rss_summary(ramp + flat, 0.0)["rss_growth_bytes"] > 100 * mib  # no warm-up
+
+
 def test_score_overload_and_sigterm():
     assert _statuses(_payload(statuses={"200": 10, "429": 5, "500": 1}))[4] == "missed"
     assert _statuses(_payload(statuses={"200": 10, "429": 5, "ReadTimeout": 1}))[4] == "missed"
@@ -163,6 +178,7 @@ def test_sigterm_outcomes_are_classified(record, unclear):
         (["--requests", "0"], "--requests"),
         (["--sigterm-after", "nan"], "--sigterm-after"),
         (["--model", "/nonexistent/folder"], "--model"),
+        (["--overload-warmup", "-1"], "--overload-warmup"),
     ],
 )
 def test_bad_arguments_are_usage_errors(argv, message, tmp_path, capsys):

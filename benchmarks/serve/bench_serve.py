@@ -17,8 +17,14 @@ client, except 1 client, which sends ``--latency-sentences``):
   offline ``Translator.translate_iterable`` over the sentences of the 32-client cell (the best
   of ``--offline-runs``), and a direct ``Translator.translate([sentence])`` per sentence of the 1-client cell;
 * overload: a ``continuous`` server with ``--max-queue`` ``--overload-queue`` (below the client
-  count) under ``--overload-clients`` clients for ``--overload-seconds``, each client sending again
-  ``--overload-backoff`` seconds after a 429; the server's RSS sampled every 0.2 s;
+  count) under ``--overload-clients`` clients, each client sending again ``--overload-backoff``
+  seconds after a 429; the server's RSS sampled every 0.2 s. A warm-up first (as every cell has an
+  untimed round first): until ``--overload-warmup`` requests were answered 200 (at most
+  ``WARMUP_LIMIT`` times ``--overload-seconds``), the running batch grows to ``--max-batch-rows``
+  rows and its caches to the lengths of the sentences in flight, and RSS with them, which takes
+  about one turnover of the batch's rows; then ``--overload-seconds`` measured. The warm-up's
+  samples are kept (``rss_warmup_samples``, its peak) but the flatness is scored over the
+  measured seconds. Statuses and answers count over the whole run;
 * SIGTERM: after its cells, the ``continuous`` server gets SIGTERM ``--sigterm-after`` seconds into a
   32-client run (fresh connections, so no request meets a closed keep-alive connection); each
   client sends at most one request after the signal. Every request is recorded: 200 (with its
@@ -31,8 +37,8 @@ Targets (scored from this run, printed as a table, in the JSON under ``targets``
   >= 1.5x the best CTranslate2 setting, in sentences/s;
 * at 1 client, p50 latency <= 1.1x the direct call's p50 + 5 ms;
 * overload: no error but 429 (and at least one 429: otherwise the overload was not reached),
-  RSS flat (the median of the last third of the samples at most max(5 %, 16 MiB) above the
-  median of the first third), every 200 answer correct;
+  RSS flat after the overload's warm-up (the median of the last third of the samples at most
+  max(5 %, 16 MiB) above the median of the first third), every 200 answer correct;
 * SIGTERM: every 200 correct, every other request 503 or refused, none unclear, the server exits
   0 within ``--drain-timeout`` + 15 s.
 
@@ -84,6 +90,7 @@ THROUGHPUT_CLIENTS = 32
 CLIENT_TIMEOUT = 300.0  # seconds a client waits for one answer (more: a hang)
 RANDOM_BUDGET = {"max_len_a": 1.2, "max_len_b": 2.0}  # the random-weights export's generation budget
 RSS_FLAT_FRACTION, RSS_FLAT_BYTES = 0.05, 16 << 20
+WARMUP_LIMIT = 3  # the overload's warm-up ends after this many times --overload-seconds at the latest
 QUICK = dict(
     model="demo",
     lines=32,
@@ -93,6 +100,7 @@ QUICK = dict(
     modes="continuous,none,ctranslate2",
     ct2_settings="1x1",
     overload_seconds=1.0,
+    overload_warmup=4,
     sigterm_after=0.3,
     offline_runs=1,
     threads=1,  # torch's threads on a busy machine: one is robust
@@ -106,6 +114,7 @@ FULL = dict(
     modes="continuous,static,none,ctranslate2",
     ct2_settings=None,  # 1x1, 1xT and Tx1 for --threads T
     overload_seconds=20.0,
+    overload_warmup=128,
     sigterm_after=2.0,
     offline_runs=2,
     threads=os.cpu_count(),
@@ -483,10 +492,13 @@ def _note(errors: dict, status: str, exc: Exception) -> None:
 
 
 async def _overload(url: str, pid: int, lines: list[str], expected: dict, args) -> dict:
-    """``--overload-clients`` clients for ``--overload-seconds``, each sending again after a 429."""
+    """``--overload-clients`` clients, each sending again after a 429: a warm-up of
+    ``--overload-warmup`` 200 answers (at most ``WARMUP_LIMIT`` times ``--overload-seconds``),
+    then ``--overload-seconds`` measured."""
     import httpx
 
     clients, seconds = args.overload_clients, args.overload_seconds
+    warm_answers = [0]
     statuses: dict[str, int] = {}
     errors: dict[str, list[str]] = {}
     wrong: list[str] = []
@@ -494,7 +506,15 @@ async def _overload(url: str, pid: int, lines: list[str], expected: dict, args) 
     running = [clients]
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     start = time.perf_counter()
-    end = start + seconds
+    # the measured run starts at the warm-up's last answer (or its time limit): [start, end]
+    span = [start + WARMUP_LIMIT * seconds if args.overload_warmup else start]
+    span.append(span[0] + seconds)
+
+    def warmed() -> None:
+        warm_answers[0] += 1
+        now = time.perf_counter()
+        if warm_answers[0] == args.overload_warmup and now < span[0]:
+            span[:] = [now, now + seconds]
 
     async def sample() -> None:  # until the last client's last answer
         while running[0]:
@@ -507,7 +527,7 @@ async def _overload(url: str, pid: int, lines: list[str], expected: dict, args) 
 
         async def one_client(c: int) -> None:
             k = c
-            while time.perf_counter() < end:
+            while time.perf_counter() < span[1]:
                 line = lines[k % len(lines)]
                 k += clients
                 try:
@@ -519,25 +539,44 @@ async def _overload(url: str, pid: int, lines: list[str], expected: dict, args) 
                 statuses[status] = statuses.get(status, 0) + 1
                 if status == "200" and _text_of(answer) != expected[line]:
                     wrong.append(line)
+                if status == "200" and time.perf_counter() < span[0]:
+                    warmed()
                 elif status == "429":
                     await asyncio.sleep(args.overload_backoff)
             running[0] -= 1
 
         await asyncio.gather(sample(), *(one_client(c) for c in range(clients)))
     elapsed = time.perf_counter() - start
-    values = [v for _, v in rss]
-    third = max(1, len(values) // 3)
-    first, last = statistics.median(values[:third]), statistics.median(values[-third:])
+    warmup = span[0] - start
     return {
         "clients": clients,
         "max_queue": args.overload_queue,
-        "seconds": elapsed,
+        "seconds": elapsed - warmup,
+        "warmup_answers": min(warm_answers[0], args.overload_warmup),
         "statuses": statuses,
         "transport_errors": errors,
         "sentences_per_s": statuses.get("200", 0) / elapsed,
         "wrong_200_answers": len(wrong),
         "wrong_lines": wrong[:5],
-        "rss_samples": rss,
+        **rss_summary(rss, warmup),
+    }
+
+
+def rss_summary(rss: list[tuple[float, int]], warmup: float) -> dict:
+    """The overload's RSS record from its ``(seconds into the run, bytes)`` samples: those of the
+    first ``warmup`` seconds apart (and their peak), the medians of the first and last third of
+    the others, their growth and the flat limit."""
+    warm = [(t, v) for t, v in rss if t < warmup]
+    measured = [(t, v) for t, v in rss if t >= warmup] or rss[-1:]
+    values = [v for _, v in measured]
+    third = max(1, len(values) // 3)
+    first, last = statistics.median(values[:third]), statistics.median(values[-third:])
+    return {
+        "warmup_seconds": warmup,
+        "rss_warmup_samples": warm,
+        "rss_warmup_peak_bytes": max((v for _, v in warm), default=None),
+        "rss_samples": measured,
+        "rss_peak_bytes": max(values),
         "rss_first_third_median_bytes": first,
         "rss_last_third_median_bytes": last,
         "rss_growth_bytes": last - first,
@@ -1014,7 +1053,7 @@ def _score_overload(payload: dict, out: list) -> None:
         growth, limit = over["rss_growth_bytes"], over["rss_flat_limit_bytes"]
         out.append(
             _target(
-                f"{head}: RSS over {over['seconds']:.0f} s",
+                f"{head}: RSS over {over['seconds']:.0f} s after a warm-up of {over.get('warmup_answers', 0)} answers",
                 f"{growth / 2**20:+.1f} MiB (median of the first third {over['rss_first_third_median_bytes'] / 2**20:.0f} MiB, "
                 f"{len(over['rss_samples'])} samples)",
                 f"flat: last-third median <= first-third + max(5 %, 16 MiB) = {limit / 2**20:.1f} MiB",
@@ -1177,6 +1216,11 @@ def _parser() -> argparse.ArgumentParser:
         "--overload-seconds", type=float, help="length of the overload run (default 20; --quick 1)"
     )
     parser.add_argument(
+        "--overload-warmup",
+        type=int,
+        help="200 answers of the overload load before its measured run (default 128; --quick 4; 0: none)",
+    )
+    parser.add_argument(
         "--overload-backoff", type=float, default=0.05, help="seconds a client waits after a 429"
     )
     parser.add_argument(
@@ -1235,6 +1279,8 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
         parser.error(
             "--overload-queue must be below --overload-clients (the overload run needs a full queue)"
         )
+    if args.overload_warmup < 0:
+        parser.error(f"--overload-warmup must be >= 0 answers, got {args.overload_warmup}")
     for key in ("overload_seconds", "overload_backoff", "sigterm_after", "drain_timeout"):
         value = getattr(args, key)
         if not (math.isfinite(value) and value >= 0) or (key != "overload_backoff" and value <= 0):
