@@ -183,3 +183,30 @@ def test_the_runners_sessions_are_made_without_the_cpu_arena(tiny_int8, monkeypa
     assert given.enable_cpu_mem_arena  # ONNX Runtime's default
     OrtRunner(tiny_int8, session_options=given, preload_steps=True)
     assert options_seen and all(o is given and o.enable_cpu_mem_arena for o in options_seen)
+
+
+def test_a_translator_builds_its_tokenizer_after_the_sessions(tiny_int8, tmp_path, opened, monkeypatch):
+    """Translator.from_export_dir makes the runner's sessions before it builds the tokenizer (whose
+    tables would otherwise be held under the peak of a session's load), and still refuses a folder
+    that lacks a tokenizer file before any session is made."""
+    from transformer_ext import translator as translator_module
+    from transformer_ext.translator import TranslationError, Translator
+
+    sessions_when_built: list[list[str]] = []
+    real = translator_module.load_tokenizer
+    monkeypatch.setattr(
+        translator_module,
+        "load_tokenizer",
+        lambda *a, **k: sessions_when_built.append(list(opened)) or real(*a, **k),
+    )
+    translator = Translator.from_export_dir(tiny_int8, threads=2)
+    assert translator.tokenizer is not None
+    assert sessions_when_built == [[FEW_ROWS_DECODER_FILE, ENCODER_FILE]]
+
+    del opened[:]
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_int8, folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(TranslationError, match="tokenizer.json is missing"):
+        Translator.from_export_dir(folder, threads=2)
+    assert opened == []
