@@ -70,12 +70,25 @@ def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) ->
 
     The SHA-256 of every file of its ``files`` list that is in ``directory`` is recorded under
     ``"sha256"`` (computed now, so write the manifest after the files), which readers check
-    (:func:`transformer_ext.export_format.verify_files`)."""
+    (:func:`transformer_ext.export_format.verify_files`); the shared weights file's is also
+    recorded per chunk of :data:`~transformer_ext.export_format.WEIGHTS_CHUNK_BYTES`
+    (``weights.chunks``), which a runner checks before it makes a session
+    (:func:`transformer_ext.export_format.verify_weights`)."""
     directory = os.fspath(directory)
     path = os.path.join(directory, ef.MANIFEST_NAME)
     manifest = dict(manifest)
     if isinstance(manifest.get("files"), list):
         manifest[ef.HASHES_KEY] = ef.file_hashes(directory, manifest["files"])
+    weights = manifest.get("weights")
+    data = os.path.join(directory, ef.WEIGHTS_FILE)
+    if (
+        isinstance(weights, Mapping)
+        and weights.get("file") == ef.WEIGHTS_FILE
+        and os.path.isfile(data)
+        and os.path.getsize(data) == weights.get("bytes")
+    ):
+        step = ef.WEIGHTS_CHUNK_BYTES
+        manifest["weights"] = dict(weights, chunks={"bytes": step, "sha256": ef.chunk_hashes(data, step)})
     atomic_write_json(path, manifest)
     return path
 

@@ -112,3 +112,16 @@ def test_each_engine_of_ours_is_set_beside_ctranslate2_at_its_precision():
     assert "| m | ours int4 | ctranslate2 int8 | 0.600 | 1.50 | 0.25 |" in table
     del results["models"]["m"]["engines"]["ctranslate2 int8"]  # not measured: no such row
     assert "ours int8 | ctranslate2 int8" not in bench_footprint.summary_table(results)
+
+
+def test_base_is_a_transformers_checkpoint_of_the_base_presets_dimensions():
+    """So that CTranslate2 converts the same checkpoint for ``base`` as for opus-mt-en-de."""
+    base, opus = bench_footprint.checkpoint_size("base"), bench_footprint.checkpoint_size("opus-mt-en-de")
+    assert (base["d_model"], base["heads"], base["layers"], base["d_ff"], base["vocab_size"]) == (
+        512,
+        8,
+        6,
+        2048,
+        8000,
+    )
+    assert base.get("family", "marian") == "marian" and opus["vocab_size"] == 58101

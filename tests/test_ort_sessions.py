@@ -158,3 +158,55 @@ def test_sessions_are_made_with_large_blocks_mapped_unless_malloc_is_configured(
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000")
     OrtRunner(tiny_int8, intra_op_num_threads=2)
     assert calls == []
+
+
+def test_the_runners_sessions_are_made_without_the_cpu_arena(tiny_int8, monkeypatch):
+    """The runner's own session options leave ONNX Runtime's CPU arena off (the arena would keep
+    what a session frees while it packs its weights: ``ort.CPU_ARENA`` has the numbers); options
+    a caller gives are used as given."""
+    options_seen: list = []
+    real = onnxruntime.InferenceSession
+
+    def recording(path, *args, **kwargs):
+        if isinstance(path, (str, os.PathLike)):
+            options_seen.append(kwargs.get("sess_options"))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", recording)
+    runner = OrtRunner(tiny_int8, intra_op_num_threads=2)
+    runner.greedy(*_sources(runner, 3), max_new_tokens=2)  # opens the dynamic step too
+    assert len(options_seen) == 3
+    assert [o.enable_cpu_mem_arena for o in options_seen] == [False] * 3
+
+    del options_seen[:]
+    given = onnxruntime.SessionOptions()
+    assert given.enable_cpu_mem_arena  # ONNX Runtime's default
+    OrtRunner(tiny_int8, session_options=given, preload_steps=True)
+    assert options_seen and all(o is given and o.enable_cpu_mem_arena for o in options_seen)
+
+
+def test_a_translator_builds_its_tokenizer_after_the_sessions(tiny_int8, tmp_path, opened, monkeypatch):
+    """Translator.from_export_dir makes the runner's sessions before it builds the tokenizer (whose
+    tables would otherwise be held under the peak of a session's load), and still refuses a folder
+    that lacks a tokenizer file before any session is made."""
+    from transformer_ext import translator as translator_module
+    from transformer_ext.translator import TranslationError, Translator
+
+    sessions_when_built: list[list[str]] = []
+    real = translator_module.load_tokenizer
+    monkeypatch.setattr(
+        translator_module,
+        "load_tokenizer",
+        lambda *a, **k: sessions_when_built.append(list(opened)) or real(*a, **k),
+    )
+    translator = Translator.from_export_dir(tiny_int8, threads=2)
+    assert translator.tokenizer is not None
+    assert sessions_when_built == [[FEW_ROWS_DECODER_FILE, ENCODER_FILE]]
+
+    del opened[:]
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_int8, folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(TranslationError, match="tokenizer.json is missing"):
+        Translator.from_export_dir(folder, threads=2)
+    assert opened == []

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -97,6 +98,8 @@ __all__ = [
     "HASHES_KEY",
     "file_sha256",
     "file_hashes",
+    "chunk_hashes",
+    "WEIGHTS_CHUNK_BYTES",
     "verify_files",
     # generation config
     "GENERATION_FORMAT",
@@ -560,6 +563,51 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+# The shared weights file's SHA-256 is also recorded per chunk of this many bytes (the manifest's
+# ``weights.chunks``, written by :func:`export.manifest.write_manifest`): a reader checks the
+# chunks on a thread pool (hashlib releases the GIL), which a single SHA-256 over the whole file
+# cannot use.
+WEIGHTS_CHUNK_BYTES = 16 << 20
+_READ_BLOCK = 1 << 20
+
+
+def _range_sha256(path: str, offset: int, length: int) -> str:
+    """The SHA-256 of ``length`` bytes of ``path`` from ``offset`` (fewer where the file ends
+    first), read through a buffer of its own (no mapping: its pages would count in the RSS)."""
+    digest = hashlib.sha256()
+    buffer = memoryview(bytearray(min(_READ_BLOCK, max(length, 1))))
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while length > 0:
+            n = f.readinto(buffer[: min(len(buffer), length)])
+            if not n:
+                break
+            digest.update(buffer[:n])
+            length -= n
+    return digest.hexdigest()
+
+
+def _hash_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def chunk_hashes(path: str | os.PathLike, chunk_bytes: int = WEIGHTS_CHUNK_BYTES) -> list[str]:
+    """The SHA-256 of each ``chunk_bytes`` of the file ``path`` in order (the last chunk the
+    rest), computed on a thread pool of as many threads as this process may run on."""
+    path = os.fspath(path)
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
+    size = os.path.getsize(path)
+    offsets = range(0, size, chunk_bytes)
+    if len(offsets) <= 1:
+        return [_range_sha256(path, o, chunk_bytes) for o in offsets]
+    with ThreadPoolExecutor(min(len(offsets), _hash_threads()), thread_name_prefix="sha256") as pool:
+        return list(pool.map(lambda o: _range_sha256(path, o, chunk_bytes), offsets))
+
+
 def file_hashes(directory: str | os.PathLike, names: Iterable[str]) -> dict:
     """``{name: SHA-256}`` of the files ``names`` in ``directory`` (the manifest itself excluded)."""
     directory = os.fspath(directory)
@@ -693,6 +741,23 @@ def manifest_weights(manifest: Mapping[str, Any]) -> Optional[dict]:
         raise ManifestError(
             f"{MANIFEST_NAME}: weights.bytes must be the size of {WEIGHTS_FILE}, got {_show(size)}"
         )
+    chunks = section.get("chunks")
+    if chunks is not None:
+        step = chunks.get("bytes") if isinstance(chunks, Mapping) else None
+        digests = chunks.get("sha256") if isinstance(chunks, Mapping) else None
+        if (
+            isinstance(step, bool)
+            or not isinstance(step, int)
+            or step < 1
+            or not isinstance(digests, list)
+            or len(digests) != -(-size // step)
+            or not all(isinstance(d, str) and _HEX64.match(d) for d in digests)
+        ):
+            raise ManifestError(
+                f"{MANIFEST_NAME}: weights.chunks must be an object with the chunk size (bytes, >= 1) and "
+                f"one SHA-256 hex digest per chunk of its {size} bytes (sha256), got chunk size "
+                f"{_show(step)} and {len(digests) if isinstance(digests, list) else _show(digests)} digest(s)"
+            )
     files = manifest.get("files")
     if isinstance(files, list) and WEIGHTS_FILE not in files:
         if any(graph in files for graph in (ENCODER_FILE, DECODER_FILE)):
@@ -705,8 +770,10 @@ def manifest_weights(manifest: Mapping[str, Any]) -> Optional[dict]:
 
 def verify_weights(directory: str | os.PathLike, manifest: Mapping[str, Any], *, sha256: bool = True) -> None:
     """Check the shared weights file of the export ``directory`` before any graph reads it: it
-    exists, has the size the manifest records and (``sha256``) the SHA-256 it records. A folder
-    without a shared weights file passes.
+    exists, has the size the manifest records and (``sha256``) the SHA-256 it records: of each
+    chunk (``weights.chunks``, checked on a thread pool: :func:`chunk_hashes`), else, in a folder
+    written before the chunks were recorded, of the whole file (``sha256``). A folder without a
+    shared weights file passes.
 
     Raises :class:`ManifestError`, one line naming the file and what to do."""
     section = manifest_weights(manifest)
@@ -724,8 +791,23 @@ def verify_weights(directory: str | os.PathLike, manifest: Mapping[str, Any], *,
             f"{path} holds {size} bytes, {MANIFEST_NAME} records {section['bytes']} (truncated or replaced; "
             "copy the whole export folder again, or export the model again)"
         )
+    if not sha256:
+        return
+    chunks = section.get("chunks")
+    if chunks is not None:
+        step = chunks["bytes"]
+        for i, (actual, expected) in enumerate(zip(chunk_hashes(path, step), chunks["sha256"])):
+            if actual != expected:
+                end = min(size, (i + 1) * step)
+                raise ManifestError(
+                    f"{path} is not the file this export was written with: the SHA-256 of its bytes "
+                    f"{i * step}-{end - 1} (chunk {i + 1} of {len(chunks['sha256'])}) differs from the one "
+                    f"{MANIFEST_NAME} records (the file was changed or replaced; export the model again, "
+                    "or restore the file)"
+                )
+        return
     expected = (manifest.get(HASHES_KEY) or {}).get(WEIGHTS_FILE)
-    if sha256 and isinstance(expected, str):
+    if isinstance(expected, str):
         actual = file_sha256(path)
         if actual != expected:
             raise ManifestError(

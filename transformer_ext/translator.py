@@ -565,7 +565,7 @@ class Translator:
             if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
                 raise RuntimeOptionError(f"workers must be a positive integer, got {workers!r}")
             manifest = read_manifest(export_dir, verify=verify)
-            tokenizer = _load_export_tokenizer(export_dir, manifest)
+            _check_export_tokenizer(export_dir, manifest)
             generation = read_generation_config(export_dir, manifest)  # defaults for folders without one
             pretrained = _read_pretrained(export_dir)
             runners = [
@@ -574,6 +574,10 @@ class Translator:
                 )
                 for _ in range(workers)
             ]
+            # Built after the sessions: making a session holds, for a moment, far more than it
+            # keeps (docs/footprint.md), and the tokenizer's tables (18 MiB at opus-mt's
+            # vocabulary) would be held under that peak.
+            tokenizer = _load_export_tokenizer(export_dir, manifest)
         except RuntimeOptionError as exc:
             raise TranslationError(str(exc)) from None
         translator = cls(
@@ -1270,6 +1274,16 @@ def _load_export_tokenizer(export_dir: Path, manifest: dict) -> Optional[Tokeniz
             export_dir,
         )
         return None
+    _check_export_tokenizer(export_dir, manifest)
+    return load_tokenizer(export_dir)
+
+
+def _check_export_tokenizer(export_dir: Path, manifest: dict) -> None:
+    """Raise TranslationError when the manifest names tokenizer files this version cannot read
+    or the folder lacks one of them (checked before any session is made)."""
+    names = tokenizer_files(manifest)
+    if not names:
+        return
     if TOKENIZER_FILE not in names:
         raise TranslationError(
             f"{export_dir / MANIFEST_NAME} names the tokenizer files {names}, which this version "
@@ -1281,7 +1295,6 @@ def _load_export_tokenizer(export_dir: Path, manifest: dict) -> Optional[Tokeniz
                 f"{export_dir / name} is missing: {MANIFEST_NAME} lists it among the tokenizer files, so the export "
                 "folder is incomplete; export it again (python -m export.onnx) or copy the file from the model folder"
             )
-    return load_tokenizer(export_dir)
 
 
 def _progress_bar(total: int):

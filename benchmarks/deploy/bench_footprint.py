@@ -23,10 +23,11 @@ What is measured, per model and engine:
   translation done) and ``batch_translation_seconds`` (the second translation alone).
 
 The models: ``opus-mt-en-de``, a MarianMT of Helsinki-NLP/opus-mt-en-de's dimensions (vocabulary
-58,101, d_model 512, 6+6 layers) written by transformers with random weights
-(``bench_pretrained.write_checkpoint``), converted with ``transformer_ext.convert``; ``base``, the
-``base`` preset (6+6 x 512, 8000-token vocabularies, no tokenizer: its first translation decodes
-token ids) with random weights, seed 0. Both exported with ``export.onnx`` (float32) and
+58,101, d_model 512, 6+6 layers), and ``base``, a MarianMT of the ``base`` preset's dimensions
+(d_model 512, 6+6 layers, d_ff 2048, one 8000-token vocabulary: :func:`checkpoint_size`), each
+written by transformers with random weights (``bench_pretrained.write_checkpoint``) and
+converted with ``transformer_ext.convert``, so that CTranslate2 converts the same checkpoint.
+Both exported with ``export.onnx`` (float32) and
 ``export.quantize`` (int8 and int4, no quality gate: random weights), untimed. The first
 translation: one source, greedy, 48 new tokens (the random weights never end it earlier:
 ``min_length``).
@@ -34,8 +35,7 @@ translation: one source, greedy, 48 new tokens (the random weights never end it 
 CTranslate2 (``ct2-transformers-converter --quantization float32 | int8`` on the transformers
 checkpoint, ``ctranslate2.Translator.translate_batch``) runs in this Python when it imports
 ctranslate2, else with ``--ct2-python``, a Python that does (its converter needs torch and
-transformers); without either, or for ``base`` (no transformers checkpoint), it is skipped with
-the reason in the JSON. The table gives each of our engines beside CTranslate2 at the same
+transformers); without either it is skipped with the reason in the JSON. The table gives each of our engines beside CTranslate2 at the same
 precision (int4 beside CTranslate2 int8, whose CPU build has no 4-bit weights).
 
 Sizes are exact. The RSS figures depend on the allocator and the ONNX Runtime version, not on
@@ -96,6 +96,18 @@ def _status() -> dict:
             key, _, value = line.partition(":")
             if key in _STATUS_KEYS:
                 out[_STATUS_KEYS[key]] = int(value.split()[0]) * 1024
+    return out
+
+
+def _running_peak(stages: list[dict]) -> list[dict]:
+    """``stages`` (:func:`_status` records in order) with each ``peak_rss`` the largest read so
+    far: Linux reports ``VmHWM`` as the larger of the peak it last recorded and the current RSS,
+    and records the peak only at some events (an unmapping, for one), so a read after the RSS fell
+    without one (mapped file pages reclaimed, for one) can be lower than an earlier read."""
+    peak, out = 0, []
+    for stage in stages:
+        peak = max(peak, stage["peak_rss"])
+        out.append(dict(stage, peak_rss=peak))
     return out
 
 
@@ -163,6 +175,7 @@ def worker(engine: str, folder: str, threads: int) -> dict:
             [source] * BATCH, beam_size=1, max_decoding_length=NEW_TOKENS, min_decoding_length=NEW_TOKENS
         )
     t4 = time.perf_counter()
+    stages = _running_peak([imported, loaded, first, _status()])
     return {
         "engine": engine,
         "folder": folder,
@@ -172,10 +185,10 @@ def worker(engine: str, folder: str, threads: int) -> dict:
         "load_seconds": t2 - t1,
         "first_translation_seconds": t3 - t1,
         "batch_translation_seconds": t4 - t3,
-        "after_import": imported,
-        "after_load": loaded,
-        "after_first_translation": first,
-        "after_batch_translation": _status(),
+        "after_import": stages[0],
+        "after_load": stages[1],
+        "after_first_translation": stages[2],
+        "after_batch_translation": stages[3],
         "torch_imported": "torch" in sys.modules,
     }
 
@@ -213,6 +226,28 @@ def folder_bytes(folder: str) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
+def checkpoint_size(model: str) -> dict:
+    """The dimensions of the transformers checkpoint written for ``model``
+    (``bench_pretrained.write_checkpoint``): opus-mt-en-de's, and for ``base`` the ``base``
+    preset's (d_model 512, 8 heads, 6+6 layers, d_ff 2048, an 8000-token vocabulary, shared)."""
+    from benchmarks.decode import bench_pretrained
+
+    opus = bench_pretrained.SIZES["opus-mt-en-de"]
+    if model == "base":
+        from transformer_ext.config import TransformerConfig
+
+        preset = TransformerConfig.preset("base")
+        return dict(
+            opus,
+            d_model=preset.d_model,
+            heads=preset.n_heads,
+            layers=preset.n_encoder_layers,
+            d_ff=preset.d_ff,
+            vocab_size=preset.tgt_vocab_size,
+        )
+    return dict(opus)
+
+
 def prepare(model: str, scratch: Path, ct2_python: Optional[str]) -> tuple[dict, dict]:
     """``({artifact: folder}, {artifact: why it is missing})``, everything built once under
     ``scratch``; ``scratch/prepared.json`` records it, and a later run given the same folder
@@ -226,27 +261,14 @@ def prepare(model: str, scratch: Path, ct2_python: Optional[str]) -> tuple[dict,
     from export.quantize import quantize_export
 
     paths, skipped = {}, {}
-    if model == "opus-mt-en-de":
-        from benchmarks.decode import bench_pretrained
-        from transformer_ext.convert import convert_transformers
+    from benchmarks.decode import bench_pretrained
+    from transformer_ext.convert import convert_transformers
 
-        paths["hf"] = scratch / "hf"
-        logger.info("%s: writing the transformers checkpoint ...", model)
-        bench_pretrained.write_checkpoint(paths["hf"], bench_pretrained.SIZES[model])
-        paths["model"] = convert_transformers(paths["hf"], scratch / "model")
-        cache_len = 64
-    else:
-        import torch
-
-        from transformer_ext.checkpoint import save_model
-        from transformer_ext.config import TransformerConfig
-        from transformer_ext.model import Transformer
-
-        torch.manual_seed(0)
-        config = TransformerConfig.preset(model)
-        paths["model"] = scratch / "model"
-        save_model(Transformer(config).eval(), paths["model"])
-        cache_len = min(config.max_len, 64)
+    paths["hf"] = scratch / "hf"
+    logger.info("%s: writing the transformers checkpoint ...", model)
+    bench_pretrained.write_checkpoint(paths["hf"], checkpoint_size(model))
+    paths["model"] = convert_transformers(paths["hf"], scratch / "model")
+    cache_len = 64
     logger.info("%s: exporting (float32, int8, int4) ...", model)
     paths["onnx"] = scratch / "onnx"
     export_onnx(paths["model"], paths["onnx"], validate=False, cache_len=cache_len)
