@@ -421,8 +421,8 @@ def attention(
             ``-inf`` bias is zeros, as a row with no key. On the CPU a float32 bias laid out keys
             x queries (``stride(2) == 1``, as :class:`~transformer_ext.model.RelativePositionBias`
             returns it) with ``Q`` a multiple of 16 is read in place by the forward kernel (other
-            layouts are copied once per call), and the gradient of a ``[1, H, Q, K]`` bias is
-            written per head by the backward kernel.
+            layouts are copied once per call); with at least as many heads as threads, the
+            backward kernel writes the gradient of a ``[1, H, Q, K]`` bias one head per task.
 
     Returns:
         ``[B, H, Q, D]`` in the dtype of ``q`` (under ``torch.autocast``: q, k and v are cast to
