@@ -20,7 +20,7 @@ Two levels, both raising typed errors that are never swallowed:
   differ from it by the tolerance, or by :data:`FLOAT32_ERROR_FACTOR` times eager float32's own
   difference from it where that is larger (:func:`allowed_difference`), eager float32 measured
   twice: with its fused attention kernels and with the standard-op compositions of attention that
-  the graphs compute (:func:`standard_ops_copy`), the larger counting. A value beyond that
+  the graphs compute (:func:`standard_ops_attention`), the larger counting. A value beyond that
   raises :class:`export.ParityError` naming the output, the step and the largest difference;
   decodes whose tokens part at a near tie are recorded (``near_tie``), other partings raise
   :class:`TokenFlipError`.
@@ -28,6 +28,7 @@ Two levels, both raising typed errors that are never swallowed:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -57,6 +58,8 @@ __all__ = [
     "allowed_difference",
     "check_graphs",
     "model_tensors",
+    "float64_copy",
+    "standard_ops_attention",
     "standard_ops_copy",
     "validate_export",
 ]
@@ -286,12 +289,107 @@ def standard_ops_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` (its dtype and device) whose attention runs the standard-op compositions
     instead of the fused kernels (``MultiHeadAttention.fused_attention`` False: the three-step
     whole-sequence path and :func:`transformer_ext.reference.decode_attention` in decoder steps):
-    eager float32 computing attention as the exported graphs do."""
+    eager float32 computing attention as the exported graphs do. :func:`standard_ops_attention`
+    does the same on ``model`` itself, without a copy."""
     copied = copy.deepcopy(model)
     for m in copied.modules():
         if isinstance(m, MultiHeadAttention):
             m.fused_attention = False
     return copied.eval()
+
+
+_UNSET = object()
+
+
+@contextlib.contextmanager
+def standard_ops_attention(model: torch.nn.Module):
+    """Inside the context every attention of ``model`` runs the standard-op compositions (as in
+    :func:`standard_ops_copy`, on the model itself: no copy of its weights); on exit each
+    attention module is as it was."""
+    saved = [
+        (m, m.__dict__.get("fused_attention", _UNSET))
+        for m in model.modules()
+        if isinstance(m, MultiHeadAttention)
+    ]
+    try:
+        for m, _ in saved:
+            m.fused_attention = False
+        yield model
+    finally:
+        for m, value in saved:
+            if value is _UNSET:
+                m.__dict__.pop("fused_attention", None)  # back to the class's default
+            else:
+                m.fused_attention = value
+
+
+class _StandardOps:
+    """``model`` with :func:`standard_ops_attention` around each ``encode`` / ``decode_step``: what
+    the checks of single graph runs call (every other attribute is the model's)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def encode(self, *args, **kwargs):
+        with standard_ops_attention(self.model):
+            return self.model.encode(*args, **kwargs)
+
+    def decode_step(self, *args, **kwargs):
+        with standard_ops_attention(self.model):
+            return self.model.decode_step(*args, **kwargs)
+
+
+class _StandardOpsRunner:
+    """A runner of the validated model whose every call runs inside :func:`standard_ops_attention`:
+    whole decodes with the standard-op attention, on the model's own weights."""
+
+    def __init__(self, runner, model: torch.nn.Module):
+        self.runner, self.model = runner, model
+
+    def encode(self, *args, **kwargs):
+        with standard_ops_attention(self.model):
+            return self.runner.encode(*args, **kwargs)
+
+    def step(self, state, tokens):
+        with standard_ops_attention(self.model):
+            return self.runner.step(state, tokens)
+
+    def reorder(self, state, beam_index):
+        with standard_ops_attention(self.model):
+            self.runner.reorder(state, beam_index)
+
+
+def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of ``model`` on the CPU, made tensor by tensor (no intermediate float32 copy
+    of the whole model): the validation's reference. Tied weights stay tied."""
+    memo: dict = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in memo:
+            continue
+        dtype = torch.float64 if t.is_floating_point() else t.dtype
+        value = t.detach().to("cpu", dtype, copy=True)
+        memo[id(t)] = (
+            torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value
+        )
+    return copy.deepcopy(model, memo).to("cpu", torch.float64)  # any other floating tensor too
+
+
+def _standard_ops_model(model: torch.nn.Module):
+    """What the checks call for the standard-op attention: ``model`` itself under
+    :func:`standard_ops_attention` when it is float32 on the CPU, else a float32 CPU copy."""
+    if all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters()):
+        return _StandardOps(model)
+    return standard_ops_copy(model).to("cpu", torch.float32)
+
+
+def _standard_runner(standard) -> Any:
+    """The runner of whole decodes with the standard-op attention (see :func:`_standard_ops_model`)."""
+    if isinstance(standard, _StandardOps):
+        return _StandardOpsRunner(EagerRunner(standard.model, "cpu"), standard.model)
+    return EagerRunner(standard, "cpu")
 
 
 @dataclass
@@ -884,7 +982,7 @@ def _check_decodes(
     case = f"batch {batch} src_len {src_len} src_lengths {_short(lengths)} max_new_tokens {steps}"
     eager, onnx_rec = _Recorder(EagerRunner(model, "cpu")), _Recorder(runner)
     reference = None if model64 is None else EagerRunner(model64, "cpu")
-    standard_runner = None if standard is None else EagerRunner(standard, "cpu")
+    standard_runner = None if standard is None else _standard_runner(standard)
     common = dict(bos_id=config.bos_id, eos_id=config.eos_id, max_new_tokens=steps)
 
     eager_out = decoding.greedy_decode(eager, ids, lengths, return_scores=True, **common)
@@ -940,8 +1038,10 @@ def validate_export(
     max_cache_len = int(max_cache_len or runner.info.max_cache_len)
     rng = np.random.default_rng(seed)
     report = ValidationReport(tolerance=float(tolerance))
-    model64 = copy.deepcopy(model).to("cpu", torch.float64)  # the reference (tied weights stay tied)
-    standard = standard_ops_copy(model).to("cpu", torch.float32)  # float32 attention as the graphs do it
+    model64 = float64_copy(model)  # the reference: the one copy of the weights validation holds
+    # float32 attention as the graphs compute it: the model itself with the standard-op attention
+    # switched on around each call (a copy only for a model that is not float32 on the CPU)
+    standard = _standard_ops_model(model)
     _check_encoder(report, runner, model, rng, model64, standard)
     _check_decoder(report, runner, model, rng, max_cache_len, model64, standard)
     _check_decodes(

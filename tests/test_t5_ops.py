@@ -574,3 +574,70 @@ def test_decode_steps_equal_teacher_forcing_and_training_reaches_every_parameter
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("threads", [1, 3], ids=["d(bias)_per_head", "d(bias)_per_worker"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["keys_by_queries", "table_lookup"])
+def test_attention_bias_layouts_and_gradient_modes_against_float64(threads, causal, layout):
+    """A bias shared by the batch, in the layout the forward kernel reads in place ([1, H, Q, K]
+    with the queries contiguous, Q a multiple of 16: no copy) and as a table lookup's view, with
+    d(bias) written by one task per head (heads >= threads) and through per-thread accumulators
+    (threads > heads): forward, dq, dk, dv and d(bias) against float64 autograd."""
+    B, H, Q, K, D = 4, 2, 80, 70, 16
+    q, k, v = _qkv(B, H, Q, K, D, seed=5)
+    g = torch.Generator().manual_seed(11)
+    if layout == "keys_by_queries":
+        bias = (2 * torch.randn(H, K, Q, generator=g, dtype=torch.float64)).transpose(1, 2).unsqueeze(0)
+        assert bias.float().stride(2) == 1
+    else:
+        bias = _bias("shared", B, H, Q, K, "cpu")
+    kl, ql = _ragged(B, Q, K, "cpu")
+    grad = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        leaves32 = [t.float().requires_grad_() for t in (q, k, v, bias)]
+        out, grads = _grads(
+            lambda q, k, v, b: ops.attention(
+                q, k, v, key_lengths=kl, query_lengths=ql, scale=0.3, causal=causal, position_bias=b
+            ),
+            leaves32,
+            grad.float(),
+        )
+    finally:
+        torch.set_num_threads(before)
+    leaves64 = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    want, want_grads = _grads(
+        lambda q, k, v, b: reference.attention(q, k, v, kl, ql, 0.3, causal, position_bias=b), leaves64, grad
+    )
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)
+    for name, a, w in zip(("dq", "dk", "dv", "dbias"), grads, want_grads):
+        assert a.shape == w.shape, name
+        torch.testing.assert_close(a.double(), w, rtol=0, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    assert grads[3].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("q_len, k_len", [(7, 7), (1, 9), (5, 12), (64, 64)])
+def test_relative_bias_module_equals_one_lookup_per_pair(bidirectional, q_len, k_len):
+    """RelativePositionBias's eager bias (one lookup per distance, laid out keys x queries) equals
+    the table entry of each (query, key) pair's bucket, worked out by hand, and its table gets
+    the gradient of the per-pair lookup."""
+    from transformer_ext.model import RelativePositionBias
+
+    torch.manual_seed(0)
+    module = RelativePositionBias(8, 20, 3, bidirectional).double()
+    bias = module(q_len, k_len)
+    assert bias.shape == (1, 3, q_len, k_len)
+    table = module.relative_attention_bias.weight
+    want = torch.empty(1, 3, q_len, k_len, dtype=torch.float64)
+    for i in range(q_len):
+        for j in range(k_len):
+            rel = j - (i + k_len - q_len)
+            want[0, :, i, j] = table[_bucket_by_hand(rel, bidirectional, 8, 20)]
+    assert torch.equal(bias, want)
+    g = torch.randn(1, 3, q_len, k_len, dtype=torch.float64)
+    (got,) = torch.autograd.grad(bias, table, g)
+    (expected,) = torch.autograd.grad(want, table, g)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)

@@ -282,11 +282,23 @@ class RelativePositionBias(nn.Module):
 
     def forward(self, q_len: int, k_len: int, device=None) -> torch.Tensor:
         """The bias of queries ``0 .. q_len-1`` over keys ``0 .. k_len-1``: ``[1, H, q_len, k_len]``
-        (with ``q_len < k_len`` the queries are the last ones, as the causal mask aligns them)."""
+        (with ``q_len < k_len`` the queries are the last ones, as the causal mask aligns them).
+
+        Eagerly the table is looked up once per distance (``q_len + k_len - 1`` of them, not one
+        lookup per query-key pair, so the table's gradient sums that many rows) and laid out
+        keys x queries (``stride(2) == 1``), the layout the fused attention kernel reads in place;
+        traced for export, one lookup per pair (the graph's standard ops)."""
         device = device if device is not None else self.relative_attention_bias.weight.device
-        i = torch.arange(q_len, device=device).view(q_len, 1) + (k_len - q_len)
-        j = torch.arange(k_len, device=device).view(1, k_len)
-        return self._lookup(j - i).permute(2, 0, 1).unsqueeze(0)
+        if _is_exporting() or torch.onnx.is_in_onnx_export() or q_len == 0 or k_len == 0:
+            i = torch.arange(q_len, device=device).view(q_len, 1) + (k_len - q_len)
+            j = torch.arange(k_len, device=device).view(1, k_len)
+            return self._lookup(j - i).permute(2, 0, 1).unsqueeze(0)
+        # f[:, m] is the bias of relative position (key - query) q_len - 1 - m, so that the window
+        # of q_len entries at k_len - 1 - j holds key j's bias for queries 0 .. q_len - 1.
+        m = torch.arange(q_len + k_len - 1, device=device)
+        f = self._lookup((q_len - 1) - m).t()  # [H, q_len + k_len - 1]
+        keys_by_queries = f.unfold(1, q_len, 1).flip(1)  # [H, k_len, q_len]: [h, j, i]
+        return keys_by_queries.transpose(1, 2).unsqueeze(0)
 
     def step(self, positions: torch.Tensor, cache_len: int) -> torch.Tensor:
         """The bias of one query per row at ``positions [B]`` over cache entries ``0 ..

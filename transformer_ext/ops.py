@@ -418,7 +418,11 @@ def attention(
             (``attention_with_bias`` and its backward) and is differentiable: its gradient is
             summed over the dimensions it broadcasts (a bias shared by the batch gets the sum
             over the batch). A ``-inf`` entry masks its key; a row whose allowed keys all have a
-            ``-inf`` bias is zeros, as a row with no key.
+            ``-inf`` bias is zeros, as a row with no key. On the CPU a float32 bias laid out keys
+            x queries (``stride(2) == 1``, as :class:`~transformer_ext.model.RelativePositionBias`
+            returns it) with ``Q`` a multiple of 16 is read in place by the forward kernel (other
+            layouts are copied once per call); with at least as many heads as threads, the
+            backward kernel writes the gradient of a ``[1, H, Q, K]`` bias one head per task.
 
     Returns:
         ``[B, H, Q, D]`` in the dtype of ``q`` (under ``torch.autocast``: q, k and v are cast to

@@ -19,8 +19,9 @@ vocabularies, B * T = 2048 tokens, source lengths uniform in [T/2, T], targets f
   padded keys and, in the decoder, for the causal future (the bias table gets its gradient through
   the mask).
 
-One step = forward, cross-entropy, backward, Adam. Before timing, both engines' losses and the
-bias table's gradients are compared on one step (dropout off). ``attention_only`` rows time one
+One step = forward, cross-entropy, backward, Adam (the fused Adam the trainer runs). Before
+timing, both engines' losses and the bias table's gradients are compared on one step (dropout
+off). ``attention_only`` rows time one
 attention call (forward + backward, d(bias) included) of the encoder's shape on its own. At this
 shape attention is a small part of a step (the FFN, the projections and the 8,000-way output
 dominate), so the step's speed-up is much smaller than the attention's.
@@ -164,7 +165,7 @@ def bias_tables(model):
 
 def step_fn(switch, engine, model, data, vocab):
     src, src_lengths, tgt = data
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)  # as the trainer's (training/optim.py)
 
     def step():
         switch.engine = engine
@@ -207,8 +208,8 @@ def attention_only(size: dict, T: int, device: str, repeats: int, min_time: floa
     B, H, D = max(1, size["tokens"] // T), size["n_heads"], size["d_kv"]
     g = torch.Generator().manual_seed(T + 1)
     q, k, v = (torch.randn(B, H, T, D, generator=g).to(device).requires_grad_() for _ in range(3))
-    bias = torch.randn(T, T, H, generator=g).to(device).permute(2, 0, 1).unsqueeze(0)
-    bias = bias.detach().requires_grad_()  # [1, H, T, T], the table lookup's strides
+    bias = torch.randn(H, T, T, generator=g).to(device).transpose(1, 2).unsqueeze(0)
+    bias = bias.detach().requires_grad_()  # [1, H, T, T] laid out keys x queries, as the model's
     lengths = torch.randint(T // 2, T + 1, (B,), generator=g).to(device)
     grad = torch.randn(B, H, T, D, generator=g).to(device)
     calls = {

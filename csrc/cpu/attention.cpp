@@ -15,8 +15,13 @@
 //
 // attention_with_bias (an additive position bias, T5's relative bias) runs the same tile kernels
 // with the bias added to every score tile (bfloat16 included: the brgemm kernels take no bias);
-// its backward also returns d(bias), accumulated per batch row, or per worker thread when the
-// batch shares the bias, and summed to the bias's shape at the end.
+// the forward kernel reads a float32 bias laid out keys x query rows in place (T5's relative
+// bias as transformer_ext.model.RelativePositionBias lays it out), any other layout through a
+// transposed float32 copy. The backward also returns d(bias): for a per-head bias shared by
+// the batch, with at least as many heads as threads, one task per head runs all of its batch
+// rows and writes that head's d(bias) itself (nothing left to reduce); otherwise d(bias) is
+// accumulated per batch row, or per worker thread when the batch shares the bias, and summed
+// to the bias's shape at the end.
 //
 // Work distribution: the forward pass splits into (b, h, block of 64 query rows) tasks, the
 // backward pass into (b, h) tasks (each owns dq of its rows and dk, dv of its keys, so nothing
@@ -480,8 +485,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_co
 struct BiasLayout {
   const float* p = nullptr;
   int64_t s0 = 0, s1 = 0, s2 = 0;
-  float* grad = nullptr;         // [slots, H, Q, K] float32, zero-filled
+  float* grad = nullptr;         // [slots, H, Q, K] float32 (zero-filled unless grad_per_head)
   bool grad_per_worker = false;  // slot = the worker (a bias shared by the batch), else b
+  // A bias [1, H, Q, K] shared by the batch, with at least as many heads as workers: one task
+  // per head runs every batch row of it and owns d(bias) of that head (slot 0, [1, H, Q, K]),
+  // zeroed by the task itself, so the kernel's sum is the gradient (no slots to reduce).
+  bool grad_per_head = false;
 };
 
 template <typename T, typename Fwd>
@@ -600,6 +609,16 @@ void launch_backward(const at::Tensor& g, const at::Tensor& q, const at::Tensor&
     for (int64_t h = 0; h < H; ++h) cost[b * H + h] = c;
   }
   if (ws_floats < 0) ws_floats = backward_workspace_floats(Q, D, W);
+  if (bias.grad_per_head) {
+    std::vector<int64_t> head_cost(H, 0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) head_cost[h] += cost[b * H + h];
+    run_tasks(head_cost, ws_floats, Q, [&](int64_t h, float* ws, int64_t* wi, int64_t) {
+      std::fill(a.dbias + h * Q * K, a.dbias + (h + 1) * Q * K, 0.f);
+      for (int64_t b = 0; b < B; ++b) head_fn(a, b, h, ws, wi, 0);
+    });
+    return;
+  }
   run_tasks(cost, ws_floats, Q, [&](int64_t t, float* ws, int64_t* wi, int64_t worker) {
     head_fn(a, t / H, t % H, ws, wi, bias.grad_per_worker ? worker : t / H);
   });
@@ -651,10 +670,22 @@ at::Tensor bias_for_kernels(const at::Tensor& bias, int64_t Q, int64_t K, bool t
   const int64_t Bb = bias.size(0), Hb = bias.size(1);
   const at::Tensor scaled = bias.to(at::kFloat).expand({Bb, Hb, Q, K});
   at::Tensor t;
+  if (transposed && bias.scalar_type() == at::kFloat && Q % 16 == 0 && Q > 0 && K > 0 &&
+      bias.size(2) == Q && bias.size(3) == K && bias.stride(2) == 1 && bias.stride(3) >= Q &&
+      bias.stride(0) >= 0 && bias.stride(1) >= 0) {
+    // Already keys x query rows with whole vectors of rows (a bias laid out [.., K, Q]): read
+    // in place, no copy.
+    layout.p = bias.const_data_ptr<float>();
+    layout.s0 = Bb == 1 ? 0 : bias.stride(0);
+    layout.s1 = Hb == 1 ? 0 : bias.stride(1);
+    layout.s2 = bias.stride(3);
+    return bias;
+  }
   if (transposed) {
     const int64_t Qp = round_up(std::max<int64_t>(Q, 1), 16);
-    t = at::zeros({Bb, Hb, K, Qp}, bias.options().dtype(at::kFloat));
+    t = at::empty({Bb, Hb, K, Qp}, bias.options().dtype(at::kFloat));
     t.narrow(3, 0, Q).copy_(scaled.transpose(2, 3));
+    if (Qp > Q) t.narrow(3, Q, Qp - Q).zero_();
     layout.s2 = Qp;
   } else {
     t = scaled.contiguous();
@@ -768,9 +799,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_im
     if (want_dbias) {
       // One accumulator per worker when the batch shares the bias (tasks of different rows run
       // at once), one per batch row otherwise (each (b, h) task owns its slot).
-      layout.grad_per_worker = bias.size(0) == 1 && B > 1;
-      const int64_t slots = layout.grad_per_worker ? task_workers(B * H) : B;
-      dbias_full = at::zeros({slots, H, Q, K}, q.options().dtype(at::kFloat));
+      // One task per head when the batch shares a per-head bias and the heads keep every
+      // worker busy (each task then owns its head's d(bias)); else one accumulator per worker
+      // when the batch shares the bias (tasks of different rows run at once), one per batch
+      // row otherwise (each (b, h) task owns its slot).
+      const bool shared = bias.size(0) == 1 && B > 1;
+      layout.grad_per_head = shared && bias.size(1) == H && H >= task_workers(B * H);
+      layout.grad_per_worker = shared && !layout.grad_per_head;
+      if (layout.grad_per_head) {
+        dbias_full = at::empty({1, H, Q, K}, q.options().dtype(at::kFloat));
+      } else {
+        const int64_t slots = layout.grad_per_worker ? task_workers(B * H) : B;
+        dbias_full = at::zeros({slots, H, Q, K}, q.options().dtype(at::kFloat));
+      }
       layout.grad = dbias_full.data_ptr<float>();
     }
   }
