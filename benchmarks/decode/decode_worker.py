@@ -118,8 +118,8 @@ def _decode_part(runner, src, lengths, *, mode, n, bos, eos, banned):
             lengths,
             bos_id=bos,
             eos_id=eos,
-            max_new_tokens=n,
-            min_new_tokens=n,
+            max_decoding_length=n,
+            min_decoding_length=n,
             banned_ids=banned,
         )
     hyps = beam_search(
@@ -130,9 +130,9 @@ def _decode_part(runner, src, lengths, *, mode, n, bos, eos, banned):
         eos_id=eos,
         banned_ids=banned,
         beam_size=BEAM,
-        max_new_tokens=n,
-        min_new_tokens=n,
-        length_penalty="none",
+        max_decoding_length=n,
+        min_decoding_length=n,
+        length_penalty_type="none",
     )
     return [list(row[0].tokens) for row in hyps]
 
@@ -212,8 +212,8 @@ def _generate(model, spec):
                 attention_mask=mask,
                 do_sample=False,
                 num_beams=1 if mode == "greedy" else BEAM,
-                max_new_tokens=n,
-                min_new_tokens=n,
+                max_decoding_length=n,
+                min_decoding_length=n,
                 bad_words_ids=banned or None,
             )
         return [row[1:] for row in out.tolist()]

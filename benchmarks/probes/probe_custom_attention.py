@@ -22,7 +22,7 @@ node per layer. The standard forms and the float64 references are ``probe_step_a
   ``present_v`` outputs bound to the caches (as ``gqa``'s). The faster of the two is the
   operator's figure.
 * **Cross-attention** over ``--src-len`` positions (ragged lengths), K/V once per source,
-  ``K`` rows per source (1 and ``--beams``): ``ops`` (the export's grouped form), ``bcast``,
+  ``K`` rows per source (1 and ``--beam-size``): ``ops`` (the export's grouped form), ``bcast``,
   ``kt`` and ``mha`` (``MultiHeadAttention``); ``custom``: the operator over the per-source K/V.
 
 A form above ``--tolerance`` (max abs error against float64) or one ONNX Runtime refuses is
@@ -62,6 +62,7 @@ import numpy as np
 
 from benchmarks.common import save_figure, write_json
 from benchmarks.probes import probe_step_attention as psa
+from transformer_ext.cli import add_option
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 REPO = os.path.dirname(HERE)
@@ -391,7 +392,15 @@ def _parser() -> argparse.ArgumentParser:
         "--library", default=DEFAULT_LIBRARY, help="the operator library (csrc/ort/build.sh writes it)"
     )
     p.add_argument("--rows", default="4,16,64,256", help="comma-separated decoder rows (sources x beams)")
-    p.add_argument("--beams", type=int, default=4, help="rows per source in the beam cross-attention case")
+    add_option(
+        p,
+        "--beam-size",
+        deprecated=("--beams",),
+        dest="beams",
+        type=int,
+        default=4,
+        help="rows per source in the beam cross-attention case",
+    )
     p.add_argument("--layers", type=int, default=6, help="decoder layers per graph (each its own tensors)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=64)
