@@ -10,13 +10,15 @@ readiness report). The rules:
 * one graph for every step: no control flow (``If``, ``Loop``, ``Scan``), no sequence ops, no
   graph-valued attribute, no model-local function, only default-domain ONNX ops (a custom op
   would need a TensorRT plugin), except in the ``ort`` flavour ONNX Runtime's
-  ``com.microsoft.GroupQueryAttention``;
+  ``com.microsoft.GroupQueryAttention`` and in the ``custom-op`` flavour the folder library's
+  ``transformer_ext.DecodeAttention``;
 * every ``TensorScatter`` writes a 4-D cache that is a graph input read by no other node, in
   ``linear`` mode, with the literal ``axis=-2`` (the only spelling TensorRT's parser accepts),
   into a graph output;
 * the self-attention caches (``self_key.{i}``, ``self_value.{i}``) are read only by that
   ``TensorScatter`` in the ``tensorscatter`` flavour, only by one ``GroupQueryAttention`` (as its
-  past key / value, its present key / value a graph output) in the ``ort`` flavour, and in the
+  past key / value, its present key / value a graph output) in the ``ort`` flavour, only by one
+  ``DecodeAttention`` (as its ``k_cache`` / ``v_cache``) or ``Shape`` in the ``custom-op`` flavour, and in the
   portable flavour only by ``MatMul`` (keys through a ``Transpose``) or ``Shape``, never copied
   (``Concat``).
 
@@ -32,7 +34,9 @@ from typing import Any, Mapping, Optional
 import onnx
 from onnx import helper, numpy_helper
 
-from transformer_ext.export_format import io_problems
+from transformer_ext.export_format import CUSTOM_OP_DOMAIN as _CUSTOM_OP_DOMAIN
+from transformer_ext.export_format import CUSTOM_OP_FLAVOUR, io_problems
+from transformer_ext.export_format import CUSTOM_OP_TYPE as _CUSTOM_OP_TYPE
 
 __all__ = [
     "FORBIDDEN_OPS",
@@ -66,6 +70,13 @@ FORBIDDEN_OPS = frozenset(
 DEFAULT_DOMAINS = ("", "ai.onnx")
 # The ort flavour's one contrib operator (export.lowering traces it).
 GQA_DOMAIN, GQA_OP_TYPE = "com.microsoft", "GroupQueryAttention"
+# The custom-op flavour's operator, of the export folder's own library (csrc/ort/).
+CUSTOM_OP_DOMAIN, CUSTOM_OP_TYPE = _CUSTOM_OP_DOMAIN, _CUSTOM_OP_TYPE
+
+
+def is_custom_attention(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is the custom-op flavour's ``transformer_ext.DecodeAttention``."""
+    return node.domain == CUSTOM_OP_DOMAIN and node.op_type == CUSTOM_OP_TYPE
 
 
 def is_gqa(node: onnx.NodeProto) -> bool:
@@ -245,6 +256,18 @@ def tensor_scatter_problems(node: onnx.NodeProto, g: GraphIndex) -> list[str]:
 
 def _cache_problems(name: str, g: GraphIndex, flavour: str) -> list[ContractProblem]:
     users = g.consumers.get(name, [])
+    if flavour == CUSTOM_OP_FLAVOUR:
+        attends = [u for u in users if is_custom_attention(u) and list(u.input).index(name) in (1, 2)]
+        others = [u for u in users if u not in attends and u.op_type != "Shape"]
+        if len(attends) != 1 or others:
+            return [
+                ContractProblem(
+                    "cache_read",
+                    f"{name} must be read by exactly one DecodeAttention node, as its k_cache (1) or "
+                    f"v_cache (2), and otherwise only by Shape (found {[u.op_type for u in users]})",
+                )
+            ]
+        return []
     if flavour == "ort":
         if len(users) != 1 or not is_gqa(users[0]):
             return [
@@ -313,6 +336,8 @@ def graph_flavour(model: onnx.ModelProto, outputs: Optional[list[dict]] = None) 
     else ``"portable"`` (an encoder reads as ``"portable"``)."""
     if any(is_gqa(n) for n in model.graph.node):
         return "ort"
+    if any(is_custom_attention(n) for n in model.graph.node):
+        return CUSTOM_OP_FLAVOUR
     names = [o["name"] for o in outputs] if outputs is not None else [o.name for o in model.graph.output]
     return "tensorscatter" if any(n.startswith("present_") for n in names) else "portable"
 
@@ -364,6 +389,8 @@ def contract_problems(
         if node.domain not in DEFAULT_DOMAINS:
             if flavour == "ort" and is_gqa(node):
                 continue  # the ort flavour's one contrib operator
+            if flavour == CUSTOM_OP_FLAVOUR and is_custom_attention(node):
+                continue  # the custom-op flavour's operator
             problems.append(
                 ContractProblem(
                     "custom_domain",

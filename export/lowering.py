@@ -23,7 +23,9 @@ k_new, v_new)`` call through ``kv_cache_update`` so that the attention reads the
 :func:`decode_attention_bias_op`, lowered by :func:`decode_attention_tabled`: the bias read from
 its table per step and added to the scores. :func:`in_graph_gqa` is the ``ort`` flavour's: the same call becomes one
 ``com.microsoft.GroupQueryAttention`` node, which appends the new K/V to the caches and attends
-over them. The model code traced is the same ``Transformer.decode_step`` that eager decoding runs.
+over them. :func:`in_graph_custom_attention` is the ``custom-op`` flavour's: the self- and
+cross-attention each become one ``transformer_ext.DecodeAttention`` node of the folder's own
+operator library. The model code traced is the same ``Transformer.decode_step`` that eager decoding runs.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ __all__ = [
     "translation_table",
     "in_graph_cache_update",
     "in_graph_gqa",
+    "in_graph_custom_attention",
+    "CustomAttentionTrace",
     "GQA_OP",
+    "CUSTOM_ATTENTION_OP",
     "share_shape_reads",
     "fuse_shared_input_matmuls",
     "flatten_rows",
@@ -65,6 +70,8 @@ op24 = onnxscript.values.Opset("", 24)
 
 # The ort flavour's one contrib operator: (domain, op_type).
 GQA_OP = (contract.GQA_DOMAIN, contract.GQA_OP_TYPE)
+# The custom-op flavour's operator, of the folder's own library: (domain, op_type).
+CUSTOM_ATTENTION_OP = (contract.CUSTOM_OP_DOMAIN, contract.CUSTOM_OP_TYPE)
 
 _NEG_INF = float("-inf")
 _INT64_MAX = 2**63 - 1
@@ -483,6 +490,10 @@ _ROW_OPS = frozenset(
         "Sigmoid",
         "Erf",
         "Tanh",
+        "Pow",
+        "Sqrt",
+        "Reciprocal",
+        "ReduceMean",
         "LayerNormalization",
         "Split",
         "Cast",
@@ -496,7 +507,8 @@ def flatten_rows(model) -> int:
     The rows are those of the graph's first input, ``[batch, T]`` token ids: in the decoder step
     ``T`` is 1 (one token per row), in the encoder it is the named source axis. Every op that
     treats each row alone (``_ROW_OPS`` with constant weights, biases and norms: the projections,
-    feed-forward, residuals and layer norms) gives the same values on ``[batch * T, F]``, since
+    feed-forward, residuals and layer norms, ``LayerNormalization`` or an RMS norm's ``Pow``,
+    ``ReduceMean`` over the last axis, ``Sqrt`` and ``Div``) gives the same values on ``[batch * T, F]``, since
     that is the same memory read in the same order. On two dimensions ONNX Runtime fuses each
     ``MatMul`` + bias ``Add`` into one ``Gemm`` (and the ``Relu`` after it into that ``Gemm``), and
     leaves the residual ``Add`` + ``LayerNormalization`` unfused (its ``SkipLayerNormalization``
@@ -560,6 +572,7 @@ class _RowFlattener:
         self.restored: set[str] = set()  # moved values read on 3-D by a node that stays
         self.dropped: set[int] = set()  # id(node) of the nodes removed
         self.back_shapes: dict[int, str] = {}  # F -> the name of [batch, T, F] (a graph with a T axis)
+        self._last_axis_name: Optional[str] = None  # the [-1] axes of the moved ReduceMeans
 
     def row3(self, name: str) -> bool:
         s = self.shapes.get(name)
@@ -592,7 +605,24 @@ class _RowFlattener:
             return self.row3(first) and w is not None and len(w.dims) == 2
         if node.op_type in ("LayerNormalization", "Split"):
             return self.row3(first) and _last_axis(node) and all(self.small_constant(i) for i in rest)
+        if node.op_type == "ReduceMean":  # an RMS norm's mean square: over the last axis, kept
+            return self.row3(first) and self._reduces_last_axis(node)
         return all(self.row3(i) or self.small_constant(i) for i in node.input if i)
+
+    def _reduces_last_axis(self, node) -> bool:
+        """A ``ReduceMean`` over the last axis alone with ``keepdims`` (opset 18: the axes an
+        initializer input), which gives the same values on ``[rows, F]`` once its axes read -1."""
+        keep = [a.i for a in node.attribute if a.name == "keepdims"]
+        if keep and keep[0] != 1 or len(node.input) < 2 or not self.small_constant(node.input[1]):
+            return False
+        axes = self.constant_value(node.input[1])
+        return axes is not None and [int(a) for a in axes.reshape(-1)] in ([-1], [2])
+
+    def last_axis_constant(self) -> str:
+        """The name of a new int64 ``[-1]`` initializer (made once per pass)."""
+        if self._last_axis_name is None:
+            self._last_axis_name = self.shape_constant("flatten_rows.last_axis", [-1])
+        return self._last_axis_name
 
     def shape_constant(self, name: str, dims: list[int]) -> str:
         import numpy as np
@@ -622,6 +652,9 @@ class _RowFlattener:
             for a in n.attribute:
                 if a.name == "axis":
                     a.i = -1
+            if n.op_type == "ReduceMean":  # the last axis of [rows, F]
+                self.unread.add(n.input[1])
+                n.input[1] = self.last_axis_constant()
         self._route_readers()
         for name in sorted(self.restored | (self.moved_values & self.graph_outputs)):
             back = _make_node(
@@ -850,3 +883,77 @@ def in_graph_gqa() -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         yield present_keys, present_values
     finally:
         ops.decode_attention = original
+
+
+class CustomAttentionTrace:
+    """What :func:`in_graph_custom_attention` needs of the step being traced: ``source_lengths``,
+    int64 ``[sources]``, the cross-attention lengths of each K/V row (set before the step)."""
+
+    def __init__(self) -> None:
+        self.source_lengths: Optional[torch.Tensor] = None
+        self.nodes = 0  # DecodeAttention nodes traced
+
+
+def _custom_attention(q, k_cache, v_cache, lengths, scale: float, k_new=None, v_new=None) -> torch.Tensor:
+    """One ``transformer_ext.DecodeAttention`` node -> ``[rows, H * d_k]`` (csrc/ort/README.md)."""
+    B, H, _, d_k = q.shape
+    inputs = [q, k_cache, v_cache, lengths] + ([k_new, v_new] if k_new is not None else [])
+    return torch.onnx.ops.symbolic(
+        "::".join(CUSTOM_ATTENTION_OP),
+        inputs,
+        {"scale": float(scale)},
+        dtype=q.dtype,
+        shape=[B, H * d_k],
+        version=1,
+    )
+
+
+@contextlib.contextmanager
+def in_graph_custom_attention() -> Iterator[CustomAttentionTrace]:
+    """Trace ``decode_step`` with each decoder attention as one ``transformer_ext.DecodeAttention``
+    node, the operator of the custom-op flavour's library (csrc/ort/).
+
+    Inside the context, while ``torch.onnx.export`` traces:
+
+    * the self-attention ``ops.decode_attention(q, k_cache, v_cache, positions, scale, k_new,
+      v_new)`` becomes ``DecodeAttention(q, k_cache, v_cache, positions, k_new, v_new)``: the
+      cached positions ``0 .. positions[b]-1`` and the new token, the caches only read (the runner
+      appends the new K/V, as for the portable flavour);
+    * the cross-attention with K/V once per source (``decode_step(cross_per_source=True)``)
+      becomes ``DecodeAttention(q, cross_key, cross_value, source_lengths)``: a source's rows
+      (its beams, consecutive) read its K/V, over its ``source_lengths`` positions
+      (:attr:`CustomAttentionTrace.source_lengths`, which the caller sets before the step).
+
+    Outside a trace the eager ops run. Models with a position bias or an attention output are
+    refused before tracing (:func:`export.position_bias.flavour_problems`).
+    """
+    from transformer_ext import model as model_module
+
+    original = ops.decode_attention
+    original_cross = model_module._cross_attention_per_source
+    trace = CustomAttentionTrace()
+
+    def decode_attention_custom(
+        q, k_cache, v_cache, lengths, scale, k_new=None, v_new=None, position_bias=None
+    ):
+        if position_bias is not None or not torch.onnx.is_in_onnx_export():
+            return original(q, k_cache, v_cache, lengths, scale, k_new, v_new, position_bias)
+        trace.nodes += 1
+        B, H, _, d_k = q.shape
+        return _custom_attention(q, k_cache, v_cache, lengths, scale, k_new, v_new).reshape(B, H, 1, d_k)
+
+    def cross_attention_custom(q, cross_key, cross_value, cross_bias, scale, attention):
+        if attention is not None or trace.source_lengths is None or not torch.onnx.is_in_onnx_export():
+            return original_cross(q, cross_key, cross_value, cross_bias, scale, attention)
+        trace.nodes += 1
+        B = q.shape[0]
+        out = _custom_attention(q, cross_key, cross_value, trace.source_lengths, scale)
+        return out.reshape(B, 1, out.shape[1])
+
+    ops.decode_attention = decode_attention_custom
+    model_module._cross_attention_per_source = cross_attention_custom
+    try:
+        yield trace
+    finally:
+        ops.decode_attention = original
+        model_module._cross_attention_per_source = original_cross

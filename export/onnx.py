@@ -6,6 +6,7 @@ Command line::
     python -m export.onnx --model runs/base --output-dir out/base_onnx
     python -m export.onnx --flavour tensorscatter      # cache update inside the graph (opset 24)
     python -m export.onnx --flavour ort                # ONNX Runtime's GroupQueryAttention (CPU)
+    python -m export.onnx --flavour custom-op          # transformer_ext.DecodeAttention (csrc/ort/, CPU)
     python -m export.onnx --quantize int8              # int8 weights, for ONNX Runtime (export.quantize)
     python -m export.onnx --quantize int4              # 4-bit block-wise weights (MatMulNBits), ONNX Runtime
     python -m export.onnx --help
@@ -64,6 +65,10 @@ from transformer_ext.convert.generation import GENERATION_DEFAULTS_FILE
 from transformer_ext.decoding import LENGTH_PENALTIES
 from transformer_ext.export_format import (
     ATTENTION_OUTPUT,
+    CUSTOM_OP_DOMAIN,
+    CUSTOM_OP_FLAVOUR,
+    CUSTOM_OP_TYPE,
+    CUSTOM_OPS_LIBRARY,
     DECODER_FILE,
     ENCODER_FILE,
     FLAVOURS,
@@ -73,6 +78,7 @@ from transformer_ext.export_format import (
     MANIFEST_NAME,
     TOKENIZER_FILE,
     GenerationConfig,
+    file_sha256,
     graph_specs,
     manifest_quantization,
     read_generation_config,
@@ -111,8 +117,17 @@ __all__ = [
 ]
 
 DEFAULT_OUTPUT_DIR = "onnx_export"
-DEFAULT_OPSETS = {"portable": 18, "tensorscatter": 24, "ort": 18}
-OPSET_RANGES = {"portable": range(17, 22), "tensorscatter": range(24, 25), "ort": range(17, 22)}
+DEFAULT_OPSETS = {"portable": 18, "tensorscatter": 24, "ort": 18, CUSTOM_OP_FLAVOUR: 18}
+OPSET_RANGES = {
+    "portable": range(17, 22),
+    "tensorscatter": range(24, 25),
+    "ort": range(17, 22),
+    CUSTOM_OP_FLAVOUR: range(17, 22),
+}
+# The custom-op flavour's operator library as csrc/ort/build.sh writes it (the environment
+# variable names another build of it).
+CUSTOM_OPS_LIBRARY_ENV = "TRANSFORMER_EXT_ORT_LIBRARY"
+BUILT_CUSTOM_OPS_LIBRARY = Path(__file__).resolve().parents[1] / "build" / "ort" / CUSTOM_OPS_LIBRARY
 DEFAULT_TOLERANCE = 1e-4  # max absolute difference per output (float32 logits and K/V)
 # onnxruntime-gpu 1.31 accepts IR <= 13, TensorRT 10.15's parser IR <= 10 safely; torch writes 10.
 IR_VERSION = 10
@@ -169,7 +184,8 @@ class DecoderStepGraph(torch.nn.Module):
     ..., cross_key.0, cross_value.0, ...``. Portable flavour: returns ``(logits, new_key.0,
     new_value.0, ...)``. ``tensorscatter``: traces the same ``decode_step`` under
     :func:`export.lowering.in_graph_cache_update` and returns ``(logits, present_key.0,
-    present_value.0, ...)``; ``ort`` the same under :func:`export.lowering.in_graph_gqa`. ``attention``: the step's head-averaged cross-attention of the last
+    present_value.0, ...)``; ``ort`` the same under :func:`export.lowering.in_graph_gqa`;
+    ``custom-op`` the portable outputs under :func:`export.lowering.in_graph_custom_attention`. ``attention``: the step's head-averaged cross-attention of the last
     decoder layer (``decode_step(return_attention=True)``) as one more output, last.
     """
 
@@ -206,6 +222,28 @@ class DecoderStepGraph(torch.nn.Module):
             logits, new_keys, new_values, *attention = self.model.decode_step(
                 input_ids, positions, src_lengths, self_keys, self_values, cross_keys, cross_values, **extra
             )
+        elif self.flavour == CUSTOM_OP_FLAVOUR:
+            from . import lowering
+
+            with lowering.in_graph_custom_attention() as trace:
+                # the cross-attention lengths of each source: its first row's (a source's rows share them)
+                trace.source_lengths = src_lengths.view(cross_keys[0].shape[0], -1)[:, 0]
+                logits, new_keys, new_values, *attention = self.model.decode_step(
+                    input_ids,
+                    positions,
+                    src_lengths,
+                    self_keys,
+                    self_values,
+                    cross_keys,
+                    cross_values,
+                    **extra,
+                )
+            if trace.nodes != 2 * n:
+                raise GraphContractError(
+                    f"expected {2 * n} decoder attentions (self and cross per layer) while tracing, got "
+                    f"{trace.nodes}: decode_step must call ops.decode_attention with k_new/v_new and the "
+                    "per-source cross-attention once per layer"
+                )
         else:
             from . import lowering
 
@@ -312,13 +350,45 @@ def _load_model_only(model_dir: Optional[str | os.PathLike]):
     return model, path
 
 
-def _check_flavour(path: Path, config, flavour: str) -> None:
+def _check_flavour(path: Path, config, flavour: str, attention: bool = False) -> None:
     """What the graph ``flavour`` cannot express of the model (:func:`export.position_bias.flavour_problems`)."""
     from .position_bias import flavour_problems
 
     problems = flavour_problems(config, flavour)
+    if flavour == CUSTOM_OP_FLAVOUR and attention:
+        problems.append(
+            "its DecodeAttention nodes output no attention probabilities: export without --attention"
+        )
     if problems:
         raise ExportError(f"{path}: the {flavour} flavour cannot export this model ({'; '.join(problems)})")
+
+
+def custom_ops_library_source() -> Path:
+    """The operator library a custom-op export copies into its folder: ``$TRANSFORMER_EXT_ORT_LIBRARY``
+    or ``build/ort/libtransformer_ext_ort.so`` of the source tree (``csrc/ort/build.sh`` writes it).
+
+    Raises ExportError, one line saying how to build it, when it is not there."""
+    named = os.environ.get(CUSTOM_OPS_LIBRARY_ENV)
+    path = Path(named) if named else BUILT_CUSTOM_OPS_LIBRARY
+    if not path.is_file():
+        where = f"${CUSTOM_OPS_LIBRARY_ENV} = {path}" if named else str(path)
+        raise ExportError(
+            f"the custom-op flavour needs the operator library {where}, which is not there: build it with "
+            "scripts/fetch_ort_headers.sh && csrc/ort/build.sh"
+        )
+    return path
+
+
+def _copy_custom_ops_library(tmp_dir: Path, library: Path) -> dict:
+    """Copy the operator library into the export; the manifest's ``custom_ops`` section."""
+    shutil.copyfile(library, tmp_dir / CUSTOM_OPS_LIBRARY)
+    return {
+        "library": CUSTOM_OPS_LIBRARY,
+        "sha256": file_sha256(tmp_dir / CUSTOM_OPS_LIBRARY),
+        "domain": CUSTOM_OP_DOMAIN,
+        "ops": [CUSTOM_OP_TYPE],
+        "source": str(library),
+    }
 
 
 def _load_model_folder(model_dir):
@@ -699,7 +769,9 @@ def export_onnx(
     * ``flavour``: ``"portable"`` (the runner appends the new K/V), ``"tensorscatter"`` (the cache
       update in the graph, opset-24 ``TensorScatter``) or ``"ort"`` (each decoder self-attention
       one ``com.microsoft.GroupQueryAttention``, ONNX Runtime's CPU provider only:
-      :func:`export.lowering.in_graph_gqa`).
+      :func:`export.lowering.in_graph_gqa`) or ``"custom-op"`` (the portable I/O, each decoder
+      attention one ``transformer_ext.DecodeAttention`` of the operator library built by
+      ``csrc/ort/build.sh``, copied into the folder: :func:`export.lowering.in_graph_custom_attention`).
     * ``validate``: the parity validation in ONNX Runtime, inputs seeded by ``seed``, within
       ``tolerance`` of eager float64 (:func:`export.validate.allowed_difference`), before the
       folder is moved into place (structural checks always run).
@@ -736,7 +808,9 @@ def export_onnx(
     output_dir = Path(output_dir).absolute()
     source, cache_len = _read_source(model_dir, output_dir, cache_len)
     config = source.model.config
-    _check_flavour(source.path, config, flavour)
+    _check_flavour(source.path, config, flavour, attention)
+    if flavour == CUSTOM_OP_FLAVOUR:
+        custom_ops_library_source()  # built, before anything is traced
     if quantize is not None:  # the block size against the model's matrices, the gate's inputs, before tracing
         _check_quantized_model(quantize, quantize_options, max_bleu_drop, config)
         if validate:
@@ -915,6 +989,11 @@ def _write_export(
     )
     weights = share_weights(tmp_dir, [ENCODER_FILE, DECODER_FILE])
     provenance = _copy_model_files(model_path, tmp_dir, tokenizer_names, generation_config)
+    custom_ops = (
+        _copy_custom_ops_library(tmp_dir, custom_ops_library_source())
+        if flavour == CUSTOM_OP_FLAVOUR
+        else None
+    )
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -945,6 +1024,8 @@ def _write_export(
         },
         "validation": None,
     }
+    if custom_ops is not None:
+        manifest["custom_ops"] = custom_ops
     write_manifest(tmp_dir, manifest)
 
     report = None
@@ -1013,13 +1094,15 @@ def _add_graph_arguments(p: argparse.ArgumentParser) -> None:
         "the step outputs the updated caches, bound in place by the runtime; ort: each decoder "
         "self-attention is ONNX Runtime's contrib GroupQueryAttention (appends in place and attends in one "
         "node; faster on CPUs measured in README's benchmarks; ONNX Runtime's CPU provider only, not "
-        "TensorRT or Triton)",
+        "TensorRT or Triton); custom-op: the portable step's inputs and outputs, each decoder self- and "
+        "cross-attention one transformer_ext.DecodeAttention node of the operator library csrc/ort/build.sh "
+        "builds, copied into the folder (ONNX Runtime's CPU provider only)",
     )
     p.add_argument(
         "--opset",
         type=int,
         default=None,
-        help="ONNX opset (default: 18 for portable and ort, allowed 17..21; 24 for tensorscatter)",
+        help="ONNX opset (default: 18 for portable, ort and custom-op, allowed 17..21; 24 for tensorscatter)",
     )
     p.add_argument(
         "--attention",

@@ -143,11 +143,18 @@ def tabled_relative_bias(model, buckets: Optional[torch.Tensor], bidirectional: 
 
 def flavour_problems(config, flavour: str) -> list[str]:
     """What of ``config`` the graph ``flavour`` cannot express (empty: exportable): the ``ort``
-    flavour's ``GroupQueryAttention`` takes no position bias."""
+    flavour's ``GroupQueryAttention`` takes no position bias, nor does the ``custom-op`` flavour's
+    export of its ``DecodeAttention``."""
     if flavour == "ort" and config.relative_attention_buckets:
         return [
             f"relative_attention_buckets = {config.relative_attention_buckets}: ONNX Runtime's "
             "GroupQueryAttention (the ort flavour) takes no relative position bias; export with "
+            "--flavour portable or tensorscatter"
+        ]
+    if flavour == "custom-op" and config.relative_attention_buckets:
+        return [
+            f"relative_attention_buckets = {config.relative_attention_buckets}: the custom-op flavour's "
+            "DecodeAttention nodes are exported without a relative position bias; export with "
             "--flavour portable or tensorscatter"
         ]
     return []

@@ -76,6 +76,8 @@ from transformer_ext.export_format import (
     BATCH,
     CACHE_LEN,
     CROSS_PER_SOURCE_VERSION,
+    CUSTOM_OP_FLAVOUR,
+    CUSTOM_OP_REFUSAL,
     DECODER_FILE,
     ENCODER_FILE,
     FORMAT_VERSION,
@@ -425,6 +427,8 @@ def plan_build(
         raise ExportError(INT8_REFUSAL.format(folder=export_dir))
     if manifest.get("flavour") == "ort":
         raise ExportError(ORT_FLAVOUR_REFUSAL.format(folder=export_dir))
+    if manifest.get("flavour") == CUSTOM_OP_FLAVOUR:
+        raise ExportError(CUSTOM_OP_REFUSAL.format(folder=export_dir, what="TensorRT"))
 
     user_ranges = _static_cache_ranges(export_dir, options.axis_ranges)
     # The original graphs are checked first (manifest included): problems there are the exporter's.

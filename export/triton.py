@@ -66,6 +66,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from transformer_ext.cli import DefaultsHelpFormatter, add_debug_flag, add_option, run_cli
 from transformer_ext.convert.generation import read_generation_defaults
 from transformer_ext.export_format import (
+    CUSTOM_OP_FLAVOUR,
+    CUSTOM_OP_REFUSAL,
     DECODER_FILE,
     DTYPES,
     ENCODER_FILE,
@@ -908,6 +910,8 @@ def _plan(
             "GroupQueryAttention, bound in place by OrtRunner): the repository's models need the portable "
             "or tensorscatter flavour; export with `python -m export.onnx --flavour portable` (or tensorscatter)"
         )
+    if flavour == CUSTOM_OP_FLAVOUR:
+        raise TritonExportError(CUSTOM_OP_REFUSAL.format(folder=export_dir, what="a Triton repository"))
     cfg = manifest["model_config"]
     max_positions = int(manifest.get("max_positions", cfg["max_len"]))
     max_cache_len = min(int(manifest.get("max_cache_len", max_positions)), max_positions)

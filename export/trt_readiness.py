@@ -41,6 +41,8 @@ import onnx
 from transformer_ext.export_format import (
     BATCH,
     CACHE_LEN,
+    CUSTOM_OP_FLAVOUR,
+    CUSTOM_OP_REFUSAL,
     DECODER_FILE,
     ENCODER_FILE,
     MANIFEST_NAME,
@@ -101,6 +103,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "CastLike",
         "Concat",
         "Constant",
+        "Div",  # RMSNorm's x / sqrt(mean square + eps) (norm="rms", T5)
         "Erf",  # the gelu activation (activation="gelu")
         "Gather",
         "GatherND",
@@ -112,7 +115,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "Mul",
         "Pow",  # RMSNorm's mean square (norm="rms", T5)
         "Range",
-        "Reciprocal",  # RMSNorm's 1 / sqrt
+        "Reciprocal",
         "ReduceMean",  # RMSNorm's mean square
         "ReduceSum",  # the new token's attention score (export.lowering.decode_attention)
         "Relu",
@@ -122,7 +125,7 @@ EMITTED_OPS: frozenset[str] = frozenset(
         "Slice",
         "Softmax",
         "Split",
-        "Sqrt",  # RMSNorm's 1 / sqrt
+        "Sqrt",  # RMSNorm's sqrt(mean square + eps)
         "Squeeze",
         "Sub",
         "Tanh",  # the tanh approximation of gelu (activation="gelu_tanh", T5 v1.1)
@@ -810,6 +813,10 @@ def check_export_dir(
         extra.append(Problem(MANIFEST_NAME, "int8", INT8_REFUSAL.format(folder=export_dir)))
     if manifest.get("flavour") == "ort":
         extra.append(Problem(MANIFEST_NAME, "flavour", ORT_FLAVOUR_REFUSAL.format(folder=export_dir)))
+    if manifest.get("flavour") == CUSTOM_OP_FLAVOUR:
+        extra.append(
+            Problem(MANIFEST_NAME, "flavour", CUSTOM_OP_REFUSAL.format(folder=export_dir, what="TensorRT"))
+        )
     max_positions = manifest_max_positions(manifest)
     max_cache_len = manifest_max_cache_len(manifest)
     sources = {"encoder": export_dir / ENCODER_FILE, "decoder_step": export_dir / DECODER_FILE}

@@ -41,7 +41,7 @@ import onnxruntime as ort
 import torch
 
 from transformer_ext import decoding, ops
-from transformer_ext.export_format import ATTENTION_OUTPUT, cross_per_source, graph_specs
+from transformer_ext.export_format import ATTENTION_OUTPUT, NEW_KV_FLAVOURS, cross_per_source, graph_specs
 from transformer_ext.model import MultiHeadAttention
 from transformer_ext.runtimes import EagerRunner, OrtRunner
 
@@ -556,7 +556,7 @@ def _eager_decode_step(model, t: dict, n: int, beams: int, flavour: str, attenti
             [t[f"cross_value.{i}"] for i in range(n)],
             return_attention=attention,
         )
-        if flavour == "portable":
+        if flavour in NEW_KV_FLAVOURS:
             eager = [logits] + [x for kv in zip(new_keys, new_values) for x in kv]
         else:  # the caches after the eager runner's in-place append
             for cache, new in zip(self_keys + self_values, new_keys + new_values):

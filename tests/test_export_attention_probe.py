@@ -16,6 +16,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("onnxruntime")
 
 from benchmarks.probes import probe_step_attention as probe  # noqa: E402
+from benchmarks.probes import step_attention_harness as harness  # noqa: E402
 
 
 def test_quick_run_checks_and_times_every_form(tmp_path):
@@ -76,7 +77,7 @@ def test_a_wrong_form_is_reported_and_not_timed():
         "bad": (lambda: None, bad, None),
         "refused": "Fail: no kernel",
     }
-    errors, refused, valid = probe._check(args, forms, [want], None)
+    errors, refused, valid = harness.check(args, forms, [want], None)
     assert set(valid) == {"good"} and refused == {"refused": "Fail: no kernel"}
     assert errors["bad"]["output"] == pytest.approx(1e-3, rel=1e-3)
 

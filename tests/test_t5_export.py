@@ -281,3 +281,48 @@ def test_tensorrt_readiness_check_passes(folders):
     for name in ("t5_v1_0", "umt5"):
         report = check_export_dir(folders[name][2])
         assert report.ok, report
+
+
+_NORM_PARTS = {"Pow", "ReduceMean", "Sqrt", "Reciprocal"}
+
+
+def _optimized_ops(graph_path, tmp_path) -> list[str]:
+    """The op types of ``graph_path`` as ONNX Runtime's CPU session runs it (the runner's
+    optimization level and disabled optimizers)."""
+    import onnxruntime as ort
+
+    from transformer_ext.runtimes.ort import DISABLED_OPTIMIZERS
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / f"optimized_{graph_path.name}")
+    ort.InferenceSession(
+        str(graph_path),
+        options,
+        providers=["CPUExecutionProvider"],
+        disabled_optimizers=list(DISABLED_OPTIMIZERS),
+    )
+    return [
+        n.op_type for n in onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node
+    ]
+
+
+@pytest.mark.parametrize("name", ["t5_v1_1", "umt5"])
+def test_rms_norms_run_fused_on_rows(folders, name, tmp_path):
+    """Every RMS norm of the decoder step reaches ONNX Runtime in the form it fuses into one
+    ``SimplifiedLayerNormalization`` (none of the norm's six nodes left), as does every norm of
+    the encoder's layers (its final norm writes the graph output ``encoder_out``, which stays
+    3-D), and in the decoder step the norms run on ``[rows, d_model]`` with the projections
+    around them: no ``Reshape`` between a norm's nodes."""
+    _, _, export = folders[name]
+    config = read_manifest(export)["model_config"]
+    step_norms = 3 * config["n_decoder_layers"] + 1
+    ops = _optimized_ops(export / "decoder_step.onnx", tmp_path)
+    assert ops.count("SimplifiedLayerNormalization") == step_norms, sorted(set(ops))
+    assert not _NORM_PARTS & set(ops), sorted(_NORM_PARTS & set(ops))
+    ops = _optimized_ops(export / "encoder.onnx", tmp_path)
+    assert ops.count("SimplifiedLayerNormalization") >= 2 * config["n_encoder_layers"], sorted(set(ops))
+    step = onnx.load(export / "decoder_step.onnx", load_external_data=False).graph
+    producer = {o: n.op_type for n in step.node for o in n.output}
+    reshaped = [producer.get(n.input[0]) for n in step.node if n.op_type == "Reshape"]
+    assert not _NORM_PARTS & set(reshaped), sorted(set(reshaped))

@@ -58,6 +58,13 @@ __all__ = [
     "FORMAT_VERSION",
     "READABLE_FORMAT_VERSIONS",
     "FLAVOURS",
+    "NEW_KV_FLAVOURS",
+    "CUSTOM_OP_FLAVOUR",
+    "CUSTOM_OPS_LIBRARY",
+    "CUSTOM_OP_DOMAIN",
+    "CUSTOM_OP_TYPE",
+    "CUSTOM_OP_REFUSAL",
+    "custom_ops_library",
     "QUANTIZATION_SCHEMES",
     "BATCH",
     "SOURCES",
@@ -141,7 +148,23 @@ READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 # "ort": ONNX Runtime's CPU contrib operator com.microsoft.GroupQueryAttention for the decoder's
 # self-attention, which appends to the bound caches in place and attends over them in one node;
 # same inputs and outputs as "tensorscatter"; ONNX Runtime only (no TensorRT, no Triton).
-FLAVOURS = ("portable", "tensorscatter", "ort")
+# "custom-op": the inputs and outputs of "portable"; each decoder self- and cross-attention one
+# transformer_ext.DecodeAttention node of the folder's own ONNX Runtime operator library
+# (CUSTOM_OPS_LIBRARY, csrc/ort/; the manifest's "custom_ops" section); ONNX Runtime's CPU
+# provider only.
+FLAVOURS = ("portable", "tensorscatter", "ort", "custom-op")
+# The flavours whose decoder step outputs the new token's K/V for the runner to append.
+NEW_KV_FLAVOURS = ("portable", "custom-op")
+CUSTOM_OP_FLAVOUR = "custom-op"
+# The custom-op flavour's operator library, copied into the export folder, and its one operator.
+CUSTOM_OPS_LIBRARY = "libtransformer_ext_ort.so"
+CUSTOM_OP_DOMAIN, CUSTOM_OP_TYPE = "transformer_ext", "DecodeAttention"
+# What the runners and tools that cannot run it say of a custom-op export ({folder}, {what}).
+CUSTOM_OP_REFUSAL = (
+    "{folder} is an export of the custom-op flavour (transformer_ext.DecodeAttention, a CPU operator of the "
+    "folder's own ONNX Runtime library), which only OrtRunner on the CPU provider runs: export with "
+    "--flavour portable for {what}"
+)
 # Quantized exports (python -m export.onnx --quantize SCHEME): same files, graph inputs and
 # outputs as float32 ones; the manifest's optional "quantization" section says how (scheme,
 # its settings, per-graph node counts, the quality gate). "int8": dynamic quantization
@@ -329,7 +352,7 @@ def graph_specs(
         for kind in ("key", "value")
     ]
     outputs = [_tensor("logits", "float32", [BATCH, vocab])]
-    if flavour == "portable":
+    if flavour in NEW_KV_FLAVOURS:
         outputs += [
             _tensor(f"new_{kind}.{i}", "float32", [BATCH, heads, 1, d_k])
             for i in range(layers)
@@ -710,6 +733,36 @@ def verify_weights(directory: str | os.PathLike, manifest: Mapping[str, Any], *,
                 f"{MANIFEST_NAME} records {expected} (the file was changed or replaced; export the model "
                 "again, or restore the file)"
             )
+
+
+def custom_ops_library(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> Optional[str]:
+    """The path of the operator library an export of the custom-op flavour runs with (the
+    manifest's ``custom_ops`` section), checked: it exists and has the SHA-256 the manifest
+    records. None for the other flavours.
+
+    Raises :class:`ManifestError`, one line naming the file and what to do."""
+    if manifest.get("flavour") != CUSTOM_OP_FLAVOUR:
+        return None
+    section = manifest.get("custom_ops")
+    name = section.get("library") if isinstance(section, dict) else None
+    expected = section.get("sha256") if isinstance(section, dict) else None
+    if name != CUSTOM_OPS_LIBRARY or not isinstance(expected, str) or not _HEX64.match(expected):
+        raise ManifestError(
+            f"{os.path.join(os.fspath(directory), MANIFEST_NAME)}: a custom-op export's manifest must name its "
+            f"operator library in custom_ops ({{'library': {CUSTOM_OPS_LIBRARY!r}, 'sha256': ...}}); export it again"
+        )
+    path = os.path.join(os.fspath(directory), name)
+    if not os.path.isfile(path):
+        raise ManifestError(
+            f"{path} not found: this custom-op export runs its attention with that operator library "
+            "(copy the whole export folder, or export the model again)"
+        )
+    if file_sha256(path) != expected:
+        raise ManifestError(
+            f"{path} is not the operator library this export was written with (its SHA-256 differs from "
+            f"the one {MANIFEST_NAME} records): copy the whole export folder again, or export the model again"
+        )
+    return path
 
 
 # The instruction-set extensions whose absence makes ONNX Runtime run other quantized kernels

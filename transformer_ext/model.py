@@ -311,8 +311,16 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:class:`RMSNorm`'s computation: the mean square in float32 (whatever the dtype of ``x``)."""
+    """:class:`RMSNorm`'s computation: the mean square in float32 (whatever the dtype of ``x``).
+
+    While exporting it is written ``x / sqrt(mean + eps)`` (``Pow``, ``ReduceMean``, ``Add``,
+    ``Sqrt``, ``Div``, ``Mul``): the form ONNX Runtime fuses into one
+    ``SimplifiedLayerNormalization`` when it loads the graph (``x * rsqrt(...)`` exports as
+    ``Reciprocal`` + ``Mul``, which it leaves as six nodes per norm); the same value up to float
+    rounding."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
+    if _is_exporting():
+        return weight * (x / torch.sqrt(variance + eps)).to(x.dtype)
     return weight * (x * torch.rsqrt(variance + eps)).to(x.dtype)
 
 

@@ -11,8 +11,11 @@ no second OpenMP pool competes for the cores. The parent builds the models once,
 random weights (seed 0), saved; exported with ``export.onnx`` (float32, and quantized with
 ``export.quantize``: ``int8``, ``int4`` and ``int8-nbits``; the quality gate needs a trained model,
 so it is skipped for these random weights and the quantized tokens are compared, not required,
-to match), and in the ``ort`` flavour for the engines ``onnxrt_gqa`` / ``onnxrt_gqa_int8`` (each
-decoder self-attention one ONNX Runtime ``GroupQueryAttention``); converted once with
+to match), in the ``ort`` flavour for the engines ``onnxrt_gqa`` / ``onnxrt_gqa_int8`` (each
+decoder self-attention one ONNX Runtime ``GroupQueryAttention``) and in the ``custom-op`` flavour
+for ``onnxrt_op`` / ``onnxrt_op_int8`` (each decoder self- and cross-attention one node of our own
+operator library, ``transformer_ext.DecodeAttention``: build it first with
+``scripts/fetch_ort_headers.sh`` and ``csrc/ort/build.sh``); converted once with
 ``ctranslate2.specs`` from the same weights (our positional table assigned explicitly) and saved
 as float32 and int8 models. Only one engine decodes at any time; rounds are interleaved in a
 rotating order; medians of ``--repeats`` are reported.
@@ -175,6 +178,30 @@ ENGINES.append(
         "int8",
         True,
         float32_engine="onnxrt_gqa",
+    )
+)
+# The custom-op flavour (python -m export.onnx --flavour custom-op): each decoder self- and
+# cross-attention one transformer_ext.DecodeAttention node of our own operator library
+# (csrc/ort/, copied into the export folder); float32 and int8.
+ENGINES.append(
+    Engine(
+        "onnxrt_op",
+        "ONNX Runtime, python -m export.onnx --flavour custom-op (our DecodeAttention operator), OrtRunner",
+        "onnxrt",
+        "onnx_op",
+        "float32",
+        True,
+    )
+)
+ENGINES.append(
+    Engine(
+        "onnxrt_op_int8",
+        "ONNX Runtime, python -m export.onnx --flavour custom-op --quantize int8",
+        "onnxrt",
+        "onnx_op_int8",
+        "int8",
+        True,
+        float32_engine="onnxrt_op",
     )
 )
 if importlib.util.find_spec("ctranslate2"):
@@ -342,6 +369,12 @@ def _torch_decoder_bytes(model) -> int:
     return total + model.config.d_model * 4  # one embedding row
 
 
+# The export flavours other than portable the engines run, by artifact (each also quantized to
+# int8 as "<artifact>_int8"): the ort flavour's GroupQueryAttention, our own DecodeAttention.
+FLAVOUR_ARTIFACTS = {"onnx_gqa": "ort", "onnx_op": "custom-op"}
+ONNX_ARTIFACTS = {"onnx", "onnx_int8", "onnx_int4", "onnx_int8_nbits"} | {
+    a for artifact in FLAVOUR_ARTIFACTS for a in (artifact, f"{artifact}_int8")
+}
 PREPARED = "prepared.json"
 PREPARED_VERSION = 8  # bumped when what prepare() records, or an export it makes, changes
 
@@ -380,7 +413,7 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
     save_model(model, paths["model"])
     nbytes["model"] = _torch_decoder_bytes(model)
     nbytes["model_bf16"] = nbytes["model"] // 2  # every decoder weight at 2 bytes
-    if needed & {"onnx", "onnx_int8", "onnx_int4", "onnx_int8_nbits", "onnx_gqa", "onnx_gqa_int8"}:
+    if needed & ONNX_ARTIFACTS:
         from export.onnx import export_onnx
         from export.quantize import quantize_export
 
@@ -398,23 +431,25 @@ def prepare(model_name: str, engines: list[Engine], scratch: str) -> tuple[dict,
                 paths[artifact] = os.path.join(scratch, artifact)
                 quantize_export(paths["onnx"], paths[artifact], scheme, gate=False)  # random weights: no gate
                 nbytes[artifact] = _onnx_decoder_bytes(os.path.join(paths[artifact], "decoder_step.onnx"))
-        if needed & {"onnx_gqa", "onnx_gqa_int8"}:
-            paths["onnx_gqa"] = os.path.join(scratch, "onnx_gqa")
-            logger.info("exporting %s to ONNX, ort flavour (untimed) ...", model_name)
-            export_onnx(
-                paths["model"],
-                paths["onnx_gqa"],
-                validate=False,
-                cache_len=min(config.max_len, 64),
-                flavour="ort",
-            )
-            nbytes["onnx_gqa"] = _onnx_decoder_bytes(os.path.join(paths["onnx_gqa"], "decoder_step.onnx"))
-            if "onnx_gqa_int8" in needed:
-                paths["onnx_gqa_int8"] = os.path.join(scratch, "onnx_gqa_int8")
-                quantize_export(paths["onnx_gqa"], paths["onnx_gqa_int8"], "int8", gate=False)
-                nbytes["onnx_gqa_int8"] = _onnx_decoder_bytes(
-                    os.path.join(paths["onnx_gqa_int8"], "decoder_step.onnx")
+        for artifact, flavour in FLAVOUR_ARTIFACTS.items():
+            if needed & {artifact, f"{artifact}_int8"}:
+                paths[artifact] = os.path.join(scratch, artifact)
+                logger.info("exporting %s to ONNX, %s flavour (untimed) ...", model_name, flavour)
+                export_onnx(
+                    paths["model"],
+                    paths[artifact],
+                    validate=False,
+                    cache_len=min(config.max_len, 64),
+                    flavour=flavour,
                 )
+                nbytes[artifact] = _onnx_decoder_bytes(os.path.join(paths[artifact], "decoder_step.onnx"))
+                if f"{artifact}_int8" in needed:
+                    quantized = f"{artifact}_int8"
+                    paths[quantized] = os.path.join(scratch, quantized)
+                    quantize_export(paths[artifact], paths[quantized], "int8", gate=False)
+                    nbytes[quantized] = _onnx_decoder_bytes(
+                        os.path.join(paths[quantized], "decoder_step.onnx")
+                    )
     for artifact, quantization in (("ct2", "float32"), ("ct2_int8", "int8")):
         if artifact in needed:
             spec = _ct2_spec(model)

@@ -10,8 +10,9 @@ The operator computes every row and head of one layer's attention in one loop ne
 row and head the keys and values are read once (for cross-attention with K/V once per source,
 the ``K`` beams of a source are served from L1 while they are there), the scores, softmax and
 weighted sum never leave the kernel, and only the attended positions are read. Its graph is one
-node per layer. The standard forms and the float64 references are ``probe_step_attention``'s
-(the same data layout, IO binding, session options and checks):
+node per layer. The standard forms are ``probe_step_attention``'s, and both probes share the
+step data, the float64 references, IO binding, session options, checks and timing
+(``step_attention_harness``):
 
 * **Self-attention** over a cache of capacity ``L`` (``--cache-lens``), the new token at
   position ``L - 1``: ``ops`` (the portable export's lowering plus the runner's host append of
@@ -60,9 +61,10 @@ import sys
 
 import numpy as np
 
-from benchmarks.common import save_figure, write_json
+from benchmarks.common import save_figure
 from benchmarks.probes import probe_step_attention as psa
-from transformer_ext.cli import add_option
+from benchmarks.probes import step_attention_harness as harness
+from benchmarks.probes.step_attention_harness import Bound, build, caches
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 REPO = os.path.dirname(HERE)
@@ -131,31 +133,17 @@ def custom_cross_graph(layers: int, B: int, K: int, H: int, S: int, D: int) -> b
     return _custom_model(nodes, inputs, outputs, "cross_custom")
 
 
-def _build(forms: dict, name: str, fn) -> None:
-    try:
-        forms[name] = fn()
-    except Exception as exc:  # ORT raises its own Fail / InvalidGraph types
-        forms[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-
-
 def self_case(args, R: int, L: int, threads: int, rng) -> dict:
     layers, H, D = args.layers, args.heads, args.head_size
     p = L - 1
-    data = {
-        "q": [rng.standard_normal((R, H, D), dtype=np.float32) * 0.125 for _ in range(layers)],
-        "k": [rng.standard_normal((R, H, D), dtype=np.float32) for _ in range(layers)],
-        "v": [rng.standard_normal((R, H, D), dtype=np.float32) for _ in range(layers)],
-        # random finite values past the prefix too (every form must leave them out)
-        "kc": [rng.standard_normal((R, H, L, D), dtype=np.float32) for _ in range(layers)],
-        "vc": [rng.standard_normal((R, H, L, D), dtype=np.float32) for _ in range(layers)],
-    }
+    data = harness.self_data(rng, layers, R, H, L, D)
     std_args = argparse.Namespace(**{**vars(args), "beams": 1})  # no dmmha_beams form
     forms = psa.self_forms(std_args, R, L, threads, data, np.zeros((R, L), np.int64))
     forms = {k: v for k, v in forms.items() if k in SELF_STANDARD}
 
     def custom():
-        s = psa.Bound(custom_self_graph(layers, R, H, L, D), threads, library=args.library)
-        cache = psa._caches(data, layers, R, H, L, D, staging=True)
+        s = Bound(custom_self_graph(layers, R, H, L, D), threads, library=args.library)
+        cache = caches(data, layers, R, H, L, D, staging=True)
         s.bind_in("positions", np.full(R, p, np.int64))
         outs = []
         for i in range(layers):
@@ -175,8 +163,8 @@ def self_case(args, R: int, L: int, threads: int, rng) -> dict:
         return run, outs, cache
 
     def custom_inplace():  # the new K/V written by the operator into the bound caches
-        s = psa.Bound(custom_self_graph(layers, R, H, L, D, present=True), threads, library=args.library)
-        cache = psa._caches(data, layers, R, H, L, D, staging=False)
+        s = Bound(custom_self_graph(layers, R, H, L, D, present=True), threads, library=args.library)
+        cache = caches(data, layers, R, H, L, D, staging=False)
         s.bind_in("positions", np.full(R, p, np.int64))
         outs = []
         for i in range(layers):
@@ -189,42 +177,27 @@ def self_case(args, R: int, L: int, threads: int, rng) -> dict:
             outs.append(s.bind_out(f"out{i}", np.empty((R, H * D), np.float32)))
         return s.run, outs, cache
 
-    _build(forms, "custom", custom)
-    _build(forms, "custom_inplace", custom_inplace)
-    identity = np.repeat(np.arange(R)[:, None], L, axis=1)
+    build(forms, "custom", custom)
+    build(forms, "custom_inplace", custom_inplace)
+    identity = harness.own_rows(R, L)
     want = [
-        psa.self_reference(*(data[n][i] for n in ("q", "k", "v", "kc", "vc")), p, identity)
+        harness.self_reference(*(data[n][i] for n in ("q", "k", "v", "kc", "vc")), p, identity)
         for i in range(layers)
     ]
-
-    def cache_check(cache) -> float:  # the new K/V at position p, the prefix untouched
-        err = 0.0
-        for i in range(layers):
-            for buf, new, old in ((cache.key_layers[i], "k", "kc"), (cache.value_layers[i], "v", "vc")):
-                err = max(err, float(np.max(np.abs(buf[:, :, p] - data[new][i]))))
-                err = max(err, float(np.max(np.abs(buf[:, :, :p] - data[old][i][:, :, :p]))))
-        return err
-
-    errors, refused, fns = psa._check(args, forms, want, cache_check)
-    result = psa._timed(args, fns, errors, refused)
+    errors, refused, fns = harness.check(args, forms, want, harness.cache_write_check(data, layers, p))
+    result = harness.timed(args, fns, errors, refused)
     return {"block": "self", "rows": R, "cache_len": L, "position": p, "threads": threads, **result}
 
 
 def cross_case(args, B: int, K: int, threads: int, rng) -> dict:
     layers, H, D, S = args.layers, args.heads, args.head_size, args.src_len
-    lengths = rng.integers(max(1, S // 2), S + 1, size=B)
-    lengths[0] = S
-    data = {
-        "lengths": lengths,
-        "q": [rng.standard_normal((B * K, H, D), dtype=np.float32) * 0.125 for _ in range(layers)],
-        "k": [rng.standard_normal((B, H, S, D), dtype=np.float32) for _ in range(layers)],
-        "v": [rng.standard_normal((B, H, S, D), dtype=np.float32) for _ in range(layers)],
-    }
+    data = harness.cross_data(rng, layers, B, K, H, S, D)
+    lengths = data["lengths"]
     forms = psa.cross_forms(args, B, K, threads, data)
     forms = {k: v for k, v in forms.items() if k in CROSS_STANDARD}
 
     def custom():
-        s = psa.Bound(custom_cross_graph(layers, B, K, H, S, D), threads, library=args.library)
+        s = Bound(custom_cross_graph(layers, B, K, H, S, D), threads, library=args.library)
         s.bind_in("lengths", lengths.astype(np.int64))
         outs = []
         for i in range(layers):
@@ -234,10 +207,12 @@ def cross_case(args, B: int, K: int, threads: int, rng) -> dict:
             outs.append(s.bind_out(f"out{i}", np.empty((B * K, H * D), np.float32)))
         return s.run, outs, None
 
-    _build(forms, "custom", custom)
-    want = [psa.cross_reference(data["q"][i], data["k"][i], data["v"][i], lengths, K) for i in range(layers)]
-    errors, refused, fns = psa._check(args, forms, want, None)
-    result = psa._timed(args, fns, errors, refused)
+    build(forms, "custom", custom)
+    want = [
+        harness.cross_reference(data["q"][i], data["k"][i], data["v"][i], lengths, K) for i in range(layers)
+    ]
+    errors, refused, fns = harness.check(args, forms, want, None)
+    result = harness.timed(args, fns, errors, refused)
     return {"block": "cross", "rows": B * K, "sources": B, "beams": K, "threads": threads, **result}
 
 
@@ -391,41 +366,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--library", default=DEFAULT_LIBRARY, help="the operator library (csrc/ort/build.sh writes it)"
     )
-    p.add_argument("--rows", default="4,16,64,256", help="comma-separated decoder rows (sources x beams)")
-    add_option(
+    harness.add_arguments(
         p,
-        "--beam-size",
-        deprecated=("--beams",),
-        dest="beams",
-        type=int,
-        default=4,
-        help="rows per source in the beam cross-attention case",
-    )
-    p.add_argument("--layers", type=int, default=6, help="decoder layers per graph (each its own tensors)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=64)
-    p.add_argument("--cache-lens", default="24,48", help="self-attention cache capacities (new token last)")
-    p.add_argument("--src-len", type=int, default=24)
-    p.add_argument("--threads", default="1", help="comma-separated intra-op thread counts")
-    p.add_argument("--runs", type=int, default=15, help="interleaved timed rounds per case (median)")
-    p.add_argument("--min-time", type=float, default=0.005, help="seconds each timing lasts at least")
-    p.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall time (default), or this process's CPU time: at 1 thread a direction on a loaded machine",
-    )
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max abs error against float64")
-    p.add_argument(
-        "--win", type=float, default=1.15, help="speed-up of a layer's attention that counts as a win"
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="a smoke run: rows 4,16, two layers, cache 24, 3 runs"
-    )
-    p.add_argument(
-        "--out",
-        default=os.path.join(HERE, "results", "probe_custom_attention.json"),
-        help="JSON path (PNG beside it)",
+        name=prog,
+        beams_help="rows per source in the beam cross-attention case",
+        cache_lens="24,48",
+        threads="1",
+        win_help="speed-up of a layer's attention that counts as a win",
+        quick_help="a smoke run: rows 4,16, two layers, cache 24, 3 runs",
     )
     return p
 
@@ -436,18 +384,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.layers, args.runs, args.cache_lens, args.min_time = "4,16", 2, 3, "24", 0.0
-    rows = psa._ints(p, args.rows, "--rows")
-    threads = psa._ints(p, args.threads, "--threads")
-    cache_lens = psa._ints(p, args.cache_lens, "--cache-lens")
-    for flag in ("beams", "layers", "heads", "head_size", "src_len", "runs"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if min(cache_lens) < 2:
-        p.error("--cache-lens: every capacity must be at least 2 (one cached token and the new one)")
-    if not (args.tolerance > 0 and args.win > 0 and args.min_time >= 0):
-        p.error("--tolerance and --win must be positive, --min-time not negative")
-    if not args.out.endswith(".json"):
-        p.error(f"--out: expected a .json path, got {args.out!r}")
+    rows, threads, cache_lens = harness.checked_lists(p, args)
     if not os.path.isfile(args.library):
         print(
             f"{prog}: error: custom-operator library {args.library} not found; {BUILD_HINT}", file=sys.stderr
@@ -455,51 +392,21 @@ def main(argv=None) -> int:
         return 1
     args.library = os.path.abspath(args.library)
 
-    import onnxruntime as ort
-
     out = {
-        "onnxruntime": ort.__version__,
+        **harness.header(args, cache_lens),
         "library": args.library,
-        "layers": args.layers,
-        "heads": args.heads,
-        "head_size": args.head_size,
-        "cache_lens": cache_lens,
-        "src_len": args.src_len,
-        "beams": args.beams,
-        "runs": args.runs,
-        "tolerance": args.tolerance,
         "win": args.win,
-        "clock": args.clock,
         "load_average_before": list(os.getloadavg()),
-        "results": [],
     }
-    rng = np.random.default_rng(0)
-    for n in threads:
-        for R in rows:
-            for L in cache_lens:
-                rec = self_case(args, R, L, n, rng)
-                out["results"].append(rec)
-                psa._print(rec)
-            for K in sorted({1, args.beams}):
-                if R % K:
-                    continue
-                rec = cross_case(args, R // K, K, n, rng)
-                out["results"].append(rec)
-                psa._print(rec)
+    out["results"] = harness.run_cases(args, rows, threads, cache_lens, self_case, cross_case)
     refused = {
         f"{r['block']}/{r['rows']}/{k}": v
         for r in out["results"]
         for k, v in r["refused"].items()
         if k.startswith("custom")
     }
-    out["load_average_after"] = list(os.getloadavg())
-    out["summary"] = summarize(out["results"], args.win)
-    write_json(args.out, out)
-    if out["summary"]["blocks"]:
-        plot(out, args.out[: -len(".json")] + ".png")
-    for key, verdict in out["summary"]["verdicts"].items():
-        print(f"{key}: {verdict}")
-    print(f"wrote {args.out}")
+    summary = summarize(out["results"], args.win)
+    harness.finish(out, args.out, summary, plot if summary["blocks"] else None)
     if refused:
         print(
             f"{prog}: error: ONNX Runtime refused the custom operator: {next(iter(refused.values()))}",

@@ -88,13 +88,20 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 import numpy as np
 
-from benchmarks.common import save_figure, time_side_by_side, write_json
+from benchmarks.common import save_figure
+from benchmarks.probes import step_attention_harness as harness
 from benchmarks.probes.probe_contrib_attention import _model, cross_graph, self_graph
-from transformer_ext.cli import add_option
+from benchmarks.probes.step_attention_harness import (
+    NEG_INF,
+    Bound,
+    build,
+    caches,
+    cross_reference,
+    self_reference,
+)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (results/ lives here)
 
@@ -102,7 +109,6 @@ SELF_FORMS = ("ops", "folded", "gqa", "dmmha", "dmmha_beams")
 CROSS_FORMS = ("ops", "folded", "bcast", "kt", "mha", "dmmha")
 BEAM_STEP = "beam_step_exported_plus_reorder_over_dmmha_beams"
 EXPORTED = {"self": ("ops", "gqa"), "cross": ("ops",)}  # the forms the export has (portable, ort flavour)
-NEG_INF = float("-inf")
 
 
 # ------------------------------------------------------------------------------------------
@@ -338,98 +344,6 @@ def cross_dmmha_graph(layers: int, R: int, H: int, S: int, D: int) -> bytes:
     return _model(nodes, inputs, outputs, [], "cross_dmmha")
 
 
-# ------------------------------------------------------------------------------------------
-# float64 references
-# ------------------------------------------------------------------------------------------
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def self_reference(q, k_new, v_new, kc, vc, p: int, source_row: np.ndarray) -> np.ndarray:
-    """``[R, H, D]`` float64: row ``r`` attends to cache position ``j < p`` of row
-    ``source_row[r, j]`` and to its own new K/V. ``q``/``k_new``/``v_new`` ``[R, H, D]``."""
-    j = np.arange(p)[None, :]
-    keys = kc[source_row[:, :p], :, j].astype(np.float64)  # [R, p, H, D]
-    values = vc[source_row[:, :p], :, j].astype(np.float64)
-    q64 = q.astype(np.float64)
-    scores = np.concatenate(
-        [np.einsum("rhd,rjhd->rhj", q64, keys), np.einsum("rhd,rhd->rh", q64, k_new)[..., None]], axis=-1
-    )
-    probs = _softmax(scores)
-    return np.einsum("rhj,rjhd->rhd", probs[..., :p], values) + probs[..., p:] * v_new.astype(np.float64)
-
-
-def cross_reference(q, k, v, lengths: np.ndarray, K: int) -> np.ndarray:
-    """``[R, H, D]`` float64: row ``r`` attends to source ``r // K``'s first ``lengths`` positions."""
-    src = np.arange(q.shape[0]) // K
-    scores = np.einsum("rhd,rhsd->rhs", q.astype(np.float64), k[src].astype(np.float64))
-    keep = np.arange(k.shape[2])[None, :] < lengths[src][:, None]  # [R, S]
-    scores = np.where(keep[:, None, :], scores, NEG_INF)
-    return np.einsum("rhs,rhsd->rhd", _softmax(scores), v[src].astype(np.float64))
-
-
-# ------------------------------------------------------------------------------------------
-# sessions and binding
-# ------------------------------------------------------------------------------------------
-
-
-class Bound:
-    """One session with every input and output bound by pointer (the arrays are kept alive);
-    ``library``: a custom-operator library registered with the session's options."""
-
-    def __init__(self, model: bytes, threads: int, library: str | None = None):
-        import onnxruntime as ort
-
-        from transformer_ext.runtimes import denormals
-        from transformer_ext.runtimes.ort import DISABLED_OPTIMIZERS, FORCE_SPINNING_STOP
-
-        so = ort.SessionOptions()  # OrtRunner's options (its defaults)
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.add_session_config_entry(FORCE_SPINNING_STOP, "1")
-        for key, value in denormals.session_config().items():
-            so.add_session_config_entry(key, value)
-        if library is not None:  # a custom-operator library (probe_custom_attention)
-            so.register_custom_ops_library(library)
-        self.session = ort.InferenceSession(
-            model, so, providers=["CPUExecutionProvider"], disabled_optimizers=list(DISABLED_OPTIMIZERS)
-        )
-        self.binding = self.session.io_binding()
-        self._call = denormals.call
-        self.kept: list[np.ndarray] = []
-
-    def bind_in(self, name: str, a: np.ndarray, shape=None) -> np.ndarray:
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{name}: a bound array must be contiguous")
-        self.kept.append(a)
-        self.binding.bind_input(name, "cpu", 0, a.dtype, list(shape or a.shape), a.ctypes.data)
-        return a
-
-    def bind_out(self, name: str, a: np.ndarray, shape=None) -> np.ndarray:
-        self.kept.append(a)
-        self.binding.bind_output(name, "cpu", 0, a.dtype, list(shape or a.shape), a.ctypes.data)
-        return a
-
-    def run(self) -> None:
-        self._call(self.session.run_with_iobinding, self.binding)
-
-
-def _caches(data: dict, layers: int, R: int, H: int, L: int, D: int, staging: bool):
-    """A ``HostKVCache`` (the runner's) holding ``data``'s cache contents, ``length = L - 1``."""
-    from transformer_ext.runtimes.kv_cache import HostKVCache
-
-    cache = HostKVCache(layers, R, H, L, D, staging=staging)
-    for i in range(layers):
-        cache.key_layers[i][...] = data["kc"][i]
-        cache.value_layers[i][...] = data["vc"][i]
-    cache.set_length(L - 1)
-    return cache
-
-
 def self_forms(args, R: int, L: int, threads: int, data: dict, indirection: np.ndarray) -> dict:
     """``{form: (run, outputs [layers x [R, H, D]], written cache row or None)}``; a form ONNX
     Runtime refuses maps to its error message."""
@@ -437,15 +351,9 @@ def self_forms(args, R: int, L: int, threads: int, data: dict, indirection: np.n
     p = L - 1
     forms: dict = {}
 
-    def build(name, fn):
-        try:
-            forms[name] = fn()
-        except Exception as exc:  # ORT raises its own Fail / NotImplemented / InvalidGraph types
-            forms[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-
     def portable(model: bytes):
         s = Bound(model, threads)
-        cache = _caches(data, layers, R, H, L, D, staging=True)
+        cache = caches(data, layers, R, H, L, D, staging=True)
         s.bind_in("positions", np.full(R, p, np.int64))
         outs = []
         for i in range(layers):
@@ -472,7 +380,7 @@ def self_forms(args, R: int, L: int, threads: int, data: dict, indirection: np.n
         else:
             s = Bound(self_dmmha_graph(layers, R, H, L, D, beams=kind == "dmmha_beams"), threads)
             s.bind_in("past_len", np.array([p], np.int32))
-        cache = _caches(data, layers, R, H, L, D, staging=False)
+        cache = caches(data, layers, R, H, L, D, staging=False)
         indir = None
         if kind == "dmmha_beams":
             s.bind_in("beam_width", np.array([K], np.int32))
@@ -500,12 +408,12 @@ def self_forms(args, R: int, L: int, threads: int, data: dict, indirection: np.n
 
         return run, outs, cache
 
-    build("ops", lambda: portable(self_graph(False, layers, R, H, L, D)))
-    build("folded", lambda: portable(self_folded_graph(layers, R, H, L, D)))
-    build("gqa", lambda: contrib("gqa"))
-    build("dmmha", lambda: contrib("dmmha"))
+    build(forms, "ops", lambda: portable(self_graph(False, layers, R, H, L, D)))
+    build(forms, "folded", lambda: portable(self_folded_graph(layers, R, H, L, D)))
+    build(forms, "gqa", lambda: contrib("gqa"))
+    build(forms, "dmmha", lambda: contrib("dmmha"))
     if R % K == 0 and K > 1:
-        build("dmmha_beams", lambda: contrib("dmmha_beams"))
+        build(forms, "dmmha_beams", lambda: contrib("dmmha_beams"))
     return forms
 
 
@@ -514,12 +422,6 @@ def cross_forms(args, B: int, K: int, threads: int, data: dict) -> dict:
     R = B * K
     lengths = data["lengths"]
     forms: dict = {}
-
-    def build(name, fn):
-        try:
-            forms[name] = fn()
-        except Exception as exc:  # ORT raises its own Fail / NotImplemented / InvalidGraph types
-            forms[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
 
     def grouped(form: str):
         model = cross_graph(False, layers, B, K, H, S, D) if form == "ops" else None
@@ -559,65 +461,16 @@ def cross_forms(args, B: int, K: int, threads: int, data: dict) -> dict:
         return s.run, outs, None
 
     for form in ("ops", "folded", "bcast", "kt"):
-        build(form, functools.partial(grouped, form))
-    build("mha", mha)
-    build("dmmha", dmmha)
+        build(forms, form, functools.partial(grouped, form))
+    build(forms, "mha", mha)
+    build(forms, "dmmha", dmmha)
     return forms
-
-
-# ------------------------------------------------------------------------------------------
-# one case: check, then time
-# ------------------------------------------------------------------------------------------
-
-
-def _check(args, forms: dict, want: list, cache_check) -> tuple[dict, dict, dict]:
-    """Run every form once against its reference -> ``(errors, refused, runs of the valid forms)``."""
-    errors, refused, valid = {}, {}, {}
-    for name, form in forms.items():
-        if isinstance(form, str):
-            refused[name] = form
-            continue
-        run, outs, cache = form
-        try:
-            run()
-        except Exception as exc:  # a kernel that fails at run time is reported like a refusal
-            refused[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            continue
-        R = want[0].shape[0]
-        err = max(float(np.max(np.abs(o.reshape(R, -1) - w.reshape(R, -1)))) for o, w in zip(outs, want))
-        rec = {"output": err}
-        if cache is not None and cache_check is not None:
-            rec["cache_write"] = cache_check(cache)
-        errors[name] = rec
-        if max(rec.values()) <= args.tolerance:
-            valid[name] = run
-    return errors, refused, valid
-
-
-def _timed(args, fns: dict, errors: dict, refused: dict) -> dict:
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    seconds = (
-        time_side_by_side(fns, "cpu", repeats=args.runs, min_time=args.min_time, clock=clock) if fns else {}
-    )
-    return {
-        "milliseconds": {k: t * 1e3 for k, t in seconds.items()},
-        "max_abs_error": errors,
-        "refused": refused,
-        "invalid": sorted(k for k, e in errors.items() if max(e.values()) > args.tolerance),
-    }
 
 
 def self_case(args, R: int, L: int, threads: int, rng) -> dict:
     layers, H, D, K = args.layers, args.heads, args.head_size, args.beams
     p = L - 1
-    data = {
-        "q": [rng.standard_normal((R, H, D), dtype=np.float32) * 0.125 for _ in range(layers)],
-        "k": [rng.standard_normal((R, H, D), dtype=np.float32) for _ in range(layers)],
-        "v": [rng.standard_normal((R, H, D), dtype=np.float32) for _ in range(layers)],
-        # random finite values everywhere, past the prefix too (the forms must mask them)
-        "kc": [rng.standard_normal((R, H, L, D), dtype=np.float32) for _ in range(layers)],
-        "vc": [rng.standard_normal((R, H, L, D), dtype=np.float32) for _ in range(layers)],
-    }
+    data = harness.self_data(rng, layers, R, H, L, D)
     beams = K > 1 and R % K == 0
     # row (b, k) reads cache position j < p from beam indirection[b*K + k, j] of source b
     indirection = rng.integers(0, K, size=(R, L)) if beams else np.zeros((R, L), np.int64)
@@ -631,30 +484,21 @@ def self_case(args, R: int, L: int, threads: int, rng) -> dict:
             for i in range(layers)
         ]
 
-    def cache_check(cache) -> float:  # the new K/V at position p, the prefix untouched
-        err = 0.0
-        for i in range(layers):
-            for buf, new, old in ((cache.key_layers[i], "k", "kc"), (cache.value_layers[i], "v", "vc")):
-                err = max(err, float(np.max(np.abs(buf[:, :, p] - data[new][i]))))
-                err = max(err, float(np.max(np.abs(buf[:, :, :p] - data[old][i][:, :, :p]))))
-        return err
-
+    cache_check = harness.cache_write_check(data, layers, p)
     beam_forms = {k: forms.pop(k) for k in ("dmmha_beams",) if k in forms}
-    errors, refused, fns = _check(
-        args, forms, reference(np.repeat(np.arange(R)[:, None], L, axis=1)), cache_check
-    )
+    errors, refused, fns = harness.check(args, forms, reference(harness.own_rows(R, L)), cache_check)
     if beam_forms:
         source_row = (np.arange(R) // K * K)[:, None] + indirection
-        e, r, f = _check(args, beam_forms, reference(source_row), cache_check)
+        e, r, f = harness.check(args, beam_forms, reference(source_row), cache_check)
         errors, refused, fns = errors | e, refused | r, fns | f
     if beams:  # the reorder the cache-reading forms need at a beam step (the runner's HostKVCache)
-        reorder_cache = _caches(data, layers, R, H, L, D, staging=False)
+        reorder_cache = caches(data, layers, R, H, L, D, staging=False)
         choice = np.arange(R)
         movers = rng.choice(R, size=int(round(args.moved_rows * R)), replace=False)
         # each moved row takes another beam of its source
         choice[movers] = movers // K * K + (movers % K + rng.integers(1, K, size=movers.size)) % K
         fns["host_reorder"] = functools.partial(reorder_cache.reorder_, choice)
-    result = _timed(args, fns, errors, refused)
+    result = harness.timed(args, fns, errors, refused)
     rec = {"block": "self", "rows": R, "cache_len": L, "position": p, "threads": threads, **result}
     if beams:
         rec["moved_rows"] = int((choice != np.arange(R)).sum())
@@ -663,18 +507,12 @@ def self_case(args, R: int, L: int, threads: int, rng) -> dict:
 
 def cross_case(args, B: int, K: int, threads: int, rng) -> dict:
     layers, H, D, S = args.layers, args.heads, args.head_size, args.src_len
-    lengths = rng.integers(max(1, S // 2), S + 1, size=B)
-    lengths[0] = S
-    data = {
-        "lengths": lengths,
-        "q": [rng.standard_normal((B * K, H, D), dtype=np.float32) * 0.125 for _ in range(layers)],
-        "k": [rng.standard_normal((B, H, S, D), dtype=np.float32) for _ in range(layers)],
-        "v": [rng.standard_normal((B, H, S, D), dtype=np.float32) for _ in range(layers)],
-    }
+    data = harness.cross_data(rng, layers, B, K, H, S, D)
+    lengths = data["lengths"]
     want = [cross_reference(data["q"][i], data["k"][i], data["v"][i], lengths, K) for i in range(layers)]
     forms = cross_forms(args, B, K, threads, data)
-    errors, refused, fns = _check(args, forms, want, None)
-    result = _timed(args, fns, errors, refused)
+    errors, refused, fns = harness.check(args, forms, want, None)
+    result = harness.timed(args, fns, errors, refused)
     return {"block": "cross", "rows": B * K, "sources": B, "beams": K, "threads": threads, **result}
 
 
@@ -865,50 +703,22 @@ def demo_moved_rows(sources: int = 64, beams: int = 4, new_tokens: int = 48) -> 
     }
 
 
-def _ints(p, text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"{flag}: expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 1:
-        p.error(f"{flag}: expected positive integers, got {text!r}")
-    return values
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="4,16,64,256", help="comma-separated decoder rows (sources x beams)")
-    beams = "beams per source (cross-attention and dmmha_beams)"
-    add_option(p, "--beam-size", deprecated=("--beams",), dest="beams", type=int, default=4, help=beams)
-    p.add_argument("--layers", type=int, default=6, help="decoder layers per graph (each its own tensors)")
+    harness.add_arguments(
+        p,
+        name="probe_step_attention",
+        beams_help="beams per source (cross-attention and dmmha_beams)",
+        cache_lens="24,72",
+        threads="1,2",
+        win_help="speed-up that counts as a clear win",
+        quick_help="a smoke run: rows 4,16, five layers, cache 24, 1 thread, 3 runs",
+    )
     p.add_argument(
         "--moved-rows",
         type=float,
         default=0.25,
         help="fraction of rows whose cache host_reorder moves (beam 4 on the demo model: 0.24 a step)",
-    )
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=64)
-    p.add_argument("--cache-lens", default="24,72", help="self-attention cache capacities (new token last)")
-    p.add_argument("--src-len", type=int, default=24)
-    p.add_argument("--threads", default="1,2", help="comma-separated intra-op thread counts")
-    p.add_argument("--runs", type=int, default=15, help="interleaved timed rounds per case (median)")
-    p.add_argument("--min-time", type=float, default=0.005, help="seconds each timing lasts at least")
-    p.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall time (default), or this process's CPU time: at 1 thread a direction on a loaded machine",
-    )
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max abs error against float64")
-    p.add_argument("--win", type=float, default=1.15, help="speed-up that counts as a clear win")
-    p.add_argument(
-        "--quick", action="store_true", help="a smoke run: rows 4,16, five layers, cache 24, 1 thread, 3 runs"
-    )
-    p.add_argument(
-        "--out",
-        default=os.path.join(HERE, "results", "probe_step_attention.json"),
-        help="JSON path (PNG beside it)",
     )
     p.add_argument(
         "--measure-moved-rows",
@@ -922,73 +732,17 @@ def main(argv=None) -> int:
     if args.quick:
         args.rows, args.layers, args.threads, args.runs, args.cache_lens = "4,16", 5, "1", 3, "24"
         args.min_time = 0.0
-    rows = _ints(p, args.rows, "--rows")
-    threads = _ints(p, args.threads, "--threads")
-    cache_lens = _ints(p, args.cache_lens, "--cache-lens")
-    for flag in ("beams", "layers", "heads", "head_size", "src_len", "runs"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if min(cache_lens) < 2:
-        p.error("--cache-lens: every capacity must be at least 2 (one cached token and the new one)")
+    rows, threads, cache_lens = harness.checked_lists(p, args)
     if not 0.0 <= args.moved_rows <= 1.0:
         p.error(f"--moved-rows: expected a fraction in [0, 1], got {args.moved_rows}")
-    if not (args.tolerance > 0 and args.win > 0 and args.min_time >= 0):
-        p.error("--tolerance and --win must be positive, --min-time not negative")
-    if not args.out.endswith(".json"):
-        p.error(f"--out: expected a .json path, got {args.out!r}")
-
-    import onnxruntime as ort
-
     out = {
-        "onnxruntime": ort.__version__,
-        "layers": args.layers,
-        "heads": args.heads,
-        "head_size": args.head_size,
-        "cache_lens": cache_lens,
-        "src_len": args.src_len,
-        "beams": args.beams,
-        "runs": args.runs,
-        "tolerance": args.tolerance,
-        "clock": args.clock,
+        **harness.header(args, cache_lens),
         "moved_rows": args.moved_rows,
         "load_average_before": list(os.getloadavg()),
-        "results": [],
     }
-    rng = np.random.default_rng(0)
-    for n in threads:
-        for R in rows:
-            for L in cache_lens:
-                rec = self_case(args, R, L, n, rng)
-                out["results"].append(rec)
-                _print(rec)
-            for K in sorted({1, args.beams}):
-                if R % K:
-                    continue
-                rec = cross_case(args, R // K, K, n, rng)
-                out["results"].append(rec)
-                _print(rec)
-    out["load_average_after"] = list(os.getloadavg())
-    out["summary"] = summarize(out["results"], args.win)
-    write_json(args.out, out)
-    plot(out, args.out[: -len(".json")] + ".png")
-    for key, verdict in out["summary"]["verdicts"].items():
-        print(f"{key}: {verdict}")
-    print(f"wrote {args.out}")
+    out["results"] = harness.run_cases(args, rows, threads, cache_lens, self_case, cross_case)
+    harness.finish(out, args.out, summarize(out["results"], args.win), plot)
     return 0
-
-
-def _print(rec: dict) -> None:
-    what = f"cache {rec['cache_len']}" if rec["block"] == "self" else f"{rec['beams']} row(s)/source"
-    ms = rec["milliseconds"]
-    times = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
-    errs = ", ".join(f"{k} {max(e.values()):.1e}" for k, e in rec["max_abs_error"].items())
-    print(
-        f"{rec['block']:5s} {rec['rows']:4d} rows, {what}, {rec['threads']} thread(s): ms {times}", flush=True
-    )
-    print(
-        f"      max abs error: {errs}" + (f"; refused: {rec['refused']}" if rec["refused"] else ""),
-        flush=True,
-    )
 
 
 if __name__ == "__main__":

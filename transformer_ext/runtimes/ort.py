@@ -47,6 +47,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -56,14 +57,17 @@ import onnxruntime as ort
 from transformer_ext import decoding
 from transformer_ext.export_format import (
     ATTENTION_OUTPUT,
+    CUSTOM_OP_FLAVOUR,
     DECODER_FILE,
     ENCODER_FILE,
     FEW_ROWS_DECODER_FILE,
     HASHES_KEY,
     MANIFEST_NAME,
+    NEW_KV_FLAVOURS,
     InvalidGraphError,
     check_io,
     cross_per_source,
+    custom_ops_library,
     dtype_from_ort,
     file_sha256,
     manifest_few_rows,
@@ -80,6 +84,9 @@ from .kv_cache import CacheStateViews, HostBufferPool, HostKVCache
 from .search_head import SearchHead
 
 logger = logging.getLogger(__name__)
+# The session options a custom-op export's operator library is registered with (every build of it
+# registers the one domain transformer_ext, which ONNX Runtime takes once per options object).
+_REGISTERED_OPTIONS: "weakref.WeakSet[ort.SessionOptions]" = weakref.WeakSet()
 
 __all__ = [
     "OrtRunner",
@@ -394,6 +401,7 @@ class OrtRunner(decoding.SearchMethods):
                 f"GroupQueryAttention, float32), which runs on the CPUExecutionProvider only, not on "
                 f"{self.providers}; export with --flavour portable or tensorscatter for other providers"
             )
+        self._register_custom_ops(session_options)
         graphs = self.manifest["graphs"]
         self._few_max_rows = self._few_rows_max_rows(few_rows, session_options)
         # The dynamic step opens at its first use (the ``decoder`` property) when the few-row step
@@ -561,6 +569,28 @@ class OrtRunner(decoding.SearchMethods):
         """The decoder step session for steps of ``rows`` rows."""
         return self._few if rows <= self._few_max_rows else self.decoder
 
+    def _register_custom_ops(self, options: ort.SessionOptions) -> None:
+        """A custom-op export's operator library (checked against the manifest's SHA-256)
+        registered with the session options before any session is made."""
+        library = custom_ops_library(self.export_dir, self.manifest)
+        if library is None:
+            return
+        if not self._cpu_only():
+            raise ValueError(
+                f"{self.export_dir} is an export of the {CUSTOM_OP_FLAVOUR} flavour (a CPU operator of its "
+                f"own library, {os.path.basename(library)}), which runs on the CPUExecutionProvider only, not on "
+                f"{self.providers}; export with --flavour portable for other providers"
+            )
+        if options in _REGISTERED_OPTIONS:  # a second registration in one options object fails
+            return
+        try:
+            options.register_custom_ops_library(library)
+        except Exception as exc:  # onnxruntime raises its own Fail / RuntimeError types
+            raise InvalidGraphError(
+                f"{library}: ONNX Runtime cannot load this operator library ({exc})"
+            ) from exc
+        _REGISTERED_OPTIONS.add(options)
+
     def _cpu_only(self) -> bool:
         """Whether every provider asked for is the CPU one (``DISABLED_OPTIMIZERS`` is about its kernels)."""
         names = [p[0] if isinstance(p, (tuple, list)) else p for p in self.providers]
@@ -638,7 +668,7 @@ class OrtRunner(decoding.SearchMethods):
                 else cache_len,
                 info.d_k,
                 dtype=np.float32,
-                staging=info.flavour == "portable",
+                staging=info.flavour in NEW_KV_FLAVOURS,
                 pool=self._pool,
             ),
             logits=np.zeros((N, info.tgt_vocab_size), dtype=np.float32),
@@ -667,7 +697,7 @@ class OrtRunner(decoding.SearchMethods):
         bind_out("logits", state.logits)
         if state.attention is not None:
             bind_out(ATTENTION_OUTPUT, state.attention)
-        portable = self.info.flavour == "portable"
+        portable = self.info.flavour in NEW_KV_FLAVOURS
         for i in range(self.info.n_layers):
             bind_in(f"self_key.{i}", state.self_keys[i])
             bind_in(f"self_value.{i}", state.self_values[i])
@@ -728,7 +758,7 @@ class OrtRunner(decoding.SearchMethods):
         else:  # rows appended to a running decoding: each at its own position
             state.positions[:] = cache.row_lengths
         self._call(state.session.run_with_iobinding, state.binding)
-        if self.info.flavour == "portable":
+        if self.info.flavour in NEW_KV_FLAVOURS:
             cache.append_()  # every layer's new K/V at position p: one copy per buffer
         cache.end_step()
 

@@ -37,6 +37,8 @@ import onnxruntime as ort
 import torch
 
 from transformer_ext.export_format import (
+    CUSTOM_OP_FLAVOUR,
+    CUSTOM_OP_REFUSAL,
     DECODER_FILE,
     DTYPES,
     ENCODER_FILE,
@@ -153,6 +155,8 @@ class OrtCudaRunner(DeviceRunner):
         self._graph_precision = precision  # which graphs run: encoder.onnx or encoder.<precision>.onnx
         if self.manifest.get("flavour") == "ort":
             raise ValueError(ORT_FLAVOUR_DEVICE_REFUSAL.format(folder=self.export_dir))
+        if self.manifest.get("flavour") == CUSTOM_OP_FLAVOUR:
+            raise ValueError(CUSTOM_OP_REFUSAL.format(folder=self.export_dir, what="the device runner"))
         quantization = manifest_quantization(self.manifest)
         self.info = RunnerInfo.from_config(
             self.manifest["model_config"],
