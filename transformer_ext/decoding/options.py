@@ -15,7 +15,7 @@ from .protocol import (
     _check_positive_int,
     check_sources,
 )
-from .renamed import renamed_keywords
+from .renamed import renamed_keywords, warn_renamed
 
 if TYPE_CHECKING:  # annotations only
     from .sampling import _Sampler
@@ -58,8 +58,6 @@ def max_decoding_length_for(
 
 def max_new_tokens_for(src_lengths: IntOrArray, a: float, b: float, *, cap: int | None = None) -> np.ndarray:
     """The older name of :func:`max_decoding_length_for` (a deprecation warning, once per process)."""
-    from ..translator_options import warn_renamed  # noqa: PLC0415 - it imports this package
-
     warn_renamed("max_new_tokens_for", "max_decoding_length_for", None)
     return max_decoding_length_for(src_lengths, a, b, cap=cap)
 

@@ -11,6 +11,7 @@ newer name of one option in one call are a TypeError naming both.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Mapping, TypeVar
 
 # the older keyword name -> the name the searches take
@@ -31,13 +32,23 @@ def _formula_name(value: Any) -> bool:
     return isinstance(value, str) and value in LENGTH_PENALTIES
 
 
+def warn_renamed(old: str, new: str, value: Any) -> None:
+    """The translator's warning (:func:`transformer_ext.translator_options.warn_renamed`: once per
+    process, at the caller's line); where the package is only partly present (the copy of
+    ``decoding`` in a Triton repository) a plain ``FutureWarning``."""
+    try:
+        from ..translator_options import warn_renamed as warn  # noqa: PLC0415 - it imports this package
+    except ImportError:
+        warnings.warn(f"{old} is deprecated; use {new}", FutureWarning, stacklevel=4)
+        return
+    warn(old, new, value)
+
+
 def new_names(
     where: str, kwargs: dict[str, Any], renamed: Mapping[str, str], formula: bool
 ) -> dict[str, Any]:
     """``kwargs`` under the new names (a warning per older name, once per process); ``formula``:
     ``length_penalty`` given as a formula's name is the older spelling of ``length_penalty_type``."""
-    from ..translator_options import warn_renamed  # noqa: PLC0415 - it imports this package
-
     out = dict(kwargs)
     if formula and _formula_name(out.get("length_penalty")):
         if "length_penalty_type" in out:
