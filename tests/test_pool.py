@@ -131,7 +131,7 @@ def test_bad_uses_are_refused(runners, tmp_path_factory):
         SourceParallel([runners[0], other])
     common = dict(bos_id=info.bos_id, eos_id=info.eos_id, max_decoding_length=4)
     with SourceParallel(runners[:2]) as parallel:
-        with pytest.raises(ValueError, match="max_new_tokens holds 3 values for 4 sources"):
+        with pytest.raises(ValueError, match="max_decoding_length holds 3 values for 4 sources"):
             parallel.generate(ids, lengths, **{**common, "max_decoding_length": np.array([4, 4, 4])})
         with pytest.raises(ValueError, match=r"input_ids must be \[batch, src_len\]"):
             parallel.generate(ids[0], lengths, **common)
