@@ -816,7 +816,6 @@ def export_onnx(
         if validate:
             _check_gate(source.path, source.tokenizer_names, config, gate_data)
     generation_config = _generation_config(source, cache_len, generation)
-
     from . import validate as validation
 
     _check_switches(attention=attention, fold_query_scale=fold_query_scale, flatten_rows=flatten_rows)
