@@ -816,7 +816,6 @@ def export_onnx(
         if validate:
             _check_gate(source.path, source.tokenizer_names, config, gate_data)
     generation_config = _generation_config(source, cache_len, generation)
-
     from . import validate as validation
 
     _check_switches(attention=attention, fold_query_scale=fold_query_scale, flatten_rows=flatten_rows)
@@ -1233,7 +1232,7 @@ def translate_examples(
     without the sources the tokenizer cannot encode."""
     import numpy as np
 
-    from transformer_ext.decoding import max_new_tokens_for
+    from transformer_ext.decoding import max_decoding_length_for
     from transformer_ext.demo import heldout_examples
     from transformer_ext.runtimes import OrtRunner
     from transformer_ext.tokenizer import TokenizerError, load_tokenizer
@@ -1258,8 +1257,8 @@ def translate_examples(
     for row, x in enumerate(ids):
         batch[row, : len(x)] = x
     runner = OrtRunner(result.output_dir, intra_op_num_threads=2)
-    budget = max_new_tokens_for(lengths, gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens)
-    common = dict(max_new_tokens=budget, min_new_tokens=gen.min_new_tokens)
+    budget = max_decoding_length_for(lengths, gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens)
+    common = dict(max_decoding_length=budget, min_decoding_length=gen.min_new_tokens)
     if gen.beam_size == 1:
         outputs = runner.greedy(batch, lengths, **common)
     else:
@@ -1267,8 +1266,8 @@ def translate_examples(
             batch,
             lengths,
             beam_size=gen.beam_size,
-            length_penalty=gen.length_penalty,
-            alpha=gen.alpha,
+            length_penalty_type=gen.length_penalty,
+            length_penalty=gen.alpha,
             **common,
         )
         outputs = [row[0].tokens for row in hyps]

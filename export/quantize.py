@@ -1633,10 +1633,10 @@ def _greedy_all(
         rows = slice(start, start + batch)
         width = int(lengths[rows].max())
         if opts is None:
-            budget = decoding.max_new_tokens_for(
+            budget = decoding.max_decoding_length_for(
                 lengths[rows], gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens
             )
-            out += runner.greedy(ids[rows, :width], lengths[rows], max_new_tokens=budget)
+            out += runner.greedy(ids[rows, :width], lengths[rows], max_decoding_length=budget)
             continue
         info = runner.info
         hyps = decoding.generate(
@@ -1645,7 +1645,7 @@ def _greedy_all(
             lengths[rows],
             bos_id=info.bos_id,
             eos_id=info.eos_id,
-            max_new_tokens=opts.budget(lengths[rows]),
+            max_decoding_length=opts.budget(lengths[rows]),
             **opts.generate_kwargs(),
         )
         out += [list(row[0].tokens) for row in hyps]

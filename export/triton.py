@@ -697,11 +697,11 @@ def _translator_config(
         "beam_size": generation.beam_size,
         "max_len_a": generation.max_len_a,
         "max_len_b": generation.max_len_b,
-        "min_new_tokens": generation.min_new_tokens,
-        "max_new_tokens": generation.max_new_tokens,
+        "min_decoding_length": generation.min_new_tokens,
+        "max_decoding_length": generation.max_new_tokens,
         "max_beam_size": max(MAX_BEAM_SIZE, generation.beam_size),
-        "length_penalty": generation.length_penalty,
-        "alpha": generation.alpha,
+        "length_penalty_type": generation.length_penalty,
+        "length_penalty": generation.alpha,
         **_pretrained_parameters(pretrained),
     }
     i64, f32 = "int64", "float32"

@@ -983,7 +983,7 @@ def _check_decodes(
     eager, onnx_rec = _Recorder(EagerRunner(model, "cpu")), _Recorder(runner)
     reference = None if model64 is None else EagerRunner(model64, "cpu")
     standard_runner = None if standard is None else _standard_runner(standard)
-    common = dict(bos_id=config.bos_id, eos_id=config.eos_id, max_new_tokens=steps)
+    common = dict(bos_id=config.bos_id, eos_id=config.eos_id, max_decoding_length=steps)
 
     eager_out = decoding.greedy_decode(eager, ids, lengths, return_scores=True, **common)
     onnx_out = decoding.greedy_decode(onnx_rec, ids, lengths, return_scores=True, **common)
@@ -993,8 +993,12 @@ def _check_decodes(
     )
     report.greedy.update(batch=batch, tokens_generated=sum(len(h.tokens) for h in onnx_out))
 
-    eager_hyps = decoding.beam_search(eager, ids, lengths, beam_size=beam_size, n_best=beam_size, **common)
-    onnx_hyps = decoding.beam_search(onnx_rec, ids, lengths, beam_size=beam_size, n_best=beam_size, **common)
+    eager_hyps = decoding.beam_search(
+        eager, ids, lengths, beam_size=beam_size, num_hypotheses=beam_size, **common
+    )
+    onnx_hyps = decoding.beam_search(
+        onnx_rec, ids, lengths, beam_size=beam_size, num_hypotheses=beam_size, **common
+    )
     report.beam = _compare_decodes(
         report,
         "beam",

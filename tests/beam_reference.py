@@ -78,11 +78,11 @@ def loop_beam_search(
     bos_id: int,
     eos_id: int,
     beam_size: int,
-    n_best: int = 1,
-    max_new_tokens,
-    min_new_tokens=0,
-    length_penalty: str = "gnmt",
-    alpha: float = 0.6,
+    num_hypotheses: int = 1,
+    max_decoding_length,
+    min_decoding_length=0,
+    length_penalty_type: str = "gnmt",
+    length_penalty: float = 0.6,
     cache_len=None,
     decoder_start_id=None,
     target_prefix=None,
@@ -96,13 +96,13 @@ def loop_beam_search(
     # The tests call it with valid arguments only: no argument checks here.
     ids, lengths = np.asarray(input_ids, dtype=np.int64), np.asarray(src_lengths, dtype=np.int64)
     B, K = ids.shape[0], int(beam_size)
-    max_new = np.broadcast_to(np.asarray(max_new_tokens, dtype=np.int64), (B,))
-    min_new = np.broadcast_to(np.asarray(min_new_tokens, dtype=np.int64), (B,))
-    hf = length_penalty == "hf"
+    max_new = np.broadcast_to(np.asarray(max_decoding_length, dtype=np.int64), (B,))
+    min_new = np.broadcast_to(np.asarray(min_decoding_length, dtype=np.int64), (B,))
+    hf = length_penalty_type == "hf"
     early_stopping = False if early_stopping is None else early_stopping
     start = bos_id if decoder_start_id is None else decoder_start_id
     prefixes = [[] for _ in range(B)] if target_prefix is None else [list(p) for p in target_prefix]
-    keep = K if hf else n_best
+    keep = K if hf else num_hypotheses
     steps = int(max_new.max())
     results = [[] for _ in range(B)]
     if steps == 0:
@@ -110,7 +110,7 @@ def loop_beam_search(
     cache_len = steps if cache_len is None else cache_len
 
     def penalty(length: int) -> float:
-        return length_penalty_factor(length, length_penalty, alpha)
+        return length_penalty_factor(length, length_penalty_type, length_penalty)
 
     N = B * K
     state = runner.encode(ids, lengths, cache_len, K)
@@ -200,8 +200,10 @@ def loop_beam_search(
                     done[b] = True
                 else:
                     if hf:
-                        horizon = int(max_new[b]) if early_stopping == "never" and alpha > 0 else length
-                        divisor = float(horizon) ** alpha
+                        horizon = (
+                            int(max_new[b]) if early_stopping == "never" and length_penalty > 0 else length
+                        )
+                        divisor = float(horizon) ** length_penalty
                     else:
                         divisor = penalty(int(max_new[b]))
                     bound = best_open / divisor if np.isfinite(best_open) else -np.inf
@@ -220,7 +222,7 @@ def loop_beam_search(
                 done[b] = True
             if done[b]:
                 finished[b].sort(key=lambda h: h.score, reverse=True)
-                results[b] = finished[b][:n_best]
+                results[b] = finished[b][:num_hypotheses]
                 new_scores[b, :] = -np.inf
                 beam_index[b * K : (b + 1) * K] = identity[b * K : (b + 1) * K]
                 new_tokens[b * K : (b + 1) * K] = eos_id
@@ -236,7 +238,7 @@ def loop_beam_search(
     for b in range(B):
         if not results[b]:  # only reachable if every candidate was -inf throughout
             finished[b].sort(key=lambda h: h.score, reverse=True)
-            results[b] = finished[b][:n_best] or [Hypothesis([], -math.inf, -math.inf, False, [])]
+            results[b] = finished[b][:num_hypotheses] or [Hypothesis([], -math.inf, -math.inf, False, [])]
     return results
 
 

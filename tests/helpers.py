@@ -163,13 +163,13 @@ class FunctionRunner:
         self.fn = fn  # (source index, prefix tuple) -> log-probs [V]
         self.steps = 0
 
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
+    def encode(self, input_ids, src_lengths, cache_len, beam_size=1):
         B = input_ids.shape[0]
         assert input_ids.dtype == np.int64 and src_lengths.dtype == np.int64
         return {
-            "src": np.repeat(np.arange(B), num_beams),
-            "K": num_beams,
-            "fed": [[] for _ in range(B * num_beams)],
+            "src": np.repeat(np.arange(B), beam_size),
+            "K": beam_size,
+            "fed": [[] for _ in range(B * beam_size)],
             "cache_len": cache_len,
         }
 

@@ -33,10 +33,10 @@ class StepRunner:
     def __init__(self, delay: float = 0.0, log_dir: str | None = None):
         self.delay, self.log_dir = delay, log_dir
 
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
+    def encode(self, input_ids, src_lengths, cache_len, beam_size=1):
         ids = np.asarray(input_ids)
         return {
-            "first": np.repeat(ids[:, 0], num_beams),
+            "first": np.repeat(ids[:, 0], beam_size),
             "t": 0,
             "marker": next((m for m in (FAIL, INTERRUPT, DIE) if (ids == m).any()), None),
         }
@@ -67,13 +67,13 @@ class StepRunner:
 def long_greedy(runner, src, lengths):
     """400 greedy steps (4 s at 10 ms a step): long enough to be stopped."""
     return decoding.greedy_decode(
-        runner, src, lengths, bos_id=1, eos_id=2, max_new_tokens=400, min_new_tokens=400
+        runner, src, lengths, bos_id=1, eos_id=2, max_decoding_length=400, min_decoding_length=400
     )
 
 
 def short_greedy(runner, src, lengths):
     return decoding.greedy_decode(
-        runner, src, lengths, bos_id=1, eos_id=2, max_new_tokens=5, min_new_tokens=5
+        runner, src, lengths, bos_id=1, eos_id=2, max_decoding_length=5, min_decoding_length=5
     )
 
 

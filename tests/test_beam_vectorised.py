@@ -65,11 +65,11 @@ def test_vectorised_beam_equals_loop_beam(V, B, K, data, seed, sharp, p_masked, 
         fn,
         B,
         beam_size=K,
-        n_best=n_best,
-        max_new_tokens=max_new,
-        min_new_tokens=min_new,
-        length_penalty=kind,
-        alpha=0.7,
+        num_hypotheses=n_best,
+        max_decoding_length=max_new,
+        min_decoding_length=min_new,
+        length_penalty_type=kind,
+        length_penalty=0.7,
         **extra,
     )
     assert_same(got, want, atol=1e-6 if kind == "hf" else 1e-9)
@@ -98,11 +98,11 @@ def test_vectorised_beam_with_processors_equals_loop_beam(V, B, K, data, seed, p
         fn,
         B,
         beam_size=K,
-        n_best=n_best,
-        max_new_tokens=max_new,
-        min_new_tokens=min_new,
-        length_penalty=kind,
-        alpha=alpha,
+        num_hypotheses=n_best,
+        max_decoding_length=max_new,
+        min_decoding_length=min_new,
+        length_penalty_type=kind,
+        length_penalty=alpha,
         **options,
     )
     assert_same(got, want, atol=1e-6 if kind == "hf" else 1e-9)
@@ -157,10 +157,16 @@ def test_nan_or_inf_logits_are_an_error_naming_step_and_row(bad):
             bos_id=1,
             eos_id=2,
             beam_size=2,
-            max_new_tokens=5,
-            min_new_tokens=5,
+            max_decoding_length=5,
+            min_decoding_length=5,
         )
     with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 2 \(row 1"):
         greedy_decode(
-            FunctionRunner(V, fn), src, lengths, bos_id=1, eos_id=2, max_new_tokens=5, min_new_tokens=5
+            FunctionRunner(V, fn),
+            src,
+            lengths,
+            bos_id=1,
+            eos_id=2,
+            max_decoding_length=5,
+            min_decoding_length=5,
         )

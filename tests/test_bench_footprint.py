@@ -35,8 +35,8 @@ def test_inline_layout_has_no_shared_weights_file_and_decodes_the_same(exported_
     assert "weights" not in manifest and not (inline / WEIGHTS_FILE).exists()
     assert manifest["files"] == sorted(p.name for p in inline.iterdir())
     ids, lengths = np.array([[5, 9, 12, 7, 2]]), np.array([5])
-    assert [list(r) for r in OrtRunner(inline).greedy(ids, lengths, max_new_tokens=6)] == [
-        list(r) for r in OrtRunner(exported_portable).greedy(ids, lengths, max_new_tokens=6)
+    assert [list(r) for r in OrtRunner(inline).greedy(ids, lengths, max_decoding_length=6)] == [
+        list(r) for r in OrtRunner(exported_portable).greedy(ids, lengths, max_decoding_length=6)
     ]
 
 

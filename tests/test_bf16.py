@@ -286,7 +286,7 @@ def test_eager_bfloat16_logits_against_float64(demo_model, native, one_thread):
     exact = EagerRunner(copy.deepcopy(demo_model).double())
     c = demo_model.config
     hyps = greedy_decode(
-        exact, src, lengths, bos_id=c.bos_id, eos_id=c.eos_id, max_new_tokens=8, min_new_tokens=8
+        exact, src, lengths, bos_id=c.bos_id, eos_id=c.eos_id, max_decoding_length=8, min_decoding_length=8
     )
     tokens = np.array([[c.bos_id] + list(h[:-1]) for h in hyps])
     want = _teacher_forced_logits(exact, src, lengths, tokens)

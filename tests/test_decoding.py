@@ -27,7 +27,7 @@ from transformer_ext.decoding import (
     greedy_decode,
     length_penalty_factor,
     log_softmax,
-    max_new_tokens_for,
+    max_decoding_length_for,
 )
 from transformer_ext.runtimes import CatCacheRunner, EagerRunner, greedy_decode_uncached
 
@@ -118,17 +118,17 @@ def test_log_softmax_of_a_fully_masked_row_is_minus_inf():
 
 
 def test_max_new_tokens_for():
-    np.testing.assert_array_equal(max_new_tokens_for([1, 10, 24], 1.5, 10), [11, 25, 46])
-    np.testing.assert_array_equal(max_new_tokens_for([1, 10, 24], 1.5, 10, cap=30), [11, 25, 30])
-    np.testing.assert_array_equal(max_new_tokens_for([2], 0.0, 0), [1])
+    np.testing.assert_array_equal(max_decoding_length_for([1, 10, 24], 1.5, 10), [11, 25, 46])
+    np.testing.assert_array_equal(max_decoding_length_for([1, 10, 24], 1.5, 10, cap=30), [11, 25, 30])
+    np.testing.assert_array_equal(max_decoding_length_for([2], 0.0, 0), [1])
 
 
 @pytest.mark.parametrize("a,b", [(1e20, 0), (1e30, 10), (1.5, 1e300), (2.0**70, 0)])
 def test_max_new_tokens_for_huge_finite_budget_is_capped(a, b):
     """A finite budget beyond int64 or the cap is the cap (it used to wrap around to 1)."""
-    np.testing.assert_array_equal(max_new_tokens_for([1, 7], a, b, cap=64), [64, 64])
+    np.testing.assert_array_equal(max_decoding_length_for([1, 7], a, b, cap=64), [64, 64])
     with pytest.raises(ValueError, match="too large"):
-        max_new_tokens_for([1, 7], a, b)
+        max_decoding_length_for([1, 7], a, b)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +144,7 @@ def test_max_new_tokens_for_huge_finite_budget_is_capped(a, b):
 )
 def test_max_new_tokens_for_rejects_non_finite_or_negative(a, b, name):
     with pytest.raises(ValueError, match=f"^{name}.*finite number >= 0"):
-        max_new_tokens_for([3], a, b, cap=64)
+        max_decoding_length_for([3], a, b, cap=64)
 
 
 def penalty_oracle(kind: str, length: int, alpha: float) -> float:
@@ -188,11 +188,18 @@ def test_cached_greedy_equals_uncached(norm_first, runner_name):
     src, lengths, _ = make_batch(model.config)
     n = 12
     want, want_logits = greedy_decode_uncached(
-        model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n, return_logits=True
+        model,
+        src,
+        lengths,
+        bos_id=1,
+        eos_id=2,
+        max_decoding_length=n,
+        min_decoding_length=n,
+        return_logits=True,
     )
     rec = Recorder(RUNNERS[runner_name](model))
     got = greedy_decode(
-        rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n
+        rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_decoding_length=n, min_decoding_length=n
     )
     assert got == want
     assert all(len(row) == n for row in got)
@@ -208,13 +215,13 @@ def test_cached_greedy_stops_like_uncached(norm_first):
     model = make_model(norm_first, seed=3)
     src, lengths, _ = make_batch(model.config)
     free = greedy_decode_uncached(
-        model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=10, min_new_tokens=10
+        model, src, lengths, bos_id=1, eos_id=2, max_decoding_length=10, min_decoding_length=10
     )
     eos = free[0][2]  # row 0 will stop after at most 2 tokens with this EOS id
     budget = np.array([10, 10, 4])
-    want = greedy_decode_uncached(model, src, lengths, bos_id=1, eos_id=eos, max_new_tokens=budget)
+    want = greedy_decode_uncached(model, src, lengths, bos_id=1, eos_id=eos, max_decoding_length=budget)
     got = greedy_decode(
-        EagerRunner(model), src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, max_new_tokens=budget
+        EagerRunner(model), src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, max_decoding_length=budget
     )
     assert got == want
     assert len(got[0]) <= 2 and eos not in got[0] and len(got[2]) <= 4
@@ -229,7 +236,7 @@ def test_runner_sees_optimizer_updates_between_decodes():
     runner = EagerRunner(model)
     n = 6
     greedy_decode(
-        runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n
+        runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_decoding_length=n, min_decoding_length=n
     )
     opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
     model.train()
@@ -239,11 +246,18 @@ def test_runner_sees_optimizer_updates_between_decodes():
     opt.step()
     model.eval()
     want, want_logits = greedy_decode_uncached(
-        model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n, return_logits=True
+        model,
+        src,
+        lengths,
+        bos_id=1,
+        eos_id=2,
+        max_decoding_length=n,
+        min_decoding_length=n,
+        return_logits=True,
     )
     rec = Recorder(runner)
     got = greedy_decode(
-        rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n
+        rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_decoding_length=n, min_decoding_length=n
     )
     assert got == want
     for step, (a, b) in enumerate(zip(rec.logits, want_logits)):
@@ -257,17 +271,24 @@ def test_compiled_runner_matches_uncached_and_eager_beams():
     src, lengths, _ = make_batch(model.config)
     n = 8
     want, want_logits = greedy_decode_uncached(
-        model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n, return_logits=True
+        model,
+        src,
+        lengths,
+        bos_id=1,
+        eos_id=2,
+        max_decoding_length=n,
+        min_decoding_length=n,
+        return_logits=True,
     )
     compiled = EagerRunner(model, compile=True)
     rec = Recorder(compiled)
     got = greedy_decode(
-        rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_new_tokens=n, min_new_tokens=n
+        rec, src.numpy(), lengths.numpy(), bos_id=1, eos_id=2, max_decoding_length=n, min_decoding_length=n
     )
     assert got == want
     for step, (a, b) in enumerate(zip(rec.logits, want_logits)):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0, err_msg=f"step {step}")
-    kwargs = dict(bos_id=1, eos_id=7, beam_size=2, max_new_tokens=6, n_best=2)
+    kwargs = dict(bos_id=1, eos_id=7, beam_size=2, max_decoding_length=6, num_hypotheses=2)
     eager_beams = beam_search(EagerRunner(model), src.numpy(), lengths.numpy(), **kwargs)
     compiled_beams = beam_search(compiled, src.numpy(), lengths.numpy(), **kwargs)
     assert [[h.tokens for h in row] for row in compiled_beams] == [
@@ -300,7 +321,9 @@ def test_beam_size_one_equals_greedy(norm_first):
     src, lengths, _ = make_batch(model.config)
     runner = EagerRunner(model)
     for eos in (2, 7):
-        greedy = greedy_decode(runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, max_new_tokens=9)
+        greedy = greedy_decode(
+            runner, src.numpy(), lengths.numpy(), bos_id=1, eos_id=eos, max_decoding_length=9
+        )
         beams = beam_search(
             runner,
             src.numpy(),
@@ -308,8 +331,8 @@ def test_beam_size_one_equals_greedy(norm_first):
             bos_id=1,
             eos_id=eos,
             beam_size=1,
-            max_new_tokens=9,
-            length_penalty="none",
+            max_decoding_length=9,
+            length_penalty_type="none",
         )
         assert [h[0].tokens for h in beams] == greedy
 
@@ -321,7 +344,9 @@ def test_beam_hypotheses_match_uncached_rescoring(norm_first):
     model = make_model(norm_first, seed=7)
     src, lengths, _ = make_batch(model.config)
     rec = Recorder(EagerRunner(model))
-    free = greedy_decode_uncached(model, src, lengths, bos_id=1, eos_id=2, max_new_tokens=6, min_new_tokens=6)
+    free = greedy_decode_uncached(
+        model, src, lengths, bos_id=1, eos_id=2, max_decoding_length=6, min_decoding_length=6
+    )
     eos = free[1][3]  # an id the model likes: a mix of finished and unfinished hypotheses
     results = beam_search(
         rec,
@@ -330,10 +355,10 @@ def test_beam_hypotheses_match_uncached_rescoring(norm_first):
         bos_id=1,
         eos_id=eos,
         beam_size=4,
-        n_best=4,
-        max_new_tokens=8,
-        length_penalty="gnmt",
-        alpha=0.6,
+        num_hypotheses=4,
+        max_decoding_length=8,
+        length_penalty_type="gnmt",
+        length_penalty=0.6,
     )
     assert any(not np.array_equal(r, np.arange(len(r))) for r in rec.reorders), "no reorder happened"
     for b, hyps in enumerate(results):
@@ -351,10 +376,10 @@ def test_beam_hypotheses_match_uncached_rescoring(norm_first):
         bos_id=1,
         eos_id=eos,
         beam_size=4,
-        n_best=4,
-        max_new_tokens=8,
-        length_penalty="gnmt",
-        alpha=0.6,
+        num_hypotheses=4,
+        max_decoding_length=8,
+        length_penalty_type="gnmt",
+        length_penalty=0.6,
     )
     assert [[h.tokens for h in hs] for hs in other] == [[h.tokens for h in hs] for hs in results]
 
@@ -371,7 +396,7 @@ def test_beam_finds_better_sequence_than_greedy():
     table = {(): {A: 0.5, B_: 0.4, EOS: 0.1}, (A,): {EOS: 0.4, A: 0.3, B_: 0.3}, (B_,): {EOS: 0.9, A: 0.1}}
     fn = table_fn(table, 5, EOS)
     src, lengths = sources(1)
-    greedy = greedy_decode(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, max_new_tokens=5)
+    greedy = greedy_decode(FunctionRunner(5, fn), src, lengths, bos_id=BOS, eos_id=EOS, max_decoding_length=5)
     assert greedy == [[A]]
     (hyps,) = beam_search(
         FunctionRunner(5, fn),
@@ -380,9 +405,9 @@ def test_beam_finds_better_sequence_than_greedy():
         bos_id=BOS,
         eos_id=EOS,
         beam_size=2,
-        n_best=2,
-        max_new_tokens=5,
-        length_penalty="none",
+        num_hypotheses=2,
+        max_decoding_length=5,
+        length_penalty_type="none",
     )
     assert isinstance(hyps[0], Hypothesis)
     assert hyps[0].tokens == [B_] and hyps[0].log_prob == pytest.approx(math.log(0.36))
@@ -433,10 +458,10 @@ def test_exhaustive_beam_equals_brute_force(kind):
         bos_id=3,
         eos_id=eos,
         beam_size=V**max_new,
-        n_best=10,
-        max_new_tokens=max_new,
-        length_penalty=kind,
-        alpha=0.8,
+        num_hypotheses=10,
+        max_decoding_length=max_new,
+        length_penalty_type=kind,
+        length_penalty=0.8,
     )
     for b, got in enumerate((got0, got1)):
         want = brute_force(fn, V, eos, max_new, kind, 0.8, src=b)[:10]
@@ -459,11 +484,11 @@ def test_exhaustive_beam_with_min_new_tokens_equals_renormalised_brute_force(kin
         bos_id=3,
         eos_id=eos,
         beam_size=V**max_new,
-        n_best=8,
-        max_new_tokens=max_new,
-        min_new_tokens=min_new,
-        length_penalty=kind,
-        alpha=0.8,
+        num_hypotheses=8,
+        max_decoding_length=max_new,
+        min_decoding_length=min_new,
+        length_penalty_type=kind,
+        length_penalty=0.8,
     )
     for b, got in enumerate(results):
         want = brute_force(fn, V, eos, max_new, kind, 0.8, src=b, min_new=min_new)[:8]
@@ -495,10 +520,10 @@ def test_min_new_tokens_renormalises_instead_of_dropping_eos_mass():
             bos_id=BOS,
             eos_id=EOS,
             beam_size=beam_size,
-            n_best=2,
-            max_new_tokens=4,
-            min_new_tokens=2,
-            length_penalty="none",
+            num_hypotheses=2,
+            max_decoding_length=4,
+            min_decoding_length=2,
+            length_penalty_type="none",
         )
         assert [h.tokens for h in hyps] == [w[1] for w in want[:2]]
         np.testing.assert_allclose([h.log_prob for h in hyps], [w[3] for w in want[:2]], rtol=1e-6)
@@ -521,10 +546,10 @@ def test_average_length_penalty_changes_the_winner():
             bos_id=BOS,
             eos_id=EOS,
             beam_size=3,
-            n_best=2,
-            max_new_tokens=5,
-            length_penalty=kind,
-            alpha=1.0,
+            num_hypotheses=2,
+            max_decoding_length=5,
+            length_penalty_type=kind,
+            length_penalty=1.0,
         )[0]
         for kind in ("none", "average")
     }
@@ -546,10 +571,10 @@ def test_n_best_sorted_and_scored(kind):
         bos_id=1,
         eos_id=2,
         beam_size=5,
-        n_best=3,
-        max_new_tokens=6,
-        length_penalty=kind,
-        alpha=0.6,
+        num_hypotheses=3,
+        max_decoding_length=6,
+        length_penalty_type=kind,
+        length_penalty=0.6,
     )
     for b, hyps in enumerate(results):
         assert len(hyps) == 3
@@ -569,7 +594,7 @@ def test_beam_early_stop_when_no_open_beam_can_win():
     fn = table_fn({(): {EOS: 0.99, A: 0.005, B_: 0.005}}, 5, EOS)
     runner = FunctionRunner(5, lambda s, p: fn(s, p) if p == () else log_softmax(np.zeros(5)))
     src, lengths = sources(2)
-    (h0, h1) = beam_search(runner, src, lengths, bos_id=BOS, eos_id=EOS, beam_size=2, max_new_tokens=10)
+    (h0, h1) = beam_search(runner, src, lengths, bos_id=BOS, eos_id=EOS, beam_size=2, max_decoding_length=10)
     assert runner.steps == 1
     assert h0[0].tokens == [] and h0[0].log_prob == pytest.approx(math.log(0.99))
 
@@ -592,9 +617,9 @@ def test_beam_keeps_searching_while_a_longer_hypothesis_can_win():
         bos_id=BOS,
         eos_id=EOS,
         beam_size=2,
-        max_new_tokens=10,
-        length_penalty="gnmt",
-        alpha=2.0,
+        max_decoding_length=10,
+        length_penalty_type="gnmt",
+        length_penalty=2.0,
     )
     assert hyps[0].tokens == [A] * 5 and hyps[0].finished
     assert hyps[0].score == pytest.approx(hyps[0].log_prob / (11 / 6) ** 2)
@@ -613,9 +638,9 @@ def test_beam_runs_to_budget_without_eos():
         bos_id=1,
         eos_id=2,
         beam_size=3,
-        n_best=2,
-        max_new_tokens=np.array([3, 5]),
-        length_penalty="none",
+        num_hypotheses=2,
+        max_decoding_length=np.array([3, 5]),
+        length_penalty_type="none",
     )
     assert [x.tokens for x in h[0]] == [[3, 3, 3], [3, 3, 4]] and not h[0][0].finished
     assert h[1][0].tokens == [3] * 5
@@ -633,8 +658,8 @@ def test_min_new_tokens_suppresses_eos(search):
             lengths,
             bos_id=1,
             eos_id=2,
-            max_new_tokens=8,
-            min_new_tokens=np.array([3, 0]),
+            max_decoding_length=8,
+            min_decoding_length=np.array([3, 0]),
         )
         assert out == [[3, 3, 3], []]
     else:
@@ -645,9 +670,9 @@ def test_min_new_tokens_suppresses_eos(search):
             bos_id=1,
             eos_id=2,
             beam_size=2,
-            max_new_tokens=8,
-            min_new_tokens=3,
-            length_penalty="none",
+            max_decoding_length=8,
+            min_decoding_length=3,
+            length_penalty_type="none",
         )
         assert [h[0].tokens for h in out] == [[3, 3, 3], [3, 3, 3]]
 
@@ -656,18 +681,18 @@ def test_greedy_per_row_budgets_and_early_exit():
     fn = lambda s, p: np.log(np.array([0.1, 0.1, 0.3 if len(p) >= 2 * s + 1 else 0.0 + 1e-12, 0.5, 0.1]))  # noqa: E731
     src, lengths = sources(3)
     runner = FunctionRunner(5, fn)
-    out = greedy_decode(runner, src, lengths, bos_id=1, eos_id=2, max_new_tokens=[4, 2, 9])
+    out = greedy_decode(runner, src, lengths, bos_id=1, eos_id=2, max_decoding_length=[4, 2, 9])
     assert out == [[3, 3, 3, 3], [3, 3], [3] * 9]
     runner = FunctionRunner(5, lambda s, p: np.log(np.array([0.1, 0.1, 0.6, 0.1, 0.1])))
-    out = greedy_decode(runner, src, lengths, bos_id=1, eos_id=2, max_new_tokens=50)
+    out = greedy_decode(runner, src, lengths, bos_id=1, eos_id=2, max_decoding_length=50)
     assert out == [[], [], []] and runner.steps == 1
 
 
 def test_zero_budget():
     src, lengths = sources(2)
     runner = FunctionRunner(5, None)
-    assert greedy_decode(runner, src, lengths, bos_id=1, eos_id=2, max_new_tokens=0) == [[], []]
-    h = beam_search(runner, src, lengths, bos_id=1, eos_id=2, beam_size=2, max_new_tokens=0)
+    assert greedy_decode(runner, src, lengths, bos_id=1, eos_id=2, max_decoding_length=0) == [[], []]
+    h = beam_search(runner, src, lengths, bos_id=1, eos_id=2, beam_size=2, max_decoding_length=0)
     assert [x[0].tokens for x in h] == [[], []] and runner.steps == 0
 
 
@@ -675,16 +700,16 @@ def test_zero_budget():
     "kwargs,exc,fragment",
     [
         (dict(beam_size=0), ValueError, "beam_size"),
-        (dict(n_best=3), ValueError, "n_best"),
-        (dict(length_penalty="wu"), ValueError, "length_penalty"),
+        (dict(num_hypotheses=3), ValueError, "num_hypotheses"),
+        (dict(length_penalty_type="wu"), ValueError, "length_penalty"),
         (dict(cache_len=3), ValueError, "cache_len = 3 is too small"),
-        (dict(max_new_tokens=[4, 4, 4]), ValueError, "max_new_tokens"),
-        (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0"),
+        (dict(max_decoding_length=[4, 4, 4]), ValueError, "max_decoding_length"),
+        (dict(max_decoding_length=-1), ValueError, "max_decoding_length must be >= 0"),
     ],
 )
 def test_beam_search_argument_errors(kwargs, exc, fragment):
     src, lengths = sources(2)
-    args = {**dict(bos_id=1, eos_id=2, beam_size=2, max_new_tokens=4), **kwargs}
+    args = {**dict(bos_id=1, eos_id=2, beam_size=2, max_decoding_length=4), **kwargs}
     with pytest.raises(exc, match=fragment):
         beam_search(FunctionRunner(5, random_fn(5)), src, lengths, **args)
 
@@ -693,12 +718,16 @@ def test_source_argument_errors():
     runner = FunctionRunner(5, random_fn(5))
     with pytest.raises(ValueError, match="src_lengths must be in"):
         greedy_decode(
-            runner, np.ones((2, 3), np.int64), np.array([3, 0]), bos_id=1, eos_id=2, max_new_tokens=2
+            runner, np.ones((2, 3), np.int64), np.array([3, 0]), bos_id=1, eos_id=2, max_decoding_length=2
         )
     with pytest.raises(ValueError, match="src_lengths must have shape"):
-        greedy_decode(runner, np.ones((2, 3), np.int64), np.array([3]), bos_id=1, eos_id=2, max_new_tokens=2)
+        greedy_decode(
+            runner, np.ones((2, 3), np.int64), np.array([3]), bos_id=1, eos_id=2, max_decoding_length=2
+        )
     with pytest.raises(ValueError, match="input_ids must be a non-empty"):
-        greedy_decode(runner, np.ones((3,), np.int64), np.array([3]), bos_id=1, eos_id=2, max_new_tokens=2)
+        greedy_decode(
+            runner, np.ones((3,), np.int64), np.array([3]), bos_id=1, eos_id=2, max_decoding_length=2
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -796,14 +825,14 @@ def test_shared_source_and_encode_checks():
     assert check_encode_args(np.ones((2, 3), np.int64), np.array([3, 1]), np.int64(5), 2, max_positions=5)[
         2:
     ] == (5, 2)
-    for cache_len, num_beams, fragment in (
+    for cache_len, beam_size, fragment in (
         (True, 1, "cache_len must be a positive int, got True"),
         (6, 1, "cache_len = 6 exceeds the model's max_len = 5"),
-        (5, -1, "num_beams must be a positive int, got -1"),
+        (5, -1, "beam_size must be a positive int, got -1"),
     ):
         with pytest.raises(ValueError, match=fragment):
             check_encode_args(
-                np.ones((2, 3), np.int64), np.array([3, 1]), cache_len, num_beams, max_positions=5
+                np.ones((2, 3), np.int64), np.array([3, 1]), cache_len, beam_size, max_positions=5
             )
 
 
@@ -828,7 +857,7 @@ def test_a_nan_logit_names_the_searchs_row_after_rows_left(search, remove_finish
     two beams), not by its row in the smaller state."""
     src, lengths = sources(3)
     runner = FunctionRunner(6, _nan_at(2, 3))
-    kw = dict(bos_id=1, eos_id=2, max_new_tokens=np.array([1, 6, 6]), remove_finished=remove_finished)
+    kw = dict(bos_id=1, eos_id=2, max_decoding_length=np.array([1, 6, 6]), remove_finished=remove_finished)
     row = 2
     with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 3 \(row \d+") as err:
         if search == "greedy":
@@ -865,7 +894,7 @@ def test_greedy_drops_finished_rows_once_they_are_a_quarter(monkeypatch, divisor
     of a search that keeps every row."""
     monkeypatch.setattr(decoding, "GREEDY_DROP_DIVISOR", divisor)
     src, lengths = sources(8)
-    kw = dict(bos_id=1, eos_id=2, max_new_tokens=np.arange(1, 9))
+    kw = dict(bos_id=1, eos_id=2, max_decoding_length=np.arange(1, 9))
     spy = _SelectSpy(6, _no_eos)
     got = greedy_decode(spy, src, lengths, **kw)
     want = greedy_decode(FunctionRunner(6, _no_eos), src, lengths, remove_finished=False, **kw)

@@ -44,7 +44,7 @@ def test_greedy_with_processors_equals_loop(V, B, data, seed, p_masked):
     options = draw_options(data, V, B, max_new, hf=False)
     fn = shifted(masked_random_fn(V, seed, 1.5, p_masked), 1.0)
     src, lengths = sources(B)
-    kw = dict(bos_id=BOS, eos_id=EOS, max_new_tokens=max_new, min_new_tokens=min_new, **options)
+    kw = dict(bos_id=BOS, eos_id=EOS, max_decoding_length=max_new, min_decoding_length=min_new, **options)
     tokens = greedy_decode(FunctionRunner(V, fn), src, lengths, **kw)
     hyps = greedy_decode(FunctionRunner(V, fn), src, lengths, return_scores=True, **kw)
     want = loop_greedy(fn, B, max_new, min_new, options)
@@ -80,8 +80,8 @@ def test_sampling_equals_loop(V, B, n, data, seed, topk, topp, temperature):
         lengths,
         bos_id=BOS,
         eos_id=EOS,
-        max_new_tokens=max_new,
-        min_new_tokens=min_new,
+        max_decoding_length=max_new,
+        min_decoding_length=min_new,
         sampling_topk=topk,
         sampling_topp=topp,
         sampling_temperature=temperature,
@@ -106,13 +106,15 @@ def test_sampling_is_reproducible_and_seeded():
     V = 50
     fn = masked_random_fn(V, 3, 0.3, 0.0)  # flat: many tokens have a real chance
     src, lengths = sources(4)
-    kw = dict(bos_id=BOS, eos_id=EOS, max_new_tokens=12, min_new_tokens=12, sampling_topk=0)
+    kw = dict(bos_id=BOS, eos_id=EOS, max_decoding_length=12, min_decoding_length=12, sampling_topk=0)
     a = greedy_decode(FunctionRunner(V, fn), src, lengths, seed=5, **kw)
     b = greedy_decode(FunctionRunner(V, fn), src, lengths, seed=5, **kw)
     c = greedy_decode(FunctionRunner(V, fn), src, lengths, seed=6, **kw)
     assert a == b
     assert a != c
-    greedy = greedy_decode(FunctionRunner(V, fn), src, lengths, bos_id=BOS, eos_id=EOS, max_new_tokens=12)
+    greedy = greedy_decode(
+        FunctionRunner(V, fn), src, lengths, bos_id=BOS, eos_id=EOS, max_decoding_length=12
+    )
     assert a != greedy
 
 
@@ -120,7 +122,7 @@ def test_sampling_top_k_one_token_is_greedy_and_top_p_tiny_is_greedy():
     V = 40
     fn = masked_random_fn(V, 11, 1.5, 0.0)
     src, lengths = sources(3)
-    kw = dict(bos_id=BOS, eos_id=EOS, max_new_tokens=8)
+    kw = dict(bos_id=BOS, eos_id=EOS, max_decoding_length=8)
     greedy = greedy_decode(FunctionRunner(V, fn), src, lengths, **kw)
     # top-p keeps at least the most likely token: a tiny p is greedy whatever the draws
     tiny_p = greedy_decode(
@@ -140,7 +142,7 @@ def test_target_prefix_is_kept_and_scored_as_the_model_scores_it():
         lengths,
         bos_id=BOS,
         eos_id=EOS,
-        max_new_tokens=9,
+        max_decoding_length=9,
         target_prefix=prefix,
         return_scores=True,
     )
@@ -150,9 +152,9 @@ def test_target_prefix_is_kept_and_scored_as_the_model_scores_it():
         lengths,
         bos_id=BOS,
         eos_id=EOS,
-        max_new_tokens=9,
+        max_decoding_length=9,
         beam_size=3,
-        n_best=3,
+        num_hypotheses=3,
         target_prefix=prefix,
     )
     for b in range(3):
@@ -198,7 +200,14 @@ def test_beam_hypotheses_score_as_forced_decoding():
     fn = masked_random_fn(V, 8, 1.5, 0.0)
     src, lengths = sources(3)
     beams = beam_search(
-        FunctionRunner(V, fn), src, lengths, bos_id=BOS, eos_id=EOS, beam_size=4, n_best=4, max_new_tokens=8
+        FunctionRunner(V, fn),
+        src,
+        lengths,
+        bos_id=BOS,
+        eos_id=EOS,
+        beam_size=4,
+        num_hypotheses=4,
+        max_decoding_length=8,
     )
     for b, hyps in enumerate(beams):
         targets = [h.tokens for h in hyps]
@@ -220,11 +229,11 @@ def test_generate_dispatches_to_the_searches():
     V = 40
     fn = masked_random_fn(V, 2, 1.5, 0.0)
     src, lengths = sources(3)
-    kw = dict(bos_id=BOS, eos_id=EOS, max_new_tokens=7, banned_ids=[5], no_repeat_ngram_size=2)
+    kw = dict(bos_id=BOS, eos_id=EOS, max_decoding_length=7, banned_ids=[5], no_repeat_ngram_size=2)
     g = generate(FunctionRunner(V, fn), src, lengths, **kw)
     assert g == greedy_decode(FunctionRunner(V, fn), src, lengths, return_scores=True, **kw)
     beams = generate(FunctionRunner(V, fn), src, lengths, beam_size=3, num_hypotheses=2, **kw)
-    assert beams == beam_search(FunctionRunner(V, fn), src, lengths, beam_size=3, n_best=2, **kw)
+    assert beams == beam_search(FunctionRunner(V, fn), src, lengths, beam_size=3, num_hypotheses=2, **kw)
     sampled = generate(FunctionRunner(V, fn), src, lengths, sampling_topk=0, seed=3, num_hypotheses=2, **kw)
     assert [len(h) for h in sampled] == [2, 2, 2]
 
@@ -237,7 +246,7 @@ def test_search_methods_pass_the_options():
     fn = masked_random_fn(V, 2, 1.5, 0.0)
     src, lengths = sources(2)
     r = Runner(V, fn)
-    assert r.generate(src, lengths, max_new_tokens=5, target_prefix=[[3], [4]])[0][0].tokens[0] == 3
+    assert r.generate(src, lengths, max_decoding_length=5, target_prefix=[[3], [4]])[0][0].tokens[0] == 3
     assert r.score(src, lengths, [[3], []])[1].tokens == []
 
 
@@ -287,7 +296,7 @@ BAD_SAMPLING = [
 def test_bad_options_are_clear_errors(search, kwargs, exc, fragment):
     src, lengths = sources(1)
     runner = FunctionRunner(30, masked_random_fn(30, 0, 1.0, 0.0))
-    common = dict(bos_id=BOS, eos_id=EOS, max_new_tokens=3, **kwargs)
+    common = dict(bos_id=BOS, eos_id=EOS, max_decoding_length=3, **kwargs)
     with pytest.raises(exc, match="^" + re.escape(fragment)):
         if search == "greedy":
             greedy_decode(runner, src, lengths, **common)
@@ -300,7 +309,7 @@ def test_bad_sampling_options_are_clear_errors(kwargs, fragment):
     src, lengths = sources(1)
     runner = FunctionRunner(30, masked_random_fn(30, 0, 1.0, 0.0))
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        greedy_decode(runner, src, lengths, bos_id=BOS, eos_id=EOS, max_new_tokens=3, **kwargs)
+        greedy_decode(runner, src, lengths, bos_id=BOS, eos_id=EOS, max_decoding_length=3, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -313,17 +322,23 @@ def test_bad_sampling_options_are_clear_errors(kwargs, fragment):
         (dict(beam_size=2, sampling_topp=0.5), "needs beam_size = 1, got beam_size = 2"),
         (dict(beam_size=2, seed=3), "seed applies to random sampling"),
         (dict(beam_size=2, early_stopping=True), "early_stopping is transformers' beam-search rule"),
-        (dict(beam_size=2, length_penalty="hf", early_stopping="sometimes"), "early_stopping must be one of"),
-        (dict(beam_size=2, renormalize_logits=True), "renormalize_logits applies with length_penalty='hf'"),
-        (dict(beam_size=2, alpha=-1.0), "alpha must be a finite number >= 0"),
-        (dict(beam_size=2, num_hypotheses=3), "n_best must be in [1, beam_size=2]"),
+        (
+            dict(beam_size=2, length_penalty_type="hf", early_stopping="sometimes"),
+            "early_stopping must be one of",
+        ),
+        (
+            dict(beam_size=2, renormalize_logits=True),
+            "renormalize_logits applies with length_penalty_type='hf'",
+        ),
+        (dict(beam_size=2, length_penalty=-1.0), "length_penalty must be a finite number >= 0"),
+        (dict(beam_size=2, num_hypotheses=3), "num_hypotheses must be in [1, beam_size=2]"),
     ],
 )
 def test_conflicting_generate_options_are_clear_errors(kwargs, fragment):
     src, lengths = sources(1)
     runner = FunctionRunner(30, masked_random_fn(30, 0, 1.0, 0.0))
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        generate(runner, src, lengths, bos_id=BOS, eos_id=EOS, max_new_tokens=3, **kwargs)
+        generate(runner, src, lengths, bos_id=BOS, eos_id=EOS, max_decoding_length=3, **kwargs)
 
 
 def test_score_argument_errors():

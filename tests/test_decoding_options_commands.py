@@ -169,7 +169,7 @@ def test_the_quality_gate_decodes_with_its_search_options(exported_portable):
     for row, n in enumerate(lengths):
         ids[row, :n] = rng.integers(4, info.src_vocab_size, n)
     gen = read_generation_config(exported_portable, runner.manifest)
-    budget = decoding.max_new_tokens_for(lengths, gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens)
+    budget = decoding.max_decoding_length_for(lengths, gen.max_len_a, gen.max_len_b, cap=gen.max_new_tokens)
     greedy = quantize._greedy_all(exported_portable, ids, lengths)
     assert (
         quantize._greedy_all(exported_portable, ids, lengths, search={"max_len_a": gen.max_len_a}) == greedy
@@ -182,10 +182,10 @@ def test_the_quality_gate_decodes_with_its_search_options(exported_portable):
         bos_id=info.bos_id,
         eos_id=info.eos_id,
         beam_size=3,
-        n_best=1,
-        max_new_tokens=budget,
-        length_penalty=gen.length_penalty,
-        alpha=gen.alpha,
+        num_hypotheses=1,
+        max_decoding_length=budget,
+        length_penalty_type=gen.length_penalty,
+        length_penalty=gen.alpha,
     )
     assert beam == [list(row[0].tokens) for row in want]
 
@@ -225,11 +225,11 @@ SETTINGS = dict(
     beam_size=1,
     max_len_a=1.5,
     max_len_b=10.0,
-    min_new_tokens=0,
-    max_new_tokens=64,
+    min_decoding_length=0,
+    max_decoding_length=64,
     max_beam_size=16,
-    length_penalty="gnmt",
-    alpha=0.6,
+    length_penalty_type="gnmt",
+    length_penalty=0.6,
 )
 IDS = np.array([[5, 6, 7], [8, 9, 0]], dtype=np.int64)
 
@@ -279,7 +279,7 @@ def test_a_triton_request_takes_the_old_input_names_with_one_warning(old, new, s
         _request(**{new: 4})
     warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
     assert warnings == [f"request input {old} is deprecated; send {new}"]
-    key = "max_new_tokens" if new == "max_decoding_length" else "min_new_tokens"
+    key = new  # the search keyword the request option feeds
     values = [np.asarray(call[key]).tolist() for call in searches]
     assert values[0] == values[1] == values[2] and 4 in np.ravel(values[0])
 

@@ -66,10 +66,10 @@ class FnRunner:
     def __init__(self, fn, start):
         self.fn, self.start = fn, start
 
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
+    def encode(self, input_ids, src_lengths, cache_len, beam_size=1):
         return dict(
-            src=np.repeat(np.arange(len(input_ids)), num_beams),
-            fed=[[] for _ in range(len(input_ids) * num_beams)],
+            src=np.repeat(np.arange(len(input_ids)), beam_size),
+            fed=[[] for _ in range(len(input_ids) * beam_size)],
         )
 
     def step(self, state, tokens):
@@ -87,7 +87,7 @@ OPTIONS = [
     dict(),
     dict(target_prefix=[[5, 6], [], [7], [8, 9, 10]], banned_ids=[4, 11]),
     dict(repetition_penalty=1.5, no_repeat_ngram_size=2, force_eos_at_budget=True),
-    dict(decoder_start_id=3, no_repeat_ngram_size=1, min_new_tokens=3),
+    dict(decoder_start_id=3, no_repeat_ngram_size=1, min_decoding_length=3),
 ]
 
 
@@ -96,9 +96,14 @@ def test_greedy_options_equal_on_eager_and_onnx_runtime_and_the_loop(runners, ba
     eager, ort = runners
     ids, lengths = batch
     opts = dict(options)
-    min_new = np.full(B, opts.pop("min_new_tokens", 0))
+    min_new = np.full(B, opts.pop("min_decoding_length", 0))
     kw = dict(
-        bos_id=BOS, eos_id=EOS, max_new_tokens=MAX_NEW, min_new_tokens=min_new, return_scores=True, **opts
+        bos_id=BOS,
+        eos_id=EOS,
+        max_decoding_length=MAX_NEW,
+        min_decoding_length=min_new,
+        return_scores=True,
+        **opts,
     )
     a = greedy_decode(eager, ids, lengths, **kw)
     b = greedy_decode(ort, ids, lengths, **kw)
@@ -119,10 +124,16 @@ def test_beam_options_equal_on_eager_and_onnx_runtime_and_the_loop(runners, batc
     eager, ort = runners
     ids, lengths = batch
     kw = dict(
-        bos_id=BOS, eos_id=EOS, beam_size=3, n_best=2, max_new_tokens=MAX_NEW, length_penalty=kind, **options
+        bos_id=BOS,
+        eos_id=EOS,
+        beam_size=3,
+        num_hypotheses=2,
+        max_decoding_length=MAX_NEW,
+        length_penalty_type=kind,
+        **options,
     )
     if kind == "hf":
-        kw.update(alpha=1.0, early_stopping=False)
+        kw.update(length_penalty=1.0, early_stopping=False)
     a = beam_search(eager, ids, lengths, **kw)
     b = beam_search(ort, ids, lengths, **kw)
     assert [[h.tokens for h in row] for row in a] == [[h.tokens for h in row] for row in b]
@@ -145,7 +156,7 @@ def test_beam_options_equal_on_eager_and_onnx_runtime_and_the_loop(runners, batc
 def test_sampling_equal_on_eager_and_onnx_runtime_and_the_loop(runners, batch, sampling):
     eager, ort = runners
     ids, lengths = batch
-    kw = dict(bos_id=BOS, eos_id=EOS, max_new_tokens=MAX_NEW, num_hypotheses=2, seed=7, **sampling)
+    kw = dict(bos_id=BOS, eos_id=EOS, max_decoding_length=MAX_NEW, num_hypotheses=2, seed=7, **sampling)
     a = generate(eager, ids, lengths, **kw)
     b = generate(ort, ids, lengths, **kw)
     assert [[h.tokens for h in row] for row in a] == [[h.tokens for h in row] for row in b]
@@ -185,7 +196,7 @@ def test_sampling_draws_the_same_tokens_when_finished_rows_leave(runners, batch,
     """Dropping finished rows (the default) leaves the random stream as it is: one draw per row
     of the search and step, so the same seed samples the same tokens as feeding them to the end."""
     ids, lengths = batch
-    kw = dict(bos_id=BOS, eos_id=EOS, max_new_tokens=MAX_NEW, num_hypotheses=3, seed=11, **sampling)
+    kw = dict(bos_id=BOS, eos_id=EOS, max_decoding_length=MAX_NEW, num_hypotheses=3, seed=11, **sampling)
     for runner in runners:
         a = generate(runner, ids, lengths, remove_finished=True, **kw)
         b = generate(runner, ids, lengths, remove_finished=False, **kw)

@@ -158,7 +158,7 @@ def test_generate_kwargs_are_the_searches_arguments(options):
         lengths,
         bos_id=1,
         eos_id=2,
-        max_new_tokens=6,
+        max_decoding_length=6,
         **options.generate_kwargs(),
     )
     kw = options.generate_kwargs()
@@ -168,20 +168,23 @@ def test_generate_kwargs_are_the_searches_arguments(options):
         lengths,
         bos_id=1,
         eos_id=2,
-        max_new_tokens=6,
+        max_decoding_length=6,
         beam_size=options.beam_size,
         num_hypotheses=options.num_hypotheses,
-        length_penalty=options.length_penalty_type,
-        alpha=options.length_penalty,
+        length_penalty_type=options.length_penalty_type,
+        length_penalty=options.length_penalty,
         early_stopping=options.early_stopping,
         sampling_topk=options.sampling_topk,
         seed=options.seed,
         repetition_penalty=options.repetition_penalty,
         no_repeat_ngram_size=options.no_repeat_ngram_size,
         banned_ids=list(options.banned_ids),
-        min_new_tokens=options.min_decoding_length,
+        min_decoding_length=options.min_decoding_length,
         force_eos_at_budget=options.force_eos_at_budget,
     )
-    assert kw["length_penalty"] == options.length_penalty_type and kw["alpha"] == options.length_penalty
+    assert (
+        kw["length_penalty_type"] == options.length_penalty_type
+        and kw["length_penalty"] == options.length_penalty
+    )
     assert got == want
     assert decoding.SearchOptions is SearchOptions

@@ -81,15 +81,15 @@ class TransformersRunner:
     def __init__(self, model):
         self.model = model
 
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
+    def encode(self, input_ids, src_lengths, cache_len, beam_size=1):
         ids = torch.from_numpy(input_ids)
         mask = torch.arange(ids.shape[1])[None, :] < torch.from_numpy(src_lengths)[:, None]
         with torch.no_grad():
             hidden = self.model.get_encoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state
         return dict(
-            hidden=hidden.repeat_interleave(num_beams, 0),
-            mask=mask.long().repeat_interleave(num_beams, 0),
-            fed=np.zeros((hidden.shape[0] * num_beams, 0), dtype=np.int64),
+            hidden=hidden.repeat_interleave(beam_size, 0),
+            mask=mask.long().repeat_interleave(beam_size, 0),
+            fed=np.zeros((hidden.shape[0] * beam_size, 0), dtype=np.int64),
         )
 
     def step(self, state, tokens):
@@ -133,9 +133,9 @@ def transformers_generate(model, ids, lengths, **kwargs):
 
 def our_options(hf_kwargs, n_sources):
     """transformers' generation options as ours."""
-    ours = dict(max_new_tokens=MAX_LENGTH - 1, decoder_start_id=PAD)
+    ours = dict(max_decoding_length=MAX_LENGTH - 1, decoder_start_id=PAD)
     if "min_length" in hf_kwargs:
-        ours["min_new_tokens"] = hf_kwargs["min_length"] - 1  # transformers counts the start token
+        ours["min_decoding_length"] = hf_kwargs["min_length"] - 1  # transformers counts the start token
     if "bad_words_ids" in hf_kwargs:
         ours["banned_ids"] = [ids[0] for ids in hf_kwargs["bad_words_ids"]]
     if "forced_bos_token_id" in hf_kwargs:
@@ -172,9 +172,9 @@ def test_hf_beam_search_equals_transformers_generate(model, batch, hf_kwargs):
         bos_id=EOS,
         eos_id=EOS,
         beam_size=hf_kwargs["num_beams"],
-        n_best=n,
-        length_penalty="hf",
-        alpha=hf_kwargs["length_penalty"],
+        num_hypotheses=n,
+        length_penalty_type="hf",
+        length_penalty=hf_kwargs["length_penalty"],
         early_stopping=hf_kwargs["early_stopping"] if "early_stopping" in hf_kwargs else None,
         renormalize_logits=hf_kwargs.get("renormalize_logits", False),
         **our_options(hf_kwargs, len(ids)),
@@ -216,8 +216,8 @@ def test_our_rules_give_other_tokens(model, batch):
         bos_id=EOS,
         eos_id=EOS,
         beam_size=4,
-        length_penalty="average",
-        alpha=1.0,
+        length_penalty_type="average",
+        length_penalty=1.0,
         **our_options(hf_kwargs, len(ids)),
     )
     assert [row[0].tokens for row in hyps] != want

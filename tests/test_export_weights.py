@@ -204,8 +204,8 @@ def test_an_export_without_a_shared_weights_file_still_loads(tied_export, tmp_pa
     old = _as_earlier_layout(out, tmp_path / "old")
     src = np.array([[5, 9, 12, 7, 2], [6, 8, 2, 0, 0]], dtype=np.int64)
     lengths = np.array([5, 3], dtype=np.int64)
-    new_tokens = OrtRunner(out).greedy(src, lengths, max_new_tokens=8)
-    old_tokens = OrtRunner(old).greedy(src, lengths, max_new_tokens=8)
+    new_tokens = OrtRunner(out).greedy(src, lengths, max_decoding_length=8)
+    old_tokens = OrtRunner(old).greedy(src, lengths, max_decoding_length=8)
     assert [list(r) for r in new_tokens] == [list(r) for r in old_tokens]
 
 

@@ -461,7 +461,7 @@ def test_generation_defaults_and_the_export_config_as_search_options_decode_as_g
         lengths,
         bos_id=tok.bos_id,
         eos_id=tok.eos_id,
-        max_new_tokens=layered.budget(lengths),
+        max_decoding_length=layered.budget(lengths),
         **layered.generate_kwargs(),
     )
     assert [h.tokens for row in hyps for h in row] == flat

@@ -53,7 +53,7 @@ def test_help_renders_and_reads(command):
 
 
 def test_the_check_finds_what_it_looks_for():
-    """The patterns catch the help texts the issue quoted."""
+    """The patterns catch help texts that read badly (examples of each kind)."""
     quoted = [
         "--no-validate skip the parity check (default: True)",
         "--alpha A length penalty exponent (default 0.6) (default: None)",

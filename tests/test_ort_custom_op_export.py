@@ -91,8 +91,8 @@ def test_steps_match_the_portable_export(op_dir, portable_dir):
     a_runner = OrtRunner(op_dir, intra_op_num_threads=1)
     b_runner = OrtRunner(portable_dir, intra_op_num_threads=1)
     ids, lengths = _sources(a_runner, batch=3)
-    a = a_runner.encode(ids, lengths, cache_len=10, num_beams=2)
-    b = b_runner.encode(ids, lengths, cache_len=10, num_beams=2)
+    a = a_runner.encode(ids, lengths, cache_len=10, beam_size=2)
+    b = b_runner.encode(ids, lengths, cache_len=10, beam_size=2)
     rng = np.random.default_rng(1)
     for p in range(6):
         N = a.num_rows
@@ -116,7 +116,7 @@ def test_whole_decodes_equal_the_portable_export(op_dir, portable_dir, beam, rem
     a = OrtRunner(op_dir, intra_op_num_threads=1)
     b = OrtRunner(portable_dir, intra_op_num_threads=1)
     ids, lengths = _sources(a, batch=5, seed=2)
-    kw = dict(max_new_tokens=12, remove_finished=remove_finished)
+    kw = dict(max_decoding_length=12, remove_finished=remove_finished)
     if beam == 1:
         assert a.greedy(ids, lengths, **kw) == b.greedy(ids, lengths, **kw)
     else:
@@ -154,10 +154,10 @@ def test_int8_keeps_the_operator(op_dir, portable_dir, tmp_path):
     a, b = OrtRunner(out, intra_op_num_threads=1), OrtRunner(ref, intra_op_num_threads=1)
     ids, lengths = _sources(a, batch=3)
     tokens = np.full(6, a.info.bos_id)
-    la = a.step(a.encode(ids, lengths, cache_len=8, num_beams=2), tokens)
-    lb = b.step(b.encode(ids, lengths, cache_len=8, num_beams=2), tokens)
+    la = a.step(a.encode(ids, lengths, cache_len=8, beam_size=2), tokens)
+    lb = b.step(b.encode(ids, lengths, cache_len=8, beam_size=2), tokens)
     np.testing.assert_allclose(la, lb, rtol=0, atol=1e-4)  # the same int8 products
-    kw = dict(max_new_tokens=10, beam_size=3)
+    kw = dict(max_decoding_length=10, beam_size=3)
     assert _tokens(a.beam_search(ids, lengths, **kw)) == _tokens(b.beam_search(ids, lengths, **kw))
 
 
@@ -267,4 +267,4 @@ def test_runners_sharing_session_options_register_the_library_once(op_dir, porta
     b = OrtRunner(op_dir, session_options=options)
     OrtRunner(portable_dir, session_options=options)
     ids, lengths = _sources(a, batch=2)
-    assert a.greedy(ids, lengths, max_new_tokens=6) == b.greedy(ids, lengths, max_new_tokens=6)
+    assert a.greedy(ids, lengths, max_decoding_length=6) == b.greedy(ids, lengths, max_decoding_length=6)

@@ -81,20 +81,20 @@ def test_steps_match_the_portable_export_and_write_the_caches_in_place(ort_dir, 
     assert a.cache.new_keys is None  # no staging buffers: the graph appends itself
 
 
-@pytest.mark.parametrize("num_beams", [1, 4])
-def test_whole_decodes_equal_the_portable_export(ort_dir, portable_dir, num_beams):
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_whole_decodes_equal_the_portable_export(ort_dir, portable_dir, beam_size):
     ort_runner = OrtRunner(ort_dir, intra_op_num_threads=1)
     ref_runner = OrtRunner(portable_dir, intra_op_num_threads=1)
     ids, lengths = _sources(ort_runner, batch=5, seed=2)
-    kw = dict(max_new_tokens=12)
-    if num_beams == 1:
+    kw = dict(max_decoding_length=12)
+    if beam_size == 1:
         got, want = ort_runner.greedy(ids, lengths, **kw), ref_runner.greedy(ids, lengths, **kw)
     else:
         got = [
-            [h.tokens for h in row] for row in ort_runner.beam_search(ids, lengths, beam_size=num_beams, **kw)
+            [h.tokens for h in row] for row in ort_runner.beam_search(ids, lengths, beam_size=beam_size, **kw)
         ]
         want = [
-            [h.tokens for h in row] for row in ref_runner.beam_search(ids, lengths, beam_size=num_beams, **kw)
+            [h.tokens for h in row] for row in ref_runner.beam_search(ids, lengths, beam_size=beam_size, **kw)
         ]
     assert got == want
 

@@ -64,12 +64,12 @@ def test_greedy_and_beam_match_eager(exported):
     runner = OrtRunner(exported, intra_op_num_threads=1)
     eager = EagerRunner(eager_model(exported), "cpu")
     ids, lengths = sources(runner, batch=5)
-    common = dict(bos_id=runner.info.bos_id, eos_id=runner.info.eos_id, max_new_tokens=15)
-    assert runner.greedy(ids, lengths, max_new_tokens=15) == decoding.greedy_decode(
+    common = dict(bos_id=runner.info.bos_id, eos_id=runner.info.eos_id, max_decoding_length=15)
+    assert runner.greedy(ids, lengths, max_decoding_length=15) == decoding.greedy_decode(
         eager, ids, lengths, **common
     )
-    ours = runner.beam_search(ids, lengths, beam_size=4, n_best=2, max_new_tokens=15)
-    theirs = decoding.beam_search(eager, ids, lengths, beam_size=4, n_best=2, **common)
+    ours = runner.beam_search(ids, lengths, beam_size=4, num_hypotheses=2, max_decoding_length=15)
+    theirs = decoding.beam_search(eager, ids, lengths, beam_size=4, num_hypotheses=2, **common)
     assert [[h.tokens for h in row] for row in ours] == [[h.tokens for h in row] for row in theirs]
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose([h.score for h in a], [h.score for h in b], rtol=0, atol=1e-4)
@@ -98,7 +98,7 @@ def test_step_logits_match_eager_with_min_new_tokens(exported):
 def test_caches_are_bound_buffers_written_in_place(exported):
     runner = OrtRunner(exported, grow_cache=False)
     ids, lengths = sources(runner, batch=4)
-    state = runner.encode(ids, lengths, cache_len=40, num_beams=2)
+    state = runner.encode(ids, lengths, cache_len=40, beam_size=2)
     N, L = 8, 40
     assert state.self_keys[0].shape == (N, runner.info.n_heads, L, runner.info.d_k)
     assert all(not c.any() for c in state.self_keys + state.self_values)  # zero-filled once
@@ -138,7 +138,7 @@ def test_growing_caches_give_the_logits_of_a_full_size_cache(exported, cache_len
     always cache_len - 16k, and it is full at cache_len as the other is."""
     grow, fixed = OrtRunner(exported, intra_op_num_threads=1), OrtRunner(exported, grow_cache=False)
     ids, lengths = sources(grow, batch=4, src_len=9, seed=3)
-    states = [r.encode(ids, lengths, cache_len=cache_len, num_beams=2) for r in (grow, fixed)]
+    states = [r.encode(ids, lengths, cache_len=cache_len, beam_size=2) for r in (grow, fixed)]
     assert states[0].cache.capacity == cache_len - 16 * ((cache_len - 1) // 16)
     assert states[1].cache.capacity == cache_len == states[0].cache_len == states[1].cache_len
     rng = np.random.default_rng(cache_len)
@@ -181,8 +181,8 @@ def test_reused_buffers_give_the_same_logits_and_live_states_never_share_memory(
 
     def run_pair(steps):
         inputs = [sources(pooled, batch=4, src_len=9, seed=s) for s in (1, 2)]
-        ours = [pooled.encode(i, n, cache_len=steps, num_beams=2) for i, n in inputs]
-        theirs = [fresh.encode(i, n, cache_len=steps, num_beams=2) for i, n in inputs]
+        ours = [pooled.encode(i, n, cache_len=steps, beam_size=2) for i, n in inputs]
+        theirs = [fresh.encode(i, n, cache_len=steps, beam_size=2) for i, n in inputs]
         for p in range(steps):
             for a, b in zip(ours, theirs):
                 if p == 5:
@@ -238,7 +238,7 @@ def test_tensorscatter_updates_the_bound_cache_in_place(tmp_path_factory, capfd)
 def test_reorder_moves_the_valid_prefix(exported_portable):
     runner = OrtRunner(exported_portable)
     ids, lengths = sources(runner, batch=2)
-    state = runner.encode(ids, lengths, cache_len=8, num_beams=2)
+    state = runner.encode(ids, lengths, cache_len=8, beam_size=2)
     rng = np.random.default_rng(0)
     for _ in range(3):
         runner.step(state, rng.integers(4, runner.info.tgt_vocab_size, size=4))
@@ -258,7 +258,7 @@ def test_reorder_moves_the_valid_prefix(exported_portable):
 def test_num_beams_repeats_rows_row_major(exported_portable, tmp_path):
     runner = OrtRunner(exported_portable)
     ids, lengths = sources(runner, batch=2)
-    state = runner.encode(ids, lengths, cache_len=4, num_beams=3)
+    state = runner.encode(ids, lengths, cache_len=4, beam_size=3)
     np.testing.assert_array_equal(state.src_lengths, np.repeat(lengths, 3))
     # the step takes the cross-attention K/V once per source: the encoder's, not repeated
     assert runner.cross_per_source and state.beams == 3
@@ -266,7 +266,7 @@ def test_num_beams_repeats_rows_row_major(exported_portable, tmp_path):
     np.testing.assert_array_equal(state.cross_keys[0], enc)
     # an export of format version 3 takes them once per row: repeated per beam
     old = OrtRunner(with_cross_per_row(copy_folder(exported_portable, tmp_path / "v3")))
-    state = old.encode(ids, lengths, cache_len=4, num_beams=3)
+    state = old.encode(ids, lengths, cache_len=4, beam_size=3)
     assert not old.cross_per_source and state.beams == 1
     np.testing.assert_array_equal(state.cross_keys[0], np.repeat(enc, 3, axis=0))
 
@@ -282,8 +282,8 @@ def test_cross_kv_once_per_source_gives_the_logits_of_one_per_row(tmp_path_facto
     per_row = OrtRunner(with_cross_per_row(copy_folder(exported, tmp_path / "v3")), intra_op_num_threads=1)
     K = 3
     ids, lengths = sources(shared, batch=4, src_len=9, seed=3)
-    a = shared.encode(ids, lengths, cache_len=20, num_beams=K)
-    b = per_row.encode(ids, lengths, cache_len=20, num_beams=K)
+    a = shared.encode(ids, lengths, cache_len=20, beam_size=K)
+    b = per_row.encode(ids, lengths, cache_len=20, beam_size=K)
     assert a.cross_keys[0].shape[0] == 4 and b.cross_keys[0].shape[0] == 12
     rng = np.random.default_rng(7)
     for p in range(20):
@@ -482,7 +482,7 @@ def test_runners_check_token_ids(exported_portable, kind):
 def test_ort_runner_reorder_names_row_and_value(exported_portable):
     runner = OrtRunner(exported_portable)
     ids, lengths = sources(runner)
-    state = runner.encode(ids, lengths, cache_len=4, num_beams=2)
+    state = runner.encode(ids, lengths, cache_len=4, beam_size=2)
     runner.step(state, np.full(6, runner.info.bos_id, dtype=np.int64))
     with pytest.raises(IndexError, match=r"^beam_index\[5\] = 6 is not a row"):
         runner.reorder(state, np.array([0, 1, 2, 3, 4, 6]))
@@ -552,7 +552,7 @@ def test_every_runner_makes_the_same_source_checks(exported_portable, kind):
             f"cache_len = {max_len + 1} exceeds the model's max_len = {max_len} (positions past it have no positional "
             "encoding); generate fewer tokens",
         ),
-        ((ids, lengths, 4, 0), ValueError, "num_beams must be a positive int, got 0"),
+        ((ids, lengths, 4, 0), ValueError, "beam_size must be a positive int, got 0"),
     ]
     for args, exc, message in cases:
         with pytest.raises(exc) as info:
@@ -598,7 +598,7 @@ def test_spinning_stops_after_each_run_unless_asked_not_to(exported_portable):
             session.get_session_options().get_session_config_entry(FORCE_SPINNING_STOP)
     ids, lengths = sources(stopping, batch=3)
     got, want = (
-        [[h.tokens for h in row] for row in r.beam_search(ids, lengths, beam_size=3, max_new_tokens=8)]
+        [[h.tokens for h in row] for row in r.beam_search(ids, lengths, beam_size=3, max_decoding_length=8)]
         for r in (stopping, spinning)
     )
     assert got == want
@@ -622,7 +622,7 @@ def test_flushed_runs_give_the_logits_and_tokens_of_plain_ones_on_padded_batches
         logits.append(np.stack(steps))
     # a flushed value is below 1.2e-38: the logits agree far below the export tolerance
     np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-6)
-    plain, flushed = (r.beam_search(ids, lengths, beam_size=3, max_new_tokens=6) for r in runners)
+    plain, flushed = (r.beam_search(ids, lengths, beam_size=3, max_decoding_length=6) for r in runners)
     assert [[h.tokens for h in x] for x in plain] == [[h.tokens for h in x] for x in flushed]
     if denormals.AVAILABLE:  # the caller's thread is as it was
         assert (np.float32(1e-30) * np.float32(1e-10)) > 0

@@ -63,24 +63,24 @@ def _tokens(rows) -> list[list[int]]:
 def test_the_dynamic_step_opens_at_the_first_step_the_few_row_step_does_not_run(tiny_int8, opened):
     lazy = OrtRunner(tiny_int8, intra_op_num_threads=2)
     assert opened == [FEW_ROWS_DECODER_FILE, ENCODER_FILE]
-    one = lazy.greedy(*_sources(lazy, 1), max_new_tokens=6)
-    two = lazy.greedy(*_sources(lazy, 2), max_new_tokens=6)  # max_rows rows: still the few-row step
+    one = lazy.greedy(*_sources(lazy, 1), max_decoding_length=6)
+    two = lazy.greedy(*_sources(lazy, 2), max_decoding_length=6)  # max_rows rows: still the few-row step
     assert opened == [FEW_ROWS_DECODER_FILE, ENCODER_FILE]
-    three = lazy.greedy(*_sources(lazy, 3), max_new_tokens=6)  # more rows: the dynamic step opens
+    three = lazy.greedy(*_sources(lazy, 3), max_decoding_length=6)  # more rows: the dynamic step opens
     assert opened == [FEW_ROWS_DECODER_FILE, ENCODER_FILE, DECODER_FILE]
-    lazy.greedy(*_sources(lazy, 3), max_new_tokens=6)
+    lazy.greedy(*_sources(lazy, 3), max_decoding_length=6)
     assert opened.count(DECODER_FILE) == 1  # opened once
 
     del opened[:]
     eager = OrtRunner(tiny_int8, intra_op_num_threads=2, preload_steps=True)
     assert sorted(opened) == sorted([FEW_ROWS_DECODER_FILE, ENCODER_FILE, DECODER_FILE])
     for rows, got in ((1, one), (2, two), (3, three)):
-        assert _tokens(got) == _tokens(eager.greedy(*_sources(eager, rows), max_new_tokens=6)), rows
+        assert _tokens(got) == _tokens(eager.greedy(*_sources(eager, rows), max_decoding_length=6)), rows
     # a beam search's three rows run on the dynamic step, which opens at its first step
     beams = OrtRunner(tiny_int8, intra_op_num_threads=2)
     assert opened.count(DECODER_FILE) == 1  # the eager runner's
-    got = beams.beam_search(*_sources(beams, 1), beam_size=3, max_new_tokens=5)
-    want = eager.beam_search(*_sources(eager, 1), beam_size=3, max_new_tokens=5)
+    got = beams.beam_search(*_sources(beams, 1), beam_size=3, max_decoding_length=5)
+    want = eager.beam_search(*_sources(eager, 1), beam_size=3, max_decoding_length=5)
     assert [[h.tokens for h in n] for n in got] == [[h.tokens for h in n] for n in want]
     assert opened.count(DECODER_FILE) == 2
 
@@ -93,7 +93,7 @@ def test_every_step_opens_at_load_where_no_few_row_step_runs(tiny_int8, opened):
     assert opened == [ENCODER_FILE, DECODER_FILE]
     del opened[:]
     always = OrtRunner(tiny_int8, intra_op_num_threads=1, few_rows="always")
-    always.greedy(*_sources(always, 4), max_new_tokens=4)
+    always.greedy(*_sources(always, 4), max_decoding_length=4)
     assert opened == [FEW_ROWS_DECODER_FILE, ENCODER_FILE]  # every step is the few-row step's
     # the sessions a profiler reads: both, the dynamic step opened for it
     assert list(always.step_sessions) == [DECODER_FILE, FEW_ROWS_DECODER_FILE]
@@ -149,7 +149,7 @@ def test_sessions_are_made_with_large_blocks_mapped_unless_malloc_is_configured(
         (ort_runner.M_TRIM_THRESHOLD, 64 << 20),
     ]
     assert calls == load
-    runner.greedy(*_sources(runner, 3), max_new_tokens=2)  # opens the dynamic step: the same again
+    runner.greedy(*_sources(runner, 3), max_decoding_length=2)  # opens the dynamic step: the same again
     assert calls == load * 2
     del calls[:]
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")

@@ -58,7 +58,7 @@ def test_parts_decode_as_each_part_alone_and_as_the_whole_batch(runners, beam_si
     options = dict(
         bos_id=info.bos_id,
         eos_id=info.eos_id,
-        max_new_tokens=budgets,
+        max_decoding_length=budgets,
         beam_size=beam_size,
         num_hypotheses=min(beam_size, 2),
     )
@@ -73,7 +73,7 @@ def test_parts_decode_as_each_part_alone_and_as_the_whole_batch(runners, beam_si
     assert sorted(map(id, used)) == sorted(map(id, runners))  # each part on a runner of its own
     want = []
     for runner, sl in zip(runners, split_sources(7, 3)):
-        part = {**options, "max_new_tokens": budgets[sl]}
+        part = {**options, "max_decoding_length": budgets[sl]}
         want += decoding.generate(runner, ids[sl], lengths[sl], **part)
     assert [[h.tokens for h in row] for row in got] == [[h.tokens for h in row] for row in want]
     assert [[h.score for h in row] for row in got] == [[h.score for h in row] for row in want]
@@ -86,9 +86,9 @@ def test_one_source_or_one_runner_runs_in_place(runners):
     info = runners[0].info
     ids, lengths = _sources(info, batch=1)
     with SourceParallel(runners) as parallel:
-        out = parallel.generate(ids, lengths, bos_id=info.bos_id, eos_id=info.eos_id, max_new_tokens=6)
+        out = parallel.generate(ids, lengths, bos_id=info.bos_id, eos_id=info.eos_id, max_decoding_length=6)
     assert out == decoding.generate(
-        runners[0], ids, lengths, bos_id=info.bos_id, eos_id=info.eos_id, max_new_tokens=6
+        runners[0], ids, lengths, bos_id=info.bos_id, eos_id=info.eos_id, max_decoding_length=6
     )
 
 
@@ -102,7 +102,7 @@ def test_a_split_sample_is_the_unsplit_one(runners, parts):
     options = dict(
         bos_id=info.bos_id,
         eos_id=info.eos_id,
-        max_new_tokens=np.array([6, 9, 4, 12, 7, 5, 10]),
+        max_decoding_length=np.array([6, 9, 4, 12, 7, 5, 10]),
         sampling_topk=0,
         sampling_temperature=1.5,
         num_hypotheses=2,
@@ -129,10 +129,10 @@ def test_bad_uses_are_refused(runners, tmp_path_factory):
     other = OrtRunner(exported_dir(tmp_path_factory, "tensorscatter"), intra_op_num_threads=1)
     with pytest.raises(ValueError, match="same model"):
         SourceParallel([runners[0], other])
-    common = dict(bos_id=info.bos_id, eos_id=info.eos_id, max_new_tokens=4)
+    common = dict(bos_id=info.bos_id, eos_id=info.eos_id, max_decoding_length=4)
     with SourceParallel(runners[:2]) as parallel:
-        with pytest.raises(ValueError, match="max_new_tokens holds 3 values for 4 sources"):
-            parallel.generate(ids, lengths, **{**common, "max_new_tokens": np.array([4, 4, 4])})
+        with pytest.raises(ValueError, match="max_decoding_length holds 3 values for 4 sources"):
+            parallel.generate(ids, lengths, **{**common, "max_decoding_length": np.array([4, 4, 4])})
         with pytest.raises(ValueError, match=r"input_ids must be \[batch, src_len\]"):
             parallel.generate(ids[0], lengths, **common)
         with pytest.raises(TypeError, match="one entry per source"):
@@ -155,7 +155,9 @@ class SlowRunner(FunctionRunner):
 
 
 def _greedy(runner, src, ln):
-    return decoding.greedy_decode(runner, src, ln, bos_id=1, eos_id=2, max_new_tokens=400, min_new_tokens=400)
+    return decoding.greedy_decode(
+        runner, src, ln, bos_id=1, eos_id=2, max_decoding_length=400, min_decoding_length=400
+    )
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])

@@ -88,7 +88,7 @@ def test_a_split_sample_in_processes_is_the_unsplit_one(ort_pool, export):
     options = dict(
         bos_id=info.bos_id,
         eos_id=info.eos_id,
-        max_new_tokens=np.array([6, 9, 4, 12, 7]),
+        max_decoding_length=np.array([6, 9, 4, 12, 7]),
         sampling_topk=0,
         sampling_temperature=1.5,
         num_hypotheses=2,
@@ -115,7 +115,7 @@ def test_processes_decode_as_threads_and_as_one_runner(ort_pool, export, beam_si
     options = dict(
         bos_id=info.bos_id,
         eos_id=info.eos_id,
-        max_new_tokens=budgets,
+        max_decoding_length=budgets,
         beam_size=beam_size,
         num_hypotheses=min(beam_size, 2),
     )
@@ -125,7 +125,7 @@ def test_processes_decode_as_threads_and_as_one_runner(ort_pool, export, beam_si
     by_parts = []
     for sl in split_sources(7, 2):
         by_parts += decoding.generate(
-            runners[0], ids[sl], lengths[sl], **{**options, "max_new_tokens": budgets[sl]}
+            runners[0], ids[sl], lengths[sl], **{**options, "max_decoding_length": budgets[sl]}
         )
     whole = decoding.generate(runners[0], ids, lengths, **options)
 
@@ -161,7 +161,7 @@ def test_workers_with_unpacked_weights_decode_the_same(ort_pool, export):
         OrtRunner(export, pack_weights="no")
     info = ort_pool.info
     ids, lengths = _sources(info, batch=5, seed=3)
-    options = dict(bos_id=info.bos_id, eos_id=info.eos_id, max_new_tokens=8, beam_size=2)
+    options = dict(bos_id=info.bos_id, eos_id=info.eos_id, max_decoding_length=8, beam_size=2)
     make = functools.partial(OrtRunner, export, intra_op_num_threads=1, pack_weights=False)
     with ProcessSourceParallel(make, 2) as shared:
         got = shared.generate(ids, lengths, **options)

@@ -137,8 +137,8 @@ def test_int8_decodes_close_to_float32(tiny_float, tiny_int8):
     ids = rng.integers(4, f32.info.src_vocab_size, size=(3, 7))
     lengths = np.array([7, 5, 2])
     tokens = np.full(3, f32.info.bos_id)
-    a = f32.step(f32.encode(ids, lengths, cache_len=8, num_beams=1), tokens)
-    b = i8.step(i8.encode(ids, lengths, cache_len=8, num_beams=1), tokens)
+    a = f32.step(f32.encode(ids, lengths, cache_len=8, beam_size=1), tokens)
+    b = i8.step(i8.encode(ids, lengths, cache_len=8, beam_size=1), tokens)
     a, b = np.asarray(a), np.asarray(b)
     assert not np.array_equal(a, b)  # really different graphs
     assert np.abs(a - b).max() <= 0.05 * (a.max() - a.min())
@@ -516,7 +516,7 @@ def test_an_int8_folder_of_the_block_wise_table_layout_still_loads(tiny_float, t
     ids = rng.integers(4, f32.info.src_vocab_size, size=(2, 6))
     lengths = np.array([6, 4])
     tokens = np.full(2, f32.info.bos_id)
-    a = np.asarray(f32.step(f32.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
-    b = np.asarray(i8.step(i8.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
+    a = np.asarray(f32.step(f32.encode(ids, lengths, cache_len=8, beam_size=1), tokens))
+    b = np.asarray(i8.step(i8.encode(ids, lengths, cache_len=8, beam_size=1), tokens))
     assert np.abs(a - b).max() <= 0.05 * (a.max() - a.min())
-    assert len(i8.greedy(ids, lengths, max_new_tokens=4)) == 2
+    assert len(i8.greedy(ids, lengths, max_decoding_length=4)) == 2

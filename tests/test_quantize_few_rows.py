@@ -179,7 +179,7 @@ def test_the_runner_chooses_by_rows_and_threads(tiny_int8):
     two.select(state, np.array([0, 2]))  # finished rows removed: two left, the few-row step
     assert state.session is not two.decoder
     assert np.isfinite(two.step(state, np.full(2, 5))).all()
-    beams = two.encode(*_sources(two, 1), cache_len=8, num_beams=4)
+    beams = two.encode(*_sources(two, 1), cache_len=8, beam_size=4)
     assert beams.session is two.decoder  # four rows
     for runner in (
         OrtRunner(tiny_int8, intra_op_num_threads=1),  # fewer threads than the entry's min_threads

@@ -337,8 +337,8 @@ def test_ort_runner_and_translator_load_it(tiny_float, tmp_path_factory, scheme)
     ids = rng.integers(4, f32.info.src_vocab_size, size=(3, 7))
     lengths = np.array([7, 5, 2])
     tokens = np.full(3, f32.info.bos_id)
-    a = np.asarray(f32.step(f32.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
-    b = np.asarray(qnt.step(qnt.encode(ids, lengths, cache_len=8, num_beams=1), tokens))
+    a = np.asarray(f32.step(f32.encode(ids, lengths, cache_len=8, beam_size=1), tokens))
+    b = np.asarray(qnt.step(qnt.encode(ids, lengths, cache_len=8, beam_size=1), tokens))
     assert not np.array_equal(a, b)
     assert np.abs(a - b).max() <= (0.15 if scheme == "int4" else 0.05) * (a.max() - a.min())
     assert len(Translator.from_export_dir(folder).translate(["abc", "de f"], beam_size=2)) == 2
@@ -589,7 +589,7 @@ def test_a_cpu_without_the_exporting_cpus_kernels_gets_a_warning(
         with caplog.at_level(logging.WARNING, logger="transformer_ext.runtimes.ort"):
             runner = OrtRunner(folder, intra_op_num_threads=1)
         assert any("avx512f" in r.getMessage() and "lacks" in r.getMessage() for r in caplog.records)
-        assert runner.greedy(np.array([[5, 6, 7]]), np.array([3]), max_new_tokens=3)
+        assert runner.greedy(np.array([[5, 6, 7]]), np.array([3]), max_decoding_length=3)
 
 
 # ------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from transformer_ext.checkpoint import load_model
 from transformer_ext.translator import TranslationError, Translator
 
 SOURCES = ["hello world", "abc", "a quick test of attention", "x y z"]
-SEARCHES = [dict(beam_size=1), dict(beam_size=3, n_best=2)]
+SEARCHES = [dict(beam_size=1), dict(beam_size=3, num_hypotheses=2)]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_attention_rows_match_the_reference_and_onnx_runtime(model_dir, attentio
     encoded = eager.encode(SOURCES)
     checked = 0
     for ids, ta, tb in zip(encoded, a, b):
-        assert len(ta.hypotheses) == search.get("n_best", 1)
+        assert len(ta.hypotheses) == search.get("num_hypotheses", 1)
         for ha, hb in zip(ta.hypotheses, tb.hypotheses):
             assert ha.tokens == hb.tokens
             wa, wb = np.array(ha.attention), np.array(hb.attention)

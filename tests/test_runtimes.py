@@ -214,8 +214,8 @@ def test_search_methods_take_the_special_ids_from_the_record(exported):
     runner = runtimes.OrtRunner(exported, intra_op_num_threads=1)
     config = _manifest(exported)["model_config"]
     ids, lengths = np.array([[5, 6, 7]]), np.array([3])
-    assert runner.greedy(ids, lengths, max_new_tokens=5) == decoding.greedy_decode(
-        runner, ids, lengths, bos_id=config["bos_id"], eos_id=config["eos_id"], max_new_tokens=5
+    assert runner.greedy(ids, lengths, max_decoding_length=5) == decoding.greedy_decode(
+        runner, ids, lengths, bos_id=config["bos_id"], eos_id=config["eos_id"], max_decoding_length=5
     )
 
 
@@ -333,9 +333,9 @@ def test_finished_sources_leave_the_batch_with_the_same_results(exported, tmp_pa
         runner = _runner(kind, exported)
     assert callable(runner.select)
     ids, lengths = _ragged_sources(runner)
-    kw = dict(max_new_tokens=RAGGED_BUDGETS, min_new_tokens=np.array([0, 6, 2]))
+    kw = dict(max_decoding_length=RAGGED_BUDGETS, min_decoding_length=np.array([0, 6, 2]))
     if search == "beam":
-        kw.update(beam_size=4, num_hypotheses=2, length_penalty="average", alpha=1.0)
+        kw.update(beam_size=4, num_hypotheses=2, length_penalty_type="average", length_penalty=1.0)
     counted = _RowCounter(runner)
     dropped = _generate(counted, runner, ids, lengths, kw, remove_finished=True)
     kept = _generate(runner, runner, ids, lengths, kw, remove_finished=False)
@@ -346,7 +346,9 @@ def test_finished_sources_leave_the_batch_with_the_same_results(exported, tmp_pa
             ids[b : b + 1],
             lengths[b : b + 1],
             dict(
-                kw, max_new_tokens=RAGGED_BUDGETS[b : b + 1], min_new_tokens=kw["min_new_tokens"][b : b + 1]
+                kw,
+                max_decoding_length=RAGGED_BUDGETS[b : b + 1],
+                min_decoding_length=kw["min_decoding_length"][b : b + 1],
             ),
             remove_finished=False,
         )[0]
@@ -382,7 +384,9 @@ def test_tensorrt_profile_with_a_minimum_batch_keeps_finished_rows(exported):
     runner = runtimes.TensorRTRunner(enc, dec, config=config, device="cpu")
     assert runner.select is None and callable(_runner("tensorrt", exported).select)
     ids, lengths = _ragged_sources(runner)
-    kw = dict(max_new_tokens=RAGGED_BUDGETS, beam_size=4, num_hypotheses=2, length_penalty="average")
+    kw = dict(
+        max_decoding_length=RAGGED_BUDGETS, beam_size=4, num_hypotheses=2, length_penalty_type="average"
+    )
     counted = _RowCounter(runner)
     got = _generate(counted, runner, ids, lengths, kw, remove_finished=True)
     assert set(counted.rows) == {12}  # every step on all rows

@@ -34,9 +34,9 @@ class _KeyedRunner(FunctionRunner):
     """A FunctionRunner whose logits follow the source's first id (not its row), so that a
     source gets the same logits in any batch."""
 
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
-        state = super().encode(input_ids, src_lengths, cache_len, num_beams)
-        state["src"] = np.repeat(input_ids[:, 0] - 4, num_beams)
+    def encode(self, input_ids, src_lengths, cache_len, beam_size=1):
+        state = super().encode(input_ids, src_lengths, cache_len, beam_size)
+        state["src"] = np.repeat(input_ids[:, 0] - 4, beam_size)
         return state
 
 
@@ -49,7 +49,7 @@ def _sample(keys, n, budget, source_index=None, fn=None):
         lengths,
         bos_id=BOS,
         eos_id=EOS,
-        max_new_tokens=np.array([budget[k] for k in keys]),
+        max_decoding_length=np.array([budget[k] for k in keys]),
         num_hypotheses=n,
         return_scores=True,
         source_index=source_index,
@@ -109,7 +109,7 @@ def _samples(translations):
 def test_translator_samples_do_not_depend_on_the_batching(demo):
     """translate(S, sampling_topk=0, seed=7, n_best=2) gives the same samples at every batch size
     and in token batches, and each source's are those of the search on it alone with its index."""
-    options = dict(beam_size=1, n_best=2, **SAMPLING)
+    options = dict(beam_size=1, num_hypotheses=2, **SAMPLING)
     base = _samples(demo.translate(SOURCES, **options))
     for batch_size in (1, 2, 3):
         assert _samples(demo.translate(SOURCES, batch_size=batch_size, **options)) == base, batch_size
@@ -125,7 +125,7 @@ def test_translator_samples_do_not_depend_on_the_batching(demo):
             lengths,
             bos_id=demo.bos_id,
             eos_id=demo.eos_id,
-            max_new_tokens=demo.max_new_tokens(lengths, 1.5, 10),
+            max_decoding_length=demo.max_new_tokens(lengths, 1.5, 10),
             num_hypotheses=2,
             source_index=[i],
             **SAMPLING,

@@ -189,8 +189,8 @@ def test_head_beam_equals_loop_beam(V, B, K, data, seed, p_masked, kind, mask_on
             del options["renormalize_logits"]
     fn = shifted(masked_random_fn(V, seed, 1.5, p_masked), 1.0)
     got, want, head, loop = run_both(
-        V, fn, B, beam_size=K, n_best=n_best, max_new_tokens=max_new, min_new_tokens=min_new,
-        length_penalty=kind, alpha=0.7, **options,
+        V, fn, B, beam_size=K, num_hypotheses=n_best, max_decoding_length=max_new, min_decoding_length=min_new,
+        length_penalty_type=kind, length_penalty=0.7, **options,
     )  # fmt: skip
     assert_close(got, want)
     assert head.steps == loop.steps
@@ -229,11 +229,11 @@ def test_rows_whose_masked_tokens_hold_most_probability(kind, hot, monkeypatch):
         peaked_fn(600, 3, hot),
         3,
         beam_size=3,
-        n_best=2,
-        max_new_tokens=6,
-        min_new_tokens=6,
+        num_hypotheses=2,
+        max_decoding_length=6,
+        min_decoding_length=6,
         banned_ids=[7],
-        length_penalty=kind,
+        length_penalty_type=kind,
     )
     assert_close(got, want)
     assert head.head_steps == 5
@@ -258,7 +258,7 @@ def test_thresholds(monkeypatch, mode, V, batch, through_head):
     monkeypatch.undo()  # the module's own thresholds, not the fixture's zeros
     runner = HeadRunner(V, masked_random_fn(V, 0, 1.5, 0.0))
     src, lengths = sources(batch)
-    kwargs = dict(bos_id=1, eos_id=2, max_new_tokens=3, min_new_tokens=3)
+    kwargs = dict(bos_id=1, eos_id=2, max_decoding_length=3, min_decoding_length=3)
     if mode == "beam":
         decoding.beam_search(runner, src, lengths, beam_size=4, **kwargs)
     else:
@@ -273,7 +273,14 @@ def test_nan_or_inf_logit_is_an_error_naming_step_and_row(bad):
     runner = HeadRunner(V, bad_logit_fn(V, bad))
     with pytest.raises(RuntimeError, match=r"NaN or \+inf logit at step 2 \(row 2"):
         decoding.beam_search(
-            runner, src, lengths, bos_id=1, eos_id=2, beam_size=2, max_new_tokens=5, min_new_tokens=5
+            runner,
+            src,
+            lengths,
+            bos_id=1,
+            eos_id=2,
+            beam_size=2,
+            max_decoding_length=5,
+            min_decoding_length=5,
         )
     assert runner.head_steps == 2  # steps 1 and 2 ran through the head
 
@@ -305,7 +312,7 @@ def test_head_greedy_equals_host_greedy(V, B, data, seed, p_masked, mask_only, h
         fn = lambda src, prefix: base(src, prefix) + np.isin(np.arange(V), hot) * 9.0  # noqa: E731
     src, lengths = sources(B)
     head, host = HeadRunner(V, fn), FunctionRunner(V, fn)
-    kwargs = dict(bos_id=1, eos_id=2, max_new_tokens=max_new, min_new_tokens=min_new, **options)
+    kwargs = dict(bos_id=1, eos_id=2, max_decoding_length=max_new, min_decoding_length=min_new, **options)
     got = decoding.greedy_decode(head, src, lengths, **kwargs)
     assert got == decoding.greedy_decode(host, src, lengths, **kwargs)
     assert head.head_steps == 0  # without scores an argmax on the host is all it takes
@@ -348,14 +355,18 @@ def runner(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"banned_ids": [5, 9], "min_new_tokens": 4}, {"length_penalty": "hf"}]
+    "options", [{}, {"banned_ids": [5, 9], "min_decoding_length": 4}, {"length_penalty_type": "hf"}]
 )
 def test_ort_beam_through_the_head_equals_the_host_search(runner, options):
     rng = np.random.default_rng(1)
     ids = rng.integers(4, runner.info.src_vocab_size, (5, 7)).astype(np.int64)
     lengths = np.array([7, 3, 5, 7, 1], dtype=np.int64)
     kwargs = dict(
-        bos_id=runner.info.bos_id, eos_id=runner.info.eos_id, beam_size=4, n_best=2, max_new_tokens=12
+        bos_id=runner.info.bos_id,
+        eos_id=runner.info.eos_id,
+        beam_size=4,
+        num_hypotheses=2,
+        max_decoding_length=12,
     )
     kwargs.update(options)
     got = decoding.beam_search(runner, ids, lengths, **kwargs)
@@ -363,9 +374,9 @@ def test_ort_beam_through_the_head_equals_the_host_search(runner, options):
     for g_hyps, w_hyps in zip(got, want, strict=True):
         assert [h.tokens for h in g_hyps] == [h.tokens for h in w_hyps]
         np.testing.assert_allclose([h.score for h in g_hyps], [h.score for h in w_hyps], rtol=1e-5, atol=1e-5)
-    if options.get("length_penalty") == "hf":
+    if options.get("length_penalty_type") == "hf":
         return
-    del kwargs["beam_size"], kwargs["n_best"]
+    del kwargs["beam_size"], kwargs["num_hypotheses"]
     got = decoding.greedy_decode(runner, ids, lengths, return_scores=True, **kwargs)
     want = decoding.greedy_decode(HostSearch(runner), ids, lengths, return_scores=True, **kwargs)
     for g, w in zip(got, want, strict=True):

@@ -140,7 +140,7 @@ def test_a_source_alone_is_what_generate_gives(runner, opts):
             bos_id=info.bos_id,
             eos_id=info.eos_id,
             **opts.generate_kwargs(),
-            max_new_tokens=opts.budget([src.shape[0]]),
+            max_decoding_length=opts.budget([src.shape[0]]),
         )[0]
         assert not rest and key == i
         # ONNX Runtime: generate() lays out its fixed batch as it likes (a beam search's

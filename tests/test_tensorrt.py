@@ -816,9 +816,9 @@ def _decode_all(runner, ids, lengths, cache_len=None):
     """Greedy tokens, beam tokens and beam scores of a batch (tokens compare exactly, scores by tolerance)."""
     from transformer_ext import decoding
 
-    kw = dict(bos_id=1, eos_id=2, max_new_tokens=10, cache_len=cache_len)
+    kw = dict(bos_id=1, eos_id=2, max_decoding_length=10, cache_len=cache_len)
     greedy = decoding.greedy_decode(runner, ids, lengths, **kw)
-    beams = decoding.beam_search(runner, ids, lengths, beam_size=3, n_best=2, **kw)
+    beams = decoding.beam_search(runner, ids, lengths, beam_size=3, num_hypotheses=2, **kw)
     return (
         greedy,
         [[h.tokens for h in hyps] for hyps in beams],
@@ -862,7 +862,7 @@ def test_tensorrt_runner_binds_once_and_appends_after_each_step(tiny_model):
 
     runner._kv_append = append
     ids, lengths = _sources(B=2)
-    state = runner.encode(ids, lengths, cache_len=5, num_beams=2)
+    state = runner.encode(ids, lengths, cache_len=5, beam_size=2)
     assert state.num_rows == 4 and state.cache_len == 5
     encoder_calls = [c for c in calls if c[1] == "encoder"]
     assert ("set_input_shape", "encoder", "input_ids", (2, 9)) in encoder_calls  # B sources, not B x beams
@@ -921,7 +921,7 @@ def test_binding_plans():
     cache = KVCache.allocate(1, 2, 1, 4, 2, dtype=torch.float32, device="cpu", staging=True)
     state = DeviceState(
         batch=1,
-        num_beams=2,
+        beam_size=2,
         src_len=3,
         input_ids=t(2, 1),
         src_lengths=t(2),
@@ -964,7 +964,7 @@ def test_tensorrt_runner_checks_profile_limits(tiny_model):
     runner = TensorRTRunner(enc, dec, max_positions=64, device="cpu")
     ids, lengths = _sources(B=2)
     with pytest.raises(ValueError, match="rows exceed"):
-        runner.encode(ids, lengths, cache_len=5, num_beams=3)
+        runner.encode(ids, lengths, cache_len=5, beam_size=3)
     with pytest.raises(ValueError, match="--cache-len"):
         runner.encode(ids, lengths, cache_len=21)
     long_ids = np.ones((1, 13), np.int64)
@@ -1086,7 +1086,7 @@ def test_ort_device_runner_binds_device_buffers_once(exports, flavour):
 
     runner = _ort_cuda_runner(exports[flavour], session_factory=factory)
     ids, lengths = _sources(B=2)
-    state = runner.encode(ids, lengths, 6, num_beams=2)
+    state = runner.encode(ids, lengths, 6, beam_size=2)
     log.clear()
     for _ in range(3):
         runner.step(state, np.array([1, 1, 4, 4]))

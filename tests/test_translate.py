@@ -93,7 +93,7 @@ def test_beam_search_of_one_equals_greedy(translator):
         bos_id=1,
         eos_id=2,
         beam_size=1,
-        max_new_tokens=translator.max_new_tokens(lengths, 1.5, 10),
+        max_decoding_length=translator.max_new_tokens(lengths, 1.5, 10),
     )
     assert [list(b[0].tokens) for b in beams] == [list(t.hypotheses[0].tokens) for t in greedy]
     assert [t.text for t in greedy] == translator.translate(sources, beam_size=3)
@@ -201,7 +201,7 @@ def test_model_without_tokenizer_loads_but_cannot_translate_text(tmp_path):
     ):
         translator.translate(["one"])
     ids = np.array([[5, 6, 7]], dtype=np.int64)  # token ids still decode (benchmarks)
-    (out,) = greedy_decode(translator.runner, ids, np.array([3]), bos_id=1, eos_id=2, max_new_tokens=4)
+    (out,) = greedy_decode(translator.runner, ids, np.array([3]), bos_id=1, eos_id=2, max_decoding_length=4)
     assert len(out) <= 4
 
 

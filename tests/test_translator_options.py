@@ -44,11 +44,15 @@ def encoded(translator, sources):
 
 
 def test_every_setting_returns_translations(translator):
-    for options in (dict(), dict(beam_size=3, n_best=2), dict(sampling_topk=0, seed=1, n_best=2)):
+    for options in (
+        dict(),
+        dict(beam_size=3, num_hypotheses=2),
+        dict(sampling_topk=0, seed=1, num_hypotheses=2),
+    ):
         out = translator.translate(SOURCES, **options)
         assert all(isinstance(t, Translation) for t in out)
         assert [t.source for t in out] == SOURCES
-        n = options.get("n_best", 1)
+        n = options.get("num_hypotheses", 1)
         assert all(len(t.hypotheses) == n and len(t.texts) == n and str(t) == t.texts[0] for t in out)
         for t in out:
             assert [translator.tokenizer.decode_target(h.tokens) for h in t.hypotheses] == t.texts
@@ -70,7 +74,7 @@ def test_sampling_reaches_the_search_and_is_seeded(translator):
         lengths,
         bos_id=translator.bos_id,
         eos_id=translator.eos_id,
-        max_new_tokens=budget,
+        max_decoding_length=budget,
         sampling_topk=0,
         sampling_temperature=1.5,
         seed=3,
@@ -93,8 +97,8 @@ def test_penalties_and_min_length_reach_the_search(translator):
         lengths,
         bos_id=translator.bos_id,
         eos_id=translator.eos_id,
-        max_new_tokens=np.minimum(budget, 20),
-        min_new_tokens=np.minimum(12, np.minimum(budget, 20)),
+        max_decoding_length=np.minimum(budget, 20),
+        min_decoding_length=np.minimum(12, np.minimum(budget, 20)),
         repetition_penalty=1.7,
         no_repeat_ngram_size=2,
     )
@@ -197,7 +201,7 @@ def test_unknown_option_is_a_type_error(translator):
 @pytest.mark.parametrize(
     "options",
     [
-        dict(sampling_topk=0, seed=11, n_best=2),
+        dict(sampling_topk=0, seed=11, num_hypotheses=2),
         dict(beam_size=3, repetition_penalty=1.3, no_repeat_ngram_size=2),
         dict(target_prefix="ab", min_length=5, return_scores=True),
         dict(beam_size=3, length_penalty="hf", alpha=1.0, early_stopping=False),
@@ -220,7 +224,7 @@ def test_eager_and_onnx_runtime_translators_give_equal_tokens(pair, options):
     "options",
     [
         dict(),
-        dict(beam_size=3, n_best=2, length_penalty="hf", alpha=1.0),
+        dict(beam_size=3, num_hypotheses=2, length_penalty_type="hf", length_penalty=1.0),
         dict(target_prefix="ab", min_length=5, return_scores=True),
         dict(sampling_topk=0, seed=11),
     ],

@@ -339,10 +339,10 @@ def settings_of(repo: Path) -> translator_module.Settings:
 
 def eager_decodes(eager: EagerRunner, ids, lengths, beam: int, max_new=MAX_NEW, min_new=0):
     c = eager.info
-    common = dict(bos_id=c.bos_id, eos_id=c.eos_id, max_new_tokens=max_new, min_new_tokens=min_new)
+    common = dict(bos_id=c.bos_id, eos_id=c.eos_id, max_decoding_length=max_new, min_decoding_length=min_new)
     if beam == 1:
         return decoding.greedy_decode(eager, ids, lengths, **common), None
-    hyps = decoding.beam_search(eager, ids, lengths, beam_size=beam, n_best=1, **common)
+    hyps = decoding.beam_search(eager, ids, lengths, beam_size=beam, num_hypotheses=1, **common)
     return [h[0].tokens for h in hyps], [h[0].score for h in hyps]
 
 
@@ -527,8 +527,8 @@ def test_translator_greedy_and_beam_match_eager(repos, eager, flavour):
     request = {
         "input_ids": ids,
         "src_lengths": lengths,
-        "max_new_tokens": np.array([MAX_NEW]),
-        "min_new_tokens": np.array([3]),
+        "max_decoding_length": np.array([MAX_NEW]),
+        "min_decoding_length": np.array([3]),
     }
     greedy = translator.translate(request, server.infer_many)
     want, _ = eager_decodes(eager, ids, lengths, 1, min_new=3)
@@ -560,13 +560,14 @@ def test_translator_defaults_chunks_and_fixed_cache_len(repos, eager, exports, t
     settings = settings_of(repo)
     assert settings.stateful_max_sequences == 2
     ids, lengths = sources(batch=4, seed=1)
-    budget = decoding.max_new_tokens_for(lengths, 1.5, 10, cap=settings.state_cache_len)
+    budget = decoding.max_decoding_length_for(lengths, 1.5, 10, cap=settings.state_cache_len)
     translator = translator_module.Translator(settings)
     greedy = translator.translate({"input_ids": ids}, server.infer_many)  # src_lengths from the padding
     assert unpack(greedy) == eager_decodes(eager, ids, lengths, 1, max_new=budget)[0]
     assert max(c["batch"] for c in server.log) <= 2 and server.states == {}
     beam = translator.translate(
-        {"input_ids": ids, "beam_size": np.array([3]), "max_new_tokens": np.array([8])}, server.infer_many
+        {"input_ids": ids, "beam_size": np.array([3]), "max_decoding_length": np.array([8])},
+        server.infer_many,
     )
     assert unpack(beam) == eager_decodes(eager, ids, lengths, 3, max_new=8)[0]
     # a decoder with a static cache axis (TensorRT tensorscatter engines): larger buffers, same tokens
@@ -574,7 +575,7 @@ def test_translator_defaults_chunks_and_fixed_cache_len(repos, eager, exports, t
         dataclasses.replace(settings_of(repos["portable"]), fixed_cache_len=20)
     )
     server = FakeTriton(repos["portable"])
-    out = fixed.translate({"input_ids": ids, "max_new_tokens": np.array([8])}, server.infer_many)
+    out = fixed.translate({"input_ids": ids, "max_decoding_length": np.array([8])}, server.infer_many)
     assert unpack(out) == eager_decodes(eager, ids, lengths, 1, max_new=8)[0]
     assert server.calls(DECODER_MODEL)[0]["bytes"]["self_key.0"] == 4 * 4 * 20 * 8 * 4
 
@@ -587,8 +588,8 @@ def test_bytes_per_step_sent_to_the_decoder(repos, exports):
     request = {
         "input_ids": ids,
         "src_lengths": lengths,
-        "max_new_tokens": np.array([10]),
-        "min_new_tokens": np.array([10]),
+        "max_decoding_length": np.array([10]),
+        "min_decoding_length": np.array([10]),
     }
     portable = FakeTriton(repos["portable"])
     translator_module.Translator(settings_of(repos["portable"])).translate(request, portable.infer_many)
@@ -640,7 +641,7 @@ def test_failing_step_still_ends_the_sequences(repos):
 
     ids, lengths = sources(batch=2)
     with pytest.raises(RuntimeError, match="went away"):
-        translator.translate({"input_ids": ids, "max_new_tokens": np.array([8])}, flaky)
+        translator.translate({"input_ids": ids, "max_decoding_length": np.array([8])}, flaky)
     assert server.states == {}  # END sent for both sequences
 
 
@@ -687,12 +688,12 @@ def test_generation_config_of_the_export_sets_the_translators_defaults(exports, 
     settings = settings_of(repo)
     assert (
         settings.beam_size,
+        settings.length_penalty_type,
         settings.length_penalty,
-        settings.alpha,
         settings.max_len_a,
         settings.max_len_b,
-        settings.min_new_tokens,
-        settings.max_new_tokens,
+        settings.min_decoding_length,
+        settings.max_decoding_length,
     ) == (3, "average", 1.0, 0.0, 5.0, 2, 4)
     server = FakeTriton(repo)
     ids, lengths = sources(batch=2)
@@ -707,11 +708,11 @@ def test_generation_config_of_the_export_sets_the_translators_defaults(exports, 
         bos_id=c.bos_id,
         eos_id=c.eos_id,
         beam_size=3,
-        n_best=1,
-        max_new_tokens=4,
-        min_new_tokens=2,
-        length_penalty="average",
-        alpha=1.0,
+        num_hypotheses=1,
+        max_decoding_length=4,
+        min_decoding_length=2,
+        length_penalty_type="average",
+        length_penalty=1.0,
     )
     assert unpack(out) == [h[0].tokens for h in hyps]  # min(floor(0 * n + 5), 4) = 4 tokens, beam 3
     np.testing.assert_allclose(out["scores"], [h[0].score for h in hyps], rtol=0, atol=1e-4)

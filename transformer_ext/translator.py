@@ -714,12 +714,14 @@ class Translator:
     def max_new_tokens(self, src_lengths: np.ndarray, max_len_a: float, max_len_b: float) -> np.ndarray:
         """Per-row budget ``floor(a * src_len + b)`` (EOS included), at least 1, at most what the
         model's positions and the runner's cache hold and the translator's ``max_decoding_length``."""
-        from .decoding import max_new_tokens_for
+        from .decoding import max_decoding_length_for
 
         for name, value in (("max_len_a", max_len_a), ("max_len_b", max_len_b)):
             if SearchOptions.__dataclass_fields__[name].metadata["check"](value) is not None:
                 raise TranslationError(f"{name} must be a finite number >= 0, got {value!r}")
-        return max_new_tokens_for(src_lengths, float(max_len_a), float(max_len_b), cap=self._budget_cap())
+        return max_decoding_length_for(
+            src_lengths, float(max_len_a), float(max_len_b), cap=self._budget_cap()
+        )
 
     def _budget_cap(self, options: Optional[SearchOptions] = None) -> int:
         """The most tokens one source may generate: the runner's limit and ``max_decoding_length``."""
@@ -1005,8 +1007,8 @@ class Translator:
         kwargs.update(
             bos_id=self.bos_id,
             eos_id=self.eos_id,
-            max_new_tokens=budget,
-            min_new_tokens=np.minimum(search.min_decoding_length, budget),
+            max_decoding_length=budget,
+            min_decoding_length=np.minimum(search.min_decoding_length, budget),
             target_prefix=prefix,
         )
         n = search.num_hypotheses
@@ -1156,8 +1158,8 @@ class Translator:
 _GREEDY_KWARGS = (
     "bos_id",
     "eos_id",
-    "max_new_tokens",
-    "min_new_tokens",
+    "max_decoding_length",
+    "min_decoding_length",
     "target_prefix",
     "banned_ids",
     "repetition_penalty",

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from benchmarks.common import lscpu, write_json
 from transformer_ext.batching import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_WINDOW
+from transformer_ext.cli import add_option
 
 
 class CountingRunner:
@@ -48,10 +49,10 @@ class CountingRunner:
     def __getattr__(self, name):  # model, step_with_attention ...: the wrapped runner's
         return getattr(self.runner, name)
 
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
+    def encode(self, input_ids, src_lengths, cache_len, beam_size=1):
         B, S = input_ids.shape
-        self.batches.append({"rows": B * num_beams, "src_len": S, "sources": B, "steps": 0, "row_steps": 0})
-        return self.runner.encode(input_ids, src_lengths, cache_len, num_beams)
+        self.batches.append({"rows": B * beam_size, "src_len": S, "sources": B, "steps": 0, "row_steps": 0})
+        return self.runner.encode(input_ids, src_lengths, cache_len, beam_size)
 
     def step(self, state, tokens):
         self.batches[-1]["steps"] += 1
@@ -146,7 +147,15 @@ def main(argv=None) -> dict:
         "--window", type=int, default=DEFAULT_WINDOW, help="lines sorted together (default: %(default)s)"
     )
     p.add_argument("--work-only", action="store_true", help="count the work of both paths, time nothing")
-    p.add_argument("--beam", type=int, default=1, help="beam size (default: %(default)s)")
+    add_option(
+        p,
+        "--beam-size",
+        deprecated=("--beam",),
+        dest="beam",
+        type=int,
+        default=1,
+        help="beam size (default: %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the runtime's)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demo lines (default: %(default)s)")

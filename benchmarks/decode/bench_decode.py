@@ -21,9 +21,9 @@ as float32 and int8 models. Only one engine decodes at any time; rounds are inte
 rotating order; medians of ``--repeats`` are reported.
 
 Settings: source length 24, exactly 48 generated tokens per sequence (EOS suppressed until then:
-our ``min_new_tokens = max_new_tokens = 48``, CTranslate2's ``min_decoding_length =
+ours and CTranslate2's ``min_decoding_length =
 max_decoding_length = 48``), greedy and beam 4 (no length penalty on either side: our
-``length_penalty="none"``, CTranslate2's ``length_penalty=0``; best hypothesis compared),
+``length_penalty_type="none"``, CTranslate2's ``length_penalty=0``; best hypothesis compared),
 batch 1, 16 and 64, 1 and 2 threads for every engine (CTranslate2 ``intra_threads=N,
 inter_threads=1``; ONNX Runtime ``intra_op_num_threads=N``; torch ``set_num_threads(N)``). A
 setting ``WxT`` (``--threads 1,2,2x1``) splits each batch over W workers of T threads for the
@@ -1067,7 +1067,7 @@ def run(
         "engine_processes": "one per engine and thread count (decode_worker.py)",
         "beam": {
             "size": 4,
-            "length_penalty": "none (ours: length_penalty='none'; CTranslate2: length_penalty=0)",
+            "length_penalty": "none (ours: length_penalty_type='none'; CTranslate2: length_penalty=0)",
         },
         "engines": [{"name": e.name, "description": e.description, "dtype": e.dtype} for e in engines],
         "models": {},

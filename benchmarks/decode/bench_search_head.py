@@ -9,7 +9,7 @@ copy, as ``OrtRunner.step`` returns), and its twin adds ``step_top_k``, the sear
 (``runtimes/search_head.py``, an ONNX Runtime session of ``--threads`` threads, default 1) over those
 logits in place.
 Both run the same search, ``--steps`` steps (EOS suppressed until then, one banned id, as
-bench_decode and bench_pretrained decode): beam 4 (``length_penalty="none"``) and greedy with
+bench_decode and bench_pretrained decode): beam 4 (``length_penalty_type="none"``) and greedy with
 scores (as the translator asks). The thresholds are set to 0 for the head runner, so every step
 after the first goes through it. Per cell the median of ``--repeats`` interleaved decodes, in
 microseconds per step, and the ratio host / head (above 1: the head is faster).
@@ -47,8 +47,8 @@ class FixedLogits:
         self.seed = seed
         self.logits = np.zeros((0, vocab), dtype=np.float32)
 
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1):
-        rows = input_ids.shape[0] * num_beams
+    def encode(self, input_ids, src_lengths, cache_len, beam_size=1):
+        rows = input_ids.shape[0] * beam_size
         rng = np.random.default_rng(self.seed)
         self.logits = (3 * rng.standard_normal((rows, self.V))).astype(np.float32)
         return None
@@ -82,13 +82,15 @@ def _decode(runner, mode: str, batch: int, steps: int):
     common = dict(
         bos_id=BOS,
         eos_id=EOS,
-        max_new_tokens=steps,
-        min_new_tokens=steps,
+        max_decoding_length=steps,
+        min_decoding_length=steps,
         banned_ids=[BANNED],
         remove_finished=False,
     )
     if mode == "beam4":
-        return decoding.beam_search(runner, ids, lengths, beam_size=BEAM, length_penalty="none", **common)
+        return decoding.beam_search(
+            runner, ids, lengths, beam_size=BEAM, length_penalty_type="none", **common
+        )
     return decoding.greedy_decode(runner, ids, lengths, return_scores=True, **common)
 
 

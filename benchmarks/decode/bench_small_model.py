@@ -31,12 +31,12 @@ are equal, and the first mismatches (source and both texts). Without CTranslate2
 
 Where the time goes: ``--split`` also times our workers' two graph sessions per call (process
 CPU time around each ``run``), so each of our samples splits into the encoder graph, the
-decoder step graph and the host (the rest); ``--max-new-tokens 1`` times the encoder and one
+decoder step graph and the host (the rest); ``--max-decoding-length 1`` times the encoder and one
 step per line for every engine, CTranslate2 included, so a full run minus it is the rest of
 the decode.
 
     python -m benchmarks.decode.bench_small_model --engines onnxrt_gqa,ctranslate2 --split
-    python -m benchmarks.decode.bench_small_model --engines onnxrt_gqa,ctranslate2 --split --max-new-tokens 1
+    python -m benchmarks.decode.bench_small_model --engines onnxrt_gqa,ctranslate2 --split --max-decoding-length 1
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+from transformer_ext.cli import add_option
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (results/ lives here)
 
@@ -291,7 +293,7 @@ def run(
         for n in OURS:
             options[n] = {"max_batch_tokens": max_batch_tokens}
             if max_new_tokens is not None:
-                options[n]["max_length"] = max_new_tokens
+                options[n]["max_decoding_length"] = max_new_tokens
         if "ctranslate2" in engines:
             cap = budget_cap(lines, paths["onnx"])
             options["ctranslate2"] = {
@@ -403,8 +405,11 @@ def main(argv=None) -> int:
         default=None,
         help="CTranslate2's max_batch_size in tokens (default: --max-batch-tokens)",
     )
-    p.add_argument(
-        "--max-new-tokens",
+    add_option(
+        p,
+        "--max-decoding-length",
+        deprecated=("--max-new-tokens",),
+        dest="max_new_tokens",
         type=int,
         default=None,
         help="stop every translation after this many tokens, both engines (default: the model's budget); "
@@ -432,7 +437,8 @@ def main(argv=None) -> int:
     for name in ("lines", "threads", "repeats", "max_batch_tokens", "ct2_max_batch_tokens", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+            flag = "--max-decoding-length" if name == "max_new_tokens" else f"--{name.replace('_', '-')}"
+            p.error(f"{flag} must be >= 1, got {value}")
     for flag, folder in (("--export", args.export), ("--export-gqa", args.export_gqa)):
         if folder is not None and not os.path.isfile(os.path.join(folder, "manifest.json")):
             p.error(f"{flag} {folder}: not an export folder (no manifest.json)")

@@ -31,7 +31,7 @@ the worker translates text instead. Request ``("translate", lines, options)``; a
 (outputs, cpu_seconds, wall_seconds))``, ``outputs`` one ``(token ids, text)`` per line, the
 seconds the process's CPU time and the wall time of the whole call (tokenization included). The
 ``onnxrt`` worker runs ``Translator.from_export_dir(model).translate_iterable`` (the translate
-CLI's path) with ``options["max_batch_tokens"]`` (and ``options["max_length"]``, new tokens at
+CLI's path) with ``options["max_batch_tokens"]`` (and ``options["max_decoding_length"]``, new tokens at
 most, where given; with ``spec["split"]`` the answer holds a fourth item, the CPU seconds and
 calls of its encoder and decoder step graphs); the ``ctranslate2`` one tokenizes with the
 tokenizer in ``spec["tokenizer"]`` (a folder holding ours), runs ``translate_iterable`` in token
@@ -118,8 +118,8 @@ def _decode_part(runner, src, lengths, *, mode, n, bos, eos, banned):
             lengths,
             bos_id=bos,
             eos_id=eos,
-            max_new_tokens=n,
-            min_new_tokens=n,
+            max_decoding_length=n,
+            min_decoding_length=n,
             banned_ids=banned,
         )
     hyps = beam_search(
@@ -130,9 +130,9 @@ def _decode_part(runner, src, lengths, *, mode, n, bos, eos, banned):
         eos_id=eos,
         banned_ids=banned,
         beam_size=BEAM,
-        max_new_tokens=n,
-        min_new_tokens=n,
-        length_penalty="none",
+        max_decoding_length=n,
+        min_decoding_length=n,
+        length_penalty_type="none",
     )
     return [list(row[0].tokens) for row in hyps]
 
@@ -212,8 +212,8 @@ def _generate(model, spec):
                 attention_mask=mask,
                 do_sample=False,
                 num_beams=1 if mode == "greedy" else BEAM,
-                max_new_tokens=n,
-                min_new_tokens=n,
+                max_decoding_length=n,
+                min_decoding_length=n,
                 bad_words_ids=banned or None,
             )
         return [row[1:] for row in out.tolist()]
@@ -312,7 +312,8 @@ def _onnxrt_lines(spec):
         _timed_calls(translator.runner.decoder, "run_with_iobinding", totals, "step")
 
     def translate(lines, options):
-        extra = {"max_length": int(options["max_length"])} if options.get("max_length") is not None else {}
+        cap = options.get("max_decoding_length")
+        extra = {"max_decoding_length": int(cap)} if cap is not None else {}
         totals.update(dict.fromkeys(totals, 0))
         stream = translator.translate_iterable(
             lines, max_batch_tokens=int(options["max_batch_tokens"]), **extra

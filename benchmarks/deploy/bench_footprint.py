@@ -148,7 +148,7 @@ def worker(engine: str, folder: str, threads: int) -> dict:
         tokens = len(out.tokens)
     elif engine == "ours":
         ids = np.array([SOURCE_IDS], dtype=np.int64)
-        (row,) = runner.greedy(ids, np.array([len(SOURCE_IDS)]), max_new_tokens=NEW_TOKENS)
+        (row,) = runner.greedy(ids, np.array([len(SOURCE_IDS)]), max_decoding_length=NEW_TOKENS)
         tokens = len(row)
     else:
         source = spm.encode(SOURCE_TEXT, out_type=str) + ["</s>"]
@@ -168,7 +168,7 @@ def worker(engine: str, folder: str, threads: int) -> dict:
         )
     elif engine == "ours":
         runner.greedy(
-            np.repeat(ids, BATCH, axis=0), np.full(BATCH, len(SOURCE_IDS)), max_new_tokens=NEW_TOKENS
+            np.repeat(ids, BATCH, axis=0), np.full(BATCH, len(SOURCE_IDS)), max_decoding_length=NEW_TOKENS
         )
     else:
         translator.translate_batch(

@@ -42,10 +42,10 @@ def _decode(runner, mode: str, src: np.ndarray, lengths: np.ndarray, n_tokens: i
     from transformer_ext.decoding import beam_search, greedy_decode
 
     bos, eos = runner.info.bos_id, runner.info.eos_id
-    kw = dict(bos_id=bos, eos_id=eos, max_new_tokens=n_tokens, min_new_tokens=n_tokens)
+    kw = dict(bos_id=bos, eos_id=eos, max_decoding_length=n_tokens, min_decoding_length=n_tokens)
     if mode == "greedy":
         return greedy_decode(runner, src, lengths, return_scores=True, **kw)
-    return beam_search(runner, src, lengths, beam_size=BEAM, length_penalty="none", **kw)
+    return beam_search(runner, src, lengths, beam_size=BEAM, length_penalty_type="none", **kw)
 
 
 def count_calls(runner, mode: str, batch: int, n_tokens: int, top: int) -> dict:

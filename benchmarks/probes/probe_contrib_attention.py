@@ -14,7 +14,7 @@ layer's, meets the caches), every variant fed the same values:
   ``com.microsoft.GroupQueryAttention`` per layer (``kv_num_heads = num_heads``), its past and
   present K/V bound to one buffer (IO binding), so the append happens inside the operator.
 * **Cross-attention** over ``--src-len`` source positions with K/V once per source and
-  ``--beams`` rows per source. ``ops``: the export's grouped form (``Reshape`` / ``Transpose``
+  ``--beam-size`` rows per source. ``ops``: the export's grouped form (``Reshape`` / ``Transpose``
   of the queries, ``MatMul``, additive mask, ``Softmax``, ``MatMul``, back). ``mha``: one
   ``com.microsoft.MultiHeadAttention`` per layer, the beams as the query sequence, the K/V in
   the ``[B, H, S, D]`` layout it takes as precomputed keys, the padding as ``key_padding_mask``.
@@ -33,6 +33,8 @@ import os
 import sys
 
 import numpy as np
+
+from transformer_ext.cli import add_option
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (results/ lives here)
 
@@ -291,7 +293,15 @@ def cross_case(args, B: int, threads: int, rng) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,4,64,256", help="comma-separated decoder rows (sources x beams)")
-    p.add_argument("--beams", type=int, default=4, help="rows per source in the cross-attention block")
+    add_option(
+        p,
+        "--beam-size",
+        deprecated=("--beams",),
+        dest="beams",
+        type=int,
+        default=4,
+        help="rows per source in the cross-attention block",
+    )
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=64)

@@ -25,6 +25,8 @@ import sys
 
 import numpy as np
 
+from transformer_ext.cli import add_option
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ (results/ lives here)
 
 from benchmarks.common import lscpu, time_side_by_side, write_json
@@ -76,7 +78,9 @@ def graph(shared: bool, layers: int, B: int, K: int, H: int, S: int, D: int) -> 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", default="16,64", help="comma-separated sources per step")
-    p.add_argument("--beams", type=int, default=4)
+    add_option(
+        p, "--beam-size", deprecated=("--beams",), dest="beams", type=int, default=4, help="rows per source"
+    )
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--src-len", type=int, default=24)

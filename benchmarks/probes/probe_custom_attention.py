@@ -23,7 +23,7 @@ step data, the float64 references, IO binding, session options, checks and timin
   ``present_v`` outputs bound to the caches (as ``gqa``'s). The faster of the two is the
   operator's figure.
 * **Cross-attention** over ``--src-len`` positions (ragged lengths), K/V once per source,
-  ``K`` rows per source (1 and ``--beams``): ``ops`` (the export's grouped form), ``bcast``,
+  ``K`` rows per source (1 and ``--beam-size``): ``ops`` (the export's grouped form), ``bcast``,
   ``kt`` and ``mha`` (``MultiHeadAttention``); ``custom``: the operator over the per-source K/V.
 
 A form above ``--tolerance`` (max abs error against float64) or one ONNX Runtime refuses is

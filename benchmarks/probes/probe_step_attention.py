@@ -23,7 +23,7 @@ the query scale folded in (scale 1, as the export traces it). Every tensor is bo
   past and present K/V one bound buffer.
 * ``dmmha``: one ``com.microsoft.DecoderMaskedMultiHeadAttention`` per layer,
   ``past_present_share_buffer=1``, ``past_sequence_length = L - 1``.
-* ``dmmha_beams``: the same with ``beam_width = --beams`` and a random ``cache_indirection``
+* ``dmmha_beams``: the same with ``beam_width = --beam-size`` and a random ``cache_indirection``
   (each beam reading earlier positions from another beam of its source), timed with the
   host update of the indirection table a search would make each step. It needs no cache
   reorder; ``host_reorder`` times the reorder the other forms need at a beam step
@@ -32,7 +32,7 @@ the query scale folded in (scale 1, as the export traces it). Every tensor is bo
   step: ``--measure-moved-rows`` counts them), so ``gqa + host_reorder`` is the figure ``dmmha_beams`` competes with.
 
 **Cross-attention** over ``--src-len`` source positions (ragged lengths), ``K`` rows per source
-(1: greedy, and ``--beams``), K/V once per source unless named otherwise:
+(1: greedy, and ``--beam-size``), K/V once per source unless named otherwise:
 
 * ``ops``: the export's grouped form (queries regrouped ``[sources, heads, K, d]``, ``MatMul``
   with ``k^T``, additive mask, ``Softmax``, ``MatMul``, back).
@@ -693,7 +693,7 @@ def demo_moved_rows(sources: int = 64, beams: int = 4, new_tokens: int = 48) -> 
     with torch.inference_mode():
         beam_search(
             runner, src, lengths, bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=beams,
-            max_new_tokens=new_tokens, remove_finished=False,
+            max_decoding_length=new_tokens, remove_finished=False,
         )  # fmt: skip
     rows = sum(c[0] for c in calls)
     return {

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from benchmarks.common import time_side_by_side, write_json
+from transformer_ext.cli import add_option
 
 NEG_INF = float("-inf")
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -246,7 +247,7 @@ def add_arguments(
     """The options both probes take (their own defaults where they differ); ``--out`` defaults to
     ``benchmarks/results/<name>.json``."""
     p.add_argument("--rows", default="4,16,64,256", help="comma-separated decoder rows (sources x beams)")
-    p.add_argument("--beams", type=int, default=4, help=beams_help)
+    add_option(p, "--beam-size", deprecated=("--beams",), dest="beams", type=int, default=4, help=beams_help)
     p.add_argument("--layers", type=int, default=6, help="decoder layers per graph (each its own tensors)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=64)
@@ -318,7 +319,7 @@ def header(args, cache_lens: list[int]) -> dict:
 def run_cases(args, rows, threads, cache_lens, self_case: Callable, cross_case: Callable) -> list[dict]:
     """Every case, each printed as it is done: per thread count and row count ``R`` the
     self-attention at each cache capacity (``self_case(args, R, L, threads, rng)``), then the
-    cross-attention at 1 and ``--beams`` rows per source where they divide ``R``
+    cross-attention at 1 and ``--beam-size`` rows per source where they divide ``R``
     (``cross_case(args, sources, K, threads, rng)``); one generator seeded 0 for all."""
     rng = np.random.default_rng(0)
     results = []

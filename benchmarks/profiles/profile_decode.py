@@ -97,7 +97,13 @@ def _decode(runner, mode, src, lengths, n_tokens):
     bos, eos = inner.info.bos_id, inner.info.eos_id
     if mode == "greedy":
         return greedy_decode(
-            runner, src, lengths, bos_id=bos, eos_id=eos, max_new_tokens=n_tokens, min_new_tokens=n_tokens
+            runner,
+            src,
+            lengths,
+            bos_id=bos,
+            eos_id=eos,
+            max_decoding_length=n_tokens,
+            min_decoding_length=n_tokens,
         )
     return beam_search(
         runner,
@@ -106,9 +112,9 @@ def _decode(runner, mode, src, lengths, n_tokens):
         bos_id=bos,
         eos_id=eos,
         beam_size=BEAM,
-        max_new_tokens=n_tokens,
-        min_new_tokens=n_tokens,
-        length_penalty="none",
+        max_decoding_length=n_tokens,
+        min_decoding_length=n_tokens,
+        length_penalty_type="none",
     )
 
 

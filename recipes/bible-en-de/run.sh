@@ -27,7 +27,7 @@ python -m transformer_ext.average --last 3 $WORK/bible-en-de --out $WORK/bible-e
 
 # 4. test BLEU / chrF on Acts (1,007 verses): greedy and beam 4
 python -m transformer_ext.evaluate --model $WORK/bible-en-de/best --src $D/test.en --ref $D/test.de --output $WORK/best.greedy.de
-python -m transformer_ext.evaluate --model $WORK/bible-en-de/best --src $D/test.en --ref $D/test.de --beam 4 --output $WORK/best.beam4.de
+python -m transformer_ext.evaluate --model $WORK/bible-en-de/best --src $D/test.en --ref $D/test.de --beam-size 4 --output $WORK/best.beam4.de
 python -m transformer_ext.evaluate --model $WORK/bible-en-de-avg3 --src $D/test.en --ref $D/test.de --output $WORK/avg3.greedy.de
 
 # 5. export to ONNX and translate text with ONNX Runtime (no torch needed at this point)

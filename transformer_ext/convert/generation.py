@@ -174,7 +174,7 @@ class GenerationDefaults:
         """Keyword arguments of :func:`transformer_ext.decoding.greedy_decode` (``beam=False``) or
         :func:`~transformer_ext.decoding.beam_search` (``beam=True``; default: ``num_beams > 1``)
         that decode as transformers' ``generate()`` does with this configuration: the decoder
-        start, ``max_new_tokens = max_length - 1``, the least number of new tokens, the banned
+        start, ``max_decoding_length = max_length - 1``, the least number of new tokens, the banned
         tokens, the repetition penalty and n-gram ban, the forced first tokens
         (:meth:`forced_prefix`), the forced EOS, and for beam search ``num_beams`` with
         transformers' length penalty and early-stopping rule."""
@@ -182,8 +182,8 @@ class GenerationDefaults:
         options: dict = dict(
             bos_id=int(tokenizer.bos_id),
             eos_id=int(tokenizer.eos_id),
-            max_new_tokens=self.max_length - 1,
-            min_new_tokens=min(self.min_new_tokens, self.max_length - 1),
+            max_decoding_length=self.max_length - 1,
+            min_decoding_length=min(self.min_new_tokens, self.max_length - 1),
             banned_ids=list(self.banned_ids),
             repetition_penalty=self.repetition_penalty,
             no_repeat_ngram_size=self.no_repeat_ngram_size,
@@ -194,8 +194,8 @@ class GenerationDefaults:
         if beam if beam is not None else self.num_beams > 1:
             options.update(
                 beam_size=self.num_beams,
-                length_penalty="hf",
-                alpha=self.length_penalty,
+                length_penalty_type="hf",
+                length_penalty=self.length_penalty,
                 early_stopping=self.early_stopping,
                 renormalize_logits=self.renormalize_logits,
             )

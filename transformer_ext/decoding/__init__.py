@@ -29,31 +29,31 @@ Conventions:
 * The decoder is fed the start token first: ``decoder_start_id``, which defaults to
   ``bos_id`` (Marian starts with ``<pad>``, M2M100 / NLLB with ``</s>``). Every returned token
   list excludes the start token and the EOS; it includes the ``target_prefix`` tokens.
-* ``max_new_tokens`` counts generated tokens, EOS included (a row that emits EOS as its
-  ``max_new_tokens``-th token has ``max_new_tokens - 1`` tokens). It may be an int or one value
-  per source (e.g. from :func:`max_new_tokens_for`). Prefix tokens count as generated tokens.
+* ``max_decoding_length`` counts generated tokens, EOS included (a row that emits EOS as its
+  ``max_decoding_length``-th token has ``max_decoding_length - 1`` tokens). It may be an int or one value
+  per source (e.g. from :func:`max_decoding_length_for`). Prefix tokens count as generated tokens.
 * Logit processors, applied at every step in this order to every search (the step's
   distribution before the choice): ``repetition_penalty`` (the logit ``l`` of a token already
   in the row's sequence, start token included, becomes ``l * p`` if ``l < 0``, else ``l / p``),
   ``no_repeat_ngram_size`` n (a token that would complete an n-gram already in the sequence is
-  banned), ``banned_ids`` (never generated), ``min_new_tokens`` (EOS banned while fewer tokens
+  banned), ``banned_ids`` (never generated), ``min_decoding_length`` (EOS banned while fewer tokens
   than that have been generated), then the forced tokens: ``target_prefix`` (row b's first
   ``len(target_prefix[b])`` tokens are given), and with ``force_eos_at_budget`` the EOS as the
   last token a row's budget allows. A banned token's logit is -inf *before* the softmax, so
   the other tokens' probabilities are renormalised (as CTranslate2 does); a forced token keeps
   the log-probability the model gives it (so that :func:`score` of a result gives its log-prob).
-  With ``length_penalty="hf"`` the beam search follows transformers' ``generate()`` instead
+  With ``length_penalty_type="hf"`` the beam search follows transformers' ``generate()`` instead
   (the processors act on the log-probabilities, nothing is renormalised, a forced token scores
   0: see :func:`beam_search`).
 * Length penalties (:func:`length_penalty_factor`) divide a hypothesis' log-probability by a
   function of its length, which counts the generated tokens with the EOS (when it has one).
 * The runner's self-attention cache must hold every fed token: the decoder feeds the start
   token and then all generated tokens but the last, so ``cache_len`` defaults to
-  ``max(max_new_tokens)``.
+  ``max(max_decoding_length)``.
 
 The checks every runner makes on its arguments live here, once, so that every backend refuses
 the same input with the same message (naming the argument, and for ids the row and value):
-:func:`check_encode_args` (sources via :func:`check_sources`, ``cache_len``, ``num_beams``) at
+:func:`check_encode_args` (sources via :func:`check_sources`, ``cache_len``, ``beam_size``) at
 encode, :func:`check_step_tokens` at a step, :func:`check_beam_index` at a reorder. A runner
 checks limits of its own (an export's, an engine profile's) after them.
 """
@@ -95,6 +95,7 @@ from .options import (
     SearchOptions,
     expected_value,
     length_penalty_factor,
+    max_decoding_length_for,
     max_new_tokens_for,
 )
 from .options import (
@@ -151,6 +152,7 @@ __all__ = [
     "beam_search",
     "check_attention_runner",
     "score",
+    "max_decoding_length_for",
     "max_new_tokens_for",
     "expected_value",
     "length_penalty_factor",

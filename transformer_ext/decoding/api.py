@@ -27,6 +27,7 @@ from .protocol import (
     Runner,
     check_sources,
 )
+from .renamed import renamed_keywords
 
 
 def _package() -> Any:
@@ -36,6 +37,7 @@ def _package() -> Any:
     return sys.modules[__package__]
 
 
+@renamed_keywords()
 def generate(
     runner: Runner,
     input_ids: np.ndarray,
@@ -43,11 +45,11 @@ def generate(
     *,
     bos_id: int,
     eos_id: int,
-    max_new_tokens: IntOrArray,
+    max_decoding_length: IntOrArray,
     beam_size: int = 1,
     num_hypotheses: int = 1,
-    length_penalty: str = "gnmt",
-    alpha: float = 0.6,
+    length_penalty_type: str = "gnmt",
+    length_penalty: float = 0.6,
     early_stopping: Union[bool, str, None] = None,
     renormalize_logits: bool = False,
     sampling_topk: int = 1,
@@ -59,14 +61,14 @@ def generate(
     **options: Any,
 ) -> list[list[Hypothesis]]:
     """For every source its ``num_hypotheses`` hypotheses, best first, whatever the search:
-    beam search (:func:`beam_search` with ``n_best = num_hypotheses``) when ``beam_size > 1``,
+    beam search (:func:`beam_search`) when ``beam_size > 1``,
     else greedy decoding or sampling (:func:`greedy_decode` with ``return_scores``).
 
-    ``options``: the processor options both searches take (``min_new_tokens``, ``cache_len``,
+    ``options``: the processor options both searches take (``min_decoding_length``, ``cache_len``,
     ``decoder_start_id``, ``target_prefix``, ``banned_ids``, ``repetition_penalty``,
     ``no_repeat_ngram_size``, ``force_eos_at_budget``). Sampling with ``beam_size > 1`` is an
-    error (beam sampling is not defined here). The beam-search options (``length_penalty``,
-    ``alpha``, ``early_stopping``, ``renormalize_logits``) do not apply to greedy decoding, whose
+    error (beam sampling is not defined here). The beam-search options (``length_penalty_type``,
+    ``length_penalty``, ``early_stopping``, ``renormalize_logits``) do not apply to greedy decoding, whose
     hypotheses have no length penalty (its tokens are transformers' greedy tokens either way).
     ``source_index``: each source's index in the caller's whole input, which with ``seed`` picks
     its sampling stream (:func:`greedy_decode`; default ``0 .. B-1``); beam search draws nothing.
@@ -89,25 +91,27 @@ def generate(
             bos_id=bos_id,
             eos_id=eos_id,
             beam_size=beam_size,
-            n_best=num_hypotheses,
-            max_new_tokens=max_new_tokens,
+            num_hypotheses=num_hypotheses,
+            max_decoding_length=max_decoding_length,
+            length_penalty_type=length_penalty_type,
             length_penalty=length_penalty,
-            alpha=alpha,
             early_stopping=early_stopping,
             renormalize_logits=renormalize_logits,
             return_attention=return_attention,
             **options,
         )
-    if length_penalty not in LENGTH_PENALTIES:
-        raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}")
-    _check_real("alpha", alpha)
+    if length_penalty_type not in LENGTH_PENALTIES:
+        raise ValueError(
+            f"length_penalty_type must be one of {LENGTH_PENALTIES}, got {length_penalty_type!r}"
+        )
+    _check_real("length_penalty", length_penalty)
     return _package().greedy_decode(
         runner,
         input_ids,
         src_lengths,
         bos_id=bos_id,
         eos_id=eos_id,
-        max_new_tokens=max_new_tokens,
+        max_decoding_length=max_decoding_length,
         num_hypotheses=num_hypotheses,
         sampling_topk=sampling_topk,
         sampling_topp=sampling_topp,
@@ -202,14 +206,20 @@ class SearchMethods:
                 kwargs[name] = int(value)
         return kwargs
 
-    def greedy(self, input_ids, src_lengths, *, max_new_tokens: IntOrArray, **kwargs):
+    @renamed_keywords()
+    def greedy(self, input_ids, src_lengths, *, max_decoding_length: IntOrArray, **kwargs):
         """:func:`greedy_decode` with this runner (keyword arguments as there)."""
         return _package().greedy_decode(
-            self, input_ids, src_lengths, max_new_tokens=max_new_tokens, **self._search_kwargs(kwargs)
+            self,
+            input_ids,
+            src_lengths,
+            max_decoding_length=max_decoding_length,
+            **self._search_kwargs(kwargs),
         )
 
+    @renamed_keywords()
     def beam_search(
-        self, input_ids, src_lengths, *, beam_size: int, max_new_tokens: IntOrArray, **kwargs
+        self, input_ids, src_lengths, *, beam_size: int, max_decoding_length: IntOrArray, **kwargs
     ) -> list[list[Hypothesis]]:
         """:func:`beam_search` with this runner (keyword arguments as there)."""
         return _package().beam_search(
@@ -217,16 +227,21 @@ class SearchMethods:
             input_ids,
             src_lengths,
             beam_size=beam_size,
-            max_new_tokens=max_new_tokens,
+            max_decoding_length=max_decoding_length,
             **self._search_kwargs(kwargs),
         )
 
+    @renamed_keywords()
     def generate(
-        self, input_ids, src_lengths, *, max_new_tokens: IntOrArray, **kwargs
+        self, input_ids, src_lengths, *, max_decoding_length: IntOrArray, **kwargs
     ) -> list[list[Hypothesis]]:
         """:func:`generate` with this runner (keyword arguments as there)."""
         return generate(
-            self, input_ids, src_lengths, max_new_tokens=max_new_tokens, **self._search_kwargs(kwargs)
+            self,
+            input_ids,
+            src_lengths,
+            max_decoding_length=max_decoding_length,
+            **self._search_kwargs(kwargs),
         )
 
     def score(self, input_ids, src_lengths, targets, **kwargs) -> list[Hypothesis]:

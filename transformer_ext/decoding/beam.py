@@ -1,19 +1,20 @@
 """Beam search: :func:`beam_search`, its state over a batch of sources (``_BeamState``) and the
 step-wise group a :class:`~transformer_ext.decoding.stepwise.SearchState` drives (``_BeamGroup``).
 
-``length_penalty="hf"`` is transformers' ``generate()`` beam search (``num_beams``,
-``length_penalty`` = ``alpha``, ``early_stopping``), for imported models to give the tokens
-transformers gives: the score is ``log_prob / length ** alpha`` (any finite ``alpha``); the
+``length_penalty_type="hf"`` is transformers' ``generate()`` beam search (its ``num_beams`` is
+``beam_size``, its ``length_penalty`` the exponent ``length_penalty``, its ``early_stopping``
+``early_stopping``), for imported models to give the tokens transformers gives: the score is
+``log_prob / length ** length_penalty`` (any finite ``length_penalty``); the
 processors act on the float32 log-probabilities after the softmax (nothing renormalised
 unless ``renormalize_logits``, transformers' option of that name; the repetition penalty
 multiplies a seen token's log-probability; a forced token scores 0); the n-best come from
 the best ``beam_size`` finished hypotheses, and a source stops by ``early_stopping``:
 ``True`` once ``beam_size`` hypotheses finished; ``False`` (the default) once, in addition,
-the best open beam's log-probability divided by ``L ** alpha`` is at most the
+the best open beam's log-probability divided by ``L ** length_penalty`` is at most the
 ``beam_size``-th finished score, ``L`` the number of tokens generated so far; ``"never"``
-the same with ``L`` the maximum length when ``alpha > 0``. transformers' ``max_length``
-counts the decoder start token (``max_new_tokens = max_length - 1``), as does its
-``min_length`` (``min_new_tokens = min_length - 1``); ``forced_bos_token_id`` is a
+the same with ``L`` the maximum length when ``length_penalty > 0``. transformers' own
+``max_length`` counts the decoder start token (``max_decoding_length = max_length - 1``), as does its
+``min_length`` (``min_decoding_length = min_length - 1``); ``forced_bos_token_id`` is a
 one-token ``target_prefix``; ``forced_eos_token_id`` is ``force_eos_at_budget``;
 ``bad_words_ids`` of single tokens are ``banned_ids``.
 
@@ -64,8 +65,10 @@ from .protocol import (
     _selector,
     check_attention_runner,
 )
+from .renamed import renamed_keywords
 
 
+@renamed_keywords()
 def beam_search(
     runner: Runner,
     input_ids: np.ndarray,
@@ -74,11 +77,11 @@ def beam_search(
     bos_id: int,
     eos_id: int,
     beam_size: int,
-    n_best: int = 1,
-    max_new_tokens: IntOrArray,
-    min_new_tokens: IntOrArray = 0,
-    length_penalty: str = "gnmt",
-    alpha: float = 0.6,
+    num_hypotheses: int = 1,
+    max_decoding_length: IntOrArray,
+    min_decoding_length: IntOrArray = 0,
+    length_penalty_type: str = "gnmt",
+    length_penalty: float = 0.6,
     cache_len: int | None = None,
     decoder_start_id: Optional[int] = None,
     target_prefix: Optional[Sequence[Sequence[int]]] = None,
@@ -91,26 +94,26 @@ def beam_search(
     remove_finished: bool = True,
     return_attention: bool = False,
 ) -> list[list[Hypothesis]]:
-    """Batched beam search -> for every source its ``n_best`` hypotheses, best score first.
+    """Batched beam search -> for every source its ``num_hypotheses`` hypotheses, best score first.
 
     Each step expands all ``beam_size`` open beams of a source, ranks the ``beam_size * V``
     candidates by cumulative log-probability and looks at the best ``2 * beam_size``: an EOS
     candidate ranked within the first ``beam_size`` becomes a finished hypothesis (scored with
     the length penalty), and the best non-EOS candidates become the next open beams. A source
-    stops when it has ``n_best`` finished hypotheses and no open beam can beat the
-    ``n_best``-th of them even at its maximum length (log-probabilities only fall as a
+    stops when it has ``num_hypotheses`` finished hypotheses and no open beam can beat the
+    ``num_hypotheses``-th of them even at its maximum length (log-probabilities only fall as a
     hypothesis grows, and the penalty divisor is largest at the maximum length), or when it
-    reaches ``max_new_tokens``; then its open beams join the candidates as unfinished hypotheses.
+    reaches ``max_decoding_length``; then its open beams join the candidates as unfinished hypotheses.
     Candidates of equal score are ranked by beam, then token id.
 
-    ``length_penalty``: one of :data:`LENGTH_PENALTIES` (see :func:`length_penalty_factor`),
-    with exponent ``alpha``. The logit-processor options (``decoder_start_id``,
+    ``length_penalty_type``: one of :data:`LENGTH_PENALTIES` (see :func:`length_penalty_factor`),
+    with exponent ``length_penalty``. The logit-processor options (``decoder_start_id``,
     ``target_prefix``, ``banned_ids``, ``repetition_penalty``, ``no_repeat_ngram_size``,
-    ``min_new_tokens``, ``force_eos_at_budget``) are those of :func:`greedy_decode`.
+    ``min_decoding_length``, ``force_eos_at_budget``) are those of :func:`greedy_decode`.
     ``return_attention``: each hypothesis carries the cross-attention of its tokens
     (:class:`Hypothesis`), reordered with the beams.
 
-    ``length_penalty="hf"``: transformers' rules, and the vectorised step: see the module docstring.
+    ``length_penalty_type="hf"``: transformers' rules, and the vectorised step: see the module docstring.
 
     ``remove_finished`` (default True): when the runner has ``select`` (see :class:`Runner`),
     the rows of the sources that stopped are dropped from the runner's state (with the beam
@@ -118,8 +121,8 @@ def beam_search(
     otherwise they are fed EOS to the end. The results are the same either way.
     """
     select = _selector(runner, remove_finished)
-    alpha, early_stopping = _check_beam_options(
-        length_penalty, beam_size, n_best, alpha, early_stopping, renormalize_logits
+    length_penalty, early_stopping = _check_beam_options(
+        length_penalty_type, beam_size, num_hypotheses, length_penalty, early_stopping, renormalize_logits
     )
     options = _check_options(
         bos_id=bos_id,
@@ -130,29 +133,34 @@ def beam_search(
         no_repeat_ngram_size=no_repeat_ngram_size,
         force_eos_at_budget=force_eos_at_budget,
     )
-    ids, lengths, max_new, min_new, prefixes = _check_search_inputs(
-        input_ids, src_lengths, max_new_tokens, min_new_tokens, target_prefix, eos_id
+    ids, lengths, max_decoding_length, min_decoding_length, prefixes = _check_search_inputs(
+        input_ids, src_lengths, max_decoding_length, min_decoding_length, target_prefix, eos_id
     )
     if return_attention:
         check_attention_runner(runner)
     B, K = ids.shape[0], int(beam_size)
-    steps = int(max_new.max())
+    steps = int(max_decoding_length.max())
     if steps == 0:
         empty = [] if return_attention else None
         return [[Hypothesis([], 0.0, 0.0, False, [], empty)] for _ in range(B)]
     procs = _Processors(
-        options, eos_id=eos_id, rows_per_source=K, min_new=min_new, max_new=max_new, prefixes=prefixes
+        options,
+        eos_id=eos_id,
+        rows_per_source=K,
+        min_decoding_length=min_decoding_length,
+        max_decoding_length=max_decoding_length,
+        prefixes=prefixes,
     )
     s = _BeamState.start(
         K=K,
-        n_best=int(n_best),
+        num_hypotheses=int(num_hypotheses),
         eos_id=eos_id,
         start_id=options.start_id,
+        length_penalty_type=length_penalty_type,
         length_penalty=length_penalty,
-        alpha=alpha,
         early_stopping=early_stopping,
         renormalize=bool(renormalize_logits),
-        max_new=max_new,
+        max_decoding_length=max_decoding_length,
         steps=steps,
     )
     if return_attention:
@@ -188,7 +196,7 @@ class _BeamGroup:
         self.start_id, self.eos_id, self.steps, self.drop = start_id, s.eos_id, steps, drop
         self.tokens = np.full(s.identity.shape[0], start_id, dtype=np.int64)
         self.want_attention = s.src_len is not None
-        self.reported = np.zeros(s.max_new.shape[0], dtype=bool)
+        self.reported = np.zeros(s.max_decoding_length.shape[0], dtype=bool)
         self.t = 0
         self.complete = False
         self.keys: list[Any] = []
@@ -322,13 +330,13 @@ class _BeamState:
     maps them to the search's sources (whose ``results`` are kept)."""
 
     K: int
-    n_best: int
+    num_hypotheses: int
     eos_id: int
-    length_penalty: str
-    alpha: float
+    length_penalty_type: str
+    length_penalty: float
     early_stopping: Union[bool, str]
     renormalize: bool
-    max_new: np.ndarray  # [B] budgets
+    max_decoding_length: np.ndarray  # [B] budgets
     max_penalty: np.ndarray  # [B] penalty divisor at the budget
     beam_scores: np.ndarray  # [B, K] cumulative log-probabilities of the open beams
     history: np.ndarray  # [N, steps] generated tokens of every open beam
@@ -353,8 +361,10 @@ class _BeamState:
     history_attn: Optional[np.ndarray] = None
 
     @classmethod
-    def start(cls, *, K: int, max_new: np.ndarray, steps: int, start_id: int, **options) -> _BeamState:
-        B = max_new.shape[0]
+    def start(
+        cls, *, K: int, max_decoding_length: np.ndarray, steps: int, start_id: int, **options
+    ) -> _BeamState:
+        B = max_decoding_length.shape[0]
         N = B * K
         # Only beam 0 is live at the start (all beams of a source are identical then, expanding
         # them all would give K copies).
@@ -363,7 +373,7 @@ class _BeamState:
         identity = np.arange(N, dtype=np.int64)
         s = cls(
             K=K,
-            max_new=max_new,
+            max_decoding_length=max_decoding_length,
             max_penalty=np.zeros(B),
             beam_scores=beam_scores,
             history=np.zeros((N, steps), dtype=np.int64),
@@ -371,7 +381,7 @@ class _BeamState:
             finished=[[] for _ in range(B)],
             n_finished=np.zeros(B, dtype=np.int64),
             kth_best=np.full(B, -np.inf),
-            done=max_new == 0,
+            done=max_decoding_length == 0,
             results=[[] for _ in range(B)],
             source_of=np.arange(B),
             start_column=np.full((N, 1), start_id, dtype=np.int64),
@@ -382,22 +392,22 @@ class _BeamState:
             scratch=_Scratch(),
             **options,
         )
-        s.max_penalty = np.array([s.penalty(int(m)) for m in np.maximum(max_new, 1)])
+        s.max_penalty = np.array([s.penalty(int(m)) for m in np.maximum(max_decoding_length, 1)])
         for b in np.flatnonzero(s.done):
             s.results[b] = [Hypothesis([], 0.0, 0.0, False, [])]
         return s
 
     @property
     def hf(self) -> bool:
-        return self.length_penalty == "hf"
+        return self.length_penalty_type == "hf"
 
     @property
     def keep(self) -> int:
         """The stop rule compares the open beams with the keep-th finished score."""
-        return self.K if self.hf else self.n_best
+        return self.K if self.hf else self.num_hypotheses
 
     def penalty(self, length: int) -> float:
-        return length_penalty_factor(length, self.length_penalty, self.alpha)
+        return length_penalty_factor(length, self.length_penalty_type, self.length_penalty)
 
     def log_probs(
         self, procs: _Processors, x: np.ndarray, t: int, rows: Optional[np.ndarray] = None
@@ -466,7 +476,7 @@ class _BeamState:
 
         The masked tokens are dropped from a row's candidates (``2 * beam_size`` + the number of
         banned ids + 1 are asked for, so at least ``2 * beam_size`` stay). Where the softmax
-        renormalises after masking (all but ``length_penalty="hf"``), a row's log-probabilities
+        renormalises after masking (all but ``length_penalty_type="hf"``), a row's log-probabilities
         are shifted by ``-log(1 - q)``, ``q`` the masked probability, summed in float64; a row
         with ``q > 1/2`` (where the float32 inputs of ``1 - q`` would lose digits) is computed
         on the host from its logits instead. A forced row's only candidate is its token, with
@@ -569,8 +579,8 @@ class _BeamState:
     def stop_test(self, new_scores: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
         """``(stop, at_budget)`` per source: at its budget, or no open beam can win (the rule of
         the length penalty kind), or every continuation is impossible (-inf)."""
-        done, alpha = self.done, self.alpha
-        at_budget = ~done & (length >= self.max_new)
+        done, length_penalty = self.done, self.length_penalty
+        at_budget = ~done & (length >= self.max_decoding_length)
         best_open = new_scores.max(axis=1)
         open_finite = np.isfinite(best_open)
         enough = ~done & ~at_budget & (self.n_finished >= self.keep)
@@ -578,11 +588,11 @@ class _BeamState:
             stop = enough
         else:
             if self.hf:  # transformers' heuristic: the best open beam at the current or maximum length
-                if self.early_stopping == "never" and alpha > 0:
-                    horizon = self.max_new
+                if self.early_stopping == "never" and length_penalty > 0:
+                    horizon = self.max_decoding_length
                 else:
                     horizon = np.full(done.shape[0], length)
-                divisor = horizon.astype(np.float64) ** alpha
+                divisor = horizon.astype(np.float64) ** length_penalty
             else:  # ours: an upper bound at the maximum length
                 divisor = self.max_penalty
             bound = np.where(open_finite, best_open / divisor, -np.inf)
@@ -619,7 +629,9 @@ class _BeamState:
         for b in np.flatnonzero(stop | at_budget).tolist():
             self.finished[b].sort(key=lambda h: h.score, reverse=True)
             # no hypothesis at all: only reachable if every candidate was -inf throughout
-            self.results[int(self.source_of[b])] = self.finished[b][: self.n_best] or [_no_hypothesis()]
+            self.results[int(self.source_of[b])] = self.finished[b][: self.num_hypotheses] or [
+                _no_hypothesis()
+            ]
             rows = slice(b * K, (b + 1) * K)
             beams.scores[b, :] = -np.inf
             beams.index[rows] = self.identity[rows]
@@ -663,7 +675,7 @@ class _BeamState:
             self.history_attn[:, t] = attn[index]
             self.src_len = self.src_len[index]
         self.beam_scores = beams.scores[keep]
-        for name in ("max_new", "max_penalty", "n_finished", "kth_best", "done", "source_of"):
+        for name in ("max_decoding_length", "max_penalty", "n_finished", "kth_best", "done", "source_of"):
             setattr(self, name, getattr(self, name)[keep])
         self.finished = [self.finished[b] for b in keep.tolist()]
         self.search_rows = rows if self.search_rows is None else self.search_rows[rows]
@@ -679,5 +691,5 @@ class _BeamState:
         for b, g in enumerate(self.source_of.tolist()):
             if not self.results[g]:  # only reachable if every candidate was -inf throughout
                 self.finished[b].sort(key=lambda h: h.score, reverse=True)
-                self.results[g] = self.finished[b][: self.n_best] or [_no_hypothesis()]
+                self.results[g] = self.finished[b][: self.num_hypotheses] or [_no_hypothesis()]
         return self.results

@@ -5,10 +5,10 @@ Options of :func:`greedy_decode` (the package docstring describes the processors
 
 * ``decoder_start_id``: the first token fed (default ``bos_id``).
 * ``target_prefix``: one list of token ids per source (ragged, possibly empty), forced as
-  the first generated tokens; no EOS in it, at most the source's ``max_new_tokens``.
+  the first generated tokens; no EOS in it, at most the source's ``max_decoding_length``.
 * ``banned_ids``: tokens never generated (transformers' single-token ``bad_words_ids``).
 * ``repetition_penalty`` (> 0, 1 = off), ``no_repeat_ngram_size`` (0 = off),
-  ``min_new_tokens``, ``force_eos_at_budget`` (transformers' ``forced_eos_token_id``).
+  ``min_decoding_length``, ``force_eos_at_budget`` (transformers' ``forced_eos_token_id``).
 * Sampling: ``sampling_topk`` (1: greedy, the default; 0: the whole vocabulary; k: the k
   most likely tokens), ``sampling_topp`` in (0, 1], ``sampling_temperature`` > 0 and
   ``seed`` (None: fresh entropy) as in :class:`_Sampler`: each source draws from a stream of
@@ -57,6 +57,7 @@ from .protocol import (
     _selector,
     check_attention_runner,
 )
+from .renamed import renamed_keywords
 from .sampling import (
     _check_sampling,
     _Sampler,
@@ -72,6 +73,7 @@ from .sampling import (
 GREEDY_DROP_DIVISOR = 4
 
 
+@renamed_keywords()
 def greedy_decode(
     runner: Runner,
     input_ids: np.ndarray,
@@ -79,8 +81,8 @@ def greedy_decode(
     *,
     bos_id: int,
     eos_id: int,
-    max_new_tokens: IntOrArray,
-    min_new_tokens: IntOrArray = 0,
+    max_decoding_length: IntOrArray,
+    min_decoding_length: IntOrArray = 0,
     cache_len: int | None = None,
     decoder_start_id: int | None = None,
     target_prefix: Sequence[Sequence[int]] | None = None,
@@ -125,8 +127,8 @@ def greedy_decode(
     )
     sampler = _check_sampling(sampling_topk, sampling_topp, sampling_temperature, seed)
     n = _check_num_hypotheses(num_hypotheses, sampler)
-    ids, lengths, max_new, min_new, prefixes = _check_search_inputs(
-        input_ids, src_lengths, max_new_tokens, min_new_tokens, target_prefix, eos_id
+    ids, lengths, max_decoding_length, min_decoding_length, prefixes = _check_search_inputs(
+        input_ids, src_lengths, max_decoding_length, min_decoding_length, target_prefix, eos_id
     )
     B = ids.shape[0]
     if sampler is not None:
@@ -135,7 +137,7 @@ def greedy_decode(
     if return_attention:
         check_attention_runner(runner)
     with_scores = bool(return_scores) or n > 1 or bool(return_attention)
-    steps = int(max_new.max())
+    steps = int(max_decoding_length.max())
     if steps == 0:
         empty = [] if return_attention else None
         hyps = [[Hypothesis([], 0.0, 0.0, False, [], empty) for _ in range(n)] for _ in range(B)]
@@ -145,13 +147,13 @@ def greedy_decode(
             options,
             eos_id=eos_id,
             rows_per_source=n,
-            min_new=min_new,
-            max_new=max_new,
+            min_decoding_length=min_decoding_length,
+            max_decoding_length=max_decoding_length,
             prefixes=prefixes,
         ),
         sampler,
         n=n,
-        row_budget=np.repeat(max_new, n),
+        row_budget=np.repeat(max_decoding_length, n),
         src_len=np.repeat(lengths, n),
         start_id=options.start_id,
         eos_id=eos_id,
@@ -506,17 +508,18 @@ def _chosen_log_probs(
         return np.where(np.isneginf(value), -np.inf, value - log_z)
 
 
+@renamed_keywords()
 def greedy_advance(
     outputs: list[list[int]],
     finished: np.ndarray,
     next_tokens: np.ndarray,
     *,
     eos_id: int,
-    max_new_tokens: np.ndarray,
+    max_decoding_length: np.ndarray,
 ) -> np.ndarray:
     """One greedy step's bookkeeping, in place: every open row ``b`` either finishes (its token is
     the EOS, which is not appended) or appends its token to ``outputs[b]`` and finishes when it
-    holds ``max_new_tokens[b]`` tokens. ``finished`` (bool ``[B]``) is updated.
+    holds ``max_decoding_length[b]`` tokens. ``finished`` (bool ``[B]``) is updated.
 
     Returns the tokens to feed at the next step (int64 ``[B]``): each row's new token, the EOS for
     finished rows (their outputs are ignored, so that every step stays one batched call).
@@ -529,6 +532,6 @@ def greedy_advance(
             finished[b] = True
         else:
             outputs[b].append(tok)
-            if len(outputs[b]) >= max_new_tokens[b]:
+            if len(outputs[b]) >= max_decoding_length[b]:
                 finished[b] = True
     return np.where(finished, eos_id, next_tokens).astype(np.int64)

@@ -15,6 +15,7 @@ from .protocol import (
     _check_positive_int,
     check_sources,
 )
+from .renamed import renamed_keywords, warn_renamed
 
 if TYPE_CHECKING:  # annotations only
     from .sampling import _Sampler
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # annotations only
 LENGTH_PENALTIES = ("gnmt", "seed", "average", "none", "hf")
 
 
-# transformers' ``early_stopping`` values, for ``length_penalty="hf"`` (see :func:`beam_search`).
+# transformers' ``early_stopping`` values, for ``length_penalty_type="hf"`` (see :func:`beam_search`).
 EARLY_STOPPING = (False, True, "never")
 
 
@@ -36,8 +37,10 @@ def _check_budget_coefficient(name: str, value: Any) -> float:
     return value
 
 
-def max_new_tokens_for(src_lengths: IntOrArray, a: float, b: float, *, cap: int | None = None) -> np.ndarray:
-    """Per-source generation budget ``floor(a * src_len + b)``, at least 1, at most ``cap``.
+def max_decoding_length_for(
+    src_lengths: IntOrArray, a: float, b: float, *, cap: int | None = None
+) -> np.ndarray:
+    """Per-source ``max_decoding_length`` ``floor(a * src_len + b)``, at least 1, at most ``cap``.
 
     ``a`` and ``b`` must be finite and >= 0 (a ValueError naming them otherwise: an infinite or
     NaN budget has no integer value). Without ``cap`` a budget must fit in int64.
@@ -51,6 +54,12 @@ def max_new_tokens_for(src_lengths: IntOrArray, a: float, b: float, *, cap: int 
     elif budget.size and budget.max() >= 2.0**62:
         raise ValueError(f"generation budget {budget.max():.3g} = a * src_len + b is too large; give a cap")
     return np.maximum(budget.astype(np.int64), 1)
+
+
+def max_new_tokens_for(src_lengths: IntOrArray, a: float, b: float, *, cap: int | None = None) -> np.ndarray:
+    """The older name of :func:`max_decoding_length_for` (a deprecation warning, once per process)."""
+    warn_renamed("max_new_tokens_for", "max_decoding_length_for", None)
+    return max_decoding_length_for(src_lengths, a, b, cap=cap)
 
 
 def _per_row(name: str, value: IntOrArray, n: int) -> np.ndarray:
@@ -119,7 +128,9 @@ def _check_in_vocab(name: str, ids: np.ndarray, vocab_size: int) -> None:
         )
 
 
-def _check_prefixes(target_prefix: Any, n_sources: int, max_new: np.ndarray, eos_id: int) -> list[np.ndarray]:
+def _check_prefixes(
+    target_prefix: Any, n_sources: int, max_decoding_length: np.ndarray, eos_id: int
+) -> list[np.ndarray]:
     """One int64 array per source: the tokens forced first (empty without a prefix)."""
     if target_prefix is None:
         return [np.zeros(0, dtype=np.int64)] * n_sources
@@ -140,10 +151,10 @@ def _check_prefixes(target_prefix: Any, n_sources: int, max_new: np.ndarray, eos
                 f"target_prefix[{b}][{int(at_eos[0])}] is the EOS id {eos_id}: a prefix is what comes "
                 "before the end of the translation"
             )
-        if len(arr) > max_new[b]:
+        if len(arr) > max_decoding_length[b]:
             raise ValueError(
                 f"target_prefix[{b}] has {len(arr)} tokens, more than the maximum length of that source "
-                f"({int(max_new[b])} generated tokens, max_new_tokens): shorten the prefix or allow longer outputs"
+                f"({int(max_decoding_length[b])} generated tokens, max_decoding_length): shorten the prefix or allow longer outputs"
             )
         out.append(arr)
     return out
@@ -178,7 +189,7 @@ def _check_options(
     if (banned == eos_id).any():
         raise ValueError(
             f"banned_ids holds the EOS id {eos_id}: a search that may never end is not defined "
-            "(limit the length with max_new_tokens / min_new_tokens instead)"
+            "(limit the length with max_decoding_length / min_decoding_length instead)"
         )
     penalty = _check_real("repetition_penalty", repetition_penalty)
     if penalty <= 0:
@@ -194,18 +205,18 @@ def _check_options(
 def _check_search_inputs(
     input_ids: Any,
     src_lengths: Any,
-    max_new_tokens: IntOrArray,
-    min_new_tokens: IntOrArray,
+    max_decoding_length: IntOrArray,
+    min_decoding_length: IntOrArray,
     target_prefix: Any,
     eos_id: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
-    """``(ids, lengths, max_new, min_new, prefixes)``: the checked sources and per-source budgets."""
+    """``(ids, lengths, max_decoding_length, min_decoding_length, prefixes)``: the checked sources and per-source budgets."""
     ids, lengths = check_sources(input_ids, src_lengths)
     B = ids.shape[0]
-    max_new = _per_row("max_new_tokens", max_new_tokens, B)
-    min_new = _per_row("min_new_tokens", min_new_tokens, B)
-    prefixes = _check_prefixes(target_prefix, B, max_new, eos_id)
-    return ids, lengths, max_new, min_new, prefixes
+    max_decoding_length = _per_row("max_decoding_length", max_decoding_length, B)
+    min_decoding_length = _per_row("min_decoding_length", min_decoding_length, B)
+    prefixes = _check_prefixes(target_prefix, B, max_decoding_length, eos_id)
+    return ids, lengths, max_decoding_length, min_decoding_length, prefixes
 
 
 def _check_num_hypotheses(num_hypotheses: Any, sampler: Optional[_Sampler]) -> int:
@@ -219,27 +230,29 @@ def _check_num_hypotheses(num_hypotheses: Any, sampler: Optional[_Sampler]) -> i
 
 
 def _check_beam_options(
-    length_penalty: Any,
+    length_penalty_type: Any,
     beam_size: Any,
-    n_best: Any,
-    alpha: Any,
+    num_hypotheses: Any,
+    length_penalty: Any,
     early_stopping: Any,
     renormalize_logits: Any,
 ) -> tuple[float, Union[bool, str]]:
-    """``(alpha, early_stopping)``: the checked beam-search options of :func:`beam_search`."""
-    if length_penalty not in LENGTH_PENALTIES:
-        raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}")
-    hf = length_penalty == "hf"
+    """``(length_penalty, early_stopping)``: the checked beam-search options of :func:`beam_search`."""
+    if length_penalty_type not in LENGTH_PENALTIES:
+        raise ValueError(
+            f"length_penalty_type must be one of {LENGTH_PENALTIES}, got {length_penalty_type!r}"
+        )
+    hf = length_penalty_type == "hf"
     if not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
-    if not isinstance(n_best, (int, np.integer)) or not 1 <= n_best <= beam_size:
-        raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best!r}")
-    alpha = _check_real("alpha", alpha)
-    if alpha < 0 and not hf:
-        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+    if not isinstance(num_hypotheses, (int, np.integer)) or not 1 <= num_hypotheses <= beam_size:
+        raise ValueError(f"num_hypotheses must be in [1, beam_size={beam_size}], got {num_hypotheses!r}")
+    length_penalty = _check_real("length_penalty", length_penalty)
+    if length_penalty < 0 and not hf:
+        raise ValueError(f"length_penalty must be a finite number >= 0, got {length_penalty}")
     if early_stopping is not None and not hf:
         raise ValueError(
-            "early_stopping is transformers' beam-search rule: it applies with length_penalty='hf' only"
+            "early_stopping is transformers' beam-search rule: it applies with length_penalty_type='hf' only"
         )
     if early_stopping is None:
         early_stopping = False
@@ -249,37 +262,42 @@ def _check_beam_options(
         raise TypeError(f"renormalize_logits must be a bool, got {renormalize_logits!r}")
     if renormalize_logits and not hf:
         raise ValueError(
-            "renormalize_logits applies with length_penalty='hf' (the other kinds always renormalise)"
+            "renormalize_logits applies with length_penalty_type='hf' (the other kinds always renormalise)"
         )
-    return alpha, early_stopping
+    return length_penalty, early_stopping
 
 
-def length_penalty_factor(length: int, kind: str = "gnmt", alpha: float = 0.6) -> float:
-    """The divisor of a hypothesis' log-probability.
+@renamed_keywords({"kind": "length_penalty_type", "alpha": "length_penalty"}, formula=False)
+def length_penalty_factor(
+    length: int, length_penalty_type: str = "gnmt", length_penalty: float = 0.6
+) -> float:
+    """The divisor of a hypothesis' log-probability under the formula ``length_penalty_type`` with
+    the exponent ``a = length_penalty``.
 
     ``length`` counts generated tokens, EOS included (a finished hypothesis of n tokens has
     length n + 1, an unfinished one cut at the budget has length n), so it is >= 1.
-    ``"gnmt"``: ``((5 + length) / 6) ** alpha`` (Wu et al. 2016).
-    ``"seed"``: ``((5 + length + 1) / 5) ** alpha``: the seed tutorial's formula, whose length
+    ``"gnmt"``: ``((5 + length) / 6) ** a`` (Wu et al. 2016).
+    ``"seed"``: ``((5 + length + 1) / 5) ** a``: the seed tutorial's formula, whose length
     is that of the sequence with BOS.
-    ``"average"``: ``length ** alpha``: the average log-probability per token for ``alpha = 1``.
+    ``"average"``: ``length ** a``: the average log-probability per token for ``a = 1``.
     fairseq's ``--lenpen`` is this definition (its length counts the final EOS); CTranslate2's
     ``length_penalty`` is too when it runs with ``return_end_token=True`` (by default it
-    leaves the EOS out of the length, so finished hypotheses there are divided by n ** alpha).
+    leaves the EOS out of the length, so finished hypotheses there are divided by n ** a).
     ``"none"``: 1.
-    ``"hf"``: ``length ** alpha``, the divisor of transformers' beam search (its
-    ``length_penalty`` is ``alpha``, which may be negative there); the kind also selects
+    ``"hf"``: ``length ** a``, the divisor of transformers' beam search (its
+    ``length_penalty`` is ``a``, which may be negative there); the kind also selects
     transformers' search rules in :func:`beam_search`.
     """
+    kind, a = length_penalty_type, length_penalty
     if kind == "gnmt":
-        return ((5.0 + length) / 6.0) ** alpha
+        return ((5.0 + length) / 6.0) ** a
     if kind == "seed":
-        return ((5.0 + length + 1) / 5.0) ** alpha
+        return ((5.0 + length + 1) / 5.0) ** a
     if kind in ("average", "hf"):
-        return float(length) ** alpha
+        return float(length) ** a
     if kind == "none":
         return 1.0
-    raise ValueError(f"length_penalty must be one of {LENGTH_PENALTIES}, got {kind!r}")
+    raise ValueError(f"length_penalty_type must be one of {LENGTH_PENALTIES}, got {kind!r}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -558,16 +576,16 @@ class SearchOptions:
         lengths = np.asarray(src_lengths, dtype=np.int64)
         if self.max_len_a == 0.0 and self.max_len_b == 0.0:
             return np.full(lengths.shape, self.max_decoding_length, dtype=np.int64)
-        return max_new_tokens_for(lengths, self.max_len_a, self.max_len_b, cap=self.max_decoding_length)
+        return max_decoding_length_for(lengths, self.max_len_a, self.max_len_b, cap=self.max_decoding_length)
 
     def generate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`transformer_ext.decoding.generate` these options give
-        (all but the budget, ``max_new_tokens``: see :meth:`budget`)."""
+        (all but the budget, ``max_decoding_length`` per source: see :meth:`budget`)."""
         return dict(
             beam_size=self.beam_size,
             num_hypotheses=self.num_hypotheses,
-            length_penalty=self.length_penalty_type,
-            alpha=float(self.length_penalty),
+            length_penalty_type=self.length_penalty_type,
+            length_penalty=float(self.length_penalty),
             early_stopping=self.early_stopping,
             renormalize_logits=bool(self.renormalize_logits),
             sampling_topk=int(self.sampling_topk),
@@ -575,7 +593,7 @@ class SearchOptions:
             sampling_temperature=float(self.sampling_temperature),
             seed=self.seed,
             return_attention=bool(self.return_attention),
-            min_new_tokens=int(self.min_decoding_length),
+            min_decoding_length=int(self.min_decoding_length),
             banned_ids=list(self.banned_ids),
             repetition_penalty=float(self.repetition_penalty),
             no_repeat_ngram_size=int(self.no_repeat_ngram_size),

@@ -78,15 +78,15 @@ class BannedTokens:
 
 
 class MinLength:
-    """Processor 4: the EOS is banned at step ``t`` in the rows with ``t < min_new``."""
+    """Processor 4: the EOS is banned at step ``t`` in the rows with ``t < min_decoding_length``."""
 
     needs_sequence = False
 
-    def __init__(self, eos_id: int, min_new: np.ndarray):
-        self.eos_id, self.min_new = eos_id, min_new
+    def __init__(self, eos_id: int, min_decoding_length: np.ndarray):
+        self.eos_id, self.min_decoding_length = eos_id, min_decoding_length
 
     def active(self, t: int) -> np.ndarray:
-        return t < self.min_new
+        return t < self.min_decoding_length
 
     def apply(self, y: np.ndarray, t: int) -> None:
         suppress = self.active(t)
@@ -94,12 +94,12 @@ class MinLength:
             y[suppress, self.eos_id] = -np.inf
 
     def select(self, rows: np.ndarray) -> MinLength:
-        return MinLength(self.eos_id, self.min_new[rows])
+        return MinLength(self.eos_id, self.min_decoding_length[rows])
 
 
 class ForcedTokens:
     """Processor 5: row ``r``'s first ``prefix_len[r]`` tokens are ``prefix[r]``; with
-    ``at_budget`` its EOS is forced as the last token ``max_new[r]`` allows."""
+    ``at_budget`` its EOS is forced as the last token ``max_decoding_length[r]`` allows."""
 
     needs_sequence = False
 
@@ -108,11 +108,11 @@ class ForcedTokens:
         eos_id: int,
         prefix: np.ndarray,
         prefix_len: np.ndarray,
-        max_new: np.ndarray,
+        max_decoding_length: np.ndarray,
         at_budget: bool,
     ):
         self.eos_id, self.at_budget = eos_id, at_budget
-        self.prefix, self.prefix_len, self.max_new = prefix, prefix_len, max_new
+        self.prefix, self.prefix_len, self.max_decoding_length = prefix, prefix_len, max_decoding_length
 
     @classmethod
     def of_prefixes(
@@ -120,7 +120,7 @@ class ForcedTokens:
         eos_id: int,
         prefixes: list[np.ndarray],
         rows_per_source: int,
-        max_new: np.ndarray,
+        max_decoding_length: np.ndarray,
         at_budget: bool,
     ) -> ForcedTokens:
         """The table of one prefix per source (ragged), each repeated for the source's rows."""
@@ -133,7 +133,7 @@ class ForcedTokens:
             eos_id,
             np.repeat(table, R, axis=0),
             np.repeat(plen, R),
-            np.repeat(max_new, R),
+            np.repeat(max_decoding_length, R),
             at_budget,
         )
 
@@ -142,14 +142,16 @@ class ForcedTokens:
         rows = np.flatnonzero(t < self.prefix_len)
         tokens = self.prefix[rows, t] if rows.size else np.zeros(0, dtype=np.int64)
         if self.at_budget:
-            at_end = np.flatnonzero((t == self.max_new - 1) & (t >= self.prefix_len))
+            at_end = np.flatnonzero((t == self.max_decoding_length - 1) & (t >= self.prefix_len))
             if at_end.size:
                 rows = np.concatenate([rows, at_end])
                 tokens = np.concatenate([tokens, np.full(at_end.size, self.eos_id, dtype=np.int64)])
         return rows, tokens
 
     def active(self, t: int) -> bool:
-        return bool((t < self.prefix_len).any() or (self.at_budget and (t == self.max_new - 1).any()))
+        return bool(
+            (t < self.prefix_len).any() or (self.at_budget and (t == self.max_decoding_length - 1).any())
+        )
 
     def apply(
         self, y: np.ndarray, t: int, raw: np.ndarray, *, log_probs: bool
@@ -166,7 +168,7 @@ class ForcedTokens:
             self.eos_id,
             self.prefix[rows],
             self.prefix_len[rows],
-            self.max_new[rows],
+            self.max_decoding_length[rows],
             self.at_budget,
         )
 
@@ -183,7 +185,7 @@ PROCESSOR_ORDER = (
 class _Processors:
     """The five processors of one search over ``N = n_sources * rows_per_source`` rows (the
     rows of a source are consecutive), in :data:`PROCESSOR_ORDER`. Everything is vectorised
-    over the rows. ``o`` holds the checked options; ``min_new`` / ``max_new`` / ``prefix_len``
+    over the rows. ``o`` holds the checked options; ``min_decoding_length`` / ``max_decoding_length`` / ``prefix_len``
     are per row."""
 
     def __init__(
@@ -192,8 +194,8 @@ class _Processors:
         *,
         eos_id: int,
         rows_per_source: int,
-        min_new: np.ndarray,
-        max_new: np.ndarray,
+        min_decoding_length: np.ndarray,
+        max_decoding_length: np.ndarray,
         prefixes: list[np.ndarray],
     ):
         self.o = options
@@ -202,19 +204,19 @@ class _Processors:
         self.repetition = RepetitionPenalty(options.repetition_penalty)
         self.ngram = NoRepeatNgram(options.no_repeat_ngram_size)
         self.banned = BannedTokens(options.banned)
-        self.min_length = MinLength(eos_id, np.repeat(min_new, rows_per_source))
+        self.eos_ban = MinLength(eos_id, np.repeat(min_decoding_length, rows_per_source))
         self.forcing = ForcedTokens.of_prefixes(
-            eos_id, prefixes, rows_per_source, max_new, options.force_eos_at_budget
+            eos_id, prefixes, rows_per_source, max_decoding_length, options.force_eos_at_budget
         )
         self.needs_sequence = bool(self.repetition) or bool(self.ngram)
 
     @property
-    def min_new(self) -> np.ndarray:
-        return self.min_length.min_new
+    def min_decoding_length(self) -> np.ndarray:
+        return self.eos_ban.min_decoding_length
 
     @property
-    def max_new(self) -> np.ndarray:
-        return self.forcing.max_new
+    def max_decoding_length(self) -> np.ndarray:
+        return self.forcing.max_decoding_length
 
     @property
     def prefix_len(self) -> np.ndarray:
@@ -224,7 +226,7 @@ class _Processors:
         """The processors of the rows ``rows`` (int64 indices of the current rows), in that order:
         what a search uses after dropping finished rows."""
         new = copy.copy(self)
-        new.min_length = self.min_length.select(rows)
+        new.eos_ban = self.eos_ban.select(rows)
         new.forcing = self.forcing.select(rows)
         return new
 
@@ -247,7 +249,7 @@ class _Processors:
     def active(self, t: int) -> bool:
         """Whether :meth:`apply` changes anything at step ``t``."""
         return bool(
-            self.needs_sequence or self.banned or self.min_length.active(t).any() or self.forcing.active(t)
+            self.needs_sequence or self.banned or self.eos_ban.active(t).any() or self.forcing.active(t)
         )
 
     def apply(
@@ -274,7 +276,7 @@ class _Processors:
             self.ngram.apply(y, sequence)
         if self.banned:
             self.banned.apply(y)
-        self.min_length.apply(y, t)
+        self.eos_ban.apply(y, t)
         return self.forcing.apply(y, t, raw, log_probs=log_probs)
 
 
@@ -323,7 +325,7 @@ def _head_masked(ids: np.ndarray, procs: _Processors, t: int, eos_id: int) -> np
     """bool, ``ids``' shape: the token ids a masking processor removes at step ``t`` (banned
     ids; the EOS of a row below its minimum length)."""
     masked = ids == eos_id
-    masked &= (t < procs.min_new)[:, None]
+    masked &= (t < procs.min_decoding_length)[:, None]
     if procs.o.banned.size:
         masked |= np.isin(ids, procs.o.banned)
     return masked
@@ -334,4 +336,4 @@ def _masked_mass(picked: np.ndarray, procs: _Processors, t: int) -> np.ndarray:
     :func:`_head_masked` removes, from the column log-probabilities of :func:`_head_request`."""
     nb = procs.o.banned.shape[0]
     p = np.exp(picked[:, : nb + 1].astype(np.float64))
-    return p[:, :nb].sum(axis=1) + np.where(t < procs.min_new, p[:, nb], 0.0)
+    return p[:, :nb].sum(axis=1) + np.where(t < procs.min_decoding_length, p[:, nb], 0.0)

@@ -22,12 +22,12 @@ class Runner(Protocol):
     """What a backend implements to be driven by :func:`greedy_decode` / :func:`beam_search`."""
 
     def encode(
-        self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1
+        self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, beam_size: int = 1
     ) -> Any:
         """Encode ``input_ids`` int64 ``[B, S]`` (right-padded) with ``src_lengths`` int64 ``[B]``.
 
-        Returns an opaque state holding N = B * num_beams rows: every source row repeated
-        ``num_beams`` times (source b's beams are rows ``b*num_beams .. b*num_beams+num_beams-1``),
+        Returns an opaque state holding N = B * beam_size rows: every source row repeated
+        ``beam_size`` times (source b's beams are rows ``b*beam_size .. b*beam_size+beam_size-1``),
         its cross-attention K/V (never reordered afterwards), zero-filled self-attention caches
         of capacity ``cache_len`` and the current position 0.
         """
@@ -181,7 +181,7 @@ class Hypothesis:
     the hypothesis finished with one (of the distributions after the logit processors: see the
     module docstring). ``score``: ``log_prob / length_penalty_factor(...)`` for beam search,
     what the n-best list is sorted by; ``log_prob`` for greedy decoding and sampling.
-    ``finished``: False for a hypothesis cut off at ``max_new_tokens`` without EOS.
+    ``finished``: False for a hypothesis cut off at ``max_decoding_length`` without EOS.
     ``token_log_probs``: the log-probability of each token (the EOS's last, when finished), whose
     sum is ``log_prob``. A greedy search run without ``return_scores`` computes no probabilities:
     its hypotheses (as the translator builds them) have ``score``, ``log_prob`` and
@@ -249,15 +249,15 @@ def check_encode_args(
     input_ids: Any,
     src_lengths: Any,
     cache_len: Any,
-    num_beams: Any,
+    beam_size: Any,
     *,
     src_vocab_size: int | None = None,
     max_positions: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int, int]:
     """The checks every runner's ``encode`` makes: the sources (:func:`check_sources`, source
     length at most ``max_positions``), ``cache_len`` a positive int of at most ``max_positions``
-    (the model's ``max_len``: positions past it have no positional encoding) and ``num_beams``
-    a positive int. Returns ``(input_ids, src_lengths, cache_len, num_beams)``; limits of a
+    (the model's ``max_len``: positions past it have no positional encoding) and ``beam_size``
+    a positive int. Returns ``(input_ids, src_lengths, cache_len, beam_size)``; limits of a
     runner's own (an export's or an engine profile's) are checked by the runner after these.
     """
     ids, lengths = check_sources(
@@ -269,7 +269,7 @@ def check_encode_args(
             f"cache_len = {cache_len} exceeds the model's max_len = {int(max_positions)} "
             "(positions past it have no positional encoding); generate fewer tokens"
         )
-    return ids, lengths, cache_len, _check_positive_int("num_beams", num_beams)
+    return ids, lengths, cache_len, _check_positive_int("beam_size", beam_size)
 
 
 def check_attention_runner(runner: Any) -> None:

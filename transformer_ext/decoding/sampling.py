@@ -20,9 +20,9 @@ from .options import (
 
 
 class _Sampler:
-    """Random sampling of one token per row: the ``topk`` most likely tokens (0: all), scaled by
-    ``1 / temperature``, then the smallest set of them, most likely first, whose probability
-    reaches ``topp``.
+    """Random sampling of one token per row: the ``sampling_topk`` most likely tokens (0: all),
+    scaled by ``1 / sampling_temperature``, then the smallest set of them, most likely first, whose
+    probability reaches ``sampling_topp``.
 
     Each source draws from a stream of its own (:meth:`streams_for`), a numpy Generator seeded
     with ``SeedSequence([seed, index])``, ``index`` the source's index in the caller's input: one
@@ -35,8 +35,11 @@ class _Sampler:
     the same logits give the same tokens on every runner.
     """
 
-    def __init__(self, topk: int, topp: float, temperature: float, seed: int | None):
-        self.topk, self.topp, self.temperature = topk, topp, temperature
+    def __init__(
+        self, sampling_topk: int, sampling_topp: float, sampling_temperature: float, seed: int | None
+    ):
+        self.sampling_topk, self.sampling_topp = sampling_topk, sampling_topp
+        self.sampling_temperature = sampling_temperature
         self.seed = seed
         self.streams: list[np.random.Generator] = []  # one per source: streams_for
         self.rows_per_source = 1
@@ -79,7 +82,7 @@ class _Sampler:
         if rows is not None:
             u = u[rows]
         rows = np.arange(N)[:, None]
-        k = V if self.topk == 0 else min(self.topk, V)
+        k = V if self.sampling_topk == 0 else min(self.sampling_topk, V)
         if k < V:
             cols, row_max = _row_top_k(y, k)
             cols = np.sort(cols, axis=1)
@@ -90,13 +93,13 @@ class _Sampler:
             z = y.astype(np.float64)
         _check_finite_logits(row_max, step, rows)
         m = np.where(np.isfinite(row_max), row_max, 0.0).astype(np.float64)
-        p = np.exp((z - m[:, None]) / self.temperature)
-        if self.topp < 1.0:
+        p = np.exp((z - m[:, None]) / self.sampling_temperature)
+        if self.sampling_topp < 1.0:
             order = np.argsort(-p, axis=1, kind="stable")
             ranked = np.take_along_axis(p, order, axis=1)
             cum = np.cumsum(ranked, axis=1)
             before = np.concatenate([np.zeros((N, 1)), cum[:, :-1]], axis=1)
-            keep_ranked = before < self.topp * cum[:, -1:]
+            keep_ranked = before < self.sampling_topp * cum[:, -1:]
             keep = np.empty_like(keep_ranked)
             np.put_along_axis(keep, order, keep_ranked, axis=1)
             p = np.where(keep, p, 0.0)
@@ -115,25 +118,25 @@ def _check_sampling(
     sampling_topk: Any, sampling_topp: Any, sampling_temperature: Any, seed: Any
 ) -> _Sampler | None:
     """The sampler the options ask for; ``None`` for plain greedy decoding (``sampling_topk=1``)."""
-    topk = sampling_topk
-    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 0:
+    k = sampling_topk
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
         raise ValueError(
-            f"sampling_topk must be an int >= 0 (1 = greedy, 0 = the whole vocabulary), got {topk!r}"
+            f"sampling_topk must be an int >= 0 (1 = greedy, 0 = the whole vocabulary), got {k!r}"
         )
-    topp = _check_real("sampling_topp", sampling_topp)
-    if not 0.0 < topp <= 1.0:
-        raise ValueError(f"sampling_topp must be in (0, 1], got {topp}")
-    temperature = _check_real("sampling_temperature", sampling_temperature)
-    if temperature <= 0:
-        raise ValueError(f"sampling_temperature must be > 0, got {temperature}")
+    p = _check_real("sampling_topp", sampling_topp)
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"sampling_topp must be in (0, 1], got {p}")
+    t = _check_real("sampling_temperature", sampling_temperature)
+    if t <= 0:
+        raise ValueError(f"sampling_temperature must be > 0, got {t}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
         raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
-    if topk == 1:
+    if k == 1:
         given = [
             n
             for n, v, d in (
-                ("sampling_topp", topp, 1.0),
-                ("sampling_temperature", temperature, 1.0),
+                ("sampling_topp", p, 1.0),
+                ("sampling_temperature", t, 1.0),
             )
             if v != d
         ]
@@ -143,4 +146,4 @@ def _check_sampling(
                 "give sampling_topk = 0 (the whole vocabulary) or k > 1"
             )
         return None
-    return _Sampler(int(topk), topp, temperature, None if seed is None else int(seed))
+    return _Sampler(int(k), p, t, None if seed is None else int(seed))

@@ -293,20 +293,20 @@ class SearchState:
                 options,
                 eos_id=self.eos_id,
                 rows_per_source=K,
-                min_new=min_new,
-                max_new=max_new,
+                min_decoding_length=min_new,
+                max_decoding_length=max_new,
                 prefixes=prefixes,
             )
             s = _BeamState.start(
                 K=K,
-                n_best=o.num_hypotheses,
+                num_hypotheses=o.num_hypotheses,
                 eos_id=self.eos_id,
                 start_id=self.start_id,
-                length_penalty=o.length_penalty_type,
-                alpha=float(o.length_penalty),
+                length_penalty_type=o.length_penalty_type,
+                length_penalty=float(o.length_penalty),
                 early_stopping=False if o.early_stopping is None else o.early_stopping,
                 renormalize=bool(o.renormalize_logits),
-                max_new=max_new,
+                max_decoding_length=max_new,
                 steps=steps,
             )
             if o.return_attention:
@@ -323,8 +323,8 @@ class SearchState:
             options,
             eos_id=self.eos_id,
             rows_per_source=n,
-            min_new=min_new,
-            max_new=max_new,
+            min_decoding_length=min_new,
+            max_decoding_length=max_new,
             prefixes=prefixes,
         )
         group = _GreedyGroup(

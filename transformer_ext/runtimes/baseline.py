@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from transformer_ext import decoding
+from transformer_ext.decoding.renamed import renamed_keywords
 from transformer_ext.model import Transformer, padding_mask
 
 from .eager import Device, _encode_sources, _to_device, model_info
@@ -56,10 +57,10 @@ class CatCacheRunner:
         self.info = model_info(self.model)
 
     def encode(
-        self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1
+        self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, beam_size: int = 1
     ) -> CatCacheState:
         lengths, cross_keys, cross_values, src_len, cache_len, _ = _encode_sources(
-            self.model, self.device, input_ids, src_lengths, cache_len, num_beams
+            self.model, self.device, input_ids, src_lengths, cache_len, beam_size
         )
         with torch.inference_mode():
             src_mask = padding_mask(lengths, src_len)
@@ -138,6 +139,7 @@ class CatCacheRunner:
 # ------------------------------------------------------------------------------------------
 
 
+@renamed_keywords()
 def greedy_decode_uncached(
     model: Transformer,
     src_ids: torch.Tensor,
@@ -145,20 +147,20 @@ def greedy_decode_uncached(
     *,
     bos_id: int,
     eos_id: int,
-    max_new_tokens: Union[int, np.ndarray],
-    min_new_tokens: Union[int, np.ndarray] = 0,
+    max_decoding_length: Union[int, np.ndarray],
+    min_decoding_length: Union[int, np.ndarray] = 0,
     return_logits: bool = False,
 ) -> Union[list[list[int]], tuple[list[list[int]], list[np.ndarray]]]:
     """Greedy decoding by re-running the full decoder on the whole prefix at every step.
 
     The seed tutorial's loop, batched: the same stopping rules as
     :func:`transformer_ext.decoding.greedy_decode` (EOS excluded, per-row budgets, EOS suppressed
-    before ``min_new_tokens``). With ``return_logits`` it also returns the float32 logits
+    before ``min_decoding_length``). With ``return_logits`` it also returns the float32 logits
     ``[B, V]`` of every step (before EOS suppression).
     """
     B = src_ids.shape[0]
-    max_new = np.broadcast_to(np.asarray(max_new_tokens, dtype=np.int64), (B,))
-    min_new = np.broadcast_to(np.asarray(min_new_tokens, dtype=np.int64), (B,))
+    max_new = np.broadcast_to(np.asarray(max_decoding_length, dtype=np.int64), (B,))
+    min_new = np.broadcast_to(np.asarray(min_decoding_length, dtype=np.int64), (B,))
     steps = int(max_new.max()) if B else 0
     outputs: list[list[int]] = [[] for _ in range(B)]
     step_logits: list[np.ndarray] = []
@@ -179,7 +181,7 @@ def greedy_decode_uncached(
             logits[t < min_new, eos_id] = -np.inf
             next_tokens = logits.argmax(-1)
             fed = decoding.greedy_advance(
-                outputs, finished, next_tokens, eos_id=eos_id, max_new_tokens=max_new
+                outputs, finished, next_tokens, eos_id=eos_id, max_decoding_length=max_new
             )
             ys = torch.cat([ys, torch.from_numpy(fed).view(B, 1).to(ys.device)], dim=1)
     if return_logits:

@@ -69,11 +69,11 @@ def _dtype_name(t: torch.dtype) -> str:
 
 @dataclass
 class DeviceState(CacheStateViews):
-    """Decoding state of a :class:`DeviceRunner` for N = batch x num_beams rows; all tensors on
+    """Decoding state of a :class:`DeviceRunner` for N = batch x beam_size rows; all tensors on
     the runner's device, allocated once by :meth:`DeviceRunner.encode`."""
 
     batch: int
-    num_beams: int
+    beam_size: int
     src_len: int
     input_ids: torch.Tensor  # [N, 1] int64, refilled every step
     src_lengths: torch.Tensor  # [N] int64
@@ -233,16 +233,16 @@ class DeviceRunner(decoding.SearchMethods):
         return max(cache_len, lim.min_cache_len)  # capacity only: unused positions are never read
 
     def _check_sources(
-        self, input_ids: Any, src_lengths: Any, cache_len: Any, num_beams: Any
+        self, input_ids: Any, src_lengths: Any, cache_len: Any, beam_size: Any
     ) -> tuple[np.ndarray, np.ndarray, int, int]:
         """The checks every runner makes (:func:`transformer_ext.decoding.check_encode_args`),
         then the engines' profile limits."""
         d = self.info
-        ids, lengths, cache_len, num_beams = decoding.check_encode_args(
+        ids, lengths, cache_len, beam_size = decoding.check_encode_args(
             input_ids,
             src_lengths,
             cache_len,
-            num_beams,
+            beam_size,
             src_vocab_size=d.src_vocab_size,
             max_positions=d.max_positions,
         )
@@ -260,12 +260,12 @@ class DeviceRunner(decoding.SearchMethods):
                 f"{B} sources exceed the encoder profile's maximum batch {lim.max_sources}; "
                 "decode in smaller batches or rebuild with a larger --batch"
             )
-        if lim.max_rows is not None and B * num_beams > lim.max_rows:
+        if lim.max_rows is not None and B * beam_size > lim.max_rows:
             raise ValueError(
-                f"{B} sources x {num_beams} beams = {B * num_beams} rows exceed the decoder profile's "
+                f"{B} sources x {beam_size} beams = {B * beam_size} rows exceed the decoder profile's "
                 f"maximum batch {lim.max_rows}; decode in smaller batches or rebuild with --batch"
             )
-        return ids, lengths, cache_len, num_beams
+        return ids, lengths, cache_len, beam_size
 
     # ---------------------------------------------------------------- subclass hooks
 
@@ -277,10 +277,10 @@ class DeviceRunner(decoding.SearchMethods):
 
     # ---------------------------------------------------------------- runner protocol
 
-    def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, num_beams: int = 1) -> DeviceState:
+    def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, beam_size: int = 1) -> DeviceState:
         """Encode ``input_ids [B, S]`` once; allocate every buffer of the decoding; repeat the
         cross K/V per beam on the device. See :class:`transformer_ext.decoding.Runner`."""
-        ids, lengths, cache_len, K = self._check_sources(input_ids, src_lengths, cache_len, num_beams)
+        ids, lengths, cache_len, K = self._check_sources(input_ids, src_lengths, cache_len, beam_size)
         L = self._cache_capacity(cache_len)
         B, S = ids.shape
         N = B * K
@@ -318,7 +318,7 @@ class DeviceRunner(decoding.SearchMethods):
             )
             state = DeviceState(
                 batch=B,
-                num_beams=K,
+                beam_size=K,
                 src_len=S,
                 input_ids=torch.zeros((N, 1), dtype=torch.int64, device=dev),
                 src_lengths=lens_dev.contiguous(),

@@ -56,33 +56,33 @@ def _encode_sources(
     input_ids: np.ndarray,
     src_lengths: np.ndarray,
     cache_len: int,
-    num_beams: int,
+    beam_size: int,
 ):
     """The shared encode prologue of the PyTorch runners: the checks every runner makes
     (:func:`transformer_ext.decoding.check_encode_args`), ``model.encode`` once, and the
-    cross-attention K/V and source lengths repeated per beam (row ``b * num_beams + k``).
+    cross-attention K/V and source lengths repeated per beam (row ``b * beam_size + k``).
 
-    Returns ``(src_lengths [N], cross_keys, cross_values, source length S, cache_len, num_beams)``,
+    Returns ``(src_lengths [N], cross_keys, cross_values, source length S, cache_len, beam_size)``,
     N = batch * beams.
     """
     c = model.config
-    ids, lengths, cache_len, num_beams = decoding.check_encode_args(
-        input_ids, src_lengths, cache_len, num_beams, src_vocab_size=c.src_vocab_size, max_positions=c.max_len
+    ids, lengths, cache_len, beam_size = decoding.check_encode_args(
+        input_ids, src_lengths, cache_len, beam_size, src_vocab_size=c.src_vocab_size, max_positions=c.max_len
     )
     src = _to_device(ids, device)
     lengths = _to_device(lengths, device)
     with torch.inference_mode():
         _, cross_keys, cross_values = model.encode(src, lengths)
-        if num_beams > 1:
-            cross_keys = [k.repeat_interleave(num_beams, dim=0) for k in cross_keys]
-            cross_values = [v.repeat_interleave(num_beams, dim=0) for v in cross_values]
-            lengths = lengths.repeat_interleave(num_beams, dim=0)
-    return lengths, cross_keys, cross_values, int(src.shape[1]), cache_len, num_beams
+        if beam_size > 1:
+            cross_keys = [k.repeat_interleave(beam_size, dim=0) for k in cross_keys]
+            cross_values = [v.repeat_interleave(beam_size, dim=0) for v in cross_values]
+            lengths = lengths.repeat_interleave(beam_size, dim=0)
+    return lengths, cross_keys, cross_values, int(src.shape[1]), cache_len, beam_size
 
 
 @dataclass
 class EagerState(CacheStateViews):
-    """Decoding state of :class:`EagerRunner` (N = batch * num_beams rows)."""
+    """Decoding state of :class:`EagerRunner` (N = batch * beam_size rows)."""
 
     src_lengths: torch.Tensor  # [N] int64
     cross_keys: list[torch.Tensor]  # per layer [N, H, S, d_k]
@@ -176,10 +176,10 @@ class EagerRunner:
             ) from exc
 
     def encode(
-        self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, num_beams: int = 1
+        self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, beam_size: int = 1
     ) -> EagerState:
         lengths, cross_keys, cross_values, _, cache_len, _ = _encode_sources(
-            self.model, self.device, input_ids, src_lengths, cache_len, num_beams
+            self.model, self.device, input_ids, src_lengths, cache_len, beam_size
         )
         c = self.model.config
         cache = KVCache.allocate(

@@ -149,7 +149,7 @@ DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 
 @dataclass
 class OrtState(CacheStateViews):
-    """Decoding state of :class:`OrtRunner` for N = batch * num_beams rows."""
+    """Decoding state of :class:`OrtRunner` for N = batch * beam_size rows."""
 
     binding: Any  # ort.IOBinding of ``session``, bound to the buffers below (OrtRunner._bind)
     input_ids: np.ndarray  # [N, 1] int64, refilled every step
@@ -625,14 +625,14 @@ class OrtRunner(decoding.SearchMethods):
 
     # ------------------------------------------------------------------ runner protocol
 
-    def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, num_beams: int = 1) -> OrtState:
-        """Encode ``input_ids [B, S]`` once; repeat each row ``num_beams`` times; allocate and bind."""
+    def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, beam_size: int = 1) -> OrtState:
+        """Encode ``input_ids [B, S]`` once; repeat each row ``beam_size`` times; allocate and bind."""
         info = self.info
         ids, lengths, cache_len, K = decoding.check_encode_args(
             input_ids,
             src_lengths,
             cache_len,
-            num_beams,
+            beam_size,
             src_vocab_size=info.src_vocab_size,
             max_positions=info.max_positions,
         )

@@ -56,7 +56,7 @@ __all__ = [
 
 # Search options that may hold one value per source (sliced with the sources); the others are
 # passed to every part as they are.
-PER_SOURCE_OPTIONS = ("max_new_tokens", "min_new_tokens", "target_prefix", "source_index")
+PER_SOURCE_OPTIONS = ("max_decoding_length", "min_decoding_length", "target_prefix", "source_index")
 POLL_SECONDS = 0.1  # the longest wait for the parts between two looks at pending signals
 POOLS = ("threads", "processes")  # open_source_parallel's pool kinds
 

@@ -75,6 +75,15 @@ class TranslationRequestError(ValueError):
     """The client's request is invalid (shapes, values, limits); its message goes back to the client."""
 
 
+# the older names of the translator's parameters -> their names (SearchOptions')
+_OLDER_PARAMETERS = {
+    "min_new_tokens": "min_decoding_length",
+    "max_new_tokens": "max_decoding_length",
+    "length_penalty": "length_penalty_type",
+    "alpha": "length_penalty",
+}
+
+
 @dataclass(frozen=True)
 class Call:
     """One BLS inference request: ``outputs`` of ``model`` for ``inputs`` (full shapes, batch first)."""
@@ -117,11 +126,11 @@ class Settings:
     beam_size: int  # default of a request without beam_size (the generation config's)
     max_len_a: float
     max_len_b: float
-    min_new_tokens: int  # default of a request without min_new_tokens
-    max_new_tokens: int  # the largest default budget
+    min_decoding_length: int  # default of a request without min_decoding_length
+    max_decoding_length: int  # the largest default budget
     max_beam_size: int
-    length_penalty: str
-    alpha: float
+    length_penalty_type: str
+    length_penalty: float
     # A model converted from transformers (its generation_defaults.json; repositories written
     # before these parameters existed lack them and get the defaults):
     banned_ids: str = ""  # comma-separated ids never generated (Marian's <pad>)
@@ -131,7 +140,10 @@ class Settings:
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> "Settings":
-        """From ``{key: "value"}`` or Triton's ``{key: {"string_value": "value"}}``."""
+        """From ``{key: "value"}`` or Triton's ``{key: {"string_value": "value"}}`` (a repository
+        written with the older parameter names, :data:`_OLDER_PARAMETERS`, is read under the new)."""
+        if "length_penalty_type" not in params and "alpha" in params:
+            params = {_OLDER_PARAMETERS.get(k, k): v for k, v in params.items()}
         values = {}
         for f in cls.__dataclass_fields__.values():
             if f.name not in params:
@@ -194,7 +206,7 @@ class _RunnerBase:
         self.self_names = [f"self_{k}.{i}" for i in range(settings.n_layers) for k in ("key", "value")]
 
     def _encode(
-        self, input_ids: np.ndarray, src_lengths: np.ndarray, num_beams: int
+        self, input_ids: np.ndarray, src_lengths: np.ndarray, beam_size: int
     ) -> tuple[np.ndarray, dict]:
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         lengths = np.ascontiguousarray(src_lengths, dtype=np.int64)
@@ -212,8 +224,8 @@ class _RunnerBase:
         for name in self.cross_names:
             parts = [np.asarray(o[name]) for o in outs]
             arr = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-            cross[name] = np.ascontiguousarray(np.repeat(arr, num_beams, axis=0) if num_beams > 1 else arr)
-        rows = np.repeat(lengths, num_beams) if num_beams > 1 else lengths
+            cross[name] = np.ascontiguousarray(np.repeat(arr, beam_size, axis=0) if beam_size > 1 else arr)
+        rows = np.repeat(lengths, beam_size) if beam_size > 1 else lengths
         return rows, cross
 
     def _check_step(self, state: _State, tokens: np.ndarray) -> np.ndarray:
@@ -231,13 +243,13 @@ class StatelessRunner(_RunnerBase):
     """Caches held here and sent with every ``decoder_step`` request (chunks of at most
     ``decoder_max_batch_size`` rows, issued concurrently)."""
 
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1) -> _State:
-        rows, cross = self._encode(input_ids, src_lengths, int(num_beams))
+    def encode(self, input_ids, src_lengths, cache_len, beam_size=1) -> _State:
+        rows, cross = self._encode(input_ids, src_lengths, int(beam_size))
         capacity = self.s.fixed_cache_len or int(cache_len)  # a static engine axis wins (larger is harmless)
         if capacity < int(cache_len) or capacity > self.s.max_cache_len:
             raise TranslationRequestError(
                 f"{cache_len} decoding steps do not fit the decoder's cache capacity "
-                f"({self.s.fixed_cache_len or self.s.max_cache_len}); ask for fewer max_new_tokens"
+                f"({self.s.fixed_cache_len or self.s.max_cache_len}); ask for a smaller max_decoding_length"
             )
         N = rows.shape[0]
         shape = (N, self.s.n_heads, capacity, self.s.d_k)
@@ -303,15 +315,15 @@ class StatefulRunner(_RunnerBase):
         super().__init__(settings, infer)
         self.new_correlation_id = new_correlation_id or (lambda: (uuid.uuid4().int >> 65) or 1)
 
-    def encode(self, input_ids, src_lengths, cache_len, num_beams=1) -> _State:
-        if int(num_beams) != 1:
+    def encode(self, input_ids, src_lengths, cache_len, beam_size=1) -> _State:
+        if int(beam_size) != 1:
             raise ValueError(
                 "the stateful decoder serves greedy search only (beams cannot be reordered in Triton's state)"
             )
         if int(cache_len) > self.s.state_cache_len:
             raise TranslationRequestError(
                 f"{cache_len} decoding steps do not fit the stateful decoder's cache capacity "
-                f"({self.s.state_cache_len}); ask for fewer max_new_tokens"
+                f"({self.s.state_cache_len}); ask for a smaller max_decoding_length"
             )
         rows, cross = self._encode(input_ids, src_lengths, 1)
         if rows.shape[0] > self.s.stateful_max_sequences:
@@ -460,7 +472,9 @@ class Translator:
             raise TranslationRequestError(f"beam_size must be at most {self.s.max_beam_size}, got {beam}")
         stateful = beam == 1 and bool(self.s.stateful_decoder_model)
         capacity = self.s.state_cache_len if stateful else (self.s.fixed_cache_len or self.s.max_cache_len)
-        min_new = sent["min_decoding_length"][0] if sent["min_decoding_length"] else self.s.min_new_tokens
+        min_new = (
+            sent["min_decoding_length"][0] if sent["min_decoding_length"] else self.s.min_decoding_length
+        )
         if sent["max_decoding_length"]:
             value, spelled = sent["max_decoding_length"]
             max_new = np.full(B, value, dtype=np.int64)
@@ -469,8 +483,8 @@ class Translator:
                     f"{spelled} must be at most {capacity} (the decoder's cache capacity)"
                 )
         else:
-            max_new = decoding.max_new_tokens_for(
-                lengths, self.s.max_len_a, self.s.max_len_b, cap=min(capacity, self.s.max_new_tokens)
+            max_new = decoding.max_decoding_length_for(
+                lengths, self.s.max_len_a, self.s.max_len_b, cap=min(capacity, self.s.max_decoding_length)
             )
 
         tokens: list[list[int]] = []
@@ -491,8 +505,8 @@ class Translator:
                     lengths[sl],
                     bos_id=self.s.bos_id,
                     eos_id=self.s.eos_id,
-                    max_new_tokens=max_new[sl],
-                    min_new_tokens=min_new,
+                    max_decoding_length=max_new[sl],
+                    min_decoding_length=min_new,
                     target_prefix=None if prefix is None else prefix[sl],
                     **search,
                 )
@@ -505,11 +519,11 @@ class Translator:
                 bos_id=self.s.bos_id,
                 eos_id=self.s.eos_id,
                 beam_size=beam,
-                n_best=1,
-                max_new_tokens=max_new,
-                min_new_tokens=min_new,
+                num_hypotheses=1,
+                max_decoding_length=max_new,
+                min_decoding_length=min_new,
+                length_penalty_type=self.s.length_penalty_type,
                 length_penalty=self.s.length_penalty,
-                alpha=self.s.alpha,
                 early_stopping=self.s.early_stopping_rule,
                 target_prefix=prefix,
                 **search,

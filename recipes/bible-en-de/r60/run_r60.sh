@@ -28,7 +28,7 @@ done
 for precision in fp32 bf16; do
   python -m transformer_ext.evaluate --model $WORK/r60-$precision/best --src $D/test.en --ref $D/test.de \
     --output $R/$precision.best.greedy.de --json > $R/test_$precision.best.greedy.json
-  python -m transformer_ext.evaluate --model $WORK/r60-$precision/best --src $D/test.en --ref $D/test.de --beam 4 \
+  python -m transformer_ext.evaluate --model $WORK/r60-$precision/best --src $D/test.en --ref $D/test.de --beam-size 4 \
     --output $R/$precision.best.beam4.de --json > $R/test_$precision.best.beam4.json
 done
 python recipes/plot_curve.py --minutes --label float32 $R/summary_fp32.json --label "bfloat16 (--amp bf16)" \
