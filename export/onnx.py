@@ -19,7 +19,7 @@ Python::
 
 The output folder (docs/DESIGN.md section 3) holds ``encoder.onnx``, ``decoder_step.onnx``,
 ``manifest.json``, the model's tokenizer files and ``generation.json`` (how a deployment decodes:
-beam size, length penalty, maximum-length rule, special ids; ``--beam-size``, ``--alpha``... set
+beam size, length penalty, maximum-length rule, special ids; ``--beam-size``, ``--length-penalty``... set
 it, :class:`transformer_ext.export_format.GenerationConfig`), so that a deployment needs nothing
 but the folder. Both graphs are traced with
 ``torch.onnx.export(dynamo=True)`` from the model's own ``encode`` and ``decode_step`` (the code
@@ -62,7 +62,6 @@ import torch
 
 from transformer_ext.cli import DefaultsHelpFormatter, UsageError, add_debug_flag, add_option, run_cli
 from transformer_ext.convert.generation import GENERATION_DEFAULTS_FILE
-from transformer_ext.decoding import LENGTH_PENALTIES
 from transformer_ext.export_format import (
     ATTENTION_OUTPUT,
     CUSTOM_OP_DOMAIN,
@@ -85,6 +84,7 @@ from transformer_ext.export_format import (
     tokenizer_files,
 )
 from transformer_ext.fsutil import StagedDir, check_output_path
+from transformer_ext.search_flags import add_decoding_flags, check_decoding_flags, decoding_values
 from transformer_ext.training.run_folder import managed_dirs
 
 from . import ExportError, GraphContractError, ModelDirectoryError
@@ -1175,32 +1175,47 @@ def _add_quantize_arguments(p: argparse.ArgumentParser) -> None:
     add_nbits_arguments(p)
 
 
+# The SearchOptions fields export.onnx writes to the generation config: (field, old spellings,
+# metavar), and the generation.json field each is stored under (that file keeps its format).
+GENERATION_FLAGS = (
+    ("beam_size", (), "N"),
+    ("length_penalty", ("--alpha",), "A"),
+    ("length_penalty_type", (), None),
+    ("max_len_a", (), "A"),
+    ("max_len_b", (), "B"),
+    ("min_decoding_length", ("--min-new-tokens",), "N"),
+    ("max_decoding_length", ("--max-new-tokens",), "N"),
+)
+_GENERATION_FIELDS = {
+    "beam_size": "beam_size",
+    "length_penalty": "alpha",
+    "length_penalty_type": "length_penalty",
+    "max_len_a": "max_len_a",
+    "max_len_b": "max_len_b",
+    "min_decoding_length": "min_new_tokens",
+    "max_decoding_length": "max_new_tokens",
+}
+
+
 def _add_generation_arguments(p: argparse.ArgumentParser) -> None:
-    """The fields of the export's generation config."""
+    """The fields of the export's generation config, as the decoding commands spell them."""
     g = p.add_argument_group(
         "generation config",
         f"how a deployment decodes with the export, written to {GENERATION_FILE} "
         "(defaults: the translator's)",
     )
-    g.add_argument("--beam-size", type=int, help="beam size; 1 (default) is greedy search")
-    g.add_argument(
-        "--length-penalty",
-        choices=LENGTH_PENALTIES,
-        help="beam length penalty (default gnmt); see python -m transformer_ext.translate --help",
+    add_decoding_flags(
+        g,
+        GENERATION_FLAGS,
+        source="the translator's",
+        shown_defaults={"max_decoding_length": "the translator's; at most --cache-len"},
     )
-    g.add_argument("--alpha", type=float, help="length-penalty exponent (default 0.6)")
-    g.add_argument(
-        "--max-len-a", type=float, help="generate at most A * source_length + B tokens (default A = 1.5)"
-    )
-    g.add_argument("--max-len-b", type=float, help="see --max-len-a (default B = 10)")
-    g.add_argument(
-        "--min-new-tokens", type=int, help="tokens generated before EOS may end a translation (default 0)"
-    )
-    g.add_argument(
-        "--max-new-tokens",
-        type=int,
-        help="the largest budget, whatever the source length (default and maximum: --cache-len)",
-    )
+
+
+def generation_from_args(args: argparse.Namespace) -> dict:
+    """The generation-config fields the command line gave, under generation.json's names."""
+    values = decoding_values(args, GENERATION_FLAGS)
+    return {_GENERATION_FIELDS[name]: v for name, v in values.items() if v is not None}
 
 
 def summary_text(result: ExportResult) -> str:
@@ -1279,29 +1294,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     traceback), 2 for a bad option, 130 / 143 when interrupted by SIGINT / SIGTERM."""
     parser = _parser()
     args = parser.parse_args(argv)
+    check_decoding_flags(parser, args, GENERATION_FLAGS)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     return run_cli(parser.prog, lambda: _run(args), debug=args.debug)
 
 
-_GENERATION_OPTIONS = (
-    "beam_size",
-    "length_penalty",
-    "alpha",
-    "max_len_a",
-    "max_len_b",
-    "min_new_tokens",
-    "max_new_tokens",
-)
-
-
 def _run(args) -> int:
     if args.examples < 0:
         raise UsageError(f"--examples must be >= 0, got {args.examples}")
-    generation = {
-        name: getattr(args, name) for name in _GENERATION_OPTIONS if getattr(args, name) is not None
-    }
+    generation = generation_from_args(args)
     from .quantize import gate_data_from_args, nbits_options_from_args
 
     if args.quantize is None and (args.gate_src is not None or args.gate_ref is not None):

@@ -215,3 +215,28 @@ def test_the_older_budget_function_warns_and_agrees(fresh):
     with pytest.warns(FutureWarning, match="max_new_tokens_for is deprecated; use max_decoding_length_for"):
         old = decoding.max_new_tokens_for([1, 10], 1.5, 10, cap=20)
     np.testing.assert_array_equal(old, decoding.max_decoding_length_for([1, 10], 1.5, 10, cap=20))
+
+
+def test_the_runners_encode_takes_the_older_num_beams_with_one_warning(fresh):
+    """``runner.encode(..., num_beams=)`` (the protocol's older keyword) warns once and encodes
+    the same rows as ``beam_size=``; both together are an error naming both."""
+    from helpers import make_model
+
+    from transformer_ext.runtimes import CatCacheRunner, EagerRunner
+
+    model = make_model(False)
+    ids, lengths = np.array([[4, 5, 6], [5, 6, 0]]), np.array([3, 2])
+    for runner in (EagerRunner(model), CatCacheRunner(model)):
+        tokens = np.array([1] * 6)
+        want = runner.step(runner.encode(ids, lengths, 8, beam_size=3), tokens)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = runner.step(runner.encode(ids, lengths, 8, num_beams=3), tokens)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        with pytest.raises(TypeError, match="num_beams and beam_size"):
+            runner.encode(ids, lengths, 8, num_beams=3, beam_size=3)
+    messages = [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
+    assert len(messages) <= 1 and all("num_beams is deprecated; use beam_size" in m for m in messages)
+    translator_options._WARNED.clear()
+    with pytest.warns(FutureWarning, match="num_beams is deprecated; use beam_size"):
+        EagerRunner(model).encode(ids, lengths, 8, num_beams=2)

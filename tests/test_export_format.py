@@ -388,12 +388,41 @@ def test_bad_generation_options_are_refused_before_anything_is_written(
 
 
 def test_cli_bad_generation_option_is_one_line(tmp_path, model_dir, fast_export, capsys):
-    assert main(["--model", str(model_dir), "--output-dir", str(tmp_path / "out"), "--alpha", "-1"]) == 1
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(model_dir), "--output-dir", str(tmp_path / "out"), "--length-penalty", "-1"])
+    assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "python -m export.onnx: error: the generation options: alpha must be a finite number >= 0, got -1.0"
-    ]
-    assert not (tmp_path / "out").exists()
+    assert err[-1] == (
+        "python -m export.onnx: error: --length-penalty must be a finite number >= 0 (negative exponents: "
+        "--length-penalty-type hf), got -1.0"
+    )
+    assert not (tmp_path / "out").exists() and fast_export == []
+
+
+def test_cli_generation_flags_take_the_decoding_names_and_the_old_spellings(
+    tmp_path, model_dir, fast_export, capsys
+):
+    """The generation config's flags are the decoding commands' (--length-penalty the exponent,
+    --length-penalty-type the formula, --max/min-decoding-length); --alpha, --length-penalty NAME,
+    --min-new-tokens and --max-new-tokens warn once each and write the same generation.json."""
+    new = ["--beam-size", "3", "--length-penalty", "1.5", "--length-penalty-type", "average"]
+    new += ["--min-decoding-length", "2", "--max-decoding-length", "20"]
+    old = ["--beam-size", "3", "--alpha", "1.5", "--length-penalty", "average"]
+    old += ["--min-new-tokens", "2", "--max-new-tokens", "20"]
+    written = []
+    for name, flags in (("new", new), ("old", old)):
+        out = tmp_path / name
+        assert main(["--model", str(model_dir), "--output-dir", str(out), "--no-validate", *flags]) == 0
+        written.append(json.loads((out / "generation.json").read_text()))
+        err = capsys.readouterr().err
+        assert ("deprecated" in err) == (name == "old"), err
+        if name == "old":
+            for spelling in ("--alpha", "--length-penalty average", "--min-new-tokens", "--max-new-tokens"):
+                assert f"{spelling} is deprecated" in err, err
+    assert written[0] == written[1]
+    g = written[0]
+    assert (g["beam_size"], g["alpha"], g["length_penalty"]) == (3, 1.5, "average")
+    assert (g["min_new_tokens"], g["max_new_tokens"]) == (2, 20)
 
 
 def test_full_disk_while_writing_the_generation_config_keeps_the_old_export(

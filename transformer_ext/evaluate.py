@@ -328,7 +328,7 @@ def main(argv=None) -> int:
             print(json.dumps(report, indent=1))
             return 0
         d = report["decoding"]
-        mode = f"beam {d['beam_size']} (length penalty {d['length_penalty_type']}, exponent {d['alpha']:g})"
+        mode = f"beam {d['beam_size']} (length penalty {d['length_penalty_type']}, exponent {d['length_penalty']:g})"
         if d["sampling"]:
             mode = "sampling ({})".format(", ".join(f"{k} {v}" for k, v in d["sampling"].items()))
         elif d["beam_size"] == 1:

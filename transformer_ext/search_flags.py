@@ -176,14 +176,19 @@ def check_decoding_flags(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(
             f"{given_flag(args, 'num_hypotheses')} must be between 1 and {beam_flag} ({beam}), got {n}"
         )
+    names = {name for name, _, _ in spec}  # a command's own flags of other names are not these
     if not sampling:
         for name in ("sampling_topp", "sampling_temperature", "seed"):
-            if _value(args, name) is not None:
+            if name in names and _value(args, name) is not None:
                 parser.error(f"{flag_of(name)} applies to random sampling: give --sampling-topk 0 (or K > 1)")
     if sampling and beam is not None and beam > 1:
         beam_flag = given_flag(args, "beam_size")
         parser.error(f"random sampling (--sampling-topk) needs {beam_flag} 1, got {beam_flag} {beam}")
-    if _value(args, "early_stopping") is not None and _value(args, "length_penalty_type") != "hf":
+    if (
+        "early_stopping" in names
+        and _value(args, "early_stopping") is not None
+        and _value(args, "length_penalty_type") != "hf"
+    ):
         parser.error(
             "--early-stopping applies with --length-penalty hf / --length-penalty-type hf (transformers' "
             "beam search)"

@@ -209,9 +209,7 @@ def settings_over(under: TranslatorSettings, layer: OptionLayers) -> TranslatorS
 
 def settings_view(options: SearchOptions, settings: TranslatorSettings, batch_size: int) -> dict:
     """A call's resolved options as one dictionary (what :meth:`Translator.resolve_options`
-    returns): the SearchOptions fields, the older names beside them (``n_best``, ``alpha``,
-    ``length_penalty`` the formula's name, ``min_length``, ``max_length``), the budget as ``a *
-    n + b`` (``max_len_a`` 0 and ``max_len_b`` the budget when it is one number for every
+    returns): the SearchOptions fields under their names, the budget as ``a * n + b`` (``max_len_a`` 0 and ``max_len_b`` the budget when it is one number for every
     source), ``sampling`` (the sampling options, or None) and the settings."""
     view = dataclasses.asdict(options)
     one_budget = options.max_len_a == 0.0 and options.max_len_b == 0.0
@@ -219,11 +217,6 @@ def settings_view(options: SearchOptions, settings: TranslatorSettings, batch_si
     if options.sampling:
         sampling = {k: view[k] for k in ("sampling_topk", "sampling_topp", "sampling_temperature", "seed")}
     view.update(
-        n_best=options.num_hypotheses,
-        alpha=float(options.length_penalty),
-        length_penalty=options.length_penalty_type,
-        min_length=options.min_decoding_length,
-        max_length=options.max_decoding_length,
         max_len_b=float(options.max_decoding_length) if one_budget else options.max_len_b,
         sampling=sampling,
         search=dict(

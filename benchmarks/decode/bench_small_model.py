@@ -129,8 +129,8 @@ def budget_cap(lines: list[str], export: str) -> int:
     opts = translator.resolve_options()
     lengths = [len(ids) for ids in translator.encode(lines)]
     budget = translator.max_new_tokens(lengths, opts["max_len_a"], opts["max_len_b"])
-    if opts.get("max_length") is not None:
-        budget = [min(int(b), int(opts["max_length"])) for b in budget]
+    if opts.get("max_decoding_length") is not None:
+        budget = [min(int(b), int(opts["max_decoding_length"])) for b in budget]
     return int(max(budget))
 
 

@@ -56,6 +56,7 @@ class CatCacheRunner:
         self.model = model.to(self.device).eval()
         self.info = model_info(self.model)
 
+    @renamed_keywords({"num_beams": "beam_size"}, formula=False)
     def encode(
         self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, beam_size: int = 1
     ) -> CatCacheState:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from transformer_ext import decoding
+from transformer_ext.decoding.renamed import renamed_keywords
 from transformer_ext.export_format import ATTENTION_OUTPUT, DTYPES, ExportError
 
 from .info import RunnerInfo
@@ -277,6 +278,7 @@ class DeviceRunner(decoding.SearchMethods):
 
     # ---------------------------------------------------------------- runner protocol
 
+    @renamed_keywords({"num_beams": "beam_size"}, formula=False)
     def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, beam_size: int = 1) -> DeviceState:
         """Encode ``input_ids [B, S]`` once; allocate every buffer of the decoding; repeat the
         cross K/V per beam on the device. See :class:`transformer_ext.decoding.Runner`."""

@@ -20,6 +20,7 @@ import torch
 
 from transformer_ext import decoding
 from transformer_ext.cli import UserError
+from transformer_ext.decoding.renamed import renamed_keywords
 from transformer_ext.model import Transformer
 
 from .info import PRECISION_NAMES, RunnerInfo
@@ -175,6 +176,7 @@ class EagerRunner:
                 "working C++ compiler. Run without compile (EagerRunner(..., compile=False), no --compile)"
             ) from exc
 
+    @renamed_keywords({"num_beams": "beam_size"}, formula=False)
     def encode(
         self, input_ids: np.ndarray, src_lengths: np.ndarray, cache_len: int, beam_size: int = 1
     ) -> EagerState:

@@ -55,6 +55,7 @@ import numpy as np
 import onnxruntime as ort
 
 from transformer_ext import decoding
+from transformer_ext.decoding.renamed import renamed_keywords
 from transformer_ext.export_format import (
     ATTENTION_OUTPUT,
     CUSTOM_OP_FLAVOUR,
@@ -625,6 +626,7 @@ class OrtRunner(decoding.SearchMethods):
 
     # ------------------------------------------------------------------ runner protocol
 
+    @renamed_keywords({"num_beams": "beam_size"}, formula=False)
     def encode(self, input_ids: Any, src_lengths: Any, cache_len: int, beam_size: int = 1) -> OrtState:
         """Encode ``input_ids [B, S]`` once; repeat each row ``beam_size`` times; allocate and bind."""
         info = self.info

@@ -731,8 +731,9 @@ class _Routes:
                     "max_source_tokens": self.state.source_limit(t),
                     "defaults": {
                         "beam_size": settings["beam_size"],
-                        "num_hypotheses": settings["n_best"],
+                        "num_hypotheses": settings["num_hypotheses"],
                         "length_penalty": settings["length_penalty"],
+                        "length_penalty_type": settings["length_penalty_type"],
                         "max_len_a": settings["max_len_a"],
                         "max_len_b": settings["max_len_b"],
                     },

@@ -88,13 +88,13 @@ class ContinuousScheduler(Scheduler):
         given = job.target_prefix if any(p is not None for p in job.target_prefix) else None
         prefixes = t._prefixes(given, len(job.sources), opts)
         search = opts["search"]
-        hf = opts["length_penalty"] == "hf"
+        hf = opts["length_penalty_type"] == "hf"
         sampling = opts["sampling"] or {}
         out = []
         for i, ids in enumerate(encoded):
             budget = int(t.max_new_tokens(np.array([len(ids)]), opts["max_len_a"], opts["max_len_b"])[0])
-            if opts["max_length"] is not None:
-                budget = min(budget, opts["max_length"])
+            if opts["max_decoding_length"] is not None:
+                budget = min(budget, opts["max_decoding_length"])
             if len(prefixes[i]) > budget:
                 raise TranslationError(
                     f"source {i}: the target prefix has {len(prefixes[i])} tokens, more than the {budget} "
@@ -102,13 +102,13 @@ class ContinuousScheduler(Scheduler):
                 )
             options = SearchOptions(
                 beam_size=opts["beam_size"],
-                num_hypotheses=opts["n_best"],
-                length_penalty=opts["alpha"],
-                length_penalty_type=opts["length_penalty"],
+                num_hypotheses=opts["num_hypotheses"],
+                length_penalty=opts["length_penalty"],
+                length_penalty_type=opts["length_penalty_type"],
                 early_stopping=opts["early_stopping"] if hf else None,
                 renormalize_logits=bool(opts["renormalize_logits"] and hf and opts["beam_size"] > 1),
                 max_decoding_length=budget,
-                min_decoding_length=min(opts["min_length"], budget),
+                min_decoding_length=min(opts["min_decoding_length"], budget),
                 repetition_penalty=search["repetition_penalty"],
                 no_repeat_ngram_size=search["no_repeat_ngram_size"],
                 banned_ids=tuple(search["banned_ids"]),
