@@ -30,7 +30,7 @@ def test_bench_batching_tiny(tmp_path):
     lines = bench_batching.demo_lines(6, 0)
     translator = Translator.from_model_dir(None)
     encoded = translator.encode(lines)
-    budgets = [int(b) for b in translator.max_new_tokens([len(x) for x in encoded], 1.5, 10)]
+    budgets = [int(b) for b in translator.max_decoding_length([len(x) for x in encoded], 1.5, 10)]
     row_steps = [_steps(t, b) for t, b in zip(translator.translate(lines), budgets)]
     work = payload["results"]["sentence_batches"]["work"]
     assert work["batches"] == 1 and work["runner_calls"] == max(row_steps)

@@ -240,3 +240,13 @@ def test_the_runners_encode_takes_the_older_num_beams_with_one_warning(fresh):
     translator_options._WARNED.clear()
     with pytest.warns(FutureWarning, match="num_beams is deprecated; use beam_size"):
         EagerRunner(model).encode(ids, lengths, 8, num_beams=2)
+
+
+def test_the_translators_older_budget_method_warns_and_agrees(fresh, tmp_path):
+    from transformer_ext.translator import Translator
+
+    translator = Translator.from_model_dir(None)  # the bundled demo model
+    lengths = np.array([1, 10])
+    with pytest.warns(FutureWarning, match=r"Translator.max_new_tokens\(\) is deprecated"):
+        old = translator.max_new_tokens(lengths, 1.5, 10)
+    np.testing.assert_array_equal(old, translator.max_decoding_length(lengths, 1.5, 10))

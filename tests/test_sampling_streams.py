@@ -125,7 +125,7 @@ def test_translator_samples_do_not_depend_on_the_batching(demo):
             lengths,
             bos_id=demo.bos_id,
             eos_id=demo.eos_id,
-            max_decoding_length=demo.max_new_tokens(lengths, 1.5, 10),
+            max_decoding_length=demo.max_decoding_length(lengths, 1.5, 10),
             num_hypotheses=2,
             source_index=[i],
             **SAMPLING,

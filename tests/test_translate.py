@@ -93,7 +93,7 @@ def test_beam_search_of_one_equals_greedy(translator):
         bos_id=1,
         eos_id=2,
         beam_size=1,
-        max_decoding_length=translator.max_new_tokens(lengths, 1.5, 10),
+        max_decoding_length=translator.max_decoding_length(lengths, 1.5, 10),
     )
     assert [list(b[0].tokens) for b in beams] == [list(t.hypotheses[0].tokens) for t in greedy]
     assert [t.text for t in greedy] == translator.translate(sources, beam_size=3)

@@ -40,7 +40,7 @@ def encoded(translator, sources):
     batch = np.full((len(ids), int(lengths.max())), translator.pad_id, dtype=np.int64)
     for r, x in enumerate(ids):
         batch[r, : len(x)] = x
-    return batch, lengths, translator.max_new_tokens(lengths, 1.5, 10)
+    return batch, lengths, translator.max_decoding_length(lengths, 1.5, 10)
 
 
 def test_every_setting_returns_translations(translator):

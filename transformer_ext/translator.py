@@ -76,6 +76,7 @@ from .translator_options import (
     lay_over,
     settings_over,
     settings_view,
+    warn_renamed,
 )
 
 logger = logging.getLogger(__name__)
@@ -712,6 +713,11 @@ class Translator:
         return out
 
     def max_new_tokens(self, src_lengths: np.ndarray, max_len_a: float, max_len_b: float) -> np.ndarray:
+        """The older name of :meth:`max_decoding_length` (one deprecation warning per process)."""
+        warn_renamed("Translator.max_new_tokens()", "Translator.max_decoding_length()", None)
+        return self.max_decoding_length(src_lengths, max_len_a, max_len_b)
+
+    def max_decoding_length(self, src_lengths: np.ndarray, max_len_a: float, max_len_b: float) -> np.ndarray:
         """Per-row budget ``floor(a * src_len + b)`` (EOS included), at least 1, at most what the
         model's positions and the runner's cache hold and the translator's ``max_decoding_length``."""
         from .decoding import max_decoding_length_for

@@ -128,7 +128,7 @@ def budget_cap(lines: list[str], export: str) -> int:
     translator = Translator.from_export_dir(export, threads=1)
     opts = translator.resolve_options()
     lengths = [len(ids) for ids in translator.encode(lines)]
-    budget = translator.max_new_tokens(lengths, opts["max_len_a"], opts["max_len_b"])
+    budget = translator.max_decoding_length(lengths, opts["max_len_a"], opts["max_len_b"])
     if opts.get("max_decoding_length") is not None:
         budget = [min(int(b), int(opts["max_decoding_length"])) for b in budget]
     return int(max(budget))

@@ -92,7 +92,7 @@ class ContinuousScheduler(Scheduler):
         sampling = opts["sampling"] or {}
         out = []
         for i, ids in enumerate(encoded):
-            budget = int(t.max_new_tokens(np.array([len(ids)]), opts["max_len_a"], opts["max_len_b"])[0])
+            budget = int(t.max_decoding_length(np.array([len(ids)]), opts["max_len_a"], opts["max_len_b"])[0])
             if opts["max_decoding_length"] is not None:
                 budget = min(budget, opts["max_decoding_length"])
             if len(prefixes[i]) > budget:
