@@ -212,8 +212,8 @@ def _generate(model, spec):
                 attention_mask=mask,
                 do_sample=False,
                 num_beams=1 if mode == "greedy" else BEAM,
-                max_decoding_length=n,
-                min_decoding_length=n,
+                max_new_tokens=n,  # transformers' own names
+                min_new_tokens=n,
                 bad_words_ids=banned or None,
             )
         return [row[1:] for row in out.tolist()]
