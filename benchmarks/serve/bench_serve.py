@@ -400,7 +400,7 @@ def baseline_worker(job_path: str) -> int:
             "max_len_a": options["max_len_a"],
             "max_len_b": options["max_len_b"],
             # the budget of a source as long as any: the runner's and the generation config's cap
-            "max_length": int(translator.max_decoding_length(np.array([0]), 0.0, float(1 << 40))[0]),
+            "max_decoding_length": int(translator.max_decoding_length(np.array([0]), 0.0, float(1 << 40))[0]),
         }
         out["beam_size"] = options["beam_size"]
     out["torch_imported"] = "torch" in sys.modules
@@ -709,8 +709,8 @@ def _ct2_cmd(setting: tuple[int, int], info: dict, budget: dict) -> list[str]:
         str(budget["max_len_a"]),
         "--max-len-b",
         str(budget["max_len_b"]),
-        "--max-length",
-        str(budget["max_length"]),
+        "--max-decoding-length",
+        str(budget["max_decoding_length"]),
     ]
 
 

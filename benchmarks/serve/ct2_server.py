@@ -7,7 +7,7 @@ pool (a plain ``def`` route), so ``inter_threads`` translator replicas serve tha
 at once; nothing batches across requests. The model is a CTranslate2 conversion of the same
 weights whose tokens are ``s<id>`` / ``t<id>`` (``benchmarks.decode.bench_decode`` converts ours
 that way); the tokenizer folder's tokenizer turns text into ids and back. Each source may
-generate ``floor(a * n + b)`` tokens (EOS included), at most ``--max-length``: the budget rule of
+generate ``floor(a * n + b)`` tokens (EOS included), at most ``--max-decoding-length``: the budget rule of
 the served translator, so both engines generate the same tokens. Greedy search.
 
     python -m benchmarks.serve.ct2_server --ct2-model DIR --tokenizer DIR --inter-threads 2 --intra-threads 1
@@ -75,10 +75,10 @@ def main(argv=None) -> int:
     parser.add_argument("--intra-threads", type=int, default=1, help="threads of each replica")
     parser.add_argument("--max-len-a", type=float, default=1.5, help="budget tokens per source token")
     parser.add_argument("--max-len-b", type=float, default=10.0, help="budget extra tokens")
-    parser.add_argument("--max-length", type=int, default=1024, help="the largest budget")
+    parser.add_argument("--max-decoding-length", type=int, default=1024, help="the largest budget")
     args = parser.parse_args(argv)
-    if min(args.inter_threads, args.intra_threads, args.max_length) < 1:
-        parser.error("--inter-threads, --intra-threads and --max-length must be >= 1")
+    if min(args.inter_threads, args.intra_threads, args.max_decoding_length) < 1:
+        parser.error("--inter-threads, --intra-threads and --max-decoding-length must be >= 1")
     if (
         not (math.isfinite(args.max_len_a) and math.isfinite(args.max_len_b))
         or min(args.max_len_a, args.max_len_b) < 0
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         args.tokenizer,
         args.inter_threads,
         args.intra_threads,
-        (args.max_len_a, args.max_len_b, args.max_length),
+        (args.max_len_a, args.max_len_b, args.max_decoding_length),
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
